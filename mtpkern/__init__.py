@@ -1,0 +1,29 @@
+"""mtpkern: multi-module MTP draft proposer for speculative decoding.
+
+    from mtpkern import MultiModuleMtpHead
+    prop = MultiModuleMtpHead.from_pretrained(ckpt_dir, backend="auto", kv_mode="exact")
+    st = prop.alloc_state()
+    prop.prefill_drafter(prompt_tokens, hiddens, st)
+    drafts = prop.propose(last_token, target_hidden, position, num_drafts, st)
+    prop.after_verify(num_accepted, st)
+    prop.catchup_drafter(accepted_tokens, accepted_hiddens, st)
+    prop.free_state(st)
+
+The contract is docs/api.md and docs/semantics.md. Nothing is compiled or
+allocated on import.
+"""
+
+from .config import MtpConfig
+from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllowedToken, StateError
+from .head import HeadStep, MtpHead
+from .proposer import AcceptanceStats, DrafterKv, MtpState, MultiModuleMtpHead
+from .trait import DraftProposer, ProposerState
+from .weights import load_weights, write_synthetic_checkpoint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AcceptanceStats", "CheckpointError", "ConfigError", "DraftProposer", "DrafterKv", "HeadStep",
+    "KvCacheFull", "MtpConfig", "MtpError", "MtpHead", "MtpState", "MultiModuleMtpHead",
+    "NoAllowedToken", "ProposerState", "StateError", "load_weights", "write_synthetic_checkpoint",
+]

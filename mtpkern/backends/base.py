@@ -1,0 +1,112 @@
+"""The backend interface: the ops of ``mtpkern.ops`` plus memory movement.
+
+A backend is an object passed to the proposer (or chosen by
+``backend="auto"``). Arrays it returns live where the backend computes (NumPy
+for ``numpy`` and ``cpu``, CuPy for ``cuda``); the head and proposer never
+look inside them except through ``to_host``.
+
+Weights go through ``prepare_weight`` once at load time: the reference widens
+them to FP32, the fast backends keep BF16 and widen inside their kernels.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from ..ops.moe import RouterSpec
+
+
+class Backend(ABC):
+    name: str = "?"
+    #: dtype of the paged KV cache
+    kv_dtype: Any = np.float32
+    #: array module of the backend's arrays (concatenate, slicing): numpy or cupy
+    xp: Any = np
+
+    # -- memory -------------------------------------------------------------
+    @abstractmethod
+    def prepare_weight(self, w: np.ndarray) -> Any:
+        """Host weight (BF16 or FP32 NumPy) -> the backend's stored form."""
+
+    def prepare_vector(self, w: np.ndarray) -> Any:
+        """Host 1-D weight (norm weight, bias, router correction bias) -> FP32 backend array.
+
+        Vectors are tiny, so every backend keeps them in FP32."""
+        return self.from_host(np.ascontiguousarray(w, dtype=np.float32))
+
+    @abstractmethod
+    def from_host(self, a: np.ndarray) -> Any:
+        """Host activations / indices -> backend array (same dtype)."""
+
+    def ingest_float(self, name: str, x: Any) -> Any:
+        """An engine's hidden states (BF16 or FP32, host or device) -> backend FP32 array.
+
+        Host backends take NumPy arrays and anything NumPy reads through
+        ``__array__`` / DLPack; a CUDA device array is refused with a clear error.
+        """
+        if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+            raise TypeError(f"{name}: got a CUDA device array, but the {self.name} backend "
+                            f"computes on the host; pass a NumPy array")
+        if not isinstance(x, np.ndarray):
+            try:
+                x = np.from_dlpack(x) if hasattr(x, "__dlpack__") else np.asarray(x)
+            except Exception as e:
+                raise TypeError(f"{name}: expected an array of BF16 or FP32 values, got "
+                                f"{type(x).__name__} ({e})") from None
+        if x.dtype.name not in ("float32", "bfloat16"):
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype.name}")
+        return self.from_host(np.ascontiguousarray(x, dtype=np.float32))
+
+    @abstractmethod
+    def to_host(self, a: Any) -> np.ndarray:
+        """Backend array -> NumPy."""
+
+    @abstractmethod
+    def empty_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> Any:
+        """A zeroed ``[num_blocks, block_size, Hkv, D]`` cache in ``kv_dtype``."""
+
+    def kv_to_host(self, cache: Any) -> np.ndarray:
+        """A KV cache (or a slice of one) -> FP32 NumPy, whatever ``kv_dtype`` is."""
+        return np.asarray(self.to_host(cache), dtype=np.float32)
+
+    def synchronize(self) -> None:
+        """Wait for queued work (a no-op on synchronous backends)."""
+
+    def describe(self) -> str:
+        return self.name
+
+    # -- ops (signatures and meaning: mtpkern.ops.<family>) -----------------
+    @abstractmethod
+    def rmsnorm(self, x, w, eps: float): ...
+
+    @abstractmethod
+    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float): ...
+
+    @abstractmethod
+    def linear(self, x, w, bias=None, residual=None): ...
+
+    @abstractmethod
+    def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
+                              eps: float, inv_freq, positions, k_cache, v_cache, slots): ...
+
+    @abstractmethod
+    def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float): ...
+
+    @abstractmethod
+    def moe_router(self, x, gate_w, bias, spec: RouterSpec): ...
+
+    @abstractmethod
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None): ...
+
+    @abstractmethod
+    def swiglu_mlp(self, x, w13, w2, residual=None): ...
+
+    @abstractmethod
+    def lm_head_logits(self, x, w): ...
+
+    @abstractmethod
+    def lm_head_argmax(self, x, w, bitmask=None):
+        """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head)."""

@@ -1,0 +1,1 @@
+"""Numba CPU kernels, one module per kernel family (see mtpkern.ops)."""

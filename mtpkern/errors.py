@@ -1,0 +1,47 @@
+"""Exceptions raised by mtpkern.
+
+Every public call validates its arguments at the boundary. Plain argument
+mistakes raise ``ValueError`` / ``TypeError``; the classes below mark the
+failures an engine may want to catch separately. All of them derive from
+``MtpError`` and, where the cause is a bad value, also from ``ValueError``.
+"""
+
+from __future__ import annotations
+
+
+class MtpError(Exception):
+    """Base class of every mtpkern-specific error."""
+
+
+class ConfigError(MtpError, ValueError):
+    """A config.json field is missing, of the wrong type, or inconsistent."""
+
+
+class CheckpointError(MtpError, ValueError):
+    """A checkpoint tensor is missing, mis-shaped, of the wrong dtype, or unreadable."""
+
+
+class KvCacheFull(MtpError):
+    """A module's KV block pool cannot hold the rows a call needs.
+
+    Raised before anything is written: the call changed nothing.
+    """
+
+    def __init__(self, module: int, needed: int, available: int, num_blocks: int):
+        self.module = module
+        self.needed = needed
+        self.available = available
+        self.num_blocks = num_blocks
+        super().__init__(
+            f"KV pool of module {module} is full: the call needs {needed} more block(s), "
+            f"{available} of {num_blocks} are available; free finished sequences, "
+            f"or build the proposer with a larger num_blocks"
+        )
+
+
+class StateError(MtpError, ValueError):
+    """A proposer state used out of protocol: freed, foreign, or in the wrong phase."""
+
+
+class NoAllowedToken(MtpError, ValueError):
+    """A grammar bitmask allows no token of the vocabulary for some row."""

@@ -1,0 +1,171 @@
+"""``MtpHead``: one MTP module's forward over rows of one or many sequences.
+
+One row = (token ``t``, incoming hidden ``g``, RoPE position ``p``), written
+into this module's own paged KV at the end of its sequence's rows::
+
+    x  = eh_proj @ concat(enorm(E[t]), hnorm(g))              # [n, H]
+    r  = x + o_proj @ attn(input_layernorm(x), p)             # GQA over the module's KV, causal
+    y  = r + ffn(post_attention_layernorm(r))                 # MoE (+ shared experts) or dense SwiGLU
+    normed = shared_head_norm(y)                              # what the LM head reads
+    draft  = argmax(head @ normed, grammar bitmask)
+
+Several rows of one sequence attend causally to each other (prefill,
+catch-up, exact-mode propose); rows of different sequences never see each
+other. The proposer decides which rows to write; the head only computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .config import MtpConfig
+from .kv import BlockPool, SeqKv
+from .ops.moe import RouterSpec
+from .ops.rope_kv import inv_freq
+from .weights import ModuleWeights
+
+
+@dataclass(slots=True)
+class RowJob:
+    """Rows to append to one sequence's KV in this module."""
+
+    seq: SeqKv
+    tokens: np.ndarray     # [c] int32
+    first_key: int         # keys first_key .. first_key + c - 1
+    key_to_pos: int        # RoPE position = key + key_to_pos (module m: m + 1)
+
+    @property
+    def count(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class HeadStep(NamedTuple):
+    """Result of ``MtpHead.forward_one``."""
+
+    draft: int
+    hidden: Any    # [1, H] y (pre-norm) on the backend
+    normed: Any    # [1, H] shared_head_norm(y) on the backend
+
+
+class MtpHead:
+    """Module ``index`` of an MTP checkpoint with its own KV block pool."""
+
+    def __init__(self, index: int, config: MtpConfig, weights: ModuleWeights, backend: Any,
+                 num_blocks: int, block_size: int):
+        self.index = index
+        self.config = config
+        self.w = weights
+        self.backend = backend
+        self.pool = BlockPool(index, num_blocks, block_size, config.num_key_value_heads,
+                              config.head_dim, backend)
+        self._inv_freq = backend.from_host(inv_freq(config.rotary_dim, config.rope_theta))
+        self._router = RouterSpec.from_config(config) if config.is_moe else None
+        self._scale = float(config.head_dim) ** -0.5
+
+    # -- the forward ---------------------------------------------------------
+    def forward(self, jobs: list[RowJob], g: Any) -> tuple[Any, Any]:
+        """Append and compute the rows of ``jobs`` (in order); ``g``: [n, H] backend FP32.
+
+        Returns ``(y, normed)``, both [n, H]. The caller has checked pool room
+        (``pool.check_room``) and rolls the sequences back if this raises.
+        """
+        be, cfg, w = self.backend, self.config, self.w
+        n = sum(j.count for j in jobs)
+        tokens = np.empty(n, np.int32)
+        positions = np.empty(n, np.int32)
+        slots = np.empty(n, np.int32)
+        row_seq = np.empty(n, np.int32)
+        row_len = np.empty(n, np.int32)
+        max_blocks = 1
+        at = 0
+        for s, job in enumerate(jobs):
+            c = job.count
+            first_row = job.seq.rows
+            self.pool.grow(job.seq, c)
+            job.seq.keys.append(job.first_key, c)
+            tokens[at:at + c] = job.tokens
+            positions[at:at + c] = np.arange(job.first_key, job.first_key + c) + job.key_to_pos
+            slots[at:at + c] = self.pool.slots(job.seq, first_row, c)
+            row_seq[at:at + c] = s
+            row_len[at:at + c] = np.arange(first_row + 1, first_row + c + 1)
+            max_blocks = max(max_blocks, len(job.seq.blocks))
+            at += c
+        tables = np.zeros((len(jobs), max_blocks), np.int32)
+        for s, job in enumerate(jobs):
+            tables[s, :len(job.seq.blocks)] = job.seq.blocks
+
+        eps = cfg.rms_norm_eps
+        x = be.mtp_input(w.embed, be.from_host(tokens), g, w.enorm, w.hnorm, w.eh_proj, eps)     # [n, H]
+        a_in = be.rmsnorm(x, w.input_layernorm, eps)                                             # [n, H]
+        qkv = be.linear(a_in, w.w_qkv, w.b_qkv)                                                  # [n, (Hq+2Hkv)D]
+        q = be.qk_norm_rope_kv_write(qkv, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                     w.q_norm, w.k_norm, eps, self._inv_freq, be.from_host(positions),
+                                     self.pool.k, self.pool.v, be.from_host(slots))              # [n, Hq, D]
+        o = be.paged_attention(q, self.pool.k, self.pool.v, be.from_host(tables),
+                               be.from_host(row_seq), be.from_host(row_len), self._scale)       # [n, Hq D]
+        r = be.linear(o, w.w_o, None, x)                                                         # [n, H]
+        f_in = be.rmsnorm(r, w.post_attention_layernorm, eps)                                    # [n, H]
+        if cfg.is_moe:
+            ids, wts = be.moe_router(f_in, w.gate_w, w.gate_bias, self._router)                  # [n, K]
+            y = be.moe_experts(f_in, ids, wts, w.experts_w13, w.experts_w2, r)                   # [n, H]
+            if w.shared_w13 is not None:
+                y = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, y)
+        else:
+            y = be.swiglu_mlp(f_in, w.mlp_w13, w.mlp_w2, r)
+        normed = be.rmsnorm(y, w.shared_head_norm, eps)                                          # [n, H]
+        return y, normed
+
+    def argmax(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> np.ndarray:
+        """Drafts for ``normed_rows`` [n, H]; ``bitmask`` [n, W] int32 or None -> [n] int32 (host)."""
+        be = self.backend
+        bm = None if bitmask is None else be.from_host(np.ascontiguousarray(bitmask, np.int32))
+        return np.asarray(be.to_host(be.lm_head_argmax(normed_rows, self.w.head, bm)), np.int32)
+
+    def logits(self, normed_rows: Any) -> np.ndarray:
+        """[n, V] FP32 logits on the host (diagnostics and tests; drafting never writes them)."""
+        return np.asarray(self.backend.to_host(self.backend.lm_head_logits(normed_rows, self.w.head)))
+
+    # -- one row, for engines that drive a single module ------------------------
+    def alloc_seq(self) -> SeqKv:
+        return SeqKv()
+
+    def free_seq(self, seq: SeqKv) -> None:
+        self.pool.release_all(seq)
+
+    def forward_one(self, token: int, hidden: Any, position: int, seq: SeqKv, key: int | None = None,
+                    grammar_bitmask: np.ndarray | None = None) -> HeadStep:
+        """Append one row (``token``, ``hidden`` [H] or [1, H], RoPE ``position``) to ``seq``
+        and draft the next token. ``key`` defaults to ``position - 1 - index``.
+
+        On error nothing is appended.
+        """
+        from .proposer import ingest_hidden, check_token  # boundary checks shared with the proposer
+
+        cfg = self.config
+        token = check_token("token", token, cfg.vocab_size)
+        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < self.index + 1:
+            raise ValueError(f"position: expected an int >= {self.index + 1}, got {position!r}")
+        key = int(position) - 1 - self.index if key is None else int(key)
+        if key + self.index + 1 != position:
+            raise ValueError(f"key: expected position - 1 - index = {position - 1 - self.index}, got {key}")
+        last = seq.keys.last
+        if last is not None and key <= last:
+            raise ValueError(f"key: expected > {last} (the sequence's last key), got {key}")
+        g = ingest_hidden(self.backend, "hidden", hidden, cfg.hidden_size, rows=1)
+        bm = None
+        if grammar_bitmask is not None:
+            from .grammar import one_mask
+
+            bm = one_mask("grammar_bitmask", grammar_bitmask, cfg.vocab_size)[None, :]
+        self.pool.check_room([(seq, 1)])
+        before = seq.rows
+        try:
+            y, normed = self.forward([RowJob(seq, np.array([token], np.int32), key, self.index + 1)], g)
+            draft = int(self.argmax(normed, bm)[0])
+        except BaseException:
+            self.pool.trim(seq, seq.rows - before)
+            raise
+        return HeadStep(draft, y, normed)

@@ -1,0 +1,64 @@
+"""LM head and grammar-masked argmax.
+
+``lm_head_logits(x [n, H], w [V, H]) -> [n, V]`` (x already normed by
+``shared_head.norm``).
+
+``masked_argmax(logits [n, V], bitmask [n, W] int32 | None) -> ids [n] int32``
+with xgrammar's layout, ``W = ceil(V / 32)``: bit ``j & 31`` of word ``j >> 5``
+set means token ``j`` is allowed. Padding bits past ``V`` are ignored (never
+allowed). Ties go to the lowest id; NaN never wins; a row where no allowed
+token has a non-NaN logit raises ``NoAllowedToken`` naming the row.
+
+``lm_head_argmax(x, w, bitmask) = masked_argmax(lm_head_logits(x, w), bitmask)``;
+the fast backends fuse it so the logits are never written out in full.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import NoAllowedToken
+from ._check import expect_dtype, expect_ndim, expect_shape
+
+
+def lm_head_logits(x, w) -> np.ndarray:
+    expect_ndim("x", x, 2)
+    expect_shape("w", w, (None, x.shape[1]))
+    return np.asarray(x, np.float32) @ np.asarray(w, np.float32).T       # [n, V]
+
+
+def bitmask_allowed(bitmask: np.ndarray, V: int) -> np.ndarray:
+    """[n, W] int32 words -> [n, V] bool (token j allowed)."""
+    words = np.asarray(bitmask).astype(np.int64) & 0xFFFFFFFF            # unsigned view of the int32
+    j = np.arange(V)
+    return ((words[:, j >> 5] >> (j & 31)) & 1).astype(bool)
+
+
+def check_bitmask(bitmask, n: int, V: int) -> None:
+    expect_shape("bitmask", bitmask, (n, (V + 31) // 32))
+    expect_dtype("bitmask", bitmask, "int32")
+
+
+def masked_argmax(logits, bitmask=None) -> np.ndarray:
+    expect_ndim("logits", logits, 2)
+    n, V = logits.shape
+    logits = np.asarray(logits, np.float32)
+    ok = ~np.isnan(logits)
+    if bitmask is not None:
+        check_bitmask(bitmask, n, V)
+        ok &= bitmask_allowed(bitmask, V)
+    out = np.empty(n, np.int32)
+    for r in range(n):
+        cand = np.flatnonzero(ok[r])
+        if cand.size == 0:
+            raise NoAllowedToken(
+                f"row {r}: the grammar bitmask allows no token with a non-NaN logit "
+                f"(vocabulary of {V})"
+            )
+        vals = logits[r, cand]
+        out[r] = cand[int(np.argmax(vals))]                              # first maximum = lowest id
+    return out
+
+
+def lm_head_argmax(x, w, bitmask=None) -> np.ndarray:
+    return masked_argmax(lm_head_logits(x, w), bitmask)

@@ -1,0 +1,122 @@
+"""Mixture of experts: the router and the routed experts.
+
+``moe_router(x [n, H], gate_w [E, H], bias [E], spec) -> (ids [n, K] int32,
+weights [n, K] float32)``, exactly Hugging Face ``Glm4MoeTopkRouter`` in FP32:
+
+1. ``s = sigmoid(x @ gate_w.T)`` (or ``softmax`` over the E logits);
+2. ``c = s + bias`` is used for selection only;
+3. each of ``n_group`` groups scores the sum of its top-2 ``c``; the best
+   ``topk_group`` groups are kept; ``c`` outside them is set to 0.0 (not
+   -inf: Hugging Face's ``masked_fill(..., 0.0)``);
+4. the top-``K`` experts by ``c`` are chosen (ties: lowest id first); ids are
+   returned in that order;
+5. weights are the unbiased ``s`` of the chosen experts, divided by
+   ``(sum + 1e-20)`` when ``norm_topk_prob``, then times ``routed_scaling_factor``.
+
+``moe_experts(x [n, H], ids [n, K], weights [n, K], w13 [E, 2I, H], w2 [E, H, I],
+residual [n, H] | None) -> [n, H] = residual + sum_k weights[:, k] * expert_{ids[:, k]}(x)``
+with each expert a SwiGLU (``w13[e]`` = gate rows over up rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from ._check import expect_dtype, expect_ndim, expect_shape
+from .mlp import silu
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    top_k: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    scoring: Literal["sigmoid", "softmax"] = "sigmoid"
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring: expected 'sigmoid' or 'softmax', got {self.scoring!r}")
+        if min(self.top_k, self.n_group, self.topk_group) < 1:
+            raise ValueError(f"top_k, n_group, topk_group: expected >= 1, got {self}")
+
+    @classmethod
+    def from_config(cls, cfg) -> "RouterSpec":
+        return cls(cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                   float(cfg.routed_scaling_factor), bool(cfg.norm_topk_prob), cfg.scoring_func)
+
+
+def check_moe_router(x, gate_w, bias, spec: RouterSpec) -> None:
+    expect_ndim("x", x, 2)
+    expect_shape("gate_w", gate_w, (None, x.shape[1]))
+    E = gate_w.shape[0]
+    expect_shape("bias", bias, (E,))
+    if E % spec.n_group or spec.top_k > spec.topk_group * (E // spec.n_group):
+        raise ValueError(f"spec: {spec} does not fit E={E} experts")
+
+
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values along the last axis, largest first, lowest index on ties."""
+    return np.argsort(-values, axis=-1, kind="stable")[..., :k]
+
+
+def moe_router(x, gate_w, bias, spec: RouterSpec) -> tuple[np.ndarray, np.ndarray]:
+    check_moe_router(x, gate_w, bias, spec)
+    logits = np.asarray(x, np.float32) @ np.asarray(gate_w, np.float32).T        # [n, E]
+    if spec.scoring == "sigmoid":
+        s = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
+    else:
+        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        s = z / z.sum(axis=-1, keepdims=True)
+    c = s + np.asarray(bias, np.float32)                                         # [n, E]
+    n, E = c.shape
+    G = spec.n_group
+    grouped = c.reshape(n, G, E // G)                                            # [n, G, E/G]
+    per = min(2, E // G)
+    group_score = -np.sort(-grouped, axis=-1)[..., :per].sum(axis=-1)            # [n, G]
+    keep = _top(group_score, spec.topk_group)                                    # [n, topk_group]
+    mask = np.zeros((n, G), bool)
+    np.put_along_axis(mask, keep, True, axis=1)
+    c = np.where(np.repeat(mask, E // G, axis=1), c, np.float32(0.0))
+    ids = _top(c, spec.top_k)                                                    # [n, K]
+    w = np.take_along_axis(s, ids, axis=1)                                       # [n, K]
+    if spec.norm_topk_prob:
+        w = w / (w.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+    w = w * np.float32(spec.routed_scaling_factor)
+    return ids.astype(np.int32), w.astype(np.float32)
+
+
+def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
+    expect_ndim("x", x, 2)
+    n, H = x.shape
+    expect_ndim("ids", ids, 2)
+    expect_dtype("ids", ids, "int32")
+    expect_shape("weights", weights, tuple(ids.shape))
+    if ids.shape[0] != n:
+        raise ValueError(f"ids: expected [{n}, K], got {list(ids.shape)}")
+    expect_ndim("w13", w13, 3)
+    E, I2, H_ = w13.shape
+    if H_ != H or I2 % 2:
+        raise ValueError(f"w13: expected [E, 2I, {H}], got {list(w13.shape)}")
+    expect_shape("w2", w2, (E, H, I2 // 2))
+    if residual is not None:
+        expect_shape("residual", residual, (n, H))
+
+
+def moe_experts(x, ids, weights, w13, w2, residual=None) -> np.ndarray:
+    check_moe_experts(x, ids, weights, w13, w2, residual)
+    x = np.asarray(x, np.float32)
+    n, H = x.shape
+    I = w13.shape[1] // 2
+    y = np.zeros((n, H), np.float32) if residual is None else np.array(residual, np.float32)
+    for r in range(n):
+        for k in range(ids.shape[1]):
+            e = int(ids[r, k])
+            gu = np.asarray(w13[e], np.float32) @ x[r]                 # [2I]
+            act = silu(gu[:I]) * gu[I:]                                # [I]
+            y[r] += np.float32(weights[r, k]) * (np.asarray(w2[e], np.float32) @ act)
+    return y

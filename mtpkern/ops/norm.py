@@ -1,0 +1,46 @@
+"""RMSNorm and the MTP input block.
+
+``rmsnorm(x [n, H], w [H], eps) -> [n, H]``: ``x / sqrt(mean(x^2) + eps) * w``
+in FP32, as Hugging Face ``Glm4MoeRMSNorm`` computes it.
+
+``mtp_input(embed [V, H], tokens [n], g [n, H], enorm_w [H], hnorm_w [H],
+eh_w [H, 2H], eps) -> x [n, H]``::
+
+    x = eh_w @ concat(rmsnorm(embed[t], enorm_w), rmsnorm(g, hnorm_w))
+
+The concat order (embedding first) is DeepSeek-V3's and vLLM's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._check import expect_ndim, expect_shape
+
+
+def _f32(a) -> np.ndarray:
+    return np.asarray(a, dtype=np.float32)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = _f32(x)
+    var = np.mean(x * x, axis=-1, keepdims=True)             # [n, 1]
+    return (x / np.sqrt(var + np.float32(eps))) * _f32(w)     # [n, H]
+
+
+def check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w) -> None:
+    expect_ndim("embed", embed, 2)
+    V, H = embed.shape
+    expect_ndim("tokens", tokens, 1)
+    n = tokens.shape[0]
+    expect_shape("g", g, (n, H))
+    expect_shape("enorm_w", enorm_w, (H,))
+    expect_shape("hnorm_w", hnorm_w, (H,))
+    expect_shape("eh_w", eh_w, (H, 2 * H))
+
+
+def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float) -> np.ndarray:
+    check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w)
+    e = rmsnorm(_f32(embed[np.asarray(tokens, dtype=np.int64)]), enorm_w, eps)   # [n, H]
+    h = rmsnorm(g, hnorm_w, eps)                                               # [n, H]
+    return np.concatenate([e, h], axis=1) @ _f32(eh_w).T                        # [n, H]

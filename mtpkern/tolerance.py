@@ -1,0 +1,45 @@
+"""One tolerance table for compute ops, keyed by the storage dtype of the
+data the result went through (weights / KV cache).
+
+A result ``y`` matches the reference ``r`` when
+``|y - r| <= atol + rtol * |r|`` element-wise: the allowed error grows with
+the reference value. Move-only ops (gathers, KV writes of FP32 data, argmax)
+are compared exactly instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Tol:
+    atol: float
+    rtol: float
+
+
+TOLERANCE: dict[str, Tol] = {
+    # FP32 storage, FP32 accumulation in a different order than NumPy's.
+    "float32": Tol(atol=2e-5, rtol=2e-4),
+    # BF16 storage (8 mantissa bits: 2^-8 = 3.9e-3 relative rounding per value).
+    "bfloat16": Tol(atol=2e-2, rtol=2e-2),
+}
+
+
+def assert_close(actual, ref, dtype: str = "float32", what: str = "value") -> None:
+    tol = TOLERANCE[dtype]
+    a = np.asarray(actual, np.float64)
+    r = np.asarray(ref, np.float64)
+    if a.shape != r.shape:
+        raise AssertionError(f"{what}: shape {a.shape} != reference {r.shape}")
+    bad = ~(np.abs(a - r) <= tol.atol + tol.rtol * np.abs(r))
+    bad &= ~(np.isnan(a) & np.isnan(r))
+    if bad.any():
+        i = np.unravel_index(int(np.argmax(bad)), a.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {a.size} elements outside {dtype} tolerance "
+            f"(atol={tol.atol}, rtol={tol.rtol}); first at {tuple(int(x) for x in i)}: "
+            f"got {a[i]!r}, reference {r[i]!r}"
+        )

@@ -1,0 +1,415 @@
+"""Safetensors loading of MTP modules, and synthetic checkpoints.
+
+Module ``m`` is stored like a decoder layer appended after the target's
+layers, under ``model.layers.{num_hidden_layers + m}.`` (SPEC section 1).
+Loading reads only the keys the drafter needs (lazily, through the shard
+index when the checkpoint is sharded), checks every shape and dtype, and
+hands each tensor to the backend's ``prepare_weight`` / ``prepare_vector``.
+
+Layouts prepared at load time (one pass over memory per op later):
+
+- ``w_qkv [(Hq + 2 Hkv) D, H]``: q, k and v projections stacked (bias likewise);
+- ``w13 [2I, H]`` / ``[E, 2I, H]``: gate rows over up rows (dense, shared, routed);
+- ``w2 [H, I]`` / ``[E, H, I]``: down projections.
+
+The ``[V, H]`` embedding and LM-head matrices fall back to the target's
+``model.embed_tokens.weight`` / ``lm_head.weight`` and are held once however
+many modules (or keys with identical contents) refer to them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy; safetensors needs it for BF16)
+import numpy as np
+
+from .config import MtpConfig
+from .errors import CheckpointError
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_FLOAT_DTYPES = ("BF16", "F32")
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class CheckpointReader:
+    """Lazy access to tensors of a single-file or sharded safetensors checkpoint."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory not found: {os.fspath(path)!r}")
+        self._key_file: dict[str, Path] = {}
+        index = self.path / _INDEX
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
+            for key, fname in weight_map.items():
+                self._key_file[key] = self.path / fname
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.path}: no {_INDEX} and no *.safetensors file")
+            for f in files:
+                for key in self._open(f).keys():
+                    self._key_file[key] = f
+        self._handles: dict[Path, Any] = {}
+
+    def _open(self, f: Path):
+        try:
+            return self._safe_open(os.fspath(f), framework="np")
+        except FileNotFoundError:
+            raise CheckpointError(f"{f}: shard listed in the index does not exist") from None
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
+
+    def _handle(self, key: str):
+        f = self._key_file[key]
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = self._open(f)
+        return h
+
+    def keys(self) -> Iterable[str]:
+        return self._key_file.keys()
+
+    def has(self, key: str) -> bool:
+        return key in self._key_file
+
+    def file_of(self, key: str) -> Path:
+        return self._key_file[key]
+
+    def info(self, key: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype string) without reading the data."""
+        if key not in self._key_file:
+            raise CheckpointError(f"tensor {key!r} is missing from the checkpoint at {self.path}")
+        try:
+            sl = self._handle(key).get_slice(key)
+            return tuple(int(s) for s in sl.get_shape()), str(sl.get_dtype())
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"tensor {key!r} in {self.file_of(key)}: unreadable ({e})") from None
+
+    def get(self, key: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = _FLOAT_DTYPES) -> np.ndarray:
+        """Read ``key`` after checking its shape and dtype against the expectation."""
+        got_shape, got_dtype = self.info(key)
+        if got_shape != tuple(shape):
+            raise CheckpointError(f"tensor {key!r}: expected shape {list(shape)}, got {list(got_shape)}")
+        if got_dtype not in dtypes:
+            raise CheckpointError(f"tensor {key!r}: expected dtype {' or '.join(dtypes)}, got {got_dtype}")
+        try:
+            a = self._handle(key).get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"tensor {key!r} in {self.file_of(key)}: corrupt or truncated ({e})") from None
+        if not _all_finite(a):
+            raise CheckpointError(f"tensor {key!r}: holds NaN or infinite values")
+        return a
+
+
+def _all_finite(a: np.ndarray, chunk: int = 1 << 24) -> bool:
+    """Chunked, so a [V, H] BF16 matrix is not widened in one piece."""
+    flat = a.reshape(-1)
+    return all(np.isfinite(flat[i:i + chunk].astype(np.float32)).all() for i in range(0, flat.size, chunk))
+
+
+@dataclass(slots=True, repr=False)
+class ModuleWeights:
+    """One module's prepared weights (backend arrays). Shapes in the module docstring."""
+
+    embed: Any            # [V, H]  shared with other modules when identical
+    head: Any             # [V, H]  shared likewise
+    enorm: Any            # [H]
+    hnorm: Any            # [H]
+    eh_proj: Any          # [H, 2H]
+    input_layernorm: Any  # [H]
+    post_attention_layernorm: Any  # [H]
+    w_qkv: Any            # [(Hq + 2 Hkv) D, H]
+    b_qkv: Any | None     # [(Hq + 2 Hkv) D]
+    q_norm: Any | None    # [D]
+    k_norm: Any | None    # [D]
+    w_o: Any              # [H, Hq D]
+    shared_head_norm: Any  # [H]
+    # MoE (when config.is_moe)
+    gate_w: Any | None = None        # [E, H]
+    gate_bias: Any | None = None     # [E] FP32
+    experts_w13: Any | None = None   # [E, 2I, H]
+    experts_w2: Any | None = None    # [E, H, I]
+    shared_w13: Any | None = None    # [2 I_s, H]
+    shared_w2: Any | None = None     # [H, I_s]
+    # dense MLP (when not config.is_moe)
+    mlp_w13: Any | None = None       # [2I, H]
+    mlp_w2: Any | None = None        # [H, I]
+
+    def __repr__(self) -> str:
+        kind = "moe" if self.gate_w is not None else "dense"
+        return f"ModuleWeights({kind}, H={self.enorm.shape[0]}, V={self.embed.shape[0]})"
+
+
+@dataclass(slots=True, repr=False)
+class MtpWeights:
+    config: MtpConfig
+    modules: list[ModuleWeights]
+    target_norm: Any | None          # [H], when apply_target_norm
+    nbytes: int = 0                  # bytes read from the checkpoint
+    distinct_vocab_matrices: int = 0  # how many [V, H] matrices are held
+    notes: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return (f"MtpWeights({len(self.modules)} modules, {self.nbytes} bytes read, "
+                f"{self.distinct_vocab_matrices} [V, H] matrices held)")
+
+
+def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Key suffix -> (shape, required) for module ``m`` (biases, norms, experts by config)."""
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    keys: dict[str, tuple[tuple[int, ...], bool]] = {
+        "enorm.weight": ((H,), True),
+        "hnorm.weight": ((H,), True),
+        "eh_proj.weight": ((H, 2 * H), True),
+        "input_layernorm.weight": ((H,), True),
+        "post_attention_layernorm.weight": ((H,), True),
+        "self_attn.q_proj.weight": ((Hq * D, H), True),
+        "self_attn.k_proj.weight": ((Hkv * D, H), True),
+        "self_attn.v_proj.weight": ((Hkv * D, H), True),
+        "self_attn.o_proj.weight": ((H, Hq * D), True),
+        "shared_head.norm.weight": ((H,), True),
+    }
+    if cfg.attention_bias:
+        keys["self_attn.q_proj.bias"] = ((Hq * D,), True)
+        keys["self_attn.k_proj.bias"] = ((Hkv * D,), True)
+        keys["self_attn.v_proj.bias"] = ((Hkv * D,), True)
+    if cfg.use_qk_norm:
+        keys["self_attn.q_norm.weight"] = ((D,), True)
+        keys["self_attn.k_norm.weight"] = ((D,), True)
+    if cfg.is_moe:
+        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+        keys["mlp.gate.weight"] = ((E, H), True)
+        keys["mlp.gate.e_score_correction_bias"] = ((E,), True)
+        for e in range(E):
+            keys[f"mlp.experts.{e}.gate_proj.weight"] = ((I, H), True)
+            keys[f"mlp.experts.{e}.up_proj.weight"] = ((I, H), True)
+            keys[f"mlp.experts.{e}.down_proj.weight"] = ((H, I), True)
+        if cfg.n_shared_experts:
+            Is = cfg.shared_intermediate_size
+            keys["mlp.shared_experts.gate_proj.weight"] = ((Is, H), True)
+            keys["mlp.shared_experts.up_proj.weight"] = ((Is, H), True)
+            keys["mlp.shared_experts.down_proj.weight"] = ((H, Is), True)
+    else:
+        I = cfg.intermediate_size
+        keys["mlp.gate_proj.weight"] = ((I, H), True)
+        keys["mlp.up_proj.weight"] = ((I, H), True)
+        keys["mlp.down_proj.weight"] = ((H, I), True)
+    keys["embed_tokens.weight"] = ((cfg.vocab_size, H), False)
+    keys["shared_head.head.weight"] = ((cfg.vocab_size, H), False)
+    return keys
+
+
+def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_norm: bool = False) -> MtpWeights:
+    """Read every module of the checkpoint at ``path`` onto ``backend``."""
+    rd = CheckpointReader(path)
+    nbytes = 0
+    by_key: dict[str, Any] = {}        # checkpoint key -> prepared [V, H] matrix
+    by_digest: dict[bytes, Any] = {}   # content digest -> prepared [V, H] matrix
+    V, H = cfg.vocab_size, cfg.hidden_size
+
+    def read(key, shape, dtypes=_FLOAT_DTYPES):
+        nonlocal nbytes
+        a = rd.get(key, shape, dtypes)
+        nbytes += a.nbytes
+        return a
+
+    def vocab_matrix(keys: list[str], what: str):
+        """The first present key of ``keys`` as a [V, H] matrix, held once."""
+        for key in keys:
+            if not rd.has(key):
+                continue
+            if key in by_key:
+                return by_key[key]
+            a = read(key, (V, H))
+            h = hashlib.blake2b(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), digest_size=16)
+            digest = a.dtype.name.encode() + h.digest()
+            prepared = by_digest.get(digest)
+            if prepared is None:
+                prepared = by_digest[digest] = backend.prepare_weight(a)
+            by_key[key] = prepared
+            return prepared
+        raise CheckpointError(f"{what}: none of the tensors {keys} is in the checkpoint at {rd.path}")
+
+    def stack_rows(*parts: np.ndarray) -> np.ndarray:
+        dt = BF16 if all(p.dtype == BF16 for p in parts) else np.float32
+        return np.concatenate([p.astype(dt, copy=False) for p in parts], axis=0)
+
+    modules = []
+    for m in range(cfg.num_modules):
+        pre = f"model.layers.{cfg.layer_index(m)}."
+        spec = _module_keys(cfg, m)
+        for suffix, (shape, required) in spec.items():
+            if required and not rd.has(pre + suffix):
+                raise CheckpointError(f"tensor {pre + suffix!r} is missing from the checkpoint at {rd.path} "
+                                      f"(module {m} of {cfg.num_modules})")
+
+        def w(suffix, dtypes=_FLOAT_DTYPES):
+            return read(pre + suffix, spec[suffix][0], dtypes)
+
+        head_keys = [pre + "shared_head.head.weight", "lm_head.weight"]
+        if cfg.tie_word_embeddings:
+            head_keys.append("model.embed_tokens.weight")
+        mw = ModuleWeights(
+            embed=vocab_matrix([pre + "embed_tokens.weight", "model.embed_tokens.weight"], f"module {m} embedding"),
+            head=vocab_matrix(head_keys, f"module {m} LM head"),
+            enorm=backend.prepare_vector(w("enorm.weight")),
+            hnorm=backend.prepare_vector(w("hnorm.weight")),
+            eh_proj=backend.prepare_weight(w("eh_proj.weight")),
+            input_layernorm=backend.prepare_vector(w("input_layernorm.weight")),
+            post_attention_layernorm=backend.prepare_vector(w("post_attention_layernorm.weight")),
+            w_qkv=backend.prepare_weight(stack_rows(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                                                    w("self_attn.v_proj.weight"))),
+            b_qkv=backend.prepare_vector(np.concatenate([
+                w(f"self_attn.{p}_proj.bias").astype(np.float32) for p in "qkv"])) if cfg.attention_bias else None,
+            q_norm=backend.prepare_vector(w("self_attn.q_norm.weight")) if cfg.use_qk_norm else None,
+            k_norm=backend.prepare_vector(w("self_attn.k_norm.weight")) if cfg.use_qk_norm else None,
+            w_o=backend.prepare_weight(w("self_attn.o_proj.weight")),
+            shared_head_norm=backend.prepare_vector(w("shared_head.norm.weight")),
+        )
+        if cfg.is_moe:
+            E = cfg.n_routed_experts
+            mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
+            mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias"))
+            mw.experts_w13 = backend.prepare_weight(np.stack([
+                stack_rows(w(f"mlp.experts.{e}.gate_proj.weight"), w(f"mlp.experts.{e}.up_proj.weight"))
+                for e in range(E)]))
+            mw.experts_w2 = backend.prepare_weight(np.stack([w(f"mlp.experts.{e}.down_proj.weight")
+                                                             for e in range(E)]))
+            if cfg.n_shared_experts:
+                mw.shared_w13 = backend.prepare_weight(stack_rows(w("mlp.shared_experts.gate_proj.weight"),
+                                                                  w("mlp.shared_experts.up_proj.weight")))
+                mw.shared_w2 = backend.prepare_weight(w("mlp.shared_experts.down_proj.weight"))
+        else:
+            mw.mlp_w13 = backend.prepare_weight(stack_rows(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")))
+            mw.mlp_w2 = backend.prepare_weight(w("mlp.down_proj.weight"))
+        modules.append(mw)
+
+    target_norm = None
+    if apply_target_norm:
+        if not rd.has("model.norm.weight"):
+            raise CheckpointError("apply_target_norm=True needs the target's 'model.norm.weight', "
+                                  f"missing from the checkpoint at {rd.path}")
+        target_norm = backend.prepare_vector(read("model.norm.weight", (H,)))
+    return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest))
+
+
+# -- synthetic checkpoints ---------------------------------------------------
+
+def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
+                      own_head: bool = False) -> dict[str, np.ndarray]:
+    """FP32 tensors of a complete checkpoint in the SPEC layout (no target layers).
+
+    Scales keep activations O(1) and make the LM head decisive (logit spreads of
+    several units), so argmax ties are improbable in tests.
+    """
+    rng = np.random.default_rng(seed)
+    H, D, Hq, Hkv, V = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                        cfg.num_key_value_heads, cfg.vocab_size)
+
+    def mat(rows, cols, gain=1.0):
+        return (rng.standard_normal((rows, cols)) * (gain / np.sqrt(cols))).astype(np.float32)
+
+    def norm_w(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((V, H)).astype(np.float32),
+        "lm_head.weight": mat(V, H, gain=4.0),
+        "model.norm.weight": norm_w(H),
+    }
+    for m in range(cfg.num_modules):
+        p = f"model.layers.{cfg.layer_index(m)}."
+        t[p + "enorm.weight"] = norm_w(H)
+        t[p + "hnorm.weight"] = norm_w(H)
+        t[p + "eh_proj.weight"] = mat(H, 2 * H)
+        t[p + "input_layernorm.weight"] = norm_w(H)
+        t[p + "post_attention_layernorm.weight"] = norm_w(H)
+        t[p + "self_attn.q_proj.weight"] = mat(Hq * D, H, gain=2.0)
+        t[p + "self_attn.k_proj.weight"] = mat(Hkv * D, H, gain=2.0)
+        t[p + "self_attn.v_proj.weight"] = mat(Hkv * D, H)
+        t[p + "self_attn.o_proj.weight"] = mat(H, Hq * D)
+        if cfg.attention_bias:
+            for name, n in (("q", Hq * D), ("k", Hkv * D), ("v", Hkv * D)):
+                t[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+        if cfg.use_qk_norm:
+            t[p + "self_attn.q_norm.weight"] = norm_w(D)
+            t[p + "self_attn.k_norm.weight"] = norm_w(D)
+        if cfg.is_moe:
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+            t[p + "mlp.gate.weight"] = mat(E, H, gain=2.0)
+            t[p + "mlp.gate.e_score_correction_bias"] = (0.05 * rng.standard_normal(E)).astype(np.float32)
+            for e in range(E):
+                t[p + f"mlp.experts.{e}.gate_proj.weight"] = mat(I, H)
+                t[p + f"mlp.experts.{e}.up_proj.weight"] = mat(I, H)
+                t[p + f"mlp.experts.{e}.down_proj.weight"] = mat(H, I)
+            if cfg.n_shared_experts:
+                Is = cfg.shared_intermediate_size
+                t[p + "mlp.shared_experts.gate_proj.weight"] = mat(Is, H)
+                t[p + "mlp.shared_experts.up_proj.weight"] = mat(Is, H)
+                t[p + "mlp.shared_experts.down_proj.weight"] = mat(H, Is)
+        else:
+            I = cfg.intermediate_size
+            t[p + "mlp.gate_proj.weight"] = mat(I, H)
+            t[p + "mlp.up_proj.weight"] = mat(I, H)
+            t[p + "mlp.down_proj.weight"] = mat(H, I)
+        t[p + "shared_head.norm.weight"] = norm_w(H)
+        if own_embed:
+            t[p + "embed_tokens.weight"] = t["model.embed_tokens.weight"].copy()
+        if own_head:
+            t[p + "shared_head.head.weight"] = t["lm_head.weight"].copy()
+    return t
+
+
+def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: int = 0,
+                               dtype: str = "bfloat16", shards: int = 1, own_embed: bool = False,
+                               own_head: bool = False) -> Path:
+    """Write ``config.json`` and a complete synthetic checkpoint to ``path``.
+
+    ``dtype``: "bfloat16" or "float32"; ``shards > 1`` writes
+    ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``;
+    ``own_embed`` / ``own_head`` give every module its own (identical) copy of
+    the embedding / LM head, as DeepSeek-V3 checkpoints do.
+    """
+    from safetensors.numpy import save_file
+
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype: expected 'bfloat16' or 'float32', got {dtype!r}")
+    if shards < 1:
+        raise ValueError(f"shards: expected >= 1, got {shards}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = synthetic_tensors(cfg, seed, own_embed, own_head)
+    np_dtype = BF16 if dtype == "bfloat16" else np.float32
+    tensors = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    meta = {"format": "pt"}
+    if shards == 1:
+        save_file(tensors, os.fspath(out / _SINGLE), metadata=meta)
+        return out
+    keys = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        part = keys[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, os.fspath(out / fname), metadata=meta)
+        weight_map.update({k: fname for k in part})
+    total = sum(v.nbytes for v in tensors.values())
+    (out / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return out

@@ -1,0 +1,69 @@
+"""Shared fixtures: a tiny synthetic checkpoint and proposer factories."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mtpkern import MultiModuleMtpHead, write_synthetic_checkpoint
+from mtpkern.backends import cuda_available, get_backend
+from mtpkern.config import tiny_config
+from mtpkern.weights import load_weights
+
+BACKENDS = ["numpy", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return tiny_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, tiny_cfg):
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_cfg, seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_dense(tmp_path_factory):
+    cfg = tiny_config(n_routed_experts=0, intermediate_size=48, attention_bias=False, use_qk_norm=False,
+                      partial_rotary_factor=1.0, num_nextn_predict_layers=2)
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("dense"), cfg, seed=3, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def ref_weights(tiny_ckpt, tiny_cfg):
+    """Host FP32 weights of the tiny checkpoint, for the oracle."""
+    return load_weights(tiny_ckpt, tiny_cfg, get_backend("numpy"), apply_target_norm=True)
+
+
+@pytest.fixture
+def make_prop(tiny_ckpt):
+    def make(kv_mode="exact", backend="numpy", ckpt=None, **kw):
+        kw.setdefault("block_size", 4)
+        kw.setdefault("num_blocks", 96)
+        return MultiModuleMtpHead.from_pretrained(ckpt or tiny_ckpt, backend=backend, kv_mode=kv_mode, **kw)
+    return make
+
+
+def rand_hiddens(rng, n, H):
+    return rng.standard_normal((n, H)).astype(np.float32)
+
+
+def kv_rows(prop, st, m):
+    """Module m's K and V rows of ``st`` in row order, FP32 on the host: [rows, Hkv, D] each."""
+    pool = prop.modules[m].pool
+    seq = st.kv[m]
+    be = prop.backend
+    k, v = be.kv_to_host(pool.k), be.kv_to_host(pool.v)
+    r = np.arange(seq.rows)
+    blk = np.asarray(seq.blocks, np.int64)[r // pool.block_size]
+    return k[blk, r % pool.block_size], v[blk, r % pool.block_size]
