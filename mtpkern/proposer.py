@@ -373,24 +373,38 @@ class MultiModuleMtpHead(DraftProposer):
                              f"{st.num_verified} tokens; continue a sequence with catchup_drafter")
         hid = self._target_norm(hid[: n - 1])
         if self.kv_mode == "draft":
-            self.modules[0].pool.check_room([(st.kv[0], n - 1)])
-            snap = _snapshot(st)
-            try:
+            def fill() -> int:
                 for a in range(0, n - 1, self.prefill_chunk):
                     b = min(n - 1, a + self.prefill_chunk)
                     self.modules[0].forward([RowJob(st.kv[0], toks[a + 1:b + 1], a, 1)], hid[a:b])
-            except BaseException:
+                st.num_verified = n
+                st.num_hiddens = n - 1
+                st.tail_start = n
+                st.next_position = n
+                return n - 1
+
+            return self._guarded([st], [[n - 1]] + [[0]] * (self.num_modules - 1), fill)
+
+        def fill_exact() -> int:
+            st.tail = toks.tolist()
+            st.tail_start = 0
+            st.num_verified = st.next_position = n
+            return self._catch_up([st], [hid])
+
+        return self._guarded([st], [[max(0, n - 1 - m)] for m in range(self.num_modules)], fill_exact)
+
+    def _guarded(self, sts: list[MtpState], new_rows: list[list[int]], body):
+        """Run ``body()`` after checking that module ``m`` of ``sts[i]`` has room for
+        ``new_rows[m][i]`` more rows; if ``body`` raises, restore every state."""
+        for h, rows in zip(self.modules, new_rows):
+            h.pool.check_room([(st.kv[h.index], r) for st, r in zip(sts, rows)])
+        snaps = [_snapshot(st) for st in sts]
+        try:
+            return body()
+        except BaseException:
+            for st, snap in zip(sts, snaps):
                 self._restore(st, snap)
-                raise
-            st.num_verified = n
-            st.num_hiddens = n - 1
-            st.tail_start = n
-            st.next_position = n
-            return n - 1
-        st.tail = toks.tolist()
-        st.tail_start = 0
-        st.num_verified = n
-        return self._catch_up([st], [hid])
+            raise
 
     # -- propose ------------------------------------------------------------------------
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int,
@@ -444,19 +458,11 @@ class MultiModuleMtpHead(DraftProposer):
                              "(counted in clamped_calls)", num_drafts, self.num_modules, k)
             self.clamped_calls += 1
 
-        # Room in every module's pool before anything is written.
-        for m, h in enumerate(self.modules):
-            h.pool.check_room([(st.kv[m], self._propose_rows(st, m, p, k)) for st, p in zip(sts, poss)])
-
         hid = self._target_norm(hid)
-        snaps = [_snapshot(st) for st in sts]
-        try:
-            drafts = (self._propose_exact if self.kv_mode == "exact" else self._propose_draft)(
-                sts, toks, poss, hid, k, masks)
-        except BaseException:
-            for st, snap in zip(sts, snaps):
-                self._restore(st, snap)
-            raise
+        run = self._propose_exact if self.kv_mode == "exact" else self._propose_draft
+        drafts = self._guarded(sts, [[self._propose_rows(st, m, p, k) for st, p in zip(sts, poss)]
+                                     for m in range(self.num_modules)],
+                               lambda: run(sts, toks, poss, hid, k, masks))
         for st, p, d in zip(sts, poss, drafts):
             st.drafted = True
             st.last_position = p
@@ -614,20 +620,16 @@ class MultiModuleMtpHead(DraftProposer):
             news.append(tk[max(0, st.num_tokens - base):].tolist())
         if not todo:
             return 0
-        for m, h in enumerate(self.modules):
-            h.pool.check_room([(st.kv[m], self._catchup_rows(st, m, hd.shape[0], len(nw)))
-                               for st, hd, nw in zip(todo, hids, news)])
-        snaps = [_snapshot(st) for st in todo]
-        for st, nw in zip(todo, news):
-            st.tail.extend(nw)
-            st.num_verified = st.num_tokens
-            st.next_position = st.num_verified
-        try:
+
+        def run() -> int:
+            for st, nw in zip(todo, news):
+                st.tail.extend(nw)
+                st.num_verified = st.next_position = st.num_tokens
             return self._catch_up(todo, [self._target_norm(h) for h in hids])
-        except BaseException:
-            for st, snap in zip(todo, snaps):
-                self._restore(st, snap)
-            raise
+
+        return self._guarded(todo, [[self._catchup_rows(st, m, hd.shape[0], len(nw))
+                                     for st, hd, nw in zip(todo, hids, news)] for m in range(self.num_modules)],
+                             run)
 
     def _catchup_rows(self, st: MtpState, m: int, c: int, new_tokens: int) -> int:
         hn, T = st.num_hiddens + c, st.num_tokens + new_tokens
