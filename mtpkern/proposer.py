@@ -89,12 +89,11 @@ def check_tokens(name: str, tokens: Any, vocab_size: int) -> np.ndarray:
 
 def ingest_hidden(backend: Backend, name: str, x: Any, H: int, rows: int | None = None) -> Any:
     """Hidden states ``[H]`` or ``[n, H]`` (BF16/FP32, host or backend device) -> backend ``[n, H]`` FP32."""
-    shape = tuple(int(s) for s in getattr(x, "shape", np.shape(x)))
-    if len(shape) == 1:
-        shape = (1,) + shape
+    given = tuple(int(s) for s in getattr(x, "shape", np.shape(x)))
+    shape = (1,) + given if len(given) == 1 else given
     if len(shape) != 2 or shape[1] != H or (rows is not None and shape[0] != rows):
         want = f"[{H}] or [1, {H}]" if rows == 1 else f"[{'n' if rows is None else rows}, {H}]"
-        raise ValueError(f"{name}: expected shape {want}, got {list(shape)}")
+        raise ValueError(f"{name}: expected shape {want}, got {list(given)}")
     a = backend.ingest_float(name, x)
     return a.reshape(shape)
 
@@ -416,8 +415,8 @@ class MultiModuleMtpHead(DraftProposer):
         at key ``P-1`` and RoPE position ``P+m``. ``grammar_bitmask``: see
         ``mtpkern.grammar``. Returns ``[d_0 .. d_{k'-1}]``.
         """
-        return self.propose_batch([last_token], [target_hidden], [position], num_drafts, [state],
-                                  None if grammar_bitmask is None else [grammar_bitmask])[0]
+        return self._propose([last_token], [target_hidden], [position], num_drafts, [state],
+                             None if grammar_bitmask is None else [grammar_bitmask], single=True)[0]
 
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
                       num_drafts: int, states: Sequence[ProposerState],
@@ -428,30 +427,40 @@ class MultiModuleMtpHead(DraftProposer):
         ``grammar_bitmasks``: None or a list of ``B`` (each None or any form ``propose``
         takes). Returns one list of drafts per sequence, as ``propose`` would.
         """
+        return self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
+                             single=False)
+
+    def _propose(self, last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
+                 single: bool) -> list[list[int]]:
         cfg = self.config
-        states = list(states) if not isinstance(states, MtpState) else [states]
+
+        def name(one: str, many: str, i: int | None = None) -> str:
+            return one if single else many if i is None else f"{many}[{i}]"
+
+        states = [states] if isinstance(states, MtpState) else list(states)
         B = len(states)
         if B < 1 or B > self.max_batch:
             raise ValueError(f"states: expected 1..{self.max_batch} states (propose_batch_max), got {B}")
-        sts = [self._state(s, name=f"states[{i}]") for i, s in enumerate(states)]
+        sts = [self._state(s, name=name("state", "states", i)) for i, s in enumerate(states)]
         if len({id(s) for s in sts}) != B:
             raise ValueError("states: the same state appears twice in one batch")
-        for name, seq in (("last_tokens", last_tokens), ("positions", positions)):
+        for nm, seq in (("last_tokens", last_tokens), ("positions", positions)):
             if len(seq) != B:
-                raise ValueError(f"{name}: expected {B} entries (one per state), got {len(seq)}")
-        toks = [check_token(f"last_tokens[{i}]", t, cfg.vocab_size) for i, t in enumerate(last_tokens)]
-        poss = [check_int(f"positions[{i}]", p, 1) for i, p in enumerate(positions)]
+                raise ValueError(f"{nm}: expected {B} entries (one per state), got {len(seq)}")
+        toks = [check_token(name("last_token", "last_tokens", i), t, cfg.vocab_size)
+                for i, t in enumerate(last_tokens)]
+        poss = [check_int(name("position", "positions", i), p, 1) for i, p in enumerate(positions)]
         num_drafts = check_int("num_drafts", num_drafts, 1)
         k = min(num_drafts, self.num_modules)
-        hid = self._batch_hiddens("target_hiddens", target_hiddens, B)
+        hid = self._batch_hiddens(name("target_hidden", "target_hiddens"), target_hiddens, B, single)
         masks: list[MaskFn | None] = [None] * B
         if grammar_bitmasks is not None:
             if len(grammar_bitmasks) != B:
                 raise ValueError(f"grammar_bitmasks: expected {B} entries (one per state), got {len(grammar_bitmasks)}")
-            masks = [resolve(f"grammar_bitmasks[{i}]" if B > 1 else "grammar_bitmask", gm, cfg.vocab_size, k)
+            masks = [resolve(name("grammar_bitmask", "grammar_bitmasks", i), gm, cfg.vocab_size, k)
                      for i, gm in enumerate(grammar_bitmasks)]
         for i, (st, p) in enumerate(zip(sts, poss)):
-            self._check_position(st, p, f"positions[{i}]" if B > 1 else "position")
+            self._check_position(st, p, name("position", "positions", i))
         if num_drafts > self.num_modules:
             if self.clamped_calls == 0:
                 _log.warning("mtpkern: num_drafts=%d exceeds the %d MTP modules; drafting %d "
@@ -781,12 +790,12 @@ class MultiModuleMtpHead(DraftProposer):
         st.last_position, st.last_k, st.last_drafts = -1, 0, []
 
     # -- helpers ---------------------------------------------------------------------------
-    def _batch_hiddens(self, name: str, hiddens: Any, B: int) -> Any:
+    def _batch_hiddens(self, name: str, hiddens: Any, B: int, single: bool = False) -> Any:
         H = self.config.hidden_size
         if isinstance(hiddens, (list, tuple)):
             if len(hiddens) != B:
                 raise ValueError(f"{name}: expected {B} hiddens (one per state), got {len(hiddens)}")
-            parts = [ingest_hidden(self.backend, f"{name}[{i}]" if B > 1 else name.rstrip("s"), h, H, rows=1)
+            parts = [ingest_hidden(self.backend, name if single else f"{name}[{i}]", h, H, rows=1)
                      for i, h in enumerate(hiddens)]
             return parts[0] if B == 1 else self.backend.xp.concatenate(parts, axis=0)
         return ingest_hidden(self.backend, name, hiddens, H, rows=B)

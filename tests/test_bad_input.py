@@ -1,0 +1,284 @@
+"""Every public call refuses bad input with a message naming the argument, the
+expected and the actual value, and leaves the state unchanged and usable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import rand_hiddens
+from mtpkern import KvCacheFull, MultiModuleMtpHead, StateError
+
+H = 64
+V = 301
+
+
+def fingerprint(prop, st):
+    return (tuple(prop.kv_blocks_in_use()), tuple(st.rows_per_module()), st.num_verified,
+            st.num_hiddens, tuple(st.tail), st.drafted, st.next_position)
+
+
+@pytest.fixture(params=["exact", "draft"])
+def ready(request, make_prop):
+    """A proposer and a state prefilled with 6 tokens, ready to propose at position 6."""
+    prop = make_prop(request.param)
+    rng = np.random.default_rng(1)
+    st = prop.alloc_state()
+    prop.prefill_drafter(rng.integers(0, V, 6).tolist(), rand_hiddens(rng, 6, H), st)
+    return prop, st, rng
+
+
+def still_usable(prop, st, rng):
+    drafts = prop.propose(3, rand_hiddens(rng, 1, H)[0], st.next_position, 3, st)
+    prop.after_verify(1, st)
+    prop.catchup_drafter(drafts[:1], rand_hiddens(rng, 1, H), st)
+    prop.check_invariants()
+
+
+PROPOSE_BAD = [
+    (dict(last_token=V), ValueError, "last_token: token id 301 is outside the vocabulary [0, 301)"),
+    (dict(last_token=-1), ValueError, "last_token: token id -1"),
+    (dict(last_token=2.0), TypeError, "last_token: expected an int token id, got float"),
+    (dict(last_token=True), TypeError, "last_token: expected an int token id, got bool"),
+    (dict(target_hidden=np.zeros(H + 1, np.float32)), ValueError, "target_hidden: expected shape [64] or [1, 64], got [65]"),
+    (dict(target_hidden=np.zeros((2, H), np.float32)), ValueError, "got [2, 64]"),
+    (dict(target_hidden=np.zeros(H, np.float64)), TypeError, "target_hidden: expected dtype float32 or bfloat16, got float64"),
+    (dict(target_hidden=np.zeros(H, np.int32)), TypeError, "got int32"),
+    (dict(position=5), ValueError, "position: expected"),
+    (dict(position=0), ValueError, "position: expected >= 1, got 0"),
+    (dict(num_drafts=0), ValueError, "num_drafts: expected >= 1, got 0"),
+    (dict(num_drafts="3"), TypeError, "num_drafts: expected an int, got str"),
+    (dict(grammar_bitmask=np.zeros(9, np.int32)), ValueError, "grammar_bitmask: expected shape [10]"),
+    (dict(grammar_bitmask=np.zeros(10, np.int64)), TypeError, "grammar_bitmask: expected int32"),
+    (dict(grammar_bitmask=np.zeros((1, 10), np.int32), num_drafts=3), ValueError, "[k, W] with k >= 3"),
+    (dict(grammar_bitmask=np.zeros(10, np.int32)), Exception, "allows no token"),
+    (dict(grammar_bitmask=lambda i, d: np.zeros(3, np.int32)), ValueError, "grammar_bitmask(0, ...) result: expected shape [10]"),
+]
+
+
+@pytest.mark.parametrize("bad,exc,msg", PROPOSE_BAD)
+def test_propose_bad_input(ready, bad, exc, msg):
+    prop, st, rng = ready
+    args = dict(last_token=3, target_hidden=rand_hiddens(rng, 1, H)[0], position=6, num_drafts=2, state=st)
+    args.update(bad)
+    before = fingerprint(prop, st)
+    with pytest.raises(exc) as e:
+        prop.propose(**args)
+    assert msg in str(e.value)
+    assert fingerprint(prop, st) == before
+    still_usable(prop, st, rng)
+
+
+def test_grammar_callable_that_raises_rolls_back(ready):
+    prop, st, rng = ready
+    calls = []
+
+    def grammar(i, drafts):
+        calls.append(i)
+        if i == 2:
+            raise RuntimeError("grammar engine failure")
+        return None
+
+    before = fingerprint(prop, st)
+    with pytest.raises(RuntimeError, match="grammar engine failure"):
+        prop.propose(3, rand_hiddens(rng, 1, H)[0], 6, 3, st, grammar_bitmask=grammar)
+    assert calls == [0, 1, 2]
+    assert fingerprint(prop, st) == before
+    still_usable(prop, st, rng)
+
+
+def test_after_verify_bad_input(ready):
+    prop, st, rng = ready
+    with pytest.raises(StateError, match="after_verify without a propose"):
+        prop.after_verify(0, st)
+    prop.propose(3, rand_hiddens(rng, 1, H)[0], 6, 2, st)
+    before = fingerprint(prop, st)
+    for bad, exc, msg in [(3, ValueError, "num_accepted: expected in [0, 2], got 3"),
+                          (-1, ValueError, "num_accepted: expected in [0, 2], got -1"),
+                          (1.0, TypeError, "num_accepted: expected an int")]:
+        with pytest.raises(exc, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            prop.after_verify(bad, st)
+        assert fingerprint(prop, st) == before
+    with pytest.raises(StateError, match="a propose awaits after_verify"):
+        prop.propose(3, rand_hiddens(rng, 1, H)[0], 6, 2, st)
+    prop.after_verify(2, st)
+    prop.catchup_drafter(st.last_drafts, rand_hiddens(rng, 2, H), st)
+    prop.check_invariants()
+
+
+def test_prefill_bad_input(make_prop):
+    for mode in ("exact", "draft"):
+        prop = make_prop(mode)
+        rng = np.random.default_rng(2)
+        st = prop.alloc_state()
+        cases = [
+            (([], np.zeros((0, H), np.float32)), ValueError, "prompt_tokens: expected at least 1 token, got 0"),
+            (([1, 2, V], rand_hiddens(rng, 3, H)), ValueError, "prompt_tokens[2]: token id 301 is outside"),
+            (([1, 2, 3], rand_hiddens(rng, 2, H)), ValueError, "hiddens: expected shape [3, 64], got [2, 64]"),
+            (([1.5, 2.0], rand_hiddens(rng, 2, H)), TypeError, "prompt_tokens: expected integer token ids"),
+            (([[1, 2]], rand_hiddens(rng, 1, H)), ValueError, "prompt_tokens: expected a 1-D sequence"),
+        ]
+        for (toks, hid), exc, msg in cases:
+            before = fingerprint(prop, st)
+            with pytest.raises(exc) as e:
+                prop.prefill_drafter(toks, hid, st)
+            assert msg in str(e.value)
+            assert fingerprint(prop, st) == before
+        prop.prefill_drafter([1, 2, 3], rand_hiddens(rng, 3, H), st)
+        with pytest.raises(StateError, match="prefill_drafter needs a fresh state"):
+            prop.prefill_drafter([1, 2, 3], rand_hiddens(rng, 3, H), st)
+        prop.check_invariants()
+
+
+def test_catchup_bad_input(make_prop):
+    prop = make_prop("exact")
+    rng = np.random.default_rng(3)
+    st = prop.alloc_state()
+    with pytest.raises(StateError, match="needs prefill_drafter"):
+        prop.catchup_drafter([1], rand_hiddens(rng, 1, H), st)
+    prop.prefill_drafter([5, 6, 7], rand_hiddens(rng, 3, H), st)
+    d = prop.propose(8, rand_hiddens(rng, 1, H)[0], 3, 3, st)
+    with pytest.raises(StateError, match="a propose awaits after_verify"):
+        prop.catchup_drafter(d[:1], rand_hiddens(rng, 1, H), st)
+    prop.after_verify(2, st)
+    before = fingerprint(prop, st)
+    wrong = (d[0] + 1) % V
+    for (toks, hid), exc, msg in [
+        (([wrong], rand_hiddens(rng, 1, H)), ValueError, f"tokens[0]: expected {d[0]} (the verified token at position 4), got {wrong}"),
+        ((d[:2], rand_hiddens(rng, 1, H)), ValueError, "hiddens: expected shape [2, 64], got [1, 64]"),
+        (([V], rand_hiddens(rng, 1, H)), ValueError, "tokens[0]: token id 301"),
+    ]:
+        with pytest.raises(exc) as e:
+            prop.catchup_drafter(toks, hid, st)
+        assert msg in str(e.value)
+        assert fingerprint(prop, st) == before
+    with pytest.raises(StateError, match="need their target hiddens; call catchup_drafter"):
+        prop.propose(1, rand_hiddens(rng, 1, H)[0], 6, 1, st)
+    assert prop.catchup_drafter([], np.zeros((0, H), np.float32), st) == 0      # no-op
+    assert fingerprint(prop, st) == before
+    prop.catchup_drafter(d[:2], rand_hiddens(rng, 2, H), st)
+    prop.propose(1, rand_hiddens(rng, 1, H)[0], 6, 1, st)
+    prop.check_invariants()
+
+
+def test_draft_mode_catchup_is_a_noop(make_prop):
+    prop = make_prop("draft")
+    rng = np.random.default_rng(4)
+    st = prop.alloc_state()
+    prop.prefill_drafter([5, 6, 7], rand_hiddens(rng, 3, H), st)
+    before = fingerprint(prop, st)
+    assert prop.catchup_drafter([1, 2], rand_hiddens(rng, 2, H), st) == 0
+    assert fingerprint(prop, st) == before
+
+
+def test_states_freed_foreign_and_wrong_type(make_prop, tiny_ckpt):
+    prop = make_prop("exact")
+    other = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", num_blocks=8)
+    rng = np.random.default_rng(5)
+    st = prop.alloc_state()
+    prop.free_state(st)
+    h = rand_hiddens(rng, 1, H)[0]
+    calls = [
+        lambda s: prop.propose(1, h, 1, 1, s),
+        lambda s: prop.prefill_drafter([1], h[None], s),
+        lambda s: prop.after_verify(0, s),
+        lambda s: prop.catchup_drafter([1], h[None], s),
+        lambda s: prop.free_state(s),
+        lambda s: prop.take_drafter_kv(s),
+        lambda s: prop.install_drafter_kv(s, None),
+        lambda s: prop.drafter_rows(s),
+        lambda s: prop.last_pair_key(s),
+        lambda s: prop.read_deferred_draft_token(s),
+        lambda s: prop.propose_batch([1], [h], [1], 1, [s]),
+        lambda s: prop.catchup_batch([[1]], [h[None]], [s]),
+    ]
+    for call in calls:
+        with pytest.raises(StateError, match="was freed by free_state"):
+            call(st)
+    foreign = other.alloc_state()
+    for call in calls:
+        with pytest.raises(StateError, match="belongs to another proposer"):
+            call(foreign)
+    for call in calls:
+        with pytest.raises(TypeError, match="expected an MtpState from alloc_state, got dict"):
+            call({})
+    prop.check_invariants()
+    other.check_invariants()
+
+
+def test_batch_bad_input(make_prop):
+    prop = make_prop("exact")
+    rng = np.random.default_rng(6)
+    a, b = prop.alloc_state(), prop.alloc_state()
+    for s in (a, b):
+        prop.prefill_drafter([1, 2, 3], rand_hiddens(rng, 3, H), s)
+    hs_ = rand_hiddens(rng, 2, H)
+    with pytest.raises(ValueError, match="the same state appears twice"):
+        prop.propose_batch([1, 2], hs_, [3, 3], 2, [a, a])
+    with pytest.raises(ValueError, match=r"positions: expected 2 entries \(one per state\), got 1"):
+        prop.propose_batch([1, 2], hs_, [3], 2, [a, b])
+    with pytest.raises(ValueError, match=r"target_hiddens: expected shape \[2, 64\], got \[3, 64\]"):
+        prop.propose_batch([1, 2], rand_hiddens(rng, 3, H), [3, 3], 2, [a, b])
+    with pytest.raises(ValueError, match=r"positions\[1\]: expected 3"):
+        prop.propose_batch([1, 2], hs_, [3, 4], 2, [a, b])
+    with pytest.raises(ValueError, match=r"states: expected 1..64 states"):
+        prop.propose_batch([], hs_[:0], [], 2, [])
+    with pytest.raises(ValueError, match="grammar_bitmasks: expected 2 entries"):
+        prop.propose_batch([1, 2], hs_, [3, 3], 2, [a, b], grammar_bitmasks=[None])
+    assert a.rows_per_module() == b.rows_per_module() == [2, 1, 0]
+    assert prop.propose_batch([1, 2], hs_, [3, 3], 2, [a, b]) is not None
+
+
+def test_kv_pool_full_changes_nothing(make_prop):
+    prop = make_prop("exact", num_blocks=3)          # 3 blocks of 4 rows per module
+    rng = np.random.default_rng(7)
+    st = prop.alloc_state()
+    with pytest.raises(KvCacheFull, match=r"KV pool of module 0 is full: the call needs 4 more block\(s\), 3 of 3"):
+        prop.prefill_drafter(list(range(14)), rand_hiddens(rng, 14, H), st)
+    assert prop.kv_blocks_in_use() == [0, 0, 0]
+    prop.prefill_drafter(list(range(13)), rand_hiddens(rng, 13, H), st)     # 12 rows: 3 full blocks
+    before = fingerprint(prop, st)
+    with pytest.raises(KvCacheFull):
+        prop.propose(1, rand_hiddens(rng, 1, H)[0], 13, 3, st)
+    assert fingerprint(prop, st) == before
+    with pytest.raises(KvCacheFull):
+        prop.alloc_state_for(100)
+    prop.free_state(st)
+    prop.check_invariants()
+    assert prop.kv_blocks_in_use() == [0, 0, 0]
+
+
+def test_construction_bad_input(tiny_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="kv_mode: expected 'draft' or 'exact', got 'fast'"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode="fast")
+    with pytest.raises(ValueError, match="chain: expected 'prenorm' or 'postnorm', got 'mid'"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", chain="mid")
+    with pytest.raises(ValueError, match="backend: expected 'auto', 'numpy', 'cpu', 'cuda' or a Backend, got 'tpu'"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="tpu")
+    with pytest.raises(ValueError, match="block_size: expected >= 1, got 0"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", block_size=0)
+    with pytest.raises(TypeError, match="apply_target_norm: expected a bool"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", apply_target_norm="yes")
+    from mtpkern import ConfigError
+
+    with pytest.raises(ConfigError, match="config.json not found"):
+        MultiModuleMtpHead.from_pretrained(tmp_path, backend="numpy")
+
+
+def test_carry_bad_input(make_prop):
+    prop = make_prop("exact")
+    rng = np.random.default_rng(8)
+    st = prop.alloc_state()
+    assert prop.take_drafter_kv(st) is None                       # nothing to carry
+    prop.prefill_drafter([1, 2, 3, 4], rand_hiddens(rng, 4, H), st)
+    kv = prop.take_drafter_kv(st)
+    busy = prop.alloc_state()
+    prop.prefill_drafter([1, 2], rand_hiddens(rng, 2, H), busy)
+    with pytest.raises(StateError, match="install_drafter_kv needs a fresh state"):
+        prop.install_drafter_kv(busy, kv)
+    with pytest.raises(TypeError, match="carried: expected a DrafterKv"):
+        prop.install_drafter_kv(st, [1, 2])
+    assert prop.install_drafter_kv(st, kv)
+    with pytest.raises(StateError, match="carried: already installed or freed"):
+        prop.free_drafter_kv(kv)
+    prop.check_invariants()

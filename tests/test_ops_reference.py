@@ -1,0 +1,225 @@
+"""Each NumPy reference op against an independent, straightforward formula."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from mtpkern import NoAllowedToken
+from mtpkern.ops import attention, linear, lm_head, mlp, moe, norm, rope_kv
+
+rng = np.random.default_rng(0)
+
+
+def f32(*shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("n,H", [(1, 1), (3, 17), (5, 1000)])
+def test_rmsnorm(n, H):
+    x, w = f32(n, H), f32(H)
+    for i in range(n):                                   # per row, a Python loop over elements
+        ms = sum(float(v) ** 2 for v in x[i]) / H
+        want = [float(v) / np.sqrt(ms + 1e-6) * float(wj) for v, wj in zip(x[i], w)]
+        np.testing.assert_allclose(norm.rmsnorm(x, w, 1e-6)[i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_mtp_input_concat_order():
+    V, H, n = 11, 6, 3
+    E, g, we, wh, eh = f32(V, H), f32(n, H), f32(H), f32(H), f32(H, 2 * H)
+    t = np.array([4, 0, 10], np.int32)
+    got = norm.mtp_input(E, t, g, we, wh, eh, 1e-5)
+    # eh_proj splits into the half reading enorm(E[t]) and the half reading hnorm(g).
+    want = norm.rmsnorm(E[t], we, 1e-5) @ eh[:, :H].T + norm.rmsnorm(g, wh, 1e-5) @ eh[:, H:].T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_bias_residual():
+    x, w, b, r = f32(3, 7), f32(5, 7), f32(5), f32(3, 5)
+    want = np.array([[sum(x[i, k] * w[j, k] for k in range(7)) + b[j] + r[i, j] for j in range(5)] for i in range(3)])
+    np.testing.assert_allclose(linear.linear(x, w, b, r), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_is_a_rotation_of_complex_pairs():
+    """Neox RoPE on the first R dims = multiplying (x_i + i x_{i+R/2}) by e^{i pos theta_i}."""
+    D, R, theta = 16, 8, 500.0
+    x = f32(4, 3, D)
+    pos = np.array([0, 1, 7, 1000], np.int32)
+    got = rope_kv.rope_neox(x, pos, rope_kv.inv_freq(R, theta))
+    z = x[..., :R // 2] + 1j * x[..., R // 2:R]
+    ang = pos[:, None, None] * theta ** (-np.arange(R // 2) * 2.0 / R)
+    rz = z * np.exp(1j * ang)
+    np.testing.assert_allclose(got[..., :R // 2], rz.real, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[..., R // 2:R], rz.imag, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got[..., R:], x[..., R:])
+    np.testing.assert_array_equal(got[0], x[0])                      # position 0: identity
+
+
+def test_qk_norm_rope_kv_write_slots_and_layout():
+    Hq, Hkv, D, NB, BS = 4, 2, 8, 5, 3
+    n = 4
+    qkv = f32(n, (Hq + 2 * Hkv) * D)
+    kc = np.zeros((NB, BS, Hkv, D), np.float32)
+    vc = np.zeros_like(kc)
+    slots = np.array([14, 0, 7, 5], np.int32)
+    pos = np.array([3, 4, 5, 6], np.int32)
+    inv = rope_kv.inv_freq(D, 10000.0)
+    qn, kn = f32(D) + 1, f32(D) + 1
+    q = rope_kv.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, inv, pos, kc, vc, slots)
+    for i, s in enumerate(slots):
+        b, o = divmod(int(s), BS)
+        v = qkv[i, (Hq + Hkv) * D:].reshape(Hkv, D)
+        np.testing.assert_array_equal(vc[b, o], v)                  # V is moved untouched
+        k = norm.rmsnorm(qkv[i, Hq * D:(Hq + Hkv) * D].reshape(Hkv, D), kn, 1e-6)
+        np.testing.assert_allclose(kc[b, o], rope_kv.rope_neox(k[None], pos[i:i + 1], inv)[0], rtol=1e-5)
+        qq = norm.rmsnorm(qkv[i, :Hq * D].reshape(Hq, D), qn, 1e-6)
+        np.testing.assert_allclose(q[i], rope_kv.rope_neox(qq[None], pos[i:i + 1], inv)[0], rtol=1e-5)
+    untouched = np.ones(NB * BS, bool)
+    untouched[slots] = False
+    assert not kc.reshape(NB * BS, -1)[untouched].any()
+
+
+def test_paged_attention_matches_dense_causal():
+    Hq, Hkv, D, BS = 6, 2, 8, 4
+    lens = [1, 5, 9]
+    NB = 12
+    kc, vc = f32(NB, BS, Hkv, D), f32(NB, BS, Hkv, D)
+    perm = rng.permutation(NB)
+    tables = np.zeros((3, 3), np.int32)
+    at = 0
+    for s, L in enumerate(lens):
+        nb = -(-L // BS)
+        tables[s, :nb] = perm[at:at + nb]
+        at += nb
+    rows = [(0, 1), (1, 3), (1, 5), (2, 9), (2, 8)]           # (sequence, visible length)
+    q = f32(len(rows), Hq, D)
+    got = attention.paged_attention(q, kc, vc, tables, np.array([r[0] for r in rows], np.int32),
+                                    np.array([r[1] for r in rows], np.int32), 0.3)
+    for i, (s, L) in enumerate(rows):
+        idx = np.arange(L)
+        K = kc[tables[s, idx // BS], idx % BS]                  # [L, Hkv, D]
+        Vv = vc[tables[s, idx // BS], idx % BS]
+        for h in range(Hq):
+            sc = np.array([0.3 * float(q[i, h] @ K[j, h // 3]) for j in range(L)])
+            p = np.exp(sc - sc.max()) / np.exp(sc - sc.max()).sum()
+            np.testing.assert_allclose(got[i].reshape(Hq, D)[h], p @ Vv[:, h // 3], rtol=1e-4, atol=1e-5)
+
+
+def brute_router(x, W, bias, spec):
+    """Enumerate every admissible group choice, as the definition reads."""
+    logits = x.astype(np.float64) @ W.T.astype(np.float64)
+    E = W.shape[0]
+    G = spec.n_group
+    out_ids, out_w = [], []
+    for r in range(x.shape[0]):
+        s = 1 / (1 + np.exp(-logits[r])) if spec.scoring == "sigmoid" else np.exp(logits[r]) / np.exp(logits[r]).sum()
+        c = s + bias
+        gsz = E // G
+        gscore = [sum(sorted(c[g * gsz:(g + 1) * gsz], reverse=True)[:min(2, gsz)]) for g in range(G)]
+        best = max(itertools.combinations(range(G), spec.topk_group),
+                   key=lambda comb: (sorted((gscore[g] for g in comb), reverse=True), [-g for g in comb]))
+        masked = [c[e] if e // gsz in best else 0.0 for e in range(E)]
+        ids = sorted(range(E), key=lambda e: (-masked[e], e))[:spec.top_k]
+        w = np.array([s[e] for e in ids])
+        if spec.norm_topk_prob:
+            w = w / (w.sum() + 1e-20)
+        out_ids.append(ids)
+        out_w.append(w * spec.routed_scaling_factor)
+    return np.array(out_ids), np.array(out_w)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=hs.integers(0, 2**31 - 1), G=hs.sampled_from([1, 2, 4]), per=hs.sampled_from([2, 3, 4]),
+       tg=hs.integers(1, 4), k=hs.integers(1, 4), scoring=hs.sampled_from(["sigmoid", "softmax"]),
+       norm_p=hs.booleans())
+def test_router_matches_brute_force(seed, G, per, tg, k, scoring, norm_p):
+    tg = min(tg, G)
+    k = min(k, tg * per)
+    E = G * per
+    r = np.random.default_rng(seed)
+    x = r.standard_normal((3, 8)).astype(np.float32)
+    W = r.standard_normal((E, 8)).astype(np.float32)
+    bias = (r.standard_normal(E) * 0.5).astype(np.float32)
+    spec = moe.RouterSpec(k, G, tg, 1.5, norm_p, scoring)
+    ids, w = moe.moe_router(x, W, bias, spec)
+    bids, bw = brute_router(x, W, bias, spec)
+    np.testing.assert_array_equal(ids, bids)
+    np.testing.assert_allclose(w, bw, rtol=1e-5)
+
+
+def test_router_masks_with_zero_not_minus_inf():
+    """A kept group's negative-biased expert loses to a dropped group's masked 0.0 (Hugging Face)."""
+    spec = moe.RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False)
+    x = np.zeros((1, 1), np.float32)                  # every score sigmoid(0) = 0.5
+    W = np.zeros((4, 1), np.float32)
+    bias = np.array([0.0, -0.9, -2.0, -2.0], np.float32)   # group 0 wins; expert 1 has c = -0.4 < 0
+    ids, w = moe.moe_router(x, W, bias, spec)
+    assert ids.tolist() == [[0, 2]]                  # the masked 0.0 of expert 2 beats c = -0.4
+    np.testing.assert_allclose(w, [[0.5, 0.5]])
+
+
+def test_moe_experts_and_swiglu():
+    n, H, E, I, K = 3, 5, 4, 6, 2
+    x, w13, w2 = f32(n, H), f32(E, 2 * I, H), f32(E, H, I)
+    ids = np.array([[0, 3], [2, 2], [1, 0]], np.int32)
+    wts = f32(n, K)
+    res = f32(n, H)
+
+    def expert(e, v):
+        g, u = w13[e, :I] @ v, w13[e, I:] @ v
+        return w2[e] @ (g / (1 + np.exp(-g)) * u)
+
+    want = res + np.array([sum(wts[i, j] * expert(ids[i, j], x[i]) for j in range(K)) for i in range(n)])
+    np.testing.assert_allclose(moe.moe_experts(x, ids, wts, w13, w2, res), want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(mlp.swiglu_mlp(x, w13[1], w2[1], None), np.array([expert(1, v) for v in x]),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_masked_argmax_rules():
+    V = 70                                              # W = 3 words, 26 padding bits
+    logits = np.zeros((5, V), np.float32)
+    logits[0, [3, 40]] = 5.0                            # tie: lowest id wins
+    logits[1, 2] = np.nan                               # NaN never wins
+    logits[1, 9] = -1.0
+    logits[1, :] = np.where(np.isnan(logits[1]), np.nan, -3.0)
+    logits[1, 9] = -1.0
+    logits[2, 69] = 1.0
+    logits[3, 33] = 2.0
+    mask = np.full((5, 3), -1, np.int32)                # all allowed
+    mask[3] = 0
+    mask[3, 1] = np.int32(1 << 1)                       # only token 33 allowed
+    mask[4] = 0
+    mask[4, 2] = np.int32(-1 << 6)                      # only padding bits (70..95) set: nothing allowed
+    got = lm_head.masked_argmax(logits[:4], mask[:4])
+    assert got.tolist() == [3, 9, 69, 33]
+    with pytest.raises(NoAllowedToken, match="row 0: the grammar bitmask allows no token"):
+        lm_head.masked_argmax(logits[4:], mask[4:])
+    allnan = np.full((1, V), np.nan, np.float32)
+    with pytest.raises(NoAllowedToken):
+        lm_head.masked_argmax(allnan, None)
+    # bit 31 of a word (sign bit of the int32) is token 31 + 32 w
+    only31 = np.zeros((1, 3), np.int32)
+    only31[0, 0] = np.int32(-2**31)
+    assert lm_head.masked_argmax(np.zeros((1, V), np.float32), only31).tolist() == [31]
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=hs.integers(0, 2**31 - 1), V=hs.integers(1, 100), n=hs.integers(1, 4))
+def test_masked_argmax_matches_definition(seed, V, n):
+    r = np.random.default_rng(seed)
+    logits = r.integers(-3, 3, (n, V)).astype(np.float32)        # small integers: many ties
+    logits[r.random((n, V)) < 0.1] = np.nan
+    W = (V + 31) // 32
+    mask = r.integers(-2**31, 2**31, (n, W), dtype=np.int64).astype(np.int32)
+    for i in range(n):
+        allowed = [j for j in range(V) if (int(mask[i, j // 32]) >> (j % 32)) & 1 and not np.isnan(logits[i, j])]
+        if not allowed:
+            with pytest.raises(NoAllowedToken):
+                lm_head.masked_argmax(logits[i:i + 1], mask[i:i + 1])
+            continue
+        best = min(allowed, key=lambda j: (-logits[i, j], j))
+        assert lm_head.masked_argmax(logits[i:i + 1], mask[i:i + 1]).tolist() == [best]
