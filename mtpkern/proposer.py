@@ -287,11 +287,11 @@ class MultiModuleMtpHead(DraftProposer):
 
     def drafter_rows(self, state: ProposerState) -> int:
         """Module 0's rows (``rows_per_module`` on the state gives every module's)."""
-        return self._state(state).kv[0].rows
+        return self._state(state, allow_drafted=True).kv[0].rows
 
     def last_pair_key(self, state: ProposerState) -> int | None:
         """Key of module 0's newest row; None when it has none."""
-        return self._state(state).kv[0].keys.last
+        return self._state(state, allow_drafted=True).kv[0].keys.last
 
     def propose_batch_max(self) -> int:
         return self.max_batch
