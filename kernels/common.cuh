@@ -1,0 +1,327 @@
+// common.cuh -- building blocks shared by every kernel family of mtpkern.
+//
+// - element conversion: BF16 storage (__nv_bfloat16, carried by CuPy as uint16
+//   bits) or FP32 storage, always widened to FP32 for arithmetic;
+// - vector loads: N consecutive elements -> float[N] with the widest aligned
+//   access (16 bytes for 8 bf16 or 4 floats);
+// - warp / block reductions with a fixed summation order (results do not
+//   depend on timing, so runs are bit-reproducible);
+// - the GEMV core used by linear, mlp, moe and lm_head: a warp computes the
+//   dot products of ROWS weight rows with NR input rows, each weight vector
+//   loaded once and used for all NR inputs;
+// - the (value, id) argmax rule shared by the LM-head kernels.
+//
+// Conventions: every kernel is launched with blockDim.x a multiple of 32;
+// element offsets into weights and KV caches are 64-bit (E * 2I * H and
+// NB * BS * Hkv * D pass 2^31 on real checkpoints).
+#pragma once
+
+#include <cuda_bf16.h>
+
+namespace mtp {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------
+// Element conversion
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);  // round to nearest even, as ml_dtypes' astype
+}
+
+// Two bf16 packed in a 32-bit word (element 0 in the low half: little endian).
+__device__ __forceinline__ float bf16_lo(unsigned u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned u) { return __uint_as_float(u & 0xffff0000u); }
+
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// ---------------------------------------------------------------------------
+// Vector loads. Precondition: p is aligned to N * sizeof(T) bytes (16 at most:
+// N * sizeof(T) == 32 is done as two 16-byte loads). Read-only path (__ldg).
+
+template <int N>
+__device__ __forceinline__ void load_vec(const float* p, float (&f)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "N");
+  if constexpr (N == 1) {
+    f[0] = __ldg(p);
+  } else if constexpr (N == 2) {
+    const float2 v = __ldg(reinterpret_cast<const float2*>(p));
+    f[0] = v.x; f[1] = v.y;
+  } else {
+#pragma unroll
+    for (int h = 0; h < N / 4; ++h) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(p) + h);
+      f[4 * h + 0] = v.x; f[4 * h + 1] = v.y; f[4 * h + 2] = v.z; f[4 * h + 3] = v.w;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void load_vec(const __nv_bfloat16* p, float (&f)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "N");
+  if constexpr (N == 1) {
+    f[0] = __bfloat162float(p[0]);
+  } else if constexpr (N == 2) {
+    const unsigned u = __ldg(reinterpret_cast<const unsigned*>(p));
+    f[0] = bf16_lo(u); f[1] = bf16_hi(u);
+  } else if constexpr (N == 4) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    f[0] = bf16_lo(u.x); f[1] = bf16_hi(u.x); f[2] = bf16_lo(u.y); f[3] = bf16_hi(u.y);
+  } else {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    f[0] = bf16_lo(u.x); f[1] = bf16_hi(u.x); f[2] = bf16_lo(u.y); f[3] = bf16_hi(u.y);
+    f[4] = bf16_lo(u.z); f[5] = bf16_hi(u.z); f[6] = bf16_lo(u.w); f[7] = bf16_hi(u.w);
+  }
+}
+
+// Scalar fallback of load_vec: elements at or past `valid` read as 0.
+template <int N, typename T>
+__device__ __forceinline__ void load_guarded(const T* p, int valid, float (&f)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) f[j] = j < valid ? to_f32(p[j]) : 0.0f;
+}
+
+// 16-byte store of 4 floats (dst 16-byte aligned).
+__device__ __forceinline__ void store4(float* dst, float a, float b, float c, float d) {
+  *reinterpret_cast<float4*>(dst) = make_float4(a, b, c, d);
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// ---------------------------------------------------------------------------
+// Reductions. warp_*: xor butterfly, every lane ends with the same bits.
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+// Block-wide sum / max; every thread gets the result. `red` holds >= 33 floats
+// of shared memory; the call ends with a barrier, so `red` may be reused.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int nwarps = blockDim.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < nwarps ? red[lane] : 0.0f;
+    t = warp_sum(t);
+    if (lane == 0) red[32] = t;
+  }
+  __syncthreads();
+  const float total = red[32];
+  __syncthreads();
+  return total;
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int nwarps = blockDim.x / kWarp;
+  v = warp_max(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < nwarps ? red[lane] : neg_inf();
+    t = warp_max(t);
+    if (lane == 0) red[32] = t;
+  }
+  __syncthreads();
+  const float total = red[32];
+  __syncthreads();
+  return total;
+}
+
+// ---------------------------------------------------------------------------
+// GEMV core.
+//
+// acc[j][r] += dot(w_rows[j][k], x_rows[r][k]) over this thread's share of k:
+// thread t of a team of nt threads takes 16-byte vectors t, t + nt, ... (or, on
+// the scalar path, elements t, t + nt, ...). Each weight vector is loaded once
+// and multiplied with all NR input rows: for NR = 8 the weight stream is read
+// once for 8 tokens. Two vectors per row are in flight per iteration, so a warp
+// has 2 * ROWS * 16 B = 64 B per lane outstanding for ROWS = 2.
+//
+// vec: the vector path is legal: K % (16 / sizeof(W)) == 0 and every w/x row
+// start is 16-byte aligned (the caller checks base pointers and K).
+template <typename W, int NR, int ROWS>
+__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float* const (&x)[NR],
+                                         int K, int t, int nt, bool vec, float (&acc)[ROWS][NR]) {
+  constexpr int V = 16 / sizeof(W);  // elements per 16-byte vector: 8 bf16 or 4 fp32
+  if (vec) {
+    int k = t * V;
+    const int step = nt * V;
+    for (; k + step < K; k += 2 * step) {
+      float wa[ROWS][V], wb[ROWS][V];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) {
+        load_vec<V>(w[j] + k, wa[j]);
+        load_vec<V>(w[j] + k + step, wb[j]);
+      }
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        float xa[V], xb[V];
+        load_vec<V>(x[r] + k, xa);
+        load_vec<V>(x[r] + k + step, xb);
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j)
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wa[j][v], xa[v], fmaf(wb[j][v], xb[v], acc[j][r]));
+      }
+    }
+    if (k < K) {
+      float wa[ROWS][V];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) load_vec<V>(w[j] + k, wa[j]);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        float xa[V];
+        load_vec<V>(x[r] + k, xa);
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j)
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wa[j][v], xa[v], acc[j][r]);
+      }
+    }
+  } else {
+    for (int k = t; k < K; k += nt) {
+      float wk[ROWS];
+#pragma unroll
+      for (int j = 0; j < ROWS; ++j) wk[j] = to_f32(w[j][k]);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const float xk = x[r][k];
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) acc[j][r] = fmaf(wk[j], xk, acc[j][r]);
+      }
+    }
+  }
+}
+
+// Sum acc over the 32 lanes of the warp; every lane gets the sums.
+template <int ROWS, int NR>
+__device__ __forceinline__ void warp_sum_all(float (&acc)[ROWS][NR]) {
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[j][r] = warp_sum(acc[j][r]);
+}
+
+template <int ROWS, int NR>
+__device__ __forceinline__ void zero(float (&acc)[ROWS][NR]) {
+#pragma unroll
+  for (int j = 0; j < ROWS; ++j)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[j][r] = 0.0f;
+}
+
+// Rows per pass of the GEMV kernels: the chunk of m <= 8 input rows is run by
+// the instantiation for NR = 1, 2, 4 or 8 (the smallest >= m); rows past m
+// re-read row m - 1 and are not stored. One kernel covers every n.
+constexpr int kMaxRows = 8;
+
+// ---------------------------------------------------------------------------
+// Argmax rule: (v, i) beats (bv, bi) when it is a candidate (i >= 0) and either
+// the best is empty, or v is larger, or v is equal and i is lower. NaN values
+// are never offered as candidates (callers filter them), so the result does
+// not depend on the order in which candidates are combined.
+__device__ __forceinline__ bool beats(float v, int i, float bv, int bi) {
+  return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+// ---------------------------------------------------------------------------
+// Row-group GEMV driver (linear.cu, mlp.cu).
+//
+// Block of kGemvWarps = 4 warps. The output is cut into "row groups" of two
+// weight rows each (Epi::rows says which two, e.g. 2u and 2u + 1, or gate row
+// u and up row I + u); a block holds 4 / wpr groups and each group is computed
+// by wpr warps that split K (wpr in {1, 2, 4}; the launcher raises wpr when
+// there are too few groups to fill the GPU). The wpr partial sums of a group
+// are added in warp order through shared memory, then Epi::store writes the
+// results of the chunk's m input rows.
+//
+//   group u = blockIdx.x * (4 / wpr) + warp / wpr, K slice = warp % wpr
+//
+// Epi provides (all __device__ const):
+//   bool rows(int u, int& a, int& b)   -> false when group u is past the end
+//   template <int NR> void store(int u, int r0, int m, const float (&acc)[2][NR])
+//     (called by lane 0 of the group's first warp; acc[j][r] = dot(row j, x[r0 + r]))
+constexpr int kGemvWarps = 4;
+constexpr int kGemvThreads = kGemvWarps * kWarp;
+
+template <typename W, int NR, typename Epi>
+__device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, int r0, int m, int K,
+                                                  int wpr, bool vec, const Epi& epi,
+                                                  float (&red)[kGemvWarps][2 * kMaxRows]) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int u = blockIdx.x * (kGemvWarps / wpr) + warp / wpr;
+  const int sub = warp % wpr;
+  int a = 0, b = 0;
+  const bool active = epi.rows(u, a, b);
+  float acc[2][NR];
+  zero(acc);
+  if (active) {
+    const W* const wr[2] = {w + static_cast<long long>(a) * K, w + static_cast<long long>(b) * K};
+    const float* xr[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * K;
+    gemv_dot<W, NR, 2>(wr, xr, K, sub * kWarp + lane, wpr * kWarp, vec, acc);
+  }
+  warp_sum_all(acc);
+  if (wpr > 1) {  // uniform over the block
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int r = 0; r < NR; ++r) red[warp][j * NR + r] = acc[j][r];
+    }
+    __syncthreads();
+    if (sub == 0) {
+      for (int s = 1; s < wpr; ++s)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int r = 0; r < NR; ++r) acc[j][r] += red[warp + s][j * NR + r];
+    }
+    __syncthreads();  // red is rewritten by the next chunk
+  }
+  if (active && sub == 0 && lane == 0) epi.template store<NR>(u, r0, m, acc);
+}
+
+template <typename W, typename Epi>
+__device__ __forceinline__ void gemv_groups(const float* x, const W* w, int n, int K, int wpr,
+                                            const Epi& epi) {
+  __shared__ float red[kGemvWarps][2 * kMaxRows];
+  constexpr int V = 16 / sizeof(W);
+  const bool vec = K % V == 0 && aligned16(w) && aligned16(x);
+  for (int r0 = 0; r0 < n; r0 += kMaxRows) {
+    const int m = min(kMaxRows, n - r0);
+    if (m > 4)       gemv_groups_chunk<W, 8>(x, w, r0, m, K, wpr, vec, epi, red);
+    else if (m > 2)  gemv_groups_chunk<W, 4>(x, w, r0, m, K, wpr, vec, epi, red);
+    else if (m == 2) gemv_groups_chunk<W, 2>(x, w, r0, m, K, wpr, vec, epi, red);
+    else             gemv_groups_chunk<W, 1>(x, w, r0, m, K, wpr, vec, epi, red);
+  }
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+}  // namespace mtp

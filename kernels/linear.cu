@@ -1,0 +1,67 @@
+// linear.cu -- y[n, N] = x[n, K] @ w[N, K]^T (+ bias[N]) (+ residual[n, N]), FP32 accumulation.
+//
+// Our own GEMV / small-n GEMM (cuBLAS through cupy.matmul cannot be captured
+// in a CUDA graph). Mapping (gemv_groups in common.cuh):
+//   block 128 = 4 warps; row group u = output rows (2u, 2u + 1);
+//   a group is computed by wpr in {1, 2, 4} warps splitting K, so a block holds
+//   4 / wpr groups: grid.x = ceil(ceil(N / 2) / (4 / wpr)).
+//   Input rows are taken 8 at a time (NR = 1, 2, 4 or 8 instantiated by chunk
+//   size): every weight vector is loaded once per chunk of 8 tokens, so for
+//   n <= 8 the weight matrix is streamed exactly once (the bandwidth floor:
+//   N * K * sizeof(W) bytes). For n > 8 it is re-read once per 8 rows, mostly
+//   from L2; prefill-sized n would want a tensor-core GEMM instead.
+// Epilogue (lane 0 of the group's first warp): y = acc + bias + residual, in
+// the reference's order ((x w^T + bias) + residual).
+//
+// Also used for lm_head_logits (no bias / residual), the router logits of
+// moe_router, the eh_proj of mtp_input and the down projection of swiglu_mlp.
+//
+// Preconditions: blockDim.x == 128; x, y, residual fp32 [n, *] contiguous;
+// bias / residual may be null; y may alias residual (each element is read and
+// then written by the same thread), not x. The 16-byte path needs
+// K % (16 / sizeof(W)) == 0 and 16-byte aligned w and x; otherwise the scalar
+// path runs (same results up to summation order).
+#include "common.cuh"
+
+namespace mtp {
+
+struct LinearEpi {
+  const float* bias;      // [N] or null
+  const float* residual;  // [n, N] or null
+  float* y;               // [n, N]
+  int N;
+
+  __device__ bool rows(int u, int& a, int& b) const {
+    a = 2 * u;
+    b = min(a + 1, N - 1);  // the last group of an odd N reads row N - 1 twice, stores it once
+    return a < N;
+  }
+
+  template <int NR>
+  __device__ void store(int u, int r0, int m, const float (&acc)[2][NR]) const {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (r >= m) break;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int o = 2 * u + j;
+        if (o >= N) break;
+        const long long at = static_cast<long long>(r0 + r) * N + o;
+        float v = acc[j][r];
+        if (bias) v += bias[o];
+        if (residual) v += residual[at];
+        y[at] = v;
+      }
+    }
+  }
+};
+
+}  // namespace mtp
+
+template <typename W>
+__global__ void __launch_bounds__(mtp::kGemvThreads)
+linear_kernel(const float* __restrict__ x, const W* __restrict__ w, const float* __restrict__ bias,
+              const float* residual, float* y, int n, int N, int K, int wpr) {
+  const mtp::LinearEpi epi{bias, residual, y, N};
+  mtp::gemv_groups<W>(x, w, n, K, wpr, epi);
+}

@@ -1,0 +1,47 @@
+// mlp.cu -- gate/up half of the SwiGLU MLP:
+//   act[n, I] = silu(x @ w13[0:I]^T) * (x @ w13[I:2I]^T)       x [n, H] fp32, w13 [2I, H] in W
+//
+// swiglu_mlp(x, w13, w2, residual) = linear_kernel(act, w2, residual) after
+// this kernel (linear.cu): y = residual + act @ w2^T.
+//
+// Mapping (gemv_groups in common.cuh): row group u = (gate row u, up row I + u),
+// so one warp holds both halves of act[:, u] and applies silu(g) * up in its
+// epilogue; act never exists unactivated. block 128 = 4 warps, wpr warps per
+// group splitting K = H, grid.x = ceil(I / (4 / wpr)). Each weight vector is
+// used for up to 8 tokens (see linear.cu).
+//
+// Preconditions: blockDim.x == 128; x, act fp32 contiguous. 16-byte path as
+// linear.cu (H % (16 / sizeof(W)) == 0, aligned w13 and x), else scalar.
+#include "common.cuh"
+
+namespace mtp {
+
+struct SwiGluEpi {
+  float* act;  // [n, I]
+  int I;
+
+  __device__ bool rows(int u, int& a, int& b) const {
+    a = u;      // gate row
+    b = I + u;  // up row
+    return u < I;
+  }
+
+  template <int NR>
+  __device__ void store(int u, int r0, int m, const float (&acc)[2][NR]) const {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (r >= m) break;
+      act[static_cast<long long>(r0 + r) * I + u] = silu(acc[0][r]) * acc[1][r];
+    }
+  }
+};
+
+}  // namespace mtp
+
+template <typename W>
+__global__ void __launch_bounds__(mtp::kGemvThreads)
+swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, float* __restrict__ act,
+                      int n, int I, int H, int wpr) {
+  const mtp::SwiGluEpi epi{act, I};
+  mtp::gemv_groups<W>(x, w13, n, H, wpr, epi);
+}

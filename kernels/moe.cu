@@ -1,0 +1,223 @@
+// moe.cu -- the router's selection and the routed experts.
+//
+// moe_router = linear_kernel (linear.cu: logits [n, E] = x @ gate_w^T, the GEMV
+// spread over the GPU) + moe_router_select_kernel:
+//
+// moe_router_select_kernel: grid (n), block = E rounded up to 32 (<= 1024); thread e
+//   owns expert e of row r, exactly as Hugging Face Glm4MoeTopkRouter in FP32:
+//   s = sigmoid(logit) (or softmax over the row); c = s + bias (selection only);
+//   group score = sum of the group's top-2 c; the topk_group best groups are kept
+//   (rank by score, lowest group id on ties); c outside them becomes 0.0 (not -inf);
+//   expert e is chosen when its rank by c (ties: lowest id) is < K, and its rank is
+//   its output column; weight = s / (sum of the chosen s + 1e-20) when norm, times
+//   the scaling factor. Ranks are counted against all E (O(E) shared-memory reads
+//   per thread, broadcasts), so there is no sort and the result is exact.
+//
+// moe_experts = moe_expert_kernel<W, true> + moe_expert_kernel<W, false> + moe_combine_kernel:
+//
+// moe_expert_kernel<W, GATED>: the gather-GEMV over the selected experts.
+//   grid (ceil(units / 4), slots), block 128 = 4 warps, one warp per unit.
+//   A (row, k) pair p = r * K + k selects expert ids[p]. Slot y is
+//     by_pair (n * K <= E, decode): pair y; the block exits unless y is the first pair
+//       naming its expert, so an expert is handled by exactly one slot;
+//     else: expert y (the block exits when no pair names it).
+//   The block then gathers every pair naming its expert (ordered, 8 at a time,
+//   warp 0 with ballots) and runs the GEMV for those input rows together: each
+//   expert's weights are read once per 8 pairs, so an expert picked by several
+//   rows is not re-read from memory per row.
+//   GATED (gate/up): w = w13 [E, 2I, H], unit u = (gate row u, up row I + u),
+//     x row of pair p = x[p / K], act[p, u] = silu(gate) * up.        units = I
+//   !GATED (down):   w = w2 [E, H, I], unit u = rows (2u, 2u + 1),
+//     x row of pair p = act[p], partial[p, h] = w2[e, h] . act[p].   units = ceil(H / 2)
+//
+// moe_combine_kernel: grid (ceil(H / 256), n), block 256:
+//   y[r, h] = residual[r, h] + sum_k weights[r, k] * partial[r * K + k, h], k in order
+//   (deterministic, no atomics); pairs whose id is outside [0, E) add nothing.
+//
+// Preconditions: E <= 1024 and E % n_group == 0 (router); blockDim as stated;
+// ids in [0, E) for pairs that should count; y may alias residual. The 16-byte
+// path needs the GEMV's K (H or I) % (16 / sizeof(W)) == 0 and aligned bases.
+#include "common.cuh"
+
+namespace mtp {
+constexpr int kRouterMaxExperts = 1024;
+}
+
+__global__ void __launch_bounds__(mtp::kRouterMaxExperts)
+moe_router_select_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                         int* __restrict__ ids, float* __restrict__ weights, int E, int K,
+                         int n_group, int topk_group, float scale, int norm_topk, int softmax) {
+  using namespace mtp;
+  __shared__ float s_c[kRouterMaxExperts];     // c, then c masked by group
+  __shared__ float s_gs[kRouterMaxExperts];    // group scores
+  __shared__ int s_keep[kRouterMaxExperts];    // group kept
+  __shared__ float s_sel[kRouterMaxExperts];   // s of the chosen experts, by rank
+  __shared__ float red[33];
+  const int e = threadIdx.x;
+  const long long r = blockIdx.x;
+  const bool valid = e < E;
+
+  const float l = valid ? logits[r * E + e] : 0.0f;
+  float s;
+  if (softmax) {  // uniform
+    const float mx = block_max(valid ? l : neg_inf(), red);
+    const float z = valid ? expf(l - mx) : 0.0f;
+    s = z / block_sum(z, red);
+  } else {
+    s = 1.0f / (1.0f + expf(-l));
+  }
+  const float c = valid ? s + bias[e] : 0.0f;
+  if (valid) s_c[e] = c;
+  __syncthreads();
+
+  const int EG = E / n_group;  // experts per group
+  if (e < n_group) {
+    float a = neg_inf(), b = neg_inf();  // top-2 of the group, a >= b (a duplicate max fills both)
+    for (int j = 0; j < EG; ++j) {
+      const float v = s_c[e * EG + j];
+      if (v > a) { b = a; a = v; }
+      else if (v > b) { b = v; }
+    }
+    s_gs[e] = EG >= 2 ? a + b : a;
+  }
+  __syncthreads();
+  if (e < n_group) {
+    const float gs = s_gs[e];
+    int rank = 0;
+    for (int g = 0; g < n_group; ++g) rank += s_gs[g] > gs || (s_gs[g] == gs && g < e);
+    s_keep[e] = rank < topk_group;
+  }
+  __syncthreads();
+
+  const float cm = valid ? (s_keep[e / EG] ? c : 0.0f) : 0.0f;  // Hugging Face's masked_fill(.., 0.0)
+  if (valid) s_c[e] = cm;
+  __syncthreads();
+  if (valid) {
+    int rank = 0;
+    for (int f = 0; f < E; ++f) {
+      const float v = s_c[f];
+      rank += v > cm || (v == cm && f < e);
+    }
+    if (rank < K) {
+      ids[r * K + rank] = e;
+      s_sel[rank] = s;
+    }
+  }
+  __syncthreads();
+  if (e < K) {
+    float w = s_sel[e];
+    if (norm_topk) {
+      float sum = 0.0f;
+      for (int k = 0; k < K; ++k) sum += s_sel[k];
+      w = w / (sum + 1e-20f);
+    }
+    weights[r * K + e] = w * scale;
+  }
+}
+
+namespace mtp {
+
+// One chunk of m <= NR pairs of expert weights `we`: warp unit u, rows a / b.
+template <typename W, bool GATED, int NR>
+__device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W* we, int R, int Kd,
+                                             int u, const int* pairs, int m, float* out, bool vec) {
+  const int lane = threadIdx.x % kWarp;
+  int a, b;
+  if constexpr (GATED) { a = u; b = R / 2 + u; }  // gate row, up row of w13[e] [2I, H]
+  else { a = 2 * u; b = min(a + 1, R - 1); }       // rows of w2[e] [H, I]
+  const W* const wr[2] = {we + static_cast<long long>(a) * Kd, we + static_cast<long long>(b) * Kd};
+  const float* xr[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(pairs[min(r, m - 1)] / x_div) * Kd;
+  float acc[2][NR];
+  zero(acc);
+  gemv_dot<W, NR, 2>(wr, xr, Kd, lane, kWarp, vec, acc);
+  warp_sum_all(acc);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    if (r >= m) break;
+    const long long p = pairs[r];
+    if constexpr (GATED) {
+      out[p * (R / 2) + u] = silu(acc[0][r]) * acc[1][r];  // act [n * K, I]
+    } else {
+      out[p * R + a] = acc[0][r];                           // partial [n * K, H]
+      if (a + 1 < R) out[p * R + a + 1] = acc[1][r];
+    }
+  }
+}
+
+}  // namespace mtp
+
+template <typename W, bool GATED>
+__global__ void __launch_bounds__(mtp::kGemvThreads)
+moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict__ ids, int nK, int E,
+                  const W* __restrict__ w, int R, int Kd, float* __restrict__ out, int by_pair) {
+  using namespace mtp;
+  __shared__ int s_pairs[kMaxRows];
+  __shared__ int s_count, s_cursor;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int slot = blockIdx.y;
+  int e = slot;
+  if (by_pair) {
+    e = ids[slot];
+    if (e < 0 || e >= E) return;
+    bool dup = false;  // an earlier pair naming e owns this expert
+    for (int p = threadIdx.x; p < slot; p += blockDim.x) dup |= ids[p] == e;
+    if (__syncthreads_or(dup)) return;
+  }
+  const int units = GATED ? R / 2 : (R + 1) / 2;
+  const int u = blockIdx.x * kGemvWarps + warp;
+  const W* we = w + static_cast<long long>(e) * R * Kd;  // expert e: [R, Kd]
+  const bool vec = Kd % (16 / static_cast<int>(sizeof(W))) == 0 && aligned16(w) && aligned16(x);
+
+  int cursor = 0;  // next pair to scan
+  for (;;) {
+    if (warp == 0) {  // gather the next <= 8 pairs naming e, in pair order
+      int cnt = 0;
+      while (cnt < kMaxRows && cursor < nK) {
+        const int p = cursor + lane;
+        const bool hit = p < nK && ids[p] == e;
+        const unsigned bits = __ballot_sync(kFullMask, hit);
+        const int before = __popc(bits & ((1u << lane) - 1u));
+        const int total = __popc(bits);
+        const int take = min(kMaxRows - cnt, total);
+        if (hit && before < take) s_pairs[cnt + before] = p;
+        if (take < total) {  // resume at the first hit not taken
+          cursor += __ffs(__ballot_sync(kFullMask, hit && before == take)) - 1;
+        } else {
+          cursor += kWarp;
+        }
+        cnt += take;
+      }
+      if (lane == 0) { s_count = cnt; s_cursor = cursor; }
+    }
+    __syncthreads();
+    const int m = s_count;
+    cursor = s_cursor;
+    if (m == 0) break;
+    if (u < units) {
+      if (m > 4)       expert_chunk<W, GATED, 8>(x, x_div, we, R, Kd, u, s_pairs, m, out, vec);
+      else if (m > 2)  expert_chunk<W, GATED, 4>(x, x_div, we, R, Kd, u, s_pairs, m, out, vec);
+      else if (m == 2) expert_chunk<W, GATED, 2>(x, x_div, we, R, Kd, u, s_pairs, m, out, vec);
+      else             expert_chunk<W, GATED, 1>(x, x_div, we, R, Kd, u, s_pairs, m, out, vec);
+    }
+    __syncthreads();  // s_pairs is rewritten by the next gather
+  }
+}
+
+__global__ void __launch_bounds__(256)
+moe_combine_kernel(const float* __restrict__ partial, const int* __restrict__ ids,
+                   const float* __restrict__ weights, const float* residual, float* y, int K, int E, int H) {
+  const int h = blockIdx.x * blockDim.x + threadIdx.x;
+  const long long r = blockIdx.y;
+  if (h >= H) return;
+  float acc = residual ? residual[r * H + h] : 0.0f;
+  for (int k = 0; k < K; ++k) {
+    const long long p = r * K + k;
+    const int e = ids[p];
+    if (e < 0 || e >= E) continue;
+    acc += weights[p] * partial[p * H + h];
+  }
+  y[r * H + h] = acc;
+}

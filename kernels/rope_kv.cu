@@ -1,0 +1,84 @@
+// rope_kv.cu -- per-head q/k RMSNorm, partial neox RoPE, paged KV write, in one pass.
+//
+//   qkv [n, (Hq + 2 Hkv) * D] fp32: Hq query heads, Hkv key heads, Hkv value heads
+//   q_out [n, Hq, D] fp32 = rope(rmsnorm(q, q_norm_w))
+//   k_cache[slot, hk, :] = KV(rope(rmsnorm(k, k_norm_w)))     caches [NB, BS, Hkv, D] in KV
+//   v_cache[slot, hk, :] = KV(v)                               (slot = block * BS + offset)
+//
+// RoPE (neox, first R = 2 * half dims): with x1 = x[0:half], x2 = x[half:R],
+// f = float(pos) * inv_freq: x1' = x1 cos f - x2 sin f, x2' = x2 cos f + x1 sin f;
+// dims R..D pass through. sincosf is the accurate one (no fast math).
+//
+// Mapping: one warp per (row, head) over all Hq + 2 Hkv heads of the row.
+//   grid (ceil((Hq + 2 Hkv) / 4), n), block 128 = 4 warps.
+//   Lanes stride over the head's D elements: a warp-sum of squares gives the
+//   norm, then lane i rotates the pairs (i, i + half), i = lane, lane + 32, ...
+//   The head (D * 4 B) is re-read from L1 for the second pass.
+//
+// Preconditions: blockDim.x == 128; 1 <= half <= D / 2; q_norm_w / k_norm_w
+// may be null (no norm). A slot outside [0, num_slots) (e.g. -1 padding) skips
+// that row's K/V write; q is still produced.
+#include "common.cuh"
+
+namespace mtp {
+constexpr int kRopeWarps = 4;
+}
+
+template <typename KV>
+__global__ void __launch_bounds__(mtp::kRopeWarps * mtp::kWarp)
+qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, const float* __restrict__ q_norm_w,
+                             const float* __restrict__ k_norm_w, float eps,
+                             const float* __restrict__ inv_freq, int half,
+                             const int* __restrict__ positions, KV* __restrict__ k_cache,
+                             KV* __restrict__ v_cache, const int* __restrict__ slots,
+                             long long num_slots, float* __restrict__ q_out, int Hq, int Hkv, int D) {
+  const int warp = threadIdx.x / mtp::kWarp, lane = threadIdx.x % mtp::kWarp;
+  const int h = blockIdx.x * mtp::kRopeWarps + warp;  // head of the row: q, then k, then v
+  const long long r = blockIdx.y;
+  const int heads = Hq + 2 * Hkv;
+  if (h >= heads) return;  // no barriers in this kernel
+  const float* src = qkv + (r * heads + h) * D;
+
+  // destination
+  const bool is_q = h < Hq, is_k = !is_q && h < Hq + Hkv;
+  float* qdst = nullptr;
+  KV* kvdst = nullptr;
+  if (is_q) {
+    qdst = q_out + (r * Hq + h) * D;
+  } else {
+    const long long slot = slots[r];
+    if (slot < 0 || slot >= num_slots) return;
+    const int hk = is_k ? h - Hq : h - Hq - Hkv;
+    kvdst = (is_k ? k_cache : v_cache) + (slot * Hkv + hk) * D;
+  }
+
+  if (!is_q && !is_k) {  // v: convert and store
+    for (int d = lane; d < D; d += mtp::kWarp) kvdst[d] = mtp::from_f32<KV>(src[d]);
+    return;
+  }
+
+  // RMSNorm of the head (as the reference: x / sqrt(mean(x^2) + eps) * w)
+  const float* nw = is_q ? q_norm_w : k_norm_w;
+  float denom = 1.0f;
+  if (nw) {
+    float ss = 0.0f;
+    for (int d = lane; d < D; d += mtp::kWarp) ss = fmaf(src[d], src[d], ss);
+    ss = mtp::warp_sum(ss);
+    denom = sqrtf(ss / static_cast<float>(D) + eps);
+  }
+  auto normed = [&](int d) { return nw ? src[d] / denom * nw[d] : src[d]; };
+  auto put = [&](int d, float v) {
+    if (is_q) qdst[d] = v;
+    else kvdst[d] = mtp::from_f32<KV>(v);
+  };
+
+  const float pos = static_cast<float>(positions[r]);
+  for (int i = lane; i < half; i += mtp::kWarp) {
+    const float x1 = normed(i), x2 = normed(i + half);
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    put(i, x1 * c - x2 * s);
+    put(i + half, x2 * c + x1 * s);
+  }
+  for (int d = 2 * half + lane; d < D; d += mtp::kWarp) put(d, normed(d));
+}

@@ -1,0 +1,136 @@
+"""The CUDA backend: the ops of ``mtpkern.ops`` as our own kernels (kernels/*.cu)
+launched through CuPy ``RawModule`` (no deep-learning framework, no cuBLAS, so
+a propose step can be captured in a CUDA graph).
+
+Storage: weights stay BF16 (CuPy has no bfloat16 dtype: a weight is a uint16
+array of the BF16 bits) or FP32; norm weights, biases and activations are FP32;
+indices int32; the paged KV cache is BF16 bits by default (``kv_dtype`` uint16;
+``CudaBackend(kv_dtype="float32")`` keeps it FP32, e.g. for exact comparisons).
+
+Every op takes its outputs and workspaces as optional keyword-only buffers
+(``out=``, and e.g. ``act=`` / ``partial=`` for ``moe_experts``; see the
+launchers in ``mtpkern.backends.cuda_launch``): given contiguous device arrays
+of the right shape and dtype, a launch allocates nothing, as CUDA-graph capture
+requires. ``lm_head_argmax(..., check=False)`` also skips its host read.
+A family compiles on its first launch (then CuPy's disk cache serves it), so
+run every op once before capturing a graph.
+
+Imports without a GPU (nothing touches CuPy or compiles until an op runs);
+constructing a ``CudaBackend`` needs a usable device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+
+from .base import Backend
+from .cuda_launch import attention, linear, lm_head, mlp, moe, norm, rope_kv
+
+KvDtype = Literal["bfloat16", "float32"]
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    kv_dtype: Any = np.uint16  # BF16 bits
+
+    def __init__(self, kv_dtype: KvDtype = "bfloat16"):
+        if kv_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"kv_dtype: expected 'bfloat16' or 'float32', got {kv_dtype!r}")
+        cp = _cupy()
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except Exception as e:  # no driver
+            raise RuntimeError(f"CudaBackend: no usable CUDA device ({e})") from e
+        if count < 1:
+            raise RuntimeError("CudaBackend: no CUDA device")
+        self.kv_dtype = np.uint16 if kv_dtype == "bfloat16" else np.float32
+        self.device_id = cp.cuda.Device().id
+
+    # -- memory -------------------------------------------------------------
+    def prepare_weight(self, w: np.ndarray):
+        """BF16 (ml_dtypes) -> uint16 bits on the GPU; uint16 is taken as BF16 bits
+        already; any other float -> FP32."""
+        w = np.asarray(w)
+        if w.dtype == _bf16() or w.dtype == np.uint16:
+            host = np.ascontiguousarray(w).view(np.uint16)
+        elif np.issubdtype(w.dtype, np.floating):
+            host = np.ascontiguousarray(w, dtype=np.float32)
+        else:
+            raise TypeError(f"prepare_weight: expected a bfloat16 or float array, got {w.dtype}")
+        return _cupy().asarray(host)
+
+    def from_host(self, a):
+        return _cupy().asarray(np.ascontiguousarray(a))
+
+    def to_host(self, a) -> np.ndarray:
+        cp = _cupy()
+        return cp.asnumpy(a) if isinstance(a, cp.ndarray) else np.asarray(a)
+
+    def empty_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
+        return _cupy().zeros((num_blocks, block_size, num_kv_heads, head_dim), self.kv_dtype)
+
+    def kv_to_host(self, cache) -> np.ndarray:
+        host = self.to_host(cache)
+        if host.dtype == np.uint16:
+            return host.view(_bf16()).astype(np.float32)
+        return host.astype(np.float32, copy=False)
+
+    def synchronize(self) -> None:
+        _cupy().cuda.get_current_stream().synchronize()
+
+    def describe(self) -> str:
+        cp = _cupy()
+        props = cp.cuda.runtime.getDeviceProperties(self.device_id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        kv = "bf16" if self.kv_dtype == np.uint16 else "fp32"
+        return f"cuda ({name}, sm_{props['major']}{props['minor']}, kv {kv})"
+
+    # -- ops (shapes and meaning: mtpkern.ops.<family>; buffers: the launchers) --
+    def rmsnorm(self, x, w, eps: float, *, out=None):
+        return norm.rmsnorm(x, w, eps, out=out)
+
+    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None, xcat=None):
+        return norm.mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, out=out, xcat=xcat)
+
+    def linear(self, x, w, bias=None, residual=None, *, out=None):
+        return linear.linear(x, w, bias, residual, out=out)
+
+    def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
+                              eps: float, inv_freq, positions, k_cache, v_cache, slots, *, out=None):
+        return rope_kv.qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, eps,
+                                             inv_freq, positions, k_cache, v_cache, slots, out=out)
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
+                        out=None, part_o=None, part_ml=None):
+        return attention.paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale,
+                                         out=out, part_o=part_o, part_ml=part_ml)
+
+    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
+        return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits)
+
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None):
+        return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial)
+
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None):
+        return mlp.swiglu_mlp(x, w13, w2, residual, out=out, act=act)
+
+    def lm_head_logits(self, x, w, *, out=None):
+        return lm_head.lm_head_logits(x, w, out=out)
+
+    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, check: bool = True):
+        """-> ids [n] int32; raises ``NoAllowedToken`` (when ``check``; see the launcher)."""
+        return lm_head.lm_head_argmax(x, w, bitmask, out=out, part_v=part_v, part_i=part_i, check=check)

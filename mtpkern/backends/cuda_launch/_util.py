@@ -1,0 +1,147 @@
+"""Helpers shared by the launchers.
+
+Arrays: :func:`device` turns any GPU array (CuPy, ``__cuda_array_interface__``,
+DLPack) into a CuPy view without copying; a NumPy array is copied to the GPU
+(convenient, but not allocation-free, so not for CUDA-graph capture).
+:func:`output` returns a caller's preallocated buffer after checking it, or
+allocates one. A launch given every ``out`` / workspace buffer as contiguous
+device arrays of the right dtype allocates nothing.
+
+Scalars go to the kernels as exact NumPy types (``np.int32``, ``np.float32``,
+``np.int64``): CuPy passes them by value with their own size and checks nothing
+against the kernel's signature.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from ...ops._check import dtype_name, expect_dtype, shape_of
+from .loader import CTYPE
+
+#: a null pointer argument (kernels test optional inputs such as bias against nullptr)
+NULL = np.uint64(0)
+#: CUDA limit of gridDim.y and gridDim.z
+MAX_GRID_YZ = 65535
+#: dtype names of stored weights: FP32, or BF16 as uint16 bits
+WEIGHT_DTYPES = ("float32", "uint16")
+
+
+def i32(v) -> np.int32:
+    v = int(v)
+    if not -(2**31) <= v < 2**31:
+        raise ValueError(f"{v} does not fit a 32-bit kernel argument")
+    return np.int32(v)
+
+
+def f32(v) -> np.float32:
+    return np.float32(v)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def is_device_array(a: Any) -> bool:
+    if hasattr(a, "__cuda_array_interface__"):
+        return True
+    dev = getattr(a, "__dlpack_device__", None)
+    # DLPack device types: 2 CUDA, 13 CUDA managed (3, pinned host memory, is host memory)
+    return dev is not None and not isinstance(a, np.ndarray) and dev()[0] in (2, 13)
+
+
+def device(a: Any, name: str, *dtypes: str):
+    """``a`` as a contiguous CuPy array of one of ``dtypes``.
+
+    GPU arrays are wrapped without a copy (a non-contiguous one is copied to a
+    contiguous one); host arrays are copied to the current device."""
+    cp = _cupy()
+    if isinstance(a, cp.ndarray):
+        arr = a
+    elif hasattr(a, "__cuda_array_interface__"):
+        arr = cp.asarray(a)
+    elif is_device_array(a):
+        arr = cp.from_dlpack(a)
+    else:
+        arr = cp.asarray(np.asarray(a))
+    if dtypes:
+        expect_dtype(name, arr, *dtypes)
+    if not arr.flags.c_contiguous:
+        arr = cp.ascontiguousarray(arr)
+    return arr
+
+
+def optional(a: Any, name: str, *dtypes: str):
+    return None if a is None else device(a, name, *dtypes)
+
+
+def inplace(a: Any, name: str, *dtypes: str):
+    """A device array the kernel writes into: no copy may stand in for it."""
+    cp = _cupy()
+    if not (isinstance(a, cp.ndarray) or is_device_array(a)):
+        raise TypeError(f"{name}: expected a GPU array (written in place), got {type(a).__name__}")
+    arr = a if isinstance(a, cp.ndarray) else (cp.asarray(a) if hasattr(a, "__cuda_array_interface__") else cp.from_dlpack(a))
+    if dtypes:
+        expect_dtype(name, arr, *dtypes)
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array (written in place), got strides {arr.strides}")
+    return arr
+
+
+def output(out: Any, name: str, shape: tuple[int, ...], dtype) -> Any:
+    """The caller's buffer ``out`` (checked: shape, dtype, contiguous, on the GPU), or a new one."""
+    if out is None:
+        return _cupy().empty(shape, dtype)
+    arr = inplace(out, name, np.dtype(dtype).name)
+    if shape_of(arr) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(shape_of(arr))}")
+    return arr
+
+
+def expect_disjoint(name_a: str, a: Any, name_b: str, b: Any) -> None:
+    """Raise when two device arrays share memory (a kernel reading b while writing a)."""
+    a0, b0 = a.data.ptr, b.data.ptr
+    if a0 < b0 + b.nbytes and b0 < a0 + a.nbytes and a.nbytes and b.nbytes:
+        raise ValueError(f"{name_a} must not overlap {name_b}")
+
+
+def ptr(a: Any) -> Any:
+    """Array argument, or a null pointer for an absent optional input."""
+    return NULL if a is None else a
+
+
+def expect_weight(name: str, w: Any) -> None:
+    """A stored weight: FP32, or BF16 bits in uint16 (see CudaBackend.prepare_weight)."""
+    if dtype_name(w) not in WEIGHT_DTYPES:
+        raise TypeError(
+            f"{name}: expected dtype float32 or uint16 (bf16 bits from prepare_weight), got {dtype_name(w)}"
+        )
+
+
+def ctype(a: Any) -> str:
+    """C++ element type of a weight / KV array: 'float' or '__nv_bfloat16'."""
+    return CTYPE[dtype_name(a)]
+
+
+def expect_grid_yz(name: str, v: int) -> None:
+    if v > MAX_GRID_YZ:
+        raise ValueError(f"{name}: at most {MAX_GRID_YZ} per launch (a CUDA grid limit), got {v}")
+
+
+@functools.cache
+def _sm_count(device_id: int) -> int:
+    return int(_cupy().cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current device (132 on H100 SXM / H200)."""
+    return _sm_count(_cupy().cuda.Device().id)

@@ -1,0 +1,117 @@
+"""Launcher of ``paged_attention_kernel`` (+ ``paged_attention_merge_kernel``), kernels/attention.cu.
+
+``paged_attention(q [n, Hq, D], k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, D],
+block_tables [S, max_blocks] int32, row_seq [n] int32, row_len [n] int32, scale)
+-> out [n, Hq * D]`` FP32.
+
+Split-KV: a row's KV rows are cut into partitions of ``part_size`` (512, less
+when the scores would not fit shared memory or the GPU would be short of
+blocks; see :func:`plan`) handled by separate blocks;
+``num_parts = ceil(max_blocks * BS / part_size)`` comes from the *shapes* (no
+device-to-host read of row_len, so the launch is graph-capturable), and blocks
+past a row's length exit at once. With more than one partition the partials go
+to the workspaces ``part_o [n, Hq, P, D]`` and ``part_ml [n, Hq, P, 2]`` FP32
+(``P = plan(...).num_parts``) and a merge kernel writes ``out``.
+
+Preconditions (checked): D <= 256, Hq % Hkv == 0, caches of one dtype (BF16
+bits or FP32). Not checked (device data): row_len[r] >= 1 (a row with 0 gets
+zeros, the reference raises), block table entries of the first row_len rows
+valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...ops._check import expect_dtype
+from ...ops.attention import check_paged_attention
+from ._util import NULL, cdiv, ctype, device, expect_grid_yz, f32, i32, output, sm_count
+from .loader import ATTENTION_DC, get_kernel
+
+#: kAttnThreads in attention.cu
+ATTN_THREADS = 128
+#: preferred KV rows per partition (per block)
+PART_SIZE = 512
+#: static limit of dynamic shared memory without an opt-in attribute
+SMEM_LIMIT = 48 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    dc: int            # head dims per lane in the PV pass (template parameter DC)
+    part_size: int     # KV rows per block
+    num_parts: int     # partitions of the longest possible row
+    smem_bytes: int    # dynamic shared memory per block
+
+
+def smem_bytes(group: int, D: int, dc: int, part_size: int) -> int:
+    """The kernel's layout: q_s [group][Dp], s_s [gcap][part], slot_s [part], ml_s [gcap][2]."""
+    gcap = min(group, 64 // dc)
+    Dp = cdiv(D, 8) * 8
+    return 4 * (group * Dp + gcap * part_size + part_size + 2 * gcap)
+
+
+def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0) -> AttentionPlan:
+    """Launch plan for ``group = Hq / Hkv`` query heads per KV head, head dim D,
+    rows of at most ``max_len = max_blocks * BS`` KV rows, and ``work = n * Hkv``
+    (row, KV head) pairs.
+
+    part_size starts at 512 and halves (down to 32 * dc: the PV reduction reuses
+    the score buffer) while the scores do not fit shared memory, or while
+    ``work * num_parts`` is under ``target_blocks`` (2 per SM): one decode row
+    with Hkv = 8 and 2048 cached rows gets 128 blocks (part 128), not 32."""
+    if not 1 <= D <= 32 * ATTENTION_DC[-1]:
+        raise ValueError(f"head dim: expected 1..{32 * ATTENTION_DC[-1]}, got {D}")
+    dc = next(c for c in ATTENTION_DC if D <= 32 * c)
+    part, least = PART_SIZE, 32 * dc
+    while part > least and (
+        smem_bytes(group, D, dc, part) > SMEM_LIMIT or work * cdiv(max_len, part) < target_blocks
+    ):
+        part //= 2
+    smem = smem_bytes(group, D, dc, part)
+    if smem > SMEM_LIMIT:
+        raise ValueError(
+            f"paged_attention: {group} query heads per KV head x head dim {D} need {smem} B of "
+            f"shared memory, over {SMEM_LIMIT}"
+        )
+    return AttentionPlan(dc, part, max(1, cdiv(max_len, part)), smem)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
+                    out=None, part_o=None, part_ml=None):
+    """-> out [n, Hq * D] FP32; ``part_o`` / ``part_ml``: split-KV workspaces (see module doc)."""
+    check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len)
+    expect_dtype("k_cache", k_cache, "uint16", "float32")
+    expect_dtype("v_cache", v_cache, k_cache.dtype.name)
+    expect_dtype("q", q, "float32")
+    NB, BS, Hkv, D = k_cache.shape
+    n, Hq, _ = q.shape
+    max_blocks = block_tables.shape[1]
+    cap = max_blocks * BS
+    p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count())
+    expect_grid_yz("q rows", n)
+    expect_grid_yz("KV partitions", p.num_parts)
+    q = device(q, "q")
+    k_cache, v_cache = device(k_cache, "k_cache"), device(v_cache, "v_cache")
+    block_tables = device(block_tables, "block_tables")
+    row_seq, row_len = device(row_seq, "row_seq"), device(row_len, "row_len")
+    y = output(out, "out", (n, Hq * D), np.float32)
+    if n == 0:
+        return y
+    direct = p.num_parts == 1
+    if not direct:
+        part_o = output(part_o, "part_o", (n, Hq, p.num_parts, D), np.float32)
+        part_ml = output(part_ml, "part_ml", (n, Hq, p.num_parts, 2), np.float32)
+    kernel = get_kernel("attention", f"paged_attention_kernel<{ctype(k_cache)}, {p.dc}>")
+    kernel((Hkv, n, p.num_parts), (ATTN_THREADS,),
+           (q, k_cache, v_cache, block_tables, i32(max_blocks), row_seq, row_len,
+            y, NULL if direct else part_o, NULL if direct else part_ml,
+            i32(Hq), i32(Hkv), i32(D), i32(BS), i32(p.part_size), i32(p.num_parts), f32(scale)),
+           shared_mem=p.smem_bytes)
+    if not direct:
+        merge = get_kernel("attention", "paged_attention_merge_kernel")
+        merge((Hq, n), (ATTN_THREADS,),
+              (part_o, part_ml, row_len, i32(cap), y, i32(Hq), i32(D), i32(p.part_size), i32(p.num_parts)))
+    return y

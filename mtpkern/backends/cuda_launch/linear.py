@@ -1,0 +1,62 @@
+"""Launcher of ``linear_kernel`` (kernels/linear.cu): the GEMV / small-n GEMM.
+
+``linear(x [n, K], w [N, K], bias [N] | None, residual [n, N] | None) -> y [n, N]``
+(``mtpkern.ops.linear``). ``w`` is FP32 or BF16 bits (uint16); x, bias,
+residual, y are FP32. ``out`` may be ``residual`` (in-place residual add).
+
+:func:`gemv_config` is the launch configuration of every row-group GEMV
+(linear, swiglu gate/up): also used by mlp, moe (router logits), lm_head
+(logits) and norm (eh_proj of mtp_input).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...ops.linear import check_linear
+from ._util import cdiv, ctype, device, expect_disjoint, expect_weight, i32, optional, output, ptr, sm_count
+from .loader import get_kernel
+
+#: kGemvThreads in common.cuh: 4 warps, one row group (2 weight rows) per warp
+GEMV_THREADS = 128
+GEMV_WARPS = 4
+
+
+def gemv_config(groups: int) -> tuple[tuple[int], int]:
+    """-> (grid, wpr) for ``groups`` row groups of two weight rows.
+
+    wpr warps split K for one group; the smallest wpr in (1, 2, 4) that still
+    gives >= 2 blocks per SM is taken, so a short output (router logits, E = 128
+    rows -> 64 groups) spreads its K loop over 4 warps instead of idling the GPU."""
+    target = 2 * sm_count()
+    wpr = 4
+    for w in (1, 2):
+        if cdiv(groups, GEMV_WARPS // w) >= target:
+            wpr = w
+            break
+    return (cdiv(groups, GEMV_WARPS // wpr),), wpr
+
+
+def launch_linear(x, w, bias, residual, y) -> None:
+    """Validated, contiguous device arrays: x [n, K], w [N, K], y [n, N]."""
+    n, K = x.shape
+    N = w.shape[0]
+    if n == 0 or N == 0:
+        return
+    grid, wpr = gemv_config(cdiv(N, 2))
+    kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}>")
+    kernel(grid, (GEMV_THREADS,), (x, w, ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr)))
+
+
+def linear(x, w, bias=None, residual=None, *, out=None):
+    """y [n, N] = x [n, K] @ w [N, K]^T (+ bias [N]) (+ residual [n, N]); ``out``: [n, N] FP32."""
+    check_linear(x, w, bias, residual)
+    expect_weight("w", w)
+    x = device(x, "x", "float32")
+    w = device(w, "w")
+    bias = optional(bias, "bias", "float32")
+    residual = optional(residual, "residual", "float32")
+    y = output(out, "out", (x.shape[0], w.shape[0]), np.float32)
+    expect_disjoint("out", y, "x", x)
+    launch_linear(x, w, bias, residual, y)
+    return y

@@ -1,0 +1,82 @@
+"""Launchers of the LM head: ``lm_head_logits`` (``linear_kernel``) and
+``lm_head_argmax`` (kernels/lm_head.cu, GEMV + masked argmax, logits never stored).
+
+``lm_head_logits(x [n, H], w [V, H]) -> [n, V]`` FP32.
+
+``lm_head_argmax(x [n, H], w [V, H], bitmask [n, ceil(V / 32)] int32 | None)
+-> ids [n] int32``: ties to the lowest id, NaN never wins, bit ``j & 31`` of
+word ``j >> 5`` allows token j, padding bits past V are ignored. Workspaces
+``part_v [n, P]`` FP32 / ``part_i [n, P]`` int32 with ``P = ceil(V / 64)``.
+
+A row with no allowed, non-NaN token comes back as -1; with ``check=True``
+(default) the launcher copies ids to the host (a synchronisation) and raises
+``NoAllowedToken`` naming the row. Inside a CUDA-graph capture pass
+``check=False`` and call :func:`raise_if_no_allowed` on the ids afterwards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import NoAllowedToken
+from ...ops._check import expect_ndim, expect_shape
+from ...ops.lm_head import check_bitmask
+from ._util import cdiv, ctype, device, expect_weight, i32, optional, output, ptr
+from .linear import GEMV_THREADS, launch_linear
+from .loader import get_kernel
+
+#: kLmRowsPerBlock in lm_head.cu: vocab rows per block of the first stage
+ROWS_PER_BLOCK = 64
+FINAL_THREADS = 256
+
+
+def _check(x, w) -> None:
+    expect_ndim("x", x, 2)
+    expect_shape("w", w, (None, x.shape[1]))
+    expect_weight("w", w)
+
+
+def lm_head_logits(x, w, *, out=None):
+    """-> logits [n, V] FP32."""
+    _check(x, w)
+    x, w = device(x, "x", "float32"), device(w, "w")
+    y = output(out, "out", (x.shape[0], w.shape[0]), np.float32)
+    launch_linear(x, w, None, None, y)
+    return y
+
+
+def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, check: bool = True):
+    """-> ids [n] int32 (see the module doc for ``check`` and the workspaces)."""
+    _check(x, w)
+    n, H = x.shape
+    V = w.shape[0]
+    if V < 1:
+        raise ValueError("w: expected at least one vocabulary row, got 0")
+    if bitmask is not None:
+        check_bitmask(bitmask, n, V)
+    x, w = device(x, "x", "float32"), device(w, "w")
+    bitmask = optional(bitmask, "bitmask", "int32")
+    P = cdiv(V, ROWS_PER_BLOCK)
+    ids = output(out, "out", (n,), np.int32)
+    part_v = output(part_v, "part_v", (n, P), np.float32)
+    part_i = output(part_i, "part_i", (n, P), np.int32)
+    if n == 0:
+        return ids
+    partial = get_kernel("lm_head", f"lm_head_argmax_partial_kernel<{ctype(w)}>")
+    partial((P,), (GEMV_THREADS,), (x, w, ptr(bitmask), part_v, part_i, i32(n), i32(V), i32(H), i32(P)))
+    final = get_kernel("lm_head", "argmax_final_kernel")
+    final((n,), (FINAL_THREADS,), (part_v, part_i, i32(P), ids))
+    if check:
+        raise_if_no_allowed(ids, V)
+    return ids
+
+
+def raise_if_no_allowed(ids, V: int) -> None:
+    """Raise ``NoAllowedToken`` for the first row whose id is -1 (copies ids to the host)."""
+    host = ids.get() if hasattr(ids, "get") else np.asarray(ids)
+    bad = np.flatnonzero(host < 0)
+    if bad.size:
+        raise NoAllowedToken(
+            f"row {int(bad[0])}: the grammar bitmask allows no token with a non-NaN logit "
+            f"(vocabulary of {V})"
+        )

@@ -1,0 +1,39 @@
+"""Launcher of the SwiGLU MLP: ``swiglu_gate_up_kernel`` (kernels/mlp.cu) then
+``linear_kernel`` (down projection with the residual fused).
+
+``swiglu_mlp(x [n, H], w13 [2I, H], w2 [H, I], residual [n, H] | None) -> [n, H]``
+FP32 activations, stored weights (FP32 or BF16 bits). ``act``: workspace
+[n, I] FP32 (silu(gate) * up). ``out`` may be ``residual``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...ops.mlp import check_swiglu_mlp
+from ._util import ctype, device, expect_disjoint, expect_weight, i32, optional, output
+from .linear import GEMV_THREADS, gemv_config, launch_linear
+from .loader import get_kernel
+
+
+def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None):
+    """-> y [n, H] FP32 = residual + w2 @ (silu(w13[:I] x) * w13[I:] x)."""
+    check_swiglu_mlp(x, w13, w2, residual)
+    expect_weight("w13", w13)
+    expect_weight("w2", w2)
+    n, H = x.shape
+    I = w13.shape[0] // 2
+    x = device(x, "x", "float32")
+    w13, w2 = device(w13, "w13"), device(w2, "w2")
+    residual = optional(residual, "residual", "float32")
+    act = output(act, "act", (n, I), np.float32)
+    y = output(out, "out", (n, H), np.float32)
+    expect_disjoint("out", y, "act", act)
+    if n == 0:
+        return y
+    if I:
+        grid, wpr = gemv_config(I)  # row group u = (gate row u, up row I + u)
+        kernel = get_kernel("mlp", f"swiglu_gate_up_kernel<{ctype(w13)}>")
+        kernel(grid, (GEMV_THREADS,), (x, w13, act, i32(n), i32(I), i32(H), i32(wpr)))
+    launch_linear(act, w2, None, residual, y)
+    return y

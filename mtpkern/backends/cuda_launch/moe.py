@@ -1,0 +1,97 @@
+"""Launchers of kernels/moe.cu: ``moe_router`` and ``moe_experts``.
+
+``moe_router(x [n, H], gate_w [E, H], bias [E], spec) -> (ids [n, K] int32,
+weights [n, K] FP32)``: ``linear_kernel`` for the logits (workspace ``logits``
+[n, E] FP32) then ``moe_router_select_kernel``, one block per row. E <= 1024.
+
+``moe_experts(x [n, H], ids [n, K], weights [n, K], w13 [E, 2I, H], w2 [E, H, I],
+residual [n, H] | None) -> [n, H]``: three launches, workspaces
+``act [n * K, I]`` and ``partial [n * K, H]`` FP32:
+
+1. ``moe_expert_kernel<W, true>``: act[p] = silu(gate) * up of pair p's expert;
+2. ``moe_expert_kernel<W, false>``: partial[p] = w2[e] @ act[p];
+3. ``moe_combine_kernel``: y = residual + sum_k weights[:, k] * partial[:, k] in k order.
+
+Each expert's weights are read once per launch for all the pairs that chose
+it (up to 8 per pass). Slots: by pair when n * K <= E (decode), else by expert.
+``out`` may be ``residual``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...ops._check import expect_dtype
+from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
+from ._util import cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_weight, f32, i32, optional, output, ptr
+from .linear import GEMV_THREADS, GEMV_WARPS, launch_linear
+from .loader import get_kernel
+
+#: kRouterMaxExperts in moe.cu: one thread per expert
+ROUTER_MAX_EXPERTS = 1024
+COMBINE_THREADS = 256
+
+
+def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, logits=None):
+    """-> (ids [n, K] int32, weights [n, K] FP32); ``logits``: workspace [n, E] FP32."""
+    check_moe_router(x, gate_w, bias, spec)
+    expect_weight("gate_w", gate_w)
+    n = x.shape[0]
+    E, K = gate_w.shape[0], spec.top_k
+    if E > ROUTER_MAX_EXPERTS:
+        raise ValueError(f"gate_w: at most {ROUTER_MAX_EXPERTS} experts, got {E}")
+    x = device(x, "x", "float32")
+    gate_w = device(gate_w, "gate_w")
+    bias = device(bias, "bias", "float32")
+    logits = output(logits, "logits", (n, E), np.float32)
+    ids = output(ids, "ids", (n, K), np.int32)
+    weights = output(weights, "weights", (n, K), np.float32)
+    if n == 0:
+        return ids, weights
+    launch_linear(x, gate_w, None, None, logits)
+    block = cdiv(E, 32) * 32
+    get_kernel("moe", "moe_router_select_kernel")(
+        (n,), (block,),
+        (logits, bias, ids, weights, i32(E), i32(K), i32(spec.n_group), i32(spec.topk_group),
+         f32(spec.routed_scaling_factor), i32(spec.norm_topk_prob), i32(spec.scoring == "softmax")),
+    )
+    return ids, weights
+
+
+def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None):
+    """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces."""
+    check_moe_experts(x, ids, weights, w13, w2, residual)
+    expect_weight("w13", w13)
+    expect_weight("w2", w2)
+    expect_dtype("weights", weights, "float32")
+    n, H = x.shape
+    K = ids.shape[1]
+    E, I = w13.shape[0], w13.shape[1] // 2
+    nK = n * K
+    by_pair = nK <= E
+    slots = nK if by_pair else E
+    expect_grid_yz("expert slots (n * K, or E)", slots)
+    expect_grid_yz("x rows", n)
+    x = device(x, "x", "float32")
+    ids, weights = device(ids, "ids", "int32"), device(weights, "weights", "float32")
+    w13, w2 = device(w13, "w13"), device(w2, "w2")
+    residual = optional(residual, "residual", "float32")
+    act = output(act, "act", (nK, I), np.float32)
+    partial = output(partial, "partial", (nK, H), np.float32)
+    y = output(out, "out", (n, H), np.float32)
+    expect_disjoint("out", y, "partial", partial)
+    if n == 0:
+        return y
+    if nK and H:
+        gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true>")
+        down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false>")
+        if I:
+            gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
+                    (x, i32(K), ids, i32(nK), i32(E), w13, i32(2 * I), i32(H), act, i32(by_pair)))
+        down((cdiv(cdiv(H, 2), GEMV_WARPS), slots), (GEMV_THREADS,),
+             (act, i32(1), ids, i32(nK), i32(E), w2, i32(H), i32(I), partial, i32(by_pair)))
+    if H:
+        get_kernel("moe", "moe_combine_kernel")(
+            (cdiv(H, COMBINE_THREADS), n), (COMBINE_THREADS,),
+            (partial, ids, weights, ptr(residual), y, i32(K), i32(E), i32(H)))
+    return y

@@ -1,0 +1,50 @@
+"""Launcher of ``qk_norm_rope_kv_write_kernel`` (kernels/rope_kv.cu).
+
+``qk_norm_rope_kv_write(qkv [n, (Hq + 2 Hkv) D], Hq, Hkv, q_norm_w [D] | None,
+k_norm_w [D] | None, eps, inv_freq [R/2], positions [n] int32,
+k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, D], slots [n] int32) -> q [n, Hq, D]``
+
+The caches (BF16 bits in uint16, or FP32; both the same dtype) are written in
+place, so they must be contiguous GPU arrays. A slot outside [0, NB * BS)
+(e.g. -1 for padding) skips that row's K/V write.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...ops._check import expect_dtype
+from ...ops.rope_kv import check_qk_norm_rope_kv_write
+from ._util import cdiv, ctype, device, expect_grid_yz, f32, i32, inplace, optional, output, ptr
+from .loader import get_kernel
+
+#: kRopeWarps in rope_kv.cu: one warp per (row, head), 4 heads per block
+ROPE_WARPS = 4
+
+
+def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w, eps: float,
+                          inv_freq, positions, k_cache, v_cache, slots, *, out=None):
+    """-> q [n, Hq, D] FP32 (``out``: the same, preallocated)."""
+    check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
+                                inv_freq, positions, k_cache, v_cache, slots)
+    k_cache = inplace(k_cache, "k_cache", "uint16", "float32")
+    v_cache = inplace(v_cache, "v_cache", k_cache.dtype.name)
+    expect_dtype("inv_freq", inv_freq, "float32")
+    NB, BS, Hkv, D = k_cache.shape
+    n, Hq, half = qkv.shape[0], num_q_heads, inv_freq.shape[0]
+    expect_grid_yz("qkv rows", n)
+    qkv = device(qkv, "qkv", "float32")
+    q_norm_w = optional(q_norm_w, "q_norm_w", "float32")
+    k_norm_w = optional(k_norm_w, "k_norm_w", "float32")
+    inv_freq = device(inv_freq, "inv_freq", "float32")
+    positions = device(positions, "positions", "int32")
+    slots = device(slots, "slots", "int32")
+    q = output(out, "out", (n, Hq, D), np.float32)
+    if n == 0:
+        return q
+    grid = (cdiv(Hq + 2 * Hkv, ROPE_WARPS), n)
+    kernel = get_kernel("rope_kv", f"qk_norm_rope_kv_write_kernel<{ctype(k_cache)}>")
+    kernel(grid, (ROPE_WARPS * 32,),
+           (qkv, ptr(q_norm_w), ptr(k_norm_w), f32(eps), inv_freq, i32(half), positions,
+            k_cache, v_cache, slots, np.int64(NB * BS), q, i32(Hq), i32(Hkv), i32(D)))
+    return q
