@@ -199,8 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--json", default=None, help="also write the figures to this file")
     i = sub.add_parser("info", help="what a checkpoint holds")
     i.add_argument("checkpoint")
-    b = sub.add_parser("bench", help="benchmark harness (see benchmarks/README.md)")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="benchmark harness: python -m mtpkern bench --help", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         if args.steps < 1 or args.batch < 1 or args.prompt_len < 1:
@@ -208,12 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         out = run_demo(args)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
-    elif args.cmd == "info":
-        run_info(args)
     else:
-        from .bench import main as bench_main
-
-        return bench_main(args.rest)
+        run_info(args)
     return 0
 
 
