@@ -149,8 +149,10 @@ class MtpConfig:
 
     @property
     def is_moe(self) -> bool:
-        """MoE iff experts are configured and the MTP layers lie past the dense prefix."""
-        return self.n_routed_experts > 0 and self.num_hidden_layers >= self.first_k_dense_replace
+        """MoE iff routed experts are configured. MTP layers always lie past the target's
+        dense prefix (``first_k_dense_replace``); Hugging Face builds every MTP layer as
+        MoE whatever that prefix is, and so do we."""
+        return self.n_routed_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -203,7 +205,8 @@ class MtpConfig:
             theta = _opt(d, "rope_theta", float, 10000.0)
         prf = _opt(rope, "partial_rotary_factor", float, None)
         if prf is None:
-            prf = _opt(d, "partial_rotary_factor", float, 1.0)
+            # Glm4MoeConfig's default is 0.5; DeepseekV3-style configs rotate whole heads.
+            prf = _opt(d, "partial_rotary_factor", float, 0.5 if d.get("model_type") == "glm4_moe" else 1.0)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"config.json: hidden_act expected 'silu', got {act!r}")

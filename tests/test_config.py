@@ -72,3 +72,15 @@ def test_bad_json(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         MtpConfig.from_json(tmp_path / "config.json")
+
+
+def test_glm4_moe_partial_rotary_default():
+    d = dict(GLM45_AIR, model_type="glm4_moe")
+    del d["partial_rotary_factor"]
+    assert MtpConfig.from_dict(d).partial_rotary_factor == 0.5
+    d["model_type"] = "deepseek_v3"
+    assert MtpConfig.from_dict(d).partial_rotary_factor == 1.0
+
+
+def test_mtp_layers_are_moe_whatever_the_dense_prefix():
+    assert MtpConfig.from_dict(dict(GLM45_AIR, first_k_dense_replace=100)).is_moe

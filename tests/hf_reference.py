@@ -1,0 +1,291 @@
+"""Helpers of ``test_hf_reference.py``: drive Hugging Face ``generate(..., use_mtp=True)``
+on a tiny Glm4Moe checkpoint, record every MTP drafting step, and replay the same
+calls through ``mtpkern``.
+
+Needs torch and transformers >= 5.24 (not project dependencies); import it only
+after ``pytest.importorskip`` of both. See docs/hf_reference.md.
+
+Index conventions (SPEC section 2): the target's hidden at position ``j`` is ``h_j``.
+HF drafts from ``MTPCandidateGenerator.get_candidates``; each call we record is a
+*step*:
+
+- step 0 (after the prefill forward): ``ids = t_0 .. t_n`` (prompt + the first
+  token the target sampled), ``hid = h_0 .. h_{n-1}``;
+- step s > 0 (after a verify that accepted ``a`` drafts): ``ids`` ends with the
+  accepted drafts and the bonus token, ``hid = h_P .. h_{P+a}`` (the rows of the
+  verify forward over ``[t_P, d_0 ..]`` up to the bonus token's predecessor).
+
+``drafts`` are the ``M`` tokens HF drafted, ``logits`` ``[M, V]`` their logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers.cache_utils import MtpCache
+from transformers.generation.candidate_generator import MTPCandidateGenerator
+
+#: shapes of the tiny checkpoint (all float32)
+TINY = dict(
+    vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+    # target layer 0 dense, layer 1 MoE; HF builds every MTP layer as MoE whatever this is
+    first_k_dense_replace=1,
+    use_qk_norm=True, attention_bias=True, max_position_embeddings=512,
+    initializer_range=0.1, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
+
+def hf_config(num_mtp: int, **overrides) -> Glm4MoeConfig:
+    kw = dict(TINY, num_mtp_layers=num_mtp, dtype="float32")
+    kw.update(overrides)
+    return Glm4MoeConfig(**kw)
+
+
+def mtp_tensors(cfg: Glm4MoeConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random MTP modules in the GLM-4.5 checkpoint layout: module m under
+    ``model.layers.{num_hidden_layers + m}.``, routed experts one by one (HF merges
+    them into ``gate_up_proj`` when loading), final norm as ``shared_head.norm``.
+    No per-module ``embed_tokens`` / ``shared_head.head``: both sides use the target's."""
+    g = torch.Generator().manual_seed(seed)
+    H, L, E, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.moe_intermediate_size
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    Is = I * cfg.n_shared_experts
+
+    def mat(o, i):
+        return torch.randn(o, i, generator=g) / i ** 0.5
+
+    def norm(n):
+        return 1.0 + 0.2 * torch.randn(n, generator=g)
+
+    def vec(n, s=0.1):
+        return s * torch.randn(n, generator=g)
+
+    out = {}
+    for m in range(cfg.num_mtp_layers):
+        t = {
+            "enorm.weight": norm(H), "hnorm.weight": norm(H), "eh_proj.weight": mat(H, 2 * H),
+            "input_layernorm.weight": norm(H), "post_attention_layernorm.weight": norm(H),
+            "self_attn.q_proj.weight": mat(Hq * D, H), "self_attn.k_proj.weight": mat(Hkv * D, H),
+            "self_attn.v_proj.weight": mat(Hkv * D, H), "self_attn.o_proj.weight": mat(H, Hq * D),
+            "mlp.gate.weight": mat(E, H),
+            # nonzero so that selection (biased) and weights (unbiased) differ
+            "mlp.gate.e_score_correction_bias": vec(E),
+            "mlp.shared_experts.gate_proj.weight": mat(Is, H), "mlp.shared_experts.up_proj.weight": mat(Is, H),
+            "mlp.shared_experts.down_proj.weight": mat(H, Is),
+            "shared_head.norm.weight": norm(H),
+        }
+        if cfg.attention_bias:
+            t.update({"self_attn.q_proj.bias": vec(Hq * D), "self_attn.k_proj.bias": vec(Hkv * D),
+                      "self_attn.v_proj.bias": vec(Hkv * D)})
+        if cfg.use_qk_norm:
+            t.update({"self_attn.q_norm.weight": norm(D), "self_attn.k_norm.weight": norm(D)})
+        for e in range(E):
+            t[f"mlp.experts.{e}.gate_proj.weight"] = mat(I, H)
+            t[f"mlp.experts.{e}.up_proj.weight"] = mat(I, H)
+            t[f"mlp.experts.{e}.down_proj.weight"] = mat(H, I)
+        out.update({f"model.layers.{L + m}.{k}": v.contiguous() for k, v in t.items()})
+    return out
+
+
+def build_checkpoint(path: str | Path, num_mtp: int, seed: int = 0, **overrides) -> Path:
+    """A random tiny Glm4MoeForCausalLM saved by ``save_pretrained`` (config.json +
+    model.safetensors), with ``num_mtp`` MTP modules added to the same safetensors file
+    (``save_pretrained`` writes only the target: the HF model class holds no MTP layers)."""
+    path = Path(path)
+    cfg = hf_config(num_mtp, **overrides)
+    torch.manual_seed(seed)
+    model = Glm4MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        # HF initialises RMSNorm weights to 1, which would make the target's final norm
+        # idempotent (and a hidden normed twice indistinguishable from one normed once)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape))
+    model.save_pretrained(path)
+    sd = load_file(path / "model.safetensors")
+    sd.update(mtp_tensors(cfg, seed + 1))
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def load_hf(path: str | Path) -> Glm4MoeForCausalLM:
+    """The target, loaded with ``from_pretrained`` (``MtpModel.from_pretrained`` reads
+    the MTP weights from ``config.name_or_path``).
+
+    HF limitation worked around here: ``MtpModel.get_mtp_weights_regex`` finds the MTP
+    keys through the class's ``_keys_to_ignore_on_load_unexpected``, which Glm4Moe
+    hard-codes to ``model.layers.92.*`` / ``model.layers.46.*`` (GLM-4.5 / 4.5-Air, one
+    MTP layer). Any other layer count (and any second MTP layer) is not found and
+    ``generate(use_mtp=True)`` raises "MtpModel weights are missing". The instance
+    attribute below names this checkpoint's MTP layers instead."""
+    model = Glm4MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    c = model.config
+    model._keys_to_ignore_on_load_unexpected = [
+        rf"model\.layers\.{c.num_hidden_layers + m}\..*" for m in range(c.num_mtp_layers)]
+    return model
+
+
+@dataclass
+class Step:
+    ids: list[int]          # the full sequence when drafting (ends with the token drafted after)
+    accepted: int           # drafts of the previous step the verify accepted (0 at step 0)
+    hid: np.ndarray         # target hiddens handed to the MTP generator this step (see module doc)
+    drafts: list[int]       # HF's M drafts
+    logits: np.ndarray      # [M, V] HF's draft logits
+
+
+@contextlib.contextmanager
+def recording(steps: list[Step], crops: list[int]):
+    """Wrap ``MTPCandidateGenerator.get_candidates`` (the class attribute) to append a
+    ``Step`` per drafting call, and ``MtpCache.crop`` to append its argument to ``crops``;
+    the originals are restored on exit."""
+    orig = MTPCandidateGenerator.get_candidates
+    orig_crop = MtpCache.crop
+
+    @functools.wraps(orig_crop)
+    def crop(self, max_length):
+        crops.append(int(max_length))
+        return orig_crop(self, max_length)
+
+    @functools.wraps(orig)
+    def get_candidates(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches,
+                       **kwargs):
+        out = orig(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches, **kwargs)
+        if not is_first_iteration:          # the first call only lets the target prefill
+            n = input_ids.shape[1] - 1 if not steps else n_last_matches + 1
+            cand, logits = out
+            steps.append(Step(
+                ids=input_ids[0].tolist(),
+                accepted=int(n_last_matches) if steps else 0,
+                hid=model_outputs.hidden_states[-1][0, :n].detach().to(torch.float32).numpy().copy(),
+                drafts=cand[0, input_ids.shape[1]:].tolist(),
+                logits=logits[0].detach().to(torch.float32).numpy().copy(),
+            ))
+        return out
+
+    MTPCandidateGenerator.get_candidates = get_candidates
+    MtpCache.crop = crop
+    try:
+        yield steps
+    finally:
+        MTPCandidateGenerator.get_candidates = orig
+        MtpCache.crop = orig_crop
+
+
+@contextlib.contextmanager
+def steered(model: Glm4MoeForCausalLM, schedule: list[int] | None):
+    """Make the target's verify accept ``schedule[i % len]`` drafts at verify ``i``.
+
+    Random weights give a target that almost never agrees with its drafter (every
+    verify accepts 0), which leaves HF's cache correction after partial acceptance
+    untested. This wraps the target's ``forward`` and edits only its output *logits*
+    at the candidate positions (the accepted drafts get +1e4, the first rejected one
+    -1e4; the bonus token is the target's argmax otherwise). The hidden states, the MTP
+    generator and its cache handling are HF's, untouched. ``functools.wraps`` keeps the
+    signature: generate only builds ``position_ids`` (which the MTP generator indexes)
+    when ``forward`` declares them."""
+    if not schedule:
+        yield
+        return
+    fwd = model.forward
+    count = [0]
+
+    @functools.wraps(fwd)
+    def forward(*args, **kwargs):
+        out = fwd(*args, **kwargs)
+        logits = out.logits
+        if logits.shape[1] > 1:              # a verify: [t_P, d_0 .. d_{k-1}] -> k + 1 rows
+            cand = kwargs["input_ids"][0, 1:]
+            a = schedule[count[0] % len(schedule)]
+            count[0] += 1
+            for i in range(min(a, cand.shape[0])):
+                logits[0, i, cand[i]] = 1e4
+            if a < cand.shape[0]:
+                logits[0, a, cand[a]] = -1e4
+        return out
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward                   # back to the class's method
+
+
+@dataclass
+class HfRun:
+    steps: list[Step]
+    sequence: list[int]      # generate's output (prompt + new tokens)
+    crops: list[int]         # MtpCache.crop arguments, in order
+
+
+def hf_generate(model: Glm4MoeForCausalLM, prompt: list[int], max_new_tokens: int,
+                schedule: list[int] | None = None) -> HfRun:
+    """Greedy ``generate(use_mtp=True)``, recorded (and steered by ``schedule``)."""
+    steps: list[Step] = []
+    crops: list[int] = []
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with recording(steps, crops), steered(model, schedule), torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, use_mtp=True, eos_token_id=None, pad_token_id=0)
+    return HfRun(steps, out[0].tolist(), crops)
+
+
+@dataclass
+class Replay:
+    ours: list[list[int]]              # our drafts, step by step (up to the first mismatch)
+    first_mismatch: int | None
+    hiddens: np.ndarray                # h_0 .. h_{P-1} of the last replayed step
+    tokens_per_step: list[list[int]]   # verified tokens + HF drafts at each step (for the oracle)
+    hiddens_per_step: list[int]        # how many of ``hiddens`` each step had consumed (= P)
+
+
+def replay(prop, steps: list[Step]) -> Replay:
+    """The same sequence of calls through ``prop`` (a MultiModuleMtpHead in exact mode):
+    prefill_drafter + propose for step 0, then after_verify / catchup_drafter / propose.
+    Stops at the first step whose drafts differ from HF's (the next calls would carry
+    tokens our state never drafted)."""
+    M = prop.num_modules
+    st = prop.alloc_state()
+    ours, toks, hcount = [], [], []
+    hid_all = np.zeros((0, steps[0].hid.shape[1]), np.float32)
+    first = None
+    try:
+        for s, step in enumerate(steps):
+            ids, hid = step.ids, step.hid
+            if s == 0:
+                prop.prefill_drafter(ids[:-1], hid, st)
+                g = hid[-1]
+                hid_all = hid
+            else:
+                a = step.accepted
+                prev = steps[s - 1].drafts
+                if ids[len(ids) - 1 - a:-1] != prev[:a]:
+                    raise AssertionError(f"step {s}: HF sequence does not end with the {a} accepted drafts")
+                prop.after_verify(a, st)
+                prop.catchup_drafter(prev[:a], hid[:a], st)
+                g = hid[a]
+                hid_all = np.concatenate([hid_all, hid[:a + 1]], axis=0)
+            P = len(ids) - 1
+            if hid_all.shape[0] != P:
+                raise AssertionError(f"step {s}: {hid_all.shape[0]} target hiddens for position {P}")
+            d = prop.propose(ids[-1], g, P, M, st)
+            ours.append(d)
+            toks.append(list(ids) + list(step.drafts))
+            hcount.append(P)
+            if d != step.drafts:
+                first = s
+                break
+    finally:
+        prop.free_state(st)
+    return Replay(ours, first, hid_all, toks, hcount)
