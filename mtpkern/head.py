@@ -16,7 +16,7 @@ other. The proposer decides which rows to write; the head only computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -50,6 +50,56 @@ class HeadStep(NamedTuple):
     normed: Any    # [1, H] shared_head_norm(y) on the backend
 
 
+class RowIndex(NamedTuple):
+    """Host index arrays of one forward (``MtpHead.append_rows``): ``n`` rows, ``S`` jobs."""
+
+    tokens: np.ndarray      # [n] int32
+    positions: np.ndarray   # [n] int32 RoPE positions
+    slots: np.ndarray       # [n] int32 KV cache slots (block * BS + offset)
+    row_seq: np.ndarray     # [n] int32 job of each row
+    row_len: np.ndarray     # [n] int32 KV rows each row attends to (causal, itself included)
+    tables: np.ndarray      # [S, width] int32 block tables, zero-padded
+
+
+@dataclass(slots=True)
+class ForwardBuffers:
+    """Preallocated outputs of ``MtpHead.compute`` over ``n`` rows (backend arrays,
+    contiguous): ``x``, ``a_in``, ``r``, ``f_in``, ``y``, ``normed`` [n, H]; ``qkv``
+    [n, (Hq + 2 Hkv) D]; ``q`` [n, Hq, D]; ``o`` [n, Hq D]; MoE ``expert_ids`` [n, K]
+    int32 / ``expert_weights`` [n, K]. ``ws``: per op (``mtp_input``, ``attention``,
+    ``router``, ``experts``, ``shared``, ``mlp``), the backend's workspace keyword
+    arguments (the CUDA launchers' ``xcat=``, ``part_o=`` ...; empty on NumPy).
+    ``y`` may be read by the op that writes it (the shared experts add into it)."""
+
+    x: Any
+    a_in: Any
+    qkv: Any
+    q: Any
+    o: Any
+    r: Any
+    f_in: Any
+    y: Any
+    normed: Any
+    expert_ids: Any = None
+    expert_weights: Any = None
+    ws: dict = field(default_factory=dict)
+
+
+#: smallest padded block-table width (blocks): below it a growing sequence would
+#: change the width, and so the captured graph, every block_size tokens
+MIN_TABLE_WIDTH = 16
+
+
+def table_width(max_blocks: int) -> int:
+    """Padded block-table width for ``max_blocks``: at least ``MIN_TABLE_WIDTH``,
+    rounded up to 8 steps per power of two (at most 12.5 % padding: 8192 tokens
+    in blocks of 16 -> 512, 520 -> 576). Padding entries are never read (row_len
+    bounds every row); the width only selects the attention launch."""
+    w = max(int(max_blocks), MIN_TABLE_WIDTH)
+    step = 1 << max(0, w.bit_length() - 4)
+    return -(-w // step) * step
+
+
 class MtpHead:
     """Module ``index`` of an MTP checkpoint with its own KV block pool."""
 
@@ -66,13 +116,22 @@ class MtpHead:
         self._scale = float(config.head_dim) ** -0.5
 
     # -- the forward ---------------------------------------------------------
-    def forward(self, jobs: list[RowJob], g: Any) -> tuple[Any, Any]:
+    def forward(self, jobs: list[RowJob], g: Any, pad_tables: bool = False) -> tuple[Any, Any]:
         """Append and compute the rows of ``jobs`` (in order); ``g``: [n, H] backend FP32.
 
         Returns ``(y, normed)``, both [n, H]. The caller has checked pool room
         (``pool.check_room``) and rolls the sequences back if this raises.
+        ``pad_tables``: widen the block table to ``table_width`` (what a planned
+        propose step uses, so that eager and captured steps launch the same shapes).
         """
-        be, cfg, w = self.backend, self.config, self.w
+        rows = self.append_rows(jobs, pad_tables)
+        be = self.backend
+        return self.compute(be.from_host(rows.tokens), g, be.from_host(rows.positions), be.from_host(rows.slots),
+                            be.from_host(rows.tables), be.from_host(rows.row_seq), be.from_host(rows.row_len))
+
+    def append_rows(self, jobs: list[RowJob], pad_tables: bool = False) -> "RowIndex":
+        """Grow each job's sequence by its rows (keys recorded) and return the host
+        index arrays of the forward: one entry per row, sequences in job order."""
         n = sum(j.count for j in jobs)
         tokens = np.empty(n, np.int32)
         positions = np.empty(n, np.int32)
@@ -93,29 +152,50 @@ class MtpHead:
             row_len[at:at + c] = np.arange(first_row + 1, first_row + c + 1)
             max_blocks = max(max_blocks, len(job.seq.blocks))
             at += c
-        tables = np.zeros((len(jobs), max_blocks), np.int32)
+        tables = np.zeros((len(jobs), table_width(max_blocks) if pad_tables else max_blocks), np.int32)
         for s, job in enumerate(jobs):
             tables[s, :len(job.seq.blocks)] = job.seq.blocks
+        return RowIndex(tokens, positions, slots, row_seq, row_len, tables)
 
+    def compute(self, tokens: Any, g: Any, positions: Any, slots: Any, tables: Any, row_seq: Any,
+                row_len: Any, bufs: "ForwardBuffers | None" = None) -> tuple[Any, Any]:
+        """The module's ops over rows whose KV slots and tables are known (backend arrays:
+        ``tokens`` [n], ``g`` [n, H], ``positions`` / ``slots`` / ``row_seq`` / ``row_len``
+        [n], ``tables`` [S, width]). ``bufs``: every output and workspace preallocated
+        (a planned step: nothing is allocated); None allocates as it goes."""
+        be, cfg, w = self.backend, self.config, self.w
         eps = cfg.rms_norm_eps
-        x = be.mtp_input(w.embed, be.from_host(tokens), g, w.enorm, w.hnorm, w.eh_proj, eps)     # [n, H]
-        a_in = be.rmsnorm(x, w.input_layernorm, eps)                                             # [n, H]
-        qkv = be.linear(a_in, w.w_qkv, w.b_qkv)                                                  # [n, (Hq+2Hkv)D]
+
+        def put(op: str, **outs: str) -> dict:
+            """Keyword arguments of one op: its output buffers (kwarg -> field of bufs)
+            and its workspaces."""
+            if bufs is None:
+                return {}
+            kw = {k: getattr(bufs, f) for k, f in outs.items()}
+            kw.update(bufs.ws.get(op, {}))
+            return kw
+
+        x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
+                         **put("mtp_input", out="x"))                                            # [n, H]
+        a_in = be.rmsnorm(x, w.input_layernorm, eps, **put("rmsnorm", out="a_in"))               # [n, H]
+        qkv = be.linear(a_in, w.w_qkv, w.b_qkv, **put("linear", out="qkv"))                      # [n, (Hq+2Hkv)D]
         q = be.qk_norm_rope_kv_write(qkv, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                     w.q_norm, w.k_norm, eps, self._inv_freq, be.from_host(positions),
-                                     self.pool.k, self.pool.v, be.from_host(slots))              # [n, Hq, D]
-        o = be.paged_attention(q, self.pool.k, self.pool.v, be.from_host(tables),
-                               be.from_host(row_seq), be.from_host(row_len), self._scale)       # [n, Hq D]
-        r = be.linear(o, w.w_o, None, x)                                                         # [n, H]
-        f_in = be.rmsnorm(r, w.post_attention_layernorm, eps)                                    # [n, H]
+                                     w.q_norm, w.k_norm, eps, self._inv_freq, positions,
+                                     self.pool.k, self.pool.v, slots, **put("rope_kv", out="q"))  # [n, Hq, D]
+        o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
+                               **put("attention", out="o"))                                     # [n, Hq D]
+        r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
+        f_in = be.rmsnorm(r, w.post_attention_layernorm, eps, **put("rmsnorm", out="f_in"))      # [n, H]
         if cfg.is_moe:
-            ids, wts = be.moe_router(f_in, w.gate_w, w.gate_bias, self._router)                  # [n, K]
-            y = be.moe_experts(f_in, ids, wts, w.experts_w13, w.experts_w2, r)                   # [n, H]
+            ids, wts = be.moe_router(f_in, w.gate_w, w.gate_bias, self._router,
+                                     **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
+            y = be.moe_experts(f_in, ids, wts, w.experts_w13, w.experts_w2, r,
+                               **put("experts", out="y"))                                        # [n, H]
             if w.shared_w13 is not None:
-                y = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, y)
+                y = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, y, **put("shared", out="y"))
         else:
-            y = be.swiglu_mlp(f_in, w.mlp_w13, w.mlp_w2, r)
-        normed = be.rmsnorm(y, w.shared_head_norm, eps)                                          # [n, H]
+            y = be.swiglu_mlp(f_in, w.mlp_w13, w.mlp_w2, r, **put("mlp", out="y"))
+        normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
         return y, normed
 
     def argmax(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> np.ndarray:

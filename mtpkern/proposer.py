@@ -213,7 +213,8 @@ class MultiModuleMtpHead(DraftProposer):
 
     def __init__(self, config: MtpConfig, weights: MtpWeights, backend: Backend, *,
                  kv_mode: KvMode = "exact", chain: Chain = "prenorm", block_size: int = 16,
-                 num_blocks: int | None = None, max_batch: int = 64, prefill_chunk: int = 256):
+                 num_blocks: int | None = None, max_batch: int = 64, prefill_chunk: int = 256,
+                 cuda_graphs: bool = True):
         if kv_mode not in ("draft", "exact"):
             raise ValueError(f"kv_mode: expected 'draft' or 'exact', got {kv_mode!r}")
         if chain not in ("prenorm", "postnorm"):
@@ -224,6 +225,8 @@ class MultiModuleMtpHead(DraftProposer):
         num_blocks = check_int("num_blocks", num_blocks, 1)
         self.max_batch = check_int("max_batch", max_batch, 1)
         self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, 1)
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs: expected a bool, got {cuda_graphs!r}")
         if len(weights.modules) != config.num_modules:
             raise ValueError(f"weights: expected {config.num_modules} modules, got {len(weights.modules)}")
         self.config = config
@@ -240,6 +243,16 @@ class MultiModuleMtpHead(DraftProposer):
         self._states: dict[int, MtpState] = {}
         self._carried: dict[int, DrafterKv] = {}
         self._last_drafts: list[int] = []
+        #: [B, k'] int32 drafts of the last propose, on the backend (a CuPy array on
+        #: cuda; a fresh array per propose), for an engine that verifies on the device
+        self.last_drafts_device: Any = None
+        #: the planned propose step (mtpkern.cuda_graph): captured and replayed as a
+        #: CUDA graph on the cuda backend when ``cuda_graphs``; None runs every step eagerly
+        self.step_runner: Any = None
+        if cuda_graphs and backend.name == "cuda":
+            from .cuda_graph import StepRunner
+
+            self.step_runner = StepRunner(self, capture=True)
 
     #: default pool size per module, in tokens, when num_blocks is None
     DEFAULT_KV_TOKENS = 32768
@@ -249,12 +262,14 @@ class MultiModuleMtpHead(DraftProposer):
                         kv_mode: KvMode = "exact", chain: Chain = "prenorm",
                         apply_target_norm: bool = False, block_size: int = 16,
                         num_blocks: int | None = None, max_batch: int = 64,
-                        prefill_chunk: int = 256) -> "MultiModuleMtpHead":
+                        prefill_chunk: int = 256, cuda_graphs: bool = True) -> "MultiModuleMtpHead":
         """Load the MTP modules of the checkpoint at ``ckpt_dir`` (``config.json`` + safetensors).
 
         ``apply_target_norm``: the engine hands pre-norm target hiddens; apply the
         target's ``model.norm.weight`` to them first. ``num_blocks``: blocks per
-        module pool (default: ``DEFAULT_KV_TOKENS / block_size``).
+        module pool (default: ``DEFAULT_KV_TOKENS / block_size``). ``cuda_graphs``: on the
+        cuda backend, capture the steady-state propose step once per shape and replay it
+        as a CUDA graph (docs/cuda.md); ignored by the other backends.
         """
         if kv_mode not in ("draft", "exact"):
             raise ValueError(f"kv_mode: expected 'draft' or 'exact', got {kv_mode!r}")
@@ -266,7 +281,8 @@ class MultiModuleMtpHead(DraftProposer):
         be = get_backend(backend)
         weights = load_weights(ckpt_dir, cfg, be, apply_target_norm=apply_target_norm)
         return cls(cfg, weights, be, kv_mode=kv_mode, chain=chain, block_size=block_size,
-                   num_blocks=num_blocks, max_batch=max_batch, prefill_chunk=prefill_chunk)
+                   num_blocks=num_blocks, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                   cuda_graphs=cuda_graphs)
 
     def __repr__(self) -> str:
         return (f"MultiModuleMtpHead({self.config.describe()}, backend={self.backend.name}, "
@@ -469,9 +485,17 @@ class MultiModuleMtpHead(DraftProposer):
 
         hid = self._target_norm(hid)
         run = self._propose_exact if self.kv_mode == "exact" else self._propose_draft
+        runner = self.step_runner
+        # The planned step takes only masks that do not depend on the drafts (callables may).
+        static = grammar_bitmasks is None or not any(callable(gm) for gm in grammar_bitmasks)
+        if runner is not None and static and runner.applies(sts, poss, k):
+            run = runner.propose
+        self.last_drafts_device = None
         drafts = self._guarded(sts, [[self._propose_rows(st, m, p, k) for st, p in zip(sts, poss)]
                                      for m in range(self.num_modules)],
                                lambda: run(sts, toks, poss, hid, k, masks))
+        if self.last_drafts_device is None:
+            self.last_drafts_device = self.backend.from_host(np.asarray(drafts, np.int32).reshape(B, k))
         for st, p, d in zip(sts, poss, drafts):
             st.drafted = True
             st.last_position = p
@@ -508,7 +532,7 @@ class MultiModuleMtpHead(DraftProposer):
         g = hid
         for m in range(k):
             jobs = [RowJob(st.kv[m], cur_tok[i:i + 1], p - 1, m + 1) for i, (st, p) in enumerate(zip(sts, poss))]
-            y, normed = self.modules[m].forward(jobs, g)
+            y, normed = self.modules[m].forward(jobs, g, pad_tables=True)
             ids = self.modules[m].argmax(normed, self._mask_rows(masks, m, drafts))
             for i in range(B):
                 drafts[i].append(int(ids[i]))
@@ -529,7 +553,7 @@ class MultiModuleMtpHead(DraftProposer):
             st.tail.append(toks[i])
         stage = [(p - 1, hid[i:i + 1]) for i, p in enumerate(poss)]
         for m in range(self.num_modules):
-            normed, last_rows = self._run_exact(m, sts, stage)
+            normed, last_rows = self._run_exact(m, sts, stage, pad_tables=True)
             if m < k:
                 idx = self.backend.from_host(np.asarray(last_rows, np.int64))
                 ids = self.modules[m].argmax(normed[idx], self._mask_rows(masks, m, drafts))
@@ -673,9 +697,10 @@ class MultiModuleMtpHead(DraftProposer):
         del st.tail[:drop]
         st.tail_start += drop
 
-    def _run_exact(self, m: int, sts: list[MtpState], stage: list[tuple[int, Any]]):
+    def _run_exact(self, m: int, sts: list[MtpState], stage: list[tuple[int, Any]], pad_tables: bool = False):
         """Compute module ``m``'s missing rows for every state. ``stage[i]``: (first key,
-        [c, H] hiddens) feeding module 0. Returns ``(normed, last_row_index per state)``."""
+        [c, H] hiddens) feeding module 0. Returns ``(normed, last_row_index per state)``.
+        ``pad_tables``: padded block tables, as the planned propose step launches them."""
         jobs, gs, last_rows = [], [], []
         at = 0
         for st, (hk, harr) in zip(sts, stage):
@@ -699,7 +724,7 @@ class MultiModuleMtpHead(DraftProposer):
         if not jobs:
             return None, last_rows
         g = gs[0] if len(gs) == 1 else self.backend.xp.concatenate(gs, axis=0)
-        y, normed = self.modules[m].forward(jobs, g)
+        y, normed = self.modules[m].forward(jobs, g, pad_tables)
         chain = normed if self.chain == "postnorm" else y
         if m == self.num_modules - 1:
             return normed, last_rows                      # no module reads the last one's outputs
@@ -707,13 +732,16 @@ class MultiModuleMtpHead(DraftProposer):
         at = 0
         for st, job in zip([s for s, lr in zip(sts, last_rows) if lr >= 0], jobs):
             c = job.count
-            new = chain[at: at + c]
-            if st.win[m] is None or st.win[m].shape[0] == 0:
-                st.win[m], st.win_start[m] = new, job.first_key
-            else:
-                st.win[m] = self.backend.xp.concatenate([st.win[m], new], axis=0)
+            self._append_window(st, m, job.first_key, chain[at: at + c])
             at += c
         return normed, last_rows
+
+    def _append_window(self, st: MtpState, m: int, first_key: int, new: Any) -> None:
+        """Module ``m``'s chained outputs ``new`` [c, H] for keys ``first_key ..`` join its window."""
+        if st.win[m] is None or st.win[m].shape[0] == 0:
+            st.win[m], st.win_start[m] = new, first_key
+        else:
+            st.win[m] = self.backend.xp.concatenate([st.win[m], new], axis=0)
 
     def _trim_windows(self, st: MtpState) -> None:
         """Keep module ``m``'s chained outputs for its last ``M + 1`` existing keys."""

@@ -19,6 +19,23 @@ import numpy as np
 from ..ops.moe import RouterSpec
 
 
+def on_cuda_device(x: Any) -> bool:
+    """True for a GPU array: DLPack device CUDA / CUDA managed, or ``__cuda_array_interface__``
+    (read guarded: PyTorch raises TypeError, not AttributeError, for a BF16 CUDA tensor's)."""
+    from .dlpack import CUDA_DEVICES, device_of
+
+    try:
+        dev = device_of(x)
+    except Exception:
+        dev = None
+    if dev is not None:
+        return dev[0] in CUDA_DEVICES
+    try:
+        return getattr(x, "__cuda_array_interface__", None) is not None
+    except Exception:
+        return True
+
+
 class Backend(ABC):
     name: str = "?"
     #: dtype of the paged KV cache
@@ -45,17 +62,26 @@ class Backend(ABC):
         """An engine's hidden states (BF16 or FP32, host or device) -> backend FP32 array.
 
         Host backends take NumPy arrays and anything NumPy reads through
-        ``__array__`` / DLPack; a CUDA device array is refused with a clear error.
+        ``__array__`` / DLPack (host BF16 DLPack tensors too, e.g. CPU
+        ``torch.bfloat16``); a CUDA device array is refused with a clear error.
         """
-        if hasattr(x, "__cuda_array_interface__") and not isinstance(x, np.ndarray):
+        if not isinstance(x, np.ndarray) and on_cuda_device(x):
             raise TypeError(f"{name}: got a CUDA device array, but the {self.name} backend "
                             f"computes on the host; pass a NumPy array")
         if not isinstance(x, np.ndarray):
             try:
                 x = np.from_dlpack(x) if hasattr(x, "__dlpack__") else np.asarray(x)
             except Exception as e:
-                raise TypeError(f"{name}: expected an array of BF16 or FP32 values, got "
-                                f"{type(x).__name__} ({e})") from None
+                from .dlpack import host_bfloat16   # a host BF16 tensor NumPy cannot import
+
+                try:
+                    widened = host_bfloat16(x)
+                except Exception:
+                    widened = None
+                if widened is None:
+                    raise TypeError(f"{name}: expected an array of BF16 or FP32 values, got "
+                                    f"{type(x).__name__} ({e})") from None
+                x = widened
         if x.dtype.name not in ("float32", "bfloat16"):
             raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype.name}")
         return self.from_host(np.ascontiguousarray(x, dtype=np.float32))

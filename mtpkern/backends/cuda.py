@@ -15,6 +15,11 @@ requires. ``lm_head_argmax(..., check=False)`` also skips its host read.
 A family compiles on its first launch (then CuPy's disk cache serves it), so
 run every op once before capturing a graph.
 
+Hidden states come in through ``ingest_float``: CuPy arrays and other device
+arrays (``__cuda_array_interface__``: Numba, PyTorch; DLPack: PyTorch, JAX)
+are used in place when they are FP32 and contiguous, BF16 device tensors are
+widened to FP32 on the device, host arrays are uploaded.
+
 Imports without a GPU (nothing touches CuPy or compiles until an op runs);
 constructing a ``CudaBackend`` needs a usable device.
 """
@@ -25,6 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from . import dlpack
 from .base import Backend
 from .cuda_launch import attention, linear, lm_head, mlp, moe, norm, rope_kv
 
@@ -60,6 +66,11 @@ class CudaBackend(Backend):
         self.kv_dtype = np.uint16 if kv_dtype == "bfloat16" else np.float32
         self.device_id = cp.cuda.Device().id
 
+    @property
+    def xp(self):
+        """The array module of this backend's arrays: ``cupy`` (resolved on use)."""
+        return _cupy()
+
     # -- memory -------------------------------------------------------------
     def prepare_weight(self, w: np.ndarray):
         """BF16 (ml_dtypes) -> uint16 bits on the GPU; uint16 is taken as BF16 bits
@@ -75,6 +86,79 @@ class CudaBackend(Backend):
 
     def from_host(self, a):
         return _cupy().asarray(np.ascontiguousarray(a))
+
+    def ingest_float(self, name: str, x: Any):
+        """An engine's hidden states (BF16 or FP32) -> a C-contiguous FP32 CuPy array.
+
+        - a CuPy FP32 C-contiguous array is returned as it is (no copy);
+        - other device arrays, through ``__cuda_array_interface__`` (Numba, PyTorch)
+          or DLPack (PyTorch, JAX), are wrapped without a copy, and returned as they
+          are when FP32 and C-contiguous (a strided one is made contiguous);
+        - BF16 on the device (DLPack; CuPy >= 14 bfloat16 arrays) is widened to FP32
+          on the device: a new array, ``bits << 16`` (exact);
+        - host arrays (NumPy FP32 / BF16, host DLPack, nested lists) are checked,
+          widened on the host and uploaded.
+
+        Raises ``TypeError`` naming ``name`` for any other dtype or object, and
+        ``ValueError`` for an array on another GPU than this backend's.
+        """
+        cp = _cupy()
+        if isinstance(x, cp.ndarray):
+            return self._device_f32(name, x)
+        try:
+            dev = dlpack.device_of(x)
+        except Exception:
+            dev = None
+        if dev is not None and dev[0] in dlpack.CUDA_DEVICES:
+            if "bfloat16" in str(getattr(x, "dtype", "")):
+                info = dlpack.export(x, stream=self._dlpack_stream())
+                if not info.is_bfloat16:
+                    raise TypeError(f"{name}: expected dtype float32 or bfloat16, got DLPack type code "
+                                    f"{info.code} with {info.bits} bits")
+                return self._widen_bf16(name, cp.asarray(dlpack.uint16_view(info)))
+            try:
+                arr = cp.from_dlpack(x)
+            except Exception as e:
+                raise TypeError(f"{name}: could not import the {type(x).__name__} device array "
+                                f"through DLPack ({e})") from None
+            return self._device_f32(name, arr)
+        if dev is None and not isinstance(x, np.ndarray):
+            try:
+                has_cai = getattr(x, "__cuda_array_interface__", None) is not None
+            except Exception as e:     # a device array that cannot describe itself (e.g. a BF16 tensor)
+                raise TypeError(f"{name}: {type(x).__name__} device array without a usable "
+                                f"__cuda_array_interface__ or DLPack ({e})") from None
+            if has_cai:
+                return self._device_f32(name, cp.asarray(x))
+        return super().ingest_float(name, x)
+
+    @staticmethod
+    def _dlpack_stream() -> int:
+        """The consumer stream for ``__dlpack__``: CuPy's current one (1 = legacy default)."""
+        ptr = _cupy().cuda.get_current_stream().ptr
+        return ptr if ptr else 1
+
+    def _on_this_device(self, name: str, a) -> None:
+        if a.device.id != self.device_id:
+            raise ValueError(f"{name}: expected an array on GPU {self.device_id} (this backend's), "
+                             f"got one on GPU {a.device.id}")
+
+    def _device_f32(self, name: str, a):
+        """A CuPy view of the engine's array -> C-contiguous FP32 (no copy when it already is)."""
+        self._on_this_device(name, a)
+        if a.dtype == np.float32:
+            return a if a.flags.c_contiguous else _cupy().ascontiguousarray(a)
+        if a.dtype.name == "bfloat16":                     # CuPy >= 14 with ml_dtypes
+            return self._widen_bf16(name, a.view(np.uint16))
+        raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {a.dtype.name}")
+
+    def _widen_bf16(self, name: str, bits):
+        """uint16 BF16 bits (any strides) -> a new C-contiguous FP32 array: ``bits << 16``."""
+        cp = _cupy()
+        self._on_this_device(name, bits)
+        wide = cp.ascontiguousarray(bits).astype(cp.uint32)
+        wide <<= 16
+        return wide.view(cp.float32)
 
     def to_host(self, a) -> np.ndarray:
         cp = _cupy()

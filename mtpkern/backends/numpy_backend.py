@@ -1,14 +1,52 @@
 """The NumPy reference backend: every op is the specification in ``mtpkern.ops``.
 
 Weights are widened to FP32 once at load time; clarity before speed.
+
+Like the CUDA backend, every op takes its output(s) as optional keyword-only
+buffers (``out=``; ``ids=`` / ``weights=`` for ``moe_router``), so a planned
+propose step (``mtpkern.cuda_graph``) runs unchanged here. The reference
+computes the result, then copies it into the buffer: the functions in
+``mtpkern.ops`` stay as they are. (The CUDA-only workspaces, ``xcat=``,
+``act=``, ``part_o=`` ..., have no meaning here and are not accepted.)
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Any, Callable
 
 import numpy as np
 
 from ..ops import attention, linear, lm_head, mlp, moe, norm, rope_kv
 from .base import Backend
+
+
+def _into(name: str, buf: Any, value: np.ndarray) -> np.ndarray:
+    """Copy ``value`` into the caller's buffer ``buf`` (checked: NumPy, same shape and dtype)."""
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{name}: expected a NumPy array, got {type(buf).__name__}")
+    if buf.shape != value.shape or buf.dtype != value.dtype:
+        raise ValueError(f"{name}: expected shape {list(value.shape)} {value.dtype}, "
+                         f"got {list(buf.shape)} {buf.dtype}")
+    np.copyto(buf, value)
+    return buf
+
+
+def with_out(fn: Callable, *names: str) -> Callable:
+    """``fn`` with keyword-only output buffers ``names`` (default ``("out",)``):
+    compute, then copy each result into its buffer when one is given."""
+    names = names or ("out",)
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        bufs = [kwargs.pop(n, None) for n in names]
+        res = fn(*args, **kwargs)
+        many = isinstance(res, tuple)
+        parts = list(res) if many else [res]
+        parts = [p if b is None else _into(n, b, np.asarray(p)) for n, b, p in zip(names, bufs, parts)]
+        return tuple(parts) if many else parts[0]
+
+    return staticmethod(op)
 
 
 class NumpyBackend(Backend):
@@ -27,13 +65,13 @@ class NumpyBackend(Backend):
     def empty_kv(self, num_blocks, block_size, num_kv_heads, head_dim):
         return np.zeros((num_blocks, block_size, num_kv_heads, head_dim), self.kv_dtype)
 
-    rmsnorm = staticmethod(norm.rmsnorm)
-    mtp_input = staticmethod(norm.mtp_input)
-    linear = staticmethod(linear.linear)
-    qk_norm_rope_kv_write = staticmethod(rope_kv.qk_norm_rope_kv_write)
-    paged_attention = staticmethod(attention.paged_attention)
-    moe_router = staticmethod(moe.moe_router)
-    moe_experts = staticmethod(moe.moe_experts)
-    swiglu_mlp = staticmethod(mlp.swiglu_mlp)
-    lm_head_logits = staticmethod(lm_head.lm_head_logits)
-    lm_head_argmax = staticmethod(lm_head.lm_head_argmax)
+    rmsnorm = with_out(norm.rmsnorm)
+    mtp_input = with_out(norm.mtp_input)
+    linear = with_out(linear.linear)
+    qk_norm_rope_kv_write = with_out(rope_kv.qk_norm_rope_kv_write)
+    paged_attention = with_out(attention.paged_attention)
+    moe_router = with_out(moe.moe_router, "ids", "weights")
+    moe_experts = with_out(moe.moe_experts)
+    swiglu_mlp = with_out(mlp.swiglu_mlp)
+    lm_head_logits = with_out(lm_head.lm_head_logits)
+    lm_head_argmax = with_out(lm_head.lm_head_argmax)

@@ -38,6 +38,7 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
     + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _CTYPES for g in ("true", "false")),
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}>" for t in _CTYPES) + ("argmax_final_kernel",),
+    "step": ("copy_segments_kernel",),
 }
 
 FAMILIES: tuple[str, ...] = tuple(NAME_EXPRESSIONS)

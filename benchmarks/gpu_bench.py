@@ -1,0 +1,515 @@
+"""GPU benchmark of the cuda backend on GLM-4.5-Air-sized shapes (run by scripts/gpu_check.sh).
+
+    python3 benchmarks/gpu_bench.py --out ./out [--runs 20] [--budget-s 140]
+
+Shapes: H = 4096, 96 query / 8 KV heads, D = 128, 128 routed experts (top-8,
+one group), moe_intermediate = 1408, 1 shared expert, V = 151552, M = 3;
+contexts 512 and 8192. The weights are random BF16 generated on the device
+(no checkpoint is written; ~16 GB of device memory).
+
+1. ``copy``: the device-to-device copy bandwidth of this run (cudaMemcpyAsync of
+   1 GiB; 2 bytes moved per byte copied). Every GB/s below is compared with it.
+2. ``kernels``: each op at decode shapes (1 and 8 rows), median over ``--runs``
+   runs with the L2 flushed before each (a memset of max(4 x L2, 256 MiB)),
+   timed with CUDA events around a CUDA graph of the op (so the host launch
+   cost is not in the number; "eager" where the op could not be captured).
+   Bytes are counted explicitly per op (weights, activations, KV, workspaces
+   written and read back); GB/s = bytes / median, "of copy" = GB/s / copy GB/s.
+3. ``propose``: one ``propose_batch`` (host included: validation, staging, the
+   drafts' device-to-host copy) for k = 1..3 at batch 1 and 8, exact and draft
+   KV modes, eager vs CUDA-graph replay, L2 flushed before each. "floor" is
+   (bytes the step must read) / (copy bandwidth): weights of every module that
+   runs, the LM head of the modules that draft, each sequence's KV once per
+   module, and the routed experts expected under uniform routing,
+   E (1 - (1 - K/E)^rows) (an estimate: the router decides).
+
+Writes ``gpu_bench.json`` (updated after every section, so a run cut short
+still leaves what it measured) and ``gpu_bench.md`` (the summary tables) to
+``--out``; elapsed times are printed as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from mtpkern.config import MtpConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
+
+T0 = time.perf_counter()
+
+
+def glm45_air(M: int = 3) -> "MtpConfig":
+    from mtpkern.config import small_config
+
+    return small_config(hidden_size=4096, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                        vocab_size=151552, n_routed_experts=128, num_experts_per_tok=8, n_group=1, topk_group=1,
+                        moe_intermediate_size=1408, n_shared_experts=1, routed_scaling_factor=1.0,
+                        use_qk_norm=False, partial_rotary_factor=0.5, rope_theta=1e6,
+                        num_hidden_layers=46, num_nextn_predict_layers=M, max_position_embeddings=131072)
+
+
+def say(msg: str) -> None:
+    print(f"[gpu_bench +{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+# -- device helpers ---------------------------------------------------------------------------
+
+_FILL_SRC = r"""
+unsigned long long z = (unsigned long long)i * 0x9E3779B97F4A7C15ULL + seed;
+z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+z ^= z >> 31;
+float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+unsigned int b = __float_as_uint((2.0f * u - 1.0f) * scale);
+out = (unsigned short)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+"""
+_fill_kernel = None
+
+
+def bf16_uniform(shape, fan_in: int, seed: int):
+    """A uint16 (BF16 bits) device array, uniform in +-sqrt(3 / fan_in) (std 1/sqrt(fan_in)),
+    from a counter hash: no host data, ~memory speed."""
+    import cupy as cp
+
+    global _fill_kernel
+    if _fill_kernel is None:
+        _fill_kernel = cp.ElementwiseKernel("float32 scale, uint64 seed", "uint16 out", _FILL_SRC,
+                                            "mtpkern_bench_fill_bf16")
+    out = cp.empty(shape, cp.uint16)
+    _fill_kernel(np.float32(math.sqrt(3.0 / fan_in)), np.uint64(seed * 0x1000193 + 7), out)
+    return out
+
+
+def build_weights(cfg: MtpConfig, seed: int = 0):
+    """``MtpWeights`` with random BF16 device weights, one embedding / LM head shared by the modules."""
+    import cupy as cp
+
+    from mtpkern.weights import ModuleWeights, MtpWeights
+
+    H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
+    E, I, Is = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    s = iter(range(seed * 1000, seed * 1000 + 1000))
+
+    def ones(n):
+        return cp.ones(n, cp.float32)
+
+    embed = bf16_uniform((V, H), 3, next(s))            # rows of O(1) entries (enorm rescales them)
+    head = bf16_uniform((V, H), H, next(s))
+    modules = []
+    for _ in range(cfg.num_modules):
+        modules.append(ModuleWeights(
+            embed=embed, head=head, enorm=ones(H), hnorm=ones(H), eh_proj=bf16_uniform((H, 2 * H), 2 * H, next(s)),
+            input_layernorm=ones(H), post_attention_layernorm=ones(H),
+            w_qkv=bf16_uniform(((Hq + 2 * Hkv) * D, H), H, next(s)),
+            b_qkv=cp.zeros((Hq + 2 * Hkv) * D, cp.float32) if cfg.attention_bias else None,
+            q_norm=ones(D) if cfg.use_qk_norm else None, k_norm=ones(D) if cfg.use_qk_norm else None,
+            w_o=bf16_uniform((H, Hq * D), Hq * D, next(s)), shared_head_norm=ones(H),
+            gate_w=bf16_uniform((E, H), H, next(s)), gate_bias=cp.zeros(E, cp.float32),
+            experts_w13=bf16_uniform((E, 2 * I, H), H, next(s)), experts_w2=bf16_uniform((E, H, I), I, next(s)),
+            shared_w13=bf16_uniform((2 * Is, H), H, next(s)), shared_w2=bf16_uniform((H, Is), Is, next(s))))
+    nbytes = sum(int(getattr(mw, f).nbytes) for mw in modules for f in mw.__slots__
+                 if getattr(mw, f) is not None and f not in ("embed", "head")) + embed.nbytes + head.nbytes
+    return MtpWeights(cfg, modules, None, nbytes, 2)
+
+
+class Gpu:
+    """Events, the L2 flush, and graph-timed runs."""
+
+    def __init__(self):
+        import cupy as cp
+
+        self.cp = cp
+        dev = cp.cuda.Device()
+        self.props = cp.cuda.runtime.getDeviceProperties(dev.id)
+        self.l2 = int(dev.attributes.get("L2CacheSize", 50 << 20))
+        self.flush_buf = cp.empty(max(4 * self.l2, 256 << 20), cp.uint8)
+        self.start, self.end = cp.cuda.Event(), cp.cuda.Event()
+
+    def name(self) -> str:
+        n = self.props["name"]
+        return n.decode() if isinstance(n, bytes) else str(n)
+
+    def flush(self) -> None:
+        cp = self.cp
+        cp.cuda.runtime.memsetAsync(self.flush_buf.data.ptr, 0, self.flush_buf.nbytes,
+                                    cp.cuda.get_current_stream().ptr)
+
+    def capture(self, fn: Callable[[], Any]):
+        """``fn`` as a CUDA graph (all its buffers preallocated), or None when it cannot be captured."""
+        cp = self.cp
+        stream = cp.cuda.Stream(non_blocking=True)
+        graph, err = None, None
+        with stream:
+            stream.begin_capture()
+            try:
+                fn()
+            except Exception as e:
+                err = e
+            try:
+                graph = stream.end_capture()
+            except Exception as e:
+                err = err or e
+        stream.synchronize()
+        return None if err is not None else graph
+
+    def time_op(self, fn: Callable[[], Any], runs: int) -> tuple[list[float], str]:
+        """Device time in microseconds of ``fn`` per run, L2 flushed before each."""
+        cp = self.cp
+        fn()                                             # compile and load
+        cp.cuda.get_current_stream().synchronize()
+        graph = self.capture(fn)
+        how = "graph" if graph is not None else "eager"
+        out = []
+        for _ in range(runs):
+            self.flush()
+            self.start.record()
+            if graph is not None:
+                graph.launch(cp.cuda.get_current_stream())
+            else:
+                fn()
+            self.end.record()
+            self.end.synchronize()
+            out.append(cp.cuda.get_elapsed_time(self.start, self.end) * 1e3)
+        return out, how
+
+    def copy_bandwidth(self, nbytes: int = 1 << 30, runs: int = 10) -> tuple[float, float]:
+        """(GB/s counting read + write, median us) of a device-to-device cudaMemcpyAsync."""
+        cp = self.cp
+        src, dst = cp.ones(nbytes, cp.uint8), cp.empty(nbytes, cp.uint8)
+
+        def copy():
+            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                        cp.cuda.get_current_stream().ptr)
+
+        ts, _ = self.time_op(copy, runs)
+        med = float(np.median(ts))
+        del src, dst
+        return 2 * nbytes / (med * 1e-6) / 1e9, med
+
+
+def stats(ts: list[float]) -> dict:
+    a = np.asarray(ts)
+    return {"median_us": float(np.median(a)), "p20_us": float(np.percentile(a, 20)),
+            "p80_us": float(np.percentile(a, 80)), "runs": len(ts)}
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tuple[str, int, int, Callable]]:
+    """(op, context, bytes moved, thunk) at ``n`` decode rows; every output preallocated."""
+    import cupy as cp
+
+    from mtpkern.backends.cuda_launch import attention as attn_launch
+    from mtpkern.backends.cuda_launch import lm_head as lm_launch
+    from mtpkern.backends.cuda_launch._util import sm_count
+    from mtpkern.ops.moe import RouterSpec
+    from mtpkern.ops.rope_kv import inv_freq
+
+    H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
+    E, K, I, Is = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    QKV = (Hq + 2 * Hkv) * D
+    f4, b2 = 4, 2
+    rs = cp.random.RandomState(n)
+
+    def act(*shape):
+        return rs.standard_normal(shape, dtype=cp.float32)
+
+    def empty(*shape, dtype=cp.float32):
+        return cp.empty(shape, dtype)
+
+    x, g, r = act(n, H), act(n, H), act(n, H)
+    y, out_h = empty(n, H), empty(n, H)
+    tokens = cp.asarray(np.random.default_rng(n).integers(0, V, n).astype(np.int32))
+    xcat = empty(n, 2 * H)
+    qkv, q, o = act(n, QKV), empty(n, Hq, D), empty(n, Hq * D)
+    eps = np.float32(cfg.rms_norm_eps)
+    invf = cp.asarray(inv_freq(cfg.rotary_dim, cfg.rope_theta))
+    spec = RouterSpec.from_config(cfg)
+    logits, ids, wts = empty(n, E), empty(n, K, dtype=cp.int32), empty(n, K)
+    be.moe_router(x, w.gate_w, w.gate_bias, spec, ids=ids, weights=wts, logits=logits)
+    distinct = int(np.unique(ids.get()).size)
+    act_e, partial = empty(n * K, I), empty(n * K, H)
+    act_s = empty(n, Is)
+    P = -(-V // lm_launch.ROWS_PER_BLOCK)
+    part_v, part_i, lm_ids = empty(n, P), empty(n, P, dtype=cp.int32), empty(n, dtype=cp.int32)
+
+    cases = [
+        ("rmsnorm", 0, 2 * n * H * f4 + H * f4, lambda: be.rmsnorm(x, w.input_layernorm, eps, out=y)),
+        ("mtp_input", 0, n * H * b2 + n * H * f4 + 2 * H * f4 + 2 * n * 2 * H * f4 + 2 * H * H * b2 + n * H * f4,
+         lambda: be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps, out=out_h, xcat=xcat)),
+        ("linear_qkv", 0, QKV * H * b2 + n * H * f4 + QKV * f4 + n * QKV * f4,
+         lambda: be.linear(x, w.w_qkv, w.b_qkv, out=qkv)),
+    ]
+    # KV for attention: n sequences of `ctx` rows each, blocks of 16, random BF16 values.
+    BS = 16
+    for ctx in contexts:
+        nb = -(-ctx // BS)
+        kc = bf16_uniform((n * nb, BS, Hkv, D), 3, 100 + ctx)
+        vc = bf16_uniform((n * nb, BS, Hkv, D), 3, 200 + ctx)
+        tables = cp.arange(n * nb, dtype=cp.int32).reshape(n, nb)
+        row_seq = cp.arange(n, dtype=cp.int32)
+        row_len = cp.full(n, ctx, cp.int32)
+        pos = cp.full(n, ctx - 1, cp.int32)
+        slots = cp.asarray(np.arange(n, dtype=np.int32) * nb * BS + ctx - 1)
+        if ctx == contexts[0]:
+            cases.append(("qk_norm_rope_kv_write", 0,
+                          n * QKV * f4 + n * Hq * D * f4 + 2 * n * Hkv * D * b2,
+                          lambda kc=kc, vc=vc, pos=pos, slots=slots: be.qk_norm_rope_kv_write(
+                              qkv, Hq, Hkv, w.q_norm, w.k_norm, eps, invf, pos, kc, vc, slots, out=q)))
+        p = attn_launch.plan(Hq // Hkv, D, nb * BS, work=n * Hkv, target_blocks=2 * sm_count())
+        ws = {}
+        part_bytes = 0
+        if p.num_parts > 1:
+            ws = {"part_o": empty(n, Hq, p.num_parts, D), "part_ml": empty(n, Hq, p.num_parts, 2)}
+            part_bytes = 2 * n * Hq * p.num_parts * (D + 2) * f4          # partials written, then merged
+        qa = act(n, Hq, D)
+        cases.append((f"paged_attention", ctx, 2 * n * ctx * Hkv * D * b2 + 2 * n * Hq * D * f4 + part_bytes,
+                      lambda kc=kc, vc=vc, tables=tables, row_seq=row_seq, row_len=row_len, qa=qa, ws=ws:
+                      be.paged_attention(qa, kc, vc, tables, row_seq, row_len, D ** -0.5, out=o, **ws)))
+    cases += [
+        ("linear_o", 0, H * Hq * D * b2 + n * Hq * D * f4 + 2 * n * H * f4,
+         lambda: be.linear(o, w.w_o, None, x, out=out_h)),
+        ("moe_router", 0, E * H * b2 + n * H * f4 + 2 * n * E * f4 + E * f4 + 2 * n * K * f4,
+         lambda: be.moe_router(x, w.gate_w, w.gate_bias, spec, ids=ids, weights=wts, logits=logits)),
+        (f"moe_experts ({distinct} experts)", 0,
+         distinct * 3 * I * H * b2 + n * H * f4 + 2 * n * K * I * f4 + 2 * n * K * H * f4 + 2 * n * H * f4,
+         lambda: be.moe_experts(x, ids, wts, w.experts_w13, w.experts_w2, r, out=y, act=act_e, partial=partial)),
+        ("swiglu_shared", 0, 3 * Is * H * b2 + n * H * f4 + 2 * n * Is * f4 + 2 * n * H * f4,
+         lambda: be.swiglu_mlp(x, w.shared_w13, w.shared_w2, r, out=y, act=act_s)),
+        ("lm_head_argmax", 0, V * H * b2 + n * H * f4 + 2 * n * P * 8 + n * 4,
+         lambda: be.lm_head_argmax(x, w.head, None, out=lm_ids, part_v=part_v, part_i=part_i, check=False)),
+    ]
+    return cases
+
+
+# -- propose -------------------------------------------------------------------------------------
+
+def fake_context(prop, st, n: int, rng) -> None:
+    """Put ``st`` where an exact- or draft-mode prefill of ``n`` tokens leaves it, without the
+    compute: rows allocated (the pools hold random BF16), counters, token tail, exact windows."""
+    M, H = prop.num_modules, prop.config.hidden_size
+    exact = prop.kv_mode == "exact"
+    for m, (h, seq) in enumerate(zip(prop.modules, st.kv)):
+        rows = max(0, n - 1 - m) if exact else (n - 1 if m == 0 else 0)
+        h.pool.grow(seq, rows)
+        seq.keys.append(0, rows)
+        if exact and m < M - 1 and rows:
+            w = min(rows, prop.window)
+            st.win[m] = prop.backend.from_host(rng.standard_normal((w, H)).astype(np.float32))
+            st.win_start[m] = rows - w
+    st.num_verified, st.num_hiddens, st.next_position = n, n - 1, n
+    st.tail, st.tail_start = [], n
+
+
+def propose_floor_bytes(cfg: MtpConfig, mode: str, k: int, B: int, ctx: int, kv_itemsize: int) -> int:
+    """Bytes a propose must read at least (see the module docstring)."""
+    from mtpkern.cuda_graph import step_rows
+
+    H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
+    E, K, I, Is = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    dense = (2 * H * H + (Hq + 2 * Hkv) * D * H + H * Hq * D + E * H + 3 * Is * H) * 2
+    total = 0
+    for m, c in enumerate(step_rows(mode, cfg.num_modules, k)):
+        if not c:
+            continue
+        rows = B * c
+        experts = E * (1 - (1 - K / E) ** rows)
+        total += dense + int(experts * 3 * I * H * 2) + B * ctx * 2 * Hkv * D * kv_itemsize + rows * H * 2
+        if m < k:
+            total += V * H * 2
+    return total
+
+
+def bench_propose(gpu: Gpu, cfg, weights, be, res, args, deadline: float) -> None:
+    import cupy as cp
+
+    from mtpkern.proposer import MultiModuleMtpHead
+
+    rng = np.random.default_rng(0)
+    V, H, M = cfg.vocab_size, cfg.hidden_size, cfg.num_modules
+    steps = len(args.batches) * M * 2 * (args.warmup + args.propose_runs) + 8
+    max_rows = max(args.batches) * (max(args.contexts) + 4 * steps)
+    num_blocks = -(-max_rows // 16) + 64
+    kvb = np.dtype(be.kv_dtype).itemsize
+    for mode in args.kv_modes:
+        prop = MultiModuleMtpHead(cfg, weights, be, kv_mode=mode, block_size=16, num_blocks=num_blocks,
+                                  max_batch=max(args.batches), cuda_graphs=True)
+        for h in prop.modules:                     # random BF16 KV content (exact values do not matter)
+            h.pool.k[...] = bf16_uniform(h.pool.k.shape, 3, 7 + h.index)
+            h.pool.v[...] = bf16_uniform(h.pool.v.shape, 3, 17 + h.index)
+        runner = prop.step_runner
+        for ctx in args.contexts:
+            for B in args.batches:
+                if time.perf_counter() > deadline:
+                    res["propose_skipped"] = "time budget"
+                    say("propose: time budget reached, skipping the rest")
+                    return
+                sts = [prop.alloc_state() for _ in range(B)]
+                for st in sts:
+                    fake_context(prop, st, ctx, rng)
+                pos = [ctx] * B
+                for k in range(1, M + 1):
+                    floor_b = propose_floor_bytes(cfg, mode, k, B, ctx, kvb)
+                    row = {"kv_mode": mode, "context": ctx, "batch": B, "k": k, "floor_bytes": floor_b,
+                           "floor_us": floor_b / (res["copy_GB/s"] * 1e9) * 1e6}
+                    for path in ("eager", "graph"):
+                        prop.step_runner = runner if path == "graph" else None
+                        ts = []
+                        for it in range(args.warmup + args.propose_runs):
+                            toks = rng.integers(0, V, B).tolist()
+                            hid = cp.asarray(rng.standard_normal((B, H)).astype(np.float32))
+                            gpu.flush()
+                            cp.cuda.get_current_stream().synchronize()
+                            t0 = time.perf_counter()
+                            prop.propose_batch(toks, hid, pos, k, sts)
+                            be.synchronize()
+                            t = (time.perf_counter() - t0) * 1e6
+                            if it >= args.warmup:
+                                ts.append(t)
+                            for st in sts:
+                                prop.after_verify(0, st)
+                            pos = [p + 1 for p in pos]
+                        s = stats(ts)
+                        row[f"{path}_median_us"] = s["median_us"]
+                        row[f"{path}_p20_us"], row[f"{path}_p80_us"] = s["p20_us"], s["p80_us"]
+                        row[f"{path}_x_floor"] = s["median_us"] / row["floor_us"]
+                    row["graph_speedup"] = row["eager_median_us"] / row["graph_median_us"]
+                    res["propose"].append(row)
+                    say(f"propose {mode} ctx {ctx} B {B} k {k}: eager {row['eager_median_us']:.0f} us, "
+                        f"graph {row['graph_median_us']:.0f} us, floor {row['floor_us']:.0f} us")
+                for st in sts:
+                    prop.free_state(st)
+        prop.step_runner = runner
+        res["graph_counts_" + mode] = dict(runner.counts)
+        del prop
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def summary(res: dict) -> str:
+    lines = [f"# mtpkern GPU benchmark: {res.get('device', '?')}", "",
+             f"config: {res.get('config', '?')}; copy bandwidth {res.get('copy_GB/s', float('nan')):.0f} GB/s "
+             f"(device-to-device, read + write); L2 flushed before every run", ""]
+    if res.get("kernels"):
+        lines += ["| op | rows | context | MB moved | median us | p20 | p80 | GB/s | of copy | timed |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in res["kernels"]:
+            lines.append(f"| {r['op']} | {r['rows']} | {r['context'] or ''} | {r['bytes'] / 1e6:.1f} | "
+                         f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['GB/s']:.0f} | "
+                         f"{r['of_copy']:.0%} | {r['timed']} |")
+        lines.append("")
+    if res.get("propose"):
+        lines += ["| kv_mode | context | B | k | eager us | graph us | graph speedup | floor us | graph / floor |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in res["propose"]:
+            lines.append(f"| {r['kv_mode']} | {r['context']} | {r['batch']} | {r['k']} | "
+                         f"{r['eager_median_us']:.0f} | {r['graph_median_us']:.0f} | {r['graph_speedup']:.2f}x | "
+                         f"{r['floor_us']:.0f} | {r['graph_x_floor']:.2f} |")
+        lines.append("")
+    for key in ("errors", "propose_skipped", "kernels_skipped"):
+        if res.get(key):
+            lines.append(f"{key}: {res[key]}")
+    lines.append(f"elapsed: {res.get('elapsed_s', 0):.0f} s")
+    return "\n".join(lines) + "\n"
+
+
+def save(res: dict, out: Path) -> None:
+    res["elapsed_s"] = time.perf_counter() - T0
+    (out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
+    (out / "gpu_bench.md").write_text(summary(res))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--runs", type=int, default=20, help="timed runs per kernel")
+    ap.add_argument("--propose-runs", type=int, default=10, help="timed proposes per (mode, context, B, k, path)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--budget-s", type=float, default=140.0,
+                    help="time budget: kernels start until 45%% of it, proposes until 90%%")
+    ap.add_argument("--contexts", default="512,8192")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--kv-modes", default="exact,draft")
+    ap.add_argument("--modules", type=int, default=3)
+    args = ap.parse_args(argv)
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.kv_modes = args.kv_modes.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kernels_until, propose_until = T0 + 0.45 * args.budget_s, T0 + 0.9 * args.budget_s
+    res: dict[str, Any] = {"argv": sys.argv[1:], "python": platform.python_version(), "kernels": [], "propose": [],
+                           "errors": []}
+    rc = 0
+    try:
+        import cupy as cp
+
+        from mtpkern.backends.cuda import CudaBackend
+
+        gpu = Gpu()
+        be = CudaBackend()
+        cfg = glm45_air(args.modules)
+        res.update(device=f"{gpu.name()} (L2 {gpu.l2 >> 20} MiB)", cupy=cp.__version__, config=cfg.describe(),
+                   contexts=args.contexts)
+        say(f"device {res['device']}, CuPy {cp.__version__}; {cfg.describe()}")
+        res["copy_GB/s"], res["copy_us"] = gpu.copy_bandwidth()
+        say(f"copy bandwidth {res['copy_GB/s']:.0f} GB/s (1 GiB device-to-device, read + write)")
+        save(res, out)
+
+        weights = build_weights(cfg)
+        cp.cuda.get_current_stream().synchronize()
+        res["weights_GB"] = weights.nbytes / 1e9
+        say(f"random BF16 weights on the device: {weights.nbytes / 1e9:.1f} GB")
+
+        for n in args.batches:
+            if time.perf_counter() > kernels_until:
+                res["kernels_skipped"] = "time budget"
+                break
+            for name, ctx, nbytes, fn in kernel_cases(cfg, be, weights.modules[0], n, args.contexts):
+                try:
+                    ts, how = gpu.time_op(fn, args.runs)
+                except Exception as e:          # keep going: one op's failure is a result too
+                    res["errors"].append(f"kernel {name} rows {n}: {type(e).__name__}: {e}")
+                    say(res["errors"][-1])
+                    continue
+                s = stats(ts)
+                gbs = nbytes / (s["median_us"] * 1e-6) / 1e9
+                res["kernels"].append({"op": name, "rows": n, "context": ctx, "bytes": nbytes, **s, "GB/s": gbs,
+                                       "of_copy": gbs / res["copy_GB/s"], "timed": how})
+                say(f"{name:<28} rows {n} ctx {ctx or '-':>5}: {s['median_us']:8.1f} us  {gbs:7.0f} GB/s "
+                    f"({gbs / res['copy_GB/s']:.0%} of copy, {how})")
+            save(res, out)
+            cp.get_default_memory_pool().free_all_blocks()
+
+        try:
+            bench_propose(gpu, cfg, weights, be, res, args, propose_until)
+        except Exception as e:
+            res["errors"].append(f"propose: {type(e).__name__}: {e}")
+            say(res["errors"][-1])
+            traceback.print_exc()
+            rc = 1
+    except Exception as e:
+        res["errors"].append(f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        rc = 1
+    finally:
+        save(res, out)
+        print(summary(res))
+        say(f"wrote {out / 'gpu_bench.json'} and {out / 'gpu_bench.md'}")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,569 @@
+"""The planned propose step, and its CUDA-graph capture (docs/cuda.md).
+
+In the steady state a propose of ``B`` sequences with ``k`` drafts launches the
+same kernels on the same shapes every call; only the data changes (tokens,
+hiddens, positions, KV slots, block tables, masks). A *planned step* does the
+whole ``M``-module propose with persistent buffers and ``out=`` arguments only,
+so on the cuda backend it can be captured once into a CUDA graph and replayed;
+the same plan runs eagerly on the NumPy backend, which is how it is tested
+without a GPU (tests/test_planned_step.py).
+
+Rows per sequence that module ``m`` writes (``step_rows``): exact mode
+``min(m, k) + 1`` (keys ``P-1-m ..``; needs ``P >= M`` so that every module
+has its history), draft mode 1 for ``m < k``. Module ``m``'s input rows are,
+per sequence::
+
+    exact   g:      [window row of key P-1-m (staged) | module m-1's chained rows 0 .. n_m - 2 (in graph)]
+            tokens: [t_P (staged)                     | d_0 .. d_{n_m - 2}                  (in graph)]
+    draft   g:      module 0: h_{P-1} (staged); module m: module m-1's chained output (the buffer itself)
+            tokens: module 0: t_P (staged);      module m: d_{m-1} (the LM head's output buffer itself)
+
+(module 0's "window row" is the target hidden). The in-graph moves are
+``copy_segments_kernel`` launches (kernels/step.cu) driven by a table of
+(source address, destination address, words) rows; the addresses of the
+staged rows (the engine's hiddens, the state's windows) are written into the
+table per call. Per call, ``StepRunner.propose``:
+
+1. host bookkeeping, as the eager path does it: pools grow, keys, counters
+   (``MtpHead.append_rows``, with the block tables padded to ``table_width``);
+2. staging: every per-call input goes into one host area (pinned on cuda) and
+   one H2D copy moves it to the device copy that the launches read;
+3. the plan: run eagerly the first time for a shape (this compiles every
+   kernel family and is that call's real computation), captured right after
+   (on cuda, when ``capture``); later calls of the shape replay the graph;
+4. one D2H copy of the drafts; a -1 (a grammar row that allows no token)
+   raises ``NoAllowedToken`` and the proposer's ``_guarded`` rolls back;
+5. host bookkeeping after: drafts into the token tails, the chained outputs
+   copied out of the persistent buffers into the exact-mode windows.
+
+Nothing here imports CuPy or touches a GPU at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import NoAllowedToken
+from .head import ForwardBuffers, RowIndex, RowJob
+
+_log = logging.getLogger("mtpkern")
+
+#: words per segment-table row: (source address, destination address, 32-bit words)
+SEG_FIELDS = 3
+#: staging areas start at multiples of this many bytes (16-byte vector loads)
+ALIGN = 16
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What fixes the launches of a propose step (the plan / graph cache key)."""
+
+    B: int
+    k: int
+    rows: tuple[int, ...]     # rows per sequence module m writes (0: it does not run)
+    widths: tuple[int, ...]   # module m's padded block-table width (0: it does not run)
+    masked: bool              # static grammar masks are applied
+
+
+def step_rows(kv_mode: str, M: int, k: int) -> tuple[int, ...]:
+    """Rows per sequence that module ``m`` writes in a steady-state propose of ``k`` drafts."""
+    if kv_mode == "exact":
+        return tuple(min(m, k) + 1 for m in range(M))
+    return tuple(1 if m < k else 0 for m in range(M))
+
+
+def address(a: Any) -> int:
+    """Address of an array's first element (NumPy host, or CuPy device)."""
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+
+
+def host_copy_segments(table: np.ndarray, ranges: list[tuple[int, int]]) -> None:
+    """``copy_segments_kernel`` on the host, for the NumPy backend: ``table`` [S, 3]
+    int64 rows (source address, destination address, words). Every range must lie
+    inside one of ``ranges`` ((address, bytes) of live arrays): a wrong table fails
+    here with an AssertionError, never as a stray write."""
+    for s, (src, dst, words) in enumerate(np.asarray(table, np.int64).tolist()):
+        nbytes = 4 * words
+        for a, what in ((src, "source"), (dst, "destination")):
+            if not any(lo <= a and a + nbytes <= lo + size for lo, size in ranges):
+                raise AssertionError(f"segment {s}: {what} [{a:#x}, +{nbytes}) is outside every buffer of the step")
+        if nbytes > 0:
+            ctypes.memmove(dst, src, nbytes)
+
+
+class _Staging:
+    """Per-call inputs: named typed areas of one byte buffer, kept on the host (pinned
+    on cuda) and on the backend. The host writes, ``upload`` copies the whole area,
+    the launches read the backend copy."""
+
+    def __init__(self) -> None:
+        self.areas: dict[str, tuple[int, int, np.dtype]] = {}
+        self.nbytes = 0
+
+    def add(self, name: str, count: int, dtype) -> None:
+        dt = np.dtype(dtype)
+        off = -(-self.nbytes // ALIGN) * ALIGN
+        self.areas[name] = (off, count, dt)
+        self.nbytes = off + count * dt.itemsize
+
+    def allocate(self, cuda: bool) -> None:
+        n = max(self.nbytes, ALIGN)
+        if cuda:
+            cp = _cupy()
+            self._pinned = cp.cuda.alloc_pinned_memory(n)
+            self.host = np.frombuffer(self._pinned, np.uint8, n)
+            self.dev = cp.zeros(n, np.uint8)
+        else:
+            self.host = np.zeros(n, np.uint8)
+            self.dev = np.zeros(n, np.uint8)
+        self.host[:] = 0
+
+    def h(self, name: str) -> np.ndarray:
+        off, count, dt = self.areas[name]
+        return self.host[off: off + count * dt.itemsize].view(dt)
+
+    def d(self, name: str) -> Any:
+        off, count, dt = self.areas[name]
+        return self.dev[off: off + count * dt.itemsize].view(dt)
+
+
+class StepPlan:
+    """Persistent buffers, staging area and launches of one ``StepShape``.
+
+    ``execute()`` runs the launches on the current stream (or on the host);
+    ``capture()`` records them into a ``cupy.cuda.Graph``; ``replay()`` launches it.
+    """
+
+    def __init__(self, prop: Any, shape: StepShape):
+        from .backends.cuda_launch import attention as attn_launch
+        from .backends.cuda_launch import lm_head as lm_launch
+
+        be = self.backend = prop.backend
+        self.prop, self.shape = prop, shape
+        self.cuda = be.name == "cuda"
+        self.exact = prop.kv_mode == "exact"
+        self.graph: Any = None
+        self.capture_failed = False
+        self._uploaded: Any = None       # cuda event: the last staging upload
+        self._call_ranges: list[tuple[int, int]] = []
+        self._keep: list[Any] = []       # this call's source arrays, alive until the step ends
+        cfg = prop.config
+        B, k, M = shape.B, shape.k, prop.num_modules
+        H, Hq, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        W = cfg.bitmask_words
+        self.run = [m for m in range(M) if shape.rows[m]]
+        n = {m: B * shape.rows[m] for m in self.run}
+        n_max = max(n.values())
+
+        # -- segment rows: feed_m = [f0, f1), pick_m = [f1, f2) ----------------------------
+        self.seg_rows: dict[int, tuple[int, int, int]] = {}
+        s = 0
+        for m in self.run:
+            f0 = s
+            if m == 0 or self.exact:
+                s += B                                      # row 0: target hidden / window row
+            if self.exact and m >= 1:
+                s += B + B * (shape.rows[m] - 1)            # module m-1's rows, the drafts
+            f1 = s
+            if self.exact and m < k:
+                s += B                                      # last row of each sequence -> LM head
+            self.seg_rows[m] = (f0, f1, s)
+        self.num_segments = s
+
+        # -- staging layout ---------------------------------------------------------------
+        stg = self.stage = _Staging()
+        stg.add("seg", SEG_FIELDS * s, np.int64)
+        for m in self.run:
+            if self.exact or m == 0:
+                stg.add(f"tok{m}", n[m], np.int32)
+            for f in ("pos", "slot", "rseq", "rlen"):
+                stg.add(f"{f}{m}", n[m], np.int32)
+            stg.add(f"tab{m}", B * shape.widths[m], np.int32)
+        if shape.masked:
+            stg.add("mask", k * B * W, np.int32)
+        stg.allocate(self.cuda)
+
+        # -- persistent buffers -----------------------------------------------------------
+        self._own: list[Any] = []
+        xp = be.xp
+
+        def buf(shp, dtype=np.float32):
+            a = xp.zeros(shp, dtype)
+            self._own.append(a)
+            return a
+
+        self.g = {m: buf((n[m], H)) for m in self.run if self.exact or m == 0}
+        self.y = {m: buf((n[m], H)) for m in self.run}
+        self.normed = {m: buf((n[m], H)) for m in self.run}
+        self.ids = buf((k, B), np.int32)
+        self.last = buf((B, H)) if self.exact else None
+        x, a_in, r, f_in = (buf((n_max, H)) for _ in range(4))
+        qkv = buf((n_max, (Hq + 2 * Hkv) * D))
+        q = buf((n_max, Hq, D))
+        o = buf((n_max, Hq * D))
+        K = cfg.num_experts_per_tok
+        eids = buf((n_max, K), np.int32) if cfg.is_moe else None
+        ewts = buf((n_max, K)) if cfg.is_moe else None
+        lm_ws: dict[str, Any] = {}
+        ws_fixed: dict[str, dict[str, Any]] = {}
+        parts: dict[int, int] = {}
+        if self.cuda:   # the CUDA launchers' workspaces (see mtpkern.backends.cuda_launch)
+            xcat = buf((n_max, 2 * H))
+            ws_fixed["mtp_input"] = {"xcat": xcat}
+            if cfg.is_moe:
+                I = cfg.moe_intermediate_size
+                ws_fixed["router"] = {"logits": buf((n_max, cfg.n_routed_experts))}
+                ws_fixed["experts"] = {"act": buf((n_max * K, I)), "partial": buf((n_max * K, H))}
+                if cfg.n_shared_experts:
+                    ws_fixed["shared"] = {"act": buf((n_max, cfg.shared_intermediate_size))}
+            else:
+                ws_fixed["mlp"] = {"act": buf((n_max, cfg.intermediate_size))}
+            from .backends.cuda_launch._util import sm_count
+
+            BS = prop.block_size
+            for m in self.run:
+                parts[m] = attn_launch.plan(Hq // Hkv, D, shape.widths[m] * BS, work=n[m] * Hkv,
+                                            target_blocks=2 * sm_count()).num_parts
+            most = max(n[m] * Hq * parts[m] for m in self.run)
+            part_o = buf((most * D,)) if max(parts.values()) > 1 else None
+            part_ml = buf((most * 2,)) if part_o is not None else None
+            P = -(-cfg.vocab_size // lm_launch.ROWS_PER_BLOCK)
+            lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
+
+        self.bufs: dict[int, ForwardBuffers] = {}
+        for m in self.run:
+            c = n[m]
+            ws = {op: {key: a[:c * K] if op == "experts" else a[:c] for key, a in d.items()}
+                  for op, d in ws_fixed.items()}
+            if self.cuda and parts[m] > 1:
+                ws["attention"] = {"part_o": part_o[:c * Hq * parts[m] * D].reshape(c, Hq, parts[m], D),
+                                   "part_ml": part_ml[:c * Hq * parts[m] * 2].reshape(c, Hq, parts[m], 2)}
+            self.bufs[m] = ForwardBuffers(x[:c], a_in[:c], qkv[:c], q[:c], o[:c], r[:c], f_in[:c],
+                                          self.y[m], self.normed[m],
+                                          None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws)
+
+        self._ranges = [(address(a), a.nbytes) for a in self._own] + [(address(stg.dev), stg.dev.nbytes)]
+        self._fill_static_segments()
+        self.launches = self._launches(lm_ws)
+
+    # -- building ---------------------------------------------------------------------------
+    def chain(self, m: int) -> Any:
+        """Module ``m``'s chained outputs [B * rows_m, H] (what module m+1 reads)."""
+        return self.normed[m] if self.prop.chain == "postnorm" else self.y[m]
+
+    def _tokens(self, m: int) -> Any:
+        return self.stage.d(f"tok{m}") if self.exact or m == 0 else self.ids[m - 1]
+
+    def _g(self, m: int) -> Any:
+        return self.g[m] if self.exact or m == 0 else self.chain(m - 1)
+
+    def _fill_static_segments(self) -> None:
+        """The table rows whose addresses never change (persistent buffer to buffer)."""
+        B, k, H = self.shape.B, self.shape.k, self.prop.config.hidden_size
+        T = self.stage.h("seg").reshape(-1, SEG_FIELDS)
+        ids = address(self.ids)
+        for m in self.run:
+            f0, f1, f2 = self.seg_rows[m]
+            nm = self.shape.rows[m]
+            s = f0
+            if m == 0 or self.exact:
+                g = address(self.g[m])
+                for i in range(B):                                   # source: per call
+                    T[s] = (0, g + 4 * i * nm * H, H)
+                    s += 1
+            if self.exact and m >= 1:
+                prev, nprev = address(self.chain(m - 1)), self.shape.rows[m - 1]
+                g, tok = address(self.g[m]), address(self.stage.d(f"tok{m}"))
+                for i in range(B):                                   # g rows 1.. <- module m-1's rows 0..
+                    T[s] = (prev + 4 * i * nprev * H, g + 4 * (i * nm + 1) * H, (nm - 1) * H)
+                    s += 1
+                for i in range(B):                                   # token j + 1 <- draft d_j
+                    for j in range(nm - 1):
+                        T[s] = (ids + 4 * (j * B + i), tok + 4 * (i * nm + j + 1), 1)
+                        s += 1
+            if s != f1:
+                raise AssertionError(f"module {m}: {s - f0} feed segments written, {f1 - f0} planned")
+            if self.exact and m < k:
+                src, last = address(self.normed[m]), address(self.last)
+                for i in range(B):                                   # key P-1 of sequence i -> LM head row i
+                    T[s] = (src + 4 * (i * nm + nm - 1) * H, last + 4 * i * H, H)
+                    s += 1
+            if s != f2:
+                raise AssertionError(f"module {m}: {s - f1} pick segments written, {f2 - f1} planned")
+
+    def _launches(self, lm_ws: dict) -> list[Callable[[], Any]]:
+        out: list[Callable[[], Any]] = []
+        B, k, W = self.shape.B, self.shape.k, self.prop.config.bitmask_words
+        stg = self.stage
+        seg = stg.d("seg").reshape(-1, SEG_FIELDS)
+        masks = stg.d("mask").reshape(k, B, W) if self.shape.masked else None
+        for m in self.run:
+            head = self.prop.modules[m]
+            f0, f1, f2 = self.seg_rows[m]
+            if f1 > f0:
+                out.append(partial(self._segments, seg[f0:f1]))
+            out.append(partial(head.compute, self._tokens(m), self._g(m), stg.d(f"pos{m}"), stg.d(f"slot{m}"),
+                               stg.d(f"tab{m}").reshape(B, self.shape.widths[m]), stg.d(f"rseq{m}"),
+                               stg.d(f"rlen{m}"), self.bufs[m]))
+            if m < k:
+                if f2 > f1:
+                    out.append(partial(self._segments, seg[f1:f2]))
+                src = self.last if self.exact else self.normed[m]
+                out.append(partial(self.backend.lm_head_argmax, src, head.w.head,
+                                   None if masks is None else masks[m], out=self.ids[m], **lm_ws))
+        return out
+
+    def _segments(self, table: Any) -> None:
+        if self.cuda:
+            from .backends.cuda_launch import step
+
+            step.copy_segments(table)
+        else:
+            host_copy_segments(table, self._ranges + self._call_ranges)
+
+    # -- per call ------------------------------------------------------------------------------
+    def wait_staging(self) -> None:
+        """The host area may be rewritten once the previous upload has left it."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def stage_rows(self, m: int, ri: RowIndex) -> None:
+        stg = self.stage
+        if self.exact or m == 0:
+            stg.h(f"tok{m}")[:] = ri.tokens
+        stg.h(f"pos{m}")[:] = ri.positions
+        stg.h(f"slot{m}")[:] = ri.slots
+        stg.h(f"rseq{m}")[:] = ri.row_seq
+        stg.h(f"rlen{m}")[:] = ri.row_len
+        stg.h(f"tab{m}")[:] = ri.tables.reshape(-1)
+
+    def stage_masks(self, rows: np.ndarray) -> None:
+        """``rows`` [k, B, W] int32 (all bits set where a sequence has no mask)."""
+        self.stage.h("mask")[:] = rows.reshape(-1)
+
+    def stage_sources(self, sources: dict[int, list[tuple[Any, int]]]) -> None:
+        """``sources[m][i]``: (array, row) whose row feeds row 0 of sequence i in module m
+        (the target hidden for m = 0, the window row of key P-1-m otherwise)."""
+        T = self.stage.h("seg").reshape(-1, SEG_FIELDS)
+        H = self.prop.config.hidden_size
+        self._call_ranges, self._keep = [], []
+        for m, srcs in sources.items():
+            f0 = self.seg_rows[m][0]
+            for i, (a, row) in enumerate(srcs):
+                if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != H or a.strides[1] != 4:
+                    raise AssertionError(f"module {m} source {i}: expected FP32 rows of {H} contiguous values, "
+                                         f"got {a.dtype} {a.shape} strides {a.strides}")
+                T[f0 + i, 0] = address(a) + row * a.strides[0]
+                self._keep.append(a)
+                if not self.cuda:
+                    lo = address(a)
+                    self._call_ranges.append((lo, (a.shape[0] - 1) * a.strides[0] + 4 * H))
+
+    def upload(self) -> None:
+        stg = self.stage
+        if not self.cuda:
+            np.copyto(stg.dev, stg.host)
+            return
+        cp = _cupy()
+        cur = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(address(stg.dev), address(stg.host), stg.host.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, cur.ptr)
+        if self._uploaded is None:
+            self._uploaded = cp.cuda.Event(block=False, disable_timing=True)
+        self._uploaded.record(cur)
+
+    def execute(self) -> None:
+        for launch in self.launches:
+            launch()
+
+    def capture(self) -> None:
+        """Record the launches into a CUDA graph (nothing runs). Call after ``execute``
+        ran once: every kernel family is compiled and loaded by then."""
+        cp = _cupy()
+        stream = cp.cuda.Stream(non_blocking=True)
+        err: BaseException | None = None
+        graph = None
+        with stream:
+            stream.begin_capture()
+            try:
+                self.execute()
+            except BaseException as e:     # end the capture whatever happened, then re-raise
+                err = e
+            try:
+                graph = stream.end_capture()
+            except Exception as e:
+                err = err or e
+        if err is not None:
+            raise err
+        graph.upload(stream)
+        stream.synchronize()
+        self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.launch(_cupy().cuda.get_current_stream())
+
+    def read_ids(self) -> np.ndarray:
+        """[k, B] drafts on the host: the step's one device-to-host copy (synchronises)."""
+        if not self.cuda:
+            out = self.ids.copy()
+        else:
+            cp = _cupy()
+            if not hasattr(self, "_ids_host"):
+                self._ids_pinned = cp.cuda.alloc_pinned_memory(self.ids.nbytes)
+                self._ids_host = np.frombuffer(self._ids_pinned, np.int32, self.ids.size).reshape(self.ids.shape)
+            cur = cp.cuda.get_current_stream()
+            cp.cuda.runtime.memcpyAsync(address(self._ids_host), address(self.ids), self.ids.nbytes,
+                                        cp.cuda.runtime.memcpyDeviceToHost, cur.ptr)
+            cur.synchronize()
+            out = self._ids_host.copy()
+        self._keep = []
+        return out
+
+
+class StepRunner:
+    """The proposer's planned-step hook (``MultiModuleMtpHead.step_runner``).
+
+    ``capture``: record each plan into a CUDA graph after its first (eager) run and
+    replay it afterwards (cuda backend only; elsewhere the plan runs eagerly, as the
+    tests use it). At most ``max_plans`` shapes are kept (least recently used out).
+    ``counts``: how many steps ran eagerly, were captured, were replayed.
+    """
+
+    def __init__(self, prop: Any, capture: bool = True, max_plans: int = 8):
+        self.prop = prop
+        self.capture = bool(capture) and prop.backend.name == "cuda"
+        self.max_plans = max_plans
+        self.plans: OrderedDict[StepShape, StepPlan] = OrderedDict()
+        self.counts: Counter = Counter()
+
+    def applies(self, sts: list, poss: list[int], k: int) -> bool:
+        """True when every module's row count is the steady-state one (``step_rows``)."""
+        prop = self.prop
+        if prop.kv_mode == "draft":
+            return True
+        M = prop.num_modules
+        for st, p in zip(sts, poss):
+            if p < M:
+                self.counts["fallback_short"] += 1
+                return False
+            for m in range(M):
+                if st.kv[m].rows != p - 1 - m:
+                    self.counts["fallback_rows"] += 1
+                    return False
+            for m in range(1, M):
+                w, ws, key = st.win[m - 1], st.win_start[m - 1], p - 1 - m
+                if w is None or not ws <= key < ws + w.shape[0]:
+                    self.counts["fallback_window"] += 1
+                    return False
+        return True
+
+    def plan(self, shape: StepShape) -> StepPlan:
+        plan = self.plans.get(shape)
+        if plan is None:
+            plan = self.plans[shape] = StepPlan(self.prop, shape)
+            self.counts["plans"] += 1
+            while len(self.plans) > self.max_plans:
+                self.plans.popitem(last=False)
+        self.plans.move_to_end(shape)
+        return plan
+
+    def propose(self, sts: list, toks: list[int], poss: list[int], hid: Any, k: int,
+                masks: list) -> list[list[int]]:
+        """The planned ``_propose_exact`` / ``_propose_draft``: same state changes, same drafts."""
+        prop = self.prop
+        be, cfg = prop.backend, prop.config
+        M, B, H = prop.num_modules, len(sts), cfg.hidden_size
+        exact = prop.kv_mode == "exact"
+        rows = step_rows(prop.kv_mode, M, k)
+        if exact:
+            for st, p, t in zip(sts, poss, toks):
+                st.num_hiddens = p
+                st.num_verified = p + 1
+                st.tail.append(t)
+        index: dict[int, RowIndex] = {}
+        sources: dict[int, list[tuple[Any, int]]] = {}
+        hid = be.xp.ascontiguousarray(hid, dtype=np.float32).reshape(B, H)
+        for m in range(M):
+            c = rows[m]
+            if not c:
+                continue
+            jobs = []
+            for st, p, t in zip(sts, poss, toks):
+                tk = np.zeros(c, np.int32)
+                tk[0] = t
+                jobs.append(RowJob(st.kv[m], tk, p - 1 - m if exact else p - 1, m + 1))
+            index[m] = prop.modules[m].append_rows(jobs, pad_tables=True)
+            if m == 0:
+                sources[0] = [(hid, i) for i in range(B)]
+            elif exact:
+                sources[m] = [(st.win[m - 1], p - 1 - m - st.win_start[m - 1]) for st, p in zip(sts, poss)]
+        masked = any(fn is not None for fn in masks)
+        shape = StepShape(B, k, rows, tuple(index[m].tables.shape[1] if rows[m] else 0 for m in range(M)), masked)
+        plan = self.plan(shape)
+
+        plan.wait_staging()
+        for m, ri in index.items():
+            plan.stage_rows(m, ri)
+        if masked:
+            mrows = np.full((k, B, cfg.bitmask_words), -1, np.int32)   # all bits set: unconstrained
+            for i, fn in enumerate(masks):
+                for m in range(k):
+                    mk = None if fn is None else fn(m, [])            # static forms ignore the drafts
+                    if mk is not None:
+                        mrows[m, i] = mk
+            plan.stage_masks(mrows)
+        plan.stage_sources(sources)
+        plan.upload()
+        if plan.graph is not None:
+            plan.replay()
+            self.counts["replayed"] += 1
+        else:
+            self.counts["executed"] += 1
+            plan.execute()
+            if self.capture and not plan.capture_failed:
+                try:
+                    plan.capture()
+                    self.counts["captured"] += 1
+                except Exception as e:     # keep running this shape eagerly, and say why once
+                    plan.capture_failed = True
+                    _log.warning("mtpkern: CUDA-graph capture of the propose step %s failed (%s: %s); "
+                                 "running it eagerly", shape, type(e).__name__, e)
+        ids = plan.read_ids()                                       # [k, B]
+        bad = np.argwhere(ids < 0)
+        if bad.size:
+            m, i = (int(v) for v in bad[0])
+            raise NoAllowedToken(f"row {i} (draft {m}): the grammar bitmask allows no token with a "
+                                 f"non-NaN logit (vocabulary of {cfg.vocab_size})")
+        drafts = ids.T.tolist()
+
+        if exact:
+            for st, d in zip(sts, drafts):
+                st.tail.extend(d)
+            for m in range(M - 1):                  # module M-1's outputs feed no module
+                c = rows[m]
+                new = plan.chain(m).copy()          # out of the persistent buffer: the next step reuses it
+                for i, (st, p) in enumerate(zip(sts, poss)):
+                    prop._append_window(st, m, p - 1 - m, new[i * c:(i + 1) * c])
+            for st in sts:
+                prop._trim_windows(st)
+                prop._trim_tail(st)
+        else:
+            for st, p in zip(sts, poss):
+                st.num_hiddens = p
+                st.num_verified = p + 1
+                st.tail_start = p + 1
+        prop.last_drafts_device = plan.ids.T.copy()
+        return drafts

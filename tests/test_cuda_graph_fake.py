@@ -1,0 +1,262 @@
+"""The cuda code path of mtpkern.cuda_graph, on the CPU, against a fake CUDA runtime.
+
+A NumPy backend that calls itself "cuda" stands in for CudaBackend: its ops
+check every workspace the plan passes against the CUDA launchers' own shape
+rules (``attention.plan``, ``lm_head.ROWS_PER_BLOCK``), then compute with the
+reference; ``lm_head_argmax`` returns -1 for a row without an allowed token, as
+the kernel does. The fake CuPy module gives pinned memory (host bytes),
+``memcpyAsync`` (a memmove between the addresses the plan computed), events,
+and stream capture with a real graph's semantics: during capture nothing runs,
+each launch is recorded with its arguments, and ``Graph.launch`` replays the
+recorded launches. A step that read a per-call temporary would replay stale
+data and differ from the eager path; the tests require bit-identical results.
+
+What this cannot check: the kernels, CuPy's own behaviour under capture, and
+timing. tests/test_gpu.py does, on a device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import partial
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mtpkern import MultiModuleMtpHead, NoAllowedToken
+from mtpkern import cuda_graph
+from mtpkern.backends.cuda_launch import _util
+from mtpkern.backends.cuda_launch import attention as attn_launch
+from mtpkern.backends.cuda_launch import lm_head as lm_launch
+from mtpkern.backends.cuda_launch import step as step_launch
+from mtpkern.backends.numpy_backend import NumpyBackend
+from mtpkern.ops.lm_head import lm_head_logits, masked_argmax
+from test_planned_step import run_twins
+
+SMS = 132
+
+
+class FakeRuntime:
+    """Streams, events, pinned memory, memcpy, capture."""
+
+    def __init__(self):
+        self.recording: list | None = None
+        self.memcpys = {"h2d": 0, "d2h": 0}
+        stream = SimpleNamespace(ptr=0, synchronize=lambda: None, __enter__=None)
+        self.stream = stream
+        rt = self
+
+        class Stream:
+            ptr = 12345
+
+            def __init__(self, non_blocking=False):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+            def begin_capture(self):
+                rt.recording = []
+
+            def end_capture(self):
+                rec, rt.recording = rt.recording, None
+                return Graph(rec)
+
+            def synchronize(self):
+                pass
+
+        class Graph:
+            def __init__(self, launches):
+                self.launches = launches
+
+            def upload(self, stream):
+                pass
+
+            def launch(self, stream=None):
+                assert rt.recording is None
+                for f in self.launches:
+                    f()
+
+        class Event:
+            def __init__(self, **kw):
+                pass
+
+            def record(self, stream=None):
+                pass
+
+            def synchronize(self):
+                pass
+
+        def memcpy(dst, src, nbytes, kind, stream):
+            assert rt.recording is None, "a memcpy inside the captured step"
+            self.memcpys["h2d" if kind == 1 else "d2h"] += 1
+            ctypes.memmove(dst, src, nbytes)
+
+        self.cupy = SimpleNamespace(
+            zeros=np.zeros,
+            cuda=SimpleNamespace(
+                alloc_pinned_memory=lambda n: bytearray(n), get_current_stream=lambda: stream,
+                Stream=Stream, Event=Event,
+                runtime=SimpleNamespace(memcpyAsync=memcpy, memcpyHostToDevice=1, memcpyDeviceToHost=2)))
+
+    def launch(self, fn, *args, returns=None, **kw):
+        """Run now, or record for the graph while capturing: nothing runs during capture, and
+        the launch hands back its output buffers (``returns``), as a CUDA launcher does."""
+        if self.recording is not None:
+            self.recording.append(partial(fn, *args, **kw))
+            return returns
+        return fn(*args, **kw)
+
+
+def _expect(name, a, shape, dtype=np.float32):
+    assert a is not None, f"{name}: workspace missing"
+    assert isinstance(a, np.ndarray) and a.shape == tuple(shape) and a.dtype == dtype and a.flags.c_contiguous, \
+        f"{name}: expected {tuple(shape)} {np.dtype(dtype)}, got {getattr(a, 'shape', None)} {getattr(a, 'dtype', None)}"
+
+
+class FakeCudaBackend(NumpyBackend):
+    """The reference ops behind the CUDA launchers' keyword interface."""
+
+    name = "cuda"
+
+    def __init__(self, rt: FakeRuntime):
+        self.rt = rt
+        self.ws_seen: set[str] = set()
+
+    def _run(self, op, *args, **kw):
+        returns = (kw.get("ids"), kw.get("weights")) if op == "moe_router" else kw.get("out")
+        return self.rt.launch(getattr(NumpyBackend, op), *args, returns=returns, **kw)
+
+    def rmsnorm(self, x, w, eps, *, out=None):
+        return self._run("rmsnorm", x, w, eps, out=out)
+
+    def linear(self, x, w, bias=None, residual=None, *, out=None):
+        return self._run("linear", x, w, bias, residual, out=out)
+
+    def qk_norm_rope_kv_write(self, qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, eps, inv_freq,
+                              positions, k_cache, v_cache, slots, *, out=None):
+        return self._run("qk_norm_rope_kv_write", qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, eps,
+                         inv_freq, positions, k_cache, v_cache, slots, out=out)
+
+    def lm_head_logits(self, x, w, *, out=None):
+        return self._run("lm_head_logits", x, w, out=out)
+
+    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, *, out=None, xcat=None):
+        if xcat is not None:
+            _expect("xcat", xcat, (tokens.shape[0], 2 * embed.shape[1]))
+            self.ws_seen.add("xcat")
+        return self._run("mtp_input", embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, out=out)
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale, *, out=None,
+                        part_o=None, part_ml=None):
+        n, Hq, D = q.shape
+        NB, BS, Hkv, _ = k_cache.shape
+        if out is not None:                  # a planned step: the launcher's own partition rule
+            p = attn_launch.plan(Hq // Hkv, D, block_tables.shape[1] * BS, work=n * Hkv, target_blocks=2 * SMS)
+            if p.num_parts > 1:
+                _expect("part_o", part_o, (n, Hq, p.num_parts, D))
+                _expect("part_ml", part_ml, (n, Hq, p.num_parts, 2))
+                self.ws_seen.add("part_o")
+            else:
+                assert part_o is None and part_ml is None
+        return self._run("paged_attention", q, k_cache, v_cache, block_tables, row_seq, row_len, scale, out=out)
+
+    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
+        if logits is not None:
+            _expect("logits", logits, (x.shape[0], gate_w.shape[0]))
+            self.ws_seen.add("logits")
+        return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights)
+
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None):
+        if act is not None:
+            nK = ids.shape[0] * ids.shape[1]
+            _expect("act", act, (nK, w13.shape[1] // 2))
+            _expect("partial", partial, (nK, x.shape[1]))
+            self.ws_seen.add("moe act")
+        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out)
+
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None):
+        if act is not None:
+            _expect("act", act, (x.shape[0], w13.shape[0] // 2))
+            self.ws_seen.add("mlp act")
+        return self._run("swiglu_mlp", x, w13, w2, residual, out=out)
+
+    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, check=True):
+        if out is not None:
+            P = -(-w.shape[0] // lm_launch.ROWS_PER_BLOCK)
+            _expect("part_v", part_v, (x.shape[0], P))
+            _expect("part_i", part_i, (x.shape[0], P), np.int32)
+            assert check is False, "a captured argmax must not read the ids back"
+            self.ws_seen.add("lm parts")
+
+        def kernel(x, w, bitmask, out):
+            """-1 for a row without an allowed token, as lm_head_argmax_partial/final do."""
+            logits = lm_head_logits(x, w)
+            ids = np.empty(x.shape[0], np.int32)
+            for r in range(x.shape[0]):
+                try:
+                    ids[r] = masked_argmax(logits[r:r + 1], None if bitmask is None else bitmask[r:r + 1])[0]
+                except NoAllowedToken:
+                    ids[r] = -1
+            if check:
+                lm_launch.raise_if_no_allowed(ids, w.shape[0])
+            if out is None:
+                return ids
+            out[...] = ids
+            return out
+
+        return self.rt.launch(kernel, x, w, bitmask, out, returns=out)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    rt = FakeRuntime()
+    monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
+    monkeypatch.setattr(_util, "sm_count", lambda: SMS)
+    monkeypatch.setattr(step_launch, "copy_segments",
+                        lambda table: rt.launch(cuda_graph.host_copy_segments, table, [(0, 2**63)]))
+    return rt
+
+
+def _twins(ckpt, mode, rt, **kw):
+    eager = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=mode, block_size=4,
+                                               num_blocks=160, **kw)
+    graph = MultiModuleMtpHead.from_pretrained(ckpt, backend=FakeCudaBackend(rt), kv_mode=mode, block_size=4,
+                                               num_blocks=160, **kw)
+    assert graph.step_runner is not None and graph.step_runner.capture      # cuda_graphs=True by default
+    return eager, graph
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@pytest.mark.parametrize("chain", ["prenorm", "postnorm"])
+def test_captured_step_replays_like_eager(fake_cuda, tiny_ckpt, tiny_cfg, mode, chain):
+    eager, graph = _twins(tiny_ckpt, mode, fake_cuda, chain=chain)
+    rounds = [(k, [0.0, 1.0, 0.5], [None]) for k in (1, 2, 3, 3, 2, 1, 3)]
+    rounds += [(3, [1.0], ["one", None]), (3, [0.0], ["one", None]), (2, [0.5], ["rows"]),
+               (3, [0.0], ["none_allowed"]), (3, [1.0], [None]), (2, [1.0], ["callable"])]
+    counts = run_twins(eager, graph, tiny_cfg, 4, [7, 12, 30], rounds)
+    assert counts["captured"] >= 4 and counts["replayed"] >= 4, counts
+    assert fake_cuda.memcpys["h2d"] == fake_cuda.memcpys["d2h"] == counts["executed"] + counts["replayed"]
+    ws = {"xcat", "logits", "moe act", "mlp act", "lm parts"}
+    assert ws <= graph.backend.ws_seen, ws - graph.backend.ws_seen
+
+
+def test_captured_step_long_context_splits_attention(fake_cuda, tiny_ckpt, tiny_cfg):
+    """A context long enough for several attention partitions: part_o / part_ml are planned."""
+    eager, graph = _twins(tiny_ckpt, "exact", fake_cuda)
+    counts = run_twins(eager, graph, tiny_cfg, 8, [300, 5], [(3, [0.0], [None])] * 3 + [(1, [1.0], [None])])
+    assert counts["replayed"] >= 2
+    assert "part_o" in graph.backend.ws_seen
+
+
+def test_captured_dense_checkpoint(fake_cuda, tiny_ckpt_dense):
+    from mtpkern.config import MtpConfig
+
+    cfg = MtpConfig.from_json(tiny_ckpt_dense / "config.json")
+    eager, graph = _twins(tiny_ckpt_dense, "exact", fake_cuda)
+    counts = run_twins(eager, graph, cfg, 2, [6, 9], [(2, [0.0], [None])] * 3 + [(1, [1.0], [None])])
+    assert counts["replayed"] >= 2 and "mlp act" in graph.backend.ws_seen

@@ -1,0 +1,304 @@
+"""The planned propose step (mtpkern.cuda_graph) on the NumPy backend, against the
+eager proposer path.
+
+The plan is what the cuda backend captures into a CUDA graph: persistent buffers,
+``out=`` arguments, a staging area uploaded once per call, and segment copies
+driven by an address table. Run eagerly on NumPy it must give the eager path's
+drafts, KV rows, windows and bookkeeping bit for bit, in both KV modes, for any
+sequence of calls; it must allocate no output and read no per-call temporary
+(what a graph replay could not see); and it must fall back to the eager path
+where row counts are not the steady-state ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from conftest import kv_rows
+from mtpkern import MultiModuleMtpHead, NoAllowedToken
+from mtpkern.backends.numpy_backend import NumpyBackend
+from mtpkern.cuda_graph import StepRunner, host_copy_segments, step_rows
+from mtpkern.head import MIN_TABLE_WIDTH, table_width
+
+_PAIRS: dict = {}
+
+
+def _pair(ckpt, mode, chain):
+    """(eager, planned) proposers on the same checkpoint, built once per session."""
+    key = (str(ckpt), mode, chain)
+    if key not in _PAIRS:
+        make = lambda: MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=mode, chain=chain,  # noqa: E731
+                                                          block_size=4, num_blocks=160, prefill_chunk=6)
+        eager, planned = make(), make()
+        planned.step_runner = StepRunner(planned, capture=False)
+        _PAIRS[key] = (eager, planned)
+    return _PAIRS[key]
+
+
+def _fingerprint(prop, st):
+    win = [None if w is None else np.asarray(w).copy() for w in st.win]
+    # Block ids are left out: after a rolled-back call the free lists may hand out the same
+    # blocks in another order (the planned path grows every module before it computes).
+    return (st.rows_per_module(), [s.keys.to_list() for s in st.kv], [len(s.blocks) for s in st.kv],
+            st.num_verified, st.num_hiddens, list(st.tail), st.tail_start, list(st.win_start), st.drafted,
+            win)
+
+
+def _same_state(p0, s0, p1, s1):
+    f0, f1 = _fingerprint(p0, s0), _fingerprint(p1, s1)
+    assert f0[:-1] == f1[:-1]
+    for m, (w0, w1) in enumerate(zip(f0[-1], f1[-1])):
+        assert (w0 is None) == (w1 is None), f"module {m}: window present in one path only"
+        if w0 is not None:
+            assert np.array_equal(w0, w1), f"module {m}: windows differ"
+    for m in range(p0.num_modules):
+        k0, v0 = kv_rows(p0, s0, m)
+        k1, v1 = kv_rows(p1, s1, m)
+        assert np.array_equal(k0, k1) and np.array_equal(v0, v1), f"module {m}: KV rows differ"
+
+
+def _random_mask(rng, V, kind, k):
+    W = (V + 31) // 32
+    if kind is None:
+        return None
+    if kind == "none_allowed":
+        return np.zeros(W, np.int32)
+    if kind == "one":
+        return rng.integers(-2**31, 2**31 - 1, W, dtype=np.int64).astype(np.int32)
+    rows = rng.integers(-2**31, 2**31 - 1, (k, W), dtype=np.int64).astype(np.int32)
+    if kind == "rows":
+        return rows
+    return lambda i, drafts: rows[i]          # callable: the planned path must not take it
+
+
+def run_twins(eager, planned, cfg, seed, lens, rounds):
+    """Drive both proposers through the same calls; compare after every one."""
+    rng = np.random.default_rng(seed)
+    H, V, B = cfg.hidden_size, cfg.vocab_size, len(lens)
+    exact = eager.kv_mode == "exact"
+    s0 = [eager.alloc_state() for _ in range(B)]
+    s1 = [planned.alloc_state() for _ in range(B)]
+    pending = []
+    for i, n in enumerate(lens):
+        toks = rng.integers(0, V, n).tolist()
+        hid = rng.standard_normal((n, H)).astype(np.float32)
+        eager.prefill_drafter(toks, hid, s0[i])
+        planned.prefill_drafter(toks, hid, s1[i])
+        pending.append(hid[-1])
+    pos = list(lens)
+    before = dict(planned.step_runner.counts)
+    planned_calls = 0
+    try:
+        for k, fracs, kinds in rounds:
+            last = rng.integers(0, V, B).tolist()
+            masks = [_random_mask(rng, V, kinds[i % len(kinds)], min(k, cfg.num_modules)) for i in range(B)]
+            masks_arg = None if all(m is None for m in masks) else masks
+            runs = sum(planned.step_runner.counts[c] for c in ("executed", "replayed"))
+            outs = []
+            for p, ss in ((eager, s0), (planned, s1)):
+                try:
+                    outs.append(p.propose_batch(last, np.stack(pending), pos, k, ss, grammar_bitmasks=masks_arg))
+                except NoAllowedToken:
+                    outs.append(NoAllowedToken)
+            assert outs[0] == outs[1]
+            took_plan = sum(planned.step_runner.counts[c] for c in ("executed", "replayed")) > runs
+            planned_calls += took_plan
+            if took_plan:
+                assert not any(callable(m) for m in masks)
+            for a, b in zip(s0, s1):
+                _same_state(eager, a, planned, b)
+            if outs[0] is NoAllowedToken:
+                continue
+            assert np.array_equal(np.asarray(eager.last_drafts_device), np.asarray(planned.last_drafts_device))
+            assert planned.read_deferred_draft_token() == eager.read_deferred_draft_token()
+            for i in range(B):
+                a = int(round(fracs[i % len(fracs)] * len(outs[0][i])))
+                acc = outs[0][i][:a]
+                hid = rng.standard_normal((a, H)).astype(np.float32)
+                for p, ss in ((eager, s0), (planned, s1)):
+                    p.after_verify(a, ss[i])
+                    p.catchup_drafter(acc, hid, ss[i])
+                pending[i] = rng.standard_normal(H).astype(np.float32)
+                pos[i] += 1 + a
+            for a, b in zip(s0, s1):
+                _same_state(eager, a, planned, b)
+            planned.check_invariants()
+        if not exact:                       # draft mode: every propose without a callable is planned
+            static = sum(1 for _, _, kinds in rounds if "callable" not in kinds[:B])
+            assert planned_calls >= static - sum(1 for _, _, kinds in rounds if "none_allowed" in kinds[:B])
+    finally:
+        for p, ss in ((eager, s0), (planned, s1)):
+            for s in ss:
+                p.free_state(s)
+        eager.check_invariants()
+        planned.check_invariants()
+    return {c: planned.step_runner.counts[c] - before.get(c, 0) for c in planned.step_runner.counts}
+
+
+kinds = hs.sampled_from([None, None, "one", "rows", "callable", "none_allowed"])
+scenario = dict(
+    seed=hs.integers(0, 2**31 - 1),
+    lens=hs.lists(hs.integers(1, 12), min_size=1, max_size=3),
+    rounds=hs.lists(hs.tuples(hs.integers(1, 4), hs.lists(hs.floats(0, 1), min_size=1, max_size=3),
+                              hs.lists(kinds, min_size=1, max_size=3)), min_size=1, max_size=6),
+)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@pytest.mark.parametrize("chain", ["prenorm", "postnorm"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**scenario)
+def test_planned_step_equals_eager(tiny_ckpt, tiny_cfg, mode, chain, seed, lens, rounds):
+    eager, planned = _pair(tiny_ckpt, mode, chain)
+    run_twins(eager, planned, tiny_cfg, seed, lens, rounds)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_planned_step_dense_checkpoint(tiny_ckpt_dense, mode):
+    from mtpkern.config import MtpConfig
+
+    cfg = MtpConfig.from_json(tiny_ckpt_dense / "config.json")
+    eager, planned = _pair(tiny_ckpt_dense, mode, "prenorm")
+    counts = run_twins(eager, planned, cfg, 5, [9, 3, 14],
+                       [(2, [1.0], [None]), (1, [0.0, 0.5], ["one"]), (2, [0.5], [None]), (3, [1.0], ["rows"])])
+    assert counts["executed"] >= 3
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_planned_path_is_taken_and_plans_are_reused(tiny_ckpt, tiny_cfg, mode):
+    eager, planned = _pair(tiny_ckpt, mode, "prenorm")
+    before = planned.step_runner.counts["plans"]
+    counts = run_twins(eager, planned, tiny_cfg, 1, [6, 9],
+                       [(3, [0.0], [None])] * 4 + [(2, [1.0], [None])] * 3)
+    assert counts["executed"] == 7                  # every propose planned (P >= M from the start)
+    assert planned.step_runner.counts["plans"] - before <= 2   # one shape per k (the widths stay at 16)
+
+
+def test_short_history_and_callables_fall_back(tiny_ckpt, tiny_cfg):
+    eager, planned = _pair(tiny_ckpt, "exact", "prenorm")
+    counts = run_twins(eager, planned, tiny_cfg, 2, [1],                 # P = 1 < M: modules lack history
+                       [(3, [1.0], [None]), (3, [1.0], [None]), (2, [0.0], ["callable"]), (3, [0.0], [None])])
+    assert counts.get("fallback_short", 0) >= 1
+    assert counts.get("executed", 0) == 2           # P = 1, then P = 5 (planned), callable (eager), planned
+
+
+def test_no_allowed_token_rolls_back(tiny_ckpt, tiny_cfg):
+    _, planned = _pair(tiny_ckpt, "exact", "prenorm")
+    rng = np.random.default_rng(0)
+    st = planned.alloc_state()
+    planned.prefill_drafter(rng.integers(0, 301, 8).tolist(), rng.standard_normal((8, 64)).astype(np.float32), st)
+    before = (_fingerprint(planned, st)[:-1], planned.kv_blocks_in_use())
+    runs = planned.step_runner.counts["executed"]
+    with pytest.raises(NoAllowedToken):
+        planned.propose(3, rng.standard_normal(64).astype(np.float32), 8, 3, st,
+                        grammar_bitmask=np.zeros((301 + 31) // 32, np.int32))
+    assert planned.step_runner.counts["executed"] == runs + 1
+    assert (_fingerprint(planned, st)[:-1], planned.kv_blocks_in_use()) == before
+    planned.check_invariants()
+    planned.free_state(st)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_plan_writes_only_its_buffers_and_reads_no_temporaries(tiny_ckpt, tiny_cfg, mode):
+    """What capture needs: every op of the plan gets its output buffer(s), and every
+    array an op reads or writes is persistent (plan buffers, the staging area, the
+    weights, the KV pools): a replay reads the addresses the capture saw."""
+    prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode=mode, block_size=4,
+                                              num_blocks=64)
+    runner = prop.step_runner = StepRunner(prop, capture=False)
+    rng = np.random.default_rng(3)
+    sts = [prop.alloc_state() for _ in range(2)]
+    for st in sts:
+        prop.prefill_drafter(rng.integers(0, 301, 7).tolist(), rng.standard_normal((7, 64)).astype(np.float32), st)
+    be = prop.backend
+    outputs = {"moe_router": ("ids", "weights")}
+    calls = []
+    persistent: list = []
+
+    def persistent_arrays():
+        if not persistent:
+            for plan in runner.plans.values():
+                persistent.extend(plan._own + [plan.stage.dev])
+            for h in prop.modules:
+                persistent.extend([h.pool.k, h.pool.v, h._inv_freq])
+                persistent.extend(v for v in (getattr(h.w, f) for f in h.w.__slots__) if isinstance(v, np.ndarray))
+        return persistent
+
+    def checked(name, fn):
+        def op(*args, **kw):
+            outs = outputs.get(name, ("out",))
+            assert all(kw.get(o) is not None for o in outs), f"{name}: no preallocated {outs}"
+            arrays = [a for a in list(args) + list(kw.values()) if isinstance(a, np.ndarray)]
+            for a in arrays:
+                assert any(np.may_share_memory(a, p) for p in persistent_arrays()), \
+                    f"{name}: an argument of shape {a.shape} is not a persistent buffer"
+            calls.append(name)
+            return fn(*args, **kw)
+        return op
+
+    orig = runner.propose
+
+    def propose(*a, **kw):   # check the ops only while the plan runs
+        names = ("rmsnorm", "mtp_input", "linear", "qk_norm_rope_kv_write", "paged_attention", "moe_router",
+                 "moe_experts", "swiglu_mlp", "lm_head_argmax")
+        for n in names:
+            setattr(be, n, checked(n, getattr(NumpyBackend, n)))
+        try:
+            return orig(*a, **kw)
+        finally:
+            for n in names:
+                delattr(be, n)
+
+    runner.propose = propose
+    prop.propose_batch([1, 2], rng.standard_normal((2, 64)).astype(np.float32), [7, 7], 3, sts)
+    assert calls.count("lm_head_argmax") == 3 and "paged_attention" in calls
+
+
+def test_host_copy_segments_checks_bounds():
+    a = np.arange(8, dtype=np.float32)
+    b = np.zeros(8, np.float32)
+    ranges = [(a.ctypes.data, a.nbytes), (b.ctypes.data, b.nbytes)]
+    host_copy_segments(np.array([[a.ctypes.data + 8, b.ctypes.data, 3]], np.int64), ranges)
+    assert b[:3].tolist() == [2.0, 3.0, 4.0] and b[3] == 0
+    with pytest.raises(AssertionError, match="outside every buffer"):
+        host_copy_segments(np.array([[a.ctypes.data + 8, b.ctypes.data, 8]], np.int64), ranges)
+
+
+def test_step_rows_rule():
+    assert step_rows("exact", 3, 3) == (1, 2, 3)
+    assert step_rows("exact", 3, 1) == (1, 2, 2)       # later modules: k + 1 rows
+    assert step_rows("draft", 3, 2) == (1, 1, 0)
+
+
+@given(hs.integers(1, 5000))
+def test_table_width(blocks):
+    w = table_width(blocks)
+    assert w >= max(blocks, MIN_TABLE_WIDTH)
+    if blocks > MIN_TABLE_WIDTH:
+        assert w <= blocks * 1.125
+    assert table_width(w) == w and table_width(blocks + 1) >= w
+
+
+def test_numpy_out_buffers():
+    be = NumpyBackend()
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    w = np.ones(8, np.float32)
+    out = np.empty_like(x)
+    assert be.rmsnorm(x, w, 1e-5, out=out) is out
+    assert np.array_equal(out, be.rmsnorm(x, w, 1e-5))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        be.rmsnorm(x, w, 1e-5, out=np.empty((2, 8), np.float32))
+    with pytest.raises(TypeError):
+        be.rmsnorm(x, w, 1e-5, xcat=out)              # CUDA workspaces are not accepted here
+
+
+def test_import_touches_no_gpu():
+    import subprocess
+    import sys
+
+    code = ("import sys, mtpkern.cuda_graph, mtpkern.backends.dlpack, mtpkern.backends.cuda_launch.step\n"
+            "assert 'cupy' not in sys.modules, 'cupy imported at import time'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
