@@ -1,0 +1,285 @@
+"""The Numba CPU backend (``backend="cpu"``): the default without a GPU.
+
+Weights stay in their checkpoint precision: ``prepare_weight`` keeps BF16 as
+its 16-bit pattern (a contiguous ``uint16`` view, widened to FP32 inside the
+kernels) and FP32 as FP32. Activations are FP32 NumPy arrays, indices int32,
+the KV cache FP32. Every launcher validates with the family's ``check_*``
+(mtpkern.ops), brings its inputs to C-contiguous FP32, allocates the outputs
+(or takes them, as the other backends do, from keyword-only ``out=`` buffers:
+``ids=`` / ``weights=`` for ``moe_router``) and calls one njit kernel from
+``cpu_kernels``. Kernels compile on first use
+(~40 s for all of them on 2 cores) and are cached on disk; nothing compiles
+at import. Numba's cache is keyed per source file: a kernel that inlines the
+GEMV core of ``cpu_kernels/linear.py`` keeps its old copy when only that file
+changes, so clear ``cpu_kernels/__pycache__/*.nb[ic]`` after editing it.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ..errors import NoAllowedToken
+from ..ops._check import dtype_name, expect_ndim, expect_shape
+from ..ops.attention import check_paged_attention
+from ..ops.linear import check_linear
+from ..ops.lm_head import check_bitmask
+from ..ops.mlp import check_swiglu_mlp
+from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
+from ..ops.norm import check_mtp_input
+from ..ops.rope_kv import check_qk_norm_rope_kv_write
+from .base import Backend
+from .cpu_kernels import attention as attention_k
+from .cpu_kernels import linear as linear_k
+from .cpu_kernels import lm_head as lm_head_k
+from .cpu_kernels import mlp as mlp_k
+from .cpu_kernels import moe as moe_k
+from .cpu_kernels import norm as norm_k
+from .cpu_kernels import rope_kv as rope_kv_k
+
+#: from this many rows, FP32 weights go to OpenBLAS (x @ w.T): with the
+#: thread-pool switch counted, [4096, 1024] n=512 took 25 ms against 70 ms, and
+#: [4096, 4096] n=256 53 ms against 103 ms (2 cores); at n=128 it is a draw.
+_BLAS_MIN_ROWS = 256
+
+#: vocabulary chunks of lm_head_argmax: enough to balance any thread count
+#: here; the result does not depend on it.
+_ARGMAX_CHUNKS = 64
+
+
+def _act(a) -> np.ndarray:
+    """Activations (any layout, any float dtype) -> C-contiguous FP32."""
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _opt_vec(a) -> np.ndarray:
+    """An optional FP32 vector; None -> empty (the kernels test ``shape[0] > 0``)."""
+    return np.empty(0, np.float32) if a is None else _act(a)
+
+
+def _opt_mat(a) -> np.ndarray:
+    return np.empty((0, 0), np.float32) if a is None else _act(a)
+
+
+def _weight(name: str, w) -> np.ndarray:
+    """A weight in the stored form: BF16 bits (uint16) or FP32, C-contiguous.
+
+    Raw ``ml_dtypes.bfloat16`` arrays are accepted too and viewed as their bits."""
+    dt = dtype_name(w)
+    if dt == "bfloat16":
+        return np.ascontiguousarray(w).view(np.uint16)
+    if dt in ("uint16", "float32"):
+        return np.ascontiguousarray(w)
+    raise TypeError(f"{name}: expected a weight from prepare_weight (uint16 BF16 bits or float32) "
+                    f"or bfloat16, got {dt}")
+
+
+def _out(name: str, buf, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """The caller's output buffer (checked: C-contiguous NumPy, this shape and dtype), or a new one."""
+    if buf is None:
+        return np.empty(shape, dtype)
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{name}: expected a NumPy array, got {type(buf).__name__}")
+    if buf.shape != tuple(shape) or buf.dtype != dtype or not buf.flags.c_contiguous:
+        raise ValueError(f"{name}: expected shape {list(shape)} {np.dtype(dtype).name} (C-contiguous), "
+                         f"got {list(buf.shape)} {buf.dtype.name}")
+    return buf
+
+
+def _in_range(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
+    if a.size and (int(a.min()) < lo or int(a.max()) >= hi):
+        bad = a[(a < lo) | (a >= hi)].flat[0]
+        raise ValueError(f"{name}: expected values in [{lo}, {hi}), got {int(bad)}")
+
+
+def _grouped_swiglu(x, ids, weights, w13, w2, residual, out) -> np.ndarray:
+    """residual + sum_k weights[:, k] * swiglu_{ids[:, k]}(x): sorts the n * K
+    (row, slot) pairs by expert and runs ``mlp.grouped_swiglu_kernel``."""
+    n, H = x.shape
+    I2 = w13.shape[1]
+    flat = ids.reshape(-1)                                                   # [P = n K]
+    perm = np.argsort(flat, kind="stable")                                   # pairs grouped by expert
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(perm.shape[0])
+    experts, counts = np.unique(flat, return_counts=True)
+    starts = np.zeros(experts.shape[0] + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    P = flat.shape[0]
+    out = _out("out", out, (n, H))
+    mlp_k.grouped_swiglu_kernel(
+        _act(x), weights, w13, w2, _opt_mat(residual), perm, inv, experts.astype(np.int64), starts,
+        np.empty((P, H), np.float32), np.empty((P, I2), np.float32),       # scratch: xg, gu
+        np.empty((P, I2 // 2), np.float32), np.empty((P, H), np.float32),  # act, y2
+        out)
+    return out
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    kv_dtype = np.float32
+
+    # -- memory -------------------------------------------------------------
+    def prepare_weight(self, w):
+        """BF16 -> its bits as a contiguous uint16 array (still 2 bytes a value);
+        FP32 -> contiguous FP32."""
+        w = np.asarray(w)
+        if dtype_name(w) not in ("bfloat16", "float32"):
+            raise TypeError(f"w: expected dtype bfloat16 or float32, got {dtype_name(w)}")
+        return _weight("w", w)
+
+    def from_host(self, a):
+        return np.ascontiguousarray(a)
+
+    def to_host(self, a):
+        return np.asarray(a)
+
+    def empty_kv(self, num_blocks, block_size, num_kv_heads, head_dim):
+        return np.zeros((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
+
+    def describe(self) -> str:
+        return f"cpu (Numba {numba.__version__}, {numba.get_num_threads()} threads)"
+
+    # -- norm ---------------------------------------------------------------
+    def rmsnorm(self, x, w, eps: float, *, out=None):
+        """x [..., H], w [H] -> [..., H] FP32."""
+        if x.ndim < 1:
+            raise ValueError(f"x: expected at least 1 dimension, got shape {list(x.shape)}")
+        expect_shape("w", w, (x.shape[-1],))
+        out = _out("out", out, tuple(x.shape))
+        H = x.shape[-1]
+        norm_k.rmsnorm_kernel(_act(x).reshape(-1, H), _act(w), np.float32(eps), out.reshape(-1, H))
+        return out
+
+    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None):
+        check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w)
+        V, H = embed.shape
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"tokens: expected an integer dtype, got {dtype_name(tokens)}")
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        _in_range("tokens", tokens, V)
+        n = tokens.shape[0]
+        e = np.empty((n, H), np.float32)                                     # scratch: normed embeddings
+        h = np.empty((n, H), np.float32)                                     # scratch: normed hidden
+        out = _out("out", out, (n, H))
+        norm_k.mtp_input_kernel(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
+                                _weight("eh_w", eh_w), np.float32(eps), e, h, out)
+        return out
+
+    # -- linear -------------------------------------------------------------
+    def linear(self, x, w, bias=None, residual=None, *, out=None):
+        check_linear(x, w, bias, residual)
+        w = _weight("w", w)
+        out = _out("out", out, (x.shape[0], w.shape[0]))
+        residual = None if residual is None else _act(residual)
+        if residual is not None and np.shares_memory(out, residual):
+            residual = residual.copy()                                       # out is written first
+        if w.dtype == np.float32 and x.shape[0] >= _BLAS_MIN_ROWS:
+            np.matmul(_act(x), w.T, out=out)                                 # [n, N], BLAS
+            if bias is not None:
+                out += _act(bias)
+            if residual is not None:
+                out += residual
+            return out
+        linear_k.linear_kernel(_act(x), w, _opt_vec(bias), _opt_mat(residual), out)
+        return out
+
+    # -- rope + kv write ----------------------------------------------------
+    def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
+                              eps: float, inv_freq, positions, k_cache, v_cache, slots, *, out=None):
+        check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
+                                    inv_freq, positions, k_cache, v_cache, slots)
+        NB, BS, Hkv, D = k_cache.shape
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not (isinstance(c, np.ndarray) and c.dtype == np.float32 and c.flags.c_contiguous):
+                raise TypeError(f"{name}: expected a C-contiguous float32 NumPy cache (from empty_kv), "
+                                f"got {type(c).__name__} {dtype_name(c)}")
+        slots = np.ascontiguousarray(slots)
+        _in_range("slots", slots, NB * BS)
+        n = qkv.shape[0]
+        half = inv_freq.shape[0]
+        q = _out("out", out, (n, num_q_heads, D))
+        cos = np.empty((n, half), np.float32)                                # scratch: per-row tables
+        sin = np.empty((n, half), np.float32)
+        rope_kv_k.qk_norm_rope_kv_write_kernel(
+            _act(qkv), num_q_heads, num_kv_heads, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
+            np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions),
+            k_cache.reshape(NB * BS, Hkv * D), v_cache.reshape(NB * BS, Hkv * D), slots,
+            q.reshape(n, num_q_heads * D), cos, sin)
+        return q
+
+    # -- attention ----------------------------------------------------------
+    def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *, out=None):
+        check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len)
+        NB, BS, Hkv, D = k_cache.shape
+        S, max_blocks = block_tables.shape
+        n, Hq, _ = q.shape
+        row_seq = np.ascontiguousarray(row_seq)
+        row_len = np.ascontiguousarray(row_len)
+        block_tables = np.ascontiguousarray(block_tables)
+        _in_range("row_seq", row_seq, S)
+        empty = np.flatnonzero(row_len <= 0)
+        if empty.size:                                                       # the reference's message
+            raise ValueError(f"row_len[{empty[0]}]: expected >= 1, got {int(row_len[empty[0]])}")
+        _in_range("row_len", row_len, max_blocks * BS + 1, lo=1)
+        if n:                                                                # blocks the rows will read
+            used = np.arange(max_blocks)[None, :] < ((row_len[:, None] + BS - 1) // BS)
+            _in_range("block_tables (entries in use)", block_tables[row_seq][used], NB)
+        out = _out("out", out, (n, Hq * D))
+        attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables,
+                                           row_seq, row_len, np.float32(scale), out.reshape(n, Hq, D))
+        return out
+
+    # -- moe ----------------------------------------------------------------
+    def moe_router(self, x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None):
+        check_moe_router(x, gate_w, bias, spec)
+        n, E = x.shape[0], gate_w.shape[0]
+        logits = np.empty((n, E), np.float32)                                # scratch
+        ids = _out("ids", ids, (n, spec.top_k), np.int32)
+        weights = _out("weights", weights, (n, spec.top_k))
+        moe_k.moe_router_kernel(_act(x), _weight("gate_w", gate_w), _act(bias), spec.n_group,
+                                spec.topk_group, spec.scoring == "softmax", spec.norm_topk_prob,
+                                np.float32(spec.routed_scaling_factor), logits, ids, weights)
+        return ids, weights
+
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None):
+        check_moe_experts(x, ids, weights, w13, w2, residual)
+        ids = np.ascontiguousarray(ids)
+        _in_range("ids", ids, w13.shape[0])
+        return _grouped_swiglu(x, ids, _act(weights), _weight("w13", w13), _weight("w2", w2), residual, out)
+
+    # -- mlp ----------------------------------------------------------------
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None):
+        check_swiglu_mlp(x, w13, w2, residual)
+        n = x.shape[0]
+        # the dense MLP is one expert (0) chosen by every row with weight 1.0
+        return _grouped_swiglu(x, np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32),
+                               _weight("w13", w13)[None], _weight("w2", w2)[None], residual, out)
+
+    # -- lm head ------------------------------------------------------------
+    def lm_head_logits(self, x, w, *, out=None):
+        expect_ndim("x", x, 2)
+        expect_shape("w", w, (None, x.shape[1]))
+        return self.linear(x, w, out=out)
+
+    def lm_head_argmax(self, x, w, bitmask=None, *, out=None):
+        """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head)."""
+        expect_ndim("x", x, 2)
+        expect_shape("w", w, (None, x.shape[1]))
+        n, V = x.shape[0], w.shape[0]
+        if bitmask is None:
+            bitmask = np.empty((0, 0), np.int32)
+        else:
+            check_bitmask(bitmask, n, V)
+            bitmask = np.ascontiguousarray(bitmask)
+        chunks = max(1, min(_ARGMAX_CHUNKS, V))
+        ids = _out("out", out, (n,), np.int32)
+        lm_head_k.lm_head_argmax_kernel(_act(x), _weight("w", w), bitmask, chunks,
+                                        np.empty((chunks, n), np.float32), np.empty((chunks, n), np.int32),
+                                        ids)
+        none = np.flatnonzero(ids < 0)                                       # the kernel's "no token"
+        if none.size:
+            raise NoAllowedToken(
+                f"row {none[0]}: the grammar bitmask allows no token with a non-NaN logit "
+                f"(vocabulary of {V})"
+            )
+        return ids

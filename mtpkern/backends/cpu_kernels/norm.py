@@ -1,0 +1,62 @@
+"""RMSNorm and the fused MTP input block on the CPU (spec: mtpkern.ops.norm).
+
+``mtp_input`` runs in one call: phase 1 (one task per row) gathers and widens
+the embedding row and normalises it and the hidden row into two [n, H]
+scratch rows; phase 2 (one task per pair of eh_proj rows) reads each eh_w row
+once and dots its left half with the embedding part and its right half with
+the hidden part, so the [n, 2H] concat is never built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .linear import _DOT_FLAGS, gemv_rows, widen
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS)
+def sumsq(a, i, k0, K):
+    """sum_k a[i, k0 + k]^2 over k < K, a BF16-bits or FP32 matrix."""
+    row = a[i, k0:k0 + K]                            # a 1-D view: see linear._dot_*
+    s = np.float32(0.0)
+    for k in range(row.shape[0]):
+        v = widen(row[k])
+        s += v * v
+    return s
+
+
+@njit(cache=True, fastmath=False)
+def rms_row(src, i, k0, K, w, eps, dst, di, dk0):
+    """dst[di, dk0:dk0+K] = src[i, k0:k0+K] / sqrt(mean(src^2) + eps) * w, as the
+    reference orders it (divide, then scale)."""
+    var = sumsq(src, np.int64(i), np.int64(k0), np.int64(K)) / np.float32(K)
+    d = np.sqrt(var + eps)
+    s, o = src[i, k0:k0 + K], dst[di, dk0:dk0 + K]
+    for k in range(K):
+        o[k] = widen(s[k]) / d * w[k]
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def rmsnorm_kernel(x, w, eps, out):
+    """x, out [n, H] FP32; w [H]; eps float32. One task per row."""
+    H = x.shape[1]
+    for i in prange(x.shape[0]):
+        rms_row(x, i, 0, H, w, eps, out, i, 0)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def mtp_input_kernel(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, e, h, out):
+    """embed [V, H], tokens [n] int64 (checked in range), g [n, H], eh_w [H, 2H];
+    scratch e, h [n, H]; out [n, H] = eh_w[:, :H] @ e + eh_w[:, H:] @ h."""
+    n, H = g.shape
+    zero = np.int64(0)                               # typed, not literal: see gemv_rows
+    for i in prange(n):
+        rms_row(embed, tokens[i], 0, H, enorm_w, eps, e, i, 0)
+        rms_row(g, i, 0, H, hnorm_w, eps, h, i, 0)
+    for p in prange((H + 1) // 2):
+        j0 = 2 * p
+        j1 = j0 + 1 if j0 + 1 < H else -1
+        for half in range(2):                       # one call site: the GEMV core is inlined once
+            src = e if half == 0 else h
+            gemv_rows(eh_w, j0, j1, half * H, src, zero, n, out, j0, j1, half == 1)

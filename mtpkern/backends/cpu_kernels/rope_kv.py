@@ -1,0 +1,66 @@
+"""Per-head q/k RMSNorm + partial neox RoPE + paged KV write, in one call
+(spec: mtpkern.ops.rope_kv).
+
+A serial pass first fills the per-row cos/sin tables [n, R/2] (a second
+parallel loop would cost more to start than it saves, and ~1.5 s more to
+compile). Then one task per head (Hq query heads, then Hkv key heads, each carrying its
+value head) and walks the rows in order: each head is normed and rotated
+straight into its destination (q_out, or the k cache at the row's slot), so
+the data is read once and written once. Rows in order means a slot given twice
+ends with the last row's values, as the reference's fancy assignment does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .norm import sumsq
+
+
+@njit(cache=True, fastmath=False)
+def _norm_rope_head(src, r, c0, D, w, eps, cos, sin, dst, dr, dc0):
+    """dst[dr, dc0:dc0+D] = rope(rmsnorm(src[r, c0:c0+D], w)) (no norm when w is empty)."""
+    x, o = src[r, c0:c0 + D], dst[dr, dc0:dc0 + D]  # 1-D views: see linear._dot_*
+    if w.shape[0] > 0:
+        d = np.sqrt(sumsq(src, np.int64(r), np.int64(c0), np.int64(D)) / np.float32(D) + eps)
+        for k in range(D):
+            o[k] = x[k] / d * w[k]
+    else:
+        for k in range(D):
+            o[k] = x[k]
+    half = cos.shape[1]
+    for k in range(half):
+        x1 = o[k]
+        x2 = o[half + k]
+        c = cos[r, k]
+        s = sin[r, k]
+        o[k] = x1 * c - x2 * s
+        o[half + k] = x2 * c + x1 * s
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def qk_norm_rope_kv_write_kernel(qkv, Hq, Hkv, q_norm_w, k_norm_w, eps, inv_freq, positions,
+                                 k_rows, v_rows, slots, q_out, cos, sin):
+    """qkv [n, (Hq + 2 Hkv) D]; k_rows, v_rows [NB * BS, Hkv * D] (the caches, one row
+    per slot); q_out [n, Hq * D]; scratch cos, sin [n, R/2]; eps float32."""
+    n = qkv.shape[0]
+    D = qkv.shape[1] // (Hq + 2 * Hkv)
+    half = inv_freq.shape[0]
+    for r in range(n):                               # serial: n * R/2 cos/sin pairs, ~15 ns each
+        p = np.float32(positions[r])
+        for k in range(half):
+            f = p * inv_freq[k]
+            cos[r, k] = np.cos(f)
+            sin[r, k] = np.sin(f)
+    for h in prange(Hq + Hkv):
+        for r in range(n):
+            if h < Hq:
+                _norm_rope_head(qkv, r, h * D, D, q_norm_w, eps, cos, sin, q_out, r, h * D)
+            else:
+                kv = h - Hq
+                slot = slots[r]
+                _norm_rope_head(qkv, r, h * D, D, k_norm_w, eps, cos, sin, k_rows, slot, kv * D)
+                v0 = (Hq + Hkv + kv) * D
+                for k in range(D):
+                    v_rows[slot, kv * D + k] = qkv[r, v0 + k]

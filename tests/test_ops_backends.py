@@ -1,0 +1,506 @@
+"""Every fast backend against the NumPy reference (the specification), op by op.
+
+Shapes are odd on purpose (n in 1, 3, 17; H up to 1000; V = 1, 33, 1000, not
+multiples of 32; E in several groups). Weights are BF16 or FP32 and the
+reference runs on the same (BF16-rounded) values, so only the order of
+accumulation differs and the "float32" tolerance applies to both. Move-only
+results (argmax ids, router ids, the V cache) are compared exactly.
+
+One test body serves every backend: inputs go in through ``from_host`` /
+``prepare_weight`` / ``prepare_vector`` and come back through ``to_host`` /
+``kv_to_host``. The cuda case runs only where a device is usable.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from mtpkern.backends import cuda_available, get_backend
+from mtpkern.errors import NoAllowedToken
+from mtpkern.ops.lm_head import bitmask_allowed
+from mtpkern.ops.moe import RouterSpec
+from mtpkern.ops.rope_kv import inv_freq
+from mtpkern.tolerance import TOLERANCE, assert_close
+
+REF = get_backend("numpy")
+WDTYPES = ["bfloat16", "float32"]
+
+BACKENDS = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu,
+                                pytest.mark.skipif(not cuda_available(), reason="no usable CUDA device")]),
+]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def be(request):
+    return get_backend(request.param)
+
+
+def rng_for(*key) -> np.random.Generator:
+    """A generator seeded by the test's parameters (stable across runs)."""
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def acts(rng, *shape, scale=1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def weight(rng, shape, wdtype: str) -> np.ndarray:
+    """Host weight, scaled by 1/sqrt(fan-in) so that outputs stay O(1)."""
+    w = acts(rng, *shape, scale=1.0 / np.sqrt(shape[-1]))
+    return w.astype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else w
+
+
+def kv_tol(be) -> str:
+    return "float32" if np.dtype(be.kv_dtype) == np.float32 else "bfloat16"
+
+
+# -- norm ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("H", [1, 3, 17, 1000])
+def test_rmsnorm(be, n, H):
+    rng = rng_for("rmsnorm", n, H)
+    x, w = acts(rng, n, H, scale=3.0), acts(rng, H)
+    got = be.to_host(be.rmsnorm(be.from_host(x), be.prepare_vector(w), 1e-6))
+    assert_close(got, REF.rmsnorm(x, w, 1e-6), what="rmsnorm")
+
+
+def test_rmsnorm_strided(be):
+    rng = rng_for("rmsnorm_strided")
+    big, w = acts(rng, 6, 2 * 99), acts(rng, 99)
+    got = be.to_host(be.rmsnorm(be.from_host(big)[1::2, ::2], be.prepare_vector(w), 1e-5))
+    assert_close(got, REF.rmsnorm(big[1::2, ::2], w, 1e-5), what="rmsnorm (strided x)")
+
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("n,H", [(1, 64), (3, 17), (17, 200)])
+def test_mtp_input(be, wdtype, n, H):
+    rng = rng_for("mtp_input", wdtype, n, H)
+    V = 50
+    embed, eh = weight(rng, (V, H), wdtype), weight(rng, (H, 2 * H), wdtype)
+    tokens = rng.integers(0, V, n).astype(np.int32)
+    tokens[0] = V - 1
+    g, ew, hw = acts(rng, n, H, scale=2.0), acts(rng, H), acts(rng, H)
+    got = be.to_host(be.mtp_input(be.prepare_weight(embed), be.from_host(tokens), be.from_host(g),
+                                  be.prepare_vector(ew), be.prepare_vector(hw), be.prepare_weight(eh), 1e-5))
+    want = REF.mtp_input(REF.prepare_weight(embed), tokens, g, ew, hw, REF.prepare_weight(eh), 1e-5)
+    assert_close(got, want, what="mtp_input")
+
+
+# -- linear -------------------------------------------------------------------
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("K,N", [(1, 1), (33, 17), (1000, 3), (130, 1001)])
+def test_linear(be, wdtype, n, K, N):
+    rng = rng_for("linear", wdtype, n, K, N)
+    x, w = acts(rng, n, K), weight(rng, (N, K), wdtype)
+    bias, res = acts(rng, N), acts(rng, n, N)
+    wb = be.prepare_weight(w)
+    for b, r in ((None, None), (bias, None), (None, res), (bias, res)):
+        got = be.linear(be.from_host(x), wb, None if b is None else be.prepare_vector(b),
+                        None if r is None else be.from_host(r))
+        assert_close(be.to_host(got), REF.linear(x, REF.prepare_weight(w), b, r),
+                     what=f"linear bias={b is not None} residual={r is not None}")
+
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+def test_linear_many_rows(be, wdtype):
+    """A prefill-sized n (the cpu backend hands FP32 weights to BLAS from n = 256)."""
+    rng = rng_for("linear_many_rows", wdtype)
+    n, K, N = 300, 65, 129
+    x, w, bias, res = acts(rng, n, K), weight(rng, (N, K), wdtype), acts(rng, N), acts(rng, n, N)
+    got = be.linear(be.from_host(x), be.prepare_weight(w), be.prepare_vector(bias), be.from_host(res))
+    assert_close(be.to_host(got), REF.linear(x, REF.prepare_weight(w), bias, res), what="linear (n=300)")
+
+
+def test_linear_strided(be):
+    rng = rng_for("linear_strided")
+    big, w, res_big = acts(rng, 5, 2 * 40), weight(rng, (7, 40), "bfloat16"), acts(rng, 7, 5)
+    x, res = big[:, ::2], res_big.T                                    # column-strided x, transposed residual
+    got = be.linear(be.from_host(big)[:, ::2], be.prepare_weight(w), None, be.from_host(res_big).T)
+    assert_close(be.to_host(got), REF.linear(x, REF.prepare_weight(w), None, res), what="linear (strided)")
+
+
+# -- rope + kv write ----------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("Hq,Hkv,D,R,norms", [(4, 2, 16, 16, True), (3, 1, 10, 4, False), (1, 1, 8, 2, True)])
+def test_qk_norm_rope_kv_write(be, n, Hq, Hkv, D, R, norms):
+    rng = rng_for("rope", n, Hq, Hkv, D, R, norms)
+    NB, BS = 7, 5
+    qkv = acts(rng, n, (Hq + 2 * Hkv) * D, scale=2.0)
+    qn, kn = (acts(rng, D), acts(rng, D)) if norms else (None, None)
+    invf = inv_freq(R, 10000.0)
+    positions = rng.integers(0, 5000, n).astype(np.int32)
+    slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)   # block * BS + offset
+    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    k_ref, v_ref = REF.empty_kv(NB, BS, Hkv, D), REF.empty_kv(NB, BS, Hkv, D)
+    vec = lambda a: None if a is None else be.prepare_vector(a)      # noqa: E731
+    q = be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, vec(qn), vec(kn), 1e-6, be.from_host(invf),
+                                 be.from_host(positions), k_cache, v_cache, be.from_host(slots))
+    q_ref = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, positions, k_ref, v_ref, slots)
+    assert_close(be.to_host(q), q_ref, what="q")
+    k_got, v_got = be.kv_to_host(k_cache), be.kv_to_host(v_cache)
+    blk, off = slots // BS, slots % BS
+    assert_close(k_got[blk, off], k_ref[blk, off], kv_tol(be), what="k cache rows")
+    if kv_tol(be) == "float32":
+        np.testing.assert_array_equal(v_got[blk, off], v_ref[blk, off])   # a move: exact
+    else:
+        assert_close(v_got[blk, off], v_ref[blk, off], "bfloat16", what="v cache rows")
+    untouched = np.ones((NB, BS), bool)
+    untouched[blk, off] = False
+    assert not k_got[untouched].any() and not v_got[untouched].any(), "a slot not in `slots` was written"
+
+
+# -- attention ----------------------------------------------------------------
+
+def _filled_caches(be, rng, NB, BS, Hkv, D):
+    """Caches with random content in every slot, written through the backend's own
+    KV write (so any kv_dtype works); the reference then reads kv_to_host of them."""
+    n = NB * BS
+    qkv = acts(rng, n, 3 * Hkv * D)                                    # Hkv query heads, unused
+    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    be.qk_norm_rope_kv_write(be.from_host(qkv), Hkv, Hkv, None, None, 1e-6, be.from_host(inv_freq(2, 1e4)),
+                             be.from_host(np.zeros(n, np.int32)), k_cache, v_cache,
+                             be.from_host(np.arange(n, dtype=np.int32)))
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,BS", [(4, 2, 16, 4), (3, 3, 8, 1), (8, 1, 64, 16)])
+def test_paged_attention(be, Hq, Hkv, D, BS):
+    rng = rng_for("attention", Hq, Hkv, D, BS)
+    NB, max_blocks = 40, 6
+    k_cache, v_cache = _filled_caches(be, rng, NB, BS, Hkv, D)
+    S = 3
+    block_tables = rng.permutation(NB)[: S * max_blocks].reshape(S, max_blocks).astype(np.int32)
+    # a decode row, the causal rows of a prefill chunk, a ragged mix; lengths up to the table's end
+    row_seq = np.array([0, 1, 1, 1, 2, 2, 0], np.int32)
+    row_len = np.minimum([1, 5, 6, 7, max_blocks * BS, 2 * BS + 1, BS], max_blocks * BS).astype(np.int32)
+    q = acts(rng, row_seq.shape[0], Hq, D)
+    got = be.paged_attention(be.from_host(q), k_cache, v_cache, be.from_host(block_tables),
+                             be.from_host(row_seq), be.from_host(row_len), D ** -0.5)
+    want = REF.paged_attention(q, be.kv_to_host(k_cache), be.kv_to_host(v_cache), block_tables,
+                               row_seq, row_len, D ** -0.5)
+    assert_close(be.to_host(got), want, kv_tol(be), what="paged_attention")
+
+
+def host_only(be) -> None:
+    """Index values are checked where they live on the host; the cuda launchers do not
+    read device data back (see mtpkern/backends/cuda_launch)."""
+    if be.name == "cuda":
+        pytest.skip("index values in device arrays are not checked on the GPU")
+
+
+def test_paged_attention_rejects_empty_row(be):
+    host_only(be)
+    k_cache, v_cache = be.empty_kv(2, 4, 1, 8), be.empty_kv(2, 4, 1, 8)
+    with pytest.raises(ValueError, match=r"row_len\[1\]"):
+        be.paged_attention(be.from_host(np.zeros((2, 1, 8), np.float32)), k_cache, v_cache,
+                           be.from_host(np.array([[0, 1]], np.int32)), be.from_host(np.zeros(2, np.int32)),
+                           be.from_host(np.array([3, 0], np.int32)), 1.0)
+
+
+# -- moe ----------------------------------------------------------------------
+
+ROUTER_SPECS = [
+    (64, RouterSpec(top_k=6, n_group=8, topk_group=3, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    (16, RouterSpec(top_k=4, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False)),
+    (8, RouterSpec(top_k=3, n_group=8, topk_group=4, routed_scaling_factor=1.5, norm_topk_prob=True)),  # groups of 1
+    (24, RouterSpec(top_k=5, n_group=4, topk_group=2, routed_scaling_factor=1.0, norm_topk_prob=True,
+                    scoring="softmax")),
+]
+
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("E,spec", ROUTER_SPECS)
+def test_moe_router(be, wdtype, n, E, spec):
+    rng = rng_for("router", wdtype, n, E, spec.scoring, spec.n_group)
+    H = 96
+    x, gate_w, bias = acts(rng, n, H), weight(rng, (E, H), wdtype), acts(rng, E, scale=0.1)
+    ids, w = be.moe_router(be.from_host(x), be.prepare_weight(gate_w), be.prepare_vector(bias), spec)
+    ids_ref, w_ref = REF.moe_router(x, REF.prepare_weight(gate_w), bias, spec)
+    np.testing.assert_array_equal(be.to_host(ids), ids_ref)
+    assert_close(be.to_host(w), w_ref, what="router weights")
+
+
+def _router_ref64(logits, bias, spec):
+    """Float64 scores and group scores, with the identity of every compared value,
+    to tell exact ties (same inputs: same bits everywhere) from near ties."""
+    l64, b64 = logits.astype(np.float64), bias.astype(np.float64)
+    if spec.scoring == "sigmoid":
+        s = 1.0 / (1.0 + np.exp(-l64))
+    else:
+        z = np.exp(l64 - l64.max())
+        s = z / z.sum()
+    c = s + b64
+    key = list(zip(logits.tolist(), bias.tolist()))
+    return c, key
+
+
+def _no_near_ties(logits, bias, spec, gap=1e-5) -> bool:
+    c, key = _router_ref64(logits, bias, spec)
+    E, G = c.shape[0], spec.n_group
+    for a in range(E):
+        for b in range(a + 1, E):
+            if key[a] != key[b] and abs(c[a] - c[b]) < gap:
+                return False
+        if 0 < abs(c[a]) < gap:                       # against the 0.0 of masked experts
+            return False
+    gsz = E // G
+    gkeys, gscores = [], []
+    for g in range(G):
+        order = sorted(range(g * gsz, (g + 1) * gsz), key=lambda e: -c[e])[: min(2, gsz)]
+        gkeys.append(sorted(key[e] for e in order))
+        gscores.append(sum(c[e] for e in order))
+    for a in range(G):
+        for b in range(a + 1, G):
+            if gkeys[a] != gkeys[b] and abs(gscores[a] - gscores[b]) < 10 * gap:
+                return False
+    return True
+
+
+# logits with distinct magnitudes (so no s(l) + s(-l) = s(0) + s(0) coincidences), dyadic biases
+_LOGITS = [-3.0, -2.25, -1.5, -0.75, 0.0, 0.5, 1.0, 1.25, 2.0, 2.5]
+_BIASES = [-0.5, -0.125, 0.0, 0.25, 0.5]
+
+
+@st.composite
+def router_cases(draw):
+    G = draw(st.sampled_from([1, 2, 4]))
+    gsz = draw(st.sampled_from([1, 2, 3, 4]))
+    E = G * gsz
+    topk_group = draw(st.integers(1, G))
+    spec = RouterSpec(top_k=draw(st.integers(1, topk_group * gsz)), n_group=G, topk_group=topk_group,
+                      routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
+                      norm_topk_prob=draw(st.booleans()), scoring=draw(st.sampled_from(["sigmoid", "softmax"])))
+    n = draw(st.integers(1, 3))
+    logits = np.array(draw(st.lists(st.sampled_from(_LOGITS), min_size=n * E, max_size=n * E)),
+                      np.float32).reshape(n, E)
+    bias = np.array(draw(st.lists(st.sampled_from(_BIASES), min_size=E, max_size=E)), np.float32)
+    return spec, logits, bias, draw(st.sampled_from(WDTYPES))
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=router_cases())
+def test_moe_router_property(be, case):
+    """Ties broken the reference's way (lowest group, lowest id) and masked groups'
+    zeros competing: the gate is the identity, so the logits are exact, and cases
+    whose ranking hangs on a rounding-size difference are skipped."""
+    spec, logits, bias, wdtype = case
+    assume(all(_no_near_ties(row, bias, spec) for row in logits))
+    n, E = logits.shape
+    gate = np.eye(E, dtype=np.float32)
+    gate = gate.astype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else gate
+    ids, w = be.moe_router(be.from_host(logits), be.prepare_weight(gate), be.prepare_vector(bias), spec)
+    ids_ref, w_ref = REF.moe_router(logits, REF.prepare_weight(gate), bias, spec)
+    np.testing.assert_array_equal(be.to_host(ids), ids_ref)
+    assert_close(be.to_host(w), w_ref, what="router weights")
+
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("n,E,K", [(1, 8, 2), (3, 6, 3), (17, 16, 4)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_moe_experts(be, wdtype, n, E, K, residual):
+    rng = rng_for("experts", wdtype, n, E, K, residual)
+    H, I = 40, 23
+    x = acts(rng, n, H)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    weights = rng.random((n, K)).astype(np.float32)
+    w13, w2 = weight(rng, (E, 2 * I, H), wdtype), weight(rng, (E, H, I), wdtype)
+    res = acts(rng, n, H) if residual else None
+    got = be.moe_experts(be.from_host(x), be.from_host(ids), be.from_host(weights), be.prepare_weight(w13),
+                         be.prepare_weight(w2), None if res is None else be.from_host(res))
+    want = REF.moe_experts(x, ids, weights, REF.prepare_weight(w13), REF.prepare_weight(w2), res)
+    assert_close(be.to_host(got), want, what="moe_experts")
+
+
+# -- mlp ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("H,I", [(1, 1), (64, 37), (33, 200)])
+def test_swiglu_mlp(be, wdtype, n, H, I):
+    rng = rng_for("mlp", wdtype, n, H, I)
+    x, res = acts(rng, n, H), acts(rng, n, H)
+    w13, w2 = weight(rng, (2 * I, H), wdtype), weight(rng, (H, I), wdtype)
+    for r in (None, res):
+        got = be.swiglu_mlp(be.from_host(x), be.prepare_weight(w13), be.prepare_weight(w2),
+                            None if r is None else be.from_host(r))
+        want = REF.swiglu_mlp(x, REF.prepare_weight(w13), REF.prepare_weight(w2), r)
+        assert_close(be.to_host(got), want, what=f"swiglu_mlp residual={r is not None}")
+
+
+# -- lm head ------------------------------------------------------------------
+
+def random_bitmask(rng, n, V, density) -> np.ndarray:
+    """[n, ceil(V/32)] int32 with random padding bits past V as well."""
+    bits = rng.random((n, (V + 31) // 32 * 32)) < density
+    words = (bits.reshape(n, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+    return words.astype(np.uint32).view(np.int32)
+
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("V", [1, 33, 1000])
+def test_lm_head(be, wdtype, n, V):
+    rng = rng_for("lm_head", wdtype, n, V)
+    H = 48
+    x, w = acts(rng, n, H), weight(rng, (V, H), wdtype)
+    wb, wr = be.prepare_weight(w), REF.prepare_weight(w)
+    logits = REF.lm_head_logits(x, wr)
+    assert_close(be.to_host(be.lm_head_logits(be.from_host(x), wb)), logits, what="lm_head_logits")
+    for mask in (None, random_bitmask(rng, n, V, 0.3), random_bitmask(rng, n, V, 0.02)):
+        ok = np.ones((n, V), bool) if mask is None else bitmask_allowed(mask, V)
+        if not ok.any(axis=1).all():
+            with pytest.raises(NoAllowedToken, match=f"row {int(np.flatnonzero(~ok.any(axis=1))[0])}"):
+                be.lm_head_argmax(be.from_host(x), wb, None if mask is None else be.from_host(mask))
+            continue
+        got = be.to_host(be.lm_head_argmax(be.from_host(x), wb, None if mask is None else be.from_host(mask)))
+        want = REF.lm_head_argmax(x, wr, mask)
+        assert got.dtype == np.int32 and got.shape == (n,)
+        for r in range(n):                           # exact, unless the top two differ by rounding only
+            if got[r] != want[r]:
+                assert ok[r, got[r]], f"row {r}: a masked token {got[r]} won"
+                tol = TOLERANCE["float32"]
+                assert abs(logits[r, got[r]] - logits[r, want[r]]) <= tol.atol + tol.rtol * abs(logits[r, want[r]])
+
+
+@st.composite
+def argmax_cases(draw):
+    n = draw(st.integers(1, 4))
+    V = draw(st.sampled_from([1, 2, 31, 33, 64, 65, 100]))
+    grid = st.sampled_from([-2.0, -0.5, 0.0, 0.5, 1.0, 3.0])          # few values: many ties
+    x = np.array(draw(st.lists(grid, min_size=n * V, max_size=n * V)), np.float32).reshape(n, V)
+    nan_tokens = draw(st.lists(st.integers(0, V - 1), max_size=V // 2 + 1))
+    words = draw(st.one_of(st.none(), st.lists(st.integers(-2**31, 2**31 - 1),
+                                                min_size=n * ((V + 31) // 32), max_size=n * ((V + 31) // 32))))
+    mask = None if words is None else np.array(words, np.int32).reshape(n, -1)
+    return x, nan_tokens, mask, draw(st.sampled_from(WDTYPES))
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=argmax_cases())
+def test_lm_head_argmax_property(be, case):
+    """Exact ids, ties to the lowest id, NaN never wins, padding bits never count:
+    the LM head is the identity (logits = x exactly), rows of NaN make NaN tokens."""
+    x, nan_tokens, mask, wdtype = case
+    n, V = x.shape
+    w = np.eye(V, dtype=np.float32)
+    w[nan_tokens] = np.nan
+    w = w.astype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else w
+    args = (be.from_host(x), be.prepare_weight(w), None if mask is None else be.from_host(mask))
+    try:
+        want = REF.lm_head_argmax(x, REF.prepare_weight(w), mask)
+    except NoAllowedToken as e:
+        with pytest.raises(NoAllowedToken, match=str(e).split(":")[0] + ":"):
+            be.lm_head_argmax(*args)
+        return
+    np.testing.assert_array_equal(be.to_host(be.lm_head_argmax(*args)), want)
+
+
+def test_lm_head_argmax_edges(be):
+    V, H = 33, 33
+    w = be.prepare_weight(np.eye(V, dtype=np.float32).astype(ml_dtypes.bfloat16))
+    x = np.zeros((3, H), np.float32)
+    x[:, 32] = 5.0                                   # the last real token is the best everywhere
+    only_padding = np.array([0, -2], np.int32)       # word 1: bits 1..31 = tokens 33..63, past V
+    mask = np.stack([np.array([0, 1], np.int32), np.array([-1, -1], np.int32), only_padding])
+    with pytest.raises(NoAllowedToken, match="row 2"):
+        be.lm_head_argmax(be.from_host(x), w, be.from_host(mask))
+    mask[2] = [1 << 7, -2]                           # token 7 only (and padding)
+    got = be.to_host(be.lm_head_argmax(be.from_host(x), w, be.from_host(mask)))
+    np.testing.assert_array_equal(got, [32, 32, 7])
+
+
+# -- output buffers -----------------------------------------------------------
+
+def test_out_buffers(be):
+    """Results land in the caller's buffers (a planned step preallocates them), the
+    head's ``y = swiglu_mlp(f, w13, w2, y, out=y)`` (residual and output one array) included."""
+    rng = rng_for("out_buffers")
+    n, H, N, I, E = 3, 16, 5, 7, 4
+    x = acts(rng, n, H)
+    w, w13, w2, gate = (weight(rng, s, "bfloat16") for s in ((N, H), (2 * I, H), (H, I), (E, H)))
+    xb = be.from_host(x)
+    out = be.from_host(np.zeros((n, N), np.float32))
+    assert be.linear(xb, be.prepare_weight(w), out=out) is out
+    assert_close(be.to_host(out), REF.linear(x, REF.prepare_weight(w)), what="linear out=")
+    y = acts(rng, n, H)
+    yb = be.from_host(y.copy())
+    assert be.swiglu_mlp(xb, be.prepare_weight(w13), be.prepare_weight(w2), yb, out=yb) is yb
+    assert_close(be.to_host(yb), REF.swiglu_mlp(x, REF.prepare_weight(w13), REF.prepare_weight(w2), y),
+                 what="swiglu_mlp out=residual")
+    spec = RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
+    ids, wts = be.from_host(np.zeros((n, 2), np.int32)), be.from_host(np.zeros((n, 2), np.float32))
+    got = be.moe_router(xb, be.prepare_weight(gate), be.prepare_vector(np.zeros(E)), spec, ids=ids, weights=wts)
+    assert got[0] is ids and got[1] is wts
+    np.testing.assert_array_equal(be.to_host(ids), REF.moe_router(x, REF.prepare_weight(gate), np.zeros(E), spec)[0])
+    am = be.from_host(np.zeros(n, np.int32))
+    assert be.lm_head_argmax(xb, be.prepare_weight(w), out=am) is am
+    with pytest.raises(ValueError, match="out: expected shape"):
+        be.linear(xb, be.prepare_weight(w), out=be.from_host(np.zeros((n, N - 1), np.float32)))
+
+
+# -- validation ---------------------------------------------------------------
+
+def test_launchers_validate(be):
+    f = be.from_host
+    x = f(np.zeros((2, 8), np.float32))
+    w = be.prepare_weight(np.zeros((4, 8), ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match=r"w: expected shape \[\*, 9\]"):
+        be.linear(f(np.zeros((2, 9), np.float32)), w)
+    with pytest.raises(ValueError, match=r"residual: expected shape \[2, 4\]"):
+        be.linear(x, w, None, f(np.zeros((2, 5), np.float32)))
+    with pytest.raises(TypeError, match="positions"):
+        be.qk_norm_rope_kv_write(f(np.zeros((1, 24), np.float32)), 1, 1, None, None, 1e-6,
+                                 f(inv_freq(8, 1e4)), f(np.zeros(1, np.int64)), be.empty_kv(2, 2, 1, 8),
+                                 be.empty_kv(2, 2, 1, 8), f(np.zeros(1, np.int32)))
+    with pytest.raises(ValueError, match="bitmask"):
+        be.lm_head_argmax(x, w, f(np.zeros((2, 2), np.int32)))
+
+
+def test_launchers_check_index_values(be):
+    """Out-of-range tokens, expert ids and slots raise instead of reading or writing
+    out of bounds (NumPy would wrap negative ones around)."""
+    host_only(be)
+    f = be.from_host
+    x = f(np.zeros((2, 8), np.float32))
+    embed = be.prepare_weight(np.zeros((4, 8), ml_dtypes.bfloat16))
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match="tokens"):
+            be.mtp_input(embed, f(np.array([bad], np.int32)), f(np.zeros((1, 8), np.float32)),
+                         be.prepare_vector(np.ones(8)), be.prepare_vector(np.ones(8)),
+                         be.prepare_weight(np.zeros((8, 16), np.float32)), 1e-5)
+        with pytest.raises(ValueError, match="ids"):
+            be.moe_experts(x, f(np.array([[0], [bad - 1]], np.int32)), f(np.ones((2, 1), np.float32)),
+                           be.prepare_weight(np.zeros((3, 4, 8), np.float32)),
+                           be.prepare_weight(np.zeros((3, 8, 2), np.float32)))
+    with pytest.raises(ValueError, match="slots"):
+        be.qk_norm_rope_kv_write(f(np.zeros((1, 24), np.float32)), 1, 1, None, None, 1e-6,
+                                 f(inv_freq(8, 1e4)), f(np.zeros(1, np.int32)), be.empty_kv(2, 2, 1, 8),
+                                 be.empty_kv(2, 2, 1, 8), f(np.array([4], np.int32)))
+    with pytest.raises(ValueError, match="slots"):
+        be.qk_norm_rope_kv_write(f(np.zeros((1, 24), np.float32)), 1, 1, None, None, 1e-6,
+                                 f(inv_freq(8, 1e4)), f(np.zeros(1, np.int32)), be.empty_kv(2, 2, 1, 8),
+                                 be.empty_kv(2, 2, 1, 8), f(np.array([-1], np.int32)))
+
+
+def test_cpu_weights_stay_16_bit():
+    cpu = get_backend("cpu")
+    w = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
+    wp = cpu.prepare_weight(w)
+    assert wp.dtype == np.uint16 and wp.nbytes == w.nbytes and wp.flags.c_contiguous
+    np.testing.assert_array_equal(wp, w.view(np.uint16))
+    assert cpu.prepare_weight(w.astype(np.float32)).dtype == np.float32
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        cpu.prepare_weight(np.zeros((2, 2), np.float16))
