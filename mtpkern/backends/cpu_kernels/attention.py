@@ -1,9 +1,11 @@
 """GQA attention over the paged KV cache on the CPU (spec: mtpkern.ops.attention).
 
-One task per (row, query head): a single pass over the row's L visible KV
-rows with an online softmax (running max m, running sum l, FP32 accumulator
-[D] kept in the output row, rescaled when m grows), then out /= l. Rows and
-heads are independent, so n * Hq tasks split evenly over the threads.
+One task per (row, KV head), serving the G = Hq / Hkv query heads that share
+it, so each K/V row is read from memory once per task, not G times (the
+traffic that bounds decode attention). A single pass over the row's L visible
+KV rows, a block of the paged cache at a time, with an online softmax per
+head (running max m, running sum l, FP32 accumulator [G, D], rescaled when
+the block raises m), then acc / l. n * Hkv tasks split over the threads.
 """
 
 from __future__ import annotations
@@ -28,29 +30,39 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_len, 
     the launcher; scale float32."""
     n, Hq, D = q.shape
     BS = k_cache.shape[1]
-    group = Hq // k_cache.shape[2]
-    for t in prange(n * Hq):
-        r = t // Hq
-        h = t % Hq
-        kvh = h // group
+    Hkv = k_cache.shape[2]
+    G = Hq // Hkv
+    for t in prange(n * Hkv):
+        r = t // Hkv
+        kvh = t % Hkv
         s = row_seq[r]
-        m = np.float32(-np.inf)
-        l = np.float32(0.0)
-        for d in range(D):
-            out[r, h, d] = 0.0
-        for i in range(row_len[r]):
-            blk = block_tables[s, i // BS]
-            off = i % BS
-            sc = _qk(q, r, h, k_cache, blk, off, kvh) * scale
-            if sc > m:                                   # new running max: rescale what we have
-                corr = np.exp(m - sc)
-                l *= corr
-                for d in range(D):
-                    out[r, h, d] *= corr
-                m = sc
-            p = np.exp(sc - m)
-            l += p
+        L = row_len[r]
+        acc = np.zeros((G, D), np.float32)
+        m = np.full(G, -np.inf, np.float32)
+        l = np.zeros(G, np.float32)
+        sc = np.empty((G, BS), np.float32)
+        for b in range((L + BS - 1) // BS):
+            blk = block_tables[s, b]
+            cnt = min(BS, L - b * BS)
+            for j in range(cnt):                        # each K row read once for the G heads
+                for g in range(G):
+                    sc[g, j] = _qk(q, r, kvh * G + g, k_cache, blk, j, kvh) * scale
+            for g in range(G):
+                bm = sc[g, 0]
+                for j in range(1, cnt):
+                    if sc[g, j] > bm:
+                        bm = sc[g, j]
+                if bm > m[g]:                           # new running max: rescale what we have
+                    corr = np.exp(m[g] - bm)
+                    l[g] *= corr
+                    for d in range(D):
+                        acc[g, d] *= corr
+                    m[g] = bm
+                for j in range(cnt):
+                    p = np.exp(sc[g, j] - m[g])
+                    l[g] += p
+                    for d in range(D):
+                        acc[g, d] += p * v_cache[blk, j, kvh, d]
+        for g in range(G):
             for d in range(D):
-                out[r, h, d] += p * v_cache[blk, off, kvh, d]
-        for d in range(D):
-            out[r, h, d] /= l
+                out[r, kvh * G + g, d] = acc[g, d] / l[g]
