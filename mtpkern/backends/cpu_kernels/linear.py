@@ -59,14 +59,12 @@ def widen(typingctx, v):
 # (2.5 ms instead of 0.63 ms for a [4096, 1024] BF16 GEMV on one core).
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot_2x1(w, j0, j1, k0, x, i):
-    wa, wb, x0 = w[j0, k0:], w[j1, k0:], x[i]
+def _dot_1x1(w, j, k0, x, i):
+    wa, x0 = w[j, k0:], x[i]
     a0 = np.float32(0.0)
-    b0 = np.float32(0.0)
     for k in range(x0.shape[0]):
         a0 += widen(wa[k]) * x0[k]
-        b0 += widen(wb[k]) * x0[k]
-    return a0, b0
+    return a0
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
@@ -135,10 +133,11 @@ def gemv_rows(w, j0, j1, k0, x, i0, i1, y, c0, c1, accumulate):
             _put(y, i + 3, c1, b3, accumulate)
         i += 4
     while i < i1:
-        a0, b0 = _dot_2x1(w, j0, j1, k0, x, i)
-        _put(y, i, c0, a0, accumulate)
+        # One weight row at a time: a single stream per dot streams faster than the
+        # interleaved pair (19 vs 14 GB/s for a [32768, 1024] BF16 LM head, n = 1).
+        _put(y, i, c0, _dot_1x1(w, j0, k0, x, i), accumulate)
         if pair:
-            _put(y, i, c1, b0, accumulate)
+            _put(y, i, c1, _dot_1x1(w, j1, k0, x, i), accumulate)
         i += 1
 
 
