@@ -86,9 +86,9 @@ def optional(a: Any, name: str, *dtypes: str):
 
 def inplace(a: Any, name: str, *dtypes: str):
     """A device array the kernel writes into: no copy may stand in for it."""
-    cp = _cupy()
-    if not (isinstance(a, cp.ndarray) or is_device_array(a)):
+    if not is_device_array(a):          # a CuPy array has __cuda_array_interface__ too
         raise TypeError(f"{name}: expected a GPU array (written in place), got {type(a).__name__}")
+    cp = _cupy()
     arr = a if isinstance(a, cp.ndarray) else (cp.asarray(a) if hasattr(a, "__cuda_array_interface__") else cp.from_dlpack(a))
     if dtypes:
         expect_dtype(name, arr, *dtypes)
