@@ -195,7 +195,6 @@ class Gpu:
 
         ts, _ = self.time_op(copy, runs)
         med = float(np.median(ts))
-        del src, dst
         return 2 * nbytes / (med * 1e-6) / 1e9, med
 
 
@@ -275,7 +274,7 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
             ws = {"part_o": empty(n, Hq, p.num_parts, D), "part_ml": empty(n, Hq, p.num_parts, 2)}
             part_bytes = 2 * n * Hq * p.num_parts * (D + 2) * f4          # partials written, then merged
         qa = act(n, Hq, D)
-        cases.append((f"paged_attention", ctx, 2 * n * ctx * Hkv * D * b2 + 2 * n * Hq * D * f4 + part_bytes,
+        cases.append(("paged_attention", ctx, 2 * n * ctx * Hkv * D * b2 + 2 * n * Hq * D * f4 + part_bytes,
                       lambda kc=kc, vc=vc, tables=tables, row_seq=row_seq, row_len=row_len, qa=qa, ws=ws:
                       be.paged_attention(qa, kc, vc, tables, row_seq, row_len, D ** -0.5, out=o, **ws)))
     cases += [

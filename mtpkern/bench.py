@@ -96,7 +96,7 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
-    E, K, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     Is = cfg.shared_intermediate_size
 
     def W(*shape):

@@ -510,7 +510,7 @@ class MultiModuleMtpHead(DraftProposer):
                 raise ValueError(f"{name}: expected >= {st.next_position} (positions never go back), got {p}")
             return
         if st.num_verified == 0:
-            raise StateError(f"state: exact kv_mode needs prefill_drafter before the first propose")
+            raise StateError("state: exact kv_mode needs prefill_drafter before the first propose")
         if p != st.num_verified:
             raise ValueError(f"{name}: expected {st.num_verified} (the next position of this sequence), got {p}")
         if st.num_hiddens != p - 1:

@@ -255,12 +255,12 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     for m in range(cfg.num_modules):
         pre = f"model.layers.{cfg.layer_index(m)}."
         spec = _module_keys(cfg, m)
-        for suffix, (shape, required) in spec.items():
+        for suffix, (_, required) in spec.items():
             if required and not rd.has(pre + suffix):
                 raise CheckpointError(f"tensor {pre + suffix!r} is missing from the checkpoint at {rd.path} "
                                       f"(module {m} of {cfg.num_modules})")
 
-        def w(suffix, dtypes=_FLOAT_DTYPES):
+        def w(suffix, dtypes=_FLOAT_DTYPES, pre=pre, spec=spec):
             return read(pre + suffix, spec[suffix][0], dtypes)
 
         head_keys = [pre + "shared_head.head.weight", "lm_head.weight"]

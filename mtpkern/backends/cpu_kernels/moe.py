@@ -45,7 +45,7 @@ def _route_row(s, c, bias, n_group, topk_group, top_k, ids, weights, r):
         else:
             gscore[g] = c[a]
     keep = np.zeros(n_group, np.bool_)
-    for t in range(topk_group):
+    for _ in range(topk_group):
         best = -1
         for g in range(n_group):
             if not keep[g] and (best < 0 or _better(gscore[g], gscore[best])):
