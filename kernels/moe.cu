@@ -11,7 +11,9 @@
 //   expert e is chosen when its rank by c (ties: lowest id) is < K, and its rank is
 //   its output column; weight = s / (sum of the chosen s + 1e-20) when norm, times
 //   the scaling factor. Ranks are counted against all E (O(E) shared-memory reads
-//   per thread, broadcasts), so there is no sort and the result is exact.
+//   per thread, broadcasts), so there is no sort and the result is exact. NaN ranks
+//   after every number (mtp::ranks_before, the reference's argsort order), so a NaN
+//   row still fills all K ids with distinct experts.
 //
 // moe_experts = moe_expert_kernel<W, true> + moe_expert_kernel<W, false> + moe_combine_kernel:
 //
@@ -41,7 +43,20 @@
 
 namespace mtp {
 constexpr int kRouterMaxExperts = 1024;
+
+// The reference's order of router values (a stable argsort of -c): larger first,
+// NaN after every number, lower index on ties. A strict total order, so the ranks
+// counted with it are a permutation of 0 .. count-1 even when a row holds NaN
+// (otherwise NaN entries would share rank 0 and leave id slots unwritten).
+__device__ __forceinline__ bool ranks_before(float v, int i, float w, int j) {
+  const bool vn = isnan(v), wn = isnan(w);
+  if (vn != wn) return wn;
+  return vn ? i < j : (v > w || (v == w && i < j));
 }
+
+// v is larger than w in that order (NaN the smallest value).
+__device__ __forceinline__ bool larger(float v, float w) { return !isnan(v) && (isnan(w) || v > w); }
+}  // namespace mtp
 
 __global__ void __launch_bounds__(mtp::kRouterMaxExperts)
 moe_router_select_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
@@ -72,11 +87,13 @@ moe_router_select_kernel(const float* __restrict__ logits, const float* __restri
 
   const int EG = E / n_group;  // experts per group
   if (e < n_group) {
-    float a = neg_inf(), b = neg_inf();  // top-2 of the group, a >= b (a duplicate max fills both)
+    // top-2 of the group in the reference's order (NaN the smallest: a group with one
+    // number and a NaN scores NaN, as sum(sort(..)[:2]) does); a duplicate max fills both
+    float a = quiet_nan(), b = quiet_nan();
     for (int j = 0; j < EG; ++j) {
       const float v = s_c[e * EG + j];
-      if (v > a) { b = a; a = v; }
-      else if (v > b) { b = v; }
+      if (larger(v, a)) { b = a; a = v; }
+      else if (larger(v, b)) { b = v; }
     }
     s_gs[e] = EG >= 2 ? a + b : a;
   }
@@ -84,7 +101,7 @@ moe_router_select_kernel(const float* __restrict__ logits, const float* __restri
   if (e < n_group) {
     const float gs = s_gs[e];
     int rank = 0;
-    for (int g = 0; g < n_group; ++g) rank += s_gs[g] > gs || (s_gs[g] == gs && g < e);
+    for (int g = 0; g < n_group; ++g) rank += ranks_before(s_gs[g], g, gs, e);
     s_keep[e] = rank < topk_group;
   }
   __syncthreads();
@@ -94,10 +111,7 @@ moe_router_select_kernel(const float* __restrict__ logits, const float* __restri
   __syncthreads();
   if (valid) {
     int rank = 0;
-    for (int f = 0; f < E; ++f) {
-      const float v = s_c[f];
-      rank += v > cm || (v == cm && f < e);
-    }
+    for (int f = 0; f < E; ++f) rank += ranks_before(s_c[f], f, cm, e);
     if (rank < K) {
       ids[r * K + rank] = e;
       s_sel[rank] = s;

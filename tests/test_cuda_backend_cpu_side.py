@@ -293,38 +293,53 @@ def test_argmax_allowed_minus_inf_still_wins():
 # router: moe_router_select_kernel
 
 
+def ranks_before(v, i, w, j) -> bool:
+    """moe.cu mtp::ranks_before: larger first, NaN after every number, lower index on ties."""
+    vn, wn = bool(np.isnan(v)), bool(np.isnan(w))
+    if vn != wn:
+        return wn
+    return i < j if vn else bool(v > w or (v == w and i < j))
+
+
+def larger(v, w) -> bool:
+    """moe.cu mtp::larger: NaN is the smallest value."""
+    return not np.isnan(v) and (bool(np.isnan(w)) or bool(v > w))
+
+
 def simulate_router_select(logits, bias, spec):
     n, E = logits.shape
     K, G = spec.top_k, spec.n_group
     EG = E // G
-    ids = np.empty((n, K), np.int32)
+    ids = np.full((n, K), -7, np.int32)                    # -7: a slot no thread wrote
     weights = np.empty((n, K), F32)
     for r in range(n):
         l = logits[r]
-        if spec.scoring == "softmax":
-            z = np.exp(l - l.max())
-            s = z / z.sum()
-        else:
-            s = F32(1) / (F32(1) + np.exp(-l))
+        with np.errstate(invalid="ignore"):
+            if spec.scoring == "softmax":
+                z = np.exp(l - np.fmax.reduce(l))          # block_max: fmaxf skips NaN
+                s = z / z.sum()
+            else:
+                s = F32(1) / (F32(1) + np.exp(-l))
         c = s + bias
         gs = np.empty(G, F32)
-        for g in range(G):                                 # serial top-2 scan, a >= b
-            a = b = -np.inf
+        for g in range(G):                                 # serial top-2 scan, a >= b, NaN smallest
+            a = b = F32(np.nan)
             for v in c[g * EG:(g + 1) * EG]:
-                if v > a:
+                if larger(v, a):
                     a, b = v, a
-                elif v > b:
+                elif larger(v, b):
                     b = v
             gs[g] = F32(a) + F32(b) if EG >= 2 else a
-        keep = [sum(gs[h] > gs[g] or (gs[h] == gs[g] and h < g) for h in range(G)) < spec.topk_group
-                for g in range(G)]
+        keep = [sum(ranks_before(gs[h], h, gs[g], g) for h in range(G)) < spec.topk_group for g in range(G)]
         cm = np.array([c[e] if keep[e // EG] else F32(0) for e in range(E)], F32)
         sel = np.empty(K, F32)
         for e in range(E):
-            rank = int(np.sum(cm > cm[e]) + np.sum(cm[:e] == cm[e]))
+            rank = sum(ranks_before(cm[f], f, cm[e], e) for f in range(E))
             if rank < K:
+                assert ids[r, rank] == -7, "two experts share a rank"
                 ids[r, rank] = e
                 sel[rank] = s[e]
+        assert (ids[r] >= 0).all(), "an id slot was left unwritten"
         w = sel
         if spec.norm_topk_prob:
             total = F32(0)
@@ -356,6 +371,27 @@ def test_router_scheme_matches_reference(E, spec):
     logits = x @ gate_w.T
     ids, w = simulate_router_select(logits, bias, spec)
     np.testing.assert_array_equal(ids, ids_ref)
+    assert_close(w, w_ref, what="router weights")
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("nan_at", [[3], [0, 5, 6, 7], list(range(16))])
+def test_router_scheme_nan_rows_fill_every_slot(scoring, nan_at):
+    """NaN logits (a NaN hidden row) rank after every number, as the reference's
+    argsort puts them: every id slot gets a distinct expert (a plain v > c count gave
+    NaN experts rank 0 each, leaving slots unwritten: stale ids in a replayed graph)."""
+    E, n, H = 16, 3, 8
+    spec = moe_ref.RouterSpec(6, 4, 2, 1.0, True, scoring)
+    x = RNG.standard_normal((n, H)).astype(F32)
+    x[2] = np.nan                                             # a NaN hidden: every logit NaN
+    gate_w = RNG.standard_normal((E, H)).astype(F32)
+    gate_w[nan_at] = np.nan                                   # NaN logits of some experts
+    bias = (RNG.integers(-3, 3, size=E) * 0.25).astype(F32)
+    with np.errstate(invalid="ignore"):
+        ids_ref, w_ref = moe_ref.moe_router(x, gate_w, bias, spec)
+        ids, w = simulate_router_select(x @ gate_w.T, bias, spec)
+    np.testing.assert_array_equal(ids, ids_ref)
+    assert all(len(set(row)) == spec.top_k for row in ids.tolist())
     assert_close(w, w_ref, what="router weights")
 
 
@@ -507,7 +543,7 @@ from mtpkern.ops._check import expect_dtype  # noqa: E402
 _KERNEL = re.compile(
     r"(?:template\s*<([^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)"
 )
-_ELEM_DTYPE = {"float": "float32", "__nv_bfloat16": "uint16", "int": "int32"}
+_ELEM_DTYPE = {"float": "float32", "__nv_bfloat16": "uint16", "int": "int32", "long long": "int64"}
 _ADDR = itertools.count(1 << 20, 1 << 20)
 
 
@@ -552,7 +588,7 @@ class Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    from mtpkern.backends.cuda_launch import lm_head, mlp, moe, norm, rope_kv
+    from mtpkern.backends.cuda_launch import lm_head, mlp, moe, norm, rope_kv, step
 
     def device(a, name, *dtypes):
         a = a if isinstance(a, FakeDev) else FakeDev(np.shape(a), np.asarray(a).dtype)
@@ -568,7 +604,7 @@ def recorder(monkeypatch):
         "device": device, "inplace": device, "output": output, "get_kernel": rec.get_kernel,
         "optional": lambda a, name, *d: None if a is None else device(a, name, *d), "sm_count": lambda: 132,
     }
-    for mod in (norm, linear, rope_kv, attention, mlp, moe, lm_head):
+    for mod in (norm, linear, rope_kv, attention, mlp, moe, lm_head, step):
         for attr, fake in fakes.items():
             if hasattr(mod, attr):
                 monkeypatch.setattr(mod, attr, fake)
@@ -600,7 +636,7 @@ def check_launch(family, name, grid, block, args, shared_mem):
 
 @pytest.mark.parametrize("wdtype", [np.uint16, F32])
 def test_launch_abi(recorder, wdtype):
-    from mtpkern.backends.cuda_launch import lm_head, mlp, moe, norm, rope_kv
+    from mtpkern.backends.cuda_launch import lm_head, mlp, moe, norm, rope_kv, step
 
     def f(*shape):
         return np.zeros(shape, F32)
@@ -628,13 +664,14 @@ def test_launch_abi(recorder, wdtype):
     mlp.swiglu_mlp(f(n, H), wt(12, H), wt(H, 6), f(n, H))
     lm_head.lm_head_logits(f(n, H), wt(100, H))
     lm_head.lm_head_argmax(f(n, H), wt(100, H), i(n, 4), check=False)
+    step.copy_segments(np.zeros((5, 3), np.int64))
 
     launched = {name for _, name, *_ in recorder.launches}
     for launch in recorder.launches:
         check_launch(*launch)
     expected = {
         "rmsnorm_kernel", "paged_attention_merge_kernel", "moe_router_select_kernel",
-        "moe_combine_kernel", "argmax_final_kernel",
+        "moe_combine_kernel", "argmax_final_kernel", "copy_segments_kernel",
     }
     assert expected <= launched
     ct = loader.CTYPE[np.dtype(wdtype).name]
