@@ -106,8 +106,14 @@ def _same_kv(ref, sr, dev, sd, what, tol="bfloat16"):
 @pytest.mark.parametrize("kv", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_cuda_matches_numpy_reference(ckpt_cfg, mode, kv):
+    check_cuda_matches_numpy_reference(ckpt_cfg, mode, kv, _device_backend(kv))
+
+
+def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_backend) -> None:
+    """The body of test_cuda_matches_numpy_reference, for any cuda backend with KV dtype
+    ``kv`` (tests/test_cuda_emulated.py runs it on the emulated kernels)."""
     ckpt, cfg = ckpt_cfg
-    ref, dev = _make(ckpt, _reference_backend(kv), mode), _make(ckpt, _device_backend(kv), mode)
+    ref, dev = _make(ckpt, _reference_backend(kv), mode), _make(ckpt, device_backend, mode)
     tol = kv
     margins = _record_margins(ref)
     rng = np.random.default_rng(5)
@@ -161,9 +167,14 @@ def _allowed(V, ids):
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 @pytest.mark.parametrize("B", [1, 8])
 def test_graph_replay_equals_eager(mid_ckpt, mode, B):
-    cfg = tiny_config(**MID)
+    check_graph_replay_equals_eager(mid_ckpt, tiny_config(**MID), "cuda", mode, B)
+
+
+def check_graph_replay_equals_eager(ckpt, cfg, backend, mode: str, B: int) -> None:
+    """The body of test_graph_replay_equals_eager, for any cuda backend (a name or an
+    instance; tests/test_cuda_emulated.py runs it on the emulated kernels)."""
     H, V, M = cfg.hidden_size, cfg.vocab_size, cfg.num_modules
-    graph, eager = _make(mid_ckpt, "cuda", mode), _make(mid_ckpt, "cuda", mode, cuda_graphs=False)
+    graph, eager = _make(ckpt, backend, mode), _make(ckpt, backend, mode, cuda_graphs=False)
     assert eager.step_runner is None and graph.step_runner is not None
     rng = np.random.default_rng(B)
     sg, se = [graph.alloc_state() for _ in range(B)], [eager.alloc_state() for _ in range(B)]
@@ -184,7 +195,7 @@ def test_graph_replay_equals_eager(mid_ckpt, mode, B):
         out = [p.propose_batch(last, np.stack(pending), pos, k, ss, grammar_bitmasks=masks)
                for p, ss in ((graph, sg), (eager, se))]
         assert out[0] == out[1], f"step {step} (k={k}): graph {out[0]}, eager {out[1]}"
-        assert graph.last_drafts_device.get().tolist() == out[0]
+        assert graph.backend.to_host(graph.last_drafts_device).tolist() == out[0]
         for i in range(B):
             a = int(rng.integers(0, k + 1))
             hid = rng.standard_normal((a, H)).astype(np.float32)

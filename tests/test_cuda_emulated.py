@@ -1,0 +1,600 @@
+"""The CUDA backend's real kernels (kernels/*.cu) on the CPU, through the emulator in
+tests/cuda_emu/ (g++ against a CUDA shim; every GPU thread a fiber; docs/cuda.md,
+"Emulated kernels on the CPU").
+
+- the emulator itself: collectives, barriers and shared memory behave as in CUDA, and
+  each check it claims fires (deadlock, divergent collective, misaligned vector load,
+  UBSan bounds / overflow, shared memory limit, launch argument types);
+- every op test of tests/test_ops_backends.py against the emulated ``CudaBackend``
+  (tests that touch the KV cache with BF16 and FP32 KV, the others once);
+- odd and large shapes: misaligned views (scalar paths), every split-K width of the
+  GEMV kernels, split-KV attention, routers up to 1024 experts with exact ties and NaN
+  scores, expert weights and KV caches past 2^31 elements (64-bit offsets);
+- every kernel instantiation launched, with bit-identical results whatever the order
+  of blocks and threads (no race the order can expose, deterministic reductions);
+- the proposer on the emulated backend with CUDA graphs on (captures and replays through
+  the fake CUDA runtime of tests/test_cuda_graph_fake.py): tests/test_gpu.py's two checks,
+  against the NumPy reference in both KV dtypes, and replays against eager bit for bit;
+  the tiny config in both KV modes, the mid-size one in draft mode with BF16 KV by default.
+
+Skipped, with the reason, where the emulator cannot be built (no g++, not x86-64
+Linux). ``MTPKERN_CUDA_EMU_ASAN=1`` (``tests/cuda_emu/run.sh --asan``) builds with
+ASan + UBSan; ``MTPKERN_CUDA_EMU_ORDER=reverse|shuffle`` changes the block and thread
+order. The mid-size proposer runs are ``slow`` (``pytest -m slow tests/test_cuda_emulated.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import ml_dtypes
+import numpy as np
+import pytest
+import test_gpu
+import test_ops_backends
+from cuda_emu import emu_backend
+from test_cuda_graph_fake import FakeRuntime
+
+from mtpkern import cuda_graph
+from mtpkern.backends import get_backend
+from mtpkern.backends.cuda_launch import linear as linear_launch
+from mtpkern.backends.cuda_launch import loader
+from mtpkern.backends.cuda_launch import step as step_launch
+from mtpkern.config import tiny_config
+from mtpkern.ops.moe import RouterSpec
+from mtpkern.ops.rope_kv import inv_freq
+from mtpkern.tolerance import assert_close
+
+REF = get_backend("numpy")
+BF16 = ml_dtypes.bfloat16
+KV_DTYPES = ("bfloat16", "float32")
+
+
+@pytest.fixture(scope="module")
+def emu():
+    """The emulator, built once (cached across runs), routing the cuda launchers for this module."""
+    try:
+        lib = emu_backend.build(asan=emu_backend.asan_requested())
+    except emu_backend.EmulatorUnavailable as e:
+        pytest.skip(f"CUDA emulator unavailable: {e}")
+    emulator = emu_backend.Emulator(lib)
+    with emulator.installed():
+        yield emulator
+
+
+@pytest.fixture(scope="module")
+def be(request, emu):
+    return emu_backend.backend(request.param)
+
+
+def _touches_kv(fn) -> bool:
+    """Whether a test reads or writes a KV cache (its source names one, or an op that does)."""
+    src = inspect.getsource(inspect.unwrap(fn))
+    return any(w in src for w in ("kv", "paged_attention", "qk_norm_rope"))
+
+
+def pytest_generate_tests(metafunc):
+    """``be``: BF16 and FP32 KV for tests that touch the KV cache, BF16 KV for the others."""
+    if "be" in metafunc.fixturenames:
+        kvs = KV_DTYPES if _touches_kv(metafunc.function) else KV_DTYPES[:1]
+        metafunc.parametrize("be", kvs, indirect=True, scope="module", ids=[f"kv_{k}" for k in kvs])
+
+
+@pytest.fixture
+def sm_count(emu):
+    """Set the SM count the launchers plan for (split-K widths, attention partitions)."""
+    def set_count(n: int):
+        emu.sm_count = n
+    yield set_count
+    emu.sm_count = emu_backend.DEFAULT_SM_COUNT
+
+
+def rnd(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def misaligned(a: np.ndarray) -> np.ndarray:
+    """The same values at an address 4 bytes past a 16-byte boundary (the scalar paths)."""
+    flat = np.empty(a.size + 16, a.dtype)
+    start = (-flat.ctypes.data % 16) // a.itemsize + 4 // a.itemsize
+    v = flat[start: start + a.size].reshape(a.shape)
+    v[...] = a
+    assert v.ctypes.data % 16 == 4
+    return v
+
+
+# -- the emulator itself ---------------------------------------------------------------------
+
+def test_emulator_collectives_barriers_and_blocks(emu):
+    out = np.zeros((2 * 3, 4, 128), np.int32)
+    emu.selftest_kernel("collectives")((2, 3), (128,), (out, np.int32(77)))
+    t = np.arange(128)
+    np.testing.assert_array_equal(out[:, 0], np.broadcast_to(t // 32 * 1024 + 496, (6, 128)))   # warp sums
+    bits = (t % 3 == 0).reshape(4, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+    ballots = np.repeat(bits.sum(axis=1).astype(np.uint32).view(np.int32), 32)
+    np.testing.assert_array_equal(out[:, 1], np.broadcast_to(ballots, (6, 128)))
+    assert (out[:, 2] == 1).all()                                # __syncthreads_or: thread 77 says yes
+    np.testing.assert_array_equal(out[:, 3, 0], np.arange(6))    # blockIdx / gridDim of a 2-D grid
+    small = np.zeros((4, 64), np.int32)
+    emu.selftest_kernel("collectives")((1,), (64,), (small, np.int32(99)))
+    assert (small[2] == 0).all()                                 # nobody says yes
+
+
+def test_emulator_unwritten_shared_memory_reads_nan(emu):
+    out = np.zeros(2, np.float32)
+    emu.selftest_kernel("shared_unwritten")((2,), (64,), (out,), shared_mem=64)
+    assert np.isnan(out).all()
+
+
+def test_emulator_orders_expose_a_write_race(emu):
+    got = {}
+    for order in ("forward", "reverse", "shuffle"):
+        emu.set_order(order, 3)
+        out = np.zeros(1, np.int32)
+        emu.selftest_kernel("racy_store")((1,), (128,), (out,))
+        got[order] = int(out[0])
+    emu.set_order(*emu_backend.order_from_env())
+    assert got["forward"] == 127 and got["reverse"] == 0, got
+
+
+@pytest.mark.parametrize("name,args,smem,match", [
+    pytest.param("partial_warp_shuffle", lambda: (np.zeros(128, np.float32),), 0,
+                 r"deadlock.*\n  warp 0: lanes 0-15 warp collective, lanes 16-31 exited", id="shuffle_with_exited_lanes"),
+    pytest.param("barrier_vs_shuffle", lambda: (np.zeros(128, np.float32),), 0, "deadlock",
+                 id="barrier_against_shuffle"),
+    pytest.param("mixed_collectives", lambda: (np.zeros(128, np.int32),), 0, "different warp collectives",
+                 id="shuffle_against_ballot"),
+    pytest.param("vector_load", lambda: (np.zeros(16, np.float32), np.int32(1), np.zeros(1, np.float32)), 0,
+                 r"thread \d+: misaligned __ldg\(float4\)", id="misaligned_vector_load"),
+    pytest.param("big_shared", lambda: (np.zeros(1, np.float32),), 16384, "over 48 KiB", id="shared_memory_limit"),
+    pytest.param("vector_load", lambda: (np.zeros(16, np.float32), np.int32(1)), 0, "2 arguments for 3 parameters",
+                 id="argument_count"),
+    pytest.param("vector_load", lambda: (np.zeros(16, np.float64), np.int32(0), np.zeros(1, np.float32)), 0,
+                 "a float64 array for a float32 pointer", id="pointer_element_type"),
+    pytest.param("vector_load", lambda: (np.zeros(16, np.float32), 0, np.zeros(1, np.float32)), 0,
+                 "int for a int32 parameter", id="scalar_type"),
+])
+def test_emulator_checks_fire(emu, name, args, smem, match):
+    with pytest.raises(emu_backend.EmulatorError, match=match):
+        emu.selftest_kernel(name)((1,), (128,), args(), shared_mem=smem)
+    ok = {"vector_load": (np.zeros(16, np.float32), np.int32(4), np.zeros(1, np.float32)),
+          "big_shared": (np.zeros(1, np.float32),)}
+    if name in ok:                                          # the same kernel within the rules runs
+        emu.selftest_kernel(name)((1,), (128,), ok[name])
+
+
+@pytest.mark.parametrize("name,args,match", [
+    pytest.param("local_index", lambda: (np.int32(4), np.zeros(1, np.float32)),
+                 r"UBSan: index 4 out of bounds of 'float \[4\]' at selftest.cu:\d+", id="bounds"),
+    pytest.param("int_product", lambda: (np.int32(65536), np.int32(65536), np.zeros(1, np.int64)),
+                 r"UBSan: signed integer overflow: 65536 \* 65536", id="int32_overflow"),
+])
+def test_emulator_ubsan_checks(emu, name, args, match):
+    if emu.asan:
+        pytest.skip("the ASan build reports through the sanitizer runtime (and aborts)")
+    with pytest.raises(emu_backend.EmulatorError, match=match):
+        emu.selftest_kernel(name)((1,), (32,), args())
+
+
+# -- tests/test_ops_backends.py on the emulated backend -----------------------------------------
+
+def _is_fixture(obj) -> bool:
+    return type(obj).__name__ == "FixtureFunctionDefinition" or hasattr(obj, "_pytestfixturefunction")
+
+
+def _takes_be(name: str, obj) -> bool:
+    return name.startswith("test_") and callable(obj) and "be" in inspect.signature(obj).parameters
+
+
+# every test that takes `be`, and the module's other fixtures (if any) that they may use
+for _name, _obj in vars(test_ops_backends).items():
+    if _takes_be(_name, _obj) or (_is_fixture(_obj) and _name != "be"):
+        globals()[_name] = _obj
+del _name, _obj
+
+
+# -- odd and large shapes ------------------------------------------------------------------------
+
+def _filled_caches(be, rng, NB, BS, Hkv, D):
+    n = NB * BS
+    k, v = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    be.qk_norm_rope_kv_write(rnd(rng, n, 3 * Hkv * D), Hkv, Hkv, None, None, 1e-6, inv_freq(2, 1e4),
+                             np.zeros(n, np.int32), k, v, np.arange(n, dtype=np.int32))
+    return k, v
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,BS,max_blocks", [
+    (12, 1, 128, 16, 40), (64, 1, 128, 16, 9), (32, 2, 256, 16, 20), (6, 3, 100, 5, 30),
+    (5, 5, 19, 3, 50), (16, 2, 64, 7, 33), (40, 4, 96, 16, 8), (20, 1, 72, 4, 64)])
+def test_attention_shapes(be, Hq, Hkv, D, BS, max_blocks):
+    """GQA groups up to 64, head dims 19..256 (every DC), partitions split and merged."""
+    rng = np.random.default_rng(Hq * 1000 + D)
+    S = 3
+    NB = S * max_blocks + 2
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D)
+    tables = rng.permutation(NB)[: S * max_blocks].reshape(S, max_blocks).astype(np.int32)
+    cap = max_blocks * BS
+    row_seq = np.array([0, 1, 1, 2, 2, 0, 1], np.int32)
+    row_len = np.array([1, cap, cap - 1, 2, BS + 1, 513 if cap >= 513 else cap // 2 + 1, 129 % cap + 1], np.int32)
+    q = rnd(rng, row_seq.size, Hq, D)
+    got = be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5)
+    want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5)
+    assert_close(got, want, "float32", "paged_attention")
+
+
+def test_attention_empty_row_gives_zeros(be):
+    """row_len 0 is a documented precondition violation: zeros, never NaN or a stray read."""
+    rng = np.random.default_rng(1)
+    k, v = _filled_caches(be, rng, 8, 4, 2, 16)
+    tables = np.arange(8, dtype=np.int32).reshape(1, 8)
+    got = be.paged_attention(rnd(rng, 2, 4, 16), k, v, tables, np.zeros(2, np.int32), np.array([0, 3], np.int32),
+                             0.25)
+    assert not got[0].any() and np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("wd", ["bf16", "f32"])
+@pytest.mark.parametrize("n,K,N", [(1, 64, 7), (9, 128, 33), (17, 72, 3), (256, 64, 40), (3, 4104, 5)])
+@pytest.mark.parametrize("mis", [False, True], ids=["aligned", "misaligned"])
+def test_linear_views(be, wd, n, K, N, mis):
+    rng = np.random.default_rng(n * K + N)
+    x, w, b, r = rnd(rng, n, K), rnd(rng, N, K, scale=K ** -0.5), rnd(rng, N), rnd(rng, n, N)
+    wq = w.astype(BF16) if wd == "bf16" else w
+    wp = be.prepare_weight(wq)
+    if mis:
+        x, wp = misaligned(x), misaligned(wp)
+    assert_close(be.linear(x, wp, b, r), REF.linear(x, np.asarray(wq, np.float32), b, r), "float32", "linear")
+
+
+def test_gemv_split_k_widths(emu, be, sm_count):
+    """linear, swiglu_mlp, lm_head and moe_router logits at SM counts that make the
+    launcher pick each split-K width (1, 2 and 4 warps per row group)."""
+    rng = np.random.default_rng(7)
+    seen = set()
+    for sms, N in ((2, 40), (2, 20), (2, 6), (132, 64), (1, 2000)):
+        sm_count(sms)
+        seen.add(linear_launch.gemv_config(-(-N // 2))[1])
+        for wd in ("bf16", "f32"):
+            K, n = 72, 5
+            x, w = rnd(rng, n, K), rnd(rng, N, K, scale=K ** -0.5)
+            wq = w.astype(BF16) if wd == "bf16" else w
+            wf = np.asarray(wq, np.float32)
+            assert_close(be.linear(x, be.prepare_weight(wq)), REF.linear(x, wf), "float32", f"linear {sms} {N}")
+            w13 = rnd(rng, 2 * N, K, scale=K ** -0.5)
+            w2 = rnd(rng, K, N, scale=N ** -0.5)
+            assert_close(be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2)),
+                         REF.swiglu_mlp(x, w13, w2), "float32", f"swiglu {sms} {N}")
+            np.testing.assert_array_equal(be.lm_head_argmax(x, be.prepare_weight(wq)), REF.lm_head_argmax(x, wf))
+    assert seen == {1, 2, 4}, seen
+
+
+@pytest.mark.parametrize("wd", ["bf16", "f32"])
+@pytest.mark.parametrize("n,V,H", [(1, 1000, 64), (9, 1001, 64), (17, 129, 48), (3, 64, 40), (8, 2, 8)])
+def test_lm_head_shapes(be, wd, n, V, H):
+    rng = np.random.default_rng(V * n + H)
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=H ** -0.5)
+    wq = w.astype(BF16) if wd == "bf16" else w
+    mask = rng.integers(-2**31, 2**31, (n, (V + 31) // 32), dtype=np.int64).astype(np.int32)
+    mask[:, 0] |= 1
+    for bm in (None, mask):
+        np.testing.assert_array_equal(be.lm_head_argmax(x, be.prepare_weight(wq), bm),
+                                      REF.lm_head_argmax(x, np.asarray(wq, np.float32), bm))
+
+
+_LOGITS = [-3.0, -2.25, -1.5, -0.75, 0.0, 0.5, 1.0, 1.25, 2.0, 2.5]
+_BIAS = [-0.5, -0.125, 0.0, 0.25, 0.5]
+
+
+@pytest.mark.parametrize("E,spec", [
+    (256, RouterSpec(8, 8, 4, 2.5, True)), (1000, RouterSpec(6, 8, 3, 1.0, True)),
+    (1024, RouterSpec(16, 16, 16, 1.0, False)), (160, RouterSpec(6, 1, 1, 16.0, False, "softmax")),
+    (96, RouterSpec(8, 32, 4, 1.0, True)), (33, RouterSpec(3, 3, 2, 1.0, True, "softmax"))])
+def test_router_large(be, E, spec):
+    """Up to 1024 experts (a thread each), exact logits from an identity gate, many exact ties."""
+    rng = np.random.default_rng(E)
+    logits = rng.choice(_LOGITS, (5, E)).astype(np.float32)
+    bias = rng.choice(_BIAS, E).astype(np.float32)
+    gate = np.eye(E, dtype=np.float32)
+    ids, w = be.moe_router(logits, be.prepare_weight(gate), bias, spec)
+    ids_ref, w_ref = REF.moe_router(logits, gate, bias, spec)
+    np.testing.assert_array_equal(ids, ids_ref)
+    assert_close(w, w_ref, "float32", "router weights")
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("nan_at", [[3], [0, 5, 6, 7], list(range(16))])
+def test_router_nan_scores(be, scoring, nan_at):
+    """NaN scores rank after every number (as the reference's argsort) and every id slot
+    is written: the kernel once left slots unwritten here (found by this emulator)."""
+    rng = np.random.default_rng(len(nan_at))
+    E, n, H = 16, 3, 8
+    spec = RouterSpec(6, 4, 2, 1.0, True, scoring)
+    x = rnd(rng, n, H)
+    x[2] = np.nan
+    gate = rnd(rng, E, H)
+    gate[nan_at] = np.nan
+    bias = (rng.integers(-3, 3, size=E) * 0.25).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        ids_ref, w_ref = REF.moe_router(x, gate, bias, spec)
+    ids, w = be.moe_router(x, be.prepare_weight(gate), bias, spec, ids=np.full((n, 6), 77, np.int32),
+                           weights=np.zeros((n, 6), np.float32))
+    np.testing.assert_array_equal(ids, ids_ref)
+    assert_close(w, w_ref, "float32", "router weights")
+
+
+@pytest.mark.parametrize("wd", ["bf16", "f32"])
+@pytest.mark.parametrize("n,E,K,H,I", [(1, 128, 8, 64, 16), (16, 128, 8, 32, 24), (17, 128, 8, 40, 16),
+                                       (256, 16, 4, 16, 8), (40, 3, 2, 24, 5), (9, 64, 1, 8, 8)])
+def test_experts_shapes(be, wd, n, E, K, H, I):
+    """Few hot experts (many pairs per expert, more than 8 per pass), slots by pair and by expert."""
+    rng = np.random.default_rng(n * E + K)
+    x = rnd(rng, n, H)
+    hot = rng.choice(E, min(E, K + 3), replace=False)
+    ids = np.stack([rng.choice(hot, K, replace=False) for _ in range(n)]).astype(np.int32)
+    wts = rng.random((n, K)).astype(np.float32)
+    w13, w2 = rnd(rng, E, 2 * I, H, scale=H ** -0.5), rnd(rng, E, H, I, scale=I ** -0.5)
+    if wd == "bf16":
+        w13, w2 = w13.astype(BF16), w2.astype(BF16)
+    res = rnd(rng, n, H)
+    got = be.moe_experts(x, ids, wts, be.prepare_weight(w13), be.prepare_weight(w2), res)
+    want = REF.moe_experts(x, ids, wts, np.asarray(w13, np.float32), np.asarray(w2, np.float32), res)
+    assert_close(got, want, "float32", "moe_experts")
+
+
+def test_experts_invalid_ids_add_nothing(be):
+    rng = np.random.default_rng(3)
+    n, E, K, H, I = 3, 4, 2, 16, 8
+    x = rnd(rng, n, H)
+    ids = np.array([[0, -1], [4, 1], [1, 0]], np.int32)
+    w13, w2 = rnd(rng, E, 2 * I, H), rnd(rng, E, H, I)
+    got = be.moe_experts(x, ids, np.ones((n, K), np.float32), be.prepare_weight(w13), be.prepare_weight(w2))
+    want = np.zeros((n, H), np.float32)
+    for r in range(n):
+        for k in range(K):
+            if 0 <= ids[r, k] < E:
+                want[r] += REF.moe_experts(x[r:r + 1], ids[r:r + 1, k:k + 1], np.ones((1, 1), np.float32), w13, w2)[0]
+    assert_close(got, want, "float32", "moe_experts with invalid ids")
+
+
+@pytest.mark.parametrize("n,Hq,Hkv,D,R", [(3, 12, 2, 128, 64), (2, 8, 8, 64, 64), (5, 3, 1, 80, 2), (1, 2, 1, 7, 6)])
+def test_rope_shapes(be, n, Hq, Hkv, D, R):
+    rng = np.random.default_rng(D + R)
+    NB, BS = 5, 3
+    qkv = rnd(rng, n, (Hq + 2 * Hkv) * D, scale=2.0)
+    qn, kn = rnd(rng, D), rnd(rng, D)
+    invf = inv_freq(R, 1e6)
+    pos = rng.integers(0, 100_000, n).astype(np.int32)
+    slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)
+    k, v = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    kr, vr = np.zeros((NB, BS, Hkv, D), np.float32), np.zeros((NB, BS, Hkv, D), np.float32)
+    q = be.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, pos, k, v, slots)
+    qr = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, pos, kr, vr, slots)
+    assert_close(q, qr, "float32", "q")
+    b, o = slots // BS, slots % BS
+    if be.kv_dtype == np.float32:
+        assert_close(be.kv_to_host(k)[b, o], kr[b, o], "float32", "k")
+        np.testing.assert_array_equal(be.kv_to_host(v)[b, o], vr[b, o])
+    else:   # V is a pure conversion (round to nearest even, as ml_dtypes): exact
+        np.testing.assert_array_equal(be.kv_to_host(v)[b, o], vr[b, o].astype(BF16).astype(np.float32))
+        assert_close(be.kv_to_host(k)[b, o], kr[b, o], "bfloat16", "k")
+
+
+@pytest.mark.parametrize("wd", ["bf16", "f32"])
+@pytest.mark.parametrize("n,H", [(1, 64), (3, 4096), (2, 36), (4, 17)])
+def test_mtp_input_shapes(be, wd, n, H):
+    rng = np.random.default_rng(H + n)
+    V = 11
+    embed, eh = rnd(rng, V, H), rnd(rng, H, 2 * H, scale=(2 * H) ** -0.5)
+    if wd == "bf16":
+        embed, eh = embed.astype(BF16), eh.astype(BF16)
+    toks = rng.integers(0, V, n).astype(np.int32)
+    g, ew, hw = rnd(rng, n, H), rnd(rng, H), rnd(rng, H)
+    ef, ehf = np.asarray(embed, np.float32), np.asarray(eh, np.float32)
+    got = be.mtp_input(be.prepare_weight(embed), toks, g, ew, hw, be.prepare_weight(eh), 1e-5)
+    assert_close(got, REF.mtp_input(ef, toks, g, ew, hw, ehf, 1e-5), "float32", "mtp_input")
+    bad = toks.copy()
+    bad[0] = V                                   # a token past the vocabulary: a NaN row, no stray read
+    assert np.isnan(be.mtp_input(be.prepare_weight(embed), bad, g, ew, hw, be.prepare_weight(eh), 1e-5)[0]).all()
+
+
+def test_rmsnorm_views(be):
+    rng = np.random.default_rng(0)
+    for n, H in ((2, 4096), (3, 36), (1, 5)):
+        x, w = rnd(rng, n, H), rnd(rng, H)
+        want = REF.rmsnorm(x, w, 1e-6)
+        for xv in (x, misaligned(x)):
+            assert_close(be.rmsnorm(xv, w, 1e-6), want, "float32", "rmsnorm")
+            out = misaligned(np.zeros_like(x))
+            be.rmsnorm(xv, misaligned(w), 1e-6, out=out)
+            assert_close(out, want, "float32", "rmsnorm out=")
+        y = x.copy()
+        be.rmsnorm(y, w, 1e-6, out=y)
+        assert_close(y, want, "float32", "rmsnorm in place")
+
+
+def test_copy_segments(emu):
+    """Aligned (16-byte) and scalar segments, empty ones, odd lengths."""
+    rng = np.random.default_rng(0)
+    src, dst = rnd(rng, 1000), np.zeros(1000, np.float32)
+    a, d = src.ctypes.data, dst.ctypes.data
+    segs = [(a, d, 0), (a + 4, d + 4, 5), (a + 64, d + 64, 8), (a + 400, d + 804, 300), (a + 40, d + 2004, 1)]
+    step_launch.copy_segments(np.array(segs, np.int64))
+    want = np.zeros(1000, np.float32)
+    for s, t, w in segs:
+        want[(t - d) // 4:(t - d) // 4 + w] = src[(s - a) // 4:(s - a) // 4 + w]
+    np.testing.assert_array_equal(dst, want)
+
+
+def _huge_zeros(shape, dtype):
+    """A zeroed array past 2^31 elements; pages are only backed where written."""
+    try:
+        return np.zeros(shape, dtype)
+    except MemoryError:
+        pytest.skip(f"cannot map {np.prod(shape) * np.dtype(dtype).itemsize / 2**30:.1f} GiB of address space here")
+
+
+def test_expert_weights_past_2_31_elements(be):
+    """w13 of 130 experts x [4096, 4096] BF16: expert 129 starts 2.16e9 elements in (64-bit offsets)."""
+    E, I, H = 130, 2048, 4096
+    w13, w2 = _huge_zeros((E, 2 * I, H), np.uint16), _huge_zeros((E, H, I), np.uint16)
+    rng = np.random.default_rng(0)
+    last = (E - 1, E - 2)
+    for e in last:
+        w13[e] = rnd(rng, 2 * I, H, scale=H ** -0.5).astype(BF16).view(np.uint16)
+        w2[e] = rnd(rng, H, I, scale=I ** -0.5).astype(BF16).view(np.uint16)
+    x = rnd(rng, 1, H)
+    ids, wts = np.array([last], np.int32), np.array([[0.7, 0.3]], np.float32)
+    got = be.moe_experts(x, ids, wts, w13, w2)
+    small = [a[E - 2:].view(BF16).astype(np.float32) for a in (w13, w2)]
+    assert_close(got, REF.moe_experts(x, ids - (E - 2), wts, *small), "float32", "moe_experts (E*2I*H > 2^31)")
+
+
+def test_kv_cache_past_2_31_elements(emu):
+    """A BF16 KV cache of 2^31 + 4096 elements: RoPE writes and attention reads at its end."""
+    be = emu_backend.backend("bfloat16")
+    BS, Hkv, D, Hq = 16, 1, 128, 4
+    NB = 2**31 // (BS * Hkv * D) + 2
+    k, v = _huge_zeros((NB, BS, Hkv, D), np.uint16), _huge_zeros((NB, BS, Hkv, D), np.uint16)
+    rng = np.random.default_rng(1)
+    blocks = np.array([NB - 1, 3, NB - 2], np.int32)            # table of one sequence, 3 blocks
+    n = 3 * BS
+    slots = (blocks[np.arange(n) // BS] * BS + np.arange(n) % BS).astype(np.int32)
+    qkv = rnd(rng, n, (Hq + 2 * Hkv) * D)
+    invf = inv_freq(D, 1e4)
+    pos = np.arange(n, dtype=np.int32)
+    q = be.qk_norm_rope_kv_write(qkv, Hq, Hkv, None, None, 1e-6, invf, pos, k, v, slots)
+    row_len = np.array([n, n - 5, 1], np.int32)
+    got = be.paged_attention(q[:3], k, v, blocks[None, :], np.zeros(3, np.int32), row_len, D ** -0.5)
+    # the reference on a small cache holding the same three blocks
+    small_k, small_v = (np.stack([a[b].view(BF16).astype(np.float32) for b in blocks]) for a in (k, v))
+    kr, vr = np.zeros_like(small_k), np.zeros_like(small_v)
+    qr = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, None, None, 1e-6, invf, pos, kr, vr,
+                                   np.arange(n, dtype=np.int32))
+    assert_close(small_k, kr, "bfloat16", "K rows written past 2^31 elements")
+    np.testing.assert_array_equal(small_v, vr.astype(BF16).astype(np.float32))
+    want = REF.paged_attention(qr[:3], small_k, small_v, np.arange(3, dtype=np.int32)[None, :],
+                               np.zeros(3, np.int32), row_len, D ** -0.5)
+    assert_close(got, want, "bfloat16", "attention over a cache past 2^31 elements")
+
+
+# -- every instantiation, any order ---------------------------------------------------------------
+
+def _every_kernel(seed: int) -> dict[str, np.ndarray]:
+    """Runs every op so that every instantiation in loader.NAME_EXPRESSIONS launches; -> outputs."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    x = rnd(rng, 5, 64)
+    for wd in ("bf16", "f32"):
+        def w(*shape, _wd=wd):
+            a = rnd(rng, *shape, scale=shape[-1] ** -0.5)
+            return a.astype(BF16) if _wd == "bf16" else a
+        be = emu_backend.backend()
+        pw = be.prepare_weight
+        out[f"linear {wd}"] = be.linear(x, pw(w(33, 64)), rnd(rng, 33), rnd(rng, 5, 33))
+        out[f"mtp_input {wd}"] = be.mtp_input(pw(w(11, 64)), np.array([1, 10, 0, 3, 3], np.int32), x,
+                                              rnd(rng, 64), rnd(rng, 64), pw(w(64, 128)), 1e-5)
+        out[f"swiglu {wd}"] = be.swiglu_mlp(x, pw(w(48, 64)), pw(w(64, 24)), x)
+        mask = rng.integers(-2**31, 2**31, (5, 5), dtype=np.int64).astype(np.int32)
+        mask[:, 0] |= 1
+        out[f"lm_head {wd}"] = be.lm_head_argmax(x, pw(w(130, 64)), mask)
+        ids, wts = be.moe_router(x, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
+        out[f"router {wd}"] = ids
+        w13, w2 = pw(w(32, 48, 64)), pw(w(32, 64, 24))
+        out[f"experts by pair {wd}"] = be.moe_experts(x, ids, wts, w13, w2, x)            # n*K = 20 <= E
+        hot = np.array([[1, 2, 3, 4]] * 5, np.int32)
+        out[f"experts by expert {wd}"] = be.moe_experts(x, hot, wts, w13[:4].copy(), w2[:4].copy())
+    out["rmsnorm"] = emu_backend.backend().rmsnorm(x, rnd(rng, 64), 1e-6)
+    for kv in KV_DTYPES:
+        be = emu_backend.backend(kv)
+        for D in (48, 128, 256):                                                        # DC = 2, 4, 8
+            NB, BS, Hkv, Hq = 24, 16, 2, 4
+            k, v = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+            n = NB * BS
+            q = be.qk_norm_rope_kv_write(rnd(rng, n, (Hq + 2 * Hkv) * D), Hq, Hkv, rnd(rng, D), rnd(rng, D), 1e-6,
+                                         inv_freq(D // 2, 1e4), np.arange(n, dtype=np.int32), k, v,
+                                         rng.permutation(n).astype(np.int32))
+            tables = rng.permutation(NB).astype(np.int32).reshape(2, 12)
+            out[f"attention {kv} {D}"] = be.paged_attention(q[:4], k, v, tables, np.array([0, 1, 1, 0], np.int32),
+                                                            np.array([192, 1, 100, 17], np.int32), D ** -0.5)
+            out[f"kv {kv} {D}"] = np.concatenate([k.view(np.uint8).ravel(), v.view(np.uint8).ravel()])
+    src, dst = rnd(rng, 64), np.zeros(64, np.float32)
+    step_launch.copy_segments(np.array([(src.ctypes.data, dst.ctypes.data, 64)], np.int64))
+    out["copy_segments"] = dst
+    return out
+
+
+def test_every_kernel_instantiation_runs(emu):
+    before = emu.launches.copy()
+    out = _every_kernel(0)
+    ran = {n for n, c in (emu.launches - before).items() if c}
+    missing = [n for names in loader.NAME_EXPRESSIONS.values() for n in names if n not in ran]
+    assert not missing, f"instantiations no test launches: {missing}"
+    for name, a in out.items():
+        assert np.isfinite(a).all(), name
+
+
+def test_results_do_not_depend_on_block_or_thread_order(emu):
+    """The same launch on the same data gives the same bits in any block / thread order
+    (docs/cuda.md: fixed summation order, no atomics)."""
+    try:
+        runs = {}
+        for order, seed in (("forward", 1), ("reverse", 1), ("shuffle", 11), ("shuffle", 12)):
+            emu.set_order(order, seed)
+            runs[(order, seed)] = _every_kernel(5)
+    finally:
+        emu.set_order(*emu_backend.order_from_env())
+    first = runs[("forward", 1)]
+    for key, out in runs.items():
+        for name, a in out.items():
+            assert a.tobytes() == first[name].tobytes(), f"{name}: order {key} differs from forward"
+
+
+# -- the proposer ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_runtime(emu, monkeypatch):
+    """CUDA graphs through tests/test_cuda_graph_fake.py's runtime: a capture records the
+    emulated launches (real kernels, copy_segments included), a replay runs them again."""
+    rt = FakeRuntime()
+    monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
+    monkeypatch.setattr(emu, "capture", lambda: rt.recording)
+    return rt
+
+
+@pytest.fixture(scope="module")
+def mid_ckpt(tmp_path_factory):
+    from mtpkern import write_synthetic_checkpoint
+
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("mid"), tiny_config(**test_gpu.MID), seed=11)
+
+
+#: (config, mode, kv): the mid-size config (D = 128, V = 4099, 16 experts) runs in draft
+#: mode with BF16 KV by default (~7 s); its other cases are slow (up to ~20 s each)
+PROPOSER_CASES = [pytest.param(c, m, kv, id=f"{c}-{m}-{kv}",
+                               marks=[pytest.mark.slow] * (c == "mid" and (m, kv) != ("draft", "bfloat16")))
+                  for c in ("tiny", "mid") for m in ("exact", "draft") for kv in KV_DTYPES]
+
+
+@pytest.mark.parametrize("config,mode,kv", PROPOSER_CASES)
+def test_proposer_matches_numpy_reference(fake_runtime, request, config, mode, kv):
+    """tests/test_gpu.py's check: drafts, K/V rows and windows within tolerance of the
+    NumPy reference (same KV dtype); CUDA graphs on."""
+    if config == "tiny":
+        ckpt_cfg = request.getfixturevalue("tiny_ckpt"), request.getfixturevalue("tiny_cfg")
+    else:
+        ckpt_cfg = request.getfixturevalue("mid_ckpt"), tiny_config(**test_gpu.MID)
+    test_gpu.check_cuda_matches_numpy_reference(ckpt_cfg, mode, kv, emu_backend.backend(kv))
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_graph_replay_equals_eager(fake_runtime, tiny_ckpt, tiny_cfg, mode, B):
+    """tests/test_gpu.py's check: captured and replayed steps give the eager path's drafts
+    and KV bit for bit (grammar masks, NoAllowedToken rollback)."""
+    test_gpu.check_graph_replay_equals_eager(tiny_ckpt, tiny_cfg, emu_backend.backend(), mode, B)
+    assert fake_runtime.memcpys["h2d"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_graph_replay_equals_eager_mid(fake_runtime, mid_ckpt, mode):
+    test_gpu.check_graph_replay_equals_eager(mid_ckpt, tiny_config(**test_gpu.MID), emu_backend.backend(), mode, 8)
