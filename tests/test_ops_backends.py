@@ -193,6 +193,25 @@ def test_paged_attention(be, Hq, Hkv, D, BS):
     assert_close(be.to_host(got), want, kv_tol(be), what="paged_attention")
 
 
+@pytest.mark.parametrize("lens", [[1], [37], [64, 3], [17, 18, 19]])
+def test_paged_attention_decode_rows(be, lens):
+    """A few rows over many blocks: the cpu backend cuts each row's KV blocks into
+    chunks (one task each, 4 for a single row on 2 threads) and merges their softmax
+    states; a row shorter than the chunk count leaves chunks empty."""
+    rng = rng_for("attention_decode", tuple(lens))
+    Hq, Hkv, D, BS, NB, max_blocks = 8, 2, 16, 4, 64, 16
+    n = len(lens)
+    k_cache, v_cache = _filled_caches(be, rng, NB, BS, Hkv, D)
+    block_tables = rng.permutation(NB)[: n * max_blocks].reshape(n, max_blocks).astype(np.int32)
+    row_seq, row_len = np.arange(n, dtype=np.int32), np.array(lens, np.int32)
+    q = acts(rng, n, Hq, D, scale=3.0)
+    got = be.paged_attention(be.from_host(q), k_cache, v_cache, be.from_host(block_tables),
+                             be.from_host(row_seq), be.from_host(row_len), D ** -0.5)
+    want = REF.paged_attention(q, be.kv_to_host(k_cache), be.kv_to_host(v_cache), block_tables,
+                               row_seq, row_len, D ** -0.5)
+    assert_close(be.to_host(got), want, kv_tol(be), what="paged_attention (decode rows)")
+
+
 def host_only(be) -> None:
     """Index values are checked where they live on the host; the cuda launchers do not
     read device data back (see mtpkern/backends/cuda_launch)."""
@@ -420,6 +439,59 @@ def test_lm_head_argmax_edges(be):
     mask[2] = [1 << 7, -2]                           # token 7 only (and padding)
     got = be.to_host(be.lm_head_argmax(be.from_host(x), w, be.from_host(mask)))
     np.testing.assert_array_equal(got, [32, 32, 7])
+
+
+# -- prefill-sized inputs -----------------------------------------------------
+
+@pytest.mark.parametrize("wdtype", WDTYPES)
+def test_many_rows(be, wdtype):
+    """Inputs past the cpu kernels' ``SMALL`` (65536 elements or multiply-adds), where
+    the loops a decode step runs on the calling thread (norms, rope, router, the
+    experts' gather and combine, the attention merge) run in parallel."""
+    rng = rng_for("many_rows", wdtype)
+    n, H, V, E, K, I = 80, 1024, 50, 16, 2, 16                       # n * H = 81920
+    x, w = acts(rng, n, H, scale=2.0), acts(rng, H)
+    assert_close(be.to_host(be.rmsnorm(be.from_host(x), be.prepare_vector(w), 1e-6)),
+                 REF.rmsnorm(x, w, 1e-6), what="rmsnorm (many rows)")
+    embed, eh = weight(rng, (V, H), wdtype), weight(rng, (H, 2 * H), wdtype)
+    tokens = rng.integers(0, V, n).astype(np.int32)
+    got = be.mtp_input(be.prepare_weight(embed), be.from_host(tokens), be.from_host(x), be.prepare_vector(w),
+                       be.prepare_vector(w), be.prepare_weight(eh), 1e-5)
+    want = REF.mtp_input(REF.prepare_weight(embed), tokens, x, w, w, REF.prepare_weight(eh), 1e-5)
+    assert_close(be.to_host(got), want, what="mtp_input (many rows)")
+    spec = RouterSpec(top_k=4, n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
+    gate_w, bias = weight(rng, (E, H), wdtype), acts(rng, E, scale=0.1)
+    ids, wts = be.moe_router(be.from_host(x), be.prepare_weight(gate_w), be.prepare_vector(bias), spec)
+    ids_ref, wts_ref = REF.moe_router(x, REF.prepare_weight(gate_w), bias, spec)
+    np.testing.assert_array_equal(be.to_host(ids), ids_ref)
+    assert_close(be.to_host(wts), wts_ref, what="router weights (many rows)")
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    weights = rng.random((n, K)).astype(np.float32)
+    w13, w2 = weight(rng, (E, 2 * I, H), wdtype), weight(rng, (E, H, I), wdtype)
+    got = be.moe_experts(be.from_host(x), be.from_host(ids), be.from_host(weights), be.prepare_weight(w13),
+                         be.prepare_weight(w2), be.from_host(x))
+    want = REF.moe_experts(x, ids, weights, REF.prepare_weight(w13), REF.prepare_weight(w2), x)
+    assert_close(be.to_host(got), want, what="moe_experts (many rows)")
+    # rope + KV write and attention: n * (Hq + 2 Hkv) * D = 600 * 256, n * Hq * D = 600 * 128
+    n, Hq, Hkv, D, NB, BS = 600, 8, 4, 16, 80, 8
+    qkv = acts(rng, n, (Hq + 2 * Hkv) * D)
+    qn, kn, invf = acts(rng, D), acts(rng, D), inv_freq(D, 10000.0)
+    positions = rng.integers(0, 5000, n).astype(np.int32)
+    slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)
+    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    k_ref, v_ref = REF.empty_kv(NB, BS, Hkv, D), REF.empty_kv(NB, BS, Hkv, D)
+    q = be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, be.prepare_vector(qn), be.prepare_vector(kn), 1e-6,
+                                 be.from_host(invf), be.from_host(positions), k_cache, v_cache, be.from_host(slots))
+    q_ref = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, positions, k_ref, v_ref, slots)
+    assert_close(be.to_host(q), q_ref, what="rope q (many rows)")
+    assert_close(be.kv_to_host(k_cache), k_ref, kv_tol(be), what="rope k cache (many rows)")
+    tables = rng.permutation(NB).reshape(2, NB // 2).astype(np.int32)
+    row_seq = (np.arange(n) % 2).astype(np.int32)
+    row_len = rng.integers(1, NB // 2 * BS + 1, n).astype(np.int32)
+    got = be.paged_attention(q, k_cache, v_cache, be.from_host(tables), be.from_host(row_seq),
+                             be.from_host(row_len), D ** -0.5)
+    want = REF.paged_attention(q_ref, k_ref, v_ref, tables, row_seq, row_len, D ** -0.5)
+    assert_close(be.to_host(got), want, kv_tol(be), what="paged_attention (many rows)")
 
 
 # -- output buffers -----------------------------------------------------------

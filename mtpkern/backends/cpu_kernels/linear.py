@@ -4,10 +4,25 @@ Weights arrive either as BF16 bits (``uint16``, the top half of an FP32) or as
 FP32; ``widen`` turns one element of either into FP32 inside the loops, and
 Numba compiles one specialisation per weight dtype.
 
-Decode is n = 1..8 input rows against weights of several MB: memory-bound.
-So the loops run weight rows outer and input rows inner, and each pass over a
-weight row serves up to 4 input rows from registers (``_dot_2x4``: 2 weight rows
-x 4 input rows = 8 accumulators, 6 loads per 8 multiply-adds).
+Decode is n = 1..8 input rows against weights of several MB: memory-bound, and
+on this machine bound by how many streams each core has in flight rather than
+by the instructions: weight rows read one after another streamed 12-15 GB/s
+from DRAM (2 cores), 8 rows from 8 places in the matrix at a time 24-35 GB/s
+(n = 1, BF16: [32768, 1024] 4.8 -> 2.8 ms, [1536, 1024] 243 -> 125 us,
+[1024, 1024] 158 -> 60 us; 4 places streamed 8-20 % slower than 8, 16 no
+faster). The hardware prefetcher follows a stream within a 4 KiB page, so more
+pages in flight keep more lines in flight.
+
+So the unit of work is a *task* of up to 8 weight rows, normally 8 rows a
+stride ``q`` apart (``group8``: rows t, t + q, .. t + 7q of an [8q, K] block),
+computed by ``gemv_task`` for all input rows at once: groups of 4 input rows
+go 4 weight rows x 4 input rows at a time (``_dot_4x4``: 16 accumulators, 8
+loads per 16 multiply-adds; n = 8, [1536, 1024]: 438 -> 312 us against the
+former 2 adjacent weight rows x 4), a remaining pair all 8 weight rows x 2
+(``_dot_8x2``; n = 2: 187 -> 150 us, n = 3: 273 -> 227 us against one input row
+at a time), a last single row all 8 in one pass (``_dot_8x1``). With the tasks
+split evenly over the threads, each thread reads 8 disjoint ranges side by
+side. Rows past the last full group of 8 are tasks of their own (``_dot_1x1``).
 
 Large n (prefill chunks) is compute-bound and OpenBLAS sgemm is faster there,
 but only FP32 weights go to it (the ``linear`` launcher, n >= 256): widening
@@ -33,6 +48,12 @@ from numba.extending import intrinsic
 
 _DOT_FLAGS = {"reassoc", "contract"}
 
+#: a loop over at most this many elements (or multiply-adds) runs on the calling
+#: thread: starting a parallel region cost 3 us with the threads spinning and
+#: ~11 us after a 64 MB weight stream had flushed the caches (2 cores), against
+#: ~1 us of work per 1024 elements
+SMALL = 1 << 16
+
 
 @intrinsic
 def widen(typingctx, v):
@@ -53,8 +74,8 @@ def widen(typingctx, v):
     return None
 
 
-# -- dot products: weight rows (j0, j1) of w[:, k0:k0+K] against input rows of x [*, K] ----
-# Rows are sliced to 1-D views first: indexing w[j0, k0 + k] in the loop would
+# -- dot products: weight rows of w[:, k0:k0+K] against input rows of x [*, K] -----------
+# Rows are sliced to 1-D views first: indexing w[j, k0 + k] in the loop would
 # carry Numba's negative-index wraparound per element and stop vectorisation
 # (2.5 ms instead of 0.63 ms for a [4096, 1024] BF16 GEMV on one core).
 
@@ -68,8 +89,87 @@ def _dot_1x1(w, j, k0, x, i):
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot_2x4(w, j0, j1, k0, x, i):
-    wa, wb = w[j0, k0:], w[j1, k0:]
+def _dot_8x1(w, r, k0, x, i):
+    """Weight rows r[0..7] against input row i, in one pass (8 streams)."""
+    w0, w1, w2, w3 = w[r[0], k0:], w[r[1], k0:], w[r[2], k0:], w[r[3], k0:]
+    w4, w5, w6, w7 = w[r[4], k0:], w[r[5], k0:], w[r[6], k0:], w[r[7], k0:]
+    x0 = x[i]
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    a4 = np.float32(0.0)
+    a5 = np.float32(0.0)
+    a6 = np.float32(0.0)
+    a7 = np.float32(0.0)
+    for k in range(x0.shape[0]):
+        v = x0[k]
+        a0 += widen(w0[k]) * v
+        a1 += widen(w1[k]) * v
+        a2 += widen(w2[k]) * v
+        a3 += widen(w3[k]) * v
+        a4 += widen(w4[k]) * v
+        a5 += widen(w5[k]) * v
+        a6 += widen(w6[k]) * v
+        a7 += widen(w7[k]) * v
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS)
+def _dot_8x2(w, r, k0, x, i):
+    """Weight rows r[0..7] against input rows i, i + 1, in one pass: result [weight row][input row]."""
+    w0, w1, w2, w3 = w[r[0], k0:], w[r[1], k0:], w[r[2], k0:], w[r[3], k0:]
+    w4, w5, w6, w7 = w[r[4], k0:], w[r[5], k0:], w[r[6], k0:], w[r[7], k0:]
+    x0, x1 = x[i], x[i + 1]
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    b0 = np.float32(0.0)
+    b1 = np.float32(0.0)
+    c0 = np.float32(0.0)
+    c1 = np.float32(0.0)
+    d0 = np.float32(0.0)
+    d1 = np.float32(0.0)
+    e0 = np.float32(0.0)
+    e1 = np.float32(0.0)
+    f0 = np.float32(0.0)
+    f1 = np.float32(0.0)
+    g0 = np.float32(0.0)
+    g1 = np.float32(0.0)
+    h0 = np.float32(0.0)
+    h1 = np.float32(0.0)
+    for k in range(x0.shape[0]):
+        v0, v1 = x0[k], x1[k]
+        u = widen(w0[k])
+        a0 += u * v0
+        a1 += u * v1
+        u = widen(w1[k])
+        b0 += u * v0
+        b1 += u * v1
+        u = widen(w2[k])
+        c0 += u * v0
+        c1 += u * v1
+        u = widen(w3[k])
+        d0 += u * v0
+        d1 += u * v1
+        u = widen(w4[k])
+        e0 += u * v0
+        e1 += u * v1
+        u = widen(w5[k])
+        f0 += u * v0
+        f1 += u * v1
+        u = widen(w6[k])
+        g0 += u * v0
+        g1 += u * v1
+        u = widen(w7[k])
+        h0 += u * v0
+        h1 += u * v1
+    return a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS)
+def _dot_4x4(w, j0, j1, j2, j3, k0, x, i):
+    """Weight rows j0..j3 against input rows i..i+3: 16 dots, result [weight row][input row]."""
+    wa, wb, wc, wd = w[j0, k0:], w[j1, k0:], w[j2, k0:], w[j3, k0:]
     x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
     a0 = np.float32(0.0)
     a1 = np.float32(0.0)
@@ -79,18 +179,34 @@ def _dot_2x4(w, j0, j1, k0, x, i):
     b1 = np.float32(0.0)
     b2 = np.float32(0.0)
     b3 = np.float32(0.0)
+    c0 = np.float32(0.0)
+    c1 = np.float32(0.0)
+    c2 = np.float32(0.0)
+    c3 = np.float32(0.0)
+    d0 = np.float32(0.0)
+    d1 = np.float32(0.0)
+    d2 = np.float32(0.0)
+    d3 = np.float32(0.0)
     for k in range(x0.shape[0]):
-        u = widen(wa[k])
-        v = widen(wb[k])
-        a0 += u * x0[k]
-        a1 += u * x1[k]
-        a2 += u * x2[k]
-        a3 += u * x3[k]
-        b0 += v * x0[k]
-        b1 += v * x1[k]
-        b2 += v * x2[k]
-        b3 += v * x3[k]
-    return a0, a1, a2, a3, b0, b1, b2, b3
+        ua, ub, uc, ud = widen(wa[k]), widen(wb[k]), widen(wc[k]), widen(wd[k])
+        v0, v1, v2, v3 = x0[k], x1[k], x2[k], x3[k]
+        a0 += ua * v0
+        a1 += ua * v1
+        a2 += ua * v2
+        a3 += ua * v3
+        b0 += ub * v0
+        b1 += ub * v1
+        b2 += ub * v2
+        b3 += ub * v3
+        c0 += uc * v0
+        c1 += uc * v1
+        c2 += uc * v2
+        c3 += uc * v3
+        d0 += ud * v0
+        d1 += ud * v1
+        d2 += ud * v2
+        d3 += ud * v3
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
 
 
 @njit(cache=True, fastmath=False)
@@ -102,42 +218,56 @@ def _put(y, i, c, v, accumulate):
 
 
 @njit(cache=True, fastmath=False)
-def gemv_rows(w, j0, j1, k0, x, i0, i1, y, c0, c1, accumulate):
-    """For input rows i0..i1 of x [*, K]:
-    ``y[i, c0] (+)= w[j0, k0:k0+K] . x[i]`` and, when ``j1 >= 0``, likewise
-    ``y[i, c1]`` for weight row j1. Both weight rows are read once for all rows.
-    A lone row (``j1 < 0``) runs as the pair (j0, j0): its second read hits L1,
-    and the GEMV core every kernel inlines stays two functions.
+def group8(t, q, lo):
+    """Task t over the weight rows lo, lo + 1, .. with q = (row count) // 8 full
+    groups -> ``(rows, count)``: rows lo + t + s q (s < 8) for t < q, else the
+    single row lo + 8q + (t - q), repeated to fill the tuple. A range of N rows
+    has q + N - 8q tasks."""
+    t, q, lo = np.int64(t), np.int64(q), np.int64(lo)
+    if t < q:
+        j = lo + t
+        return (j, j + q, j + 2 * q, j + 3 * q, j + 4 * q, j + 5 * q, j + 6 * q, j + 7 * q), 8
+    j = lo + 7 * q + t
+    return (j, j, j, j, j, j, j, j), 1
+
+
+@njit(cache=True, fastmath=False)
+def gemv_task(w, rows, count, k0, x, i0, i1, y, cols, accumulate):
+    """For input rows i0..i1 of x [*, K] and s < count:
+    ``y[i, cols[s]] (+)= w[rows[s], k0:k0+K] . x[i]``. ``rows`` / ``cols``: 8-tuples
+    of int64; count 8 reads the 8 weight rows together (``_dot_4x4``, ``_dot_8x2``,
+    ``_dot_8x1``), a smaller count one row at a time. Each weight row is read from memory once for
+    all the input rows (the rest of the passes hit L1/L2).
 
     Numba compiles a copy of a function per argument type, and a literal
     argument (``0``, ``False``) is a type of its own: callers pass
-    ``np.int64(0)`` / ``np.bool_(False)``, and the indices are cast to int64
-    before the ``_dot_*`` calls (a uint64 prange index is another type), so each
-    weight dtype compiles one copy (left to literals, ``_dot_2x4`` was compiled
-    16 times for the ops of this backend)."""
-    pair = j1 >= 0
-    j0 = np.int64(j0)
-    j1 = np.int64(j1) if pair else j0
+    ``np.int64(0)`` / ``np.bool_(False)`` and int64 tuples, so each weight dtype
+    compiles one copy (left to literals, ``_dot_2x4`` was once compiled 16 times
+    for the ops of this backend)."""
     k0 = np.int64(k0)
+    if count < 8:
+        for s in range(count):
+            for i in range(i0, i1):
+                _put(y, i, cols[s], _dot_1x1(w, rows[s], k0, x, np.int64(i)), accumulate)
+        return
     i = np.int64(i0)
     while i + 4 <= i1:
-        a0, a1, a2, a3, b0, b1, b2, b3 = _dot_2x4(w, j0, j1, k0, x, i)
-        _put(y, i, c0, a0, accumulate)
-        _put(y, i + 1, c0, a1, accumulate)
-        _put(y, i + 2, c0, a2, accumulate)
-        _put(y, i + 3, c0, a3, accumulate)
-        if pair:
-            _put(y, i, c1, b0, accumulate)
-            _put(y, i + 1, c1, b1, accumulate)
-            _put(y, i + 2, c1, b2, accumulate)
-            _put(y, i + 3, c1, b3, accumulate)
+        for h in range(2):                           # weight rows 0..3, then 4..7
+            r = _dot_4x4(w, rows[4 * h], rows[4 * h + 1], rows[4 * h + 2], rows[4 * h + 3], k0, x, i)
+            for s in range(4):
+                for d in range(4):
+                    _put(y, i + d, cols[4 * h + s], r[4 * s + d], accumulate)
         i += 4
+    if i + 2 <= i1:
+        r16 = _dot_8x2(w, rows, k0, x, i)
+        for s in range(8):
+            _put(y, i, cols[s], r16[2 * s], accumulate)
+            _put(y, i + 1, cols[s], r16[2 * s + 1], accumulate)
+        i += 2
     while i < i1:
-        # One weight row at a time: a single stream per dot streams faster than the
-        # interleaved pair (19 vs 14 GB/s for a [32768, 1024] BF16 LM head, n = 1).
-        _put(y, i, c0, _dot_1x1(w, j0, k0, x, i), accumulate)
-        if pair:
-            _put(y, i, c1, _dot_1x1(w, j1, k0, x, i), accumulate)
+        r8 = _dot_8x1(w, rows, k0, x, i)
+        for s in range(8):
+            _put(y, i, cols[s], r8[s], accumulate)
         i += 1
 
 
@@ -145,17 +275,18 @@ def gemv_rows(w, j0, j1, k0, x, i0, i1, y, c0, c1, accumulate):
 def linear_kernel(x, w, bias, residual, out):
     """out [n, N] = x [n, K] @ w[N, K].T (+ bias [N] unless empty) (+ residual [n, N] unless empty).
 
-    One task per pair of weight rows; tasks split evenly over the threads."""
+    One task per group of 8 weight rows (``group8``); tasks split evenly over the threads."""
     n = x.shape[0]
     N = w.shape[0]
     has_bias = bias.shape[0] > 0
     has_res = residual.shape[0] > 0
-    zero, no = np.int64(0), np.bool_(False)          # typed, not literal: see gemv_rows
-    for p in prange((N + 1) // 2):
-        j0 = 2 * p
-        j1 = j0 + 1 if j0 + 1 < N else -1
-        gemv_rows(w, j0, j1, zero, x, zero, n, out, j0, j1, no)
-        for j in range(j0, j0 + 2 if j1 >= 0 else j0 + 1):
+    zero, no = np.int64(0), np.bool_(False)          # typed, not literal: see gemv_task
+    q = N // 8
+    for t in prange(q + N - 8 * q):
+        rows, count = group8(t, q, zero)
+        gemv_task(w, rows, count, zero, x, zero, n, out, rows, no)
+        for s in range(count):
+            j = rows[s]
             for i in range(n):
                 y = out[i, j]
                 if has_bias:

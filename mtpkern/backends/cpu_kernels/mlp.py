@@ -6,15 +6,21 @@ over a contiguous range of gathered input rows; the dense MLP is the case of
 one expert and one slot per row. (One kernel also means one compilation per
 weight dtype: each kernel that inlines the GEMV core costs ~3 s cold.)
 
-Phases, each one parallel loop:
+A serial prologue sorts the n * K (row, slot) pairs by expert (a stable
+counting sort: the launcher used to do it with ``np.argsort`` and ``np.unique``,
+~15 us of the ~50 us a call cost at n = 1); then phases, each one parallel loop:
 
-0. gather: xg[p] = x[row of pair p] (pairs sorted by expert by the launcher);
-1. gate/up + SiLU*mul: one task per (expert, intermediate column j) reads gate
-   row j and up row I + j of w13[e] together, once for all the expert's rows,
-   and writes act[p, j] = silu(gate) * up;
-2. down: one task per (expert, pair of w2 rows), once for all its rows;
+0. gather: xg[p] = x[row of pair p];
+1. gate/up + SiLU*mul: one task per (expert, 4 intermediate columns j, j + q,
+   j + 2q, j + 3q with q = I // 4) reads those gate rows and the 4 up rows I + j ..
+   of w13[e] together (``gate_up_group``: 8 streams, as ``linear.group8``), once
+   for all the expert's rows, and writes act[p, j] = silu(gate) * up;
+2. down: one task per (expert, group of 8 w2 rows, ``linear.group8``), once for
+   all its rows;
 3. combine: one task per input row adds its K expert outputs, weighted, to the
    residual in slot order (the reference's order of additions).
+
+Phases 0 and 3 of a decode step run on the calling thread (``linear.SMALL``).
 
 So each selected expert's weights are read once per call, however many rows chose it.
 """
@@ -24,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import gemv_rows
+from .linear import SMALL, gemv_task, group8
 
 
 @njit(cache=True, fastmath=False)
@@ -32,40 +38,112 @@ def silu(v):
     return v / (np.float32(1.0) + np.exp(-v))
 
 
-@njit(cache=True, fastmath=False, parallel=True)
-def grouped_swiglu_kernel(x, weights, w13, w2, residual, perm, inv, experts, starts,
-                          xg, gu, act, y2, out):
-    """x [n, H]; weights [n, K] (slot k of row r has pair index r * K + k);
-    w13 [E, 2I, H]; w2 [E, H, I]; residual [n, H] or empty.
-    perm [P]: the pair index at each expert-sorted position; inv: its inverse;
-    experts [U], starts [U + 1]: the distinct experts and their position ranges.
-    Scratch xg [P, H], gu [P, 2I], act [P, I], y2 [P, H]; out [n, H]."""
-    n, H = x.shape
+@njit(cache=True, fastmath=False)
+def gate_up_group(t, q, I):
+    """Task t of phase 1 over w13 [2I, H] with q = I // 4 -> ``(rows, count)``: gate
+    rows t + s q and up rows I + t + s q (s < 4) for t < q, else the gate/up pair
+    of column j = 4q + (t - q) (count 2). Gate rows first, then their up rows."""
+    t, q = np.int64(t), np.int64(q)
+    if t < q:
+        g = t
+        u = I + t
+        return (g, g + q, g + 2 * q, g + 3 * q, u, u + q, u + 2 * q, u + 3 * q), 8
+    j = 3 * q + t
+    return (j, I + j, j, j, j, j, j, j), 2
+
+
+@njit(cache=True, fastmath=False)
+def sort_pairs(ids, E):
+    """ids [n, K] (values in 0..E-1) -> the n K (row, slot) pairs (pair index r K + k)
+    grouped by expert, in pair order within an expert: ``perm`` [P] (the pair at each
+    sorted position), ``inv`` [P] (its inverse), ``experts`` [U] (the distinct experts,
+    ascending) and ``starts`` [U + 1] (their position ranges)."""
+    n, K = ids.shape
+    P = n * K
+    count = np.zeros(E, np.int64)
+    for p in range(P):
+        count[ids[p // K, p % K]] += 1
+    U = 0
+    for e in range(E):
+        U += count[e] > 0
+    experts = np.empty(U, np.int64)
+    starts = np.empty(U + 1, np.int64)
+    at = np.zeros(E, np.int64)                       # next free position of each expert
+    u = 0
+    pos = 0
+    for e in range(E):
+        if count[e] > 0:
+            experts[u] = e
+            starts[u] = pos
+            at[e] = pos
+            pos += count[e]
+            u += 1
+    starts[U] = P
+    perm = np.empty(P, np.int64)
+    inv = np.empty(P, np.int64)
+    for p in range(P):
+        e = ids[p // K, p % K]
+        perm[at[e]] = p
+        inv[p] = at[e]
+        at[e] += 1
+    return perm, inv, experts, starts
+
+
+@njit(cache=True, fastmath=False)
+def _combine_row(residual, weights, y2, inv, r, out):
+    """out[r] = residual[r] (if given) + sum_k weights[r, k] * y2[position of pair (r, k)], in slot order."""
     K = weights.shape[1]
-    I = act.shape[1]
-    U = experts.shape[0]
-    zero, no = np.int64(0), np.bool_(False)          # typed, not literal: see gemv_rows
-    for p in prange(perm.shape[0]):
-        r = perm[p] // K
-        for h in range(H):
-            xg[p, h] = x[r, h]
-    for t in prange(U * I):
-        u = t // I
-        j = t % I
-        w = w13[experts[u]]                                          # [2I, H]
-        gemv_rows(w, j, I + j, zero, xg, starts[u], starts[u + 1], gu, j, I + j, no)
-        for p in range(starts[u], starts[u + 1]):
-            act[p, j] = silu(gu[p, j]) * gu[p, I + j]
-    half = (H + 1) // 2
-    for t in prange(U * half):
-        u = t // half
-        j0 = 2 * (t % half)
-        j1 = j0 + 1 if j0 + 1 < H else -1
-        gemv_rows(w2[experts[u]], j0, j1, zero, act, starts[u], starts[u + 1], y2, j0, j1, no)
     has_res = residual.shape[0] > 0
-    for r in prange(n):
-        for h in range(H):
-            v = residual[r, h] if has_res else np.float32(0.0)
-            for k in range(K):
-                v = v + weights[r, k] * y2[inv[r * K + k], h]
-            out[r, h] = v
+    for h in range(out.shape[1]):
+        v = residual[r, h] if has_res else np.float32(0.0)
+        for k in range(K):
+            v = v + weights[r, k] * y2[inv[r * K + k], h]
+        out[r, h] = v
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, out):
+    """out [n, H] = residual + sum_k weights[:, k] * swiglu_{ids[:, k]}(x).
+
+    x [n, H]; ids [n, K] (checked in range by the launcher), weights [n, K];
+    w13 [E, 2I, H]; w2 [E, H, I]; residual [n, H] or empty (it may be ``out``
+    itself: each element is read before it is written)."""
+    n, H = x.shape
+    K = ids.shape[1]
+    I = w2.shape[2]
+    perm, inv, experts, starts = sort_pairs(ids, w13.shape[0])
+    P = perm.shape[0]
+    U = experts.shape[0]
+    xg = np.empty((P, H), np.float32)                # gathered rows, expert-sorted
+    gu = np.empty((P, 2 * I), np.float32)            # gate | up
+    act = np.empty((P, I), np.float32)               # silu(gate) * up
+    y2 = np.empty((P, H), np.float32)                # expert outputs
+    zero, no = np.int64(0), np.bool_(False)          # typed, not literal: see gemv_task
+    if P * H <= SMALL:
+        for p in range(P):
+            xg[p] = x[perm[p] // K]
+    else:
+        for p in prange(P):
+            xg[p] = x[perm[p] // K]
+    q1 = I // 4
+    T1 = q1 + I - 4 * q1                             # tasks per expert, phase 1
+    for t in prange(U * T1):
+        u = t // T1
+        rows, count = gate_up_group(t % T1, q1, I)
+        gemv_task(w13[experts[u]], rows, count, zero, xg, starts[u], starts[u + 1], gu, rows, no)
+        half = count // 2
+        for s in range(half):                        # gate column rows[s], up column rows[s + half]
+            for p in range(starts[u], starts[u + 1]):
+                act[p, rows[s]] = silu(gu[p, rows[s]]) * gu[p, rows[s + half]]
+    q2 = H // 8
+    T2 = q2 + H - 8 * q2                             # tasks per expert, phase 2
+    for t in prange(U * T2):
+        u = t // T2
+        rows, count = group8(t % T2, q2, zero)
+        gemv_task(w2[experts[u]], rows, count, zero, act, starts[u], starts[u + 1], y2, rows, no)
+    if P * H <= SMALL:
+        for r in range(n):
+            _combine_row(residual, weights, y2, inv, r, out)
+    else:
+        for r in prange(n):
+            _combine_row(residual, weights, y2, inv, r, out)

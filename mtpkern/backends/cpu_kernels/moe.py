@@ -1,10 +1,11 @@
 """MoE router on the CPU (spec: mtpkern.ops.moe). The routed experts run on
 ``mlp.grouped_swiglu_kernel``.
 
-Phase 1 computes the [n, E] logits (one task per pair of gate rows, each read
-once for all rows); phase 2 runs the whole selection of one row in one task,
-in the reference's order and with its tie rules (larger value first, lowest
-index on ties, NaN last).
+Phase 1 computes the [n, E] logits (one task per group of 8 gate rows,
+``linear.group8``, each read once for all rows); phase 2 runs the whole
+selection of one row in one task, in the reference's order and with its tie
+rules (larger value first, lowest index on ties, NaN last). A decode step's
+router is small enough to run on the calling thread (``linear.SMALL``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import gemv_rows
+from .linear import SMALL, gemv_task, group8
 
 
 @njit(cache=True, fastmath=False)
@@ -65,42 +66,61 @@ def _route_row(s, c, bias, n_group, topk_group, top_k, ids, weights, r):
         weights[r, k] = s[best]
 
 
+@njit(cache=True, fastmath=False)
+def _gate_task(gate_w, x, t, q, logits):
+    """Logits of the gate rows of task t (``linear.group8``, q = E // 8) for every row of x."""
+    zero, no = np.int64(0), np.bool_(False)          # typed, not literal: see gemv_task
+    rows, count = group8(t, q, zero)
+    gemv_task(gate_w, rows, count, zero, x, zero, x.shape[0], logits, rows, no)
+
+
+@njit(cache=True, fastmath=False)
+def _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r):
+    """Row r's scores (in place of its logits), selection and weights."""
+    E = logits.shape[1]
+    top_k = ids.shape[1]
+    s = logits[r]
+    if softmax:
+        mx = s[0]
+        for e in range(1, E):
+            if s[e] > mx or s[e] != s[e]:
+                mx = s[e]
+        tot = np.float32(0.0)
+        for e in range(E):
+            s[e] = np.exp(s[e] - mx)
+            tot += s[e]
+        for e in range(E):
+            s[e] = s[e] / tot
+    else:
+        for e in range(E):
+            s[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-s[e]))
+    c = np.empty(E, np.float32)
+    _route_row(s, c, bias, n_group, topk_group, top_k, ids, weights, r)
+    if norm_topk_prob:
+        tot = np.float32(0.0)
+        for k in range(top_k):
+            tot += weights[r, k]
+        for k in range(top_k):
+            weights[r, k] = weights[r, k] / (tot + np.float32(1e-20))
+    for k in range(top_k):
+        weights[r, k] = weights[r, k] * scale
+
+
 @njit(cache=True, fastmath=False, parallel=True)
 def moe_router_kernel(x, gate_w, bias, n_group, topk_group, softmax, norm_topk_prob, scale,
                       logits, ids, weights):
     """x [n, H], gate_w [E, H], bias [E]; scratch logits [n, E]; out ids [n, K] int32,
     weights [n, K] float32; scale float32 (routed_scaling_factor)."""
-    n = x.shape[0]
+    n, H = x.shape
     E = gate_w.shape[0]
-    top_k = ids.shape[1]
-    zero, no = np.int64(0), np.bool_(False)          # typed, not literal: see gemv_rows
-    for p in prange((E + 1) // 2):
-        j0 = 2 * p
-        j1 = j0 + 1 if j0 + 1 < E else -1
-        gemv_rows(gate_w, j0, j1, zero, x, zero, n, logits, j0, j1, no)
-    for r in prange(n):
-        s = logits[r]                               # scores overwrite the logits in place
-        if softmax:
-            mx = s[0]
-            for e in range(1, E):
-                if s[e] > mx or s[e] != s[e]:
-                    mx = s[e]
-            tot = np.float32(0.0)
-            for e in range(E):
-                s[e] = np.exp(s[e] - mx)
-                tot += s[e]
-            for e in range(E):
-                s[e] = s[e] / tot
-        else:
-            for e in range(E):
-                s[e] = np.float32(1.0) / (np.float32(1.0) + np.exp(-s[e]))
-        c = np.empty(E, np.float32)
-        _route_row(s, c, bias, n_group, topk_group, top_k, ids, weights, r)
-        if norm_topk_prob:
-            tot = np.float32(0.0)
-            for k in range(top_k):
-                tot += weights[r, k]
-            for k in range(top_k):
-                weights[r, k] = weights[r, k] / (tot + np.float32(1e-20))
-        for k in range(top_k):
-            weights[r, k] = weights[r, k] * scale
+    q = E // 8
+    if n * E * H <= 2 * SMALL:                       # one row's gate (32K multiply-adds, 64 KB of BF16
+        for t in range(q + E - 8 * q):              # at E = 32, H = 1024): on the calling thread
+            _gate_task(gate_w, x, t, q, logits)
+        for r in range(n):
+            _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r)
+    else:
+        for t in prange(q + E - 8 * q):
+            _gate_task(gate_w, x, t, q, logits)
+        for r in prange(n):
+            _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r)

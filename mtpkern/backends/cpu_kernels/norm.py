@@ -2,9 +2,9 @@
 
 ``mtp_input`` runs in one call: phase 1 (one task per row) gathers and widens
 the embedding row and normalises it and the hidden row into two [n, H]
-scratch rows; phase 2 (one task per pair of eh_proj rows) reads each eh_w row
-once and dots its left half with the embedding part and its right half with
-the hidden part, so the [n, 2H] concat is never built.
+scratch rows; phase 2 (one task per group of 8 eh_proj rows, ``linear.group8``)
+reads each eh_w row once and dots its left half with the embedding part and its
+right half with the hidden part, so the [n, 2H] concat is never built.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import _DOT_FLAGS, gemv_rows, widen
+from .linear import _DOT_FLAGS, SMALL, gemv_task, group8, widen
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
@@ -39,10 +39,22 @@ def rms_row(src, i, k0, K, w, eps, dst, di, dk0):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def rmsnorm_kernel(x, w, eps, out):
-    """x, out [n, H] FP32; w [H]; eps float32. One task per row."""
-    H = x.shape[1]
-    for i in prange(x.shape[0]):
-        rms_row(x, i, 0, H, w, eps, out, i, 0)
+    """x, out [n, H] FP32; w [H]; eps float32. One task per row (serial up to ``SMALL`` elements)."""
+    n, H = x.shape
+    if n * H <= SMALL:
+        for i in range(n):
+            rms_row(x, i, 0, H, w, eps, out, i, 0)
+    else:
+        for i in prange(n):
+            rms_row(x, i, 0, H, w, eps, out, i, 0)
+
+
+@njit(cache=True, fastmath=False)
+def _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i):
+    """Row i: e[i] = enorm(embed[tokens[i]]), h[i] = hnorm(g[i])."""
+    H = g.shape[1]
+    rms_row(embed, tokens[i], 0, H, enorm_w, eps, e, i, 0)
+    rms_row(g, i, 0, H, hnorm_w, eps, h, i, 0)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
@@ -50,13 +62,16 @@ def mtp_input_kernel(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, e, h, out):
     """embed [V, H], tokens [n] int64 (checked in range), g [n, H], eh_w [H, 2H];
     scratch e, h [n, H]; out [n, H] = eh_w[:, :H] @ e + eh_w[:, H:] @ h."""
     n, H = g.shape
-    zero = np.int64(0)                               # typed, not literal: see gemv_rows
-    for i in prange(n):
-        rms_row(embed, tokens[i], 0, H, enorm_w, eps, e, i, 0)
-        rms_row(g, i, 0, H, hnorm_w, eps, h, i, 0)
-    for p in prange((H + 1) // 2):
-        j0 = 2 * p
-        j1 = j0 + 1 if j0 + 1 < H else -1
+    zero = np.int64(0)                               # typed, not literal: see gemv_task
+    if n * H <= SMALL:
+        for i in range(n):
+            _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i)
+    else:
+        for i in prange(n):
+            _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i)
+    q = H // 8
+    for t in prange(q + H - 8 * q):
+        rows, count = group8(t, q, zero)
         for half in range(2):                       # one call site: the GEMV core is inlined once
             src = e if half == 0 else h
-            gemv_rows(eh_w, j0, j1, half * H, src, zero, n, out, j0, j1, half == 1)
+            gemv_task(eh_w, rows, count, half * H, src, zero, n, out, rows, half == 1)

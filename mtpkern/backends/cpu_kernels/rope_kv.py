@@ -8,6 +8,7 @@ value head) and walks the rows in order: each head is normed and rotated
 straight into its destination (q_out, or the k cache at the row's slot), so
 the data is read once and written once. Rows in order means a slot given twice
 ends with the last row's values, as the reference's fancy assignment does.
+A decode step's few rows run on the calling thread (``linear.SMALL``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .linear import SMALL
 from .norm import sumsq
 
 
@@ -39,28 +41,40 @@ def _norm_rope_head(src, r, c0, D, w, eps, cos, sin, dst, dr, dc0):
         o[half + k] = x2 * c + x1 * s
 
 
+@njit(cache=True, fastmath=False)
+def _head_rows(qkv, h, Hq, Hkv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots):
+    """Head h (a query head, or KV head h - Hq with its value head) of every row, rows in order."""
+    D = qkv.shape[1] // (Hq + 2 * Hkv)
+    for r in range(qkv.shape[0]):
+        if h < Hq:
+            _norm_rope_head(qkv, r, h * D, D, q_norm_w, eps, cos, sin, q_out, r, h * D)
+        else:
+            kv = h - Hq
+            slot = slots[r]
+            _norm_rope_head(qkv, r, h * D, D, k_norm_w, eps, cos, sin, k_rows, slot, kv * D)
+            v0 = (Hq + Hkv + kv) * D
+            for k in range(D):
+                v_rows[slot, kv * D + k] = qkv[r, v0 + k]
+
+
 @njit(cache=True, fastmath=False, parallel=True)
 def qk_norm_rope_kv_write_kernel(qkv, Hq, Hkv, q_norm_w, k_norm_w, eps, inv_freq, positions,
-                                 k_rows, v_rows, slots, q_out, cos, sin):
+                                 k_rows, v_rows, slots, q_out):
     """qkv [n, (Hq + 2 Hkv) D]; k_rows, v_rows [NB * BS, Hkv * D] (the caches, one row
-    per slot); q_out [n, Hq * D]; scratch cos, sin [n, R/2]; eps float32."""
+    per slot); q_out [n, Hq * D]; eps float32."""
     n = qkv.shape[0]
-    D = qkv.shape[1] // (Hq + 2 * Hkv)
     half = inv_freq.shape[0]
+    cos = np.empty((n, half), np.float32)
+    sin = np.empty((n, half), np.float32)
     for r in range(n):                               # serial: n * R/2 cos/sin pairs, ~15 ns each
         p = np.float32(positions[r])
         for k in range(half):
             f = p * inv_freq[k]
             cos[r, k] = np.cos(f)
             sin[r, k] = np.sin(f)
-    for h in prange(Hq + Hkv):
-        for r in range(n):
-            if h < Hq:
-                _norm_rope_head(qkv, r, h * D, D, q_norm_w, eps, cos, sin, q_out, r, h * D)
-            else:
-                kv = h - Hq
-                slot = slots[r]
-                _norm_rope_head(qkv, r, h * D, D, k_norm_w, eps, cos, sin, k_rows, slot, kv * D)
-                v0 = (Hq + Hkv + kv) * D
-                for k in range(D):
-                    v_rows[slot, kv * D + k] = qkv[r, v0 + k]
+    if n * qkv.shape[1] <= SMALL:
+        for h in range(Hq + Hkv):
+            _head_rows(qkv, h, Hq, Hkv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots)
+    else:
+        for h in prange(Hq + Hkv):
+            _head_rows(qkv, h, Hq, Hkv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots)
