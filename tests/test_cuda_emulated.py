@@ -222,6 +222,29 @@ def test_attention_shapes(be, Hq, Hkv, D, BS, max_blocks):
     assert_close(got, want, "float32", "paged_attention")
 
 
+@pytest.mark.parametrize("budget_rows", [1, 3, 7])
+def test_attention_rows_in_workspace_groups(be, sm_count, monkeypatch, budget_rows):
+    """Without caller workspaces the launcher bounds part_o / part_ml to WORKSPACE_BYTES
+    by running the rows in groups (a long prefill chunk would otherwise allocate GBs):
+    the result is the reference's whatever the group size, the last group short."""
+    from mtpkern.backends.cuda_launch import attention as attention_launch
+    Hq, Hkv, D, BS, max_blocks = 8, 2, 32, 16, 40                            # 640 rows: 2+ partitions
+    sm_count(1)
+    p = attention_launch.plan(Hq // Hkv, D, max_blocks * BS, work=7 * Hkv, target_blocks=2)   # the launcher's plan
+    assert p.num_parts == 2
+    monkeypatch.setattr(attention_launch, "WORKSPACE_BYTES", budget_rows * Hq * p.num_parts * (D + 2) * 4)
+    rng = np.random.default_rng(budget_rows)
+    NB = 2 * max_blocks
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D)
+    tables = rng.permutation(NB).reshape(2, max_blocks).astype(np.int32)
+    row_seq = np.array([0, 1, 1, 0, 1, 0, 0], np.int32)
+    row_len = np.array([640, 1, 513, 17, 600, 2, 639], np.int32)
+    q = rnd(rng, 7, Hq, D)
+    got = be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5)
+    want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5)
+    assert_close(got, want, "float32", "paged_attention (row groups)")
+
+
 def test_attention_empty_row_gives_zeros(be):
     """row_len 0 is a documented precondition violation: zeros, never NaN or a stray read."""
     rng = np.random.default_rng(1)

@@ -11,7 +11,10 @@ blocks; see :func:`plan`) handled by separate blocks;
 device-to-host read of row_len, so the launch is graph-capturable), and blocks
 past a row's length exit at once. With more than one partition the partials go
 to the workspaces ``part_o [n, Hq, P, D]`` and ``part_ml [n, Hq, P, 2]`` FP32
-(``P = plan(...).num_parts``) and a merge kernel writes ``out``.
+(``P = plan(...).num_parts``) and a merge kernel writes ``out``. Without caller
+workspaces, rows go in groups whose workspaces fit ``WORKSPACE_BYTES`` (64 MiB):
+a 256-row prefill chunk at 32K context with 96 query heads of 128 would otherwise
+take 0.8 GB; each group is one kernel + merge launch pair on the same stream.
 
 Preconditions (checked): D <= 256, Hq % Hkv == 0, caches of one dtype (BF16
 bits or FP32). Not checked (device data): row_len[r] >= 1 (a row with 0 gets
@@ -36,6 +39,8 @@ ATTN_THREADS = 128
 PART_SIZE = 512
 #: static limit of dynamic shared memory without an opt-in attribute
 SMEM_LIMIT = 48 * 1024
+#: most bytes of split-KV workspace (part_o + part_ml) a launch allocates by itself
+WORKSPACE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,17 +106,25 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     if n == 0:
         return y
     direct = p.num_parts == 1
+    group = n                                                                # rows per launch pair
     if not direct:
-        part_o = output(part_o, "part_o", (n, Hq, p.num_parts, D), np.float32)
-        part_ml = output(part_ml, "part_ml", (n, Hq, p.num_parts, 2), np.float32)
+        per_row = Hq * p.num_parts * (D + 2) * 4
+        if part_o is None and part_ml is None:
+            group = max(1, min(n, WORKSPACE_BYTES // per_row))
+        part_o = output(part_o, "part_o", (group, Hq, p.num_parts, D), np.float32)
+        part_ml = output(part_ml, "part_ml", (group, Hq, p.num_parts, 2), np.float32)
     kernel = get_kernel("attention", f"paged_attention_kernel<{ctype(k_cache)}, {p.dc}>")
-    kernel((Hkv, n, p.num_parts), (ATTN_THREADS,),
-           (q, k_cache, v_cache, block_tables, i32(max_blocks), row_seq, row_len,
-            y, NULL if direct else part_o, NULL if direct else part_ml,
-            i32(Hq), i32(Hkv), i32(D), i32(BS), i32(p.part_size), i32(p.num_parts), f32(scale)),
-           shared_mem=p.smem_bytes)
-    if not direct:
-        merge = get_kernel("attention", "paged_attention_merge_kernel")
-        merge((Hq, n), (ATTN_THREADS,),
-              (part_o, part_ml, row_len, i32(cap), y, i32(Hq), i32(D), i32(p.part_size), i32(p.num_parts)))
+    merge = None if direct else get_kernel("attention", "paged_attention_merge_kernel")
+    for r0 in range(0, n, group):
+        r1 = min(n, r0 + group)
+        rows = slice(r0, r1) if group < n else slice(None)
+        qg, sg, lg, yg = q[rows], row_seq[rows], row_len[rows], y[rows]
+        kernel((Hkv, r1 - r0, p.num_parts), (ATTN_THREADS,),
+               (qg, k_cache, v_cache, block_tables, i32(max_blocks), sg, lg,
+                yg, NULL if direct else part_o, NULL if direct else part_ml,
+                i32(Hq), i32(Hkv), i32(D), i32(BS), i32(p.part_size), i32(p.num_parts), f32(scale)),
+               shared_mem=p.smem_bytes)
+        if merge is not None:
+            merge((Hq, r1 - r0), (ATTN_THREADS,),
+                  (part_o, part_ml, lg, i32(cap), yg, i32(Hq), i32(D), i32(p.part_size), i32(p.num_parts)))
     return y
