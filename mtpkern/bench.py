@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     be = get_backend(args.backend)
     batches = [int(b) for b in args.batches.split(",")]
     res: dict[str, Any] = {"shapes": args.shapes, "config": cfg.describe(), "context": context,
-                           "backend": be.describe(), "machine": f"{platform.machine()} {platform.processor()} "
+                           "backend": be.describe(), "machine": f"{_cpu_model()} ({platform.machine()}), "
                            f"{_cpu_count()} cores", "runs": args.runs, "warmup": args.warmup}
     copy_gbs = copy_bandwidth() if args.backend != "cuda" else _device_copy_bandwidth()
     read_gbs = read_bandwidth() if args.backend != "cuda" else copy_gbs
@@ -288,6 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def _cpu_count() -> int:
