@@ -43,3 +43,45 @@ def test_installed_wheel_finds_its_kernels(wheel, tmp_path):
     kdir, nchars = res.stdout.split()
     assert Path(kdir).resolve().is_relative_to(target.resolve()), f"kernels found at {kdir}, not in the install"
     assert int(nchars) > 1000
+
+
+def test_cpu_backend_in_a_read_only_install(wheel, tmp_path):
+    """An install nobody may write to (a system site-packages, a read-only image) still
+    runs the cpu backend, and its compiled kernels are cached, in Numba's per-user cache
+    directory. The install is made read-only by a read-only bind mount in a private mount
+    namespace (root ignores file modes); skipped where that is not permitted."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1)")
+    target, home = tmp_path / "site", tmp_path / "home"
+    home.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, text=True)
+    probe = subprocess.run([unshare, "-m", "sh", "-c", f'mount --bind -o ro "{target}" "{target}"'],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"read-only bind mounts not permitted here: {probe.stderr.strip()}")
+    code = "\n".join([
+        "import os, numpy as np, mtpkern",
+        "from mtpkern.backends import get_backend",
+        "be = get_backend('cpu')",
+        "x = np.arange(12, dtype=np.float32).reshape(2, 6) - 5",
+        "y = be.rmsnorm(x, be.prepare_vector(np.full(6, 2, np.float32)), 1e-6)",
+        "np.testing.assert_allclose(y, 2 * x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6), rtol=1e-5)",
+        "try:",
+        "    open(os.path.join(os.path.dirname(mtpkern.__file__), 'probe'), 'w')",
+        "    print('writable')",
+        "except OSError:",
+        "    print('read-only')",
+    ])
+    env = {"PYTHONPATH": str(target), "HOME": str(home), "PATH": "/usr/bin:/bin"}
+    script = f'mount --bind -o ro "{target}" "{target}" && exec "{sys.executable}" -c "$0"'
+    for run in ("compiles and writes the cache", "loads the cache"):
+        res = subprocess.run([unshare, "-m", "sh", "-c", script, code], env=env, cwd=tmp_path,
+                             capture_output=True, text=True)
+        assert res.returncode == 0, f"{run}: {res.stderr[-2000:]}"
+        assert res.stdout.split() == ["read-only"], res.stdout
+    assert not list(target.rglob("*.nbi")), "an index was written into the install"
+    assert list(home.rglob("*rmsnorm*.nbi")), f"no cached rmsnorm kernel under {home}"
