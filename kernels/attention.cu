@@ -127,9 +127,12 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
       float m = neg_inf();
       for (int i = lane; i < Lp; i += kWarp) m = fmaxf(m, sg[i]);
       m = warp_max(m);
+      // a -inf score weighs 0, also when the whole partition is -inf (m = -inf, where
+      // exp(-inf - m) would be NaN); m itself goes to the merge unchanged
+      const float mo = m == mtp::neg_inf() ? 0.0f : m;
       float l = 0.0f;
       for (int i = lane; i < Lp; i += kWarp) {
-        const float e = expf(sg[i] - m);
+        const float e = expf(sg[i] - mo);
         sg[i] = e;
         l += e;
       }

@@ -212,6 +212,31 @@ def test_paged_attention_decode_rows(be, lens):
     assert_close(be.to_host(got), want, kv_tol(be), what="paged_attention (decode rows)")
 
 
+def test_paged_attention_minus_inf_scores(be):
+    """Keys whose scores are -inf weigh 0, also when every key of what one task sees
+    (the cpu backend's first block of a chunk, a cuda partition of 64 keys) is -inf:
+    the other keys decide, as in the reference."""
+    Hq, Hkv, D, BS, NB = 2, 1, 8, 4, 24
+    L = NB * BS
+    qkv = np.zeros((L, 3 * Hkv * D), np.float32)
+    qkv[:, D:2 * D] = 0.5                                                 # k rows
+    qkv[:64, D + 4] = -np.inf                                             # keys 0..63 (blocks 0..15): -inf scores
+    qkv[70, D + 4] = -np.inf                                              # one key of block 17
+    qkv[:, 2 * D:] = np.arange(L, dtype=np.float32)[:, None] / L          # v rows
+    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    be.qk_norm_rope_kv_write(be.from_host(qkv), Hkv, Hkv, None, None, 1e-6, be.from_host(inv_freq(2, 1e4)),
+                             be.from_host(np.zeros(L, np.int32)), k_cache, v_cache,
+                             be.from_host(np.arange(L, dtype=np.int32)))
+    q = np.ones((2, Hq, D), np.float32)
+    tables = np.arange(NB, dtype=np.int32).reshape(1, NB)
+    row_seq, row_len = np.zeros(2, np.int32), np.array([L, 67], np.int32)
+    got = be.to_host(be.paged_attention(be.from_host(q), k_cache, v_cache, be.from_host(tables),
+                                        be.from_host(row_seq), be.from_host(row_len), 1.0))
+    want = REF.paged_attention(q, be.kv_to_host(k_cache), be.kv_to_host(v_cache), tables, row_seq, row_len, 1.0)
+    assert np.isfinite(want).all()
+    assert_close(got, want, kv_tol(be), what="paged_attention (-inf scores)")
+
+
 def host_only(be) -> None:
     """Index values are checked where they live on the host; the cuda launchers do not
     read device data back (see mtpkern/backends/cuda_launch)."""
@@ -521,6 +546,65 @@ def test_out_buffers(be):
     assert be.lm_head_argmax(xb, be.prepare_weight(w), out=am) is am
     with pytest.raises(ValueError, match="out: expected shape"):
         be.linear(xb, be.prepare_weight(w), out=be.from_host(np.zeros((n, N - 1), np.float32)))
+
+
+def _overlapping(be, run, want, what):
+    """An output buffer that overlaps an input without being it: host backends copy the
+    input first and give the reference's result; the cuda launchers refuse (a shifted
+    overlap is a race between blocks)."""
+    if be.name == "cuda":
+        with pytest.raises(ValueError, match="must not overlap"):
+            run()
+    else:
+        assert_close(be.to_host(run()), want, what=what)
+
+
+def test_out_overlapping_inputs(be):
+    rng = rng_for("overlap")
+    n, H, I, E = 3, 16, 6, 4
+    f = be.from_host
+    buf = acts(rng, n + 1, H)
+    w, w13, w2 = (weight(rng, s, "bfloat16") for s in ((H, H), (2 * I, H), (H, I)))
+    pw, p13, p2 = be.prepare_weight(w), be.prepare_weight(w13), be.prepare_weight(w2)
+    r13, r2 = REF.prepare_weight(w13), REF.prepare_weight(w2)
+    x = acts(rng, n, H)
+
+    def shifted():                                   # input rows 0..n-1, output rows 1..n of one buffer
+        b = f(buf.copy())
+        return b[:n], b[1:]
+
+    def linear_out_is_x():
+        xb = f(buf[:n].copy())
+        return be.linear(xb, pw, out=xb)
+    _overlapping(be, linear_out_is_x, REF.linear(buf[:n], REF.prepare_weight(w)), "linear out=x")
+
+    def rmsnorm_shifted():
+        a, o = shifted()
+        return be.rmsnorm(a, be.prepare_vector(np.ones(H)), 1e-6, out=o)
+    _overlapping(be, rmsnorm_shifted, REF.rmsnorm(buf[:n], np.ones(H, np.float32), 1e-6), "rmsnorm shifted")
+
+    def linear_residual_shifted():
+        a, o = shifted()
+        return be.linear(f(x), pw, None, a, out=o)
+    _overlapping(be, linear_residual_shifted, REF.linear(x, REF.prepare_weight(w), None, buf[:n]),
+                 "linear residual shifted")
+
+    def swiglu_residual_shifted():
+        a, o = shifted()
+        return be.swiglu_mlp(f(x), p13, p2, a, out=o)
+    _overlapping(be, swiglu_residual_shifted, REF.swiglu_mlp(x, r13, r2, buf[:n]), "swiglu_mlp residual shifted")
+
+    ids = np.array([[0, 2], [3, 0], [1, 2]], np.int32)
+    wts = rng.random((n, 2)).astype(np.float32)
+    e13 = weight(rng, (E, 2 * I, H), "bfloat16")
+    e2 = weight(rng, (E, H, I), "bfloat16")
+
+    def experts_residual_shifted():
+        a, o = shifted()
+        return be.moe_experts(f(x), f(ids), f(wts), be.prepare_weight(e13), be.prepare_weight(e2), a, out=o)
+    _overlapping(be, experts_residual_shifted,
+                 REF.moe_experts(x, ids, wts, REF.prepare_weight(e13), REF.prepare_weight(e2), buf[:n]),
+                 "moe_experts residual shifted")
 
 
 # -- validation ---------------------------------------------------------------

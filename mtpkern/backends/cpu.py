@@ -97,6 +97,18 @@ def _out(name: str, buf, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray
     return buf
 
 
+def _apart(a: np.ndarray, out: np.ndarray, same_ok: bool = False) -> np.ndarray:
+    """``a``, or a copy of it when it may overlap ``out``: the kernels write ``out``
+    while they still read their inputs. ``same_ok``: the kernel reads every element
+    of ``a`` before it writes the same element of ``out``, so ``out`` exactly on top
+    of ``a`` (same address, shape and strides) is safe; a shifted overlap is not."""
+    if a.size == 0 or not np.may_share_memory(a, out):
+        return a
+    if same_ok and a.shape == out.shape and a.strides == out.strides and a.ctypes.data == out.ctypes.data:
+        return a
+    return a.copy()
+
+
 def _in_range(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
     """``a``: a C-contiguous integer array."""
     i = bounds_k.first_outside(a, lo, hi)
@@ -124,7 +136,7 @@ class CpuBackend(Backend):
         try:
             if key in self._passed:
                 return
-        except TypeError:                                                    # unhashable: check every time
+        except (TypeError, ValueError):                                      # unhashable: check every time
             check(*args)
             return
         check(*args)
@@ -162,7 +174,9 @@ class CpuBackend(Backend):
         if w.shape != (H,):
             expect_shape("w", w, (H,))
         out = _out("out", out, tuple(x.shape))
-        norm_k.rmsnorm_kernel(_act(x).reshape(-1, H), _act(w), np.float32(eps), out.reshape(-1, H))
+        o = out.reshape(-1, H)
+        norm_k.rmsnorm_kernel(_apart(_act(x).reshape(-1, H), o, same_ok=True), _apart(_act(w), o),
+                              np.float32(eps), o)
         return out
 
     def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None):
@@ -185,17 +199,17 @@ class CpuBackend(Backend):
         self._check(check_linear, x, w, bias, residual)
         w = _weight("w", w)
         out = _out("out", out, (x.shape[0], w.shape[0]))
-        residual = None if residual is None else _act(residual)
-        if residual is not None and np.may_share_memory(out, residual):
-            residual = residual.copy()                                       # out is written first
+        x = _apart(_act(x), out)                                             # out is written while x is read
+        bias = None if bias is None else _apart(_act(bias), out)
+        residual = None if residual is None else _apart(_act(residual), out)  # out is written first
         if w.dtype == np.float32 and x.shape[0] >= _BLAS_MIN_ROWS:
-            np.matmul(_act(x), w.T, out=out)                                 # [n, N], BLAS
+            np.matmul(x, w.T, out=out)                                       # [n, N], BLAS
             if bias is not None:
                 out += _act(bias)
             if residual is not None:
                 out += residual
             return out
-        linear_k.linear_kernel(_act(x), w, _opt_vec(bias), _opt_mat(residual), out)
+        linear_k.linear_kernel(x, w, _opt_vec(bias), _opt_mat(residual), out)
         return out
 
     # -- rope + kv write ----------------------------------------------------
@@ -213,7 +227,7 @@ class CpuBackend(Backend):
         n = qkv.shape[0]
         q = _out("out", out, (n, num_q_heads, D))
         rope_kv_k.qk_norm_rope_kv_write_kernel(
-            _act(qkv), num_q_heads, num_kv_heads, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
+            _apart(_act(qkv), q), num_q_heads, num_kv_heads, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
             np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions),
             k_cache.reshape(NB * BS, Hkv * D), v_cache.reshape(NB * BS, Hkv * D), slots,
             q.reshape(n, num_q_heads * D))
@@ -261,8 +275,9 @@ class CpuBackend(Backend):
         ids = np.ascontiguousarray(ids)
         _in_range("ids", ids, w13.shape[0])
         out = _out("out", out, tuple(x.shape))
-        mlp_k.grouped_swiglu_kernel(_act(x), ids, _act(weights), _weight("w13", w13), _weight("w2", w2),
-                                    _opt_mat(residual), out)
+        # x is gathered before out is written; residual and weights are read row by row with it
+        mlp_k.grouped_swiglu_kernel(_act(x), ids, _apart(_act(weights), out), _weight("w13", w13),
+                                    _weight("w2", w2), _apart(_opt_mat(residual), out, same_ok=True), out)
         return out
 
     # -- mlp ----------------------------------------------------------------
@@ -272,7 +287,8 @@ class CpuBackend(Backend):
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
         mlp_k.grouped_swiglu_kernel(_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32),
-                                    _weight("w13", w13)[None], _weight("w2", w2)[None], _opt_mat(residual), out)
+                                    _weight("w13", w13)[None], _weight("w2", w2)[None],
+                                    _apart(_opt_mat(residual), out, same_ok=True), out)
         return out
 
     # -- lm head ------------------------------------------------------------

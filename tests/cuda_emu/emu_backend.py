@@ -427,7 +427,8 @@ class Emulator:
         )
 
         fakes = {"device": _device, "optional": _optional, "inplace": _inplace, "output": _output,
-                 "expect_disjoint": _expect_disjoint, "get_kernel": self.kernel,
+                 "expect_disjoint": _expect_disjoint, "expect_same_or_disjoint": _expect_same_or_disjoint,
+                 "get_kernel": self.kernel,
                  "sm_count": lambda: self.sm_count}
         saved = []
         try:
@@ -480,6 +481,12 @@ def _expect_disjoint(name_a, a, name_b, b):
     a0, b0 = a.ctypes.data, b.ctypes.data
     if a0 < b0 + b.nbytes and b0 < a0 + a.nbytes and a.nbytes and b.nbytes:
         raise ValueError(f"{name_a} must not overlap {name_b}")
+
+
+def _expect_same_or_disjoint(name_a, a, name_b, b):
+    if b is None or (a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes):
+        return
+    _expect_disjoint(name_a, a, name_b, b)
 
 
 # -- the backend ----------------------------------------------------------------------------

@@ -91,8 +91,12 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_len, 
                     for d in range(D):
                         a[d] *= corr
                     m[h] = bm
+                mh = m[h]
                 for j in range(cnt):
-                    p = np.exp(sc[h, j] - m[h])
+                    sj = sc[h, j]
+                    # a -inf score weighs 0, also while the running max is still -inf
+                    # (exp(-inf - -inf) would be NaN); NaN scores stay NaN
+                    p = np.float32(0.0) if sj == -np.inf else np.exp(sj - mh)
                     l[h] += p
                     vr = v_cache[blk, j, h // G]
                     for d in range(D):

@@ -114,6 +114,17 @@ def expect_disjoint(name_a: str, a: Any, name_b: str, b: Any) -> None:
         raise ValueError(f"{name_a} must not overlap {name_b}")
 
 
+def expect_same_or_disjoint(name_a: str, a: Any, name_b: str, b: Any) -> None:
+    """Raise when two contiguous device arrays overlap without being the same array
+    (a kernel that reads each element of b just before writing the same element of a
+    can work in place, but not on a shifted overlap: another block writes first)."""
+    if b is None:
+        return
+    if a.data.ptr == b.data.ptr and a.nbytes == b.nbytes:
+        return
+    expect_disjoint(name_a, a, name_b, b)
+
+
 def ptr(a: Any) -> Any:
     """Array argument, or a null pointer for an absent optional input."""
     return NULL if a is None else a

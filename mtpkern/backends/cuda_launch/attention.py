@@ -117,8 +117,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     merge = None if direct else get_kernel("attention", "paged_attention_merge_kernel")
     for r0 in range(0, n, group):
         r1 = min(n, r0 + group)
-        rows = slice(r0, r1) if group < n else slice(None)
-        qg, sg, lg, yg = q[rows], row_seq[rows], row_len[rows], y[rows]
+        qg, sg, lg, yg = ((q, row_seq, row_len, y) if group == n else
+                          (q[r0:r1], row_seq[r0:r1], row_len[r0:r1], y[r0:r1]))
         kernel((Hkv, r1 - r0, p.num_parts), (ATTN_THREADS,),
                (qg, k_cache, v_cache, block_tables, i32(max_blocks), sg, lg,
                 yg, NULL if direct else part_o, NULL if direct else part_ml,

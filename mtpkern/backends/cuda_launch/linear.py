@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops.linear import check_linear
-from ._util import cdiv, ctype, device, expect_disjoint, expect_weight, i32, optional, output, ptr, sm_count
+from ._util import cdiv, ctype, device, expect_disjoint, expect_same_or_disjoint, expect_weight, i32, optional, output, ptr, sm_count
 from .loader import get_kernel
 
 #: kGemvThreads in common.cuh: 4 warps, one row group (2 weight rows) per warp
@@ -58,5 +58,8 @@ def linear(x, w, bias=None, residual=None, *, out=None):
     residual = optional(residual, "residual", "float32")
     y = output(out, "out", (x.shape[0], w.shape[0]), np.float32)
     expect_disjoint("out", y, "x", x)
+    expect_same_or_disjoint("out", y, "residual", residual)
+    if bias is not None:
+        expect_disjoint("out", y, "bias", bias)
     launch_linear(x, w, bias, residual, y)
     return y

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops.mlp import check_swiglu_mlp
-from ._util import ctype, device, expect_disjoint, expect_weight, i32, optional, output
+from ._util import ctype, device, expect_disjoint, expect_same_or_disjoint, expect_weight, i32, optional, output
 from .linear import GEMV_THREADS, gemv_config, launch_linear
 from .loader import get_kernel
 
@@ -29,6 +29,7 @@ def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None):
     act = output(act, "act", (n, I), np.float32)
     y = output(out, "out", (n, H), np.float32)
     expect_disjoint("out", y, "act", act)
+    expect_same_or_disjoint("out", y, "residual", residual)
     if n == 0:
         return y
     if I:

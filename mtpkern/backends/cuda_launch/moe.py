@@ -23,7 +23,8 @@ import numpy as np
 
 from ...ops._check import expect_dtype
 from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
-from ._util import cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_weight, f32, i32, optional, output, ptr
+from ._util import (cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_same_or_disjoint, expect_weight,
+                    f32, i32, optional, output, ptr)
 from .linear import GEMV_THREADS, GEMV_WARPS, launch_linear
 from .loader import get_kernel
 
@@ -80,6 +81,8 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
     partial = output(partial, "partial", (nK, H), np.float32)
     y = output(out, "out", (n, H), np.float32)
     expect_disjoint("out", y, "partial", partial)
+    expect_same_or_disjoint("out", y, "residual", residual)
+    expect_disjoint("out", y, "weights", weights)
     if n == 0:
         return y
     if nK and H:

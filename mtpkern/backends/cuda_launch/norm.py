@@ -15,7 +15,7 @@ import numpy as np
 
 from ...ops._check import expect_dtype, expect_shape
 from ...ops.norm import check_mtp_input
-from ._util import ctype, device, expect_disjoint, expect_weight, f32, i32, output
+from ._util import ctype, device, expect_disjoint, expect_same_or_disjoint, expect_weight, f32, i32, output
 from .linear import launch_linear
 from .loader import get_kernel
 
@@ -32,6 +32,8 @@ def rmsnorm(x, w, eps: float, *, out=None):
     x = device(x, "x", "float32")
     w = device(w, "w", "float32")
     y = output(out, "out", tuple(x.shape), np.float32)
+    expect_same_or_disjoint("out", y, "x", x)
+    expect_disjoint("out", y, "w", w)
     n = x.size // H if H else 0
     if n:
         get_kernel("norm", "rmsnorm_kernel")((n,), (NORM_THREADS,), (x, w, y, i32(H), f32(eps)))

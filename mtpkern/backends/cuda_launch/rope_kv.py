@@ -15,7 +15,7 @@ import numpy as np
 
 from ...ops._check import expect_dtype
 from ...ops.rope_kv import check_qk_norm_rope_kv_write
-from ._util import cdiv, ctype, device, expect_grid_yz, f32, i32, inplace, optional, output, ptr
+from ._util import cdiv, ctype, device, expect_disjoint, expect_grid_yz, f32, i32, inplace, optional, output, ptr
 from .loader import get_kernel
 
 #: kRopeWarps in rope_kv.cu: one warp per (row, head), 4 heads per block
@@ -40,6 +40,7 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
     positions = device(positions, "positions", "int32")
     slots = device(slots, "slots", "int32")
     q = output(out, "out", (n, Hq, D), np.float32)
+    expect_disjoint("out", q, "qkv", qkv)
     if n == 0:
         return q
     grid = (cdiv(Hq + 2 * Hkv, ROPE_WARPS), n)
