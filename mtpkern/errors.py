@@ -44,4 +44,19 @@ class StateError(MtpError, ValueError):
 
 
 class NoAllowedToken(MtpError, ValueError):
-    """A grammar bitmask allows no token of the vocabulary for some row."""
+    """No token can be drafted for some row: the grammar bitmask allows none with a
+    non-NaN logit (or, without a mask, every logit is NaN). ``row``: that row of the
+    op's input (the sequence's index in a propose batch); ``draft``: the draft
+    position, where the proposer knows it."""
+
+    def __init__(self, message: str, row: int | None = None, draft: int | None = None):
+        super().__init__(message)
+        self.row = row
+        self.draft = draft
+
+
+def no_token_reason(masked: bool, V: int) -> str:
+    """Why a row has no token to draft (the message of ``NoAllowedToken``)."""
+    if masked:
+        return f"the grammar bitmask allows no token with a non-NaN logit (vocabulary of {V})"
+    return f"every logit is NaN (vocabulary of {V}; a NaN or Inf in the hidden it was drafted from?)"

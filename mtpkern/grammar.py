@@ -5,8 +5,9 @@ set means token ``j`` may be drafted (uint32 words are accepted and read as
 the same bits). ``grammar_bitmask`` given to ``propose`` may be:
 
 - ``None``: no constraint;
-- one mask ``[W]``: applied to every draft position (like the original design);
-- ``[k, W]``: row ``i`` constrains draft ``i``;
+- one mask ``[W]`` (or ``[1, W]``, what xgrammar's ``allocate_token_bitmask(1, V)``
+  returns): applied to every draft position (like the original design);
+- ``[k, W]`` with ``k >= 2``: row ``i`` constrains draft ``i``;
 - a callable ``(i, drafts_so_far) -> mask | None``, for grammars that advance
   with each drafted token (``drafts_so_far`` is the list of the ``i`` drafts
   already chosen by this call).
@@ -62,6 +63,9 @@ def resolve(name: str, grammar_bitmask: Any, V: int, k: int) -> MaskFn | None:
     W = (V + 31) // 32
     if a.ndim == 1:
         m = one_mask(name, a, V)
+        return lambda i, drafts: m
+    if a.ndim == 2 and a.shape[0] == 1 and a.shape[1] == W:     # xgrammar's allocate_token_bitmask(1, V)
+        m = one_mask(name, a[0], V)
         return lambda i, drafts: m
     if a.ndim == 2:
         if a.shape[1] != W or a.shape[0] < k:

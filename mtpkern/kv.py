@@ -214,6 +214,20 @@ class BlockPool:
         seq.reserved += want
         self.reserved += want
 
+    def drop_budget(self, seq: SeqKv) -> None:
+        """Forget ``seq``'s budget: its blocks still held back go back to everyone."""
+        self.reserved -= seq.reserved
+        seq.reserved = 0
+        seq.budget = 0
+
+    def fit_budget(self, seq: SeqKv) -> None:
+        """After blocks joined ``seq`` from outside (an installed carry): they count
+        within its budget, so the reservation shrinks to ``budget - held`` (never grows)."""
+        keep = max(0, seq.budget - len(seq.blocks))
+        if keep < seq.reserved:
+            self.reserved -= seq.reserved - keep
+            seq.reserved = keep
+
     # -- invariants ---------------------------------------------------------
     def check_invariants(self, owners: list[list[int]], reservations: int) -> None:
         """``owners``: the block lists of every live owner (sequences and carried entries)."""

@@ -41,7 +41,7 @@ import numpy as np
 from .backends import BackendName, get_backend
 from .backends.base import Backend
 from .config import MtpConfig, ceil_div
-from .errors import StateError
+from .errors import NoAllowedToken, StateError, no_token_reason
 from .grammar import MaskFn, resolve
 from .head import MtpHead, RowJob
 from .kv import KeyRuns, SeqKv
@@ -54,6 +54,13 @@ _log = logging.getLogger("mtpkern")
 
 
 # -- boundary checks ------------------------------------------------------------
+
+def _where_no_token(i: int | None, batch: int, m: int) -> str:
+    """Where a propose found no token: the draft position, and the sequence in a batch."""
+    if batch == 1 or i is None:
+        return f"draft position {m}"
+    return f"draft position {m} of sequence {i} (states[{i}])"
+
 
 def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -87,14 +94,38 @@ def check_tokens(name: str, tokens: Any, vocab_size: int) -> np.ndarray:
     return a.astype(np.int32)
 
 
-def ingest_hidden(backend: Backend, name: str, x: Any, H: int, rows: int | None = None) -> Any:
-    """Hidden states ``[H]`` or ``[n, H]`` (BF16/FP32, host or backend device) -> backend ``[n, H]`` FP32."""
+def hidden_shape(name: str, x: Any, H: int, rows: int | None = None, want: str | None = None) -> tuple[int, int]:
+    """The ``[n, H]`` shape of hidden states given as ``[H]`` or ``[n, H]`` (checked;
+    ``want``: the expected form as the error message should say it)."""
     given = tuple(int(s) for s in getattr(x, "shape", np.shape(x)))
     shape = (1,) + given if len(given) == 1 else given
     if len(shape) != 2 or shape[1] != H or (rows is not None and shape[0] != rows):
-        want = f"[{H}] or [1, {H}]" if rows == 1 else f"[{'n' if rows is None else rows}, {H}]"
+        if want is None:
+            want = f"[{H}] or [1, {H}]" if rows == 1 else f"[{'n' if rows is None else rows}, {H}]"
         raise ValueError(f"{name}: expected shape {want}, got {list(given)}")
+    return shape
+
+
+def _expect_finite(name: str, a: np.ndarray) -> None:
+    bad = np.flatnonzero(~np.isfinite(a.reshape(-1)))
+    if bad.size:
+        r, c = divmod(int(bad[0]), a.shape[-1])
+        raise ValueError(f"{name}: expected finite values, got {a.reshape(-1)[bad[0]]} at row {r}, "
+                         f"column {c} ({bad.size} non-finite)")
+
+
+def ingest_hidden(backend: Backend, name: str, x: Any, H: int, rows: int | None = None,
+                  want: str | None = None) -> Any:
+    """Hidden states ``[H]`` or ``[n, H]`` (BF16/FP32, host or backend device) -> backend ``[n, H]`` FP32.
+
+    Host values must be finite (a NaN or Inf would poison the module's KV for good);
+    device arrays are not read back to check."""
+    shape = hidden_shape(name, x, H, rows, want)
     a = backend.ingest_float(name, x)
+    if isinstance(a, np.ndarray):
+        _expect_finite(name, a)
+    elif isinstance(x, np.ndarray):                      # host input to a device backend
+        _expect_finite(name, np.asarray(x, np.float32))
     return a.reshape(shape)
 
 
@@ -130,6 +161,11 @@ class MtpState(ProposerState):
         """Raise ``AssertionError`` if the state breaks a rule of its proposer's KV mode."""
         self.owner._check_state(self)
 
+    def __repr__(self) -> str:                           # not the window's hidden arrays
+        status = "freed" if self.freed else "awaiting after_verify" if self.drafted else "ready"
+        return (f"MtpState(rows per module={self.rows_per_module()}, verified tokens={self.num_verified}, "
+                f"hiddens={self.num_hiddens}, next position={self.next_position}, {status})")
+
 
 @dataclass(slots=True, eq=False)
 class DrafterKv:
@@ -160,6 +196,12 @@ class DrafterKv:
     def last_pair_key(self) -> int | None:
         return self.keys[0].last
 
+    def __repr__(self) -> str:                           # not the window's hidden arrays
+        state = "consumed" if self.consumed else "live"
+        return (f"DrafterKv(rows per module={[len(k) for k in self.keys]}, "
+                f"blocks per module={[len(b) for b in self.blocks]}, verified tokens={self.num_verified}, "
+                f"last_pair_key={self.last_pair_key}, {state})")
+
 
 @dataclass(slots=True)
 class AcceptanceStats:
@@ -177,6 +219,8 @@ class AcceptanceStats:
 
     def acceptance_rate(self, module: int) -> float:
         """Accepted / drafted for drafts made by ``module``."""
+        if not (isinstance(module, (int, np.integer)) and 0 <= module < len(self.drafted)):
+            raise ValueError(f"module: expected an int in [0, {len(self.drafted)}), got {module!r}")
         d = self.drafted[module]
         return self.accepted[module] / d if d else 0.0
 
@@ -477,12 +521,6 @@ class MultiModuleMtpHead(DraftProposer):
                      for i, gm in enumerate(grammar_bitmasks)]
         for i, (st, p) in enumerate(zip(sts, poss)):
             self._check_position(st, p, name("position", "positions", i))
-        if num_drafts > self.num_modules:
-            if self.clamped_calls == 0:
-                _log.warning("mtpkern: num_drafts=%d exceeds the %d MTP modules; drafting %d "
-                             "(counted in clamped_calls)", num_drafts, self.num_modules, k)
-            self.clamped_calls += 1
-
         hid = self._target_norm(hid)
         run = self._propose_exact if self.kv_mode == "exact" else self._propose_draft
         runner = self.step_runner
@@ -490,10 +528,20 @@ class MultiModuleMtpHead(DraftProposer):
         static = grammar_bitmasks is None or not any(callable(gm) for gm in grammar_bitmasks)
         if runner is not None and static and runner.applies(sts, poss, k):
             run = runner.propose
+        before = self.last_drafts_device
         self.last_drafts_device = None
-        drafts = self._guarded(sts, [[self._propose_rows(st, m, p, k) for st, p in zip(sts, poss)]
-                                     for m in range(self.num_modules)],
-                               lambda: run(sts, toks, poss, hid, k, masks))
+        try:
+            drafts = self._guarded(sts, [[self._propose_rows(st, m, p, k) for st, p in zip(sts, poss)]
+                                         for m in range(self.num_modules)],
+                                   lambda: run(sts, toks, poss, hid, k, masks))
+        except BaseException:
+            self.last_drafts_device = before                     # a failed call changes nothing
+            raise
+        if num_drafts > self.num_modules:                        # counted once the call has succeeded
+            if self.clamped_calls == 0:
+                _log.warning("mtpkern: num_drafts=%d exceeds the %d MTP modules; drafting %d "
+                             "(counted in clamped_calls)", num_drafts, self.num_modules, k)
+            self.clamped_calls += 1
         if self.last_drafts_device is None:
             self.last_drafts_device = self.backend.from_host(np.asarray(drafts, np.int32).reshape(B, k))
         for st, p, d in zip(sts, poss, drafts):
@@ -533,7 +581,7 @@ class MultiModuleMtpHead(DraftProposer):
         for m in range(k):
             jobs = [RowJob(st.kv[m], cur_tok[i:i + 1], p - 1, m + 1) for i, (st, p) in enumerate(zip(sts, poss))]
             y, normed = self.modules[m].forward(jobs, g, pad_tables=True)
-            ids = self.modules[m].argmax(normed, self._mask_rows(masks, m, drafts))
+            ids = self._draft_ids(m, normed, masks, drafts)
             for i in range(B):
                 drafts[i].append(int(ids[i]))
             cur_tok = ids.astype(np.int32)
@@ -556,7 +604,7 @@ class MultiModuleMtpHead(DraftProposer):
             normed, last_rows = self._run_exact(m, sts, stage, pad_tables=True)
             if m < k:
                 idx = self.backend.from_host(np.asarray(last_rows, np.int64))
-                ids = self.modules[m].argmax(normed[idx], self._mask_rows(masks, m, drafts))
+                ids = self._draft_ids(m, normed[idx], masks, drafts)
                 for i, st in enumerate(sts):
                     drafts[i].append(int(ids[i]))
                     st.tail.append(int(ids[i]))
@@ -564,6 +612,18 @@ class MultiModuleMtpHead(DraftProposer):
             self._trim_windows(st)
             self._trim_tail(st)
         return drafts
+
+    def _draft_ids(self, m: int, normed: Any, masks: list[MaskFn | None], drafts: list[list[int]]) -> np.ndarray:
+        """Module ``m``'s drafts for rows ``normed`` [B, H] (row i = sequence i), with a
+        ``NoAllowedToken`` that names the sequence and the draft position."""
+        rows = self._mask_rows(masks, m, drafts)
+        try:
+            return self.modules[m].argmax(normed, rows)
+        except NoAllowedToken as e:
+            i = e.row
+            masked = rows is not None and i is not None and not (rows[i] == -1).all()
+            raise NoAllowedToken(f"{_where_no_token(i, len(masks), m)}: "
+                                 f"{no_token_reason(masked, self.config.vocab_size)}", row=i, draft=m) from None
 
     def _mask_rows(self, masks: list[MaskFn | None], m: int, drafts: list[list[int]]) -> np.ndarray | None:
         if all(fn is None for fn in masks):
@@ -630,12 +690,26 @@ class MultiModuleMtpHead(DraftProposer):
         sts = [self._state(s, name=f"states[{i}]") for i, s in enumerate(states)]
         if len({id(s) for s in sts}) != len(sts):
             raise ValueError("states: the same state appears twice in one batch")
-        if self.kv_mode == "draft":
-            return 0
         V, H = self.config.vocab_size, self.config.hidden_size
+        one = len(sts) == 1
+        checked = []
+        for i, (tk, hd) in enumerate(zip(tokens, hiddens)):
+            tk = check_tokens("tokens" if one else f"tokens[{i}]", tk, V)
+            if tk.shape[0] == 0 and hd is not None and hidden_shape("hiddens" if one else f"hiddens[{i}]", hd, H)[0]:
+                raise ValueError(f"{'hiddens' if one else f'hiddens[{i}]'}: expected no rows (no tokens), "
+                                 f"got shape {list(np.shape(hd))}")
+            checked.append(tk)
+        if self.kv_mode == "draft":                      # checked as in exact mode, then nothing to do
+            for i, (tk, hd) in enumerate(zip(checked, hiddens)):
+                if tk.shape[0]:
+                    nm = "hiddens" if one else f"hiddens[{i}]"
+                    hidden_shape(nm, hd, H, rows=tk.shape[0])
+                    dt = np.asarray(hd).dtype.name if isinstance(hd, (np.ndarray, list, tuple)) else None
+                    if dt is not None and dt not in ("float32", "bfloat16"):
+                        raise TypeError(f"{nm}: expected dtype float32 or bfloat16, got {dt}")
+            return 0
         todo, hids, news = [], [], []
-        for i, (st, tk, hd) in enumerate(zip(sts, tokens, hiddens)):
-            tk = check_tokens(f"tokens[{i}]" if len(sts) > 1 else "tokens", tk, V)
+        for i, (st, tk, hd) in enumerate(zip(sts, checked, hiddens)):
             if tk.shape[0] == 0:
                 continue
             if st.num_verified == 0:
@@ -756,33 +830,38 @@ class MultiModuleMtpHead(DraftProposer):
 
     # -- multi-turn carry ----------------------------------------------------------------
     def take_drafter_kv(self, state: ProposerState) -> DrafterKv | None:
-        """Move the state's drafter KV (and exact-mode window) out; the state is left fresh
-        (keeping what remains reserved of its budget). None when the state holds nothing."""
+        """Move the state's drafter KV (and exact-mode window) out; the state is left as
+        ``alloc_state()`` leaves one: no KV and no budget (taking ends the sequence the
+        budget was for; what was still reserved goes back to the pools). None when the
+        state holds nothing (then nothing changes)."""
         st = self._state(state)
         if st.num_verified == 0 and not any(s.rows for s in st.kv):
             return None
         kv = DrafterKv(self, [list(s.blocks) for s in st.kv], [s.keys.copy() for s in st.kv],
                        st.num_verified, st.num_hiddens, list(st.tail), st.tail_start, list(st.win),
                        list(st.win_start), st.next_position)
-        for s in st.kv:
+        for h, s in zip(self.modules, st.kv):
             s.blocks.clear()
             s.keys = KeyRuns()
-            s.budget = s.reserved
+            h.pool.drop_budget(s)
         self._reset_counters(st)
         self._carried[id(kv)] = kv
         return kv
 
     def install_drafter_kv(self, state: ProposerState, carried: DrafterKv) -> bool:
-        """Install carried KV into a fresh state (the inverse of ``take_drafter_kv``)."""
+        """Install carried KV into a fresh state (the inverse of ``take_drafter_kv``).
+        A state from ``alloc_state_for(budget_tokens)`` counts the carried blocks within
+        its budget (the budget covers the whole conversation: history + this turn), so
+        its reservation shrinks by them and the rest goes back to the pools."""
         st = self._state(state)
         kv = self._carried_kv(carried)
         if st.num_verified or any(s.rows for s in st.kv):
             raise StateError("state: install_drafter_kv needs a fresh state (from alloc_state or "
                              "left by take_drafter_kv)")
-        for s, blocks, keys in zip(st.kv, kv.blocks, kv.keys):
+        for h, s, blocks, keys in zip(self.modules, st.kv, kv.blocks, kv.keys):
             s.blocks = list(blocks)
             s.keys = keys.copy()
-            s.budget = max(s.budget, len(s.blocks) + s.reserved)
+            h.pool.fit_budget(s)
         st.num_verified, st.num_hiddens = kv.num_verified, kv.num_hiddens
         st.tail, st.tail_start = list(kv.tail), kv.tail_start
         st.win, st.win_start = list(kv.win), list(kv.win_start)
@@ -826,7 +905,8 @@ class MultiModuleMtpHead(DraftProposer):
             parts = [ingest_hidden(self.backend, name if single else f"{name}[{i}]", h, H, rows=1)
                      for i, h in enumerate(hiddens)]
             return parts[0] if B == 1 else self.backend.xp.concatenate(parts, axis=0)
-        return ingest_hidden(self.backend, name, hiddens, H, rows=B)
+        return ingest_hidden(self.backend, name, hiddens, H, rows=B,
+                             want=None if single else f"[{B}, {H}] (or a list of {B} [{H}] arrays)")
 
     def _target_norm(self, h: Any) -> Any:
         tn = self.weights.target_norm

@@ -14,8 +14,13 @@ V = 301
 
 
 def fingerprint(prop, st):
+    """What a failed call must leave as it was: the pools, the state, and the proposer's
+    counters and last drafts."""
+    dev = prop.last_drafts_device
     return (tuple(prop.kv_blocks_in_use()), tuple(st.rows_per_module()), st.num_verified,
-            st.num_hiddens, tuple(st.tail), st.drafted, st.next_position)
+            st.num_hiddens, tuple(st.tail), st.drafted, st.next_position, prop.clamped_calls,
+            tuple(prop.stats.drafted), tuple(prop.stats.accepted),
+            None if dev is None else prop.backend.to_host(dev).tolist(), tuple(st.last_drafts or ()))
 
 
 @pytest.fixture(params=["exact", "draft"])
@@ -44,14 +49,20 @@ PROPOSE_BAD = [
     (dict(target_hidden=np.zeros((2, H), np.float32)), ValueError, "got [2, 64]"),
     (dict(target_hidden=np.zeros(H, np.float64)), TypeError, "target_hidden: expected dtype float32 or bfloat16, got float64"),
     (dict(target_hidden=np.zeros(H, np.int32)), TypeError, "got int32"),
+    (dict(target_hidden=[0.5] * H), TypeError, "NumPy reads Python floats as float64"),
+    (dict(target_hidden=np.where(np.arange(H) == 7, np.nan, 1.0).astype(np.float32)), ValueError,
+     "target_hidden: expected finite values, got nan at row 0, column 7"),
     (dict(position=5), ValueError, "position: expected"),
     (dict(position=0), ValueError, "position: expected >= 1, got 0"),
     (dict(num_drafts=0), ValueError, "num_drafts: expected >= 1, got 0"),
     (dict(num_drafts="3"), TypeError, "num_drafts: expected an int, got str"),
     (dict(grammar_bitmask=np.zeros(9, np.int32)), ValueError, "grammar_bitmask: expected shape [10]"),
     (dict(grammar_bitmask=np.zeros(10, np.int64)), TypeError, "grammar_bitmask: expected int32"),
-    (dict(grammar_bitmask=np.zeros((1, 10), np.int32), num_drafts=3), ValueError, "[k, W] with k >= 3"),
-    (dict(grammar_bitmask=np.zeros(10, np.int32)), Exception, "allows no token"),
+    (dict(grammar_bitmask=np.zeros((2, 10), np.int32), num_drafts=3), ValueError, "[k, W] with k >= 3"),
+    (dict(grammar_bitmask=np.zeros(10, np.int32)), Exception, "draft position 0: the grammar bitmask allows no token"),
+    (dict(grammar_bitmask=np.zeros(10, np.int32), num_drafts=9), Exception, "allows no token"),   # clamped, fails
+    (dict(grammar_bitmask=lambda i, d: None if i < 2 else np.zeros(10, np.int32), num_drafts=3), Exception,
+     "draft position 2: the grammar bitmask allows no token"),
     (dict(grammar_bitmask=lambda i, d: np.zeros(3, np.int32)), ValueError, "grammar_bitmask(0, ...) result: expected shape [10]"),
 ]
 
@@ -67,6 +78,20 @@ def test_propose_bad_input(ready, bad, exc, msg):
     assert msg in str(e.value)
     assert fingerprint(prop, st) == before
     still_usable(prop, st, rng)
+
+
+def test_failed_propose_keeps_the_last_drafts(ready):
+    """After a good propose, a failing one (no allowed token, with num_drafts clamped)
+    leaves last_drafts_device, clamped_calls and the read-back draft as they were."""
+    prop, st, rng = ready
+    d = prop.propose(3, rand_hiddens(rng, 1, H)[0], 6, 3, st)
+    prop.after_verify(0, st)
+    before = fingerprint(prop, st)
+    with pytest.raises(Exception, match="allows no token"):
+        prop.propose(4, rand_hiddens(rng, 1, H)[0], 7, 5, st, grammar_bitmask=np.zeros(10, np.int32))
+    assert fingerprint(prop, st) == before
+    assert prop.read_deferred_draft_token(st) == d[-1]
+    assert prop.backend.to_host(prop.last_drafts_device).tolist() == [d]
 
 
 def test_grammar_callable_that_raises_rolls_back(ready):
@@ -162,13 +187,50 @@ def test_catchup_bad_input(make_prop):
 
 
 def test_draft_mode_catchup_is_a_noop(make_prop):
+    """A no-op after the same checks as in exact mode (an engine developing in draft
+    mode meets its bad calls there too)."""
     prop = make_prop("draft")
     rng = np.random.default_rng(4)
     st = prop.alloc_state()
     prop.prefill_drafter([5, 6, 7], rand_hiddens(rng, 3, H), st)
     before = fingerprint(prop, st)
     assert prop.catchup_drafter([1, 2], rand_hiddens(rng, 2, H), st) == 0
+    assert prop.catchup_drafter([], None, st) == 0
+    assert prop.catchup_drafter([], np.zeros((0, H), np.float32), st) == 0
+    for toks, hid, exc, msg in [
+        ([V + 5], rand_hiddens(rng, 1, H), ValueError, "tokens[0]: token id 306 is outside the vocabulary"),
+        ([1, 2], rand_hiddens(rng, 3, H), ValueError, "hiddens: expected shape [2, 64], got [3, 64]"),
+        ([1], np.zeros((1, H), np.float64), TypeError, "hiddens: expected dtype float32 or bfloat16, got float64"),
+        ([], rand_hiddens(rng, 2, H), ValueError, "hiddens: expected no rows (no tokens), got shape [2, 64]"),
+    ]:
+        with pytest.raises(exc) as e:
+            prop.catchup_drafter(toks, hid, st)
+        assert msg in str(e.value)
     assert fingerprint(prop, st) == before
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_non_finite_hiddens_are_refused(make_prop, mode):
+    """A NaN or Inf hidden would poison a module's KV for good: refused, naming where."""
+    prop = make_prop(mode)
+    rng = np.random.default_rng(5)
+    st = prop.alloc_state()
+    bad = rand_hiddens(rng, 4, H)
+    bad[2, 9] = np.inf
+    before = fingerprint(prop, st)
+    with pytest.raises(ValueError, match=r"hiddens: expected finite values, got inf at row 2, column 9"):
+        prop.prefill_drafter([1, 2, 3, 4], bad, st)
+    assert fingerprint(prop, st) == before
+    prop.prefill_drafter([1, 2, 3, 4], rand_hiddens(rng, 4, H), st)
+    d = prop.propose(5, rand_hiddens(rng, 1, H)[0], 4, 2, st)
+    prop.after_verify(2, st)
+    if mode == "exact":
+        before = fingerprint(prop, st)
+        with pytest.raises(ValueError, match="hiddens: expected finite values, got nan"):
+            prop.catchup_drafter(d, np.full((2, H), np.nan, np.float32), st)
+        assert fingerprint(prop, st) == before
+    prop.catchup_drafter(d, rand_hiddens(rng, 2, H), st)
+    prop.check_invariants()
 
 
 def test_states_freed_foreign_and_wrong_type(make_prop, tiny_ckpt):
@@ -217,7 +279,7 @@ def test_batch_bad_input(make_prop):
         prop.propose_batch([1, 2], hs_, [3, 3], 2, [a, a])
     with pytest.raises(ValueError, match=r"positions: expected 2 entries \(one per state\), got 1"):
         prop.propose_batch([1, 2], hs_, [3], 2, [a, b])
-    with pytest.raises(ValueError, match=r"target_hiddens: expected shape \[2, 64\], got \[3, 64\]"):
+    with pytest.raises(ValueError, match=r"target_hiddens: expected shape \[2, 64\] \(or a list of 2 \[64\] arrays\), got \[3, 64\]"):
         prop.propose_batch([1, 2], rand_hiddens(rng, 3, H), [3, 3], 2, [a, b])
     with pytest.raises(ValueError, match=r"positions\[1\]: expected 3"):
         prop.propose_batch([1, 2], hs_, [3, 4], 2, [a, b])

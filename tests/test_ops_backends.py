@@ -464,6 +464,10 @@ def test_lm_head_argmax_edges(be):
     mask[2] = [1 << 7, -2]                           # token 7 only (and padding)
     got = be.to_host(be.lm_head_argmax(be.from_host(x), w, be.from_host(mask)))
     np.testing.assert_array_equal(got, [32, 32, 7])
+    x[1, :] = np.nan                                 # no mask: the message says why there is no token
+    with pytest.raises(NoAllowedToken, match="row 1: every logit is NaN") as e:
+        be.lm_head_argmax(be.from_host(x), w)
+    assert e.value.row == 1
 
 
 # -- prefill-sized inputs -----------------------------------------------------

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import kv_rows, rand_hiddens
-from mtpkern import DraftProposer, KvCacheFull, MtpHead, StateError
+from mtpkern import DraftProposer, KvCacheFull, MtpHead, NoAllowedToken, StateError
 from mtpkern.ops.norm import rmsnorm
 from mtpkern.tolerance import assert_close
 
@@ -102,6 +102,10 @@ def test_grammar_forms(make_prop, mode):
     assert [x for x, _ in seen] == [0, 1, 2] and seen[1][1] == d[:1] and seen[2][1] == d[:2]
     assert d == [100, 101 + d[0] % 7, 102 + (d[0] + d[1]) % 7]
     prop.after_verify(0, st)
+    # [1, W] (xgrammar's allocate_token_bitmask(1, V)) is one mask for every position
+    d = prop.propose(1, h, 7, 3, st, grammar_bitmask=allowed_only([23, 42])[None])
+    assert len(d) == 3 and set(d) <= {23, 42}
+    prop.after_verify(0, st)
 
 
 def test_grammar_in_batch_is_per_sequence(make_prop):
@@ -111,6 +115,14 @@ def test_grammar_in_batch_is_per_sequence(make_prop):
     d = prop.propose_batch([1, 2], rand_hiddens(rng, 2, H), [4, 4], 2, [a, b],
                            grammar_bitmasks=[allowed_only([9]), None])
     assert d[0] == [9, 9] and len(d[1]) == 2
+    prop.after_verify(0, a)
+    prop.after_verify(0, b)
+    empty = np.zeros_like(allowed_only([9]))
+    with pytest.raises(NoAllowedToken, match=r"draft position 1 of sequence 1 \(states\[1\]\): the grammar "
+                                              r"bitmask allows no token") as e:
+        prop.propose_batch([1, 2], rand_hiddens(rng, 2, H), [5, 5], 2, [a, b],
+                           grammar_bitmasks=[None, lambda i, d: None if i == 0 else empty])
+    assert (e.value.row, e.value.draft) == (1, 1)
 
 
 def test_apply_target_norm_equals_prenormed_hiddens(make_prop, ref_weights):
@@ -210,6 +222,44 @@ def test_budget_reservation_protects_a_sequence(make_prop):
     assert prop.alloc_state_for(None).kv[0].budget == 0
 
 
+def test_budget_across_take_and_install(make_prop):
+    """take_drafter_kv ends the sequence its budget was for: the state is left like a new
+    alloc_state() and its unused reservation returns to the pools. install_drafter_kv
+    into a budgeted state counts the carried blocks within the budget (history + this
+    turn), so the reservation shrinks by them; the promise still holds after."""
+    prop = make_prop("exact", num_blocks=10, block_size=4)    # 40 rows per module
+    rng = np.random.default_rng(9)
+    st = prop.alloc_state_for(16)                              # 4 blocks per module
+    toks, hid = rng.integers(0, V, 40).tolist(), rand_hiddens(rng, 40, H)
+    prop.prefill_drafter(toks[:9], hid[:9], st)                # module m: 8 - m rows -> 2 blocks each
+    held = [len(s.blocks) for s in st.kv]
+    assert held == [2, 2, 2] and [s.reserved for s in st.kv] == [2, 2, 2]
+    kv = prop.take_drafter_kv(st)
+    assert [(s.budget, s.reserved, len(s.blocks)) for s in st.kv] == [(0, 0, 0)] * 3
+    assert [h.pool.reserved for h in prop.modules] == [0, 0, 0]
+    prop.check_invariants()
+    nxt = prop.alloc_state_for(24)                             # 6 blocks: history (2) + 4 more
+    assert [s.reserved for s in nxt.kv] == [6, 6, 6]
+    prop.install_drafter_kv(nxt, kv)
+    assert [(len(s.blocks), s.reserved) for s in nxt.kv] == [(2, 4), (2, 4), (2, 4)]
+    prop.check_invariants()
+    hog = prop.alloc_state()                                   # takes every unpromised block
+    prop.prefill_drafter(toks[:17], hid[:17], hog)
+    with pytest.raises(KvCacheFull):
+        prop.catchup_drafter(toks[17:20], hid[17:20], hog)
+    P = 9                                                      # nxt grows to 24 tokens in its budget
+    while P < 22:
+        d = prop.propose(toks[P], hid[P - 1], P, 3, nxt)
+        prop.after_verify(1, nxt)
+        prop.catchup_drafter(d[:1], rand_hiddens(rng, 1, H), nxt)
+        P += 2
+        prop.check_invariants()
+    prop.free_state(nxt)
+    prop.free_state(hog)
+    prop.free_state(st)
+    assert prop.kv_blocks_in_use() == [0, 0, 0] and [h.pool.reserved for h in prop.modules] == [0, 0, 0]
+
+
 def test_acceptance_stats(make_prop):
     prop = make_prop("exact")
     st, rng, _, _ = prefilled(prop, 4)
@@ -224,6 +274,19 @@ def test_acceptance_stats(make_prop):
     assert s.mean_accepted_length == pytest.approx(4 / 3) and s.acceptance_rate(2) == pytest.approx(1 / 3)
     s.reset()
     assert s.drafted == [0, 0, 0] and s.mean_accepted_length == 0.0
+    with pytest.raises(ValueError, match=r"module: expected an int in \[0, 3\), got 5"):
+        s.acceptance_rate(5)
+
+
+def test_reprs_are_short(make_prop):
+    """A state and a carried entry print their counts, not the window's hidden arrays."""
+    prop = make_prop("exact")
+    st, rng, _, _ = prefilled(prop, 6)
+    assert repr(st) == ("MtpState(rows per module=[5, 4, 3], verified tokens=6, hiddens=5, next position=6, "
+                        "ready)")
+    kv = prop.take_drafter_kv(st)
+    assert repr(kv).startswith("DrafterKv(rows per module=[5, 4, 3], blocks per module=[2, 1, 1]") and len(repr(kv)) < 200
+    prop.free_drafter_kv(kv)
 
 
 def test_trait_defaults():

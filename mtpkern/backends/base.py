@@ -65,6 +65,7 @@ class Backend(ABC):
         ``__array__`` / DLPack (host BF16 DLPack tensors too, e.g. CPU
         ``torch.bfloat16``); a CUDA device array is refused with a clear error.
         """
+        was_python = isinstance(x, (list, tuple, float))
         if not isinstance(x, np.ndarray) and on_cuda_device(x):
             raise TypeError(f"{name}: got a CUDA device array, but the {self.name} backend "
                             f"computes on the host; pass a NumPy array")
@@ -83,7 +84,9 @@ class Backend(ABC):
                                     f"{type(x).__name__} ({e})") from None
                 x = widened
         if x.dtype.name not in ("float32", "bfloat16"):
-            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype.name}")
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype.name}"
+                            + (" (NumPy reads Python floats as float64: pass np.asarray(values, np.float32))"
+                               if was_python else ""))
         return self.from_host(np.ascontiguousarray(x, dtype=np.float32))
 
     @abstractmethod

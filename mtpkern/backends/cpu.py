@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..errors import NoAllowedToken
+from ..errors import NoAllowedToken, no_token_reason
 from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
 from ..ops.linear import check_linear
@@ -311,8 +311,5 @@ class CpuBackend(Backend):
         ids = _out("out", out, (n,), np.int32)
         none = lm_head_k.lm_head_argmax_kernel(_act(x), _weight("w", w), bitmask, chunks, ids)
         if none >= 0:                                                        # the first row left with -1
-            raise NoAllowedToken(
-                f"row {none}: the grammar bitmask allows no token with a non-NaN logit "
-                f"(vocabulary of {V})"
-            )
+            raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         return ids

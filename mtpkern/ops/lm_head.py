@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import NoAllowedToken
+from ..errors import NoAllowedToken, no_token_reason
 from ._check import expect_dtype, expect_ndim, expect_shape
 
 
@@ -51,10 +51,7 @@ def masked_argmax(logits, bitmask=None) -> np.ndarray:
     for r in range(n):
         cand = np.flatnonzero(ok[r])
         if cand.size == 0:
-            raise NoAllowedToken(
-                f"row {r}: the grammar bitmask allows no token with a non-NaN logit "
-                f"(vocabulary of {V})"
-            )
+            raise NoAllowedToken(f"row {r}: {no_token_reason(bitmask is not None, V)}", row=r)
         vals = logits[r, cand]
         out[r] = cand[int(np.argmax(vals))]                              # first maximum = lowest id
     return out

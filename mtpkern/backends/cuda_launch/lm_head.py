@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import NoAllowedToken
+from ...errors import NoAllowedToken, no_token_reason
 from ...ops._check import expect_ndim, expect_shape
 from ...ops.lm_head import check_bitmask
 from ._util import cdiv, ctype, device, expect_weight, i32, optional, output, ptr
@@ -67,16 +67,13 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, ch
     final = get_kernel("lm_head", "argmax_final_kernel")
     final((n,), (FINAL_THREADS,), (part_v, part_i, i32(P), ids))
     if check:
-        raise_if_no_allowed(ids, V)
+        raise_if_no_allowed(ids, V, bitmask is not None)
     return ids
 
 
-def raise_if_no_allowed(ids, V: int) -> None:
+def raise_if_no_allowed(ids, V: int, masked: bool = True) -> None:
     """Raise ``NoAllowedToken`` for the first row whose id is -1 (copies ids to the host)."""
     host = ids.get() if hasattr(ids, "get") else np.asarray(ids)
     bad = np.flatnonzero(host < 0)
     if bad.size:
-        raise NoAllowedToken(
-            f"row {int(bad[0])}: the grammar bitmask allows no token with a non-NaN logit "
-            f"(vocabulary of {V})"
-        )
+        raise NoAllowedToken(f"row {int(bad[0])}: {no_token_reason(masked, V)}", row=int(bad[0]))
