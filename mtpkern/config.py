@@ -281,7 +281,7 @@ def tiny_config(**overrides: Any) -> MtpConfig:
 
 
 def small_config(**overrides: Any) -> MtpConfig:
-    """The ``small`` benchmark shape set (see benchmarks/shapes.py)."""
+    """The ``small`` benchmark shape set (``SHAPES`` in mtpkern/bench.py)."""
     base = dict(
         hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
         vocab_size=32768, num_hidden_layers=2, num_nextn_predict_layers=3,
