@@ -147,7 +147,11 @@ class StepPlan:
     ``capture()`` records them into a ``cupy.cuda.Graph``; ``replay()`` launches it.
     """
 
-    def __init__(self, prop: Any, shape: StepShape):
+    def __init__(self, prop: Any, shape: StepShape, attention_workspace: Any = None):
+        """``attention_workspace(floats)``: a shared FP32 scratch array of at least that
+        many elements for the split-KV partials (plans run one at a time on one stream,
+        so they can share it; a plan keeps a reference to the array its graph uses).
+        None: the plan allocates its own."""
         from .backends.cuda_launch import attention as attn_launch
         from .backends.cuda_launch import lm_head as lm_launch
 
@@ -238,8 +242,12 @@ class StepPlan:
                 parts[m] = attn_launch.plan(Hq // Hkv, D, shape.widths[m] * BS, work=n[m] * Hkv,
                                             target_blocks=2 * sm_count()).num_parts
             most = max(n[m] * Hq * parts[m] for m in self.run)
-            part_o = buf((most * D,)) if max(parts.values()) > 1 else None
-            part_ml = buf((most * 2,)) if part_o is not None else None
+            part_o = part_ml = None
+            if max(parts.values()) > 1:
+                floats = most * (D + 2)
+                self._attn_ws = ws = (attention_workspace(floats) if attention_workspace is not None
+                                      else buf((floats,)))
+                part_o, part_ml = ws[:most * D], ws[most * D:floats]
             P = -(-cfg.vocab_size // lm_launch.ROWS_PER_BLOCK)
             lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
 
@@ -448,6 +456,16 @@ class StepRunner:
         self.max_plans = max_plans
         self.plans: OrderedDict[StepShape, StepPlan] = OrderedDict()
         self.counts: Counter = Counter()
+        self._attn_ws: Any = None
+
+    def attention_workspace(self, floats: int) -> Any:
+        """The plans' shared split-KV scratch, of at least ``floats`` FP32 elements: one
+        array for all plans (a long context at batch 64 needs ~200 MB of it, which eight
+        cached plans would otherwise hold eight times). Grown by replacing it; plans
+        captured against the old array keep it alive until they are evicted."""
+        if self._attn_ws is None or self._attn_ws.size < floats:
+            self._attn_ws = self.prop.backend.xp.zeros(floats, np.float32)
+        return self._attn_ws
 
     def applies(self, sts: list, poss: list[int], k: int) -> bool:
         """True when every module's row count is the steady-state one (``step_rows``)."""
@@ -473,7 +491,7 @@ class StepRunner:
     def plan(self, shape: StepShape) -> StepPlan:
         plan = self.plans.get(shape)
         if plan is None:
-            plan = self.plans[shape] = StepPlan(self.prop, shape)
+            plan = self.plans[shape] = StepPlan(self.prop, shape, self.attention_workspace)
             self.counts["plans"] += 1
             while len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)

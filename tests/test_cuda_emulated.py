@@ -621,3 +621,32 @@ def test_graph_replay_equals_eager(fake_runtime, tiny_ckpt, tiny_cfg, mode, B):
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_graph_replay_equals_eager_mid(fake_runtime, mid_ckpt, mode):
     test_gpu.check_graph_replay_equals_eager(mid_ckpt, tiny_config(**test_gpu.MID), emu_backend.backend(), mode, 8)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_graph_plans_share_the_attention_workspace(fake_runtime, tiny_ckpt, tiny_cfg, mode):
+    """Contexts long enough for split-KV partitions in the captured step: every plan
+    carves its partials from the runner's one shared scratch (plans replay one at a time
+    on one stream), and replays still equal the eager path."""
+    H, V, M = tiny_cfg.hidden_size, tiny_cfg.vocab_size, tiny_cfg.num_modules
+    be = emu_backend.backend()
+    graph = test_gpu._make(tiny_ckpt, be, mode)
+    eager = test_gpu._make(tiny_ckpt, be, mode, cuda_graphs=False)
+    rng = np.random.default_rng(3)
+    n = 150                                               # 10 blocks of 16: 3 partitions of 64
+    toks, hid = rng.integers(0, V, n).tolist(), rng.standard_normal((n, H)).astype(np.float32)
+    sg, se = graph.alloc_state(), eager.alloc_state()
+    graph.prefill_drafter(toks, hid, sg)
+    eager.prefill_drafter(toks, hid, se)
+    P, last, h = n, toks[-1], hid[-1]
+    for k in (M, 1, M, 1):                                # the larger plan first, then a smaller one
+        d = [p.propose(last, h, P, k, s) for p, s in ((graph, sg), (eager, se))]
+        assert d[0] == d[1]
+        for p, s in ((graph, sg), (eager, se)):
+            p.after_verify(0, s)
+        P, last, h = P + 1, int(rng.integers(0, V)), rng.standard_normal(H).astype(np.float32)
+    runner = graph.step_runner
+    with_ws = [pl for pl in runner.plans.values() if getattr(pl, "_attn_ws", None) is not None]
+    assert len(with_ws) >= 2, "no plan split the KV into partitions"
+    assert all(pl._attn_ws is runner._attn_ws for pl in with_ws)
+    assert runner.counts["replayed"] >= 2, dict(runner.counts)

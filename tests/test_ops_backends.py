@@ -606,6 +606,20 @@ def test_out_overlapping_inputs(be):
     def experts_residual_shifted():
         a, o = shifted()
         return be.moe_experts(f(x), f(ids), f(wts), be.prepare_weight(e13), be.prepare_weight(e2), a, out=o)
+    Hq, Hkv, D, BS, NB = 4, 2, 8, 4, 6
+    k_cache, v_cache = _filled_caches(be, rng, NB, BS, Hkv, D)
+    tables = np.arange(NB, dtype=np.int32).reshape(1, NB)
+    row_seq, row_len = np.zeros(n, np.int32), np.array([3, 10, 24], np.int32)
+    qbuf = acts(rng, n + 1, Hq * D)
+
+    def attention_out_shifted_over_q():
+        b = f(qbuf.copy())
+        return be.paged_attention(b[:n].reshape(n, Hq, D), k_cache, v_cache, f(tables), f(row_seq), f(row_len),
+                                  D ** -0.5, out=b[1:])
+    _overlapping(be, attention_out_shifted_over_q,
+                 REF.paged_attention(qbuf[:n].reshape(n, Hq, D), be.kv_to_host(k_cache), be.kv_to_host(v_cache),
+                                     tables, row_seq, row_len, D ** -0.5), "paged_attention out over q")
+
     _overlapping(be, experts_residual_shifted,
                  REF.moe_experts(x, ids, wts, REF.prepare_weight(e13), REF.prepare_weight(e2), buf[:n]),
                  "moe_experts residual shifted")

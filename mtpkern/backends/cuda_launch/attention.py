@@ -30,7 +30,8 @@ import numpy as np
 
 from ...ops._check import expect_dtype
 from ...ops.attention import check_paged_attention
-from ._util import NULL, cdiv, ctype, device, expect_grid_yz, f32, i32, output, sm_count
+from ._util import (MAX_GRID_YZ, NULL, cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_same_or_disjoint,
+                    f32, i32, output, sm_count)
 from .loader import ATTENTION_DC, get_kernel
 
 #: kAttnThreads in attention.cu
@@ -96,23 +97,29 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     max_blocks = block_tables.shape[1]
     cap = max_blocks * BS
     p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count())
-    expect_grid_yz("q rows", n)
     expect_grid_yz("KV partitions", p.num_parts)
     q = device(q, "q")
     k_cache, v_cache = device(k_cache, "k_cache"), device(v_cache, "v_cache")
     block_tables = device(block_tables, "block_tables")
     row_seq, row_len = device(row_seq, "row_seq"), device(row_len, "row_len")
     y = output(out, "out", (n, Hq * D), np.float32)
+    expect_same_or_disjoint("out", y, "q", q)          # block (h, r) reads only the q row it writes
     if n == 0:
         return y
     direct = p.num_parts == 1
-    group = n                                                                # rows per launch pair
+    own_ws = part_o is None and part_ml is None
+    group = n if not own_ws else min(n, MAX_GRID_YZ)                         # rows per launch pair
     if not direct:
         per_row = Hq * p.num_parts * (D + 2) * 4
-        if part_o is None and part_ml is None:
-            group = max(1, min(n, WORKSPACE_BYTES // per_row))
+        if own_ws:
+            group = max(1, min(group, WORKSPACE_BYTES // per_row))
         part_o = output(part_o, "part_o", (group, Hq, p.num_parts, D), np.float32)
         part_ml = output(part_ml, "part_ml", (group, Hq, p.num_parts, 2), np.float32)
+        for nm, a in (("q", q), ("out", y)):
+            expect_disjoint("part_o", part_o, nm, a)
+            expect_disjoint("part_ml", part_ml, nm, a)
+        expect_disjoint("part_o", part_o, "part_ml", part_ml)
+    expect_grid_yz("q rows per launch", group)
     kernel = get_kernel("attention", f"paged_attention_kernel<{ctype(k_cache)}, {p.dc}>")
     merge = None if direct else get_kernel("attention", "paged_attention_merge_kernel")
     for r0 in range(0, n, group):

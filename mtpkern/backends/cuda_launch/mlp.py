@@ -29,6 +29,7 @@ def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None):
     act = output(act, "act", (n, I), np.float32)
     y = output(out, "out", (n, H), np.float32)
     expect_disjoint("out", y, "act", act)
+    expect_disjoint("act", act, "x", x)
     expect_same_or_disjoint("out", y, "residual", residual)
     if n == 0:
         return y

@@ -81,6 +81,9 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
     partial = output(partial, "partial", (nK, H), np.float32)
     y = output(out, "out", (n, H), np.float32)
     expect_disjoint("out", y, "partial", partial)
+    for nm, a in (("act", act), ("partial", partial)):
+        expect_disjoint(nm, a, "x", x)
+    expect_disjoint("act", act, "partial", partial)
     expect_same_or_disjoint("out", y, "residual", residual)
     expect_disjoint("out", y, "weights", weights)
     if n == 0:

@@ -56,6 +56,7 @@ def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None,
     xcat = output(xcat, "xcat", (n, 2 * H), np.float32)
     y = output(out, "out", (n, H), np.float32)
     expect_disjoint("out", y, "xcat", xcat)
+    expect_disjoint("xcat", xcat, "g", g)
     if n == 0:
         return y
     kernel = get_kernel("norm", f"mtp_norms_kernel<{ctype(embed)}>")
