@@ -354,7 +354,11 @@ class MultiModuleMtpHead(DraftProposer):
         return self._state(state, allow_drafted=True).kv[0].keys.last
 
     def propose_batch_max(self) -> int:
-        return self.max_batch
+        """The widest ``propose_batch``: ``max_batch``, and no more sequences than a
+        module's pool has blocks (each sequence of a propose writes a row into module 0,
+        so holds at least one block there). Nothing else is sized per batch width: step
+        buffers are built per batch shape."""
+        return min(self.max_batch, min(h.pool.num_blocks for h in self.modules))
 
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
         """Every prompt row is used (prefill runs in chunks of ``prefill_chunk``)."""
@@ -499,8 +503,9 @@ class MultiModuleMtpHead(DraftProposer):
 
         states = [states] if isinstance(states, MtpState) else list(states)
         B = len(states)
-        if B < 1 or B > self.max_batch:
-            raise ValueError(f"states: expected 1..{self.max_batch} states (propose_batch_max), got {B}")
+        most = self.propose_batch_max()
+        if B < 1 or B > most:
+            raise ValueError(f"states: expected 1..{most} states (propose_batch_max), got {B}")
         sts = [self._state(s, name=name("state", "states", i)) for i, s in enumerate(states)]
         if len({id(s) for s in sts}) != B:
             raise ValueError("states: the same state appears twice in one batch")

@@ -313,6 +313,11 @@ def test_trait_defaults():
 def test_multi_module_queries(make_prop):
     prop = make_prop("exact", max_batch=8)
     assert prop.num_modules == 3 and prop.propose_batch_max() == 8 and prop.block_gamma() is None
+    small = make_prop("draft", max_batch=8, num_blocks=5)       # each sequence needs a block of module 0
+    assert small.propose_batch_max() == 5
+    sts = [small.alloc_state() for _ in range(6)]
+    with pytest.raises(ValueError, match=r"states: expected 1..5 states \(propose_batch_max\), got 6"):
+        small.propose_batch(list(range(6)), np.zeros((6, H), np.float32), [1] * 6, 1, sts)
     assert not prop.needs_comm() and not prop.prefill_uses_shared_buffers()
     assert prop.prefill_hidden_rows(1000) == 1000
 
