@@ -48,7 +48,13 @@ ops = hs.lists(hs.tuples(hs.sampled_from(["round", "round", "round", "new", "car
 @given(script=ops)
 def test_fast_backend_matches_reference(tiny_ckpt, tiny_cfg, backend, kv_mode, chain, script):
     ref, fast = _pair(tiny_ckpt, backend, kv_mode, chain)
-    H, V, W = tiny_cfg.hidden_size, tiny_cfg.vocab_size, tiny_cfg.bitmask_words
+    run_script(ref, fast, tiny_cfg, script)
+
+
+def run_script(ref, fast, cfg, script) -> None:
+    """Drive ``ref`` and ``fast`` through ``script`` ([(op, seed)]), checking drafts and
+    KV after every call (tests/test_cuda_emulated.py runs it on the emulated kernels)."""
+    H, V, W = cfg.hidden_size, cfg.vocab_size, cfg.bitmask_words
     seqs = []                                  # [state_ref, state_fast, position, next hidden]
 
     def new(rng):

@@ -13,7 +13,8 @@ tests/cuda_emu/ (g++ against a CUDA shim; every GPU thread a fiber; docs/cuda.md
 - every kernel instantiation launched, with bit-identical results whatever the order
   of blocks and threads (no race the order can expose, deterministic reductions);
 - the proposer on the emulated backend with CUDA graphs on (captures and replays through
-  the fake CUDA runtime of tests/test_cuda_graph_fake.py): tests/test_gpu.py's two checks,
+  the fake CUDA runtime of tests/test_cuda_graph_fake.py): hypothesis' random call
+  sequences of tests/test_backend_parity.py against the reference, tests/test_gpu.py's two checks,
   against the NumPy reference in both KV dtypes, and replays against eager bit for bit;
   the tiny config in both KV modes, the mid-size one in draft mode with BF16 KV by default.
 
@@ -30,6 +31,8 @@ import inspect
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+import test_backend_parity
 import test_gpu
 import test_ops_backends
 from cuda_emu import emu_backend
@@ -650,3 +653,27 @@ def test_graph_plans_share_the_attention_workspace(fake_runtime, tiny_ckpt, tiny
     assert len(with_ws) >= 2, "no plan split the KV into partitions"
     assert all(pl._attn_ws is runner._attn_ws for pl in with_ws)
     assert runner.counts["replayed"] >= 2, dict(runner.counts)
+
+
+#: proposer pairs (numpy reference, emulated cuda with CUDA graphs), built once per mode
+_PARITY: dict = {}
+
+
+@pytest.mark.parametrize("kv_mode,chain", [("exact", "prenorm"), ("draft", "prenorm"), ("exact", "postnorm")])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=test_backend_parity.ops)
+def test_random_call_sequences_match_reference(fake_runtime, tiny_ckpt, tiny_cfg, kv_mode, chain, script):
+    """tests/test_backend_parity.py's random call sequences (prefill, batched propose with
+    masks, verify, catch-up, carry, free) on the emulated kernels with CUDA graphs on and
+    FP32 KV, call for call against the NumPy reference: the planned step and its eager
+    fallbacks meet states in every condition the sequences reach."""
+    from mtpkern import MultiModuleMtpHead
+
+    key = (kv_mode, chain)
+    if key not in _PARITY:
+        kw = dict(kv_mode=kv_mode, chain=chain, block_size=4, num_blocks=160, prefill_chunk=6)
+        _PARITY[key] = (MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", **kw),
+                        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=emu_backend.backend("float32"), **kw))
+    ref, fast = _PARITY[key]
+    assert fast.step_runner is not None
+    test_backend_parity.run_script(ref, fast, tiny_cfg, script)
