@@ -235,12 +235,12 @@ class StepPlan:
                     ws_fixed["shared"] = {"act": buf((n_max, cfg.shared_intermediate_size))}
             else:
                 ws_fixed["mlp"] = {"act": buf((n_max, cfg.intermediate_size))}
-            from .backends.cuda_launch._util import sm_count
+            from .backends.cuda_launch._util import sm_count, smem_optin
 
             BS = prop.block_size
             for m in self.run:
                 parts[m] = attn_launch.plan(Hq // Hkv, D, shape.widths[m] * BS, work=n[m] * Hkv,
-                                            target_blocks=2 * sm_count()).num_parts
+                                            target_blocks=2 * sm_count(), smem_max=smem_optin()).num_parts
             most = max(n[m] * Hq * parts[m] for m in self.run)
             part_o = part_ml = None
             if max(parts.values()) > 1:

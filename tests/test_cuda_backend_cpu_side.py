@@ -603,6 +603,7 @@ def recorder(monkeypatch):
     fakes = {
         "device": device, "inplace": device, "output": output, "get_kernel": rec.get_kernel,
         "optional": lambda a, name, *d: None if a is None else device(a, name, *d), "sm_count": lambda: 132,
+        "smem_optin": lambda: 227 * 1024,
     }
     for mod in (norm, linear, rope_kv, attention, mlp, moe, lm_head, step):
         for attr, fake in fakes.items():

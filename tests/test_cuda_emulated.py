@@ -140,6 +140,23 @@ def test_emulator_orders_expose_a_write_race(emu):
     assert got["forward"] == 127 and got["reverse"] == 0, got
 
 
+def test_emulator_shared_memory_opt_in(emu):
+    """Over 48 KiB of dynamic shared memory needs the kernel's opt-in attribute (as
+    CuPy's RawKernel.max_dynamic_shared_size_bytes), up to the device's opt-in limit."""
+    out = np.zeros(1, np.float32)
+    k = emu.selftest_kernel("big_shared")                  # 40 KiB static
+    with pytest.raises(emu_backend.EmulatorError, match="over 48 KiB"):
+        k((1,), (128,), (out,), shared_mem=16384)
+    with pytest.raises(emu_backend.EmulatorError, match="over the kernel's 49152"):
+        k((1,), (128,), (out,), shared_mem=64 * 1024)
+    k.max_dynamic_shared_size_bytes = 64 * 1024
+    k((1,), (128,), (out,), shared_mem=64 * 1024)
+    assert out[0] == 1.0
+    k.max_dynamic_shared_size_bytes = emu.smem_optin + 1
+    with pytest.raises(emu_backend.EmulatorError, match="over the device's opt-in limit"):
+        k((1,), (128,), (out,), shared_mem=16384)
+
+
 @pytest.mark.parametrize("name,args,smem,match", [
     pytest.param("partial_warp_shuffle", lambda: (np.zeros(128, np.float32),), 0,
                  r"deadlock.*\n  warp 0: lanes 0-15 warp collective, lanes 16-31 exited", id="shuffle_with_exited_lanes"),
@@ -246,6 +263,29 @@ def test_attention_rows_in_workspace_groups(be, sm_count, monkeypatch, budget_ro
     got = be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5)
     want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5)
     assert_close(got, want, "float32", "paged_attention (row groups)")
+
+
+def test_attention_group_past_48_kib_opts_in(be, emu, monkeypatch):
+    """96 query heads of 128 sharing one KV head: queries and scores need ~58 KB of shared
+    memory at the smallest partition, so the launcher raises the kernel's dynamic shared
+    memory attribute (the device allows 227 KiB); with a 48 KiB device it refuses."""
+    from mtpkern.backends.cuda_launch import attention as attention_launch
+    Hq, Hkv, D, BS, max_blocks = 96, 1, 128, 16, 12
+    p = attention_launch.plan(Hq // Hkv, D, max_blocks * BS, work=2, target_blocks=264, smem_max=227 * 1024)
+    assert p.smem_bytes > attention_launch.SMEM_LIMIT
+    rng = np.random.default_rng(96)
+    NB = max_blocks + 1
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D)
+    tables = rng.permutation(NB)[:max_blocks].reshape(1, max_blocks).astype(np.int32)
+    row_seq, row_len = np.zeros(2, np.int32), np.array([max_blocks * BS, 70], np.int32)
+    q = rnd(rng, 2, Hq, D)
+    got = be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5)
+    want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5)
+    assert_close(got, want, "float32", "paged_attention (opt-in shared memory)")
+    monkeypatch.setattr(emu, "smem_optin", 48 * 1024)
+    with pytest.raises(ValueError, match=r"96 query heads per KV head x head dim 128 need \d+ B of shared memory, "
+                                         r"over this device's 49152"):
+        be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5)
 
 
 def test_attention_empty_row_gives_zeros(be):

@@ -217,6 +217,7 @@ def fake_cuda(monkeypatch):
     rt = FakeRuntime()
     monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
     monkeypatch.setattr(_util, "sm_count", lambda: SMS)
+    monkeypatch.setattr(_util, "smem_optin", lambda: 227 * 1024)
     monkeypatch.setattr(step_launch, "copy_segments",
                         lambda table: rt.launch(cuda_graph.host_copy_segments, table, [(0, 2**63)]))
     return rt

@@ -62,6 +62,7 @@ TRANSLATION_VERSION = "1"
 ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 #: streaming multiprocessors the launchers plan for (H100 SXM / H200)
 DEFAULT_SM_COUNT = 132
+DEFAULT_SMEM_OPTIN = 227 * 1024
 #: builds kept in the cache directory (the most recently used)
 KEEP_BUILDS = 6
 
@@ -326,6 +327,9 @@ class EmuKernel:
         sig.restype = ctypes.c_char_p
         #: the kernel's parameter types, e.g. ["*float32", "*bfloat16", "int32"]
         self.params = [p for p in sig().decode().split(",") if p]
+        #: as CuPy's RawKernel attribute: dynamic shared memory a launch may take (48 KiB
+        #: unless raised, up to the emulated device's opt-in limit)
+        self.max_dynamic_shared_size_bytes = 48 * 1024
 
     def _arg(self, i: int, a: Any, param: str) -> ctypes._SimpleCData:
         where = f"{self.name}: argument {i}"
@@ -359,8 +363,13 @@ class EmuKernel:
         ptrs = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(v) for v in values])
         smem = int(shared_mem)
         fn, lib, name = self.fn, self.emulator.lib, self.name
+        if self.max_dynamic_shared_size_bytes > self.emulator.smem_optin:
+            raise EmulatorError(f"{name}: max_dynamic_shared_size_bytes {self.max_dynamic_shared_size_bytes} "
+                                f"over the device's opt-in limit {self.emulator.smem_optin}")
+        limit, optin = self.max_dynamic_shared_size_bytes, self.emulator.smem_optin
 
         def run(values=values, ptrs=ptrs, args=tuple(args)):   # keeps the arrays alive for replays
+            lib.emu_set_dyn_smem_limit(limit, optin)
             if fn(*grid, block[0], smem, ptrs):
                 raise EmulatorError(lib.emu_last_error().decode())
 
@@ -387,6 +396,9 @@ class Emulator:
         self.lib.emu_set_order.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
         self.asan = bool(self.lib.emu_asan())
         self.sm_count = DEFAULT_SM_COUNT
+        #: the device's opt-in shared memory limit the launchers plan for (H100 / H200)
+        self.smem_optin = DEFAULT_SMEM_OPTIN
+        self.lib.emu_set_dyn_smem_limit.argtypes = [ctypes.c_ulong, ctypes.c_ulong]
         #: -> a list to record launches into (a fake stream capture), or None to run them
         self.capture: Callable[[], list | None] = lambda: None
         self.launches: Counter[str] = Counter()
@@ -429,7 +441,7 @@ class Emulator:
         fakes = {"device": _device, "optional": _optional, "inplace": _inplace, "output": _output,
                  "expect_disjoint": _expect_disjoint, "expect_same_or_disjoint": _expect_same_or_disjoint,
                  "get_kernel": self.kernel,
-                 "sm_count": lambda: self.sm_count}
+                 "sm_count": lambda: self.sm_count, "smem_optin": lambda: self.smem_optin}
         saved = []
         try:
             for mod in (_util, attention, linear, lm_head, mlp, moe, norm, rope_kv, step):

@@ -91,7 +91,9 @@ namespace {
 
 constexpr size_t kStack = 256 * 1024;
 constexpr size_t kGuard = 4096;
-constexpr size_t kSmemLimit = 48 * 1024;
+constexpr size_t kSmemLimit = 48 * 1024;  // static shared memory, and dynamic without the opt-in
+size_t g_dyn_limit = kSmemLimit;             // the launching kernel's max dynamic shared size attribute
+size_t g_optin_limit = kSmemLimit;           // static + dynamic once that attribute is raised (the device's)
 
 struct ShutdownError {};
 
@@ -332,9 +334,10 @@ void shared_declared(void* p, size_t bytes, const char* name) {
   std::memset(p, 0xff, bytes);
   // Count each variable once per kernel (a static per instantiation).
   g_static_smem += bytes;
-  if (g_static_smem + g_dyn_size > kSmemLimit)
-    fail("__shared__ %s: %zu bytes of static + %zu of dynamic shared memory, over 48 KiB", name, g_static_smem,
-         g_dyn_size);
+  const size_t total = g_dyn_limit > kSmemLimit ? g_optin_limit : kSmemLimit;
+  if (g_static_smem > kSmemLimit || g_static_smem + g_dyn_size > total)
+    fail("__shared__ %s: %zu bytes of static + %zu of dynamic shared memory, over %zu KiB", name, g_static_smem,
+         g_dyn_size, total / 1024);
 }
 
 uint32_t warp_collective(int kind, uint32_t value, uint32_t arg) {
@@ -378,8 +381,9 @@ int run_grid(const char* name, dim3 grid, dim3 block, size_t dynamic_smem, Body 
     if (grid.x == 0 || grid.y == 0 || grid.z == 0) fail("empty grid (%u, %u, %u)", grid.x, grid.y, grid.z);
     if (grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535)
       fail("grid (%u, %u, %u) over the CUDA limits", grid.x, grid.y, grid.z);
-    if (dynamic_smem > kSmemLimit)
-      fail("%zu bytes of dynamic shared memory (over 48 KiB needs an opt-in attribute)", dynamic_smem);
+    if (dynamic_smem > g_dyn_limit)
+      fail("%zu bytes of dynamic shared memory, over the kernel's %zu (over 48 KiB needs the opt-in attribute)",
+           dynamic_smem, g_dyn_limit);
 #if EMU_ASAN
     pthread_attr_t attr;
     pthread_getattr_np(pthread_self(), &attr);
@@ -510,4 +514,10 @@ void emu_set_order(int order, unsigned long long seed) {
   emu::g_rng = seed ? seed : 0x9e3779b97f4a7c15ull;
 }
 int emu_asan() { return EMU_ASAN; }
+// the next launch's max dynamic shared memory (CuPy's RawKernel.max_dynamic_shared_size_bytes)
+// and the device's opt-in limit on static + dynamic shared memory
+void emu_set_dyn_smem_limit(unsigned long bytes, unsigned long optin) {
+  emu::g_dyn_limit = bytes;
+  emu::g_optin_limit = optin;
+}
 }

@@ -156,3 +156,25 @@ def _sm_count(device_id: int) -> int:
 def sm_count() -> int:
     """Streaming multiprocessors of the current device (132 on H100 SXM / H200)."""
     return _sm_count(_cupy().cuda.Device().id)
+
+
+#: dynamic shared memory a block may use without the opt-in attribute
+SMEM_DEFAULT = 48 * 1024
+
+
+@functools.cache
+def _smem_optin(device_id: int) -> int:
+    return int(_cupy().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
+def smem_optin() -> int:
+    """Most shared memory a block of the current device may opt in to (227 KiB on
+    H100 / H200, 163 KiB on A100)."""
+    return _smem_optin(_cupy().cuda.Device().id)
+
+
+def opt_in_smem(kernel: Any, nbytes: int) -> None:
+    """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory: over 48 KiB that
+    takes the kernel's max-dynamic-shared-size attribute (set once, never lowered)."""
+    if nbytes > SMEM_DEFAULT and kernel.max_dynamic_shared_size_bytes < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes

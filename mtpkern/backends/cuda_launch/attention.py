@@ -31,14 +31,15 @@ import numpy as np
 from ...ops._check import expect_dtype
 from ...ops.attention import check_paged_attention
 from ._util import (MAX_GRID_YZ, NULL, cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_same_or_disjoint,
-                    f32, i32, output, sm_count)
+                    f32, i32, opt_in_smem, output, sm_count, smem_optin)
 from .loader import ATTENTION_DC, get_kernel
 
 #: kAttnThreads in attention.cu
 ATTN_THREADS = 128
 #: preferred KV rows per partition (per block)
 PART_SIZE = 512
-#: static limit of dynamic shared memory without an opt-in attribute
+#: dynamic shared memory a plan stays within when it can (more takes the opt-in
+#: attribute, up to the device's limit: see ``plan``)
 SMEM_LIMIT = 48 * 1024
 #: most bytes of split-KV workspace (part_o + part_ml) a launch allocates by itself
 WORKSPACE_BYTES = 64 << 20
@@ -59,7 +60,8 @@ def smem_bytes(group: int, D: int, dc: int, part_size: int) -> int:
     return 4 * (group * Dp + gcap * part_size + part_size + 2 * gcap)
 
 
-def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0) -> AttentionPlan:
+def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0,
+         smem_max: int = SMEM_LIMIT) -> AttentionPlan:
     """Launch plan for ``group = Hq / Hkv`` query heads per KV head, head dim D,
     rows of at most ``max_len = max_blocks * BS`` KV rows, and ``work = n * Hkv``
     (row, KV head) pairs.
@@ -67,7 +69,12 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
     part_size starts at 512 and halves (down to 32 * dc: the PV reduction reuses
     the score buffer) while the scores do not fit shared memory, or while
     ``work * num_parts`` is under ``target_blocks`` (2 per SM): one decode row
-    with Hkv = 8 and 2048 cached rows gets 128 blocks (part 128), not 32."""
+    with Hkv = 8 and 2048 cached rows gets 128 blocks (part 128), not 32.
+
+    A group whose queries and scores do not fit 48 KiB even at the smallest
+    partition (e.g. 96 query heads of 128 sharing one KV head) uses up to
+    ``smem_max`` (the device's opt-in limit, ``_util.smem_optin``) through the
+    kernel's max-dynamic-shared-size attribute; beyond that, ValueError."""
     if not 1 <= D <= 32 * ATTENTION_DC[-1]:
         raise ValueError(f"head dim: expected 1..{32 * ATTENTION_DC[-1]}, got {D}")
     dc = next(c for c in ATTENTION_DC if D <= 32 * c)
@@ -77,10 +84,10 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
     ):
         part //= 2
     smem = smem_bytes(group, D, dc, part)
-    if smem > SMEM_LIMIT:
+    if smem > max(SMEM_LIMIT, smem_max):
         raise ValueError(
             f"paged_attention: {group} query heads per KV head x head dim {D} need {smem} B of "
-            f"shared memory, over {SMEM_LIMIT}"
+            f"shared memory, over this device's {max(SMEM_LIMIT, smem_max)}"
         )
     return AttentionPlan(dc, part, max(1, cdiv(max_len, part)), smem)
 
@@ -96,7 +103,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     n, Hq, _ = q.shape
     max_blocks = block_tables.shape[1]
     cap = max_blocks * BS
-    p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count())
+    p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count(), smem_max=smem_optin())
     expect_grid_yz("KV partitions", p.num_parts)
     q = device(q, "q")
     k_cache, v_cache = device(k_cache, "k_cache"), device(v_cache, "v_cache")
@@ -121,6 +128,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
         expect_disjoint("part_o", part_o, "part_ml", part_ml)
     expect_grid_yz("q rows per launch", group)
     kernel = get_kernel("attention", f"paged_attention_kernel<{ctype(k_cache)}, {p.dc}>")
+    opt_in_smem(kernel, p.smem_bytes)
     merge = None if direct else get_kernel("attention", "paged_attention_merge_kernel")
     for r0 in range(0, n, group):
         r1 = min(n, r0 + group)
