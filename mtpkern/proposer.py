@@ -39,7 +39,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from .backends import BackendName, get_backend
-from .backends.base import Backend
+from .backends.base import Backend, on_cuda_device
 from .config import MtpConfig, ceil_div
 from .errors import NoAllowedToken, StateError, no_token_reason
 from .grammar import MaskFn, resolve
@@ -106,6 +106,10 @@ def hidden_shape(name: str, x: Any, H: int, rows: int | None = None, want: str |
     return shape
 
 
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in getattr(x, "shape", np.shape(x)))
+
+
 def _expect_finite(name: str, a: np.ndarray) -> None:
     bad = np.flatnonzero(~np.isfinite(a.reshape(-1)))
     if bad.size:
@@ -124,8 +128,13 @@ def ingest_hidden(backend: Backend, name: str, x: Any, H: int, rows: int | None 
     a = backend.ingest_float(name, x)
     if isinstance(a, np.ndarray):
         _expect_finite(name, a)
-    elif isinstance(x, np.ndarray):                      # host input to a device backend
-        _expect_finite(name, np.asarray(x, np.float32))
+    elif not on_cuda_device(x):                          # host input to a device backend
+        try:
+            host = np.asarray(x)
+        except Exception:                                # e.g. a host BF16 tensor NumPy cannot read
+            host = None
+        if host is not None and host.dtype.name in ("float32", "bfloat16"):
+            _expect_finite(name, np.asarray(host, np.float32))
     return a.reshape(shape)
 
 
@@ -700,9 +709,9 @@ class MultiModuleMtpHead(DraftProposer):
         checked = []
         for i, (tk, hd) in enumerate(zip(tokens, hiddens)):
             tk = check_tokens("tokens" if one else f"tokens[{i}]", tk, V)
-            if tk.shape[0] == 0 and hd is not None and hidden_shape("hiddens" if one else f"hiddens[{i}]", hd, H)[0]:
+            if tk.shape[0] == 0 and hd is not None and int(np.prod(_shape(hd))) > 0:
                 raise ValueError(f"{'hiddens' if one else f'hiddens[{i}]'}: expected no rows (no tokens), "
-                                 f"got shape {list(np.shape(hd))}")
+                                 f"got shape {list(_shape(hd))}")
             checked.append(tk)
         if self.kv_mode == "draft":                      # checked as in exact mode, then nothing to do
             for i, (tk, hd) in enumerate(zip(checked, hiddens)):

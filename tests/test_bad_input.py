@@ -162,6 +162,8 @@ def test_catchup_bad_input(make_prop):
     with pytest.raises(StateError, match="needs prefill_drafter"):
         prop.catchup_drafter([1], rand_hiddens(rng, 1, H), st)
     prop.prefill_drafter([5, 6, 7], rand_hiddens(rng, 3, H), st)
+    for empty in (None, [], (), np.zeros(0, np.float32), np.zeros((0, H), np.float32)):
+        assert prop.catchup_drafter([], empty, st) == 0      # no tokens: a no-op, whatever says "no rows"
     d = prop.propose(8, rand_hiddens(rng, 1, H)[0], 3, 3, st)
     with pytest.raises(StateError, match="a propose awaits after_verify"):
         prop.catchup_drafter(d[:1], rand_hiddens(rng, 1, H), st)
@@ -197,6 +199,7 @@ def test_draft_mode_catchup_is_a_noop(make_prop):
     assert prop.catchup_drafter([1, 2], rand_hiddens(rng, 2, H), st) == 0
     assert prop.catchup_drafter([], None, st) == 0
     assert prop.catchup_drafter([], np.zeros((0, H), np.float32), st) == 0
+    assert prop.catchup_drafter([], [], st) == 0 and prop.catchup_drafter([], np.zeros(0, np.float32), st) == 0
     for toks, hid, exc, msg in [
         ([V + 5], rand_hiddens(rng, 1, H), ValueError, "tokens[0]: token id 306 is outside the vocabulary"),
         ([1, 2], rand_hiddens(rng, 3, H), ValueError, "hiddens: expected shape [2, 64], got [3, 64]"),

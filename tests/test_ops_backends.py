@@ -212,6 +212,7 @@ def test_paged_attention_decode_rows(be, lens):
     assert_close(be.to_host(got), want, kv_tol(be), what="paged_attention (decode rows)")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the reference's -inf - -inf
 def test_paged_attention_minus_inf_scores(be):
     """Keys whose scores are -inf weigh 0, also when every key of what one task sees
     (the cpu backend's first block of a chunk, a cuda partition of 64 keys) is -inf:
@@ -235,6 +236,24 @@ def test_paged_attention_minus_inf_scores(be):
     want = REF.paged_attention(q, be.kv_to_host(k_cache), be.kv_to_host(v_cache), tables, row_seq, row_len, 1.0)
     assert np.isfinite(want).all()
     assert_close(got, want, kv_tol(be), what="paged_attention (-inf scores)")
+    # every score of a row -inf: NaN, as the reference (0 / 0), not an error
+    row_len = np.array([64, 5], np.int32)
+    got = be.to_host(be.paged_attention(be.from_host(q), k_cache, v_cache, be.from_host(tables),
+                                        be.from_host(row_seq), be.from_host(row_len), 1.0))
+    want = REF.paged_attention(q, be.kv_to_host(k_cache), be.kv_to_host(v_cache), tables, row_seq, row_len, 1.0)
+    assert np.isnan(want).all() and np.isnan(got).all()
+    # a NaN in V at a -inf key: 0 * NaN stays NaN, as the reference, also when that key's
+    # chunk / partition has no finite score
+    qkv[3, 2 * D + 1] = np.nan
+    be.qk_norm_rope_kv_write(be.from_host(qkv), Hkv, Hkv, None, None, 1e-6, be.from_host(inv_freq(2, 1e4)),
+                             be.from_host(np.zeros(L, np.int32)), k_cache, v_cache,
+                             be.from_host(np.arange(L, dtype=np.int32)))
+    row_len = np.array([L, 67], np.int32)
+    got = be.to_host(be.paged_attention(be.from_host(q), k_cache, v_cache, be.from_host(tables),
+                                        be.from_host(row_seq), be.from_host(row_len), 1.0))
+    want = REF.paged_attention(q, be.kv_to_host(k_cache), be.kv_to_host(v_cache), tables, row_seq, row_len, 1.0)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(want).any()
+    assert_close(got, want, kv_tol(be), what="paged_attention (NaN in V at -inf keys)")
 
 
 def host_only(be) -> None:

@@ -30,21 +30,31 @@ def _dot(a, b):
 
 
 @njit(cache=True, fastmath=False)
-def _merge(m_part, l_part, acc_part, splits, r, h, out):
-    """out[r, h] from the (m, l, acc) states of row r's chunks r * splits ..."""
+def _chunks_used(L, BS, splits):
+    """Chunks of a row of ``L`` KV rows that hold blocks (the first ones; see the kernel)."""
+    nblk = (L + BS - 1) // BS
+    per = (nblk + splits - 1) // splits
+    return (nblk + per - 1) // per if per > 0 else 0
+
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def _merge(m_part, l_part, acc_part, splits, used, r, h, out):
+    """out[r, h] from the (m, l, acc) states of row r's first ``used`` chunks (r * splits ..).
+    A chunk whose scores are all -inf still counts (m = -inf, l = 0; 0 * a NaN in its V
+    stays NaN, as in the reference); every score -inf gives 0 / 0 = NaN, as the reference."""
+    c0 = r * splits
     top = np.float32(-np.inf)
-    for c in range(r * splits, (r + 1) * splits):
+    for c in range(c0, c0 + used):
         if m_part[c, h] > top:
             top = m_part[c, h]
     o = out[r, h]
     o[:] = 0.0
     tot = np.float32(0.0)
-    for c in range(r * splits, (r + 1) * splits):
-        if l_part[c, h] != 0:                           # a chunk past the row's blocks has l = 0; NaN passes
-            f = np.exp(m_part[c, h] - top)
-            tot += f * l_part[c, h]
-            for d in range(o.shape[0]):
-                o[d] += f * acc_part[c, h, d]
+    for c in range(c0, c0 + used):
+        f = np.exp(m_part[c, h] - top)                  # top = -inf: NaN, and so is the row
+        tot += f * l_part[c, h]
+        for d in range(o.shape[0]):
+            o[d] += f * acc_part[c, h, d]
     for d in range(o.shape[0]):
         o[d] = o[d] / tot
 
@@ -103,7 +113,9 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_len, 
                         a[d] += p * vr[d]
     if n * Hq * splits * D <= SMALL:                 # merge the chunks of each (row, head)
         for t in range(n * Hq):
-            _merge(m_part, l_part, acc_part, splits, t // Hq, t % Hq, out)
+            r = t // Hq
+            _merge(m_part, l_part, acc_part, splits, _chunks_used(row_len[r], BS, splits), r, t % Hq, out)
     else:
         for t in prange(n * Hq):
-            _merge(m_part, l_part, acc_part, splits, t // Hq, t % Hq, out)
+            r = t // Hq
+            _merge(m_part, l_part, acc_part, splits, _chunks_used(row_len[r], BS, splits), r, t % Hq, out)
