@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import NoAllowedToken, no_token_reason
+from .errors import NoAllowedToken, no_token_reason, no_token_where
 from .head import ForwardBuffers, RowIndex, RowJob
 
 _log = logging.getLogger("mtpkern")
@@ -563,9 +563,8 @@ class StepRunner:
         bad = np.argwhere(ids < 0)
         if bad.size:
             m, i = (int(v) for v in bad[0])
-            where = f"draft position {m}" if B == 1 else f"draft position {m} of sequence {i} (states[{i}])"
-            raise NoAllowedToken(f"{where}: {no_token_reason(masks[i] is not None, cfg.vocab_size)}",
-                                 row=i, draft=m)
+            raise NoAllowedToken(f"{no_token_where(i, B, m)}: "
+                                 f"{no_token_reason(masks[i] is not None, cfg.vocab_size)}", row=i, draft=m)
         drafts = ids.T.tolist()
 
         if exact:

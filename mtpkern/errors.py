@@ -55,6 +55,13 @@ class NoAllowedToken(MtpError, ValueError):
         self.draft = draft
 
 
+def no_token_where(i: int | None, batch: int, m: int) -> str:
+    """Where a propose found no token: the draft position, and the sequence in a batch."""
+    if batch == 1 or i is None:
+        return f"draft position {m}"
+    return f"draft position {m} of sequence {i} (states[{i}])"
+
+
 def no_token_reason(masked: bool, V: int) -> str:
     """Why a row has no token to draft (the message of ``NoAllowedToken``)."""
     if masked:

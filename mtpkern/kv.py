@@ -181,9 +181,7 @@ class BlockPool:
         seq.blocks.clear()
         seq.keys = KeyRuns()
         self._release(blocks, None)
-        self.reserved -= seq.reserved
-        seq.reserved = 0
-        seq.budget = 0
+        self.drop_budget(seq)
 
     def release_blocks(self, blocks: list[int]) -> None:
         """Return blocks that no sequence owns (a carried entry being dropped)."""

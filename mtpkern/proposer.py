@@ -41,7 +41,7 @@ import numpy as np
 from .backends import BackendName, get_backend
 from .backends.base import Backend, on_cuda_device
 from .config import MtpConfig, ceil_div
-from .errors import NoAllowedToken, StateError, no_token_reason
+from .errors import NoAllowedToken, StateError, no_token_reason, no_token_where
 from .grammar import MaskFn, resolve
 from .head import MtpHead, RowJob
 from .kv import KeyRuns, SeqKv
@@ -54,13 +54,6 @@ _log = logging.getLogger("mtpkern")
 
 
 # -- boundary checks ------------------------------------------------------------
-
-def _where_no_token(i: int | None, batch: int, m: int) -> str:
-    """Where a propose found no token: the draft position, and the sequence in a batch."""
-    if batch == 1 or i is None:
-        return f"draft position {m}"
-    return f"draft position {m} of sequence {i} (states[{i}])"
-
 
 def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -94,20 +87,20 @@ def check_tokens(name: str, tokens: Any, vocab_size: int) -> np.ndarray:
     return a.astype(np.int32)
 
 
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in getattr(x, "shape", np.shape(x)))
+
+
 def hidden_shape(name: str, x: Any, H: int, rows: int | None = None, want: str | None = None) -> tuple[int, int]:
     """The ``[n, H]`` shape of hidden states given as ``[H]`` or ``[n, H]`` (checked;
     ``want``: the expected form as the error message should say it)."""
-    given = tuple(int(s) for s in getattr(x, "shape", np.shape(x)))
+    given = _shape(x)
     shape = (1,) + given if len(given) == 1 else given
     if len(shape) != 2 or shape[1] != H or (rows is not None and shape[0] != rows):
         if want is None:
             want = f"[{H}] or [1, {H}]" if rows == 1 else f"[{'n' if rows is None else rows}, {H}]"
         raise ValueError(f"{name}: expected shape {want}, got {list(given)}")
     return shape
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in getattr(x, "shape", np.shape(x)))
 
 
 def _expect_finite(name: str, a: np.ndarray) -> None:
@@ -636,7 +629,7 @@ class MultiModuleMtpHead(DraftProposer):
         except NoAllowedToken as e:
             i = e.row
             masked = rows is not None and i is not None and not (rows[i] == -1).all()
-            raise NoAllowedToken(f"{_where_no_token(i, len(masks), m)}: "
+            raise NoAllowedToken(f"{no_token_where(i, len(masks), m)}: "
                                  f"{no_token_reason(masked, self.config.vocab_size)}", row=i, draft=m) from None
 
     def _mask_rows(self, masks: list[MaskFn | None], m: int, drafts: list[list[int]]) -> np.ndarray | None:

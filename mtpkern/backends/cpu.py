@@ -205,7 +205,7 @@ class CpuBackend(Backend):
         if w.dtype == np.float32 and x.shape[0] >= _BLAS_MIN_ROWS:
             np.matmul(x, w.T, out=out)                                       # [n, N], BLAS
             if bias is not None:
-                out += _act(bias)
+                out += bias
             if residual is not None:
                 out += residual
             return out
