@@ -16,7 +16,8 @@ allocated on import.
 from .config import MtpConfig
 from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllowedToken, StateError
 from .head import HeadStep, MtpHead
-from .proposer import AcceptanceStats, DrafterKv, MtpState, MultiModuleMtpHead
+from .proposer import MemoryUse, MultiModuleMtpHead
+from .state import AcceptanceStats, DrafterKv, MtpState
 from .trait import DraftProposer, ProposerState
 from .weights import load_weights, write_synthetic_checkpoint
 
@@ -24,6 +25,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcceptanceStats", "CheckpointError", "ConfigError", "DraftProposer", "DrafterKv", "HeadStep",
-    "KvCacheFull", "MtpConfig", "MtpError", "MtpHead", "MtpState", "MultiModuleMtpHead",
+    "KvCacheFull", "MemoryUse", "MtpConfig", "MtpError", "MtpHead", "MtpState", "MultiModuleMtpHead",
     "NoAllowedToken", "ProposerState", "StateError", "load_weights", "write_synthetic_checkpoint",
 ]

@@ -32,7 +32,7 @@ table per call. Per call, ``StepRunner.propose``:
    kernel family and is that call's real computation), captured right after
    (on cuda, when ``capture``); later calls of the shape replay the graph;
 4. one D2H copy of the drafts; a -1 (a grammar row that allows no token)
-   raises ``NoAllowedToken`` and the proposer's ``_guarded`` rolls back;
+   raises ``NoAllowedToken`` and the proposer's ``txn.guarded`` rolls back;
 5. host bookkeeping after: drafts into the token tails, the chained outputs
    copied out of the persistent buffers into the exact-mode windows.
 
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from functools import partial
@@ -457,6 +458,7 @@ class StepRunner:
         self.plans: OrderedDict[StepShape, StepPlan] = OrderedDict()
         self.counts: Counter = Counter()
         self._attn_ws: Any = None
+        self._lock = threading.Lock()
 
     def attention_workspace(self, floats: int) -> Any:
         """The plans' shared split-KV scratch, of at least ``floats`` FP32 elements: one
@@ -499,8 +501,14 @@ class StepRunner:
         return plan
 
     def propose(self, sts: list, toks: list[int], poss: list[int], hid: Any, k: int,
-                masks: list) -> list[list[int]]:
-        """The planned ``_propose_exact`` / ``_propose_draft``: same state changes, same drafts."""
+                masks: list) -> tuple[list[list[int]], Any]:
+        """The planned ``_propose_exact`` / ``_propose_draft``: same state changes, same drafts;
+        also returns the drafts as a device array. The plans' buffers are shared, so one
+        planned step runs at a time (calls from other threads wait for it)."""
+        with self._lock:
+            return self._propose(sts, toks, poss, hid, k, masks)
+
+    def _propose(self, sts, toks, poss, hid, k, masks):
         prop = self.prop
         be, cfg = prop.backend, prop.config
         M, B, H = prop.num_modules, len(sts), cfg.hidden_size
@@ -574,14 +582,13 @@ class StepRunner:
                 c = rows[m]
                 new = plan.chain(m).copy()          # out of the persistent buffer: the next step reuses it
                 for i, (st, p) in enumerate(zip(sts, poss)):
-                    prop._append_window(st, m, p - 1 - m, new[i * c:(i + 1) * c])
+                    prop.exact.append_window(st, m, p - 1 - m, new[i * c:(i + 1) * c])
             for st in sts:
-                prop._trim_windows(st)
-                prop._trim_tail(st)
+                prop.exact.trim_windows(st)
+                prop.exact.trim_tail(st)
         else:
             for st, p in zip(sts, poss):
                 st.num_hiddens = p
                 st.num_verified = p + 1
                 st.tail_start = p + 1
-        prop.last_drafts_device = plan.ids.T.copy()
-        return drafts
+        return drafts, plan.ids.T.copy()

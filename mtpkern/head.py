@@ -16,11 +16,13 @@ other. The proposer decides which rows to write; the head only computes.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from .checks import check_int, check_positions, check_token, ingest_hidden
 from .config import MtpConfig
 from .kv import BlockPool, SeqKv
 from .ops.moe import RouterSpec
@@ -114,13 +116,15 @@ class MtpHead:
         self._inv_freq = backend.from_host(inv_freq(config.rotary_dim, config.rope_theta))
         self._router = RouterSpec.from_config(config) if config.is_moe else None
         self._scale = float(config.head_dim) ** -0.5
+        self._one_lock = threading.Lock()
 
     # -- the forward ---------------------------------------------------------
     def forward(self, jobs: list[RowJob], g: Any, pad_tables: bool = False) -> tuple[Any, Any]:
         """Append and compute the rows of ``jobs`` (in order); ``g``: [n, H] backend FP32.
 
-        Returns ``(y, normed)``, both [n, H]. The caller has checked pool room
-        (``pool.check_room``) and rolls the sequences back if this raises.
+        Returns ``(y, normed)``, both [n, H]. Blocks the rows need are taken here when
+        the caller has not taken them ahead (``pool.grow_all``: ``KvCacheFull`` before any
+        row is appended); the caller rolls the sequences back if this raises.
         ``pad_tables``: widen the block table to ``table_width`` (what a planned
         propose step uses, so that eager and captured steps launch the same shapes).
         """
@@ -210,42 +214,44 @@ class MtpHead:
 
     # -- one row, for engines that drive a single module ------------------------
     def alloc_seq(self) -> SeqKv:
-        return SeqKv()
+        """A sequence of this module's pool for ``forward_one`` (free it with ``free_seq``)."""
+        return self.pool.new_seq(self)
 
     def free_seq(self, seq: SeqKv) -> None:
-        self.pool.release_all(seq)
+        """Return ``seq``'s blocks; ``seq`` must come from this head's ``alloc_seq``."""
+        with self._one_lock:
+            self.pool.retire(seq, self)
 
     def forward_one(self, token: int, hidden: Any, position: int, seq: SeqKv, key: int | None = None,
                     grammar_bitmask: np.ndarray | None = None) -> HeadStep:
         """Append one row (``token``, ``hidden`` [H] or [1, H], RoPE ``position``) to ``seq``
-        and draft the next token. ``key`` defaults to ``position - 1 - index``.
-
-        On error nothing is appended.
-        """
-        from .proposer import ingest_hidden, check_token  # boundary checks shared with the proposer
-
+        (from this head's ``alloc_seq``) and draft the next token. ``key`` defaults to
+        ``position - 1 - index``. On error nothing is appended. Calls are serialised
+        per head (one module's single-row API is not where concurrency pays)."""
         cfg = self.config
+        self.pool.check_holder(seq, self)
         token = check_token("token", token, cfg.vocab_size)
-        if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < self.index + 1:
-            raise ValueError(f"position: expected an int >= {self.index + 1}, got {position!r}")
-        key = int(position) - 1 - self.index if key is None else int(key)
+        position = check_int("position", position, self.index + 1)
+        check_positions("position", position, cfg.max_position_embeddings)
+        key = position - 1 - self.index if key is None else check_int("key", key, 0)
         if key + self.index + 1 != position:
             raise ValueError(f"key: expected position - 1 - index = {position - 1 - self.index}, got {key}")
-        last = seq.keys.last
-        if last is not None and key <= last:
-            raise ValueError(f"key: expected > {last} (the sequence's last key), got {key}")
         g = ingest_hidden(self.backend, "hidden", hidden, cfg.hidden_size, rows=1)
         bm = None
         if grammar_bitmask is not None:
             from .grammar import one_mask
 
             bm = one_mask("grammar_bitmask", grammar_bitmask, cfg.vocab_size)[None, :]
-        self.pool.check_room([(seq, 1)])
-        before = seq.rows
-        try:
-            y, normed = self.forward([RowJob(seq, np.array([token], np.int32), key, self.index + 1)], g)
-            draft = int(self.argmax(normed, bm)[0])
-        except BaseException:
-            self.pool.trim(seq, seq.rows - before)
-            raise
+        with self._one_lock:
+            last = seq.keys.last
+            if last is not None and key <= last:
+                raise ValueError(f"key: expected > {last} (the sequence's last key), got {key}")
+            before = seq.rows
+            self.pool.grow(seq, 1)
+            try:
+                y, normed = self.forward([RowJob(seq, np.array([token], np.int32), key, self.index + 1)], g)
+                draft = int(self.argmax(normed, bm)[0])
+            except BaseException:
+                self.pool.trim(seq, seq.rows - before)
+                raise
         return HeadStep(draft, y, normed)

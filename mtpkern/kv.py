@@ -10,12 +10,27 @@ Blocks are allocated when rows are appended, and returned to the pool the
 moment trimming leaves them empty. ``reserve`` sets a per-sequence budget
 (``alloc_state_for``): reserved blocks are held back from every other
 sequence, so a sequence that stays within its budget never meets a full pool.
+
+**Ownership.** The pool is the only authority on who owns a block. Every
+``SeqKv`` is made by ``new_seq(holder)`` and registered under a serial number;
+the pool records the owner's serial of each block in use and the holder of
+each sequence (a proposer state, a carried entry, an ``MtpHead`` user). Every
+mutation checks, before any block moves, that the sequence is registered here
+and that its block list agrees with the pool's record; ``check_holder`` tells
+a caller whether the object it was handed is the one the pool knows. A copy
+of a ``SeqKv`` (or a hand-built one) is therefore refused, never obeyed.
+
+**Threads.** Every method that reads or changes the free list, the owners or
+the reservations runs under the pool's lock, and ``grow_all`` checks room and
+takes the blocks for several sequences as one step, so concurrent calls on
+distinct sequences cannot both count the same free block.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -84,14 +99,18 @@ class KeyRuns:
         return f"KeyRuns({self._runs})"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class SeqKv:
-    """One sequence's rows in one module's pool."""
+    """One sequence's rows in one module's pool (made by ``BlockPool.new_seq``).
+
+    ``blocks`` is the block table, ``keys`` the keys of the rows; both are read by
+    the forward and changed only through the pool."""
 
     blocks: list[int] = field(default_factory=list)
     keys: KeyRuns = field(default_factory=KeyRuns)
     budget: int = 0      # blocks promised to this sequence by reserve(); 0 = none
     reserved: int = 0    # of the budget, blocks still held back in the pool (not in `blocks`)
+    serial: int = 0      # the pool's registration number; 0 = not registered anywhere
 
     @property
     def rows(self) -> int:
@@ -99,7 +118,8 @@ class SeqKv:
 
 
 class BlockPool:
-    """K/V caches of one module and the free list of their blocks."""
+    """K/V caches of one module, the free list of their blocks, and the registry of
+    the sequences that own them."""
 
     def __init__(self, module: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, backend: Any):
@@ -114,8 +134,11 @@ class BlockPool:
         self.v = backend.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
         # A stack: pop() hands out the lowest free id first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._in_use = np.zeros(num_blocks, bool)
+        self._owner = np.zeros(num_blocks, np.int64)       # serial of the owning sequence; 0 = free
+        self._seqs: dict[int, tuple[SeqKv, Any]] = {}       # serial -> (sequence, its holder)
+        self._serials = iter(range(1, 2**62))
         self.reserved = 0    # blocks promised to sequences and not yet taken by them
+        self._lock = threading.RLock()
 
     # -- queries ----------------------------------------------------------
     @property
@@ -126,6 +149,14 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_seqs(self) -> int:
+        return len(self._seqs)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block: K and V, ``block_size`` rows each."""
+        return 2 * int(self.k.nbytes) // self.num_blocks
+
     def available_to(self, seq: SeqKv) -> int:
         """Blocks ``seq`` may still take: the unpromised free ones plus its own reservation."""
         return self.num_free - self.reserved + seq.reserved
@@ -133,31 +164,75 @@ class BlockPool:
     def blocks_needed(self, seq: SeqKv, new_rows: int) -> int:
         return max(0, ceil_div(seq.rows + new_rows, self.block_size) - len(seq.blocks))
 
-    def check_room(self, seqs_rows: list[tuple[SeqKv, int]]) -> None:
+    def check_room(self, seqs_rows: Iterable[tuple[SeqKv, int]]) -> None:
         """Raise ``KvCacheFull`` unless every ``(seq, new_rows)`` can grow at once."""
-        need = 0
-        own_reserved = 0
-        for seq, n in seqs_rows:
-            k = self.blocks_needed(seq, n)
-            need += k
-            own_reserved += min(k, seq.reserved)
-        avail = self.num_free - self.reserved + own_reserved
-        if need > avail:
-            raise KvCacheFull(self.module, need, avail, self.num_blocks)
+        with self._lock:
+            need = 0
+            own_reserved = 0
+            for seq, n in seqs_rows:
+                k = self.blocks_needed(seq, n)
+                need += k
+                own_reserved += min(k, seq.reserved)
+            avail = self.num_free - self.reserved + own_reserved
+            if need > avail:
+                raise KvCacheFull(self.module, need, avail, self.num_blocks)
+
+    # -- registry -------------------------------------------------------------
+    def new_seq(self, holder: Any) -> SeqKv:
+        """A new, empty sequence of this pool, held by ``holder``."""
+        with self._lock:
+            seq = SeqKv(serial=next(self._serials))
+            self._seqs[seq.serial] = (seq, holder)
+            return seq
+
+    def check_holder(self, seq: Any, holder: Any, name: str = "seq") -> SeqKv:
+        """``seq`` itself (not a copy) is registered in this pool and held by ``holder``;
+        else ``StateError`` (``TypeError`` for something that is not a ``SeqKv``)."""
+        if not isinstance(seq, SeqKv):
+            raise TypeError(f"{name}: expected a SeqKv, got {type(seq).__name__}")
+        entry = self._seqs.get(seq.serial)
+        if entry is None or entry[0] is not seq:
+            raise StateError(f"{name}: not a live sequence of module {self.module}'s KV pool (freed, made by "
+                             f"another pool, or a copy)")
+        if entry[1] is not holder:
+            raise StateError(f"{name}: held by {_holder_name(entry[1])}, not by this caller")
+        return seq
+
+    def transfer(self, seq: SeqKv, holder: Any, new_holder: Any) -> None:
+        """Hand ``seq`` (held by ``holder``) to ``new_holder``; no block moves."""
+        with self._lock:
+            self.check_holder(seq, holder)
+            self._seqs[seq.serial] = (seq, new_holder)
+
+    def retire(self, seq: SeqKv, holder: Any) -> None:
+        """Release every block and the reservation of ``seq`` and unregister it."""
+        with self._lock:
+            self.check_holder(seq, holder)
+            self._release_all(seq)
+            del self._seqs[seq.serial]
 
     # -- mutation -----------------------------------------------------------
     def grow(self, seq: SeqKv, new_rows: int) -> None:
-        """Make room for ``new_rows`` more rows (call ``check_room`` first)."""
-        k = self.blocks_needed(seq, new_rows)
-        if k > self.available_to(seq):
-            raise KvCacheFull(self.module, k, self.available_to(seq), self.num_blocks)
-        for _ in range(k):
-            b = self._free.pop()
-            self._in_use[b] = True
-            seq.blocks.append(b)
-            if seq.reserved:
-                seq.reserved -= 1
-                self.reserved -= 1
+        """Make room for ``new_rows`` more rows (raises ``KvCacheFull``, changing nothing,
+        when the pool cannot)."""
+        self.grow_all([(seq, new_rows)])
+
+    def grow_all(self, seqs_rows: Iterable[tuple[SeqKv, int]]) -> None:
+        """Room check and allocation for several sequences as one step: either every
+        ``(seq, new_rows)`` gets its blocks, or ``KvCacheFull`` and nothing changed."""
+        seqs_rows = list(seqs_rows)
+        with self._lock:
+            for seq, _ in seqs_rows:
+                self._check_registered(seq)
+            self.check_room(seqs_rows)
+            for seq, n in seqs_rows:
+                for _ in range(self.blocks_needed(seq, n)):
+                    b = self._free.pop()
+                    self._owner[b] = seq.serial
+                    seq.blocks.append(b)
+                    if seq.reserved:
+                        seq.reserved -= 1
+                        self.reserved -= 1
 
     def slots(self, seq: SeqKv, first_row: int, count: int) -> np.ndarray:
         """``[count]`` int32 cache slots of rows ``first_row ..``."""
@@ -166,35 +241,57 @@ class BlockPool:
         return (table[r // self.block_size] * self.block_size + r % self.block_size).astype(np.int32)
 
     def trim(self, seq: SeqKv, drop_rows: int) -> None:
-        """Drop the last ``drop_rows`` rows; blocks left empty go back at once."""
-        if drop_rows <= 0:
-            return
-        seq.keys.pop(drop_rows)
-        keep = ceil_div(seq.rows, self.block_size)
-        extra = seq.blocks[keep:]
-        del seq.blocks[keep:]
-        self._release(extra, seq)
+        """Drop the last ``drop_rows`` rows (0: none); blocks that hold no row (left empty,
+        or taken ahead for rows never written) go back at once."""
+        with self._lock:
+            self._check_registered(seq)
+            if drop_rows > seq.rows:
+                raise ValueError(f"module {self.module}: cannot drop {drop_rows} rows of {seq.rows}")
+            keep = ceil_div(seq.rows - max(0, drop_rows), self.block_size)
+            self._check_blocks(seq, seq.blocks[keep:])
+            if drop_rows > 0:
+                seq.keys.pop(drop_rows)
+            extra = seq.blocks[keep:]
+            del seq.blocks[keep:]
+            self._release(extra, seq)
 
     def release_all(self, seq: SeqKv) -> None:
-        """Return every block and the reservation of ``seq``; it ends empty with no budget."""
+        """Return every block and the reservation of ``seq``; it ends empty with no budget
+        (and stays registered)."""
+        with self._lock:
+            self._check_registered(seq)
+            self._release_all(seq)
+
+    def _release_all(self, seq: SeqKv) -> None:
         blocks = seq.blocks[:]
+        self._check_blocks(seq, blocks)
         seq.blocks.clear()
         seq.keys = KeyRuns()
         self._release(blocks, None)
-        self.drop_budget(seq)
+        self._drop_budget(seq)
 
-    def release_blocks(self, blocks: list[int]) -> None:
-        """Return blocks that no sequence owns (a carried entry being dropped)."""
-        self._release(list(blocks), None)
+    def _check_registered(self, seq: SeqKv) -> None:
+        entry = self._seqs.get(seq.serial)
+        if entry is None or entry[0] is not seq:
+            raise StateError(f"module {self.module}: a sequence this pool did not make (or one it retired, "
+                             f"or a copy) cannot take or return blocks")
+
+    def _check_blocks(self, seq: SeqKv, blocks: list[int]) -> None:
+        """Every block of ``blocks`` is one the pool records as owned by ``seq``."""
+        for b in blocks:
+            if not (isinstance(b, (int, np.integer)) and 0 <= b < self.num_blocks):
+                raise StateError(f"module {self.module}: block id {b!r} is outside the pool of {self.num_blocks}")
+            if self._owner[b] != seq.serial:
+                what = "free" if self._owner[b] == 0 else "owned by another sequence"
+                raise StateError(f"module {self.module}: block {b} in the sequence's table is {what}; "
+                                 f"nothing was changed")
+        if len(set(blocks)) != len(blocks):
+            raise StateError(f"module {self.module}: the sequence's table lists a block twice; nothing was changed")
 
     def _release(self, blocks: list[int], seq: SeqKv | None) -> None:
-        for b in blocks:
-            if not (0 <= b < self.num_blocks):
-                raise StateError(f"module {self.module}: block id {b} is outside the pool of {self.num_blocks}")
-            if not self._in_use[b]:
-                raise StateError(f"module {self.module}: block {b} freed twice")
+        """Free ``blocks`` (checked by the caller, who holds the lock)."""
         for b in reversed(blocks):
-            self._in_use[b] = False
+            self._owner[b] = 0
             self._free.append(b)
         if seq is not None and seq.budget:
             # Keep the sequence's promise whole: what it gave back is held for it again.
@@ -205,15 +302,22 @@ class BlockPool:
 
     def reserve(self, seq: SeqKv, budget_blocks: int) -> None:
         """Promise ``seq`` up to ``budget_blocks`` blocks in all (held ones included)."""
-        want = max(0, budget_blocks - len(seq.blocks)) - seq.reserved
-        if want > self.num_free - self.reserved:
-            raise KvCacheFull(self.module, want, self.num_free - self.reserved, self.num_blocks)
-        seq.budget = budget_blocks
-        seq.reserved += want
-        self.reserved += want
+        with self._lock:
+            self._check_registered(seq)
+            want = max(0, budget_blocks - len(seq.blocks)) - seq.reserved
+            if want > self.num_free - self.reserved:
+                raise KvCacheFull(self.module, want, self.num_free - self.reserved, self.num_blocks)
+            seq.budget = budget_blocks
+            seq.reserved += want
+            self.reserved += want
 
     def drop_budget(self, seq: SeqKv) -> None:
         """Forget ``seq``'s budget: its blocks still held back go back to everyone."""
+        with self._lock:
+            self._check_registered(seq)
+            self._drop_budget(seq)
+
+    def _drop_budget(self, seq: SeqKv) -> None:
         self.reserved -= seq.reserved
         seq.reserved = 0
         seq.budget = 0
@@ -221,32 +325,62 @@ class BlockPool:
     def fit_budget(self, seq: SeqKv) -> None:
         """After blocks joined ``seq`` from outside (an installed carry): they count
         within its budget, so the reservation shrinks to ``budget - held`` (never grows)."""
-        keep = max(0, seq.budget - len(seq.blocks))
-        if keep < seq.reserved:
-            self.reserved -= seq.reserved - keep
-            seq.reserved = keep
+        with self._lock:
+            self._check_registered(seq)
+            keep = max(0, seq.budget - len(seq.blocks))
+            if keep < seq.reserved:
+                self.reserved -= seq.reserved - keep
+                seq.reserved = keep
+
+    def move_rows(self, src: SeqKv, dst: SeqKv) -> None:
+        """Give ``src``'s blocks and keys to the empty ``dst`` (both registered here);
+        ``src`` ends empty. Budgets stay where they were (the caller fits them). The
+        block ids and their contents do not change."""
+        with self._lock:
+            self._check_registered(src)
+            self._check_registered(dst)
+            self._check_blocks(src, src.blocks)
+            if dst.blocks or dst.rows:
+                raise StateError(f"module {self.module}: rows can only move into an empty sequence")
+            for b in src.blocks:
+                self._owner[b] = dst.serial
+            dst.blocks, src.blocks = src.blocks, []
+            dst.keys, src.keys = src.keys, KeyRuns()
 
     # -- invariants ---------------------------------------------------------
-    def check_invariants(self, owners: list[list[int]], reservations: int) -> None:
-        """``owners``: the block lists of every live owner (sequences and carried entries)."""
-        seen = np.zeros(self.num_blocks, np.int64)
-        for blocks in owners:
-            np.add.at(seen, np.asarray(blocks, np.int64), 1)
-        if (seen > 1).any():
-            raise AssertionError(f"module {self.module}: blocks owned twice: {np.flatnonzero(seen > 1).tolist()}")
-        free = np.zeros(self.num_blocks, bool)
-        free[self._free] = True
-        if len(set(self._free)) != len(self._free):
-            raise AssertionError(f"module {self.module}: the free list holds a block twice")
-        if not np.array_equal(free, ~self._in_use):
-            raise AssertionError(f"module {self.module}: free list and in-use map disagree")
-        if not np.array_equal(seen == 1, self._in_use):
-            lost = np.flatnonzero(self._in_use & (seen == 0)).tolist()
-            raise AssertionError(f"module {self.module}: in-use blocks without an owner (leaked): {lost}; "
-                                 f"owned but free: {np.flatnonzero(~self._in_use & (seen == 1)).tolist()}")
-        if reservations != self.reserved or self.reserved > self.num_free:
-            raise AssertionError(f"module {self.module}: {self.reserved} blocks reserved in the pool, "
-                                 f"{reservations} by the sequences, {self.num_free} free")
+    def holders(self) -> list[Any]:
+        """The holder of every registered sequence (with repetition)."""
+        with self._lock:
+            return [h for _, h in self._seqs.values()]
+
+    def check_invariants(self) -> None:
+        """The free list, the owner record and the registered sequences agree: every block
+        is free or owned by exactly one registered sequence, whose table lists it."""
+        with self._lock:
+            seen = np.zeros(self.num_blocks, np.int64)
+            for serial, (seq, _) in self._seqs.items():
+                if seq.serial != serial:
+                    raise AssertionError(f"module {self.module}: sequence {serial} now calls itself {seq.serial}")
+                blocks = np.asarray(seq.blocks, np.int64)
+                if blocks.size and (self._owner[blocks] != serial).any():
+                    raise AssertionError(f"module {self.module}: sequence {serial} lists blocks it does not own: "
+                                         f"{blocks[self._owner[blocks] != serial].tolist()}")
+                np.add.at(seen, blocks, 1)
+            if (seen > 1).any():
+                raise AssertionError(f"module {self.module}: blocks owned twice: {np.flatnonzero(seen > 1).tolist()}")
+            if len(set(self._free)) != len(self._free):
+                raise AssertionError(f"module {self.module}: the free list holds a block twice")
+            free = np.zeros(self.num_blocks, bool)
+            free[self._free] = True
+            if not np.array_equal(free, self._owner == 0):
+                raise AssertionError(f"module {self.module}: free list and owner record disagree")
+            if not np.array_equal(seen == 1, self._owner != 0):
+                lost = np.flatnonzero((self._owner != 0) & (seen == 0)).tolist()
+                raise AssertionError(f"module {self.module}: in-use blocks without an owner (leaked): {lost}")
+            reservations = sum(seq.reserved for seq, _ in self._seqs.values())
+            if reservations != self.reserved or self.reserved > self.num_free:
+                raise AssertionError(f"module {self.module}: {self.reserved} blocks reserved in the pool, "
+                                     f"{reservations} by the sequences, {self.num_free} free")
 
     def check_seq(self, seq: SeqKv) -> None:
         if len(seq.blocks) != ceil_div(seq.rows, self.block_size):
@@ -255,3 +389,9 @@ class BlockPool:
         if seq.budget and len(seq.blocks) + seq.reserved > max(seq.budget, len(seq.blocks)):
             raise AssertionError(f"module {self.module}: held {len(seq.blocks)} + reserved {seq.reserved} "
                                  f"exceeds budget {seq.budget}")
+
+
+def _holder_name(holder: Any) -> str:
+    name = type(holder).__name__
+    return {"MtpState": "a proposer state", "DrafterKv": "a carried entry (DrafterKv)",
+            "MtpHead": "an MtpHead user (alloc_seq)"}.get(name, name)

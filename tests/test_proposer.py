@@ -203,7 +203,7 @@ def test_carried_state_drafts_like_a_rebuilt_one(make_prop, mode):
 def test_budget_reservation_protects_a_sequence(make_prop):
     prop = make_prop("exact", num_blocks=10)           # 40 rows per module
     rng = np.random.default_rng(4)
-    vip = prop.alloc_state_for(24)                     # 6 blocks per module held for it
+    vip = prop.alloc_state_for(21)                     # 21 tokens + M = 3 lookahead: 6 blocks per module
     assert prop.kv_blocks_in_use() == [0, 0, 0]
     other = prop.alloc_state()
     with pytest.raises(KvCacheFull):                   # only 4 unpromised blocks are left
@@ -229,7 +229,7 @@ def test_budget_across_take_and_install(make_prop):
     turn), so the reservation shrinks by them; the promise still holds after."""
     prop = make_prop("exact", num_blocks=10, block_size=4)    # 40 rows per module
     rng = np.random.default_rng(9)
-    st = prop.alloc_state_for(16)                              # 4 blocks per module
+    st = prop.alloc_state_for(13)                              # 13 + M = 16 tokens: 4 blocks per module
     toks, hid = rng.integers(0, V, 40).tolist(), rand_hiddens(rng, 40, H)
     prop.prefill_drafter(toks[:9], hid[:9], st)                # module m: 8 - m rows -> 2 blocks each
     held = [len(s.blocks) for s in st.kv]
@@ -238,7 +238,7 @@ def test_budget_across_take_and_install(make_prop):
     assert [(s.budget, s.reserved, len(s.blocks)) for s in st.kv] == [(0, 0, 0)] * 3
     assert [h.pool.reserved for h in prop.modules] == [0, 0, 0]
     prop.check_invariants()
-    nxt = prop.alloc_state_for(24)                             # 6 blocks: history (2) + 4 more
+    nxt = prop.alloc_state_for(21)                             # 6 blocks: history (2) + 4 more
     assert [s.reserved for s in nxt.kv] == [6, 6, 6]
     prop.install_drafter_kv(nxt, kv)
     assert [(len(s.blocks), s.reserved) for s in nxt.kv] == [(2, 4), (2, 4), (2, 4)]
@@ -274,7 +274,7 @@ def test_acceptance_stats(make_prop):
     assert s.mean_accepted_length == pytest.approx(4 / 3) and s.acceptance_rate(2) == pytest.approx(1 / 3)
     s.reset()
     assert s.drafted == [0, 0, 0] and s.mean_accepted_length == 0.0
-    with pytest.raises(ValueError, match=r"module: expected an int in \[0, 3\), got 5"):
+    with pytest.raises(ValueError, match=r"module: expected in \[0, 2\], got 5"):
         s.acceptance_rate(5)
 
 

@@ -1,0 +1,189 @@
+"""The exact-mode row rule and the forwards that keep it (SPEC section 3, ``exact``).
+
+After every call module ``m`` of a state holds exactly keys ``0 .. rows_m - 1``
+with ``rows_m = max(0, min(Hn, T - m - 1))``: every key whose token and hidden
+are known. A call raises ``Hn`` (hiddens consumed) and/or ``T`` (tokens known)
+and each module computes its missing keys in order ``m = 0, 1, ..``, module
+``m`` taking ``g`` from module ``m-1``'s chained outputs. The state keeps those
+for the trailing ``M + 1`` keys of every module (``win``: a window bounded by
+``M``, not by the sequence) and the tokens past ``Hn`` (``tail``: at most
+``M``). ``after_verify`` lowers ``T`` and trims each module to ``rows_m``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .head import MtpHead, RowJob
+from .state import MtpState
+
+#: drafts of module m for rows [B, H] (row i = sequence i), given the drafts so far
+DraftFn = Callable[[int, Any, list[list[int]]], np.ndarray]
+
+
+def exact_rows(st: MtpState, m: int) -> int:
+    """The rows module ``m`` of ``st`` holds in exact mode."""
+    return max(0, min(st.num_hiddens, st.num_tokens - m - 1))
+
+
+class ExactChain:
+    """Runs the modules of a ``MultiModuleMtpHead`` so that the exact-mode rule holds."""
+
+    def __init__(self, modules: list[MtpHead], backend: Any, chain: str, prefill_chunk: int):
+        self.modules = modules
+        self.backend = backend
+        self.xp = backend.xp
+        self.chain = chain
+        self.prefill_chunk = prefill_chunk
+        self.M = len(modules)
+        self.window = self.M + 1       # chained outputs kept per module (trailing keys)
+
+    # -- rows a call will add (for the room check) -------------------------------
+    @staticmethod
+    def catchup_rows(st: MtpState, m: int, hiddens: int, new_tokens: int) -> int:
+        hn, T = st.num_hiddens + hiddens, st.num_tokens + new_tokens
+        return max(0, max(0, min(hn, T - m - 1)) - st.kv[m].rows)
+
+    def propose_rows(self, st: MtpState, m: int, p: int, k: int) -> int:
+        """A propose at ``p`` with ``k`` drafts: modules ``m < k`` reach key ``p - 1``;
+        the others follow the drafts as far as they reach (key ``p + k - m - 1``)."""
+        target = p if m < k else max(0, min(p, p + k - m))
+        return max(0, target - st.kv[m].rows)
+
+    @staticmethod
+    def highest_position(p: int, k: int, M: int) -> int:
+        """The highest RoPE position a propose at ``p`` with ``k`` drafts writes:
+        module ``m``'s last row, key ``min(p, p + k - m) - 1``, sits at that + m + 1."""
+        return max(min(p, p + k - m) + m for m in range(M))
+
+    # -- the forwards ---------------------------------------------------------------
+    def catch_up(self, sts: list[MtpState], hids: list[Any]) -> int:
+        """Consume hiddens ``hids[i]`` (keys from ``num_hiddens``) and bring every module of
+        every state to its exact rows, in chunks of ``prefill_chunk`` hiddens."""
+        stage = [(st.num_hiddens, h) for st, h in zip(sts, hids)]
+        ends = [st.num_hiddens + h.shape[0] for st, h in zip(sts, hids)]
+        before = sum(sum(st.rows_per_module()) for st in sts)
+        while any(st.num_hiddens < e for st, e in zip(sts, ends)):
+            for st, e in zip(sts, ends):
+                st.num_hiddens = min(e, st.num_hiddens + self.prefill_chunk)
+            for m in range(self.M):
+                self.run(m, sts, stage)
+            for st in sts:
+                self.trim_windows(st)
+        for st in sts:
+            self.trim_tail(st)
+        return sum(sum(st.rows_per_module()) for st in sts) - before
+
+    def propose(self, sts: list[MtpState], toks: list[int], poss: list[int], hid: Any, k: int,
+                draft_ids: DraftFn) -> list[list[int]]:
+        """Every module reaches its exact rows over ``t_P`` and the drafts; modules
+        ``m < k`` draft from their key ``P - 1`` row."""
+        B = len(sts)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        for i, (st, p) in enumerate(zip(sts, poss)):
+            st.num_hiddens = p
+            st.num_verified = p + 1
+            st.tail.append(toks[i])
+        stage = [(p - 1, hid[i:i + 1]) for i, p in enumerate(poss)]
+        for m in range(self.M):
+            normed, last_rows = self.run(m, sts, stage, pad_tables=True)
+            if m < k:
+                idx = self.backend.from_host(np.asarray(last_rows, np.int64))
+                ids = draft_ids(m, normed[idx], drafts)
+                for i, st in enumerate(sts):
+                    drafts[i].append(int(ids[i]))
+                    st.tail.append(int(ids[i]))
+        for st in sts:
+            self.trim_windows(st)
+            self.trim_tail(st)
+        return drafts
+
+    def run(self, m: int, sts: list[MtpState], stage: list[tuple[int, Any]], pad_tables: bool = False):
+        """Compute module ``m``'s missing rows for every state. ``stage[i]``: (first key,
+        [c, H] hiddens) feeding module 0. Returns ``(normed, last_row_index per state)``.
+        ``pad_tables``: padded block tables, as the planned propose step launches them."""
+        jobs, gs, last_rows, ran = [], [], [], []
+        at = 0
+        for st, (hk, harr) in zip(sts, stage):
+            seq = st.kv[m]
+            a, b = seq.rows, exact_rows(st, m)
+            if b <= a:
+                last_rows.append(-1)
+                continue
+            toks = np.asarray(st.tail[a + m + 1 - st.tail_start: b + m + 1 - st.tail_start], np.int32)
+            if m == 0:
+                g = harr[a - hk: b - hk]
+            else:
+                ws = st.win_start[m - 1]
+                if st.win[m - 1] is None or a < ws or b > ws + st.win[m - 1].shape[0]:
+                    raise AssertionError(f"module {m - 1}'s window [{ws}, ..) does not cover keys [{a}, {b})")
+                g = st.win[m - 1][a - ws: b - ws]
+            jobs.append(RowJob(seq, toks, a, m + 1))
+            gs.append(g)
+            ran.append(st)
+            at += b - a
+            last_rows.append(at - 1)
+        if not jobs:
+            return None, last_rows
+        g = gs[0] if len(gs) == 1 else self.xp.concatenate(gs, axis=0)
+        y, normed = self.modules[m].forward(jobs, g, pad_tables)
+        if m == self.M - 1:
+            return normed, last_rows                      # no module reads the last one's outputs
+        chain = normed if self.chain == "postnorm" else y
+        at = 0
+        for st, job in zip(ran, jobs):
+            self.append_window(st, m, job.first_key, chain[at: at + job.count])
+            at += job.count
+        return normed, last_rows
+
+    # -- the window and the token tail ------------------------------------------------
+    def append_window(self, st: MtpState, m: int, first_key: int, new: Any) -> None:
+        """Module ``m``'s chained outputs ``new`` [c, H] for keys ``first_key ..`` join its window."""
+        if st.win[m] is None or st.win[m].shape[0] == 0:
+            st.win[m], st.win_start[m] = new, first_key
+        else:
+            st.win[m] = self.xp.concatenate([st.win[m], new], axis=0)
+
+    def trim_windows(self, st: MtpState) -> None:
+        """Keep module ``m``'s chained outputs for its last ``M + 1`` existing keys."""
+        for m in range(self.M):
+            w = st.win[m]
+            if w is None:
+                continue
+            end = st.kv[m].rows - st.win_start[m]        # keys past the module's rows are gone
+            start = max(0, end - self.window)
+            st.win[m] = w[start:max(start, end)]
+            st.win_start[m] += start
+
+    @staticmethod
+    def trim_tail(st: MtpState) -> None:
+        """Drop tokens no module will read again: module m's next key j reads t_{j+m+1},
+        and j + m + 1 > num_hiddens for every module."""
+        drop = max(0, min(st.num_hiddens + 1, st.num_tokens) - st.tail_start)
+        del st.tail[:drop]
+        st.tail_start += drop
+
+    def after_verify(self, st: MtpState, P: int, a: int) -> None:
+        """Drop the drafts past the ``a`` accepted and the rows built from them."""
+        del st.tail[P + 1 + a - st.tail_start:]
+        st.num_verified = P + 1 + a
+        for m, h in enumerate(self.modules):
+            h.pool.trim(st.kv[m], st.kv[m].rows - exact_rows(st, m))
+        self.trim_windows(st)
+
+    # -- invariants -------------------------------------------------------------------
+    def check(self, st: MtpState) -> None:
+        for m, seq in enumerate(st.kv):
+            want = exact_rows(st, m)
+            if seq.rows != want or seq.keys.to_list() != list(range(want)):
+                raise AssertionError(f"exact mode, module {m}: keys {seq.keys!r}, expected 0..{want - 1} "
+                                     f"(num_hiddens {st.num_hiddens}, num_tokens {st.num_tokens})")
+            w = st.win[m]
+            if want and m < self.M - 1 and (w is None or st.win_start[m] + w.shape[0] != want
+                                            or w.shape[0] > self.window):
+                raise AssertionError(f"exact mode, module {m}: window does not end at its last key {want - 1}")
+        if st.num_verified and (st.tail_start > st.num_hiddens + 1 or len(st.tail) > self.M):
+            raise AssertionError(f"exact mode: token tail [{st.tail_start}, {st.num_tokens}) should start at "
+                                 f"num_hiddens + 1 = {st.num_hiddens + 1} and hold at most M tokens")
