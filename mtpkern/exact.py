@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .errors import StateError
 from .head import MtpHead, RowJob
 from .state import MtpState
 
@@ -40,7 +41,20 @@ class ExactChain:
         self.M = len(modules)
         self.window = self.M + 1       # chained outputs kept per module (trailing keys)
 
-    # -- rows a call will add (for the room check) -------------------------------
+    # -- rows a call will add (for the room check), and position rules --------------
+    def prefill_rows(self, n: int) -> list[list[int]]:
+        return [[max(0, n - 1 - m)] for m in range(self.M)]
+
+    @staticmethod
+    def check_position(st: MtpState, p: int, name: str) -> None:
+        if st.num_verified == 0:
+            raise StateError("state: exact kv_mode needs prefill_drafter before the first propose")
+        if p != st.num_verified:
+            raise ValueError(f"{name}: expected {st.num_verified} (the next position of this sequence), got {p}")
+        if st.num_hiddens != p - 1:
+            raise StateError(f"state: {p - 1 - st.num_hiddens} accepted token(s) still need their target hiddens; "
+                             f"call catchup_drafter(accepted_tokens, accepted_hiddens, state) first")
+
     @staticmethod
     def catchup_rows(st: MtpState, m: int, hiddens: int, new_tokens: int) -> int:
         hn, T = st.num_hiddens + hiddens, st.num_tokens + new_tokens
@@ -59,6 +73,12 @@ class ExactChain:
         return max(min(p, p + k - m) + m for m in range(M))
 
     # -- the forwards ---------------------------------------------------------------
+    def prefill(self, st: MtpState, toks: np.ndarray, hid: Any) -> int:
+        """Every module's keys over the prompt (module ``m``: ``0 .. n-2-m``)."""
+        st.tail, st.tail_start = toks.tolist(), 0
+        st.num_verified = st.next_position = toks.shape[0]
+        return self.catch_up([st], [hid])
+
     def catch_up(self, sts: list[MtpState], hids: list[Any]) -> int:
         """Consume hiddens ``hids[i]`` (keys from ``num_hiddens``) and bring every module of
         every state to its exact rows, in chunks of ``prefill_chunk`` hiddens."""
@@ -165,7 +185,7 @@ class ExactChain:
         del st.tail[:drop]
         st.tail_start += drop
 
-    def after_verify(self, st: MtpState, P: int, a: int) -> None:
+    def after_verify(self, st: MtpState, P: int, a: int, k: int) -> None:
         """Drop the drafts past the ``a`` accepted and the rows built from them."""
         del st.tail[P + 1 + a - st.tail_start:]
         st.num_verified = P + 1 + a

@@ -12,13 +12,13 @@ The public calls, each in the same four steps:
    rolled back (rows truncated, blocks returned, counters restored).
 
 The pieces, each readable alone: ``state.py`` (states, carried entries,
-counters, snapshots), ``exact.py`` (the exact-mode row rule), ``carry.py`` (the
+counters, snapshots), ``carry.py`` (the
 registry of carried KV), ``txn.py`` (room and rollback), ``kv.py`` (pools and
 block ownership), ``head.py`` (one module's forward).
 
-**Draft mode**: one row per module per propose at key ``P-1``; prefill fills
-module 0; ``after_verify(a)`` keeps module ``m``'s row iff ``m <= a``.
-**Exact mode**: see ``mtpkern.exact``.
+The KV modes' rules and forwards: ``draft.py`` (one row per drafting module
+per propose) and ``exact.py`` (every module equal to a recomputation), behind
+one interface (``self.mode``).
 
 **Threads** (docs/api.md): calls on distinct states may run concurrently from
 any threads; a state used by a second call while one runs gets ``StateError``.
@@ -42,6 +42,7 @@ from .checks import (check_bool, check_hidden_dtype, check_int, check_positions,
                      hidden_shape, ingest_hidden, shape_of)
 from .config import MtpConfig, ceil_div
 from .errors import NoAllowedToken, StateError, no_token_reason, no_token_where
+from .draft import DraftChain
 from .exact import ExactChain
 from .grammar import MaskFn, resolve
 from .head import MtpHead, RowJob
@@ -114,6 +115,9 @@ class MultiModuleMtpHead(DraftProposer):
                         for m, mw in enumerate(weights.modules)]
         self.pools = [h.pool for h in self.modules]
         self.exact = ExactChain(self.modules, backend, chain, self.prefill_chunk)
+        #: the KV mode's rules and forwards (mtpkern.exact / mtpkern.draft)
+        self.mode: ExactChain | DraftChain = (self.exact if kv_mode == "exact" else
+                                              DraftChain(self.modules, chain, self.prefill_chunk))
         self.carry = CarryRegistry(self, self.modules)
         self.stats = AcceptanceStats([0] * config.num_modules, [0] * config.num_modules)
         self.clamped_calls = 0      # proposes whose num_drafts exceeded num_modules
@@ -341,23 +345,7 @@ class MultiModuleMtpHead(DraftProposer):
                 raise StateError(f"state: prefill_drafter needs a fresh state, this one holds "
                                  f"{st.num_verified} tokens; continue a sequence with catchup_drafter")
             hid = self._target_norm(hid[: n - 1])
-            if self.kv_mode == "draft":
-                def fill() -> int:
-                    for a in range(0, n - 1, self.prefill_chunk):
-                        b = min(n - 1, a + self.prefill_chunk)
-                        self.modules[0].forward([RowJob(st.kv[0], toks[a + 1:b + 1], a, 1)], hid[a:b])
-                    st.num_verified = st.tail_start = st.next_position = n
-                    st.num_hiddens = n - 1
-                    return n - 1
-
-                return guarded(self.pools, [st], [[n - 1]] + [[0]] * (self.num_modules - 1), fill)
-
-            def fill_exact() -> int:
-                st.tail, st.tail_start = toks.tolist(), 0
-                st.num_verified = st.next_position = n
-                return self.exact.catch_up([st], [hid])
-
-            return guarded(self.pools, [st], [[max(0, n - 1 - m)] for m in range(self.num_modules)], fill_exact)
+            return guarded(self.pools, [st], self.mode.prefill_rows(n), lambda: self.mode.prefill(st, toks, hid))
 
     # -- propose ------------------------------------------------------------------------
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int,
@@ -417,13 +405,13 @@ class MultiModuleMtpHead(DraftProposer):
             for i, (st, p) in enumerate(zip(sts, poss)):
                 self._check_position(st, p, k, name("position", "positions", i))
             hid = self._target_norm(hid)
-            run = self._propose_exact if self.kv_mode == "exact" else self._propose_draft
+            run = self._propose_eager
             runner = self.step_runner
             # The planned step takes only masks that do not depend on the drafts (callables may).
             static = grammar_bitmasks is None or not any(callable(gm) for gm in grammar_bitmasks)
             if runner is not None and static and runner.applies(sts, poss, k):
                 run = runner.propose
-            rows = [[self._propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
+            rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
             drafts, device = guarded(self.pools, sts, rows, lambda: run(sts, toks, poss, hid, k, masks))
             for st, p, d in zip(sts, poss, drafts):
                 st.drafted = True
@@ -442,49 +430,13 @@ class MultiModuleMtpHead(DraftProposer):
         return drafts
 
     def _check_position(self, st: MtpState, p: int, k: int, name: str) -> None:
-        if self.kv_mode == "draft":
-            if p < st.next_position:
-                raise ValueError(f"{name}: expected >= {st.next_position} (positions never go back), got {p}")
-            highest = p + k - 1
-        else:
-            if st.num_verified == 0:
-                raise StateError("state: exact kv_mode needs prefill_drafter before the first propose")
-            if p != st.num_verified:
-                raise ValueError(f"{name}: expected {st.num_verified} (the next position of this sequence), got {p}")
-            if st.num_hiddens != p - 1:
-                missing = p - 1 - st.num_hiddens
-                raise StateError(f"state: {missing} accepted token(s) still need their target hiddens; "
-                                 f"call catchup_drafter(accepted_tokens, accepted_hiddens, state) first")
-            highest = ExactChain.highest_position(p, k, self.num_modules)
-        check_positions(name, highest, self.config.max_position_embeddings)
+        self.mode.check_position(st, p, name)
+        check_positions(name, self.mode.highest_position(p, k, self.num_modules),
+                        self.config.max_position_embeddings)
 
-    def _propose_rows(self, st: MtpState, m: int, p: int, k: int) -> int:
-        """Rows module ``m`` appends for a propose at ``p`` with ``k`` drafts."""
-        if self.kv_mode == "draft":
-            return 1 if m < k else 0
-        return self.exact.propose_rows(st, m, p, k)
-
-    def _propose_exact(self, sts, toks, poss, hid, k, masks) -> tuple[list[list[int]], None]:
-        return self.exact.propose(sts, toks, poss, hid, k,
-                                  lambda m, normed, drafts: self._draft_ids(m, normed, masks, drafts)), None
-
-    def _propose_draft(self, sts, toks, poss, hid, k, masks) -> tuple[list[list[int]], None]:
-        B = len(sts)
-        drafts: list[list[int]] = [[] for _ in range(B)]
-        cur_tok = np.asarray(toks, np.int32)
-        g = hid
-        for m in range(k):
-            jobs = [RowJob(st.kv[m], cur_tok[i:i + 1], p - 1, m + 1) for i, (st, p) in enumerate(zip(sts, poss))]
-            y, normed = self.modules[m].forward(jobs, g, pad_tables=True)
-            ids = self._draft_ids(m, normed, masks, drafts)
-            for i in range(B):
-                drafts[i].append(int(ids[i]))
-            cur_tok = ids.astype(np.int32)
-            g = normed if self.chain == "postnorm" else y
-        for st, p in zip(sts, poss):
-            st.num_hiddens = p
-            st.num_verified = st.tail_start = p + 1
-        return drafts, None
+    def _propose_eager(self, sts, toks, poss, hid, k, masks) -> tuple[list[list[int]], None]:
+        return self.mode.propose(sts, toks, poss, hid, k,
+                                 lambda m, normed, drafts: self._draft_ids(m, normed, masks, drafts)), None
 
     def _draft_ids(self, m: int, normed: Any, masks: list[MaskFn | None], drafts: list[list[int]]) -> np.ndarray:
         """Module ``m``'s drafts for rows ``normed`` [B, H] (row i = sequence i), with a
@@ -524,11 +476,7 @@ class MultiModuleMtpHead(DraftProposer):
                 raise StateError("state: after_verify without a propose to verify")
             a = check_int("num_accepted", num_accepted, 0, st.last_k)
             P, k = st.last_position, st.last_k
-            if self.kv_mode == "draft":
-                for m in range(a + 1, k):
-                    self.pools[m].trim(st.kv[m], 1)
-            else:
-                self.exact.after_verify(st, P, a)
+            self.mode.after_verify(st, P, a, k)
             st.num_verified = st.next_position = P + 1 + a
             st.drafted = False
         self.stats.record(k, a)
@@ -688,6 +636,5 @@ class MultiModuleMtpHead(DraftProposer):
                     raise AssertionError(f"module {m}: keys not increasing: {keys}")
             if st.num_verified and st.num_verified < st.num_hiddens + 1:
                 raise AssertionError(f"{st.num_verified} verified tokens but {st.num_hiddens} hiddens consumed")
-            if self.kv_mode == "exact":
-                self.exact.check(st)
+            self.mode.check(st)
 

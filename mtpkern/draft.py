@@ -1,0 +1,82 @@
+"""Draft mode (SPEC section 3, ``draft``): one row per drafting module per propose.
+
+A propose at ``P`` with ``k'`` drafts writes module ``m < k'``'s row at key
+``P - 1`` (RoPE position ``P + m``), built from ``(t_P, h_{P-1})`` for module 0
+and ``(d_{m-1}, module m-1's output)`` after it. ``after_verify(a)`` keeps
+module ``m``'s row iff ``m <= a`` (every token it was built from is verified).
+``prefill_drafter`` fills module 0 only; ``catchup_drafter`` writes nothing.
+Positions may skip forward (rows leave gaps in key space) but never go back.
+The same methods as ``mtpkern.exact.ExactChain``, so the proposer runs either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .exact import DraftFn
+from .head import MtpHead, RowJob
+from .state import MtpState
+
+
+class DraftChain:
+    """Runs the modules of a ``MultiModuleMtpHead`` in draft mode."""
+
+    def __init__(self, modules: list[MtpHead], chain: str, prefill_chunk: int):
+        self.modules = modules
+        self.chain = chain
+        self.prefill_chunk = prefill_chunk
+        self.M = len(modules)
+
+    def prefill_rows(self, n: int) -> list[list[int]]:
+        return [[n - 1]] + [[0]] * (self.M - 1)
+
+    def prefill(self, st: MtpState, toks: np.ndarray, hid: Any) -> int:
+        """Module 0's keys ``0 .. n-2`` over the prompt, in chunks."""
+        n = toks.shape[0]
+        for a in range(0, n - 1, self.prefill_chunk):
+            b = min(n - 1, a + self.prefill_chunk)
+            self.modules[0].forward([RowJob(st.kv[0], toks[a + 1:b + 1], a, 1)], hid[a:b])
+        st.num_verified = st.tail_start = st.next_position = n
+        st.num_hiddens = n - 1
+        return n - 1
+
+    def check_position(self, st: MtpState, p: int, name: str) -> None:
+        if p < st.next_position:
+            raise ValueError(f"{name}: expected >= {st.next_position} (positions never go back), got {p}")
+
+    @staticmethod
+    def propose_rows(st: MtpState, m: int, p: int, k: int) -> int:
+        return 1 if m < k else 0
+
+    @staticmethod
+    def highest_position(p: int, k: int, M: int) -> int:
+        return p + k - 1
+
+    def propose(self, sts: list[MtpState], toks: list[int], poss: list[int], hid: Any, k: int,
+                draft_ids: DraftFn) -> list[list[int]]:
+        B = len(sts)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        cur_tok = np.asarray(toks, np.int32)
+        g = hid
+        for m in range(k):
+            jobs = [RowJob(st.kv[m], cur_tok[i:i + 1], p - 1, m + 1) for i, (st, p) in enumerate(zip(sts, poss))]
+            y, normed = self.modules[m].forward(jobs, g, pad_tables=True)
+            ids = draft_ids(m, normed, drafts)
+            for i in range(B):
+                drafts[i].append(int(ids[i]))
+            cur_tok = ids.astype(np.int32)
+            g = normed if self.chain == "postnorm" else y
+        for st, p in zip(sts, poss):
+            st.num_hiddens = p
+            st.num_verified = st.tail_start = p + 1
+        return drafts
+
+    def after_verify(self, st: MtpState, P: int, a: int, k: int) -> None:
+        for m in range(a + 1, k):
+            self.modules[m].pool.trim(st.kv[m], 1)
+        st.num_verified = P + 1 + a
+
+    def check(self, st: MtpState) -> None:
+        """Draft mode keeps no window or tail; the keys' order is checked by the caller."""
