@@ -697,3 +697,21 @@ def test_cpu_weights_stay_16_bit():
     assert cpu.prepare_weight(w.astype(np.float32)).dtype == np.float32
     with pytest.raises(TypeError, match="bfloat16 or float32"):
         cpu.prepare_weight(np.zeros((2, 2), np.float16))
+
+
+@pytest.mark.parametrize("others", [[], [5, 40, 300]], ids=["all-equal", "three-others"])
+@pytest.mark.parametrize("H", [19, 64, 99])
+def test_identical_lm_head_rows_tie_to_the_lowest_id(be, H, others):
+    """Equal rows of the LM head give equal logits, so the lowest id wins, in the
+    reference (one row or many per call) and in every backend."""
+    rng = rng_for("ties", H, others)
+    V = 301
+    w = np.repeat(weight(rng, (1, H), "float32"), V, axis=0)
+    w[others] = weight(rng, (len(others), H), "float32")
+    x = acts(rng, 200, H)
+    ids = np.array([0] + others)                                       # row 0 stands for every equal row
+    want = ids[np.argmax(x.astype(np.float64) @ w[ids].T.astype(np.float64), axis=1)]
+    np.testing.assert_array_equal(REF.lm_head_argmax(x, REF.prepare_weight(w)), want)
+    for r in range(0, 200, 3):                                         # one row per call: the GEMV path
+        assert REF.lm_head_argmax(x[r:r + 1], REF.prepare_weight(w))[0] == want[r]
+    np.testing.assert_array_equal(be.to_host(be.lm_head_argmax(be.from_host(x), be.prepare_weight(w))), want)

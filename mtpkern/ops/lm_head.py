@@ -1,7 +1,11 @@
 """LM head and grammar-masked argmax.
 
 ``lm_head_logits(x [n, H], w [V, H]) -> [n, V]`` (x already normed by
-``shared_head.norm``).
+``shared_head.norm``). In this reference each logit is the exact dot product
+``x · w_v`` rounded to FP64 and then to FP32: a function of the row's values
+alone, so equal rows of ``w`` give equal logits and the tie rule below decides.
+(A BLAS product sums different rows in different orders: with identical LM-head
+rows the argmax then landed on a non-lowest id for about a third of inputs.)
 
 ``masked_argmax(logits [n, V], bitmask [n, W] int32 | None) -> ids [n] int32``
 with xgrammar's layout, ``W = ceil(V / 32)``: bit ``j & 31`` of word ``j >> 5``
@@ -15,16 +19,40 @@ the fast backends fuse it so the logits are never written out in full.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..errors import NoAllowedToken, no_token_reason
 from ._check import expect_dtype, expect_ndim, expect_shape
 
 
+#: vocabulary rows per FP64 chunk of the reference's logits (bounds its scratch)
+_CHUNK = 2048
+
+
 def lm_head_logits(x, w) -> np.ndarray:
     expect_ndim("x", x, 2)
     expect_shape("w", w, (None, x.shape[1]))
-    return np.asarray(x, np.float32) @ np.asarray(w, np.float32).T       # [n, V]
+    n, H = x.shape
+    V = w.shape[0]
+    x64 = np.asarray(x, np.float64)                                      # [n, H]
+    # |fl(x . w) - x . w| <= gamma_H * (|x| . |w|) for any summation order (u = 2^-53);
+    # doubled for the rounding of the bound itself.
+    gamma = 2 * H * 2.0**-53 / (1 - H * 2.0**-53)
+    out = np.empty((n, V), np.float32)
+    for v0 in range(0, V, _CHUNK):
+        wc = np.asarray(w[v0:v0 + _CHUNK], np.float64)                    # [c, H]
+        dot = x64 @ wc.T                                                 # [n, c]
+        err = gamma * (np.abs(x64) @ np.abs(wc).T)
+        out[:, v0:v0 + wc.shape[0]] = dot
+        # Where the error interval straddles an FP32 rounding boundary the rounded value
+        # could depend on the summation order: recompute those few exactly (the FP64
+        # products of FP32 values are exact; fsum rounds their sum once).
+        unsure = ((dot - err).astype(np.float32) != (dot + err).astype(np.float32)) & np.isfinite(dot)
+        for r, c in zip(*np.nonzero(unsure)):
+            out[r, v0 + c] = math.fsum((x64[r] * wc[c]).tolist())
+    return out                                                           # [n, V]
 
 
 def bitmask_allowed(bitmask: np.ndarray, V: int) -> np.ndarray:
