@@ -37,6 +37,8 @@ def _scalar_int(v: Any) -> int | None:
 def _kind(v: Any) -> str:
     if isinstance(v, np.ndarray):
         return f"{v.ndim}-d array of {v.dtype}"
+    if isinstance(v, np.bool_):
+        return "bool"
     return type(v).__name__
 
 
@@ -78,8 +80,8 @@ def check_tokens(name: str, tokens: Any, vocab_size: int) -> np.ndarray:
     if isinstance(tokens, (list, tuple)) and a.size:
         # np.asarray([True, 1]) is an int64 array: look at the elements themselves.
         for i, t in enumerate(tokens):
-            if isinstance(t, (bool, np.bool_)):
-                raise TypeError(f"{name}[{i}]: expected an int token id, got bool {t!r}")
+            if _scalar_int(t) is None:
+                raise TypeError(f"{name}[{i}]: expected an int token id, got {_kind(t)} {t!r}")
     bad = np.flatnonzero((a < 0) | (a >= vocab_size)) if a.size else []
     if len(bad):
         i = int(bad[0])
