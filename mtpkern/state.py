@@ -16,9 +16,10 @@ from another thread or from a callback of the first, gets ``StateError``.
 
 from __future__ import annotations
 
+import copy
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
 
 from .errors import StateError
@@ -71,10 +72,27 @@ class MtpState(ProposerState):
         self.drafted = False
         self.last_position, self.last_k, self.last_drafts = -1, 0, []
 
+    def __deepcopy__(self, memo: dict) -> "MtpState":
+        return _deepcopy_handle(self, memo)
+
     def __repr__(self) -> str:                           # not the window's hidden arrays
         status = "freed" if self.freed else "awaiting after_verify" if self.drafted else "ready"
         return (f"MtpState(rows per module={self.rows_per_module()}, verified tokens={self.num_verified}, "
                 f"hiddens={self.num_hiddens}, next position={self.next_position}, {status})")
+
+
+def _deepcopy_handle(obj: Any, memo: dict) -> Any:
+    """A deep copy of a state or carried entry that still names the same proposer (which
+    is not copied): the proposer then refuses it like any copy. A copy is never in use."""
+    memo[id(obj.owner)] = obj.owner
+    new = object.__new__(type(obj))
+    for f in fields(obj):
+        if f.name == "_busy":
+            value = threading.Lock()
+        else:
+            value = "" if f.name == "_busy_call" else copy.deepcopy(getattr(obj, f.name), memo)
+        object.__setattr__(new, f.name, value)
+    return new
 
 
 @contextmanager
@@ -139,6 +157,9 @@ class DrafterKv:
     @property
     def last_pair_key(self) -> int | None:
         return self.seqs[0].keys.last
+
+    def __deepcopy__(self, memo: dict) -> "DrafterKv":
+        return _deepcopy_handle(self, memo)
 
     def __repr__(self) -> str:                           # not the window's hidden arrays
         state = "consumed" if self.consumed else "live"
