@@ -30,6 +30,7 @@ def test_wheel_contains_every_kernel(wheel):
     for s in sources:
         assert f"mtpkern/kernels/{s}" in names, f"{s} missing from the wheel"
     assert "mtpkern/kernels/registers.json" in names
+    assert "mtpkern/py.typed" in names                   # type checkers read the annotations (PEP 561)
 
 
 def test_installed_wheel_finds_its_kernels(wheel, tmp_path):

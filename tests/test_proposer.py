@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import kv_rows, rand_hiddens
-from mtpkern import DraftProposer, KvCacheFull, MtpHead, NoAllowedToken, StateError
+from mtpkern import (DraftProposer, KvCacheFull, MtpHead, MultiModuleMtpHead, NoAllowedToken, StateError,
+                     write_synthetic_checkpoint)
 from mtpkern.ops.norm import rmsnorm
 from mtpkern.tolerance import assert_close
 
@@ -341,3 +342,44 @@ def test_mtp_head_forward_one(make_prop):
     assert seq.rows == 3
     head.free_seq(seq)
     assert head.pool.num_used == 0
+
+
+def test_memory_reports_weights_once_and_the_pools(make_prop, tmp_path, tiny_cfg):
+    prop = make_prop("exact", num_blocks=20, block_size=4)
+    mem = prop.memory()
+    cfg = prop.config
+    assert mem.kv_block == 2 * 4 * cfg.num_key_value_heads * cfg.head_dim * 4          # K + V, FP32 KV
+    assert mem.kv_pools == mem.kv_block * 20 * cfg.num_modules and mem.kv_in_use == 0
+    rng = np.random.default_rng(11)
+    st = prop.alloc_state()
+    prop.prefill_drafter(rng.integers(0, V, 9).tolist(), rand_hiddens(rng, 9, H), st)  # 8, 7, 6 rows
+    assert prop.memory().blocks_in_use == (2, 2, 2) and prop.memory().kv_in_use == 6 * mem.kv_block
+    # every module's own (identical) embedding and head are held once, as the target's are
+    own = write_synthetic_checkpoint(tmp_path / "own", tiny_cfg, seed=7, own_embed=True, own_head=True)
+    assert make_prop("exact", ckpt=own).memory().weights == mem.weights
+    assert mem.total == mem.weights + mem.kv_pools
+
+
+def test_close_releases_everything_and_refuses_later_calls(tiny_ckpt):
+    rng = np.random.default_rng(12)
+    with MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", block_size=4, num_blocks=32) as prop:
+        st = prop.alloc_state()
+        prop.prefill_drafter(rng.integers(0, V, 9).tolist(), rand_hiddens(rng, 9, H), st)
+        kv = prop.take_drafter_kv(st)
+        busy = prop.alloc_state()
+        prop.prefill_drafter([1, 2, 3], rand_hiddens(rng, 3, H), busy)
+
+        def grammar(i, drafts):
+            with pytest.raises(StateError, match="in use by propose"):
+                prop.close()                              # refused while a call runs: nothing released
+            return None
+
+        prop.propose(1, rand_hiddens(rng, 1, H)[0], 3, 1, busy, grammar_bitmask=grammar)
+        assert prop.kv_blocks_in_use() != [0, 0, 0] and "closed" not in repr(prop)
+    assert prop.kv_blocks_in_use() == [0, 0, 0] and all(p.k is None for p in prop.pools)
+    assert busy.freed and st.freed and kv.consumed and "closed" in repr(prop)
+    for call in (prop.alloc_state, lambda: prop.propose(1, np.zeros(H, np.float32), 4, 1, busy),
+                 lambda: prop.free_drafter_kv(kv)):
+        with pytest.raises(StateError, match="closed"):
+            call()
+    prop.close()                                          # twice: nothing to do
