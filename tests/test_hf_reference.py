@@ -35,7 +35,7 @@ if _version(transformers.__version__) < (5, 24):
                 allow_module_level=True)
 
 import hf_reference as hr  # noqa: E402  (imports torch / transformers)
-import oracle  # noqa: E402
+from mtpkern.testing import oracle  # noqa: E402
 
 from mtpkern import MultiModuleMtpHead  # noqa: E402
 from mtpkern.config import MtpConfig  # noqa: E402
@@ -118,7 +118,7 @@ def test_drafts_match_hf_generate(case, steer):
 
 
 def test_logits_match_hf_numerically(case):
-    """Beyond the argmax: HF's draft logits equal the from-scratch oracle's (tests/oracle.py,
+    """Beyond the argmax: HF's draft logits equal the from-scratch oracle's (mtpkern.testing.oracle,
     float64) over the whole sequence, module by module, within float32 noise."""
     M = case.M
     steps = case.run(True).steps

@@ -1,4 +1,4 @@
-"""Exact KV mode against the from-scratch oracle (tests/oracle.py).
+"""Exact KV mode against the from-scratch oracle (mtpkern.testing.oracle).
 
 After every propose the drafts must equal the oracle's, and after every call
 each module's K/V rows must equal the oracle's within the FP32 tolerance.
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-import oracle
 from conftest import kv_rows, rand_hiddens
 from mtpkern import MultiModuleMtpHead
+from mtpkern.testing import oracle
 from mtpkern.tolerance import assert_close
 
 _PROPS: dict = {}

@@ -1,12 +1,13 @@
-"""From-scratch recomputation of the module chain: dense, no paging, O(n^2).
+"""From-scratch recomputation of the module chain: dense, no paging, float64, O(n^2).
 
 Written apart from ``mtpkern.head`` / ``mtpkern.ops`` (its own norm, RoPE and
 attention); only the MoE router/experts reference is shared, and that is
-tested against brute force in test_ops_reference.py.
+tested against brute force in the project's tests (test_ops_reference.py).
+``weights``: host FP32 weights, e.g. ``mtpkern.testing.reference_weights(ckpt)``.
 
 ``chain_state(...)`` gives, for every module, what its KV and outputs must be
-after a call in exact mode; ``propose(...)`` gives the drafts a propose must
-return.
+after a call in exact mode; ``propose(...)`` gives the drafts an exact-mode
+propose must return. Tiny models only: every call recomputes the whole chain.
 """
 
 from __future__ import annotations

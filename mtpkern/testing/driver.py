@@ -1,0 +1,378 @@
+"""Random call sequences over many sequences of one proposer, as data.
+
+A ``Call`` names a kind of step and the numbers it needs; ``Driver.run(call)``
+turns it into real proposer calls through a ``CheckedProposer`` (every call
+checked against the model; a failed call must change nothing), picking the
+sequence among those the step applies to (``pick`` modulo their count) and
+drawing tokens, hiddens and masks from ``seed``. A call that applies to no
+sequence does nothing. ``mtpkern.testing.strategies`` draws ``Call`` lists;
+the state machine (``mtpkern.testing.machine``) runs the same steps as rules.
+
+Kinds (``KINDS``): ``alloc`` (with or without a budget), ``prefill``,
+``propose`` (grammar masks of every form, one that allows nothing, skipped
+positions in draft mode), ``propose_batch``, ``verify``, ``catchup`` (also
+extending the sequence past the accepted drafts), ``round`` (propose, verify and
+catch-up with checks between), ``take`` / ``install`` / ``free_carried``
+(carrying KV across turns), ``free``, ``bad_input`` (refused input, a copied
+state or carried entry, another proposer's state) and ``reenter`` (a grammar
+callback that calls back into the proposer with the state in use).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import KvCacheFull, NoAllowedToken, StateError
+from .checked import CheckedProposer, checked
+from .model import SeqModel
+
+KINDS = ("alloc", "prefill", "propose", "propose_batch", "verify", "catchup", "round", "take", "install",
+         "free_carried", "free", "bad_input", "reenter")
+MASKS = ("none", "one", "per_position", "callable", "none_allowed")
+BAD = ("token", "hidden", "dtype", "nan", "accepted", "position", "drafts", "foreign", "copy_state", "copy_carried")
+REENTER = ("free_state", "take_drafter_kv", "propose", "after_verify", "catchup_drafter")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One step: ``kind``, and ``pick`` (which applicable sequence), ``seed`` (its data),
+    ``size`` (prompt length, drafts, batch width or budget), ``frac`` (the accepted share
+    of the drafts), ``variant`` (mask form, bad-input kind, callback call)."""
+
+    kind: str
+    pick: int = 0
+    seed: int = 0
+    size: int = 1
+    frac: float = 0.5
+    variant: str = ""
+
+
+class Driver:
+    """Runs ``Call``s on one proposer, checking everything after every call.
+
+    ``prop``: a ``MultiModuleMtpHead`` (wrapped with ``checked(prop, weights)``) or a
+    ``CheckedProposer``. ``max_states``: live states at most (``alloc`` beyond does
+    nothing). ``steps`` counts the proposer calls made, by kind."""
+
+    def __init__(self, prop: Any, weights: Any = None, max_states: int = 4):
+        self.p: CheckedProposer = prop if isinstance(prop, CheckedProposer) else checked(prop, weights)
+        self.prop = self.p.prop
+        self.model = self.p.model
+        self.cfg = self.prop.config
+        self.M = self.prop.num_modules
+        self.max_states = max_states
+        self.carried: list[Any] = []
+        self.steps: Counter = Counter()
+        self._other: Any = None
+
+    # -- the public loop ------------------------------------------------------------------
+    def run(self, call: Call) -> bool:
+        """Run one step; False when it applied to nothing."""
+        if call.kind not in KINDS:
+            raise ValueError(f"call.kind: expected one of {KINDS}, got {call.kind!r}")
+        done = getattr(self, f"_{call.kind}")(call, np.random.default_rng(call.seed))
+        return done is not False
+
+    def run_all(self, calls: list[Call]) -> None:
+        for c in calls:
+            self.run(c)
+        self.model.check()
+
+    def close(self) -> None:
+        """Free every state and carried entry; no block may stay in use."""
+        for st in [st for st, _ in self.model.seqs.values()]:
+            self.p.free_state(st)
+        for kv in self.carried:
+            self.p.free_drafter_kv(kv)
+        self.carried = []
+        self.model.check()
+        assert self.prop.kv_blocks_in_use() == [0] * self.M, "blocks still in use after every state was freed"
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _choose(self, call: Call, phases: tuple[str, ...]) -> tuple[Any, SeqModel] | None:
+        cands = [(st, s) for st, s in self.model.seqs.values() if s.phase in phases]
+        if not cands:
+            return None
+        return cands[call.pick % len(cands)]
+
+    def _h(self, rng: np.random.Generator, n: int = 1) -> np.ndarray:
+        return rng.standard_normal((n, self.cfg.hidden_size)).astype(np.float32)
+
+    def _count(self, kind: str, calls: int = 1) -> None:
+        self.steps[kind] += calls
+
+    def _room_expected(self, s: SeqModel, rows_after: list[int], e: KvCacheFull) -> None:
+        """A sequence inside its budget never meets a full pool."""
+        assert not self.model.fits_budget(s, rows_after), (
+            f"KvCacheFull for a sequence inside its budget ({s.budget} tokens; rows after {rows_after}): {e}")
+
+    def _mask(self, rng: np.random.Generator, variant: str) -> Any:
+        W = self.cfg.bitmask_words
+
+        def words(*shape):
+            return rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)
+
+        if variant == "one":
+            return words(W)
+        if variant == "per_position":
+            return words(max(2, self.M), W)
+        if variant == "callable":
+            rows = words(self.M, W)
+            return lambda i, drafts: rows[i]
+        if variant == "none_allowed":
+            return np.zeros(W, np.int32)
+        return None
+
+    # -- steps ------------------------------------------------------------------------------
+    def _alloc(self, call: Call, rng) -> bool:
+        if len(self.model.seqs) >= self.max_states:
+            return False
+        self._count("alloc")
+        try:
+            if call.variant == "budget":
+                self.p.alloc_state_for(max(1, call.size))
+            else:
+                self.p.alloc_state()
+        except KvCacheFull:
+            pass
+        return True
+
+    def _prefill(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("fresh",))
+        if pick is None:
+            return False
+        st, s = pick
+        n = max(1, call.size)
+        self._count("prefill")
+        try:
+            self.p.prefill_drafter(rng.integers(0, self.cfg.vocab_size, n).tolist(), self._h(rng, n), st)
+        except KvCacheFull as e:
+            rows = [max(0, n - 1 - m) for m in range(self.M)] if self.model.mode == "exact" else [n - 1]
+            self._room_expected(s, rows, e)
+        return True
+
+    def _propose_one(self, st: Any, s: SeqModel, call: Call, rng) -> bool:
+        """One propose; True when it drafted."""
+        k = max(1, call.size)
+        skip = int(rng.integers(0, 3)) if self.model.mode == "draft" and call.variant == "skip" else 0
+        P = s.next_position + skip
+        mask = self._mask(rng, call.variant)
+        self._count("propose")
+        try:
+            d = self.p.propose(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], P, k, st,
+                               grammar_bitmask=mask)
+        except NoAllowedToken:
+            assert call.variant == "none_allowed", "NoAllowedToken without a mask that allows nothing"
+            return False
+        except KvCacheFull as e:
+            kk = min(k, self.M)
+            rows = ([max(0, min(P, P + kk - m)) for m in range(self.M)] if self.model.mode == "exact"
+                    else [len(s.keys[m]) + (m < kk) for m in range(self.M)])
+            self._room_expected(s, rows, e)
+            return False
+        assert call.variant != "none_allowed", "a mask that allows nothing drafted"
+        assert self.prop.read_deferred_draft_token(st) == d[-1]
+        return True
+
+    def _propose(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("ready",))
+        if pick is None:
+            return False
+        self._propose_one(*pick, call, rng)
+        return True
+
+    def _propose_batch(self, call: Call, rng) -> bool:
+        ready = [(st, s) for st, s in self.model.seqs.values() if s.phase == "ready"]
+        if not ready:
+            return False
+        start = call.pick % len(ready)
+        group = (ready[start:] + ready[:start])[:max(1, min(call.size, len(ready)))]
+        k = int(rng.integers(1, self.M + 2))
+        masks = [self._mask(rng, str(rng.choice(["none", "one", "callable"]))) for _ in group]
+        self._count("propose_batch")
+        try:
+            self.p.propose_batch([int(t) for t in rng.integers(0, self.cfg.vocab_size, len(group))],
+                                 list(self._h(rng, len(group))), [s.next_position for _, s in group], k,
+                                 [st for st, _ in group], masks)
+        except KvCacheFull:
+            pass
+        return True
+
+    def _verify_one(self, st: Any, s: SeqModel, frac: float) -> None:
+        self._count("verify")
+        self.p.after_verify(int(round(min(max(frac, 0.0), 1.0) * s.k)), st)
+
+    def _verify(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("drafted",))
+        if pick is None:
+            return False
+        self._verify_one(*pick, call.frac)
+        return True
+
+    def _catchup_one(self, st: Any, s: SeqModel, call: Call, rng) -> None:
+        a = s.accepted if s.phase == "catchup" else 0
+        toks = s.drafts[:a]
+        if call.variant == "extend" and self.model.mode == "exact" and s.phase in ("ready", "catchup") and s.tokens:
+            toks = toks + rng.integers(0, self.cfg.vocab_size, int(rng.integers(1, 3))).tolist()
+        hid = self._h(rng, len(toks))
+        self._count("catchup")
+        try:
+            self.p.catchup_drafter(toks, hid, st)
+        except KvCacheFull as e:
+            Hn, T = len(s.hiddens) + len(toks), len(s.tokens) + len(toks) - a
+            self._room_expected(s, [max(0, min(Hn, T - m - 1)) for m in range(self.M)], e)
+
+    def _catchup(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("catchup", "ready"))
+        if pick is None:
+            return False
+        self._catchup_one(*pick, call, rng)
+        return True
+
+    def _round(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("ready",))
+        if pick is None:
+            return False
+        st, s = pick
+        if self._propose_one(st, s, Call("propose", size=call.size, variant="none"), rng):
+            self._verify_one(st, s, call.frac)
+            self._catchup_one(st, s, call, rng)
+        return True
+
+    def _take(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("ready",))
+        if pick is None:
+            return False
+        st, s = pick
+        rows0, last0 = self.prop.drafter_rows(st), self.prop.last_pair_key(st)
+        self._count("take")
+        kv = self.p.take_drafter_kv(st)
+        if kv is not None:
+            assert (kv.rows, kv.last_pair_key) == (rows0, last0)
+            self.carried.append(kv)
+        return True
+
+    def _install(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("fresh",))
+        if pick is None or not self.carried:
+            return False
+        kv = self.carried.pop(int(call.size) % len(self.carried))
+        self._count("install")
+        self.p.install_drafter_kv(pick[0], kv)
+        try:
+            self.p.install_drafter_kv(pick[0], kv)
+            raise AssertionError("a carried entry was installed twice")
+        except StateError:
+            pass
+        return True
+
+    def _free_carried(self, call: Call, rng) -> bool:
+        if not self.carried:
+            return False
+        kv = self.carried.pop(int(call.size) % len(self.carried))
+        self._count("free_carried")
+        self.p.free_drafter_kv(kv)
+        try:
+            self.p.free_drafter_kv(kv)
+            raise AssertionError("a carried entry was freed twice")
+        except StateError:
+            pass
+        return True
+
+    def _free(self, call: Call, rng) -> bool:
+        if len(self.model.seqs) < 2:                   # keep one sequence alive
+            return False
+        pick = self._choose(call, ("fresh", "ready", "drafted", "catchup"))
+        st = pick[0]
+        self._count("free")
+        self.p.free_state(st)
+        try:
+            self.prop.propose(0, self._h(rng)[0], 1, 1, st)
+            raise AssertionError("a freed state was used")
+        except StateError:
+            pass
+        return True
+
+    def _bad_input(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("ready", "drafted"))
+        if pick is None:
+            return False
+        st, s = pick
+        what = call.variant or "token"
+        P, H, V = s.next_position, self.cfg.hidden_size, self.cfg.vocab_size
+        h = self._h(rng)[0]
+        self._count("bad_input")
+        try:
+            if s.phase == "drafted":
+                if what == "accepted":
+                    self.p.after_verify(s.k + 1, st)
+                else:
+                    self.p.propose(0, h, P, 1, st)                           # a verify is pending
+            elif what == "token":
+                self.p.propose(V, h, P, 1, st)
+            elif what == "hidden":
+                self.p.propose(0, np.zeros(H + 1, np.float32), P, 1, st)
+            elif what == "dtype":
+                self.p.propose(0, h.astype(np.float64), P, 1, st)
+            elif what == "nan":
+                self.p.propose(0, np.full(H, np.nan, np.float32), P, 1, st)
+            elif what == "position":
+                self.p.propose(0, h, P - 1, 1, st)
+            elif what == "drafts":
+                self.p.propose(0, h, P, 0, st)
+            elif what == "foreign":
+                self.p.propose(0, h, P, 1, self._foreign_state())
+            elif what == "copy_state":
+                self.p.propose(0, h, P, 1, copy.copy(st))
+            elif what == "copy_carried" and self.carried:
+                self.p.free_drafter_kv(copy.copy(self.carried[call.size % len(self.carried)]))
+            else:
+                self.p.propose(0, h, P, 1, copy.deepcopy(st))
+            raise AssertionError(f"bad input ({what}) was accepted")
+        except (ValueError, TypeError, StateError):
+            pass                                             # the checked proxy saw nothing change
+        return True
+
+    def _foreign_state(self) -> Any:
+        if self._other is None:
+            from ..proposer import MultiModuleMtpHead
+
+            self._other = MultiModuleMtpHead(self.cfg, self.prop.weights, self.prop.backend,
+                                             kv_mode=self.prop.kv_mode, num_blocks=4, block_size=4)
+        return self._other.alloc_state()
+
+    def _reenter(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("ready",))
+        if pick is None:
+            return False
+        st, s = pick
+        what = call.variant or "free_state"
+        prop, h = self.prop, self._h(rng)[0]
+        inner = {"free_state": lambda: prop.free_state(st), "take_drafter_kv": lambda: prop.take_drafter_kv(st),
+                 "propose": lambda: prop.propose(1, h, s.next_position, 1, st),
+                 "after_verify": lambda: prop.after_verify(0, st),
+                 "catchup_drafter": lambda: prop.catchup_drafter([1], h[None], st)}[what]
+        refused = []
+
+        def grammar(i, drafts):
+            try:
+                inner()
+            except StateError as e:
+                refused.append(e)
+                raise
+            raise AssertionError(f"a callback's {what} on the state in use was accepted")
+
+        self._count("reenter")
+        try:
+            self.p.propose(1, h, s.next_position, 2, st, grammar_bitmask=grammar)
+            raise AssertionError("a propose whose callback raised succeeded")
+        except StateError as e:
+            assert refused and "in use" in str(e), e
+        except KvCacheFull:                     # no room: the callback never ran
+            assert not refused
+        return True

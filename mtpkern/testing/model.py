@@ -1,0 +1,227 @@
+"""A model of what a ``MultiModuleMtpHead`` must hold, independent of how it does it.
+
+``ProposerModel`` follows every successful call (``alloc``, ``prefill``,
+``propose``, ``verify``, ``catchup``, ``take``, ``install``, ``free``,
+``free_carried``) and ``check()`` compares the proposer with it:
+
+- the proposer's own invariants (pool accounting, registries, each state's rules);
+- every module's rows: draft mode, the keys SPEC section 2 says each module keeps
+  (module ``m``'s row of a propose survives ``after_verify(a)`` iff ``m <= a``);
+  exact mode, ``max(0, min(Hn, T - m - 1))`` rows, keys ``0 ..`` (``Hn`` hiddens
+  consumed, ``T`` tokens known: verified, plus the drafts awaiting a verify);
+- the counters engines read (``num_verified``, ``next_position``, ``drafted``).
+
+With host FP32 ``weights`` (``reference_weights``), exact-mode drafts are also
+compared with the dense float64 oracle (``mtpkern.testing.oracle``): tiny models
+only. ``fingerprint()`` is what a failed call must leave unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import oracle
+
+MaskFn = Callable[[int, list], Any]
+
+
+@dataclass
+class SeqModel:
+    """One sequence as the model sees it."""
+
+    keys: list[list[int]]                               # draft mode: expected keys per module
+    tokens: list[int] = field(default_factory=list)     # verified tokens t_0 ..
+    hiddens: list = field(default_factory=list)         # consumed target hiddens h_0 .. (host FP32 [H])
+    phase: str = "fresh"                                # fresh | ready | drafted | catchup
+    P: int = 0                                          # position of the last propose
+    k: int = 0                                          # drafts it made
+    drafts: list[int] = field(default_factory=list)
+    accepted: int = 0                                   # of the last verify, still to catch up (exact)
+    budget: int | None = None                           # alloc_state_for's budget_tokens
+
+    @property
+    def next_position(self) -> int:
+        return len(self.tokens)
+
+
+def mask_fn(grammar_bitmask: Any) -> MaskFn | None:
+    """``grammar_bitmask`` in any form ``propose`` takes -> ``(i, drafts) -> [W] words | None``."""
+    if grammar_bitmask is None:
+        return None
+    if callable(grammar_bitmask):
+        return lambda i, drafts: grammar_bitmask(i, list(drafts))
+    a = np.asarray(grammar_bitmask)
+    if a.ndim == 1 or a.shape[0] == 1:
+        row = a.reshape(-1)
+        return lambda i, drafts: row
+    return lambda i, drafts: a[i]
+
+
+def allowed(words: Any, token: int) -> bool:
+    return words is None or bool((int(np.asarray(words).view(np.uint32)[token >> 5]) >> (token & 31)) & 1)
+
+
+def _host(x: Any) -> np.ndarray:
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):
+        x = x.get()
+    return np.asarray(x, np.float32)
+
+
+class ProposerModel:
+    """The expected state of every sequence and carried entry of one proposer."""
+
+    def __init__(self, prop: Any, weights: Any = None):
+        self.prop = prop
+        self.M = prop.num_modules
+        self.mode = prop.kv_mode
+        self.weights = weights
+        self.seqs: dict[int, tuple[Any, SeqModel]] = {}       # id(state) -> (state, model)
+        self.carried: dict[int, tuple[Any, SeqModel]] = {}    # id(DrafterKv) -> (entry, model)
+
+    def new_seq(self, budget: int | None = None) -> SeqModel:
+        return SeqModel([[] for _ in range(self.M)], budget=budget)
+
+    def of(self, st: Any) -> SeqModel:
+        entry = self.seqs.get(id(st))
+        if entry is None or entry[0] is not st:
+            raise KeyError("a state the model does not know (allocated around the checked proposer?)")
+        return entry[1]
+
+    # -- transitions (successful calls) -----------------------------------------------
+    def alloc(self, st: Any, budget: int | None = None) -> None:
+        self.seqs[id(st)] = (st, self.new_seq(budget))
+
+    def prefill(self, st: Any, tokens: Any, hiddens: Any, rows: int) -> None:
+        s = self.of(st)
+        assert s.phase == "fresh", f"prefill_drafter accepted a state in phase {s.phase}"
+        toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        n = len(toks)
+        hid = _host(hiddens).reshape(n, -1)
+        s.tokens, s.hiddens = toks, list(hid[:-1])         # h_{n-1} comes again with the first propose
+        s.keys[0] = list(range(n - 1))
+        s.phase = "ready"
+        want = n - 1 if self.mode == "draft" else sum(max(0, n - 1 - m) for m in range(self.M))
+        assert rows == want, f"prefill_drafter wrote {rows} rows, expected {want}"
+
+    def propose(self, st: Any, last_token: int, hidden: Any, P: int, num_drafts: int, grammar: Any,
+                drafts: list[int]) -> None:
+        s = self.of(st)
+        assert s.phase == "ready", f"propose accepted a state in phase {s.phase}"
+        k = min(int(num_drafts), self.M)
+        assert len(drafts) == k, f"propose returned {len(drafts)} drafts, expected min(num_drafts, M) = {k}"
+        if self.mode == "exact":
+            assert P == s.next_position, f"exact-mode propose accepted position {P}, expected {s.next_position}"
+        else:
+            assert P >= s.next_position, f"draft-mode propose accepted position {P} < {s.next_position}"
+        fn = mask_fn(grammar)
+        for i, d in enumerate(drafts):
+            assert 0 <= d < self.prop.config.vocab_size, f"draft {i} = {d} is outside the vocabulary"
+            if fn is not None:
+                assert allowed(fn(i, drafts[:i]), d), f"draft {i} = {d} violates the grammar mask"
+        if self.mode == "draft" and P > s.next_position:       # positions may skip forward
+            s.tokens += [-1] * (P - s.next_position)           # (unknown tokens; draft mode reads none)
+        s.tokens.append(int(last_token))
+        s.hiddens.append(_host(hidden).reshape(-1))
+        if self.mode == "exact" and self.weights is not None:
+            want = oracle.propose(self.prop.config, self.weights, s.tokens, s.hiddens, k, self.prop.chain,
+                                  masks=fn, target_norm=self.weights.target_norm)
+            assert drafts == want, f"drafts {drafts} differ from the oracle's {want}"
+        for m in range(k):
+            s.keys[m].append(P - 1)
+        s.phase, s.P, s.k, s.drafts = "drafted", P, k, list(drafts)
+
+    def verify(self, st: Any, a: int) -> None:
+        s = self.of(st)
+        assert s.phase == "drafted" and 0 <= a <= s.k, f"after_verify({a}) accepted in phase {s.phase}"
+        for m in range(a + 1, s.k):
+            s.keys[m].pop()
+        s.tokens += s.drafts[:a]
+        s.accepted = a
+        s.phase = "catchup" if self.mode == "exact" and a else "ready"
+
+    def catchup(self, st: Any, tokens: Any, hiddens: Any) -> int:
+        """Returns the rows the call must have written (all modules)."""
+        s = self.of(st)
+        toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        if self.mode == "draft" or not toks:
+            return 0
+        assert s.phase in ("ready", "catchup"), f"catchup_drafter accepted a state in phase {s.phase}"
+        before = sum(self.exact_rows(s))
+        base = len(s.hiddens) + 1                              # sequence index of toks[0]
+        known = s.tokens[base:base + len(toks)]
+        assert toks[:len(known)] == known, f"catchup_drafter accepted tokens {toks}, verified ones are {known}"
+        s.tokens += toks[len(known):]                          # tokens past the verified ones extend it
+        s.hiddens += list(_host(hiddens).reshape(len(toks), -1))
+        s.accepted = 0
+        s.phase = "ready"
+        return sum(self.exact_rows(s)) - before
+
+    def take(self, st: Any, kv: Any) -> None:
+        s = self.of(st)
+        if kv is None:
+            assert not s.tokens, "take_drafter_kv returned None for a state that holds a sequence"
+            return
+        self.carried[id(kv)] = (kv, s)
+        s.budget = None                                        # taking ends the sequence a budget was for
+        self.seqs[id(st)] = (st, self.new_seq())
+
+    def install(self, st: Any, kv: Any) -> None:
+        entry = self.carried.pop(id(kv))
+        old = self.of(st)
+        assert old.phase == "fresh", "install_drafter_kv accepted a state that holds a sequence"
+        entry[1].budget = old.budget
+        self.seqs[id(st)] = (st, entry[1])
+
+    def free(self, st: Any) -> None:
+        del self.seqs[id(st)]
+
+    def free_carried(self, kv: Any) -> None:
+        del self.carried[id(kv)]
+
+    # -- expectations ------------------------------------------------------------------
+    def exact_rows(self, s: SeqModel, extra_tokens: int = 0) -> list[int]:
+        T = len(s.tokens) + (len(s.drafts) if s.phase == "drafted" else 0) + extra_tokens
+        return [max(0, min(len(s.hiddens), T - m - 1)) for m in range(self.M)]
+
+    def fits_budget(self, s: SeqModel, rows_after: list[int]) -> bool:
+        """Whether rows ``rows_after`` per module lie within what ``alloc_state_for``
+        reserved (budget + M tokens per module): a call that stays there must never
+        meet a full pool."""
+        if s.budget is None:
+            return False
+        return max(rows_after) <= s.budget + self.M
+
+    def check(self) -> None:
+        """The proposer agrees with the model (``AssertionError`` naming the first difference)."""
+        prop = self.prop
+        prop.check_invariants()
+        for st, s in self.seqs.values():
+            st.check_invariants()
+            rows = st.rows_per_module()
+            if self.mode == "draft":
+                for m in range(self.M):
+                    got = st.kv[m].keys.to_list()
+                    assert got == s.keys[m], f"module {m}: keys {got}, expected {s.keys[m]}"
+            elif s.phase != "fresh":
+                assert rows == self.exact_rows(s), f"rows {rows}, expected {self.exact_rows(s)}"
+            if s.phase != "fresh":
+                assert st.num_verified == len(s.tokens), f"num_verified {st.num_verified}, expected {len(s.tokens)}"
+            assert st.drafted == (s.phase == "drafted"), f"drafted {st.drafted} in phase {s.phase}"
+        for kv, s in self.carried.values():
+            assert kv.num_verified == len(s.tokens) and not kv.consumed
+
+    def fingerprint(self) -> tuple:
+        """What a failed call must leave as it was: pools, every state and carried entry,
+        the proposer's counters and last drafts."""
+        prop = self.prop
+        pools = tuple((p.num_used, p.reserved) for p in prop.pools)
+        sts = tuple((id(st), tuple(st.rows_per_module()), tuple(tuple(q.blocks) for q in st.kv), st.num_verified,
+                     st.num_hiddens, tuple(st.tail), st.drafted, st.next_position, tuple(st.last_drafts))
+                    for st, _ in self.seqs.values())
+        carried = tuple((id(kv), tuple(map(tuple, kv.blocks)), kv.consumed) for kv, _ in self.carried.values())
+        dev = prop.last_drafts_device
+        stats = (tuple(prop.stats.drafted), tuple(prop.stats.accepted), prop.stats.verifies, prop.clamped_calls)
+        return pools, sts, carried, stats, None if dev is None else prop.backend.to_host(dev).tolist()
