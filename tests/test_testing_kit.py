@@ -24,6 +24,16 @@ H, V = 64, 301
 DOC = Path(__file__).resolve().parents[1] / "docs" / "testing.md"
 
 
+def _checked_state(make_prop, mode, seed, weights=None, n=4):
+    """A checked proposer and a state prefilled with ``n`` tokens."""
+    prop = make_prop(mode)
+    d = checked(prop, weights)
+    rng = np.random.default_rng(seed)
+    st = d.alloc_state()
+    d.prefill_drafter(rng.integers(0, V, n).tolist(), rand_hiddens(rng, n, H), st)
+    return prop, d, st, rng
+
+
 def _round(d, st, rng, a):
     drafts = d.propose(1, rand_hiddens(rng, 1, H)[0], st.next_position, 3, st)
     d.after_verify(a, st)
@@ -49,11 +59,7 @@ def test_a_correct_run_passes(make_prop, tiny_ckpt):
 
 def test_the_seed_designs_trim_is_caught(make_prop, monkeypatch):
     """The Rust engine kept module m's row iff m < a (dropping module a's valid row)."""
-    prop = make_prop("draft")
-    d = checked(prop)
-    rng = np.random.default_rng(1)
-    st = d.alloc_state()
-    d.prefill_drafter([1, 2, 3, 4], rand_hiddens(rng, 4, H), st)
+    prop, d, st, rng = _checked_state(make_prop, "draft", 1)
     mode = prop.mode
 
     def seed_trim(state, P, a, k):
@@ -68,11 +74,7 @@ def test_the_seed_designs_trim_is_caught(make_prop, monkeypatch):
 
 
 def test_a_failed_call_that_changed_state_is_caught(make_prop, monkeypatch):
-    prop = make_prop("exact")
-    d = checked(prop)
-    rng = np.random.default_rng(2)
-    st = d.alloc_state()
-    d.prefill_drafter([1, 2, 3, 4], rand_hiddens(rng, 4, H), st)
+    prop, d, st, rng = _checked_state(make_prop, "exact", 2)
     real = prop.mode.after_verify
 
     def half_done(state, P, a, k):
@@ -86,11 +88,7 @@ def test_a_failed_call_that_changed_state_is_caught(make_prop, monkeypatch):
 
 
 def test_a_wrong_draft_is_caught_by_the_oracle(make_prop, tiny_ckpt, monkeypatch):
-    prop = make_prop("exact")
-    d = checked(prop, reference_weights(tiny_ckpt))
-    rng = np.random.default_rng(3)
-    st = d.alloc_state()
-    d.prefill_drafter(rng.integers(0, V, 6).tolist(), rand_hiddens(rng, 6, H), st)
+    prop, d, st, rng = _checked_state(make_prop, "exact", 3, reference_weights(tiny_ckpt), n=6)
     real = prop._draft_ids
     monkeypatch.setattr(prop, "_draft_ids", lambda m, normed, masks, drafts: (real(m, normed, masks, drafts) + 1) % V)
     with pytest.raises(AssertionError, match="differ from the oracle's"):
