@@ -380,27 +380,34 @@ def _marks(row: dict) -> str:
 
 def plot(plt, res: dict, path: Path) -> None:
     """Propose latency (median, p20-p80 bars) with k = M against context (left) and against
-    batch (right), one line per KV mode and batch / context, the floors dashed."""
-    rows = [r for r in res["propose"] if r["k"] == max(q["k"] for q in res["propose"])]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, x, series in ((left, "context", "batch"), (right, "batch", "context")):
-        for s in sorted({r[series] for r in rows}):
-            for mode in sorted({r["kv_mode"] for r in rows}):
+    batch (right): one colour per batch / context, solid draft, dotted exact, the floor dashed."""
+    k = max(r["k"] for r in res["propose"])
+    rows = [r for r in res["propose"] if r["k"] == k]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, x, series in ((axes[0], "context", "batch"), (axes[1], "batch", "context")):
+        for i, s in enumerate(sorted({r[series] for r in rows})):
+            colour = f"C{i % 10}"
+            for mode, style in (("draft", "-o"), ("exact", ":s")):
                 pts = sorted((r[x], r) for r in rows if r[series] == s and r["kv_mode"] == mode)
-                xs = [p for p, _ in pts]
-                med = np.array([r["median_us"] for _, r in pts]) / 1e3
-                err = np.array([[r["median_us"] - r["p20_us"], r["p80_us"] - r["median_us"]] for _, r in pts]).T
-                ax.errorbar(xs, med, yerr=err / 1e3, marker="o", capsize=3, label=f"{mode}, {series} {s}")
+                if not pts:
+                    continue
+                med = np.array([r["median_us"] for _, r in pts]) / 1e3                      # ms
+                err = np.array([[r["median_us"] - r["p20_us"], r["p80_us"] - r["median_us"]]
+                                for _, r in pts]).T / 1e3
+                ax.errorbar([p for p, _ in pts], med, yerr=err, fmt=style, color=colour, capsize=3,
+                            label=f"{mode}, {series} {s}")
             floor = sorted({(r[x], r["floor_us"]) for r in rows if r[series] == s})
-            ax.plot([p for p, _ in floor], [f / 1e3 for _, f in floor], "k--", linewidth=0.8,
+            ax.plot([p for p, _ in floor], [f / 1e3 for _, f in floor], "--", color=colour, linewidth=0.8,
                     label=f"floor, {series} {s}")
+        values = sorted({r[x] for r in rows})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(values, [str(v) for v in values])
+        ax.minorticks_off()
         ax.set_yscale("log")
-        ax.set_xlabel(f"{x} ({'rows of KV' if x == 'context' else 'sequences'})")
+        ax.set_xlabel("context (rows of KV per sequence)" if x == "context" else "batch (sequences)")
         ax.set_ylabel("propose latency, ms")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    k = rows[0]["k"] if rows else 0
     fig.suptitle(f"mtpkern propose, k={k}: {res['config']}\n{res['backend']}; {res['machine']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
