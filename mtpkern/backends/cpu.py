@@ -132,9 +132,10 @@ def _signature(a):
 def default_threads() -> int:
     """The thread count of ``CpuBackend()``: half the cores Numba may use, at least 1.
 
-    With every core, one other busy process on the machine made the parallel regions
-    wait for a descheduled worker (GNU OpenMP spins, then sleeps): p99 propose latency
-    grew several-fold (docs/cpu.md, "Threads"). An engine has threads of its own."""
+    With every core, one other busy process made each parallel region wait for a
+    descheduled worker: on 2 cores the ``small`` propose went from 7 to 40-50 ms (p99 9 to
+    250-290 ms), where 1 thread stayed at 13 ms (p99 21-26 ms; docs/cpu.md, "Threads").
+    An engine has threads of its own; one that owns the cores passes ``threads=``."""
     return max(1, numba.config.NUMBA_NUM_THREADS // 2)
 
 
