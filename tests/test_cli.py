@@ -57,6 +57,16 @@ def test_demo_cpu_threads(cache_env, capsys, tmp_path):
     assert fig["threads"] == 1 and "1 thread)" in fig["backend"]
 
 
+def test_docs_synthetic_checkpoint_example_runs(tmp_path, capsys):
+    """The paste-able example of docs/cli.md, as written (into tmp_path, not /tmp)."""
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    example = next(b for b in blocks if "write_synthetic_checkpoint" in b)
+    exec(compile(example.replace("/tmp/mtp-tiny", str(tmp_path / "mtp-tiny")), "docs/cli.md", "exec"), {})
+    assert "[0, 0]" not in capsys.readouterr().out          # blocks in use while the state lives
+    assert main(["info", str(tmp_path / "mtp-tiny")]) == 0
+
+
 def test_info(tiny_ckpt):
     r = run("info", str(tiny_ckpt))
     assert "module 2: model.layers.4.*" in r.stdout and "target lm_head.weight: [301, 64] BF16" in r.stdout
