@@ -279,18 +279,19 @@ def require_matplotlib():
     return plt
 
 
-def run(args: argparse.Namespace, backend=None) -> dict[str, Any]:
-    """``mtpkern bench``: print the tables; returns the figures (what ``--json`` writes).
-    ``backend``: a ready Backend (else built from ``--backend`` / ``--threads``)."""
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """``mtpkern bench``: print the tables; returns the figures (what ``--json`` writes)."""
     from .backends import get_backend
     from .progress import warm_up
 
+    if args.plot is not None and args.no_propose:
+        raise ValueError("--plot draws the propose figures: drop --no-propose")
     plt = require_matplotlib() if args.plot is not None else None   # fail before the long part
     make_cfg, default_context = SHAPES[args.shapes]
     cfg = make_cfg()
     contexts = args.contexts or [default_context]
     batches = args.batches
-    be = backend if backend is not None else get_backend(args.backend, threads=args.threads)
+    be = get_backend(args.backend, threads=args.threads)
     warm_up(be)
     threads = getattr(be, "threads", None)
     res: dict[str, Any] = {"shapes": args.shapes, "config": cfg.describe(), "contexts": contexts,
@@ -322,7 +323,7 @@ def run(args: argparse.Namespace, backend=None) -> dict[str, Any]:
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=2))
         print(f"\nwrote {args.json}")
-    if plt is not None and res.get("propose"):
+    if plt is not None:
         plot(plt, res, args.plot)
         print(f"drew {args.plot}")
     return res

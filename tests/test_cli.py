@@ -101,6 +101,7 @@ def _error_cases(tmp_path: Path, config_json: str = "{}") -> dict[str, list[str]
         "bench contexts 0": ["bench", "--contexts", "0"],
         "bench kv-modes": ["bench", "--kv-modes", "draft,fast"],
         "bench runs 0": ["bench", "--runs", "0"],
+        "bench plot without propose": ["bench", "--no-propose", "--plot", str(tmp_path / "p.png")],
         "unknown command": ["frobnicate"],
         "no command": [],
     }
@@ -108,7 +109,8 @@ def _error_cases(tmp_path: Path, config_json: str = "{}") -> dict[str, list[str]
 
 ERROR_NAMES = ["nonexistent", "a file", "no config.json", "bad config.json", "no safetensors", "batch 0",
                "steps -1", "prompt-len x", "threads 0", "threads too many", "threads on numpy",
-               "demo --ckpt file", "bench contexts 0", "bench kv-modes", "bench runs 0", "unknown command",
+               "demo --ckpt file", "bench contexts 0", "bench kv-modes", "bench runs 0",
+               "bench plot without propose", "unknown command",
                "no command"]
 
 
