@@ -162,7 +162,7 @@ class CpuBackend(Backend):
         #: ~5 us a call (the checks of one module's ops took ~100 us at n = 1)
         self._passed: set = set()
 
-    def _here(self) -> None:
+    def _use_threads(self) -> None:
         """Apply ``threads`` to the calling thread (Numba's count is thread-local; ~0.5 us to read)."""
         if numba.get_num_threads() != self.threads:
             numba.set_num_threads(self.threads)
@@ -232,7 +232,7 @@ class CpuBackend(Backend):
             expect_shape("w", w, (H,))
         out = _out("out", out, tuple(x.shape))
         o = out.reshape(-1, H)
-        self._here()
+        self._use_threads()
         norm_k.rmsnorm_kernel(_apart(_act(x).reshape(-1, H), o, same_ok=True), _apart(_act(w), o),
                               np.float32(eps), o)
         return out
@@ -248,7 +248,7 @@ class CpuBackend(Backend):
         e = np.empty((n, H), np.float32)                                     # scratch: normed embeddings
         h = np.empty((n, H), np.float32)                                     # scratch: normed hidden
         out = _out("out", out, (n, H))
-        self._here()
+        self._use_threads()
         norm_k.mtp_input_kernel(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
                                 _weight("eh_w", eh_w), np.float32(eps), e, h, out)
         return out
@@ -268,7 +268,7 @@ class CpuBackend(Backend):
             if residual is not None:
                 out += residual
             return out
-        self._here()
+        self._use_threads()
         linear_k.linear_kernel(x, w, _opt_vec(bias), _opt_mat(residual), out)
         return out
 
@@ -286,7 +286,7 @@ class CpuBackend(Backend):
         _in_range("slots", slots, NB * BS)
         n = qkv.shape[0]
         q = _out("out", out, (n, num_q_heads, D))
-        self._here()
+        self._use_threads()
         rope_kv_k.qk_norm_rope_kv_write_kernel(
             _apart(_act(qkv), q), num_q_heads, num_kv_heads, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
             np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions),
@@ -315,7 +315,7 @@ class CpuBackend(Backend):
         out = _out("out", out, (n, Hq * D))
         # chunks of KV blocks per row: about 2 tasks per thread (n = 1, 2 threads: 4 chunks)
         splits = max(1, min(max_blocks, -(-2 * self.threads // max(n, 1))))
-        self._here()
+        self._use_threads()
         attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables,
                                            row_seq, row_len, np.float32(scale), splits, out.reshape(n, Hq, D))
         return out
@@ -327,7 +327,7 @@ class CpuBackend(Backend):
         logits = np.empty((n, E), np.float32)                                # scratch
         ids = _out("ids", ids, (n, spec.top_k), np.int32)
         weights = _out("weights", weights, (n, spec.top_k))
-        self._here()
+        self._use_threads()
         moe_k.moe_router_kernel(_act(x), _weight("gate_w", gate_w), _act(bias), spec.n_group,
                                 spec.topk_group, spec.scoring == "softmax", spec.norm_topk_prob,
                                 np.float32(spec.routed_scaling_factor), logits, ids, weights)
@@ -339,7 +339,7 @@ class CpuBackend(Backend):
         _in_range("ids", ids, w13.shape[0])
         out = _out("out", out, tuple(x.shape))
         # x is gathered before out is written; residual and weights are read row by row with it
-        self._here()
+        self._use_threads()
         mlp_k.grouped_swiglu_kernel(_act(x), ids, _apart(_act(weights), out), _weight("w13", w13),
                                     _weight("w2", w2), _apart(_opt_mat(residual), out, same_ok=True), out)
         return out
@@ -350,7 +350,7 @@ class CpuBackend(Backend):
         n = x.shape[0]
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
-        self._here()
+        self._use_threads()
         mlp_k.grouped_swiglu_kernel(_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32),
                                     _weight("w13", w13)[None], _weight("w2", w2)[None],
                                     _apart(_opt_mat(residual), out, same_ok=True), out)
@@ -374,7 +374,7 @@ class CpuBackend(Backend):
             bitmask = np.ascontiguousarray(bitmask)
         chunks = max(1, min(_ARGMAX_CHUNKS, V))
         ids = _out("out", out, (n,), np.int32)
-        self._here()
+        self._use_threads()
         none = lm_head_k.lm_head_argmax_kernel(_act(x), _weight("w", w), bitmask, chunks, ids)
         if none >= 0:                                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
