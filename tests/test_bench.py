@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from mtpkern.bench import _marks, fast_fill
+from mtpkern.bench import _marks, fast_fill, propose_bytes, stream_bytes
+from mtpkern.config import small_config
 from mtpkern.cli import main
 from mtpkern.timing import MAX_SPREAD, Timing, floor_error, spread_warning, warnings_of
 
@@ -95,10 +96,32 @@ def test_warnings_of_and_the_table_mark():
     t = Timing(median_us=50, p20_us=40, p80_us=90, p99_us=95, runs=20)
     found = warnings_of(t, floor_us=100.0)
     assert len(found) == 2
-    row = {"median_us": 50, "spread": t.spread, "floor_us": 100.0, "x_floor": 0.5, "warnings": found}
+    row = {"median_us": 50, "spread": t.spread, "floor_us": 100.0, "x_floor": 0.5, "floor_judged": True,
+           "warnings": found}
     assert _marks(row) == f"  ! spread {t.spread:.1f}, below floor"
     assert warnings_of(Timing(100, 98, 102, 103, 20), floor_us=50.0) == []
     assert _marks({"spread": 1.0, "warnings": []}) == ""
+
+
+def test_propose_bytes_counts_the_kv_each_mode_reads():
+    """Draft mode: only module 0 attends over the context (the later modules hold just the
+    row they write); exact mode: every module does. Weights: every drafting module's."""
+    cfg = small_config()
+    kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 4                  # K and V, FP32
+    one = propose_bytes(cfg, 1, 0, 1, 4, "draft")                            # weights of one module
+    assert propose_bytes(cfg, 1, 512, 1, 4, "draft") == one + 512 * kv_row
+    assert propose_bytes(cfg, 1, 512, 1, 4, "exact") == one + 512 * kv_row
+    two = propose_bytes(cfg, 1, 0, 2, 4, "draft")                            # B=2 routes to more experts
+    assert two > one
+    assert propose_bytes(cfg, 3, 512, 2, 4, "draft") == 3 * two + 2 * (512 + 2) * kv_row
+    assert propose_bytes(cfg, 3, 512, 2, 4, "exact") == 3 * two + 2 * 3 * 512 * kv_row
+
+
+def test_stream_bytes_outgrow_the_cache():
+    assert stream_bytes(None) == 256 << 20
+    assert stream_bytes(32 << 20) == 256 << 20
+    assert stream_bytes(480 << 20) == 960 << 20                             # the 2-core VM's L3
+    assert stream_bytes(4 << 30) == 1 << 30
 
 
 def test_fast_fill_keeps_the_kv_write_and_restores_the_ops():
