@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .bench import Timing
 from .config import MtpConfig
+from .timing import Timing
 from .weights import load_weights
 
 
@@ -124,8 +124,7 @@ def make_timer(ckpt: Path, cfg: MtpConfig):
                     g, t = peer.module(m, t, g, pos, *caches[m], L)
                 if i >= warmup:
                     ts.append(time.perf_counter() - t0)
-            a = np.array(ts) * 1e6
-            tm = Timing(float(np.median(a)), float(np.percentile(a, 20)), float(np.percentile(a, 80)), runs)
+            tm = Timing.of(ts)
             if best is None or tm.median_us < best.median_us:
                 best = tm
         return best

@@ -1,93 +1,215 @@
-"""Command line: ``python -m mtpkern demo | info | bench``.
+"""The command line: ``mtpkern demo | info | bench`` (also ``python -m mtpkern ...``).
 
-``demo`` writes a built-in synthetic checkpoint (once, under the cache dir)
-and runs a speculative loop against a simulated verifier that accepts a
-random prefix of each proposal; ``info`` tells what a checkpoint holds;
-``bench`` is the benchmark harness (benchmarks/README.md).
+``demo`` writes a built-in synthetic checkpoint (once, under the cache dir) and
+runs a speculative loop against a simulated verifier; ``info`` tells what a
+checkpoint holds; ``bench`` is the benchmark harness (``mtpkern.bench``).
+docs/cli.md describes every option.
+
+Errors: an mtpkern error, a bad value (``ValueError`` / ``TypeError`` from the
+argument checks) or an OS error reaching ``main`` is printed as one line,
+``mtpkern: error: ...``, and the exit status is 2; ``--debug`` shows the
+traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .config import MtpConfig, small_config, tiny_config
+from . import argtypes, bench
+from .errors import MtpError
 
-DEMO_CONFIGS = {
-    "tiny": tiny_config,
-    "demo": lambda: tiny_config(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-                                vocab_size=8192, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
-                                topk_group=2, moe_intermediate_size=128),
-    "small": small_config,
-}
+DESCRIPTION = """\
+mtpkern drafts tokens for LLM speculative decoding with multi-module MTP heads
+(DeepSeek-V3, GLM-4.5, MiniMax-M2 style: module m has its own weights and paged KV
+cache and drafts token m from module m-1's hidden). An inference engine imports it
+as a Python library; these commands try it out and measure it. Backends: numpy (the
+reference), cpu (Numba), cuda (CuPy RawModule kernels)."""
 
+EPILOG = """\
+examples:
+  {prog} demo                       # a speculative loop on a synthetic checkpoint
+  {prog} demo --kv-mode draft --batch 8
+  {prog} info CHECKPOINT_DIR        # what a checkpoint holds
+  {prog} bench --shapes small --contexts 512,4096 --json out.json --plot out.png
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mtpkern"
+Run '{prog} COMMAND --help' for a command's options; docs/cli.md has them all."""
 
+#: the letters of MtpConfig.describe()
+LEGEND = ("M modules (one draft each), H hidden size, Hq / Hkv query / key-value heads, D head dim, "
+          "rotary: RoPE dims per head, V vocabulary, E routed experts (top-k per token), I expert width")
 
-def synthetic_checkpoint(name: str, seed: int = 0) -> Path:
-    """The built-in synthetic checkpoint ``name`` (written on first use)."""
-    from .weights import write_synthetic_checkpoint
+#: what reaches main() as one line instead of a traceback
+FRIENDLY = (MtpError, ValueError, TypeError, OSError)
 
-    cfg = DEMO_CONFIGS[name]()
-    path = cache_dir() / f"synthetic-{name}-{seed}"
-    if not (path / "config.json").exists():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent if path.parent.exists() else None))
-        write_synthetic_checkpoint(tmp, cfg, seed=seed)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(tmp, path)
-        except OSError:            # another process won the race
-            pass
-    return path
+_log = logging.getLogger("mtpkern")
 
 
-class Progress:
-    """A one-line progress bar on stderr, shown once a run has taken more than a second."""
+class UsageError(Exception):
+    """A command line argparse refused (the message names the argument)."""
 
-    def __init__(self, total: int, label: str):
-        self.total, self.label = total, label
-        self.t0 = time.perf_counter()
-        self.last = 0.0
-        self.shown = False
 
-    def update(self, done: int) -> None:
-        el = time.perf_counter() - self.t0
-        if el < 1.0 or (el - self.last < 0.2 and done < self.total):
-            return
-        self.shown, self.last = True, el
-        frac = done / self.total
-        bar = "#" * int(30 * frac)
-        eta = el / max(frac, 1e-9) - el
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {done}/{self.total}  {el:5.1f}s  eta {eta:5.1f}s")
-        sys.stderr.flush()
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help (unless the help already says it)."""
 
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
+    def _get_help_string(self, action):
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
+
+class _TopFormatter(_Formatter, argparse.RawDescriptionHelpFormatter):
+    """The top-level help: the description and the examples as written."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors become ``UsageError`` (printed by ``main`` as one line)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _common(p: argparse.ArgumentParser, top: bool) -> None:
+    # on a command, SUPPRESS keeps a flag given before the command (mtpkern --debug demo)
+    default = False if top else argparse.SUPPRESS
+    p.add_argument("--debug", action="store_true", default=default,
+                   help="on an error, show the Python traceback instead of one line (default: off)")
+    p.add_argument("-v", "--verbose", action="store_true", default=default,
+                   help="log the mtpkern logger's INFO messages to stderr, e.g. the backend "
+                        "'auto' chose (default: off)")
+
+
+def _backend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="cpu", choices=["auto", "numpy", "cpu", "cuda"],
+                   help="numpy: the reference; cpu: Numba kernels; cuda: CuPy (pip install 'mtpkern[cuda12]'); "
+                        "auto: cuda when a GPU is usable, else cpu")
+    p.add_argument("--threads", type=argtypes.positive_int, default=None, metavar="N",
+                   help="Numba threads of the cpu backend (default: the backend's, half the cores; docs/cpu.md)")
+
+
+def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
+    ap = _Parser(prog=prog, description=DESCRIPTION, epilog=EPILOG.format(prog=prog),
+                 formatter_class=_TopFormatter)
+    _common(ap, top=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    d = sub.add_parser("demo", formatter_class=_Formatter, help="a speculative loop on a built-in synthetic checkpoint",
+                       description="A speculative decoding loop on a built-in synthetic checkpoint (random "
+                                   "weights), against a simulated verifier that accepts a random prefix of "
+                                   "each proposal. Prints drafts/s, propose latency, acceptance per module, "
+                                   "and the KV blocks in use before and after the sequences are freed.")
+    _backend_arguments(d)
+    d.add_argument("--kv-mode", default="exact", choices=["exact", "draft"],
+                   help="exact: each module's KV equals a recomputation over the verified tokens; "
+                        "draft: one row per module per propose (docs/semantics.md)")
+    d.add_argument("--chain", default="prenorm", choices=["prenorm", "postnorm"],
+                   help="the hidden passed from module m to m+1: y, or shared_head_norm(y)")
+    d.add_argument("--config", default="demo", choices=["demo", "small", "tiny"],
+                   help="built-in synthetic checkpoint: tiny (H=64, V=301), demo (H=256, V=8192), "
+                        "small (H=1024, V=32768)")
+    d.add_argument("--ckpt", type=argtypes.checkpoint_dir, default=None, metavar="DIR",
+                   help="use this checkpoint directory instead of the synthetic one (default: the synthetic one)")
+    d.add_argument("--steps", type=argtypes.positive_int, default=200, help="propose / verify steps")
+    d.add_argument("--batch", type=argtypes.positive_int, default=1,
+                   help="sequences proposed together (propose_batch when > 1)")
+    d.add_argument("--prompt-len", type=argtypes.positive_int, default=64,
+                   help="tokens prefilled into each sequence's drafter KV first")
+    d.add_argument("--num-drafts", type=argtypes.positive_int, default=None, metavar="K",
+                   help="drafts asked per propose; above M (the modules) it is clamped to M "
+                        "(default: M, one per module)")
+    d.add_argument("--seed", type=argtypes.nonnegative_int, default=0,
+                   help="seed of the random tokens, hiddens and verifier")
+    d.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="also write the figures as JSON to PATH (default: not written)")
+    _common(d, top=False)
+    d.set_defaults(run=run_demo)
+
+    i = sub.add_parser("info", formatter_class=_Formatter, help="what a checkpoint holds",
+                       description="The config of a checkpoint, then per MTP module its tensors, MiB and "
+                                   "dtypes, and the target tensors it falls back to.")
+    i.add_argument("checkpoint", type=argtypes.checkpoint_dir, metavar="CHECKPOINT_DIR",
+                   help="a directory with config.json and *.safetensors")
+    _common(i, top=False)
+    i.set_defaults(run=run_info)
+
+    b = sub.add_parser("bench", formatter_class=_Formatter, help="the benchmark harness (benchmarks/README.md)",
+                       description="Times every op and the propose step of a backend on a shape set, beside "
+                                   "their memory floors, and marks figures not to be trusted (runs spread "
+                                   "too widely, or a time below its floor). benchmarks/README.md explains "
+                                   "the table.")
+    bench.add_arguments(b)
+    _common(b, top=False)
+    b.set_defaults(run=bench.run)
+    return ap
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its message with line breaks folded (its class when it has none)."""
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def main(argv: list[str] | None = None, prog: str = "mtpkern") -> int:
+    """Run one command; returns the exit status (0, or 2 for an error, printed as one line)."""
+    try:
+        args = build_parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as e:
+        sys.stderr.write(f"mtpkern: error: {one_line(e)}\n")
+        return 2
+    except SystemExit as e:               # --help
+        return e.code if isinstance(e.code, int) else 0
+    if args.verbose:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        _log.addHandler(handler)
+        _log.setLevel(logging.INFO)
+    try:
+        args.run(args)
+    except FRIENDLY as e:
+        if args.debug:
+            raise
+        sys.stderr.write(f"mtpkern: error: {one_line(e)}\n")
+        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        sys.stderr.write("mtpkern: interrupted\n")
+        return 130
+    return 0
+
+
+# -- demo ----------------------------------------------------------------------------------------
 
 def run_demo(args: argparse.Namespace) -> dict:
+    from .backends import get_backend
+    from .progress import Progress, warm_up
     from .proposer import MultiModuleMtpHead
+    from .synthetic import synthetic_checkpoint
 
-    ckpt = Path(args.ckpt) if args.ckpt else synthetic_checkpoint(args.config)
-    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=args.backend, kv_mode=args.kv_mode,
-                                              chain=args.chain)
+    be = get_backend(args.backend, threads=args.threads)
+    ckpt = args.ckpt if args.ckpt else synthetic_checkpoint(args.config, say=print)
+    warm_up(be)
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=args.kv_mode, chain=args.chain)
     cfg = prop.config
     rng = np.random.default_rng(args.seed)
     H, V, M = cfg.hidden_size, cfg.vocab_size, prop.num_modules
-    k = args.num_drafts or M
+    k = min(args.num_drafts or M, M)
     print(f"mtpkern demo: {prop!r}")
-    print(f"checkpoint: {ckpt}")
+    print(f"  ({LEGEND})")
+    print(f"checkpoint: {ckpt}" + ("" if args.ckpt else " (synthetic: random weights, so the drafts are "
+                                                        "random tokens)"))
+    if args.num_drafts and args.num_drafts > M:
+        print(f"--num-drafts {args.num_drafts} is more than the M={M} modules: a propose drafts at most one "
+              f"token per module, so k = {M}")
+    print(f"verifier: simulated. Each step it accepts a uniformly random prefix (0..{k} drafts) of each "
+          f"sequence's proposal, so the acceptance rates below are set by construction (module m: "
+          f"(k - m) / (k + 1)), not measured from the model.")
     seqs = []
     for _ in range(args.batch):
         st = prop.alloc_state_for(args.prompt_len + args.steps * (M + 1) + 1)
@@ -95,15 +217,12 @@ def run_demo(args: argparse.Namespace) -> dict:
         hid = rng.standard_normal((args.prompt_len, H)).astype(np.float32)
         prop.prefill_drafter(toks, hid, st)
         seqs.append([st, args.prompt_len, hid[-1]])
-    # warm-up (first calls compile kernels on the cpu and cuda backends)
-    t_warm = time.perf_counter()
-    for st, P, h in seqs:
-        d = prop.propose(int(rng.integers(0, V)), h, P, k, st)
-        prop.after_verify(0, st)
-    prop.stats.reset()
+    # one untimed step (the cuda backend compiles its kernels and captures its graph here)
     for s in seqs:
+        prop.propose(int(rng.integers(0, V)), s[2], s[1], k, s[0])
+        prop.after_verify(0, s[0])
         s[1] += 1
-    warm = time.perf_counter() - t_warm
+    prop.stats.reset()
     lat = []
     drafted = 0
     bar = Progress(args.steps, "demo")
@@ -130,33 +249,42 @@ def run_demo(args: argparse.Namespace) -> dict:
     stats = prop.stats
     lat_ms = np.array(lat) * 1e3
     out = {
-        "backend": prop.backend.name, "kv_mode": prop.kv_mode, "chain": prop.chain, "batch": len(seqs),
-        "num_drafts": k, "steps": args.steps, "warmup_s": round(warm, 3),
+        "backend": be.describe(), "threads": getattr(be, "threads", None), "kv_mode": prop.kv_mode,
+        "chain": prop.chain, "batch": len(seqs), "num_drafts": k, "steps": args.steps,
         "drafts_per_s": round(drafted / sum(lat), 1),
         "propose_ms_mean": round(float(lat_ms.mean()), 3), "propose_ms_p50": round(float(np.median(lat_ms)), 3),
+        "propose_ms_p99": round(float(np.percentile(lat_ms, 99)), 3),
         "loop_s": round(total, 3),
         "acceptance_per_module": [round(stats.acceptance_rate(m), 3) for m in range(M)],
+        "acceptance_by_construction": [round((k - m) / (k + 1), 3) for m in range(k)],
         "mean_accepted_length": round(stats.mean_accepted_length, 3),
         "kv_blocks_in_use": prop.kv_blocks_in_use(), "kv_blocks_per_module": prop.num_blocks,
     }
-    print(f"backend {out['backend']}, kv_mode {out['kv_mode']}, batch {out['batch']}, k={k}, "
-          f"{args.steps} steps (warm-up {warm:.2f}s)")
-    print(f"  drafts/s            {out['drafts_per_s']:.1f}")
-    print(f"  propose latency     mean {out['propose_ms_mean']:.3f} ms, p50 {out['propose_ms_p50']:.3f} ms")
+    print(f"backend {out['backend']}, kv_mode {out['kv_mode']}, batch {out['batch']}, k={k}, {args.steps} steps")
+    print(f"  drafts/s            {out['drafts_per_s']:.1f}   (draft tokens returned per second of propose "
+          f"time, all sequences together; verify and catch-up not counted)")
+    print(f"  propose latency     mean {out['propose_ms_mean']:.3f} ms, p50 {out['propose_ms_p50']:.3f} ms, "
+          f"p99 {out['propose_ms_p99']:.3f} ms   (one propose{'_batch' if len(seqs) > 1 else ''} call)")
     print("  acceptance/module   " + "  ".join(f"m{m}: {r:.2f}" for m, r in enumerate(out["acceptance_per_module"]))
-          + f"   (mean accepted length {out['mean_accepted_length']:.2f})")
+          + f"   (mean accepted length {out['mean_accepted_length']:.2f}; by construction "
+          + " ".join(f"{r:.2f}" for r in out["acceptance_by_construction"]) + f", {k / 2:.2f})")
     print(f"  KV blocks in use    {out['kv_blocks_in_use']} of {prop.num_blocks} per module")
     for st, _, _ in seqs:
         prop.free_state(st)
     prop.check_invariants()
     print(f"  after free          {prop.kv_blocks_in_use()} blocks in use")
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
     return out
 
 
+# -- info ----------------------------------------------------------------------------------------
+
 def run_info(args: argparse.Namespace) -> dict:
+    from .config import MtpConfig
     from .weights import CheckpointReader
 
-    path = Path(args.checkpoint)
+    path = args.checkpoint
     cfg = MtpConfig.from_json(path / "config.json")
     rd = CheckpointReader(path)
     print(f"{path}: {cfg.describe()}")
@@ -182,40 +310,5 @@ def run_info(args: argparse.Namespace) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mtpkern", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="speculative loop on a built-in synthetic checkpoint")
-    d.add_argument("--backend", default="cpu", choices=["auto", "numpy", "cpu", "cuda"])
-    d.add_argument("--kv-mode", default="exact", choices=["exact", "draft"])
-    d.add_argument("--chain", default="prenorm", choices=["prenorm", "postnorm"])
-    d.add_argument("--config", default="demo", choices=sorted(DEMO_CONFIGS))
-    d.add_argument("--ckpt", default=None, help="use this checkpoint instead of the synthetic one")
-    d.add_argument("--steps", type=int, default=200)
-    d.add_argument("--batch", type=int, default=1)
-    d.add_argument("--prompt-len", type=int, default=64)
-    d.add_argument("--num-drafts", type=int, default=0, help="0: one per module")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--json", default=None, help="also write the figures to this file")
-    i = sub.add_parser("info", help="what a checkpoint holds")
-    i.add_argument("checkpoint")
-    sub.add_parser("bench", help="benchmark harness: python -m mtpkern bench --help", add_help=False)
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from .bench import main as bench_main
-
-        return bench_main(argv[1:])
-    args = ap.parse_args(argv)
-    if args.cmd == "demo":
-        if args.steps < 1 or args.batch < 1 or args.prompt_len < 1:
-            ap.error("--steps, --batch and --prompt-len must be >= 1")
-        out = run_demo(args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=2))
-    else:
-        run_info(args)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="python -m mtpkern"))

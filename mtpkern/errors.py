@@ -21,6 +21,21 @@ class CheckpointError(MtpError, ValueError):
     """A checkpoint tensor is missing, mis-shaped, of the wrong dtype, or unreadable."""
 
 
+class BackendUnavailable(MtpError, RuntimeError):
+    """The backend asked for cannot run here (e.g. ``cuda`` without CuPy or without a device).
+
+    The message says what is missing and, for a missing package, which extra installs it."""
+
+
+class MissingExtra(MtpError, ImportError):
+    """An optional feature needs a package that is not installed; ``extra`` names the
+    ``pip install 'mtpkern[extra]'`` that brings it."""
+
+    def __init__(self, message: str, extra: str):
+        super().__init__(message)
+        self.extra = extra
+
+
 class KvCacheFull(MtpError):
     """A module's KV block pool cannot hold the rows a call needs.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason, with its count (pytest's ``-rs`` gives one per test
+    location: two dozen lines for the same few reasons), and the deselected slow tests."""
+    reasons: Counter[str] = Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if not (reasons or deselected):
+        return
+    terminalreporter.write_sep("-", "skipped and deselected tests, by reason")
+    for reason, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{n:5d} skipped: {reason}")
+    if deselected:
+        terminalreporter.write_line(f"{deselected:5d} deselected: by -m / -k (the default, -m 'not slow', "
+                                    f"leaves out the slow tests; pytest -m slow runs them)")
 
 
 @pytest.fixture(scope="session")

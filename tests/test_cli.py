@@ -1,32 +1,252 @@
-"""The command line: demo (both KV modes, batch), info."""
+"""The command line: demo (both KV modes, batch), info, errors as one line, help, progress."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+from mtpkern import ConfigError
+from mtpkern.backends import cuda_available
+from mtpkern.cli import build_parser, main
+from mtpkern.progress import Progress, WarmUpReport
 
 
-def run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "mtpkern", *args], check=True, capture_output=True, text=True,
+def run(*args, env=None, check=True):
+    return subprocess.run([sys.executable, "-m", "mtpkern", *args], check=check, capture_output=True, text=True,
                           env=env)
 
 
-def test_demo_prints_figures(tmp_path, monkeypatch):
-    import os
+@pytest.fixture
+def cache_env(tmp_path, monkeypatch):
+    """The synthetic checkpoints under tmp_path, in this process and in subprocesses."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return dict(os.environ)
 
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+
+def test_demo_prints_figures(tmp_path, cache_env):
     out = tmp_path / "demo.json"
-    r = run("demo", "--backend", "numpy", "--config", "tiny", "--steps", "12", "--json", str(out), env=env)
-    for needle in ("drafts/s", "propose latency", "acceptance/module", "KV blocks in use", "after free"):
+    r = run("demo", "--backend", "numpy", "--config", "tiny", "--steps", "12", "--json", str(out), env=cache_env)
+    for needle in ("drafts/s", "propose latency", "acceptance/module", "KV blocks in use", "after free",
+                   "verifier: simulated", "by construction", "Hq / Hkv query / key-value heads"):
         assert needle in r.stdout
     fig = json.loads(out.read_text())
     assert fig["kv_mode"] == "exact" and len(fig["acceptance_per_module"]) == 3 and fig["drafts_per_s"] > 0
+    assert fig["acceptance_by_construction"] == [0.75, 0.5, 0.25]
     r = run("demo", "--backend", "numpy", "--config", "tiny", "--steps", "5", "--kv-mode", "draft", "--batch", "3",
-            env=env)
+            env=cache_env)
     assert "batch 3" in r.stdout and "[0, 0, 0] blocks in use" in r.stdout
+
+
+def test_demo_says_num_drafts_is_clamped(cache_env, capsys):
+    assert main(["demo", "--backend", "numpy", "--config", "tiny", "--steps", "2", "--num-drafts", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "--num-drafts 7 is more than the M=3 modules" in out and "k=3" in out
+
+
+def test_demo_cpu_threads(cache_env, capsys, tmp_path):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--config", "tiny", "--steps", "2", "--threads", "1", "--json", str(out)]) == 0
+    fig = json.loads(out.read_text())
+    assert fig["threads"] == 1 and "1 thread)" in fig["backend"]
+
+
+def test_docs_synthetic_checkpoint_example_runs(tmp_path, capsys):
+    """The paste-able example of docs/cli.md, as written (into tmp_path, not /tmp)."""
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    example = next(b for b in blocks if "write_synthetic_checkpoint" in b)
+    exec(compile(example.replace("/tmp/mtp-tiny", str(tmp_path / "mtp-tiny")), "docs/cli.md", "exec"), {})
+    assert "[0, 0]" not in capsys.readouterr().out          # blocks in use while the state lives
+    assert main(["info", str(tmp_path / "mtp-tiny")]) == 0
 
 
 def test_info(tiny_ckpt):
     r = run("info", str(tiny_ckpt))
     assert "module 2: model.layers.4.*" in r.stdout and "target lm_head.weight: [301, 64] BF16" in r.stdout
+
+
+# -- errors: one line, no traceback, exit status 2 -------------------------------------------------
+
+def _error_cases(tmp_path: Path, config_json: str = "{}") -> dict[str, list[str]]:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a checkpoint")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad_config = tmp_path / "bad-config"
+    bad_config.mkdir()
+    (bad_config / "config.json").write_text('{"hidden_size": "big"}')
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(config_json)       # a valid config, no safetensors
+    return {
+        "nonexistent": ["info", str(tmp_path / "nonexistent")],
+        "a file": ["info", str(a_file)],
+        "no config.json": ["info", str(empty)],
+        "bad config.json": ["info", str(bad_config)],
+        "no safetensors": ["info", str(no_weights)],
+        "batch 0": ["demo", "--batch", "0"],
+        "steps -1": ["demo", "--steps", "-1"],
+        "prompt-len x": ["demo", "--prompt-len", "x"],
+        "threads 0": ["demo", "--threads", "0"],
+        "threads too many": ["demo", "--config", "tiny", "--threads", "4096"],
+        "threads on numpy": ["demo", "--config", "tiny", "--backend", "numpy", "--threads", "1"],
+        "demo --ckpt file": ["demo", "--ckpt", str(a_file)],
+        "bench contexts 0": ["bench", "--contexts", "0"],
+        "bench kv-modes": ["bench", "--kv-modes", "draft,fast"],
+        "bench runs 0": ["bench", "--runs", "0"],
+        "bench plot without propose": ["bench", "--no-propose", "--plot", str(tmp_path / "p.png")],
+        "unknown command": ["frobnicate"],
+        "no command": [],
+    }
+
+
+ERROR_NAMES = ["nonexistent", "a file", "no config.json", "bad config.json", "no safetensors", "batch 0",
+               "steps -1", "prompt-len x", "threads 0", "threads too many", "threads on numpy",
+               "demo --ckpt file", "bench contexts 0", "bench kv-modes", "bench runs 0",
+               "bench plot without propose", "unknown command",
+               "no command"]
+
+
+def _assert_one_line_error(rc: int, err: str) -> None:
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mtpkern: error: "), err
+
+
+@pytest.mark.parametrize("case", ERROR_NAMES)
+def test_error_is_one_line_in_process(case, tmp_path, cache_env, capsys, tiny_ckpt):
+    cases = _error_cases(tmp_path, (tiny_ckpt / "config.json").read_text())
+    assert sorted(cases) == sorted(ERROR_NAMES)
+    rc = main(cases[case])
+    _assert_one_line_error(rc, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(cuda_available(), reason="a CUDA device is usable here")
+def test_cuda_without_cupy_names_the_extra(tmp_path, cache_env, capsys):
+    rc = main(["demo", "--backend", "cuda", "--config", "tiny"])
+    err = capsys.readouterr().err
+    _assert_one_line_error(rc, err)
+    assert "mtpkern[cuda12]" in err
+    assert not (tmp_path / "cache").exists()        # refused before writing the checkpoint
+
+
+def test_errors_name_what_is_wrong(tmp_path, cache_env, capsys):
+    cases = _error_cases(tmp_path)
+    want = {"nonexistent": "does not exist", "a file": "which is a file", "batch 0": "argument --batch",
+            "threads on numpy": "only the cpu backend", "no config.json": "has none"}
+    for case, needle in want.items():
+        main(cases[case])
+        assert needle in capsys.readouterr().err, case
+
+
+@pytest.mark.parametrize("case", ["nonexistent", "a file", "batch 0", "bad config.json"])
+def test_error_is_one_line_as_a_command(case, tmp_path, cache_env):
+    r = run(*_error_cases(tmp_path)[case], env=cache_env, check=False)
+    _assert_one_line_error(r.returncode, r.stderr)
+
+
+def test_debug_shows_the_traceback(tmp_path, cache_env):
+    bad = _error_cases(tmp_path)["bad config.json"]
+    with pytest.raises(ConfigError):
+        main(["--debug", *bad])
+    with pytest.raises(ConfigError):
+        main([*bad, "--debug"])
+    r = run("--debug", *bad, env=cache_env, check=False)
+    assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+# -- help ----------------------------------------------------------------------------------------------
+
+def _parsers():
+    top = build_parser("mtpkern")
+    sub = next(a for a in top._actions if a.__class__.__name__ == "_SubParsersAction")
+    return [("", top)] + sorted(sub.choices.items())
+
+
+@pytest.mark.parametrize("name", ["", "demo", "info", "bench"])
+def test_help_lists_every_option_with_its_default(name):
+    parser = dict(_parsers())[name]
+    text = " ".join(parser.format_help().split()).split(" options: ", 1)[1]
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert options
+    # each option's entry in the help: from its first option string to the next option's
+    starts = sorted((text.index(a.option_strings[0] + (" " if len(a.option_strings) == 1 else ",")), a)
+                    for a in options)
+    for (start, a), (end, _) in zip(starts, starts[1:] + [(len(text), None)]):
+        assert a.help, a.option_strings
+        assert "(default: " in text[start:end], text[start:end]
+
+
+def test_help_says_what_mtpkern_is(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mtpkern ")
+    assert "speculative decoding" in out and "multi-module MTP" in out
+
+
+def test_console_forms_call_themselves_by_their_name():
+    r = run("--help")
+    assert r.stdout.startswith("usage: python -m mtpkern ")
+    r = run("bench", "--help")
+    assert r.stdout.startswith("usage: python -m mtpkern bench ")
+    script = Path(sys.executable).parent / "mtpkern"
+    if not script.exists():
+        script = shutil.which("mtpkern")
+    if script is None:
+        pytest.skip("the mtpkern console script is not installed (pip install -e .)")
+    r = subprocess.run([str(script), "demo", "--help"], capture_output=True, text=True, check=True)
+    assert r.stdout.startswith("usage: mtpkern demo ")
+
+
+# -- progress ----------------------------------------------------------------------------------------
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_writes_no_carriage_return_off_a_terminal():
+    pipe, tty = io.StringIO(), _Tty()
+    for stream, lines in ((pipe, False), (tty, False)):
+        bar = Progress(3, "demo", stream=stream, after=0.0, lines=lines)
+        for i in range(1, 4):
+            bar.update(i)
+        bar.close()
+    assert pipe.getvalue() == ""                   # the demo's bar: nothing off a terminal
+    assert "\r" in tty.getvalue()
+    logged = io.StringIO()
+    bar = Progress(3, "kernels", stream=logged, after=0.0, lines=True)
+    for i in range(1, 4):
+        bar.update(i, f"family {i}")
+    bar.close()
+    assert "\r" not in logged.getvalue() and logged.getvalue().count("\n") == 3
+
+
+def test_warm_up_report_speaks_only_when_compiling():
+    quiet = io.StringIO()
+    report = WarmUpReport(quiet, threshold=1e9)     # every family "fast": loaded from the cache
+    for i in range(4):
+        report(i, 3, f"f{i}")
+    report.close()
+    assert quiet.getvalue() == "" and not report.compiled
+    loud = io.StringIO()
+    report = WarmUpReport(loud, threshold=0.0)      # the first family "slow": compiling
+    for i, name in enumerate(["a", "b", "c", ""]):
+        report(i, 3, name)
+    report.close()
+    text = loud.getvalue()
+    assert report.compiled and text.startswith("compiling kernels (first run only")
+    assert "\r" not in text and "next: b" in text and "kernels ready" in text
+
+
+def test_demo_stderr_has_no_carriage_return(cache_env):
+    r = run("demo", "--config", "tiny", "--steps", "3", env=cache_env)
+    assert "\r" not in r.stderr

@@ -12,7 +12,7 @@ them to FP32, the fast backends keep BF16 and widen inside their kernels.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -106,6 +106,14 @@ class Backend(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> int:
+        """Compile (or load from a disk cache) the backend's kernels before the first call
+        needs them, calling ``progress(done, total, name)`` per kernel family; returns how
+        many functions were compiled. The numpy backend has nothing to compile; the cuda
+        backend compiles each family on its first launch (NVRTC, then CuPy's disk cache);
+        both return 0 at once. The cpu backend overrides this."""
+        return 0
 
     # -- ops (signatures and meaning: mtpkern.ops.<family>) -----------------
     @abstractmethod

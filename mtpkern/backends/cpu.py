@@ -14,9 +14,18 @@ C-contiguous FP32, allocates the outputs
 at import. Numba's cache is keyed per source file: a kernel that inlines the
 GEMV core of ``cpu_kernels/linear.py`` keeps its old copy when only that file
 changes, so clear ``cpu_kernels/__pycache__/*.nb[ic]`` after editing it.
+``warm_up`` compiles (or loads) every family up front.
+
+Threads: ``CpuBackend(threads=n)``; the default is ``default_threads()``
+(docs/cpu.md has the measurements behind it). ``numba.set_num_threads`` is
+thread-local (it governs the parallel regions launched from the thread that
+called it), so every launcher applies the backend's count on the calling
+thread: an engine calling from its own worker threads gets it too.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numba
 import numpy as np
@@ -120,15 +129,63 @@ def _signature(a):
     return (a.shape, a.dtype) if isinstance(a, np.ndarray) else a
 
 
+def default_threads() -> int:
+    """The thread count of ``CpuBackend()``: half the cores Numba may use, at least 1.
+
+    With every core, one other busy process made each parallel region wait for a
+    descheduled worker: on 2 cores the ``small`` propose went from 7 to 40-50 ms (p99 9 to
+    250-290 ms), where 1 thread stayed at 13 ms (p99 21-26 ms; docs/cpu.md, "Threads").
+    An engine has threads of its own; one that owns the cores passes ``threads=``."""
+    return max(1, numba.config.NUMBA_NUM_THREADS // 2)
+
+
+def check_threads(threads) -> int:
+    """A thread count for the cpu backend: an int in 1 .. NUMBA_NUM_THREADS."""
+    limit = numba.config.NUMBA_NUM_THREADS
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)):
+        raise TypeError(f"threads: expected an int (1 .. {limit}) or None, got {threads!r}")
+    if not 1 <= threads <= limit:
+        raise ValueError(f"threads: expected 1 .. {limit} (Numba's pool, NUMBA_NUM_THREADS), got {threads}")
+    return int(threads)
+
+
 class CpuBackend(Backend):
+    """``threads``: Numba threads per kernel launch (None: ``default_threads()``)."""
+
     name = "cpu"
     kv_dtype = np.float32
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = default_threads() if threads is None else check_threads(threads)
         #: argument signatures (shapes, dtypes, other arguments) that passed a family's
         #: check: the checks read nothing else, and NumPy's ``dtype.name`` alone costs
         #: ~5 us a call (the checks of one module's ops took ~100 us at n = 1)
         self._passed: set = set()
+
+    def _use_threads(self) -> None:
+        """Apply ``threads`` to the calling thread (Numba's count is thread-local; ~0.5 us to read)."""
+        if numba.get_num_threads() != self.threads:
+            numba.set_num_threads(self.threads)
+
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> int:
+        """Compile, or load from Numba's disk cache, every kernel family for the argument
+        types a propose uses, on tiny inputs (``backends/warm_up.py``). ``progress(done,
+        total, name)`` is called before each family and once at the end (``done == total``,
+        ``name == ""``). Returns how many functions Numba compiled (0: everything came from
+        the cache or was loaded already)."""
+        from numba.core import event
+
+        from .warm_up import family_calls
+
+        calls = family_calls(self)
+        with event.install_recorder("numba:compile") as rec:
+            for i, (name, call) in enumerate(calls):
+                if progress is not None:
+                    progress(i, len(calls), name)
+                call()
+        if progress is not None:
+            progress(len(calls), len(calls), "")
+        return sum(1 for _, ev in rec.buffer if ev.is_start)
 
     def _check(self, check, *args) -> None:
         """``check(*args)``, unless arguments of this signature passed it before."""
@@ -163,7 +220,7 @@ class CpuBackend(Backend):
         return np.zeros((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
 
     def describe(self) -> str:
-        return f"cpu (Numba {numba.__version__}, {numba.get_num_threads()} threads)"
+        return f"cpu (Numba {numba.__version__}, {self.threads} thread{'' if self.threads == 1 else 's'})"
 
     # -- norm ---------------------------------------------------------------
     def rmsnorm(self, x, w, eps: float, *, out=None):
@@ -175,6 +232,7 @@ class CpuBackend(Backend):
             expect_shape("w", w, (H,))
         out = _out("out", out, tuple(x.shape))
         o = out.reshape(-1, H)
+        self._use_threads()
         norm_k.rmsnorm_kernel(_apart(_act(x).reshape(-1, H), o, same_ok=True), _apart(_act(w), o),
                               np.float32(eps), o)
         return out
@@ -190,6 +248,7 @@ class CpuBackend(Backend):
         e = np.empty((n, H), np.float32)                                     # scratch: normed embeddings
         h = np.empty((n, H), np.float32)                                     # scratch: normed hidden
         out = _out("out", out, (n, H))
+        self._use_threads()
         norm_k.mtp_input_kernel(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
                                 _weight("eh_w", eh_w), np.float32(eps), e, h, out)
         return out
@@ -209,6 +268,7 @@ class CpuBackend(Backend):
             if residual is not None:
                 out += residual
             return out
+        self._use_threads()
         linear_k.linear_kernel(x, w, _opt_vec(bias), _opt_mat(residual), out)
         return out
 
@@ -226,6 +286,7 @@ class CpuBackend(Backend):
         _in_range("slots", slots, NB * BS)
         n = qkv.shape[0]
         q = _out("out", out, (n, num_q_heads, D))
+        self._use_threads()
         rope_kv_k.qk_norm_rope_kv_write_kernel(
             _apart(_act(qkv), q), num_q_heads, num_kv_heads, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
             np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions),
@@ -253,7 +314,8 @@ class CpuBackend(Backend):
                              f"got {int(block_tables[row_seq[r], b])}")
         out = _out("out", out, (n, Hq * D))
         # chunks of KV blocks per row: about 2 tasks per thread (n = 1, 2 threads: 4 chunks)
-        splits = max(1, min(max_blocks, -(-2 * numba.get_num_threads() // max(n, 1))))
+        splits = max(1, min(max_blocks, -(-2 * self.threads // max(n, 1))))
+        self._use_threads()
         attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables,
                                            row_seq, row_len, np.float32(scale), splits, out.reshape(n, Hq, D))
         return out
@@ -265,6 +327,7 @@ class CpuBackend(Backend):
         logits = np.empty((n, E), np.float32)                                # scratch
         ids = _out("ids", ids, (n, spec.top_k), np.int32)
         weights = _out("weights", weights, (n, spec.top_k))
+        self._use_threads()
         moe_k.moe_router_kernel(_act(x), _weight("gate_w", gate_w), _act(bias), spec.n_group,
                                 spec.topk_group, spec.scoring == "softmax", spec.norm_topk_prob,
                                 np.float32(spec.routed_scaling_factor), logits, ids, weights)
@@ -276,6 +339,7 @@ class CpuBackend(Backend):
         _in_range("ids", ids, w13.shape[0])
         out = _out("out", out, tuple(x.shape))
         # x is gathered before out is written; residual and weights are read row by row with it
+        self._use_threads()
         mlp_k.grouped_swiglu_kernel(_act(x), ids, _apart(_act(weights), out), _weight("w13", w13),
                                     _weight("w2", w2), _apart(_opt_mat(residual), out, same_ok=True), out)
         return out
@@ -286,6 +350,7 @@ class CpuBackend(Backend):
         n = x.shape[0]
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
+        self._use_threads()
         mlp_k.grouped_swiglu_kernel(_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32),
                                     _weight("w13", w13)[None], _weight("w2", w2)[None],
                                     _apart(_opt_mat(residual), out, same_ok=True), out)
@@ -309,6 +374,7 @@ class CpuBackend(Backend):
             bitmask = np.ascontiguousarray(bitmask)
         chunks = max(1, min(_ARGMAX_CHUNKS, V))
         ids = _out("out", out, (n,), np.int32)
+        self._use_threads()
         none = lm_head_k.lm_head_argmax_kernel(_act(x), _weight("w", w), bitmask, chunks, ids)
         if none >= 0:                                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)

@@ -1,0 +1,94 @@
+"""One tiny call of every kernel family, for ``Backend.warm_up``.
+
+A JIT backend compiles a kernel per argument type (dtype, rank, layout), not per
+shape, so a call on inputs of a few elements compiles (or loads from the disk
+cache) what a real propose will run. The calls use the types the head and the
+proposer pass: FP32 activations, int32 indices (int64 token ids inside
+``mtp_input``), BF16 and FP32 weights through ``prepare_weight``, FP32 vectors
+through ``prepare_vector``, optional bias / residual / bitmask both given and
+absent. Only the ``Backend`` interface is used: any backend can run them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..ops.moe import RouterSpec
+from ..ops.rope_kv import inv_freq
+from .base import Backend
+
+#: tiny shapes: H hidden, Hq/Hkv heads, D head dim, V vocab, E experts (2 groups), I expert width
+H, HQ, HKV, D, V, E, I = 16, 2, 1, 8, 40, 4, 8
+#: rows per call and blocks of the paged KV (block size BS)
+N, NB, BS = 2, 4, 4
+
+
+def family_calls(be: Backend) -> list[tuple[str, Callable[[], object]]]:
+    """(family name, call) for every kernel family, the cheapest to compile first."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    dtypes = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
+
+    def weights(*shape):                                   # the same matrix as BF16 and as FP32
+        w = rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
+        return [be.prepare_weight(w.astype(dt)) for dt in dtypes]
+
+    def act(*shape):
+        return be.from_host(rng.standard_normal(shape).astype(np.float32))
+
+    def vec(k):
+        return be.prepare_vector(np.ones(k, np.float32))
+
+    def idx(a):
+        return be.from_host(np.asarray(a, np.int32))
+
+    x = act(N, H)
+    qkv_w = weights((HQ + 2 * HKV) * D, H)
+    kc, vc = be.empty_kv(NB, BS, HKV, D), be.empty_kv(NB, BS, HKV, D)
+    spec = RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    ids, wts = idx([[0, 1], [2, 3]]), act(N, 2)                # [N, top_k] routing of each row
+    bitmask = idx(np.full((N, -(-V // 32)), -1))
+
+    def mtp_input():
+        for embed, eh in zip(weights(V, H), weights(H, 2 * H)):
+            be.mtp_input(embed, idx([1, 2]), x, vec(H), vec(H), eh, 1e-5)
+
+    def linear():
+        for w in qkv_w:
+            be.linear(x, w)
+            be.linear(x, w, vec(w.shape[0]), act(N, w.shape[0]))
+
+    def rope_kv():
+        be.qk_norm_rope_kv_write(act(N, (HQ + 2 * HKV) * D), HQ, HKV, vec(D), vec(D), 1e-5,
+                                 be.from_host(inv_freq(D // 2, 10000.0)), idx([3, 4]), kc, vc, idx([3, 4]))
+        be.qk_norm_rope_kv_write(act(N, (HQ + 2 * HKV) * D), HQ, HKV, None, None, 1e-5,
+                                 be.from_host(inv_freq(D, 10000.0)), idx([5, 6]), kc, vc, idx([5, 6]))
+
+    def attention():
+        be.paged_attention(act(N, HQ, D), kc, vc, idx([[0, 1], [2, 3]]), idx([0, 1]), idx([5, 7]), D ** -0.5)
+
+    def router():
+        for gate in weights(E, H):
+            be.moe_router(x, gate, vec(E), spec)
+
+    def experts():
+        for w13, w2 in zip(weights(E, 2 * I, H), weights(E, H, I)):
+            be.moe_experts(x, ids, wts, w13, w2, x)
+            be.moe_experts(x, ids, wts, w13, w2)
+
+    def mlp():
+        for w13, w2 in zip(weights(2 * I, H), weights(H, I)):
+            be.swiglu_mlp(x, w13, w2, x)
+
+    def lm_head():
+        for w in weights(V, H):
+            be.lm_head_argmax(x, w)
+            be.lm_head_argmax(x, w, bitmask)
+            be.lm_head_logits(x, w)
+
+    return [("rmsnorm", lambda: be.rmsnorm(x, vec(H), 1e-5)), ("moe_router", router),
+            ("qk_norm_rope_kv_write", rope_kv), ("paged_attention", attention), ("linear", linear),
+            ("mtp_input", mtp_input), ("swiglu_mlp", mlp), ("moe_experts", experts), ("lm_head", lm_head)]

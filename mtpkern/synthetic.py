@@ -1,0 +1,67 @@
+"""The built-in synthetic checkpoints of the demo and the benchmarks.
+
+Random weights in the layout of a real checkpoint (``weights.write_synthetic_checkpoint``),
+written once per (name, seed) under the user's cache directory and reused after.
+The drafts they give are random tokens: they exercise the code, not a model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from .config import MtpConfig, small_config, tiny_config
+
+#: name -> config of each built-in checkpoint (M=3 modules each)
+CONFIGS: dict[str, Callable[[], MtpConfig]] = {
+    # H=64, 4 q / 2 kv heads, D=16, E=8 top-2, V=301: the tests' shapes
+    "tiny": tiny_config,
+    # H=256, 8 q / 2 kv heads, D=32, E=16 top-4, I=128, V=8192: the demo's default
+    "demo": lambda: tiny_config(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                                vocab_size=8192, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                topk_group=2, moe_intermediate_size=128),
+    # H=1024, 16 q / 4 kv heads, D=64, E=32 top-4, 4 groups / 2 kept, I=512, 1 shared, V=32768
+    "small": small_config,
+    # a GLM-4.5-Air-sized module (H=4096, 96 q / 8 kv heads, D=128, E=128 top-8, V=151552)
+    "glm45air": lambda: small_config(hidden_size=4096, num_attention_heads=96, num_key_value_heads=8,
+                                     head_dim=128, n_routed_experts=128, num_experts_per_tok=8, n_group=1,
+                                     topk_group=1, moe_intermediate_size=1408, vocab_size=151552),
+}
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/mtpkern``, else ``~/.cache/mtpkern``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mtpkern"
+
+
+def synthetic_checkpoint(name: str, seed: int = 0, say: Callable[[str], None] | None = None) -> Path:
+    """The directory of the built-in synthetic checkpoint ``name`` (a key of ``CONFIGS``),
+    written on first use; ``say`` gets one line when it has to be written.
+
+    The files are written into a temporary directory beside the final one and renamed
+    into place, so a run killed half-way, or two runs at once, never leave a partial one.
+    """
+    from .weights import write_synthetic_checkpoint
+
+    if name not in CONFIGS:
+        raise ValueError(f"name: expected one of {sorted(CONFIGS)}, got {name!r}")
+    path = cache_dir() / f"synthetic-{name}-{seed}"
+    if (path / "config.json").exists():
+        return path
+    if say is not None:
+        say(f"writing the synthetic {name!r} checkpoint to {path} (once)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        write_synthetic_checkpoint(tmp, CONFIGS[name](), seed=seed)
+        os.replace(tmp, path)
+    except OSError:
+        if not (path / "config.json").exists():   # not another process winning the race: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

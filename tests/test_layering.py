@@ -1,0 +1,83 @@
+"""The import layering: cli -> bench -> the modules below, one way (no cycles).
+
+Reads every module of the package (imports inside functions included, since a lazy
+import is still a dependency) and builds the graph among mtpkern modules."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import mtpkern
+
+ROOT = Path(mtpkern.__file__).parent
+
+#: the command line, the benchmarks and the backends: no import cycle may pass through them
+LAYERED = ("mtpkern.cli", "mtpkern.bench", "mtpkern.bench_torch", "mtpkern.timing", "mtpkern.progress",
+           "mtpkern.synthetic", "mtpkern.argtypes", "mtpkern.errors", "mtpkern.backends")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in ROOT.rglob("*.py"):
+        parts = ("mtpkern",) + p.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return mods
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(pkg[: len(pkg) - node.level + 1]) if node.level else ""
+                mod = ".".join(p for p in (base, node.module or "") if p)
+                subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in mods]
+                # "from . import x" of a submodule depends on x (the package is already loading)
+                targets = subs if subs and len(subs) == len(node.names) else [mod] + subs
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in mods and t != name}
+        graph[name] = deps
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph[todo.pop()] - seen:
+            seen.add(d)
+            todo.append(d)
+    return seen
+
+
+def test_bench_and_cli_import_one_way():
+    g = _graph()
+    assert "mtpkern.bench" in _reachable(g, "mtpkern.cli")
+    for low in ("mtpkern.bench", "mtpkern.bench_torch", "mtpkern.timing", "mtpkern.progress",
+                "mtpkern.synthetic", "mtpkern.argtypes"):
+        assert "mtpkern.cli" not in _reachable(g, low), low
+    for low in ("mtpkern.timing", "mtpkern.progress", "mtpkern.synthetic", "mtpkern.argtypes"):
+        assert not {"mtpkern.bench", "mtpkern.bench_torch"} & _reachable(g, low), low
+
+
+def test_no_import_cycle_through_the_layered_modules():
+    g = _graph()
+    for name in g:
+        if name.startswith(LAYERED):
+            assert name not in _reachable(g, name), f"{name} imports itself through a cycle"
+
+
+@pytest.mark.parametrize("name", sorted(m.name for m in pkgutil.walk_packages(mtpkern.__path__, "mtpkern.")
+                                        if m.name not in ("mtpkern.__main__", "mtpkern.bench_torch")))
+def test_every_module_imports(name):
+    importlib.import_module(name)
