@@ -141,19 +141,23 @@ class MultiModuleMtpHead(DraftProposer):
                         kv_mode: KvMode = "exact", chain: Chain = "prenorm",
                         apply_target_norm: bool = False, block_size: int = 16,
                         num_blocks: int | None = None, max_batch: int = 64,
-                        prefill_chunk: int = 256, cuda_graphs: bool = True) -> "MultiModuleMtpHead":
+                        prefill_chunk: int = 256, cuda_graphs: bool = True,
+                        threads: int | None = None) -> "MultiModuleMtpHead":
         """Load the MTP modules of the checkpoint at ``ckpt_dir`` (``config.json`` + safetensors).
 
         ``apply_target_norm``: the engine hands pre-norm target hiddens; apply the
         target's ``model.norm.weight`` to them first. ``num_blocks``: blocks per
         module pool (default: ``DEFAULT_KV_TOKENS / block_size``). ``cuda_graphs``: on the
         cuda backend, capture the steady-state propose step once per shape and replay it
-        as a CUDA graph (docs/cuda.md); ignored by the other backends.
+        as a CUDA graph (docs/cuda.md); ignored by the other backends. ``threads``: the cpu
+        backend's Numba threads (default: half the cores, so as not to spin against the
+        engine's own threads; docs/cpu.md); refused with numpy, cuda or a Backend object,
+        ignored when ``"auto"`` picks cuda.
         """
         _check_modes(kv_mode, chain)
         apply_target_norm = check_bool("apply_target_norm", apply_target_norm)
         cfg = MtpConfig.from_json(os.path.join(os.fspath(ckpt_dir), "config.json"))
-        be = get_backend(backend)
+        be = get_backend(backend, threads=threads)
         weights = load_weights(ckpt_dir, cfg, be, apply_target_norm=apply_target_norm)
         return cls(cfg, weights, be, kv_mode=kv_mode, chain=chain, block_size=block_size,
                    num_blocks=num_blocks, max_batch=max_batch, prefill_chunk=prefill_chunk,

@@ -103,3 +103,11 @@ def test_threads_apply_on_the_calling_thread():
     be.linear(x, np.ones((3, 8), np.float32))
     assert numba.get_num_threads() == 1
     numba.set_num_threads(POOL)
+
+
+def test_from_pretrained_takes_threads(tiny_ckpt):
+    from mtpkern import MultiModuleMtpHead
+
+    assert MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="cpu", threads=1).backend.threads == 1
+    with pytest.raises(ValueError, match="threads: only the cpu backend"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", threads=1)
