@@ -8,12 +8,12 @@ experts per token, ``I`` expert intermediate size, ``M`` modules.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .files import CONFIG_JSON_CAP, read_json
 
 ScoringFunc = Literal["sigmoid", "softmax"]
 
@@ -240,14 +240,9 @@ class MtpConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "MtpConfig":
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config.json not found at {os.fspath(path)!r}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{os.fspath(path)}: not valid JSON ({e})") from None
-        return cls.from_dict(d)
+        """Read ``path``: a regular file (or a symlink to one) of at most ``CONFIG_JSON_CAP``
+        bytes of UTF-8 JSON."""
+        return cls.from_dict(read_json(path, CONFIG_JSON_CAP, ConfigError))
 
     def to_dict(self) -> dict:
         """A config.json body (Hugging Face names) that ``from_dict`` reads back."""

@@ -31,6 +31,7 @@ import numpy as np
 
 from .config import MtpConfig
 from .errors import CheckpointError
+from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _FLOAT_DTYPES = ("BF16", "F32")
@@ -39,7 +40,12 @@ _SINGLE = "model.safetensors"
 
 
 class CheckpointReader:
-    """Lazy access to tensors of a single-file or sharded safetensors checkpoint."""
+    """Lazy access to tensors of a single-file or sharded safetensors checkpoint.
+
+    With ``model.safetensors.index.json`` the index says which file holds each key;
+    its file names must lie inside the directory (``files.check_member_name``).
+    Without one, every ``*.safetensors`` file is read and a key held by two files is
+    refused: file-name order would otherwise decide silently which copy loads."""
 
     def __init__(self, path: str | os.PathLike):
         from safetensors import safe_open
@@ -48,29 +54,47 @@ class CheckpointReader:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory not found: {os.fspath(path)!r}")
-        self._key_file: dict[str, Path] = {}
         index = self.path / _INDEX
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
-            for key, fname in weight_map.items():
-                self._key_file[key] = self.path / fname
-        else:
-            files = sorted(self.path.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{self.path}: no {_INDEX} and no *.safetensors file")
-            for f in files:
-                for key in self._open(f).keys():
-                    self._key_file[key] = f
+        # lexists: a dangling index symlink is an error to report, not a missing index
+        self._key_file = self._index_map(index) if os.path.lexists(index) else self._scan_files()
         self._handles: dict[Path, Any] = {}
 
+    def _index_map(self, index: Path) -> dict[str, Path]:
+        body = read_json(index, INDEX_JSON_CAP, CheckpointError)
+        weight_map = body.get("weight_map") if isinstance(body, dict) else None
+        if not isinstance(weight_map, dict):
+            got = type(weight_map).__name__ if isinstance(body, dict) else f"a JSON {type(body).__name__}"
+            raise CheckpointError(f"{index}: not a valid safetensors index: expected an object whose "
+                                  f"'weight_map' is an object of tensor -> file name, got {got}")
+        files: dict[str, Path] = {}    # each distinct file name is judged once
+        key_file = {}
+        for key, fname in weight_map.items():
+            f = files.get(fname) if isinstance(fname, str) else None
+            if f is None:
+                check_member_name(fname, f"{index}: weight_map[{key!r}]", CheckpointError)
+                f = files[fname] = self.path / fname
+            key_file[key] = f
+        return key_file
+
+    def _scan_files(self) -> dict[str, Path]:
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no {_INDEX} and no *.safetensors file")
+        key_file: dict[str, Path] = {}
+        for f in files:
+            for key in self._open(f).keys():
+                if key in key_file:
+                    raise CheckpointError(f"{self.path}: tensor {key!r} is in both {key_file[key].name} and "
+                                          f"{f.name}; without {_INDEX} nothing says which one to load")
+                key_file[key] = f
+        return key_file
+
     def _open(self, f: Path):
+        if not os.path.exists(f):
+            raise CheckpointError(f"{f}: shard listed in the index does not exist")
+        require_regular_file(f, CheckpointError)
         try:
             return self._safe_open(os.fspath(f), framework="np")
-        except FileNotFoundError:
-            raise CheckpointError(f"{f}: shard listed in the index does not exist") from None
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
 

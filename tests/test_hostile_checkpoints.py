@@ -1,0 +1,267 @@
+"""Hostile or inconsistent checkpoints: each class is refused at its mechanism, with one
+``ConfigError`` / ``CheckpointError`` line naming the file and the field or tensor
+(docs/checkpoints.md). Classes: non-regular files and JSON caps; index names outside
+the directory; a key in two files without an index; malformed JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mtpkern import CheckpointError, ConfigError, MtpConfig, write_synthetic_checkpoint
+from mtpkern.backends import get_backend
+from mtpkern.config import tiny_config
+from mtpkern.files import CONFIG_JSON_CAP
+from mtpkern.weights import load_weights
+
+CFG = tiny_config()
+NP = get_backend("numpy")
+P0 = f"model.layers.{CFG.num_hidden_layers}."
+INDEX = "model.safetensors.index.json"
+
+
+def _ckpt(tmp_path: Path, name: str = "ckpt", **kw) -> Path:
+    return write_synthetic_checkpoint(tmp_path / name, CFG, dtype="float32", **kw)
+
+
+def _load(path: Path, **kw):
+    """What ``MultiModuleMtpHead.from_pretrained`` does before building the proposer."""
+    cfg = MtpConfig.from_json(path / "config.json")
+    return load_weights(path, cfg, NP, **kw)
+
+
+def _edit_config(path: Path, **changes) -> None:
+    d = json.loads((path / "config.json").read_text())
+    d.update(changes)
+    (path / "config.json").write_text(json.dumps(d))
+
+
+def _edit_tensors(path: Path, fn) -> None:
+    t = load_file(str(path / "model.safetensors"))
+    fn(t)
+    save_file(t, str(path / "model.safetensors"))
+
+
+def _outcome(fn, fifos=(), timeout: float = 5.0) -> BaseException | None:
+    """The exception ``fn()`` raises (None if it returns), failing the test instead of
+    hanging it when ``fn`` blocks on one of ``fifos``: a helper process opens each FIFO
+    for writing after ``timeout`` seconds, which lets a blocked reader go on. A process,
+    not a thread: a reader blocked inside an extension (safetensors) may hold the GIL."""
+    unblock = [subprocess.Popen(["sh", "-c", f'sleep {timeout}; exec 3>"$0"', os.fspath(f)]) for f in fifos]
+    t0 = time.perf_counter()
+    try:
+        fn()
+        err = None
+    except BaseException as e:  # noqa: BLE001 - handed back to the test
+        err = e
+    finally:
+        for p in unblock:
+            p.kill()
+            p.wait()
+    if time.perf_counter() - t0 >= timeout:
+        pytest.fail(f"the load blocked for {timeout} s or more: a file was opened, not refused ({err!r})")
+    return err
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# -- 2. only regular files, JSON read up to a cap -----------------------------------------
+
+def _make_fifo(path: Path) -> Path:
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX, "model-00001-of-00002.safetensors", "model.safetensors"])
+def test_a_fifo_is_refused_without_blocking(tmp_path, name):
+    path = _ckpt(tmp_path, shards=1 if name == "model.safetensors" else 2)
+    fifo = _make_fifo(path / name)
+    err = _outcome(lambda: _load(path), fifos=[fifo])
+    assert isinstance(err, (ConfigError, CheckpointError)), repr(err)
+    assert "is a FIFO" in _one_line(err) and name in str(err)
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX, "model.safetensors"])
+def test_a_symlink_to_a_device_is_refused(tmp_path, name):
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    path = _ckpt(tmp_path, shards=2 if name == INDEX else 1)
+    (path / name).unlink()
+    (path / name).symlink_to("/dev/zero")
+    err = _outcome(lambda: _load(path))
+    assert isinstance(err, (ConfigError, CheckpointError)), repr(err)
+    assert "is a character device" in _one_line(err) and name in str(err)
+
+
+@pytest.mark.parametrize("name", ["config.json", INDEX, "extra.safetensors"])
+def test_a_directory_where_a_file_belongs(tmp_path, name):
+    path = _ckpt(tmp_path, shards=2 if name == INDEX else 1)
+    with contextlib.suppress(FileNotFoundError):
+        (path / name).unlink()
+    (path / name).mkdir()
+    err = _outcome(lambda: _load(path))
+    assert isinstance(err, (ConfigError, CheckpointError)), repr(err)
+    assert "is a directory" in _one_line(err) and name in str(err)
+
+
+def test_config_json_is_read_up_to_its_cap(tmp_path):
+    path = _ckpt(tmp_path)
+    d = json.loads((path / "config.json").read_text())
+    d["padding"] = "x" * CONFIG_JSON_CAP
+    (path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError) as e:
+        _load(path)
+    assert f"cap of {CONFIG_JSON_CAP} bytes" in _one_line(e.value) and "config.json" in str(e.value)
+
+
+def test_the_index_is_read_up_to_its_cap(tmp_path, monkeypatch):
+    import mtpkern.weights as weights
+
+    path = _ckpt(tmp_path, shards=2)
+    monkeypatch.setattr(weights, "INDEX_JSON_CAP", 1000)
+    with pytest.raises(CheckpointError) as e:
+        _load(path)
+    assert "cap of 1000 bytes" in _one_line(e.value) and INDEX in str(e.value)
+
+
+def _hub_snapshot(src: Path, root: Path) -> Path:
+    """``src`` laid out like Hugging Face's hub cache: every file of the snapshot is a
+    relative symlink into ``../../blobs/``."""
+    blobs, snap = root / "blobs", root / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(src.iterdir())):
+        blob = blobs / f"{i:040x}"
+        shutil.copyfile(f, blob)
+        (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
+    return snap
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_symlinked_files_still_load(tmp_path, shards):
+    """Symlinks are never resolved to judge a file: the hub cache's point outside the snapshot."""
+    src = _ckpt(tmp_path, "src", shards=shards)
+    snap = _hub_snapshot(src, tmp_path / "models--org--name")
+    assert all((snap / f.name).is_symlink() for f in src.iterdir())
+    a, b = _load(src), _load(snap)
+    np.testing.assert_array_equal(a.modules[2].experts_w13, b.modules[2].experts_w13)
+
+
+# -- 3. index entries must name files inside the checkpoint directory -----------------------
+
+def test_an_index_entry_outside_the_directory_is_not_followed(tmp_path):
+    path = _ckpt(tmp_path, shards=2)
+    index = json.loads((path / INDEX).read_text())
+    shard = "model-00001-of-00002.safetensors"
+    (tmp_path / "elsewhere").mkdir()
+    (path / shard).rename(tmp_path / "elsewhere" / shard)
+    index["weight_map"] = {k: f"../elsewhere/{shard}" if f == shard else f for k, f in index["weight_map"].items()}
+    (path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as e:
+        _load(path)
+    assert f"'../elsewhere/{shard}' has a '..' component" in _one_line(e.value) and INDEX in str(e.value)
+
+
+@pytest.mark.parametrize("name,why", [
+    ("/tmp/model.safetensors", "is an absolute path"),
+    ("\\\\server\\share\\model.safetensors", "is an absolute path"),
+    ("C:\\models\\model.safetensors", "names a drive"),
+    ("C:model.safetensors", "names a drive"),
+    ("sub/../../model.safetensors", "has a '..' component"),
+    ("..\\model.safetensors", "has a '..' component"),
+    ("model\x00.safetensors", "contains a NUL character"),
+])
+def test_index_file_names_are_judged_by_name(tmp_path, name, why):
+    path = _ckpt(tmp_path, shards=2)
+    index = json.loads((path / INDEX).read_text())
+    key = sorted(index["weight_map"])[0]
+    index["weight_map"][key] = name
+    (path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as e:
+        _load(path)
+    assert why in _one_line(e.value) and f"weight_map[{key!r}]" in str(e.value)
+
+
+# -- 4. a config that disagrees with the tensors ---------------------------------------------
+
+def test_a_key_in_two_files_without_an_index_is_refused(tmp_path):
+    path = _ckpt(tmp_path)
+    key = P0 + "enorm.weight"
+    save_file({key: np.zeros(CFG.hidden_size, np.float32)}, str(path / "model-override.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        _load(path)
+    msg = _one_line(e.value)
+    assert f"{key!r}" in msg and "model-override.safetensors" in msg and "model.safetensors" in msg
+
+
+def test_disjoint_files_without_an_index_still_load(tmp_path):
+    path = _ckpt(tmp_path)
+    t = load_file(str(path / "model.safetensors"))
+    target = {k: t.pop(k) for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")}
+    save_file(t, str(path / "model.safetensors"))
+    save_file(target, str(path / "target.safetensors"))
+    assert len(_load(path).modules) == CFG.num_modules
+
+
+# -- 6. malformed JSON: one error naming the file ------------------------------------------
+
+_DEEP = b'{"a": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+
+_BAD_CONFIG_BODIES = {
+    "not-utf8": (b'{"hidden_size": "\xff\xfe"}', "not UTF-8"),
+    "deep": (_DEEP, "nested too deeply"),
+    "truncated": (b'{"hidden_size": 64', "not valid JSON"),
+    "empty": (b"", "not valid JSON"),
+    "list": (b"[1, 2]", "expected a JSON object, got list"),
+    "null": (b"null", "expected a JSON object, got NoneType"),
+    "duplicate-key": (b'{"hidden_size": 64, "hidden_size": 4096}', "'hidden_size' appears twice"),
+}
+
+
+@pytest.mark.parametrize("body,msg", list(_BAD_CONFIG_BODIES.values()), ids=list(_BAD_CONFIG_BODIES))
+def test_malformed_config_json(tmp_path, body, msg):
+    path = _ckpt(tmp_path)
+    (path / "config.json").write_bytes(body)
+    with pytest.raises(ConfigError) as e:
+        _load(path)
+    assert msg in _one_line(e.value) and "config.json" in str(e.value)
+
+
+_KEY = P0 + "enorm.weight"
+_BAD_INDEX_BODIES = {
+    "weight_map-list": (json.dumps({"weight_map": [_KEY]}).encode(), "got list"),
+    "weight_map-null": (b'{"weight_map": null}', "got NoneType"),
+    "no-weight_map": (b'{"metadata": {}}', "got NoneType"),
+    "top-level-list": (b'[{"weight_map": {}}]', "got a JSON list"),
+    "entry-null": (json.dumps({"weight_map": {_KEY: None}}).encode(), f"weight_map[{_KEY!r}]: expected a file name"),
+    "entry-number": (json.dumps({"weight_map": {_KEY: 5}}).encode(), "got 5"),
+    "entry-empty": (json.dumps({"weight_map": {_KEY: ""}}).encode(), "got ''"),
+    "entry-list": (json.dumps({"weight_map": {_KEY: ["model.safetensors"]}}).encode(), "got ['model.safetensors']"),
+    "not-utf8": (b'{"weight_map": {"\xff": "x"}}', "not UTF-8"),
+    "deep": (_DEEP, "nested too deeply"),
+    "duplicate-key": (('{"weight_map": {"%s": "a.safetensors", "%s": "b.safetensors"}}' % (_KEY, _KEY)).encode(),
+                      "appears twice"),
+}
+
+
+@pytest.mark.parametrize("body,msg", list(_BAD_INDEX_BODIES.values()), ids=list(_BAD_INDEX_BODIES))
+def test_malformed_index(tmp_path, body, msg):
+    path = _ckpt(tmp_path, shards=2)
+    (path / INDEX).write_bytes(body)
+    with pytest.raises(CheckpointError) as e:
+        _load(path)
+    assert msg in _one_line(e.value) and INDEX in str(e.value)
