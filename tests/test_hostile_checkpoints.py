@@ -1,7 +1,8 @@
 """Hostile or inconsistent checkpoints: each class is refused at its mechanism, with one
 ``ConfigError`` / ``CheckpointError`` line naming the file and the field or tensor
-(docs/checkpoints.md). Classes: non-regular files and JSON caps; index names outside
-the directory; a key in two files without an index; malformed JSON."""
+(docs/checkpoints.md). Classes: work bounded before allocating; non-regular files and
+JSON caps; index names outside the directory; config that disagrees with the tensors;
+malformed JSON."""
 
 from __future__ import annotations
 
@@ -76,6 +77,26 @@ def _one_line(e: BaseException) -> str:
     msg = str(e)
     assert "\n" not in msg, msg
     return msg
+
+
+# -- 1. the work is bounded before anything is allocated --------------------------------
+
+def test_router_rows_are_checked_before_the_expert_keys_are_listed(tmp_path, monkeypatch):
+    """A config inside the bounds but larger than the checkpoint: the router's header
+    shape [E, H] is compared with n_routed_experts before E experts' keys are built."""
+    import mtpkern.weights as weights
+
+    path = _ckpt(tmp_path)
+    cfg = tiny_config(n_routed_experts=4096)
+
+    def no_listing(*a, **k):
+        raise AssertionError("the keys of 4096 experts were listed before the router was checked")
+
+    monkeypatch.setattr(weights, "_module_keys", no_listing)
+    with pytest.raises(CheckpointError) as e:
+        load_weights(path, cfg, NP)
+    msg = _one_line(e.value)
+    assert "n_routed_experts = 4096" in msg and f"'{P0}mlp.gate.weight'" in msg and "got [8, 64]" in msg
 
 
 # -- 2. only regular files, JSON read up to a cap -----------------------------------------
@@ -197,6 +218,62 @@ def test_index_file_names_are_judged_by_name(tmp_path, name, why):
 
 
 # -- 4. a config that disagrees with the tensors ---------------------------------------------
+
+_UNUSED = [
+    # (config change, the first unused tensor under module 0 in key order, field named in the message)
+    ({"n_shared_experts": 0}, "mlp.shared_experts.down_proj.weight", "n_shared_experts = 0"),
+    ({"attention_bias": False}, "self_attn.k_proj.bias", "attention_bias = False"),
+    ({"use_qk_norm": False}, "self_attn.k_norm.weight", "use_qk_norm = False"),
+]
+
+
+@pytest.mark.parametrize("change,tensor,field", _UNUSED, ids=[next(iter(c)) for c, _, _ in _UNUSED])
+def test_a_config_field_switching_off_present_tensors_is_refused(tmp_path, change, tensor, field):
+    path = _ckpt(tmp_path)
+    _edit_config(path, **change)
+    with pytest.raises(CheckpointError) as e:
+        _load(path)
+    msg = _one_line(e.value)
+    assert f"'{P0}{tensor}'" in msg and field in msg and "model.safetensors" in msg
+    assert "allow_unused_tensors=True" in msg
+
+
+@pytest.mark.parametrize("extra,why", [
+    (P0 + "self_attn.q_proj.weight_scale_inv", "FP8 scale"),
+    (P0 + "mlp.experts.3.down_proj.weight_scale_inv", "FP8 scale"),
+    (P0 + "self_attn.sinks", "no config field reads it"),
+    (P0 + "mlp.gate_proj.weight", "n_routed_experts = 8"),
+])
+def test_any_unread_tensor_under_a_module_prefix_is_refused(tmp_path, extra, why):
+    path = _ckpt(tmp_path)
+    _edit_tensors(path, lambda t: t.update({extra: np.ones(4, np.float32)}))
+    with pytest.raises(CheckpointError) as e:
+        _load(path)
+    assert f"{extra!r}" in _one_line(e.value) and why in str(e.value)
+
+
+def test_unused_tensors_load_when_allowed_and_are_noted(tmp_path):
+    clean = _load(_ckpt(tmp_path, "clean"))
+    path = _ckpt(tmp_path)
+    _edit_config(path, use_qk_norm=False)
+    with pytest.raises(TypeError, match="allow_unused_tensors"):
+        _load(path, allow_unused_tensors=1)
+    w = _load(path, allow_unused_tensors=True)
+    assert w.modules[0].q_norm is None
+    np.testing.assert_array_equal(w.modules[0].w_qkv, clean.modules[0].w_qkv)
+    assert len(w.notes) == CFG.num_modules and "2 unused tensor(s)" in w.notes[0]
+    assert f"{P0}self_attn.k_norm.weight" in w.notes[0]
+
+
+def test_target_layers_are_not_under_any_module_prefix(tmp_path):
+    path = _ckpt(tmp_path)
+    _edit_tensors(path, lambda t: t.update({
+        "model.layers.0.self_attn.q_proj.weight": np.ones((4, 4), np.float32),
+        "model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv": np.ones(4, np.float32),
+        f"model.layers.{CFG.num_hidden_layers + CFG.num_modules}0.enorm.weight": np.ones(4, np.float32),
+    }))
+    assert _load(path).notes == []
+
 
 def test_a_key_in_two_files_without_an_index_is_refused(tmp_path):
     path = _ckpt(tmp_path)
