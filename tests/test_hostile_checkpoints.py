@@ -2,12 +2,13 @@
 ``ConfigError`` / ``CheckpointError`` line naming the file and the field or tensor
 (docs/checkpoints.md). Classes: work bounded before allocating; non-regular files and
 JSON caps; index names outside the directory; config that disagrees with the tensors;
-malformed JSON."""
+bad numbers; malformed JSON; fields and families that are not implemented."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 from mtpkern import CheckpointError, ConfigError, MtpConfig, write_synthetic_checkpoint
 from mtpkern.backends import get_backend
-from mtpkern.config import tiny_config
+from mtpkern.config import FLOAT_RANGES, INT_RANGES, tiny_config
 from mtpkern.files import CONFIG_JSON_CAP
 from mtpkern.weights import load_weights
 
@@ -81,6 +82,18 @@ def _one_line(e: BaseException) -> str:
 
 # -- 1. the work is bounded before anything is allocated --------------------------------
 
+def test_a_huge_expert_count_fails_fast_naming_the_field(tmp_path):
+    """2**30 experts would build ~3e9 key strings (GBs, tens of seconds) before any tensor
+    is checked; refused at once by the config's bounds."""
+    path = _ckpt(tmp_path)
+    _edit_config(path, n_routed_experts=2**30)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        _load(path)
+    assert time.perf_counter() - t0 < 5.0
+    assert "n_routed_experts" in _one_line(e.value) and str(path / "config.json") in str(e.value)
+
+
 def test_router_rows_are_checked_before_the_expert_keys_are_listed(tmp_path, monkeypatch):
     """A config inside the bounds but larger than the checkpoint: the router's header
     shape [E, H] is compared with n_routed_experts before E experts' keys are built."""
@@ -97,6 +110,27 @@ def test_router_rows_are_checked_before_the_expert_keys_are_listed(tmp_path, mon
         load_weights(path, cfg, NP)
     msg = _one_line(e.value)
     assert "n_routed_experts = 4096" in msg and f"'{P0}mlp.gate.weight'" in msg and "got [8, 64]" in msg
+
+
+_INT_CASES = [(name, v) for name, (lo, hi) in INT_RANGES.items() for v in (lo - 1, hi + 1)]
+
+
+@pytest.mark.parametrize("name,value", _INT_CASES, ids=[f"{n}={v}" for n, v in _INT_CASES])
+def test_every_size_field_is_bounded(name, value):
+    d = CFG.to_dict()
+    d[name] = value
+    with pytest.raises(ConfigError) as e:
+        MtpConfig.from_dict(d)
+    assert f"field {name!r} must be in [" in _one_line(e.value) and str(value) in str(e.value)
+
+
+def test_positions_fit_int32():
+    d = CFG.to_dict()
+    d["max_position_embeddings"] = 2**31 - 1
+    assert MtpConfig.from_dict(d).max_position_embeddings == 2**31 - 1
+    d["max_position_embeddings"] = 2**31
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        MtpConfig.from_dict(d)
 
 
 # -- 2. only regular files, JSON read up to a cap -----------------------------------------
@@ -294,6 +328,23 @@ def test_disjoint_files_without_an_index_still_load(tmp_path):
     assert len(_load(path).modules) == CFG.num_modules
 
 
+# -- 5. numbers: finite and in range -------------------------------------------------------
+
+_BAD_FLOATS = [(name, v) for name in FLOAT_RANGES for v in (math.nan, math.inf, -math.inf, 0.0, -1.0)]
+
+
+@pytest.mark.parametrize("name,value", _BAD_FLOATS, ids=[f"{n}={v}" for n, v in _BAD_FLOATS])
+def test_float_fields_must_be_finite_and_in_range(tmp_path, name, value):
+    """Written as JSON's NaN / Infinity literals, which Python's json reads."""
+    path = _ckpt(tmp_path)
+    d = json.loads((path / "config.json").read_text())
+    (d["rope_parameters"] if name == "rope_theta" else d)[name] = value
+    (path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError) as e:
+        _load(path)
+    assert f"field {name!r} must be" in _one_line(e.value) and str(path / "config.json") in str(e.value)
+
+
 # -- 6. malformed JSON: one error naming the file ------------------------------------------
 
 _DEEP = b'{"a": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
@@ -342,3 +393,99 @@ def test_malformed_index(tmp_path, body, msg):
     with pytest.raises(CheckpointError) as e:
         _load(path)
     assert msg in _one_line(e.value) and INDEX in str(e.value)
+
+
+# -- 7. fields and families that are not implemented ---------------------------------------
+
+_REFUSED = {
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+    "v_head_dim": 128, "index_topk": 2048, "sliding_window": 4096, "use_sliding_window": True,
+    "layer_types": ["full_attention", "sliding_attention"], "hybrid_layer_pattern": [0, 1, 1],
+    "swiglu_limits": [None, 7.0], "swiglu_limit": 7.0, "attention_sink_bias": True,
+    "add_swa_attention_sink_bias": True, "attn_output_gate": True, "attention_value_scale": 0.707,
+    "linear_num_key_heads": 16, "rope_interleave": True, "topk_method": "group_limited_greedy",
+    "partial_rotary_factors": [0.5, 1.0], "mlp_bias": True,
+    # another family's name for a quantity we read, disagreeing with ours
+    "num_experts": 512, "num_local_experts": 9, "moe_num_experts": 16, "rotary_dim": 16,
+    "shared_expert_intermediate_size": 512, "num_mtp_layers": 1, "moe_top_k": 4,
+}
+
+
+@pytest.mark.parametrize("name,value", list(_REFUSED.items()), ids=list(_REFUSED))
+def test_fields_that_change_the_maths_are_refused_by_name(tmp_path, name, value):
+    path = _ckpt(tmp_path)
+    _edit_config(path, **{name: value})
+    with pytest.raises(ConfigError) as e:
+        _load(path)
+    assert f"field {name!r}" in _one_line(e.value) and str(path / "config.json") in str(e.value)
+
+
+def test_fp8_is_refused_by_name():
+    d = dict(CFG.to_dict(), quantization_config={"weight_block_size": [128, 128], "quant_method": "fp8"})
+    with pytest.raises(ConfigError, match=r"'quantization_config' = \{'quant_method': 'fp8', \.\.\.\}.*FP8"):
+        MtpConfig.from_dict(d)
+
+
+_SWITCHED_OFF = {
+    "quantization_config": None, "sliding_window": None, "use_sliding_window": False,
+    "layer_types": ["full_attention"] * 3, "swiglu_limits": [None, None], "topk_method": "noaux_tc",
+    "attention_value_scale": 1.0, "mlp_bias": False, "attn_output_gate": False, "kv_lora_rank": None,
+    "num_experts": CFG.n_routed_experts, "rotary_dim": CFG.rotary_dim, "num_mtp_layers": CFG.num_modules,
+    "shared_expert_intermediate_size": CFG.shared_intermediate_size, "hybrid_layer_pattern": [0, 0],
+}
+
+
+@pytest.mark.parametrize("name,value", list(_SWITCHED_OFF.items()), ids=list(_SWITCHED_OFF))
+def test_the_same_fields_switched_off_or_agreeing_load(name, value):
+    assert MtpConfig.from_dict(dict(CFG.to_dict(), **{name: value})) == CFG
+
+
+def test_a_window_that_is_switched_off_loads():
+    """Qwen2-style: a window size beside use_sliding_window: false."""
+    d = dict(CFG.to_dict(), sliding_window=4096, use_sliding_window=False)
+    assert MtpConfig.from_dict(d) == CFG
+
+
+@pytest.mark.parametrize("change,msg", [
+    ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported; supported: glm4_moe (Glm4MoeForCausalLM)"),
+    ({"model_type": "qwen3_next"}, "model_type 'qwen3_next' is not supported"),
+    ({"model_type": "glm4_moe_lite"}, "model_type 'glm4_moe_lite' is not supported"),
+    ({"model_type": 4}, "model_type 4 is not supported"),
+    ({"architectures": ["Step3p5ForCausalLM"]}, "architecture 'Step3p5ForCausalLM' is not supported; supported: glm4_moe"),
+    ({"architectures": "Glm4MoeForCausalLM"}, "field 'architectures' expected a list of names"),
+    ({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe"}, None),
+    ({"architectures": [], "model_type": "glm4_moe"}, None),
+])
+def test_model_types_and_architectures(change, msg):
+    d = dict(CFG.to_dict(), **change)
+    if msg is None:
+        assert MtpConfig.from_dict(d) == CFG
+        return
+    with pytest.raises(ConfigError) as e:
+        MtpConfig.from_dict(d)
+    assert msg in _one_line(e.value)
+
+
+@pytest.mark.parametrize("rope,msg", [
+    ({"full_attention": {"rope_type": "default", "rope_theta": 5e6}}, "rope_parameters.full_attention is not supported"),
+    ({"rope_type": "default", "factor": 2.0}, "rope_parameters.factor is not supported"),
+    ({"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters.rope_type 'yarn' is not supported"),
+    ({"rope_type": ["default"]}, "rope_type ['default'] is not supported"),
+    ({"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5, "_top": {"rope_theta": 1e4}},
+     "rope_parameters.rope_theta (500000.0) disagrees with the top-level rope_theta (10000.0)"),
+])
+def test_rope_other_than_the_default_is_refused(rope, msg):
+    rope = dict(rope)
+    top = rope.pop("_top", {})
+    with pytest.raises(ConfigError) as e:
+        MtpConfig.from_dict(dict(CFG.to_dict(), rope_parameters=rope, **top))
+    assert msg in _one_line(e.value)
+
+
+def test_a_config_without_model_type_is_read_with_mtpkerns_defaults(tmp_path):
+    """The documented decision (docs/checkpoints.md): hand-written and synthetic configs name no
+    family; they are read in the SPEC layout with MtpConfig's defaults."""
+    path = _ckpt(tmp_path)
+    assert "model_type" not in json.loads((path / "config.json").read_text())
+    assert len(_load(path).modules) == CFG.num_modules
