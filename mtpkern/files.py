@@ -47,6 +47,11 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _require_regular(path: str | os.PathLike, mode: int, error: type[MtpError]) -> None:
+    if not stat.S_ISREG(mode):
+        raise error(f"{os.fspath(path)}: is {_kind(mode)}, expected a regular file (or a symlink to one)")
+
+
 def require_regular_file(path: str | os.PathLike, error: type[MtpError]) -> os.stat_result:
     """``stat`` ``path`` (following symlinks) and refuse anything but a regular file."""
     try:
@@ -55,8 +60,7 @@ def require_regular_file(path: str | os.PathLike, error: type[MtpError]) -> os.s
         raise error(f"{Path(path).name} not found at {os.fspath(path)!r}") from None
     except OSError as e:
         raise error(f"{os.fspath(path)}: cannot be read ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise error(f"{os.fspath(path)}: is {_kind(st.st_mode)}, expected a regular file (or a symlink to one)")
+    _require_regular(path, st.st_mode, error)
     return st
 
 
@@ -74,9 +78,7 @@ def read_capped(path: str | os.PathLike, cap: int, error: type[MtpError]) -> byt
     except OSError as e:
         raise error(f"{os.fspath(path)}: cannot be read ({e.strerror})") from None
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(f.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise error(f"{os.fspath(path)}: is {_kind(mode)}, expected a regular file (or a symlink to one)")
+        _require_regular(path, os.fstat(f.fileno()).st_mode, error)
         data = f.read(cap + 1)
     if len(data) > cap:
         raise error(f"{os.fspath(path)}: more than the cap of {cap} bytes for this file")

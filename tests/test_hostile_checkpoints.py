@@ -135,6 +135,11 @@ def test_positions_fit_int32():
 
 # -- 2. only regular files, JSON read up to a cap -----------------------------------------
 
+def _assert_refused(err: BaseException | None, what: str, name: str) -> None:
+    assert isinstance(err, (ConfigError, CheckpointError)), repr(err)
+    assert what in _one_line(err) and name in str(err)
+
+
 def _make_fifo(path: Path) -> Path:
     path.unlink(missing_ok=True)
     os.mkfifo(path)
@@ -145,9 +150,7 @@ def _make_fifo(path: Path) -> Path:
 def test_a_fifo_is_refused_without_blocking(tmp_path, name):
     path = _ckpt(tmp_path, shards=1 if name == "model.safetensors" else 2)
     fifo = _make_fifo(path / name)
-    err = _outcome(lambda: _load(path), fifos=[fifo])
-    assert isinstance(err, (ConfigError, CheckpointError)), repr(err)
-    assert "is a FIFO" in _one_line(err) and name in str(err)
+    _assert_refused(_outcome(lambda: _load(path), fifos=[fifo]), "is a FIFO", name)
 
 
 @pytest.mark.parametrize("name", ["config.json", INDEX, "model.safetensors"])
@@ -157,9 +160,7 @@ def test_a_symlink_to_a_device_is_refused(tmp_path, name):
     path = _ckpt(tmp_path, shards=2 if name == INDEX else 1)
     (path / name).unlink()
     (path / name).symlink_to("/dev/zero")
-    err = _outcome(lambda: _load(path))
-    assert isinstance(err, (ConfigError, CheckpointError)), repr(err)
-    assert "is a character device" in _one_line(err) and name in str(err)
+    _assert_refused(_outcome(lambda: _load(path)), "is a character device", name)
 
 
 @pytest.mark.parametrize("name", ["config.json", INDEX, "extra.safetensors"])
@@ -168,9 +169,7 @@ def test_a_directory_where_a_file_belongs(tmp_path, name):
     with contextlib.suppress(FileNotFoundError):
         (path / name).unlink()
     (path / name).mkdir()
-    err = _outcome(lambda: _load(path))
-    assert isinstance(err, (ConfigError, CheckpointError)), repr(err)
-    assert "is a directory" in _one_line(err) and name in str(err)
+    _assert_refused(_outcome(lambda: _load(path)), "is a directory", name)
 
 
 def test_config_json_is_read_up_to_its_cap(tmp_path):
