@@ -4,18 +4,178 @@ Field names follow Hugging Face ``Glm4MoeConfig`` / ``DeepseekV3Config``.
 Letters used throughout the project: ``H`` hidden, ``Hq`` / ``Hkv`` query and
 key-value heads, ``D`` head dim, ``V`` vocab, ``E`` routed experts, ``K``
 experts per token, ``I`` expert intermediate size, ``M`` modules.
+
+A config.json is read as a whole and refused, with the field's name, when it
+asks for something mtpkern would otherwise silently get wrong: a model family
+that does not load yet, a field that changes the maths and is not implemented
+(``UNIMPLEMENTED_FIELDS``), another family's name for a quantity that disagrees
+with ours (``SAME_AS``), a number outside its range (``INT_RANGES``,
+``FLOAT_RANGES``). docs/checkpoints.md has the rules and the reasons.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from .errors import ConfigError
+from .files import CONFIG_JSON_CAP, read_json
 
 ScoringFunc = Literal["sigmoid", "softmax"]
+
+# -- what loads today -------------------------------------------------------------
+# Data, in one place, so that a family file (mtpkern/models/, a later issue) can
+# take over its part.
+
+#: model_type -> the architectures a config of that type may name.
+#: GLM-4.5, GLM-4.5-Air, GLM-4.6 and GLM-4.7 are all ``glm4_moe``.
+#: A config with neither field (hand-written, or ``MtpConfig.to_dict``) is read in
+#: the SPEC layout with ``MtpConfig``'s defaults.
+SUPPORTED_MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "glm4_moe": ("Glm4MoeForCausalLM",),
+}
+
+#: Defaults of a family's Hugging Face config class that differ from MtpConfig's.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {"partial_rotary_factor": 0.5},
+}
+
+
+def _off(v: Any, d: dict) -> bool:
+    return v is None or v is False or v == [] or v == {}
+
+
+def _only_full_attention(v: Any, d: dict) -> bool:
+    return _off(v, d) or (isinstance(v, list) and all(t == "full_attention" for t in v))
+
+
+def _all_null(v: Any, d: dict) -> bool:
+    return _off(v, d) or (isinstance(v, list) and all(x is None for x in v))
+
+
+def _all_zero(v: Any, d: dict) -> bool:
+    return _off(v, d) or (isinstance(v, list) and all(x == 0 and x is not False for x in v))
+
+
+def _window_switched_off(v: Any, d: dict) -> bool:
+    # Qwen2-style configs carry a window size next to use_sliding_window: false.
+    return v is None or d.get("use_sliding_window") is False
+
+
+def _noaux_tc(v: Any, d: dict) -> bool:
+    return v is None or v == "noaux_tc"
+
+
+def _one(v: Any, d: dict) -> bool:
+    return v is None or (not isinstance(v, bool) and v == 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Unimplemented:
+    """A config.json field that changes the maths and that mtpkern does not implement
+    yet: refused unless ``off(value, config)``, i.e. unless the value switches it off."""
+
+    reason: str
+    expected: str = "absent or null"
+    off: Callable[[Any, dict], bool] = _off
+
+
+def _group(names: str, reason: str, expected: str = "absent or null",
+           off: Callable[[Any, dict], bool] = _off) -> dict[str, Unimplemented]:
+    return {n: Unimplemented(reason, expected, off) for n in names.split()}
+
+
+_MLA = "multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash, GLM-5, Kimi-K2)"
+_SWA = "sliding-window attention (Step-3.5, MiMo)"
+
+#: Field -> why it is refused. Taken from the published config.json files of the
+#: families planned next (DeepSeek-V3, Step-3.5, MiMo, Qwen3-Next) and of FP8 releases.
+UNIMPLEMENTED_FIELDS: dict[str, Unimplemented] = {
+    **_group("quantization_config", "quantized weights; BF16 and FP32 load today, FP8 is planned"),
+    **_group("kv_lora_rank q_lora_rank qk_rope_head_dim qk_nope_head_dim v_head_dim", _MLA),
+    **_group("index_topk index_n_heads index_head_dim", "DSA sparse-attention indexer (GLM-5, DeepSeek-V3.2)"),
+    **_group("sliding_window", _SWA, "absent, null, or with use_sliding_window: false", _window_switched_off),
+    **_group("use_sliding_window sliding_window_size num_sliding_attention_heads attention_other_setting "
+             "swa_num_attention_heads swa_num_key_value_heads swa_head_dim swa_v_head_dim swa_rope_theta", _SWA),
+    **_group("layer_types mtp_layer_types", "attention other than full (sliding-window, linear)",
+             "absent or only 'full_attention'", _only_full_attention),
+    **_group("hybrid_layer_pattern", _SWA, "absent or all 0", _all_zero),
+    **_group("add_swa_attention_sink_bias add_full_attention_sink_bias use_attention_sink",
+             "attention sinks (Step-3.5, MiMo)", "absent, null or false"),
+    **_group("swiglu_limits swiglu_limits_shared", "SwiGLU clamping (Step-3.5)", "absent or all null", _all_null),
+    **_group("swiglu_limit", "SwiGLU clamping"),
+    **_group("attn_output_gate use_head_wise_attn_gate", "gated attention output (Qwen3-Next, Step-3.5)",
+             "absent, null or false"),
+    **_group("attention_value_scale", "scaled attention values (MiMo)", "absent, null or 1", _one),
+    **_group("partial_rotary_factors", "per-layer RoPE (Step-3.5)"),
+    **_group("rope_interleave", "interleaved RoPE (GLM-4.7-Flash); mtpkern rotates neox-style halves",
+             "absent, null or false"),
+    **_group("linear_num_key_heads linear_num_value_heads linear_key_head_dim linear_value_head_dim "
+             "linear_conv_kernel_dim full_attention_interval", "linear attention (Qwen3-Next)"),
+    **_group("mlp_bias", "biases in the MLP", "absent, null or false"),
+    **_group("topk_method", "routing other than DeepSeek-V3's bias-corrected grouped top-k",
+             "absent or 'noaux_tc'", _noaux_tc),
+}
+
+#: Name prefixes refused like UNIMPLEMENTED_FIELDS (attention_sink, attention_sinks, ...).
+UNIMPLEMENTED_PREFIXES: dict[str, Unimplemented] = {
+    "attention_sink": Unimplemented("attention sinks (Step-3.5, MiMo)", "absent, null or false"),
+}
+
+#: Other families' names for a quantity MtpConfig reads under its own name (an
+#: attribute or property): accepted when they agree, refused when they do not.
+SAME_AS: dict[str, str] = {
+    "num_experts": "n_routed_experts",                 # Qwen3-MoE / Qwen3-Next
+    "num_local_experts": "n_routed_experts",           # Mixtral, MiniMax, MiMo
+    "moe_num_experts": "n_routed_experts",             # Step-3.5
+    "moe_top_k": "num_experts_per_tok",                # Step-3.5
+    "num_shared_experts": "n_shared_experts",          # Kimi, Qwen3.5
+    "shared_expert_intermediate_size": "shared_intermediate_size",  # Qwen3-Next
+    "share_expert_dim": "shared_intermediate_size",    # Step-3.5
+    "moe_router_scaling_factor": "routed_scaling_factor",  # Step-3.5
+    "moe_router_activation": "scoring_func",           # Step-3.5
+    "num_attention_groups": "num_key_value_heads",     # Step-3.5
+    "num_mtp_layers": "num_nextn_predict_layers",      # transformers' attribute name
+    "rotary_dim": "rotary_dim",                        # MiniMax-M2, GPT-J: head_dim * partial_rotary_factor
+    "query_pre_attn_scalar": "head_dim",               # scores are scaled by head_dim ** -0.5
+}
+
+#: Inclusive ranges of the int fields. Generous (4-16x the largest published
+#: config, in the comment), but finite: no config can make the loader or the
+#: proposer loop or allocate without limit.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 1 << 16),               # 16384 (Llama-3.1-405B)
+    "num_attention_heads": (1, 1024),          # 128 (DeepSeek-V3)
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 1024),                     # 256 (Qwen3-Next)
+    "vocab_size": (1, 1 << 22),                # 262144 (Gemma 3)
+    "num_hidden_layers": (0, 4096),            # 126
+    "num_nextn_predict_layers": (1, 64),       # 3 (MiMo, Step-3.5)
+    "intermediate_size": (0, 1 << 20),         # 53248
+    "moe_intermediate_size": (0, 1 << 20),     # 2048
+    "n_routed_experts": (0, 4096),             # 512 (Qwen3-Next)
+    "num_experts_per_tok": (0, 4096),          # 10
+    "n_shared_experts": (0, 64),               # 2
+    "n_group": (1, 4096),                      # 8
+    "topk_group": (1, 4096),
+    "first_k_dense_replace": (0, 4096),
+    "max_position_embeddings": (1, 2**31 - 1),  # kernels index positions in int32
+}
+
+#: Ranges (low, high] of the float fields; every one must also be finite.
+FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (0.0, math.inf),
+    "partial_rotary_factor": (0.0, 1.0),
+    "routed_scaling_factor": (0.0, math.inf),
+}
+
+_BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings")
+#: Keys of rope_parameters / rope_scaling that the default RoPE reads.
+_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+_PREFIX = "config.json: "
 
 
 def _req(d: dict, name: str, typ: type | tuple[type, ...]) -> Any:
@@ -38,7 +198,7 @@ def _typed(name: str, value: Any, typ: type | tuple[type, ...]) -> Any:
         return float(value)
     if not isinstance(value, typ):
         raise ConfigError(
-            f"config.json: field {name!r} expected {_tname(typ)}, got {type(value).__name__} {value!r}"
+            f"config.json: field {name!r} expected {_tname(typ)}, got {type(value).__name__} {_show(value)}"
         )
     return value
 
@@ -47,6 +207,117 @@ def _tname(typ: type | tuple[type, ...]) -> str:
     if isinstance(typ, tuple):
         return " or ".join(t.__name__ for t in typ)
     return typ.__name__
+
+
+def _show(v: Any, limit: int = 60) -> str:
+    """A value for a one-line message, cut at ``limit`` characters."""
+    if isinstance(v, dict) and "quant_method" in v:
+        return f"{{'quant_method': {v['quant_method']!r}, ...}}"
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _supported() -> str:
+    return ", ".join(f"{t} ({' / '.join(a)})" for t, a in SUPPORTED_MODEL_TYPES.items())
+
+
+def _family(d: dict) -> str | None:
+    """The supported model_type the config names (directly or by its architectures),
+    None for a config that names neither."""
+    mt = d.get("model_type")
+    if mt is not None and (not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES):
+        raise ConfigError(f"config.json: model_type {_show(mt)} is not supported; supported: {_supported()}")
+    archs = d.get("architectures")
+    if archs is None or archs == []:
+        return mt
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"config.json: field 'architectures' expected a list of names, got {_show(archs)}")
+    by_arch = {a: t for t, names in SUPPORTED_MODEL_TYPES.items() for a in names}
+    for a in archs:
+        if a not in by_arch:
+            raise ConfigError(f"config.json: architecture {a!r} is not supported; supported: {_supported()}")
+        if mt is not None and by_arch[a] != mt:
+            raise ConfigError(f"config.json: architecture {a!r} is a {by_arch[a]} model, but model_type is {mt!r}")
+    return by_arch[archs[0]]
+
+
+def _refuse_unimplemented(d: dict) -> None:
+    for name, value in d.items():
+        rule = UNIMPLEMENTED_FIELDS.get(name)
+        if rule is None:
+            rule = next((r for p, r in UNIMPLEMENTED_PREFIXES.items() if name.startswith(p)), None)
+        if rule is not None and not rule.off(value, d):
+            raise ConfigError(f"config.json: field {name!r} = {_show(value)} is not supported yet "
+                              f"({rule.reason}); expected it {rule.expected}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
+
+
+def _check_same_as(d: dict, cfg: "MtpConfig") -> None:
+    for name, ours in SAME_AS.items():
+        value = d.get(name)
+        if value is not None and not _same(value, getattr(cfg, ours)):
+            raise ConfigError(f"config.json: field {name!r} = {_show(value)} disagrees with {ours} = "
+                              f"{_show(getattr(cfg, ours))}, which mtpkern reads; expected them equal, or {name!r} absent")
+
+
+def _rope(d: dict, family: str | None) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor), from rope_parameters / rope_scaling or the top level."""
+    rope = d.get("rope_parameters")
+    name = "rope_parameters"
+    if rope is None:
+        rope, name = d.get("rope_scaling") or {}, "rope_scaling"
+    if not isinstance(rope, dict):
+        raise ConfigError(f"config.json: field {name!r} expected an object, got {_show(rope)}")
+    for key in rope:
+        if key not in _ROPE_KEYS:
+            raise ConfigError(f"config.json: {name}.{key} is not supported (the default RoPE reads only "
+                              f"{', '.join(_ROPE_KEYS)}), got {_show(rope[key])}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ConfigError(f"config.json: {name}.rope_type {_show(rope_type)} is not supported; expected 'default'")
+    # Glm4MoeConfig's partial_rotary_factor default is 0.5; DeepseekV3-style configs rotate whole heads.
+    prf_default = FAMILY_DEFAULTS.get(family or "", {}).get("partial_rotary_factor", 1.0)
+    theta = _rope_value(d, rope, name, "rope_theta", 10000.0)
+    prf = _rope_value(d, rope, name, "partial_rotary_factor", prf_default)
+    return theta, prf
+
+
+def _rope_value(d: dict, rope: dict, name: str, key: str, default: float) -> float:
+    """``key`` from the RoPE object, else from the top level, else ``default``; refused
+    when both places give it and they disagree."""
+    inner, outer = _opt(rope, key, float, None), _opt(d, key, float, None)
+    if inner is not None and outer is not None and inner != outer:
+        raise ConfigError(f"config.json: {name}.{key} ({inner}) disagrees with the top-level {key} ({outer})")
+    return next((v for v in (inner, outer) if v is not None), default)
+
+
+def _in_file(e: ConfigError, path: str | os.PathLike) -> str:
+    """The message of ``e`` with the file's path in place of the generic 'config.json: '."""
+    msg = str(e)
+    return f"{os.fspath(path)}: {msg.removeprefix(_PREFIX)}"
+
+
+def _check_ranges(cfg: "MtpConfig") -> None:
+    for name, (lo, hi) in INT_RANGES.items():
+        v = getattr(cfg, name)
+        if type(v) is not int:
+            raise ConfigError(f"config.json: field {name!r} expected int, got {type(v).__name__} {_show(v)}")
+        if not lo <= v <= hi:
+            raise ConfigError(f"config.json: field {name!r} must be in [{lo}, {hi}], got {v}")
+    for name, (lo, hi) in FLOAT_RANGES.items():
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"config.json: field {name!r} expected float, got {type(v).__name__} {_show(v)}")
+        if not (math.isfinite(v) and lo < v <= hi):
+            want = f"finite and > {lo:g}" if hi == math.inf else f"in ({lo:g}, {hi:g}]"
+            raise ConfigError(f"config.json: field {name!r} must be {want}, got {v}")
+    for name in _BOOL_FIELDS:
+        v = getattr(cfg, name)
+        if not isinstance(v, bool):
+            raise ConfigError(f"config.json: field {name!r} expected bool, got {type(v).__name__} {_show(v)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,24 +355,25 @@ class MtpConfig:
     max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
-        def pos(name: str) -> None:
-            v = getattr(self, name)
-            if v <= 0:
-                raise ConfigError(f"config.json: field {name!r} must be > 0, got {v}")
+        _check_ranges(self)
+        self._check_attention()
+        if self.scoring_func not in ("sigmoid", "softmax"):
+            raise ConfigError(
+                f"config.json: field 'scoring_func' expected 'sigmoid' or 'softmax', got {self.scoring_func!r}"
+            )
+        if self.is_moe:
+            self._check_moe()
+        elif self.intermediate_size <= 0:
+            raise ConfigError(
+                "config.json: a dense MTP module needs intermediate_size > 0 "
+                f"(got {self.intermediate_size}); set n_routed_experts for an MoE module"
+            )
 
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "vocab_size", "num_nextn_predict_layers", "max_position_embeddings"):
-            pos(name)
-        if self.num_hidden_layers < 0:
-            raise ConfigError(f"config.json: field 'num_hidden_layers' must be >= 0, got {self.num_hidden_layers}")
+    def _check_attention(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 "config.json: num_attention_heads must be a multiple of num_key_value_heads, got "
                 f"{self.num_attention_heads} and {self.num_key_value_heads}"
-            )
-        if not (0.0 < self.partial_rotary_factor <= 1.0):
-            raise ConfigError(
-                f"config.json: partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
             )
         rd = self.rotary_dim
         if rd < 2 or rd % 2:
@@ -109,33 +381,20 @@ class MtpConfig:
                 f"config.json: head_dim * partial_rotary_factor must be an even number >= 2, "
                 f"got {self.head_dim} * {self.partial_rotary_factor} = {rd}"
             )
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+
+    def _check_moe(self) -> None:
+        for name in ("num_experts_per_tok", "moe_intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: field {name!r} must be > 0 in an MoE module, got {getattr(self, name)}")
+        E, G = self.n_routed_experts, self.n_group
+        if E % G:
+            raise ConfigError(f"config.json: n_routed_experts ({E}) must be a multiple of n_group ({G})")
+        if self.topk_group > G:
+            raise ConfigError(f"config.json: topk_group ({self.topk_group}) must be <= n_group ({G})")
+        if self.num_experts_per_tok > self.topk_group * (E // G):
             raise ConfigError(
-                f"config.json: rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps} and {self.rope_theta}"
-            )
-        if self.scoring_func not in ("sigmoid", "softmax"):
-            raise ConfigError(
-                f"config.json: field 'scoring_func' expected 'sigmoid' or 'softmax', got {self.scoring_func!r}"
-            )
-        if self.is_moe:
-            for name in ("num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"):
-                pos(name)
-            E, G = self.n_routed_experts, self.n_group
-            if E % G:
-                raise ConfigError(f"config.json: n_routed_experts ({E}) must be a multiple of n_group ({G})")
-            if self.topk_group > G:
-                raise ConfigError(f"config.json: topk_group ({self.topk_group}) must be <= n_group ({G})")
-            if self.num_experts_per_tok > self.topk_group * (E // G):
-                raise ConfigError(
-                    f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts in "
-                    f"topk_group groups ({self.topk_group} * {E // G})"
-                )
-            if self.n_shared_experts < 0:
-                raise ConfigError(f"config.json: n_shared_experts must be >= 0, got {self.n_shared_experts}")
-        elif self.intermediate_size <= 0:
-            raise ConfigError(
-                "config.json: a dense MTP module needs intermediate_size > 0 "
-                f"(got {self.intermediate_size}); set n_routed_experts for an MoE module"
+                f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts in "
+                f"topk_group groups ({self.topk_group} * {E // G})"
             )
 
     # -- derived shapes ---------------------------------------------------
@@ -178,43 +437,22 @@ class MtpConfig:
     # -- (de)serialisation ------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict) -> "MtpConfig":
+        """Parse and validate a config.json body; refuse what would load wrongly (module docstring)."""
         if not isinstance(d, dict):
             raise ConfigError(f"config.json: expected a JSON object, got {type(d).__name__}")
-        H = _req(d, "hidden_size", int)
-        Hq = _req(d, "num_attention_heads", int)
-        hd = _opt(d, "head_dim", int, None)
-        if hd is None:
-            if H % Hq:
-                raise ConfigError(
-                    f"config.json: head_dim is missing and hidden_size ({H}) is not a multiple of "
-                    f"num_attention_heads ({Hq})"
-                )
-            hd = H // Hq
-        rope = d.get("rope_parameters")
-        if rope is None:
-            rope = d.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ConfigError(f"config.json: field 'rope_parameters' expected an object, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(
-                f"config.json: rope_parameters.rope_type {rope_type!r} is not supported; expected 'default'"
-            )
-        theta = _opt(rope, "rope_theta", float, None)
-        if theta is None:
-            theta = _opt(d, "rope_theta", float, 10000.0)
-        prf = _opt(rope, "partial_rotary_factor", float, None)
-        if prf is None:
-            # Glm4MoeConfig's default is 0.5; DeepseekV3-style configs rotate whole heads.
-            prf = _opt(d, "partial_rotary_factor", float, 0.5 if d.get("model_type") == "glm4_moe" else 1.0)
+        family = _family(d)
+        _refuse_unimplemented(d)
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise ConfigError(f"config.json: hidden_act expected 'silu', got {act!r}")
-        return cls(
+            raise ConfigError(f"config.json: hidden_act expected 'silu', got {_show(act)}")
+        H = _req(d, "hidden_size", int)
+        Hq = _req(d, "num_attention_heads", int)
+        theta, prf = _rope(d, family)
+        cfg = cls(
             hidden_size=H,
             num_attention_heads=Hq,
             num_key_value_heads=_opt(d, "num_key_value_heads", int, Hq),
-            head_dim=hd,
+            head_dim=_head_dim(d, H, Hq),
             vocab_size=_req(d, "vocab_size", int),
             num_hidden_layers=_req(d, "num_hidden_layers", int),
             num_nextn_predict_layers=_req(d, "num_nextn_predict_layers", int),
@@ -237,17 +475,18 @@ class MtpConfig:
             tie_word_embeddings=_opt(d, "tie_word_embeddings", bool, False),
             max_position_embeddings=_opt(d, "max_position_embeddings", int, 4096),
         )
+        _check_same_as(d, cfg)
+        return cfg
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "MtpConfig":
+        """Read ``path``: a regular file (or a symlink to one) of at most ``CONFIG_JSON_CAP``
+        bytes of UTF-8 JSON. Every error is a ``ConfigError`` naming the file."""
+        d = read_json(path, CONFIG_JSON_CAP, ConfigError)
         try:
-            with open(path, encoding="utf-8") as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config.json not found at {os.fspath(path)!r}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{os.fspath(path)}: not valid JSON ({e})") from None
-        return cls.from_dict(d)
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(_in_file(e, path)) from None
 
     def to_dict(self) -> dict:
         """A config.json body (Hugging Face names) that ``from_dict`` reads back."""
@@ -264,6 +503,20 @@ class MtpConfig:
         return (f"M={self.num_modules} H={self.hidden_size} Hq={self.num_attention_heads} "
                 f"Hkv={self.num_key_value_heads} D={self.head_dim} rotary={self.rotary_dim} "
                 f"V={self.vocab_size} {kind}")
+
+
+def _head_dim(d: dict, H: int, Hq: int) -> int:
+    hd = _opt(d, "head_dim", int, None)
+    if hd is not None:
+        return hd
+    if Hq <= 0:
+        return 0  # refused by the range check of num_attention_heads, which comes first
+    if H % Hq:
+        raise ConfigError(
+            f"config.json: head_dim is missing and hidden_size ({H}) is not a multiple of "
+            f"num_attention_heads ({Hq})"
+        )
+    return H // Hq
 
 
 def tiny_config(**overrides: Any) -> MtpConfig:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -31,6 +32,7 @@ import numpy as np
 
 from .config import MtpConfig
 from .errors import CheckpointError
+from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _FLOAT_DTYPES = ("BF16", "F32")
@@ -39,7 +41,12 @@ _SINGLE = "model.safetensors"
 
 
 class CheckpointReader:
-    """Lazy access to tensors of a single-file or sharded safetensors checkpoint."""
+    """Lazy access to tensors of a single-file or sharded safetensors checkpoint.
+
+    With ``model.safetensors.index.json`` the index says which file holds each key;
+    its file names must lie inside the directory (``files.check_member_name``).
+    Without one, every ``*.safetensors`` file is read and a key held by two files is
+    refused: file-name order would otherwise decide silently which copy loads."""
 
     def __init__(self, path: str | os.PathLike):
         from safetensors import safe_open
@@ -48,29 +55,47 @@ class CheckpointReader:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory not found: {os.fspath(path)!r}")
-        self._key_file: dict[str, Path] = {}
         index = self.path / _INDEX
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
-            for key, fname in weight_map.items():
-                self._key_file[key] = self.path / fname
-        else:
-            files = sorted(self.path.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{self.path}: no {_INDEX} and no *.safetensors file")
-            for f in files:
-                for key in self._open(f).keys():
-                    self._key_file[key] = f
+        # lexists: a dangling index symlink is an error to report, not a missing index
+        self._key_file = self._index_map(index) if os.path.lexists(index) else self._scan_files()
         self._handles: dict[Path, Any] = {}
 
+    def _index_map(self, index: Path) -> dict[str, Path]:
+        body = read_json(index, INDEX_JSON_CAP, CheckpointError)
+        weight_map = body.get("weight_map") if isinstance(body, dict) else None
+        if not isinstance(weight_map, dict):
+            got = type(weight_map).__name__ if isinstance(body, dict) else f"a JSON {type(body).__name__}"
+            raise CheckpointError(f"{index}: not a valid safetensors index: expected an object whose "
+                                  f"'weight_map' is an object of tensor -> file name, got {got}")
+        files: dict[str, Path] = {}    # each distinct file name is judged once
+        key_file = {}
+        for key, fname in weight_map.items():
+            f = files.get(fname) if isinstance(fname, str) else None
+            if f is None:
+                check_member_name(fname, f"{index}: weight_map[{key!r}]", CheckpointError)
+                f = files[fname] = self.path / fname
+            key_file[key] = f
+        return key_file
+
+    def _scan_files(self) -> dict[str, Path]:
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path}: no {_INDEX} and no *.safetensors file")
+        key_file: dict[str, Path] = {}
+        for f in files:
+            for key in self._open(f).keys():
+                if key in key_file:
+                    raise CheckpointError(f"{self.path}: tensor {key!r} is in both {key_file[key].name} and "
+                                          f"{f.name}; without {_INDEX} nothing says which one to load")
+                key_file[key] = f
+        return key_file
+
     def _open(self, f: Path):
+        if not os.path.exists(f):
+            raise CheckpointError(f"{f}: shard listed in the index does not exist")
+        require_regular_file(f, CheckpointError)
         try:
             return self._safe_open(os.fspath(f), framework="np")
-        except FileNotFoundError:
-            raise CheckpointError(f"{f}: shard listed in the index does not exist") from None
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from None
 
@@ -86,6 +111,10 @@ class CheckpointReader:
 
     def has(self, key: str) -> bool:
         return key in self._key_file
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Every key starting with ``prefix`` (e.g. one module's ``model.layers.46.``)."""
+        return [k for k in self._key_file if k.startswith(prefix)]
 
     def file_of(self, key: str) -> Path:
         return self._key_file[key]
@@ -216,9 +245,94 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
     return keys
 
 
-def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_norm: bool = False) -> MtpWeights:
-    """Read every module of the checkpoint at ``path`` onto ``backend``."""
+#: The config field that decides whether a tensor under a module's prefix is read:
+#: (pattern on the key under the prefix, field). First match wins; FP8 scales come
+#: first because they sit beside every quantized weight.
+_TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r".*\.(weight_scale_inv|weight_scale|input_scale)$"), "quantization_config"),
+    (re.compile(r"self_attn\.[qkv]_proj\.bias$"), "attention_bias"),
+    (re.compile(r"self_attn\.[qk]_norm\.weight$"), "use_qk_norm"),
+    (re.compile(r"mlp\.shared_experts\."), "n_shared_experts"),
+    (re.compile(r"mlp\.(gate\.|experts\.|(gate|up|down)_proj\.)"), "n_routed_experts"),  # MoE, or dense MLP
+)
+
+
+def _deciding_field(cfg: MtpConfig, suffix: str) -> str | None:
+    """What decides whether the tensor ``suffix`` (under a module's prefix) is read, if known."""
+    for pattern, name in _TENSOR_FIELDS:
+        if pattern.match(suffix):
+            if name == "quantization_config":
+                return "it is an FP8 scale, and quantized checkpoints are not supported yet"
+            return f"config.json has {name} = {getattr(cfg, name)!r}"
+    return None
+
+
+def _check_router_rows(cfg: MtpConfig, rd: CheckpointReader, pre: str) -> None:
+    """n_routed_experts against the router's header, before the keys of E experts are
+    listed: a config asking for 2**30 experts must not build 3 * 2**30 key strings."""
+    if not cfg.is_moe:
+        return
+    key, E, H = pre + "mlp.gate.weight", cfg.n_routed_experts, cfg.hidden_size
+    if not rd.has(key):
+        raise CheckpointError(f"tensor {key!r} is missing from the checkpoint at {rd.path}; "
+                              f"config.json has n_routed_experts = {E} (an MoE module)")
+    shape, _ = rd.info(key)
+    if shape[:1] != (E,):
+        raise CheckpointError(f"tensor {key!r}: expected shape [{E}, {H}] (one router row per expert, "
+                              f"config.json n_routed_experts = {E}), got {list(shape)}")
+
+
+def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unused: bool,
+                         notes: list[str]) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Module ``m``'s key spec (``_module_keys``), once the checkpoint is known to hold
+    every required key of it and nothing else under the module's prefix.
+
+    The loader reads exactly the spec's keys that are present (the optional
+    ``embed_tokens`` / ``shared_head.head`` when there), so any other key under the
+    prefix would be silently unused: refused unless ``allow_unused``."""
+    pre = f"model.layers.{cfg.layer_index(m)}."
+    _check_router_rows(cfg, rd, pre)
+    spec = _module_keys(cfg, m)
+    for suffix, (_, required) in spec.items():
+        if required and not rd.has(pre + suffix):
+            why = _deciding_field(cfg, suffix)
+            raise CheckpointError(f"tensor {pre + suffix!r} is missing from the checkpoint at {rd.path} "
+                                  f"(module {m} of {cfg.num_modules}){'; ' + why if why else ''}")
+    unused = sorted(k for k in rd.keys_under(pre) if k[len(pre):] not in spec)
+    if unused:
+        _refuse_or_note_unused(cfg, rd, m, pre, unused, allow_unused, notes)
+    return spec
+
+
+def _refuse_or_note_unused(cfg: MtpConfig, rd: CheckpointReader, m: int, pre: str, unused: list[str],
+                           allow_unused: bool, notes: list[str]) -> None:
+    if allow_unused:
+        notes.append(f"module {m}: {len(unused)} unused tensor(s) not loaded (allow_unused_tensors=True): "
+                     f"{', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}")
+        return
+    first = unused[0]
+    why = _deciding_field(cfg, first[len(pre):]) or "no config field reads it"
+    more = f" (and {len(unused) - 1} more unused under {pre!r})" if len(unused) > 1 else ""
+    raise CheckpointError(f"tensor {first!r} in {rd.file_of(first)} would not be used: {why}{more}; "
+                          f"pass allow_unused_tensors=True to load without it")
+
+
+def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_norm: bool = False, *,
+                 allow_unused_tensors: bool = False) -> MtpWeights:
+    """Read every module of the checkpoint at ``path`` onto ``backend``.
+
+    Before a module's tensors are read, what ``cfg`` implies is compared with what the
+    checkpoint holds under the module's prefix: a required tensor that is missing, or a
+    tensor there that the config would not read (``use_qk_norm: false`` beside
+    ``q_norm.weight``, ``n_shared_experts: 0`` beside shared experts, an FP8 scale, an
+    unknown name) raises ``CheckpointError`` naming the tensor and the config field.
+    ``allow_unused_tensors=True`` loads without the unused tensors and lists them in
+    ``MtpWeights.notes``. Tensors outside the modules' prefixes (the target's) are ignored.
+    """
+    if not isinstance(allow_unused_tensors, bool):
+        raise TypeError(f"allow_unused_tensors: expected a bool, got {allow_unused_tensors!r}")
     rd = CheckpointReader(path)
+    notes: list[str] = []
     nbytes = 0
     by_key: dict[str, Any] = {}        # checkpoint key -> prepared [V, H] matrix
     by_digest: dict[bytes, Any] = {}   # content digest -> prepared [V, H] matrix
@@ -254,11 +368,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     modules = []
     for m in range(cfg.num_modules):
         pre = f"model.layers.{cfg.layer_index(m)}."
-        spec = _module_keys(cfg, m)
-        for suffix, (_, required) in spec.items():
-            if required and not rd.has(pre + suffix):
-                raise CheckpointError(f"tensor {pre + suffix!r} is missing from the checkpoint at {rd.path} "
-                                      f"(module {m} of {cfg.num_modules})")
+        spec = _checked_module_keys(cfg, rd, m, allow_unused_tensors, notes)
 
         def w(suffix, dtypes=_FLOAT_DTYPES, pre=pre, spec=spec):
             return read(pre + suffix, spec[suffix][0], dtypes)
@@ -307,7 +417,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             raise CheckpointError("apply_target_norm=True needs the target's 'model.norm.weight', "
                                   f"missing from the checkpoint at {rd.path}")
         target_norm = backend.prepare_vector(read("model.norm.weight", (H,)))
-    return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest))
+    return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest), notes)
 
 
 # -- synthetic checkpoints ---------------------------------------------------
