@@ -142,7 +142,7 @@ class MultiModuleMtpHead(DraftProposer):
                         apply_target_norm: bool = False, block_size: int = 16,
                         num_blocks: int | None = None, max_batch: int = 64,
                         prefill_chunk: int = 256, cuda_graphs: bool = True,
-                        threads: int | None = None) -> "MultiModuleMtpHead":
+                        threads: int | None = None, allow_unused_tensors: bool = False) -> "MultiModuleMtpHead":
         """Load the MTP modules of the checkpoint at ``ckpt_dir`` (``config.json`` + safetensors).
 
         ``apply_target_norm``: the engine hands pre-norm target hiddens; apply the
@@ -152,13 +152,16 @@ class MultiModuleMtpHead(DraftProposer):
         as a CUDA graph (docs/cuda.md); ignored by the other backends. ``threads``: the cpu
         backend's Numba threads (default: half the cores, so as not to spin against the
         engine's own threads; docs/cpu.md); refused with numpy, cuda or a Backend object,
-        ignored when ``"auto"`` picks cuda.
+        ignored when ``"auto"`` picks cuda. ``allow_unused_tensors``: load a checkpoint that
+        holds tensors under a module's prefix which the config would not read (refused by
+        default, naming the tensor and the config field: docs/checkpoints.md).
         """
         _check_modes(kv_mode, chain)
         apply_target_norm = check_bool("apply_target_norm", apply_target_norm)
         cfg = MtpConfig.from_json(os.path.join(os.fspath(ckpt_dir), "config.json"))
         be = get_backend(backend, threads=threads)
-        weights = load_weights(ckpt_dir, cfg, be, apply_target_norm=apply_target_norm)
+        weights = load_weights(ckpt_dir, cfg, be, apply_target_norm=apply_target_norm,
+                               allow_unused_tensors=check_bool("allow_unused_tensors", allow_unused_tensors))
         return cls(cfg, weights, be, kv_mode=kv_mode, chain=chain, block_size=block_size,
                    num_blocks=num_blocks, max_batch=max_batch, prefill_chunk=prefill_chunk,
                    cuda_graphs=cuda_graphs)

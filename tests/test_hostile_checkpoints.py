@@ -488,3 +488,16 @@ def test_a_config_without_model_type_is_read_with_mtpkerns_defaults(tmp_path):
     path = _ckpt(tmp_path)
     assert "model_type" not in json.loads((path / "config.json").read_text())
     assert len(_load(path).modules) == CFG.num_modules
+
+
+def test_from_pretrained_passes_the_opt_in(tmp_path):
+    from mtpkern import MultiModuleMtpHead
+
+    path = _ckpt(tmp_path)
+    _edit_config(path, use_qk_norm=False)
+    with pytest.raises(CheckpointError, match="allow_unused_tensors=True"):
+        MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+    with pytest.raises(TypeError, match="allow_unused_tensors: expected a bool"):
+        MultiModuleMtpHead.from_pretrained(path, backend="numpy", allow_unused_tensors="yes")
+    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", allow_unused_tensors=True)
+    assert prop.weights.notes and prop.modules[0].w.q_norm is None
