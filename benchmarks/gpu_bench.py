@@ -302,14 +302,13 @@ def fake_context(prop, st, n: int, rng) -> None:
     exact = prop.kv_mode == "exact"
     for m, (h, seq) in enumerate(zip(prop.modules, st.kv)):
         rows = max(0, n - 1 - m) if exact else (n - 1 if m == 0 else 0)
-        h.pool.grow(seq, rows)
-        seq.keys.append(0, rows)
+        h.pool.append(seq, 0, rows, st)
         if exact and m < M - 1 and rows:
             w = min(rows, prop.window)
-            st.win[m] = prop.backend.from_host(rng.standard_normal((w, H)).astype(np.float32))
-            st.win_start[m] = rows - w
-    st.num_verified, st.num_hiddens, st.next_position = n, n - 1, n
-    st.tail, st.tail_start = [], n
+            st._win[m] = prop.backend.from_host(rng.standard_normal((w, H)).astype(np.float32))
+            st._win_start[m] = rows - w
+    st._num_verified, st._num_hiddens, st._next_position = n, n - 1, n
+    st._tail, st._tail_start = [], n
 
 
 def propose_floor_bytes(cfg: MtpConfig, mode: str, k: int, B: int, ctx: int, kv_itemsize: int) -> int:

@@ -36,15 +36,13 @@ class CarryRegistry:
     def take(self, st: MtpState) -> DrafterKv | None:
         """``st``'s rows and window into a new entry; ``st`` is left as ``alloc_state()``
         leaves one (no rows, no budget). None when ``st`` holds nothing."""
-        if st.num_verified == 0 and not any(s.rows for s in st.kv):
+        if st._num_verified == 0 and not any(s.rows for s in st._kv):
             return None
-        kv = DrafterKv(self.owner, [], st.num_verified, st.num_hiddens, list(st.tail), st.tail_start,
-                       list(st.win), list(st.win_start), st.next_position)
-        for h, s in zip(self.modules, st.kv):
-            kv.seqs.append(h.pool.new_seq(kv))
-        for h, s, dst in zip(self.modules, st.kv, kv.seqs):
-            h.pool.move_rows(s, dst)
-            h.pool.drop_budget(s)          # taking ends the sequence its budget was for
+        kv = DrafterKv(self.owner, st)
+        kv._seqs = tuple(h.pool.new_seq(kv) for h in self.modules)
+        for h, s, dst in zip(self.modules, st._kv, kv._seqs):
+            h.pool.move_rows(s, st, dst, kv)
+            h.pool.drop_budget(s, st)       # taking ends the sequence its budget was for
         st.reset(len(self.modules))
         with self._lock:
             self._live[id(kv)] = kv
@@ -53,24 +51,30 @@ class CarryRegistry:
     def install(self, st: MtpState, carried: Any) -> None:
         """The entry's rows and window into the fresh ``st``; the entry is consumed. A
         budgeted ``st`` counts the carried blocks within its budget."""
-        if st.num_verified or any(s.rows for s in st.kv):
+        if st._num_verified or any(s.rows for s in st._kv):
             raise StateError("state: install_drafter_kv needs a fresh state (from alloc_state or "
                              "left by take_drafter_kv)")
         kv = self._claim(carried)                          # from here on, no other call can use it
-        for h, src, dst in zip(self.modules, kv.seqs, st.kv):
-            h.pool.move_rows(src, dst)
-            h.pool.fit_budget(dst)
+        for h, src, dst in zip(self.modules, kv._seqs, st._kv):
+            h.pool.move_rows(src, kv, dst, st)
+            h.pool.fit_budget(dst, st)
             h.pool.retire(src, kv)
-        st.num_verified, st.num_hiddens = kv.num_verified, kv.num_hiddens
-        st.tail, st.tail_start = list(kv.tail), kv.tail_start
-        st.win, st.win_start = list(kv.win), list(kv.win_start)
-        st.next_position = kv.next_position
+        kv.restore_into(st)
 
     def free(self, carried: Any) -> None:
         """Return the entry's blocks to the pools; the entry is consumed."""
         kv = self._claim(carried)
-        for h, s in zip(self.modules, kv.seqs):
+        for h, s in zip(self.modules, kv._seqs):
             h.pool.retire(s, kv)
+
+    def claim_all(self) -> list[DrafterKv]:
+        """Every live entry, taken out of the registry as one step (close)."""
+        with self._lock:
+            out = list(self._live.values())
+            self._live.clear()
+            for kv in out:
+                kv._consumed = True
+        return out
 
     def _claim(self, carried: Any) -> DrafterKv:
         """Check ``carried`` against the registry and take it out, as one step."""
@@ -80,12 +84,12 @@ class CarryRegistry:
             raise StateError("carried: belongs to another proposer")
         with self._lock:
             if self._live.get(id(carried)) is not carried:
-                if carried.consumed:
+                if carried._consumed:
                     raise StateError("carried: already installed or freed")
                 raise StateError("carried: not an entry take_drafter_kv handed out (a copy, or built by hand); "
                                  "only the original is honoured")
-            for h, s in zip(self.modules, carried.seqs):   # the pools agree (they always should)
+            for h, s in zip(self.modules, carried._seqs):   # the pools agree (they always should)
                 h.pool.check_holder(s, carried, name="carried")
             del self._live[id(carried)]
-            carried.consumed = True
+            carried._consumed = True
         return carried

@@ -480,11 +480,11 @@ class StepRunner:
                 self.counts["fallback_short"] += 1
                 return False
             for m in range(M):
-                if st.kv[m].rows != p - 1 - m:
+                if st._kv[m].rows != p - 1 - m:
                     self.counts["fallback_rows"] += 1
                     return False
             for m in range(1, M):
-                w, ws, key = st.win[m - 1], st.win_start[m - 1], p - 1 - m
+                w, ws, key = st._win[m - 1], st._win_start[m - 1], p - 1 - m
                 if w is None or not ws <= key < ws + w.shape[0]:
                     self.counts["fallback_window"] += 1
                     return False
@@ -516,9 +516,9 @@ class StepRunner:
         rows = step_rows(prop.kv_mode, M, k)
         if exact:
             for st, p, t in zip(sts, poss, toks):
-                st.num_hiddens = p
-                st.num_verified = p + 1
-                st.tail.append(t)
+                st._num_hiddens = p
+                st._num_verified = p + 1
+                st._tail.append(t)
         index: dict[int, RowIndex] = {}
         sources: dict[int, list[tuple[Any, int]]] = {}
         hid = be.xp.ascontiguousarray(hid, dtype=np.float32).reshape(B, H)
@@ -530,12 +530,12 @@ class StepRunner:
             for st, p, t in zip(sts, poss, toks):
                 tk = np.zeros(c, np.int32)
                 tk[0] = t
-                jobs.append(RowJob(st.kv[m], tk, p - 1 - m if exact else p - 1, m + 1))
+                jobs.append(RowJob(st._kv[m], tk, p - 1 - m if exact else p - 1, m + 1, st))
             index[m] = prop.modules[m].append_rows(jobs, pad_tables=True)
             if m == 0:
                 sources[0] = [(hid, i) for i in range(B)]
             elif exact:
-                sources[m] = [(st.win[m - 1], p - 1 - m - st.win_start[m - 1]) for st, p in zip(sts, poss)]
+                sources[m] = [(st._win[m - 1], p - 1 - m - st._win_start[m - 1]) for st, p in zip(sts, poss)]
         masked = any(fn is not None for fn in masks)
         shape = StepShape(B, k, rows, tuple(index[m].tables.shape[1] if rows[m] else 0 for m in range(M)), masked)
         plan = self.plan(shape)
@@ -577,7 +577,7 @@ class StepRunner:
 
         if exact:
             for st, d in zip(sts, drafts):
-                st.tail.extend(d)
+                st._tail.extend(d)
             for m in range(M - 1):                  # module M-1's outputs feed no module
                 c = rows[m]
                 new = plan.chain(m).copy()          # out of the persistent buffer: the next step reuses it
@@ -588,7 +588,7 @@ class StepRunner:
                 prop.exact.trim_tail(st)
         else:
             for st, p in zip(sts, poss):
-                st.num_hiddens = p
-                st.num_verified = p + 1
-                st.tail_start = p + 1
+                st._num_hiddens = p
+                st._num_verified = p + 1
+                st._tail_start = p + 1
         return drafts, plan.ids.T.copy()

@@ -37,14 +37,14 @@ class DraftChain:
         n = toks.shape[0]
         for a in range(0, n - 1, self.prefill_chunk):
             b = min(n - 1, a + self.prefill_chunk)
-            self.modules[0].forward([RowJob(st.kv[0], toks[a + 1:b + 1], a, 1)], hid[a:b])
-        st.num_verified = st.tail_start = st.next_position = n
-        st.num_hiddens = n - 1
+            self.modules[0]._forward([RowJob(st._kv[0], toks[a + 1:b + 1], a, 1, st)], hid[a:b])
+        st._num_verified = st._tail_start = st._next_position = n
+        st._num_hiddens = n - 1
         return n - 1
 
     def check_position(self, st: MtpState, p: int, name: str) -> None:
-        if p < st.next_position:
-            raise ValueError(f"{name}: expected >= {st.next_position} (positions never go back), got {p}")
+        if p < st._next_position:
+            raise ValueError(f"{name}: expected >= {st._next_position} (positions never go back), got {p}")
 
     @staticmethod
     def propose_rows(st: MtpState, m: int, p: int, k: int) -> int:
@@ -61,22 +61,22 @@ class DraftChain:
         cur_tok = np.asarray(toks, np.int32)
         g = hid
         for m in range(k):
-            jobs = [RowJob(st.kv[m], cur_tok[i:i + 1], p - 1, m + 1) for i, (st, p) in enumerate(zip(sts, poss))]
-            y, normed = self.modules[m].forward(jobs, g, pad_tables=True)
+            jobs = [RowJob(st._kv[m], cur_tok[i:i + 1], p - 1, m + 1, st) for i, (st, p) in enumerate(zip(sts, poss))]
+            y, normed = self.modules[m]._forward(jobs, g, pad_tables=True)
             ids = draft_ids(m, normed, drafts)
             for i in range(B):
                 drafts[i].append(int(ids[i]))
             cur_tok = ids.astype(np.int32)
             g = normed if self.chain == "postnorm" else y
         for st, p in zip(sts, poss):
-            st.num_hiddens = p
-            st.num_verified = st.tail_start = p + 1
+            st._num_hiddens = p
+            st._num_verified = st._tail_start = p + 1
         return drafts
 
     def after_verify(self, st: MtpState, P: int, a: int, k: int) -> None:
         for m in range(a + 1, k):
-            self.modules[m].pool.trim(st.kv[m], 1)
-        st.num_verified = P + 1 + a
+            self.modules[m].pool.trim(st._kv[m], 1, st)
+        st._num_verified = P + 1 + a
 
     def check(self, st: MtpState) -> None:
         """Draft mode keeps no window or tail; the keys' order is checked by the caller."""

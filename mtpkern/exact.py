@@ -26,7 +26,7 @@ DraftFn = Callable[[int, Any, list[list[int]]], np.ndarray]
 
 def exact_rows(st: MtpState, m: int) -> int:
     """The rows module ``m`` of ``st`` holds in exact mode."""
-    return max(0, min(st.num_hiddens, st.num_tokens - m - 1))
+    return max(0, min(st._num_hiddens, st.num_tokens - m - 1))
 
 
 class ExactChain:
@@ -47,24 +47,24 @@ class ExactChain:
 
     @staticmethod
     def check_position(st: MtpState, p: int, name: str) -> None:
-        if st.num_verified == 0:
+        if st._num_verified == 0:
             raise StateError("state: exact kv_mode needs prefill_drafter before the first propose")
-        if p != st.num_verified:
-            raise ValueError(f"{name}: expected {st.num_verified} (the next position of this sequence), got {p}")
-        if st.num_hiddens != p - 1:
-            raise StateError(f"state: {p - 1 - st.num_hiddens} accepted token(s) still need their target hiddens; "
+        if p != st._num_verified:
+            raise ValueError(f"{name}: expected {st._num_verified} (the next position of this sequence), got {p}")
+        if st._num_hiddens != p - 1:
+            raise StateError(f"state: {p - 1 - st._num_hiddens} accepted token(s) still need their target hiddens; "
                              f"call catchup_drafter(accepted_tokens, accepted_hiddens, state) first")
 
     @staticmethod
     def catchup_rows(st: MtpState, m: int, hiddens: int, new_tokens: int) -> int:
-        hn, T = st.num_hiddens + hiddens, st.num_tokens + new_tokens
-        return max(0, max(0, min(hn, T - m - 1)) - st.kv[m].rows)
+        hn, T = st._num_hiddens + hiddens, st.num_tokens + new_tokens
+        return max(0, max(0, min(hn, T - m - 1)) - st._kv[m].rows)
 
     def propose_rows(self, st: MtpState, m: int, p: int, k: int) -> int:
         """A propose at ``p`` with ``k`` drafts: modules ``m < k`` reach key ``p - 1``;
         the others follow the drafts as far as they reach (key ``p + k - m - 1``)."""
         target = p if m < k else max(0, min(p, p + k - m))
-        return max(0, target - st.kv[m].rows)
+        return max(0, target - st._kv[m].rows)
 
     @staticmethod
     def highest_position(p: int, k: int, M: int) -> int:
@@ -75,19 +75,19 @@ class ExactChain:
     # -- the forwards ---------------------------------------------------------------
     def prefill(self, st: MtpState, toks: np.ndarray, hid: Any) -> int:
         """Every module's keys over the prompt (module ``m``: ``0 .. n-2-m``)."""
-        st.tail, st.tail_start = toks.tolist(), 0
-        st.num_verified = st.next_position = toks.shape[0]
+        st._tail, st._tail_start = toks.tolist(), 0
+        st._num_verified = st._next_position = toks.shape[0]
         return self.catch_up([st], [hid])
 
     def catch_up(self, sts: list[MtpState], hids: list[Any]) -> int:
         """Consume hiddens ``hids[i]`` (keys from ``num_hiddens``) and bring every module of
         every state to its exact rows, in chunks of ``prefill_chunk`` hiddens."""
-        stage = [(st.num_hiddens, h) for st, h in zip(sts, hids)]
-        ends = [st.num_hiddens + h.shape[0] for st, h in zip(sts, hids)]
+        stage = [(st._num_hiddens, h) for st, h in zip(sts, hids)]
+        ends = [st._num_hiddens + h.shape[0] for st, h in zip(sts, hids)]
         before = sum(sum(st.rows_per_module()) for st in sts)
-        while any(st.num_hiddens < e for st, e in zip(sts, ends)):
+        while any(st._num_hiddens < e for st, e in zip(sts, ends)):
             for st, e in zip(sts, ends):
-                st.num_hiddens = min(e, st.num_hiddens + self.prefill_chunk)
+                st._num_hiddens = min(e, st._num_hiddens + self.prefill_chunk)
             for m in range(self.M):
                 self.run(m, sts, stage)
             for st in sts:
@@ -103,9 +103,9 @@ class ExactChain:
         B = len(sts)
         drafts: list[list[int]] = [[] for _ in range(B)]
         for i, (st, p) in enumerate(zip(sts, poss)):
-            st.num_hiddens = p
-            st.num_verified = p + 1
-            st.tail.append(toks[i])
+            st._num_hiddens = p
+            st._num_verified = p + 1
+            st._tail.append(toks[i])
         stage = [(p - 1, hid[i:i + 1]) for i, p in enumerate(poss)]
         for m in range(self.M):
             normed, last_rows = self.run(m, sts, stage, pad_tables=True)
@@ -114,7 +114,7 @@ class ExactChain:
                 ids = draft_ids(m, normed[idx], drafts)
                 for i, st in enumerate(sts):
                     drafts[i].append(int(ids[i]))
-                    st.tail.append(int(ids[i]))
+                    st._tail.append(int(ids[i]))
         for st in sts:
             self.trim_windows(st)
             self.trim_tail(st)
@@ -127,20 +127,20 @@ class ExactChain:
         jobs, gs, last_rows, ran = [], [], [], []
         at = 0
         for st, (hk, harr) in zip(sts, stage):
-            seq = st.kv[m]
+            seq = st._kv[m]
             a, b = seq.rows, exact_rows(st, m)
             if b <= a:
                 last_rows.append(-1)
                 continue
-            toks = np.asarray(st.tail[a + m + 1 - st.tail_start: b + m + 1 - st.tail_start], np.int32)
+            toks = np.asarray(st._tail[a + m + 1 - st._tail_start: b + m + 1 - st._tail_start], np.int32)
             if m == 0:
                 g = harr[a - hk: b - hk]
             else:
-                ws = st.win_start[m - 1]
-                if st.win[m - 1] is None or a < ws or b > ws + st.win[m - 1].shape[0]:
+                ws = st._win_start[m - 1]
+                if st._win[m - 1] is None or a < ws or b > ws + st._win[m - 1].shape[0]:
                     raise AssertionError(f"module {m - 1}'s window [{ws}, ..) does not cover keys [{a}, {b})")
-                g = st.win[m - 1][a - ws: b - ws]
-            jobs.append(RowJob(seq, toks, a, m + 1))
+                g = st._win[m - 1][a - ws: b - ws]
+            jobs.append(RowJob(seq, toks, a, m + 1, st))
             gs.append(g)
             ran.append(st)
             at += b - a
@@ -148,7 +148,7 @@ class ExactChain:
         if not jobs:
             return None, last_rows
         g = gs[0] if len(gs) == 1 else self.xp.concatenate(gs, axis=0)
-        y, normed = self.modules[m].forward(jobs, g, pad_tables)
+        y, normed = self.modules[m]._forward(jobs, g, pad_tables)
         if m == self.M - 1:
             return normed, last_rows                      # no module reads the last one's outputs
         chain = normed if self.chain == "postnorm" else y
@@ -161,49 +161,49 @@ class ExactChain:
     # -- the window and the token tail ------------------------------------------------
     def append_window(self, st: MtpState, m: int, first_key: int, new: Any) -> None:
         """Module ``m``'s chained outputs ``new`` [c, H] for keys ``first_key ..`` join its window."""
-        if st.win[m] is None or st.win[m].shape[0] == 0:
-            st.win[m], st.win_start[m] = new, first_key
+        if st._win[m] is None or st._win[m].shape[0] == 0:
+            st._win[m], st._win_start[m] = new, first_key
         else:
-            st.win[m] = self.xp.concatenate([st.win[m], new], axis=0)
+            st._win[m] = self.xp.concatenate([st._win[m], new], axis=0)
 
     def trim_windows(self, st: MtpState) -> None:
         """Keep module ``m``'s chained outputs for its last ``M + 1`` existing keys."""
         for m in range(self.M):
-            w = st.win[m]
+            w = st._win[m]
             if w is None:
                 continue
-            end = st.kv[m].rows - st.win_start[m]        # keys past the module's rows are gone
+            end = st._kv[m].rows - st._win_start[m]        # keys past the module's rows are gone
             start = max(0, end - self.window)
-            st.win[m] = w[start:max(start, end)]
-            st.win_start[m] += start
+            st._win[m] = w[start:max(start, end)]
+            st._win_start[m] += start
 
     @staticmethod
     def trim_tail(st: MtpState) -> None:
         """Drop tokens no module will read again: module m's next key j reads t_{j+m+1},
         and j + m + 1 > num_hiddens for every module."""
-        drop = max(0, min(st.num_hiddens + 1, st.num_tokens) - st.tail_start)
-        del st.tail[:drop]
-        st.tail_start += drop
+        drop = max(0, min(st._num_hiddens + 1, st.num_tokens) - st._tail_start)
+        del st._tail[:drop]
+        st._tail_start += drop
 
     def after_verify(self, st: MtpState, P: int, a: int, k: int) -> None:
         """Drop the drafts past the ``a`` accepted and the rows built from them."""
-        del st.tail[P + 1 + a - st.tail_start:]
-        st.num_verified = P + 1 + a
+        del st._tail[P + 1 + a - st._tail_start:]
+        st._num_verified = P + 1 + a
         for m, h in enumerate(self.modules):
-            h.pool.trim(st.kv[m], st.kv[m].rows - exact_rows(st, m))
+            h.pool.trim(st._kv[m], st._kv[m].rows - exact_rows(st, m), st)
         self.trim_windows(st)
 
     # -- invariants -------------------------------------------------------------------
     def check(self, st: MtpState) -> None:
-        for m, seq in enumerate(st.kv):
+        for m, seq in enumerate(st._kv):
             want = exact_rows(st, m)
             if seq.rows != want or seq.keys.to_list() != list(range(want)):
                 raise AssertionError(f"exact mode, module {m}: keys {seq.keys!r}, expected 0..{want - 1} "
-                                     f"(num_hiddens {st.num_hiddens}, num_tokens {st.num_tokens})")
-            w = st.win[m]
-            if want and m < self.M - 1 and (w is None or st.win_start[m] + w.shape[0] != want
+                                     f"(num_hiddens {st._num_hiddens}, num_tokens {st.num_tokens})")
+            w = st._win[m]
+            if want and m < self.M - 1 and (w is None or st._win_start[m] + w.shape[0] != want
                                             or w.shape[0] > self.window):
                 raise AssertionError(f"exact mode, module {m}: window does not end at its last key {want - 1}")
-        if st.num_verified and (st.tail_start > st.num_hiddens + 1 or len(st.tail) > self.M):
-            raise AssertionError(f"exact mode: token tail [{st.tail_start}, {st.num_tokens}) should start at "
-                                 f"num_hiddens + 1 = {st.num_hiddens + 1} and hold at most M tokens")
+        if st._num_verified and (st._tail_start > st._num_hiddens + 1 or len(st._tail) > self.M):
+            raise AssertionError(f"exact mode: token tail [{st._tail_start}, {st.num_tokens}) should start at "
+                                 f"num_hiddens + 1 = {st._num_hiddens + 1} and hold at most M tokens")

@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .checks import check_int, check_positions, check_token, ingest_hidden
+from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
 from .config import MtpConfig
+from .errors import StateError
 from .kv import BlockPool, SeqKv
 from .ops.moe import RouterSpec
 from .ops.rope_kv import inv_freq
@@ -32,12 +33,14 @@ from .weights import ModuleWeights
 
 @dataclass(slots=True)
 class RowJob:
-    """Rows to append to one sequence's KV in this module."""
+    """Rows to append to one sequence's KV in this module; ``holder``: who holds the
+    sequence (a proposer state, or this head for ``alloc_seq`` sequences)."""
 
     seq: SeqKv
     tokens: np.ndarray     # [c] int32
     first_key: int         # keys first_key .. first_key + c - 1
     key_to_pos: int        # RoPE position = key + key_to_pos (module m: m + 1)
+    holder: Any = None
 
     @property
     def count(self) -> int:
@@ -119,14 +122,48 @@ class MtpHead:
         self._one_lock = threading.Lock()
 
     # -- the forward ---------------------------------------------------------
-    def forward(self, jobs: list[RowJob], g: Any, pad_tables: bool = False) -> tuple[Any, Any]:
-        """Append and compute the rows of ``jobs`` (in order); ``g``: [n, H] backend FP32.
+    def forward(self, jobs: list[RowJob], g: Any) -> tuple[Any, Any]:
+        """Append and compute the rows of ``jobs`` on sequences from this head's
+        ``alloc_seq`` (checked: holder, token ids, increasing keys); ``g``: [n, H]
+        hidden states (host or backend, FP32/BF16). Returns ``(y, normed)``, both
+        [n, H]. On error nothing is appended."""
+        cfg = self.config
+        self._check_open()
+        n = 0
+        for i, job in enumerate(jobs):
+            if not isinstance(job, RowJob):
+                raise TypeError(f"jobs[{i}]: expected a RowJob, got {type(job).__name__}")
+            self.pool.check_holder(job.seq, self, name=f"jobs[{i}].seq")
+            if job.holder not in (None, self):
+                raise StateError(f"jobs[{i}].holder: expected this head (or None), got {type(job.holder).__name__}")
+            toks = check_tokens(f"jobs[{i}].tokens", job.tokens, cfg.vocab_size)
+            first = check_int(f"jobs[{i}].first_key", job.first_key, 0)
+            last = job.seq.last_key
+            if last is not None and toks.shape[0] and first <= last:
+                raise ValueError(f"jobs[{i}].first_key: expected > {last} (the sequence's last key), got {first}")
+            check_positions(f"jobs[{i}]", first + toks.shape[0] - 1 + job.key_to_pos, cfg.max_position_embeddings)
+            jobs[i] = RowJob(job.seq, toks, first, job.key_to_pos, self)
+            n += toks.shape[0]
+        if len({id(j.seq) for j in jobs}) != len(jobs):
+            raise ValueError("jobs: one sequence appears in two jobs")
+        g = ingest_hidden(self.backend, "g", g, cfg.hidden_size, rows=n)
+        before = [j.seq.rows for j in jobs]
+        try:
+            with self._one_lock:
+                return self._forward(jobs, g)
+        except BaseException:
+            for j, r in zip(jobs, before):
+                self.pool.trim(j.seq, j.seq.rows - r, self)
+            raise
 
-        Returns ``(y, normed)``, both [n, H]. Blocks the rows need are taken here when
-        the caller has not taken them ahead (``pool.grow_all``: ``KvCacheFull`` before any
-        row is appended); the caller rolls the sequences back if this raises.
-        ``pad_tables``: widen the block table to ``table_width`` (what a planned
-        propose step uses, so that eager and captured steps launch the same shapes).
+    def _forward(self, jobs: list[RowJob], g: Any, pad_tables: bool = False) -> tuple[Any, Any]:
+        """``forward`` for the proposer: ``jobs`` already checked, ``g`` [n, H] backend FP32.
+
+        Blocks the rows need are taken here when the caller has not taken them ahead
+        (``pool.grow_all``: ``KvCacheFull`` before any row is appended); the caller rolls
+        the sequences back if this raises. ``pad_tables``: widen the block table to
+        ``table_width`` (what a planned propose step uses, so that eager and captured
+        steps launch the same shapes).
         """
         rows = self.append_rows(jobs, pad_tables)
         be = self.backend
@@ -146,19 +183,17 @@ class MtpHead:
         at = 0
         for s, job in enumerate(jobs):
             c = job.count
-            first_row = job.seq.rows
-            self.pool.grow(job.seq, c)
-            job.seq.keys.append(job.first_key, c)
+            first_row = self.pool.append(job.seq, job.first_key, c, job.holder)
             tokens[at:at + c] = job.tokens
             positions[at:at + c] = np.arange(job.first_key, job.first_key + c) + job.key_to_pos
             slots[at:at + c] = self.pool.slots(job.seq, first_row, c)
             row_seq[at:at + c] = s
             row_len[at:at + c] = np.arange(first_row + 1, first_row + c + 1)
-            max_blocks = max(max_blocks, len(job.seq.blocks))
+            max_blocks = max(max_blocks, len(job.seq._blocks))
             at += c
         tables = np.zeros((len(jobs), table_width(max_blocks) if pad_tables else max_blocks), np.int32)
         for s, job in enumerate(jobs):
-            tables[s, :len(job.seq.blocks)] = job.seq.blocks
+            tables[s, :len(job.seq._blocks)] = job.seq._blocks
         return RowIndex(tokens, positions, slots, row_seq, row_len, tables)
 
     def compute(self, tokens: Any, g: Any, positions: Any, slots: Any, tables: Any, row_seq: Any,
@@ -222,6 +257,10 @@ class MtpHead:
         with self._one_lock:
             self.pool.retire(seq, self)
 
+    def _check_open(self) -> None:
+        if self.pool.closed:
+            raise StateError(f"module {self.index}: closed (its proposer's close() released its pool and weights)")
+
     def forward_one(self, token: int, hidden: Any, position: int, seq: SeqKv, key: int | None = None,
                     grammar_bitmask: np.ndarray | None = None) -> HeadStep:
         """Append one row (``token``, ``hidden`` [H] or [1, H], RoPE ``position``) to ``seq``
@@ -229,6 +268,7 @@ class MtpHead:
         ``position - 1 - index``. On error nothing is appended. Calls are serialised
         per head (one module's single-row API is not where concurrency pays)."""
         cfg = self.config
+        self._check_open()
         self.pool.check_holder(seq, self)
         token = check_token("token", token, cfg.vocab_size)
         position = check_int("position", position, self.index + 1)
@@ -243,15 +283,15 @@ class MtpHead:
 
             bm = one_mask("grammar_bitmask", grammar_bitmask, cfg.vocab_size)[None, :]
         with self._one_lock:
-            last = seq.keys.last
+            last = seq.last_key
             if last is not None and key <= last:
                 raise ValueError(f"key: expected > {last} (the sequence's last key), got {key}")
             before = seq.rows
-            self.pool.grow(seq, 1)
+            self.pool.grow(seq, 1, self)
             try:
-                y, normed = self.forward([RowJob(seq, np.array([token], np.int32), key, self.index + 1)], g)
+                y, normed = self._forward([RowJob(seq, np.array([token], np.int32), key, self.index + 1, self)], g)
                 draft = int(self.argmax(normed, bm)[0])
             except BaseException:
-                self.pool.trim(seq, seq.rows - before)
+                self.pool.trim(seq, seq.rows - before, self)
                 raise
         return HeadStep(draft, y, normed)

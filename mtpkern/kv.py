@@ -29,7 +29,6 @@ distinct sequences cannot both count the same free block.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
@@ -99,45 +98,99 @@ class KeyRuns:
         return f"KeyRuns({self._runs})"
 
 
-@dataclass(slots=True, eq=False)
 class SeqKv:
     """One sequence's rows in one module's pool (made by ``BlockPool.new_seq``).
 
-    ``blocks`` is the block table, ``keys`` the keys of the rows; both are read by
-    the forward and changed only through the pool."""
+    ``blocks`` (the block table, a tuple) and ``keys`` (the keys of the rows, a copy)
+    are read-only views: only the pool changes a sequence, so nothing handed to an
+    engine can make the pool write into, or free, a block it did not give out."""
 
-    blocks: list[int] = field(default_factory=list)
-    keys: KeyRuns = field(default_factory=KeyRuns)
-    budget: int = 0      # blocks promised to this sequence by reserve(); 0 = none
-    reserved: int = 0    # of the budget, blocks still held back in the pool (not in `blocks`)
-    serial: int = 0      # the pool's registration number; 0 = not registered anywhere
+    __slots__ = ("_blocks", "_keys", "_budget", "_reserved", "_serial", "__weakref__")
+
+    def __init__(self, serial: int = 0):
+        self._blocks: list[int] = []
+        self._keys = KeyRuns()
+        self._budget = 0        # blocks promised to this sequence by reserve(); 0 = none
+        self._reserved = 0      # of the budget, blocks still held back in the pool
+        self._serial = serial   # the pool's registration number; 0 = not registered anywhere
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(self._blocks)
+
+    @property
+    def keys(self) -> KeyRuns:
+        return self._keys.copy()
+
+    @property
+    def last_key(self) -> int | None:
+        return self._keys.last
 
     @property
     def rows(self) -> int:
-        return len(self.keys)
+        return len(self._keys)
+
+    @property
+    def budget(self) -> int:
+        return self._budget
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def serial(self) -> int:
+        return self._serial
+
+    def __copy__(self) -> "SeqKv":
+        return _unregistered_copy(self)
+
+    def __deepcopy__(self, memo: dict) -> "SeqKv":
+        return _unregistered_copy(self)
+
+    def __reduce__(self):
+        raise TypeError("SeqKv cannot be pickled: it is a handle into a live KV pool")
+
+    def __repr__(self) -> str:
+        return f"SeqKv(rows={self.rows}, blocks={len(self._blocks)}, keys={self._keys!r})"
+
+
+def _unregistered_copy(seq: SeqKv) -> SeqKv:
+    """A copy with the same contents that no pool knows (every pool refuses it)."""
+    new = SeqKv(serial=0)
+    new._blocks, new._keys = list(seq._blocks), seq._keys.copy()
+    new._budget, new._reserved = seq._budget, seq._reserved
+    return new
 
 
 class BlockPool:
     """K/V caches of one module, the free list of their blocks, and the registry of
-    the sequences that own them."""
+    the sequences that own them. Every method that changes a sequence names its
+    holder, and is refused (``StateError``, nothing changed) unless the pool's
+    registry says that holder holds that very sequence."""
+
+    #: block ids, rows and slots are int32 in the kernels
+    MAX_BLOCKS = 2**31 - 1
 
     def __init__(self, module: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, backend: Any):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks: expected >= 1, got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size: expected >= 1, got {block_size}")
+                 head_dim: int, backend: Any, v_head_dim: int | None = None):
+        if not 1 <= num_blocks <= self.MAX_BLOCKS:
+            raise ValueError(f"num_blocks: expected 1 .. {self.MAX_BLOCKS}, got {num_blocks}")
+        if not 1 <= block_size <= self.MAX_BLOCKS // num_blocks:
+            raise ValueError(f"block_size: expected 1 .. {self.MAX_BLOCKS // num_blocks} (num_blocks * block_size "
+                             f"slots must fit int32), got {block_size}")
         self.module = module
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.k = backend.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
-        self.v = backend.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
+        self.v = backend.empty_kv(num_blocks, block_size, num_kv_heads, v_head_dim or head_dim)
         # A stack: pop() hands out the lowest free id first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._owner = np.zeros(num_blocks, np.int64)       # serial of the owning sequence; 0 = free
         self._seqs: dict[int, tuple[SeqKv, Any]] = {}       # serial -> (sequence, its holder)
         self._serials = iter(range(1, 2**62))
         self.reserved = 0    # blocks promised to sequences and not yet taken by them
+        self.closed = False
         self._lock = threading.RLock()
 
     # -- queries ----------------------------------------------------------
@@ -153,16 +206,22 @@ class BlockPool:
     def num_seqs(self) -> int:
         return len(self._seqs)
 
+    @staticmethod
+    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
+                        v_head_dim: int | None = None) -> int:
+        """Bytes of one block: K and V rows of ``block_size`` tokens."""
+        return block_size * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * itemsize
+
     def block_bytes(self) -> int:
         """Bytes of one block: K and V, ``block_size`` rows each."""
-        return 2 * int(self.k.nbytes) // self.num_blocks
+        return (int(self.k.nbytes) + int(self.v.nbytes)) // self.num_blocks
 
     def available_to(self, seq: SeqKv) -> int:
         """Blocks ``seq`` may still take: the unpromised free ones plus its own reservation."""
-        return self.num_free - self.reserved + seq.reserved
+        return self.num_free - self.reserved + seq._reserved
 
     def blocks_needed(self, seq: SeqKv, new_rows: int) -> int:
-        return max(0, ceil_div(seq.rows + new_rows, self.block_size) - len(seq.blocks))
+        return max(0, ceil_div(seq.rows + new_rows, self.block_size) - len(seq._blocks))
 
     def check_room(self, seqs_rows: Iterable[tuple[SeqKv, int]]) -> None:
         """Raise ``KvCacheFull`` unless every ``(seq, new_rows)`` can grow at once."""
@@ -172,17 +231,24 @@ class BlockPool:
             for seq, n in seqs_rows:
                 k = self.blocks_needed(seq, n)
                 need += k
-                own_reserved += min(k, seq.reserved)
+                own_reserved += min(k, seq._reserved)
             avail = self.num_free - self.reserved + own_reserved
             if need > avail:
                 raise KvCacheFull(self.module, need, avail, self.num_blocks)
+
+    def slots(self, seq: SeqKv, first_row: int, count: int) -> np.ndarray:
+        """``[count]`` int32 cache slots of rows ``first_row ..``."""
+        r = np.arange(first_row, first_row + count)
+        table = np.asarray(seq._blocks, np.int64)
+        return (table[r // self.block_size] * self.block_size + r % self.block_size).astype(np.int32)
 
     # -- registry -------------------------------------------------------------
     def new_seq(self, holder: Any) -> SeqKv:
         """A new, empty sequence of this pool, held by ``holder``."""
         with self._lock:
+            self._check_open()
             seq = SeqKv(serial=next(self._serials))
-            self._seqs[seq.serial] = (seq, holder)
+            self._seqs[seq._serial] = (seq, holder)
             return seq
 
     def check_holder(self, seq: Any, holder: Any, name: str = "seq") -> SeqKv:
@@ -190,7 +256,8 @@ class BlockPool:
         else ``StateError`` (``TypeError`` for something that is not a ``SeqKv``)."""
         if not isinstance(seq, SeqKv):
             raise TypeError(f"{name}: expected a SeqKv, got {type(seq).__name__}")
-        entry = self._seqs.get(seq.serial)
+        self._check_open()
+        entry = self._seqs.get(seq._serial)
         if entry is None or entry[0] is not seq:
             raise StateError(f"{name}: not a live sequence of module {self.module}'s KV pool (freed, made by "
                              f"another pool, or a copy)")
@@ -198,154 +265,147 @@ class BlockPool:
             raise StateError(f"{name}: held by {_holder_name(entry[1])}, not by this caller")
         return seq
 
-    def transfer(self, seq: SeqKv, holder: Any, new_holder: Any) -> None:
-        """Hand ``seq`` (held by ``holder``) to ``new_holder``; no block moves."""
-        with self._lock:
-            self.check_holder(seq, holder)
-            self._seqs[seq.serial] = (seq, new_holder)
-
     def retire(self, seq: SeqKv, holder: Any) -> None:
         """Release every block and the reservation of ``seq`` and unregister it."""
         with self._lock:
             self.check_holder(seq, holder)
             self._release_all(seq)
-            del self._seqs[seq.serial]
+            del self._seqs[seq._serial]
 
-    # -- mutation -----------------------------------------------------------
-    def grow(self, seq: SeqKv, new_rows: int) -> None:
+    # -- mutation (each names the sequence's holder) -------------------------
+    def grow(self, seq: SeqKv, new_rows: int, holder: Any) -> None:
         """Make room for ``new_rows`` more rows (raises ``KvCacheFull``, changing nothing,
         when the pool cannot)."""
-        self.grow_all([(seq, new_rows)])
+        self.grow_all([(seq, new_rows, holder)])
 
-    def grow_all(self, seqs_rows: Iterable[tuple[SeqKv, int]]) -> None:
+    def grow_all(self, seqs_rows: Iterable[tuple[SeqKv, int, Any]]) -> None:
         """Room check and allocation for several sequences as one step: either every
-        ``(seq, new_rows)`` gets its blocks, or ``KvCacheFull`` and nothing changed."""
+        ``(seq, new_rows, holder)`` gets its blocks, or ``KvCacheFull`` and nothing changed."""
         seqs_rows = list(seqs_rows)
         with self._lock:
-            for seq, _ in seqs_rows:
-                self._check_registered(seq)
-            self.check_room(seqs_rows)
-            for seq, n in seqs_rows:
+            for seq, _, holder in seqs_rows:
+                self.check_holder(seq, holder)
+            self.check_room([(seq, n) for seq, n, _ in seqs_rows])
+            for seq, n, _ in seqs_rows:
                 for _ in range(self.blocks_needed(seq, n)):
                     b = self._free.pop()
-                    self._owner[b] = seq.serial
-                    seq.blocks.append(b)
-                    if seq.reserved:
-                        seq.reserved -= 1
+                    self._owner[b] = seq._serial
+                    seq._blocks.append(b)
+                    if seq._reserved:
+                        seq._reserved -= 1
                         self.reserved -= 1
 
-    def slots(self, seq: SeqKv, first_row: int, count: int) -> np.ndarray:
-        """``[count]`` int32 cache slots of rows ``first_row ..``."""
-        r = np.arange(first_row, first_row + count)
-        table = np.asarray(seq.blocks, np.int64)
-        return (table[r // self.block_size] * self.block_size + r % self.block_size).astype(np.int32)
+    def append(self, seq: SeqKv, first_key: int, count: int, holder: Any) -> int:
+        """Append ``count`` rows with keys ``first_key ..`` (blocks taken as needed);
+        returns the index of the first new row."""
+        with self._lock:
+            self.grow_all([(seq, count, holder)])
+            first = seq.rows
+            seq._keys.append(first_key, count)
+            return first
 
-    def trim(self, seq: SeqKv, drop_rows: int) -> None:
+    def trim(self, seq: SeqKv, drop_rows: int, holder: Any) -> None:
         """Drop the last ``drop_rows`` rows (0: none); blocks that hold no row (left empty,
         or taken ahead for rows never written) go back at once."""
         with self._lock:
-            self._check_registered(seq)
+            self.check_holder(seq, holder)
             if drop_rows > seq.rows:
                 raise ValueError(f"module {self.module}: cannot drop {drop_rows} rows of {seq.rows}")
             keep = ceil_div(seq.rows - max(0, drop_rows), self.block_size)
-            self._check_blocks(seq, seq.blocks[keep:])
             if drop_rows > 0:
-                seq.keys.pop(drop_rows)
-            extra = seq.blocks[keep:]
-            del seq.blocks[keep:]
+                seq._keys.pop(drop_rows)
+            extra = seq._blocks[keep:]
+            del seq._blocks[keep:]
             self._release(extra, seq)
 
-    def release_all(self, seq: SeqKv) -> None:
+    def release_all(self, seq: SeqKv, holder: Any) -> None:
         """Return every block and the reservation of ``seq``; it ends empty with no budget
         (and stays registered)."""
         with self._lock:
-            self._check_registered(seq)
+            self.check_holder(seq, holder)
             self._release_all(seq)
 
     def _release_all(self, seq: SeqKv) -> None:
-        blocks = seq.blocks[:]
-        self._check_blocks(seq, blocks)
-        seq.blocks.clear()
-        seq.keys = KeyRuns()
+        blocks = seq._blocks[:]
+        seq._blocks.clear()
+        seq._keys = KeyRuns()
         self._release(blocks, None)
         self._drop_budget(seq)
 
-    def _check_registered(self, seq: SeqKv) -> None:
-        entry = self._seqs.get(seq.serial)
-        if entry is None or entry[0] is not seq:
-            raise StateError(f"module {self.module}: a sequence this pool did not make (or one it retired, "
-                             f"or a copy) cannot take or return blocks")
-
-    def _check_blocks(self, seq: SeqKv, blocks: list[int]) -> None:
-        """Every block of ``blocks`` is one the pool records as owned by ``seq``."""
-        for b in blocks:
-            if not (isinstance(b, (int, np.integer)) and 0 <= b < self.num_blocks):
-                raise StateError(f"module {self.module}: block id {b!r} is outside the pool of {self.num_blocks}")
-            if self._owner[b] != seq.serial:
-                what = "free" if self._owner[b] == 0 else "owned by another sequence"
-                raise StateError(f"module {self.module}: block {b} in the sequence's table is {what}; "
-                                 f"nothing was changed")
-        if len(set(blocks)) != len(blocks):
-            raise StateError(f"module {self.module}: the sequence's table lists a block twice; nothing was changed")
-
     def _release(self, blocks: list[int], seq: SeqKv | None) -> None:
-        """Free ``blocks`` (checked by the caller, who holds the lock)."""
+        """Free ``blocks`` (the caller holds the lock; the blocks are the sequence's own,
+        since only the pool ever writes a block table)."""
         for b in reversed(blocks):
             self._owner[b] = 0
             self._free.append(b)
-        if seq is not None and seq.budget:
+        if seq is not None and seq._budget:
             # Keep the sequence's promise whole: what it gave back is held for it again.
-            back = min(len(blocks), seq.budget - len(seq.blocks) - seq.reserved)
+            back = min(len(blocks), seq._budget - len(seq._blocks) - seq._reserved)
             if back > 0:
-                seq.reserved += back
+                seq._reserved += back
                 self.reserved += back
 
-    def reserve(self, seq: SeqKv, budget_blocks: int) -> None:
+    def reserve(self, seq: SeqKv, budget_blocks: int, holder: Any) -> None:
         """Promise ``seq`` up to ``budget_blocks`` blocks in all (held ones included)."""
         with self._lock:
-            self._check_registered(seq)
-            want = max(0, budget_blocks - len(seq.blocks)) - seq.reserved
+            self.check_holder(seq, holder)
+            want = max(0, budget_blocks - len(seq._blocks)) - seq._reserved
             if want > self.num_free - self.reserved:
                 raise KvCacheFull(self.module, want, self.num_free - self.reserved, self.num_blocks)
-            seq.budget = budget_blocks
-            seq.reserved += want
+            seq._budget = budget_blocks
+            seq._reserved += want
             self.reserved += want
 
-    def drop_budget(self, seq: SeqKv) -> None:
+    def drop_budget(self, seq: SeqKv, holder: Any) -> None:
         """Forget ``seq``'s budget: its blocks still held back go back to everyone."""
         with self._lock:
-            self._check_registered(seq)
+            self.check_holder(seq, holder)
             self._drop_budget(seq)
 
     def _drop_budget(self, seq: SeqKv) -> None:
-        self.reserved -= seq.reserved
-        seq.reserved = 0
-        seq.budget = 0
+        self.reserved -= seq._reserved
+        seq._reserved = 0
+        seq._budget = 0
 
-    def fit_budget(self, seq: SeqKv) -> None:
+    def fit_budget(self, seq: SeqKv, holder: Any) -> None:
         """After blocks joined ``seq`` from outside (an installed carry): they count
         within its budget, so the reservation shrinks to ``budget - held`` (never grows)."""
         with self._lock:
-            self._check_registered(seq)
-            keep = max(0, seq.budget - len(seq.blocks))
-            if keep < seq.reserved:
-                self.reserved -= seq.reserved - keep
-                seq.reserved = keep
+            self.check_holder(seq, holder)
+            keep = max(0, seq._budget - len(seq._blocks))
+            if keep < seq._reserved:
+                self.reserved -= seq._reserved - keep
+                seq._reserved = keep
 
-    def move_rows(self, src: SeqKv, dst: SeqKv) -> None:
-        """Give ``src``'s blocks and keys to the empty ``dst`` (both registered here);
+    def move_rows(self, src: SeqKv, src_holder: Any, dst: SeqKv, dst_holder: Any) -> None:
+        """Give ``src``'s blocks and keys to the empty ``dst`` (both held as named);
         ``src`` ends empty. Budgets stay where they were (the caller fits them). The
         block ids and their contents do not change."""
         with self._lock:
-            self._check_registered(src)
-            self._check_registered(dst)
-            self._check_blocks(src, src.blocks)
-            if dst.blocks or dst.rows:
+            self.check_holder(src, src_holder)
+            self.check_holder(dst, dst_holder)
+            if dst._blocks or dst.rows:
                 raise StateError(f"module {self.module}: rows can only move into an empty sequence")
-            for b in src.blocks:
-                self._owner[b] = dst.serial
-            dst.blocks, src.blocks = src.blocks, []
-            dst.keys, src.keys = src.keys, KeyRuns()
+            for b in src._blocks:
+                self._owner[b] = dst._serial
+            dst._blocks, src._blocks = src._blocks, []
+            dst._keys, src._keys = src._keys, KeyRuns()
+
+    def close(self) -> None:
+        """Drop every sequence and the caches; later calls raise ``StateError``."""
+        with self._lock:
+            for seq, _ in self._seqs.values():
+                seq._blocks, seq._keys, seq._budget, seq._reserved = [], KeyRuns(), 0, 0
+            self._seqs.clear()
+            self._free = list(range(self.num_blocks - 1, -1, -1))
+            self._owner[:] = 0
+            self.reserved = 0
+            self.closed = True
+            self.k = self.v = None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StateError(f"module {self.module}'s KV pool is closed (its proposer's close() released it)")
 
     # -- invariants ---------------------------------------------------------
     def holders(self) -> list[Any]:
@@ -359,9 +419,9 @@ class BlockPool:
         with self._lock:
             seen = np.zeros(self.num_blocks, np.int64)
             for serial, (seq, _) in self._seqs.items():
-                if seq.serial != serial:
-                    raise AssertionError(f"module {self.module}: sequence {serial} now calls itself {seq.serial}")
-                blocks = np.asarray(seq.blocks, np.int64)
+                if seq._serial != serial:
+                    raise AssertionError(f"module {self.module}: sequence {serial} now calls itself {seq._serial}")
+                blocks = np.asarray(seq._blocks, np.int64)
                 if blocks.size and (self._owner[blocks] != serial).any():
                     raise AssertionError(f"module {self.module}: sequence {serial} lists blocks it does not own: "
                                          f"{blocks[self._owner[blocks] != serial].tolist()}")
@@ -377,18 +437,18 @@ class BlockPool:
             if not np.array_equal(seen == 1, self._owner != 0):
                 lost = np.flatnonzero((self._owner != 0) & (seen == 0)).tolist()
                 raise AssertionError(f"module {self.module}: in-use blocks without an owner (leaked): {lost}")
-            reservations = sum(seq.reserved for seq, _ in self._seqs.values())
+            reservations = sum(seq._reserved for seq, _ in self._seqs.values())
             if reservations != self.reserved or self.reserved > self.num_free:
                 raise AssertionError(f"module {self.module}: {self.reserved} blocks reserved in the pool, "
                                      f"{reservations} by the sequences, {self.num_free} free")
 
     def check_seq(self, seq: SeqKv) -> None:
-        if len(seq.blocks) != ceil_div(seq.rows, self.block_size):
-            raise AssertionError(f"module {self.module}: {len(seq.blocks)} blocks for {seq.rows} rows "
+        if len(seq._blocks) != ceil_div(seq.rows, self.block_size):
+            raise AssertionError(f"module {self.module}: {len(seq._blocks)} blocks for {seq.rows} rows "
                                  f"(block_size {self.block_size})")
-        if seq.budget and len(seq.blocks) + seq.reserved > max(seq.budget, len(seq.blocks)):
-            raise AssertionError(f"module {self.module}: held {len(seq.blocks)} + reserved {seq.reserved} "
-                                 f"exceeds budget {seq.budget}")
+        if seq._budget and len(seq._blocks) + seq._reserved > max(seq._budget, len(seq._blocks)):
+            raise AssertionError(f"module {self.module}: held {len(seq._blocks)} + reserved {seq._reserved} "
+                                 f"exceeds budget {seq._budget}")
 
 
 def _holder_name(holder: Any) -> str:

@@ -122,7 +122,9 @@ class MultiModuleMtpHead(DraftProposer):
         self.stats = AcceptanceStats([0] * config.num_modules, [0] * config.num_modules)
         self.clamped_calls = 0      # proposes whose num_drafts exceeded num_modules
         self._states: dict[int, MtpState] = {}
-        self._lock = threading.Lock()     # the state registry and the proposer-wide counters
+        #: held while the registries change (states, carried entries) and while they are
+        #: checked, so check_invariants sees them consistent; also guards the counters
+        self._lock = threading.RLock()
         self._closed = False
         self._last_drafts: list[int] = []
         #: [B, k'] int32 drafts of the last propose (on any thread), on the backend (a CuPy
@@ -187,6 +189,7 @@ class MultiModuleMtpHead(DraftProposer):
     def memory(self) -> MemoryUse:
         """Bytes held: weights (each distinct array once) and the KV pools (allocated at
         construction: ``num_blocks`` blocks of ``kv_block`` bytes per module)."""
+        self._check_open()
         seen: dict[int, int] = {}
         for mw in self.weights.modules:
             for f in mw.__slots__:
@@ -203,11 +206,11 @@ class MultiModuleMtpHead(DraftProposer):
 
     def drafter_rows(self, state: ProposerState) -> int:
         """Module 0's rows (``rows_per_module`` on the state gives every module's)."""
-        return self._live(state).kv[0].rows
+        return self._idle(state).kv[0].rows
 
     def last_pair_key(self, state: ProposerState) -> int | None:
         """Key of module 0's newest row; None when it has none."""
-        return self._live(state).kv[0].keys.last
+        return self._idle(state).kv[0].last_key
 
     def propose_batch_max(self) -> int:
         """The widest ``propose_batch``: ``max_batch``, and no more sequences than a
@@ -223,17 +226,17 @@ class MultiModuleMtpHead(DraftProposer):
     def read_deferred_draft_token(self, state: ProposerState | None = None) -> int:
         """The last draft the last propose produced (of ``state``, or of any sequence on
         any thread), also when fewer than M modules ran."""
-        drafts = self._last_drafts if state is None else self._live(state).last_drafts
+        drafts = self._last_drafts if state is None else self._idle(state)._last_drafts
         if not drafts:
             raise StateError("read_deferred_draft_token: no propose has produced a draft yet")
         return drafts[-1]
 
     # -- state lifecycle --------------------------------------------------------------
     def alloc_state(self) -> MtpState:
-        self._check_open()
-        st = MtpState(owner=self, kv=[], win=[None] * self.num_modules, win_start=[0] * self.num_modules)
-        st.kv.extend(p.new_seq(st) for p in self.pools)
-        with self._lock:
+        st = MtpState(self, self.num_modules)
+        with self._lock:                                 # the pools and the registry, as one step
+            self._check_open()
+            st._kv = tuple(p.new_seq(st) for p in self.pools)
             self._states[id(st)] = st
         return st
 
@@ -251,8 +254,8 @@ class MultiModuleMtpHead(DraftProposer):
         blocks = ceil_div(budget_tokens + self.num_modules, self.block_size)
         st = self.alloc_state()
         try:
-            for p, seq in zip(self.pools, st.kv):
-                p.reserve(seq, blocks)
+            for p, seq in zip(self.pools, st._kv):
+                p.reserve(seq, blocks, st)
         except BaseException:
             self.free_state(st)
             raise
@@ -260,10 +263,10 @@ class MultiModuleMtpHead(DraftProposer):
 
     def free_state(self, state: ProposerState) -> None:
         with self._use([state], "free_state", allow_drafted=True) as (st,):
-            for p, seq in zip(self.pools, st.kv):
-                p.retire(seq, st)
-            st.freed = True
             with self._lock:
+                for p, seq in zip(self.pools, st._kv):
+                    p.retire(seq, st)
+                st._freed = True
                 del self._states[id(st)]
 
     def _live(self, state: Any, name: str = "state") -> MtpState:
@@ -272,12 +275,24 @@ class MultiModuleMtpHead(DraftProposer):
             raise TypeError(f"{name}: expected an MtpState from alloc_state, got {type(state).__name__}")
         if state.owner is not self:
             raise StateError(f"{name}: belongs to another proposer")
-        if state.freed:
+        if state._freed:
             raise StateError(f"{name}: was freed by free_state and cannot be used again")
         if self._states.get(id(state)) is not state:
             raise StateError(f"{name}: not a state this proposer's alloc_state returned (a copy, or built by "
                              f"hand); only the original is honoured")
+        if len(state._kv) != self.num_modules:
+            raise StateError(f"{name}: holds {len(state._kv)} sequences, expected one per module ({self.num_modules})")
+        for m, (p, seq) in enumerate(zip(self.pools, state._kv)):
+            p.check_holder(seq, state, name=f"{name}.kv[{m}]")
         return state
+
+    def _idle(self, state: Any, name: str = "state") -> MtpState:
+        """A live state that no call is using now (for queries: a value read in the middle
+        of a call would be that call's half-done one)."""
+        st = self._live(state, name)
+        if is_busy(st):
+            raise StateError(f"{name}: in use by {st._busy_call or 'another call'}; query it once that call returns")
+        return st
 
     @contextmanager
     def _use(self, states: Sequence[Any], call: str, names: Sequence[str] | None = None,
@@ -291,7 +306,7 @@ class MultiModuleMtpHead(DraftProposer):
         with exclusive(sts, call, names):
             for st, n in zip(sts, names):      # again, now that no other call can change them
                 self._live(st, n)
-                if st.drafted and not allow_drafted:
+                if st._drafted and not allow_drafted:
                     raise StateError(f"{n}: a propose awaits after_verify (call after_verify(num_accepted, "
                                      f"state) first)")
             yield sts
@@ -301,25 +316,21 @@ class MultiModuleMtpHead(DraftProposer):
             raise StateError("proposer: closed (close() released its pools and weights)")
 
     def close(self) -> None:
-        """Release every state, carried entry, pool and weight this proposer holds; any
-        later call raises ``StateError``. States in use by a running call are refused
-        (``StateError``) and nothing is released."""
-        if self._closed:
-            return
-        with self._lock:
+        """Release every state, carried entry, ``MtpHead.alloc_seq`` sequence, pool and
+        weight this proposer holds; any later call raises ``StateError``. Refused
+        (``StateError``, nothing released) while a call is using a state."""
+        with self._lock:                         # no state can be allocated, freed or carried meanwhile
+            if self._closed:
+                return
             sts = list(self._states.values())
-        with exclusive(sts, "close", ["state"] * len(sts)):
-            for kv in self.carry.live():
-                self.carry.free(kv)
-            for st in sts:
-                for p, seq in zip(self.pools, st.kv):
-                    p.retire(seq, st)
-                st.freed = True
-            with self._lock:
-                self._states.clear()
+            with exclusive(sts, "close", ["state"] * len(sts)):
                 self._closed = True
-        for p in self.pools:
-            p.k = p.v = None
+                for st in sts:
+                    st._freed = True
+                self._states.clear()
+                self.carry.claim_all()
+                for p in self.pools:
+                    p.close()
         self.weights = None
         self.step_runner = None
         self.last_drafts_device = None
@@ -348,9 +359,9 @@ class MultiModuleMtpHead(DraftProposer):
                 raise ValueError("prompt_tokens: expected at least 1 token, got 0")
             check_positions("prompt_tokens", n - 1, self.config.max_position_embeddings)
             hid = ingest_hidden(self.backend, "hiddens", hiddens, H, rows=n)
-            if st.num_verified or any(s.rows for s in st.kv):
+            if st._num_verified or any(s.rows for s in st._kv):
                 raise StateError(f"state: prefill_drafter needs a fresh state, this one holds "
-                                 f"{st.num_verified} tokens; continue a sequence with catchup_drafter")
+                                 f"{st._num_verified} tokens; continue a sequence with catchup_drafter")
             hid = self._target_norm(hid[: n - 1])
             return guarded(self.pools, [st], self.mode.prefill_rows(n), lambda: self.mode.prefill(st, toks, hid))
 
@@ -421,10 +432,10 @@ class MultiModuleMtpHead(DraftProposer):
             rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
             drafts, device = guarded(self.pools, sts, rows, lambda: run(sts, toks, poss, hid, k, masks))
             for st, p, d in zip(sts, poss, drafts):
-                st.drafted = True
-                st.last_position = p
-                st.last_k = k
-                st.last_drafts = d
+                st._drafted = True
+                st._last_position = p
+                st._last_k = k
+                st._last_drafts = d
         with self._lock:                                          # counted once the call has succeeded
             if num_drafts > self.num_modules:
                 if self.clamped_calls == 0:
@@ -479,13 +490,13 @@ class MultiModuleMtpHead(DraftProposer):
         return to the pools at once.
         """
         with self._use([state], "after_verify", allow_drafted=True) as (st,):
-            if not st.drafted:
+            if not st._drafted:
                 raise StateError("state: after_verify without a propose to verify")
-            a = check_int("num_accepted", num_accepted, 0, st.last_k)
-            P, k = st.last_position, st.last_k
+            a = check_int("num_accepted", num_accepted, 0, st._last_k)
+            P, k = st._last_position, st._last_k
             self.mode.after_verify(st, P, a, k)
-            st.num_verified = st.next_position = P + 1 + a
-            st.drafted = False
+            st._num_verified = st._next_position = P + 1 + a
+            st._drafted = False
         self.stats.record(k, a)
 
     def catchup_drafter(self, tokens: Sequence[int], hiddens: Any, state: ProposerState) -> int:
@@ -535,15 +546,15 @@ class MultiModuleMtpHead(DraftProposer):
             for i, (st, tk, hd) in enumerate(zip(sts, checked, hiddens)):
                 if tk.shape[0] == 0:
                     continue
-                if st.num_verified == 0:
+                if st._num_verified == 0:
                     raise StateError(f"{'state' if single else f'states[{i}]'}: exact kv_mode needs "
                                      f"prefill_drafter before catchup_drafter")
                 hd = ingest_hidden(self.backend, name("hiddens", i), hd, H, rows=tk.shape[0])
-                base = st.num_hiddens + 1          # index of tokens[0] in the sequence
+                base = st._num_hiddens + 1          # index of tokens[0] in the sequence
                 for j, t in enumerate(tk.tolist()):
                     idx = base + j
-                    if idx < st.num_tokens and st.tail[idx - st.tail_start] != t:
-                        raise ValueError(f"{name('tokens', i)}[{j}]: expected {st.tail[idx - st.tail_start]} "
+                    if idx < st.num_tokens and st._tail[idx - st._tail_start] != t:
+                        raise ValueError(f"{name('tokens', i)}[{j}]: expected {st._tail[idx - st._tail_start]} "
                                          f"(the verified token at position {idx}), got {t}")
                 check_positions(name("tokens", i), base + tk.shape[0] - 1, self.config.max_position_embeddings)
                 todo.append(st)
@@ -554,8 +565,8 @@ class MultiModuleMtpHead(DraftProposer):
 
             def run() -> int:
                 for st, nw in zip(todo, news):
-                    st.tail.extend(nw)
-                    st.num_verified = st.next_position = st.num_tokens
+                    st._tail.extend(nw)
+                    st._num_verified = st._next_position = st.num_tokens
                 return self.exact.catch_up(todo, [self._target_norm(h) for h in hids])
 
             rows = [[ExactChain.catchup_rows(st, m, hd.shape[0], len(nw)) for st, hd, nw in zip(todo, hids, news)]
@@ -568,7 +579,7 @@ class MultiModuleMtpHead(DraftProposer):
         ``alloc_state()`` leaves one: no KV and no budget (taking ends the sequence the
         budget was for; what was still reserved goes back to the pools). None when the
         state holds nothing (then nothing changes)."""
-        with self._use([state], "take_drafter_kv") as (st,):
+        with self._use([state], "take_drafter_kv") as (st,), self._lock:
             return self.carry.take(st)
 
     def install_drafter_kv(self, state: ProposerState, carried: DrafterKv) -> bool:
@@ -577,14 +588,15 @@ class MultiModuleMtpHead(DraftProposer):
         its budget (the budget covers the whole conversation: history + this turn), so
         its reservation shrinks by them and the rest goes back to the pools. Only the
         entry ``take_drafter_kv`` returned is honoured (a copy gets ``StateError``)."""
-        with self._use([state], "install_drafter_kv") as (st,):
+        with self._use([state], "install_drafter_kv") as (st,), self._lock:
             self.carry.install(st, carried)
         return True
 
     def free_drafter_kv(self, carried: DrafterKv) -> None:
         """Release carried KV that no state owns."""
-        self._check_open()
-        self.carry.free(carried)
+        with self._lock:
+            self._check_open()
+            self.carry.free(carried)
 
     # -- helpers ---------------------------------------------------------------------------
     def _batch_hiddens(self, name: str, hiddens: Any, B: int, single: bool = False) -> Any:
@@ -606,42 +618,47 @@ class MultiModuleMtpHead(DraftProposer):
     def check_invariants(self) -> None:
         """Pool accounting (every block free or owned by exactly one registered sequence),
         the registries (each live state and carried entry holds one sequence per pool, and
-        nothing else does but ``MtpHead.alloc_seq`` users), then each state's rules.
-        Safe while other threads run calls: a state in use by a running call is checked
-        for its pool accounting only."""
+        nothing else does but ``MtpHead.alloc_seq`` users), then each idle state's rules.
+        Safe while other threads run calls: the registries are read as one snapshot, and
+        a state in use by a running call is checked for its pool accounting only."""
         with self._lock:
+            self._check_open()
             sts = list(self._states.values())
-        carried = self.carry.live()
-        for m, p in enumerate(self.pools):
-            p.check_invariants()
-            for st in sts:
-                p.check_holder(st.kv[m], st)
-            for kv in carried:
-                p.check_holder(kv.seqs[m], kv)
-            ours = sum(1 for h in p.holders() if h is not self.modules[m])
-            if ours != len(sts) + len(carried):
-                raise AssertionError(f"module {m}: {ours} sequences held in the pool, expected "
-                                     f"{len(sts)} states + {len(carried)} carried entries")
+            carried = self.carry.live()
+            for m, p in enumerate(self.pools):
+                p.check_invariants()
+                holders = p.holders()
+                ours = [h for h in holders if h is not self.modules[m]]
+                want = {id(st) for st in sts} | {id(kv) for kv in carried}
+                if len(ours) != len(want) or {id(h) for h in ours} != want:
+                    raise AssertionError(f"module {m}: {len(ours)} sequences held in the pool, expected one for "
+                                         f"each of {len(sts)} states and {len(carried)} carried entries")
+                for st in sts:
+                    if p._seqs.get(st._kv[m]._serial, (None, None))[1] is not st:
+                        raise AssertionError(f"module {m}: a state's sequence is not held by it")
+                for kv in carried:
+                    if p._seqs.get(kv._seqs[m]._serial, (None, None))[1] is not kv:
+                        raise AssertionError(f"module {m}: a carried entry's sequence is not held by it")
         for st in sts:
             if not is_busy(st):
                 try:
                     self.check_state(st)
-                except StateError:            # taken by a call since: checked by that call's end
+                except StateError:            # taken by a call, or freed, since the snapshot
                     pass
 
     def check_state(self, st: MtpState) -> None:
         """The rules of the KV mode for one state (``AssertionError`` when broken)."""
-        if st.freed:
-            if any(s.blocks for s in st.kv):
+        if st._freed:
+            if any(s.blocks for s in st._kv):
                 raise AssertionError("a freed state still holds blocks")
             return
         with exclusive([st], "check_invariants", ["state"]):
-            for m, (p, seq) in enumerate(zip(self.pools, st.kv)):
+            for m, (p, seq) in enumerate(zip(self.pools, st._kv)):
                 p.check_seq(seq)
                 keys = seq.keys.to_list()
                 if any(b <= a for a, b in zip(keys, keys[1:])):
                     raise AssertionError(f"module {m}: keys not increasing: {keys}")
-            if st.num_verified and st.num_verified < st.num_hiddens + 1:
-                raise AssertionError(f"{st.num_verified} verified tokens but {st.num_hiddens} hiddens consumed")
+            if st._num_verified and st._num_verified < st._num_hiddens + 1:
+                raise AssertionError(f"{st._num_verified} verified tokens but {st._num_hiddens} hiddens consumed")
             self.mode.check(st)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .errors import StateError
@@ -27,36 +27,41 @@ from .kv import KeyRuns, SeqKv
 from .trait import ProposerState
 
 
-@dataclass(slots=True, eq=False)
 class MtpState(ProposerState):
-    """Per-sequence state of a ``MultiModuleMtpHead``: read its fields, change it only
-    through the proposer. ``num_verified``: verified tokens ``t_0 .. t_{n-1}``;
-    ``next_position``: the lowest position the next propose may take (exact mode:
-    the only one); ``rows_per_module()``: KV rows of each module."""
+    """Per-sequence state of a ``MultiModuleMtpHead``. Its public attributes are read-only
+    views (``num_verified``: verified tokens ``t_0 .. t_{n-1}``; ``next_position``: the
+    lowest position the next propose may take, in exact mode the only one; ``drafted``:
+    a propose awaits ``after_verify``; ``rows_per_module()``: KV rows of each module);
+    only the proposer changes a state, inside one of its calls."""
 
-    owner: Any
-    kv: list[SeqKv]
-    freed: bool = False
-    num_verified: int = 0
-    num_hiddens: int = 0
-    tail: list[int] = field(default_factory=list)   # tokens tail_start .. num_tokens - 1
-    tail_start: int = 0
-    win: list[Any] = field(default_factory=list)    # per module: chained outputs [w, H] (exact mode)
-    win_start: list[int] = field(default_factory=list)
-    drafted: bool = False                           # a propose awaits after_verify
-    next_position: int = 1                          # the lowest position the next propose may take
-    last_position: int = -1
-    last_k: int = 0
-    last_drafts: list[int] = field(default_factory=list)
-    _busy: Any = field(default_factory=threading.Lock, repr=False)
-    _busy_call: str = ""
+    __slots__ = ("owner", "_kv", "_freed", "_num_verified", "_num_hiddens", "_tail", "_tail_start", "_win",
+                 "_win_start", "_drafted", "_next_position", "_last_position", "_last_k", "_last_drafts",
+                 "_busy", "_busy_call")
+
+    def __init__(self, owner: Any, num_modules: int):
+        self.owner = owner
+        self._kv: tuple[SeqKv, ...] = ()
+        self._freed = False
+        self._busy = threading.Lock()
+        self._busy_call = ""
+        self.reset(num_modules)
+
+    # -- read-only views ----------------------------------------------------------
+    kv = property(lambda self: self._kv, doc="Per module, this sequence's SeqKv (a tuple).")
+    freed = property(lambda self: self._freed)
+    num_verified = property(lambda self: self._num_verified)
+    num_hiddens = property(lambda self: self._num_hiddens, doc="Target hiddens consumed, h_0 .. h_{Hn-1}.")
+    next_position = property(lambda self: self._next_position)
+    drafted = property(lambda self: self._drafted)
+    last_drafts = property(lambda self: list(self._last_drafts), doc="The last propose's drafts (a copy).")
+    tail = property(lambda self: tuple(self._tail), doc="Tokens num_tokens - len(tail) .. (exact mode).")
 
     @property
     def num_tokens(self) -> int:
-        return self.tail_start + len(self.tail)
+        return self._tail_start + len(self._tail)
 
     def rows_per_module(self) -> list[int]:
-        return [s.rows for s in self.kv]
+        return [s.rows for s in self._kv]
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the state breaks a rule of its proposer's KV mode."""
@@ -64,34 +69,51 @@ class MtpState(ProposerState):
 
     def reset(self, num_modules: int) -> None:
         """The counters of a state that holds nothing (its KV is emptied by the caller)."""
-        self.num_verified = self.num_hiddens = self.tail_start = 0
-        self.tail = []
-        self.win = [None] * num_modules
-        self.win_start = [0] * num_modules
-        self.next_position = 1
-        self.drafted = False
-        self.last_position, self.last_k, self.last_drafts = -1, 0, []
+        self._num_verified = self._num_hiddens = self._tail_start = 0
+        self._tail: list[int] = []
+        self._win: list[Any] = [None] * num_modules       # per module: chained outputs [w, H] (exact mode)
+        self._win_start = [0] * num_modules
+        self._next_position = 1
+        self._drafted = False
+        self._last_position, self._last_k, self._last_drafts = -1, 0, []
+
+    def __copy__(self) -> "MtpState":
+        return _copy_handle(self, {}, deep=False)
 
     def __deepcopy__(self, memo: dict) -> "MtpState":
-        return _deepcopy_handle(self, memo)
+        return _copy_handle(self, memo, deep=True)
+
+    def __reduce__(self):
+        raise TypeError("MtpState cannot be pickled: it is a handle into a live proposer")
 
     def __repr__(self) -> str:                           # not the window's hidden arrays
-        status = "freed" if self.freed else "awaiting after_verify" if self.drafted else "ready"
-        return (f"MtpState(rows per module={self.rows_per_module()}, verified tokens={self.num_verified}, "
-                f"hiddens={self.num_hiddens}, next position={self.next_position}, {status})")
+        status = "freed" if self._freed else "awaiting after_verify" if self._drafted else "ready"
+        return (f"MtpState(rows per module={self.rows_per_module()}, verified tokens={self._num_verified}, "
+                f"hiddens={self._num_hiddens}, next position={self._next_position}, {status})")
 
 
-def _deepcopy_handle(obj: Any, memo: dict) -> Any:
-    """A deep copy of a state or carried entry that still names the same proposer (which
-    is not copied): the proposer then refuses it like any copy. A copy is never in use."""
+def _copy_handle(obj: Any, memo: dict, deep: bool) -> Any:
+    """A copy of a state or carried entry that still names the same proposer (which
+    is not copied): the proposer then refuses it, as it refuses any copy. A copy is
+    never in use, and its sequences are copies too (no pool knows them)."""
     memo[id(obj.owner)] = obj.owner
     new = object.__new__(type(obj))
-    for f in fields(obj):
-        if f.name == "_busy":
-            value = threading.Lock()
-        else:
-            value = "" if f.name == "_busy_call" else copy.deepcopy(getattr(obj, f.name), memo)
-        object.__setattr__(new, f.name, value)
+    for name in type(obj).__slots__:
+        if name in ("_busy", "__weakref__"):
+            continue
+        value = getattr(obj, name)
+        if name == "_busy_call":
+            value = ""
+        elif deep:
+            value = copy.deepcopy(value, memo)
+        elif isinstance(value, list):
+            value = list(value)
+        object.__setattr__(new, name, value)
+    if "_busy" in type(obj).__slots__:
+        object.__setattr__(new, "_busy", threading.Lock())
+    for name in ("_kv", "_seqs"):
+        if name in type(obj).__slots__:
+            object.__setattr__(new, name, tuple(copy.copy(q) for q in getattr(obj, name)))
     return new
 
 
@@ -120,51 +142,70 @@ def is_busy(st: MtpState) -> bool:
     return st._busy.locked()
 
 
-@dataclass(slots=True, eq=False)
 class DrafterKv:
     """A sequence's drafter KV taken out of its state (``take_drafter_kv``), to be
     installed into a fresh state next turn or released with ``free_drafter_kv``.
 
-    ``seqs[m]`` is module ``m``'s sequence, registered in its pool as held by this
-    entry; ``blocks`` / ``keys`` are read-only copies. ``rows`` / ``last_pair_key``
-    are module 0's (the trait's triple); the rest is the exact-mode window. Only the
-    entry the proposer handed out is honoured: a copy is refused.
+    Read-only: ``seqs[m]`` is module ``m``'s sequence (registered in its pool as held
+    by this entry), ``blocks`` / ``keys`` copies of their tables; ``rows`` /
+    ``last_pair_key`` are module 0's (the trait's triple); ``num_verified`` and
+    ``next_position`` the sequence's counters. Only the entry the proposer handed out
+    is honoured: a copy is refused.
     """
 
-    owner: Any
-    seqs: list[SeqKv]
-    num_verified: int
-    num_hiddens: int
-    tail: list[int]
-    tail_start: int
-    win: list[Any]
-    win_start: list[int]
-    next_position: int
-    consumed: bool = False
+    __slots__ = ("owner", "_seqs", "_num_verified", "_num_hiddens", "_tail", "_tail_start", "_win",
+                 "_win_start", "_next_position", "_consumed")
+
+    def __init__(self, owner: Any, st: MtpState):
+        self.owner = owner
+        self._seqs: tuple[SeqKv, ...] = ()
+        self._num_verified, self._num_hiddens = st._num_verified, st._num_hiddens
+        self._tail, self._tail_start = list(st._tail), st._tail_start
+        self._win, self._win_start = list(st._win), list(st._win_start)
+        self._next_position = st._next_position
+        self._consumed = False
+
+    seqs = property(lambda self: self._seqs)
+    num_verified = property(lambda self: self._num_verified)
+    next_position = property(lambda self: self._next_position)
+    consumed = property(lambda self: self._consumed)
 
     @property
     def blocks(self) -> list[list[int]]:
-        return [list(s.blocks) for s in self.seqs]
+        return [list(s.blocks) for s in self._seqs]
 
     @property
     def keys(self) -> list[KeyRuns]:
-        return [s.keys.copy() for s in self.seqs]
+        return [s.keys for s in self._seqs]
 
     @property
     def rows(self) -> int:
-        return self.seqs[0].rows
+        return self._seqs[0].rows
 
     @property
     def last_pair_key(self) -> int | None:
-        return self.seqs[0].keys.last
+        return self._seqs[0].last_key
+
+    def restore_into(self, st: MtpState) -> None:
+        """The sequence's counters and exact-mode window into ``st`` (install)."""
+        st._num_verified, st._num_hiddens = self._num_verified, self._num_hiddens
+        st._tail, st._tail_start = list(self._tail), self._tail_start
+        st._win, st._win_start = list(self._win), list(self._win_start)
+        st._next_position = self._next_position
+
+    def __copy__(self) -> "DrafterKv":
+        return _copy_handle(self, {}, deep=False)
 
     def __deepcopy__(self, memo: dict) -> "DrafterKv":
-        return _deepcopy_handle(self, memo)
+        return _copy_handle(self, memo, deep=True)
+
+    def __reduce__(self):
+        raise TypeError("DrafterKv cannot be pickled: it is a handle into a live proposer")
 
     def __repr__(self) -> str:                           # not the window's hidden arrays
-        state = "consumed" if self.consumed else "live"
-        return (f"DrafterKv(rows per module={[s.rows for s in self.seqs]}, "
-                f"blocks per module={[len(s.blocks) for s in self.seqs]}, verified tokens={self.num_verified}, "
+        state = "consumed" if self._consumed else "live"
+        return (f"DrafterKv(rows per module={[s.rows for s in self._seqs]}, "
+                f"blocks per module={[len(s.blocks) for s in self._seqs]}, verified tokens={self._num_verified}, "
                 f"last_pair_key={self.last_pair_key}, {state})")
 
 
@@ -207,7 +248,7 @@ class AcceptanceStats:
             self.verifies = self.accepted_total = 0
 
 
-_FIELDS = ("num_verified", "num_hiddens", "tail_start", "drafted", "next_position", "last_position", "last_k")
+_FIELDS = ("_num_verified", "_num_hiddens", "_tail_start", "_drafted", "_next_position", "_last_position", "_last_k")
 
 
 @dataclass(slots=True)
@@ -223,13 +264,13 @@ class Snapshot:
 
     @classmethod
     def of(cls, st: MtpState) -> "Snapshot":
-        return cls([s.rows for s in st.kv], tuple(getattr(st, f) for f in _FIELDS), list(st.tail),
-                   list(st.win), list(st.win_start), list(st.last_drafts))
+        return cls([s.rows for s in st._kv], tuple(getattr(st, f) for f in _FIELDS), list(st._tail),
+                   list(st._win), list(st._win_start), list(st._last_drafts))
 
     def restore(self, st: MtpState, pools: list[Any]) -> None:
         """Rows written since are dropped, blocks taken since go back."""
-        for pool, seq, rows in zip(pools, st.kv, self.rows):
-            pool.trim(seq, seq.rows - rows)
+        for pool, seq, rows in zip(pools, st._kv, self.rows):
+            pool.trim(seq, seq.rows - rows, st)
         for f, v in zip(_FIELDS, self.scalars):
             setattr(st, f, v)
-        st.tail, st.win, st.win_start, st.last_drafts = self.tail, self.win, self.win_start, self.last_drafts
+        st._tail, st._win, st._win_start, st._last_drafts = self.tail, self.win, self.win_start, self.last_drafts

@@ -30,14 +30,14 @@ def guarded(pools: list[Any], states: list[MtpState], new_rows: list[list[int]],
     snaps = [Snapshot.of(st) for st in states]
     try:
         for m, (pool, rows) in enumerate(zip(pools, new_rows)):
-            pool.grow_all([(st.kv[m], r) for st, r in zip(states, rows) if r > 0])
+            pool.grow_all([(st._kv[m], r, st) for st, r in zip(states, rows) if r > 0])
         out = body()
     except BaseException:
         for st, snap in zip(states, snaps):
             snap.restore(st, pools)
         raise
     for st in states:
-        for pool, seq in zip(pools, st.kv):
-            if len(seq.blocks) * pool.block_size - seq.rows >= pool.block_size:
-                pool.trim(seq, 0)
+        for pool, seq in zip(pools, st._kv):
+            if len(seq._blocks) * pool.block_size - seq.rows >= pool.block_size:
+                pool.trim(seq, 0, st)
     return out

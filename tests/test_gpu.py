@@ -97,9 +97,9 @@ def _same_kv(ref, sr, dev, sd, what, tol="bfloat16"):
         kd, vd = kv_rows(dev, sd, m)
         assert_close(kd, kr, tol, f"{what}: module {m} K")
         assert_close(vd, vr, tol, f"{what}: module {m} V")
-        if ref.kv_mode == "exact" and sr.win[m] is not None:
-            assert sr.win_start[m] == sd.win_start[m]
-            assert_close(dev.backend.to_host(sd.win[m]), np.asarray(sr.win[m]), tol,
+        if ref.kv_mode == "exact" and sr._win[m] is not None:
+            assert sr._win_start[m] == sd._win_start[m]
+            assert_close(dev.backend.to_host(sd._win[m]), np.asarray(sr._win[m]), tol,
                          f"{what}: module {m} window (chained hiddens)")
 
 

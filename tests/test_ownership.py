@@ -66,9 +66,9 @@ def test_copied_or_hand_built_entries_are_refused_before_anything_moves(make_pro
         fake = copy.copy(kv)
     elif how == "deepcopy":
         fake = copy.deepcopy(kv)
-    else:
-        fake = DrafterKv(prop, kv.seqs, kv.num_verified, kv.num_hiddens, kv.tail, kv.tail_start, kv.win,
-                         kv.win_start, kv.next_position)
+    else:                                                 # a hostile caller fills in the private fields
+        fake = DrafterKv(prop, prop.alloc_state())
+        fake._seqs = kv.seqs
     fresh = prop.alloc_state()
     before = everything(prop, st, fresh)
     for call in (lambda: prop.free_drafter_kv(fake), lambda: prop.install_drafter_kv(fresh, fake)):
@@ -84,11 +84,12 @@ def test_copied_or_hand_built_states_are_refused(make_prop, mode, how):
     prop = make_prop(mode)
     rng = np.random.default_rng(2)
     st = prefilled(prop, rng)
-    fake = copy.copy(st) if how == "copy" else copy.deepcopy(st) if how == "deepcopy" else MtpState(owner=prop, kv=st.kv, num_verified=st.num_verified,
-                                                        num_hiddens=st.num_hiddens, tail=list(st.tail),
-                                                        tail_start=st.tail_start, win=list(st.win),
-                                                        win_start=list(st.win_start),
-                                                        next_position=st.next_position)
+    if how == "hand-built":                               # a hostile caller fills in the private fields
+        fake = MtpState(prop, prop.num_modules)
+        fake._kv, fake._num_verified, fake._num_hiddens = st.kv, st.num_verified, st.num_hiddens
+        fake._tail, fake._tail_start, fake._next_position = list(st._tail), st._tail_start, st.next_position
+    else:
+        fake = copy.copy(st) if how == "copy" else copy.deepcopy(st)
     h = rand_hiddens(rng, 1, H)[0]
     P = st.next_position
     calls = [

@@ -39,11 +39,11 @@ def _pair(ckpt, mode, chain):
 
 
 def _fingerprint(prop, st):
-    win = [None if w is None else np.asarray(w).copy() for w in st.win]
+    win = [None if w is None else np.asarray(w).copy() for w in st._win]
     # Block ids are left out: after a rolled-back call the free lists may hand out the same
     # blocks in another order (the planned path grows every module before it computes).
     return (st.rows_per_module(), [s.keys.to_list() for s in st.kv], [len(s.blocks) for s in st.kv],
-            st.num_verified, st.num_hiddens, list(st.tail), st.tail_start, list(st.win_start), st.drafted,
+            st.num_verified, st.num_hiddens, list(st.tail), st._tail_start, list(st._win_start), st.drafted,
             win)
 
 

@@ -64,8 +64,8 @@ def test_the_seed_designs_trim_is_caught(make_prop, monkeypatch):
 
     def seed_trim(state, P, a, k):
         for m in range(a, k):                                   # the bug: m >= a dropped
-            mode.modules[m].pool.trim(state.kv[m], 1)
-        state.num_verified = P + 1 + a
+            mode.modules[m].pool.trim(state.kv[m], 1, state)
+        state._num_verified = P + 1 + a
 
     monkeypatch.setattr(mode, "after_verify", seed_trim)
     d.propose(1, rand_hiddens(rng, 1, H)[0], 4, 3, st)

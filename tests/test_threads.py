@@ -169,7 +169,7 @@ def test_one_state_hammered_by_two_threads_is_never_corrupted(make_prop, trial):
         for _ in range(400):
             try:
                 if st.drafted:
-                    a = int(r.integers(0, st.last_k + 1))
+                    a = int(r.integers(0, len(st.last_drafts) + 1))
                     drafts = list(st.last_drafts)
                     prop.after_verify(a, st)
                     prop.catchup_drafter(drafts[:a], rand_hiddens(r, a, H), st)
