@@ -22,25 +22,13 @@ from typing import Any, Callable, Literal
 
 from .errors import ConfigError
 from .files import CONFIG_JSON_CAP, read_json
+from .models import CANONICAL, FAMILIES, Family, by_architecture, supported
 
 ScoringFunc = Literal["sigmoid", "softmax"]
 
-# -- what loads today -------------------------------------------------------------
-# Data, in one place, so that a family file (mtpkern/models/, a later issue) can
-# take over its part.
-
-#: model_type -> the architectures a config of that type may name.
-#: GLM-4.5, GLM-4.5-Air, GLM-4.6 and GLM-4.7 are all ``glm4_moe``.
-#: A config with neither field (hand-written, or ``MtpConfig.to_dict``) is read in
-#: the SPEC layout with ``MtpConfig``'s defaults.
-SUPPORTED_MODEL_TYPES: dict[str, tuple[str, ...]] = {
-    "glm4_moe": ("Glm4MoeForCausalLM",),
-}
-
-#: Defaults of a family's Hugging Face config class that differ from MtpConfig's.
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "glm4_moe": {"partial_rotary_factor": 0.5},
-}
+# -- what loads today: the families of mtpkern/models/ (one file each) ---------------
+# A config with neither model_type nor architectures (hand-written, or
+# MtpConfig.to_dict) is read in the SPEC layout with MtpConfig's defaults.
 
 
 def _off(v: Any, d: dict) -> bool:
@@ -217,32 +205,51 @@ def _show(v: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _supported() -> str:
-    return ", ".join(f"{t} ({' / '.join(a)})" for t, a in SUPPORTED_MODEL_TYPES.items())
-
-
-def _family(d: dict) -> str | None:
-    """The supported model_type the config names (directly or by its architectures),
-    None for a config that names neither."""
+def _family(d: dict) -> Family:
+    """The family the config names (by model_type and/or its architectures), the
+    canonical layout for a config that names neither."""
     mt = d.get("model_type")
-    if mt is not None and (not isinstance(mt, str) or mt not in SUPPORTED_MODEL_TYPES):
-        raise ConfigError(f"config.json: model_type {_show(mt)} is not supported; supported: {_supported()}")
+    if mt is not None and (not isinstance(mt, str) or mt not in FAMILIES):
+        raise ConfigError(f"config.json: model_type {_show(mt)} is not supported; supported: {supported()}")
     archs = d.get("architectures")
     if archs is None or archs == []:
-        return mt
+        return CANONICAL if mt is None else FAMILIES[mt]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ConfigError(f"config.json: field 'architectures' expected a list of names, got {_show(archs)}")
-    by_arch = {a: t for t, names in SUPPORTED_MODEL_TYPES.items() for a in names}
+    arch_family = by_architecture()
     for a in archs:
-        if a not in by_arch:
-            raise ConfigError(f"config.json: architecture {a!r} is not supported; supported: {_supported()}")
-        if mt is not None and by_arch[a] != mt:
-            raise ConfigError(f"config.json: architecture {a!r} is a {by_arch[a]} model, but model_type is {mt!r}")
-    return by_arch[archs[0]]
+        if a not in arch_family:
+            raise ConfigError(f"config.json: architecture {a!r} is not supported; supported: {supported()}")
+        if mt is not None and arch_family[a].model_type != mt:
+            raise ConfigError(f"config.json: architecture {a!r} is a {arch_family[a].model_type} model, "
+                              f"but model_type is {mt!r}")
+    return arch_family[archs[0]]
 
 
-def _refuse_unimplemented(d: dict) -> None:
+def _with_family(d: dict, fam: Family) -> dict:
+    """``d`` with the family's names for our fields read as ours (refused when both
+    are given and differ) and the features the family implies (refused when the
+    config says otherwise)."""
+    out = dict(d)
+    for theirs, ours in fam.aliases.items():
+        if d.get(theirs) is None:
+            continue
+        if d.get(ours) is not None and not _same(d[ours], d[theirs]):
+            raise ConfigError(f"config.json: field {theirs!r} = {_show(d[theirs])} disagrees with {ours!r} = "
+                              f"{_show(d[ours])}; a {fam.model_type} config gives one of them")
+        out[ours] = d[theirs]
+    for name, value in fam.fixed.items():
+        if d.get(name) is not None and not _same(d[name], value):
+            raise ConfigError(f"config.json: field {name!r} = {_show(d[name])}, but every {fam.title} module "
+                              f"has {name} = {_show(value)}")
+        out[name] = value
+    return out
+
+
+def _refuse_unimplemented(d: dict, fam: Family) -> None:
     for name, value in d.items():
+        if name in fam.implements or name in fam.target_only or name in fam.aliases:
+            continue
         rule = UNIMPLEMENTED_FIELDS.get(name)
         if rule is None:
             rule = next((r for p, r in UNIMPLEMENTED_PREFIXES.items() if name.startswith(p)), None)
@@ -263,7 +270,7 @@ def _check_same_as(d: dict, cfg: "MtpConfig") -> None:
                               f"{_show(getattr(cfg, ours))}, which mtpkern reads; expected them equal, or {name!r} absent")
 
 
-def _rope(d: dict, family: str | None) -> tuple[float, float]:
+def _rope(d: dict, fam: Family) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor), from rope_parameters / rope_scaling or the top level."""
     rope = d.get("rope_parameters")
     name = "rope_parameters"
@@ -279,7 +286,7 @@ def _rope(d: dict, family: str | None) -> tuple[float, float]:
     if rope_type not in ("default", None):
         raise ConfigError(f"config.json: {name}.rope_type {_show(rope_type)} is not supported; expected 'default'")
     # Glm4MoeConfig's partial_rotary_factor default is 0.5; DeepseekV3-style configs rotate whole heads.
-    prf_default = FAMILY_DEFAULTS.get(family or "", {}).get("partial_rotary_factor", 1.0)
+    prf_default = fam.defaults.get("partial_rotary_factor", 1.0)
     theta = _rope_value(d, rope, name, "rope_theta", 10000.0)
     prf = _rope_value(d, rope, name, "partial_rotary_factor", prf_default)
     return theta, prf
@@ -353,8 +360,12 @@ class MtpConfig:
     first_k_dense_replace: int = 0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    #: the checkpoint's family (mtpkern/models/: names, folds, block features); "" = SPEC layout
+    family: str = ""
 
     def __post_init__(self) -> None:
+        if self.family != "" and self.family not in FAMILIES:
+            raise ConfigError(f"config.json: family {self.family!r} is not supported; supported: {supported()}")
         _check_ranges(self)
         self._check_attention()
         if self.scoring_func not in ("sigmoid", "softmax"):
@@ -440,14 +451,15 @@ class MtpConfig:
         """Parse and validate a config.json body; refuse what would load wrongly (module docstring)."""
         if not isinstance(d, dict):
             raise ConfigError(f"config.json: expected a JSON object, got {type(d).__name__}")
-        family = _family(d)
-        _refuse_unimplemented(d)
+        fam = _family(d)
+        _refuse_unimplemented(d, fam)
+        d = _with_family(d, fam)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"config.json: hidden_act expected 'silu', got {_show(act)}")
         H = _req(d, "hidden_size", int)
         Hq = _req(d, "num_attention_heads", int)
-        theta, prf = _rope(d, family)
+        theta, prf = _rope(d, fam)
         cfg = cls(
             hidden_size=H,
             num_attention_heads=Hq,
@@ -474,6 +486,7 @@ class MtpConfig:
             first_k_dense_replace=_opt(d, "first_k_dense_replace", int, 0),
             tie_word_embeddings=_opt(d, "tie_word_embeddings", bool, False),
             max_position_embeddings=_opt(d, "max_position_embeddings", int, 4096),
+            family=fam.model_type,
         )
         _check_same_as(d, cfg)
         return cfg
@@ -489,18 +502,24 @@ class MtpConfig:
             raise ConfigError(_in_file(e, path)) from None
 
     def to_dict(self) -> dict:
-        """A config.json body (Hugging Face names) that ``from_dict`` reads back."""
+        """A config.json body (Hugging Face names) that ``from_dict`` reads back: the
+        family's ``model_type`` and first architecture when it has one."""
         d = asdict(self)
+        fam = d.pop("family")
         theta = d.pop("rope_theta")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
         d["hidden_act"] = "silu"
+        if fam:
+            d["model_type"] = fam
+            d["architectures"] = [FAMILIES[fam].architectures[0]]
         return d
 
     def describe(self) -> str:
         kind = (f"MoE E={self.n_routed_experts} top-{self.num_experts_per_tok} "
                 f"groups {self.topk_group}/{self.n_group} I={self.moe_intermediate_size} "
                 f"shared={self.n_shared_experts}") if self.is_moe else f"dense I={self.intermediate_size}"
-        return (f"M={self.num_modules} H={self.hidden_size} Hq={self.num_attention_heads} "
+        fam = f"{FAMILIES[self.family].title}: " if self.family else ""
+        return (f"{fam}M={self.num_modules} H={self.hidden_size} Hq={self.num_attention_heads} "
                 f"Hkv={self.num_key_value_heads} D={self.head_dim} rotary={self.rotary_dim} "
                 f"V={self.vocab_size} {kind}")
 

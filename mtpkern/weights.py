@@ -33,6 +33,7 @@ import numpy as np
 from .config import MtpConfig
 from .errors import CheckpointError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
+from .models import family
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _FLOAT_DTYPES = ("BF16", "F32")
@@ -250,29 +251,30 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
 #: first because they sit beside every quantized weight.
 _TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r".*\.(weight_scale_inv|weight_scale|input_scale)$"), "quantization_config"),
-    (re.compile(r"self_attn\.[qkv]_proj\.bias$"), "attention_bias"),
-    (re.compile(r"self_attn\.[qk]_norm\.weight$"), "use_qk_norm"),
-    (re.compile(r"mlp\.shared_experts\."), "n_shared_experts"),
-    (re.compile(r"mlp\.(gate\.|experts\.|(gate|up|down)_proj\.)"), "n_routed_experts"),  # MoE, or dense MLP
+    (re.compile(r"(^|\.)self_attn\.[qkv]_proj\.bias$"), "attention_bias"),
+    (re.compile(r"(^|\.)self_attn\.[qk]_norm\.weight$"), "use_qk_norm"),
+    (re.compile(r"(^|\.)mlp\.shared_experts\."), "n_shared_experts"),
+    (re.compile(r"(^|\.)mlp\.(gate\.|experts\.|(gate|up|down)_proj\.)"), "n_routed_experts"),  # MoE, or dense MLP
 )
 
 
 def _deciding_field(cfg: MtpConfig, suffix: str) -> str | None:
     """What decides whether the tensor ``suffix`` (under a module's prefix) is read, if known."""
     for pattern, name in _TENSOR_FIELDS:
-        if pattern.match(suffix):
+        if pattern.search(suffix):
             if name == "quantization_config":
                 return "it is an FP8 scale, and quantized checkpoints are not supported yet"
             return f"config.json has {name} = {getattr(cfg, name)!r}"
     return None
 
 
-def _check_router_rows(cfg: MtpConfig, rd: CheckpointReader, pre: str) -> None:
-    """n_routed_experts against the router's header, before the keys of E experts are
-    listed: a config asking for 2**30 experts must not build 3 * 2**30 key strings."""
+def _check_router_rows(cfg: MtpConfig, rd: CheckpointReader, key: str) -> None:
+    """n_routed_experts against the router's header (``key``), before the keys of E
+    experts are listed: a config asking for 2**30 experts must not build 3 * 2**30 key
+    strings."""
     if not cfg.is_moe:
         return
-    key, E, H = pre + "mlp.gate.weight", cfg.n_routed_experts, cfg.hidden_size
+    E, H = cfg.n_routed_experts, cfg.hidden_size
     if not rd.has(key):
         raise CheckpointError(f"tensor {key!r} is missing from the checkpoint at {rd.path}; "
                               f"config.json has n_routed_experts = {E} (an MoE module)")
@@ -283,22 +285,26 @@ def _check_router_rows(cfg: MtpConfig, rd: CheckpointReader, pre: str) -> None:
 
 
 def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unused: bool,
-                         notes: list[str]) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """Module ``m``'s key spec (``_module_keys``), once the checkpoint is known to hold
-    every required key of it and nothing else under the module's prefix.
+                         notes: list[str]) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+    """Module ``m``'s tensors: canonical suffix -> (checkpoint key, shape, required), once
+    the checkpoint is known to hold every required one and nothing else under the
+    module's prefix.
 
-    The loader reads exactly the spec's keys that are present (the optional
-    ``embed_tokens`` / ``shared_head.head`` when there), so any other key under the
-    prefix would be silently unused: refused unless ``allow_unused``."""
-    pre = f"model.layers.{cfg.layer_index(m)}."
-    _check_router_rows(cfg, rd, pre)
-    spec = _module_keys(cfg, m)
-    for suffix, (_, required) in spec.items():
-        if required and not rd.has(pre + suffix):
+    The loader reads exactly these keys when present (the optional ``embed_tokens`` /
+    ``shared_head.head`` when there), so any other key under the prefix would be
+    silently unused: refused unless ``allow_unused``."""
+    fam = family(cfg.family)
+    layer = cfg.layer_index(m)
+    pre = fam.module_prefix(layer, m)
+    _check_router_rows(cfg, rd, fam.key(layer, m, "mlp.gate.weight"))
+    spec = {suffix: (fam.key(layer, m, suffix), shape, req) for suffix, (shape, req) in _module_keys(cfg, m).items()}
+    for suffix, (key, _, required) in spec.items():
+        if required and not rd.has(key):
             why = _deciding_field(cfg, suffix)
-            raise CheckpointError(f"tensor {pre + suffix!r} is missing from the checkpoint at {rd.path} "
+            raise CheckpointError(f"tensor {key!r} is missing from the checkpoint at {rd.path} "
                                   f"(module {m} of {cfg.num_modules}){'; ' + why if why else ''}")
-    unused = sorted(k for k in rd.keys_under(pre) if k[len(pre):] not in spec)
+    ours = {key for key, _, _ in spec.values()}
+    unused = sorted(k for k in rd.keys_under(pre) if k not in ours)
     if unused:
         _refuse_or_note_unused(cfg, rd, m, pre, unused, allow_unused, notes)
     return spec
@@ -365,33 +371,46 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         dt = BF16 if all(p.dtype == BF16 for p in parts) else np.float32
         return np.concatenate([p.astype(dt, copy=False) for p in parts], axis=0)
 
+    fam = family(cfg.family)
     modules = []
     for m in range(cfg.num_modules):
-        pre = f"model.layers.{cfg.layer_index(m)}."
         spec = _checked_module_keys(cfg, rd, m, allow_unused_tensors, notes)
 
-        def w(suffix, dtypes=_FLOAT_DTYPES, pre=pre, spec=spec):
-            return read(pre + suffix, spec[suffix][0], dtypes)
+        def w(suffix, dtypes=_FLOAT_DTYPES, spec=spec):
+            key, shape, _ = spec[suffix]
+            return read(key, shape, dtypes)
 
-        head_keys = [pre + "shared_head.head.weight", "lm_head.weight"]
+        def norm(suffix):
+            """A norm weight, zero-centred ones folded (stored w, applied as 1 + w)."""
+            v = w(suffix)
+            return backend.prepare_vector(v.astype(np.float32) + 1.0 if fam.folds_norm(suffix) else v)
+
+        def eh_proj():
+            """[H, 2H] over [embed, hidden]: a family that concatenates [hidden, embed]
+            has its column halves swapped here, once."""
+            v = w("eh_proj.weight")
+            return backend.prepare_weight(np.concatenate([v[:, H:], v[:, :H]], axis=1)
+                                          if fam.concat == "hidden_embed" else v)
+
+        head_keys = [spec["shared_head.head.weight"][0], fam.target_head]
         if cfg.tie_word_embeddings:
-            head_keys.append("model.embed_tokens.weight")
+            head_keys.append(fam.target_embed)
         mw = ModuleWeights(
-            embed=vocab_matrix([pre + "embed_tokens.weight", "model.embed_tokens.weight"], f"module {m} embedding"),
+            embed=vocab_matrix([spec["embed_tokens.weight"][0], fam.target_embed], f"module {m} embedding"),
             head=vocab_matrix(head_keys, f"module {m} LM head"),
-            enorm=backend.prepare_vector(w("enorm.weight")),
-            hnorm=backend.prepare_vector(w("hnorm.weight")),
-            eh_proj=backend.prepare_weight(w("eh_proj.weight")),
-            input_layernorm=backend.prepare_vector(w("input_layernorm.weight")),
-            post_attention_layernorm=backend.prepare_vector(w("post_attention_layernorm.weight")),
+            enorm=norm("enorm.weight"),
+            hnorm=norm("hnorm.weight"),
+            eh_proj=eh_proj(),
+            input_layernorm=norm("input_layernorm.weight"),
+            post_attention_layernorm=norm("post_attention_layernorm.weight"),
             w_qkv=backend.prepare_weight(stack_rows(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                                                     w("self_attn.v_proj.weight"))),
             b_qkv=backend.prepare_vector(np.concatenate([
                 w(f"self_attn.{p}_proj.bias").astype(np.float32) for p in "qkv"])) if cfg.attention_bias else None,
-            q_norm=backend.prepare_vector(w("self_attn.q_norm.weight")) if cfg.use_qk_norm else None,
-            k_norm=backend.prepare_vector(w("self_attn.k_norm.weight")) if cfg.use_qk_norm else None,
+            q_norm=norm("self_attn.q_norm.weight") if cfg.use_qk_norm else None,
+            k_norm=norm("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
             w_o=backend.prepare_weight(w("self_attn.o_proj.weight")),
-            shared_head_norm=backend.prepare_vector(w("shared_head.norm.weight")),
+            shared_head_norm=norm("shared_head.norm.weight"),
         )
         if cfg.is_moe:
             E = cfg.n_routed_experts
@@ -413,10 +432,10 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
 
     target_norm = None
     if apply_target_norm:
-        if not rd.has("model.norm.weight"):
-            raise CheckpointError("apply_target_norm=True needs the target's 'model.norm.weight', "
+        if not rd.has(fam.target_norm):
+            raise CheckpointError(f"apply_target_norm=True needs the target's {fam.target_norm!r}, "
                                   f"missing from the checkpoint at {rd.path}")
-        target_norm = backend.prepare_vector(read("model.norm.weight", (H,)))
+        target_norm = backend.prepare_vector(read(fam.target_norm, (H,)))
     return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest), notes)
 
 
@@ -487,6 +506,31 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
     return t
 
 
+def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``tensors`` (canonical names, as ``synthetic_tensors`` makes them) renamed and
+    unfolded into ``cfg.family``'s release layout: the checkpoint a family's own
+    release would be, which ``load_weights`` folds back to the same module."""
+    fam = family(cfg.family)
+    H = cfg.hidden_size
+    out = {}
+    for key, a in tensors.items():
+        for m in range(cfg.num_modules):
+            canon = f"model.layers.{cfg.layer_index(m)}."
+            if key.startswith(canon):
+                suffix = key[len(canon):]
+                if suffix == "eh_proj.weight" and fam.concat == "hidden_embed":
+                    a = np.concatenate([a[:, H:], a[:, :H]], axis=1)
+                if fam.folds_norm(suffix):
+                    a = a - np.float32(1.0)
+                key = fam.key(cfg.layer_index(m), m, suffix)
+                break
+        else:
+            key = {"model.embed_tokens.weight": fam.target_embed, "lm_head.weight": fam.target_head,
+                   "model.norm.weight": fam.target_norm}.get(key, key)
+        out[key] = a
+    return out
+
+
 def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: int = 0,
                                dtype: str = "bfloat16", shards: int = 1, own_embed: bool = False,
                                own_head: bool = False) -> Path:
@@ -495,7 +539,8 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
     ``dtype``: "bfloat16" or "float32"; ``shards > 1`` writes
     ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``;
     ``own_embed`` / ``own_head`` give every module its own (identical) copy of
-    the embedding / LM head, as DeepSeek-V3 checkpoints do.
+    the embedding / LM head, as DeepSeek-V3 checkpoints do. The tensors are laid out
+    as ``cfg.family``'s release names them (``release_layout``).
     """
     from safetensors.numpy import save_file
 
@@ -505,7 +550,7 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
         raise ValueError(f"shards: expected >= 1, got {shards}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = synthetic_tensors(cfg, seed, own_embed, own_head)
+    tensors = release_layout(cfg, synthetic_tensors(cfg, seed, own_embed, own_head))
     np_dtype = BF16 if dtype == "bfloat16" else np.float32
     tensors = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")

@@ -1,0 +1,40 @@
+"""The released MTP families mtpkern loads: one file each (``base.Family``).
+
+``family_of(config_dict)`` finds a config's family by ``model_type`` or
+``architectures``; a config naming neither is read in the canonical layout
+(``CANONICAL``, the SPEC table: hand-written and synthetic checkpoints).
+"""
+
+from __future__ import annotations
+
+from .base import Family
+from .glm4_moe import FAMILY as GLM4_MOE
+from .mimo import FAMILY as MIMO
+
+#: model_type -> family
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO)}
+
+#: the SPEC layout with MtpConfig's defaults (no model_type, no architectures)
+CANONICAL = Family(model_type="", architectures=(), title="SPEC layout (no model_type)")
+
+
+def by_architecture() -> dict[str, Family]:
+    return {a: f for f in FAMILIES.values() for a in f.architectures}
+
+
+def supported() -> str:
+    """The supported families, for messages: ``glm4_moe (Glm4MoeForCausalLM), ...``."""
+    return ", ".join(f"{t} ({' / '.join(f.architectures)})" for t, f in FAMILIES.items())
+
+
+def family(name: str) -> Family:
+    """The family of ``model_type`` ``name`` ("" = the canonical layout)."""
+    if name == "":
+        return CANONICAL
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"family: expected one of {sorted(FAMILIES)} or '', got {name!r}") from None
+
+
+__all__ = ["CANONICAL", "FAMILIES", "Family", "by_architecture", "family", "supported"]

@@ -1,0 +1,85 @@
+"""``Family``: how one released MTP family maps onto mtpkern's config and tensors.
+
+mtpkern computes one block (SPEC section 1) from a canonical set of tensors, named
+as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
+``self_attn.q_proj.weight``, ``mlp.experts.{e}.gate_proj.weight``, ...), and one
+``MtpConfig``. A family says only how it differs, as data:
+
+- **config**: its model types and architectures; the defaults of its Hugging Face
+  config class that differ from ``MtpConfig``'s; its names for our fields
+  (``aliases``); the block features it switches on (``fixed``); the fields that
+  describe only its target's layers (``target_only``: accepted, not read); the
+  otherwise refused fields it implements (``implements``);
+- **tensors**: the prefix of module ``m`` (``{layer}`` = ``num_hidden_layers + m``,
+  ``{m}`` = ``m``) and renames of canonical suffixes (an entry ending in ``.``
+  renames a prefix of the suffix; values may use ``{m}``);
+- **folds**, applied once at load so that kernels never see them: the input order
+  of ``eh_proj`` (``hidden_embed`` swaps its column halves) and zero-centred RMSNorm
+  weights (stored ``w``, applied as ``1 + w``: 1 is added).
+
+A new family is a new file in this package with one ``Family`` in it, registered
+in ``mtpkern/models/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+Concat = Literal["embed_hidden", "hidden_embed"]
+
+#: the canonical RMSNorm weights of a module (the ones a zero-centred family stores as w)
+NORMS = ("enorm.weight", "hnorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+         "self_attn.q_norm.weight", "self_attn.k_norm.weight", "shared_head.norm.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One released MTP family (see the module docstring)."""
+
+    model_type: str
+    architectures: tuple[str, ...]
+    title: str
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    target_only: frozenset[str] = frozenset()
+    implements: frozenset[str] = frozenset()
+    prefix: str = "model.layers.{layer}."
+    renames: Mapping[str, str] = field(default_factory=dict)
+    concat: Concat = "embed_hidden"
+    zero_centred: bool = False
+    #: the target's norm before the LM head (apply_target_norm)
+    target_norm: str = "model.norm.weight"
+    #: where a module without its own embedding / LM head finds the target's
+    target_embed: str = "model.embed_tokens.weight"
+    target_head: str = "lm_head.weight"
+
+    def __post_init__(self) -> None:
+        if self.concat not in ("embed_hidden", "hidden_embed"):
+            raise ValueError(f"{self.model_type}: concat expected 'embed_hidden' or 'hidden_embed', got {self.concat!r}")
+
+    def module_prefix(self, layer: int, m: int) -> str:
+        return self.prefix.format(layer=layer, m=m)
+
+    def key(self, layer: int, m: int, suffix: str) -> str:
+        """The checkpoint key of canonical ``suffix`` for module ``m`` (at ``layer``)."""
+        new = self.renames.get(suffix)
+        if new is None:
+            best = max((p for p in self.renames if p.endswith(".") and suffix.startswith(p)), key=len, default=None)
+            new = suffix if best is None else self.renames[best] + suffix[len(best):]
+        return self.module_prefix(layer, m) + new.format(m=m)
+
+    def folds_norm(self, suffix: str) -> bool:
+        return self.zero_centred and suffix in NORMS
+
+    def describe(self) -> str:
+        parts = [self.title]
+        if self.concat == "hidden_embed":
+            parts.append("eh_proj input [hidden, embed] (folded)")
+        if self.zero_centred:
+            parts.append("zero-centred norms (folded)")
+        feats = [f"{k}={v}" for k, v in self.fixed.items()]
+        if feats:
+            parts.append(", ".join(feats))
+        return "; ".join(parts)
