@@ -222,3 +222,74 @@ def test_check_invariants_during_a_call_skips_the_busy_state(make_prop, mode):
     prop.propose(1, rand_hiddens(rng, 1, H)[0], st.next_position, 2, st, grammar_bitmask=grammar)
     assert checked == [0, 1]
     st.check_invariants()
+
+
+# -- public fields are read-only: nothing an engine holds can redirect the pool -------------
+
+def test_state_and_entry_fields_are_read_only(make_prop, mode):
+    prop = make_prop(mode)
+    rng = np.random.default_rng(7)
+    a, b = prefilled(prop, rng), prefilled(prop, rng)
+    before = everything(prop, a, b)
+    for obj, name, value in ((a, "kv", b.kv), (a, "num_verified", 2), (a, "num_hiddens", 2), (a, "drafted", True),
+                             (a, "next_position", 1), (a, "freed", True), (a.kv[0], "blocks", b.kv[0].blocks),
+                             (a.kv[0], "keys", None)):
+        with pytest.raises(AttributeError):
+            setattr(obj, name, value)
+    with pytest.raises(TypeError):
+        a.kv[0] = b.kv[0]                                    # a tuple
+    with pytest.raises(AttributeError):
+        a.kv[0].blocks.append(b.kv[0].blocks[0])             # a tuple: the audit's write into b's block
+    a.last_drafts.append(5)                                  # copies: the state does not change
+    assert everything(prop, a, b) == before
+    kv = prop.take_drafter_kv(a)
+    for name in ("num_verified", "next_position", "seqs", "consumed"):
+        with pytest.raises(AttributeError):
+            setattr(kv, name, 0)
+    prop.install_drafter_kv(a, kv)
+    prop.check_invariants()
+
+
+def test_a_state_holding_another_states_sequence_is_refused(make_prop, mode):
+    """Even through the private fields (a hostile caller): every call checks that each
+    module's sequence is held by the state it is called with."""
+    prop = make_prop(mode)
+    rng = np.random.default_rng(8)
+    a, b = prefilled(prop, rng), prefilled(prop, rng)
+    mine = b._kv
+    b._kv = (a.kv[0],) + b._kv[1:]
+    before = everything(prop, a)
+    with pytest.raises(StateError, match=r"state.kv\[0\]: held by a proposer state, not by this caller"):
+        prop.propose(3, rand_hiddens(rng, 1, H)[0], b.next_position, 3, b)
+    with pytest.raises(StateError, match="held by a proposer state"):
+        prop.free_state(b)
+    assert everything(prop, a) == before
+    b._kv = mine
+    prop.free_state(b)
+    prop.close()
+    assert prop.kv_blocks_in_use() == [0, 0, 0]
+
+
+def test_head_forward_takes_only_its_own_sequences(make_prop, mode):
+    from mtpkern.head import RowJob
+
+    prop = make_prop(mode)
+    rng = np.random.default_rng(9)
+    st = prefilled(prop, rng)
+    kv = prop.take_drafter_kv(prefilled(prop, rng))
+    head = prop.modules[0]
+    before = everything(prop, st)
+    for seq in (st.kv[0], kv.seqs[0], prop.modules[1].alloc_seq()):
+        with pytest.raises(StateError, match=r"jobs\[0\].seq"):
+            head.forward([RowJob(seq, np.array([1, 2], np.int32), 40, 1)], rand_hiddens(rng, 2, H))
+    assert everything(prop, st) == before
+    mine = head.alloc_seq()
+    for toks, exc in (([400], ValueError), ([-1], ValueError), ([1.5], TypeError)):
+        with pytest.raises(exc, match=r"jobs\[0\].tokens"):
+            head.forward([RowJob(mine, np.array(toks), 0, 1)], rand_hiddens(rng, 1, H))
+    y, normed = head.forward([RowJob(mine, np.array([1, 2], np.int32), 0, 1)], rand_hiddens(rng, 2, H))
+    assert y.shape == (2, H) and mine.rows == 2
+    with pytest.raises(ValueError, match=r"jobs\[0\].first_key: expected > 1"):
+        head.forward([RowJob(mine, np.array([3], np.int32), 1, 1)], rand_hiddens(rng, 1, H))
+    head.free_seq(mine)
+    prop.check_invariants()
