@@ -53,6 +53,17 @@ def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -
     return i
 
 
+def check_list(name: str, v: Any, n: int | None = None, what: str = "entries") -> list:
+    """A per-sequence argument of a batch call: a list, tuple or 1-D array (of ``n``)."""
+    per = "" if what == "states" else " (one per state)"
+    if isinstance(v, (str, bytes, dict)) or not isinstance(v, (list, tuple, np.ndarray)) or \
+            (isinstance(v, np.ndarray) and v.ndim != 1):
+        raise TypeError(f"{name}: expected a list of {what}{per}, got {_kind(v)}")
+    if n is not None and len(v) != n:
+        raise ValueError(f"{name}: expected {n} {what}{per}, got {len(v)}")
+    return list(v)
+
+
 def check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {_kind(v)} {v!r}")

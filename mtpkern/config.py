@@ -155,9 +155,11 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 #: Ranges (low, high] of the float fields; every one must also be finite.
 FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "rms_norm_eps": (0.0, 1.0),
-    "rope_theta": (0.0, math.inf),
+    # 1e4 .. 1e7 in releases; below 1 the "frequencies" grow with the dimension (and
+    # 5e-324 made every RoPE angle infinite), past 1e12 every angle rounds to 0
+    "rope_theta": (1.0, 1e12),
     "partial_rotary_factor": (0.0, 1.0),
-    "routed_scaling_factor": (0.0, math.inf),
+    "routed_scaling_factor": (0.0, 1e3),            # 1 .. 16 in releases; 1e308 overflowed to inf
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings")
@@ -271,24 +273,37 @@ def _check_same_as(d: dict, cfg: "MtpConfig") -> None:
 
 
 def _rope(d: dict, fam: Family) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor), from rope_parameters / rope_scaling or the top level."""
-    rope = d.get("rope_parameters")
-    name = "rope_parameters"
-    if rope is None:
-        rope, name = d.get("rope_scaling") or {}, "rope_scaling"
-    if not isinstance(rope, dict):
-        raise ConfigError(f"config.json: field {name!r} expected an object, got {_show(rope)}")
-    for key in rope:
-        if key not in _ROPE_KEYS:
-            raise ConfigError(f"config.json: {name}.{key} is not supported (the default RoPE reads only "
-                              f"{', '.join(_ROPE_KEYS)}), got {_show(rope[key])}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ConfigError(f"config.json: {name}.rope_type {_show(rope_type)} is not supported; expected 'default'")
+    """(rope_theta, partial_rotary_factor), from rope_parameters / rope_scaling or the top level.
+
+    Both objects are read when both are given (transformers 5 writes rope_parameters,
+    older releases rope_scaling): a scaling in either one is refused, and where both
+    give a value they must agree."""
+    objs = []
+    for name in ("rope_parameters", "rope_scaling"):
+        rope = d.get(name)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config.json: field {name!r} expected an object, got {_show(rope)}")
+        for key in rope:
+            if key not in _ROPE_KEYS:
+                raise ConfigError(f"config.json: {name}.{key} is not supported (the default RoPE reads only "
+                                  f"{', '.join(_ROPE_KEYS)}), got {_show(rope[key])}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"config.json: {name}.rope_type {_show(rope_type)} is not supported; expected 'default'")
+        objs.append((name, rope))
+    if len(objs) == 2:
+        for key in ("rope_theta", "partial_rotary_factor"):
+            a, b = (_opt(r, key, float, None) for _, r in objs)
+            if a is not None and b is not None and a != b:
+                raise ConfigError(f"config.json: rope_parameters.{key} ({a}) disagrees with rope_scaling.{key} ({b})")
+    name, rope = objs[0] if objs else ("rope_parameters", {})
+    merged = {k: v for _, r in reversed(objs) for k, v in r.items()}
     # Glm4MoeConfig's partial_rotary_factor default is 0.5; DeepseekV3-style configs rotate whole heads.
     prf_default = fam.defaults.get("partial_rotary_factor", 1.0)
-    theta = _rope_value(d, rope, name, "rope_theta", 10000.0)
-    prf = _rope_value(d, rope, name, "partial_rotary_factor", prf_default)
+    theta = _rope_value(d, merged, name, "rope_theta", 10000.0)
+    prf = _rope_value(d, merged, name, "partial_rotary_factor", prf_default)
     return theta, prf
 
 

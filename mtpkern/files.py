@@ -118,6 +118,8 @@ def read_json(path: str | os.PathLike, cap: int, error: type[MtpError]) -> Any:
         raise error(f"{p}: not valid JSON ({e})") from None
     except RecursionError:
         raise error(f"{p}: JSON nested too deeply to parse") from None
+    except ValueError as e:          # e.g. an integer of more digits than Python converts (4300)
+        raise error(f"{p}: not valid JSON ({e})") from None
     except _DuplicateKey as e:
         raise error(f"{p}: key {e.key!r} appears twice in one JSON object") from None
 

@@ -38,14 +38,15 @@ import numpy as np
 from .backends import BackendName, get_backend
 from .backends.base import Backend
 from .carry import CarryRegistry
-from .checks import (check_bool, check_hidden_dtype, check_int, check_positions, check_token, check_tokens,
-                     hidden_shape, ingest_hidden, shape_of)
+from .checks import (check_bool, check_hidden_dtype, check_int, check_list, check_positions, check_token,
+                     check_tokens, expect_finite, hidden_shape, ingest_hidden, shape_of)
 from .config import MtpConfig, ceil_div
-from .errors import NoAllowedToken, StateError, no_token_reason, no_token_where
+from .errors import CheckpointError, NoAllowedToken, StateError, no_token_reason, no_token_where
 from .draft import DraftChain
 from .exact import ExactChain
 from .grammar import MaskFn, resolve
 from .head import MtpHead, RowJob
+from .kv import BlockPool
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
 from .trait import DraftProposer, ProposerState
 from .txn import guarded
@@ -104,6 +105,7 @@ class MultiModuleMtpHead(DraftProposer):
         cuda_graphs = check_bool("cuda_graphs", cuda_graphs)
         if len(weights.modules) != config.num_modules:
             raise ValueError(f"weights: expected {config.num_modules} modules, got {len(weights.modules)}")
+        self._check_pool_size(config, backend, num_blocks, block_size)
         self.config = config
         self.weights = weights
         self.backend = backend
@@ -138,6 +140,23 @@ class MultiModuleMtpHead(DraftProposer):
 
             self.step_runner = StepRunner(self, capture=True)
 
+    @staticmethod
+    def _check_pool_size(cfg: MtpConfig, backend: Backend, num_blocks: int, block_size: int) -> None:
+        """Refuse pools that cannot fit where the backend allocates them: the K/V caches are
+        allocated up front, M modules x num_blocks x block_size rows x Hkv x D (K and V)."""
+        if not 1 <= num_blocks <= BlockPool.MAX_BLOCKS or not 1 <= block_size <= BlockPool.MAX_BLOCKS // num_blocks:
+            raise ValueError(f"num_blocks, block_size: expected num_blocks * block_size <= "
+                             f"{BlockPool.MAX_BLOCKS} (int32 slots), got {num_blocks} * {block_size}")
+        per_block = BlockPool.bytes_per_block(block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                              np.dtype(backend.kv_dtype).itemsize)
+        need = cfg.num_modules * num_blocks * per_block
+        have = backend.memory_bytes()
+        if have is not None and need > have:
+            raise ValueError(f"num_blocks: the KV pools would take {need / 2**30:.1f} GiB ({cfg.num_modules} modules x "
+                             f"{num_blocks} blocks x {per_block} B: block_size {block_size}, Hkv "
+                             f"{cfg.num_key_value_heads}, D {cfg.head_dim}), more than the {have / 2**30:.1f} GiB "
+                             f"the {backend.name} backend has; pass a smaller num_blocks")
+
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | os.PathLike, backend: "BackendName | Backend" = "auto",
                         kv_mode: KvMode = "exact", chain: Chain = "prenorm",
@@ -160,6 +179,9 @@ class MultiModuleMtpHead(DraftProposer):
         """
         _check_modes(kv_mode, chain)
         apply_target_norm = check_bool("apply_target_norm", apply_target_norm)
+        if not os.path.isdir(ckpt_dir):
+            what = "is a file; expected the directory that holds it" if os.path.exists(ckpt_dir) else "not found"
+            raise CheckpointError(f"ckpt_dir: {os.fspath(ckpt_dir)!r} {what} (config.json and *.safetensors)")
         cfg = MtpConfig.from_json(os.path.join(os.fspath(ckpt_dir), "config.json"))
         be = get_backend(backend, threads=threads)
         weights = load_weights(ckpt_dir, cfg, be, apply_target_norm=apply_target_norm,
@@ -397,16 +419,15 @@ class MultiModuleMtpHead(DraftProposer):
         def name(one: str, many: str, i: int | None = None) -> str:
             return one if single else many if i is None else f"{many}[{i}]"
 
-        states = [states] if isinstance(states, MtpState) else list(states)
+        states = check_list("states", states, what="states")
         B = len(states)
         most = self.propose_batch_max()
         if B < 1 or B > most:
             raise ValueError(f"states: expected 1..{most} states (propose_batch_max), got {B}")
         call = "propose" if single else "propose_batch"
         with self._use(states, call, [name("state", "states", i) for i in range(B)]) as sts:
-            for nm, seq in (("last_tokens", last_tokens), ("positions", positions)):
-                if len(seq) != B:
-                    raise ValueError(f"{nm}: expected {B} entries (one per state), got {len(seq)}")
+            last_tokens = check_list(name("last_token", "last_tokens"), last_tokens, B)
+            positions = check_list(name("position", "positions"), positions, B)
             toks = [check_token(name("last_token", "last_tokens", i), t, cfg.vocab_size)
                     for i, t in enumerate(last_tokens)]
             poss = [check_int(name("position", "positions", i), p, 1) for i, p in enumerate(positions)]
@@ -415,9 +436,7 @@ class MultiModuleMtpHead(DraftProposer):
             hid = self._batch_hiddens(name("target_hidden", "target_hiddens"), target_hiddens, B, single)
             masks: list[MaskFn | None] = [None] * B
             if grammar_bitmasks is not None:
-                if len(grammar_bitmasks) != B:
-                    raise ValueError(f"grammar_bitmasks: expected {B} entries (one per state), "
-                                     f"got {len(grammar_bitmasks)}")
+                grammar_bitmasks = check_list("grammar_bitmasks", grammar_bitmasks, B, "masks (or None)")
                 masks = [resolve(name("grammar_bitmask", "grammar_bitmasks", i), gm, cfg.vocab_size, k)
                          for i, gm in enumerate(grammar_bitmasks)]
             for i, (st, p) in enumerate(zip(sts, poss)):
@@ -517,10 +536,9 @@ class MultiModuleMtpHead(DraftProposer):
         return self._catchup(tokens, hiddens, states, single=False)
 
     def _catchup(self, tokens, hiddens, states, single: bool) -> int:
-        states = list(states)
-        if len(tokens) != len(states) or len(hiddens) != len(states):
-            raise ValueError(f"tokens, hiddens, states: expected equal lengths, got "
-                             f"{len(tokens)}, {len(hiddens)}, {len(states)}")
+        states = check_list("states", states, what="states")
+        tokens = check_list("tokens", tokens, len(states), "token lists")
+        hiddens = check_list("hiddens", hiddens, len(states), "hidden arrays")
         one = single or len(states) == 1
 
         def name(what: str, i: int) -> str:
@@ -541,6 +559,8 @@ class MultiModuleMtpHead(DraftProposer):
                     if tk.shape[0]:
                         hidden_shape(name("hiddens", i), hd, H, rows=tk.shape[0])
                         check_hidden_dtype(name("hiddens", i), hd)
+                        if isinstance(hd, (np.ndarray, list, tuple)):
+                            expect_finite(name("hiddens", i), np.asarray(hd, np.float32))
                 return 0
             todo, hids, news = [], [], []
             for i, (st, tk, hd) in enumerate(zip(sts, checked, hiddens)):

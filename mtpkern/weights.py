@@ -55,7 +55,8 @@ class CheckpointReader:
         self._safe_open = safe_open
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"checkpoint directory not found: {os.fspath(path)!r}")
+            what = "is a file, expected the directory that holds it" if self.path.exists() else "not found"
+            raise CheckpointError(f"checkpoint directory {os.fspath(path)!r}: {what}")
         index = self.path / _INDEX
         # lexists: a dangling index symlink is an error to report, not a missing index
         self._key_file = self._index_map(index) if os.path.lexists(index) else self._scan_files()
@@ -93,6 +94,8 @@ class CheckpointReader:
 
     def _open(self, f: Path):
         if not os.path.exists(f):
+            if os.path.lexists(f):
+                raise CheckpointError(f"{f}: a symlink to nothing (its target {os.readlink(f)!r} does not exist)")
             raise CheckpointError(f"{f}: shard listed in the index does not exist")
         require_regular_file(f, CheckpointError)
         try:
@@ -135,16 +138,17 @@ class CheckpointReader:
     def get(self, key: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = _FLOAT_DTYPES) -> np.ndarray:
         """Read ``key`` after checking its shape and dtype against the expectation."""
         got_shape, got_dtype = self.info(key)
+        where = f"tensor {key!r} in {self.file_of(key)}"
         if got_shape != tuple(shape):
-            raise CheckpointError(f"tensor {key!r}: expected shape {list(shape)}, got {list(got_shape)}")
+            raise CheckpointError(f"{where}: expected shape {list(shape)}, got {list(got_shape)}")
         if got_dtype not in dtypes:
-            raise CheckpointError(f"tensor {key!r}: expected dtype {' or '.join(dtypes)}, got {got_dtype}")
+            raise CheckpointError(f"{where}: expected dtype {' or '.join(dtypes)}, got {got_dtype}")
         try:
             a = self._handle(key).get_tensor(key)
         except Exception as e:
-            raise CheckpointError(f"tensor {key!r} in {self.file_of(key)}: corrupt or truncated ({e})") from None
+            raise CheckpointError(f"{where}: corrupt or truncated ({e})") from None
         if not _all_finite(a):
-            raise CheckpointError(f"tensor {key!r}: holds NaN or infinite values")
+            raise CheckpointError(f"{where}: holds NaN or infinite values")
         return a
 
 

@@ -288,7 +288,7 @@ def test_batch_bad_input(make_prop):
         prop.propose_batch([1, 2], hs_, [3, 4], 2, [a, b])
     with pytest.raises(ValueError, match=r"states: expected 1..64 states"):
         prop.propose_batch([], hs_[:0], [], 2, [])
-    with pytest.raises(ValueError, match="grammar_bitmasks: expected 2 entries"):
+    with pytest.raises(ValueError, match=r"grammar_bitmasks: expected 2 masks \(or None\) \(one per state\), got 1"):
         prop.propose_batch([1, 2], hs_, [3, 3], 2, [a, b], grammar_bitmasks=[None])
     assert a.rows_per_module() == b.rows_per_module() == [2, 1, 0]
     assert prop.propose_batch([1, 2], hs_, [3, 3], 2, [a, b]) is not None
@@ -347,3 +347,52 @@ def test_carry_bad_input(make_prop):
     with pytest.raises(StateError, match="carried: already installed or freed"):
         prop.free_drafter_kv(kv)
     prop.check_invariants()
+
+
+def test_batch_arguments_of_the_wrong_kind_are_named(make_prop):
+    prop = make_prop("exact")
+    rng = np.random.default_rng(10)
+    a = prop.alloc_state()
+    prop.prefill_drafter([1, 2, 3], rand_hiddens(rng, 3, H), a)
+    h = rand_hiddens(rng, 1, H)
+    cases = [
+        (lambda: prop.propose_batch([1], h, [3], 2, [a], grammar_bitmasks=lambda i, d: None),
+         TypeError, "grammar_bitmasks: expected a list of masks"),
+        (lambda: prop.propose_batch(1, h, [3], 2, [a]), TypeError, "last_tokens: expected a list"),
+        (lambda: prop.propose_batch([1], h, 3, 2, [a]), TypeError, "positions: expected a list"),
+        (lambda: prop.propose_batch([1], h, [3], 2, None), TypeError, "states: expected a list of states"),
+        (lambda: prop.propose_batch([1], h, [3], 2, a), TypeError, "states: expected a list of states, got MtpState"),
+        (lambda: prop.catchup_batch([[1]], [h], a), TypeError, "states: expected a list of states"),
+        (lambda: prop.catchup_batch([1], [h], [a]), ValueError, "tokens: expected a 1-D sequence of token ids"),
+    ]
+    before = fingerprint(prop, a)
+    for call, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            call()
+        assert fingerprint(prop, a) == before
+
+
+def test_draft_mode_catchup_refuses_non_finite_hiddens(make_prop):
+    prop = make_prop("draft")
+    rng = np.random.default_rng(11)
+    st = prop.alloc_state()
+    prop.prefill_drafter([1, 2, 3], rand_hiddens(rng, 3, H), st)
+    d = prop.propose(1, rand_hiddens(rng, 1, H)[0], 3, 2, st)
+    prop.after_verify(2, st)
+    with pytest.raises(ValueError, match="hiddens: expected finite values, got nan"):
+        prop.catchup_drafter(d, np.full((2, H), np.nan, np.float32), st)
+    assert prop.catchup_drafter(d, rand_hiddens(rng, 2, H), st) == 0
+
+
+def test_after_close_every_call_says_closed(make_prop):
+    prop = make_prop("exact")
+    rng = np.random.default_rng(12)
+    head = prop.modules[0]
+    seq = head.alloc_seq()
+    head.forward_one(1, rand_hiddens(rng, 1, H)[0], 1, seq)
+    prop.close()
+    assert prop.kv_blocks_in_use() == [0, 0, 0]                   # alloc_seq sequences too
+    for call in (prop.memory, prop.alloc_state, prop.check_invariants,
+                 lambda: head.forward_one(1, rand_hiddens(rng, 1, H)[0], 2, seq), lambda: head.alloc_seq()):
+        with pytest.raises(StateError, match="closed"):
+            call()

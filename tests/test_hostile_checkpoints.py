@@ -6,9 +6,8 @@ bad numbers; malformed JSON; fields and families that are not implemented."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -503,3 +502,65 @@ def test_from_pretrained_passes_the_opt_in(tmp_path):
         MultiModuleMtpHead.from_pretrained(path, backend="numpy", allow_unused_tensors="yes")
     prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", allow_unused_tensors=True)
     assert prop.weights.notes and prop.modules[0].w.q_norm is None
+
+
+# -- found by the audit: values inside every bound that still break, and unnamed errors ------
+
+@pytest.mark.parametrize("field,value", [("rope_theta", 5e-324), ("rope_theta", 0.5), ("rope_theta", 1e13),
+                                         ("routed_scaling_factor", 1e308), ("routed_scaling_factor", 1e4)])
+def test_finite_values_that_poison_the_maths_are_refused(field, value):
+    with pytest.raises(ConfigError, match=f"field '{field}' must be"):
+        MtpConfig.from_dict(dict(CFG.to_dict(), **{field: value}, rope_parameters=None))
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 40}, {"type": "linear", "factor": 2.0}])
+def test_a_scaling_beside_rope_parameters_is_not_ignored(scaling):
+    d = dict(CFG.to_dict(), rope_scaling=scaling)               # to_dict writes rope_parameters: default
+    with pytest.raises(ConfigError, match="rope_scaling.(rope_type|factor) .*is not supported"):
+        MtpConfig.from_dict(d)
+    d = dict(CFG.to_dict(), rope_scaling={"rope_type": "default", "rope_theta": 5.0})
+    with pytest.raises(ConfigError, match="disagrees with rope_scaling.rope_theta"):
+        MtpConfig.from_dict(d)
+
+
+def test_an_integer_too_long_to_convert_is_one_config_error(tmp_path):
+    text = json.dumps(CFG.to_dict()).replace('"hidden_size": 64', '"hidden_size": 1' + "0" * 5000)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        MtpConfig.from_json(tmp_path / "config.json")
+    assert str(tmp_path / "config.json") in _one_line(e.value) and "not valid JSON" in str(e.value)
+
+
+def test_a_pool_that_cannot_fit_is_refused_naming_num_blocks(tmp_path):
+    """Each field within its bound, the product enormous: 1024 KV heads of 1024 dims."""
+    from mtpkern import MultiModuleMtpHead
+
+    big = dataclasses.replace(CFG, hidden_size=8, num_attention_heads=1024, num_key_value_heads=1024,
+                              head_dim=1024, num_nextn_predict_layers=1, n_routed_experts=0, intermediate_size=8,
+                              attention_bias=False, use_qk_norm=False)
+    path = write_synthetic_checkpoint(tmp_path, big, dtype="float32")
+    with pytest.raises(ValueError, match=r"num_blocks: the KV pools would take .* GiB .* pass a smaller num_blocks"):
+        MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", num_blocks=2, block_size=1)
+    assert prop.memory().kv_pools == 2 * 1 * 1024 * 2048 * 4
+
+
+def test_pool_arguments_past_int32_name_themselves(tmp_path):
+    from mtpkern import MultiModuleMtpHead
+
+    path = _ckpt(tmp_path)
+    for kw in (dict(num_blocks=2**64), dict(block_size=2**64), dict(num_blocks=2**20, block_size=2**20)):
+        with pytest.raises(ValueError, match="num_blocks, block_size: expected num_blocks \\* block_size <="):
+            MultiModuleMtpHead.from_pretrained(path, backend="numpy", **kw)
+
+
+def test_checkpoint_paths_are_named_plainly(tmp_path):
+    from mtpkern import MultiModuleMtpHead
+
+    path = _ckpt(tmp_path)
+    with pytest.raises(CheckpointError, match="is a file; expected the directory that holds it"):
+        MultiModuleMtpHead.from_pretrained(path / "config.json", backend="numpy")
+    (path / "model.safetensors").rename(path / "real.bin")
+    os.symlink(path / "gone.safetensors", path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="a symlink to nothing"):
+        load_weights(path, CFG, get_backend("numpy"))

@@ -11,6 +11,7 @@ them to FP32, the fast backends keep BF16 and widen inside their kernels.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
@@ -103,6 +104,14 @@ class Backend(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued work (a no-op on synchronous backends)."""
+
+    def memory_bytes(self) -> int | None:
+        """Total memory where this backend's arrays live (host RAM here; the device's on
+        cuda), to refuse a KV pool that could never fit; None when unknown."""
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):
+            return None
 
     def describe(self) -> str:
         return self.name

@@ -176,6 +176,12 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         _cupy().cuda.get_current_stream().synchronize()
 
+    def memory_bytes(self) -> int | None:
+        try:
+            return int(_cupy().cuda.runtime.memGetInfo()[1])
+        except Exception:  # no device query: let the allocation decide
+            return None
+
     def describe(self) -> str:
         cp = _cupy()
         props = cp.cuda.runtime.getDeviceProperties(self.device_id)
