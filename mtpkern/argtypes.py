@@ -8,6 +8,7 @@ refused while the arguments are parsed, before anything runs.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -59,7 +60,30 @@ def checkpoint_dir(text: str) -> Path:
     if not p.is_dir():
         raise argparse.ArgumentTypeError(f"expected a checkpoint directory (config.json and *.safetensors), "
                                          f"got {text!r}, which is a file")
-    if not (p / "config.json").is_file():
+    cfg = p / "config.json"
+    if not os.path.lexists(cfg):
         raise argparse.ArgumentTypeError(f"expected a checkpoint directory with a config.json, "
                                          f"got {text!r}, which has none")
+    if not cfg.is_file():
+        kind = ("a symlink to nothing" if not cfg.exists() else "a directory" if cfg.is_dir()
+                else "not a regular file (a FIFO, socket or device)")
+        raise argparse.ArgumentTypeError(f"expected a checkpoint directory with a config.json file, "
+                                         f"got {text!r}, whose config.json is {kind}")
+    return p
+
+
+def output_file(text: str) -> Path:
+    """A file to write at the end of a run: refused now, not after the run, when its
+    directory does not exist or it names a directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path, got ''")
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}, which is a directory")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file in an existing directory, got {text!r} "
+                                         f"({str(parent)!r} does not exist)")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"expected a file in a writable directory, got {text!r}")
     return p

@@ -282,9 +282,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-ops", action="store_true", help="skip the per-op table")
     ap.add_argument("--no-propose", action="store_true", help="skip the propose table")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager peer even if torch imports")
-    ap.add_argument("--json", type=Path, default=None, metavar="PATH",
+    ap.add_argument("--json", type=argtypes.output_file, default=None, metavar="PATH",
                     help="write every figure as JSON to PATH (default: not written)")
-    ap.add_argument("--plot", type=Path, default=None, metavar="PATH",
+    ap.add_argument("--plot", type=argtypes.output_file, default=None, metavar="PATH",
                     help="draw propose latency against context and batch, with the floor, as a PNG "
                          "(needs matplotlib: pip install 'mtpkern[plot]') (default: not drawn)")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,7 +126,7 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
                         "(default: M, one per module)")
     d.add_argument("--seed", type=argtypes.nonnegative_int, default=0,
                    help="seed of the random tokens, hiddens and verifier")
-    d.add_argument("--json", type=Path, default=None, metavar="PATH",
+    d.add_argument("--json", type=argtypes.output_file, default=None, metavar="PATH",
                    help="also write the figures as JSON to PATH (default: not written)")
     _common(d, top=False)
     d.set_defaults(run=run_demo)
@@ -171,6 +172,12 @@ def main(argv: list[str] | None = None, prog: str = "mtpkern") -> int:
         _log.setLevel(logging.INFO)
     try:
         args.run(args)
+    except BrokenPipeError:               # `mtpkern demo | head -1`: the reader left; not an error of ours
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
     except FRIENDLY as e:
         if args.debug:
             raise

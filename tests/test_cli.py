@@ -250,3 +250,36 @@ def test_warm_up_report_speaks_only_when_compiling():
 def test_demo_stderr_has_no_carriage_return(cache_env):
     r = run("demo", "--config", "tiny", "--steps", "3", env=cache_env)
     assert "\r" not in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "dangling"])
+def test_info_says_what_config_json_is(tmp_path, kind, capsys):
+    from mtpkern.cli import main
+
+    cfg = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(cfg)
+    elif kind == "dir":
+        cfg.mkdir()
+    else:
+        os.symlink(tmp_path / "gone.json", cfg)
+    assert main(["info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    want = {"fifo": "not a regular file", "dir": "a directory", "dangling": "a symlink to nothing"}[kind]
+    assert err.startswith("mtpkern: error:") and want in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("path,msg", [("", "expected a file path, got ''"),
+                                      ("/nonexistent/x.json", "does not exist"), (".", "which is a directory")])
+def test_output_paths_are_refused_before_the_run(path, msg, capsys):
+    from mtpkern.cli import main
+
+    assert main(["demo", "--json", path, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_a_closed_pipe_is_not_an_error(tmp_path):
+    r = subprocess.run(f"{sys.executable} -m mtpkern demo --steps 30 --backend numpy | head -1", shell=True,
+                       capture_output=True, text=True, timeout=300)
+    assert "Broken pipe" not in r.stderr and "Traceback" not in r.stderr
