@@ -137,3 +137,96 @@ def test_the_docs_examples_run_as_written(tiny_ckpt):
     for code in blocks:
         exec(compile(code, str(DOC), "exec"), env)                 # noqa: S102 (the doc's own code)
     assert sum(env["Machine"].steps.values()) > 0
+
+
+# -- what the audit found the kit missing, or refusing wrongly ---------------------------------
+
+def test_masks_of_every_legal_form_and_stateful_grammars_pass(make_prop, tiny_ckpt):
+    """A callable may return a [1, W] array, and may refuse to answer a position twice
+    (an xgrammar matcher advances with each draft): checked never calls it again."""
+    prop, d, st, rng = _checked_state(make_prop, "exact", 20, reference_weights(tiny_ckpt), n=6)
+    W = prop.config.bitmask_words
+    calls = []
+
+    def matcher(i, drafts):
+        assert i == len(calls), f"asked for position {i}, the matcher is at {len(calls)}"
+        calls.append(i)
+        return np.full((1, W), -1, np.int32)
+
+    d.propose(1, rand_hiddens(rng, 1, H)[0], 6, 3, st, grammar_bitmask=matcher)
+    assert calls == [0, 1, 2]
+
+
+def test_a_broken_budget_promise_is_caught(make_prop):
+    prop = make_prop("draft", num_blocks=20, block_size=4)
+    d = checked(prop)
+    rng = np.random.default_rng(21)
+    vip = d.alloc_state_for(12)                                 # 4 blocks promised in every module
+    prop.pools[0].drop_budget(vip.kv[0], vip)                   # plant: module 0 forgets the promise
+    hog = d.alloc_state()
+    d.prefill_drafter(list(range(77)), rand_hiddens(rng, 77, H), hog)          # 19 of 20 blocks
+    with pytest.raises(AssertionError, match="KvCacheFull for sequences inside their budgets"):
+        d.prefill_drafter(list(range(12)), rand_hiddens(rng, 12, H), vip)     # needs 3 blocks
+
+
+def test_draft_mode_drafts_are_checked_by_the_oracle(make_prop, tiny_ckpt, monkeypatch):
+    """The planted bug: modules after the first fed t_P instead of the previous draft."""
+    prop, d, st, rng = _checked_state(make_prop, "draft", 22, reference_weights(tiny_ckpt), n=7)
+    _round(d, st, rng, 1)                                       # the unplanted proposer passes
+    real = prop.mode.propose
+
+    def wrong(sts, toks, poss, hid, k, draft_ids):
+        def ids(m, normed, drafts):
+            out = draft_ids(m, normed, drafts)
+            return out if m == 0 else np.full_like(out, toks[0])
+        return real(sts, toks, poss, hid, k, ids)
+
+    monkeypatch.setattr(prop.mode, "propose", wrong)
+    with pytest.raises(AssertionError, match="draft-mode drafts .* differ from the oracle's"):
+        d.propose(1, rand_hiddens(rng, 1, H)[0], st.next_position, 3, st)
+
+
+@pytest.mark.parametrize("plant", ["stats", "deferred"])
+def test_counters_are_checked(make_prop, monkeypatch, plant):
+    prop, d, st, rng = _checked_state(make_prop, "exact", 23)
+    if plant == "stats":
+        monkeypatch.setattr(type(prop.stats), "record", lambda self, k, a: None)
+        drafts = d.propose(1, rand_hiddens(rng, 1, H)[0], 4, 3, st)
+        with pytest.raises(AssertionError, match="counters"):
+            d.after_verify(len(drafts), st)
+    else:
+        real = prop._propose
+
+        def zeroed(*a, **kw):
+            out = real(*a, **kw)
+            prop._last_drafts = [0]
+            return out
+
+        monkeypatch.setattr(prop, "_propose", zeroed)
+        with pytest.raises(AssertionError):
+            d.propose(1, rand_hiddens(rng, 1, H)[0], 4, 3, st)
+
+
+def test_a_failed_call_that_changed_the_window_is_caught(make_prop, monkeypatch):
+    """The plant: rollback forgets the exact-mode window, and a catch-up fails after its
+    forwards; the window the next propose reads is then the failed call's."""
+    from mtpkern.state import Snapshot
+
+    prop, d, st, rng = _checked_state(make_prop, "exact", 24, n=8)
+    real_restore, real_catch_up = Snapshot.restore, prop.exact.catch_up
+
+    def restore_but_the_window(self, state, pools):
+        win, start = list(state._win), list(state._win_start)
+        real_restore(self, state, pools)
+        state._win, state._win_start = win, start
+
+    def failing(sts, hids):
+        real_catch_up(sts, hids)
+        raise RuntimeError("interrupted")
+
+    drafts = d.propose(1, rand_hiddens(rng, 1, H)[0], 8, 3, st)
+    d.after_verify(2, st)
+    monkeypatch.setattr(Snapshot, "restore", restore_but_the_window)
+    monkeypatch.setattr(prop.exact, "catch_up", failing)
+    with pytest.raises(AssertionError, match="a call that raised changed"):
+        d.catchup_drafter(drafts[:2], rand_hiddens(rng, 2, H), st)

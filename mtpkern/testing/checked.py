@@ -5,10 +5,18 @@ of the proposer: it has the same methods and returns the same objects (real
 states, real carried entries). Around every call it
 
 - takes the model's fingerprint; if the call raises, asserts that nothing changed
-  (pools, every state, carried entries, counters) and re-raises the error;
-- if the call succeeds, moves the model along and runs ``model.check()``:
-  the proposer's invariants, every module's rows, and (with ``weights``) the
-  exact-mode drafts against the dense oracle.
+  (pools, every state and its exact-mode window, carried entries, counters) and
+  re-raises the error; a ``KvCacheFull`` for a sequence that stays inside its
+  ``alloc_state_for`` budget is itself a failure;
+- if the call succeeds, moves the model along and runs ``model.check()``: the
+  proposer's invariants, every module's rows, and (with ``weights``) the drafts
+  against the dense oracle, in both KV modes; then the counters the call must have
+  moved: ``stats`` (by deltas, so an engine may ``reset()`` them), ``clamped_calls``,
+  ``read_deferred_draft_token`` and ``last_drafts_device``.
+
+A grammar callable is called by the proposer only: the proxy records the masks it
+returned and checks the drafts against those (a stateful grammar, such as an
+xgrammar matcher that advances with each draft, cannot answer twice).
 
 An ``AssertionError`` therefore points at the first call that broke a rule. The
 proxy adds no locking: the thread contract is the proposer's own (check from one
@@ -19,7 +27,25 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
+from ..errors import KvCacheFull
 from .model import ProposerModel
+
+
+class _Recorder:
+    """A grammar callable that remembers what it returned for each draft position."""
+
+    def __init__(self, fn: Callable):
+        self.fn, self.got = fn, {}
+
+    def __call__(self, i: int, drafts: list) -> Any:
+        mask = self.fn(i, drafts)
+        self.got[i] = mask
+        return mask
+
+    def replay(self, i: int, drafts: list) -> Any:
+        return self.got.get(i)
 
 
 class CheckedProposer:
@@ -35,17 +61,53 @@ class CheckedProposer:
     def check(self) -> None:
         self.model.check()
 
-    def _call(self, fn: Callable[[], Any], then: Callable[[Any], None]) -> Any:
+    def _counters(self) -> tuple:
+        st = self.prop.stats
+        return tuple(st.drafted), tuple(st.accepted), st.verifies, st.accepted_total, self.prop.clamped_calls
+
+    def _call(self, fn: Callable[[], Any], then: Callable[[Any], None],
+              room: Callable[[], list[tuple[Any, list[int]]]] | None = None, counts: Callable[[tuple], tuple] = None):
+        """``fn()`` checked: ``then(result)`` moves the model; ``room()``: (sequence model,
+        rows after the call) for the budget rule; ``counts(before)``: the counters the
+        call must leave (default: unchanged)."""
         before = self.model.fingerprint()
+        counters = self._counters()
         try:
             out = fn()
-        except BaseException:
+        except BaseException as e:
             after = self.model.fingerprint()
             assert after == before, "a call that raised changed the proposer's state"
+            if isinstance(e, KvCacheFull) and room is not None:
+                # a batch may fail for a member outside its budget; only a call whose every
+                # sequence stays inside its reservation must never meet a full pool
+                inside = [(s, rows) for s, rows in room() if self.model.fits_budget(s, rows)]
+                assert len(inside) < len(room()), (
+                    f"KvCacheFull for sequences inside their budgets "
+                    f"({', '.join(f'{s.budget} tokens, rows after {rows}' for s, rows in inside)}): {e}")
             raise
         then(out)
         self.model.check()
+        want = counters if counts is None else counts(counters)
+        assert self._counters() == want, f"counters {self._counters()} after the call, expected {want}"
         return out
+
+    def _grammar(self, grammar: Any) -> Any:
+        return _Recorder(grammar) if callable(grammar) else grammar
+
+    def _seen(self, grammar: Any) -> Any:
+        return grammar.replay if isinstance(grammar, _Recorder) else grammar
+
+    def _clamp(self, num_drafts: Any) -> Callable[[tuple], tuple]:
+        def counts(c: tuple) -> tuple:
+            return c[:4] + (c[4] + (int(num_drafts) > self.prop.num_modules),)
+        return counts
+
+    def _after_propose(self, states: list, drafts: list[list[int]]) -> None:
+        for st, d in zip(states, drafts):
+            assert self.prop.read_deferred_draft_token(st) == d[-1], "read_deferred_draft_token(state) is not its last draft"
+        assert self.prop.read_deferred_draft_token() == drafts[-1][-1]
+        dev = self.prop.last_drafts_device
+        assert np.asarray(self.prop.backend.to_host(dev)).tolist() == drafts, "last_drafts_device differs from the drafts"
 
     # -- lifecycle --------------------------------------------------------------------
     def alloc_state(self) -> Any:
@@ -61,27 +123,54 @@ class CheckedProposer:
     # -- drafting ---------------------------------------------------------------------
     def prefill_drafter(self, prompt_tokens: Any, hiddens: Any, state: Any) -> int:
         return self._call(lambda: self.prop.prefill_drafter(prompt_tokens, hiddens, state),
-                          lambda rows: self.model.prefill(state, prompt_tokens, hiddens, rows))
+                          lambda rows: self.model.prefill(state, prompt_tokens, hiddens, rows),
+                          room=lambda: [(self.model.of(state),
+                                         self.model.rows_after_prefill(len(np.asarray(prompt_tokens).reshape(-1))))])
 
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int, state: Any,
                 grammar_bitmask: Any = None) -> list[int]:
-        return self._call(
-            lambda: self.prop.propose(last_token, target_hidden, position, num_drafts, state, grammar_bitmask),
-            lambda d: self.model.propose(state, last_token, target_hidden, position, num_drafts, grammar_bitmask, d))
+        gm = self._grammar(grammar_bitmask)
+
+        def then(d: list[int]) -> None:
+            self.model.propose(state, last_token, target_hidden, position, num_drafts, self._seen(gm), d)
+            self._after_propose([state], [d])
+
+        return self._call(lambda: self.prop.propose(last_token, target_hidden, position, num_drafts, state, gm),
+                          then, room=lambda: [(self.model.of(state),
+                                               self.model.rows_after_propose(self.model.of(state), position,
+                                                                             num_drafts))],
+                          counts=self._clamp(num_drafts))
 
     def propose_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, num_drafts: int,
                       states: Any, grammar_bitmasks: Any = None) -> list[list[int]]:
+        gms = None if grammar_bitmasks is None else [self._grammar(g) for g in grammar_bitmasks]
+
         def then(drafts: list[list[int]]) -> None:
             for i, (st, d) in enumerate(zip(states, drafts)):
-                gm = None if grammar_bitmasks is None else grammar_bitmasks[i]
+                gm = None if gms is None else self._seen(gms[i])
                 self.model.propose(st, last_tokens[i], target_hiddens[i], positions[i], num_drafts, gm, d)
+            self._after_propose(list(states), drafts)
+
+        def room():
+            return [(self.model.of(st), self.model.rows_after_propose(self.model.of(st), p, num_drafts))
+                    for st, p in zip(states, positions)]
 
         return self._call(lambda: self.prop.propose_batch(last_tokens, target_hiddens, positions, num_drafts,
-                                                          states, grammar_bitmasks), then)
+                                                          states, gms), then, room=room,
+                          counts=self._clamp(num_drafts))
 
     def after_verify(self, num_accepted: int, state: Any) -> None:
+        entry = self.model.seqs.get(id(state))
+        k = entry[1].k if entry is not None and entry[0] is state else 0
+
+        def counts(c: tuple) -> tuple:
+            a = int(num_accepted)
+            drafted = tuple(d + (m < k) for m, d in enumerate(c[0]))
+            accepted = tuple(x + (m < a) for m, x in enumerate(c[1]))
+            return drafted, accepted, c[2] + 1, c[3] + a, c[4]
+
         return self._call(lambda: self.prop.after_verify(num_accepted, state),
-                          lambda _: self.model.verify(state, int(num_accepted)))
+                          lambda _: self.model.verify(state, int(num_accepted)), counts=counts)
 
     def catchup_drafter(self, tokens: Any, hiddens: Any, state: Any) -> int:
         return self.catchup_batch([tokens], [hiddens], [state], single=True)
@@ -91,9 +180,13 @@ class CheckedProposer:
             want = sum(self.model.catchup(st, tk, hd) for tk, hd, st in zip(tokens, hiddens, states))
             assert rows == want, f"catch-up wrote {rows} rows, expected {want}"
 
+        def room():
+            return [(self.model.of(st), self.model.rows_after_catchup(self.model.of(st), tk))
+                    for tk, st in zip(tokens, states)]
+
         if single:
-            return self._call(lambda: self.prop.catchup_drafter(tokens[0], hiddens[0], states[0]), then)
-        return self._call(lambda: self.prop.catchup_batch(tokens, hiddens, states), then)
+            return self._call(lambda: self.prop.catchup_drafter(tokens[0], hiddens[0], states[0]), then, room=room)
+        return self._call(lambda: self.prop.catchup_batch(tokens, hiddens, states), then, room=room)
 
     # -- carry ------------------------------------------------------------------------
     def take_drafter_kv(self, state: Any) -> Any:
@@ -108,6 +201,6 @@ class CheckedProposer:
 
 
 def checked(prop: Any, weights: Any = None) -> CheckedProposer:
-    """``prop`` with every call checked; ``weights``: host FP32 weights for the exact-mode
-    oracle (``reference_weights(ckpt_dir)``; tiny models only), or None."""
+    """``prop`` with every call checked; ``weights``: host FP32 weights for the oracle
+    (``reference_weights(ckpt_dir)``; tiny models only), or None."""
     return CheckedProposer(prop, weights)

@@ -41,18 +41,30 @@ class SeqModel:
     drafts: list[int] = field(default_factory=list)
     accepted: int = 0                                   # of the last verify, still to catch up (exact)
     budget: int | None = None                           # alloc_state_for's budget_tokens
+    draft: Any = None                                   # oracle.DraftRows (draft mode, with weights)
 
     @property
     def next_position(self) -> int:
         return len(self.tokens)
 
 
+def _row(words: Any) -> np.ndarray | None:
+    """One mask as [W] words (a [1, W] array, as xgrammar allocates one, too)."""
+    if words is None:
+        return None
+    if hasattr(words, "get") and not isinstance(words, np.ndarray):
+        words = words.get()
+    return np.asarray(words).reshape(-1)
+
+
 def mask_fn(grammar_bitmask: Any) -> MaskFn | None:
-    """``grammar_bitmask`` in any form ``propose`` takes -> ``(i, drafts) -> [W] words | None``."""
+    """``grammar_bitmask`` in any array form ``propose`` takes -> ``(i, drafts) -> [W] words
+    | None``. (A callable is never called again here: ``CheckedProposer`` records what
+    the proposer got from it, since a stateful grammar cannot answer twice.)"""
     if grammar_bitmask is None:
         return None
     if callable(grammar_bitmask):
-        return lambda i, drafts: grammar_bitmask(i, list(drafts))
+        return lambda i, drafts: _row(grammar_bitmask(i, list(drafts)))
     a = np.asarray(grammar_bitmask)
     if a.ndim == 1 or a.shape[0] == 1:
         row = a.reshape(-1)
@@ -61,7 +73,10 @@ def mask_fn(grammar_bitmask: Any) -> MaskFn | None:
 
 
 def allowed(words: Any, token: int) -> bool:
-    return words is None or bool((int(np.asarray(words).view(np.uint32)[token >> 5]) >> (token & 31)) & 1)
+    if words is None:
+        return True
+    w = _row(words).astype(np.int64) & 0xFFFFFFFF
+    return bool((int(w[token >> 5]) >> (token & 31)) & 1)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -82,7 +97,10 @@ class ProposerModel:
         self.carried: dict[int, tuple[Any, SeqModel]] = {}    # id(DrafterKv) -> (entry, model)
 
     def new_seq(self, budget: int | None = None) -> SeqModel:
-        return SeqModel([[] for _ in range(self.M)], budget=budget)
+        draft = None
+        if self.weights is not None and self.mode == "draft":
+            draft = oracle.DraftRows(self.prop.config, self.weights, self.prop.chain, self.weights.target_norm)
+        return SeqModel([[] for _ in range(self.M)], budget=budget, draft=draft)
 
     def of(self, st: Any) -> SeqModel:
         entry = self.seqs.get(id(st))
@@ -103,6 +121,8 @@ class ProposerModel:
         s.tokens, s.hiddens = toks, list(hid[:-1])         # h_{n-1} comes again with the first propose
         s.keys[0] = list(range(n - 1))
         s.phase = "ready"
+        if s.draft is not None:
+            s.draft.prefill(toks, hid)
         want = n - 1 if self.mode == "draft" else sum(max(0, n - 1 - m) for m in range(self.M))
         assert rows == want, f"prefill_drafter wrote {rows} rows, expected {want}"
 
@@ -129,6 +149,9 @@ class ProposerModel:
             want = oracle.propose(self.prop.config, self.weights, s.tokens, s.hiddens, k, self.prop.chain,
                                   masks=fn, target_norm=self.weights.target_norm)
             assert drafts == want, f"drafts {drafts} differ from the oracle's {want}"
+        if s.draft is not None:
+            want = s.draft.propose(last_token, hidden, P, k, masks=fn)
+            assert drafts == want, f"draft-mode drafts {drafts} differ from the oracle's {want}"
         for m in range(k):
             s.keys[m].append(P - 1)
         s.phase, s.P, s.k, s.drafts = "drafted", P, k, list(drafts)
@@ -138,6 +161,8 @@ class ProposerModel:
         assert s.phase == "drafted" and 0 <= a <= s.k, f"after_verify({a}) accepted in phase {s.phase}"
         for m in range(a + 1, s.k):
             s.keys[m].pop()
+        if s.draft is not None:
+            s.draft.verify(a)
         s.tokens += s.drafts[:a]
         s.accepted = a
         s.phase = "catchup" if self.mode == "exact" and a else "ready"
@@ -186,6 +211,24 @@ class ProposerModel:
         T = len(s.tokens) + (len(s.drafts) if s.phase == "drafted" else 0) + extra_tokens
         return [max(0, min(len(s.hiddens), T - m - 1)) for m in range(self.M)]
 
+    def rows_after_prefill(self, n: int) -> list[int]:
+        return [max(0, n - 1 - m) for m in range(self.M)] if self.mode == "exact" else \
+            [n - 1] + [0] * (self.M - 1)
+
+    def rows_after_propose(self, s: SeqModel, P: int, num_drafts: int) -> list[int]:
+        k = min(num_drafts, self.M)
+        if self.mode == "exact":
+            return [max(0, min(P, P + k - m)) for m in range(self.M)]
+        return [len(s.keys[m]) + (m < k) for m in range(self.M)]
+
+    def rows_after_catchup(self, s: SeqModel, tokens: Any) -> list[int]:
+        toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        if self.mode == "draft" or not toks:
+            return [len(k) for k in s.keys]
+        known = len(s.tokens[len(s.hiddens) + 1:len(s.hiddens) + 1 + len(toks)])
+        Hn, T = len(s.hiddens) + len(toks), len(s.tokens) + len(toks) - known
+        return [max(0, min(Hn, T - m - 1)) for m in range(self.M)]
+
     def fits_budget(self, s: SeqModel, rows_after: list[int]) -> bool:
         """Whether rows ``rows_after`` per module lie within what ``alloc_state_for``
         reserved (budget + M tokens per module): a call that stays there must never
@@ -213,14 +256,20 @@ class ProposerModel:
         for kv, s in self.carried.values():
             assert kv.num_verified == len(s.tokens) and not kv.consumed
 
+    def _window(self, st: Any) -> tuple:
+        """The exact-mode window (chained outputs) of ``st``, by value."""
+        be = self.prop.backend
+        return tuple((start, None if w is None else np.asarray(be.to_host(w)).tobytes())
+                     for start, w in zip(st._win_start, st._win))
+
     def fingerprint(self) -> tuple:
         """What a failed call must leave as it was: pools, every state and carried entry,
         the proposer's counters and last drafts."""
         prop = self.prop
         pools = tuple((p.num_used, p.reserved) for p in prop.pools)
         sts = tuple((id(st), tuple(st.rows_per_module()), tuple(tuple(q.blocks) for q in st.kv), st.num_verified,
-                     st.num_hiddens, tuple(st.tail), st.drafted, st.next_position, tuple(st.last_drafts))
-                    for st, _ in self.seqs.values())
+                     st.num_hiddens, tuple(st.tail), st.drafted, st.next_position, tuple(st.last_drafts),
+                     self._window(st)) for st, _ in self.seqs.values())
         carried = tuple((id(kv), tuple(map(tuple, kv.blocks)), kv.consumed) for kv, _ in self.carried.values())
         dev = prop.last_drafts_device
         stats = (tuple(prop.stats.drafted), tuple(prop.stats.accepted), prop.stats.verifies, prop.clamped_calls)

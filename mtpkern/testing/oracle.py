@@ -7,7 +7,8 @@ tested against brute force in the project's tests (test_ops_reference.py).
 
 ``chain_state(...)`` gives, for every module, what its KV and outputs must be
 after a call in exact mode; ``propose(...)`` gives the drafts an exact-mode
-propose must return. Tiny models only: every call recomputes the whole chain.
+propose must return; ``DraftRows`` follows one sequence in draft mode. Tiny
+models only: every call recomputes the whole chain.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class ModuleRows:
     normed: np.ndarray   # [R, H]
 
 
-def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray) -> ModuleRows:
-    """Module ``m`` over keys 0..R-1: tokens ``toks[j] = t_{j+m+1}``, hiddens ``g[j]``."""
+def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndarray | None = None) -> ModuleRows:
+    """Module ``m`` over rows 0..R-1, causal: tokens ``toks[j]``, hiddens ``g[j]``, RoPE
+    positions ``pos[j]`` (default the exact-mode keys 0..R-1: ``pos[j] = j + m + 1``,
+    ``toks[j] = t_{j+m+1}``)."""
     R = len(toks)
     H, D, Hq, Hkv, eps = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                           cfg.num_key_value_heads, cfg.rms_norm_eps)
@@ -54,7 +57,7 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray) -> ModuleRow
     if R == 0:
         z = np.zeros((0, H))
         return ModuleRows(np.zeros((0, Hkv, D)), np.zeros((0, Hkv, D)), z, z)
-    pos = np.arange(R) + m + 1
+    pos = np.arange(R) + m + 1 if pos is None else np.asarray(pos)
     e = _rms(f(w.embed)[toks], w.enorm, eps)
     h = _rms(g, w.hnorm, eps)
     x = np.concatenate([e, h], 1) @ f(w.eh_proj).T
@@ -112,10 +115,57 @@ def chain_state(cfg, weights, tokens, hiddens, chain: str, target_norm=None) -> 
     return out
 
 
+class DraftRows:
+    """The draft-mode rows of one sequence, as plain data: per module, the (token, hidden,
+    RoPE position) each of its KV rows was built from (SPEC sections 2-3, ``draft``).
+
+    ``prefill`` gives module 0 rows for keys ``0 .. n-2``; ``propose`` adds row ``P-1`` to
+    modules ``0 .. k'-1`` (module 0 from ``(t_P, h_{P-1})``, module ``m`` from ``d_{m-1}``
+    and module ``m-1``'s chained output) and returns the drafts; ``verify(a)`` keeps
+    module ``m``'s row of that propose iff ``m <= a``. Every module recomputes all its
+    rows from scratch (float64, O(R^2)): tiny models only."""
+
+    def __init__(self, cfg, weights, chain: str, target_norm=None):
+        self.cfg, self.weights, self.chain, self.target_norm = cfg, weights, chain, target_norm
+        self.rows: list[list[tuple[int, np.ndarray, int]]] = [[] for _ in weights.modules]
+        self.k = 0
+
+    def _g(self, h):
+        g = np.asarray(h, np.float64).reshape(1, -1)
+        return g if self.target_norm is None else _rms(g, self.target_norm, self.cfg.rms_norm_eps)
+
+    def prefill(self, tokens, hiddens) -> None:
+        toks = [int(t) for t in tokens]
+        for j in range(len(toks) - 1):
+            self.rows[0].append((toks[j + 1], self._g(hiddens[j])[0], j + 1))
+
+    def propose(self, last_token: int, hidden, P: int, k: int, masks=None) -> list[int]:
+        cfg, w = self.cfg, self.weights
+        tok, g = int(last_token), self._g(hidden)[0]
+        drafts: list[int] = []
+        for m in range(min(k, cfg.num_modules)):
+            self.rows[m].append((tok, g, P + m))
+            toks = np.array([r[0] for r in self.rows[m]], np.int64)
+            gs = np.stack([r[1] for r in self.rows[m]])
+            pos = np.array([r[2] for r in self.rows[m]])
+            out = module_forward(cfg, w.modules[m], m, toks, gs, pos)
+            logits = out.normed[-1] @ np.asarray(w.modules[m].head, np.float64).T
+            tok = masked_argmax64(logits, None if masks is None else masks(m, drafts))
+            drafts.append(tok)
+            g = (out.normed if self.chain == "postnorm" else out.y)[-1]
+        self.k = len(drafts)
+        return drafts
+
+    def verify(self, a: int) -> None:
+        for m in range(a + 1, self.k):
+            self.rows[m].pop()
+        self.k = 0
+
+
 def masked_argmax64(logits, mask_words=None) -> int:
     ok = ~np.isnan(logits)
     if mask_words is not None:
-        words = np.asarray(mask_words).astype(np.int64) & 0xFFFFFFFF
+        words = np.asarray(mask_words).reshape(-1).astype(np.int64) & 0xFFFFFFFF
         j = np.arange(len(logits))
         ok &= ((words[j >> 5] >> (j & 31)) & 1).astype(bool)
     cand = np.flatnonzero(ok)
