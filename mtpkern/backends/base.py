@@ -6,7 +6,10 @@ for ``numpy`` and ``cpu``, CuPy for ``cuda``); the head and proposer never
 look inside them except through ``to_host``.
 
 Weights go through ``prepare_weight`` once at load time: the reference widens
-them to FP32, the fast backends keep BF16 and widen inside their kernels.
+them to FP32, the fast backends keep BF16 and widen inside their kernels. FP8
+E4M3 weights come as ``mtpkern.quant.Fp8Weight`` (bytes + scales): the reference
+dequantizes them to FP32, the fast backends keep one byte per weight and
+dequantize inside their GEMV kernels (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..ops.moe import RouterSpec
+from ..quant import Fp8Weight
 
 
 def on_cuda_device(x: Any) -> bool:
@@ -45,8 +49,9 @@ class Backend(ABC):
 
     # -- memory -------------------------------------------------------------
     @abstractmethod
-    def prepare_weight(self, w: np.ndarray) -> Any:
-        """Host weight (BF16 or FP32 NumPy) -> the backend's stored form."""
+    def prepare_weight(self, w: "np.ndarray | Fp8Weight") -> Any:
+        """Host weight (BF16 or FP32 NumPy, or an ``Fp8Weight``, ``[N, K]`` or stacked
+        experts ``[E, N, K]``) -> the backend's stored form."""
 
     def prepare_vector(self, w: np.ndarray) -> Any:
         """Host 1-D weight (norm weight, bias, router correction bias) -> FP32 backend array.
