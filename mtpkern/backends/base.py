@@ -40,6 +40,24 @@ def on_cuda_device(x: Any) -> bool:
         return True
 
 
+# -- FP8 weights: what every backend refuses, in the same words (docs/fp8.md) -----------------
+
+def fp8_embedding_refused(name: str = "embed") -> TypeError:
+    return TypeError(f"{name}: an FP8 embedding table is not supported (released FP8 checkpoints keep "
+                     f"embed_tokens in BF16); load it as BF16 or FP32")
+
+
+def unprepared_fp8(name: str, w: Any) -> TypeError:
+    return TypeError(f"{name}: an Fp8Weight must go through prepare_weight first (got {w!r})")
+
+
+def all_fp8_or_none(names: str, *fp8: bool) -> bool:
+    """True when every weight of a pair (w13, w2) is FP8, False when none is; mixed raises."""
+    if any(fp8) and not all(fp8):
+        raise TypeError(f"{names}: expected all FP8 or none, got " + ", ".join("FP8" if f else "dense" for f in fp8))
+    return all(fp8)
+
+
 class Backend(ABC):
     name: str = "?"
     #: dtype of the paged KV cache

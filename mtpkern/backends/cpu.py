@@ -43,7 +43,7 @@ from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input
 from ..ops.rope_kv import check_qk_norm_rope_kv_write
 from ..quant import Fp8Weight
-from .base import Backend
+from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
 from .cpu_fp8 import CpuFp8
 from .cpu_kernels import attention as attention_k
 from .cpu_kernels import bounds as bounds_k
@@ -104,17 +104,8 @@ def _any_weight(name: str, w):
     if isinstance(w, CpuFp8):
         return w
     if isinstance(w, Fp8Weight):
-        raise TypeError(f"{name}: an Fp8Weight must go through prepare_weight first (got {w!r})")
+        raise unprepared_fp8(name, w)
     return _weight(name, w)
-
-
-def _same_kind(names: str, *ws) -> bool:
-    """True when every weight is FP8, False when none is; mixed raises."""
-    fp8 = [isinstance(w, CpuFp8) for w in ws]
-    if any(fp8) and not all(fp8):
-        raise TypeError(f"{names}: expected all FP8 or none, got "
-                        + ", ".join("FP8" if f else "dense" for f in fp8))
-    return all(fp8)
 
 
 def _out(name: str, buf, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
@@ -279,8 +270,7 @@ class CpuBackend(Backend):
         h = np.empty((n, H), np.float32)                                     # scratch: normed hidden
         out = _out("out", out, (n, H))
         if isinstance(embed, CpuFp8):
-            raise TypeError("embed: an FP8 embedding table is not supported (released FP8 checkpoints keep "
-                            "embed_tokens in BF16); load it as BF16 or FP32")
+            raise fp8_embedding_refused("embed")
         eh_w = _any_weight("eh_w", eh_w)
         self._use_threads()
         kernel = norm_k.mtp_input_fp8_kernel if isinstance(eh_w, CpuFp8) else norm_k.mtp_input_kernel
@@ -381,7 +371,7 @@ class CpuBackend(Backend):
         out = _out("out", out, tuple(x.shape))
         # x is gathered before out is written; residual and weights are read row by row with it
         w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
-        if _same_kind("w13, w2", w13, w2):
+        if all_fp8_or_none("w13, w2", isinstance(w13, CpuFp8), isinstance(w2, CpuFp8)):
             kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.kernel_args(), w2.kernel_args()
         else:
             kernel = mlp_k.grouped_swiglu_kernel
@@ -397,7 +387,7 @@ class CpuBackend(Backend):
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
         w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
-        if _same_kind("w13, w2", w13, w2):
+        if all_fp8_or_none("w13, w2", isinstance(w13, CpuFp8), isinstance(w2, CpuFp8)):
             kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.as_experts(), w2.as_experts()
         else:
             kernel, w13, w2 = mlp_k.grouped_swiglu_kernel, w13[None], w2[None]
