@@ -200,13 +200,9 @@ class Fp8Weight:
         are (q/k/v, gate/up). With block scales, a part whose N is not a multiple of ``bn``
         (but the last) shifts the blocks of the parts after it, so the blocks are refined to
         ``gcd(bn, N_i ...)`` rows, each keeping its scale (the values do not change)."""
-        parts = list(parts)
-        if not parts:
-            raise ValueError("parts: expected at least one Fp8Weight, got none")
+        parts = _matrices(parts)
         for i, p in enumerate(parts):
-            if not isinstance(p, Fp8Weight):
-                raise TypeError(f"parts[{i}]: expected an Fp8Weight, got {type(p).__name__}")
-            if p.ndim != 2 or p.shape[1] != parts[0].shape[1]:
+            if p.shape[1] != parts[0].shape[1]:
                 raise ValueError(f"parts[{i}]: expected [*, {parts[0].shape[1]}], got {_dims(p.shape)}")
             if p.block != parts[0].block:
                 raise ValueError(f"parts[{i}]: expected block {parts[0].block}, got {p.block}")
@@ -222,13 +218,22 @@ class Fp8Weight:
     @classmethod
     def stack(cls, parts: Sequence["Fp8Weight"]) -> "Fp8Weight":
         """Experts ``[N, K]`` of one shape, scale kind and block -> ``[E, N, K]``."""
-        parts = list(parts)
-        if not parts:
-            raise ValueError("parts: expected at least one Fp8Weight, got none")
+        parts = _matrices(parts)
         for i, p in enumerate(parts):
-            if not isinstance(p, Fp8Weight):
-                raise TypeError(f"parts[{i}]: expected an Fp8Weight, got {type(p).__name__}")
-            if p.ndim != 2 or p.shape != parts[0].shape or p.block != parts[0].block:
+            if p.shape != parts[0].shape or p.block != parts[0].block:
                 raise ValueError(f"parts[{i}]: expected {_dims(parts[0].shape)} with block {parts[0].block}, "
                                  f"got {_dims(p.shape)} with block {p.block}")
         return cls(np.stack([p.data for p in parts]), np.stack([p.scale for p in parts]), parts[0].block)
+
+
+def _matrices(parts: Sequence[Fp8Weight]) -> list[Fp8Weight]:
+    """``parts`` as a list of at least one 2-D Fp8Weight (for concat and stack)."""
+    parts = list(parts)
+    if not parts:
+        raise ValueError("parts: expected at least one Fp8Weight, got none")
+    for i, p in enumerate(parts):
+        if not isinstance(p, Fp8Weight):
+            raise TypeError(f"parts[{i}]: expected an Fp8Weight, got {type(p).__name__}")
+        if p.ndim != 2:
+            raise ValueError(f"parts[{i}]: expected a weight [N, K], got {_dims(p.shape)}")
+    return parts
