@@ -798,6 +798,28 @@ def test_fp8_power_of_two_scales_equal_fp32_weights(be, kind):
     np.testing.assert_array_equal(got, REF.lm_head_argmax(x, fp8["head"].dequantize()))
 
 
+@pytest.mark.parametrize("block", [(128, 128), (16, 8), (3, 12), (1, 5), (4, 128)])
+@pytest.mark.parametrize("K", [64, 136, 100])
+def test_fp8_block_sizes(be, block, K):
+    """Blocks other than 128 (as ``Fp8Weight.concat`` makes them: rows per block down to 1;
+    k-blocks of 8 columns, the cuda vector width, and of 12 and 5, which take its scalar
+    path) and K cut short of a block: every weight gets its block's scale."""
+    rng = rng_for("fp8_blocks", block, K)
+    n, N, E, I = 5, 37, 3, 20
+    x = acts(rng, n, K)
+    q = Fp8Weight.quantize(acts(rng, N, K, scale=K ** -0.5), block)
+    got = be.linear(be.from_host(x), be.prepare_weight(q))
+    assert_close(be.to_host(got), REF.linear(x, REF.prepare_weight(q)), what="linear FP8")
+    ids = np.array([[0], [2], [1], [2], [0]], np.int32)
+    w13 = Fp8Weight.quantize(acts(rng, E, 2 * I, K, scale=K ** -0.5), block)
+    w2 = Fp8Weight.quantize(acts(rng, E, K, I, scale=I ** -0.5), block)
+    ones = np.ones((n, 1), np.float32)
+    got = be.moe_experts(be.from_host(x), be.from_host(ids), be.from_host(ones), be.prepare_weight(w13),
+                         be.prepare_weight(w2))
+    want = REF.moe_experts(x, ids, ones, REF.prepare_weight(w13), REF.prepare_weight(w2))
+    assert_close(be.to_host(got), want, what="moe_experts FP8")
+
+
 @pytest.mark.parametrize("kind", FP8_KINDS)
 def test_fp8_edge_codes(be, kind):
     """NaN codes (0x7F, 0xFF) make their row's output NaN, whatever the input, and never win
