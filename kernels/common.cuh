@@ -1,7 +1,8 @@
 // common.cuh -- building blocks shared by every kernel family of mtpkern.
 //
 // - element conversion: BF16 storage (__nv_bfloat16, carried by CuPy as uint16
-//   bits) or FP32 storage, always widened to FP32 for arithmetic;
+//   bits), FP32 storage, or FP8 E4M3 weights (__nv_fp8_e4m3, uint8 bytes, with FP32
+//   scales: Scales), always widened to FP32 for arithmetic;
 // - vector loads: N consecutive elements -> float[N] with the widest aligned
 //   access (16 bytes for 8 bf16 or 4 floats);
 // - warp / block reductions with a fixed summation order (results do not
@@ -17,6 +18,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 namespace mtp {
 
@@ -28,6 +30,43 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+// E4M3 -> FP32 is exact (through FP16: cvt.rn.f16x2.e4m3x2 on sm_89+, cuda_fp8.h's bit
+// arithmetic on sm_80); 0x7F / 0xFF give NaN.
+__device__ __forceinline__ float to_f32(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
+
+// Storage traits of a weight element type: elements per vector load of the GEMV core
+// (16 bytes of BF16 / FP32; 8 bytes of FP8, so that a vector is 8 values as for BF16)
+// and whether it carries scales.
+template <typename W>
+struct Elem {
+  static constexpr int V = 16 / sizeof(W);
+  static constexpr bool scaled = false;
+};
+template <>
+struct Elem<__nv_fp8_e4m3> {
+  static constexpr int V = 8;
+  static constexpr bool scaled = true;
+};
+
+// Dequantization scales of an FP8 weight [R, K] (one matrix; Scales::expert selects
+// matrix e of [E, R, K]): w[r][k] = e4m3(q[r][k]) * s[r / bn][k / bk], ks = ceil(K / bk)
+// scales per block row. Per-channel scales are bn = 1, bk = K. Unused (s null) for
+// BF16 / FP32 weights.
+struct Scales {
+  const float* s;
+  int bn, bk, ks;
+
+  __device__ __forceinline__ const float* row(long long r) const { return s + (r / bn) * ks; }
+  __device__ __forceinline__ Scales expert(long long e, int R) const {
+    return Scales{s + e * ((R + bn - 1) / bn) * ks, bn, bk, ks};
+  }
+};
+// The Scales of a weight [*, K] of element type W (for dense W: none, whatever is passed).
+template <typename W>
+__device__ __forceinline__ Scales make_scales(const float* s, int bn, int bk, int K) {
+  if constexpr (Elem<W>::scaled) return Scales{s, bn, bk, (K + bk - 1) / bk};
+  else return Scales{nullptr, 1, 1, 0};
+}
 
 template <typename T>
 __device__ __forceinline__ T from_f32(float v);
@@ -82,6 +121,36 @@ __device__ __forceinline__ void load_vec(const __nv_bfloat16* p, float (&f)[N]) 
     f[0] = bf16_lo(u.x); f[1] = bf16_hi(u.x); f[2] = bf16_lo(u.y); f[3] = bf16_hi(u.y);
     f[4] = bf16_lo(u.z); f[5] = bf16_hi(u.z); f[6] = bf16_lo(u.w); f[7] = bf16_hi(u.w);
   }
+}
+
+// 8 E4M3 codes (8-byte aligned) -> their values times `scale`: w32 = e4m3 * scale, each
+// product rounded once, as the reference's dequantized weight.
+template <int N>
+__device__ __forceinline__ void load_vec(const __nv_fp8_e4m3* p, float scale, float (&f)[N]) {
+  static_assert(N == 8, "FP8 weights are loaded 8 at a time");
+  const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+  __nv_fp8x4_e4m3 lo, hi;
+  lo.__x = u.x;
+  hi.__x = u.y;
+  const float4 a = static_cast<float4>(lo), b = static_cast<float4>(hi);
+  f[0] = a.x * scale; f[1] = a.y * scale; f[2] = a.z * scale; f[3] = a.w * scale;
+  f[4] = b.x * scale; f[5] = b.y * scale; f[6] = b.z * scale; f[7] = b.w * scale;
+}
+
+// The weight vector of V elements at p (column k of its row) for the GEMV core: dense
+// types ignore the scales, FP8 takes the scale of its block (the caller checks
+// bk % V == 0). Callers pass p = w + k + step (two pointer steps), not w + (k + step):
+// that int sum cost lm_head_argmax_partial_kernel<float> a register spill on sm_90.
+template <typename W, int V>
+__device__ __forceinline__ void load_weights(const W* p, const float* srow, int k, int bk, float (&f)[V]) {
+  if constexpr (Elem<W>::scaled) load_vec<V>(p, srow[k / bk], f);
+  else load_vec<V>(p, f);
+}
+
+template <typename W>
+__device__ __forceinline__ float weight_at(const W* w, const float* srow, int k, int bk) {
+  if constexpr (Elem<W>::scaled) return to_f32(w[k]) * srow[k / bk];
+  else return to_f32(w[k]);
 }
 
 // Scalar fallback of load_vec: elements at or past `valid` read as 0.
@@ -161,12 +230,18 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 // once for 8 tokens. Two vectors per row are in flight per iteration, so a warp
 // has 2 * ROWS * 16 B = 64 B per lane outstanding for ROWS = 2.
 //
-// vec: the vector path is legal: K % (16 / sizeof(W)) == 0 and every w/x row
-// start is 16-byte aligned (the caller checks base pointers and K).
+// FP8 weights: s[j] is row j's scales (Scales::row), bk the columns per scale; every
+// weight is dequantized (code * scale, rounded once: the reference's FP32 weight) before
+// its fmaf. Dense weights ignore s and bk.
+//
+// vec: the vector path is legal: K % Elem<W>::V == 0, every w/x row start is 16-byte
+// aligned (8-byte for FP8) and, for FP8, bk % 8 == 0 (the caller checks base pointers,
+// K and bk).
 template <typename W, int NR, int ROWS>
-__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float* const (&x)[NR],
-                                         int K, int t, int nt, bool vec, float (&acc)[ROWS][NR]) {
-  constexpr int V = 16 / sizeof(W);  // elements per 16-byte vector: 8 bf16 or 4 fp32
+__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
+                                         const float* const (&x)[NR], int K, int t, int nt, bool vec,
+                                         float (&acc)[ROWS][NR]) {
+  constexpr int V = Elem<W>::V;  // elements per vector: 8 bf16, 4 fp32 (16 bytes) or 8 fp8 (8 bytes)
   if (vec) {
     int k = t * V;
     const int step = nt * V;
@@ -174,8 +249,8 @@ __device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float*
       float wa[ROWS][V], wb[ROWS][V];
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        load_vec<V>(w[j] + k, wa[j]);
-        load_vec<V>(w[j] + k + step, wb[j]);
+        load_weights<W, V>(w[j] + k, s[j], k, bk, wa[j]);
+        load_weights<W, V>(w[j] + k + step, s[j], k + step, bk, wb[j]);
       }
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
@@ -191,7 +266,7 @@ __device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float*
     if (k < K) {
       float wa[ROWS][V];
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) load_vec<V>(w[j] + k, wa[j]);
+      for (int j = 0; j < ROWS; ++j) load_weights<W, V>(w[j] + k, s[j], k, bk, wa[j]);
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         float xa[V];
@@ -206,7 +281,7 @@ __device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float*
     for (int k = t; k < K; k += nt) {
       float wk[ROWS];
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) wk[j] = to_f32(w[j][k]);
+      for (int j = 0; j < ROWS; ++j) wk[j] = weight_at(w[j], s[j], k, bk);
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         const float xk = x[r][k];
@@ -232,6 +307,24 @@ __device__ __forceinline__ void zero(float (&acc)[ROWS][NR]) {
   for (int j = 0; j < ROWS; ++j)
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[j][r] = 0.0f;
+}
+
+// The vector path of gemv_dot is legal for weights w [*, K] (scales sc) and inputs x [*, K].
+template <typename W>
+__device__ __forceinline__ bool gemv_vec_ok(const W* w, const float* x, int K, const Scales& sc) {
+  constexpr int V = Elem<W>::V;
+  if constexpr (Elem<W>::scaled) {
+    return K % V == 0 && sc.bk % V == 0 && (reinterpret_cast<unsigned long long>(w) & 7ull) == 0 && aligned16(x);
+  } else {
+    return K % V == 0 && aligned16(w) && aligned16(x);
+  }
+}
+
+// Row j's scales for gemv_dot (null for dense weights).
+template <typename W>
+__device__ __forceinline__ const float* scale_row(const Scales& sc, long long j) {
+  if constexpr (Elem<W>::scaled) return sc.row(j);
+  else return nullptr;
 }
 
 // Rows per pass of the GEMV kernels: the chunk of m <= 8 input rows is run by
@@ -269,8 +362,8 @@ constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * kWarp;
 
 template <typename W, int NR, typename Epi>
-__device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, int r0, int m, int K,
-                                                  int wpr, bool vec, const Epi& epi,
+__device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, const Scales& sc, int r0, int m,
+                                                  int K, int wpr, bool vec, const Epi& epi,
                                                   float (&red)[kGemvWarps][2 * kMaxRows]) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int u = blockIdx.x * (kGemvWarps / wpr) + warp / wpr;
@@ -281,10 +374,11 @@ __device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, in
   zero(acc);
   if (active) {
     const W* const wr[2] = {w + static_cast<long long>(a) * K, w + static_cast<long long>(b) * K};
+    const float* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
     const float* xr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * K;
-    gemv_dot<W, NR, 2>(wr, xr, K, sub * kWarp + lane, wpr * kWarp, vec, acc);
+    gemv_dot<W, NR, 2>(wr, sr, sc.bk, xr, K, sub * kWarp + lane, wpr * kWarp, vec, acc);
   }
   warp_sum_all(acc);
   if (wpr > 1) {  // uniform over the block
@@ -308,17 +402,16 @@ __device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, in
 }
 
 template <typename W, typename Epi>
-__device__ __forceinline__ void gemv_groups(const float* x, const W* w, int n, int K, int wpr,
+__device__ __forceinline__ void gemv_groups(const float* x, const W* w, const Scales& sc, int n, int K, int wpr,
                                             const Epi& epi) {
   __shared__ float red[kGemvWarps][2 * kMaxRows];
-  constexpr int V = 16 / sizeof(W);
-  const bool vec = K % V == 0 && aligned16(w) && aligned16(x);
+  const bool vec = gemv_vec_ok(w, x, K, sc);
   for (int r0 = 0; r0 < n; r0 += kMaxRows) {
     const int m = min(kMaxRows, n - r0);
-    if (m > 4)       gemv_groups_chunk<W, 8>(x, w, r0, m, K, wpr, vec, epi, red);
-    else if (m > 2)  gemv_groups_chunk<W, 4>(x, w, r0, m, K, wpr, vec, epi, red);
-    else if (m == 2) gemv_groups_chunk<W, 2>(x, w, r0, m, K, wpr, vec, epi, red);
-    else             gemv_groups_chunk<W, 1>(x, w, r0, m, K, wpr, vec, epi, red);
+    if (m > 4)       gemv_groups_chunk<W, 8>(x, w, sc, r0, m, K, wpr, vec, epi, red);
+    else if (m > 2)  gemv_groups_chunk<W, 4>(x, w, sc, r0, m, K, wpr, vec, epi, red);
+    else if (m == 2) gemv_groups_chunk<W, 2>(x, w, sc, r0, m, K, wpr, vec, epi, red);
+    else             gemv_groups_chunk<W, 1>(x, w, sc, r0, m, K, wpr, vec, epi, red);
   }
 }
 

@@ -21,8 +21,10 @@
 // Both stages use mtp::beats, a strict total order on (value, id), so the winner
 // does not depend on the combination order.
 //
+// W and scale/bn/bk: as linear.cu (an FP8 head's scales, null for dense weights).
+//
 // Preconditions: blockDim as stated; 16-byte path when H % (16 / sizeof(W)) == 0
-// and x, w are aligned, else scalar loads (same candidates, same tie rule).
+// and x, w are aligned (FP8: as linear.cu), else scalar loads (same candidates, same tie rule).
 #include "common.cuh"
 
 namespace mtp {
@@ -31,7 +33,7 @@ constexpr int kLmIter = 8;                                   // row pairs per wa
 constexpr int kLmRowsPerBlock = kGemvWarps * 2 * kLmIter;   // 64 vocab rows per block
 
 template <typename W, int NR>
-__device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, const int* bitmask,
+__device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, const Scales& sc, const int* bitmask,
                                                 float* part_v, int* part_i, int r0, int m, int V,
                                                 int H, int P, bool vec,
                                                 float (&sv)[kGemvWarps][kMaxRows],
@@ -51,9 +53,10 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
     if (a >= V) break;  // per warp; no barrier inside the loop
     const int b = min(a + 1, V - 1);
     const W* const wr[2] = {w + static_cast<long long>(a) * H, w + static_cast<long long>(b) * H};
+    const float* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
     float acc[2][NR];
     zero(acc);
-    gemv_dot<W, NR, 2>(wr, xr, H, lane, kWarp, vec, acc);
+    gemv_dot<W, NR, 2>(wr, sr, sc.bk, xr, H, lane, kWarp, vec, acc);
     warp_sum_all(acc);  // every lane holds the same sums: the bests stay uniform
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
@@ -95,18 +98,20 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
 template <typename W>
 __global__ void __launch_bounds__(mtp::kGemvThreads)
 lm_head_argmax_partial_kernel(const float* __restrict__ x, const W* __restrict__ w,
+                              const float* __restrict__ scale, int bn, int bk,
                               const int* __restrict__ bitmask, float* __restrict__ part_v,
                               int* __restrict__ part_i, int n, int V, int H, int P) {
   using namespace mtp;
   __shared__ float sv[kGemvWarps][kMaxRows];
   __shared__ int si[kGemvWarps][kMaxRows];
-  const bool vec = H % (16 / static_cast<int>(sizeof(W))) == 0 && aligned16(w) && aligned16(x);
+  const Scales sc = make_scales<W>(scale, bn, bk, H);
+  const bool vec = gemv_vec_ok(w, x, H, sc);
   for (int r0 = 0; r0 < n; r0 += kMaxRows) {
     const int m = min(kMaxRows, n - r0);
-    if (m > 4)       lm_argmax_chunk<W, 8>(x, w, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
-    else if (m > 2)  lm_argmax_chunk<W, 4>(x, w, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
-    else if (m == 2) lm_argmax_chunk<W, 2>(x, w, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
-    else             lm_argmax_chunk<W, 1>(x, w, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
+    if (m > 4)       lm_argmax_chunk<W, 8>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
+    else if (m > 2)  lm_argmax_chunk<W, 4>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
+    else if (m == 2) lm_argmax_chunk<W, 2>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
+    else             lm_argmax_chunk<W, 1>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
   }
 }
 

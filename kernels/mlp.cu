@@ -10,8 +10,10 @@
 // group splitting K = H, grid.x = ceil(I / (4 / wpr)). Each weight vector is
 // used for up to 8 tokens (see linear.cu).
 //
-// Preconditions: blockDim.x == 128; x, act fp32 contiguous. 16-byte path as
-// linear.cu (H % (16 / sizeof(W)) == 0, aligned w13 and x), else scalar.
+// W and scale/bn/bk (FP8 scales of w13 [2I, H], null for dense weights): as linear.cu.
+//
+// Preconditions: blockDim.x == 128; x, act fp32 contiguous. Vector path as
+// linear.cu (H % (16 / sizeof(W)) == 0, aligned w13 and x; FP8: as linear.cu), else scalar.
 #include "common.cuh"
 
 namespace mtp {
@@ -40,8 +42,8 @@ struct SwiGluEpi {
 
 template <typename W>
 __global__ void __launch_bounds__(mtp::kGemvThreads)
-swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, float* __restrict__ act,
-                      int n, int I, int H, int wpr) {
+swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, const float* __restrict__ scale,
+                      int bn, int bk, float* __restrict__ act, int n, int I, int H, int wpr) {
   const mtp::SwiGluEpi epi{act, I};
-  mtp::gemv_groups<W>(x, w13, n, H, wpr, epi);
+  mtp::gemv_groups<W>(x, w13, mtp::make_scales<W>(scale, bn, bk, H), n, H, wpr, epi);
 }

@@ -36,6 +36,9 @@
 //   y[r, h] = residual[r, h] + sum_k weights[r, k] * partial[r * K + k, h], k in order
 //   (deterministic, no atomics); pairs whose id is outside [0, E) add nothing.
 //
+// W: as linear.cu; FP8 experts pass scale [E, ceil(R / bn), ceil(Kd / bk)] (per-channel:
+// [E, R] with bn = 1, bk = Kd), dense ones null.
+//
 // Preconditions: E <= 1024 and E % n_group == 0 (router); blockDim as stated;
 // ids in [0, E) for pairs that should count; y may alias residual. The 16-byte
 // path needs the GEMV's K (H or I) % (16 / sizeof(W)) == 0 and aligned bases.
@@ -133,19 +136,20 @@ namespace mtp {
 
 // One chunk of m <= NR pairs of expert weights `we`: warp unit u, rows a / b.
 template <typename W, bool GATED, int NR>
-__device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W* we, int R, int Kd,
-                                             int u, const int* pairs, int m, float* out, bool vec) {
+__device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W* we, const Scales& se, int R,
+                                             int Kd, int u, const int* pairs, int m, float* out, bool vec) {
   const int lane = threadIdx.x % kWarp;
   int a, b;
   if constexpr (GATED) { a = u; b = R / 2 + u; }  // gate row, up row of w13[e] [2I, H]
   else { a = 2 * u; b = min(a + 1, R - 1); }       // rows of w2[e] [H, I]
   const W* const wr[2] = {we + static_cast<long long>(a) * Kd, we + static_cast<long long>(b) * Kd};
+  const float* const sr[2] = {scale_row<W>(se, a), scale_row<W>(se, b)};
   const float* xr[NR];
 #pragma unroll
   for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(pairs[min(r, m - 1)] / x_div) * Kd;
   float acc[2][NR];
   zero(acc);
-  gemv_dot<W, NR, 2>(wr, xr, Kd, lane, kWarp, vec, acc);
+  gemv_dot<W, NR, 2>(wr, sr, se.bk, xr, Kd, lane, kWarp, vec, acc);
   warp_sum_all(acc);
   if (lane != 0) return;
 #pragma unroll
@@ -166,7 +170,8 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
 template <typename W, bool GATED>
 __global__ void __launch_bounds__(mtp::kGemvThreads)
 moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict__ ids, int nK, int E,
-                  const W* __restrict__ w, int R, int Kd, float* __restrict__ out, int by_pair) {
+                  const W* __restrict__ w, const float* __restrict__ scale, int bn, int bk, int R, int Kd,
+                  float* __restrict__ out, int by_pair) {
   using namespace mtp;
   __shared__ int s_pairs[kMaxRows];
   __shared__ int s_count, s_cursor;
@@ -183,7 +188,9 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
   const int units = GATED ? R / 2 : (R + 1) / 2;
   const int u = blockIdx.x * kGemvWarps + warp;
   const W* we = w + static_cast<long long>(e) * R * Kd;  // expert e: [R, Kd]
-  const bool vec = Kd % (16 / static_cast<int>(sizeof(W))) == 0 && aligned16(w) && aligned16(x);
+  const Scales sc = make_scales<W>(scale, bn, bk, Kd);
+  const Scales se = Elem<W>::scaled ? sc.expert(e, R) : sc;
+  const bool vec = gemv_vec_ok(w, x, Kd, sc);
 
   int cursor = 0;  // next pair to scan
   for (;;) {
@@ -211,10 +218,10 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
     cursor = s_cursor;
     if (m == 0) break;
     if (u < units) {
-      if (m > 4)       expert_chunk<W, GATED, 8>(x, x_div, we, R, Kd, u, s_pairs, m, out, vec);
-      else if (m > 2)  expert_chunk<W, GATED, 4>(x, x_div, we, R, Kd, u, s_pairs, m, out, vec);
-      else if (m == 2) expert_chunk<W, GATED, 2>(x, x_div, we, R, Kd, u, s_pairs, m, out, vec);
-      else             expert_chunk<W, GATED, 1>(x, x_div, we, R, Kd, u, s_pairs, m, out, vec);
+      if (m > 4)       expert_chunk<W, GATED, 8>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec);
+      else if (m > 2)  expert_chunk<W, GATED, 4>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec);
+      else if (m == 2) expert_chunk<W, GATED, 2>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec);
+      else             expert_chunk<W, GATED, 1>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec);
     }
     __syncthreads();  // s_pairs is rewritten by the next gather
   }

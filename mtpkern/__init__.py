@@ -17,6 +17,7 @@ from .config import MtpConfig
 from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllowedToken, StateError
 from .head import HeadStep, MtpHead
 from .proposer import MemoryUse, MultiModuleMtpHead
+from .quant import Fp8Weight
 from .state import AcceptanceStats, DrafterKv, MtpState
 from .trait import DraftProposer, ProposerState
 from .weights import load_weights, write_synthetic_checkpoint
@@ -24,7 +25,7 @@ from .weights import load_weights, write_synthetic_checkpoint
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptanceStats", "CheckpointError", "ConfigError", "DraftProposer", "DrafterKv", "HeadStep",
+    "AcceptanceStats", "CheckpointError", "ConfigError", "DraftProposer", "DrafterKv", "Fp8Weight", "HeadStep",
     "KvCacheFull", "MemoryUse", "MtpConfig", "MtpError", "MtpHead", "MtpState", "MultiModuleMtpHead",
     "NoAllowedToken", "ProposerState", "StateError", "load_weights", "write_synthetic_checkpoint",
 ]

@@ -93,20 +93,42 @@ def read_bandwidth(nbytes: int = 256 << 20, runs: int = 10) -> float:
 
 # -- per-op benchmarks -------------------------------------------------------------------
 
+#: block of the FP8 op cases: DeepSeek-V3's and GLM-4.5's ``weight_block_size``
+FP8_BLOCK = (128, 128)
+
+
+def fp8_bytes(*shape: int) -> int:
+    """Bytes an FP8 weight ``[.., N, K]`` with ``FP8_BLOCK`` scales is read in: one per weight,
+    4 per FP32 scale."""
+    *lead, N, K = shape
+    blocks = -(-N // FP8_BLOCK[0]) * -(-K // FP8_BLOCK[1])
+    return int(np.prod(lead, dtype=np.int64)) * (N * K + 4 * blocks)
+
+
 def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator) -> list[tuple[str, int, Callable]]:
-    """(name, bytes moved, thunk) for every op at decode shape ``n`` rows."""
+    """(name, bytes moved, thunk) for every op at decode shape ``n`` rows: BF16 weights, then
+    every GEMV again with the same weights in FP8 (``FP8_BLOCK`` scales; ``<op>_fp8``)."""
     import ml_dtypes
 
     from .ops.moe import RouterSpec
     from .ops.rope_kv import inv_freq
+    from .quant import Fp8Weight
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     Is = cfg.shared_intermediate_size
 
+    host: dict[int, np.ndarray] = {}              # id(prepared BF16 weight) -> its host values
+
     def W(*shape):
-        return be.prepare_weight((rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(bf16))
+        w = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(bf16)
+        p = be.prepare_weight(w)
+        host[id(p)] = w
+        return p
+
+    def W8(w):                                    # the same weight in FP8 (once: its host copy goes)
+        return be.prepare_weight(Fp8Weight.quantize(host.pop(id(w)), FP8_BLOCK))
 
     def act(*shape):
         return be.from_host(rng.standard_normal(shape).astype(np.float32))
@@ -137,11 +159,15 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     ids, wts = be.moe_router(x, gate, vec(E), spec)
     distinct = len(np.unique(be.to_host(ids)))
     f4, b2 = 4, 2
+    eh8, wqkv8, wo8, gate8, head8 = W8(eh), W8(wqkv), W8(wo), W8(gate), W8(head)
+    w13_8, w2_8, s13_8, s2_8 = W8(w13), W8(w2), W8(s13), W8(s2)
+    used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
+    xo = act(n, Hq * D)
     return [
         ("rmsnorm", 2 * n * H * f4 + H * f4, lambda: be.rmsnorm(x, vec(H), 1e-5)),
         ("mtp_input", 2 * H * H * b2 + n * H * b2 + 2 * n * H * f4, lambda: be.mtp_input(embed, tokens, g, vec(H), vec(H), eh, 1e-5)),
         ("linear_qkv", (Hq + 2 * Hkv) * D * H * b2 + n * (H + (Hq + 2 * Hkv) * D) * f4, lambda: be.linear(x, wqkv)),
-        ("linear_o", H * Hq * D * b2 + n * (Hq * D + 2 * H) * f4, lambda: be.linear(act(n, Hq * D), wo, None, x)),
+        ("linear_o", H * Hq * D * b2 + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo, None, x)),
         ("qk_norm_rope_kv_write", n * ((Hq + 2 * Hkv) * D + Hq * D) * f4 + 2 * n * Hkv * D * kvb,
          lambda: be.qk_norm_rope_kv_write(qkv, Hq, Hkv, vec(D), vec(D), 1e-5, invf, pos, kc, vc, slots)),
         (f"paged_attention_ctx{context}", 2 * n * context * Hkv * D * kvb + 2 * n * Hq * D * f4,
@@ -150,6 +176,16 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
         ("moe_experts", distinct * 3 * I * H * b2 + 2 * n * H * f4, lambda: be.moe_experts(x, ids, wts, w13, w2, x)),
         ("swiglu_shared", 3 * Is * H * b2 + 2 * n * H * f4, lambda: be.swiglu_mlp(x, s13, s2, x)),
         ("lm_head_argmax", V * H * b2 + n * H * f4, lambda: be.lm_head_argmax(x, head)),
+        ("mtp_input_fp8", fp8_bytes(H, 2 * H) + n * H * b2 + 2 * n * H * f4,
+         lambda: be.mtp_input(embed, tokens, g, vec(H), vec(H), eh8, 1e-5)),
+        ("linear_qkv_fp8", fp8_bytes((Hq + 2 * Hkv) * D, H) + n * (H + (Hq + 2 * Hkv) * D) * f4,
+         lambda: be.linear(x, wqkv8)),
+        ("linear_o_fp8", fp8_bytes(H, Hq * D) + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo8, None, x)),
+        ("moe_router_fp8", fp8_bytes(E, H) + n * H * f4, lambda: be.moe_router(x, gate8, vec(E), spec)),
+        ("moe_experts_fp8", used13 + used2 + 2 * n * H * f4, lambda: be.moe_experts(x, ids, wts, w13_8, w2_8, x)),
+        ("swiglu_shared_fp8", fp8_bytes(2 * Is, H) + fp8_bytes(H, Is) + 2 * n * H * f4,
+         lambda: be.swiglu_mlp(x, s13_8, s2_8, x)),
+        ("lm_head_argmax_fp8", fp8_bytes(V, H) + n * H * f4, lambda: be.lm_head_argmax(x, head8)),
     ]
 
 

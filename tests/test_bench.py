@@ -137,3 +137,22 @@ def test_fast_fill_keeps_the_kv_write_and_restores_the_ops():
         assert "qk_norm_rope_kv_write" not in vars(be)             # the KV write is the real one
     assert "linear" not in vars(be)
     assert be.linear(x, w)[0, 0] == pytest.approx(8.0)
+
+
+def test_op_cases_time_every_gemv_in_fp8_too():
+    """Each GEMV op has an ``_fp8`` twin on the same weights, counted at one byte per weight
+    plus 4 per block-128 scale, and every case runs."""
+    from mtpkern.backends import get_backend
+    from mtpkern.bench import SHAPES, fp8_bytes, op_cases
+
+    assert fp8_bytes(300, 1000) == 300 * 1000 + 4 * 3 * 8
+    assert fp8_bytes(4, 130, 70) == 4 * (130 * 70 + 4 * 2)
+    cfg = SHAPES["tiny"][0]()
+    cases = {name: (nbytes, fn) for name, nbytes, fn in op_cases(cfg, get_backend("numpy"), 16, 2,
+                                                                 np.random.default_rng(0))}
+    gemvs = ["mtp_input", "linear_qkv", "linear_o", "moe_router", "moe_experts", "swiglu_shared", "lm_head_argmax"]
+    assert {f"{g}_fp8" for g in gemvs} <= set(cases)
+    for g in gemvs:
+        assert cases[f"{g}_fp8"][0] < cases[g][0]                      # half the weight bytes, or less
+    for _, fn in cases.values():
+        fn()

@@ -543,7 +543,8 @@ from mtpkern.ops._check import expect_dtype  # noqa: E402
 _KERNEL = re.compile(
     r"(?:template\s*<([^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)"
 )
-_ELEM_DTYPE = {"float": "float32", "__nv_bfloat16": "uint16", "int": "int32", "long long": "int64"}
+_ELEM_DTYPE = {"float": "float32", "__nv_bfloat16": "uint16", "__nv_fp8_e4m3": "uint8", "int": "int32",
+               "long long": "int64"}
 _ADDR = itertools.count(1 << 20, 1 << 20)
 
 
@@ -605,7 +606,7 @@ def recorder(monkeypatch):
         "optional": lambda a, name, *d: None if a is None else device(a, name, *d), "sm_count": lambda: 132,
         "smem_optin": lambda: 227 * 1024,
     }
-    for mod in (norm, linear, rope_kv, attention, mlp, moe, lm_head, step):
+    for mod in (_util, norm, linear, rope_kv, attention, mlp, moe, lm_head, step):
         for attr, fake in fakes.items():
             if hasattr(mod, attr):
                 monkeypatch.setattr(mod, attr, fake)
@@ -635,29 +636,36 @@ def check_launch(family, name, grid, block, args, shared_mem):
     assert 0 <= shared_mem <= 48 * 1024
 
 
-@pytest.mark.parametrize("wdtype", [np.uint16, F32])
+@pytest.mark.parametrize("wdtype", [np.uint16, F32, "fp8"])
 def test_launch_abi(recorder, wdtype):
+    """Every launch's arguments against the kernel's C++ signature; "fp8": the GEMV weights are
+    ``CudaFp8`` (block scales), the KV cache and the embedding table BF16."""
     from mtpkern.backends.cuda_launch import lm_head, mlp, moe, norm, rope_kv, step
 
     def f(*shape):
         return np.zeros(shape, F32)
 
     def wt(*shape):
+        if wdtype == "fp8":
+            *lead, N, K = shape
+            return _util.CudaFp8(FakeDev(shape, np.uint8), FakeDev((*lead, -(-N // 4), -(-K // 8)), F32), 4, 8)
         return np.zeros(shape, wdtype)
+
+    dense = np.uint16 if wdtype == "fp8" else wdtype
 
     def i(*shape):
         return np.zeros(shape, np.int32)
 
     n, H = 3, 16
     norm.rmsnorm(f(n, H), f(H), 1e-6)
-    norm.mtp_input(wt(50, H), i(n), f(n, H), f(H), f(H), wt(H, 2 * H), 1e-6)
+    norm.mtp_input(np.zeros((50, H), dense), i(n), f(n, H), f(H), f(H), wt(H, 2 * H), 1e-6)
     linear.linear(f(n, H), wt(10, H), f(10), f(n, 10))
     linear.linear(f(n, H), wt(10, H))
-    cache = FakeDev((5, 4, 2, 8), wdtype)
+    cache = FakeDev((5, 4, 2, 8), dense)
     rope_kv.qk_norm_rope_kv_write(f(n, 8 * 8), 4, 2, f(8), None, 1e-6, f(2), i(n), cache, cache, i(n))
     tables = i(2, 3)
     attention.paged_attention(f(n, 4, 8), cache, cache, tables, i(n), i(n), 0.3)   # split-KV + merge
-    big = FakeDev((64, 128, 8, 128), wdtype)
+    big = FakeDev((64, 128, 8, 128), dense)
     attention.paged_attention(f(1, 96, 128), big, big, i(1, 4), i(1), i(1), 0.1)   # one partition
     moe.moe_router(f(n, H), wt(8, H), f(8), moe_ref.RouterSpec(2, 2, 1, 1.0, True))
     moe.moe_experts(f(n, H), i(n, 2), f(n, 2), wt(4, 12, H), wt(4, H, 6), f(n, H))   # by expert
@@ -675,6 +683,7 @@ def test_launch_abi(recorder, wdtype):
         "moe_combine_kernel", "argmax_final_kernel", "copy_segments_kernel",
     }
     assert expected <= launched
-    ct = loader.CTYPE[np.dtype(wdtype).name]
-    assert f"paged_attention_kernel<{ct}, 2>" in launched and f"paged_attention_kernel<{ct}, 4>" in launched
-    assert {f"moe_expert_kernel<{ct}, true>", f"moe_expert_kernel<{ct}, false>"} <= launched
+    ct, kv = (loader.CTYPE[np.dtype(t).name] for t in (np.uint8 if wdtype == "fp8" else wdtype, dense))
+    assert f"paged_attention_kernel<{kv}, 2>" in launched and f"paged_attention_kernel<{kv}, 4>" in launched
+    assert {f"moe_expert_kernel<{ct}, true>", f"moe_expert_kernel<{ct}, false>", f"linear_kernel<{ct}>",
+            f"swiglu_gate_up_kernel<{ct}>", f"lm_head_argmax_partial_kernel<{ct}>"} <= launched

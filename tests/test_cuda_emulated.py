@@ -38,10 +38,11 @@ import test_ops_backends
 from cuda_emu import emu_backend
 from test_cuda_graph_fake import FakeRuntime
 
-from mtpkern import cuda_graph
+from mtpkern import Fp8Weight, cuda_graph
 from mtpkern.backends import get_backend
 from mtpkern.backends.cuda_launch import linear as linear_launch
 from mtpkern.backends.cuda_launch import loader
+from mtpkern.backends.cuda_launch._util import CudaFp8
 from mtpkern.backends.cuda_launch import step as step_launch
 from mtpkern.config import tiny_config
 from mtpkern.ops.moe import RouterSpec
@@ -96,14 +97,28 @@ def rnd(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def misaligned(a: np.ndarray) -> np.ndarray:
-    """The same values at an address 4 bytes past a 16-byte boundary (the scalar paths)."""
+def misaligned(a):
+    """The same values at an address 4 bytes past a 16-byte boundary (the scalar paths);
+    for an FP8 weight, its codes."""
+    if isinstance(a, CudaFp8):
+        return CudaFp8(misaligned(a.data), a.scale, a.bn, a.bk)
     flat = np.empty(a.size + 16, a.dtype)
     start = (-flat.ctypes.data % 16) // a.itemsize + 4 // a.itemsize
     v = flat[start: start + a.size].reshape(a.shape)
     v[...] = a
     assert v.ctypes.data % 16 == 4
     return v
+
+
+def stored(w, wd: str, block=(128, 128)):
+    """FP32 ``w`` as the weight kind ``wd`` (bf16, f32, fp8: block scales, fp8c: per-channel),
+    and its values as the reference sees them (FP32)."""
+    if wd == "bf16":
+        return w.astype(BF16), np.asarray(w.astype(BF16), np.float32)
+    if wd in ("fp8", "fp8c"):
+        q = Fp8Weight.quantize(w, block if wd == "fp8" else None)
+        return q, q.dequantize()
+    return w, w
 
 
 # -- the emulator itself ---------------------------------------------------------------------
@@ -298,17 +313,36 @@ def test_attention_empty_row_gives_zeros(be):
     assert not got[0].any() and np.isfinite(got).all()
 
 
-@pytest.mark.parametrize("wd", ["bf16", "f32"])
+@pytest.mark.parametrize("wd", ["bf16", "f32", "fp8", "fp8c"])
 @pytest.mark.parametrize("n,K,N", [(1, 64, 7), (9, 128, 33), (17, 72, 3), (256, 64, 40), (3, 4104, 5)])
 @pytest.mark.parametrize("mis", [False, True], ids=["aligned", "misaligned"])
 def test_linear_views(be, wd, n, K, N, mis):
     rng = np.random.default_rng(n * K + N)
     x, w, b, r = rnd(rng, n, K), rnd(rng, N, K, scale=K ** -0.5), rnd(rng, N), rnd(rng, n, N)
-    wq = w.astype(BF16) if wd == "bf16" else w
+    wq, wf = stored(w, wd)
     wp = be.prepare_weight(wq)
     if mis:
         x, wp = misaligned(x), misaligned(wp)
-    assert_close(be.linear(x, wp, b, r), REF.linear(x, np.asarray(wq, np.float32), b, r), "float32", "linear")
+    assert_close(be.linear(x, wp, b, r), REF.linear(x, wf, b, r), "float32", "linear")
+
+
+def test_fp8_dequantizes_each_weight_as_the_reference(be):
+    """One input of 1.0 against every E4M3 code: each dot is exactly one dequantized weight
+    (code * scale, rounded once), so the kernel's value must equal it bit for bit; a row
+    holding a NaN code (0x7F, 0xFF) is NaN."""
+    codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    scale = np.array([[0.3], [1.7e-3]], np.float32)                      # not powers of two
+    q = Fp8Weight(np.tile(codes, (2, 1)), scale, (16, 16))
+    deq = q.dequantize()
+    nan_rows = np.isnan(deq).any(axis=1)
+    assert nan_rows.sum() == 4
+    for col in range(16):
+        x = np.zeros((1, 16), np.float32)
+        x[0, col] = 1.0
+        got = be.linear(x, be.prepare_weight(q))[0]
+        np.testing.assert_array_equal(got[~nan_rows], deq[~nan_rows, col])
+        assert np.isnan(got[nan_rows]).all()
+
 
 
 def test_gemv_split_k_widths(emu, be, sm_count):
@@ -319,31 +353,29 @@ def test_gemv_split_k_widths(emu, be, sm_count):
     for sms, N in ((2, 40), (2, 20), (2, 6), (132, 64), (1, 2000)):
         sm_count(sms)
         seen.add(linear_launch.gemv_config(-(-N // 2))[1])
-        for wd in ("bf16", "f32"):
+        for wd in ("bf16", "f32", "fp8"):
             K, n = 72, 5
             x, w = rnd(rng, n, K), rnd(rng, N, K, scale=K ** -0.5)
-            wq = w.astype(BF16) if wd == "bf16" else w
-            wf = np.asarray(wq, np.float32)
+            wq, wf = stored(w, wd)
             assert_close(be.linear(x, be.prepare_weight(wq)), REF.linear(x, wf), "float32", f"linear {sms} {N}")
-            w13 = rnd(rng, 2 * N, K, scale=K ** -0.5)
-            w2 = rnd(rng, K, N, scale=N ** -0.5)
+            (w13, f13), (w2, f2) = (stored(rnd(rng, 2 * N, K, scale=K ** -0.5), "fp8" if wd == "fp8" else "f32"),
+                                    stored(rnd(rng, K, N, scale=N ** -0.5), "fp8" if wd == "fp8" else "f32"))
             assert_close(be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2)),
-                         REF.swiglu_mlp(x, w13, w2), "float32", f"swiglu {sms} {N}")
+                         REF.swiglu_mlp(x, f13, f2), "float32", f"swiglu {sms} {N}")
             np.testing.assert_array_equal(be.lm_head_argmax(x, be.prepare_weight(wq)), REF.lm_head_argmax(x, wf))
     assert seen == {1, 2, 4}, seen
 
 
-@pytest.mark.parametrize("wd", ["bf16", "f32"])
+@pytest.mark.parametrize("wd", ["bf16", "f32", "fp8", "fp8c"])
 @pytest.mark.parametrize("n,V,H", [(1, 1000, 64), (9, 1001, 64), (17, 129, 48), (3, 64, 40), (8, 2, 8)])
 def test_lm_head_shapes(be, wd, n, V, H):
     rng = np.random.default_rng(V * n + H)
     x, w = rnd(rng, n, H), rnd(rng, V, H, scale=H ** -0.5)
-    wq = w.astype(BF16) if wd == "bf16" else w
+    wq, wf = stored(w, wd)
     mask = rng.integers(-2**31, 2**31, (n, (V + 31) // 32), dtype=np.int64).astype(np.int32)
     mask[:, 0] |= 1
     for bm in (None, mask):
-        np.testing.assert_array_equal(be.lm_head_argmax(x, be.prepare_weight(wq), bm),
-                                      REF.lm_head_argmax(x, np.asarray(wq, np.float32), bm))
+        np.testing.assert_array_equal(be.lm_head_argmax(x, be.prepare_weight(wq), bm), REF.lm_head_argmax(x, wf, bm))
 
 
 _LOGITS = [-3.0, -2.25, -1.5, -0.75, 0.0, 0.5, 1.0, 1.25, 2.0, 2.5]
@@ -387,7 +419,7 @@ def test_router_nan_scores(be, scoring, nan_at):
     assert_close(w, w_ref, "float32", "router weights")
 
 
-@pytest.mark.parametrize("wd", ["bf16", "f32"])
+@pytest.mark.parametrize("wd", ["bf16", "f32", "fp8"])
 @pytest.mark.parametrize("n,E,K,H,I", [(1, 128, 8, 64, 16), (16, 128, 8, 32, 24), (17, 128, 8, 40, 16),
                                        (256, 16, 4, 16, 8), (40, 3, 2, 24, 5), (9, 64, 1, 8, 8)])
 def test_experts_shapes(be, wd, n, E, K, H, I):
@@ -397,12 +429,11 @@ def test_experts_shapes(be, wd, n, E, K, H, I):
     hot = rng.choice(E, min(E, K + 3), replace=False)
     ids = np.stack([rng.choice(hot, K, replace=False) for _ in range(n)]).astype(np.int32)
     wts = rng.random((n, K)).astype(np.float32)
-    w13, w2 = rnd(rng, E, 2 * I, H, scale=H ** -0.5), rnd(rng, E, H, I, scale=I ** -0.5)
-    if wd == "bf16":
-        w13, w2 = w13.astype(BF16), w2.astype(BF16)
+    (w13, f13), (w2, f2) = (stored(rnd(rng, E, 2 * I, H, scale=H ** -0.5), wd, (8, 16)),
+                            stored(rnd(rng, E, H, I, scale=I ** -0.5), wd, (8, 16)))
     res = rnd(rng, n, H)
     got = be.moe_experts(x, ids, wts, be.prepare_weight(w13), be.prepare_weight(w2), res)
-    want = REF.moe_experts(x, ids, wts, np.asarray(w13, np.float32), np.asarray(w2, np.float32), res)
+    want = REF.moe_experts(x, ids, wts, f13, f2, res)
     assert_close(got, want, "float32", "moe_experts")
 
 
@@ -549,14 +580,14 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     out = {}
     x = rnd(rng, 5, 64)
-    for wd in ("bf16", "f32"):
+    for wd in ("bf16", "f32", "fp8"):
         def w(*shape, _wd=wd):
-            a = rnd(rng, *shape, scale=shape[-1] ** -0.5)
-            return a.astype(BF16) if _wd == "bf16" else a
+            return stored(rnd(rng, *shape, scale=shape[-1] ** -0.5), _wd, (16, 32))[0]
         be = emu_backend.backend()
         pw = be.prepare_weight
         out[f"linear {wd}"] = be.linear(x, pw(w(33, 64)), rnd(rng, 33), rnd(rng, 5, 33))
-        out[f"mtp_input {wd}"] = be.mtp_input(pw(w(11, 64)), np.array([1, 10, 0, 3, 3], np.int32), x,
+        embed = stored(rnd(rng, 11, 64), "f32" if wd == "f32" else "bf16")[0]          # never FP8
+        out[f"mtp_input {wd}"] = be.mtp_input(pw(embed), np.array([1, 10, 0, 3, 3], np.int32), x,
                                               rnd(rng, 64), rnd(rng, 64), pw(w(64, 128)), 1e-5)
         out[f"swiglu {wd}"] = be.swiglu_mlp(x, pw(w(48, 64)), pw(w(64, 24)), x)
         mask = rng.integers(-2**31, 2**31, (5, 5), dtype=np.int64).astype(np.int32)
@@ -564,10 +595,12 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         out[f"lm_head {wd}"] = be.lm_head_argmax(x, pw(w(130, 64)), mask)
         ids, wts = be.moe_router(x, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
         out[f"router {wd}"] = ids
-        w13, w2 = pw(w(32, 48, 64)), pw(w(32, 64, 24))
+        e13, e2 = rnd(rng, 32, 48, 64, scale=0.125), rnd(rng, 32, 64, 24, scale=24 ** -0.5)
+        w13, w2 = (pw(stored(a, wd, (16, 32))[0]) for a in (e13, e2))
         out[f"experts by pair {wd}"] = be.moe_experts(x, ids, wts, w13, w2, x)            # n*K = 20 <= E
         hot = np.array([[1, 2, 3, 4]] * 5, np.int32)
-        out[f"experts by expert {wd}"] = be.moe_experts(x, hot, wts, w13[:4].copy(), w2[:4].copy())
+        w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
+        out[f"experts by expert {wd}"] = be.moe_experts(x, hot, wts, w13, w2)
     out["rmsnorm"] = emu_backend.backend().rmsnorm(x, rnd(rng, 64), 1e-6)
     for kv in KV_DTYPES:
         be = emu_backend.backend(kv)

@@ -1,10 +1,12 @@
 """Every fast backend against the NumPy reference (the specification), op by op.
 
 Shapes are odd on purpose (n in 1, 3, 17; H up to 1000; V = 1, 33, 1000, not
-multiples of 32; E in several groups). Weights are BF16 or FP32 and the
-reference runs on the same (BF16-rounded) values, so only the order of
-accumulation differs and the "float32" tolerance applies to both. Move-only
-results (argmax ids, router ids, the V cache) are compared exactly.
+multiples of 32; E in several groups). Weights are BF16, FP32 or FP8 E4M3 (block-128
+and per-channel scales, blocks cut short by N and K; every subnormal code, zeros and
++-448 planted) and the reference runs on the same values (BF16-rounded, or FP8
+dequantized), so only the order of accumulation differs and the "float32" tolerance
+applies to all. Move-only results (argmax ids, router ids, the V cache) are compared
+exactly.
 
 One test body serves every backend: inputs go in through ``from_host`` /
 ``prepare_weight`` / ``prepare_vector`` and come back through ``to_host`` /
@@ -21,6 +23,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from mtpkern import Fp8Weight
 from mtpkern.backends import cuda_available, get_backend
 from mtpkern.errors import NoAllowedToken
 from mtpkern.ops.lm_head import bitmask_allowed
@@ -30,6 +33,12 @@ from mtpkern.tolerance import TOLERANCE, assert_close
 
 REF = get_backend("numpy")
 WDTYPES = ["bfloat16", "float32"]
+#: FP8 E4M3 weights: block-128 scales (DeepSeek-V3 / GLM-4.x) and per-channel ones (compressed-tensors)
+FP8_KINDS = ["fp8_block", "fp8_channel"]
+#: the weights of the GEMV families (linear, mtp_input's eh_proj, MLP, experts, router, LM head)
+GEMV_WDTYPES = WDTYPES + FP8_KINDS
+#: codes planted in FP8 test weights: +-0, every subnormal (m * 2^-9), the smallest normal, +-448
+EDGE_CODES = np.array([0x00, 0x80, *range(0x01, 0x08), *range(0x81, 0x88), 0x08, 0x88, 0x7E, 0xFE], np.uint8)
 
 BACKENDS = [
     "cpu",
@@ -52,10 +61,22 @@ def acts(rng, *shape, scale=1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def weight(rng, shape, wdtype: str) -> np.ndarray:
-    """Host weight, scaled by 1/sqrt(fan-in) so that outputs stay O(1)."""
+def weight(rng, shape, wdtype: str):
+    """Host weight, scaled by 1/sqrt(fan-in) so that outputs stay O(1): a BF16 / FP32 array,
+    or an ``Fp8Weight`` (``FP8_KINDS``) with 2 % of its codes replaced by ``EDGE_CODES``."""
     w = acts(rng, *shape, scale=1.0 / np.sqrt(shape[-1]))
+    if wdtype in FP8_KINDS:
+        q = Fp8Weight.quantize(w, (128, 128) if wdtype == "fp8_block" else None)
+        codes = q.data.copy()
+        planted = rng.random(codes.shape) < 0.02
+        codes[planted] = rng.choice(EDGE_CODES, int(planted.sum()))
+        return Fp8Weight(codes, q.scale, q.block)
     return w.astype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else w
+
+
+def dense(wdtype: str) -> str:
+    """The dtype for a weight that stays BF16 / FP32 beside FP8 ones (the embedding table)."""
+    return wdtype if wdtype in WDTYPES else "bfloat16"
 
 
 def kv_tol(be) -> str:
@@ -80,12 +101,12 @@ def test_rmsnorm_strided(be):
     assert_close(got, REF.rmsnorm(big[1::2, ::2], w, 1e-5), what="rmsnorm (strided x)")
 
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
 @pytest.mark.parametrize("n,H", [(1, 64), (3, 17), (17, 200)])
 def test_mtp_input(be, wdtype, n, H):
     rng = rng_for("mtp_input", wdtype, n, H)
     V = 50
-    embed, eh = weight(rng, (V, H), wdtype), weight(rng, (H, 2 * H), wdtype)
+    embed, eh = weight(rng, (V, H), dense(wdtype)), weight(rng, (H, 2 * H), wdtype)
     tokens = rng.integers(0, V, n).astype(np.int32)
     tokens[0] = V - 1
     g, ew, hw = acts(rng, n, H, scale=2.0), acts(rng, H), acts(rng, H)
@@ -97,7 +118,7 @@ def test_mtp_input(be, wdtype, n, H):
 
 # -- linear -------------------------------------------------------------------
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("K,N", [(1, 1), (33, 17), (1000, 3), (130, 1001)])
 def test_linear(be, wdtype, n, K, N):
@@ -112,7 +133,7 @@ def test_linear(be, wdtype, n, K, N):
                      what=f"linear bias={b is not None} residual={r is not None}")
 
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
 def test_linear_many_rows(be, wdtype):
     """A prefill-sized n (the cpu backend hands FP32 weights to BLAS from n = 256)."""
     rng = rng_for("linear_many_rows", wdtype)
@@ -283,7 +304,7 @@ ROUTER_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("E,spec", ROUTER_SPECS)
 def test_moe_router(be, wdtype, n, E, spec):
@@ -350,7 +371,22 @@ def router_cases(draw):
     logits = np.array(draw(st.lists(st.sampled_from(_LOGITS), min_size=n * E, max_size=n * E)),
                       np.float32).reshape(n, E)
     bias = np.array(draw(st.lists(st.sampled_from(_BIASES), min_size=E, max_size=E)), np.float32)
-    return spec, logits, bias, draw(st.sampled_from(WDTYPES))
+    return spec, logits, bias, draw(st.sampled_from(GEMV_WDTYPES))
+
+
+def exact_weight(w: np.ndarray, wdtype: str):
+    """A weight of small exact values (identity gates and heads, NaN rows) in ``wdtype``: FP8
+    with power-of-two scales (1.0, and 0.5 for a per-channel second row), so every code's
+    dequantized value is exact."""
+    if wdtype in FP8_KINDS:
+        N, K = w.shape
+        if wdtype == "fp8_block":
+            return Fp8Weight(w.astype(ml_dtypes.float8_e4m3fn), np.ones((-(-N // 128), -(-K // 128)), np.float32),
+                             (128, 128))
+        scale = np.ones(N, np.float32)
+        scale[1::2] = 0.5
+        return Fp8Weight((w / scale[:, None]).astype(ml_dtypes.float8_e4m3fn), scale, None)
+    return w.astype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else w
 
 
 @settings(max_examples=150, deadline=None)
@@ -362,15 +398,14 @@ def test_moe_router_property(be, case):
     spec, logits, bias, wdtype = case
     assume(all(_no_near_ties(row, bias, spec) for row in logits))
     n, E = logits.shape
-    gate = np.eye(E, dtype=np.float32)
-    gate = gate.astype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else gate
+    gate = exact_weight(np.eye(E, dtype=np.float32), wdtype)
     ids, w = be.moe_router(be.from_host(logits), be.prepare_weight(gate), be.prepare_vector(bias), spec)
     ids_ref, w_ref = REF.moe_router(logits, REF.prepare_weight(gate), bias, spec)
     np.testing.assert_array_equal(be.to_host(ids), ids_ref)
     assert_close(be.to_host(w), w_ref, what="router weights")
 
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
 @pytest.mark.parametrize("n,E,K", [(1, 8, 2), (3, 6, 3), (17, 16, 4)])
 @pytest.mark.parametrize("residual", [False, True])
 def test_moe_experts(be, wdtype, n, E, K, residual):
@@ -389,7 +424,7 @@ def test_moe_experts(be, wdtype, n, E, K, residual):
 
 # -- mlp ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("H,I", [(1, 1), (64, 37), (33, 200)])
 def test_swiglu_mlp(be, wdtype, n, H, I):
@@ -412,7 +447,7 @@ def random_bitmask(rng, n, V, density) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("V", [1, 33, 1000])
 def test_lm_head(be, wdtype, n, V):
@@ -448,7 +483,7 @@ def argmax_cases(draw):
     words = draw(st.one_of(st.none(), st.lists(st.integers(-2**31, 2**31 - 1),
                                                 min_size=n * ((V + 31) // 32), max_size=n * ((V + 31) // 32))))
     mask = None if words is None else np.array(words, np.int32).reshape(n, -1)
-    return x, nan_tokens, mask, draw(st.sampled_from(WDTYPES))
+    return x, nan_tokens, mask, draw(st.sampled_from(GEMV_WDTYPES))
 
 
 @settings(max_examples=150, deadline=None)
@@ -459,8 +494,8 @@ def test_lm_head_argmax_property(be, case):
     x, nan_tokens, mask, wdtype = case
     n, V = x.shape
     w = np.eye(V, dtype=np.float32)
-    w[nan_tokens] = np.nan
-    w = w.astype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else w
+    w[nan_tokens] = np.nan                                             # FP8: the NaN code 0x7F
+    w = exact_weight(w, wdtype)
     args = (be.from_host(x), be.prepare_weight(w), None if mask is None else be.from_host(mask))
     try:
         want = REF.lm_head_argmax(x, REF.prepare_weight(w), mask)
@@ -491,7 +526,7 @@ def test_lm_head_argmax_edges(be):
 
 # -- prefill-sized inputs -----------------------------------------------------
 
-@pytest.mark.parametrize("wdtype", WDTYPES)
+@pytest.mark.parametrize("wdtype", WDTYPES + ["fp8_block"])
 def test_many_rows(be, wdtype):
     """Inputs past the cpu kernels' ``SMALL`` (65536 elements or multiply-adds), where
     the loops a decode step runs on the calling thread (norms, rope, router, the
@@ -501,7 +536,7 @@ def test_many_rows(be, wdtype):
     x, w = acts(rng, n, H, scale=2.0), acts(rng, H)
     assert_close(be.to_host(be.rmsnorm(be.from_host(x), be.prepare_vector(w), 1e-6)),
                  REF.rmsnorm(x, w, 1e-6), what="rmsnorm (many rows)")
-    embed, eh = weight(rng, (V, H), wdtype), weight(rng, (H, 2 * H), wdtype)
+    embed, eh = weight(rng, (V, H), dense(wdtype)), weight(rng, (H, 2 * H), wdtype)
     tokens = rng.integers(0, V, n).astype(np.int32)
     got = be.mtp_input(be.prepare_weight(embed), be.from_host(tokens), be.from_host(x), be.prepare_vector(w),
                        be.prepare_vector(w), be.prepare_weight(eh), 1e-5)
@@ -715,3 +750,152 @@ def test_identical_lm_head_rows_tie_to_the_lowest_id(be, H, others):
     for r in range(0, 200, 3):                                         # one row per call: the GEMV path
         assert REF.lm_head_argmax(x[r:r + 1], REF.prepare_weight(w))[0] == want[r]
     np.testing.assert_array_equal(be.to_host(be.lm_head_argmax(be.from_host(x), be.prepare_weight(w))), want)
+
+
+# -- FP8 E4M3 weights ---------------------------------------------------------
+
+def pow2_fp8(rng, shape, kind: str) -> Fp8Weight:
+    """Random codes (every finite one, NaN codes excluded) with power-of-two scales: each
+    dequantized weight is exact in FP32, so FP8 and FP32 storage of it give one result."""
+    codes = rng.integers(0, 256, shape).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E
+    *lead, N, K = shape
+    sshape = (*lead, N) if kind == "fp8_channel" else (*lead, -(-N // 128), -(-K // 128))
+    fan_in = -round(np.log2(K) / 2)                                    # ~ 1 / sqrt(K), a power of two
+    scale = np.exp2(rng.integers(-12, -8, sshape) + fan_in).astype(np.float32)
+    return Fp8Weight(codes, scale, None if kind == "fp8_channel" else (128, 128))
+
+
+@pytest.mark.parametrize("kind", FP8_KINDS)
+def test_fp8_power_of_two_scales_equal_fp32_weights(be, kind):
+    """Each GEMV family with an FP8 weight gives what the same backend gives with the
+    dequantized FP32 weight (exact here), within the float32 tolerance."""
+    rng = rng_for("fp8_pow2", kind)
+    n, H, I, E, K, V = 3, 136, 40, 5, 2, 300
+    x, g = acts(rng, n, H), acts(rng, n, H)
+    fp8 = {name: pow2_fp8(rng, shape, kind) for name, shape in
+           (("w", (200, H)), ("eh", (H, 2 * H)), ("w13", (2 * I, H)), ("w2", (H, I)), ("e13", (E, 2 * I, H)),
+            ("e2", (E, H, I)), ("gate", (16, H)), ("head", (V, H)))}
+    as8 = {k: be.prepare_weight(w) for k, w in fp8.items()}
+    as32 = {k: be.prepare_weight(w.dequantize()) for k, w in fp8.items()}
+    ids = np.array([[0, 4], [2, 1], [4, 3]], np.int32)
+    wts = rng.random((n, K)).astype(np.float32)
+    embed, tokens = be.prepare_weight(weight(rng, (7, H), "float32")), np.array([1, 6, 0], np.int32)
+    vec = be.prepare_vector
+    spec = RouterSpec(top_k=3, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True)
+    f = be.from_host
+    calls = {
+        "linear": lambda w: be.linear(f(x), w["w"], vec(acts(rng_for(1), 200)), f(acts(rng_for(2), n, 200))),
+        "mtp_input": lambda w: be.mtp_input(embed, f(tokens), f(g), vec(np.ones(H)), vec(np.ones(H)), w["eh"], 1e-5),
+        "swiglu_mlp": lambda w: be.swiglu_mlp(f(x), w["w13"], w["w2"], f(g)),
+        "moe_experts": lambda w: be.moe_experts(f(x), f(ids), f(wts), w["e13"], w["e2"]),
+        "moe_router": lambda w: be.moe_router(f(x), w["gate"], vec(np.zeros(16)), spec)[1],
+        "lm_head_logits": lambda w: be.lm_head_logits(f(x), w["head"]),
+    }
+    for name, call in calls.items():
+        assert_close(be.to_host(call(as8)), be.to_host(call(as32)), what=f"{name} FP8 vs its FP32 weights")
+    got = be.to_host(be.lm_head_argmax(f(x), as8["head"]))
+    np.testing.assert_array_equal(got, REF.lm_head_argmax(x, fp8["head"].dequantize()))
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 8), (3, 12), (1, 5), (4, 128)])
+@pytest.mark.parametrize("K", [64, 136, 100])
+def test_fp8_block_sizes(be, block, K):
+    """Blocks other than 128 (as ``Fp8Weight.concat`` makes them: rows per block down to 1;
+    k-blocks of 8 columns, the cuda vector width, and of 12 and 5, which take its scalar
+    path) and K cut short of a block: every weight gets its block's scale."""
+    rng = rng_for("fp8_blocks", block, K)
+    n, N, E, I = 5, 37, 3, 20
+    x = acts(rng, n, K)
+    q = Fp8Weight.quantize(acts(rng, N, K, scale=K ** -0.5), block)
+    got = be.linear(be.from_host(x), be.prepare_weight(q))
+    assert_close(be.to_host(got), REF.linear(x, REF.prepare_weight(q)), what="linear FP8")
+    ids = np.array([[0], [2], [1], [2], [0]], np.int32)
+    w13 = Fp8Weight.quantize(acts(rng, E, 2 * I, K, scale=K ** -0.5), block)
+    w2 = Fp8Weight.quantize(acts(rng, E, K, I, scale=I ** -0.5), block)
+    ones = np.ones((n, 1), np.float32)
+    got = be.moe_experts(be.from_host(x), be.from_host(ids), be.from_host(ones), be.prepare_weight(w13),
+                         be.prepare_weight(w2))
+    want = REF.moe_experts(x, ids, ones, REF.prepare_weight(w13), REF.prepare_weight(w2))
+    assert_close(be.to_host(got), want, what="moe_experts FP8")
+
+
+@pytest.mark.parametrize("kind", FP8_KINDS)
+def test_fp8_edge_codes(be, kind):
+    """NaN codes (0x7F, 0xFF) make their row's output NaN, whatever the input, and never win
+    the argmax; -0 (0x80), +-448 (0x7E, 0xFE) and the subnormals 0x01..0x07 count their exact
+    values (power-of-two scales, so the reference is exact)."""
+    rng = rng_for("fp8_edges", kind)
+    n, N, K = 3, 150, 140                                              # 2 row blocks, 2 k-blocks, both partial
+    w = pow2_fp8(rng, (N, K), kind)
+    codes = w.data.copy()
+    codes[:, :16] = EDGE_CODES[rng.integers(0, EDGE_CODES.size, (N, 16))]
+    codes[:, 16:30] = np.arange(0x01, 0x08).repeat(2)                   # every row has subnormals
+    codes[7, 131], codes[140, 0], codes[141, 139] = 0x7F, 0xFF, 0x7F    # NaN rows 7, 140, 141
+    w = Fp8Weight(codes, w.scale, w.block)
+    x = acts(rng, n, K)
+    x[1] = 0.0                                                         # NaN * 0 is NaN too
+    got = be.to_host(be.linear(be.from_host(x), be.prepare_weight(w)))
+    want = REF.linear(x, REF.prepare_weight(w))
+    assert np.isnan(want[:, [7, 140, 141]]).all() and np.isnan(want).sum() == 3 * n
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert_close(got, want, what="linear with edge codes")
+    ids = be.to_host(be.lm_head_argmax(be.from_host(x[[0, 2]]), be.prepare_weight(w)))
+    np.testing.assert_array_equal(ids, REF.lm_head_argmax(x[[0, 2]], REF.prepare_weight(w)))
+    assert not set(ids.tolist()) & {7, 140, 141}
+
+
+@pytest.mark.parametrize("kind", FP8_KINDS)
+def test_fp8_strided_inputs(be, kind):
+    """Column-strided x, a transposed residual, strided expert routing weights: the FP8
+    paths take views as the BF16 ones do."""
+    rng = rng_for("fp8_strided", kind)
+    big, res_big = acts(rng, 5, 2 * 140), acts(rng, 9, 5)
+    w = weight(rng, (9, 140), kind)
+    got = be.linear(be.from_host(big)[:, ::2], be.prepare_weight(w), None, be.from_host(res_big).T)
+    assert_close(be.to_host(got), REF.linear(big[:, ::2], REF.prepare_weight(w), None, res_big.T),
+                 what="linear FP8 (strided)")
+    E, I, n = 4, 24, 5
+    w13, w2 = weight(rng, (E, 2 * I, 140), kind), weight(rng, (E, 140, I), kind)
+    ids = np.array([[0, 1], [2, 3], [1, 0], [3, 3], [2, 0]], np.int32)[:, :1]
+    wts_big = rng.random((n, 3)).astype(np.float32)
+    got = be.moe_experts(be.from_host(big)[:, ::2], be.from_host(ids), be.from_host(wts_big)[:, 1:2],
+                         be.prepare_weight(w13), be.prepare_weight(w2))
+    want = REF.moe_experts(big[:, ::2], ids, wts_big[:, 1:2], REF.prepare_weight(w13), REF.prepare_weight(w2))
+    assert_close(be.to_host(got), want, what="moe_experts FP8 (strided)")
+
+
+@pytest.mark.parametrize("kind", FP8_KINDS)
+@pytest.mark.parametrize("shape", [(300, 1000), (4, 130, 70)])
+def test_fp8_prepared_keeps_one_byte_per_weight(be, kind, shape):
+    """The stored form holds the codes at one byte each plus the scales (and, on the cpu
+    backend, a factor per row, row offsets and the few subnormal weights: ``CpuFp8``)."""
+    rng = rng_for("fp8_bytes", kind, shape)
+    w = weight(rng, shape, kind)
+    p = be.prepare_weight(w)
+    assert p.shape == shape and p.ndim == len(shape)
+    *lead, N, K = shape
+    rows = int(np.prod(lead, dtype=np.int64)) * N
+    subnormal = int((((w.data & 0x78) == 0) & ((w.data & 0x07) != 0)).sum())
+    assert w.data.nbytes <= p.nbytes <= w.data.nbytes + w.scale.nbytes + 8 * rows + 8 * subnormal + 64, \
+        (p.nbytes, w.nbytes)
+
+
+def test_fp8_refusals(be):
+    """What an FP8 weight may not be, with the argument named: an embedding table, half of a
+    SwiGLU pair, or an Fp8Weight that never went through prepare_weight."""
+    rng = rng_for("fp8_refusals")
+    f = be.from_host
+    H, I = 16, 8
+    x = f(acts(rng, 2, H))
+    q = weight(rng, (40, H), "fp8_block")
+    with pytest.raises(TypeError, match="embed: an FP8 embedding table"):
+        be.mtp_input(be.prepare_weight(q), f(np.array([1, 2], np.int32)), x, be.prepare_vector(np.ones(H)),
+                     be.prepare_vector(np.ones(H)), be.prepare_weight(weight(rng, (H, 2 * H), "bfloat16")), 1e-5)
+    w13, w2 = weight(rng, (2 * I, H), "fp8_block"), weight(rng, (H, I), "bfloat16")
+    with pytest.raises(TypeError, match="w13, w2: expected all FP8 or none"):
+        be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2))
+    with pytest.raises(TypeError, match="w: an Fp8Weight must go through prepare_weight first"):
+        be.linear(x, q)
+    with pytest.raises(ValueError, match=r"w: expected shape \[\*, 17\]"):
+        be.linear(f(acts(rng, 2, 17)), be.prepare_weight(q))

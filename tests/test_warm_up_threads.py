@@ -54,6 +54,39 @@ def test_after_warm_up_a_propose_compiles_nothing(tmp_path, tiny_cfg, dtype):
     assert compiled == []
 
 
+def test_after_warm_up_fp8_ops_compile_nothing():
+    """The FP8 weight kernels are warmed up too: every GEMV family with FP8 weights of both
+    scale kinds (and the dense MLP as one expert) loads nothing new afterwards."""
+    from mtpkern import Fp8Weight
+    from mtpkern.ops.moe import RouterSpec
+
+    be = CpuBackend()
+    be.warm_up()
+    rng = np.random.default_rng(1)
+    n, H, I, E, V = 3, 40, 12, 8, 70
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    ones = np.ones(H, np.float32)
+    spec = RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True)
+    embed = be.prepare_weight(rng.standard_normal((V, H)).astype(np.float32))
+    with event.install_recorder("numba:compile") as rec:
+        for block in ((128, 128), None):
+            def w(*shape):
+                return be.prepare_weight(Fp8Weight.quantize(rng.standard_normal(shape).astype(np.float32), block))
+            be.linear(x, w(5, H))
+            be.linear(x, w(5, H), np.ones(5, np.float32), np.ones((n, 5), np.float32))
+            be.mtp_input(embed, np.array([1, 2, 3], np.int32), x, ones, ones, w(H, 2 * H), 1e-5)
+            be.swiglu_mlp(x, w(2 * I, H), w(H, I), x)
+            ids, wts = be.moe_router(x, w(E, H), np.zeros(E, np.float32), spec)
+            be.moe_experts(x, ids, wts, w(E, 2 * I, H), w(E, H, I), x)
+            be.moe_experts(x, ids, wts, w(E, 2 * I, H), w(E, H, I))
+            head = w(V, H)
+            be.lm_head_argmax(x, head)
+            be.lm_head_argmax(x, head, np.full((n, -(-V // 32)), -1, np.int32))
+            be.lm_head_logits(x, head)
+    compiled = sorted({ev.data["dispatcher"].py_func.__name__ for _, ev in rec.buffer if ev.is_start})
+    assert compiled == []
+
+
 def test_numpy_backend_has_nothing_to_warm_up():
     calls = []
     assert get_backend("numpy").warm_up(lambda *a: calls.append(a)) == 0 and calls == []

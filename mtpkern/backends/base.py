@@ -6,7 +6,10 @@ for ``numpy`` and ``cpu``, CuPy for ``cuda``); the head and proposer never
 look inside them except through ``to_host``.
 
 Weights go through ``prepare_weight`` once at load time: the reference widens
-them to FP32, the fast backends keep BF16 and widen inside their kernels.
+them to FP32, the fast backends keep BF16 and widen inside their kernels. FP8
+E4M3 weights come as ``mtpkern.quant.Fp8Weight`` (bytes + scales): the reference
+dequantizes them to FP32, the fast backends keep one byte per weight and
+dequantize inside their GEMV kernels (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..ops.moe import RouterSpec
+from ..quant import Fp8Weight
 
 
 def on_cuda_device(x: Any) -> bool:
@@ -37,6 +41,24 @@ def on_cuda_device(x: Any) -> bool:
         return True
 
 
+# -- FP8 weights: what every backend refuses, in the same words (docs/fp8.md) -----------------
+
+def fp8_embedding_refused(name: str = "embed") -> TypeError:
+    return TypeError(f"{name}: an FP8 embedding table is not supported (released FP8 checkpoints keep "
+                     f"embed_tokens in BF16); load it as BF16 or FP32")
+
+
+def unprepared_fp8(name: str, w: Any) -> TypeError:
+    return TypeError(f"{name}: an Fp8Weight must go through prepare_weight first (got {w!r})")
+
+
+def all_fp8_or_none(names: str, *fp8: bool) -> bool:
+    """True when every weight of a pair (w13, w2) is FP8, False when none is; mixed raises."""
+    if any(fp8) and not all(fp8):
+        raise TypeError(f"{names}: expected all FP8 or none, got " + ", ".join("FP8" if f else "dense" for f in fp8))
+    return all(fp8)
+
+
 class Backend(ABC):
     name: str = "?"
     #: dtype of the paged KV cache
@@ -46,8 +68,9 @@ class Backend(ABC):
 
     # -- memory -------------------------------------------------------------
     @abstractmethod
-    def prepare_weight(self, w: np.ndarray) -> Any:
-        """Host weight (BF16 or FP32 NumPy) -> the backend's stored form."""
+    def prepare_weight(self, w: "np.ndarray | Fp8Weight") -> Any:
+        """Host weight (BF16 or FP32 NumPy, or an ``Fp8Weight``, ``[N, K]`` or stacked
+        experts ``[E, N, K]``) -> the backend's stored form."""
 
     def prepare_vector(self, w: np.ndarray) -> Any:
         """Host 1-D weight (norm weight, bias, router correction bias) -> FP32 backend array.
@@ -116,10 +139,10 @@ class Backend(ABC):
     def describe(self) -> str:
         return self.name
 
-    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> int:
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None, *, fp8: bool = True) -> int:
         """Compile (or load from a disk cache) the backend's kernels before the first call
         needs them, calling ``progress(done, total, name)`` per kernel family; returns how
-        many functions were compiled. The numpy backend has nothing to compile; the cuda
+        many functions were compiled. ``fp8=False`` leaves out the FP8 weight kernels. The numpy backend has nothing to compile; the cuda
         backend compiles each family on its first launch (NVRTC, then CuPy's disk cache);
         both return 0 at once. The cpu backend overrides this."""
         return 0

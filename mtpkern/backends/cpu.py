@@ -2,7 +2,10 @@
 
 Weights stay in their checkpoint precision: ``prepare_weight`` keeps BF16 as
 its 16-bit pattern (a contiguous ``uint16`` view, widened to FP32 inside the
-kernels) and FP32 as FP32. Activations are FP32 NumPy arrays, indices int32,
+kernels), FP32 as FP32, and an ``Fp8Weight`` as its bytes with factors derived
+from its scales (``CpuFp8``, ``backends/cpu_fp8.py``), dequantized inside every
+GEMV kernel (the ``*_fp8_kernel`` variants; docs/fp8.md). FP8 embedding tables
+are refused (``mtp_input``): released checkpoints keep them BF16. Activations are FP32 NumPy arrays, indices int32,
 the KV cache FP32. Every launcher validates with the family's ``check_*``
 (mtpkern.ops; once per argument signature, ``CpuBackend._check``), checks index
 values in one Numba pass (``cpu_kernels/bounds.py``), brings its inputs to
@@ -39,7 +42,9 @@ from ..ops.mlp import check_swiglu_mlp
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input
 from ..ops.rope_kv import check_qk_norm_rope_kv_write
-from .base import Backend
+from ..quant import Fp8Weight
+from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
+from .cpu_fp8 import CpuFp8
 from .cpu_kernels import attention as attention_k
 from .cpu_kernels import bounds as bounds_k
 from .cpu_kernels import linear as linear_k
@@ -94,6 +99,15 @@ def _weight(name: str, w) -> np.ndarray:
                     f"or bfloat16, got {dt}")
 
 
+def _any_weight(name: str, w):
+    """A stored weight of any kind: ``CpuFp8`` as it is, else ``_weight``."""
+    if isinstance(w, CpuFp8):
+        return w
+    if isinstance(w, Fp8Weight):
+        raise unprepared_fp8(name, w)
+    return _weight(name, w)
+
+
 def _out(name: str, buf, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
     """The caller's output buffer (checked: C-contiguous NumPy, this shape and dtype), or a new one."""
     if buf is None:
@@ -126,7 +140,11 @@ def _in_range(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
 
 
 def _signature(a):
-    return (a.shape, a.dtype) if isinstance(a, np.ndarray) else a
+    if isinstance(a, np.ndarray):
+        return a.shape, a.dtype
+    if isinstance(a, CpuFp8):                      # by shape: a signature must not keep a weight alive
+        return CpuFp8, a.shape
+    return a
 
 
 def default_threads() -> int:
@@ -167,17 +185,17 @@ class CpuBackend(Backend):
         if numba.get_num_threads() != self.threads:
             numba.set_num_threads(self.threads)
 
-    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> int:
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None, *, fp8: bool = True) -> int:
         """Compile, or load from Numba's disk cache, every kernel family for the argument
-        types a propose uses, on tiny inputs (``backends/warm_up.py``). ``progress(done,
-        total, name)`` is called before each family and once at the end (``done == total``,
-        ``name == ""``). Returns how many functions Numba compiled (0: everything came from
-        the cache or was loaded already)."""
+        types a propose uses, on tiny inputs (``backends/warm_up.py``; FP8 weights too unless
+        ``fp8=False``). ``progress(done, total, name)`` is called before each family and once
+        at the end (``done == total``, ``name == ""``). Returns how many functions Numba
+        compiled (0: everything came from the cache or was loaded already)."""
         from numba.core import event
 
         from .warm_up import family_calls
 
-        calls = family_calls(self)
+        calls = family_calls(self, fp8=fp8)
         with event.install_recorder("numba:compile") as rec:
             for i, (name, call) in enumerate(calls):
                 if progress is not None:
@@ -204,7 +222,10 @@ class CpuBackend(Backend):
     # -- memory -------------------------------------------------------------
     def prepare_weight(self, w):
         """BF16 -> its bits as a contiguous uint16 array (still 2 bytes a value);
-        FP32 -> contiguous FP32."""
+        FP32 -> contiguous FP32; ``Fp8Weight`` -> ``CpuFp8`` (1 byte a value; raises
+        ``ValueError`` for a scale of 2^64 or more)."""
+        if isinstance(w, Fp8Weight):
+            return CpuFp8.from_weight(w)
         w = np.asarray(w)
         if dtype_name(w) not in ("bfloat16", "float32"):
             raise TypeError(f"w: expected dtype bfloat16 or float32, got {dtype_name(w)}")
@@ -248,19 +269,27 @@ class CpuBackend(Backend):
         e = np.empty((n, H), np.float32)                                     # scratch: normed embeddings
         h = np.empty((n, H), np.float32)                                     # scratch: normed hidden
         out = _out("out", out, (n, H))
+        if isinstance(embed, CpuFp8):
+            raise fp8_embedding_refused("embed")
+        eh_w = _any_weight("eh_w", eh_w)
         self._use_threads()
-        norm_k.mtp_input_kernel(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
-                                _weight("eh_w", eh_w), np.float32(eps), e, h, out)
+        kernel = norm_k.mtp_input_fp8_kernel if isinstance(eh_w, CpuFp8) else norm_k.mtp_input_kernel
+        kernel(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
+               eh_w.kernel_args() if isinstance(eh_w, CpuFp8) else eh_w, np.float32(eps), e, h, out)
         return out
 
     # -- linear -------------------------------------------------------------
     def linear(self, x, w, bias=None, residual=None, *, out=None):
         self._check(check_linear, x, w, bias, residual)
-        w = _weight("w", w)
+        w = _any_weight("w", w)
         out = _out("out", out, (x.shape[0], w.shape[0]))
         x = _apart(_act(x), out)                                             # out is written while x is read
         bias = None if bias is None else _apart(_act(bias), out)
         residual = None if residual is None else _apart(_act(residual), out)  # out is written first
+        if isinstance(w, CpuFp8):
+            self._use_threads()
+            linear_k.linear_fp8_kernel(x, w.kernel_args(), _opt_vec(bias), _opt_mat(residual), out)
+            return out
         if w.dtype == np.float32 and x.shape[0] >= _BLAS_MIN_ROWS:
             np.matmul(x, w.T, out=out)                                       # [n, N], BLAS
             if bias is not None:
@@ -327,10 +356,12 @@ class CpuBackend(Backend):
         logits = np.empty((n, E), np.float32)                                # scratch
         ids = _out("ids", ids, (n, spec.top_k), np.int32)
         weights = _out("weights", weights, (n, spec.top_k))
+        gate_w = _any_weight("gate_w", gate_w)
         self._use_threads()
-        moe_k.moe_router_kernel(_act(x), _weight("gate_w", gate_w), _act(bias), spec.n_group,
-                                spec.topk_group, spec.scoring == "softmax", spec.norm_topk_prob,
-                                np.float32(spec.routed_scaling_factor), logits, ids, weights)
+        kernel, gate = ((moe_k.moe_router_fp8_kernel, gate_w.kernel_args()) if isinstance(gate_w, CpuFp8)
+                        else (moe_k.moe_router_kernel, gate_w))
+        kernel(_act(x), gate, _act(bias), spec.n_group, spec.topk_group, spec.scoring == "softmax",
+               spec.norm_topk_prob, np.float32(spec.routed_scaling_factor), logits, ids, weights)
         return ids, weights
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None):
@@ -339,9 +370,14 @@ class CpuBackend(Backend):
         _in_range("ids", ids, w13.shape[0])
         out = _out("out", out, tuple(x.shape))
         # x is gathered before out is written; residual and weights are read row by row with it
+        w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
+        if all_fp8_or_none("w13, w2", isinstance(w13, CpuFp8), isinstance(w2, CpuFp8)):
+            kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.kernel_args(), w2.kernel_args()
+        else:
+            kernel = mlp_k.grouped_swiglu_kernel
         self._use_threads()
-        mlp_k.grouped_swiglu_kernel(_act(x), ids, _apart(_act(weights), out), _weight("w13", w13),
-                                    _weight("w2", w2), _apart(_opt_mat(residual), out, same_ok=True), out)
+        kernel(_act(x), ids, _apart(_act(weights), out), w13, w2, _apart(_opt_mat(residual), out, same_ok=True),
+               out)
         return out
 
     # -- mlp ----------------------------------------------------------------
@@ -350,10 +386,14 @@ class CpuBackend(Backend):
         n = x.shape[0]
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
+        w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
+        if all_fp8_or_none("w13, w2", isinstance(w13, CpuFp8), isinstance(w2, CpuFp8)):
+            kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.as_experts(), w2.as_experts()
+        else:
+            kernel, w13, w2 = mlp_k.grouped_swiglu_kernel, w13[None], w2[None]
         self._use_threads()
-        mlp_k.grouped_swiglu_kernel(_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32),
-                                    _weight("w13", w13)[None], _weight("w2", w2)[None],
-                                    _apart(_opt_mat(residual), out, same_ok=True), out)
+        kernel(_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32), w13, w2,
+               _apart(_opt_mat(residual), out, same_ok=True), out)
         return out
 
     # -- lm head ------------------------------------------------------------
@@ -374,8 +414,12 @@ class CpuBackend(Backend):
             bitmask = np.ascontiguousarray(bitmask)
         chunks = max(1, min(_ARGMAX_CHUNKS, V))
         ids = _out("out", out, (n,), np.int32)
+        w = _any_weight("w", w)
         self._use_threads()
-        none = lm_head_k.lm_head_argmax_kernel(_act(x), _weight("w", w), bitmask, chunks, ids)
+        if isinstance(w, CpuFp8):
+            none = lm_head_k.lm_head_argmax_fp8_kernel(_act(x), w.kernel_args(), bitmask, ids)
+        else:
+            none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids)
         if none >= 0:                                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         return ids

@@ -3,7 +3,8 @@ launched through CuPy ``RawModule`` (no deep-learning framework, no cuBLAS, so
 a propose step can be captured in a CUDA graph).
 
 Storage: weights stay BF16 (CuPy has no bfloat16 dtype: a weight is a uint16
-array of the BF16 bits) or FP32; norm weights, biases and activations are FP32;
+array of the BF16 bits), FP32, or FP8 E4M3 (``CudaFp8``: uint8 codes and FP32
+scales; docs/fp8.md); norm weights, biases and activations are FP32;
 indices int32; the paged KV cache is BF16 bits by default (``kv_dtype`` uint16;
 ``CudaBackend(kv_dtype="float32")`` keeps it FP32, e.g. for exact comparisons).
 
@@ -30,9 +31,11 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..quant import Fp8Weight
 from . import dlpack
 from .base import Backend
 from .cuda_launch import attention, linear, lm_head, mlp, moe, norm, rope_kv
+from .cuda_launch._util import CudaFp8
 
 KvDtype = Literal["bfloat16", "float32"]
 
@@ -72,9 +75,12 @@ class CudaBackend(Backend):
         return _cupy()
 
     # -- memory -------------------------------------------------------------
-    def prepare_weight(self, w: np.ndarray):
+    def prepare_weight(self, w):
         """BF16 (ml_dtypes) -> uint16 bits on the GPU; uint16 is taken as BF16 bits
-        already; any other float -> FP32."""
+        already; any other float -> FP32; an ``Fp8Weight`` -> ``CudaFp8`` (its codes, one
+        byte each, and its FP32 scales on the GPU, dequantized inside the GEMV kernels)."""
+        if isinstance(w, Fp8Weight):
+            return CudaFp8.from_weight(w, _cupy().asarray)
         w = np.asarray(w)
         if w.dtype == _bf16() or w.dtype == np.uint16:
             host = np.ascontiguousarray(w).view(np.uint16)

@@ -1,6 +1,7 @@
 """The NumPy reference backend: every op is the specification in ``mtpkern.ops``.
 
-Weights are widened to FP32 once at load time; clarity before speed.
+Weights are widened to FP32 once at load time (FP8 ones dequantized:
+``Fp8Weight.dequantize``, each code's value times its scale); clarity before speed.
 
 Like the CUDA backend, every op takes its output(s) as optional keyword-only
 buffers (``out=``; ``ids=`` / ``weights=`` for ``moe_router``), so a planned
@@ -18,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..ops import attention, linear, lm_head, mlp, moe, norm, rope_kv
+from ..quant import Fp8Weight
 from .base import Backend
 
 
@@ -54,6 +56,8 @@ class NumpyBackend(Backend):
     kv_dtype = np.float32
 
     def prepare_weight(self, w):
+        if isinstance(w, Fp8Weight):
+            return np.ascontiguousarray(w.dequantize())
         return np.ascontiguousarray(w, dtype=np.float32)
 
     def from_host(self, a):

@@ -4,9 +4,12 @@ A JIT backend compiles a kernel per argument type (dtype, rank, layout), not per
 shape, so a call on inputs of a few elements compiles (or loads from the disk
 cache) what a real propose will run. The calls use the types the head and the
 proposer pass: FP32 activations, int32 indices (int64 token ids inside
-``mtp_input``), BF16 and FP32 weights through ``prepare_weight``, FP32 vectors
-through ``prepare_vector``, optional bias / residual / bitmask both given and
-absent. Only the ``Backend`` interface is used: any backend can run them.
+``mtp_input``), BF16 and FP32 weights through ``prepare_weight`` (and FP8 ones
+unless ``fp8=False``: on 2 cores they add ~16 s to a cold compile, one kernel per
+GEMV family serving both scale kinds), FP32 vectors through ``prepare_vector``,
+optional bias / residual / bitmask both given and absent. The embedding table
+stays BF16 / FP32 (FP8 ones are refused). Only the ``Backend`` interface is used:
+any backend can run them.
 """
 
 from __future__ import annotations
@@ -25,16 +28,25 @@ H, HQ, HKV, D, V, E, I = 16, 2, 1, 8, 40, 4, 8
 N, NB, BS = 2, 4, 4
 
 
-def family_calls(be: Backend) -> list[tuple[str, Callable[[], object]]]:
+def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], object]]]:
     """(family name, call) for every kernel family, the cheapest to compile first."""
     import ml_dtypes
+
+    from ..quant import Fp8Weight
 
     rng = np.random.default_rng(0)
     dtypes = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 
-    def weights(*shape):                                   # the same matrix as BF16 and as FP32
+    def dense(*shape):                                     # the same matrix as BF16 and as FP32
         w = rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
         return [be.prepare_weight(w.astype(dt)) for dt in dtypes]
+
+    def weights(*shape):                                   # ... and as FP8 (block scales)
+        w = dense(*shape)
+        if fp8:
+            w.append(be.prepare_weight(Fp8Weight.quantize(rng.standard_normal(shape).astype(np.float32),
+                                                          (128, 128))))
+        return w
 
     def act(*shape):
         return be.from_host(rng.standard_normal(shape).astype(np.float32))
@@ -53,7 +65,7 @@ def family_calls(be: Backend) -> list[tuple[str, Callable[[], object]]]:
     bitmask = idx(np.full((N, -(-V // 32)), -1))
 
     def mtp_input():
-        for embed, eh in zip(weights(V, H), weights(H, 2 * H)):
+        for embed, eh in zip(dense(V, H) * 2, weights(H, 2 * H)):   # FP8 eh_proj beside a BF16 table
             be.mtp_input(embed, idx([1, 2]), x, vec(H), vec(H), eh, 1e-5)
 
     def linear():

@@ -23,6 +23,11 @@ counting sort: the launcher used to do it with ``np.argsort`` and ``np.unique``,
 Phases 0 and 3 of a decode step run on the calling thread (``linear.SMALL``).
 
 So each selected expert's weights are read once per call, however many rows chose it.
+
+``grouped_swiglu_fp8_kernel`` is the same with FP8 weights (``linear.fp8_chunk``): phase 1
+is one task per (expert, row chunk of w13) writing gate | up, a pass pairs them, phase 2 is
+one task per (expert, row chunk of w2). A second kernel rather than a branch: the tasks are
+row chunks (each with its own scaled copy of the inputs), not groups of 8 rows.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import SMALL, gemv_task, group8
+from .linear import SMALL, chunks, expert, fp8_chunk, gemv_task, group8
 
 
 @njit(cache=True, fastmath=False)
@@ -109,22 +114,14 @@ def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, out):
     w13 [E, 2I, H]; w2 [E, H, I]; residual [n, H] or empty (it may be ``out``
     itself: each element is read before it is written)."""
     n, H = x.shape
-    K = ids.shape[1]
     I = w2.shape[2]
-    perm, inv, experts, starts = sort_pairs(ids, w13.shape[0])
+    perm, inv, experts, starts, xg = _sorted_inputs(x, ids, w13.shape[0])
     P = perm.shape[0]
     U = experts.shape[0]
-    xg = np.empty((P, H), np.float32)                # gathered rows, expert-sorted
     gu = np.empty((P, 2 * I), np.float32)            # gate | up
     act = np.empty((P, I), np.float32)               # silu(gate) * up
     y2 = np.empty((P, H), np.float32)                # expert outputs
     zero, no = np.int64(0), np.bool_(False)          # typed, not literal: see gemv_task
-    if P * H <= SMALL:
-        for p in range(P):
-            xg[p] = x[perm[p] // K]
-    else:
-        for p in prange(P):
-            xg[p] = x[perm[p] // K]
     q1 = I // 4
     T1 = q1 + I - 4 * q1                             # tasks per expert, phase 1
     for t in prange(U * T1):
@@ -141,9 +138,69 @@ def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, out):
         u = t // T2
         rows, count = group8(t % T2, q2, zero)
         gemv_task(w2[experts[u]], rows, count, zero, act, starts[u], starts[u + 1], y2, rows, no)
+    _combine(residual, weights, y2, inv, out)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _sorted_inputs(x, ids, E):
+    """The (row, slot) pairs sorted by expert (``sort_pairs``) and xg [P, H], the input row
+    of each sorted pair (phase 0)."""
+    K = ids.shape[1]
+    perm, inv, experts, starts = sort_pairs(ids, E)
+    P, H = perm.shape[0], x.shape[1]
+    xg = np.empty((P, H), np.float32)                # gathered rows, expert-sorted
     if P * H <= SMALL:
+        for p in range(P):
+            xg[p] = x[perm[p] // K]
+    else:
+        for p in prange(P):
+            xg[p] = x[perm[p] // K]
+    return perm, inv, experts, starts, xg
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _combine(residual, weights, y2, inv, out):
+    """Phase 3: every input row's weighted expert outputs added to its residual."""
+    n, H = out.shape
+    if y2.shape[0] * H <= SMALL:
         for r in range(n):
             _combine_row(residual, weights, y2, inv, r, out)
     else:
         for r in prange(n):
             _combine_row(residual, weights, y2, inv, r, out)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, out):
+    """``grouped_swiglu_kernel`` with FP8 expert weights: w13, w2 the tuples of
+    ``linear.fp8_chunk`` over [E, 2I, H] and [E, H, I] codes."""
+    I = w2[0].shape[2]
+    perm, inv, experts, starts, xg = _sorted_inputs(x, ids, w13[0].shape[0])
+    P, H = xg.shape
+    U = experts.shape[0]
+    gu = np.empty((P, 2 * I), np.float32)            # gate | up
+    act = np.empty((P, I), np.float32)
+    y2 = np.empty((P, H), np.float32)
+    zero, no = np.int64(0), np.bool_(False)
+    T1, T2 = chunks(w13), chunks(w2)
+    for t in prange(U * T1):
+        u = t // T1
+        fp8_chunk(expert(w13, experts[u]), t % T1, zero, xg, starts[u], starts[u + 1], gu, zero, no)
+    if P * I <= SMALL:
+        for p in range(P):
+            _silu_mul_row(gu, p, act)
+    else:
+        for p in prange(P):
+            _silu_mul_row(gu, p, act)
+    for t in prange(U * T2):
+        u = t // T2
+        fp8_chunk(expert(w2, experts[u]), t % T2, zero, act, starts[u], starts[u + 1], y2, zero, no)
+    _combine(residual, weights, y2, inv, out)
+
+
+@njit(cache=True, fastmath=False)
+def _silu_mul_row(gu, p, act):
+    """act[p, j] = silu(gate) * up with gu[p] = gate | up."""
+    I = act.shape[1]
+    for j in range(I):
+        act[p, j] = silu(gu[p, j]) * gu[p, I + j]

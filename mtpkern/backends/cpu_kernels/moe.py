@@ -6,6 +6,7 @@ Phase 1 computes the [n, E] logits (one task per group of 8 gate rows,
 selection of one row in one task, in the reference's order and with its tie
 rules (larger value first, lowest index on ties, NaN last). A decode step's
 router is small enough to run on the calling thread (``linear.SMALL``).
+``moe_router_fp8_kernel`` takes an FP8 gate (phase 1 by row chunks, ``linear.fp8_chunk``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import SMALL, gemv_task, group8
+from .linear import SMALL, chunks, fp8_chunk, gemv_task, group8
 
 
 @njit(cache=True, fastmath=False)
@@ -117,10 +118,35 @@ def moe_router_kernel(x, gate_w, bias, n_group, topk_group, softmax, norm_topk_p
     if n * E * H <= 2 * SMALL:                       # one row's gate (32K multiply-adds, 64 KB of BF16
         for t in range(q + E - 8 * q):              # at E = 32, H = 1024): on the calling thread
             _gate_task(gate_w, x, t, q, logits)
-        for r in range(n):
-            _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r)
     else:
         for t in prange(q + E - 8 * q):
             _gate_task(gate_w, x, t, q, logits)
+    _select(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, n * E * H)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def moe_router_fp8_kernel(x, gate8, bias, n_group, topk_group, softmax, norm_topk_prob, scale,
+                          logits, ids, weights):
+    """``moe_router_kernel`` with the gate in FP8 (gate8: the tuple of ``linear.fp8_chunk``)."""
+    n, H = x.shape
+    E = gate8[0].shape[0]
+    zero, no = np.int64(0), np.bool_(False)
+    if n * E * H <= 2 * SMALL:
+        for c in range(chunks(gate8)):
+            fp8_chunk(gate8, c, zero, x, zero, n, logits, zero, no)
+    else:
+        for c in prange(chunks(gate8)):
+            fp8_chunk(gate8, c, zero, x, zero, n, logits, zero, no)
+    _select(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, n * E * H)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _select(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, work):
+    """Phase 2 for every row, on the calling thread when the gate was ``work`` <= 2 SMALL multiply-adds."""
+    n = logits.shape[0]
+    if work <= 2 * SMALL:
+        for r in range(n):
+            _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r)
+    else:
         for r in prange(n):
             _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import _DOT_FLAGS, SMALL, gemv_task, group8, widen
+from .linear import _DOT_FLAGS, SMALL, chunks, fp8_chunk, gemv_task, group8, widen
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
@@ -58,20 +58,40 @@ def _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def mtp_input_kernel(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, e, h, out):
-    """embed [V, H], tokens [n] int64 (checked in range), g [n, H], eh_w [H, 2H];
-    scratch e, h [n, H]; out [n, H] = eh_w[:, :H] @ e + eh_w[:, H:] @ h."""
+def _input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h):
+    """Phase 1 of mtp_input: every row's two norms (serial up to ``SMALL`` elements)."""
     n, H = g.shape
-    zero = np.int64(0)                               # typed, not literal: see gemv_task
     if n * H <= SMALL:
         for i in range(n):
             _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i)
     else:
         for i in prange(n):
             _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def mtp_input_kernel(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, e, h, out):
+    """embed [V, H], tokens [n] int64 (checked in range), g [n, H], eh_w [H, 2H];
+    scratch e, h [n, H]; out [n, H] = eh_w[:, :H] @ e + eh_w[:, H:] @ h."""
+    n, H = g.shape
+    zero = np.int64(0)                               # typed, not literal: see gemv_task
+    _input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
     q = H // 8
     for t in prange(q + H - 8 * q):
         rows, count = group8(t, q, zero)
         for half in range(2):                       # one call site: the GEMV core is inlined once
             src = e if half == 0 else h
             gemv_task(eh_w, rows, count, half * H, src, zero, n, out, rows, half == 1)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def mtp_input_fp8_kernel(embed, tokens, g, enorm_w, hnorm_w, eh8, eps, e, h, out):
+    """``mtp_input_kernel`` with eh_proj in FP8 (``linear.fp8_chunk``; the embedding stays
+    BF16 or FP32): one task per row chunk of eh_w, its left half against the normed
+    embeddings, its right half against the normed hiddens."""
+    n, H = g.shape
+    zero, no, yes = np.int64(0), np.bool_(False), np.bool_(True)
+    _input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
+    for c in prange(chunks(eh8)):
+        fp8_chunk(eh8, c, zero, e, zero, n, out, zero, no)
+        fp8_chunk(eh8, c, np.int64(H), h, zero, n, out, zero, yes)

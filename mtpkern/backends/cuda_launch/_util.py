@@ -15,11 +15,14 @@ against the kernel's signature.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
 from ...ops._check import dtype_name, expect_dtype, shape_of
+from ...quant import Fp8Weight
+from ..base import fp8_embedding_refused, unprepared_fp8
 from .loader import CTYPE
 
 #: a null pointer argument (kernels test optional inputs such as bias against nullptr)
@@ -130,17 +133,74 @@ def ptr(a: Any) -> Any:
     return NULL if a is None else a
 
 
+@dataclass(slots=True, eq=False)
+class CudaFp8:
+    """An FP8 E4M3 weight on the device, as the GEMV kernels read it (common.cuh ``Scales``):
+    ``data`` uint8 ``[.., N, K]`` (the checkpoint's codes), ``scale`` float32 ``[.., ceil(N / bn),
+    ceil(K / bk)]``; per-channel scales are ``[.., N]`` with ``bn = 1``, ``bk = K``."""
+
+    data: Any
+    scale: Any
+    bn: int
+    bk: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return shape_of(self.data)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.data.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.scale.nbytes)
+
+    @classmethod
+    def from_weight(cls, w: Fp8Weight, upload: Callable[[np.ndarray], Any]) -> "CudaFp8":
+        """``upload``: host array -> device array (``cupy.asarray``)."""
+        bn, bk = w.block if w.block is not None else (1, max(w.shape[-1], 1))
+        return cls(upload(np.ascontiguousarray(w.data)), upload(w.scale), int(bn), int(bk))
+
+
 def expect_weight(name: str, w: Any) -> None:
-    """A stored weight: FP32, or BF16 bits in uint16 (see CudaBackend.prepare_weight)."""
+    """A stored weight: FP32, BF16 bits in uint16, or ``CudaFp8`` (see CudaBackend.prepare_weight)."""
+    if isinstance(w, CudaFp8):
+        return
+    if isinstance(w, Fp8Weight):
+        raise unprepared_fp8(name, w)
     if dtype_name(w) not in WEIGHT_DTYPES:
         raise TypeError(
             f"{name}: expected dtype float32 or uint16 (bf16 bits from prepare_weight), got {dtype_name(w)}"
         )
 
 
+def device_weight(w: Any, name: str) -> Any:
+    """A stored weight (checked: ``expect_weight``) with its arrays as contiguous device arrays."""
+    expect_weight(name, w)
+    if isinstance(w, CudaFp8):
+        return CudaFp8(device(w.data, name, "uint8"), device(w.scale, f"{name}.scale", "float32"), w.bn, w.bk)
+    return device(w, name)
+
+
+def dense_weight(w: Any, name: str) -> Any:
+    """``device_weight`` for a weight that may not be FP8 (the embedding table)."""
+    if isinstance(w, CudaFp8):
+        raise fp8_embedding_refused(name)
+    return device_weight(w, name)
+
+
+def weight_args(w: Any) -> tuple:
+    """The weight's kernel arguments ``(w, scale, bn, bk)``: scale null for dense weights."""
+    if isinstance(w, CudaFp8):
+        return w.data, w.scale, i32(w.bn), i32(w.bk)
+    return w, NULL, i32(1), i32(1)
+
+
 def ctype(a: Any) -> str:
-    """C++ element type of a weight / KV array: 'float' or '__nv_bfloat16'."""
-    return CTYPE[dtype_name(a)]
+    """C++ element type of a weight / KV array: 'float', '__nv_bfloat16' or (a ``CudaFp8``)
+    '__nv_fp8_e4m3'."""
+    return CTYPE[dtype_name(a.data if isinstance(a, CudaFp8) else a)]
 
 
 def expect_grid_yz(name: str, v: int) -> None:

@@ -1,8 +1,8 @@
 """Launcher of ``linear_kernel`` (kernels/linear.cu): the GEMV / small-n GEMM.
 
 ``linear(x [n, K], w [N, K], bias [N] | None, residual [n, N] | None) -> y [n, N]``
-(``mtpkern.ops.linear``). ``w`` is FP32 or BF16 bits (uint16); x, bias,
-residual, y are FP32. ``out`` may be ``residual`` (in-place residual add).
+(``mtpkern.ops.linear``). ``w`` is FP32, BF16 bits (uint16) or FP8 (``CudaFp8``:
+codes and scales, dequantized in the kernel); x, bias, residual, y are FP32. ``out`` may be ``residual`` (in-place residual add).
 
 :func:`gemv_config` is the launch configuration of every row-group GEMV
 (linear, swiglu gate/up): also used by mlp, moe (router logits), lm_head
@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops.linear import check_linear
-from ._util import cdiv, ctype, device, expect_disjoint, expect_same_or_disjoint, expect_weight, i32, optional, output, ptr, sm_count
+from ._util import (cdiv, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
+                    i32, optional, output, ptr, sm_count, weight_args)
 from .loader import get_kernel
 
 #: kGemvThreads in common.cuh: 4 warps, one row group (2 weight rows) per warp
@@ -38,14 +39,14 @@ def gemv_config(groups: int) -> tuple[tuple[int], int]:
 
 
 def launch_linear(x, w, bias, residual, y) -> None:
-    """Validated, contiguous device arrays: x [n, K], w [N, K], y [n, N]."""
+    """Validated, contiguous device arrays: x [n, K], w [N, K] (``device_weight``), y [n, N]."""
     n, K = x.shape
     N = w.shape[0]
     if n == 0 or N == 0:
         return
     grid, wpr = gemv_config(cdiv(N, 2))
     kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}>")
-    kernel(grid, (GEMV_THREADS,), (x, w, ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr)))
+    kernel(grid, (GEMV_THREADS,), (x, *weight_args(w), ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr)))
 
 
 def linear(x, w, bias=None, residual=None, *, out=None):
@@ -53,7 +54,7 @@ def linear(x, w, bias=None, residual=None, *, out=None):
     check_linear(x, w, bias, residual)
     expect_weight("w", w)
     x = device(x, "x", "float32")
-    w = device(w, "w")
+    w = device_weight(w, "w")
     bias = optional(bias, "bias", "float32")
     residual = optional(residual, "residual", "float32")
     y = output(out, "out", (x.shape[0], w.shape[0]), np.float32)

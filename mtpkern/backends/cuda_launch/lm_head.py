@@ -21,7 +21,7 @@ import numpy as np
 from ...errors import NoAllowedToken, no_token_reason
 from ...ops._check import expect_ndim, expect_shape
 from ...ops.lm_head import check_bitmask
-from ._util import cdiv, ctype, device, expect_weight, i32, optional, output, ptr
+from ._util import cdiv, ctype, device, device_weight, expect_weight, i32, optional, output, ptr, weight_args
 from .linear import GEMV_THREADS, launch_linear
 from .loader import get_kernel
 
@@ -39,7 +39,7 @@ def _check(x, w) -> None:
 def lm_head_logits(x, w, *, out=None):
     """-> logits [n, V] FP32."""
     _check(x, w)
-    x, w = device(x, "x", "float32"), device(w, "w")
+    x, w = device(x, "x", "float32"), device_weight(w, "w")
     y = output(out, "out", (x.shape[0], w.shape[0]), np.float32)
     launch_linear(x, w, None, None, y)
     return y
@@ -54,7 +54,7 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, ch
         raise ValueError("w: expected at least one vocabulary row, got 0")
     if bitmask is not None:
         check_bitmask(bitmask, n, V)
-    x, w = device(x, "x", "float32"), device(w, "w")
+    x, w = device(x, "x", "float32"), device_weight(w, "w")
     bitmask = optional(bitmask, "bitmask", "int32")
     P = cdiv(V, ROWS_PER_BLOCK)
     ids = output(out, "out", (n,), np.int32)
@@ -63,7 +63,7 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, ch
     if n == 0:
         return ids
     partial = get_kernel("lm_head", f"lm_head_argmax_partial_kernel<{ctype(w)}>")
-    partial((P,), (GEMV_THREADS,), (x, w, ptr(bitmask), part_v, part_i, i32(n), i32(V), i32(H), i32(P)))
+    partial((P,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, i32(n), i32(V), i32(H), i32(P)))
     final = get_kernel("lm_head", "argmax_final_kernel")
     final((n,), (FINAL_THREADS,), (part_v, part_i, i32(P), ids))
     if check:

@@ -19,9 +19,13 @@ from pathlib import Path
 from typing import Any
 
 #: C++ type of a stored weight / KV element, keyed by the NumPy dtype name of the
-#: array holding it (CuPy has no bfloat16: BF16 lives as its uint16 bits).
-CTYPE: dict[str, str] = {"float32": "float", "uint16": "__nv_bfloat16"}
-_CTYPES = tuple(CTYPE.values())
+#: array holding it (CuPy has no bfloat16: BF16 lives as its uint16 bits; FP8 E4M3
+#: weights as their uint8 bytes, beside their scales: ``CudaFp8``).
+CTYPE: dict[str, str] = {"float32": "float", "uint16": "__nv_bfloat16", "uint8": "__nv_fp8_e4m3"}
+#: element types of the KV cache and of the embedding table (mtp_norms_kernel)
+_CTYPES = ("float", "__nv_bfloat16")
+#: element types of the GEMV families' weights: those and FP8 E4M3
+_WEIGHT_CTYPES = _CTYPES + ("__nv_fp8_e4m3",)
 
 #: Head-dim elements per lane in the PV pass of paged_attention (D <= 32 * DC).
 ATTENTION_DC = (2, 4, 8)
@@ -30,14 +34,14 @@ ATTENTION_DC = (2, 4, 8)
 #: launcher asks for exactly one of these strings.
 NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "norm": ("rmsnorm_kernel",) + tuple(f"mtp_norms_kernel<{t}>" for t in _CTYPES),
-    "linear": tuple(f"linear_kernel<{t}>" for t in _CTYPES),
-    "mlp": tuple(f"swiglu_gate_up_kernel<{t}>" for t in _CTYPES),
+    "linear": tuple(f"linear_kernel<{t}>" for t in _WEIGHT_CTYPES),
+    "mlp": tuple(f"swiglu_gate_up_kernel<{t}>" for t in _WEIGHT_CTYPES),
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}>" for t in _CTYPES),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
     + ("paged_attention_merge_kernel",),
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
-    + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _CTYPES for g in ("true", "false")),
-    "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}>" for t in _CTYPES) + ("argmax_final_kernel",),
+    + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
+    "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}>" for t in _WEIGHT_CTYPES) + ("argmax_final_kernel",),
     "step": ("copy_segments_kernel",),
 }
 

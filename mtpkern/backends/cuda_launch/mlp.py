@@ -2,7 +2,7 @@
 ``linear_kernel`` (down projection with the residual fused).
 
 ``swiglu_mlp(x [n, H], w13 [2I, H], w2 [H, I], residual [n, H] | None) -> [n, H]``
-FP32 activations, stored weights (FP32 or BF16 bits). ``act``: workspace
+FP32 activations, stored weights (FP32, BF16 bits, or both FP8: ``CudaFp8``). ``act``: workspace
 [n, I] FP32 (silu(gate) * up). ``out`` may be ``residual``.
 """
 
@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops.mlp import check_swiglu_mlp
-from ._util import ctype, device, expect_disjoint, expect_same_or_disjoint, expect_weight, i32, optional, output
+from ..base import all_fp8_or_none
+from ._util import (CudaFp8, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
+                    i32, optional, output, weight_args)
 from .linear import GEMV_THREADS, gemv_config, launch_linear
 from .loader import get_kernel
 
@@ -24,7 +26,8 @@ def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None):
     n, H = x.shape
     I = w13.shape[0] // 2
     x = device(x, "x", "float32")
-    w13, w2 = device(w13, "w13"), device(w2, "w2")
+    w13, w2 = device_weight(w13, "w13"), device_weight(w2, "w2")
+    all_fp8_or_none("w13, w2", isinstance(w13, CudaFp8), isinstance(w2, CudaFp8))
     residual = optional(residual, "residual", "float32")
     act = output(act, "act", (n, I), np.float32)
     y = output(out, "out", (n, H), np.float32)
@@ -36,6 +39,6 @@ def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None):
     if I:
         grid, wpr = gemv_config(I)  # row group u = (gate row u, up row I + u)
         kernel = get_kernel("mlp", f"swiglu_gate_up_kernel<{ctype(w13)}>")
-        kernel(grid, (GEMV_THREADS,), (x, w13, act, i32(n), i32(I), i32(H), i32(wpr)))
+        kernel(grid, (GEMV_THREADS,), (x, *weight_args(w13), act, i32(n), i32(I), i32(H), i32(wpr)))
     launch_linear(act, w2, None, residual, y)
     return y

@@ -23,8 +23,9 @@ import numpy as np
 
 from ...ops._check import expect_dtype
 from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
-from ._util import (cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_same_or_disjoint, expect_weight,
-                    f32, i32, optional, output, ptr)
+from ..base import all_fp8_or_none
+from ._util import (CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
+                    expect_same_or_disjoint, expect_weight, f32, i32, optional, output, ptr, weight_args)
 from .linear import GEMV_THREADS, GEMV_WARPS, launch_linear
 from .loader import get_kernel
 
@@ -42,7 +43,7 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
     if E > ROUTER_MAX_EXPERTS:
         raise ValueError(f"gate_w: at most {ROUTER_MAX_EXPERTS} experts, got {E}")
     x = device(x, "x", "float32")
-    gate_w = device(gate_w, "gate_w")
+    gate_w = device_weight(gate_w, "gate_w")
     bias = device(bias, "bias", "float32")
     logits = output(logits, "logits", (n, E), np.float32)
     ids = output(ids, "ids", (n, K), np.int32)
@@ -75,7 +76,8 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
     expect_grid_yz("x rows", n)
     x = device(x, "x", "float32")
     ids, weights = device(ids, "ids", "int32"), device(weights, "weights", "float32")
-    w13, w2 = device(w13, "w13"), device(w2, "w2")
+    w13, w2 = device_weight(w13, "w13"), device_weight(w2, "w2")
+    all_fp8_or_none("w13, w2", isinstance(w13, CudaFp8), isinstance(w2, CudaFp8))
     residual = optional(residual, "residual", "float32")
     act = output(act, "act", (nK, I), np.float32)
     partial = output(partial, "partial", (nK, H), np.float32)
@@ -93,9 +95,9 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
         down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false>")
         if I:
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
-                    (x, i32(K), ids, i32(nK), i32(E), w13, i32(2 * I), i32(H), act, i32(by_pair)))
+                    (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair)))
         down((cdiv(cdiv(H, 2), GEMV_WARPS), slots), (GEMV_THREADS,),
-             (act, i32(1), ids, i32(nK), i32(E), w2, i32(H), i32(I), partial, i32(by_pair)))
+             (act, i32(1), ids, i32(nK), i32(E), *weight_args(w2), i32(H), i32(I), partial, i32(by_pair)))
     if H:
         get_kernel("moe", "moe_combine_kernel")(
             (cdiv(H, COMBINE_THREADS), n), (COMBINE_THREADS,),

@@ -5,8 +5,8 @@
 ``mtp_input(embed [V, H], tokens [n] int32, g [n, H], enorm_w [H], hnorm_w [H],
 eh_w [H, 2H], eps) -> [n, H]`` = ``mtp_norms_kernel`` (gather + both RMSNorms
 into the workspace ``xcat [n, 2H]`` FP32) then ``linear_kernel`` (eh_proj).
-``embed`` and ``eh_w`` are stored weights (FP32 or BF16 bits); a token outside
-[0, V) yields a NaN row.
+``embed`` and ``eh_w`` are stored weights (FP32 or BF16 bits; ``eh_w`` may be FP8,
+an FP8 ``embed`` is refused); a token outside [0, V) yields a NaN row.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import numpy as np
 
 from ...ops._check import expect_dtype, expect_shape
 from ...ops.norm import check_mtp_input
-from ._util import ctype, device, expect_disjoint, expect_same_or_disjoint, expect_weight, f32, i32, output
+from ._util import (ctype, dense_weight, device, device_weight, expect_disjoint, expect_same_or_disjoint,
+                    expect_weight, f32, i32, output)
 from .linear import launch_linear
 from .loader import get_kernel
 
@@ -48,7 +49,7 @@ def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None,
     expect_dtype("tokens", tokens, "int32")
     V, H = embed.shape
     n = tokens.shape[0]
-    embed, eh_w = device(embed, "embed"), device(eh_w, "eh_w")
+    embed, eh_w = dense_weight(embed, "embed"), device_weight(eh_w, "eh_w")
     tokens = device(tokens, "tokens", "int32")
     g = device(g, "g", "float32")
     enorm_w = device(enorm_w, "enorm_w", "float32")

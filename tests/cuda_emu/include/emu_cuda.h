@@ -21,6 +21,8 @@
 //   checked by UBSan's alignment check, always on).
 // - BF16 storage (__nv_bfloat16): widening is exact; narrowing rounds to nearest
 //   even, NaN stays NaN (as __float2bfloat16_rn and ml_dtypes).
+// - FP8 E4M3 weights (__nv_fp8_e4m3, __nv_fp8x4_e4m3 in cuda_fp8.h): widening to
+//   float / float4, exact (the only FP8 operations the kernels use).
 //
 // Not emulated (what only a GPU run checks):
 // - timing, occupancy, register pressure, launch-bounds enforcement, L1/L2 caches,
@@ -69,6 +71,7 @@ struct alignas(8) uint2 { unsigned x, y; };
 inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 
 struct __nv_bfloat16 { uint16_t bits; };
+struct __nv_fp8_e4m3;  // cuda_fp8.h
 
 namespace emu {
 enum Collective { kShflXor = 1, kBallot = 2 };
@@ -174,6 +177,7 @@ inline std::string type_code() {
   else if constexpr (std::is_same_v<U, long long> || std::is_same_v<U, long>) return "int64";
   else if constexpr (std::is_same_v<U, unsigned long long> || std::is_same_v<U, unsigned long>) return "uint64";
   else if constexpr (std::is_same_v<U, __nv_bfloat16>) return "bfloat16";
+  else if constexpr (std::is_same_v<U, __nv_fp8_e4m3>) return "fp8e4m3";
   else static_assert(sizeof(U) == 0, "a kernel parameter type the emulator does not know");
 }
 template <typename... A>
