@@ -287,30 +287,42 @@ def run_demo(args: argparse.Namespace) -> dict:
 
 # -- info ----------------------------------------------------------------------------------------
 
+#: bytes per element of the safetensors dtypes a checkpoint holds
+_DTYPE_BYTES = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8}
+
+
 def run_info(args: argparse.Namespace) -> dict:
     from .config import MtpConfig
+    from .kv import BlockPool
+    from .models import family
     from .weights import CheckpointReader
 
     path = args.checkpoint
     cfg = MtpConfig.from_json(path / "config.json")
+    fam = family(cfg.family)
     rd = CheckpointReader(path)
     print(f"{path}: {cfg.describe()}")
-    report = {"config": cfg.describe(), "modules": []}
+    print(f"  family: {fam.describe() if cfg.family else fam.title}")
+    kv_row = BlockPool.bytes_per_block(1, cfg.num_key_value_heads, cfg.head_dim, 2)
+    print(f"  KV per token and module: {kv_row} B (K and V, BF16 on cuda; twice that in FP32 on numpy/cpu)")
+    report = {"config": cfg.describe(), "family": cfg.family or "", "features": fam.describe(),
+              "kv_bytes_per_token_module_bf16": kv_row, "modules": []}
     for m in range(cfg.num_modules):
-        pre = f"model.layers.{cfg.layer_index(m)}."
-        keys = sorted(k for k in rd.keys() if k.startswith(pre))
+        pre = fam.module_prefix(cfg.layer_index(m), m)
+        keys = sorted(rd.keys_under(pre))
         nbytes, dtypes = 0, set()
         for key in keys:
             shape, dt = rd.info(key)
             dtypes.add(dt)
-            nbytes += int(np.prod(shape)) * {"BF16": 2, "F16": 2, "F32": 4}.get(dt, 4)
-        own = [s for s in ("embed_tokens.weight", "shared_head.head.weight") if rd.has(pre + s)]
+            nbytes += int(np.prod(shape)) * _DTYPE_BYTES.get(dt, 4)
+        own = [s for s in ("embed_tokens.weight", "shared_head.head.weight")
+               if rd.has(fam.key(cfg.layer_index(m), m, s))]
         line = (f"  module {m}: {pre}*  {len(keys)} tensors, {nbytes / 2**20:.1f} MiB, dtypes {sorted(dtypes)}, "
                 f"own {', '.join(own) if own else 'no embedding/head (uses the target)'}")
         print(line)
         report["modules"].append({"prefix": pre, "tensors": len(keys), "bytes": nbytes, "dtypes": sorted(dtypes),
                                   "own": own})
-    for key in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+    for key in (fam.target_embed, fam.target_head, fam.target_norm):
         if rd.has(key):
             shape, dt = rd.info(key)
             print(f"  target {key}: {list(shape)} {dt}")

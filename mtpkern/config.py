@@ -81,7 +81,6 @@ _SWA = "sliding-window attention (Step-3.5, MiMo)"
 #: Field -> why it is refused. Taken from the published config.json files of the
 #: families planned next (DeepSeek-V3, Step-3.5, MiMo, Qwen3-Next) and of FP8 releases.
 UNIMPLEMENTED_FIELDS: dict[str, Unimplemented] = {
-    **_group("quantization_config", "quantized weights; BF16 and FP32 load today, FP8 is planned"),
     **_group("kv_lora_rank q_lora_rank qk_rope_head_dim qk_nope_head_dim v_head_dim", _MLA),
     **_group("index_topk index_n_heads index_head_dim", "DSA sparse-attention indexer (GLM-5, DeepSeek-V3.2)"),
     **_group("sliding_window", _SWA, "absent, null, or with use_sliding_window: false", _window_switched_off),
@@ -205,6 +204,58 @@ def _show(v: Any, limit: int = 60) -> str:
         return f"{{'quant_method': {v['quant_method']!r}, ...}}"
     text = repr(v)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _quant(d: dict) -> tuple[str, tuple[int, int]]:
+    """``quantization_config`` -> (``weight_quant``, ``fp8_block``): ("", (0, 0)) for none,
+    ("fp8", (bn, bk)) for block scales, ("fp8", (0, 0)) for per-channel scales.
+
+    Read: FP8 E4M3 weights as DeepSeek-V3 / GLM FP8 releases store them
+    (``quant_method: "fp8"`` with ``weight_block_size``) and compressed-tensors'
+    ``float-quantized`` 8-bit float weights with ``strategy`` "channel" or "block".
+    Activations stay FP32 whatever the config says of them (mtpkern dequantizes the
+    weights; it never quantizes activations: docs/fp8.md). Anything else is refused."""
+    q = d.get("quantization_config")
+    if q is None:
+        return "", (0, 0)
+    if not isinstance(q, dict):
+        raise ConfigError(f"config.json: field 'quantization_config' expected an object, got {_show(q)}")
+    method = q.get("quant_method")
+    if method == "fp8":
+        fmt = q.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ConfigError(f"config.json: quantization_config.fmt {_show(fmt)} is not supported; expected 'e4m3'")
+        return "fp8", _block(q.get("weight_block_size"), "quantization_config.weight_block_size")
+    if method == "compressed-tensors":
+        groups = q.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise ConfigError("config.json: quantization_config.config_groups expected a non-empty object")
+        kinds = set()
+        for name, g in groups.items():
+            w = g.get("weights") if isinstance(g, dict) else None
+            where = f"quantization_config.config_groups.{name}.weights"
+            if not isinstance(w, dict) or w.get("num_bits") != 8 or w.get("type") != "float":
+                raise ConfigError(f"config.json: {where} expected 8-bit float weights (FP8 E4M3), got {_show(w)}")
+            strategy = w.get("strategy")
+            if strategy == "channel":
+                kinds.add((0, 0))
+            elif strategy == "block":
+                kinds.add(_block(w.get("block_structure"), f"{where}.block_structure"))
+            else:
+                raise ConfigError(f"config.json: {where}.strategy {_show(strategy)} is not supported; "
+                                  f"expected 'channel' or 'block'")
+        if len(kinds) != 1:
+            raise ConfigError(f"config.json: quantization_config.config_groups mix scale layouts {sorted(kinds)}")
+        return "fp8", kinds.pop()
+    raise ConfigError(f"config.json: quantization_config.quant_method {_show(method)} is not supported; "
+                      f"expected 'fp8' or 'compressed-tensors' (FP8 E4M3 weights)")
+
+
+def _block(v: Any, name: str) -> tuple[int, int]:
+    if (not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                           and 1 <= x <= 4096 for x in v)):
+        raise ConfigError(f"config.json: {name} expected [block rows, block columns] in 1 .. 4096, got {_show(v)}")
+    return int(v[0]), int(v[1])
 
 
 def _family(d: dict) -> Family:
@@ -377,10 +428,16 @@ class MtpConfig:
     max_position_embeddings: int = 4096
     #: the checkpoint's family (mtpkern/models/: names, folds, block features); "" = SPEC layout
     family: str = ""
+    #: "fp8": the modules' projections are FP8 E4M3 with scales (quantization_config);
+    #: ``fp8_block`` (rows, columns) of a block scale, (0, 0) for per-channel scales
+    weight_quant: str = ""
+    fp8_block: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         if self.family != "" and self.family not in FAMILIES:
             raise ConfigError(f"config.json: family {self.family!r} is not supported; supported: {supported()}")
+        if self.weight_quant not in ("", "fp8"):
+            raise ConfigError(f"config.json: weight_quant expected '' or 'fp8', got {self.weight_quant!r}")
         _check_ranges(self)
         self._check_attention()
         if self.scoring_func not in ("sigmoid", "softmax"):
@@ -468,6 +525,7 @@ class MtpConfig:
             raise ConfigError(f"config.json: expected a JSON object, got {type(d).__name__}")
         fam = _family(d)
         _refuse_unimplemented(d, fam)
+        quant = _quant(d)
         d = _with_family(d, fam)
         act = d.get("hidden_act", "silu")
         if act != "silu":
@@ -502,6 +560,8 @@ class MtpConfig:
             tie_word_embeddings=_opt(d, "tie_word_embeddings", bool, False),
             max_position_embeddings=_opt(d, "max_position_embeddings", int, 4096),
             family=fam.model_type,
+            weight_quant=quant[0],
+            fp8_block=quant[1],
         )
         _check_same_as(d, cfg)
         return cfg
@@ -521,6 +581,15 @@ class MtpConfig:
         family's ``model_type`` and first architecture when it has one."""
         d = asdict(self)
         fam = d.pop("family")
+        quant, block = d.pop("weight_quant"), d.pop("fp8_block")
+        if quant == "fp8" and block != (0, 0):
+            d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": list(block)}
+        elif quant == "fp8":
+            d["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                            "num_bits": 8, "type": "float", "strategy": "channel",
+                                            "symmetric": True, "dynamic": False}}}}
         theta = d.pop("rope_theta")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
         d["hidden_act"] = "silu"
@@ -534,6 +603,9 @@ class MtpConfig:
                 f"groups {self.topk_group}/{self.n_group} I={self.moe_intermediate_size} "
                 f"shared={self.n_shared_experts}") if self.is_moe else f"dense I={self.intermediate_size}"
         fam = f"{FAMILIES[self.family].title}: " if self.family else ""
+        if self.weight_quant == "fp8":
+            b = self.fp8_block
+            fam += f"FP8 E4M3 ({f'{b[0]}x{b[1]} block' if b != (0, 0) else 'per-channel'} scales) "
         return (f"{fam}M={self.num_modules} H={self.hidden_size} Hq={self.num_attention_heads} "
                 f"Hkv={self.num_key_value_heads} D={self.head_dim} rotary={self.rotary_dim} "
                 f"V={self.vocab_size} {kind}")

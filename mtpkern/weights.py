@@ -34,9 +34,23 @@ from .config import MtpConfig
 from .errors import CheckpointError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 from .models import family
+from .quant import Fp8Weight
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _FLOAT_DTYPES = ("BF16", "F32")
+_FP8 = "F8_E4M3"
+
+
+def _is_projection(suffix: str) -> bool:
+    """A module's projection weights: the GEMV operands an FP8 release quantizes
+    (never the norms, the router's correction bias, the embedding or the LM head)."""
+    return suffix.endswith("_proj.weight") or suffix == "mlp.gate.weight"
+
+
+def scale_key(cfg: MtpConfig, key: str) -> str:
+    """The checkpoint key of an FP8 weight's scales: ``weight_scale_inv`` (block scales,
+    DeepSeek-V3 / GLM FP8) or ``weight_scale`` (per-channel, compressed-tensors)."""
+    return key + ("_scale_inv" if cfg.fp8_block != (0, 0) else "_scale")
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -61,6 +75,7 @@ class CheckpointReader:
         # lexists: a dangling index symlink is an error to report, not a missing index
         self._key_file = self._index_map(index) if os.path.lexists(index) else self._scan_files()
         self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[dict, int]] = {}
 
     def _index_map(self, index: Path) -> dict[str, Path]:
         body = read_json(index, INDEX_JSON_CAP, CheckpointError)
@@ -144,12 +159,53 @@ class CheckpointReader:
         if got_dtype not in dtypes:
             raise CheckpointError(f"{where}: expected dtype {' or '.join(dtypes)}, got {got_dtype}")
         try:
-            a = self._handle(key).get_tensor(key)
+            a = self._raw_fp8(key) if got_dtype == _FP8 else self._handle(key).get_tensor(key)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"{where}: corrupt or truncated ({e})") from None
-        if not _all_finite(a):
+        if got_dtype != _FP8 and not _all_finite(a):
             raise CheckpointError(f"{where}: holds NaN or infinite values")
         return a
+
+    def _raw_fp8(self, key: str) -> np.ndarray:
+        """An ``F8_E4M3`` tensor as ``float8_e4m3fn`` (safetensors' NumPy reader has no FP8
+        dtype): its bytes read straight from the file at the header's offsets."""
+        f = self._key_file[key]
+        header, base = self._header(f)
+        info = header.get(key)
+        b, e = info["data_offsets"]
+        shape = [int(x) for x in info["shape"]]
+        if e - b != int(np.prod(shape, dtype=np.int64)):
+            raise CheckpointError(f"tensor {key!r} in {f}: {e - b} bytes for shape {shape}")
+        with open(f, "rb") as fh:
+            fh.seek(base + b)
+            buf = fh.read(e - b)
+        if len(buf) != e - b:
+            raise CheckpointError(f"tensor {key!r} in {f}: truncated ({len(buf)} of {e - b} bytes)")
+        return np.frombuffer(buf, np.uint8).reshape(shape).view(ml_dtypes.float8_e4m3fn)
+
+    def _header(self, f: Path) -> tuple[dict, int]:
+        """(the safetensors JSON header, the offset of the data) of file ``f``, read once."""
+        cached = self._headers.get(f)
+        if cached is None:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if not 0 < n <= 100 << 20:                        # safetensors caps its header at 100 MB
+                    raise CheckpointError(f"{f}: safetensors header of {n} bytes")
+                cached = self._headers[f] = (json.loads(fh.read(n)), 8 + n)
+        return cached
+
+
+def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint at ``path`` (FP8 ones as ``float8_e4m3fn``): for
+    tests and tools; loading reads only what the modules need."""
+    rd = CheckpointReader(path)
+    out = {}
+    for key in rd.keys():
+        shape, dt = rd.info(key)
+        out[key] = rd._raw_fp8(key) if dt == _FP8 else rd._handle(key).get_tensor(key)
+    return out
 
 
 def _all_finite(a: np.ndarray, chunk: int = 1 << 24) -> bool:
@@ -308,6 +364,14 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint at {rd.path} "
                                   f"(module {m} of {cfg.num_modules}){'; ' + why if why else ''}")
     ours = {key for key, _, _ in spec.values()}
+    if cfg.weight_quant == "fp8":
+        for suffix, (key, _, _) in spec.items():
+            if _is_projection(suffix) and rd.has(key) and rd.info(key)[1] == _FP8:
+                sk = scale_key(cfg, key)
+                if not rd.has(sk):
+                    raise CheckpointError(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
+                                          f"of the FP8 weight {key!r} (quantization_config)")
+                ours.add(sk)
     unused = sorted(k for k in rd.keys_under(pre) if k not in ours)
     if unused:
         _refuse_or_note_unused(cfg, rd, m, pre, unused, allow_unused, notes)
@@ -371,9 +435,33 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             return prepared
         raise CheckpointError(f"{what}: none of the tensors {keys} is in the checkpoint at {rd.path}")
 
-    def stack_rows(*parts: np.ndarray) -> np.ndarray:
+    def stack_rows(*parts):
+        """Row-stack projections (q/k/v, gate/up): dense ones as BF16 when all are, else
+        FP32; FP8 ones with their scales (``Fp8Weight.concat``); never a mix."""
+        fp8 = [isinstance(p, Fp8Weight) for p in parts]
+        if all(fp8):
+            return Fp8Weight.concat(parts)
+        if any(fp8):
+            raise CheckpointError(f"{rd.path}: projections fused into one GEMV mix FP8 and dense weights; "
+                                  f"expected all of q/k/v (or gate/up) in one dtype")
         dt = BF16 if all(p.dtype == BF16 for p in parts) else np.float32
         return np.concatenate([p.astype(dt, copy=False) for p in parts], axis=0)
+
+    def fp8(key: str, shape: tuple[int, ...]) -> Fp8Weight:
+        """An FP8 projection and its scales, checked (Fp8Weight validates the scale shape)."""
+        nonlocal nbytes
+        got_shape, _ = rd.info(key)
+        if got_shape != tuple(shape):
+            raise CheckpointError(f"tensor {key!r} in {rd.file_of(key)}: expected shape {list(shape)}, "
+                                  f"got {list(got_shape)}")
+        data = rd.get(key, shape, (_FP8,))
+        sk = scale_key(cfg, key)
+        scale = rd.get(sk, rd.info(sk)[0], ("F32", "BF16"))
+        nbytes += data.nbytes + scale.nbytes
+        try:
+            return Fp8Weight(data, scale, cfg.fp8_block if cfg.fp8_block != (0, 0) else None)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: {e}") from None
 
     fam = family(cfg.family)
     modules = []
@@ -381,8 +469,32 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         spec = _checked_module_keys(cfg, rd, m, allow_unused_tensors, notes)
 
         def w(suffix, dtypes=_FLOAT_DTYPES, spec=spec):
+            """A dense tensor; a projection may be FP8 (an ``Fp8Weight``) when the config says so."""
             key, shape, _ = spec[suffix]
+            if cfg.weight_quant == "fp8" and _is_projection(suffix) and rd.info(key)[1] == _FP8:
+                return fp8(key, shape)
             return read(key, shape, dtypes)
+
+        def stacked(suffixes: list[list[str]]):
+            """Experts ``[E, N, K]``: dense ones written straight into the final array, one
+            expert at a time (the host peak is the result plus one expert, not twice the
+            result); FP8 ones stacked with their scales."""
+            first = [w(s) for s in suffixes[0]]
+            if any(isinstance(p, Fp8Weight) for p in first):
+                parts = [first] + [[w(s) for s in group] for group in suffixes[1:]]
+                return Fp8Weight.stack([p[0] if len(p) == 1 else stack_rows(*p) for p in parts])
+            row = stack_rows(*first) if len(first) > 1 else first[0]
+            out = np.empty((len(suffixes),) + row.shape, row.dtype)
+            out[0] = row
+            for e, group in enumerate(suffixes[1:], start=1):
+                at = 0
+                for s_ in group:
+                    part = w(s_)
+                    if isinstance(part, Fp8Weight):
+                        raise CheckpointError(f"{rd.path}: experts mix FP8 and dense weights ({spec[s_][0]!r})")
+                    out[e, at:at + part.shape[0]] = part
+                    at += part.shape[0]
+            return out
 
         def norm(suffix):
             """A norm weight, zero-centred ones folded (stored w, applied as 1 + w)."""
@@ -393,8 +505,21 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             """[H, 2H] over [embed, hidden]: a family that concatenates [hidden, embed]
             has its column halves swapped here, once."""
             v = w("eh_proj.weight")
-            return backend.prepare_weight(np.concatenate([v[:, H:], v[:, :H]], axis=1)
-                                          if fam.concat == "hidden_embed" else v)
+            if fam.concat != "hidden_embed":
+                return backend.prepare_weight(v)
+            if not isinstance(v, Fp8Weight):
+                return backend.prepare_weight(np.concatenate([v[:, H:], v[:, :H]], axis=1))
+            if v.block is None:                                   # per-row scales: the codes move
+                return backend.prepare_weight(Fp8Weight(np.concatenate([v.data[:, H:], v.data[:, :H]], axis=1),
+                                                        v.scale, None))
+            bk = v.block[1]
+            if H % bk:
+                raise CheckpointError(f"{spec['eh_proj.weight'][0]!r}: its [hidden, embed] halves cannot be "
+                                      f"swapped at load: hidden_size {H} is not a multiple of the scale block {bk}")
+            hb = H // bk
+            return backend.prepare_weight(Fp8Weight(
+                np.concatenate([v.data[:, H:], v.data[:, :H]], axis=1),
+                np.concatenate([v.scale[:, hb:], v.scale[:, :hb]], axis=1), v.block))
 
         head_keys = [spec["shared_head.head.weight"][0], fam.target_head]
         if cfg.tie_word_embeddings:
@@ -420,11 +545,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             E = cfg.n_routed_experts
             mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
             mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias"))
-            mw.experts_w13 = backend.prepare_weight(np.stack([
-                stack_rows(w(f"mlp.experts.{e}.gate_proj.weight"), w(f"mlp.experts.{e}.up_proj.weight"))
-                for e in range(E)]))
-            mw.experts_w2 = backend.prepare_weight(np.stack([w(f"mlp.experts.{e}.down_proj.weight")
-                                                             for e in range(E)]))
+            mw.experts_w13 = backend.prepare_weight(stacked([
+                [f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight"] for e in range(E)]))
+            mw.experts_w2 = backend.prepare_weight(stacked([[f"mlp.experts.{e}.down_proj.weight"] for e in range(E)]))
             if cfg.n_shared_experts:
                 mw.shared_w13 = backend.prepare_weight(stack_rows(w("mlp.shared_experts.gate_proj.weight"),
                                                                   w("mlp.shared_experts.up_proj.weight")))
@@ -510,6 +633,30 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
     return t
 
 
+def quantize_projections(cfg: MtpConfig, tensors: dict[str, np.ndarray],
+                         pow2_scales: bool = False) -> dict[str, np.ndarray]:
+    """``tensors`` (canonical names) with every module projection in FP8 E4M3 and its
+    scale tensor beside it, as ``cfg``'s ``quantization_config`` describes (block or
+    per-channel). ``pow2_scales``: scales rounded up to powers of two, so that the
+    dequantized weights are exact in FP32 and an FP8 run can equal an FP32 one bit
+    for bit (a test's wish; releases use amax / 448)."""
+    block = cfg.fp8_block if cfg.fp8_block != (0, 0) else None
+    out = {}
+    for key, a in tensors.items():
+        suffix = key.split(".", 3)[-1] if key.startswith("model.layers.") else ""
+        if not (_is_projection(suffix) and key.startswith("model.layers.")):
+            out[key] = a
+            continue
+        q = Fp8Weight.quantize(a, block)
+        if pow2_scales:
+            scale = np.exp2(np.ceil(np.log2(q.scale))).astype(np.float32)
+            codes = np.clip(a / Fp8Weight(q.data, scale, block).scale_per_element(), -448.0, 448.0)
+            q = Fp8Weight(codes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale, block)
+        out[key] = q.data.view(ml_dtypes.float8_e4m3fn)
+        out[scale_key(cfg, key)] = q.scale
+    return out
+
+
 def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``tensors`` (canonical names, as ``synthetic_tensors`` makes them) renamed and
     unfolded into ``cfg.family``'s release layout: the checkpoint a family's own
@@ -522,11 +669,16 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
             canon = f"model.layers.{cfg.layer_index(m)}."
             if key.startswith(canon):
                 suffix = key[len(canon):]
-                if suffix == "eh_proj.weight" and fam.concat == "hidden_embed":
-                    a = np.concatenate([a[:, H:], a[:, :H]], axis=1)
+                base, tail = suffix, ""
+                for t in ("_scale_inv", "_scale"):             # an FP8 scale follows its weight's name
+                    if suffix.endswith(".weight" + t):
+                        base, tail = suffix[:-len(t)], t
+                if base == "eh_proj.weight" and fam.concat == "hidden_embed" and tail != "_scale":
+                    half = H if not tail else H // cfg.fp8_block[1]      # block scales move with their columns
+                    a = np.concatenate([a[:, half:], a[:, :half]], axis=1)
                 if fam.folds_norm(suffix):
                     a = a - np.float32(1.0)
-                key = fam.key(cfg.layer_index(m), m, suffix)
+                key = fam.key(cfg.layer_index(m), m, base) + tail
                 break
         else:
             key = {"model.embed_tokens.weight": fam.target_embed, "lm_head.weight": fam.target_head,
@@ -537,14 +689,16 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
 
 def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: int = 0,
                                dtype: str = "bfloat16", shards: int = 1, own_embed: bool = False,
-                               own_head: bool = False) -> Path:
+                               own_head: bool = False, pow2_scales: bool = False) -> Path:
     """Write ``config.json`` and a complete synthetic checkpoint to ``path``.
 
     ``dtype``: "bfloat16" or "float32"; ``shards > 1`` writes
     ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``;
     ``own_embed`` / ``own_head`` give every module its own (identical) copy of
     the embedding / LM head, as DeepSeek-V3 checkpoints do. The tensors are laid out
-    as ``cfg.family``'s release names them (``release_layout``).
+    as ``cfg.family``'s release names them (``release_layout``); with
+    ``cfg.weight_quant == "fp8"`` the projections are FP8 E4M3 with their scales
+    (``quantize_projections``; ``pow2_scales`` as there), the rest in ``dtype``.
     """
     from safetensors.numpy import save_file
 
@@ -554,9 +708,14 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
         raise ValueError(f"shards: expected >= 1, got {shards}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = release_layout(cfg, synthetic_tensors(cfg, seed, own_embed, own_head))
+    tensors = synthetic_tensors(cfg, seed, own_embed, own_head)
     np_dtype = BF16 if dtype == "bfloat16" else np.float32
-    tensors = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}
+    tensors = {k: v.astype(np_dtype).astype(np.float32) for k, v in tensors.items()}    # the dense values
+    if cfg.weight_quant == "fp8":
+        tensors = quantize_projections(cfg, tensors, pow2_scales)
+    tensors = release_layout(cfg, tensors)
+    tensors = {k: np.ascontiguousarray(v if v.dtype.itemsize == 1 or k.endswith(("_scale", "_scale_inv"))
+                                       else v.astype(np_dtype)) for k, v in tensors.items()}
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     meta = {"format": "pt"}
     if shards == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -136,15 +137,33 @@ def test_glm46_numbers():
     assert c.max_position_embeddings == 202752 and c.use_qk_norm and c.attention_bias
 
 
-@pytest.mark.parametrize("quant", [
-    {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
-    {"config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}, "format": "float-quantized",
-     "quant_method": "compressed-tensors"},
+@pytest.mark.parametrize("quant,block", [
+    ({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+     (128, 128)),
+    ({"config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                                    "input_activations": {"num_bits": 8, "type": "float", "dynamic": True},
+                                    "targets": ["Linear"]}},
+      "format": "float-quantized", "quant_method": "compressed-tensors", "ignore": ["lm_head"]}, (0, 0)),
 ])
-def test_fp8_releases_are_refused_naming_the_quant_method(quant):
-    with pytest.raises(ConfigError) as e:
+def test_fp8_releases_load(quant, block):
+    c = MtpConfig.from_dict(dict(GLM46, quantization_config=quant))
+    assert (c.weight_quant, c.fp8_block) == ("fp8", block) and "FP8 E4M3" in c.describe()
+    assert MtpConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("quant,msg", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size expected [block rows"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+     "expected 8-bit float weights"),
+    ({"quant_method": "compressed-tensors",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}},
+     "strategy 'tensor' is not supported"),
+])
+def test_other_quantizations_are_refused_naming_them(quant, msg):
+    with pytest.raises(ConfigError, match=re.escape(msg)):
         MtpConfig.from_dict(dict(GLM46, quantization_config=quant))
-    assert f"'quant_method': {quant['quant_method']!r}" in str(e.value) and "FP8" in str(e.value)
 
 
 def test_errors_from_a_file_name_the_file(tmp_path):

@@ -398,7 +398,6 @@ def test_malformed_index(tmp_path, body, msg):
 # -- 7. fields and families that are not implemented ---------------------------------------
 
 _REFUSED = {
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
     "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
     "v_head_dim": 128, "index_topk": 2048, "sliding_window": 4096, "use_sliding_window": True,
     "layer_types": ["full_attention", "sliding_attention"], "hybrid_layer_pattern": [0, 1, 1],
@@ -419,12 +418,6 @@ def test_fields_that_change_the_maths_are_refused_by_name(tmp_path, name, value)
     with pytest.raises(ConfigError) as e:
         _load(path)
     assert f"field {name!r}" in _one_line(e.value) and str(path / "config.json") in str(e.value)
-
-
-def test_fp8_is_refused_by_name():
-    d = dict(CFG.to_dict(), quantization_config={"weight_block_size": [128, 128], "quant_method": "fp8"})
-    with pytest.raises(ConfigError, match=r"'quantization_config' = \{'quant_method': 'fp8', \.\.\.\}.*FP8"):
-        MtpConfig.from_dict(d)
 
 
 _SWITCHED_OFF = {
