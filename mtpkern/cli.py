@@ -19,7 +19,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 

@@ -45,7 +45,7 @@ from .errors import CheckpointError, NoAllowedToken, StateError, no_token_reason
 from .draft import DraftChain
 from .exact import ExactChain
 from .grammar import MaskFn, resolve
-from .head import MtpHead, RowJob
+from .head import MtpHead
 from .kv import BlockPool
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
 from .trait import DraftProposer, ProposerState

@@ -87,3 +87,25 @@ def kv_rows(prop, st, m):
     r = np.arange(seq.rows)
     blk = np.asarray(seq.blocks, np.int64)[r // pool.block_size]
     return k[blk, r % pool.block_size], v[blk, r % pool.block_size]
+
+
+def run_rounds(path, backend="numpy", mode="exact", seed=0, rounds=4, n=9, **kw):
+    """A proposer on the checkpoint at ``path`` through a prefill of ``n`` tokens and
+    ``rounds`` propose / verify / catch-up rounds with random accepts; returns
+    ``(proposer, drafts of every propose)``."""
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_blocks", 64)
+    prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode=mode, **kw)
+    rng = np.random.default_rng(seed)
+    H, V = prop.config.hidden_size, prop.config.vocab_size
+    st = prop.alloc_state()
+    prop.prefill_drafter(rng.integers(0, V, n).tolist(), rand_hiddens(rng, n, H), st)
+    out, P = [], n
+    for _ in range(rounds):
+        d = prop.propose(int(rng.integers(0, V)), rand_hiddens(rng, 1, H)[0], P, 3, st)
+        a = int(rng.integers(0, len(d) + 1))
+        prop.after_verify(a, st)
+        prop.catchup_drafter(d[:a], rand_hiddens(rng, a, H), st)
+        out.append(d)
+        P += 1 + a
+    return prop, out

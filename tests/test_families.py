@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import rand_hiddens
+from conftest import rand_hiddens, run_rounds
 from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.config import tiny_config
 from mtpkern.models import FAMILIES, family
@@ -51,23 +51,6 @@ def _canonical(cfg: MtpConfig) -> MtpConfig:
     return dataclasses.replace(cfg, family="")
 
 
-def _drafts(path, mode, rng_seed=0, rounds=4):
-    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", kv_mode=mode, block_size=4, num_blocks=64)
-    rng = np.random.default_rng(rng_seed)
-    st = prop.alloc_state()
-    n = 9
-    prop.prefill_drafter(rng.integers(0, V, n).tolist(), rand_hiddens(rng, n, H), st)
-    out, P = [], n
-    for _ in range(rounds):
-        d = prop.propose(int(rng.integers(0, V)), rand_hiddens(rng, 1, H)[0], P, 3, st)
-        a = int(rng.integers(0, len(d) + 1))
-        prop.after_verify(a, st)
-        prop.catchup_drafter(d[:a], rand_hiddens(rng, a, H), st)
-        out.append(d)
-        P += 1 + a
-    return prop, out
-
-
 @pytest.fixture(scope="module")
 def mimo_ckpt(tmp_path_factory):
     path = write_synthetic_checkpoint(tmp_path_factory.mktemp("mimo"), MIMO, seed=5, dtype="float32")
@@ -99,7 +82,7 @@ def test_mimo_release_layout_loads_unchanged(mimo_ckpt):
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_mimo_drafts_as_the_same_weights_in_the_canonical_layout(mimo_ckpt, tmp_path, mode):
     canon = write_synthetic_checkpoint(tmp_path, _canonical(MIMO), seed=5, dtype="float32")
-    assert _drafts(mimo_ckpt, mode)[1] == _drafts(canon, mode)[1]
+    assert run_rounds(mimo_ckpt, mode=mode)[1] == run_rounds(canon, mode=mode)[1]
 
 
 def _rms64(x, w, eps):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import rand_hiddens
+from conftest import run_rounds
 from mtpkern import CheckpointError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.config import tiny_config
 from mtpkern.quant import Fp8Weight
@@ -46,22 +46,6 @@ def _dequantized_copy(src, dst, cfg: MtpConfig):
     return dst
 
 
-def _run(path, backend, mode="exact", seed=0):
-    prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode=mode, block_size=4, num_blocks=64)
-    rng = np.random.default_rng(seed)
-    st = prop.alloc_state()
-    prop.prefill_drafter(rng.integers(0, V, 9).tolist(), rand_hiddens(rng, 9, H), st)
-    out, P = [], 9
-    for _ in range(4):
-        d = prop.propose(int(rng.integers(0, V)), rand_hiddens(rng, 1, H)[0], P, 3, st)
-        a = int(rng.integers(0, len(d) + 1))
-        prop.after_verify(a, st)
-        prop.catchup_drafter(d[:a], rand_hiddens(rng, a, H), st)
-        out.append(d)
-        P += 1 + a
-    return prop, out
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_release_layout_and_config(tmp_path, kind):
     cfg = _cfg(kind)
@@ -87,7 +71,7 @@ def test_fp8_drafts_as_its_dequantized_weights(tmp_path, backend, kind):
     fp8 = write_synthetic_checkpoint(tmp_path / "fp8", cfg, seed=4, pow2_scales=True)
     plain = _dequantized_copy(fp8, tmp_path / "fp32", cfg)
     for mode in ("exact", "draft"):
-        assert _run(fp8, backend, mode)[1] == _run(plain, backend, mode)[1]
+        assert run_rounds(fp8, backend, mode)[1] == run_rounds(plain, backend, mode)[1]
 
 
 def test_fp8_stays_one_byte_per_weight_on_the_cpu_backend(tmp_path):
@@ -109,7 +93,7 @@ def test_mimo_layout_in_fp8_swaps_the_halves_with_their_scales(tmp_path):
     assert "model.mtp_layers.0.input_proj.weight_scale_inv" in read_tensors(path)
     canon = write_synthetic_checkpoint(tmp_path / "canon", dataclasses.replace(mimo, family=""), seed=6,
                                        pow2_scales=True)
-    assert _run(path, "numpy")[1] == _run(canon, "numpy")[1]
+    assert run_rounds(path, "numpy")[1] == run_rounds(canon, "numpy")[1]
 
 
 def test_broken_fp8_checkpoints_are_named(tmp_path):

@@ -16,7 +16,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from conftest import rand_hiddens
-from mtpkern import MultiModuleMtpHead
 from mtpkern.testing import Call, Driver, checked, oracle, reference_weights
 from mtpkern.testing.strategies import call_sequences
 
