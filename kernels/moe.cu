@@ -28,9 +28,11 @@
 //   expert's weights are read once per 8 pairs, so an expert picked by several
 //   rows is not re-read from memory per row.
 //   GATED (gate/up): w = w13 [E, 2I, H], unit u = (gate row u, up row I + u),
-//     x row of pair p = x[p / K], act[p, u] = silu(gate) * up.        units = I
+//     x row of pair p = x[p / K], act[p, u] = swiglu(gate, up, limit)   units = I
+//     (mtp::swiglu: min(silu(gate), L) * clip(up, -L, L), Step-3.5 / 3.7; +inf: no clamp)
 //   !GATED (down):   w = w2 [E, H, I], unit u = rows (2u, 2u + 1),
 //     x row of pair p = act[p], partial[p, h] = w2[e, h] . act[p].   units = ceil(H / 2)
+//     (limit unused)
 //
 // moe_combine_kernel: grid (ceil(H / 256), n), block 256:
 //   y[r, h] = residual[r, h] + sum_k weights[r, k] * partial[r * K + k, h], k in order
@@ -137,7 +139,8 @@ namespace mtp {
 // One chunk of m <= NR pairs of expert weights `we`: warp unit u, rows a / b.
 template <typename W, bool GATED, int NR>
 __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W* we, const Scales& se, int R,
-                                             int Kd, int u, const int* pairs, int m, float* out, bool vec) {
+                                             int Kd, int u, const int* pairs, int m, float* out, bool vec,
+                                             float limit) {
   const int lane = threadIdx.x % kWarp;
   int a, b;
   if constexpr (GATED) { a = u; b = R / 2 + u; }  // gate row, up row of w13[e] [2I, H]
@@ -157,7 +160,7 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
     if (r >= m) break;
     const long long p = pairs[r];
     if constexpr (GATED) {
-      out[p * (R / 2) + u] = silu(acc[0][r]) * acc[1][r];  // act [n * K, I]
+      out[p * (R / 2) + u] = swiglu(acc[0][r], acc[1][r], limit);  // act [n * K, I]
     } else {
       out[p * R + a] = acc[0][r];                           // partial [n * K, H]
       if (a + 1 < R) out[p * R + a + 1] = acc[1][r];
@@ -171,7 +174,7 @@ template <typename W, bool GATED>
 __global__ void __launch_bounds__(mtp::kGemvThreads)
 moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict__ ids, int nK, int E,
                   const W* __restrict__ w, const float* __restrict__ scale, int bn, int bk, int R, int Kd,
-                  float* __restrict__ out, int by_pair) {
+                  float* __restrict__ out, int by_pair, float limit) {
   using namespace mtp;
   __shared__ int s_pairs[kMaxRows];
   __shared__ int s_count, s_cursor;
@@ -218,10 +221,10 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
     cursor = s_cursor;
     if (m == 0) break;
     if (u < units) {
-      if (m > 4)       expert_chunk<W, GATED, 8>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec);
-      else if (m > 2)  expert_chunk<W, GATED, 4>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec);
-      else if (m == 2) expert_chunk<W, GATED, 2>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec);
-      else             expert_chunk<W, GATED, 1>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec);
+      if (m > 4)       expert_chunk<W, GATED, 8>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit);
+      else if (m > 2)  expert_chunk<W, GATED, 4>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit);
+      else if (m == 2) expert_chunk<W, GATED, 2>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit);
+      else             expert_chunk<W, GATED, 1>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit);
     }
     __syncthreads();  // s_pairs is rewritten by the next gather
   }

@@ -171,19 +171,20 @@ class FakeCudaBackend(NumpyBackend):
             self.ws_seen.add("logits")
         return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights)
 
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None):
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
+                    limit=None):
         if act is not None:
             nK = ids.shape[0] * ids.shape[1]
             _expect("act", act, (nK, w13.shape[1] // 2))
             _expect("partial", partial, (nK, x.shape[1]))
             self.ws_seen.add("moe act")
-        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out)
+        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit)
 
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None):
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None):
         if act is not None:
             _expect("act", act, (x.shape[0], w13.shape[0] // 2))
             self.ws_seen.add("mlp act")
-        return self._run("swiglu_mlp", x, w13, w2, residual, out=out)
+        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, check=True):
         if out is not None:

@@ -438,6 +438,128 @@ def test_swiglu_mlp(be, wdtype, n, H, I):
         assert_close(be.to_host(got), want, what=f"swiglu_mlp residual={r is not None}")
 
 
+# -- SwiGLU clamp (Step-3.5 / 3.7 swiglu_limits) -------------------------------
+
+#: a limit that clips most activations here (gate and up are ~N(0, 1): 1/sqrt(fan-in) weights,
+#: N(0, 1) inputs; |up| > 0.2 for ~84 % of them), and one that no activation reaches (the
+#: result is then the unclamped one, bit for bit)
+CLIPS, NEVER = 0.2, 1e30
+
+
+def _bits_equal(a, b, what):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32), err_msg=what)
+
+
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("I", [7, 32, 100])
+def test_swiglu_mlp_limit(be, wdtype, n, I):
+    """``limit`` clamps min(silu(gate), L) and clip(up, -L, L) as the reference does, with and
+    without a residual and into ``out=`` the residual itself; None, 0 and a limit nothing
+    reaches give the unclamped bits."""
+    rng = rng_for("mlp_limit", wdtype, n, I)
+    H = 40
+    x, res = acts(rng, n, H), acts(rng, n, H)
+    w13, w2 = weight(rng, (2 * I, H), wdtype), weight(rng, (H, I), wdtype)
+    p13, p2, r13, r2 = be.prepare_weight(w13), be.prepare_weight(w2), REF.prepare_weight(w13), REF.prepare_weight(w2)
+    f = be.from_host
+    for r in (None, res):
+        rb = None if r is None else f(r)
+        plain = be.to_host(be.swiglu_mlp(f(x), p13, p2, rb))
+        for off in (None, 0, 0.0, NEVER):
+            _bits_equal(be.to_host(be.swiglu_mlp(f(x), p13, p2, rb, limit=off)), plain, f"limit={off}")
+        want = REF.swiglu_mlp(x, r13, r2, r, limit=CLIPS)
+        got = be.to_host(be.swiglu_mlp(f(x), p13, p2, rb, limit=CLIPS))
+        assert_close(got, want, what=f"swiglu_mlp limit={CLIPS} residual={r is not None}")
+        assert not np.allclose(want, REF.swiglu_mlp(x, r13, r2, r), atol=1e-3), "the limit clipped nothing"
+    yb = f(res.copy())
+    assert be.swiglu_mlp(f(x), p13, p2, yb, out=yb, limit=CLIPS) is yb
+    assert_close(be.to_host(yb), REF.swiglu_mlp(x, r13, r2, res, limit=CLIPS), what="swiglu_mlp limit, out=residual")
+
+
+#: (n, E, K, I): one row to 17, up to 16 experts, top-1 to top-4, odd and even I
+EXPERT_LIMIT_CASES = [(1, 16, 1, 100), (1, 8, 4, 7), (3, 5, 2, 32), (3, 16, 3, 7), (17, 16, 4, 100), (17, 3, 2, 32)]
+
+
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n,E,K,I", EXPERT_LIMIT_CASES)
+def test_moe_experts_limit(be, wdtype, n, E, K, I):
+    """Every routed expert's SwiGLU clamped by ``limit``, as the reference; None, 0 and a
+    limit nothing reaches give the unclamped bits."""
+    rng = rng_for("experts_limit", wdtype, n, E, K, I)
+    H = 40
+    x, res = acts(rng, n, H), acts(rng, n, H)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    wts = rng.random((n, K)).astype(np.float32)
+    w13, w2 = weight(rng, (E, 2 * I, H), wdtype), weight(rng, (E, H, I), wdtype)
+    p13, p2, r13, r2 = be.prepare_weight(w13), be.prepare_weight(w2), REF.prepare_weight(w13), REF.prepare_weight(w2)
+    f = be.from_host
+
+    def run(r, **kw):
+        return be.moe_experts(f(x), f(ids), f(wts), p13, p2, None if r is None else f(r), **kw)
+
+    for r in (None, res):
+        want = REF.moe_experts(x, ids, wts, r13, r2, r, limit=CLIPS)
+        assert_close(be.to_host(run(r, limit=CLIPS)), want, what=f"moe_experts limit={CLIPS} residual={r is not None}")
+        assert not np.allclose(want, REF.moe_experts(x, ids, wts, r13, r2, r), atol=1e-3), "the limit clipped nothing"
+    plain = be.to_host(run(res))
+    for off in (None, 0, NEVER):
+        _bits_equal(be.to_host(run(res, limit=off)), plain, f"limit={off}")
+    yb = f(res.copy())
+    assert be.moe_experts(f(x), f(ids), f(wts), p13, p2, yb, out=yb, limit=CLIPS) is yb
+    assert_close(be.to_host(yb), REF.moe_experts(x, ids, wts, r13, r2, res, limit=CLIPS),
+                 what="moe_experts limit, out=residual")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # silu(-1e3) in the reference
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+def test_swiglu_limit_keeps_nan_and_bounds_large_values(be, wdtype):
+    """A NaN input row stays NaN through the clamp (CUDA's fminf / fmaxf would have made it
+    finite), and a row of huge inputs comes out bounded by the clamp, as the reference."""
+    rng = rng_for("limit_nan", wdtype)
+    n, H, I, E, K = 4, 48, 20, 6, 2
+    x = acts(rng, n, H)
+    x[1, 5] = np.nan                                                   # every gate and up of row 1: NaN
+    x[2] *= 100.0                                                      # row 2: |gate|, |up| ~ 100, clipped
+    x[3, :] = np.nan                                                   # row 3: NaN everywhere
+    w13, w2 = weight(rng, (2 * I, H), wdtype), weight(rng, (H, I), wdtype)
+    e13, e2 = weight(rng, (E, 2 * I, H), wdtype), weight(rng, (E, H, I), wdtype)
+    ids = np.array([[0, 5], [3, 1], [2, 4], [5, 0]], np.int32)
+    wts = rng.random((n, K)).astype(np.float32)
+    f = be.from_host
+    for limit in (None, 0.5, 7.0):
+        rows = [0, 1, 3] if limit is None else [0, 1, 2, 3]            # unclamped, row 2 is ~1e4 with cancellations
+        got = be.to_host(be.swiglu_mlp(f(x), be.prepare_weight(w13), be.prepare_weight(w2), limit=limit))
+        want = REF.swiglu_mlp(x, REF.prepare_weight(w13), REF.prepare_weight(w2), limit=limit)
+        assert np.isnan(want[[1, 3]]).all() and np.isfinite(want[[0, 2]]).all()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert_close(got[rows], want[rows], what=f"swiglu_mlp with NaN and huge rows, limit={limit}")
+        got = be.to_host(be.moe_experts(f(x), f(ids), f(wts), be.prepare_weight(e13), be.prepare_weight(e2),
+                                        limit=limit))
+        want = REF.moe_experts(x, ids, wts, REF.prepare_weight(e13), REF.prepare_weight(e2), limit=limit)
+        assert np.isnan(want[[1, 3]]).all() and np.isfinite(want[[0, 2]]).all()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert_close(got[rows], want[rows], what=f"moe_experts with NaN and huge rows, limit={limit}")
+        if limit is not None:                                          # |act| <= L^2, so |y| <= L^2 sum |w2|
+            assert (np.abs(want[2]) <= limit ** 2 * np.abs(REF.prepare_weight(w2)).sum(axis=1) * 1.001).all()
+
+
+@pytest.mark.parametrize("bad,error", [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                                       (1e39, ValueError), (1e-50, ValueError), ("7", TypeError), (True, TypeError)])
+def test_swiglu_limit_validated(be, bad, error):
+    """Anything but None, 0 or a finite value > 0 (that FP32 holds) is refused, naming ``limit``."""
+    f = be.from_host
+    x = f(np.zeros((2, 8), np.float32))
+    w13, w2 = be.prepare_weight(np.zeros((4, 8), np.float32)), be.prepare_weight(np.zeros((8, 2), np.float32))
+    e13, e2 = be.prepare_weight(np.zeros((3, 4, 8), np.float32)), be.prepare_weight(np.zeros((3, 8, 2), np.float32))
+    with pytest.raises(error, match="limit"):
+        be.swiglu_mlp(x, w13, w2, limit=bad)
+    with pytest.raises(error, match="limit"):
+        be.moe_experts(x, f(np.zeros((2, 1), np.int32)), f(np.ones((2, 1), np.float32)), e13, e2, limit=bad)
+    for ok in (7, np.float32(16.0), np.float64(0.5), 0):               # ints and NumPy scalars are numbers
+        be.swiglu_mlp(x, w13, w2, limit=ok)
+
+
 # -- lm head ------------------------------------------------------------------
 
 def random_bitmask(rng, n, V, density) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -223,3 +224,133 @@ def test_masked_argmax_matches_definition(seed, V, n):
             continue
         best = min(allowed, key=lambda j: (-logits[i, j], j))
         assert lm_head.masked_argmax(logits[i:i + 1], mask[i:i + 1]).tolist() == [best]
+
+
+# -- SwiGLU clamp (Step-3.5 / 3.7) ------------------------------------------------------
+
+def _silu64(g: float) -> float:
+    """silu in float64, with the FP32 formula's values at the ends: silu(-inf) = -inf / inf
+    is NaN, and where exp(-g) overflows, g / inf is -0."""
+    if math.isnan(g) or g == -math.inf:
+        return math.nan
+    try:
+        return g / (1.0 + math.exp(-g))
+    except OverflowError:
+        return -0.0
+
+
+def brute_swiglu_expert(x_row, w13, w2, L):
+    """One SwiGLU expert on one row, in float64, one activation at a time, as Hugging Face
+    Step3p7MLP reads: gate = silu(g).clamp(max=L), up = u.clamp(-L, L); L None: no clamp."""
+    I = w13.shape[0] // 2
+    x64 = x_row.astype(np.float64)
+    act = np.empty(I)
+    clipped = 0
+    for j in range(I):
+        g = float(w13[j].astype(np.float64) @ x64)
+        u = float(w13[I + j].astype(np.float64) @ x64)
+        a = _silu64(g)
+        if L is not None:
+            clipped += (a > L) + (abs(u) > L)
+            a = L if a > L else a
+            u = L if u > L else (-L if u < -L else u)
+        act[j] = a * u
+    return w2.astype(np.float64) @ act, clipped
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("I", [7, 32, 100])
+@pytest.mark.parametrize("limit", [None, 0.25, 1.5, 1e30])
+def test_swiglu_mlp_limit_matches_brute_force(n, I, limit):
+    H = 24
+    x, res = f32(n, H), f32(n, H)
+    w13, w2 = f32(2 * I, H, scale=H ** -0.5), f32(H, I, scale=I ** -0.5)
+    rows = [brute_swiglu_expert(x[r], w13, w2, limit) for r in range(n)]
+    want = np.array([y for y, _ in rows]) + res
+    clipped = sum(c for _, c in rows)
+    if limit == 0.25:                                                 # "clips often" means it
+        assert clipped >= 0.5 * n * I, clipped
+    if limit == 1e30:
+        assert clipped == 0
+    np.testing.assert_allclose(mlp.swiglu_mlp(x, w13, w2, res, limit=limit), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,E,K", [(1, 16, 1), (3, 5, 2), (17, 16, 4), (17, 3, 3)])
+@pytest.mark.parametrize("I", [7, 32, 100])
+@pytest.mark.parametrize("limit", [None, 0.25, 1.5])
+def test_moe_experts_limit_matches_brute_force(n, E, K, I, limit):
+    H = 24
+    x, res = f32(n, H), f32(n, H)
+    w13, w2 = f32(E, 2 * I, H, scale=H ** -0.5), f32(E, H, I, scale=I ** -0.5)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    wts = rng.random((n, K)).astype(np.float32)
+    want = res.astype(np.float64)
+    for r in range(n):
+        for k in range(K):
+            want[r] += float(wts[r, k]) * brute_swiglu_expert(x[r], w13[ids[r, k]], w2[ids[r, k]], limit)[0]
+    np.testing.assert_allclose(moe.moe_experts(x, ids, wts, w13, w2, res, limit=limit), want, rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_limit_off_is_the_unclamped_result_bit_for_bit():
+    n, H, I, E = 5, 16, 9, 4
+    x, w13, w2 = f32(n, H), f32(2 * I, H), f32(H, I)
+    plain = mlp.swiglu_mlp(x, w13, w2)
+    for off in (None, 0, 0.0, np.float32(0.0)):
+        assert mlp.swiglu_mlp(x, w13, w2, limit=off).tobytes() == plain.tobytes()
+    e13, e2 = f32(E, 2 * I, H), f32(E, H, I)
+    ids, wts = np.array([[0, 3]] * n, np.int32), f32(n, 2)
+    plain = moe.moe_experts(x, ids, wts, e13, e2)
+    assert moe.moe_experts(x, ids, wts, e13, e2, limit=0).tobytes() == plain.tobytes()
+
+
+def test_swiglu_act_elementwise():
+    """min(silu(g), L) * clip(u, -L, L) on the edges: NaN stays NaN (the clamp must not hide
+    it), infinities are clipped, -0 and values at the limit are kept, the limit is FP32."""
+    L = mlp.swiglu_limit(7.3)
+    assert L == np.float32(7.3) and L.dtype == np.float32
+    Lf = float(L)
+    vals = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 7.3, -7.3, 7.31, -100.0, 3.0, -3.0, 1e-30], np.float32)
+    g, u = (a.ravel() for a in np.meshgrid(vals, vals, indexing="ij"))
+    with np.errstate(over="ignore", invalid="ignore"):                # exp(inf), -inf / inf
+        got = mlp.swiglu_act(np.stack([g, u], axis=1), L)[:, 0]
+    for gi, ui, v in zip(g.tolist(), u.tolist(), got.tolist()):
+        a = _silu64(gi)
+        gate = a if math.isnan(a) else min(a, Lf)
+        up = ui if math.isnan(ui) else max(-Lf, min(ui, Lf))
+        want = gate * up
+        if math.isnan(want):
+            assert math.isnan(v), (gi, ui, v)
+        else:
+            assert v == pytest.approx(want, rel=1e-6, abs=1e-37), (gi, ui, v, want)
+
+
+def test_swiglu_limit_keeps_nan_rows():
+    n, H, I = 3, 8, 5
+    x, w13, w2 = f32(n, H), f32(2 * I, H), f32(H, I)
+    x[1, 2] = np.nan
+    for limit in (None, 0.1, 16.0):
+        y = mlp.swiglu_mlp(x, w13, w2, limit=limit)
+        assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+        y = moe.moe_experts(x, np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32), w13[None], w2[None],
+                            limit=limit)
+        assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("bad,error,message", [
+    (-1.0, ValueError, r"limit: expected a finite value > 0 \(None or 0: no clamp\), got -1.0"),
+    (float("nan"), ValueError, "limit: expected a finite value > 0"),
+    (float("-inf"), ValueError, "limit: expected a finite value > 0"),
+    (1e39, ValueError, "limit: expected a value FP32 holds"),
+    (1e-46, ValueError, "limit: expected a value FP32 holds"),
+    ("16", TypeError, "limit: expected a number .* got str"),
+    (False, TypeError, "limit: expected a number .* got bool"),
+    ([7.0], TypeError, "limit: expected a number .* got list"),
+])
+def test_swiglu_limit_refused(bad, error, message):
+    with pytest.raises(error, match=message):
+        mlp.swiglu_limit(bad)
+    x, w13, w2 = f32(1, 4), f32(4, 4), f32(4, 2)
+    with pytest.raises(error, match="limit"):
+        mlp.swiglu_mlp(x, w13, w2, limit=bad)
+    with pytest.raises(error, match="limit"):
+        moe.moe_experts(x, np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), w13[None], w2[None], limit=bad)

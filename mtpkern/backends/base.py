@@ -168,10 +168,12 @@ class Backend(ABC):
     def moe_router(self, x, gate_w, bias, spec: RouterSpec): ...
 
     @abstractmethod
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None): ...
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, limit=None):
+        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``)."""
 
     @abstractmethod
-    def swiglu_mlp(self, x, w13, w2, residual=None): ...
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, limit=None):
+        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``)."""
 
     @abstractmethod
     def lm_head_logits(self, x, w): ...

@@ -38,7 +38,7 @@ from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
 from ..ops.linear import check_linear
 from ..ops.lm_head import check_bitmask
-from ..ops.mlp import check_swiglu_mlp
+from ..ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input
 from ..ops.rope_kv import check_qk_norm_rope_kv_write
@@ -364,8 +364,9 @@ class CpuBackend(Backend):
                spec.norm_topk_prob, np.float32(spec.routed_scaling_factor), logits, ids, weights)
         return ids, weights
 
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None):
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None):
         self._check(check_moe_experts, x, ids, weights, w13, w2, residual)
+        L = swiglu_limit(limit)
         ids = np.ascontiguousarray(ids)
         _in_range("ids", ids, w13.shape[0])
         out = _out("out", out, tuple(x.shape))
@@ -377,12 +378,13 @@ class CpuBackend(Backend):
             kernel = mlp_k.grouped_swiglu_kernel
         self._use_threads()
         kernel(_act(x), ids, _apart(_act(weights), out), w13, w2, _apart(_opt_mat(residual), out, same_ok=True),
-               out)
+               L, out)
         return out
 
     # -- mlp ----------------------------------------------------------------
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None):
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, limit=None):
         self._check(check_swiglu_mlp, x, w13, w2, residual)
+        L = swiglu_limit(limit)
         n = x.shape[0]
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
@@ -393,7 +395,7 @@ class CpuBackend(Backend):
             kernel, w13, w2 = mlp_k.grouped_swiglu_kernel, w13[None], w2[None]
         self._use_threads()
         kernel(_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32), w13, w2,
-               _apart(_opt_mat(residual), out, same_ok=True), out)
+               _apart(_opt_mat(residual), out, same_ok=True), L, out)
         return out
 
     # -- lm head ------------------------------------------------------------

@@ -218,11 +218,12 @@ class CudaBackend(Backend):
     def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
         return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits)
 
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None):
-        return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial)
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
+                    limit=None):
+        return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial, limit=limit)
 
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None):
-        return mlp.swiglu_mlp(x, w13, w2, residual, out=out, act=act)
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None):
+        return mlp.swiglu_mlp(x, w13, w2, residual, out=out, act=act, limit=limit)
 
     def lm_head_logits(self, x, w, *, out=None):
         return lm_head.lm_head_logits(x, w, out=out)

@@ -14,8 +14,11 @@ weights [n, K] float32)``, exactly Hugging Face ``Glm4MoeTopkRouter`` in FP32:
    ``(sum + 1e-20)`` when ``norm_topk_prob``, then times ``routed_scaling_factor``.
 
 ``moe_experts(x [n, H], ids [n, K], weights [n, K], w13 [E, 2I, H], w2 [E, H, I],
-residual [n, H] | None) -> [n, H] = residual + sum_k weights[:, k] * expert_{ids[:, k]}(x)``
-with each expert a SwiGLU (``w13[e]`` = gate rows over up rows).
+residual [n, H] | None, *, limit=None) -> [n, H] = residual + sum_k weights[:, k] *
+expert_{ids[:, k]}(x)`` with each expert a SwiGLU (``w13[e]`` = gate rows over up rows).
+``limit`` clamps every routed expert's SwiGLU as Hugging Face ``Step3p7Experts._apply_gate``
+does (Step-3.5 / Step-3.7 ``swiglu_limits[layer]``): ``min(silu(gate), L) * clip(up, -L, L)``,
+None or 0 for none, NaN kept (``mtpkern.ops.mlp``, ``swiglu_limit``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Literal
 import numpy as np
 
 from ._check import expect_dtype, expect_ndim, expect_shape
-from .mlp import silu
+from .mlp import swiglu_act, swiglu_limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,16 +110,16 @@ def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
         expect_shape("residual", residual, (n, H))
 
 
-def moe_experts(x, ids, weights, w13, w2, residual=None) -> np.ndarray:
+def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None) -> np.ndarray:
     check_moe_experts(x, ids, weights, w13, w2, residual)
+    L = swiglu_limit(limit)
     x = np.asarray(x, np.float32)
     n, H = x.shape
-    I = w13.shape[1] // 2
     y = np.zeros((n, H), np.float32) if residual is None else np.array(residual, np.float32)
     for r in range(n):
         for k in range(ids.shape[1]):
             e = int(ids[r, k])
             gu = np.asarray(w13[e], np.float32) @ x[r]                 # [2I]
-            act = silu(gu[:I]) * gu[I:]                                # [I]
+            act = swiglu_act(gu, L)                                    # [I]
             y[r] += np.float32(weights[r, k]) * (np.asarray(w2[e], np.float32) @ act)
     return y

@@ -14,7 +14,7 @@ counting sort: the launcher used to do it with ``np.argsort`` and ``np.unique``,
 1. gate/up + SiLU*mul: one task per (expert, 4 intermediate columns j, j + q,
    j + 2q, j + 3q with q = I // 4) reads those gate rows and the 4 up rows I + j ..
    of w13[e] together (``gate_up_group``: 8 streams, as ``linear.group8``), once
-   for all the expert's rows, and writes act[p, j] = silu(gate) * up;
+   for all the expert's rows, and writes act[p, j] = swiglu(gate, up, limit);
 2. down: one task per (expert, group of 8 w2 rows, ``linear.group8``), once for
    all its rows;
 3. combine: one task per input row adds its K expert outputs, weighted, to the
@@ -23,6 +23,11 @@ counting sort: the launcher used to do it with ``np.argsort`` and ``np.unique``,
 Phases 0 and 3 of a decode step run on the calling thread (``linear.SMALL``).
 
 So each selected expert's weights are read once per call, however many rows chose it.
+
+``limit`` (float32) is the SwiGLU clamp of Step-3.5 / 3.7 (``mtpkern.ops.mlp``): the
+kernels always take it, +inf when there is none, because min(v, +inf) is v bit for bit.
+Two comparisons per activation, beside its H multiply-adds, cost nothing measurable
+(docs/cpu.md): no second kernel and no branch on whether there is a limit.
 
 ``grouped_swiglu_fp8_kernel`` is the same with FP8 weights (``linear.fp8_chunk``): phase 1
 is one task per (expert, row chunk of w13) writing gate | up, a pass pairs them, phase 2 is
@@ -41,6 +46,21 @@ from .linear import SMALL, chunks, expert, fp8_chunk, gemv_task, group8
 @njit(cache=True, fastmath=False)
 def silu(v):
     return v / (np.float32(1.0) + np.exp(-v))
+
+
+@njit(cache=True, fastmath=False)
+def swiglu(g, u, L):
+    """min(silu(g), L) * min(max(u, -L), L): the reference's clamp (``ops.mlp.swiglu_act``).
+    Written as comparisons, which keep a NaN as ``np.minimum`` / ``np.maximum`` do; with
+    L = +inf nothing changes, bit for bit."""
+    a = silu(g)
+    if a > L:
+        a = L
+    if u > L:
+        u = L
+    elif u < -L:
+        u = -L
+    return a * u
 
 
 @njit(cache=True, fastmath=False)
@@ -107,12 +127,13 @@ def _combine_row(residual, weights, y2, inv, r, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, out):
+def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, limit, out):
     """out [n, H] = residual + sum_k weights[:, k] * swiglu_{ids[:, k]}(x).
 
     x [n, H]; ids [n, K] (checked in range by the launcher), weights [n, K];
     w13 [E, 2I, H]; w2 [E, H, I]; residual [n, H] or empty (it may be ``out``
-    itself: each element is read before it is written)."""
+    itself: each element is read before it is written); limit float32, the SwiGLU
+    clamp (+inf: none)."""
     n, H = x.shape
     I = w2.shape[2]
     perm, inv, experts, starts, xg = _sorted_inputs(x, ids, w13.shape[0])
@@ -131,7 +152,7 @@ def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, out):
         half = count // 2
         for s in range(half):                        # gate column rows[s], up column rows[s + half]
             for p in range(starts[u], starts[u + 1]):
-                act[p, rows[s]] = silu(gu[p, rows[s]]) * gu[p, rows[s + half]]
+                act[p, rows[s]] = swiglu(gu[p, rows[s]], gu[p, rows[s + half]], limit)
     q2 = H // 8
     T2 = q2 + H - 8 * q2                             # tasks per expert, phase 2
     for t in prange(U * T2):
@@ -171,7 +192,7 @@ def _combine(residual, weights, y2, inv, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, out):
+def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
     """``grouped_swiglu_kernel`` with FP8 expert weights: w13, w2 the tuples of
     ``linear.fp8_chunk`` over [E, 2I, H] and [E, H, I] codes."""
     I = w2[0].shape[2]
@@ -188,10 +209,10 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, out):
         fp8_chunk(expert(w13, experts[u]), t % T1, zero, xg, starts[u], starts[u + 1], gu, zero, no)
     if P * I <= SMALL:
         for p in range(P):
-            _silu_mul_row(gu, p, act)
+            _silu_mul_row(gu, p, limit, act)
     else:
         for p in prange(P):
-            _silu_mul_row(gu, p, act)
+            _silu_mul_row(gu, p, limit, act)
     for t in prange(U * T2):
         u = t // T2
         fp8_chunk(expert(w2, experts[u]), t % T2, zero, act, starts[u], starts[u + 1], y2, zero, no)
@@ -199,8 +220,8 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, out):
 
 
 @njit(cache=True, fastmath=False)
-def _silu_mul_row(gu, p, act):
-    """act[p, j] = silu(gate) * up with gu[p] = gate | up."""
+def _silu_mul_row(gu, p, limit, act):
+    """act[p, j] = swiglu(gate, up, limit) with gu[p] = gate | up."""
     I = act.shape[1]
     for j in range(I):
-        act[p, j] = silu(gu[p, j]) * gu[p, I + j]
+        act[p, j] = swiglu(gu[p, j], gu[p, I + j], limit)

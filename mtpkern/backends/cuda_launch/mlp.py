@@ -1,16 +1,17 @@
 """Launcher of the SwiGLU MLP: ``swiglu_gate_up_kernel`` (kernels/mlp.cu) then
 ``linear_kernel`` (down projection with the residual fused).
 
-``swiglu_mlp(x [n, H], w13 [2I, H], w2 [H, I], residual [n, H] | None) -> [n, H]``
+``swiglu_mlp(x [n, H], w13 [2I, H], w2 [H, I], residual [n, H] | None, *, limit=None) -> [n, H]``
 FP32 activations, stored weights (FP32, BF16 bits, or both FP8: ``CudaFp8``). ``act``: workspace
-[n, I] FP32 (silu(gate) * up). ``out`` may be ``residual``.
+[n, I] FP32 (silu(gate) * up, clamped by ``limit``: ``mtpkern.ops.mlp``; the kernel takes
++inf for none). ``out`` may be ``residual``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...ops.mlp import check_swiglu_mlp
+from ...ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..base import all_fp8_or_none
 from ._util import (CudaFp8, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
                     i32, optional, output, weight_args)
@@ -18,9 +19,10 @@ from .linear import GEMV_THREADS, gemv_config, launch_linear
 from .loader import get_kernel
 
 
-def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None):
-    """-> y [n, H] FP32 = residual + w2 @ (silu(w13[:I] x) * w13[I:] x)."""
+def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None, limit=None):
+    """-> y [n, H] FP32 = residual + w2 @ (silu(w13[:I] x) * w13[I:] x), clamped by ``limit``."""
     check_swiglu_mlp(x, w13, w2, residual)
+    L = swiglu_limit(limit)
     expect_weight("w13", w13)
     expect_weight("w2", w2)
     n, H = x.shape
@@ -39,6 +41,6 @@ def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None):
     if I:
         grid, wpr = gemv_config(I)  # row group u = (gate row u, up row I + u)
         kernel = get_kernel("mlp", f"swiglu_gate_up_kernel<{ctype(w13)}>")
-        kernel(grid, (GEMV_THREADS,), (x, *weight_args(w13), act, i32(n), i32(I), i32(H), i32(wpr)))
+        kernel(grid, (GEMV_THREADS,), (x, *weight_args(w13), act, i32(n), i32(I), i32(H), i32(wpr), L))
     launch_linear(act, w2, None, residual, y)
     return y

@@ -5,10 +5,11 @@ weights [n, K] FP32)``: ``linear_kernel`` for the logits (workspace ``logits``
 [n, E] FP32) then ``moe_router_select_kernel``, one block per row. E <= 1024.
 
 ``moe_experts(x [n, H], ids [n, K], weights [n, K], w13 [E, 2I, H], w2 [E, H, I],
-residual [n, H] | None) -> [n, H]``: three launches, workspaces
+residual [n, H] | None, *, limit=None) -> [n, H]``: three launches, workspaces
 ``act [n * K, I]`` and ``partial [n * K, H]`` FP32:
 
-1. ``moe_expert_kernel<W, true>``: act[p] = silu(gate) * up of pair p's expert;
+1. ``moe_expert_kernel<W, true>``: act[p] = silu(gate) * up of pair p's expert, clamped
+   by ``limit`` (``mtpkern.ops.mlp``; the kernel takes +inf for none);
 2. ``moe_expert_kernel<W, false>``: partial[p] = w2[e] @ act[p];
 3. ``moe_combine_kernel``: y = residual + sum_k weights[:, k] * partial[:, k] in k order.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops._check import expect_dtype
+from ...ops.mlp import NO_LIMIT, swiglu_limit
 from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..base import all_fp8_or_none
 from ._util import (CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
@@ -60,9 +62,11 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
     return ids, weights
 
 
-def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None):
-    """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces."""
+def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None, limit=None):
+    """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces;
+    ``limit``: the SwiGLU clamp of every expert (None / 0: none)."""
     check_moe_experts(x, ids, weights, w13, w2, residual)
+    L = swiglu_limit(limit)
     expect_weight("w13", w13)
     expect_weight("w2", w2)
     expect_dtype("weights", weights, "float32")
@@ -95,9 +99,11 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
         down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false>")
         if I:
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
-                    (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair)))
+                    (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair),
+                     L))
         down((cdiv(cdiv(H, 2), GEMV_WARPS), slots), (GEMV_THREADS,),
-             (act, i32(1), ids, i32(nK), i32(E), *weight_args(w2), i32(H), i32(I), partial, i32(by_pair)))
+             (act, i32(1), ids, i32(nK), i32(E), *weight_args(w2), i32(H), i32(I), partial, i32(by_pair),
+              NO_LIMIT))
     if H:
         get_kernel("moe", "moe_combine_kernel")(
             (cdiv(H, COMBINE_THREADS), n), (COMBINE_THREADS,),
