@@ -277,6 +277,16 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
         cases.append(("paged_attention", ctx, 2 * n * ctx * Hkv * D * b2 + 2 * n * Hq * D * f4 + part_bytes,
                       lambda kc=kc, vc=vc, tables=tables, row_seq=row_seq, row_len=row_len, qa=qa, ws=ws:
                       be.paged_attention(qa, kc, vc, tables, row_seq, row_len, D ** -0.5, out=o, **ws)))
+        # a sliding window of 128 rows with sinks (Step-3.5 / MiMo-V2 modules): the same grid
+        # (partitions come from the shapes), most of its blocks exit at once
+        win = min(128, ctx)
+        starts, sinks = cp.full(n, ctx - win, cp.int32), act(Hq)
+        win_bytes = 2 * n * win * Hkv * D * b2 + 2 * n * Hq * D * f4 + part_bytes
+        cases.append((f"paged_attention w{win} sinks", ctx, win_bytes,
+                      lambda kc=kc, vc=vc, tables=tables, row_seq=row_seq, row_len=row_len, qa=qa, ws=ws,
+                      starts=starts, sinks=sinks:
+                      be.paged_attention(qa, kc, vc, tables, row_seq, row_len, D ** -0.5, row_start=starts,
+                                         sinks=sinks, out=o, **ws)))
     cases += [
         ("linear_o", 0, H * Hq * D * b2 + n * Hq * D * f4 + 2 * n * H * f4,
          lambda: be.linear(o, w.w_o, None, x, out=out_h)),

@@ -1,41 +1,49 @@
 // attention.cu -- GQA decode attention over a paged KV cache, split-KV.
 //
-//   q [n, Hq, D] fp32, k_cache / v_cache [NB, BS, Hkv, D] in KV,
-//   block_tables [S, max_blocks] int32, row_seq [n], row_len [n] -> out [n, Hq * D] fp32
-//   Row r attends to the first L = row_len[r] KV rows of sequence row_seq[r]; KV row i
-//   lives at slot block_tables[s, i / BS] * BS + i % BS. Query head hq reads KV head
-//   hq / group (group = Hq / Hkv). Decode rows, the causal rows of a prefill chunk and
-//   the ragged rows of a batched propose are all this one shape.
+//   q [n, Hq, D] fp32, k_cache [NB, BS, Hkv, D] / v_cache [NB, BS, Hkv, Dv] in KV,
+//   block_tables [S, max_blocks] int32, row_seq [n], row_start [n] | null, row_len [n],
+//   sinks [Hq] | null -> out [n, Hq * Dv] fp32
+//   Row r attends to KV rows first .. L - 1 of sequence row_seq[r] (L = row_len[r];
+//   first = row_start[r], 0 without row_start: a sliding window); KV row i lives at slot
+//   block_tables[s, i / BS] * BS + i % BS. Query head hq reads KV head hq / group
+//   (group = Hq / Hkv). Decode rows, the causal rows of a prefill chunk and the ragged
+//   rows of a batched propose are all this one shape. A sink s_hq (sinks not null) joins
+//   the softmax as a key of logit s_hq and value 0: out = sum_i e^(l_i - M) v_i /
+//   (e^(s_hq - M) + sum_i e^(l_i - M)).
 //
 // paged_attention_kernel<KV, DC>: grid (Hkv, n, num_parts), block 128 = 4 warps.
 //   One block = one KV head x one query row x one partition of part_size KV rows
-//   (split-KV: a long context is spread over num_parts blocks). All `group` query
-//   heads sharing the KV head are served by the block, so every K/V row is read from
-//   memory once per (row, KV head), not once per query head.
-//   Heads are taken GMAX = 64 / DC at a time (12 of 12 for D <= 128); per chunk:
+//   (split-KV: a long context is spread over num_parts blocks; partition p holds rows
+//   first + p * part_size ..). All `group` query heads sharing the KV head are served by
+//   the block, so every K/V row is read from memory once per (row, KV head), not once
+//   per query head. Heads are taken GMAX = 64 / DC at a time (12 of 12 for Dv <= 128);
+//   per chunk:
 //     A. scores: thread t owns KV rows t, t + 128, ...; it streams its K row in 8-element
 //        (16-byte bf16) pieces and accumulates q . k for every head of the chunk
 //        (acc[GMAX] in registers, q pre-scaled in shared memory, read as broadcasts).
 //     B. softmax: warp w owns heads w, w + 4, ...: max over the partition, p = exp(s - max)
 //        written in place, l = sum p.
-//     C. PV: warp w owns KV rows w, w + 4, ...; lane l owns head dims [l * DC, l * DC + DC),
+//     C. PV: warp w owns KV rows w, w + 4, ...; lane l owns value dims [l * DC, l * DC + DC),
 //        o[GMAX][DC] in registers; the 4 warps' o are added in warp order in shared memory.
-//   num_parts == 1: out = o / l directly. Otherwise the partition's unnormalised o and
-//   its (max, sum) go to part_o [n, Hq, num_parts, D] / part_ml [n, Hq, num_parts, 2]
-//   and paged_attention_merge_kernel combines them.
+//   num_parts == 1: out = o / (l + e^(s - m)) directly (no sink: o / l). Otherwise the
+//   partition's unnormalised o and its (max, sum) go to part_o [n, Hq, num_parts, Dv] /
+//   part_ml [n, Hq, num_parts, 2] and paged_attention_merge_kernel combines them.
+//   row_start and sinks are read once per block (null: off), never in the loops.
 //   Shared memory (dynamic, bytes) = 4 * (group * Dp + gcap * part_size + part_size + 2 * gcap),
 //   Dp = D rounded up to 8, gcap = min(group, GMAX); the launcher computes the same sum.
 //
-// paged_attention_merge_kernel: grid (Hq, n), block 128 over D:
-//   out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p over the row's valid partitions
-//   (M = max m_p), in partition order (deterministic, no atomics).
+// paged_attention_merge_kernel: grid (Hq, n), block 128 over Dv:
+//   out = sum_p e^(m_p - M) o_p / (e^(s - M) + sum_p e^(m_p - M) l_p) over the row's valid
+//   partitions (M = max(s, m_p); no sink: no s), in partition order (deterministic, no
+//   atomics): the sink counts once, however many partitions there are.
 //
-// Preconditions: blockDim.x == 128; D <= 32 * DC; part_size >= 32 * DC (the PV
-// reduction reuses the score buffer); block_tables entries of the first L rows are
-// valid blocks; slots < 2^31. L is clamped to max_blocks * BS; a row with L <= 0
-// gets zeros. 16-byte K loads need D % 8 == 0 and an aligned cache, DC-wide V loads
-// need D % DC == 0; otherwise the kernel reads scalars (same results).
-// Cost: per (KV row, head) ~2 D FMAs on CUDA cores; for group >= 8 the kernel is
+// Preconditions: blockDim.x == 128; D <= 256; Dv <= 32 * DC; part_size >= 32 * DC (the
+// PV reduction reuses the score buffer); block_tables entries of the blocks holding rows
+// first .. L - 1 are valid blocks (the others are never read); slots < 2^31. L is clamped
+// to max_blocks * BS and first to >= 0; a row with first >= L gets zeros. 16-byte K
+// loads need D % 8 == 0 and an aligned cache, DC-wide V loads need Dv % DC == 0;
+// otherwise the kernel reads scalars (same results).
+// Cost: per (KV row, head) ~D + Dv FMAs on CUDA cores; for group >= 8 the kernel is
 // about as much FMA-bound as memory-bound (tensor-core QK / PV would be the next step).
 #include "common.cuh"
 
@@ -48,9 +56,10 @@ template <typename KV, int DC>
 __global__ void __launch_bounds__(mtp::kAttnThreads)
 paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cache,
                        const KV* __restrict__ v_cache, const int* __restrict__ block_tables,
-                       int max_blocks, const int* __restrict__ row_seq, const int* __restrict__ row_len,
+                       int max_blocks, const int* __restrict__ row_seq, const int* __restrict__ row_start,
+                       const int* __restrict__ row_len, const float* __restrict__ sinks,
                        float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
-                       int Hq, int Hkv, int D, int BS, int part_size, int num_parts, float scale) {
+                       int Hq, int Hkv, int D, int Dv, int BS, int part_size, int num_parts, float scale) {
   using namespace mtp;
   constexpr int GMAX = 64 / DC;  // heads per chunk: o[GMAX][DC] = 64 registers
   extern __shared__ float4 smem_raw[];
@@ -67,12 +76,13 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
 
   const int seq = row_seq[r];
   const int L = min(row_len[r], max_blocks * BS);
-  const int start = p * part_size;
+  const int first = row_start ? max(row_start[r], 0) : 0;  // the window's first KV row
+  const int start = first + p * part_size;
   const int Lp = min(L - start, part_size);  // KV rows of this partition
-  const long long out_row = (r * Hq + static_cast<long long>(h) * group) * D;  // first head of the group
+  const long long head0 = r * Hq + static_cast<long long>(h) * group;  // [n, Hq]: first head of the group
   if (Lp <= 0) {  // uniform: nothing to attend to in this partition
     if (num_parts == 1)
-      for (int t = threadIdx.x; t < group * D; t += blockDim.x) out[out_row + t] = 0.0f;
+      for (int t = threadIdx.x; t < group * Dv; t += blockDim.x) out[head0 * Dv + t] = 0.0f;
     return;
   }
 
@@ -82,13 +92,13 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   }
   for (int t = threadIdx.x; t < group * Dp; t += blockDim.x) {
     const int g = t / Dp, d = t % Dp;
-    q_s[t] = d < D ? q[out_row + static_cast<long long>(g) * D + d] * scale : 0.0f;
+    q_s[t] = d < D ? q[(head0 + g) * D + d] * scale : 0.0f;
   }
   __syncthreads();
 
   const bool vec_k = D % 8 == 0 && aligned16(k_cache);
-  const bool vec_v = D % DC == 0 && aligned16(v_cache);
-  const int dl = lane * DC;  // this lane's head dims in pass C
+  const bool vec_v = Dv % DC == 0 && aligned16(v_cache);
+  const int dl = lane * DC;  // this lane's value dims in pass C
 
   for (int g0 = 0; g0 < group; g0 += GMAX) {
     const int gc = min(GMAX, group - g0);
@@ -137,6 +147,10 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
         l += e;
       }
       l = warp_sum(l);
+      // the direct path divides by the whole denominator: l + e^(s - m), the sink's share
+      // relative to this row's max (m = -inf: inf, so the output is 0); the merge adds it
+      // itself, once
+      if (sinks != nullptr && num_parts == 1) l += expf(sinks[h * group + g0 + g] - m);
       if (lane == 0) { ml_s[2 * g] = m; ml_s[2 * g + 1] = l; }
     }
     __syncthreads();
@@ -149,14 +163,14 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
       for (int j = 0; j < DC; ++j) o[g][j] = 0.0f;
     for (int i = warp; i < Lp; i += kAttnWarps) {
       float vf[DC];
-      const KV* vrow = v_cache + (static_cast<long long>(slot_s[i]) * Hkv + h) * D + dl;
-      if (dl >= D) {
+      const KV* vrow = v_cache + (static_cast<long long>(slot_s[i]) * Hkv + h) * Dv + dl;
+      if (dl >= Dv) {
 #pragma unroll
         for (int j = 0; j < DC; ++j) vf[j] = 0.0f;
       } else if (vec_v) {
         load_vec<DC>(vrow, vf);
       } else {
-        load_guarded<DC>(vrow, D - dl, vf);
+        load_guarded<DC>(vrow, Dv - dl, vf);
       }
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
@@ -185,15 +199,15 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
       __syncthreads();
     }
 
-    for (int t = threadIdx.x; t < gc * D; t += blockDim.x) {
-      const int g = t / D, d = t % D;
+    for (int t = threadIdx.x; t < gc * Dv; t += blockDim.x) {
+      const int g = t / Dv, d = t % Dv;
       const float v = red[g * (kWarp * DC) + d];
-      const long long hq = r * Hq + static_cast<long long>(h) * group + g0 + g;  // [n, Hq]
+      const long long hq = head0 + g0 + g;  // [n, Hq]
       if (num_parts == 1) {
-        out[hq * D + d] = v / ml_s[2 * g + 1];
+        out[hq * Dv + d] = v / ml_s[2 * g + 1];
       } else {
         const long long at = hq * num_parts + p;  // [n, Hq, num_parts]
-        part_o[at * D + d] = v;
+        part_o[at * Dv + d] = v;
         if (d == 0) { part_ml[2 * at] = ml_s[2 * g]; part_ml[2 * at + 1] = ml_s[2 * g + 1]; }
       }
     }
@@ -203,21 +217,25 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
 
 __global__ void __launch_bounds__(mtp::kAttnThreads)
 paged_attention_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                             const int* __restrict__ row_len, int max_len, float* __restrict__ out,
-                             int Hq, int D, int part_size, int num_parts) {
+                             const int* __restrict__ row_start, const int* __restrict__ row_len,
+                             const float* __restrict__ sinks, int max_len, float* __restrict__ out,
+                             int Hq, int Dv, int part_size, int num_parts) {
   const int hq = blockIdx.x;
   const long long r = blockIdx.y;
   const int L = min(row_len[r], max_len);
-  const int np = L > 0 ? (L + part_size - 1) / part_size : 0;  // partitions that were written
-  const long long base = r * Hq + hq;                            // [n, Hq]
+  const int first = row_start ? max(row_start[r], 0) : 0;
+  const int np = L > first ? (L - first + part_size - 1) / part_size : 0;  // partitions that were written
+  const long long base = r * Hq + hq;                                      // [n, Hq]
   const float* ml = part_ml + base * num_parts * 2;
   float M = mtp::neg_inf();
   for (int p = 0; p < np; ++p) M = fmaxf(M, ml[2 * p]);
+  if (sinks != nullptr) M = fmaxf(M, sinks[hq]);
   float den = 0.0f;
   for (int p = 0; p < np; ++p) den += expf(ml[2 * p] - M) * ml[2 * p + 1];
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+  if (sinks != nullptr) den += expf(sinks[hq] - M);  // the sink, once: a key of value 0
+  for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
     float num = 0.0f;
-    for (int p = 0; p < np; ++p) num += expf(ml[2 * p] - M) * part_o[(base * num_parts + p) * D + d];
-    out[base * D + d] = np > 0 ? num / den : 0.0f;
+    for (int p = 0; p < np; ++p) num += expf(ml[2 * p] - M) * part_o[(base * num_parts + p) * Dv + d];
+    out[base * Dv + d] = np > 0 ? num / den : 0.0f;
   }
 }

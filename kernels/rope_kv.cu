@@ -1,9 +1,12 @@
 // rope_kv.cu -- per-head q/k RMSNorm, partial neox RoPE, paged KV write, in one pass.
 //
-//   qkv [n, (Hq + 2 Hkv) * D] fp32: Hq query heads, Hkv key heads, Hkv value heads
+//   qkv [n, ld] fp32, ld >= (Hq + Hkv) * D + Hkv * Dv: Hq query heads and Hkv key heads
+//   of D, then Hkv value heads of Dv; columns past them (a gate projection stacked after
+//   q | k | v) are not read
 //   q_out [n, Hq, D] fp32 = rope(rmsnorm(q, q_norm_w))
-//   k_cache[slot, hk, :] = KV(rope(rmsnorm(k, k_norm_w)))     caches [NB, BS, Hkv, D] in KV
-//   v_cache[slot, hk, :] = KV(v)                               (slot = block * BS + offset)
+//   k_cache[slot, hk, :] = KV(rope(rmsnorm(k, k_norm_w)))     k_cache [NB, BS, Hkv, D] in KV
+//   v_cache[slot, hk, :] = KV(v)                               v_cache [NB, BS, Hkv, Dv] in KV
+//                                                              (slot = block * BS + offset)
 //
 // RoPE (neox, first R = 2 * half dims): with x1 = x[0:half], x2 = x[half:R],
 // f = float(pos) * inv_freq: x1' = x1 cos f - x2 sin f, x2' = x2 cos f + x1 sin f;
@@ -11,7 +14,7 @@
 //
 // Mapping: one warp per (row, head) over all Hq + 2 Hkv heads of the row.
 //   grid (ceil((Hq + 2 Hkv) / 4), n), block 128 = 4 warps.
-//   Lanes stride over the head's D elements: a warp-sum of squares gives the
+//   Lanes stride over the head's D (value heads: Dv) elements: a warp-sum of squares gives the
 //   norm, then lane i rotates the pairs (i, i + half), i = lane, lane + 32, ...
 //   The head (D * 4 B) is re-read from L1 for the second pass.
 //
@@ -26,18 +29,20 @@ constexpr int kRopeWarps = 4;
 
 template <typename KV>
 __global__ void __launch_bounds__(mtp::kRopeWarps * mtp::kWarp)
-qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, const float* __restrict__ q_norm_w,
+qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float* __restrict__ q_norm_w,
                              const float* __restrict__ k_norm_w, float eps,
                              const float* __restrict__ inv_freq, int half,
                              const int* __restrict__ positions, KV* __restrict__ k_cache,
                              KV* __restrict__ v_cache, const int* __restrict__ slots,
-                             long long num_slots, float* __restrict__ q_out, int Hq, int Hkv, int D) {
+                             long long num_slots, float* __restrict__ q_out, int Hq, int Hkv, int D,
+                             int Dv) {
   const int warp = threadIdx.x / mtp::kWarp, lane = threadIdx.x % mtp::kWarp;
   const int h = blockIdx.x * mtp::kRopeWarps + warp;  // head of the row: q, then k, then v
   const long long r = blockIdx.y;
   const int heads = Hq + 2 * Hkv;
   if (h >= heads) return;  // no barriers in this kernel
-  const float* src = qkv + (r * heads + h) * D;
+  // q and k heads are D wide, the value heads after them Dv
+  const float* src = qkv + r * ld + (h < Hq + Hkv ? h * D : (Hq + Hkv) * D + (h - Hq - Hkv) * Dv);
 
   // destination
   const bool is_q = h < Hq, is_k = !is_q && h < Hq + Hkv;
@@ -49,11 +54,11 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, const float* __restr
     const long long slot = slots[r];
     if (slot < 0 || slot >= num_slots) return;
     const int hk = is_k ? h - Hq : h - Hq - Hkv;
-    kvdst = (is_k ? k_cache : v_cache) + (slot * Hkv + hk) * D;
+    kvdst = is_k ? k_cache + (slot * Hkv + hk) * D : v_cache + (slot * Hkv + hk) * Dv;
   }
 
   if (!is_q && !is_k) {  // v: convert and store
-    for (int d = lane; d < D; d += mtp::kWarp) kvdst[d] = mtp::from_f32<KV>(src[d]);
+    for (int d = lane; d < Dv; d += mtp::kWarp) kvdst[d] = mtp::from_f32<KV>(src[d]);
     return;
   }
 

@@ -230,10 +230,10 @@ del _name, _obj
 
 # -- odd and large shapes ------------------------------------------------------------------------
 
-def _filled_caches(be, rng, NB, BS, Hkv, D):
-    n = NB * BS
-    k, v = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
-    be.qk_norm_rope_kv_write(rnd(rng, n, 3 * Hkv * D), Hkv, Hkv, None, None, 1e-6, inv_freq(2, 1e4),
+def _filled_caches(be, rng, NB, BS, Hkv, D, Dv=None):
+    n, Dv = NB * BS, D if Dv is None else Dv
+    k, v = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, Dv)
+    be.qk_norm_rope_kv_write(rnd(rng, n, 2 * Hkv * D + Hkv * Dv), Hkv, Hkv, None, None, 1e-6, inv_freq(2, 1e4),
                              np.zeros(n, np.int32), k, v, np.arange(n, dtype=np.int32))
     return k, v
 
@@ -311,6 +311,73 @@ def test_attention_empty_row_gives_zeros(be):
     got = be.paged_attention(rnd(rng, 2, 4, 16), k, v, tables, np.zeros(2, np.int32), np.array([0, 3], np.int32),
                              0.25)
     assert not got[0].any() and np.isfinite(got).all()
+
+
+def _window_rows(rng, S, cap, n):
+    """Rows of S sequences: lengths up to cap (the first row of each the longest), windows of
+    1 row, 3, 64, 200 rows and one past the context -> (row_seq, row_len, row_start)."""
+    row_seq = (np.arange(n) % S).astype(np.int32)
+    row_len = rng.integers(1, cap + 1, n).astype(np.int32)
+    row_len[:S] = cap
+    window = np.resize(np.array([1, 3, 64, 200, cap + 7]), n)
+    return row_seq, row_len, np.maximum(0, row_len - window).astype(np.int32)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,Dv,BS,max_blocks", [
+    (8, 1, 192, 128, 16, 40), (16, 2, 256, 256, 16, 12), (6, 3, 19, 72, 5, 30), (24, 4, 128, 64, 7, 33),
+    (4, 4, 64, 17, 16, 20)])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_attention_window_sinks_shapes(be, sm_count, Hq, Hkv, D, Dv, BS, max_blocks, sms):
+    """Windows and sinks with head dims 19..256, value head dims of their own (DC chosen by
+    Dv: 2, 4, 8), GQA groups up to 16: split into partitions from each row's window (132
+    SMs) and merged with the sink once, or in one partition (1 SM)."""
+    sm_count(sms)
+    rng = np.random.default_rng(Hq * 1000 + D + Dv)
+    S = 3
+    NB = S * max_blocks + 2
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D, Dv)
+    tables = rng.permutation(NB)[: S * max_blocks].reshape(S, max_blocks).astype(np.int32)
+    row_seq, row_len, row_start = _window_rows(rng, S, max_blocks * BS, 9)
+    sinks = np.resize(np.array([8.0, -30.0, 0.5], np.float32), Hq)
+    q = rnd(rng, row_seq.size, Hq, D)
+    for kw in ({"row_start": row_start}, {"sinks": sinks}, {"row_start": row_start, "sinks": sinks}):
+        got = be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, **kw)
+        want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5, **kw)
+        assert_close(got, want, "float32", f"paged_attention {sorted(kw)}")
+
+
+@pytest.mark.parametrize("budget_rows", [1, 3, 0])
+def test_attention_window_sinks_workspaces(be, sm_count, monkeypatch, budget_rows):
+    """The split-KV workspaces with Dv != D: the launcher's own row groups (row_start sliced
+    with its rows; 0: one group) and the caller's part_o [n, Hq, P, Dv] / part_ml [n, Hq, P, 2],
+    as a planned step passes them, with out= too."""
+    from mtpkern.backends.cuda_launch import attention as attention_launch
+    Hq, Hkv, D, Dv, BS, max_blocks, n = 8, 2, 48, 24, 16, 40, 7
+    sm_count(1)
+    p = attention_launch.plan(Hq // Hkv, D, max_blocks * BS, work=n * Hkv, target_blocks=2, Dv=Dv)
+    assert p.num_parts == 2
+    if budget_rows:
+        monkeypatch.setattr(attention_launch, "WORKSPACE_BYTES", budget_rows * Hq * p.num_parts * (Dv + 2) * 4)
+    rng = np.random.default_rng(budget_rows + 40)
+    NB = 2 * max_blocks
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D, Dv)
+    tables = rng.permutation(NB).reshape(2, max_blocks).astype(np.int32)
+    row_seq, row_len, row_start = _window_rows(rng, 2, max_blocks * BS, n)
+    sinks = rnd(rng, Hq, scale=3.0)
+    q = rnd(rng, n, Hq, D)
+    want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5,
+                               row_start=row_start, sinks=sinks)
+    got = be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, row_start=row_start, sinks=sinks)
+    assert_close(got, want, "float32", "paged_attention (launcher's workspaces)")
+    out = np.zeros((n, Hq * Dv), np.float32)
+    ws = {"part_o": np.zeros((n, Hq, p.num_parts, Dv), np.float32), "part_ml": np.zeros((n, Hq, p.num_parts, 2),
+                                                                                          np.float32)}
+    assert be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, row_start=row_start, sinks=sinks,
+                              out=out, **ws) is out
+    assert_close(out, want, "float32", "paged_attention (caller's workspaces)")
+    with pytest.raises(ValueError, match=r"part_o: expected shape \[7, 8, 2, 24\]"):
+        be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, out=out,
+                           part_o=np.zeros((n, Hq, p.num_parts, D), np.float32), part_ml=ws["part_ml"])
 
 
 @pytest.mark.parametrize("wd", ["bf16", "f32", "fp8", "fp8c"])
@@ -614,6 +681,9 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             tables = rng.permutation(NB).astype(np.int32).reshape(2, 12)
             out[f"attention {kv} {D}"] = be.paged_attention(q[:4], k, v, tables, np.array([0, 1, 1, 0], np.int32),
                                                             np.array([192, 1, 100, 17], np.int32), D ** -0.5)
+            out[f"attention window sinks {kv} {D}"] = be.paged_attention(
+                q[:4], k, v, tables, np.array([0, 1, 1, 0], np.int32), np.array([192, 1, 100, 17], np.int32),
+                D ** -0.5, row_start=np.array([60, 0, 99, 3], np.int32), sinks=rnd(rng, Hq))
             out[f"kv {kv} {D}"] = np.concatenate([k.view(np.uint8).ravel(), v.view(np.uint8).ravel()])
     src, dst = rnd(rng, 64), np.zeros(64, np.float32)
     step_launch.copy_segments(np.array([(src.ctypes.data, dst.ctypes.data, 64)], np.int64))

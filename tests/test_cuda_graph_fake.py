@@ -151,19 +151,21 @@ class FakeCudaBackend(NumpyBackend):
             self.ws_seen.add("xcat")
         return self._run("mtp_input", embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, out=out)
 
-    def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale, *, out=None,
-                        part_o=None, part_ml=None):
+    def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale, *, row_start=None,
+                        sinks=None, out=None, part_o=None, part_ml=None):
         n, Hq, D = q.shape
-        NB, BS, Hkv, _ = k_cache.shape
+        NB, BS, Hkv, Dv = v_cache.shape
         if out is not None:                  # a planned step: the launcher's own partition rule
-            p = attn_launch.plan(Hq // Hkv, D, block_tables.shape[1] * BS, work=n * Hkv, target_blocks=2 * SMS)
+            p = attn_launch.plan(Hq // Hkv, D, block_tables.shape[1] * BS, work=n * Hkv, target_blocks=2 * SMS,
+                                 Dv=Dv)
             if p.num_parts > 1:
-                _expect("part_o", part_o, (n, Hq, p.num_parts, D))
+                _expect("part_o", part_o, (n, Hq, p.num_parts, Dv))
                 _expect("part_ml", part_ml, (n, Hq, p.num_parts, 2))
                 self.ws_seen.add("part_o")
             else:
                 assert part_o is None and part_ml is None
-        return self._run("paged_attention", q, k_cache, v_cache, block_tables, row_seq, row_len, scale, out=out)
+        return self._run("paged_attention", q, k_cache, v_cache, block_tables, row_seq, row_len, scale,
+                         row_start=row_start, sinks=sinks, out=out)
 
     def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
         if logits is not None:

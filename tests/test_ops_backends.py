@@ -182,14 +182,31 @@ def test_qk_norm_rope_kv_write(be, n, Hq, Hkv, D, R, norms):
     assert not k_got[untouched].any() and not v_got[untouched].any(), "a slot not in `slots` was written"
 
 
+def _rope_both(be, rng, qkv, Hq, Hkv, D, Dv, NB, BS):
+    """``qkv`` through the backend and the reference with random q/k norms, full RoPE,
+    random positions and distinct random slots -> (q, q_ref, k_cache, v_cache, k_ref,
+    v_ref, slots), the caches [NB, BS, Hkv, D] / [NB, BS, Hkv, Dv]."""
+    n = qkv.shape[0]
+    qn, kn, invf = acts(rng, D), acts(rng, D), inv_freq(D, 10000.0)
+    positions = rng.integers(0, 5000, n).astype(np.int32)
+    slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)
+    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, Dv)
+    k_ref, v_ref = REF.empty_kv(NB, BS, Hkv, D), REF.empty_kv(NB, BS, Hkv, Dv)
+    q = be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, be.prepare_vector(qn), be.prepare_vector(kn), 1e-6,
+                                 be.from_host(invf), be.from_host(positions), k_cache, v_cache, be.from_host(slots))
+    q_ref = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, positions, k_ref, v_ref, slots)
+    return q, q_ref, k_cache, v_cache, k_ref, v_ref, slots
+
+
 # -- attention ----------------------------------------------------------------
 
-def _filled_caches(be, rng, NB, BS, Hkv, D):
-    """Caches with random content in every slot, written through the backend's own
-    KV write (so any kv_dtype works); the reference then reads kv_to_host of them."""
-    n = NB * BS
-    qkv = acts(rng, n, 3 * Hkv * D)                                    # Hkv query heads, unused
-    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+def _filled_caches(be, rng, NB, BS, Hkv, D, Dv=None):
+    """Caches with random content in every slot (V ``Dv`` wide, default D), written through
+    the backend's own KV write (so any kv_dtype works); the reference then reads kv_to_host
+    of them."""
+    n, Dv = NB * BS, D if Dv is None else Dv
+    qkv = acts(rng, n, 2 * Hkv * D + Hkv * Dv)                         # Hkv query heads, unused
+    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, Dv)
     be.qk_norm_rope_kv_write(be.from_host(qkv), Hkv, Hkv, None, None, 1e-6, be.from_host(inv_freq(2, 1e4)),
                              be.from_host(np.zeros(n, np.int32)), k_cache, v_cache,
                              be.from_host(np.arange(n, dtype=np.int32)))
@@ -291,6 +308,243 @@ def test_paged_attention_rejects_empty_row(be):
         be.paged_attention(be.from_host(np.zeros((2, 1, 8), np.float32)), k_cache, v_cache,
                            be.from_host(np.array([[0, 1]], np.int32)), be.from_host(np.zeros(2, np.int32)),
                            be.from_host(np.array([3, 0], np.int32)), 1.0)
+
+
+# -- attention features: sliding window, sinks, a value head dim of its own ----
+
+def dense_attention64(q, K, V, lens, starts, sinks, scale) -> np.ndarray:
+    """The float64 brute force: row r against the dense K[r] [T, Hkv, D] / V[r] [T, Hkv, Dv]
+    of its sequence, every score computed, those outside ``starts[r] .. lens[r] - 1`` masked
+    to -inf (and their values to 0, whatever they hold), the sinks appended as one more logit
+    column whose value row is 0, then a plain softmax. -> [n, Hq * Dv]."""
+    n, Hq, _ = q.shape
+    out = []
+    for r in range(n):
+        k, v = np.asarray(K[r], np.float64), np.asarray(V[r], np.float64)
+        T, Hkv = k.shape[:2]
+        kh, vh = np.repeat(k, Hq // Hkv, axis=1), np.repeat(v, Hq // Hkv, axis=1)   # [T, Hq, D | Dv]
+        seen = (np.arange(T) >= starts[r]) & (np.arange(T) < lens[r])
+        logits = np.einsum("hd,thd->ht", np.asarray(q[r], np.float64), kh) * scale       # [Hq, T]
+        logits[:, ~seen] = -np.inf
+        vh = np.where(seen[:, None, None], vh, 0.0)
+        if sinks is not None:
+            logits = np.concatenate([logits, np.asarray(sinks, np.float64)[:, None]], axis=1)
+            vh = np.concatenate([vh, np.zeros((1,) + vh.shape[1:])])
+        with np.errstate(invalid="ignore"):                                            # every logit -inf
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            p = e / e.sum(axis=1, keepdims=True)
+        out.append(np.einsum("ht,thd->hd", p, vh).reshape(-1))
+    return np.stack(out)
+
+
+def _window_case(be, rng, seqs, lens, BS, max_blocks, Hq, Hkv, D, Dv):
+    """Caches, a block table and the dense K / V per row for rows of ``lens`` KV rows in
+    sequences ``seqs``; the last block of the caches is the poison block: huge keys, NaN
+    values (a row that reads it shows NaN)."""
+    S = max(seqs) + 1
+    NB = S * max_blocks + 1
+    k_cache, v_cache = _filled_caches(be, rng, NB, BS, Hkv, D, Dv)
+    poison = NB - 1
+    qkv = np.full((BS, 2 * Hkv * D + Hkv * Dv), 1e3, np.float32)
+    qkv[:, 2 * Hkv * D:] = np.nan
+    be.qk_norm_rope_kv_write(be.from_host(qkv), Hkv, Hkv, None, None, 1e-6, be.from_host(inv_freq(2, 1e4)),
+                             be.from_host(np.zeros(BS, np.int32)), k_cache, v_cache,
+                             be.from_host(np.arange(poison * BS, NB * BS, dtype=np.int32)))
+    tables = rng.permutation(poison)[: S * max_blocks].reshape(S, max_blocks).astype(np.int32)
+    kh, vh = be.kv_to_host(k_cache), be.kv_to_host(v_cache)
+    i = np.arange(max_blocks * BS)
+    K = [kh[tables[s, i // BS], i % BS] for s in seqs]                  # [T, Hkv, D] per row
+    V = [vh[tables[s, i // BS], i % BS] for s in seqs]
+    q = acts(rng, len(seqs), Hq, D, scale=2.0)
+    return k_cache, v_cache, tables, poison, q, K, V
+
+
+def _poisoned(tables, seqs, lens, starts, BS, poison):
+    """``tables`` with every entry no row reads (blocks wholly before the window of all the
+    sequence's rows, or past its longest row) replaced: by the poison block, or by -1 for
+    sequence 1 (out of range: a bounds check of entries not in use would refuse it)."""
+    t = tables.copy()
+    for s in range(t.shape[0]):
+        mine = [r for r, q in enumerate(seqs) if q == s]
+        if not mine:
+            continue
+        lo = min(starts[r] for r in mine) // BS
+        hi = -(-max(lens[r] for r in mine) // BS)
+        bad = -1 if s == 1 else poison
+        t[s, :lo] = bad
+        t[s, hi:] = bad
+    return t
+
+
+def _sinks(rng, kind, Hq):
+    """None, or a logit per query head: ``large`` (dominates the scores, which are O(1)),
+    ``tiny`` (changes nothing visible), ``mixed`` (both, and 0)."""
+    if kind is None:
+        return None
+    if kind == "large":
+        return rng.uniform(4.0, 12.0, Hq).astype(np.float32)
+    if kind == "tiny":
+        return rng.uniform(-40.0, -20.0, Hq).astype(np.float32)
+    return np.resize(np.array([30.0, -30.0, 0.0, 2.5], np.float32), Hq)
+
+
+def _check_window_case(be, case, seqs, lens, window, sink_kind, rng, scale, BS, what):
+    k_cache, v_cache, tables, poison, q, K, V = case
+    lens = np.asarray(lens, np.int32)
+    starts = np.zeros_like(lens) if window is None else np.maximum(0, lens - window).astype(np.int32)
+    sinks = _sinks(rng, sink_kind, q.shape[1])
+    t = _poisoned(tables, seqs, lens, starts, BS, poison)
+    f = be.from_host
+    got = be.paged_attention(f(q), k_cache, v_cache, f(t), f(np.asarray(seqs, np.int32)), f(lens), scale,
+                             row_start=None if window is None else f(starts), sinks=None if sinks is None else f(sinks))
+    want = dense_attention64(q, K, V, lens, starts, sinks, scale)
+    assert_close(be.to_host(got), want, kv_tol(be), what=f"{what} window={window} sinks={sink_kind}")
+
+
+#: (window, sinks) of each call: windows of 1 and 3 rows, one longer than any context, none
+WINDOW_SINKS = [(None, None), (1, "large"), (3, "tiny"), (1000, "mixed"), (3, None), (None, "large")]
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("Hq,Hkv,D,Dv,BS", [(1, 1, 16, 16, 4), (2, 1, 64, 64, 16), (8, 2, 192, 128, 16),
+                                           (8, 8, 16, 128, 3), (2, 2, 64, 16, 5)])
+def test_paged_attention_window_sinks_value_dim(be, n, Hq, Hkv, D, Dv, BS):
+    """Sliding windows (``row_start``), sinks and Dv != D (MiMo-V2: 192 / 128) against the
+    float64 brute force, rows of up to ~40 KV rows (one cuda partition) in up to 3
+    sequences; the table entries no row reads are poison (huge keys, NaN values) or -1."""
+    rng = rng_for("attention_features", n, Hq, Hkv, D, Dv, BS)
+    max_blocks = -(-40 // BS)
+    seqs = [r % 3 for r in range(n)]
+    lens = rng.integers(1, max_blocks * BS + 1, n)
+    case = _window_case(be, rng, seqs, lens, BS, max_blocks, Hq, Hkv, D, Dv)
+    for window, sinks in WINDOW_SINKS:
+        _check_window_case(be, case, seqs, lens, window, sinks, rng, D ** -0.5, BS, "paged_attention")
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,Dv", [(8, 2, 64, 64), (4, 1, 192, 128)])
+def test_paged_attention_window_sinks_long_context(be, Hq, Hkv, D, Dv):
+    """Contexts of up to 640 rows: the cuda backend splits them into partitions (from the
+    window's first row) and merges them, the sink counted once; the cpu backend cuts a row's
+    blocks into chunks (2 for a single row); windows inside one block, across many, across
+    partitions, longer than the context; one row per call, then all rows in one call."""
+    rng = rng_for("attention_features_long", Hq, Hkv, D, Dv)
+    BS, max_blocks = 16, 40
+    seqs, lens = [0, 1, 1, 0, 2], [640, 600, 333, 17, 513]
+    case = _window_case(be, rng, seqs, lens, BS, max_blocks, Hq, Hkv, D, Dv)
+    k_cache, v_cache, tables, poison, q, K, V = case
+    for window, sinks in [(1, "mixed"), (5, "large"), (100, None), (513, "tiny"), (1000, "large"), (None, "mixed")]:
+        for r in range(len(seqs)):
+            one = (k_cache, v_cache, tables, poison, q[r:r + 1], K[r:r + 1], V[r:r + 1])
+            _check_window_case(be, one, [seqs[r]], [lens[r]], window, sinks, rng, D ** -0.5, BS,
+                               f"paged_attention row {r}")
+        _check_window_case(be, case, seqs, lens, window, sinks, rng, D ** -0.5, BS, "paged_attention (all rows)")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the reference's -inf - -inf
+def test_paged_attention_sinks_windows_at_minus_inf(be):
+    """Keys of -inf score: every visible score -inf gives NaN without a sink (as before) and 0
+    with a finite one, in one partition and in many; a window that starts past the -inf keys
+    gives finite results; a NaN in V at a visible -inf key stays NaN with a sink too."""
+    Hq, Hkv, D, BS, NB = 2, 1, 8, 4, 24
+    L = NB * BS
+    qkv = np.zeros((L, 3 * Hkv * D), np.float32)
+    qkv[:, D:2 * D] = 0.5                                                 # k rows
+    qkv[:64, D + 4] = -np.inf                                             # keys 0..63: -inf scores
+    qkv[:, 2 * D:] = np.arange(L, dtype=np.float32)[:, None] / L          # v rows
+    qkv[3, 2 * D + 1] = np.nan                                            # V of key 3 (a -inf key): NaN
+    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    be.qk_norm_rope_kv_write(be.from_host(qkv), Hkv, Hkv, None, None, 1e-6, be.from_host(inv_freq(2, 1e4)),
+                             be.from_host(np.zeros(L, np.int32)), k_cache, v_cache,
+                             be.from_host(np.arange(L, dtype=np.int32)))
+    K, V = be.kv_to_host(k_cache).reshape(L, Hkv, D), be.kv_to_host(v_cache).reshape(L, Hkv, D)
+    q = np.ones((4, Hq, D), np.float32)
+    tables = np.arange(NB, dtype=np.int32).reshape(1, NB)
+    row_seq = np.zeros(4, np.int32)
+    row_len = np.array([64, 60, L, 70], np.int32)
+    sinks = np.array([0.5, -3.0], np.float32)
+    f = be.from_host
+
+    def run(starts, sk):
+        return be.to_host(be.paged_attention(f(q), k_cache, v_cache, f(tables), f(row_seq), f(row_len), 1.0,
+                                             row_start=None if starts is None else f(starts),
+                                             sinks=None if sk is None else f(sk)))
+
+    no_key3 = np.array([10, 4, 64, 65], np.int32)                         # windows past key 3
+    got = run(no_key3, None)
+    want = dense_attention64(q, [K] * 4, [V] * 4, row_len, no_key3, None, 1.0)
+    assert np.isnan(got[:2]).all() and np.isnan(want[:2]).all()          # only -inf keys: 0 / 0
+    assert np.isfinite(got[2:]).all()
+    assert_close(got, want, kv_tol(be), what="paged_attention, windows past the NaN key")
+    got = run(no_key3, sinks)
+    want = dense_attention64(q, [K] * 4, [V] * 4, row_len, no_key3, sinks, 1.0)
+    assert (got[:2] == 0).all() and np.isfinite(got).all()                # the sink takes it all
+    assert_close(got, want, kv_tol(be), what="paged_attention, sinks over -inf keys")
+    got = run(None, sinks)                                                # key 3 visible: NaN stays
+    want = dense_attention64(q, [K] * 4, [V] * 4, row_len, np.zeros(4, np.int32), sinks, 1.0)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(want).any()
+    assert_close(got, want, kv_tol(be), what="paged_attention, sinks and NaN in V at a -inf key")
+
+
+def test_paged_attention_features_validate(be):
+    """row_start, sinks and v_cache are checked with the argument named."""
+    f = be.from_host
+    k_cache, v_cache = be.empty_kv(4, 4, 2, 8), be.empty_kv(4, 4, 2, 6)
+    q, tables = f(np.zeros((2, 4, 8), np.float32)), f(np.zeros((1, 4), np.int32))
+    row_seq, row_len = f(np.zeros(2, np.int32)), f(np.array([3, 5], np.int32))
+
+    def call(**kw):
+        return be.paged_attention(q, k_cache, kw.pop("v_cache", v_cache), tables, row_seq, row_len, 1.0, **kw)
+    assert call().shape == (2, 4 * 6)
+    with pytest.raises(TypeError, match="row_start: expected dtype int32, got int64"):
+        call(row_start=f(np.zeros(2, np.int64)))
+    with pytest.raises(ValueError, match=r"row_start: expected shape \[2\], got \[3\]"):
+        call(row_start=f(np.zeros(3, np.int32)))
+    with pytest.raises(ValueError, match=r"sinks: expected shape \[4\], got \[2\]"):
+        call(sinks=f(np.zeros(2, np.float32)))
+    with pytest.raises(TypeError, match="sinks: expected dtype float32, got float64"):
+        call(sinks=f(np.zeros(4, np.float64)))
+    with pytest.raises(ValueError, match=r"v_cache: expected shape \[4, 4, 2, \*\], got \[4, 4, 1, 6\]"):
+        call(v_cache=be.empty_kv(4, 4, 1, 6))
+
+
+def test_paged_attention_rejects_row_start_outside_the_row(be):
+    host_only(be)
+    f = be.from_host
+    k_cache, v_cache = be.empty_kv(2, 4, 1, 8), be.empty_kv(2, 4, 1, 8)
+    for bad, match in (([0, 5], r"row_start\[1\]: expected 0 <= row_start < row_len\[1\] = 5, got 5"),
+                       ([-1, 0], r"row_start\[0\]: expected 0 <= row_start < row_len\[0\] = 3, got -1")):
+        with pytest.raises(ValueError, match=match):
+            be.paged_attention(f(np.zeros((2, 1, 8), np.float32)), k_cache, v_cache, f(np.array([[0, 1]], np.int32)),
+                               f(np.zeros(2, np.int32)), f(np.array([3, 5], np.int32)), 1.0,
+                               row_start=f(np.array(bad, np.int32)))
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("Hq,Hkv,D,Dv,extra", [(4, 2, 16, 8, 5), (2, 1, 192, 128, 2), (3, 3, 10, 10, 7),
+                                              (1, 1, 8, 16, 0)])
+def test_qk_norm_rope_kv_write_value_dim_extra_columns(be, n, Hq, Hkv, D, Dv, extra):
+    """V heads of Dv (v_cache's last axis), and qkv rows with columns after q | k | v (a gate
+    stacked into the same projection): those are not read (NaN there changes nothing)."""
+    rng = rng_for("rope_dv", n, Hq, Hkv, D, Dv, extra)
+    NB, BS = 7, 5
+    qkv = acts(rng, n, (Hq + Hkv) * D + Hkv * Dv + extra, scale=2.0)
+    qkv[:, (Hq + Hkv) * D + Hkv * Dv:] = np.nan
+    q, q_ref, k_cache, v_cache, k_ref, v_ref, slots = _rope_both(be, rng, qkv, Hq, Hkv, D, Dv, NB, BS)
+    assert np.isfinite(q_ref).all() and np.isfinite(v_ref).all()
+    assert_close(be.to_host(q), q_ref, what="q")
+    k_got, v_got = be.kv_to_host(k_cache), be.kv_to_host(v_cache)
+    blk, off = slots // BS, slots % BS
+    assert_close(k_got[blk, off], k_ref[blk, off], kv_tol(be), what="k cache rows")
+    want_v = v_ref[blk, off] if kv_tol(be) == "float32" else \
+        v_ref[blk, off].astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(v_got[blk, off], want_v)             # a move (BF16: round to nearest even)
+    untouched = np.ones((NB, BS), bool)
+    untouched[blk, off] = False
+    assert not k_got[untouched].any() and not v_got[untouched].any(), "a slot not in `slots` was written"
+    narrow = be.from_host(qkv[:, : (Hq + Hkv) * D + Hkv * Dv - 1])
+    with pytest.raises(ValueError, match=r"qkv: expected \[n, at least \(Hq \+ Hkv\) \* D \+ Hkv \* Dv"):
+        be.qk_norm_rope_kv_write(narrow, Hq, Hkv, None, None, 1e-6, be.from_host(inv_freq(D, 1e4)),
+                                 be.from_host(np.zeros(n, np.int32)), k_cache, v_cache, be.from_host(slots))
 
 
 # -- moe ----------------------------------------------------------------------
@@ -680,14 +934,7 @@ def test_many_rows(be, wdtype):
     # rope + KV write and attention: n * (Hq + 2 Hkv) * D = 600 * 256, n * Hq * D = 600 * 128
     n, Hq, Hkv, D, NB, BS = 600, 8, 4, 16, 80, 8
     qkv = acts(rng, n, (Hq + 2 * Hkv) * D)
-    qn, kn, invf = acts(rng, D), acts(rng, D), inv_freq(D, 10000.0)
-    positions = rng.integers(0, 5000, n).astype(np.int32)
-    slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)
-    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
-    k_ref, v_ref = REF.empty_kv(NB, BS, Hkv, D), REF.empty_kv(NB, BS, Hkv, D)
-    q = be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, be.prepare_vector(qn), be.prepare_vector(kn), 1e-6,
-                                 be.from_host(invf), be.from_host(positions), k_cache, v_cache, be.from_host(slots))
-    q_ref = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, positions, k_ref, v_ref, slots)
+    q, q_ref, k_cache, v_cache, k_ref, v_ref, slots = _rope_both(be, rng, qkv, Hq, Hkv, D, D, NB, BS)
     assert_close(be.to_host(q), q_ref, what="rope q (many rows)")
     assert_close(be.kv_to_host(k_cache), k_ref, kv_tol(be), what="rope k cache (many rows)")
     tables = rng.permutation(NB).reshape(2, NB // 2).astype(np.int32)

@@ -110,6 +110,78 @@ def test_paged_attention_matches_dense_causal():
             np.testing.assert_allclose(got[i].reshape(Hq, D)[h], p @ Vv[:, h // 3], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("Dv", [8, 5])
+def test_paged_attention_window_sinks_as_a_softmax_with_an_extra_column(Dv):
+    """A sliding window is a mask on the keys before ``row_start``; a sink is one more logit
+    in each head's softmax whose value is 0 (gpt-oss: concatenate it, softmax, drop it), so
+    the rows' weights no longer sum to 1; V may be Dv wide. The tables' entries for blocks
+    wholly before every row's window are -1: never read."""
+    Hq, Hkv, D, BS = 4, 2, 8, 4
+    NB = 12
+    kc, vc = f32(NB, BS, Hkv, D), f32(NB, BS, Hkv, Dv)
+    tables = rng.permutation(NB)[:10].reshape(2, 5).astype(np.int32)
+    rows = [(0, 20, 17), (0, 19, 12), (1, 6, 0), (1, 7, 6), (0, 13, 8)]   # (sequence, length, first row)
+    tables[0, :2] = -1                                                 # rows of sequence 0 start at 8 or later
+    sinks = np.array([1.5, -0.5, 20.0, -20.0], np.float32)
+    q = f32(len(rows), Hq, D)
+    got = attention.paged_attention(q, kc, vc, tables, np.array([r[0] for r in rows], np.int32),
+                                    np.array([r[1] for r in rows], np.int32), 0.4,
+                                    row_start=np.array([r[2] for r in rows], np.int32), sinks=sinks)
+    assert got.shape == (len(rows), Hq * Dv)
+    for i, (s, L, a) in enumerate(rows):
+        for h in range(Hq):
+            sc, vals = [], []
+            for j in range(a, L):                                      # only the window's keys
+                blk, off = tables[s, j // BS], j % BS
+                sc.append(0.4 * float(q[i, h] @ kc[blk, off, h // 2]))
+                vals.append(vc[blk, off, h // 2].astype(np.float64))
+            z = np.array(sc + [float(sinks[h])])                       # the sink: one more logit
+            p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            want = sum(pj * v for pj, v in zip(p[:-1], vals))          # ... with value 0
+            np.testing.assert_allclose(got[i].reshape(Hq, Dv)[h], want, rtol=1e-4, atol=1e-6)
+    # no sink and no window: what it was (weights sum to 1), bit for bit with the defaults
+    full = np.array([r[1] for r in rows], np.int32)
+    valid = np.arange(NB, dtype=np.int32)[:10].reshape(2, 5)
+    plain = attention.paged_attention(q, kc, vc, valid, np.array([r[0] for r in rows], np.int32), full, 0.4)
+    np.testing.assert_array_equal(plain, attention.paged_attention(
+        q, kc, vc, valid, np.array([r[0] for r in rows], np.int32), full, 0.4,
+        row_start=np.zeros(len(rows), np.int32)))
+    with pytest.raises(ValueError, match=r"row_start\[1\]: expected 0 <= row_start < row_len\[1\] = 19, got 19"):
+        attention.paged_attention(q, kc, vc, valid, np.array([r[0] for r in rows], np.int32), full, 0.4,
+                                  row_start=np.array([0, 19, 0, 0, 0], np.int32))
+
+
+def test_a_dominant_sink_shrinks_the_output_to_zero():
+    kc, vc = f32(2, 4, 1, 8), f32(2, 4, 1, 8) + 3.0
+    q = f32(1, 1, 8)
+    args = (q, kc, vc, np.array([[0, 1]], np.int32), np.zeros(1, np.int32), np.array([7], np.int32), 0.3)
+    base = attention.paged_attention(*args)
+    for s, frac in ((-80.0, 1.0), (60.0, 0.0)):
+        np.testing.assert_allclose(attention.paged_attention(*args, sinks=np.array([s], np.float32)), frac * base,
+                                   atol=1e-20)
+
+
+def test_qk_norm_rope_kv_write_value_dim_and_extra_columns():
+    """V heads are Dv wide after the q and k heads; columns past them are left alone."""
+    Hq, Hkv, D, Dv, extra, NB, BS = 3, 2, 8, 4, 6, 3, 2
+    n = 3
+    qkv = f32(n, (Hq + Hkv) * D + Hkv * Dv + extra)
+    qkv[:, -extra:] = np.nan
+    kc, vc = np.zeros((NB, BS, Hkv, D), np.float32), np.zeros((NB, BS, Hkv, Dv), np.float32)
+    slots = np.array([5, 0, 3], np.int32)
+    pos = np.array([1, 2, 3], np.int32)
+    inv = rope_kv.inv_freq(D, 10000.0)
+    q = rope_kv.qk_norm_rope_kv_write(qkv, Hq, Hkv, None, None, 1e-6, inv, pos, kc, vc, slots)
+    for i, s in enumerate(slots):
+        b, o = divmod(int(s), BS)
+        np.testing.assert_array_equal(vc[b, o], qkv[i, (Hq + Hkv) * D:(Hq + Hkv) * D + Hkv * Dv].reshape(Hkv, Dv))
+        k = qkv[i, Hq * D:(Hq + Hkv) * D].reshape(Hkv, D)
+        np.testing.assert_allclose(kc[b, o], rope_kv.rope_neox(k[None], pos[i:i + 1], inv)[0], rtol=1e-6)
+    assert np.isfinite(q).all() and np.isfinite(kc).all() and np.isfinite(vc).all()
+    with pytest.raises(ValueError, match=r"qkv: expected \[n, at least \(Hq \+ Hkv\) \* D \+ Hkv \* Dv = 48\]"):
+        rope_kv.qk_norm_rope_kv_write(qkv[:, :47], Hq, Hkv, None, None, 1e-6, inv, pos, kc, vc, slots)
+
+
 def brute_router(x, W, bias, spec):
     """Enumerate every admissible group choice, as the definition reads."""
     logits = x.astype(np.float64) @ W.T.astype(np.float64)

@@ -84,6 +84,10 @@ def _opt_mat(a) -> np.ndarray:
     return np.empty((0, 0), np.float32) if a is None else _act(a)
 
 
+#: an absent int32 row array (``row_start``): the kernels test ``shape[0] > 0``
+_NO_ROWS = np.empty(0, np.int32)
+
+
 def _weight(name: str, w) -> np.ndarray:
     """A weight in the stored form: BF16 bits (uint16) or FP32, C-contiguous.
 
@@ -307,6 +311,7 @@ class CpuBackend(Backend):
         self._check(check_qk_norm_rope_kv_write, qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
                     inv_freq, positions, k_cache, v_cache, slots)
         NB, BS, Hkv, D = k_cache.shape
+        Dv = v_cache.shape[3]
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
             if not (isinstance(c, np.ndarray) and c.dtype == np.float32 and c.flags.c_contiguous):
                 raise TypeError(f"{name}: expected a C-contiguous float32 NumPy cache (from empty_kv), "
@@ -317,16 +322,18 @@ class CpuBackend(Backend):
         q = _out("out", out, (n, num_q_heads, D))
         self._use_threads()
         rope_kv_k.qk_norm_rope_kv_write_kernel(
-            _apart(_act(qkv), q), num_q_heads, num_kv_heads, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
+            _apart(_act(qkv), q), num_q_heads, num_kv_heads, D, Dv, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
             np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions),
-            k_cache.reshape(NB * BS, Hkv * D), v_cache.reshape(NB * BS, Hkv * D), slots,
+            k_cache.reshape(NB * BS, Hkv * D), v_cache.reshape(NB * BS, Hkv * Dv), slots,
             q.reshape(n, num_q_heads * D))
         return q
 
     # -- attention ----------------------------------------------------------
-    def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *, out=None):
-        self._check(check_paged_attention, q, k_cache, v_cache, block_tables, row_seq, row_len)
+    def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
+                        row_start=None, sinks=None, out=None):
+        self._check(check_paged_attention, q, k_cache, v_cache, block_tables, row_seq, row_len, row_start, sinks)
         NB, BS, Hkv, D = k_cache.shape
+        Dv = v_cache.shape[3]
         S, max_blocks = block_tables.shape
         n, Hq, _ = q.shape
         row_seq = np.ascontiguousarray(row_seq)
@@ -337,16 +344,25 @@ class CpuBackend(Backend):
         if bad >= 0:                                                         # the reference's message
             raise ValueError(f"row_len[{bad}]: expected >= 1, got {int(row_len[bad])}")
         _in_range("row_len", row_len, max_blocks * BS + 1, lo=1)
-        r, b = bounds_k.first_bad_table_entry(block_tables, row_seq, row_len, BS, NB)
+        if row_start is None:
+            row_start = _NO_ROWS
+        else:
+            row_start = np.ascontiguousarray(row_start)
+            bad = bounds_k.first_outside_each(row_start, row_len)
+            if bad >= 0:                                                     # the reference's message
+                raise ValueError(f"row_start[{bad}]: expected 0 <= row_start < row_len[{bad}] = "
+                                 f"{int(row_len[bad])}, got {int(row_start[bad])}")
+        r, b = bounds_k.first_bad_table_entry(block_tables, row_seq, row_start, row_len, BS, NB)
         if r >= 0:                                                           # a block a row will read
             raise ValueError(f"block_tables (entries in use): expected values in [0, {NB}), "
                              f"got {int(block_tables[row_seq[r], b])}")
-        out = _out("out", out, (n, Hq * D))
+        out = _out("out", out, (n, Hq * Dv))
         # chunks of KV blocks per row: about 2 tasks per thread (n = 1, 2 threads: 4 chunks)
         splits = max(1, min(max_blocks, -(-2 * self.threads // max(n, 1))))
         self._use_threads()
-        attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables,
-                                           row_seq, row_len, np.float32(scale), splits, out.reshape(n, Hq, D))
+        attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables, row_seq,
+                                           row_start, row_len, _opt_vec(sinks), np.float32(scale), splits,
+                                           out.reshape(n, Hq, Dv))
         return out
 
     # -- moe ----------------------------------------------------------------

@@ -211,9 +211,10 @@ class CudaBackend(Backend):
                                              inv_freq, positions, k_cache, v_cache, slots, out=out)
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
-                        out=None, part_o=None, part_ml=None):
+                        row_start=None, sinks=None, out=None, part_o=None, part_ml=None):
         return attention.paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale,
-                                         out=out, part_o=part_o, part_ml=part_ml)
+                                         row_start=row_start, sinks=sinks, out=out, part_o=part_o,
+                                         part_ml=part_ml)
 
     def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
         return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits)

@@ -7,7 +7,7 @@ proposer pass: FP32 activations, int32 indices (int64 token ids inside
 ``mtp_input``), BF16 and FP32 weights through ``prepare_weight`` (and FP8 ones
 unless ``fp8=False``: on 2 cores they add ~16 s to a cold compile, one kernel per
 GEMV family serving both scale kinds), FP32 vectors through ``prepare_vector``,
-optional bias / residual / bitmask both given and absent. The embedding table
+optional bias / residual / bitmask / window / sinks both given and absent. The embedding table
 stays BF16 / FP32 (FP8 ones are refused). Only the ``Backend`` interface is used:
 any backend can run them.
 """
@@ -80,7 +80,11 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
                                  be.from_host(inv_freq(D, 10000.0)), idx([5, 6]), kc, vc, idx([5, 6]))
 
     def attention():
-        be.paged_attention(act(N, HQ, D), kc, vc, idx([[0, 1], [2, 3]]), idx([0, 1]), idx([5, 7]), D ** -0.5)
+        tables = idx([[0, 1], [2, 3]])
+        be.paged_attention(act(N, HQ, D), kc, vc, tables, idx([0, 1]), idx([5, 7]), D ** -0.5)
+        # a sliding window and sinks (gpt-oss / MiMo-V2 / Step-3.5 modules)
+        be.paged_attention(act(N, HQ, D), kc, vc, tables, idx([0, 1]), idx([5, 7]), D ** -0.5,
+                           row_start=idx([2, 0]), sinks=vec(HQ))
 
     def router():
         for gate in weights(E, H):

@@ -8,7 +8,8 @@ module         ops
 ``norm``       ``rmsnorm``, ``mtp_input`` (embedding + enorm/hnorm + eh_proj)
 ``linear``     ``linear`` (x @ W.T + bias + residual)
 ``rope_kv``    ``qk_norm_rope_kv_write`` (per-head q/k norm, partial neox RoPE, paged KV write)
-``attention``  ``paged_attention`` (GQA over paged KV, causal rows of many sequences)
+``attention``  ``paged_attention`` (GQA over paged KV, causal rows of many sequences; sliding
+               window, attention sinks, a value head dim of its own)
 ``moe``        ``moe_router``, ``moe_experts``
 ``mlp``        ``swiglu_mlp``
 ``lm_head``    ``lm_head_logits``, ``masked_argmax``, ``lm_head_argmax``

@@ -1,11 +1,15 @@
 """Per-head q/k RMSNorm, partial neox RoPE, and the paged KV write, in one op.
 
-``qk_norm_rope_kv_write(qkv [n, (Hq + 2 Hkv) D], num_q_heads, num_kv_heads,
+``qk_norm_rope_kv_write(qkv [n, W >= (Hq + Hkv) D + Hkv Dv], num_q_heads, num_kv_heads,
 q_norm_w [D] | None, k_norm_w [D] | None, eps, inv_freq [R/2], positions [n],
-k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, D], slots [n]) -> q [n, Hq, D]``
+k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv], slots [n]) -> q [n, Hq, D]``
 
-- ``qkv`` row layout: ``Hq`` query heads, then ``Hkv`` key heads, then ``Hkv``
-  value heads, each ``D`` wide (the q/k/v projections stacked at load time).
+- ``qkv`` row layout: ``Hq`` query heads and ``Hkv`` key heads, each ``D`` wide,
+  then ``Hkv`` value heads, each ``Dv`` wide (``v_cache``'s last axis; MiMo-V2 has
+  D = 192, Dv = 128; usually Dv = D), the q/k/v projections stacked at load time.
+  Columns past ``(Hq + Hkv) D + Hkv Dv`` are ignored: a projection stacked after
+  q | k | v in the same GEMM (an attention output gate, Step-3.5's ``g_proj``)
+  rides along, and its columns are read from the same buffer by the next op.
 - q and k are RMS-normalised per head (when the weights are given), then the
   first ``R = 2 * len(inv_freq)`` dims of every head are rotated neox style:
   with ``x1 = x[:R/2]``, ``x2 = x[R/2:R]``, ``f = pos * inv_freq``:
@@ -46,10 +50,17 @@ def check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm
     NB, BS, Hkv, D = k_cache.shape
     if Hkv != num_kv_heads:
         raise ValueError(f"k_cache: expected {num_kv_heads} kv heads, got shape {list(k_cache.shape)}")
-    expect_shape("v_cache", v_cache, (NB, BS, Hkv, D))
+    expect_ndim("v_cache", v_cache, 4)
+    expect_shape("v_cache", v_cache, (NB, BS, Hkv, None))
+    Dv = v_cache.shape[3]
+    if Dv < 1:
+        raise ValueError(f"v_cache: expected a value head dim >= 1, got shape {list(v_cache.shape)}")
     expect_ndim("qkv", qkv, 2)
     n = qkv.shape[0]
-    expect_shape("qkv", qkv, (n, (num_q_heads + 2 * num_kv_heads) * D))
+    need = (num_q_heads + num_kv_heads) * D + num_kv_heads * Dv
+    if qkv.shape[1] < need:
+        raise ValueError(f"qkv: expected [n, at least (Hq + Hkv) * D + Hkv * Dv = {need}] "
+                         f"(Hq={num_q_heads}, Hkv={num_kv_heads}, D={D}, Dv={Dv}), got {list(qkv.shape)}")
     for name, w in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
         if w is not None:
             expect_shape(name, w, (D,))
@@ -67,11 +78,12 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
     check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
                                 inv_freq_, positions, k_cache, v_cache, slots)
     NB, BS, Hkv, D = k_cache.shape
+    Dv = v_cache.shape[3]
     n, Hq = qkv.shape[0], num_q_heads
     qkv = np.asarray(qkv, np.float32)
     q = qkv[:, : Hq * D].reshape(n, Hq, D)                              # [n, Hq, D]
     k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(n, Hkv, D)               # [n, Hkv, D]
-    v = qkv[:, (Hq + Hkv) * D:].reshape(n, Hkv, D)                      # [n, Hkv, D]
+    v = qkv[:, (Hq + Hkv) * D: (Hq + Hkv) * D + Hkv * Dv].reshape(n, Hkv, Dv)   # [n, Hkv, Dv]
     if q_norm_w is not None:
         q = rmsnorm(q, q_norm_w, eps)
     if k_norm_w is not None:

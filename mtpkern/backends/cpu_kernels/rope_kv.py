@@ -42,9 +42,8 @@ def _norm_rope_head(src, r, c0, D, w, eps, cos, sin, dst, dr, dc0):
 
 
 @njit(cache=True, fastmath=False)
-def _head_rows(qkv, h, Hq, Hkv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots):
+def _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots):
     """Head h (a query head, or KV head h - Hq with its value head) of every row, rows in order."""
-    D = qkv.shape[1] // (Hq + 2 * Hkv)
     for r in range(qkv.shape[0]):
         if h < Hq:
             _norm_rope_head(qkv, r, h * D, D, q_norm_w, eps, cos, sin, q_out, r, h * D)
@@ -52,16 +51,16 @@ def _head_rows(qkv, h, Hq, Hkv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows
             kv = h - Hq
             slot = slots[r]
             _norm_rope_head(qkv, r, h * D, D, k_norm_w, eps, cos, sin, k_rows, slot, kv * D)
-            v0 = (Hq + Hkv + kv) * D
-            for k in range(D):
-                v_rows[slot, kv * D + k] = qkv[r, v0 + k]
+            v0 = (Hq + Hkv) * D + kv * Dv
+            for k in range(Dv):
+                v_rows[slot, kv * Dv + k] = qkv[r, v0 + k]
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def qk_norm_rope_kv_write_kernel(qkv, Hq, Hkv, q_norm_w, k_norm_w, eps, inv_freq, positions,
+def qk_norm_rope_kv_write_kernel(qkv, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, inv_freq, positions,
                                  k_rows, v_rows, slots, q_out):
-    """qkv [n, (Hq + 2 Hkv) D]; k_rows, v_rows [NB * BS, Hkv * D] (the caches, one row
-    per slot); q_out [n, Hq * D]; eps float32."""
+    """qkv [n, W >= (Hq + Hkv) D + Hkv Dv] (columns past that unread); k_rows [NB * BS, Hkv * D],
+    v_rows [NB * BS, Hkv * Dv] (the caches, one row per slot); q_out [n, Hq * D]; eps float32."""
     n = qkv.shape[0]
     half = inv_freq.shape[0]
     cos = np.empty((n, half), np.float32)
@@ -74,7 +73,7 @@ def qk_norm_rope_kv_write_kernel(qkv, Hq, Hkv, q_norm_w, k_norm_w, eps, inv_freq
             sin[r, k] = np.sin(f)
     if n * qkv.shape[1] <= SMALL:
         for h in range(Hq + Hkv):
-            _head_rows(qkv, h, Hq, Hkv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots)
+            _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots)
     else:
         for h in prange(Hq + Hkv):
-            _head_rows(qkv, h, Hq, Hkv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots)
+            _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots)

@@ -1,25 +1,32 @@
 """Launcher of ``paged_attention_kernel`` (+ ``paged_attention_merge_kernel``), kernels/attention.cu.
 
-``paged_attention(q [n, Hq, D], k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, D],
-block_tables [S, max_blocks] int32, row_seq [n] int32, row_len [n] int32, scale)
--> out [n, Hq * D]`` FP32.
+``paged_attention(q [n, Hq, D], k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv],
+block_tables [S, max_blocks] int32, row_seq [n] int32, row_len [n] int32, scale, *,
+row_start [n] int32 | None, sinks [Hq] FP32 | None) -> out [n, Hq * Dv]`` FP32.
 
-Split-KV: a row's KV rows are cut into partitions of ``part_size`` (512, less
-when the scores would not fit shared memory or the GPU would be short of
-blocks; see :func:`plan`) handled by separate blocks;
+``row_start`` (a sliding window's first visible row) and ``sinks`` (a logit per
+query head in the softmax denominator) are device arrays the caller stages like
+``row_len``; absent, the kernels get null pointers and compute what they computed
+before these existed, bit for bit.
+
+Split-KV: a row's visible KV rows (from ``row_start``) are cut into partitions of
+``part_size`` (512, less when the scores would not fit shared memory or the GPU
+would be short of blocks; see :func:`plan`) handled by separate blocks;
 ``num_parts = ceil(max_blocks * BS / part_size)`` comes from the *shapes* (no
-device-to-host read of row_len, so the launch is graph-capturable), and blocks
-past a row's length exit at once. With more than one partition the partials go
-to the workspaces ``part_o [n, Hq, P, D]`` and ``part_ml [n, Hq, P, 2]`` FP32
-(``P = plan(...).num_parts``) and a merge kernel writes ``out``. Without caller
-workspaces, rows go in groups whose workspaces fit ``WORKSPACE_BYTES`` (64 MiB):
-a 256-row prefill chunk at 32K context with 96 query heads of 128 would otherwise
-take 0.8 GB; each group is one kernel + merge launch pair on the same stream.
+device-to-host read of row_len or row_start, so the launch is graph-capturable),
+and blocks past a row's length exit at once (with a window, most of them). With more
+than one partition the partials go to the workspaces ``part_o [n, Hq, P, Dv]`` and
+``part_ml [n, Hq, P, 2]`` FP32 (``P = plan(...).num_parts``) and a merge kernel
+writes ``out`` (adding the sink once). Without caller workspaces, rows go in groups
+whose workspaces fit ``WORKSPACE_BYTES`` (64 MiB): a 256-row prefill chunk at 32K
+context with 96 query heads of 128 would otherwise take 0.8 GB; each group is one
+kernel + merge launch pair on the same stream.
 
-Preconditions (checked): D <= 256, Hq % Hkv == 0, caches of one dtype (BF16
-bits or FP32). Not checked (device data): row_len[r] >= 1 (a row with 0 gets
-zeros, the reference raises), block table entries of the first row_len rows
-valid.
+Preconditions (checked): D <= 256, Dv <= 256, Hq % Hkv == 0, caches of one dtype
+(BF16 bits or FP32). Not checked (device data): row_len[r] >= 1 and
+0 <= row_start[r] < row_len[r] (a row with nothing to see gets zeros, the reference
+raises), block table entries of the blocks holding rows row_start .. row_len - 1
+valid (the others are never read).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import numpy as np
 from ...ops._check import expect_dtype
 from ...ops.attention import check_paged_attention
 from ._util import (MAX_GRID_YZ, NULL, cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_same_or_disjoint,
-                    f32, i32, opt_in_smem, output, sm_count, smem_optin)
+                    f32, i32, opt_in_smem, optional, output, ptr, sm_count, smem_optin)
 from .loader import ATTENTION_DC, get_kernel
 
 #: kAttnThreads in attention.cu
@@ -54,17 +61,18 @@ class AttentionPlan:
 
 
 def smem_bytes(group: int, D: int, dc: int, part_size: int) -> int:
-    """The kernel's layout: q_s [group][Dp], s_s [gcap][part], slot_s [part], ml_s [gcap][2]."""
+    """The kernel's layout: q_s [group][Dp], s_s [gcap][part], slot_s [part], ml_s [gcap][2]
+    (``D`` the query / key head dim, ``dc`` from the value head dim)."""
     gcap = min(group, 64 // dc)
     Dp = cdiv(D, 8) * 8
     return 4 * (group * Dp + gcap * part_size + part_size + 2 * gcap)
 
 
 def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0,
-         smem_max: int = SMEM_LIMIT) -> AttentionPlan:
-    """Launch plan for ``group = Hq / Hkv`` query heads per KV head, head dim D,
-    rows of at most ``max_len = max_blocks * BS`` KV rows, and ``work = n * Hkv``
-    (row, KV head) pairs.
+         smem_max: int = SMEM_LIMIT, *, Dv: int | None = None) -> AttentionPlan:
+    """Launch plan for ``group = Hq / Hkv`` query heads per KV head, head dim D
+    (value head dim ``Dv``, default D: it chooses DC), rows of at most
+    ``max_len = max_blocks * BS`` KV rows, and ``work = n * Hkv`` (row, KV head) pairs.
 
     part_size starts at 512 and halves (down to 32 * dc: the PV reduction reuses
     the score buffer) while the scores do not fit shared memory, or while
@@ -75,9 +83,11 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
     partition (e.g. 96 query heads of 128 sharing one KV head) uses up to
     ``smem_max`` (the device's opt-in limit, ``_util.smem_optin``) through the
     kernel's max-dynamic-shared-size attribute; beyond that, ValueError."""
-    if not 1 <= D <= 32 * ATTENTION_DC[-1]:
-        raise ValueError(f"head dim: expected 1..{32 * ATTENTION_DC[-1]}, got {D}")
-    dc = next(c for c in ATTENTION_DC if D <= 32 * c)
+    Dv = D if Dv is None else Dv
+    for what, d in (("head dim", D), ("value head dim", Dv)):
+        if not 1 <= d <= 32 * ATTENTION_DC[-1]:
+            raise ValueError(f"{what}: expected 1..{32 * ATTENTION_DC[-1]}, got {d}")
+    dc = next(c for c in ATTENTION_DC if Dv <= 32 * c)
     part, least = PART_SIZE, 32 * dc
     while part > least and (
         smem_bytes(group, D, dc, part) > SMEM_LIMIT or work * cdiv(max_len, part) < target_blocks
@@ -93,23 +103,25 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
-                    out=None, part_o=None, part_ml=None):
-    """-> out [n, Hq * D] FP32; ``part_o`` / ``part_ml``: split-KV workspaces (see module doc)."""
-    check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len)
+                    row_start=None, sinks=None, out=None, part_o=None, part_ml=None):
+    """-> out [n, Hq * Dv] FP32; ``part_o`` / ``part_ml``: split-KV workspaces (see module doc)."""
+    check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, row_start, sinks)
     expect_dtype("k_cache", k_cache, "uint16", "float32")
     expect_dtype("v_cache", v_cache, k_cache.dtype.name)
     expect_dtype("q", q, "float32")
     NB, BS, Hkv, D = k_cache.shape
+    Dv = v_cache.shape[3]
     n, Hq, _ = q.shape
     max_blocks = block_tables.shape[1]
     cap = max_blocks * BS
-    p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count(), smem_max=smem_optin())
+    p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count(), smem_max=smem_optin(), Dv=Dv)
     expect_grid_yz("KV partitions", p.num_parts)
     q = device(q, "q")
     k_cache, v_cache = device(k_cache, "k_cache"), device(v_cache, "v_cache")
     block_tables = device(block_tables, "block_tables")
     row_seq, row_len = device(row_seq, "row_seq"), device(row_len, "row_len")
-    y = output(out, "out", (n, Hq * D), np.float32)
+    row_start, sinks = optional(row_start, "row_start", "int32"), optional(sinks, "sinks", "float32")
+    y = output(out, "out", (n, Hq * Dv), np.float32)
     expect_same_or_disjoint("out", y, "q", q)          # block (h, r) reads only the q row it writes
     if n == 0:
         return y
@@ -117,10 +129,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     own_ws = part_o is None and part_ml is None
     group = n if not own_ws else min(n, MAX_GRID_YZ)                         # rows per launch pair
     if not direct:
-        per_row = Hq * p.num_parts * (D + 2) * 4
+        per_row = Hq * p.num_parts * (Dv + 2) * 4
         if own_ws:
             group = max(1, min(group, WORKSPACE_BYTES // per_row))
-        part_o = output(part_o, "part_o", (group, Hq, p.num_parts, D), np.float32)
+        part_o = output(part_o, "part_o", (group, Hq, p.num_parts, Dv), np.float32)
         part_ml = output(part_ml, "part_ml", (group, Hq, p.num_parts, 2), np.float32)
         for nm, a in (("q", q), ("out", y)):
             expect_disjoint("part_o", part_o, nm, a)
@@ -130,16 +142,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     kernel = get_kernel("attention", f"paged_attention_kernel<{ctype(k_cache)}, {p.dc}>")
     opt_in_smem(kernel, p.smem_bytes)
     merge = None if direct else get_kernel("attention", "paged_attention_merge_kernel")
+    sk = ptr(sinks)
     for r0 in range(0, n, group):
         r1 = min(n, r0 + group)
-        qg, sg, lg, yg = ((q, row_seq, row_len, y) if group == n else
-                          (q[r0:r1], row_seq[r0:r1], row_len[r0:r1], y[r0:r1]))
+        qg, sg, fg, lg, yg = ((q, row_seq, row_start, row_len, y) if group == n else
+                              (q[r0:r1], row_seq[r0:r1], None if row_start is None else row_start[r0:r1],
+                               row_len[r0:r1], y[r0:r1]))
         kernel((Hkv, r1 - r0, p.num_parts), (ATTN_THREADS,),
-               (qg, k_cache, v_cache, block_tables, i32(max_blocks), sg, lg,
+               (qg, k_cache, v_cache, block_tables, i32(max_blocks), sg, ptr(fg), lg, sk,
                 yg, NULL if direct else part_o, NULL if direct else part_ml,
-                i32(Hq), i32(Hkv), i32(D), i32(BS), i32(p.part_size), i32(p.num_parts), f32(scale)),
+                i32(Hq), i32(Hkv), i32(D), i32(Dv), i32(BS), i32(p.part_size), i32(p.num_parts), f32(scale)),
                shared_mem=p.smem_bytes)
         if merge is not None:
             merge((Hq, r1 - r0), (ATTN_THREADS,),
-                  (part_o, part_ml, lg, i32(cap), yg, i32(Hq), i32(D), i32(p.part_size), i32(p.num_parts)))
+                  (part_o, part_ml, ptr(fg), lg, sk, i32(cap), yg, i32(Hq), i32(Dv), i32(p.part_size),
+                   i32(p.num_parts)))
     return y

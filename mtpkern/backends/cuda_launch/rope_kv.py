@@ -1,8 +1,11 @@
 """Launcher of ``qk_norm_rope_kv_write_kernel`` (kernels/rope_kv.cu).
 
-``qk_norm_rope_kv_write(qkv [n, (Hq + 2 Hkv) D], Hq, Hkv, q_norm_w [D] | None,
+``qk_norm_rope_kv_write(qkv [n, W >= (Hq + Hkv) D + Hkv Dv], Hq, Hkv, q_norm_w [D] | None,
 k_norm_w [D] | None, eps, inv_freq [R/2], positions [n] int32,
-k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, D], slots [n] int32) -> q [n, Hq, D]``
+k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv], slots [n] int32) -> q [n, Hq, D]``
+
+The kernel reads row r of qkv at ``r * W``: columns past q | k | v (a gate stacked
+into the same projection) are skipped, not copied.
 
 The caches (BF16 bits in uint16, or FP32; both the same dtype) are written in
 place, so they must be contiguous GPU arrays. A slot outside [0, NB * BS)
@@ -31,6 +34,7 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
     v_cache = inplace(v_cache, "v_cache", k_cache.dtype.name)
     expect_dtype("inv_freq", inv_freq, "float32")
     NB, BS, Hkv, D = k_cache.shape
+    Dv = v_cache.shape[3]
     n, Hq, half = qkv.shape[0], num_q_heads, inv_freq.shape[0]
     expect_grid_yz("qkv rows", n)
     qkv = device(qkv, "qkv", "float32")
@@ -46,6 +50,6 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
     grid = (cdiv(Hq + 2 * Hkv, ROPE_WARPS), n)
     kernel = get_kernel("rope_kv", f"qk_norm_rope_kv_write_kernel<{ctype(k_cache)}>")
     kernel(grid, (ROPE_WARPS * 32,),
-           (qkv, ptr(q_norm_w), ptr(k_norm_w), f32(eps), inv_freq, i32(half), positions,
-            k_cache, v_cache, slots, np.int64(NB * BS), q, i32(Hq), i32(Hkv), i32(D)))
+           (qkv, i32(qkv.shape[1]), ptr(q_norm_w), ptr(k_norm_w), f32(eps), inv_freq, i32(half), positions,
+            k_cache, v_cache, slots, np.int64(NB * BS), q, i32(Hq), i32(Hkv), i32(D), i32(Dv)))
     return q
