@@ -287,7 +287,10 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
                       starts=starts, sinks=sinks:
                       be.paged_attention(qa, kc, vc, tables, row_seq, row_len, D ** -0.5, row_start=starts,
                                          sinks=sinks, out=o, **ws)))
+    gates = act(n, QKV + Hq)[:, QKV:]               # head-wise gates: a column slice of a fused projection
+    gated = empty(n, Hq * D)
     cases += [
+        ("sigmoid_gate", 0, 2 * n * Hq * D * f4 + n * Hq * f4, lambda: be.sigmoid_gate(o, gates, out=gated)),
         ("linear_o", 0, H * Hq * D * b2 + n * Hq * D * f4 + 2 * n * H * f4,
          lambda: be.linear(o, w.w_o, None, x, out=out_h)),
         ("moe_router", 0, E * H * b2 + n * H * f4 + 2 * n * E * f4 + E * f4 + 2 * n * K * f4,

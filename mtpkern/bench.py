@@ -163,6 +163,8 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     w13_8, w2_8, s13_8, s2_8 = W8(w13), W8(w2), W8(s13), W8(s2)
     used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
     xo = act(n, Hq * D)
+    gates = act(n, Hq + 5)[:, 5:]                 # head-wise gates: a column slice of a wider projection
+    gated = act(n, Hq * D)                        # their output (a buffer, as a planned step passes)
     window = min(128, context)                    # a sliding window of 128 rows, with sinks
     starts = be.from_host(np.full(n, context - window, np.int32))
     sinks = vec(Hq)
@@ -177,6 +179,7 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
          lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5)),
         (f"paged_attention_ctx{context}_w{window}_sinks", 2 * n * window * Hkv * D * kvb + 2 * n * Hq * D * f4,
          lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, row_start=starts, sinks=sinks)),
+        ("sigmoid_gate", 2 * n * Hq * D * f4 + n * Hq * f4, lambda: be.sigmoid_gate(xo, gates, out=gated)),
         ("moe_router", E * H * b2 + n * H * f4, lambda: be.moe_router(x, gate, vec(E), spec)),
         ("moe_experts", distinct * 3 * I * H * b2 + 2 * n * H * f4, lambda: be.moe_experts(x, ids, wts, w13, w2, x)),
         ("swiglu_shared", 3 * Is * H * b2 + 2 * n * H * f4, lambda: be.swiglu_mlp(x, s13, s2, x)),
@@ -251,6 +254,7 @@ def fast_fill(be) -> Iterator[None]:
         "mtp_input": fake(lambda embed, tokens, *a: (tokens.shape[0], embed.shape[1])),
         "linear": fake(lambda x, w, *a: (x.shape[0], w.shape[0])),
         "paged_attention": fake(lambda q, k_cache, v_cache, *a: (q.shape[0], q.shape[1] * v_cache.shape[3])),
+        "sigmoid_gate": fake(lambda x, *a: x.shape),
         "moe_router": router,
         "moe_experts": fake(lambda x, *a: x.shape),
         "swiglu_mlp": fake(lambda x, *a: x.shape),

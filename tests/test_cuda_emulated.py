@@ -380,6 +380,24 @@ def test_attention_window_sinks_workspaces(be, sm_count, monkeypatch, budget_row
                            part_o=np.zeros((n, Hq, p.num_parts, D), np.float32), part_ml=ws["part_ml"])
 
 
+@pytest.mark.parametrize("n,F,G", [(1, 4096, 32), (5, 2049, 2049), (3, 999, 1), (300, 64, 16), (2, 1, 1)])
+@pytest.mark.parametrize("mis", [False, True], ids=["aligned", "misaligned"])
+def test_sigmoid_gate_shapes(be, n, F, G, mis):
+    """Rows wider than one block's 1024 columns, a column slice of a fused buffer at an odd
+    offset and stride, misaligned x / out."""
+    rng = np.random.default_rng(n * F + G)
+    x, res = rnd(rng, n, F), rnd(rng, n, F)
+    fused = rnd(rng, n, G + 5, scale=3.0)
+    gate = fused[:, 3:3 + G]
+    if mis:
+        x, res = misaligned(x), misaligned(res)
+    want = REF.sigmoid_gate(x, gate, res)
+    out = misaligned(np.zeros((n, F), np.float32)) if mis else None
+    assert_close(be.sigmoid_gate(x, gate, res, out=out), want, "float32", "sigmoid_gate")
+    y = x.copy()
+    assert_close(be.sigmoid_gate(y, gate, None, out=y), REF.sigmoid_gate(x, gate), "float32", "sigmoid_gate in place")
+
+
 @pytest.mark.parametrize("wd", ["bf16", "f32", "fp8", "fp8c"])
 @pytest.mark.parametrize("n,K,N", [(1, 64, 7), (9, 128, 33), (17, 72, 3), (256, 64, 40), (3, 4104, 5)])
 @pytest.mark.parametrize("mis", [False, True], ids=["aligned", "misaligned"])
@@ -669,6 +687,9 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
         out[f"experts by expert {wd}"] = be.moe_experts(x, hot, wts, w13, w2)
     out["rmsnorm"] = emu_backend.backend().rmsnorm(x, rnd(rng, 64), 1e-6)
+    fused = rnd(rng, 5, 80)
+    out["sigmoid_gate"] = emu_backend.backend().sigmoid_gate(x, fused[:, 8:16])
+    out["sigmoid_gate residual"] = emu_backend.backend().sigmoid_gate(x, fused[:, 70:71], x)
     for kv in KV_DTYPES:
         be = emu_backend.backend(kv)
         for D in (48, 128, 256):                                                        # DC = 2, 4, 8

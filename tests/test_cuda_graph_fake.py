@@ -167,6 +167,9 @@ class FakeCudaBackend(NumpyBackend):
         return self._run("paged_attention", q, k_cache, v_cache, block_tables, row_seq, row_len, scale,
                          row_start=row_start, sinks=sinks, out=out)
 
+    def sigmoid_gate(self, x, gate, residual=None, *, out=None):
+        return self._run("sigmoid_gate", x, gate, residual, out=out)
+
     def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
         if logits is not None:
             _expect("logits", logits, (x.shape[0], gate_w.shape[0]))

@@ -547,6 +547,62 @@ def test_qk_norm_rope_kv_write_value_dim_extra_columns(be, n, Hq, Hkv, D, Dv, ex
                                  be.from_host(np.zeros(n, np.int32)), k_cache, v_cache, be.from_host(slots))
 
 
+# -- gate ---------------------------------------------------------------------
+
+def sigmoid_gate64(x, gate, residual) -> np.ndarray:
+    """The float64 brute force: element j of row i times sigmoid of gate column j // (F / G)."""
+    n, F = x.shape
+    c = F // gate.shape[1]
+    with np.errstate(over="ignore"):
+        s = 1.0 / (1.0 + np.exp(-np.asarray(gate, np.float64)))
+    y = np.asarray(x, np.float64) * s[:, np.arange(F) // c]
+    return y if residual is None else np.asarray(residual, np.float64) + y
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("F,G", [(48, 1), (48, 6), (48, 48), (1000, 8), (130, 130), (2560, 20), (7, 7)])
+def test_sigmoid_gate(be, n, F, G):
+    """Head-wise (G heads), element-wise (G = F) and one-per-row (G = 1) gates, with and without
+    the residual, the gate a contiguous array or a column slice of a wider fused projection
+    (rows a stride apart), saturating and NaN gates; out= x and out= residual in place."""
+    rng = rng_for("sigmoid_gate", n, F, G)
+    x, res = acts(rng, n, F), acts(rng, n, F)
+    fused = acts(rng, n, F + G + 11, scale=4.0)                         # [x-like | gate | more] columns
+    gcols = slice(F + 3, F + 3 + G)
+    fused[0, F + 3] = 100.0                                            # saturated: sigmoid 1 and 0
+    fused[-1, F + 2 + G] = -100.0
+    if n > 2:
+        fused[1, F + 3] = np.nan
+    gate = fused[:, gcols]
+    f = be.from_host
+    for r in (None, res):
+        want = sigmoid_gate64(x, gate, r)
+        rb = None if r is None else f(r)
+        for name, g in (("contiguous", f(np.ascontiguousarray(gate))), ("column slice", f(fused)[:, gcols])):
+            got = be.sigmoid_gate(f(x), g, rb)
+            assert_close(be.to_host(got), want, what=f"sigmoid_gate residual={r is not None} gate {name}")
+        xb = f(x.copy())                                                 # from_host may not copy
+        assert be.sigmoid_gate(xb, f(fused)[:, gcols], rb, out=xb) is xb
+        assert_close(be.to_host(xb), want, what="sigmoid_gate out=x")
+    rb = f(res.copy())
+    assert be.sigmoid_gate(f(x), f(fused)[:, gcols], rb, out=rb) is rb
+    assert_close(be.to_host(rb), sigmoid_gate64(x, gate, res), what="sigmoid_gate out=residual")
+
+
+def test_sigmoid_gate_validates(be):
+    f = be.from_host
+    x = f(np.zeros((2, 12), np.float32))
+    with pytest.raises(ValueError, match=r"gate: expected \[2, G\] with G dividing 12 \(the columns of x\), "
+                                         r"got \[2, 5\]"):
+        be.sigmoid_gate(x, f(np.zeros((2, 5), np.float32)))
+    with pytest.raises(ValueError, match=r"gate: expected \[2, G\]"):
+        be.sigmoid_gate(x, f(np.zeros((3, 4), np.float32)))
+    with pytest.raises(ValueError, match=r"residual: expected shape \[2, 12\], got \[2, 11\]"):
+        be.sigmoid_gate(x, f(np.zeros((2, 4), np.float32)), f(np.zeros((2, 11), np.float32)))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        be.sigmoid_gate(x, f(np.zeros((2, 4), np.float32)), out=f(np.zeros((2, 11), np.float32)))
+
+
 # -- moe ----------------------------------------------------------------------
 
 ROUTER_SPECS = [

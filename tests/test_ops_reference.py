@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from mtpkern import NoAllowedToken
-from mtpkern.ops import attention, linear, lm_head, mlp, moe, norm, rope_kv
+from mtpkern.ops import attention, gate, linear, lm_head, mlp, moe, norm, rope_kv
 
 rng = np.random.default_rng(0)
 
@@ -180,6 +180,18 @@ def test_qk_norm_rope_kv_write_value_dim_and_extra_columns():
     assert np.isfinite(q).all() and np.isfinite(kc).all() and np.isfinite(vc).all()
     with pytest.raises(ValueError, match=r"qkv: expected \[n, at least \(Hq \+ Hkv\) \* D \+ Hkv \* Dv = 48\]"):
         rope_kv.qk_norm_rope_kv_write(qkv[:, :47], Hq, Hkv, None, None, 1e-6, inv, pos, kc, vc, slots)
+
+
+@pytest.mark.parametrize("F,G", [(12, 1), (12, 3), (12, 12)])
+def test_sigmoid_gate_by_its_definition(F, G):
+    x, gt, res = f32(3, F), f32(3, G, scale=3.0), f32(3, F)
+    c = F // G
+    for r in (None, res):
+        want = [[(0.0 if r is None else float(r[i, j])) + float(x[i, j]) / (1.0 + np.exp(-float(gt[i, j // c])))
+                 for j in range(F)] for i in range(3)]
+        np.testing.assert_allclose(gate.sigmoid_gate(x, gt, r), want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"gate: expected \[3, G\] with G dividing 12"):
+        gate.sigmoid_gate(x, f32(3, 5))
 
 
 def brute_router(x, W, bias, spec):

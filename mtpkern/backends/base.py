@@ -166,6 +166,9 @@ class Backend(ABC):
                         row_start=None, sinks=None): ...
 
     @abstractmethod
+    def sigmoid_gate(self, x, gate, residual=None): ...
+
+    @abstractmethod
     def moe_router(self, x, gate_w, bias, spec: RouterSpec): ...
 
     @abstractmethod

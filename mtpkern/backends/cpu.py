@@ -36,6 +36,7 @@ import numpy as np
 from ..errors import NoAllowedToken, no_token_reason
 from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
+from ..ops.gate import check_sigmoid_gate
 from ..ops.linear import check_linear
 from ..ops.lm_head import check_bitmask
 from ..ops.mlp import check_swiglu_mlp, swiglu_limit
@@ -47,6 +48,7 @@ from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp
 from .cpu_fp8 import CpuFp8
 from .cpu_kernels import attention as attention_k
 from .cpu_kernels import bounds as bounds_k
+from .cpu_kernels import gate as gate_k
 from .cpu_kernels import linear as linear_k
 from .cpu_kernels import lm_head as lm_head_k
 from .cpu_kernels import mlp as mlp_k
@@ -363,6 +365,18 @@ class CpuBackend(Backend):
         attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables, row_seq,
                                            row_start, row_len, _opt_vec(sinks), np.float32(scale), splits,
                                            out.reshape(n, Hq, Dv))
+        return out
+
+    # -- gate ---------------------------------------------------------------
+    def sigmoid_gate(self, x, gate, residual=None, *, out=None):
+        self._check(check_sigmoid_gate, x, gate, residual)
+        out = _out("out", out, tuple(x.shape))
+        # each element of x and residual is read just before the same element of out is
+        # written (same_ok); a strided gate (a column slice of a fused projection) is copied:
+        # n * G floats
+        self._use_threads()
+        gate_k.sigmoid_gate_kernel(_apart(_act(x), out, same_ok=True), _apart(_act(gate), out),
+                                   _apart(_opt_mat(residual), out, same_ok=True), out)
         return out
 
     # -- moe ----------------------------------------------------------------

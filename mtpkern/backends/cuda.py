@@ -35,6 +35,7 @@ from ..quant import Fp8Weight
 from . import dlpack
 from .base import Backend
 from .cuda_launch import attention, linear, lm_head, mlp, moe, norm, rope_kv
+from .cuda_launch import gate as gate_launch
 from .cuda_launch._util import CudaFp8
 
 KvDtype = Literal["bfloat16", "float32"]
@@ -215,6 +216,9 @@ class CudaBackend(Backend):
         return attention.paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale,
                                          row_start=row_start, sinks=sinks, out=out, part_o=part_o,
                                          part_ml=part_ml)
+
+    def sigmoid_gate(self, x, gate, residual=None, *, out=None):
+        return gate_launch.sigmoid_gate(x, gate, residual, out=out)
 
     def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
         return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits)

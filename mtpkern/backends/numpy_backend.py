@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..ops import attention, linear, lm_head, mlp, moe, norm, rope_kv
+from ..ops import attention, gate, linear, lm_head, mlp, moe, norm, rope_kv
 from ..quant import Fp8Weight
 from .base import Backend
 
@@ -74,6 +74,7 @@ class NumpyBackend(Backend):
     linear = with_out(linear.linear)
     qk_norm_rope_kv_write = with_out(rope_kv.qk_norm_rope_kv_write)
     paged_attention = with_out(attention.paged_attention)
+    sigmoid_gate = with_out(gate.sigmoid_gate)
     moe_router = with_out(moe.moe_router, "ids", "weights")
     moe_experts = with_out(moe.moe_experts)
     swiglu_mlp = with_out(mlp.swiglu_mlp)

@@ -86,6 +86,11 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
         be.paged_attention(act(N, HQ, D), kc, vc, tables, idx([0, 1]), idx([5, 7]), D ** -0.5,
                            row_start=idx([2, 0]), sinks=vec(HQ))
 
+    def gate():
+        y = act(N, HQ * D)
+        be.sigmoid_gate(y, act(N, HQ), y)                          # head-wise, with the residual
+        be.sigmoid_gate(y, act(N, HQ * D), out=y)                  # element-wise, in place
+
     def router():
         for gate in weights(E, H):
             be.moe_router(x, gate, vec(E), spec)
@@ -106,5 +111,6 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
             be.lm_head_logits(x, w)
 
     return [("rmsnorm", lambda: be.rmsnorm(x, vec(H), 1e-5)), ("moe_router", router),
-            ("qk_norm_rope_kv_write", rope_kv), ("paged_attention", attention), ("linear", linear),
+            ("qk_norm_rope_kv_write", rope_kv), ("paged_attention", attention), ("sigmoid_gate", gate),
+            ("linear", linear),
             ("mtp_input", mtp_input), ("swiglu_mlp", mlp), ("moe_experts", experts), ("lm_head", lm_head)]

@@ -10,6 +10,7 @@ module         ops
 ``rope_kv``    ``qk_norm_rope_kv_write`` (per-head q/k norm, partial neox RoPE, paged KV write)
 ``attention``  ``paged_attention`` (GQA over paged KV, causal rows of many sequences; sliding
                window, attention sinks, a value head dim of its own)
+``gate``       ``sigmoid_gate`` (output gates: head-wise, element-wise, one per row; + residual)
 ``moe``        ``moe_router``, ``moe_experts``
 ``mlp``        ``swiglu_mlp``
 ``lm_head``    ``lm_head_logits``, ``masked_argmax``, ``lm_head_argmax``

@@ -429,6 +429,7 @@ class Emulator:
         from mtpkern.backends.cuda_launch import (
             _util,
             attention,
+            gate,
             linear,
             lm_head,
             mlp,
@@ -439,12 +440,13 @@ class Emulator:
         )
 
         fakes = {"device": _device, "optional": _optional, "inplace": _inplace, "output": _output,
+                 "device_rows": _device_rows,
                  "expect_disjoint": _expect_disjoint, "expect_same_or_disjoint": _expect_same_or_disjoint,
                  "get_kernel": self.kernel,
                  "sm_count": lambda: self.sm_count, "smem_optin": lambda: self.smem_optin}
         saved = []
         try:
-            for mod in (_util, attention, linear, lm_head, mlp, moe, norm, rope_kv, step):
+            for mod in (_util, attention, gate, linear, lm_head, mlp, moe, norm, rope_kv, step):
                 for attr, fake in fakes.items():
                     if hasattr(mod, attr):
                         saved.append((mod, attr, getattr(mod, attr)))
@@ -462,6 +464,22 @@ def _device(a, name, *dtypes):
     if dtypes:
         expect_dtype(name, arr, *dtypes)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def _device_rows(a, name, *dtypes):
+    """``_util.device_rows`` on NumPy: a column slice is spanned in place (the same rule,
+    ``_util.row_stride``), anything else copied."""
+    from mtpkern.backends.cuda_launch._util import row_stride
+
+    arr = np.asarray(a)
+    if dtypes:
+        expect_dtype(name, arr, *dtypes)
+    ld = row_stride(arr)
+    if arr.flags.c_contiguous or ld is None:
+        return np.ascontiguousarray(arr).reshape(-1), int(arr.shape[1])
+    n, G = arr.shape
+    span = np.lib.stride_tricks.as_strided(arr, shape=((n - 1) * ld + G,), strides=(arr.itemsize,), writeable=False)
+    return span, ld
 
 
 def _optional(a, name, *dtypes):

@@ -62,25 +62,59 @@ def is_device_array(a: Any) -> bool:
     return dev is not None and not isinstance(a, np.ndarray) and dev()[0] in (2, 13)
 
 
+def _as_cupy(a: Any):
+    """``a`` as a CuPy array, in any layout: GPU arrays wrapped, host arrays copied."""
+    cp = _cupy()
+    if isinstance(a, cp.ndarray):
+        return a
+    if hasattr(a, "__cuda_array_interface__"):
+        return cp.asarray(a)
+    if is_device_array(a):
+        return cp.from_dlpack(a)
+    return cp.asarray(np.asarray(a))
+
+
 def device(a: Any, name: str, *dtypes: str):
     """``a`` as a contiguous CuPy array of one of ``dtypes``.
 
     GPU arrays are wrapped without a copy (a non-contiguous one is copied to a
     contiguous one); host arrays are copied to the current device."""
-    cp = _cupy()
-    if isinstance(a, cp.ndarray):
-        arr = a
-    elif hasattr(a, "__cuda_array_interface__"):
-        arr = cp.asarray(a)
-    elif is_device_array(a):
-        arr = cp.from_dlpack(a)
-    else:
-        arr = cp.asarray(np.asarray(a))
+    arr = _as_cupy(a)
     if dtypes:
         expect_dtype(name, arr, *dtypes)
     if not arr.flags.c_contiguous:
-        arr = cp.ascontiguousarray(arr)
+        arr = _cupy().ascontiguousarray(arr)
     return arr
+
+
+def row_stride(a: Any) -> int | None:
+    """Elements from one row of the 2-D ``a`` to the next when its columns are adjacent and
+    its rows do not overlap (a column slice ``buf[:, j:j + G]`` of a wider ``buf``: the
+    width of ``buf``); None for any other layout."""
+    n, G = shape_of(a)
+    s0, s1 = (int(s) for s in a.strides)
+    item = a.dtype.itemsize
+    if n <= 1 or G == 0:
+        return G
+    if (s1 == item or G == 1) and s0 > 0 and s0 % item == 0 and s0 // item >= G:
+        return s0 // item
+    return None
+
+
+def device_rows(a: Any, name: str, *dtypes: str) -> tuple[Any, int]:
+    """``a`` [n, G] as ``(span, ld)``: a contiguous 1-D CuPy array of the ``(n - 1) * ld + G``
+    elements from its first to its last, and its row stride ``ld`` (``row_stride``), for a
+    kernel that reads row i at ``span + i * ld``. A column slice of a wider device buffer is
+    used in place (no copy, as graph capture needs); any other layout is copied (ld = G)."""
+    cp = _cupy()
+    arr = _as_cupy(a)
+    if dtypes:
+        expect_dtype(name, arr, *dtypes)
+    ld = row_stride(arr)
+    if arr.flags.c_contiguous or ld is None:
+        return cp.ascontiguousarray(arr).reshape(-1), int(arr.shape[1])
+    n, G = shape_of(arr)
+    return cp.ndarray(((n - 1) * ld + G,), arr.dtype, arr.data), ld
 
 
 def optional(a: Any, name: str, *dtypes: str):

@@ -39,6 +39,7 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}>" for t in _CTYPES),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
     + ("paged_attention_merge_kernel",),
+    "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
     + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}>" for t in _WEIGHT_CTYPES) + ("argmax_final_kernel",),
