@@ -161,7 +161,8 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "routed_scaling_factor": (0.0, 1e3),            # 1 .. 16 in releases; 1e308 overflowed to inf
 }
 
-_BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings")
+_BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
+                "router_bias")
 #: Keys of rope_parameters / rope_scaling that the default RoPE reads.
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 _PREFIX = "config.json: "
@@ -296,6 +297,9 @@ def _with_family(d: dict, fam: Family) -> dict:
             raise ConfigError(f"config.json: field {name!r} = {_show(d[name])}, but every {fam.title} module "
                               f"has {name} = {_show(value)}")
         out[name] = value
+    for name, value in fam.defaults.items():          # the family's config class defaults
+        if out.get(name) is None and name not in _ROPE_KEYS:   # (RoPE defaults: _rope reads both places)
+            out[name] = value
     return out
 
 
@@ -432,10 +436,20 @@ class MtpConfig:
     #: ``fp8_block`` (rows, columns) of a block scale, (0, 0) for per-channel scales
     weight_quant: str = ""
     fp8_block: tuple[int, int] = (0, 0)
+    # -- block features (a family switches them on; mtpkern/models/) --------------
+    #: the attention output gated by sigmoid: "" none; "elementwise": q_proj carries a
+    #: gate per query dim (Qwen3-Next), stacked after q|k|v in the fused projection
+    attn_gate: str = ""
+    #: the shared expert's output scaled by sigmoid(x . w_g) (Qwen3-Next)
+    shared_expert_gate: bool = False
+    #: the router selects with an e_score_correction_bias (False: none, zeros)
+    router_bias: bool = True
 
     def __post_init__(self) -> None:
         if self.family != "" and self.family not in FAMILIES:
             raise ConfigError(f"config.json: family {self.family!r} is not supported; supported: {supported()}")
+        if self.attn_gate not in ("", "elementwise"):
+            raise ConfigError(f"config.json: attn_gate expected '' or 'elementwise', got {self.attn_gate!r}")
         if self.weight_quant not in ("", "fp8"):
             raise ConfigError(f"config.json: weight_quant expected '' or 'fp8', got {self.weight_quant!r}")
         _check_ranges(self)
@@ -505,6 +519,11 @@ class MtpConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def gate_size(self) -> int:
+        """Columns of the attention gate stacked after q|k|v in the fused projection."""
+        return self.num_attention_heads * self.head_dim if self.attn_gate == "elementwise" else 0
+
+    @property
     def shared_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.n_shared_experts
 
@@ -562,6 +581,9 @@ class MtpConfig:
             family=fam.model_type,
             weight_quant=quant[0],
             fp8_block=quant[1],
+            attn_gate=_opt(d, "attn_gate", str, ""),
+            shared_expert_gate=_opt(d, "shared_expert_gate", bool, False),
+            router_bias=_opt(d, "router_bias", bool, True),
         )
         _check_same_as(d, cfg)
         return cfg

@@ -197,6 +197,19 @@ class CheckpointReader:
         return cached
 
 
+def _row_slice(w: Any, a: int, b: int) -> Any:
+    """Rows ``a:b`` of a projection (dense, or FP8 with its scales: block scales only
+    at block boundaries, since a block cannot be cut)."""
+    if not isinstance(w, Fp8Weight):
+        return w[a:b]
+    if w.block is None:
+        return Fp8Weight(w.data[a:b], w.scale[a:b], None)
+    bn = w.block[0]
+    if a % bn or (b % bn and b != w.shape[-2]):
+        raise CheckpointError(f"an FP8 projection cannot be split at rows {a}:{b}: its scale blocks are {bn} rows")
+    return Fp8Weight(w.data[a:b], w.scale[a // bn: -(-b // bn)], w.block)
+
+
 def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every tensor of the checkpoint at ``path`` (FP8 ones as ``float8_e4m3fn``): for
     tests and tools; loading reads only what the modules need."""
@@ -238,6 +251,7 @@ class ModuleWeights:
     experts_w2: Any | None = None    # [E, H, I]
     shared_w13: Any | None = None    # [2 I_s, H]
     shared_w2: Any | None = None     # [H, I_s]
+    shared_gate: Any | None = None   # [1, H]: the shared output scaled by sigmoid(x . w) (shared_expert_gate)
     # dense MLP (when not config.is_moe)
     mlp_w13: Any | None = None       # [2I, H]
     mlp_w2: Any | None = None        # [H, I]
@@ -270,14 +284,14 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
         "eh_proj.weight": ((H, 2 * H), True),
         "input_layernorm.weight": ((H,), True),
         "post_attention_layernorm.weight": ((H,), True),
-        "self_attn.q_proj.weight": ((Hq * D, H), True),
+        "self_attn.q_proj.weight": ((Hq * D + cfg.gate_size, H), True),     # + the interleaved gate
         "self_attn.k_proj.weight": ((Hkv * D, H), True),
         "self_attn.v_proj.weight": ((Hkv * D, H), True),
         "self_attn.o_proj.weight": ((H, Hq * D), True),
         "shared_head.norm.weight": ((H,), True),
     }
     if cfg.attention_bias:
-        keys["self_attn.q_proj.bias"] = ((Hq * D,), True)
+        keys["self_attn.q_proj.bias"] = ((Hq * D + cfg.gate_size,), True)
         keys["self_attn.k_proj.bias"] = ((Hkv * D,), True)
         keys["self_attn.v_proj.bias"] = ((Hkv * D,), True)
     if cfg.use_qk_norm:
@@ -286,7 +300,8 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
     if cfg.is_moe:
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
         keys["mlp.gate.weight"] = ((E, H), True)
-        keys["mlp.gate.e_score_correction_bias"] = ((E,), True)
+        if cfg.router_bias:
+            keys["mlp.gate.e_score_correction_bias"] = ((E,), True)
         for e in range(E):
             keys[f"mlp.experts.{e}.gate_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.up_proj.weight"] = ((I, H), True)
@@ -296,6 +311,8 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
             keys["mlp.shared_experts.gate_proj.weight"] = ((Is, H), True)
             keys["mlp.shared_experts.up_proj.weight"] = ((Is, H), True)
             keys["mlp.shared_experts.down_proj.weight"] = ((H, Is), True)
+            if cfg.shared_expert_gate:
+                keys["mlp.shared_expert_gate.weight"] = ((1, H), True)
     else:
         I = cfg.intermediate_size
         keys["mlp.gate_proj.weight"] = ((I, H), True)
@@ -363,19 +380,30 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
             why = _deciding_field(cfg, suffix)
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint at {rd.path} "
                                   f"(module {m} of {cfg.num_modules}){'; ' + why if why else ''}")
+    ours = _read_keys(cfg, rd, spec)
+    for other in range(cfg.num_modules):     # a prefix the modules share (Qwen3-Next's "mtp."):
+        if other != m and fam.module_prefix(cfg.layer_index(other), other).startswith(pre):   # theirs are used
+            ours |= _read_keys(cfg, rd, {sx: (fam.key(cfg.layer_index(other), other, sx), sh, rq)
+                                         for sx, (sh, rq) in _module_keys(cfg, other).items()}, check=False)
+    unused = sorted(k for k in rd.keys_under(pre) if k not in ours)
+    if unused:
+        _refuse_or_note_unused(cfg, rd, m, pre, unused, allow_unused, notes)
+    return spec
+
+
+def _read_keys(cfg: MtpConfig, rd: CheckpointReader, spec: dict, check: bool = True) -> set[str]:
+    """The checkpoint keys the loader reads for ``spec``: its keys and, with FP8 weights,
+    their scales (``check``: a missing scale raises)."""
     ours = {key for key, _, _ in spec.values()}
     if cfg.weight_quant == "fp8":
         for suffix, (key, _, _) in spec.items():
             if _is_projection(suffix) and rd.has(key) and rd.info(key)[1] == _FP8:
                 sk = scale_key(cfg, key)
-                if not rd.has(sk):
+                if check and not rd.has(sk):
                     raise CheckpointError(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
                                           f"of the FP8 weight {key!r} (quantization_config)")
                 ours.add(sk)
-    unused = sorted(k for k in rd.keys_under(pre) if k not in ours)
-    if unused:
-        _refuse_or_note_unused(cfg, rd, m, pre, unused, allow_unused, notes)
-    return spec
+    return ours
 
 
 def _refuse_or_note_unused(cfg: MtpConfig, rd: CheckpointReader, m: int, pre: str, unused: list[str],
@@ -501,6 +529,19 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             v = w(suffix)
             return backend.prepare_vector(v.astype(np.float32) + 1.0 if fam.folds_norm(suffix) else v)
 
+        def qkv_rows(q, k, v):
+            """The parts of the fused projection in its row order: q | k | v (| gate). A query
+            projection that interleaves a gate per head ([q_h | g_h], Qwen3-Next) is split
+            here, the gate rows going last."""
+            if not cfg.gate_size:
+                return [q, k, v]
+            D, Hq = cfg.head_dim, cfg.num_attention_heads
+            if not fam.q_gate_interleaved:                       # canonical: [queries; gates]
+                return [_row_slice(q, 0, Hq * D), k, v, _row_slice(q, Hq * D, 2 * Hq * D)]
+            per_head = [_row_slice(q, 2 * h * D + j * D, 2 * h * D + (j + 1) * D) for h in range(Hq) for j in (0, 1)]
+            join = Fp8Weight.concat if isinstance(q, Fp8Weight) else np.concatenate
+            return [join(per_head[0::2]), k, v, join(per_head[1::2])]
+
         def eh_proj():
             """[H, 2H] over [embed, hidden]: a family that concatenates [hidden, embed]
             has its column halves swapped here, once."""
@@ -532,10 +573,11 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             eh_proj=eh_proj(),
             input_layernorm=norm("input_layernorm.weight"),
             post_attention_layernorm=norm("post_attention_layernorm.weight"),
-            w_qkv=backend.prepare_weight(stack_rows(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                                    w("self_attn.v_proj.weight"))),
-            b_qkv=backend.prepare_vector(np.concatenate([
-                w(f"self_attn.{p}_proj.bias").astype(np.float32) for p in "qkv"])) if cfg.attention_bias else None,
+            w_qkv=backend.prepare_weight(stack_rows(*qkv_rows(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                                                              w("self_attn.v_proj.weight")))),
+            b_qkv=backend.prepare_vector(np.concatenate([p.astype(np.float32) for p in qkv_rows(
+                w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias"))]))
+            if cfg.attention_bias else None,
             q_norm=norm("self_attn.q_norm.weight") if cfg.use_qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
             w_o=backend.prepare_weight(w("self_attn.o_proj.weight")),
@@ -544,7 +586,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         if cfg.is_moe:
             E = cfg.n_routed_experts
             mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
-            mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias"))
+            mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias") if cfg.router_bias
+                                                  else np.zeros(E, np.float32))     # selection without a bias
             mw.experts_w13 = backend.prepare_weight(stacked([
                 [f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight"] for e in range(E)]))
             mw.experts_w2 = backend.prepare_weight(stacked([[f"mlp.experts.{e}.down_proj.weight"] for e in range(E)]))
@@ -552,6 +595,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 mw.shared_w13 = backend.prepare_weight(stack_rows(w("mlp.shared_experts.gate_proj.weight"),
                                                                   w("mlp.shared_experts.up_proj.weight")))
                 mw.shared_w2 = backend.prepare_weight(w("mlp.shared_experts.down_proj.weight"))
+                if cfg.shared_expert_gate:
+                    mw.shared_gate = backend.prepare_weight(w("mlp.shared_expert_gate.weight"))
         else:
             mw.mlp_w13 = backend.prepare_weight(stack_rows(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")))
             mw.mlp_w2 = backend.prepare_weight(w("mlp.down_proj.weight"))
@@ -562,7 +607,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         if not rd.has(fam.target_norm):
             raise CheckpointError(f"apply_target_norm=True needs the target's {fam.target_norm!r}, "
                                   f"missing from the checkpoint at {rd.path}")
-        target_norm = backend.prepare_vector(read(fam.target_norm, (H,)))
+        tn = read(fam.target_norm, (H,))
+        target_norm = backend.prepare_vector(tn.astype(np.float32) + 1.0 if fam.zero_centred else tn)
     return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest), notes)
 
 
@@ -597,12 +643,12 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
         t[p + "eh_proj.weight"] = mat(H, 2 * H)
         t[p + "input_layernorm.weight"] = norm_w(H)
         t[p + "post_attention_layernorm.weight"] = norm_w(H)
-        t[p + "self_attn.q_proj.weight"] = mat(Hq * D, H, gain=2.0)
+        t[p + "self_attn.q_proj.weight"] = mat(Hq * D + cfg.gate_size, H, gain=2.0)   # [queries; gates]
         t[p + "self_attn.k_proj.weight"] = mat(Hkv * D, H, gain=2.0)
         t[p + "self_attn.v_proj.weight"] = mat(Hkv * D, H)
         t[p + "self_attn.o_proj.weight"] = mat(H, Hq * D)
         if cfg.attention_bias:
-            for name, n in (("q", Hq * D), ("k", Hkv * D), ("v", Hkv * D)):
+            for name, n in (("q", Hq * D + cfg.gate_size), ("k", Hkv * D), ("v", Hkv * D)):
                 t[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
         if cfg.use_qk_norm:
             t[p + "self_attn.q_norm.weight"] = norm_w(D)
@@ -610,7 +656,8 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
         if cfg.is_moe:
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             t[p + "mlp.gate.weight"] = mat(E, H, gain=2.0)
-            t[p + "mlp.gate.e_score_correction_bias"] = (0.05 * rng.standard_normal(E)).astype(np.float32)
+            if cfg.router_bias:
+                t[p + "mlp.gate.e_score_correction_bias"] = (0.05 * rng.standard_normal(E)).astype(np.float32)
             for e in range(E):
                 t[p + f"mlp.experts.{e}.gate_proj.weight"] = mat(I, H)
                 t[p + f"mlp.experts.{e}.up_proj.weight"] = mat(I, H)
@@ -620,6 +667,8 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
                 t[p + "mlp.shared_experts.gate_proj.weight"] = mat(Is, H)
                 t[p + "mlp.shared_experts.up_proj.weight"] = mat(Is, H)
                 t[p + "mlp.shared_experts.down_proj.weight"] = mat(H, Is)
+                if cfg.shared_expert_gate:
+                    t[p + "mlp.shared_expert_gate.weight"] = mat(1, H, gain=2.0)
         else:
             I = cfg.intermediate_size
             t[p + "mlp.gate_proj.weight"] = mat(I, H)
@@ -630,6 +679,14 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
             t[p + "embed_tokens.weight"] = t["model.embed_tokens.weight"].copy()
         if own_head:
             t[p + "shared_head.head.weight"] = t["lm_head.weight"].copy()
+    fam = family(cfg.family)
+    first = f"model.layers.{cfg.layer_index(0)}."
+    for m in range(1, cfg.num_modules):       # what the family's modules share (one tensor in its
+        p = f"model.layers.{cfg.layer_index(m)}."        # release, Qwen3-Next's mtp.fc) is one value
+        for key in [k for k in t if k.startswith(p)]:
+            suffix = key[len(p):]
+            if fam.key(cfg.layer_index(m), m, suffix) == fam.key(cfg.layer_index(0), 0, suffix):
+                t[key] = t[first + suffix].copy()
     return t
 
 
@@ -678,11 +735,20 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
                     a = np.concatenate([a[:, half:], a[:, :half]], axis=1)
                 if fam.folds_norm(suffix):
                     a = a - np.float32(1.0)
+                if fam.q_gate_interleaved and base in ("self_attn.q_proj.weight", "self_attn.q_proj.bias") \
+                        and cfg.gate_size:                      # [queries; gates] -> [q_h | g_h] per head
+                    Hq = cfg.num_attention_heads
+                    rows = cfg.head_dim // (cfg.fp8_block[0] if tail == "_scale_inv" else 1)   # block scale rows
+                    q, g = a[:Hq * rows].reshape(Hq, rows, -1), a[Hq * rows:].reshape(Hq, rows, -1)
+                    a = np.concatenate([q, g], axis=1).reshape(a.shape)
                 key = fam.key(cfg.layer_index(m), m, base) + tail
                 break
         else:
             key = {"model.embed_tokens.weight": fam.target_embed, "lm_head.weight": fam.target_head,
                    "model.norm.weight": fam.target_norm}.get(key, key)
+        if key in out and not np.array_equal(out[key], a):
+            raise ValueError(f"tensors: two tensors become {key!r} in the {fam.title} layout (a tensor its "
+                             f"modules share) with different values")
         out[key] = a
     return out
 

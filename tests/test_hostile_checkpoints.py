@@ -441,8 +441,8 @@ def test_a_window_that_is_switched_off_loads():
 
 
 @pytest.mark.parametrize("change,msg", [
-    ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported; supported: glm4_moe (Glm4MoeForCausalLM), mimo"),
-    ({"model_type": "qwen3_next"}, "model_type 'qwen3_next' is not supported"),
+    ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported; supported: glm4_moe (Glm4MoeForCausalLM), mimo (MiMoForCausalLM), qwen3_next"),
+    ({"model_type": "step3p5"}, "model_type 'step3p5' is not supported"),
     ({"model_type": "glm4_moe_lite"}, "model_type 'glm4_moe_lite' is not supported"),
     ({"model_type": 4}, "model_type 4 is not supported"),
     ({"architectures": ["Step3p5ForCausalLM"]}, "architecture 'Step3p5ForCausalLM' is not supported; supported: glm4_moe"),

@@ -10,9 +10,10 @@ from __future__ import annotations
 from .base import Family
 from .glm4_moe import FAMILY as GLM4_MOE
 from .mimo import FAMILY as MIMO
+from .qwen3_next import FAMILY as QWEN3_NEXT
 
 #: model_type -> family
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO, QWEN3_NEXT)}
 
 #: the SPEC layout with MtpConfig's defaults (no model_type, no architectures)
 CANONICAL = Family(model_type="", architectures=(), title="SPEC layout (no model_type)")

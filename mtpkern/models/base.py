@@ -14,8 +14,10 @@ as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
   ``{m}`` = ``m``) and renames of canonical suffixes (an entry ending in ``.``
   renames a prefix of the suffix; values may use ``{m}``);
 - **folds**, applied once at load so that kernels never see them: the input order
-  of ``eh_proj`` (``hidden_embed`` swaps its column halves) and zero-centred RMSNorm
-  weights (stored ``w``, applied as ``1 + w``: 1 is added).
+  of ``eh_proj`` (``hidden_embed`` swaps its column halves), zero-centred RMSNorm
+  weights (stored ``w``, applied as ``1 + w``: 1 is added; the target's final norm
+  too), and a query projection that interleaves an output gate per head
+  (``q_gate_interleaved``: the gate rows move after q|k|v).
 
 A new family is a new file in this package with one ``Family`` in it, registered
 in ``mtpkern/models/__init__.py``.
@@ -49,6 +51,14 @@ class Family:
     renames: Mapping[str, str] = field(default_factory=dict)
     concat: Concat = "embed_hidden"
     zero_centred: bool = False
+    #: q_proj rows per head [query (D) | gate (D)] (Qwen3-Next), de-interleaved at load into
+    #: the query rows and the gate rows stacked after q|k|v
+    q_gate_interleaved: bool = False
+    #: the hidden a module hands on (to the next module, or to itself for the next draft)
+    #: in the reference implementation: "prenorm" (y, DeepSeek-V3 / vLLM) or "postnorm"
+    #: (the normed y that the LM head reads: vLLM's Qwen3-Next MTP); the proposer's
+    #: ``chain=None`` default
+    chain: str = "prenorm"
     #: the target's norm before the LM head (apply_target_norm)
     target_norm: str = "model.norm.weight"
     #: where a module without its own embedding / LM head finds the target's
@@ -79,6 +89,10 @@ class Family:
             parts.append("eh_proj input [hidden, embed] (folded)")
         if self.zero_centred:
             parts.append("zero-centred norms (folded)")
+        if self.q_gate_interleaved:
+            parts.append("q_proj gate rows per head (regrouped)")
+        if self.chain != "prenorm":
+            parts.append(f"{self.chain} chain")
         feats = [f"{k}={v}" for k, v in self.fixed.items()]
         if feats:
             parts.append(", ".join(feats))
