@@ -108,8 +108,9 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
     d.add_argument("--kv-mode", default="exact", choices=["exact", "draft"],
                    help="exact: each module's KV equals a recomputation over the verified tokens; "
                         "draft: one row per module per propose (docs/semantics.md)")
-    d.add_argument("--chain", default="prenorm", choices=["prenorm", "postnorm"],
-                   help="the hidden passed from module m to m+1: y, or shared_head_norm(y)")
+    d.add_argument("--chain", default=None, choices=["prenorm", "postnorm"],
+                   help="the hidden passed from module m to m+1: y, or shared_head_norm(y) "
+                        "(default: the family's, prenorm but for Qwen3-Next)")
     d.add_argument("--config", default="demo", choices=["demo", "small", "tiny"],
                    help="built-in synthetic checkpoint: tiny (H=64, V=301), demo (H=256, V=8192), "
                         "small (H=1024, V=32768)")

@@ -216,12 +216,14 @@ class StepPlan:
         self.ids = buf((k, B), np.int32)
         self.last = buf((B, H)) if self.exact else None
         x, a_in, r, f_in = (buf((n_max, H)) for _ in range(4))
-        qkv = buf((n_max, (Hq + 2 * Hkv) * D))
+        qkv = buf((n_max, (Hq + 2 * Hkv) * D + cfg.gate_size))          # + the attention gate
         q = buf((n_max, Hq, D))
         o = buf((n_max, Hq * D))
         K = cfg.num_experts_per_tok
         eids = buf((n_max, K), np.int32) if cfg.is_moe else None
         ewts = buf((n_max, K)) if cfg.is_moe else None
+        gated = cfg.is_moe and cfg.n_shared_experts and cfg.shared_expert_gate
+        shared, sgate = (buf((n_max, H)), buf((n_max, 1))) if gated else (None, None)
         lm_ws: dict[str, Any] = {}
         ws_fixed: dict[str, dict[str, Any]] = {}
         parts: dict[int, int] = {}
@@ -262,7 +264,8 @@ class StepPlan:
                                    "part_ml": part_ml[:c * Hq * parts[m] * 2].reshape(c, Hq, parts[m], 2)}
             self.bufs[m] = ForwardBuffers(x[:c], a_in[:c], qkv[:c], q[:c], o[:c], r[:c], f_in[:c],
                                           self.y[m], self.normed[m],
-                                          None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws)
+                                          None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws,
+                                          None if shared is None else shared[:c], None if sgate is None else sgate[:c])
 
         self._ranges = [(address(a), a.nbytes) for a in self._own] + [(address(stg.dev), stg.dev.nbytes)]
         self._fill_static_segments()

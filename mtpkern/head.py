@@ -74,7 +74,9 @@ class ForwardBuffers:
     int32 / ``expert_weights`` [n, K]. ``ws``: per op (``mtp_input``, ``attention``,
     ``router``, ``experts``, ``shared``, ``mlp``), the backend's workspace keyword
     arguments (the CUDA launchers' ``xcat=``, ``part_o=`` ...; empty on NumPy).
-    ``y`` may be read by the op that writes it (the shared experts add into it)."""
+    ``y`` may be read by the op that writes it (the shared experts add into it). With a
+    gated shared expert (``shared_expert_gate``): ``shared`` [n, H] and ``shared_gate``
+    [n, 1]; with an attention output gate, ``qkv`` is ``cfg.gate_size`` columns wider."""
 
     x: Any
     a_in: Any
@@ -88,6 +90,8 @@ class ForwardBuffers:
     expert_ids: Any = None
     expert_weights: Any = None
     ws: dict = field(default_factory=dict)
+    shared: Any = None
+    shared_gate: Any = None
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -119,6 +123,7 @@ class MtpHead:
         self._inv_freq = backend.from_host(inv_freq(config.rotary_dim, config.rope_theta))
         self._router = RouterSpec.from_config(config) if config.is_moe else None
         self._scale = float(config.head_dim) ** -0.5
+        self._gate_off = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
         self._one_lock = threading.Lock()
 
     # -- the forward ---------------------------------------------------------
@@ -223,6 +228,8 @@ class MtpHead:
                                      self.pool.k, self.pool.v, slots, **put("rope_kv", out="q"))  # [n, Hq, D]
         o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
                                **put("attention", out="o"))                                     # [n, Hq D]
+        if cfg.gate_size:                    # o * sigmoid(gate): the gate columns after q|k|v
+            o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
         f_in = be.rmsnorm(r, w.post_attention_layernorm, eps, **put("rmsnorm", out="f_in"))      # [n, H]
         if cfg.is_moe:
@@ -230,7 +237,11 @@ class MtpHead:
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
             y = be.moe_experts(f_in, ids, wts, w.experts_w13, w.experts_w2, r,
                                **put("experts", out="y"))                                        # [n, H]
-            if w.shared_w13 is not None:
+            if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row
+                sh = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, **put("shared", out="shared"))
+                sg = be.linear(f_in, w.shared_gate, **put("linear", out="shared_gate"))          # [n, 1]
+                y = be.sigmoid_gate(sh, sg, y, **put("gate", out="y"))
+            elif w.shared_w13 is not None:
                 y = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, y, **put("shared", out="y"))
         else:
             y = be.swiglu_mlp(f_in, w.mlp_w13, w.mlp_w2, r, **put("mlp", out="y"))

@@ -47,6 +47,7 @@ from .exact import ExactChain
 from .grammar import MaskFn, resolve
 from .head import MtpHead
 from .kv import BlockPool
+from .models import family
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
 from .trait import DraftProposer, ProposerState
 from .txn import guarded
@@ -62,8 +63,8 @@ __all__ = ["AcceptanceStats", "DrafterKv", "MemoryUse", "MtpState", "MultiModule
 def _check_modes(kv_mode: Any, chain: Any) -> None:
     if kv_mode not in ("draft", "exact"):
         raise ValueError(f"kv_mode: expected 'draft' or 'exact', got {kv_mode!r}")
-    if chain not in ("prenorm", "postnorm"):
-        raise ValueError(f"chain: expected 'prenorm' or 'postnorm', got {chain!r}")
+    if chain is not None and chain not in ("prenorm", "postnorm"):
+        raise ValueError(f"chain: expected 'prenorm', 'postnorm' or None (the family's), got {chain!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,7 @@ class MultiModuleMtpHead(DraftProposer):
     DEFAULT_KV_TOKENS = 32768
 
     def __init__(self, config: MtpConfig, weights: MtpWeights, backend: Backend, *,
-                 kv_mode: KvMode = "exact", chain: Chain = "prenorm", block_size: int = 16,
+                 kv_mode: KvMode = "exact", chain: Chain | None = None, block_size: int = 16,
                  num_blocks: int | None = None, max_batch: int = 64, prefill_chunk: int = 256,
                  cuda_graphs: bool = True):
         _check_modes(kv_mode, chain)
@@ -110,7 +111,9 @@ class MultiModuleMtpHead(DraftProposer):
         self.weights = weights
         self.backend = backend
         self.kv_mode: KvMode = kv_mode
-        self.chain: Chain = chain
+        #: None: the family's (its reference implementation's; "prenorm" but for Qwen3-Next)
+        self.chain: Chain = family(config.family).chain if chain is None else chain
+        chain = self.chain
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.modules = [MtpHead(m, config, mw, backend, num_blocks, block_size)
@@ -159,7 +162,7 @@ class MultiModuleMtpHead(DraftProposer):
 
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | os.PathLike, backend: "BackendName | Backend" = "auto",
-                        kv_mode: KvMode = "exact", chain: Chain = "prenorm",
+                        kv_mode: KvMode = "exact", chain: Chain | None = None,
                         apply_target_norm: bool = False, block_size: int = 16,
                         num_blocks: int | None = None, max_batch: int = 64,
                         prefill_chunk: int = 256, cuda_graphs: bool = True,

@@ -65,7 +65,8 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     qkv = a @ f(w.w_qkv).T + (0 if w.b_qkv is None else f(w.b_qkv))
     q = qkv[:, :Hq * D].reshape(R, Hq, D)
     k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(R, Hkv, D)
-    v = qkv[:, (Hq + Hkv) * D:].reshape(R, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:(Hq + 2 * Hkv) * D].reshape(R, Hkv, D)
+    gate = qkv[:, (Hq + 2 * Hkv) * D:] if cfg.attn_gate else None      # [R, Hq D] after q|k|v
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
     q, k = _rope(q, pos, cfg.rotary_dim, cfg.rope_theta), _rope(k, pos, cfg.rotary_dim, cfg.rope_theta)
@@ -78,14 +79,20 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
         p = np.exp(s - s.max(1, keepdims=True))
         p /= p.sum(1, keepdims=True)
         att[:, hh] = p @ v[:, hh // grp]
-    r = x + att.reshape(R, Hq * D) @ f(w.w_o).T
+    att = att.reshape(R, Hq * D)
+    if gate is not None:
+        att = att / (1 + np.exp(-gate))                              # att * sigmoid(gate), element-wise
+    r = x + att @ f(w.w_o).T
     fin = _rms(r, w.post_attention_layernorm, eps)
     if cfg.is_moe:
         fin32 = fin.astype(np.float32)
         ids, wts = moe_router(fin32, w.gate_w, w.gate_bias, RouterSpec.from_config(cfg))
         y = moe_experts(fin32, ids, wts, w.experts_w13, w.experts_w2, r.astype(np.float32)).astype(np.float64)
         if w.shared_w13 is not None:
-            y = y + _swiglu(fin, w.shared_w13, w.shared_w2)
+            shared = _swiglu(fin, w.shared_w13, w.shared_w2)
+            if w.shared_gate is not None:                            # sigmoid(x . w_g) per row
+                shared = shared / (1 + np.exp(-(fin @ f(w.shared_gate).T)))
+            y = y + shared
     else:
         y = r + _swiglu(fin, w.mlp_w13, w.mlp_w2)
     return ModuleRows(k, v, y, _rms(y, w.shared_head_norm, eps))
