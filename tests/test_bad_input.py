@@ -316,7 +316,7 @@ def test_kv_pool_full_changes_nothing(make_prop):
 def test_construction_bad_input(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match="kv_mode: expected 'draft' or 'exact', got 'fast'"):
         MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode="fast")
-    with pytest.raises(ValueError, match="chain: expected 'prenorm' or 'postnorm', got 'mid'"):
+    with pytest.raises(ValueError, match="chain: expected 'prenorm', 'postnorm' or None \(the family's\), got 'mid'"):
         MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", chain="mid")
     with pytest.raises(ValueError, match="backend: expected 'auto', 'numpy', 'cpu', 'cuda' or a Backend, got 'tpu'"):
         MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="tpu")

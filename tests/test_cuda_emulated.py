@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 import test_backend_parity
+import test_family_qwen3_next as qwen3_next
 import test_gpu
 import test_ops_backends
 from cuda_emu import emu_backend
@@ -817,6 +818,34 @@ def test_graph_plans_share_the_attention_workspace(fake_runtime, tiny_ckpt, tiny
     assert len(with_ws) >= 2, "no plan split the KV into partitions"
     assert all(pl._attn_ws is runner._attn_ws for pl in with_ws)
     assert runner.counts["replayed"] >= 2, dict(runner.counts)
+
+
+@pytest.fixture(scope="module")
+def qwen_ckpt(tmp_path_factory):
+    """Qwen3-Next in its release layout with two modules: output gates, the gated shared
+    expert, softmax routing without a bias, the postnorm chain."""
+    return qwen3_next._ckpt(tmp_path_factory.mktemp("qwen3next"), qwen3_next.QWEN2, seed=9)
+
+
+def test_qwen3_next_module_computes_the_reference_forward(fake_runtime, qwen_ckpt):
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(5)
+    cfg = qwen3_next.QWEN2
+    toks = rng.integers(0, cfg.vocab_size, 6).astype(np.int32)
+    g = rng.standard_normal((6, cfg.hidden_size)).astype(np.float32)
+    want = qwen3_next.qwen3_next_mtp_rows(load_file(str(qwen_ckpt / "model.safetensors")), cfg, toks, g)
+    prop = test_gpu._make(qwen_ckpt, emu_backend.backend("float32"), "exact")
+    qwen3_next.check_head_forward(prop, toks, g, *want)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_qwen3_next_matches_numpy_reference_and_replays(fake_runtime, qwen_ckpt, mode):
+    """The gated step in a captured graph (the gate columns of qkv, the shared expert's
+    own buffers) equals the eager path, and both the NumPy reference."""
+    cfg = qwen3_next.QWEN2
+    test_gpu.check_cuda_matches_numpy_reference((qwen_ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
+    test_gpu.check_graph_replay_equals_eager(qwen_ckpt, cfg, emu_backend.backend(), mode, 2)
 
 
 #: proposer pairs (numpy reference, emulated cuda with CUDA graphs), built once per mode

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, settings
 
+import test_family_qwen3_next
 from mtpkern import MultiModuleMtpHead
 from mtpkern.config import tiny_config
 from mtpkern.testing import reference_weights
@@ -23,6 +24,9 @@ from mtpkern.testing.machine import proposer_machine
 from mtpkern.weights import write_synthetic_checkpoint
 
 CFG = tiny_config()
+#: a second block form: Qwen3-Next (gated attention output, gated shared expert, softmax
+#: routing without a bias, zero-centred norms, the postnorm chain), two modules
+QWEN = test_family_qwen3_next.QWEN2
 SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -33,10 +37,17 @@ def sm_ckpt(tmp_path_factory):
     return path, reference_weights(path)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
-@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
-def test_proposer_state_machine(kv_mode, backend, sm_ckpt):
-    path, weights = sm_ckpt
+@pytest.fixture(scope="module")
+def qwen_ckpt(tmp_path_factory):
+    path = test_family_qwen3_next._ckpt(tmp_path_factory.mktemp("sm_qwen"), QWEN, seed=22)
+    return path, reference_weights(path)
+
+
+@pytest.mark.parametrize("backend,kv_mode,ckpt", [
+    (b, m, "sm_ckpt") for b in ("numpy", "cpu") for m in ("exact", "draft")] + [
+    ("cpu", "exact", "qwen_ckpt"), ("numpy", "draft", "qwen_ckpt")])
+def test_proposer_state_machine(kv_mode, backend, ckpt, request):
+    path, weights = request.getfixturevalue(ckpt)
     machine = proposer_machine(lambda: MultiModuleMtpHead.from_pretrained(
         path, backend=backend, kv_mode=kv_mode, block_size=4, num_blocks=28, prefill_chunk=5), weights)
     machine.steps = Counter()
