@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Literal
 
+from .block import BlockError, BlockSpec
 from .errors import ConfigError
 from .files import CONFIG_JSON_CAP, read_json
 from .models import CANONICAL, FAMILIES, Family, by_architecture, supported
@@ -47,9 +48,15 @@ def _all_zero(v: Any, d: dict) -> bool:
     return _off(v, d) or (isinstance(v, list) and all(x == 0 and x is not False for x in v))
 
 
-def _window_switched_off(v: Any, d: dict) -> bool:
-    # Qwen2-style configs carry a window size next to use_sliding_window: false.
-    return v is None or d.get("use_sliding_window") is False
+def _window(d: dict) -> int:
+    """Every MTP module's sliding window (0: full attention): ``sliding_window``, unless
+    ``use_sliding_window: false`` (Qwen2-style configs carry a size beside it)."""
+    if d.get("use_sliding_window") is False:
+        return 0
+    w = _opt(d, "sliding_window", int, 0)
+    if d.get("use_sliding_window") is True and not w:
+        raise ConfigError(f"config.json: field 'use_sliding_window' = true needs a sliding_window > 0, got {_show(w)}")
+    return w
 
 
 def _noaux_tc(v: Any, d: dict) -> bool:
@@ -81,10 +88,9 @@ _SWA = "sliding-window attention (Step-3.5, MiMo)"
 #: Field -> why it is refused. Taken from the published config.json files of the
 #: families planned next (DeepSeek-V3, Step-3.5, MiMo, Qwen3-Next) and of FP8 releases.
 UNIMPLEMENTED_FIELDS: dict[str, Unimplemented] = {
-    **_group("kv_lora_rank q_lora_rank qk_rope_head_dim qk_nope_head_dim v_head_dim", _MLA),
+    **_group("kv_lora_rank q_lora_rank qk_rope_head_dim qk_nope_head_dim", _MLA),
     **_group("index_topk index_n_heads index_head_dim", "DSA sparse-attention indexer (GLM-5, DeepSeek-V3.2)"),
-    **_group("sliding_window", _SWA, "absent, null, or with use_sliding_window: false", _window_switched_off),
-    **_group("use_sliding_window sliding_window_size num_sliding_attention_heads attention_other_setting "
+    **_group("sliding_window_size num_sliding_attention_heads attention_other_setting "
              "swa_num_attention_heads swa_num_key_value_heads swa_head_dim swa_v_head_dim swa_rope_theta", _SWA),
     **_group("layer_types mtp_layer_types", "attention other than full (sliding-window, linear)",
              "absent or only 'full_attention'", _only_full_attention),
@@ -149,6 +155,8 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "topk_group": (1, 4096),
     "first_k_dense_replace": (0, 4096),
     "max_position_embeddings": (1, 2**31 - 1),  # kernels index positions in int32
+    "v_head_dim": (0, 1024),                   # 128 beside head_dim 192 (MiMo-V2); 0: head_dim
+    "sliding_window": (0, 2**31 - 1),          # 128 (MiMo-V2), 512 (Step-3.5); 0: full attention
 }
 
 #: Ranges (low, high] of the float fields; every one must also be finite.
@@ -162,7 +170,7 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
-                "router_bias")
+                "router_bias", "attn_sinks")
 #: Keys of rope_parameters / rope_scaling that the default RoPE reads.
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 _PREFIX = "config.json: "
@@ -397,6 +405,25 @@ def _check_ranges(cfg: "MtpConfig") -> None:
             raise ConfigError(f"config.json: field {name!r} expected bool, got {type(v).__name__} {_show(v)}")
 
 
+def _normalise_blocks(blocks: Any, M: int) -> tuple:
+    """Per-module overrides (a list of dicts, or of (field, value) pairs) -> a tuple of M
+    sorted ((field, value), ...) tuples; () when none overrides anything."""
+    if blocks is None or (isinstance(blocks, (list, tuple)) and len(blocks) == 0):
+        return ()
+    if not isinstance(blocks, (list, tuple)) or len(blocks) != M:
+        n = len(blocks) if isinstance(blocks, (list, tuple)) else type(blocks).__name__
+        raise ConfigError(f"config.json: field 'mtp_blocks' expected a list of {M} objects (one per module), got {n}")
+    out = []
+    for m, b in enumerate(blocks):
+        items = b.items() if isinstance(b, dict) else b
+        try:
+            pairs = tuple(sorted((str(k), v) for k, v in items))
+        except (TypeError, ValueError):
+            raise ConfigError(f"config.json: mtp_blocks[{m}] expected an object, got {_show(b)}") from None
+        out.append(pairs)
+    return tuple(out) if any(out) else ()
+
+
 @dataclass(frozen=True, slots=True)
 class MtpConfig:
     """Everything the drafter needs to know about the checkpoint's shapes.
@@ -444,40 +471,73 @@ class MtpConfig:
     shared_expert_gate: bool = False
     #: the router selects with an e_score_correction_bias (False: none, zeros)
     router_bias: bool = True
+    # -- the default block of every module (mtpkern/block.py), and per-module overrides --
+    #: the value head dim, 0: head_dim (MiMo-V2: 128 beside 192)
+    v_head_dim: int = 0
+    #: 0: full attention; W: each row sees the W keys ending at itself
+    sliding_window: int = 0
+    #: a learned softmax sink per query head (``self_attn.sinks`` [Hq])
+    attn_sinks: bool = False
+    #: SwiGLU clamps (0: none) of the routed experts, and of the shared expert / dense MLP
+    swiglu_clamp: float = 0.0
+    swiglu_clamp_shared: float = 0.0
+    #: per module, the BlockSpec fields that differ from the default block (a family's
+    #: layer_types, per-layer RoPE, dense MTP blocks in a MoE model ...): a tuple of
+    #: ((field, value), ...) per module, or () when every module is the default block
+    blocks: tuple = ()
 
     def __post_init__(self) -> None:
         if self.family != "" and self.family not in FAMILIES:
             raise ConfigError(f"config.json: family {self.family!r} is not supported; supported: {supported()}")
-        if self.attn_gate not in ("", "elementwise"):
-            raise ConfigError(f"config.json: attn_gate expected '' or 'elementwise', got {self.attn_gate!r}")
         if self.weight_quant not in ("", "fp8"):
             raise ConfigError(f"config.json: weight_quant expected '' or 'fp8', got {self.weight_quant!r}")
         _check_ranges(self)
-        self._check_attention()
+        object.__setattr__(self, "blocks", _normalise_blocks(self.blocks, self.num_nextn_predict_layers))
+        specs = [self._checked_block(m) for m in range(self.num_modules)]
         if self.scoring_func not in ("sigmoid", "softmax"):
             raise ConfigError(
                 f"config.json: field 'scoring_func' expected 'sigmoid' or 'softmax', got {self.scoring_func!r}"
             )
-        if self.is_moe:
+        if any(b.moe for b in specs):
+            if not self.is_moe:
+                raise ConfigError("config.json: an MoE MTP module needs n_routed_experts > 0 (mtp_blocks sets moe)")
             self._check_moe()
-        elif self.intermediate_size <= 0:
+        if not all(b.moe for b in specs) and self.intermediate_size <= 0:
             raise ConfigError(
                 "config.json: a dense MTP module needs intermediate_size > 0 "
                 f"(got {self.intermediate_size}); set n_routed_experts for an MoE module"
             )
 
-    def _check_attention(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads, got "
-                f"{self.num_attention_heads} and {self.num_key_value_heads}"
-            )
-        rd = self.rotary_dim
-        if rd < 2 or rd % 2:
-            raise ConfigError(
-                f"config.json: head_dim * partial_rotary_factor must be an even number >= 2, "
-                f"got {self.head_dim} * {self.partial_rotary_factor} = {rd}"
-            )
+    def _checked_block(self, m: int) -> BlockSpec:
+        over = dict(self.blocks[m]) if self.blocks else {}
+        where = f" (module {m}, mtp_blocks)" if over else ""
+        for name, v in over.items():                 # the global fields' ranges bound the overrides too
+            lo, hi = INT_RANGES.get(name, (None, None))
+            if lo is not None and (type(v) is not int or not lo <= v <= hi):
+                raise ConfigError(f"config.json: field {name!r} must be an int in [{lo}, {hi}], got {_show(v)}{where}")
+            lo, hi = FLOAT_RANGES.get(name, (None, None))
+            if lo is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                   or not (math.isfinite(v) and lo < v <= hi)):
+                raise ConfigError(f"config.json: field {name!r} must be in ({lo:g}, {hi:g}], got {_show(v)}{where}")
+        try:
+            return self.block(m)
+        except BlockError as e:
+            raise ConfigError(f"config.json: {e}{where}") from None
+
+    def block(self, m: int) -> BlockSpec:
+        """Module ``m``'s block: the default block (the global fields) with its overrides."""
+        base = self.block_default()
+        over = self.blocks[m] if self.blocks else ()
+        return base.with_overrides(dict(over), f"module {m}") if over else base
+
+    def block_default(self) -> BlockSpec:
+        """The block the global fields describe (every module's, but for its overrides)."""
+        return BlockSpec(
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, v_head_dim=self.v_head_dim, partial_rotary_factor=self.partial_rotary_factor,
+            rope_theta=self.rope_theta, sliding_window=self.sliding_window, attn_sinks=self.attn_sinks,
+            attn_gate=self.attn_gate, moe=self.is_moe, swiglu_clamp=self.swiglu_clamp,
+            swiglu_clamp_shared=self.swiglu_clamp_shared)
 
     def _check_moe(self) -> None:
         for name in ("num_experts_per_tok", "moe_intermediate_size"):
@@ -517,11 +577,6 @@ class MtpConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
-    @property
-    def gate_size(self) -> int:
-        """Columns of the attention gate stacked after q|k|v in the fused projection."""
-        return self.num_attention_heads * self.head_dim if self.attn_gate == "elementwise" else 0
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -584,6 +639,12 @@ class MtpConfig:
             attn_gate=_opt(d, "attn_gate", str, ""),
             shared_expert_gate=_opt(d, "shared_expert_gate", bool, False),
             router_bias=_opt(d, "router_bias", bool, True),
+            v_head_dim=_opt(d, "v_head_dim", int, 0),
+            sliding_window=_window(d),
+            attn_sinks=_opt(d, "attn_sinks", bool, False),
+            swiglu_clamp=_opt(d, "swiglu_clamp", float, 0.0),
+            swiglu_clamp_shared=_opt(d, "swiglu_clamp_shared", float, 0.0),
+            blocks=d.get("mtp_blocks") or (),
         )
         _check_same_as(d, cfg)
         return cfg
@@ -612,6 +673,13 @@ class MtpConfig:
                                         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                                             "num_bits": 8, "type": "float", "strategy": "channel",
                                             "symmetric": True, "dynamic": False}}}}
+        for name, off in (("v_head_dim", 0), ("sliding_window", 0), ("attn_sinks", False), ("swiglu_clamp", 0.0),
+                          ("swiglu_clamp_shared", 0.0)):
+            if d[name] == off:                  # a block feature switched off is not written
+                del d[name]
+        blocks = d.pop("blocks")
+        if blocks:
+            d["mtp_blocks"] = [dict(b) for b in blocks]
         theta = d.pop("rope_theta")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
         d["hidden_act"] = "silu"
@@ -628,9 +696,12 @@ class MtpConfig:
         if self.weight_quant == "fp8":
             b = self.fp8_block
             fam += f"FP8 E4M3 ({f'{b[0]}x{b[1]} block' if b != (0, 0) else 'per-channel'} scales) "
-        return (f"{fam}M={self.num_modules} H={self.hidden_size} Hq={self.num_attention_heads} "
-                f"Hkv={self.num_key_value_heads} D={self.head_dim} rotary={self.rotary_dim} "
-                f"V={self.vocab_size} {kind}")
+        text = (f"{fam}M={self.num_modules} H={self.hidden_size} V={self.vocab_size} {kind}; "
+                f"block {self.block_default().describe()}")
+        if self.blocks:
+            text += "; " + ", ".join(f"module {m}: {self.block(m).describe()}"
+                                     for m in range(self.num_modules) if self.blocks[m])
+        return text
 
 
 def _head_dim(d: dict, H: int, Hq: int) -> int:
