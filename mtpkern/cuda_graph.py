@@ -167,7 +167,7 @@ class StepPlan:
         self._keep: list[Any] = []       # this call's source arrays, alive until the step ends
         cfg = prop.config
         B, k, M = shape.B, shape.k, prop.num_modules
-        H, Hq, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H = cfg.hidden_size
         W = cfg.bitmask_words
         self.run = [m for m in range(M) if shape.rows[m]]
         n = {m: B * shape.rows[m] for m in self.run}
@@ -194,7 +194,7 @@ class StepPlan:
         for m in self.run:
             if self.exact or m == 0:
                 stg.add(f"tok{m}", n[m], np.int32)
-            for f in ("pos", "slot", "rseq", "rlen"):
+            for f in ("pos", "slot", "rseq", "rlen") + (("rst",) if prop.modules[m].block.sliding_window else ()):
                 stg.add(f"{f}{m}", n[m], np.int32)
             stg.add(f"tab{m}", B * shape.widths[m], np.int32)
         if shape.masked:
@@ -216,13 +216,18 @@ class StepPlan:
         self.ids = buf((k, B), np.int32)
         self.last = buf((B, H)) if self.exact else None
         x, a_in, r, f_in = (buf((n_max, H)) for _ in range(4))
-        qkv = buf((n_max, (Hq + 2 * Hkv) * D + cfg.gate_size))          # + the attention gate
-        q = buf((n_max, Hq, D))
-        o = buf((n_max, Hq * D))
+        blk = {m: prop.modules[m].block for m in self.run}      # each module's own sizes
+
+        def flat(size_of) -> Any:
+            """One buffer for every module's [n_m, size_m] rows (each a contiguous view)."""
+            return buf((max(n[m] * size_of(blk[m]) for m in self.run),))
+
+        qkv, q, o = flat(lambda b: b.qkv_size), flat(lambda b: b.q_size), flat(lambda b: b.o_size)
         K = cfg.num_experts_per_tok
-        eids = buf((n_max, K), np.int32) if cfg.is_moe else None
-        ewts = buf((n_max, K)) if cfg.is_moe else None
-        gated = cfg.is_moe and cfg.n_shared_experts and cfg.shared_expert_gate
+        moe = any(blk[m].moe for m in self.run)
+        eids = buf((n_max, K), np.int32) if moe else None
+        ewts = buf((n_max, K)) if moe else None
+        gated = moe and cfg.n_shared_experts and cfg.shared_expert_gate
         shared, sgate = (buf((n_max, H)), buf((n_max, 1))) if gated else (None, None)
         lm_ws: dict[str, Any] = {}
         ws_fixed: dict[str, dict[str, Any]] = {}
@@ -230,39 +235,48 @@ class StepPlan:
         if self.cuda:   # the CUDA launchers' workspaces (see mtpkern.backends.cuda_launch)
             xcat = buf((n_max, 2 * H))
             ws_fixed["mtp_input"] = {"xcat": xcat}
-            if cfg.is_moe:
+            if moe:
                 I = cfg.moe_intermediate_size
                 ws_fixed["router"] = {"logits": buf((n_max, cfg.n_routed_experts))}
                 ws_fixed["experts"] = {"act": buf((n_max * K, I)), "partial": buf((n_max * K, H))}
                 if cfg.n_shared_experts:
                     ws_fixed["shared"] = {"act": buf((n_max, cfg.shared_intermediate_size))}
-            else:
+            if not all(blk[m].moe for m in self.run):
                 ws_fixed["mlp"] = {"act": buf((n_max, cfg.intermediate_size))}
             from .backends.cuda_launch._util import sm_count, smem_optin
 
             BS = prop.block_size
             for m in self.run:
-                parts[m] = attn_launch.plan(Hq // Hkv, D, shape.widths[m] * BS, work=n[m] * Hkv,
-                                            target_blocks=2 * sm_count(), smem_max=smem_optin()).num_parts
-            most = max(n[m] * Hq * parts[m] for m in self.run)
+                b = blk[m]
+                parts[m] = attn_launch.plan(b.num_attention_heads // b.num_key_value_heads, b.head_dim,
+                                            shape.widths[m] * BS, work=n[m] * b.num_key_value_heads,
+                                            target_blocks=2 * sm_count(), smem_max=smem_optin(),
+                                            Dv=b.v_dim).num_parts
+            split = [m for m in self.run if parts[m] > 1]
+            po = max((n[m] * blk[m].num_attention_heads * parts[m] * blk[m].v_dim for m in split), default=0)
+            pml = max((n[m] * blk[m].num_attention_heads * parts[m] * 2 for m in split), default=0)
             part_o = part_ml = None
-            if max(parts.values()) > 1:
-                floats = most * (D + 2)
+            if split:
+                floats = po + pml
                 self._attn_ws = ws = (attention_workspace(floats) if attention_workspace is not None
                                       else buf((floats,)))
-                part_o, part_ml = ws[:most * D], ws[most * D:floats]
+                part_o, part_ml = ws[:po], ws[po:floats]
             P = -(-cfg.vocab_size // lm_launch.ROWS_PER_BLOCK)
             lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
 
         self.bufs: dict[int, ForwardBuffers] = {}
         for m in self.run:
-            c = n[m]
+            c, b = n[m], blk[m]
+            Hq = b.num_attention_heads
             ws = {op: {key: a[:c * K] if op == "experts" else a[:c] for key, a in d.items()}
                   for op, d in ws_fixed.items()}
             if self.cuda and parts[m] > 1:
-                ws["attention"] = {"part_o": part_o[:c * Hq * parts[m] * D].reshape(c, Hq, parts[m], D),
-                                   "part_ml": part_ml[:c * Hq * parts[m] * 2].reshape(c, Hq, parts[m], 2)}
-            self.bufs[m] = ForwardBuffers(x[:c], a_in[:c], qkv[:c], q[:c], o[:c], r[:c], f_in[:c],
+                p_ = parts[m]
+                ws["attention"] = {"part_o": part_o[:c * Hq * p_ * b.v_dim].reshape(c, Hq, p_, b.v_dim),
+                                   "part_ml": part_ml[:c * Hq * p_ * 2].reshape(c, Hq, p_, 2)}
+            self.bufs[m] = ForwardBuffers(x[:c], a_in[:c], qkv[:c * b.qkv_size].reshape(c, b.qkv_size),
+                                          q[:c * b.q_size].reshape(c, Hq, b.head_dim),
+                                          o[:c * b.o_size].reshape(c, b.o_size), r[:c], f_in[:c],
                                           self.y[m], self.normed[m],
                                           None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws,
                                           None if shared is None else shared[:c], None if sgate is None else sgate[:c])
@@ -329,7 +343,8 @@ class StepPlan:
                 out.append(partial(self._segments, seg[f0:f1]))
             out.append(partial(head.compute, self._tokens(m), self._g(m), stg.d(f"pos{m}"), stg.d(f"slot{m}"),
                                stg.d(f"tab{m}").reshape(B, self.shape.widths[m]), stg.d(f"rseq{m}"),
-                               stg.d(f"rlen{m}"), self.bufs[m]))
+                               stg.d(f"rlen{m}"), self.bufs[m],
+                               stg.d(f"rst{m}") if head.block.sliding_window else None))
             if m < k:
                 if f2 > f1:
                     out.append(partial(self._segments, seg[f1:f2]))
@@ -360,6 +375,8 @@ class StepPlan:
         stg.h(f"slot{m}")[:] = ri.slots
         stg.h(f"rseq{m}")[:] = ri.row_seq
         stg.h(f"rlen{m}")[:] = ri.row_len
+        if ri.row_start is not None:
+            stg.h(f"rst{m}")[:] = ri.row_start
         stg.h(f"tab{m}")[:] = ri.tables.reshape(-1)
 
     def stage_masks(self, rows: np.ndarray) -> None:

@@ -12,6 +12,12 @@ into this module's own paged KV at the end of its sequence's rows::
 Several rows of one sequence attend causally to each other (prefill,
 catch-up, exact-mode propose); rows of different sequences never see each
 other. The proposer decides which rows to write; the head only computes.
+
+The module's block (``MtpConfig.block``, mtpkern/block.py) may switch on: a sliding
+window (a row sees the last W keys, itself included), attention sinks, a value head
+dim of its own, an output gate (``o *= sigmoid(gate)``, head-wise or element-wise,
+the gate columns computed by the fused q|k|v projection), a gated shared expert,
+SwiGLU clamps, and a dense MLP in an MoE checkpoint.
 """
 
 from __future__ import annotations
@@ -64,19 +70,20 @@ class RowIndex(NamedTuple):
     row_seq: np.ndarray     # [n] int32 job of each row
     row_len: np.ndarray     # [n] int32 KV rows each row attends to (causal, itself included)
     tables: np.ndarray      # [S, width] int32 block tables, zero-padded
+    row_start: np.ndarray | None = None   # [n] int32 first visible KV row (a sliding window), or None
 
 
 @dataclass(slots=True)
 class ForwardBuffers:
     """Preallocated outputs of ``MtpHead.compute`` over ``n`` rows (backend arrays,
     contiguous): ``x``, ``a_in``, ``r``, ``f_in``, ``y``, ``normed`` [n, H]; ``qkv``
-    [n, (Hq + 2 Hkv) D]; ``q`` [n, Hq, D]; ``o`` [n, Hq D]; MoE ``expert_ids`` [n, K]
+    [n, block.qkv_size] (q | k | v | gate); ``q`` [n, Hq, D]; ``o`` [n, Hq Dv]; MoE ``expert_ids`` [n, K]
     int32 / ``expert_weights`` [n, K]. ``ws``: per op (``mtp_input``, ``attention``,
     ``router``, ``experts``, ``shared``, ``mlp``), the backend's workspace keyword
     arguments (the CUDA launchers' ``xcat=``, ``part_o=`` ...; empty on NumPy).
     ``y`` may be read by the op that writes it (the shared experts add into it). With a
     gated shared expert (``shared_expert_gate``): ``shared`` [n, H] and ``shared_gate``
-    [n, 1]; with an attention output gate, ``qkv`` is ``cfg.gate_size`` columns wider."""
+    [n, 1]. The block's sizes are the module's own (``MtpConfig.block``)."""
 
     x: Any
     a_in: Any
@@ -118,12 +125,18 @@ class MtpHead:
         self.config = config
         self.w = weights
         self.backend = backend
-        self.pool = BlockPool(index, num_blocks, block_size, config.num_key_value_heads,
-                              config.head_dim, backend)
-        self._inv_freq = backend.from_host(inv_freq(config.rotary_dim, config.rope_theta))
-        self._router = RouterSpec.from_config(config) if config.is_moe else None
-        self._scale = float(config.head_dim) ** -0.5
-        self._gate_off = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+        #: this module's block (sizes, attention form, MLP kind: mtpkern/block.py)
+        self.block = b = config.block(index)
+        self.pool = BlockPool(index, num_blocks, block_size, b.num_key_value_heads, b.head_dim, backend,
+                              v_head_dim=b.v_dim)
+        self._inv_freq = backend.from_host(inv_freq(b.rotary_dim, b.rope_theta))
+        self._router = RouterSpec.from_config(config) if b.moe else None
+        self._scale = b.scale
+        self._gate_off = b.q_size + b.k_size + b.v_size          # the gate columns of the fused projection
+        #: keyword arguments of the ops this block's features switch on (none: the plain calls)
+        self._attn_kw = {"sinks": weights.sinks} if b.attn_sinks else {}
+        self._experts_kw = {"limit": b.swiglu_clamp} if b.swiglu_clamp else {}
+        self._mlp_kw = {"limit": b.swiglu_clamp_shared} if b.swiglu_clamp_shared else {}
         self._one_lock = threading.Lock()
 
     # -- the forward ---------------------------------------------------------
@@ -173,7 +186,8 @@ class MtpHead:
         rows = self.append_rows(jobs, pad_tables)
         be = self.backend
         return self.compute(be.from_host(rows.tokens), g, be.from_host(rows.positions), be.from_host(rows.slots),
-                            be.from_host(rows.tables), be.from_host(rows.row_seq), be.from_host(rows.row_len))
+                            be.from_host(rows.tables), be.from_host(rows.row_seq), be.from_host(rows.row_len),
+                            row_start=None if rows.row_start is None else be.from_host(rows.row_start))
 
     def append_rows(self, jobs: list[RowJob], pad_tables: bool = False) -> "RowIndex":
         """Grow each job's sequence by its rows (keys recorded) and return the host
@@ -199,15 +213,25 @@ class MtpHead:
         tables = np.zeros((len(jobs), table_width(max_blocks) if pad_tables else max_blocks), np.int32)
         for s, job in enumerate(jobs):
             tables[s, :len(job.seq._blocks)] = job.seq._blocks
-        return RowIndex(tokens, positions, slots, row_seq, row_len, tables)
+        W = self.block.sliding_window
+        row_start = None
+        if W:     # the first row whose key is > key - W (positions are keys + a constant), per row
+            row_start = np.empty(n, np.int32)
+            at = 0
+            for job in jobs:
+                for i in range(job.count):
+                    row_start[at + i] = job.seq._keys.rows_before(job.first_key + i - W + 1)
+                at += job.count
+        return RowIndex(tokens, positions, slots, row_seq, row_len, tables, row_start)
 
     def compute(self, tokens: Any, g: Any, positions: Any, slots: Any, tables: Any, row_seq: Any,
-                row_len: Any, bufs: "ForwardBuffers | None" = None) -> tuple[Any, Any]:
+                row_len: Any, bufs: "ForwardBuffers | None" = None, row_start: Any = None) -> tuple[Any, Any]:
         """The module's ops over rows whose KV slots and tables are known (backend arrays:
         ``tokens`` [n], ``g`` [n, H], ``positions`` / ``slots`` / ``row_seq`` / ``row_len``
-        [n], ``tables`` [S, width]). ``bufs``: every output and workspace preallocated
-        (a planned step: nothing is allocated); None allocates as it goes."""
-        be, cfg, w = self.backend, self.config, self.w
+        [n], ``tables`` [S, width]; ``row_start`` [n] the first KV row each row sees, for a
+        sliding-window block). ``bufs``: every output and workspace preallocated (a planned
+        step: nothing is allocated); None allocates as it goes."""
+        be, cfg, w, b = self.backend, self.config, self.w, self.block
         eps = cfg.rms_norm_eps
 
         def put(op: str, **outs: str) -> dict:
@@ -223,28 +247,29 @@ class MtpHead:
                          **put("mtp_input", out="x"))                                            # [n, H]
         a_in = be.rmsnorm(x, w.input_layernorm, eps, **put("rmsnorm", out="a_in"))               # [n, H]
         qkv = be.linear(a_in, w.w_qkv, w.b_qkv, **put("linear", out="qkv"))                      # [n, (Hq+2Hkv)D]
-        q = be.qk_norm_rope_kv_write(qkv, cfg.num_attention_heads, cfg.num_key_value_heads,
+        q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                      w.q_norm, w.k_norm, eps, self._inv_freq, positions,
                                      self.pool.k, self.pool.v, slots, **put("rope_kv", out="q"))  # [n, Hq, D]
+        attn_kw = self._attn_kw if row_start is None else dict(self._attn_kw, row_start=row_start)
         o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
-                               **put("attention", out="o"))                                     # [n, Hq D]
-        if cfg.gate_size:                    # o * sigmoid(gate): the gate columns after q|k|v
+                               **attn_kw, **put("attention", out="o"))                          # [n, Hq Dv]
+        if b.gate_size:                      # o * sigmoid(gate): the gate columns after q|k|v
             o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
         f_in = be.rmsnorm(r, w.post_attention_layernorm, eps, **put("rmsnorm", out="f_in"))      # [n, H]
-        if cfg.is_moe:
+        if b.moe:
             ids, wts = be.moe_router(f_in, w.gate_w, w.gate_bias, self._router,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
             y = be.moe_experts(f_in, ids, wts, w.experts_w13, w.experts_w2, r,
-                               **put("experts", out="y"))                                        # [n, H]
+                               **self._experts_kw, **put("experts", out="y"))                    # [n, H]
             if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row
-                sh = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, **put("shared", out="shared"))
+                sh = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, **self._mlp_kw, **put("shared", out="shared"))
                 sg = be.linear(f_in, w.shared_gate, **put("linear", out="shared_gate"))          # [n, 1]
                 y = be.sigmoid_gate(sh, sg, y, **put("gate", out="y"))
             elif w.shared_w13 is not None:
-                y = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, y, **put("shared", out="y"))
+                y = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, y, **self._mlp_kw, **put("shared", out="y"))
         else:
-            y = be.swiglu_mlp(f_in, w.mlp_w13, w.mlp_w2, r, **put("mlp", out="y"))
+            y = be.swiglu_mlp(f_in, w.mlp_w13, w.mlp_w2, r, **self._mlp_kw, **put("mlp", out="y"))
         normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
         return y, normed
 

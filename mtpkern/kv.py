@@ -88,6 +88,18 @@ class KeyRuns:
                 self._runs[-1][1] = c - count
                 count = 0
 
+    def rows_before(self, key: int) -> int:
+        """How many rows have a key < ``key`` (the first row a sliding window that starts
+        at ``key`` shows). Walks back from the last run: O(runs at or past ``key``)."""
+        n = self._n
+        for s, c in reversed(self._runs):
+            if s + c <= key:                       # the whole run lies before key
+                break
+            n -= c - max(0, key - s)               # the run's rows at or past key
+            if s < key:
+                break
+        return n
+
     def to_list(self) -> list[int]:
         return [s + i for s, c in self._runs for i in range(c)]
 

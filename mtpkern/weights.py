@@ -238,13 +238,13 @@ class ModuleWeights:
     eh_proj: Any          # [H, 2H]
     input_layernorm: Any  # [H]
     post_attention_layernorm: Any  # [H]
-    w_qkv: Any            # [(Hq + 2 Hkv) D, H]
-    b_qkv: Any | None     # [(Hq + 2 Hkv) D]
+    w_qkv: Any            # [block.qkv_size, H]: q | k | v | gate rows
+    b_qkv: Any | None     # [block.qkv_size]
     q_norm: Any | None    # [D]
     k_norm: Any | None    # [D]
-    w_o: Any              # [H, Hq D]
+    w_o: Any              # [H, Hq Dv]
     shared_head_norm: Any  # [H]
-    # MoE (when config.is_moe)
+    # MoE (when the module's block is)
     gate_w: Any | None = None        # [E, H]
     gate_bias: Any | None = None     # [E] FP32
     experts_w13: Any | None = None   # [E, 2I, H]
@@ -252,7 +252,8 @@ class ModuleWeights:
     shared_w13: Any | None = None    # [2 I_s, H]
     shared_w2: Any | None = None     # [H, I_s]
     shared_gate: Any | None = None   # [1, H]: the shared output scaled by sigmoid(x . w) (shared_expert_gate)
-    # dense MLP (when not config.is_moe)
+    sinks: Any | None = None         # [Hq] FP32 attention sinks (attn_sinks)
+    # dense MLP (when the module's block is not MoE)
     mlp_w13: Any | None = None       # [2I, H]
     mlp_w2: Any | None = None        # [H, I]
 
@@ -277,27 +278,33 @@ class MtpWeights:
 
 def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Key suffix -> (shape, required) for module ``m`` (biases, norms, experts by config)."""
-    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    b = cfg.block(m)
+    H, D, Hq = cfg.hidden_size, b.head_dim, b.num_attention_heads
+    q_rows = b.q_size + (b.gate_size if b.attn_gate == "elementwise" else 0)   # + the gate q_proj carries
     keys: dict[str, tuple[tuple[int, ...], bool]] = {
         "enorm.weight": ((H,), True),
         "hnorm.weight": ((H,), True),
         "eh_proj.weight": ((H, 2 * H), True),
         "input_layernorm.weight": ((H,), True),
         "post_attention_layernorm.weight": ((H,), True),
-        "self_attn.q_proj.weight": ((Hq * D + cfg.gate_size, H), True),     # + the interleaved gate
-        "self_attn.k_proj.weight": ((Hkv * D, H), True),
-        "self_attn.v_proj.weight": ((Hkv * D, H), True),
-        "self_attn.o_proj.weight": ((H, Hq * D), True),
+        "self_attn.q_proj.weight": ((q_rows, H), True),
+        "self_attn.k_proj.weight": ((b.k_size, H), True),
+        "self_attn.v_proj.weight": ((b.v_size, H), True),
+        "self_attn.o_proj.weight": ((H, b.o_size), True),
         "shared_head.norm.weight": ((H,), True),
     }
+    if b.attn_gate == "headwise":
+        keys["self_attn.g_proj.weight"] = ((Hq, H), True)
+    if b.attn_sinks:
+        keys["self_attn.sinks"] = ((Hq,), True)
     if cfg.attention_bias:
-        keys["self_attn.q_proj.bias"] = ((Hq * D + cfg.gate_size,), True)
-        keys["self_attn.k_proj.bias"] = ((Hkv * D,), True)
-        keys["self_attn.v_proj.bias"] = ((Hkv * D,), True)
+        keys["self_attn.q_proj.bias"] = ((q_rows,), True)
+        keys["self_attn.k_proj.bias"] = ((b.k_size,), True)
+        keys["self_attn.v_proj.bias"] = ((b.v_size,), True)
     if cfg.use_qk_norm:
         keys["self_attn.q_norm.weight"] = ((D,), True)
         keys["self_attn.k_norm.weight"] = ((D,), True)
-    if cfg.is_moe:
+    if b.moe:
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
         keys["mlp.gate.weight"] = ((E, H), True)
         if cfg.router_bias:
@@ -330,6 +337,8 @@ _TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r".*\.(weight_scale_inv|weight_scale|input_scale)$"), "quantization_config"),
     (re.compile(r"(^|\.)self_attn\.[qkv]_proj\.bias$"), "attention_bias"),
     (re.compile(r"(^|\.)self_attn\.[qk]_norm\.weight$"), "use_qk_norm"),
+    (re.compile(r"(^|\.)self_attn\.g_proj\."), "attn_gate"),
+    (re.compile(r"(^|\.)self_attn\.sinks$"), "attn_sinks"),
     (re.compile(r"(^|\.)mlp\.shared_experts\."), "n_shared_experts"),
     (re.compile(r"(^|\.)mlp\.(gate\.|experts\.|(gate|up|down)_proj\.)"), "n_routed_experts"),  # MoE, or dense MLP
 )
@@ -345,11 +354,11 @@ def _deciding_field(cfg: MtpConfig, suffix: str) -> str | None:
     return None
 
 
-def _check_router_rows(cfg: MtpConfig, rd: CheckpointReader, key: str) -> None:
+def _check_router_rows(cfg: MtpConfig, rd: CheckpointReader, key: str, m: int) -> None:
     """n_routed_experts against the router's header (``key``), before the keys of E
     experts are listed: a config asking for 2**30 experts must not build 3 * 2**30 key
     strings."""
-    if not cfg.is_moe:
+    if not cfg.block(m).moe:
         return
     E, H = cfg.n_routed_experts, cfg.hidden_size
     if not rd.has(key):
@@ -373,7 +382,7 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
     fam = family(cfg.family)
     layer = cfg.layer_index(m)
     pre = fam.module_prefix(layer, m)
-    _check_router_rows(cfg, rd, fam.key(layer, m, "mlp.gate.weight"))
+    _check_router_rows(cfg, rd, fam.key(layer, m, "mlp.gate.weight"), m)
     spec = {suffix: (fam.key(layer, m, suffix), shape, req) for suffix, (shape, req) in _module_keys(cfg, m).items()}
     for suffix, (key, _, required) in spec.items():
         if required and not rd.has(key):
@@ -495,6 +504,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     modules = []
     for m in range(cfg.num_modules):
         spec = _checked_module_keys(cfg, rd, m, allow_unused_tensors, notes)
+        blk = cfg.block(m)
 
         def w(suffix, dtypes=_FLOAT_DTYPES, spec=spec):
             """A dense tensor; a projection may be FP8 (an ``Fp8Weight``) when the config says so."""
@@ -529,13 +539,14 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             v = w(suffix)
             return backend.prepare_vector(v.astype(np.float32) + 1.0 if fam.folds_norm(suffix) else v)
 
-        def qkv_rows(q, k, v):
-            """The parts of the fused projection in its row order: q | k | v (| gate). A query
+        def qkv_rows(q, k, v, g=None):
+            """The parts of the fused projection in its row order: q | k | v (| gate): the
+            head-wise gate ``g`` (g_proj), or the element-wise one that q_proj carries. A query
             projection that interleaves a gate per head ([q_h | g_h], Qwen3-Next) is split
             here, the gate rows going last."""
-            if not cfg.gate_size:
-                return [q, k, v]
-            D, Hq = cfg.head_dim, cfg.num_attention_heads
+            if blk.attn_gate != "elementwise":
+                return [q, k, v] + ([] if g is None else [g])
+            D, Hq = blk.head_dim, blk.num_attention_heads
             if not fam.q_gate_interleaved:                       # canonical: [queries; gates]
                 return [_row_slice(q, 0, Hq * D), k, v, _row_slice(q, Hq * D, 2 * Hq * D)]
             per_head = [_row_slice(q, 2 * h * D + j * D, 2 * h * D + (j + 1) * D) for h in range(Hq) for j in (0, 1)]
@@ -573,17 +584,20 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             eh_proj=eh_proj(),
             input_layernorm=norm("input_layernorm.weight"),
             post_attention_layernorm=norm("post_attention_layernorm.weight"),
-            w_qkv=backend.prepare_weight(stack_rows(*qkv_rows(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                                              w("self_attn.v_proj.weight")))),
+            w_qkv=backend.prepare_weight(stack_rows(*qkv_rows(
+                w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight"),
+                w("self_attn.g_proj.weight") if blk.attn_gate == "headwise" else None))),
             b_qkv=backend.prepare_vector(np.concatenate([p.astype(np.float32) for p in qkv_rows(
-                w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias"))]))
-            if cfg.attention_bias else None,
+                w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias"),
+                np.zeros(blk.num_attention_heads, np.float32) if blk.attn_gate == "headwise" else None)]))
+            if cfg.attention_bias else None,                     # (g_proj has no bias: zeros)
+            sinks=backend.prepare_vector(w("self_attn.sinks").astype(np.float32)) if blk.attn_sinks else None,
             q_norm=norm("self_attn.q_norm.weight") if cfg.use_qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
             w_o=backend.prepare_weight(w("self_attn.o_proj.weight")),
             shared_head_norm=norm("shared_head.norm.weight"),
         )
-        if cfg.is_moe:
+        if blk.moe:
             E = cfg.n_routed_experts
             mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
             mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias") if cfg.router_bias
@@ -622,8 +636,7 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
     several units), so argmax ties are improbable in tests.
     """
     rng = np.random.default_rng(seed)
-    H, D, Hq, Hkv, V = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                        cfg.num_key_value_heads, cfg.vocab_size)
+    H, V = cfg.hidden_size, cfg.vocab_size
 
     def mat(rows, cols, gain=1.0):
         return (rng.standard_normal((rows, cols)) * (gain / np.sqrt(cols))).astype(np.float32)
@@ -637,23 +650,30 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
         "model.norm.weight": norm_w(H),
     }
     for m in range(cfg.num_modules):
+        b = cfg.block(m)
+        D, Hq = b.head_dim, b.num_attention_heads
+        q_rows = b.q_size + (b.gate_size if b.attn_gate == "elementwise" else 0)     # [queries; gates]
         p = f"model.layers.{cfg.layer_index(m)}."
         t[p + "enorm.weight"] = norm_w(H)
         t[p + "hnorm.weight"] = norm_w(H)
         t[p + "eh_proj.weight"] = mat(H, 2 * H)
         t[p + "input_layernorm.weight"] = norm_w(H)
         t[p + "post_attention_layernorm.weight"] = norm_w(H)
-        t[p + "self_attn.q_proj.weight"] = mat(Hq * D + cfg.gate_size, H, gain=2.0)   # [queries; gates]
-        t[p + "self_attn.k_proj.weight"] = mat(Hkv * D, H, gain=2.0)
-        t[p + "self_attn.v_proj.weight"] = mat(Hkv * D, H)
-        t[p + "self_attn.o_proj.weight"] = mat(H, Hq * D)
+        t[p + "self_attn.q_proj.weight"] = mat(q_rows, H, gain=2.0)
+        t[p + "self_attn.k_proj.weight"] = mat(b.k_size, H, gain=2.0)
+        t[p + "self_attn.v_proj.weight"] = mat(b.v_size, H)
+        t[p + "self_attn.o_proj.weight"] = mat(H, b.o_size)
         if cfg.attention_bias:
-            for name, n in (("q", Hq * D + cfg.gate_size), ("k", Hkv * D), ("v", Hkv * D)):
+            for name, n in (("q", q_rows), ("k", b.k_size), ("v", b.v_size)):
                 t[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
         if cfg.use_qk_norm:
             t[p + "self_attn.q_norm.weight"] = norm_w(D)
             t[p + "self_attn.k_norm.weight"] = norm_w(D)
-        if cfg.is_moe:
+        if b.attn_gate == "headwise":
+            t[p + "self_attn.g_proj.weight"] = mat(Hq, H, gain=2.0)
+        if b.attn_sinks:                        # logits of the order of the scores: a sink matters
+            t[p + "self_attn.sinks"] = rng.standard_normal(Hq).astype(np.float32)
+        if b.moe:
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             t[p + "mlp.gate.weight"] = mat(E, H, gain=2.0)
             if cfg.router_bias:
@@ -735,10 +755,11 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
                     a = np.concatenate([a[:, half:], a[:, :half]], axis=1)
                 if fam.folds_norm(suffix):
                     a = a - np.float32(1.0)
+                blk = cfg.block(m)
                 if fam.q_gate_interleaved and base in ("self_attn.q_proj.weight", "self_attn.q_proj.bias") \
-                        and cfg.gate_size:                      # [queries; gates] -> [q_h | g_h] per head
-                    Hq = cfg.num_attention_heads
-                    rows = cfg.head_dim // (cfg.fp8_block[0] if tail == "_scale_inv" else 1)   # block scale rows
+                        and blk.attn_gate == "elementwise":     # [queries; gates] -> [q_h | g_h] per head
+                    Hq = blk.num_attention_heads
+                    rows = blk.head_dim // (cfg.fp8_block[0] if tail == "_scale_inv" else 1)   # block scale rows
                     q, g = a[:Hq * rows].reshape(Hq, rows, -1), a[Hq * rows:].reshape(Hq, rows, -1)
                     a = np.concatenate([q, g], axis=1).reshape(a.shape)
                 key = fam.key(cfg.layer_index(m), m, base) + tail

@@ -46,63 +46,79 @@ class ModuleRows:
     normed: np.ndarray   # [R, H]
 
 
-def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndarray | None = None) -> ModuleRows:
+def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndarray | None = None,
+                   keys: np.ndarray | None = None) -> ModuleRows:
     """Module ``m`` over rows 0..R-1, causal: tokens ``toks[j]``, hiddens ``g[j]``, RoPE
     positions ``pos[j]`` (default the exact-mode keys 0..R-1: ``pos[j] = j + m + 1``,
-    ``toks[j] = t_{j+m+1}``)."""
+    ``toks[j] = t_{j+m+1}``). ``keys[j]``: row j's key (default j), what a sliding window
+    counts in: row j sees row i <= j when ``keys[j] - keys[i] < W``."""
+    b = cfg.block(m)
     R = len(toks)
-    H, D, Hq, Hkv, eps = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, cfg.rms_norm_eps)
+    H, D, Dv, Hq, Hkv, eps = (cfg.hidden_size, b.head_dim, b.v_dim, b.num_attention_heads,
+                              b.num_key_value_heads, cfg.rms_norm_eps)
     f = lambda a: np.asarray(a, np.float64)  # noqa: E731
     if R == 0:
         z = np.zeros((0, H))
-        return ModuleRows(np.zeros((0, Hkv, D)), np.zeros((0, Hkv, D)), z, z)
+        return ModuleRows(np.zeros((0, Hkv, D)), np.zeros((0, Hkv, Dv)), z, z)
     pos = np.arange(R) + m + 1 if pos is None else np.asarray(pos)
+    keys = np.arange(R) if keys is None else np.asarray(keys)
     e = _rms(f(w.embed)[toks], w.enorm, eps)
     h = _rms(g, w.hnorm, eps)
     x = np.concatenate([e, h], 1) @ f(w.eh_proj).T
     a = _rms(x, w.input_layernorm, eps)
     qkv = a @ f(w.w_qkv).T + (0 if w.b_qkv is None else f(w.b_qkv))
-    q = qkv[:, :Hq * D].reshape(R, Hq, D)
-    k = qkv[:, Hq * D:(Hq + Hkv) * D].reshape(R, Hkv, D)
-    v = qkv[:, (Hq + Hkv) * D:(Hq + 2 * Hkv) * D].reshape(R, Hkv, D)
-    gate = qkv[:, (Hq + 2 * Hkv) * D:] if cfg.attn_gate else None      # [R, Hq D] after q|k|v
+    q = qkv[:, :b.q_size].reshape(R, Hq, D)
+    k = qkv[:, b.q_size:b.q_size + b.k_size].reshape(R, Hkv, D)
+    v = qkv[:, b.q_size + b.k_size:b.q_size + b.k_size + b.v_size].reshape(R, Hkv, Dv)
+    gate = qkv[:, b.q_size + b.k_size + b.v_size:] if b.attn_gate else None    # after q|k|v
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
-    q, k = _rope(q, pos, cfg.rotary_dim, cfg.rope_theta), _rope(k, pos, cfg.rotary_dim, cfg.rope_theta)
+    q, k = _rope(q, pos, b.rotary_dim, b.rope_theta), _rope(k, pos, b.rotary_dim, b.rope_theta)
     grp = Hq // Hkv
-    att = np.zeros((R, Hq, D))
-    causal = np.tril(np.ones((R, R), bool))
+    att = np.zeros((R, Hq, Dv))
+    seen = keys[:, None] >= keys[None, :]                         # causal
+    if b.sliding_window:
+        seen &= keys[:, None] - keys[None, :] < b.sliding_window
     for hh in range(Hq):
         s = q[:, hh] @ k[:, hh // grp].T / np.sqrt(D)            # [R, R]
-        s = np.where(causal, s, -np.inf)
-        p = np.exp(s - s.max(1, keepdims=True))
-        p /= p.sum(1, keepdims=True)
+        s = np.where(seen, s, -np.inf)
+        mx = s.max(1, keepdims=True)
+        if w.sinks is not None:                                   # a logit that joins the softmax, no value
+            sk = float(np.asarray(w.sinks, np.float64)[hh])
+            mx = np.maximum(mx, sk)
+            p = np.exp(s - mx)
+            p /= p.sum(1, keepdims=True) + np.exp(sk - mx)
+        else:
+            p = np.exp(s - mx)
+            p /= p.sum(1, keepdims=True)
         att[:, hh] = p @ v[:, hh // grp]
-    att = att.reshape(R, Hq * D)
-    if gate is not None:
-        att = att / (1 + np.exp(-gate))                              # att * sigmoid(gate), element-wise
-    r = x + att @ f(w.w_o).T
+    if gate is not None:                                          # att * sigmoid(gate): per column, or per head
+        att = att / (1 + np.exp(-gate.reshape(R, -1, 1 if b.attn_gate == "headwise" else Dv)))
+    r = x + att.reshape(R, Hq * Dv) @ f(w.w_o).T
     fin = _rms(r, w.post_attention_layernorm, eps)
-    if cfg.is_moe:
+    if b.moe:
         fin32 = fin.astype(np.float32)
         ids, wts = moe_router(fin32, w.gate_w, w.gate_bias, RouterSpec.from_config(cfg))
-        y = moe_experts(fin32, ids, wts, w.experts_w13, w.experts_w2, r.astype(np.float32)).astype(np.float64)
+        y = moe_experts(fin32, ids, wts, w.experts_w13, w.experts_w2, r.astype(np.float32),
+                        limit=b.swiglu_clamp or None).astype(np.float64)
         if w.shared_w13 is not None:
-            shared = _swiglu(fin, w.shared_w13, w.shared_w2)
+            shared = _swiglu(fin, w.shared_w13, w.shared_w2, b.swiglu_clamp_shared)
             if w.shared_gate is not None:                            # sigmoid(x . w_g) per row
                 shared = shared / (1 + np.exp(-(fin @ f(w.shared_gate).T)))
             y = y + shared
     else:
-        y = r + _swiglu(fin, w.mlp_w13, w.mlp_w2)
+        y = r + _swiglu(fin, w.mlp_w13, w.mlp_w2, b.swiglu_clamp_shared)
     return ModuleRows(k, v, y, _rms(y, w.shared_head_norm, eps))
 
 
-def _swiglu(x, w13, w2):
+def _swiglu(x, w13, w2, limit: float = 0.0):
     gu = x @ np.asarray(w13, np.float64).T
     I = gu.shape[1] // 2
-    gate = gu[:, :I]
-    return (gate / (1 + np.exp(-gate)) * gu[:, I:]) @ np.asarray(w2, np.float64).T
+    gate, up = gu[:, :I], gu[:, I:]
+    act = gate / (1 + np.exp(-gate))
+    if limit:                                                     # Step-3.5's clamp (mtpkern.ops.mlp)
+        act, up = np.minimum(act, limit), np.clip(up, -limit, limit)
+    return (act * up) @ np.asarray(w2, np.float64).T
 
 
 def chain_state(cfg, weights, tokens, hiddens, chain: str, target_norm=None) -> list[ModuleRows]:
@@ -155,7 +171,7 @@ class DraftRows:
             toks = np.array([r[0] for r in self.rows[m]], np.int64)
             gs = np.stack([r[1] for r in self.rows[m]])
             pos = np.array([r[2] for r in self.rows[m]])
-            out = module_forward(cfg, w.modules[m], m, toks, gs, pos)
+            out = module_forward(cfg, w.modules[m], m, toks, gs, pos, keys=pos)    # windows count positions
             logits = out.normed[-1] @ np.asarray(w.modules[m].head, np.float64).T
             tok = masked_argmax64(logits, None if masks is None else masks(m, drafts))
             drafts.append(tok)
