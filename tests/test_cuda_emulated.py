@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 import test_backend_parity
+import test_blocks
 import test_family_qwen3_next as qwen3_next
 import test_gpu
 import test_ops_backends
@@ -846,6 +847,20 @@ def test_qwen3_next_matches_numpy_reference_and_replays(fake_runtime, qwen_ckpt,
     cfg = qwen3_next.QWEN2
     test_gpu.check_cuda_matches_numpy_reference((qwen_ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
     test_gpu.check_graph_replay_equals_eager(qwen_ckpt, cfg, emu_backend.backend(), mode, 2)
+
+
+@pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense"])
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, mode):
+    """Modules of different sizes and attention forms (tests/test_blocks.py) on the kernels:
+    each module's buffers of its own shape in the captured step, a window's first rows
+    staged per call, sinks, Dv < D; contexts longer than the windows."""
+    cfg = test_blocks.feature_config(name)
+    from mtpkern import write_synthetic_checkpoint
+
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=13)
+    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
+    test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2)
 
 
 #: proposer pairs (numpy reference, emulated cuda with CUDA graphs), built once per mode

@@ -71,7 +71,7 @@ def test_release_config_reads_the_family_features():
     assert (cfg.attn_gate, cfg.shared_expert_gate, cfg.router_bias) == ("elementwise", True, False)
     assert (cfg.scoring_func, cfg.n_group, cfg.routed_scaling_factor, cfg.n_shared_experts) == ("softmax", 1, 1.0, 1)
     assert cfg.rotary_dim == cfg.head_dim // 4 and cfg.use_qk_norm
-    assert cfg.gate_size == cfg.num_attention_heads * cfg.head_dim
+    assert cfg.block(0).gate_size == cfg.num_attention_heads * cfg.head_dim
     assert cfg.describe().startswith("Qwen3-Next")
 
 

@@ -275,7 +275,8 @@ def test_a_config_field_switching_off_present_tensors_is_refused(tmp_path, chang
 @pytest.mark.parametrize("extra,why", [
     (P0 + "self_attn.q_proj.weight_scale_inv", "FP8 scale"),
     (P0 + "mlp.experts.3.down_proj.weight_scale_inv", "FP8 scale"),
-    (P0 + "self_attn.sinks", "no config field reads it"),
+    (P0 + "self_attn.sinks", "config.json has attn_sinks = False"),
+    (P0 + "self_attn.sink_bias", "no config field reads it"),
     (P0 + "mlp.gate_proj.weight", "n_routed_experts = 8"),
 ])
 def test_any_unread_tensor_under_a_module_prefix_is_refused(tmp_path, extra, why):
@@ -399,7 +400,7 @@ def test_malformed_index(tmp_path, body, msg):
 
 _REFUSED = {
     "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-    "v_head_dim": 128, "index_topk": 2048, "sliding_window": 4096, "use_sliding_window": True,
+    "index_topk": 2048, "use_sliding_window": True,
     "layer_types": ["full_attention", "sliding_attention"], "hybrid_layer_pattern": [0, 1, 1],
     "swiglu_limits": [None, 7.0], "swiglu_limit": 7.0, "attention_sink_bias": True,
     "add_swa_attention_sink_bias": True, "attn_output_gate": True, "attention_value_scale": 0.707,
@@ -432,6 +433,17 @@ _SWITCHED_OFF = {
 @pytest.mark.parametrize("name,value", list(_SWITCHED_OFF.items()), ids=list(_SWITCHED_OFF))
 def test_the_same_fields_switched_off_or_agreeing_load(name, value):
     assert MtpConfig.from_dict(dict(CFG.to_dict(), **{name: value})) == CFG
+
+
+def test_block_fields_of_the_spec_layout_are_read(tmp_path):
+    """v_head_dim and sliding_window are SPEC-layout fields now (mtpkern/block.py): a value
+    the tensors disagree with is refused naming the tensor and both shapes."""
+    assert MtpConfig.from_dict(dict(CFG.to_dict(), sliding_window=64)).block(1).sliding_window == 64
+    assert MtpConfig.from_dict(dict(CFG.to_dict(), sliding_window=64, use_sliding_window=True)).sliding_window == 64
+    path = _ckpt(tmp_path)
+    _edit_config(path, v_head_dim=2 * CFG.head_dim)
+    with pytest.raises(CheckpointError, match=r"v_proj.weight.*expected shape \[64, 64\], got \[32, 64\]"):
+        _load(path)
 
 
 def test_a_window_that_is_switched_off_loads():
