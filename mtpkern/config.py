@@ -292,6 +292,8 @@ def _with_family(d: dict, fam: Family) -> dict:
     """``d`` with the family's names for our fields read as ours (refused when both
     are given and differ) and the features the family implies (refused when the
     config says otherwise)."""
+    if fam.normalise is not None:
+        d = fam.normalise(d)
     out = dict(d)
     for theirs, ours in fam.aliases.items():
         if d.get(theirs) is None:

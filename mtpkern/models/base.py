@@ -9,7 +9,8 @@ as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
   config class that differ from ``MtpConfig``'s; its names for our fields
   (``aliases``); the block features it switches on (``fixed``); the fields that
   describe only its target's layers (``target_only``: accepted, not read); the
-  otherwise refused fields it implements (``implements``);
+  otherwise refused fields it implements (``implements``); and, where data is not
+  enough, a ``normalise`` function (per-layer lists into per-module blocks);
 - **tensors**: the prefix of module ``m`` (``{layer}`` = ``num_hidden_layers + m``,
   ``{m}`` = ``m``) and renames of canonical suffixes (an entry ending in ``.``
   renames a prefix of the suffix; values may use ``{m}``);
@@ -26,7 +27,7 @@ in ``mtpkern/models/__init__.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 Concat = Literal["embed_hidden", "hidden_embed"]
 
@@ -59,6 +60,10 @@ class Family:
     #: (the normed y that the LM head reads: vLLM's Qwen3-Next MTP); the proposer's
     #: ``chain=None`` default
     chain: str = "prenorm"
+    #: the release's config.json -> the same config in mtpkern's fields, for what data
+    #: cannot say (per-layer lists read at the MTP layers' indices into per-module blocks):
+    #: called on the raw dict before aliases, fixed values and defaults; raises ConfigError
+    normalise: Callable[[dict], dict] | None = None
     #: the target's norm before the LM head (apply_target_norm)
     target_norm: str = "model.norm.weight"
     #: where a module without its own embedding / LM head finds the target's
