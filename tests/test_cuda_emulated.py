@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, given, settings
 import test_backend_parity
 import test_blocks
 import test_family_qwen3_next as qwen3_next
+import test_family_step3p5 as step3p5
 import test_gpu
 import test_ops_backends
 from cuda_emu import emu_backend
@@ -847,6 +848,19 @@ def test_qwen3_next_matches_numpy_reference_and_replays(fake_runtime, qwen_ckpt,
     cfg = qwen3_next.QWEN2
     test_gpu.check_cuda_matches_numpy_reference((qwen_ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
     test_gpu.check_graph_replay_equals_eager(qwen_ckpt, cfg, emu_backend.backend(), mode, 2)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_step3p5_matches_numpy_reference_and_replays(fake_runtime, tmp_path, mode):
+    """Step-3.5's release layout on the kernels: 8 sliding heads with a head-wise gate,
+    a window of 6, dense blocks, a head per module."""
+    from mtpkern import MtpConfig
+
+    d = step3p5.release_config()
+    ckpt = step3p5._ckpt(tmp_path, d, seed=5)
+    cfg = MtpConfig.from_dict(d)
+    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
+    test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2)
 
 
 @pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense"])

@@ -1,0 +1,236 @@
+"""Step-3.5-Flash (mtpkern/models/step3p5.py): the release layout loads unchanged and
+computes what vLLM's ``step3p5_mtp.py`` computes.
+
+Its config describes every layer in per-layer lists; the three MTP modules read
+theirs at ``num_hidden_layers + m``: sliding-window attention with the other head
+count of ``attention_other_setting``, RoPE per layer, SwiGLU clamps per layer, dense
+blocks in a MoE model. The block adds a head-wise sigmoid gate (``g_proj``) and
+zero-centred norms; each module has its own LM head under ``transformer.shared_head``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import rand_hiddens, run_rounds
+from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
+from mtpkern.head import RowJob
+from mtpkern.testing import reference_weights
+from mtpkern.weights import synthetic_tensors
+
+L, M = 1, 3          # the release: 45 layers; here one, so that layers 1, 2, 3 are the MTP modules (all sliding)
+
+
+def release_config(layers: int = L, types: list[str] | None = None, **over) -> dict:
+    """config.json as Step-3.5-Flash releases it (its fields, tiny sizes): per-layer lists of
+    layers + 3 entries, full attention every fourth layer, 8 heads of 16 on sliding layers
+    (4 on full ones), 2 KV groups."""
+    n = layers + M
+    types = types or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    d = {
+        "architectures": ["Step3p5ForCausalLM"], "model_type": "step3p5",
+        "auto_map": {"AutoConfig": "configuration_step3p5.Step3p5Config",
+                     "AutoModelForCausalLM": "modeling_step3p5.Step3p5ForCausalLM"},
+        "hidden_size": 64, "intermediate_size": 40, "num_hidden_layers": layers, "num_nextn_predict_layers": M,
+        "num_attention_heads": 4, "num_attention_groups": 2, "head_dim": 16,
+        "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 8,
+                                    "num_attention_groups": 2, "head_dim": 16, "true_head_dim": 16},
+        "layer_types": types, "sliding_window": 6,
+        "rope_theta": [5e6 if t == "full_attention" else 1e4 for t in types],
+        "partial_rotary_factors": [0.5 if t == "full_attention" else 1.0 for t in types],
+        "rope_scaling": {"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 32.0,
+                         "original_max_position_embeddings": 2048},
+        "yarn_only_types": ["full_attention"],
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "vocab_size": 301,
+        "use_head_wise_attn_gate": True, "use_qk_norm": True, "zero_centered": True, "att_impl_type": "GQA",
+        "use_moe": True, "moe_layers_enum": ",".join(str(i) for i in range(1, layers)) or "0",
+        "moe_num_experts": 8, "moe_top_k": 2, "moe_intermediate_size": 32, "share_expert_dim": 32,
+        "moe_router_activation": "sigmoid", "use_moe_router_bias": True, "need_fp32_gate": True,
+        "norm_expert_weight": True, "moe_router_scaling_factor": 3.0, "moe_every_n_layer": 1, "moe_layer_offset": 0,
+        "swiglu_limits": [0.0] * n, "swiglu_limits_shared": [0.0] * n, "use_rope_layers": [], "sink": False,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": [1, 2],
+        "max_seq_len": 4096,
+    }
+    d.update(over)
+    return d
+
+
+def _ckpt(path, d: dict, seed: int = 7):
+    """A synthetic checkpoint in the release layout with config ``d`` (each module its own head)."""
+    cfg = MtpConfig.from_dict(d)
+    path = write_synthetic_checkpoint(path, cfg, seed=seed, dtype="float32", own_head=True)
+    (path / "config.json").write_text(json.dumps(d))
+    return path
+
+
+@pytest.fixture(scope="module")
+def step_ckpt(tmp_path_factory):
+    return _ckpt(tmp_path_factory.mktemp("step3p5"), release_config())
+
+
+# -- the config -----------------------------------------------------------------------------
+
+def test_per_layer_lists_become_the_modules_blocks():
+    cfg = MtpConfig.from_dict(release_config())
+    assert cfg.family == "step3p5" and cfg.num_modules == 3 and cfg.n_routed_experts == 8
+    for m in range(3):
+        b = cfg.block(m)
+        assert (b.num_attention_heads, b.num_key_value_heads, b.head_dim) == (8, 2, 16)
+        assert (b.sliding_window, b.rope_theta, b.rotary_dim, b.attn_gate, b.moe) == (6, 1e4, 16, "headwise", False)
+    assert cfg.routed_scaling_factor == 3.0 and cfg.describe().startswith("Step-3.5-Flash")
+    assert MtpConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_full_attention_module_reads_its_own_entries():
+    types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    d = release_config(layers=2, types=types, swiglu_limits=[0, 0, 0, 7.0, 0], swiglu_limits_shared=[0, 0, 0, 16.0, 0],
+                       moe_layers_enum="1,3")
+    del d["rope_scaling"]
+    cfg = MtpConfig.from_dict(d)
+    full, sliding, last = (cfg.block(m) for m in range(3))
+    assert (full.num_attention_heads, full.sliding_window, full.rope_theta, full.rotary_dim) == (4, 0, 5e6, 8)
+    assert (sliding.num_attention_heads, sliding.sliding_window, sliding.moe) == (8, 6, True)
+    assert (sliding.swiglu_clamp, sliding.swiglu_clamp_shared) == (7.0, 16.0)
+    assert not full.moe and not last.moe and last.swiglu_clamp == 0.0
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+     r"MTP module 0 \(layer 1\) is full_attention with a scaled RoPE"),
+    (dict(layer_types=["full_attention"] * 3), r"'layer_types' expected a list of 4 entries .* got 3 entries"),
+    (dict(types=["full_attention", "linear_attention", "sliding_attention", "sliding_attention"]),
+     r"layer_types\[1\] \(MTP module 0\) expected one of"),
+    (dict(use_rope_layers=[1]), r"'use_rope_layers' = \[1\] is not supported"),
+    (dict(zero_centered=False), r"'zero_centered' = False, but every Step-3.5-Flash module has zero_centered = True"),
+    (dict(sink=True), r"'sink' = True, but every Step-3.5-Flash module has sink = False"),
+    (dict(moe_layers_enum="3,x"), r"'moe_layers_enum' expected layer indices"),
+])
+def test_release_configs_it_cannot_read_are_refused(edit, match):
+    types = edit.pop("types", None)
+    with pytest.raises(ConfigError, match=match):
+        MtpConfig.from_dict(release_config(types=types, **edit))
+
+
+# -- the release layout -------------------------------------------------------------------------
+
+def test_release_layout_loads_unchanged(step_ckpt):
+    keys = set(load_file(str(step_ckpt / "model.safetensors")))
+    for m in range(3):
+        p = f"model.layers.{L + m}."
+        for k in ("enorm.weight", "eh_proj.weight", "self_attn.g_proj.weight", "self_attn.q_norm.weight",
+                  "mlp.gate_proj.weight", "transformer.shared_head.norm.weight", "transformer.shared_head.output.weight"):
+            assert p + k in keys, p + k
+        assert not any(k.startswith(p + "mlp.experts.") or k.startswith(p + "shared_head.") for k in keys)
+    prop = MultiModuleMtpHead.from_pretrained(step_ckpt, backend="numpy")
+    assert prop.chain == "prenorm"
+    raw = load_file(str(step_ckpt / "model.safetensors"))
+    for m in range(3):                                    # each module drafts with its own head
+        np.testing.assert_array_equal(prop.modules[m].w.head, raw[f"model.layers.{L + m}.transformer.shared_head.output.weight"])
+    prop.check_invariants()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_drafts_as_the_same_weights_in_the_canonical_layout(tmp_path, backend, mode):
+    d = release_config()
+    rel = _ckpt(tmp_path / "rel", d, seed=3)
+    cfg = dataclasses.replace(MtpConfig.from_dict(d), family="")
+    canon = tmp_path / "canon"
+    canon.mkdir()
+    save_file(synthetic_tensors(cfg, seed=3, own_head=True), str(canon / "model.safetensors"))
+    (canon / "config.json").write_text(json.dumps(cfg.to_dict()))
+    got = run_rounds(rel, backend=backend, mode=mode, n=14, rounds=6)[1]
+    assert got == run_rounds(canon, backend=backend, mode=mode, n=14, rounds=6)[1]
+
+
+# -- the module's math from the raw release tensors (vLLM's Step3p5 MTP layer) ------------------
+
+def _zrms(x, w, eps):
+    """GemmaRMSNorm: x / rms(x) * (1 + w), float64."""
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + np.asarray(w, np.float64))
+
+
+def _rope(x, pos, R, theta):
+    inv = 1.0 / theta ** (np.arange(0, R, 2, dtype=np.float64) / R)
+    f = pos[:, None] * inv[None]
+    c, s = np.cos(f)[:, None], np.sin(f)[:, None]
+    x1, x2 = x[..., :R // 2], x[..., R // 2:R]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., R:]], -1)
+
+
+def step3p5_mtp_rows(raw: dict, d: dict, m: int, toks, g):
+    """Module ``m`` over n rows from a fresh KV at positions 1..n (keys 0..n-1), from the
+    tensors and config as released -> (y, shared_head.norm(y))."""
+    W = {k: np.asarray(v, np.float64) for k, v in raw.items()}
+    i = d["num_hidden_layers"] + m
+    p = f"model.layers.{i}."
+    sliding = d["layer_types"][i] == "sliding_attention"
+    o = d["attention_other_setting"] if sliding else {}
+    Hq, Hkv, D = (o.get("num_attention_heads", d["num_attention_heads"]),
+                  o.get("num_attention_groups", d["num_attention_groups"]), d["head_dim"])
+    R, theta, eps = int(D * d["partial_rotary_factors"][i]), d["rope_theta"][i], d["rms_norm_eps"]
+    n = len(toks)
+    u = np.concatenate([_zrms(W["model.embed_tokens.weight"][toks], W[p + "enorm.weight"], eps),
+                        _zrms(np.asarray(g, np.float64), W[p + "hnorm.weight"], eps)], 1) @ W[p + "eh_proj.weight"].T
+    a = _zrms(u, W[p + "input_layernorm.weight"], eps)
+    q = _zrms((a @ W[p + "self_attn.q_proj.weight"].T).reshape(n, Hq, D), W[p + "self_attn.q_norm.weight"], eps)
+    k = _zrms((a @ W[p + "self_attn.k_proj.weight"].T).reshape(n, Hkv, D), W[p + "self_attn.k_norm.weight"], eps)
+    v = (a @ W[p + "self_attn.v_proj.weight"].T).reshape(n, Hkv, D)
+    pos = np.arange(1, n + 1, dtype=np.float64)
+    q, k = _rope(q, pos, R, theta), _rope(k, pos, R, theta)
+    j = np.arange(n)
+    seen = (j[:, None] >= j[None, :]) & ((j[:, None] - j[None, :] < d["sliding_window"]) if sliding else True)
+    gate = 1.0 / (1.0 + np.exp(-(a @ W[p + "self_attn.g_proj.weight"].T)))          # [n, Hq]
+    att = np.zeros((n, Hq, D))
+    for h in range(Hq):
+        s = np.where(seen, q[:, h] @ k[:, h // (Hq // Hkv)].T * D ** -0.5, -np.inf)
+        e = np.exp(s - s.max(1, keepdims=True))
+        att[:, h] = gate[:, h:h + 1] * ((e / e.sum(1, keepdims=True)) @ v[:, h // (Hq // Hkv)])
+    u2 = u + att.reshape(n, Hq * D) @ W[p + "self_attn.o_proj.weight"].T
+    b = _zrms(u2, W[p + "post_attention_layernorm.weight"], eps)
+    gt, up = b @ W[p + "mlp.gate_proj.weight"].T, b @ W[p + "mlp.up_proj.weight"].T
+    y = u2 + (gt / (1 + np.exp(-gt)) * up) @ W[p + "mlp.down_proj.weight"].T
+    return y, _zrms(y, W[p + "transformer.shared_head.norm.weight"], eps)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_modules_compute_the_reference_forward(step_ckpt, backend):
+    """10 rows through a window of 6: the window, the 8 sliding heads, the gate per head."""
+    raw = load_file(str(step_ckpt / "model.safetensors"))
+    d = release_config()
+    prop = MultiModuleMtpHead.from_pretrained(step_ckpt, backend=backend)
+    rng = np.random.default_rng(4)
+    for m in range(3):
+        toks = rng.integers(0, 301, 10).astype(np.int32)
+        g = rand_hiddens(rng, 10, 64)
+        want_y, want_n = step3p5_mtp_rows(raw, d, m, toks, g)
+        head = prop.modules[m]
+        seq = head.alloc_seq()
+        y, normed = head.forward([RowJob(seq, toks, 0, 1)], g)          # positions 1..10
+        np.testing.assert_allclose(prop.backend.to_host(y), want_y, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(prop.backend.to_host(normed), want_n, rtol=2e-4, atol=2e-4)
+        head.free_seq(seq)
+
+
+def test_the_oracle_agrees_over_a_long_exact_run(step_ckpt):
+    """The checked proposer (oracle drafts after every call) over contexts past the window."""
+    from mtpkern.testing import checked
+
+    prop = MultiModuleMtpHead.from_pretrained(step_ckpt, backend="cpu", block_size=4, num_blocks=64)
+    p = checked(prop, reference_weights(step_ckpt))
+    rng = np.random.default_rng(1)
+    st = p.alloc_state()
+    p.prefill_drafter(rng.integers(0, 301, 12).tolist(), rand_hiddens(rng, 12, 64), st)
+    P = 12
+    for _ in range(6):
+        dr = p.propose(int(rng.integers(0, 301)), rand_hiddens(rng, 1, 64)[0], P, 3, st)
+        a = int(rng.integers(0, 4))
+        p.after_verify(a, st)
+        p.catchup_drafter(dr[:a], rand_hiddens(rng, a, 64), st)
+        P += 1 + a
+    p.check()
