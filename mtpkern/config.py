@@ -101,7 +101,6 @@ UNIMPLEMENTED_FIELDS: dict[str, Unimplemented] = {
     **_group("swiglu_limit", "SwiGLU clamping"),
     **_group("attn_output_gate use_head_wise_attn_gate", "gated attention output (Qwen3-Next, Step-3.5)",
              "absent, null or false"),
-    **_group("attention_value_scale", "scaled attention values (MiMo)", "absent, null or 1", _one),
     **_group("partial_rotary_factors", "per-layer RoPE (Step-3.5)"),
     **_group("rope_interleave", "interleaved RoPE (GLM-4.7-Flash); mtpkern rotates neox-style halves",
              "absent, null or false"),
@@ -167,6 +166,7 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "rope_theta": (1.0, 1e12),
     "partial_rotary_factor": (0.0, 1.0),
     "routed_scaling_factor": (0.0, 1e3),            # 1 .. 16 in releases; 1e308 overflowed to inf
+    "attention_value_scale": (0.0, 1e3),            # 0.707 (MiMo-V2-Flash)
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
@@ -483,6 +483,8 @@ class MtpConfig:
     #: SwiGLU clamps (0: none) of the routed experts, and of the shared expert / dense MLP
     swiglu_clamp: float = 0.0
     swiglu_clamp_shared: float = 0.0
+    #: v multiplied by this before attention (MiMo-V2): folded into v_proj at load
+    attention_value_scale: float = 1.0
     #: per module, the BlockSpec fields that differ from the default block (a family's
     #: layer_types, per-layer RoPE, dense MTP blocks in a MoE model ...): a tuple of
     #: ((field, value), ...) per module, or () when every module is the default block
@@ -647,6 +649,7 @@ class MtpConfig:
             swiglu_clamp=_opt(d, "swiglu_clamp", float, 0.0),
             swiglu_clamp_shared=_opt(d, "swiglu_clamp_shared", float, 0.0),
             blocks=d.get("mtp_blocks") or (),
+            attention_value_scale=_opt(d, "attention_value_scale", float, 1.0),
         )
         _check_same_as(d, cfg)
         return cfg
@@ -676,7 +679,7 @@ class MtpConfig:
                                             "num_bits": 8, "type": "float", "strategy": "channel",
                                             "symmetric": True, "dynamic": False}}}}
         for name, off in (("v_head_dim", 0), ("sliding_window", 0), ("attn_sinks", False), ("swiglu_clamp", 0.0),
-                          ("swiglu_clamp_shared", 0.0)):
+                          ("swiglu_clamp_shared", 0.0), ("attention_value_scale", 1.0)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
         blocks = d.pop("blocks")
@@ -698,12 +701,14 @@ class MtpConfig:
         if self.weight_quant == "fp8":
             b = self.fp8_block
             fam += f"FP8 E4M3 ({f'{b[0]}x{b[1]} block' if b != (0, 0) else 'per-channel'} scales) "
-        text = (f"{fam}M={self.num_modules} H={self.hidden_size} V={self.vocab_size} {kind}; "
-                f"block {self.block_default().describe()}")
-        if self.blocks:
-            text += "; " + ", ".join(f"module {m}: {self.block(m).describe()}"
-                                     for m in range(self.num_modules) if self.blocks[m])
-        return text
+        blocks = [self.block(m) for m in range(self.num_modules)]
+        if not any(b.moe for b in blocks):
+            kind = f"dense I={self.intermediate_size} (MoE target: E={self.n_routed_experts})" if self.is_moe \
+                else kind
+        text = f"{fam}M={self.num_modules} H={self.hidden_size} V={self.vocab_size} {kind}; "
+        if len(set(blocks)) == 1:
+            return text + f"block {blocks[0].describe()}"
+        return text + ", ".join(f"module {m}: {b.describe()}" for m, b in enumerate(blocks))
 
 
 def _head_dim(d: dict, H: int, Hq: int) -> int:

@@ -553,6 +553,16 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             join = Fp8Weight.concat if isinstance(q, Fp8Weight) else np.concatenate
             return [join(per_head[0::2]), k, v, join(per_head[1::2])]
 
+        def value_scaled(v):
+            """v_proj (weight or bias) times attention_value_scale, folded once: FP8 weights
+            through their FP32 scales, dense ones in FP32 (no second rounding)."""
+            sv = cfg.attention_value_scale
+            if sv == 1.0:
+                return v
+            if isinstance(v, Fp8Weight):
+                return Fp8Weight(v.data, (v.scale.astype(np.float32) * np.float32(sv)), v.block)
+            return v.astype(np.float32) * np.float32(sv)
+
         def eh_proj():
             """[H, 2H] over [embed, hidden]: a family that concatenates [hidden, embed]
             has its column halves swapped here, once."""
@@ -585,10 +595,10 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             input_layernorm=norm("input_layernorm.weight"),
             post_attention_layernorm=norm("post_attention_layernorm.weight"),
             w_qkv=backend.prepare_weight(stack_rows(*qkv_rows(
-                w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight"),
+                w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), value_scaled(w("self_attn.v_proj.weight")),
                 w("self_attn.g_proj.weight") if blk.attn_gate == "headwise" else None))),
             b_qkv=backend.prepare_vector(np.concatenate([p.astype(np.float32) for p in qkv_rows(
-                w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias"),
+                w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), value_scaled(w("self_attn.v_proj.bias")),
                 np.zeros(blk.num_attention_heads, np.float32) if blk.attn_gate == "headwise" else None)]))
             if cfg.attention_bias else None,                     # (g_proj has no bias: zeros)
             sinks=backend.prepare_vector(w("self_attn.sinks").astype(np.float32)) if blk.attn_sinks else None,
@@ -755,6 +765,9 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
                     a = np.concatenate([a[:, half:], a[:, :half]], axis=1)
                 if fam.folds_norm(suffix):
                     a = a - np.float32(1.0)
+                if base in ("self_attn.v_proj.weight", "self_attn.v_proj.bias") and cfg.attention_value_scale != 1 \
+                        and (tail or a.dtype.itemsize > 1):      # FP8: its scales carry the factor
+                    a = a / np.float32(cfg.attention_value_scale)
                 blk = cfg.block(m)
                 if fam.q_gate_interleaved and base in ("self_attn.q_proj.weight", "self_attn.q_proj.bias") \
                         and blk.attn_gate == "elementwise":     # [queries; gates] -> [q_h | g_h] per head
