@@ -303,8 +303,14 @@ def run_info(args: argparse.Namespace) -> dict:
     rd = CheckpointReader(path)
     print(f"{path}: {cfg.describe()}")
     print(f"  family: {fam.describe() if cfg.family else fam.title}")
-    kv_row = BlockPool.bytes_per_block(1, cfg.num_key_value_heads, cfg.head_dim, 2)
-    print(f"  KV per token and module: {kv_row} B (K and V, BF16 on cuda; twice that in FP32 on numpy/cpu)")
+    rows = [BlockPool.bytes_per_block(1, b.num_key_value_heads, b.head_dim, 2, b.v_dim)
+            for b in (cfg.block(m) for m in range(cfg.num_modules))]
+    kv_row = max(rows)
+    windows = [cfg.block(m).sliding_window for m in range(cfg.num_modules)]
+    each = f"{kv_row}" if len(set(rows)) == 1 else "/".join(map(str, rows))
+    bound = (f"; windowed modules keep about their window ({'/'.join(str(w or '-') for w in windows)} tokens)"
+             if any(windows) else "")
+    print(f"  KV per token and module: {each} B (K and V, BF16 on cuda; twice that in FP32 on numpy/cpu){bound}")
     report = {"config": cfg.describe(), "family": cfg.family or "", "features": fam.describe(),
               "kv_bytes_per_token_module_bf16": kv_row, "modules": []}
     for m in range(cfg.num_modules):

@@ -150,13 +150,15 @@ class MultiModuleMtpHead(DraftProposer):
         if not 1 <= num_blocks <= BlockPool.MAX_BLOCKS or not 1 <= block_size <= BlockPool.MAX_BLOCKS // num_blocks:
             raise ValueError(f"num_blocks, block_size: expected num_blocks * block_size <= "
                              f"{BlockPool.MAX_BLOCKS} (int32 slots), got {num_blocks} * {block_size}")
-        per_block = BlockPool.bytes_per_block(block_size, cfg.num_key_value_heads, cfg.head_dim,
-                                              np.dtype(backend.kv_dtype).itemsize)
-        need = cfg.num_modules * num_blocks * per_block
+        item = np.dtype(backend.kv_dtype).itemsize
+        sizes = [BlockPool.bytes_per_block(block_size, b.num_key_value_heads, b.head_dim, item, b.v_dim)
+                 for b in (cfg.block(m) for m in range(cfg.num_modules))]
+        need = num_blocks * sum(sizes)
         have = backend.memory_bytes()
         if have is not None and need > have:
+            per = f"{sizes[0]} B" if len(set(sizes)) == 1 else f"{'/'.join(map(str, sizes))} B by module"
             raise ValueError(f"num_blocks: the KV pools would take {need / 2**30:.1f} GiB ({cfg.num_modules} modules x "
-                             f"{num_blocks} blocks x {per_block} B: block_size {block_size}, Hkv "
+                             f"{num_blocks} blocks x {per}: block_size {block_size}, Hkv "
                              f"{cfg.num_key_value_heads}, D {cfg.head_dim}), more than the {have / 2**30:.1f} GiB "
                              f"the {backend.name} backend has; pass a smaller num_blocks")
 
