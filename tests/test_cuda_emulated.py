@@ -34,6 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 import test_backend_parity
 import test_blocks
+import test_family_mimo_v2_flash as mimo_v2
 import test_family_qwen3_next as qwen3_next
 import test_family_step3p5 as step3p5
 import test_gpu
@@ -861,6 +862,25 @@ def test_step3p5_matches_numpy_reference_and_replays(fake_runtime, tmp_path, mod
     cfg = MtpConfig.from_dict(d)
     test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
     test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_mimo_v2_flash_on_the_kernels(fake_runtime, tmp_path, fp8):
+    """MiMo-V2-Flash's release layout: sinks, v_head_dim 16 beside 24, RoPE on 8 dims, the
+    value scale folded (into FP8 scales too); the module's float64 model, the NumPy
+    reference's drafts and KV, graph replay == eager."""
+    from mtpkern import MtpConfig
+
+    d = mimo_v2.release_config(**({"quantization_config": mimo_v2.FP8} if fp8 else {}))
+    ckpt = mimo_v2._ckpt(tmp_path, d, seed=6)
+    cfg = MtpConfig.from_dict(d)
+    if not fp8:
+        from safetensors.numpy import load_file
+
+        mimo_v2.check_modules(test_gpu._make(ckpt, emu_backend.backend("float32"), "exact"),
+                              load_file(str(ckpt / "model.safetensors")), d)
+    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), "exact", "float32", emu_backend.backend("float32"))
+    test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), "draft", 2)
 
 
 @pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense"])

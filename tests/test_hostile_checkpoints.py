@@ -403,7 +403,7 @@ _REFUSED = {
     "index_topk": 2048, "use_sliding_window": True,
     "layer_types": ["full_attention", "sliding_attention"], "hybrid_layer_pattern": [0, 1, 1],
     "swiglu_limits": [None, 7.0], "swiglu_limit": 7.0, "attention_sink_bias": True,
-    "add_swa_attention_sink_bias": True, "attn_output_gate": True, "attention_value_scale": 0.707,
+    "add_swa_attention_sink_bias": True, "attn_output_gate": True,
     "linear_num_key_heads": 16, "rope_interleave": True, "topk_method": "group_limited_greedy",
     "partial_rotary_factors": [0.5, 1.0], "mlp_bias": True,
     # another family's name for a quantity we read, disagreeing with ours
@@ -453,8 +453,8 @@ def test_a_window_that_is_switched_off_loads():
 
 
 @pytest.mark.parametrize("change,msg", [
-    ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported; supported: glm4_moe (Glm4MoeForCausalLM), mimo (MiMoForCausalLM), qwen3_next"),
-    ({"model_type": "mimo_v2_flash"}, "model_type 'mimo_v2_flash' is not supported"),
+    ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported; supported: glm4_moe (Glm4MoeForCausalLM), mimo (MiMoForCausalLM), mimo_v2_flash"),
+    ({"model_type": "longcat_flash"}, "model_type 'longcat_flash' is not supported"),
     ({"model_type": "glm4_moe_lite"}, "model_type 'glm4_moe_lite' is not supported"),
     ({"model_type": 4}, "model_type 4 is not supported"),
     ({"architectures": ["DeepseekV3ForCausalLM"]}, "architecture 'DeepseekV3ForCausalLM' is not supported; supported: glm4_moe"),
