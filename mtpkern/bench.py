@@ -48,6 +48,8 @@ SHAPES: dict[str, tuple[Callable[[], MtpConfig], int]] = {
     "small": (CONFIGS["small"], 512),
     # GLM-4.5-Air-sized module (GPU benchmarks: benchmarks/gpu_bench.py)
     "glm45air": (CONFIGS["glm45air"], 512),
+    # Step-3.5-shaped (a quarter of its width): a window of 512 inside 2048 rows of context
+    "step35": (CONFIGS["step35"], 2048),
 }
 
 
@@ -139,6 +141,9 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     x, g = act(n, H), act(n, H)
     embed, head = W(V, H), W(V, H)
     eh, wqkv, wo = W(H, 2 * H), W((Hq + 2 * Hkv) * D, H), W(H, Hq * D)
+    moe = cfg.is_moe
+    if not moe:                                   # a dense block (Step-3.5's MTP modules): its MLP as
+        E, I, Is = 1, 1, cfg.intermediate_size    # "swiglu_shared" (the same op), no router or experts
     gate = W(E, H)
     w13, w2 = W(E, 2 * I, H), W(E, H, I)
     s13, s2 = W(2 * Is, H), W(H, Is)
@@ -155,7 +160,7 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     pos = be.from_host(np.full(n, context, np.int32))
     slots = be.from_host((np.arange(n, dtype=np.int32) * nb * bs) + context - 1)
     invf = be.from_host(inv_freq(cfg.rotary_dim, cfg.rope_theta))
-    spec = RouterSpec.from_config(cfg)
+    spec = RouterSpec.from_config(cfg) if moe else RouterSpec(1, 1, 1, 1.0, True)
     ids, wts = be.moe_router(x, gate, vec(E), spec)
     distinct = len(np.unique(be.to_host(ids)))
     f4, b2 = 4, 2
@@ -168,7 +173,7 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     window = min(128, context)                    # a sliding window of 128 rows, with sinks
     starts = be.from_host(np.full(n, context - window, np.int32))
     sinks = vec(Hq)
-    return [
+    cases = [
         ("rmsnorm", 2 * n * H * f4 + H * f4, lambda: be.rmsnorm(x, vec(H), 1e-5)),
         ("mtp_input", 2 * H * H * b2 + n * H * b2 + 2 * n * H * f4, lambda: be.mtp_input(embed, tokens, g, vec(H), vec(H), eh, 1e-5)),
         ("linear_qkv", (Hq + 2 * Hkv) * D * H * b2 + n * (H + (Hq + 2 * Hkv) * D) * f4, lambda: be.linear(x, wqkv)),
@@ -195,6 +200,10 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
          lambda: be.swiglu_mlp(x, s13_8, s2_8, x)),
         ("lm_head_argmax_fp8", fp8_bytes(V, H) + n * H * f4, lambda: be.lm_head_argmax(x, head8)),
     ]
+    if not moe:
+        cases = [(("swiglu_dense" + name[len("swiglu_shared"):]) if name.startswith("swiglu_shared") else name, b, f)
+                 for name, b, f in cases if not name.startswith(("moe_router", "moe_experts"))]
+    return cases
 
 
 def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "") -> list[dict]:
@@ -214,19 +223,26 @@ def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "") -> li
 # -- propose benchmarks ---------------------------------------------------------------------
 
 def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact") -> int:
-    """Weights one propose of k drafts must read (BF16), plus the KV it attends over: module
-    0 attends over ``context`` rows; modules m >= 1 too in exact mode, but in draft mode only
-    over the row they write (after_verify(0) left none of theirs)."""
-    H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
-    per = 2 * H * H + (Hq + 2 * Hkv) * D * H + H * Hq * D + V * H        # eh, qkv, o, head
-    if cfg.is_moe:
-        experts = min(cfg.n_routed_experts, B * cfg.num_experts_per_tok)
-        per += cfg.n_routed_experts * H + experts * 3 * cfg.moe_intermediate_size * H
-        per += 3 * cfg.shared_intermediate_size * H
-    else:
-        per += 3 * cfg.intermediate_size * H
-    rows = context + (k - 1) * (context if kv_mode == "exact" else 1)
-    return k * 2 * per + 2 * B * rows * Hkv * D * kv_itemsize
+    """Weights one propose of k drafts must read (BF16), plus the KV it attends over, module
+    by module (each its own block): module 0 attends over ``context`` rows; modules m >= 1
+    too in exact mode, but in draft mode only over the row they write (after_verify(0) left
+    none of theirs); a sliding window caps the rows a module reads."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    total = 0
+    for m in range(k):
+        b = cfg.block(m)
+        per = 2 * H * H + b.qkv_size * H + H * b.o_size + V * H        # eh, q|k|v|gate, o, head
+        if b.moe:
+            experts = min(cfg.n_routed_experts, B * cfg.num_experts_per_tok)
+            per += cfg.n_routed_experts * H + experts * 3 * cfg.moe_intermediate_size * H
+            per += 3 * cfg.shared_intermediate_size * H
+        else:
+            per += 3 * cfg.intermediate_size * H
+        rows = context if m == 0 or kv_mode == "exact" else 1
+        if b.sliding_window:
+            rows = min(rows, b.sliding_window)
+        total += 2 * per + B * rows * b.num_key_value_heads * (b.head_dim + b.v_dim) * kv_itemsize
+    return total
 
 
 @contextmanager
@@ -314,10 +330,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=argtypes.positive_int, default=None, metavar="N",
                     help="Numba threads of the cpu backend (default: the backend's, half the cores)")
     ap.add_argument("--shapes", default="small", choices=sorted(SHAPES),
-                    help="shape set: tiny (H=64, V=301), small (H=1024, V=32768), glm45air (H=4096, V=151552)")
+                    help="shape set: tiny (H=64, V=301), small (H=1024, V=32768), glm45air (H=4096, V=151552), "
+                         "step35 (Step-3.5's MTP block at H=1024: window 512, head-wise gate, dense)")
     ap.add_argument("--contexts", type=argtypes.positive_ints, default=None, metavar="N[,N...]",
                     help="rows of KV already in each sequence, e.g. 512,4096,32768 "
-                         "(default: the shape set's: tiny 64, small 512, glm45air 512)")
+                         "(default: the shape set's: tiny 64, small 512, glm45air 512, step35 2048)")
     ap.add_argument("--batches", type=argtypes.positive_ints, default="1,8", metavar="B[,B...]",
                     help="sequences per propose_batch")
     ap.add_argument("--kv-modes", type=argtypes.choices_list("draft", "exact"), default="draft,exact",

@@ -29,6 +29,14 @@ CONFIGS: dict[str, Callable[[], MtpConfig]] = {
     "glm45air": lambda: small_config(hidden_size=4096, num_attention_heads=96, num_key_value_heads=8,
                                      head_dim=128, n_routed_experts=128, num_experts_per_tok=8, n_group=1,
                                      topk_group=1, moe_intermediate_size=1408, vocab_size=151552),
+    # Step-3.5-Flash's MTP module at a quarter of its width: sliding-window attention (window
+    # 512) with 24 query heads of 128 over 2 KV heads (its group of 12), a head-wise output
+    # gate, whole-head RoPE (theta 1e4), a dense SwiGLU MLP (I=2816), V=32768
+    "step35": lambda: tiny_config(hidden_size=1024, num_attention_heads=24, num_key_value_heads=2, head_dim=128,
+                                  vocab_size=32768, n_routed_experts=0, num_experts_per_tok=0, n_shared_experts=0,
+                                  n_group=1, topk_group=1, intermediate_size=2816, partial_rotary_factor=1.0,
+                                  rope_theta=1e4, sliding_window=512, attn_gate="headwise", attention_bias=False,
+                                  max_position_embeddings=65536),
 }
 
 

@@ -156,3 +156,34 @@ def test_op_cases_time_every_gemv_in_fp8_too():
         assert cases[f"{g}_fp8"][0] < cases[g][0]                      # half the weight bytes, or less
     for _, fn in cases.values():
         fn()
+
+
+def test_propose_bytes_read_each_modules_block_and_cap_windows():
+    """Step-3.5-shaped: a window caps the KV a module reads; the gate rows count; a dense
+    block reads its MLP."""
+    from mtpkern.synthetic import CONFIGS
+
+    cfg = CONFIGS["step35"]()
+    b = cfg.block(0)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    per = 2 * H * H + b.qkv_size * H + H * b.o_size + V * H + 3 * cfg.intermediate_size * H
+    kv_row = b.num_key_value_heads * (b.head_dim + b.v_dim) * 2
+    assert b.gate_size == 24 and b.sliding_window == 512
+    assert propose_bytes(cfg, 1, 4096, 1, 2) == 2 * per + 512 * kv_row           # not 4096 rows
+    assert propose_bytes(cfg, 3, 4096, 2, 2, "draft") == 3 * 2 * per + 2 * (512 + 1 + 1) * kv_row
+    assert propose_bytes(cfg, 1, 100, 1, 2) == 2 * per + 100 * kv_row
+
+
+def test_op_cases_of_a_dense_block_have_no_experts():
+    from mtpkern.backends import get_backend
+    from mtpkern.bench import op_cases
+    from mtpkern.config import tiny_config
+
+    cfg = tiny_config(n_routed_experts=0, num_experts_per_tok=0, n_shared_experts=0, n_group=1, topk_group=1,
+                      intermediate_size=40)
+    cases = op_cases(cfg, get_backend("numpy"), 32, 1, np.random.default_rng(0))
+    names = [c[0] for c in cases]
+    assert "swiglu_dense" in names and "swiglu_dense_fp8" in names and not any(n.startswith("moe_") for n in names)
+    for name, nbytes, fn in cases:
+        assert nbytes > 0
+        fn()
