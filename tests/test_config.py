@@ -24,7 +24,7 @@ GLM45_AIR = {
 
 def test_glm45_air_config():
     c = MtpConfig.from_dict(GLM45_AIR)
-    assert (c.rotary_dim, c.is_moe, c.q_size, c.kv_size, c.num_modules) == (64, True, 12288, 1024, 1)
+    assert (c.rotary_dim, c.is_moe, c.block(0).q_size, c.block(0).k_size, c.num_modules) == (64, True, 12288, 1024, 1)
     assert c.layer_index(0) == 46 and c.bitmask_words == 4736
 
 
