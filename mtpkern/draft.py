@@ -6,6 +6,9 @@ and ``(d_{m-1}, module m-1's output)`` after it. ``after_verify(a)`` keeps
 module ``m``'s row iff ``m <= a`` (every token it was built from is verified).
 ``prefill_drafter`` fills module 0 only; ``catchup_drafter`` writes nothing.
 Positions may skip forward (rows leave gaps in key space) but never go back.
+Sliding-window modules: ``after_verify`` drops at most one row of a module
+``m >= 1`` and none of module 0 (``trim_margin``); between the chunks of a prefill,
+module 0's blocks its window left behind are reused (``BlockPool.recycle``).
 The same methods as ``mtpkern.exact.ExactChain``, so the proposer runs either.
 """
 
@@ -29,6 +32,11 @@ class DraftChain:
         self.prefill_chunk = prefill_chunk
         self.M = len(modules)
 
+    @staticmethod
+    def trim_margin(m: int) -> int:
+        """Rows of module ``m`` a later call may trim: its row of the last propose, for ``m >= 1``."""
+        return min(m, 1)
+
     def prefill_rows(self, n: int) -> list[list[int]]:
         return [[n - 1]] + [[0]] * (self.M - 1)
 
@@ -38,6 +46,7 @@ class DraftChain:
         for a in range(0, n - 1, self.prefill_chunk):
             b = min(n - 1, a + self.prefill_chunk)
             self.modules[0]._forward([RowJob(st._kv[0], toks[a + 1:b + 1], a, 1, st)], hid[a:b])
+            self.modules[0].pool.recycle(st._kv[0], st, 0)    # a fresh state: every row is this call's
         st._num_verified = st._tail_start = st._next_position = n
         st._num_hiddens = n - 1
         return n - 1

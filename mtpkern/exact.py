@@ -8,6 +8,11 @@ and each module computes its missing keys in order ``m = 0, 1, ..``, module
 for the trailing ``M + 1`` keys of every module (``win``: a window bounded by
 ``M``, not by the sequence) and the tokens past ``Hn`` (``tail``: at most
 ``M``). ``after_verify`` lowers ``T`` and trims each module to ``rows_m``.
+
+Sliding-window modules: ``after_verify`` drops at most ``m`` keys of module ``m``
+(``trim_margin``), so the pool keeps the rows a window may read after such a trim;
+between the chunks of a catch-up, the blocks of rows the call wrote and its window
+left behind are reused for its next rows (``BlockPool.recycle``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ class ExactChain:
         self.prefill_chunk = prefill_chunk
         self.M = len(modules)
         self.window = self.M + 1       # chained outputs kept per module (trailing keys)
+
+    @staticmethod
+    def trim_margin(m: int) -> int:
+        """Rows of module ``m`` a later call may trim: ``after_verify(a)`` after a propose
+        of ``k`` drafts drops ``min(m, k) - a`` keys at most when ``a < m``, so ``m``."""
+        return m
 
     # -- rows a call will add (for the room check), and position rules --------------
     def prefill_rows(self, n: int) -> list[list[int]]:
@@ -84,12 +95,16 @@ class ExactChain:
         every state to its exact rows, in chunks of ``prefill_chunk`` hiddens."""
         stage = [(st._num_hiddens, h) for st, h in zip(sts, hids)]
         ends = [st._num_hiddens + h.shape[0] for st, h in zip(sts, hids)]
-        before = sum(sum(st.rows_per_module()) for st in sts)
+        start = [st.rows_per_module() for st in sts]          # rows before this call: a rollback keeps them
+        before = sum(sum(r) for r in start)
         while any(st._num_hiddens < e for st, e in zip(sts, ends)):
             for st, e in zip(sts, ends):
                 st._num_hiddens = min(e, st._num_hiddens + self.prefill_chunk)
             for m in range(self.M):
                 self.run(m, sts, stage)
+                pool = self.modules[m].pool
+                for st, r0 in zip(sts, start):                # a window's blocks left behind: next chunk's
+                    pool.recycle(st._kv[m], st, r0[m])
             for st in sts:
                 self.trim_windows(st)
         for st in sts:

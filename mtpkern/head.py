@@ -18,6 +18,10 @@ window (a row sees the last W keys, itself included), attention sinks, a value h
 dim of its own, an output gate (``o *= sigmoid(gate)``, head-wise or element-wise,
 the gate columns computed by the fused q|k|v projection), a gated shared expert,
 SwiGLU clamps, and a dense MLP in an MoE checkpoint.
+
+A sliding-window module's pool releases the leading blocks of a sequence that no
+later row can see (``kv.WindowRule``): after each successful ``forward`` /
+``forward_one`` here, and after each committed call of the proposer.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
 from .config import MtpConfig
 from .errors import StateError
-from .kv import BlockPool, SeqKv
+from .kv import BlockPool, SeqKv, WindowRule
 from .ops.moe import RouterSpec
 from .ops.rope_kv import inv_freq
 from .weights import ModuleWeights
@@ -120,15 +124,20 @@ class MtpHead:
     """Module ``index`` of an MTP checkpoint with its own KV block pool."""
 
     def __init__(self, index: int, config: MtpConfig, weights: ModuleWeights, backend: Any,
-                 num_blocks: int, block_size: int):
+                 num_blocks: int, block_size: int, trim_margin: int = 0, max_forward_rows: int = 1):
+        """``trim_margin``, ``max_forward_rows``: for a sliding-window block, the rows a
+        later call may trim from a sequence and the most rows one forward appends
+        (``kv.WindowRule``; the proposer's KV mode sets them; 0 and 1 suit
+        ``forward_one`` users, who never trim)."""
         self.index = index
         self.config = config
         self.w = weights
         self.backend = backend
         #: this module's block (sizes, attention form, MLP kind: mtpkern/block.py)
         self.block = b = config.block(index)
+        window = WindowRule(b.sliding_window, trim_margin, max_forward_rows) if b.sliding_window else None
         self.pool = BlockPool(index, num_blocks, block_size, b.num_key_value_heads, b.head_dim, backend,
-                              v_head_dim=b.v_dim)
+                              v_head_dim=b.v_dim, window=window)
         self._inv_freq = backend.from_host(inv_freq(b.rotary_dim, b.rope_theta))
         self._router = RouterSpec.from_config(config) if b.moe else None
         self._scale = b.scale
@@ -168,11 +177,14 @@ class MtpHead:
         before = [j.seq.rows for j in jobs]
         try:
             with self._one_lock:
-                return self._forward(jobs, g)
+                out = self._forward(jobs, g)
         except BaseException:
             for j, r in zip(jobs, before):
                 self.pool.trim(j.seq, j.seq.rows - r, self)
             raise
+        for j in jobs:                               # done: rows out of the window go back
+            self.pool.release_window(j.seq, self)
+        return out
 
     def _forward(self, jobs: list[RowJob], g: Any, pad_tables: bool = False) -> tuple[Any, Any]:
         """``forward`` for the proposer: ``jobs`` already checked, ``g`` [n, H] backend FP32.
@@ -199,6 +211,7 @@ class MtpHead:
         row_seq = np.empty(n, np.int32)
         row_len = np.empty(n, np.int32)
         max_blocks = 1
+        tabs = []
         at = 0
         for s, job in enumerate(jobs):
             c = job.count
@@ -208,11 +221,12 @@ class MtpHead:
             slots[at:at + c] = self.pool.slots(job.seq, first_row, c)
             row_seq[at:at + c] = s
             row_len[at:at + c] = np.arange(first_row + 1, first_row + c + 1)
-            max_blocks = max(max_blocks, len(job.seq._blocks))
+            tabs.append(self.pool.table(job.seq))    # released entries as 0: never read (outside the window)
+            max_blocks = max(max_blocks, tabs[-1].shape[0])
             at += c
         tables = np.zeros((len(jobs), table_width(max_blocks) if pad_tables else max_blocks), np.int32)
-        for s, job in enumerate(jobs):
-            tables[s, :len(job.seq._blocks)] = job.seq._blocks
+        for s, t in enumerate(tabs):
+            tables[s, :t.shape[0]] = t
         W = self.block.sliding_window
         row_start = None
         if W:     # the first row whose key is > key - W (positions are keys + a constant), per row
@@ -330,4 +344,5 @@ class MtpHead:
             except BaseException:
                 self.pool.trim(seq, seq.rows - before, self)
                 raise
+            self.pool.release_window(seq, self)
         return HeadStep(draft, y, normed)

@@ -11,6 +11,24 @@ moment trimming leaves them empty. ``reserve`` sets a per-sequence budget
 (``alloc_state_for``): reserved blocks are held back from every other
 sequence, so a sequence that stays within its budget never meets a full pool.
 
+**Sliding windows** (``WindowRule``). A windowed module's rows keep their numbering
+and keys, but the leading blocks that no later forward can read go back to the pool:
+``SeqKv._base`` counts the block-table entries already released (row ``r`` is in
+``_blocks[r // BS - _base]``), so a sequence holds ``O(window)`` blocks whatever its
+length. Two moments release them:
+
+- ``release_window``, after a call has committed (no rollback can need its rows):
+  every full block before ``WindowRule.first_visible_row`` goes back to the pool;
+- ``recycle``, between the forwards of one long call (prefill, catch-up): a block
+  holding only rows this call wrote, all out of the window, stays the sequence's
+  and is moved to the end of its table for the call's next rows; its old entry
+  becomes a ``HOLE``. A rollback drops those rows anyway, and the pool's free list
+  does not change until the call commits. This is what bounds a call's peak, so
+  that a budget needs only ``WindowRule.max_blocks`` blocks.
+
+Released entries (and holes) are written into block tables as block 0: attention
+never reads the table entries of blocks wholly before a row's window.
+
 **Ownership.** The pool is the only authority on who owns a block. Every
 ``SeqKv`` is made by ``new_seq(holder)`` and registered under a serial number;
 the pool records the owner's serial of each block in use and the holder of
@@ -29,6 +47,7 @@ distinct sequences cannot both count the same free block.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -88,6 +107,18 @@ class KeyRuns:
                 self._runs[-1][1] = c - count
                 count = 0
 
+    def key_at(self, row: int) -> int:
+        """The key of row ``row`` (0 <= row < len). Walks back from the last run: O(runs
+        past ``row``), cheap for the rows near the end that the window rules ask about."""
+        if not 0 <= row < self._n:
+            raise IndexError(f"row: expected 0 .. {self._n - 1}, got {row}")
+        n = self._n
+        for s, c in reversed(self._runs):
+            n -= c
+            if row >= n:
+                return s + row - n
+        raise AssertionError("unreachable: the runs hold len(self) rows")
+
     def rows_before(self, key: int) -> int:
         """How many rows have a key < ``key`` (the first row a sliding window that starts
         at ``key`` shows). Walks back from the last run: O(runs at or past ``key``)."""
@@ -110,17 +141,79 @@ class KeyRuns:
         return f"KeyRuns({self._runs})"
 
 
+#: a block-table entry released inside a call (``BlockPool.recycle``): its block now
+#: holds later rows of the same sequence; gone once the call commits
+HOLE = -1
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRule:
+    """Which rows of a sliding-window module's sequences a forward may still read, and
+    how many blocks that leaves a sequence.
+
+    ``window`` W: a row with key ``j`` reads the rows with keys ``> j - W`` (itself
+    included). ``margin`` T: rows a later call may still remove from the end of a
+    sequence (the KV mode's ``after_verify``: exact mode drops at most ``m`` keys of
+    module ``m``, draft mode at most one row, of modules ``m >= 1``; a rollback never
+    goes below the rows a call started with). ``max_forward_rows`` C: the most rows
+    one forward appends to one sequence (the proposer's ``prefill_chunk + M``).
+
+    Every later row has a key above ``key_at(rows - 1 - T)`` (the last key any trim
+    can leave), so it reads no key below ``cutoff = key_at(rows - 1 - T) + 2 - W``:
+    rows ``0 .. first_visible_row - 1`` are dead, and the full blocks among them can
+    go. At most ``W - 1 + T`` rows have a key ``>= cutoff`` (``W - 1`` keys up to
+    ``key_at(rows - 1 - T)``, then the ``T`` rows after it), and the first live block
+    starts at most ``BS - 1`` rows before the first visible row, hence the bounds.
+    """
+
+    window: int
+    margin: int = 0
+    max_forward_rows: int = 1
+
+    def __post_init__(self) -> None:
+        for name, lo in (("window", 1), ("margin", 0), ("max_forward_rows", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+
+    def first_visible_row(self, keys: KeyRuns, margin: int | None = None) -> int:
+        """The first row that a later forward of this sequence may read, when at most
+        ``margin`` rows (default: ``self.margin``) may still be trimmed away first."""
+        T = self.margin if margin is None else margin
+        n = len(keys)
+        if n <= T:
+            return 0
+        return keys.rows_before(keys.key_at(n - 1 - T) + 2 - self.window)
+
+    def idle_blocks(self, block_size: int) -> int:
+        """Blocks a sequence holds between calls: ``ceil((W + T + BS - 2) / BS)``."""
+        return ceil_div(self.window + self.margin + block_size - 2, block_size)
+
+    def call_blocks(self, block_size: int) -> int:
+        """Blocks a call may add on top, at its peak (its rows' blocks that the window
+        still reads, one forward of C rows ahead): ``ceil((C + W + T + BS - 2) / BS)``."""
+        return ceil_div(self.max_forward_rows + self.window + self.margin + block_size - 2, block_size)
+
+    def max_blocks(self, block_size: int) -> int:
+        """The most blocks a sequence holds, inside a call included."""
+        return self.idle_blocks(block_size) + self.call_blocks(block_size)
+
+
 class SeqKv:
     """One sequence's rows in one module's pool (made by ``BlockPool.new_seq``).
 
-    ``blocks`` (the block table, a tuple) and ``keys`` (the keys of the rows, a copy)
-    are read-only views: only the pool changes a sequence, so nothing handed to an
-    engine can make the pool write into, or free, a block it did not give out."""
+    ``blocks`` (the live block-table entries, a tuple) and ``keys`` (the keys of the
+    rows, a copy) are read-only views: only the pool changes a sequence, so nothing
+    handed to an engine can make the pool write into, or free, a block it did not
+    give out. ``base``: the leading entries of the table already released (a
+    sliding-window module's rows out of its window; 0 otherwise), so row ``r`` lives
+    in ``blocks[r // block_size - base]``."""
 
-    __slots__ = ("_blocks", "_keys", "_budget", "_reserved", "_serial", "__weakref__")
+    __slots__ = ("_blocks", "_base", "_keys", "_budget", "_reserved", "_serial", "__weakref__")
 
     def __init__(self, serial: int = 0):
-        self._blocks: list[int] = []
+        self._blocks: list[int] = []   # table entries base .. (HOLE: released inside the running call)
+        self._base = 0                 # leading table entries released (their rows out of the window)
         self._keys = KeyRuns()
         self._budget = 0        # blocks promised to this sequence by reserve(); 0 = none
         self._reserved = 0      # of the budget, blocks still held back in the pool
@@ -129,6 +222,10 @@ class SeqKv:
     @property
     def blocks(self) -> tuple[int, ...]:
         return tuple(self._blocks)
+
+    @property
+    def base(self) -> int:
+        return self._base
 
     @property
     def keys(self) -> KeyRuns:
@@ -164,13 +261,14 @@ class SeqKv:
         raise TypeError("SeqKv cannot be pickled: it is a handle into a live KV pool")
 
     def __repr__(self) -> str:
-        return f"SeqKv(rows={self.rows}, blocks={len(self._blocks)}, keys={self._keys!r})"
+        base = f", released={self._base}" if self._base else ""
+        return f"SeqKv(rows={self.rows}, blocks={len(self._blocks)}{base}, keys={self._keys!r})"
 
 
 def _unregistered_copy(seq: SeqKv) -> SeqKv:
     """A copy with the same contents that no pool knows (every pool refuses it)."""
     new = SeqKv(serial=0)
-    new._blocks, new._keys = list(seq._blocks), seq._keys.copy()
+    new._blocks, new._base, new._keys = list(seq._blocks), seq._base, seq._keys.copy()
     new._budget, new._reserved = seq._budget, seq._reserved
     return new
 
@@ -185,13 +283,20 @@ class BlockPool:
     MAX_BLOCKS = 2**31 - 1
 
     def __init__(self, module: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, backend: Any, v_head_dim: int | None = None):
+                 head_dim: int, backend: Any, v_head_dim: int | None = None, window: WindowRule | None = None):
         if not 1 <= num_blocks <= self.MAX_BLOCKS:
             raise ValueError(f"num_blocks: expected 1 .. {self.MAX_BLOCKS}, got {num_blocks}")
         if not 1 <= block_size <= self.MAX_BLOCKS // num_blocks:
             raise ValueError(f"block_size: expected 1 .. {self.MAX_BLOCKS // num_blocks} (num_blocks * block_size "
                              f"slots must fit int32), got {block_size}")
+        if window is not None and not isinstance(window, WindowRule):
+            raise TypeError(f"window: expected a WindowRule or None, got {type(window).__name__}")
         self.module = module
+        #: a sliding-window module's rule (leading blocks go back once out of the window); None: full attention
+        self.window = window
+        #: block-table entries released because no later forward could read their rows, ever:
+        #: given back to the pool (release_window) or reused by the same call (recycle)
+        self.window_released = 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.k = backend.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
@@ -233,15 +338,32 @@ class BlockPool:
         return self.num_free - self.reserved + seq._reserved
 
     def blocks_needed(self, seq: SeqKv, new_rows: int) -> int:
-        return max(0, ceil_div(seq.rows + new_rows, self.block_size) - len(seq._blocks))
+        """Blocks ``seq`` must take to append ``new_rows`` rows now."""
+        return max(0, ceil_div(seq.rows + new_rows, self.block_size) - seq._base - len(seq._blocks))
+
+    def call_blocks(self, seq: SeqKv, new_rows: int) -> int:
+        """Blocks a call that appends ``new_rows`` rows to ``seq`` takes up front: all it
+        needs, and for a sliding-window module no more than ``WindowRule.call_blocks``
+        (between its forwards the call reuses the blocks its window left behind: ``recycle``)."""
+        need = self.blocks_needed(seq, new_rows)
+        return need if self.window is None else min(need, self.window.call_blocks(self.block_size))
+
+    def blocks_for_tokens(self, tokens: int) -> int:
+        """Blocks a sequence of ``tokens`` rows holds at most (a budget, ``alloc_state_for``):
+        ``ceil(tokens / block_size)``, and for a sliding-window module no more than
+        ``WindowRule.max_blocks``, whatever the length."""
+        need = ceil_div(tokens, self.block_size)
+        return need if self.window is None else min(need, self.window.max_blocks(self.block_size))
 
     def check_room(self, seqs_rows: Iterable[tuple[SeqKv, int]]) -> None:
         """Raise ``KvCacheFull`` unless every ``(seq, new_rows)`` can grow at once."""
+        self._check_blocks([(seq, self.blocks_needed(seq, n)) for seq, n in seqs_rows])
+
+    def _check_blocks(self, seqs_blocks: list[tuple[SeqKv, int]]) -> None:
         with self._lock:
             need = 0
             own_reserved = 0
-            for seq, n in seqs_rows:
-                k = self.blocks_needed(seq, n)
+            for seq, k in seqs_blocks:
                 need += k
                 own_reserved += min(k, seq._reserved)
             avail = self.num_free - self.reserved + own_reserved
@@ -249,10 +371,22 @@ class BlockPool:
                 raise KvCacheFull(self.module, need, avail, self.num_blocks)
 
     def slots(self, seq: SeqKv, first_row: int, count: int) -> np.ndarray:
-        """``[count]`` int32 cache slots of rows ``first_row ..``."""
+        """``[count]`` int32 cache slots of rows ``first_row ..`` (rows in live blocks)."""
         r = np.arange(first_row, first_row + count)
+        idx = r // self.block_size - seq._base
         table = np.asarray(seq._blocks, np.int64)
-        return (table[r // self.block_size] * self.block_size + r % self.block_size).astype(np.int32)
+        if count and (idx.min() < 0 or idx.max() >= table.size or (table[idx] < 0).any()):
+            raise StateError(f"module {self.module}: rows {first_row} .. {first_row + count - 1} are not in live "
+                             f"blocks (entries {seq._base} .. {seq._base + table.size - 1}, released ones included)")
+        return (table[idx] * self.block_size + r % self.block_size).astype(np.int32)
+
+    def table(self, seq: SeqKv) -> np.ndarray:
+        """``seq``'s block table as the kernels read it, ``[base + len(blocks)]`` int32:
+        released entries (and holes) written as block 0, which attention never reads
+        (they lie wholly before every row's window)."""
+        t = np.zeros(seq._base + len(seq._blocks), np.int32)
+        t[seq._base:] = np.maximum(np.asarray(seq._blocks, np.int64), 0)
+        return t
 
     # -- registry -------------------------------------------------------------
     def new_seq(self, holder: Any) -> SeqKv:
@@ -293,13 +427,21 @@ class BlockPool:
     def grow_all(self, seqs_rows: Iterable[tuple[SeqKv, int, Any]]) -> None:
         """Room check and allocation for several sequences as one step: either every
         ``(seq, new_rows, holder)`` gets its blocks, or ``KvCacheFull`` and nothing changed."""
-        seqs_rows = list(seqs_rows)
+        self._take([(seq, n, holder, self.blocks_needed) for seq, n, holder in seqs_rows])
+
+    def grow_for_call(self, seqs_rows: Iterable[tuple[SeqKv, int, Any]]) -> None:
+        """``grow_all`` for whole calls (``txn.guarded``): each ``(seq, new_rows, holder)``
+        gets ``call_blocks(seq, new_rows)`` blocks, ahead of the rows, as one step."""
+        self._take([(seq, n, holder, self.call_blocks) for seq, n, holder in seqs_rows])
+
+    def _take(self, todo: list) -> None:
         with self._lock:
-            for seq, _, holder in seqs_rows:
+            for seq, _, holder, _ in todo:
                 self.check_holder(seq, holder)
-            self.check_room([(seq, n) for seq, n, _ in seqs_rows])
-            for seq, n, _ in seqs_rows:
-                for _ in range(self.blocks_needed(seq, n)):
+            counts = [(seq, count(seq, n)) for seq, n, _, count in todo]
+            self._check_blocks(counts)
+            for seq, k in counts:
+                for _ in range(k):
                     b = self._free.pop()
                     self._owner[b] = seq._serial
                     seq._blocks.append(b)
@@ -323,12 +465,67 @@ class BlockPool:
             self.check_holder(seq, holder)
             if drop_rows > seq.rows:
                 raise ValueError(f"module {self.module}: cannot drop {drop_rows} rows of {seq.rows}")
-            keep = ceil_div(seq.rows - max(0, drop_rows), self.block_size)
+            keep = ceil_div(seq.rows - max(0, drop_rows), self.block_size) - seq._base
+            if seq.rows - max(0, drop_rows) < seq._base * self.block_size:
+                # the window rule keeps every row a trim can reach (WindowRule.margin)
+                raise StateError(f"module {self.module}: cannot drop {drop_rows} rows of {seq.rows}: rows before "
+                                 f"{seq._base * self.block_size} were released (outside the sliding window)")
             if drop_rows > 0:
                 seq._keys.pop(drop_rows)
             extra = seq._blocks[keep:]
             del seq._blocks[keep:]
-            self._release(extra, seq)
+            self._release([b for b in extra if b != HOLE], seq)
+
+    def release_window(self, seq: SeqKv, holder: Any) -> int:
+        """After a call committed: give back the leading blocks of a sliding-window
+        sequence that no later forward can read (every row before
+        ``WindowRule.first_visible_row``), with the holes the call left; returns how many
+        blocks went back. A no-op for full attention. Never inside a call: a rollback
+        may still need the rows its call started with."""
+        with self._lock:
+            self.check_holder(seq, holder)
+            if self.window is None:
+                return 0
+            dead = self.window.first_visible_row(seq._keys) // self.block_size - seq._base
+            if dead <= 0:
+                return 0
+            gone = [b for b in seq._blocks[:dead] if b != HOLE]
+            del seq._blocks[:dead]
+            seq._base += dead
+            self._release(gone, seq)
+            self.window_released += len(gone)
+            return len(gone)
+
+    def recycle(self, seq: SeqKv, holder: Any, first_new_row: int) -> int:
+        """Between two forwards of one call that began with ``first_new_row`` rows: every
+        block holding only rows this call wrote, all before the window's first visible
+        row, becomes a ``HOLE`` in the table and its block is appended as an entry ahead,
+        for the call's next rows. The block stays this sequence's (the free list does not
+        change), and a rollback drops those rows anyway; ``release_window`` clears the
+        holes at commit. Returns the blocks moved; a no-op for full attention."""
+        with self._lock:
+            self.check_holder(seq, holder)
+            if self.window is None:
+                return 0
+            lo = max(ceil_div(first_new_row, self.block_size), seq._base)
+            hi = self.window.first_visible_row(seq._keys) // self.block_size
+            moved = []
+            for j in range(hi - 1, lo - 1, -1):          # holes from earlier forwards sit below
+                i = j - seq._base
+                if seq._blocks[i] == HOLE:
+                    break
+                moved.append(seq._blocks[i])
+                seq._blocks[i] = HOLE
+            seq._blocks.extend(reversed(moved))
+            self.window_released += len(moved)
+            return len(moved)
+
+    def settle(self, seq: SeqKv, holder: Any) -> None:
+        """After a call committed: ``release_window``, then the blocks taken ahead for rows
+        that were not written go back."""
+        with self._lock:
+            self.release_window(seq, holder)
+            self.trim(seq, 0, holder)
 
     def release_all(self, seq: SeqKv, holder: Any) -> None:
         """Return every block and the reservation of ``seq``; it ends empty with no budget
@@ -338,8 +535,9 @@ class BlockPool:
             self._release_all(seq)
 
     def _release_all(self, seq: SeqKv) -> None:
-        blocks = seq._blocks[:]
+        blocks = [b for b in seq._blocks if b != HOLE]
         seq._blocks.clear()
+        seq._base = 0
         seq._keys = KeyRuns()
         self._release(blocks, None)
         self._drop_budget(seq)
@@ -396,18 +594,20 @@ class BlockPool:
         with self._lock:
             self.check_holder(src, src_holder)
             self.check_holder(dst, dst_holder)
-            if dst._blocks or dst.rows:
+            if dst._blocks or dst.rows or dst._base:
                 raise StateError(f"module {self.module}: rows can only move into an empty sequence")
             for b in src._blocks:
-                self._owner[b] = dst._serial
+                if b != HOLE:
+                    self._owner[b] = dst._serial
             dst._blocks, src._blocks = src._blocks, []
+            dst._base, src._base = src._base, 0
             dst._keys, src._keys = src._keys, KeyRuns()
 
     def close(self) -> None:
         """Drop every sequence and the caches; later calls raise ``StateError``."""
         with self._lock:
             for seq, _ in self._seqs.values():
-                seq._blocks, seq._keys, seq._budget, seq._reserved = [], KeyRuns(), 0, 0
+                seq._blocks, seq._base, seq._keys, seq._budget, seq._reserved = [], 0, KeyRuns(), 0, 0
             self._seqs.clear()
             self._free = list(range(self.num_blocks - 1, -1, -1))
             self._owner[:] = 0
@@ -433,7 +633,7 @@ class BlockPool:
             for serial, (seq, _) in self._seqs.items():
                 if seq._serial != serial:
                     raise AssertionError(f"module {self.module}: sequence {serial} now calls itself {seq._serial}")
-                blocks = np.asarray(seq._blocks, np.int64)
+                blocks = np.asarray([b for b in seq._blocks if b != HOLE], np.int64)
                 if blocks.size and (self._owner[blocks] != serial).any():
                     raise AssertionError(f"module {self.module}: sequence {serial} lists blocks it does not own: "
                                          f"{blocks[self._owner[blocks] != serial].tolist()}")
@@ -454,10 +654,29 @@ class BlockPool:
                 raise AssertionError(f"module {self.module}: {self.reserved} blocks reserved in the pool, "
                                      f"{reservations} by the sequences, {self.num_free} free")
 
-    def check_seq(self, seq: SeqKv) -> None:
-        if len(seq._blocks) != ceil_div(seq.rows, self.block_size):
-            raise AssertionError(f"module {self.module}: {len(seq._blocks)} blocks for {seq.rows} rows "
-                                 f"(block_size {self.block_size})")
+    def check_seq(self, seq: SeqKv, may_trim: bool = True) -> None:
+        """The rules of a sequence between calls: its table covers its rows exactly; a
+        sliding-window sequence released no row a later forward may read (``may_trim``:
+        up to ``margin`` rows may still be trimmed first, as while a propose awaits its
+        verify) and holds at most ``WindowRule.idle_blocks`` blocks."""
+        BS = self.block_size
+        if HOLE in seq._blocks:
+            raise AssertionError(f"module {self.module}: a hole left in the block table between calls: {seq._blocks}")
+        if seq._base + len(seq._blocks) != ceil_div(seq.rows, BS):
+            raise AssertionError(f"module {self.module}: {len(seq._blocks)} blocks after {seq._base} released for "
+                                 f"{seq.rows} rows (block_size {BS})")
+        w = self.window
+        if w is None and seq._base:
+            raise AssertionError(f"module {self.module}: {seq._base} blocks released without a sliding window")
+        if w is not None:
+            visible = w.first_visible_row(seq._keys, None if may_trim else 0)
+            if seq._base * BS > visible:
+                raise AssertionError(f"module {self.module}: rows from {visible} may still be read, but blocks "
+                                     f"before row {seq._base * BS} were released")
+            if len(seq._blocks) > w.idle_blocks(BS):
+                raise AssertionError(f"module {self.module}: a sliding-window sequence holds {len(seq._blocks)} "
+                                     f"blocks, expected at most {w.idle_blocks(BS)} (window {w.window}, margin "
+                                     f"{w.margin}, block_size {BS})")
         if seq._budget and len(seq._blocks) + seq._reserved > max(seq._budget, len(seq._blocks)):
             raise AssertionError(f"module {self.module}: held {len(seq._blocks)} + reserved {seq._reserved} "
                                  f"exceeds budget {seq._budget}")

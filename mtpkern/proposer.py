@@ -116,7 +116,11 @@ class MultiModuleMtpHead(DraftProposer):
         chain = self.chain
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.modules = [MtpHead(m, config, mw, backend, num_blocks, block_size)
+        # A sliding-window module's pool keeps what its window may read after the trims the
+        # KV mode allows (trim_margin), and one forward appends at most a chunk + M rows.
+        rules = ExactChain if kv_mode == "exact" else DraftChain
+        self.modules = [MtpHead(m, config, mw, backend, num_blocks, block_size, trim_margin=rules.trim_margin(m),
+                                max_forward_rows=self.prefill_chunk + config.num_modules)
                         for m, mw in enumerate(weights.modules)]
         self.pools = [h.pool for h in self.modules]
         self.exact = ExactChain(self.modules, backend, chain, self.prefill_chunk)
@@ -273,16 +277,17 @@ class MultiModuleMtpHead(DraftProposer):
         cannot meet a full pool while it stays within the budget. The reservation also
         covers the draft lookahead: a verify may accept up to M drafts past the budget's
         last token, so each module holds back ``ceil((budget_tokens + M) / block_size)``
-        blocks. ``None``: unknown budget, same as ``alloc_state``. Raises ``KvCacheFull``
+        blocks; a sliding-window module no more than its window needs, whatever the
+        length (``BlockPool.blocks_for_tokens``, docs/api.md "Sliding windows").
+        ``None``: unknown budget, same as ``alloc_state``. Raises ``KvCacheFull``
         (allocating nothing) when the pools cannot promise it."""
         if budget_tokens is None:
             return self.alloc_state()
         budget_tokens = check_int("budget_tokens", budget_tokens, 1)
-        blocks = ceil_div(budget_tokens + self.num_modules, self.block_size)
         st = self.alloc_state()
         try:
             for p, seq in zip(self.pools, st._kv):
-                p.reserve(seq, blocks, st)
+                p.reserve(seq, p.blocks_for_tokens(budget_tokens + self.num_modules), st)
         except BaseException:
             self.free_state(st)
             raise
@@ -519,6 +524,8 @@ class MultiModuleMtpHead(DraftProposer):
             a = check_int("num_accepted", num_accepted, 0, st._last_k)
             P, k = st._last_position, st._last_k
             self.mode.after_verify(st, P, a, k)
+            for p, seq in zip(self.pools, st._kv):     # after the trim: rows out of every window go back
+                p.release_window(seq, st)
             st._num_verified = st._next_position = P + 1 + a
             st._drafted = False
         self.stats.record(k, a)
@@ -679,7 +686,7 @@ class MultiModuleMtpHead(DraftProposer):
             return
         with exclusive([st], "check_invariants", ["state"]):
             for m, (p, seq) in enumerate(zip(self.pools, st._kv)):
-                p.check_seq(seq)
+                p.check_seq(seq, may_trim=st._drafted)
                 keys = seq.keys.to_list()
                 if any(b <= a for a, b in zip(keys, keys[1:])):
                     raise AssertionError(f"module {m}: keys not increasing: {keys}")

@@ -79,13 +79,15 @@ def rand_hiddens(rng, n, H):
 
 
 def kv_rows(prop, st, m):
-    """Module m's K and V rows of ``st`` in row order, FP32 on the host: [rows, Hkv, D] each."""
+    """Module m's K and V rows of ``st`` in row order, FP32 on the host: [rows, Hkv, D] each;
+    a sliding-window module's from its first live block on (``base * block_size``: the
+    rows before were released with their blocks)."""
     pool = prop.modules[m].pool
     seq = st.kv[m]
     be = prop.backend
     k, v = be.kv_to_host(pool.k), be.kv_to_host(pool.v)
-    r = np.arange(seq.rows)
-    blk = np.asarray(seq.blocks, np.int64)[r // pool.block_size]
+    r = np.arange(seq.base * pool.block_size, seq.rows)
+    blk = np.asarray(seq.blocks, np.int64)[r // pool.block_size - seq.base]
     return k[blk, r % pool.block_size], v[blk, r % pool.block_size]
 
 
