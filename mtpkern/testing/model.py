@@ -9,7 +9,9 @@
   (module ``m``'s row of a propose survives ``after_verify(a)`` iff ``m <= a``);
   exact mode, ``max(0, min(Hn, T - m - 1))`` rows, keys ``0 ..`` (``Hn`` hiddens
   consumed, ``T`` tokens known: verified, plus the drafts awaiting a verify);
-- the counters engines read (``num_verified``, ``next_position``, ``drafted``).
+- the counters engines read (``num_verified``, ``next_position``, ``drafted``);
+- memory: a sliding-window module's sequence (a state's or a carried entry's) holds
+  at most ``window_blocks(m)`` blocks, whatever its length (docs/api.md).
 
 With host FP32 ``weights`` (``reference_weights``), exact-mode drafts are also
 compared with the dense float64 oracle (``mtpkern.testing.oracle``): tiny models
@@ -207,6 +209,30 @@ class ProposerModel:
         del self.carried[id(kv)]
 
     # -- expectations ------------------------------------------------------------------
+    def trim_margin(self, m: int) -> int:
+        """Rows of module ``m`` a verify may still remove (SPEC sections 2-3): exact mode
+        drops at most ``m`` keys, draft mode at most the one row of the last propose, of
+        modules ``m >= 1``."""
+        return m if self.mode == "exact" else min(m, 1)
+
+    def window_blocks(self, m: int) -> int | None:
+        """The most blocks a sliding-window module ``m``'s sequence holds between calls:
+        rows a later row may read are those with keys above ``last - T - W`` (at most
+        ``W - 1 + T`` of them), plus up to ``BS - 1`` rows of the block they start in:
+        ``ceil((W + T + BS - 2) / BS)``. None for full attention."""
+        W = self.prop.config.block(m).sliding_window
+        if not W:
+            return None
+        BS = self.prop.block_size
+        return -(-(W + self.trim_margin(m) + BS - 2) // BS)
+
+    def _check_window(self, seqs: Any, what: str) -> None:
+        for m, q in enumerate(seqs):
+            most = self.window_blocks(m)
+            if most is not None:
+                assert len(q.blocks) <= most, (f"module {m}: {what} holds {len(q.blocks)} blocks for {q.rows} rows, "
+                                               f"expected at most {most} (sliding window)")
+
     def exact_rows(self, s: SeqModel, extra_tokens: int = 0) -> list[int]:
         T = len(s.tokens) + (len(s.drafts) if s.phase == "drafted" else 0) + extra_tokens
         return [max(0, min(len(s.hiddens), T - m - 1)) for m in range(self.M)]
@@ -253,8 +279,10 @@ class ProposerModel:
             if s.phase != "fresh":
                 assert st.num_verified == len(s.tokens), f"num_verified {st.num_verified}, expected {len(s.tokens)}"
             assert st.drafted == (s.phase == "drafted"), f"drafted {st.drafted} in phase {s.phase}"
+            self._check_window(st.kv, "a state")
         for kv, s in self.carried.values():
             assert kv.num_verified == len(s.tokens) and not kv.consumed
+            self._check_window(kv.seqs, "a carried entry")
 
     def _window(self, st: Any) -> tuple:
         """The exact-mode window (chained outputs) of ``st``, by value."""
