@@ -7,6 +7,10 @@ accounting, the registries, every state's rules, the rows each module must hold
 the drafts against the from-scratch oracle are checked; a failed call (full
 pool, bad input, a copied state or carried entry, a grammar that allows nothing,
 a callback re-entering with the state in use) must leave everything as it was.
+
+A third config has a sliding window in every module, in a pool that sequences
+holding all their rows would outgrow: after every step each windowed module of every
+state and carried entry holds at most ``ceil((W + T + BS - 2) / BS)`` blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis.stateful import invariant
 
 import test_family_qwen3_next
 from mtpkern import MultiModuleMtpHead
@@ -27,6 +32,9 @@ CFG = tiny_config()
 #: a second block form: Qwen3-Next (gated attention output, gated shared expert, softmax
 #: routing without a bias, zero-centred norms, the postnorm chain), two modules
 QWEN = test_family_qwen3_next.QWEN2
+#: every module with a window of 5 keys (blocks of 4: 2 or 3 blocks per sequence)
+WINDOW = tiny_config(sliding_window=5)
+POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16}
 SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -43,13 +51,46 @@ def qwen_ckpt(tmp_path_factory):
     return path, reference_weights(path)
 
 
+@pytest.fixture(scope="module")
+def window_ckpt(tmp_path_factory):
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("sm_window"), WINDOW, seed=23)
+    return path, reference_weights(path)
+
+
+def window_bound(prop, m: int) -> int | None:
+    """docs/api.md, "Sliding windows": T = m (exact) or min(m, 1) (draft)."""
+    W, BS = prop.config.block(m).sliding_window, prop.block_size
+    T = m if prop.kv_mode == "exact" else min(m, 1)
+    return -(-(W + T + BS - 2) // BS) if W else None
+
+
 @pytest.mark.parametrize("backend,kv_mode,ckpt", [
     (b, m, "sm_ckpt") for b in ("numpy", "cpu") for m in ("exact", "draft")] + [
-    ("cpu", "exact", "qwen_ckpt"), ("numpy", "draft", "qwen_ckpt")])
+    ("cpu", "exact", "qwen_ckpt"), ("numpy", "draft", "qwen_ckpt"),
+    ("cpu", "exact", "window_ckpt"), ("cpu", "draft", "window_ckpt")])
 def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     path, weights = request.getfixturevalue(ckpt)
-    machine = proposer_machine(lambda: MultiModuleMtpHead.from_pretrained(
-        path, backend=backend, kv_mode=kv_mode, block_size=4, num_blocks=28, prefill_chunk=5), weights)
+    made = []
+
+    def make():
+        made.append(MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode=kv_mode, block_size=4,
+                                                       num_blocks=POOL[ckpt], prefill_chunk=5))
+        return made[-1]
+
+    base = proposer_machine(make, weights)
+
+    class Machine(base):
+        @invariant()
+        def windows_bound_the_blocks(self) -> None:
+            prop = self.driver.prop
+            held = [st.kv for st, _ in self.driver.model.seqs.values()] + [kv.seqs for kv in self.driver.carried]
+            for seqs in held:
+                for m, q in enumerate(seqs):
+                    most = window_bound(prop, m)
+                    assert most is None or len(q.blocks) <= most, (
+                        f"module {m}: {len(q.blocks)} blocks for {q.rows} rows, expected at most {most}")
+
+    machine = Machine
     machine.steps = Counter()
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()
@@ -58,3 +99,5 @@ def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     assert total >= 1000, f"only {total} proposer calls in {kv_mode} mode: {dict(machine.steps)}"
     for kind in ("propose", "propose_batch", "verify", "catchup", "take", "install", "bad_input", "reenter"):
         assert machine.steps[kind] > 0, f"no {kind} step ran: {dict(machine.steps)}"
+    if ckpt == "window_ckpt":       # the pools really took blocks back (beyond what trims freed)
+        assert sum(p.window_released for prop in made for p in prop.pools) > 100
