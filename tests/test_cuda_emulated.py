@@ -897,6 +897,26 @@ def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, m
     test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2)
 
 
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_windows_release_blocks_on_the_kernels(fake_runtime, tmp_path, mode):
+    """Every module with a window of 5 keys over prompts of 150 tokens, in pools of 8 blocks
+    of 16 (a sequence that kept its rows would need 10): released blocks' table entries
+    (written as block 0) are never read, captured steps replay their eager twins bit for
+    bit, and the kernels equal the NumPy reference, with the pools taking blocks back."""
+    from mtpkern import write_synthetic_checkpoint
+
+    cfg = tiny_config(sliding_window=5)
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=13)
+    kw = dict(num_blocks=8, prefill_chunk=32)
+    pairs = [test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32",
+                                                         emu_backend.backend("float32"), lens=(5, 150), **kw),
+             test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2, prompts=(150, 151),
+                                                      **kw)]
+    for prop in (p for pair in pairs for p in pair):
+        assert prop.pools[0].window_released > 0, prop
+        assert mode == "draft" or all(p.window_released > 0 for p in prop.pools)
+
+
 #: proposer pairs (numpy reference, emulated cuda with CUDA graphs), built once per mode
 _PARITY: dict = {}
 

@@ -109,16 +109,18 @@ def test_cuda_matches_numpy_reference(ckpt_cfg, mode, kv):
     check_cuda_matches_numpy_reference(ckpt_cfg, mode, kv, _device_backend(kv))
 
 
-def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_backend) -> None:
+def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_backend, lens=(5, 19, 40),
+                                       **make_kw) -> None:
     """The body of test_cuda_matches_numpy_reference, for any cuda backend with KV dtype
-    ``kv`` (tests/test_cuda_emulated.py runs it on the emulated kernels)."""
+    ``kv`` (tests/test_cuda_emulated.py runs it on the emulated kernels); ``lens``: the
+    prompts' lengths; ``make_kw``: the proposers' pool and chunk sizes."""
     ckpt, cfg = ckpt_cfg
-    ref, dev = _make(ckpt, _reference_backend(kv), mode), _make(ckpt, device_backend, mode)
+    ref, dev = _make(ckpt, _reference_backend(kv), mode, **make_kw), _make(ckpt, device_backend, mode, **make_kw)
     tol = kv
     margins = _record_margins(ref)
     rng = np.random.default_rng(5)
     H, V = cfg.hidden_size, cfg.vocab_size
-    lens = [5, 19, 40]
+    lens = list(lens)
     B = len(lens)
     sr, sd = [ref.alloc_state() for _ in lens], [dev.alloc_state() for _ in lens]
     pending = []
@@ -127,7 +129,7 @@ def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_back
         ref.prefill_drafter(toks, hid, sr[i])
         dev.prefill_drafter(toks, hid, sd[i])
         pending.append(hid[-1])
-    _same_kv(ref, sr[2], dev, sd[2], "after prefill", tol)
+    _same_kv(ref, sr[-1], dev, sd[-1], "after prefill", tol)
     pos, ties, compared = list(lens), 0, 0
     for rnd, (k, frac) in enumerate([(3, 1.0), (1, 1.0), (2, 0.5), (3, 0.0), (3, 1.0), (2, 1.0)]):
         last = rng.integers(0, V, B).tolist()
@@ -155,6 +157,7 @@ def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_back
         dev.check_invariants()
     assert compared >= 2 * ties, f"{ties} near-ties in {compared} compared drafts"
     assert dev.step_runner is not None and dev.step_runner.counts["executed"] + dev.step_runner.counts["replayed"]
+    return ref, dev
 
 
 def _allowed(V, ids):
@@ -170,17 +173,20 @@ def test_graph_replay_equals_eager(mid_ckpt, mode, B):
     check_graph_replay_equals_eager(mid_ckpt, tiny_config(**MID), "cuda", mode, B)
 
 
-def check_graph_replay_equals_eager(ckpt, cfg, backend, mode: str, B: int) -> None:
+def check_graph_replay_equals_eager(ckpt, cfg, backend, mode: str, B: int, prompts=None, **make_kw) -> None:
     """The body of test_graph_replay_equals_eager, for any cuda backend (a name or an
-    instance; tests/test_cuda_emulated.py runs it on the emulated kernels)."""
+    instance; tests/test_cuda_emulated.py runs it on the emulated kernels); ``prompts``:
+    (shortest, longest + 1) prompt length (default (M, 60)); ``make_kw``: the proposers'
+    pool and chunk sizes."""
     H, V, M = cfg.hidden_size, cfg.vocab_size, cfg.num_modules
-    graph, eager = _make(ckpt, backend, mode), _make(ckpt, backend, mode, cuda_graphs=False)
+    lo, hi = prompts or (M, 60)
+    graph, eager = _make(ckpt, backend, mode, **make_kw), _make(ckpt, backend, mode, cuda_graphs=False, **make_kw)
     assert eager.step_runner is None and graph.step_runner is not None
     rng = np.random.default_rng(B)
     sg, se = [graph.alloc_state() for _ in range(B)], [eager.alloc_state() for _ in range(B)]
     pending = []
     for i in range(B):
-        n = int(rng.integers(M, 60))
+        n = int(rng.integers(lo, hi))
         toks, hid = rng.integers(0, V, n).tolist(), rng.standard_normal((n, H)).astype(np.float32)
         graph.prefill_drafter(toks, hid, sg[i])
         eager.prefill_drafter(toks, hid, se[i])
@@ -218,6 +224,7 @@ def check_graph_replay_equals_eager(ckpt, cfg, backend, mode: str, B: int) -> No
                             grammar_bitmasks=[np.zeros((V + 31) // 32, np.int32)] * B)
     assert ([(s.rows_per_module(), list(s.tail), s.num_verified) for s in sg], graph.kv_blocks_in_use()) == before
     graph.check_invariants()
+    return graph, eager
 
 
 def test_device_inputs_are_used_in_place(tiny_ckpt, tiny_cfg):
