@@ -278,7 +278,7 @@ class MultiModuleMtpHead(DraftProposer):
         covers the draft lookahead: a verify may accept up to M drafts past the budget's
         last token, so each module holds back ``ceil((budget_tokens + M) / block_size)``
         blocks; a sliding-window module no more than its window needs, whatever the
-        length (``BlockPool.blocks_for_tokens``, docs/api.md "Sliding windows").
+        length (``BlockPool.blocks_for_tokens``, docs/api.md, "Sliding-window modules: memory").
         ``None``: unknown budget, same as ``alloc_state``. Raises ``KvCacheFull``
         (allocating nothing) when the pools cannot promise it."""
         if budget_tokens is None:

@@ -58,7 +58,7 @@ def window_ckpt(tmp_path_factory):
 
 
 def window_bound(prop, m: int) -> int | None:
-    """docs/api.md, "Sliding windows": T = m (exact) or min(m, 1) (draft)."""
+    """docs/api.md, "Sliding-window modules: memory": T = m (exact) or min(m, 1) (draft)."""
     W, BS = prop.config.block(m).sliding_window, prop.block_size
     T = m if prop.kv_mode == "exact" else min(m, 1)
     return -(-(W + T + BS - 2) // BS) if W else None
