@@ -288,23 +288,6 @@ def _family(d: dict) -> Family:
     return arch_family[archs[0]]
 
 
-def _text_config(d: dict, fam: Family) -> dict:
-    """A vision-language release's text model config, as a config of its own: the
-    ``text_config`` object with the top level's ``model_type`` / ``architectures`` (and
-    ``quantization_config`` when only the top level has it)."""
-    t = d.get("text_config")
-    if not isinstance(t, dict):
-        raise ConfigError(f"config.json: a {fam.title} config holds its text model under 'text_config', "
-                          f"got {_show(t)}")
-    out = {k: v for k, v in t.items() if k != "model_type"}
-    for k in ("model_type", "architectures"):
-        if k in d:
-            out[k] = d[k]
-    if "quantization_config" in d and "quantization_config" not in out:
-        out["quantization_config"] = d["quantization_config"]
-    return out
-
-
 def _with_family(d: dict, fam: Family) -> dict:
     """``d`` with the family's names for our fields read as ours (refused when both
     are given and differ) and the features the family implies (refused when the
@@ -611,8 +594,6 @@ class MtpConfig:
         if not isinstance(d, dict):
             raise ConfigError(f"config.json: expected a JSON object, got {type(d).__name__}")
         fam = _family(d)
-        if fam.text_config:
-            d = _text_config(d, fam)
         _refuse_unimplemented(d, fam)
         quant = _quant(d)
         d = _with_family(d, fam)
@@ -700,8 +681,6 @@ class MtpConfig:
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
         d["hidden_act"] = "silu"
         if fam:
-            if FAMILIES[fam].text_config:        # a vision-language release: the text model's config nested
-                d = {"text_config": d}
             d["model_type"] = fam
             d["architectures"] = [FAMILIES[fam].architectures[0]]
         return d

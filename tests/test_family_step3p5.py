@@ -234,34 +234,3 @@ def test_the_oracle_agrees_over_a_long_exact_run(step_ckpt):
         p.catchup_drafter(dr[:a], rand_hiddens(rng, a, 64), st)
         P += 1 + a
     p.check()
-
-
-# -- Step-3.7-Flash: the same text model in a vision-language release -------------------------
-
-def release_config_3p7(**over) -> dict:
-    """Step-3.7-Flash's config.json: the text model's (model_type step3p5) under text_config,
-    beside a vision tower's."""
-    text = release_config(**over)
-    text["model_type"] = "step3p5"
-    del text["architectures"]
-    return {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7", "text_config": text,
-            "vision_config": {"model_type": "step3p5_vision", "hidden_size": 32, "num_hidden_layers": 2},
-            "image_token_id": 128001, "projector_bias": False}
-
-
-def test_step3p7_reads_its_text_config(tmp_path):
-    d = release_config_3p7(swiglu_limits_shared=[0.0, 0.0, 0.0, 0.0])
-    cfg = MtpConfig.from_dict(d)
-    assert cfg.family == "step3p7" and cfg.describe().startswith("Step-3.7-Flash")
-    assert cfg.block(2) == MtpConfig.from_dict(release_config()).block(2)
-    assert MtpConfig.from_dict(cfg.to_dict()) == cfg and "text_config" in cfg.to_dict()
-    path = _ckpt(tmp_path / "s37", d, seed=3)
-    canon = _ckpt(tmp_path / "s35", release_config(), seed=3)
-    assert run_rounds(path)[1] == run_rounds(canon)[1]          # the same tensors, the same drafts
-
-
-def test_step3p7_refuses_what_hides_in_its_text_config():
-    with pytest.raises(ConfigError, match=r"'kv_lora_rank' = 512 is not supported yet"):
-        MtpConfig.from_dict(release_config_3p7(kv_lora_rank=512))
-    with pytest.raises(ConfigError, match=r"holds its text model under 'text_config', got None"):
-        MtpConfig.from_dict({"model_type": "step3p7", "architectures": ["Step3p7ForConditionalGeneration"]})

@@ -13,10 +13,9 @@ from .mimo import FAMILY as MIMO
 from .mimo_v2_flash import FAMILY as MIMO_V2_FLASH
 from .qwen3_next import FAMILY as QWEN3_NEXT
 from .step3p5 import FAMILY as STEP3P5
-from .step3p5 import FAMILY_3P7 as STEP3P7
 
 #: model_type -> family
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO, MIMO_V2_FLASH, QWEN3_NEXT, STEP3P5, STEP3P7)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO, MIMO_V2_FLASH, QWEN3_NEXT, STEP3P5)}
 
 #: the SPEC layout with MtpConfig's defaults (no model_type, no architectures)
 CANONICAL = Family(model_type="", architectures=(), title="SPEC layout (no model_type)")

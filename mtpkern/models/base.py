@@ -64,9 +64,6 @@ class Family:
     #: cannot say (per-layer lists read at the MTP layers' indices into per-module blocks):
     #: called on the raw dict before aliases, fixed values and defaults; raises ConfigError
     normalise: Callable[[dict], dict] | None = None
-    #: a vision-language release: the text model's config is the object under
-    #: ``text_config`` (read in its place, before anything else; the vision tower's is not read)
-    text_config: bool = False
     #: the target's norm before the LM head (apply_target_norm)
     target_norm: str = "model.norm.weight"
     #: where a module without its own embedding / LM head finds the target's

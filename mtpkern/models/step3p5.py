@@ -1,4 +1,4 @@
-"""Step-3.5-Flash (``step3p5``) and Step-3.7-Flash (``step3p7``): three MTP modules, sliding-window attention with a
+"""Step-3.5-Flash (``step3p5``): three MTP modules, sliding-window attention with a
 head-wise output gate, dense blocks inside a MoE model, one LM head per module.
 
 The reference is vLLM's ``step3p5_mtp.py`` (StepFun's serving code; SGLang's agrees):
@@ -24,17 +24,10 @@ The llama3 RoPE scaling of the release applies to full-attention layers only
 (``yarn_only_types``); the MTP layers are sliding, so their RoPE is plain. A
 full-attention MTP layer with a scaled RoPE is refused. transformers' ``step3p7``
 port is not the reference: it builds the MTP layers with the full layers' head count.
-
-Step-3.7-Flash is a vision-language release of the same text model: its config holds
-the text model's (``model_type`` ``step3p5``) under ``text_config``, and its text
-tensors keep Step-3.5's names (``model.layers.*``, ``model.embed_tokens``,
-``model.norm``, ``lm_head``; transformers moves them under ``model.language_model`` only
-once loaded); the vision tower is not read.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError
@@ -141,8 +134,3 @@ FAMILY = Family(
     zero_centred=True,
     normalise=normalise,
 )
-
-#: Step-3.7-Flash: the same text model inside a vision-language release
-FAMILY_3P7 = replace(FAMILY, model_type="step3p7", architectures=("Step3p7ForConditionalGeneration",),
-                     title="Step-3.7-Flash", text_config=True,
-                     target_only=FAMILY.target_only | {"vision_config", "image_token_id", "projector_bias"})
