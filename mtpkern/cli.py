@@ -295,7 +295,7 @@ def run_info(args: argparse.Namespace) -> dict:
     from .config import MtpConfig
     from .kv import BlockPool
     from .models import family
-    from .weights import CheckpointReader
+    from .weights import CheckpointReader, module_key
 
     path = args.checkpoint
     cfg = MtpConfig.from_json(path / "config.json")
@@ -322,7 +322,7 @@ def run_info(args: argparse.Namespace) -> dict:
             dtypes.add(dt)
             nbytes += int(np.prod(shape)) * _DTYPE_BYTES.get(dt, 4)
         own = [s for s in ("embed_tokens.weight", "shared_head.head.weight")
-               if rd.has(fam.key(cfg.layer_index(m), m, s))]
+               if rd.has(module_key(fam, rd, cfg.layer_index(m), m, s))]
         line = (f"  module {m}: {pre}*  {len(keys)} tensors, {nbytes / 2**20:.1f} MiB, dtypes {sorted(dtypes)}, "
                 f"own {', '.join(own) if own else 'no embedding/head (uses the target)'}")
         print(line)

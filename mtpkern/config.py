@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 from .block import BlockError, BlockSpec
 from .errors import ConfigError
 from .files import CONFIG_JSON_CAP, read_json
-from .models import CANONICAL, FAMILIES, Family, by_architecture, supported
+from .models import CANONICAL, FAMILIES, Family, by_architecture, by_wrapper, supported
 
 ScoringFunc = Literal["sigmoid", "softmax"]
 
@@ -265,6 +265,37 @@ def _block(v: Any, name: str) -> tuple[int, int]:
                                                            and 1 <= x <= 4096 for x in v)):
         raise ConfigError(f"config.json: {name} expected [block rows, block columns] in 1 .. 4096, got {_show(v)}")
     return int(v[0]), int(v[1])
+
+
+def _unwrap(d: dict) -> dict:
+    """A wrapper's config (``Family.wrappers``: e.g. transformers' ``Step3p7Config``, a
+    vision-language model whose ``text_config`` is a Step-3.5 text model) -> that text
+    config, with the family's model_type and the wrapper's ``quantization_config`` (a
+    vision tower and a projector have no MTP modules). Any other config as it is."""
+    wrappers = by_wrapper()
+    mt, archs = d.get("model_type"), d.get("architectures")
+    names = ([mt] if isinstance(mt, str) else []) + (
+        [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else [])
+    fams = {wrappers[n].model_type: wrappers[n] for n in names if n in wrappers}
+    if not fams:
+        return d
+    outer = mt if isinstance(mt, str) else archs[0]
+    if len(fams) > 1 or any(n not in wrappers for n in names):
+        raise ConfigError(f"config.json: model_type {_show(mt)} and architectures {_show(archs)} name different "
+                          f"models; expected one of {sorted(wrappers)}")
+    fam = fams.popitem()[1]
+    inner = d.get("text_config")
+    if not isinstance(inner, dict):
+        raise ConfigError(f"config.json: a {outer!r} config holds its text model under 'text_config'; "
+                          f"expected an object there, got {_show(inner)}")
+    if inner.get("model_type", fam.model_type) != fam.model_type:
+        raise ConfigError(f"config.json: text_config.model_type expected {fam.model_type!r} (a {outer!r} config), "
+                          f"got {_show(inner.get('model_type'))}")
+    out = {k: v for k, v in inner.items() if k != "architectures"}
+    out["model_type"] = fam.model_type
+    if d.get("quantization_config") is not None and out.get("quantization_config") is None:
+        out["quantization_config"] = d["quantization_config"]
+    return out
 
 
 def _family(d: dict) -> Family:
@@ -593,6 +624,7 @@ class MtpConfig:
         """Parse and validate a config.json body; refuse what would load wrongly (module docstring)."""
         if not isinstance(d, dict):
             raise ConfigError(f"config.json: expected a JSON object, got {type(d).__name__}")
+        d = _unwrap(d)
         fam = _family(d)
         _refuse_unimplemented(d, fam)
         quant = _quant(d)

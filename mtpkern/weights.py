@@ -33,7 +33,7 @@ import numpy as np
 from .config import MtpConfig
 from .errors import CheckpointError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
-from .models import family
+from .models import Family, family
 from .quant import Fp8Weight
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -383,7 +383,8 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
     layer = cfg.layer_index(m)
     pre = fam.module_prefix(layer, m)
     _check_router_rows(cfg, rd, fam.key(layer, m, "mlp.gate.weight"), m)
-    spec = {suffix: (fam.key(layer, m, suffix), shape, req) for suffix, (shape, req) in _module_keys(cfg, m).items()}
+    spec = {suffix: (module_key(fam, rd, layer, m, suffix), shape, req)
+            for suffix, (shape, req) in _module_keys(cfg, m).items()}
     for suffix, (key, _, required) in spec.items():
         if required and not rd.has(key):
             why = _deciding_field(cfg, suffix)
@@ -392,12 +393,25 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
     ours = _read_keys(cfg, rd, spec)
     for other in range(cfg.num_modules):     # a prefix the modules share (Qwen3-Next's "mtp."):
         if other != m and fam.module_prefix(cfg.layer_index(other), other).startswith(pre):   # theirs are used
-            ours |= _read_keys(cfg, rd, {sx: (fam.key(cfg.layer_index(other), other, sx), sh, rq)
+            ours |= _read_keys(cfg, rd, {sx: (module_key(fam, rd, cfg.layer_index(other), other, sx), sh, rq)
                                          for sx, (sh, rq) in _module_keys(cfg, other).items()}, check=False)
     unused = sorted(k for k in rd.keys_under(pre) if k not in ours)
     if unused:
         _refuse_or_note_unused(cfg, rd, m, pre, unused, allow_unused, notes)
     return spec
+
+
+def module_key(fam: Family, rd: CheckpointReader, layer: int, m: int, suffix: str) -> str:
+    """The checkpoint's name for module ``m``'s tensor ``suffix``: the one of the family's
+    names for it (``Family.keys``: the release's, then the alternatives) that the
+    checkpoint holds; the release's when it holds none (reported missing as that).
+    Two of them at once are refused: which one is the tensor would be a guess."""
+    names = fam.keys(layer, m, suffix)
+    held = [k for k in names if rd.has(k)]
+    if len(held) > 1:
+        raise CheckpointError(f"tensors {held} in the checkpoint at {rd.path} are two names for one tensor of "
+                              f"module {m} ({suffix!r}); expected exactly one of {list(names)}")
+    return held[0] if held else names[0]
 
 
 def _read_keys(cfg: MtpConfig, rd: CheckpointReader, spec: dict, check: bool = True) -> set[str]:

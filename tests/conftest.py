@@ -111,3 +111,22 @@ def run_rounds(path, backend="numpy", mode="exact", seed=0, rounds=4, n=9, **kw)
         out.append(d)
         P += 1 + a
     return prop, out
+
+
+def _version(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+def require_hf_mtp(minimum: tuple[int, int] = (5, 24)) -> None:
+    """Skip the calling test module unless torch and transformers >= ``minimum`` (MTP
+    generation, ``generate(use_mtp=True)``) are importable. Call it at module level,
+    before importing ``hf_reference`` (which imports both). Neither is a dependency."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if _version(transformers.__version__) < minimum:
+        pytest.skip(f"needs transformers >= {'.'.join(map(str, minimum))} (generate(use_mtp=True)), found "
+                    f"{transformers.__version__}", allow_module_level=True)

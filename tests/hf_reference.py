@@ -1,9 +1,11 @@
-"""Helpers of ``test_hf_reference.py``: drive Hugging Face ``generate(..., use_mtp=True)``
-on a tiny Glm4Moe checkpoint, record every MTP drafting step, and replay the same
-calls through ``mtpkern``.
+"""Helpers of the tests against Hugging Face ``generate(..., use_mtp=True)``
+(``test_hf_reference.py``: Glm4Moe; ``test_hf_step3p5.py``: Step-3.5 through
+transformers' ``step3p7`` port): build a tiny random checkpoint HF can run, record
+every MTP drafting step of a greedy generation, and replay the same calls through
+``mtpkern``.
 
 Needs torch and transformers >= 5.24 (not project dependencies); import it only
-after ``pytest.importorskip`` of both. See docs/hf_reference.md.
+after ``conftest.require_hf_mtp()``. See docs/hf_reference.md.
 
 Index conventions (SPEC section 2): the target's hidden at position ``j`` is ``h_j``.
 HF drafts from ``MTPCandidateGenerator.get_candidates``; each call we record is a
@@ -16,6 +18,8 @@ HF drafts from ``MTPCandidateGenerator.get_candidates``; each call we record is 
   verify forward over ``[t_P, d_0 ..]`` up to the bonus token's predecessor).
 
 ``drafts`` are the ``M`` tokens HF drafted, ``logits`` ``[M, V]`` their logits.
+Nothing here depends on the family but the checkpoint builders (``build_checkpoint``,
+``build_step3p7_checkpoint``).
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, PreTrainedModel, Step3p7Config,
+                          Step3p7ForConditionalGeneration)
 from transformers.cache_utils import MtpCache
 from transformers.generation.candidate_generator import MTPCandidateGenerator
+
+from mtpkern.testing import oracle
 
 #: shapes of the tiny checkpoint (all float32)
 TINY = dict(
@@ -46,6 +53,34 @@ TINY = dict(
 )
 
 
+def _random(seed: int, centre: float = 1.0):
+    """Random tensor makers from one generator: ``mat(out, in)`` (unit-gain linear),
+    ``norm(n)`` (RMSNorm weights ``centre + 0.2 N(0, 1)``: 1 for plain norms, 0 for
+    zero-centred ones, which store ``w`` and apply ``1 + w``), ``vec(n)``."""
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(o, i):
+        return torch.randn(o, i, generator=g) / i ** 0.5
+
+    def norm(n):
+        return centre + 0.2 * torch.randn(n, generator=g)
+
+    def vec(n, s=0.1):
+        return s * torch.randn(n, generator=g)
+
+    return mat, norm, vec
+
+
+def _perturb_norms(model: PreTrainedModel, centre: float) -> None:
+    """HF initialises RMSNorm weights to the identity (1, or 0 for zero-centred norms),
+    which would make the target's final norm idempotent (and a hidden normed twice
+    indistinguishable from one normed once): move them away from it."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(centre + 0.2 * torch.randn(p.shape))
+
+
 def hf_config(num_mtp: int, **overrides) -> Glm4MoeConfig:
     kw = dict(TINY, num_mtp_layers=num_mtp, dtype="float32")
     kw.update(overrides)
@@ -57,19 +92,10 @@ def mtp_tensors(cfg: Glm4MoeConfig, seed: int) -> dict[str, torch.Tensor]:
     ``model.layers.{num_hidden_layers + m}.``, routed experts one by one (HF merges
     them into ``gate_up_proj`` when loading), final norm as ``shared_head.norm``.
     No per-module ``embed_tokens`` / ``shared_head.head``: both sides use the target's."""
-    g = torch.Generator().manual_seed(seed)
+    mat, norm, vec = _random(seed)
     H, L, E, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.moe_intermediate_size
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     Is = I * cfg.n_shared_experts
-
-    def mat(o, i):
-        return torch.randn(o, i, generator=g) / i ** 0.5
-
-    def norm(n):
-        return 1.0 + 0.2 * torch.randn(n, generator=g)
-
-    def vec(n, s=0.1):
-        return s * torch.randn(n, generator=g)
 
     out = {}
     for m in range(cfg.num_mtp_layers):
@@ -106,12 +132,7 @@ def build_checkpoint(path: str | Path, num_mtp: int, seed: int = 0, **overrides)
     cfg = hf_config(num_mtp, **overrides)
     torch.manual_seed(seed)
     model = Glm4MoeForCausalLM(cfg).eval()
-    with torch.no_grad():
-        # HF initialises RMSNorm weights to 1, which would make the target's final norm
-        # idempotent (and a hidden normed twice indistinguishable from one normed once)
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape))
+    _perturb_norms(model, 1.0)
     model.save_pretrained(path)
     sd = load_file(path / "model.safetensors")
     sd.update(mtp_tensors(cfg, seed + 1))
@@ -135,6 +156,123 @@ def load_hf(path: str | Path) -> Glm4MoeForCausalLM:
         rf"model\.layers\.{c.num_hidden_layers + m}\..*" for m in range(c.num_mtp_layers)]
     return model
 
+
+# -- Step-3.5 through transformers' step3p7 port ----------------------------------------------
+
+#: the text model's shapes (all float32); the per-layer fields are given per case (STEP_CASES)
+STEP_TINY = dict(
+    vocab_size=257, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_attention_groups=2,
+    head_dim=16, moe_num_experts=8, moe_top_k=2, moe_intermediate_size=32, share_expert_dim=32,
+    moe_router_scaling_factor=3.0, max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1,
+    tie_word_embeddings=False, pad_token_id=0,
+)
+#: the smallest vision tower Step3p7Config accepts (the MTP generation never runs it)
+STEP_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   image_size=28, patch_size=14)
+
+_F, _S = "full_attention", "sliding_attention"
+#: Per case: the text config's per-layer fields in the release's form (``L + M`` entries,
+#: ``attention_other_setting``), which ``Step3p7TextConfig`` converts into its own
+#: (``mtp_layer_types``, trimmed lists, ``rope_parameters`` per type,
+#: ``num_sliding_attention_heads``) before ``save_pretrained`` writes it.
+#:
+#: - ``sliding``: 3 target layers, 3 sliding MTP modules, 4 heads everywhere;
+#: - ``mixed``: MTP modules sliding / full / sliding with 8 / 4 / 8 query heads (the
+#:   sliding layers' count through ``mtp_per_layer_config``, without which transformers
+#:   builds every MTP layer with the global 4), and a SwiGLU clamp of 1.0 on module 1
+#:   (transformers reads ``swiglu_limits_shared`` at the MTP index: entry 1, a target
+#:   layer's; the release's MTP entries, 4 here, are dropped by its config).
+#:
+#: Every MTP module is dense (as in the release); the sliding window (5) is shorter than
+#: the prompts (12).
+STEP_CASES = {
+    "sliding": dict(layer_types=[_F, _S, _S, _S, _S, _S], sliding_heads=4, mtp_heads=None,
+                    swiglu_limits_shared=[0.0] * 6),
+    "mixed": dict(layer_types=[_F, _S, _S, _S, _F, _S], sliding_heads=8, mtp_heads={0: 8, 2: 8},
+                  swiglu_limits_shared=[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]),
+}
+STEP_WINDOW = 5
+STEP_LAYERS = 3          # target layers (>= M: transformers' MTP layer m reads swiglu_limits_shared[m])
+
+
+def step3p7_config(case: str, window: int = STEP_WINDOW) -> Step3p7Config:
+    """A tiny ``Step3p7Config`` (vision-language, text model ``step3p5``) for ``STEP_CASES[case]``,
+    with ``num_nextn_predict_layers = 3``: target layers 0 dense, 1-2 MoE; MTP layers dense."""
+    c = STEP_CASES[case]
+    types, L = c["layer_types"], STEP_LAYERS
+    M = len(types) - L
+    text = dict(
+        STEP_TINY, num_hidden_layers=L, num_nextn_predict_layers=M, layer_types=types, sliding_window=window,
+        attention_other_setting={"attention_type": _S, "num_attention_heads": c["sliding_heads"],
+                                 "num_attention_groups": STEP_TINY["num_attention_groups"],
+                                 "head_dim": STEP_TINY["head_dim"]},
+        rope_theta=[5e6 if t == _F else 1e4 for t in types],
+        partial_rotary_factors=[0.5 if t == _F else 1.0 for t in types],
+        moe_layers_enum="1,2", swiglu_limits=[0.0] * len(types), swiglu_limits_shared=c["swiglu_limits_shared"],
+    )
+    if c["mtp_heads"]:
+        text["mtp_per_layer_config"] = {m: {"num_attention_heads": h} for m, h in c["mtp_heads"].items()}
+    return Step3p7Config(text_config=text, vision_config=STEP_VISION, image_token_id=STEP_TINY["vocab_size"] - 1,
+                         dtype="float32")
+
+
+def step_mtp_tensors(cfg: Step3p7Config, seed: int) -> dict[str, torch.Tensor]:
+    """Random dense MTP modules under the names transformers' MTP loader reads: module m
+    at ``model.layers.{L + m}.`` (``MtpModel.get_weight_conversions`` moves them to
+    ``layers.{m}.mtp_block.``), the SPEC's canonical block names plus ``self_attn.g_proj``,
+    zero-centred norms stored as ``w`` (applied as ``1 + w``), and the final norm as
+    ``shared_head.norm.weight``, which conversion_mapping.py's "MtpModel" entry renames to
+    the layer's ``post_norm``. The release's ``transformer.shared_head.norm.weight`` is not
+    renamed there (generate raises "MtpModel weights are missing: layers.*.post_norm.weight"),
+    and a module's own ``transformer.shared_head.output`` head is never read by HF (it drafts
+    with the target's ``lm_head``): neither is written."""
+    mat, norm, _ = _random(seed, centre=0.0)
+    t_cfg = cfg.text_config
+    mc = cfg.get_mtp_config()
+    H, L, I, Hkv, D = t_cfg.hidden_size, t_cfg.num_hidden_layers, t_cfg.intermediate_size, \
+        t_cfg.num_key_value_heads, t_cfg.head_dim
+    out = {}
+    for m in range(t_cfg.num_nextn_predict_layers):
+        Hq = mc.per_layer_config[m].num_attention_heads
+        t = {
+            "enorm.weight": norm(H), "hnorm.weight": norm(H), "eh_proj.weight": mat(H, 2 * H),
+            "input_layernorm.weight": norm(H), "post_attention_layernorm.weight": norm(H),
+            "self_attn.q_proj.weight": mat(Hq * D, H), "self_attn.k_proj.weight": mat(Hkv * D, H),
+            "self_attn.v_proj.weight": mat(Hkv * D, H), "self_attn.o_proj.weight": mat(H, Hq * D),
+            "self_attn.g_proj.weight": mat(Hq, H),
+            "self_attn.q_norm.weight": norm(D), "self_attn.k_norm.weight": norm(D),
+            "mlp.gate_proj.weight": mat(I, H), "mlp.up_proj.weight": mat(I, H), "mlp.down_proj.weight": mat(H, I),
+            "shared_head.norm.weight": norm(H),
+        }
+        out.update({f"model.layers.{L + m}.{k}": v.contiguous() for k, v in t.items()})
+    return out
+
+
+def build_step3p7_checkpoint(path: str | Path, case: str, seed: int = 0) -> Path:
+    """A random tiny ``Step3p7ForConditionalGeneration`` saved by ``save_pretrained``
+    (config.json in transformers' form, the target's tensors under the release's names:
+    ``model.layers.*``, ``model.embed_tokens``, ``model.norm``, ``lm_head``), with the MTP
+    modules of ``step_mtp_tensors`` added to the same safetensors file."""
+    path = Path(path)
+    cfg = step3p7_config(case)
+    torch.manual_seed(seed)
+    model = Step3p7ForConditionalGeneration(cfg).eval()
+    _perturb_norms(model, 0.0)
+    model.save_pretrained(path)
+    sd = load_file(path / "model.safetensors")
+    sd.update(step_mtp_tensors(cfg, seed + 1))
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def load_step3p7(path: str | Path) -> Step3p7ForConditionalGeneration:
+    """The target, loaded with ``from_pretrained``; no workaround is needed (the text
+    model lists its MTP layers in ``_keys_to_ignore_on_load_unexpected`` from
+    ``num_nextn_predict_layers``)."""
+    return Step3p7ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# -- recording and replaying HF's drafting steps (any family) ------------------------------------
 
 @dataclass
 class Step:
@@ -184,7 +322,7 @@ def recording(steps: list[Step], crops: list[int]):
 
 
 @contextlib.contextmanager
-def steered(model: Glm4MoeForCausalLM, schedule: list[int] | None):
+def steered(model: PreTrainedModel, schedule: list[int] | None):
     """Make the target's verify accept ``schedule[i % len]`` drafts at verify ``i``.
 
     Random weights give a target that almost never agrees with its drafter (every
@@ -229,7 +367,7 @@ class HfRun:
     crops: list[int]         # MtpCache.crop arguments, in order
 
 
-def hf_generate(model: Glm4MoeForCausalLM, prompt: list[int], max_new_tokens: int,
+def hf_generate(model: PreTrainedModel, prompt: list[int], max_new_tokens: int,
                 schedule: list[int] | None = None) -> HfRun:
     """Greedy ``generate(use_mtp=True)``, recorded (and steered by ``schedule``)."""
     steps: list[Step] = []
@@ -289,3 +427,52 @@ def replay(prop, steps: list[Step]) -> Replay:
     finally:
         prop.free_state(st)
     return Replay(ours, first, hid_all, toks, hcount)
+
+
+def describe_mismatch(steps: list[Step], rep: Replay) -> str:
+    """The first step whose drafts differ, for an assertion message."""
+    s = rep.first_mismatch
+    st = steps[s]
+    srt = np.sort(st.logits, axis=-1)
+    gaps = (srt[:, -1] - srt[:, -2]).round(6).tolist()
+    return (f"step {s} (position {len(st.ids) - 1}, after accepting {st.accepted}): HF drafted {st.drafts}, "
+            f"mtpkern {rep.ours[s]}; HF top-1/top-2 logit gaps per module {gaps}")
+
+
+def oracle_logit_gap(prop, steps: list[Step], rep: Replay) -> float:
+    """The largest |HF draft logit - the from-scratch oracle's| (``mtpkern.testing.oracle``,
+    float64, ``postnorm`` chain) over every step and module of a fully replayed run."""
+    cfg, w = prop.config, prop.weights
+    worst = 0.0
+    for s, st in enumerate(steps):
+        P = rep.hiddens_per_step[s]
+        rows = oracle.chain_state(cfg, w, rep.tokens_per_step[s], rep.hiddens[:P], "postnorm")
+        for m in range(prop.num_modules):
+            lg = rows[m].normed[P - 1] @ np.asarray(w.modules[m].head, np.float64).T
+            worst = max(worst, float(np.abs(lg - st.logits[m]).max()))
+    return worst
+
+
+class Case:
+    """One checkpoint, its HF model and its HF runs (greedy, and steered by ``schedule``),
+    each generated once."""
+
+    def __init__(self, M: int, path: Path, model: PreTrainedModel, prompt: list[int], schedule: list[int],
+                 max_new_tokens: int = 40):
+        self.M, self.path, self.model = M, path, model
+        self.prompt, self.schedule, self.max_new_tokens = prompt, schedule, max_new_tokens
+        self._runs: dict[bool, HfRun] = {}
+
+    def run(self, steer: bool) -> HfRun:
+        if steer not in self._runs:
+            self._runs[steer] = hf_generate(self.model, self.prompt, self.max_new_tokens,
+                                            self.schedule if steer else None)
+        return self._runs[steer]
+
+    def ours(self, path: Path | None = None, **kw):
+        """mtpkern on the same directory (or ``path``): numpy, exact mode, postnorm chain."""
+        from mtpkern import MultiModuleMtpHead
+
+        opts = dict(backend="numpy", kv_mode="exact", chain="postnorm")
+        opts.update(kw)
+        return MultiModuleMtpHead.from_pretrained(path or self.path, **opts)

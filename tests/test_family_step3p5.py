@@ -6,6 +6,10 @@ theirs at ``num_hidden_layers + m``: sliding-window attention with the other hea
 count of ``attention_other_setting``, RoPE per layer, SwiGLU clamps per layer, dense
 blocks in a MoE model. The block adds a head-wise sigmoid gate (``g_proj``) and
 zero-centred norms; each module has its own LM head under ``transformer.shared_head``.
+
+transformers' form of the same model (``Step3p7Config`` / ``Step3p7TextConfig`` as its
+``save_pretrained`` writes them, the MTP norm as its MTP loader names it) reads into the
+same config; tests/test_hf_step3p5.py runs transformers itself on it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import rand_hiddens, run_rounds
-from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
+from mtpkern import CheckpointError, ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.head import RowJob
 from mtpkern.testing import reference_weights
 from mtpkern.weights import synthetic_tensors
@@ -114,6 +118,157 @@ def test_release_configs_it_cannot_read_are_refused(edit, match):
     types = edit.pop("types", None)
     with pytest.raises(ConfigError, match=match):
         MtpConfig.from_dict(release_config(types=types, **edit))
+
+
+# -- transformers' form of the config (Step3p7TextConfig, 5.16+) ----------------------------------
+
+F, S = "full_attention", "sliding_attention"
+
+
+def tf_config(wrap: bool = True, **over) -> dict:
+    """config.json as transformers 5.24's ``save_pretrained`` writes a ``Step3p7ForConditionalGeneration``
+    (field for field as it wrote one, tiny sizes): the text model under ``text_config``, its
+    per-layer lists trimmed to the 3 target layers, the MTP layers' types split off into
+    ``mtp_layer_types`` / ``mtp_mlp_layer_types``, RoPE per layer type, the sliding heads as
+    ``num_sliding_attention_heads`` (``per_layer_config``: the target's layers only). The same
+    model as ``release_config(3, RELEASE_TYPES)``. ``wrap=False``: the text config alone."""
+    text = {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": [1, 2], "head_dim": 16,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 40,
+        "layer_types": [F, S, S], "max_position_embeddings": 4096, "mlp_bias": False,
+        "mlp_layer_types": ["dense", "sparse", "sparse"], "model_type": "step3p5", "moe_intermediate_size": 32,
+        "moe_router_scaling_factor": 3.0, "mtp_layer_types": [S, S, S], "mtp_mlp_layer_types": ["dense"] * 3,
+        "n_routed_experts": 8, "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3,
+        "num_key_value_heads": 2, "num_nextn_predict_layers": 3, "num_sliding_attention_heads": 8,
+        "output_router_logits": False, "pad_token_id": 1,
+        "per_layer_config": {"1": {"num_attention_heads": 8}, "2": {"num_attention_heads": 8}},
+        "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-05,
+        "rope_parameters": {
+            F: {"factor": 2.0, "high_freq_factor": 32.0, "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 2048, "partial_rotary_factor": 0.5, "rope_theta": 5e6,
+                "rope_type": "llama3"},
+            S: {"partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "default"}},
+        "share_expert_dim": 32, "sliding_window": 6, "swiglu_limits": [0.0] * 3, "swiglu_limits_shared": [0.0] * 3,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 301,
+    }
+    text.update(over)
+    if not wrap:
+        return text
+    return {"architectures": ["Step3p7ForConditionalGeneration"], "dtype": "bfloat16", "image_token_id": 300,
+            "model_type": "step3p7", "projector_bias": False, "text_config": text,
+            "transformers_version": "5.24.0",
+            "vision_config": {"hidden_size": 32, "image_size": 28, "intermediate_size": 186,
+                              "model_type": "step3p5_vision", "num_attention_heads": 2, "num_hidden_layers": 1,
+                              "patch_size": 14, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"}}}
+
+
+RELEASE_TYPES = [F, S, S, S, S, S]
+
+
+@pytest.mark.parametrize("wrap", [True, False], ids=["step3p7", "text_config"])
+def test_transformers_form_reads_as_the_release_form(wrap):
+    got = MtpConfig.from_dict(tf_config(wrap))
+    assert got == MtpConfig.from_dict(release_config(3, RELEASE_TYPES, moe_layers_enum="1,2"))
+    assert got.family == "step3p5" and got.num_modules == 3 and got.num_hidden_layers == 3
+    for m in range(3):
+        b = got.block(m)
+        assert (b.num_attention_heads, b.num_key_value_heads, b.sliding_window, b.rope_theta, b.rotary_dim,
+                b.attn_gate, b.moe) == (8, 2, 6, 1e4, 16, "headwise", False)
+
+
+def test_transformers_form_module_by_module():
+    """The MTP layers as transformers builds them: type, MLP and RoPE per MTP index,
+    ``mtp_per_layer_config`` heads, clamps read at the MTP index of the trimmed lists."""
+    rope = tf_config()["text_config"]["rope_parameters"]
+    rope[F] = {"partial_rotary_factor": 0.5, "rope_theta": 5e6, "rope_type": "default"}
+    d = tf_config(mtp_layer_types=[S, F, S], mtp_mlp_layer_types=["dense", "sparse", "dense"], rope_parameters=rope,
+                  mtp_per_layer_config={"0": {"num_attention_heads": 6}}, swiglu_limits=[0.0, 7.0, 0.0],
+                  swiglu_limits_shared=[0.0, 16.0, 0.0])
+    cfg = MtpConfig.from_dict(d)
+    first, full, last = (cfg.block(m) for m in range(3))
+    assert (first.num_attention_heads, first.sliding_window, first.moe) == (6, 6, False)
+    assert (full.num_attention_heads, full.sliding_window, full.rope_theta, full.rotary_dim, full.moe) == (
+        4, 0, 5e6, 8, True)
+    assert (full.swiglu_clamp, full.swiglu_clamp_shared) == (7.0, 16.0)
+    assert (last.num_attention_heads, last.swiglu_clamp_shared, last.moe) == (8, 0.0, False)
+    assert MtpConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(mtp_layer_types=[S, F, S]), r"MTP module 1 is full_attention with a scaled RoPE "
+                                      r"\(rope_parameters.full_attention.rope_type 'llama3'\)"),
+    (dict(mtp_layer_types=[S, S]), r"'mtp_layer_types' expected a list of 3 entries .* got 2 entries"),
+    (dict(mtp_layer_types=[S, "linear_attention", S]), r"mtp_layer_types\[1\] expected one of"),
+    (dict(mtp_mlp_layer_types=["dense", "moe", "dense"]), r"mtp_mlp_layer_types\[1\] expected one of"),
+    (dict(mtp_mlp_layer_types=None), r"'mtp_mlp_layer_types' expected a list of 3 entries"),
+    (dict(layer_types=[F, S, S, S, S, S]), r"'layer_types' expected 3 entries \(num_hidden_layers\) beside"),
+    (dict(rope_parameters={F: {"rope_type": "default", "rope_theta": 5e6}}),
+     r"rope_parameters has no object for 'sliding_attention', the layer type of MTP module 0"),
+    (dict(rope_parameters={S: {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}}),
+     r"rope_parameters.sliding_attention has \['factor'\]"),
+    (dict(mtp_per_layer_config={"3": {"num_attention_heads": 8}}), r"mtp_per_layer_config\['3'\] expected an MTP"),
+    (dict(mtp_per_layer_config={"0": {"head_dim": 32}}), r"mtp_per_layer_config\['0'\] overrides \['head_dim'\]"),
+    (dict(swiglu_limits_shared=[0.0, 0.0]), r"'swiglu_limits_shared' expected a list of at least 3 entries"),
+    (dict(query_pre_attn_scalar=32), r"'query_pre_attn_scalar' = 32 disagrees with head_dim = 16"),
+    (dict(mlp_bias=True), r"'mlp_bias' = True is not supported yet"),
+    (dict(model_type="qwen3_next"), r"text_config.model_type expected 'step3p5'"),
+])
+def test_transformers_configs_it_cannot_read_are_refused(edit, match):
+    with pytest.raises(ConfigError, match=match):
+        MtpConfig.from_dict(tf_config(**edit))
+
+
+def test_a_wrapper_without_its_text_config_is_refused():
+    d = tf_config()
+    del d["text_config"]
+    with pytest.raises(ConfigError, match=r"a 'step3p7' config holds its text model under 'text_config'"):
+        MtpConfig.from_dict(d)
+    with pytest.raises(ConfigError, match=r"name different models"):
+        MtpConfig.from_dict(dict(tf_config(), architectures=["Step3p5ForCausalLM"]))
+
+
+def _transformers_names(raw: dict) -> dict:
+    """The release's tensors with each module's norm renamed as transformers' MTP loader
+    reads it (``shared_head.norm.weight``) and without the modules' own heads (never read
+    by transformers, which drafts with ``lm_head``)."""
+    out = {}
+    for k, v in raw.items():
+        if k.endswith("transformer.shared_head.output.weight"):
+            continue
+        out[k.replace("transformer.shared_head.norm.weight", "shared_head.norm.weight")] = v
+    return out
+
+
+def test_transformers_tensor_names_load_as_the_release_names(tmp_path):
+    """The same weights under transformers' names and config (the release's own heads
+    dropped: both then draft with lm_head) draft the same tokens as the release layout."""
+    d = release_config(3, RELEASE_TYPES, moe_layers_enum="1,2")
+    rel = _ckpt(tmp_path / "rel", d, seed=5)
+    raw = load_file(str(rel / "model.safetensors"))
+    (tmp_path / "rel-lm").mkdir()
+    save_file({k: v for k, v in raw.items() if not k.endswith("shared_head.output.weight")},
+              str(tmp_path / "rel-lm" / "model.safetensors"))
+    (tmp_path / "rel-lm" / "config.json").write_text(json.dumps(d))
+    tf = tmp_path / "tf"
+    tf.mkdir()
+    save_file(_transformers_names(raw), str(tf / "model.safetensors"))
+    (tf / "config.json").write_text(json.dumps(tf_config()))
+    prop = MultiModuleMtpHead.from_pretrained(tf, backend="numpy")
+    for m in range(3):
+        np.testing.assert_array_equal(prop.modules[m].w.shared_head_norm,
+                                      raw[f"model.layers.{3 + m}.transformer.shared_head.norm.weight"] + 1.0)
+    for mode in ("exact", "draft"):
+        want = run_rounds(tmp_path / "rel-lm", mode=mode, n=14, rounds=6, chain="postnorm")[1]
+        assert run_rounds(tf, mode=mode, n=14, rounds=6, chain="postnorm")[1] == want
+
+
+def test_both_names_of_the_norm_are_refused(tmp_path):
+    rel = _ckpt(tmp_path / "rel", release_config(3, RELEASE_TYPES, moe_layers_enum="1,2"), seed=5)
+    raw = load_file(str(rel / "model.safetensors"))
+    raw["model.layers.4.shared_head.norm.weight"] = raw["model.layers.4.transformer.shared_head.norm.weight"]
+    save_file(raw, str(rel / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"two names for one tensor of module 1 \('shared_head.norm.weight'\)"):
+        MultiModuleMtpHead.from_pretrained(rel, backend="numpy")
 
 
 # -- the release layout -------------------------------------------------------------------------

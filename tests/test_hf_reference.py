@@ -18,26 +18,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import require_hf_mtp
 
-
-def _version(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split(".")[:2]:
-        digits = "".join(c for c in part if c.isdigit())
-        out.append(int(digits or 0))
-    return tuple(out)
-
-
-if _version(transformers.__version__) < (5, 24):
-    pytest.skip(f"needs transformers >= 5.24 (generate(use_mtp=True)), found {transformers.__version__}",
-                allow_module_level=True)
+require_hf_mtp()
 
 import hf_reference as hr  # noqa: E402  (imports torch / transformers)
-from mtpkern.testing import oracle  # noqa: E402
 
-from mtpkern import MultiModuleMtpHead  # noqa: E402
 from mtpkern.config import MtpConfig  # noqa: E402
 
 MAX_NEW = 40
@@ -47,40 +33,12 @@ PROMPT_LEN = 12
 SCHEDULES = {2: [2, 1, 0, 2, 0, 1, 1], 3: [3, 0, 1, 2, 0, 3, 1, 2, 2]}
 
 
-class Case:
-    """One checkpoint (M modules) and its HF runs, generated once per module."""
-
-    def __init__(self, M, path, model):
-        self.M, self.path, self.model = M, path, model
-        self._runs: dict[bool, hr.HfRun] = {}
-
-    def run(self, steer: bool) -> hr.HfRun:
-        if steer not in self._runs:
-            prompt = np.random.default_rng(100 + self.M).integers(0, hr.TINY["vocab_size"], PROMPT_LEN).tolist()
-            self._runs[steer] = hr.hf_generate(self.model, prompt, MAX_NEW,
-                                               SCHEDULES[self.M] if steer else None)
-        return self._runs[steer]
-
-    def ours(self, **kw) -> MultiModuleMtpHead:
-        opts = dict(backend="numpy", kv_mode="exact", chain="postnorm")
-        opts.update(kw)
-        return MultiModuleMtpHead.from_pretrained(self.path, **opts)
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda m: f"M{m}")
 def case(request, tmp_path_factory):
     M = request.param
     path = hr.build_checkpoint(tmp_path_factory.mktemp(f"hf_glm4moe_m{M}"), M, seed=30 + M)
-    return Case(M, path, hr.load_hf(path))
-
-
-def _describe(steps, rep) -> str:
-    s = rep.first_mismatch
-    st = steps[s]
-    srt = np.sort(st.logits, axis=-1)
-    gaps = (srt[:, -1] - srt[:, -2]).round(6).tolist()
-    return (f"step {s} (position {len(st.ids) - 1}, after accepting {st.accepted}): HF drafted {st.drafts}, "
-            f"mtpkern {rep.ours[s]}; HF top-1/top-2 logit gaps per module {gaps}")
+    prompt = np.random.default_rng(100 + M).integers(0, hr.TINY["vocab_size"], PROMPT_LEN).tolist()
+    return hr.Case(M, path, hr.load_hf(path), prompt, SCHEDULES[M], MAX_NEW)
 
 
 def test_config_json_is_read_as_hf_wrote_it(case):
@@ -112,7 +70,7 @@ def test_drafts_match_hf_generate(case, steer):
     # drafts, and only then (candidate_generator.py); mtpkern trims exactly instead
     assert run.crops == [-M] * sum(s.accepted < M - 1 for s in steps[1:])
     rep = hr.replay(case.ours(), steps)
-    assert rep.first_mismatch is None, _describe(steps, rep)
+    assert rep.first_mismatch is None, hr.describe_mismatch(steps, rep)
     assert rep.ours == [s.drafts for s in steps]
     assert run.sequence[:len(steps[-1].ids)] == steps[-1].ids
 
@@ -120,19 +78,11 @@ def test_drafts_match_hf_generate(case, steer):
 def test_logits_match_hf_numerically(case):
     """Beyond the argmax: HF's draft logits equal the from-scratch oracle's (mtpkern.testing.oracle,
     float64) over the whole sequence, module by module, within float32 noise."""
-    M = case.M
     steps = case.run(True).steps
     prop = case.ours()
     rep = hr.replay(prop, steps)
-    assert rep.first_mismatch is None, _describe(steps, rep)
-    cfg, w = prop.config, prop.weights
-    worst = 0.0
-    for s, st in enumerate(steps):
-        P = rep.hiddens_per_step[s]
-        rows = oracle.chain_state(cfg, w, rep.tokens_per_step[s], rep.hiddens[:P], "postnorm")
-        for m in range(M):
-            lg = rows[m].normed[P - 1] @ np.asarray(w.modules[m].head, np.float64).T
-            worst = max(worst, float(np.abs(lg - st.logits[m]).max()))
+    assert rep.first_mismatch is None, hr.describe_mismatch(steps, rep)
+    worst = hr.oracle_logit_gap(prop, steps, rep)
     assert worst < 1e-4, f"max |logit difference| {worst}"   # observed ~2e-6
 
 

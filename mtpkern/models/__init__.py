@@ -2,7 +2,9 @@
 
 ``family_of(config_dict)`` finds a config's family by ``model_type`` or
 ``architectures``; a config naming neither is read in the canonical layout
-(``CANONICAL``, the SPEC table: hand-written and synthetic checkpoints).
+(``CANONICAL``, the SPEC table: hand-written and synthetic checkpoints). A config
+whose model_type or architecture is a family's wrapper (``Family.wrappers``: a
+vision-language model around the family's text model) is read as its ``text_config``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ def by_architecture() -> dict[str, Family]:
     return {a: f for f in FAMILIES.values() for a in f.architectures}
 
 
+def by_wrapper() -> dict[str, Family]:
+    """Outer model_type and outer architecture -> the family its ``text_config`` holds."""
+    out: dict[str, Family] = {}
+    for f in FAMILIES.values():
+        for outer, archs in f.wrappers.items():
+            out[outer] = f
+            out.update({a: f for a in archs})
+    return out
+
+
 def supported() -> str:
     """The supported families, for messages: ``glm4_moe (Glm4MoeForCausalLM), ...``."""
     return ", ".join(f"{t} ({' / '.join(f.architectures)})" for t, f in FAMILIES.items())
@@ -40,4 +52,4 @@ def family(name: str) -> Family:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)} or '', got {name!r}") from None
 
 
-__all__ = ["CANONICAL", "FAMILIES", "Family", "by_architecture", "family", "supported"]
+__all__ = ["CANONICAL", "FAMILIES", "Family", "by_architecture", "by_wrapper", "family", "supported"]

@@ -13,7 +13,12 @@ as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
   enough, a ``normalise`` function (per-layer lists into per-module blocks);
 - **tensors**: the prefix of module ``m`` (``{layer}`` = ``num_hidden_layers + m``,
   ``{m}`` = ``m``) and renames of canonical suffixes (an entry ending in ``.``
-  renames a prefix of the suffix; values may use ``{m}``);
+  renames a prefix of the suffix; values may use ``{m}``), and other names a
+  tensor may have in checkpoints of the family written for another reader
+  (``alternatives``: e.g. the name transformers loads), one of which is read;
+- **wrappers**: the model types (and their architectures) whose config holds this
+  family's config under ``text_config`` (a vision-language release of the same
+  text model);
 - **folds**, applied once at load so that kernels never see them: the input order
   of ``eh_proj`` (``hidden_embed`` swaps its column halves), zero-centred RMSNorm
   weights (stored ``w``, applied as ``1 + w``: 1 is added; the target's final norm
@@ -50,6 +55,12 @@ class Family:
     implements: frozenset[str] = frozenset()
     prefix: str = "model.layers.{layer}."
     renames: Mapping[str, str] = field(default_factory=dict)
+    #: canonical suffix -> other names (under the module's prefix) the checkpoint may give
+    #: the same tensor instead of the release's; exactly one of them must be present
+    alternatives: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: an outer model_type -> its architectures, whose config.json nests this family's
+    #: config under ``text_config`` (read as that text config: mtpkern/config.py)
+    wrappers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     concat: Concat = "embed_hidden"
     zero_centred: bool = False
     #: q_proj rows per head [query (D) | gate (D)] (Qwen3-Next), de-interleaved at load into
@@ -84,6 +95,12 @@ class Family:
             best = max((p for p in self.renames if p.endswith(".") and suffix.startswith(p)), key=len, default=None)
             new = suffix if best is None else self.renames[best] + suffix[len(best):]
         return self.module_prefix(layer, m) + new.format(m=m)
+
+    def keys(self, layer: int, m: int, suffix: str) -> tuple[str, ...]:
+        """Every name the tensor ``suffix`` of module ``m`` may have: the release's
+        (``key``) first, then the ``alternatives``."""
+        pre = self.module_prefix(layer, m)
+        return (self.key(layer, m, suffix),) + tuple(pre + a.format(m=m) for a in self.alternatives.get(suffix, ()))
 
     def folds_norm(self, suffix: str) -> bool:
         return self.zero_centred and suffix in NORMS
