@@ -389,3 +389,16 @@ def test_the_oracle_agrees_over_a_long_exact_run(step_ckpt):
         p.catchup_drafter(dr[:a], rand_hiddens(rng, a, 64), st)
         P += 1 + a
     p.check()
+
+
+def test_step3p7_release_wraps_the_release_form_and_is_refused_where_its_text_config_is():
+    """Step-3.7-Flash's own config.json: the release-form text config (per-layer lists of
+    layers + 3 entries) under text_config; what would be refused at the top level is
+    refused inside it too."""
+    text = dict(release_config(), model_type="step3p5")
+    del text["architectures"]
+    outer = {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7", "text_config": text,
+             "vision_config": {"hidden_size": 32}}
+    assert MtpConfig.from_dict(outer) == MtpConfig.from_dict(release_config())
+    with pytest.raises(ConfigError, match=r"'kv_lora_rank' = 512 is not supported yet"):
+        MtpConfig.from_dict(dict(outer, text_config=dict(text, kv_lora_rank=512)))
