@@ -72,6 +72,9 @@ class Yarn:
             raise BlockError(f"rope_scaling.beta_slow ({self.beta_slow:g}) must be <= beta_fast ({self.beta_fast:g})")
         if not isinstance(self.truncate, bool):
             raise BlockError(f"rope_scaling.truncate expected a bool, got {self.truncate!r}")
+        if not 0 < self.attention_factor <= 1e3:        # what the rope op accepts as rope_scale
+            raise BlockError(f"rope_scaling: the attention factor {self.attention_factor:g} (from factor, mscale "
+                             f"and mscale_all_dim) must be in (0, 1e3]")
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> "Yarn":

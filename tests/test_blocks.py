@@ -230,6 +230,13 @@ def test_yarn_is_read_from_rope_scaling_or_rope_parameters():
     (dict(rope_scaling={"type": "yarn", "factor": 4}, rope_parameters={"rope_type": "yarn", "factor": 8}),
      r"rope_parameters.factor \(8.0\) disagrees with rope_scaling.factor \(4.0\)"),
     (dict(rope_interleave=1), r"field 'rope_interleave' expected bool, got int 1"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4, "attention_factor": 2e3}),
+     r"rope_scaling.attention_factor expected a number in \[0, 1000\], got 2000"),
+    (dict(rope_scaling={"type": "yarn", "factor": 1e6, "mscale": 1e3, "mscale_all_dim": 1e-3}),
+     r"attention factor 13.* must be in \(0, 1e3\]"),
+    (dict(mtp_blocks=[{}, {"rope_interleave": "yes"}, {}]), r"rope_interleave expected a bool, got 'yes' \(module 1"),
+    (dict(mtp_blocks=[{}, {}, {"rope_scaling": {"factor": 4, "original_max_position_embeddings": 12, "beta": 3}}]),
+     r"unknown YaRN field\(s\) \['beta'\]"),
 ])
 def test_bad_rope_variants_are_refused(edit, match):
     d = tiny_config().to_dict()
