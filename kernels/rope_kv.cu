@@ -1,4 +1,4 @@
-// rope_kv.cu -- per-head q/k RMSNorm, partial neox RoPE, paged KV write, in one pass.
+// rope_kv.cu -- per-head q/k RMSNorm, partial RoPE (neox or interleaved), paged KV write, in one pass.
 //
 //   qkv [n, ld] fp32, ld >= (Hq + Hkv) * D + Hkv * Dv: Hq query heads and Hkv key heads
 //   of D, then Hkv value heads of Dv; columns past them (a gate projection stacked after
@@ -8,14 +8,17 @@
 //   v_cache[slot, hk, :] = KV(v)                               v_cache [NB, BS, Hkv, Dv] in KV
 //                                                              (slot = block * BS + offset)
 //
-// RoPE (neox, first R = 2 * half dims): with x1 = x[0:half], x2 = x[half:R],
-// f = float(pos) * inv_freq: x1' = x1 cos f - x2 sin f, x2' = x2 cos f + x1 sin f;
-// dims R..D pass through. sincosf is the accurate one (no fast math).
+// RoPE (first R = 2 * half dims): pair i is (x1, x2) = (x[i], x[i + half]) (neox halves) or,
+// with Interleave, (x[2i], x[2i + 1]) (GPT-J order: DeepSeek-V3 / GLM-4.7-Flash
+// rope_interleave); f = float(pos) * inv_freq[i], c = rope_scale * cos f, s = rope_scale * sin f:
+// x1' = x1 c - x2 s, x2' = x2 c + x1 s; dims R..D pass through unscaled. rope_scale is YaRN's
+// attention factor (1 for the default RoPE). sincosf is the accurate one (no fast math).
 //
 // Mapping: one warp per (row, head) over all Hq + 2 Hkv heads of the row.
 //   grid (ceil((Hq + 2 Hkv) / 4), n), block 128 = 4 warps.
 //   Lanes stride over the head's D (value heads: Dv) elements: a warp-sum of squares gives the
-//   norm, then lane i rotates the pairs (i, i + half), i = lane, lane + 32, ...
+//   norm, then lane i rotates pair i, i = lane, lane + 32, ... (Interleave: a template
+//   parameter, so the neox kernel is the one it was)
 //   The head (D * 4 B) is re-read from L1 for the second pass.
 //
 // Preconditions: blockDim.x == 128; 1 <= half <= D / 2; q_norm_w / k_norm_w
@@ -27,11 +30,11 @@ namespace mtp {
 constexpr int kRopeWarps = 4;
 }
 
-template <typename KV>
+template <typename KV, bool Interleave>
 __global__ void __launch_bounds__(mtp::kRopeWarps * mtp::kWarp)
 qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float* __restrict__ q_norm_w,
                              const float* __restrict__ k_norm_w, float eps,
-                             const float* __restrict__ inv_freq, int half,
+                             const float* __restrict__ inv_freq, int half, float rope_scale,
                              const int* __restrict__ positions, KV* __restrict__ k_cache,
                              KV* __restrict__ v_cache, const int* __restrict__ slots,
                              long long num_slots, float* __restrict__ q_out, int Hq, int Hkv, int D,
@@ -79,11 +82,14 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
 
   const float pos = static_cast<float>(positions[r]);
   for (int i = lane; i < half; i += mtp::kWarp) {
-    const float x1 = normed(i), x2 = normed(i + half);
+    const int a = Interleave ? 2 * i : i, b = Interleave ? 2 * i + 1 : i + half;  // the pair's dims
+    const float x1 = normed(a), x2 = normed(b);
     float s, c;
     sincosf(pos * inv_freq[i], &s, &c);
-    put(i, x1 * c - x2 * s);
-    put(i + half, x2 * c + x1 * s);
+    c *= rope_scale;
+    s *= rope_scale;
+    put(a, x1 * c - x2 * s);
+    put(b, x2 * c + x1 * s);
   }
   for (int d = 2 * half + lane; d < D; d += mtp::kWarp) put(d, normed(d));
 }

@@ -16,6 +16,10 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+import numpy as np
+
+from .ops.rope_kv import inv_freq, yarn_inv_freq, yarn_mscale
+
 #: attention output gates: "" none; "elementwise": one gate per attention output
 #: column (Qwen3-Next, carried by q_proj); "headwise": one per query head (Step-3.5's g_proj)
 ATTN_GATES = ("", "elementwise", "headwise")
@@ -23,6 +27,95 @@ ATTN_GATES = ("", "elementwise", "headwise")
 
 class BlockError(ValueError):
     """A block field out of range (raised as the config's ConfigError by MtpConfig)."""
+
+
+def _number(name: str, v: Any, lo: float, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and lo <= v <= hi):
+        raise BlockError(f"rope_scaling.{name} expected a number in [{lo:g}, {hi:g}], got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)
+class Yarn:
+    """YaRN RoPE scaling (``rope_type: "yarn"`` in rope_parameters / rope_scaling), with
+    Hugging Face's names and defaults (``_compute_yarn_parameters``; DeepSeek-V3, GLM-5).
+
+    Three things follow from it (docs/architecture.md, "Attention features"):
+    ``inv_freq`` (the blended frequencies, mtpkern.ops.rope_kv.yarn_inv_freq), the
+    ``attention_factor`` that multiplies cos and sin (of q and k both, as HF does), and
+    ``softmax_factor``, DeepSeek's ``mscale(factor, mscale_all_dim) ** 2`` on the scores'
+    scale when ``mscale_all_dim`` is set."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    #: 0: not given (HF's None). HF reads mscale only beside mscale_all_dim
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    #: 0: derived from factor and mscale / mscale_all_dim (HF's rule); else as given
+    attention_factor_override: float = 0.0
+    #: HF's ``truncate``: floor / ceil the correction range's ends
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "factor", _number("factor", self.factor, 1.0, 1e6))
+        o = self.original_max_position_embeddings
+        if isinstance(o, bool) or not isinstance(o, int) or not 1 <= o <= 2**31 - 1:
+            raise BlockError(f"rope_scaling.original_max_position_embeddings expected an int in [1, 2^31 - 1], "
+                             f"got {o!r}")
+        for name, lo in (("beta_fast", 1e-3), ("beta_slow", 1e-3), ("mscale", 0.0), ("mscale_all_dim", 0.0),
+                         ("attention_factor_override", 0.0)):
+            object.__setattr__(self, name, _number(name if name != "attention_factor_override"
+                                                   else "attention_factor", getattr(self, name), lo, 1e3))
+        if self.beta_slow > self.beta_fast:
+            raise BlockError(f"rope_scaling.beta_slow ({self.beta_slow:g}) must be <= beta_fast ({self.beta_fast:g})")
+        if not isinstance(self.truncate, bool):
+            raise BlockError(f"rope_scaling.truncate expected a bool, got {self.truncate!r}")
+        if not 0 < self.attention_factor <= 1e3:        # what the rope op accepts as rope_scale
+            raise BlockError(f"rope_scaling: the attention factor {self.attention_factor:g} (from factor, mscale "
+                             f"and mscale_all_dim) must be in (0, 1e3]")
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "Yarn":
+        """From Yarn's fields, or Hugging Face's names (``to_hf``: ``attention_factor``)."""
+        d = dict(d)
+        if "attention_factor" in d:
+            d["attention_factor_override"] = d.pop("attention_factor")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise BlockError(f"rope_scaling: unknown YaRN field(s) {unknown}; expected some of {sorted(names)}")
+        return cls(**d)
+
+    def to_hf(self) -> dict:
+        """The rope_parameters keys (Hugging Face's names) that ``from_mapping`` reads back."""
+        out = {"factor": self.factor, "original_max_position_embeddings": self.original_max_position_embeddings,
+               "beta_fast": self.beta_fast, "beta_slow": self.beta_slow}
+        for name, key in (("mscale", "mscale"), ("mscale_all_dim", "mscale_all_dim"),
+                          ("attention_factor_override", "attention_factor")):
+            if getattr(self, name):
+                out[key] = getattr(self, name)
+        if not self.truncate:
+            out["truncate"] = False
+        return out
+
+    @property
+    def attention_factor(self) -> float:
+        """cos and sin are multiplied by this (HF's ``attention_scaling``)."""
+        if self.attention_factor_override:
+            return self.attention_factor_override
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    @property
+    def softmax_factor(self) -> float:
+        """The scores' scale is multiplied by this (DeepSeek-V3's ``mscale_all_dim`` correction)."""
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2 if self.mscale_all_dim else 1.0
+
+    def describe(self) -> str:
+        return f"yarn x{self.factor:g} of {self.original_max_position_embeddings}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +139,10 @@ class BlockSpec:
     #: expert's or the dense MLP's
     swiglu_clamp: float = 0.0
     swiglu_clamp_shared: float = 0.0
+    #: RoPE pairs (2i, 2i + 1) (GPT-J order, ``rope_interleave``) instead of neox halves (i, i + R/2)
+    rope_interleave: bool = False
+    #: YaRN scaling of the RoPE (a mapping of its fields is read as one), None: plain RoPE
+    rope_scaling: Yarn | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -74,9 +171,13 @@ class BlockSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 1e6):
                 raise BlockError(f"{name} expected a number in [0, 1e6] (0: no clamp), got {v!r}")
-        for name in ("attn_sinks", "moe"):
+        for name in ("attn_sinks", "moe", "rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 raise BlockError(f"{name} expected a bool, got {getattr(self, name)!r}")
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", Yarn.from_mapping(self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Yarn):
+            raise BlockError(f"rope_scaling expected YaRN's fields or None, got {self.rope_scaling!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -129,14 +230,32 @@ class BlockSpec:
 
     @property
     def scale(self) -> float:
-        """The attention scores' scale."""
-        return float(self.head_dim) ** -0.5
+        """The attention scores' scale: ``D ** -0.5``, times YaRN's softmax factor."""
+        y = self.rope_scaling
+        return float(self.head_dim) ** -0.5 * (1.0 if y is None else y.softmax_factor)
+
+    @property
+    def rope_scale(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+        return 1.0 if self.rope_scaling is None else self.rope_scaling.attention_factor
+
+    def inv_freq(self) -> np.ndarray:
+        """``[R/2]`` FP32 RoPE frequencies: the default ones, or YaRN's."""
+        y = self.rope_scaling
+        if y is None:
+            return inv_freq(self.rotary_dim, self.rope_theta)
+        return yarn_inv_freq(self.rotary_dim, self.rope_theta, y.factor, y.original_max_position_embeddings,
+                             y.beta_fast, y.beta_slow, y.truncate)
 
     def describe(self) -> str:
         parts = [f"Hq={self.num_attention_heads} Hkv={self.num_key_value_heads} D={self.head_dim}"]
         if self.v_head_dim and self.v_head_dim != self.head_dim:
             parts.append(f"Dv={self.v_head_dim}")
         parts.append(f"rotary={self.rotary_dim} theta={self.rope_theta:g}")
+        if self.rope_interleave:
+            parts.append("interleaved")
+        if self.rope_scaling is not None:
+            parts.append(self.rope_scaling.describe())
         if self.sliding_window:
             parts.append(f"window={self.sliding_window}")
         if self.attn_sinks:

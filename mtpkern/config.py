@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Literal
 
-from .block import BlockError, BlockSpec
+from .block import BlockError, BlockSpec, Yarn
 from .errors import ConfigError
 from .files import CONFIG_JSON_CAP, read_json
 from .models import CANONICAL, FAMILIES, Family, by_architecture, by_wrapper, supported
@@ -102,8 +102,6 @@ UNIMPLEMENTED_FIELDS: dict[str, Unimplemented] = {
     **_group("attn_output_gate use_head_wise_attn_gate", "gated attention output (Qwen3-Next, Step-3.5)",
              "absent, null or false"),
     **_group("partial_rotary_factors", "per-layer RoPE (Step-3.5)"),
-    **_group("rope_interleave", "interleaved RoPE (GLM-4.7-Flash); mtpkern rotates neox-style halves",
-             "absent, null or false"),
     **_group("linear_num_key_heads linear_num_value_heads linear_key_head_dim linear_value_head_dim "
              "linear_conv_kernel_dim full_attention_interval", "linear attention (Qwen3-Next)"),
     **_group("mlp_bias", "biases in the MLP", "absent, null or false"),
@@ -170,9 +168,17 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
-                "router_bias", "attn_sinks")
+                "router_bias", "attn_sinks", "rope_interleave")
 #: Keys of rope_parameters / rope_scaling that the default RoPE reads.
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+#: The keys YaRN reads besides them (Hugging Face's names) -> (type, Yarn's field)
+_YARN_KEYS: dict[str, tuple[type, str]] = {
+    "factor": (float, "factor"), "original_max_position_embeddings": (int, "original_max_position_embeddings"),
+    "beta_fast": (float, "beta_fast"), "beta_slow": (float, "beta_slow"), "mscale": (float, "mscale"),
+    "mscale_all_dim": (float, "mscale_all_dim"), "attention_factor": (float, "attention_factor_override"),
+    "truncate": (bool, "truncate")}
+#: rope_type values read (other scalings, llama3 / linear / dynamic / longrope, are refused)
+_ROPE_TYPES = ("default", "yarn")
 _PREFIX = "config.json: "
 
 
@@ -368,12 +374,13 @@ def _check_same_as(d: dict, cfg: "MtpConfig") -> None:
                               f"{_show(getattr(cfg, ours))}, which mtpkern reads; expected them equal, or {name!r} absent")
 
 
-def _rope(d: dict, fam: Family) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor), from rope_parameters / rope_scaling or the top level.
+def _rope(d: dict, fam: Family) -> tuple[float, float, Yarn | None]:
+    """(rope_theta, partial_rotary_factor, YaRN scaling or None), from rope_parameters /
+    rope_scaling or the top level.
 
     Both objects are read when both are given (transformers 5 writes rope_parameters,
-    older releases rope_scaling): a scaling in either one is refused, and where both
-    give a value they must agree."""
+    older releases rope_scaling): their rope types must agree, and where both give a
+    value the values must agree. A scaling other than YaRN is refused."""
     objs = []
     for name in ("rope_parameters", "rope_scaling"):
         rope = d.get(name)
@@ -381,26 +388,56 @@ def _rope(d: dict, fam: Family) -> tuple[float, float]:
             continue
         if not isinstance(rope, dict):
             raise ConfigError(f"config.json: field {name!r} expected an object, got {_show(rope)}")
-        for key in rope:
-            if key not in _ROPE_KEYS:
-                raise ConfigError(f"config.json: {name}.{key} is not supported (the default RoPE reads only "
-                                  f"{', '.join(_ROPE_KEYS)}), got {_show(rope[key])}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"config.json: {name}.rope_type {_show(rope_type)} is not supported; expected 'default'")
-        objs.append((name, rope))
+        if rope_type is None:
+            rope_type = "default"
+        if not isinstance(rope_type, str) or rope_type not in _ROPE_TYPES:
+            raise ConfigError(f"config.json: {name}.rope_type {_show(rope_type)} is not supported; "
+                              f"expected one of {list(_ROPE_TYPES)}")
+        keys = _ROPE_KEYS + (tuple(_YARN_KEYS) if rope_type == "yarn" else ())
+        for key in rope:
+            if key not in keys:
+                raise ConfigError(f"config.json: {name}.{key} is not supported (rope_type {rope_type!r} reads only "
+                                  f"{', '.join(keys)}), got {_show(rope[key])}")
+        objs.append((name, rope, rope_type))
     if len(objs) == 2:
-        for key in ("rope_theta", "partial_rotary_factor"):
-            a, b = (_opt(r, key, float, None) for _, r in objs)
-            if a is not None and b is not None and a != b:
+        (_, ra, ta), (_, rb, tb) = objs
+        if ta != tb:
+            raise ConfigError(f"config.json: rope_parameters.rope_type {ta!r} disagrees with rope_scaling.rope_type "
+                              f"{tb!r}")
+        for key in ("rope_theta", "partial_rotary_factor") + tuple(_YARN_KEYS):
+            typ = _YARN_KEYS.get(key, (float,))[0]
+            a, b = _opt(ra, key, typ, None), _opt(rb, key, typ, None)
+            if a is not None and b is not None and not _same(a, b):
                 raise ConfigError(f"config.json: rope_parameters.{key} ({a}) disagrees with rope_scaling.{key} ({b})")
-    name, rope = objs[0] if objs else ("rope_parameters", {})
-    merged = {k: v for _, r in reversed(objs) for k, v in r.items()}
+    name, _, rope_type = objs[0] if objs else ("rope_parameters", {}, "default")
+    merged = {k: v for _, r, _ in reversed(objs) for k, v in r.items()}
     # Glm4MoeConfig's partial_rotary_factor default is 0.5; DeepseekV3-style configs rotate whole heads.
     prf_default = fam.defaults.get("partial_rotary_factor", 1.0)
     theta = _rope_value(d, merged, name, "rope_theta", 10000.0)
     prf = _rope_value(d, merged, name, "partial_rotary_factor", prf_default)
-    return theta, prf
+    return theta, prf, (_yarn(d, merged, name) if rope_type == "yarn" else None)
+
+
+def _yarn(d: dict, rope: dict, name: str) -> Yarn:
+    """YaRN's fields from the RoPE object ``rope`` (Hugging Face's names and defaults;
+    ``original_max_position_embeddings`` defaults to ``max_position_embeddings``, as
+    transformers before 4.46 did; ``factor`` to their ratio, as transformers does)."""
+    got = {}
+    for key, (typ, field) in _YARN_KEYS.items():
+        if rope.get(key) is not None:
+            got[field] = _typed(f"{name}.{key}", rope[key], typ)
+    max_pos = _opt(d, "max_position_embeddings", int, 4096)
+    got.setdefault("original_max_position_embeddings", max_pos)
+    if "factor" not in got:
+        if got["original_max_position_embeddings"] == max_pos:
+            raise ConfigError(f"config.json: {name}.factor is required by rope_type 'yarn' (or an "
+                              f"original_max_position_embeddings below max_position_embeddings = {max_pos})")
+        got["factor"] = max_pos / got["original_max_position_embeddings"]
+    try:
+        return Yarn(**got)
+    except BlockError as e:
+        raise ConfigError(f"config.json: {name}: {e}") from None
 
 
 def _rope_value(d: dict, rope: dict, name: str, key: str, default: float) -> float:
@@ -514,6 +551,10 @@ class MtpConfig:
     #: SwiGLU clamps (0: none) of the routed experts, and of the shared expert / dense MLP
     swiglu_clamp: float = 0.0
     swiglu_clamp_shared: float = 0.0
+    #: RoPE pairs (2i, 2i + 1) instead of neox halves (``rope_interleave``: DeepSeek-V3, GLM-4.7-Flash)
+    rope_interleave: bool = False
+    #: YaRN scaling (``rope_type: "yarn"`` in rope_parameters / rope_scaling), None: plain RoPE
+    rope_scaling: Yarn | None = None
     #: v multiplied by this before attention (MiMo-V2): folded into v_proj at load
     attention_value_scale: float = 1.0
     #: per module, the BlockSpec fields that differ from the default block (a family's
@@ -527,6 +568,11 @@ class MtpConfig:
         if self.weight_quant not in ("", "fp8"):
             raise ConfigError(f"config.json: weight_quant expected '' or 'fp8', got {self.weight_quant!r}")
         _check_ranges(self)
+        if isinstance(self.rope_scaling, dict):
+            try:
+                object.__setattr__(self, "rope_scaling", Yarn.from_mapping(self.rope_scaling))
+            except BlockError as e:
+                raise ConfigError(f"config.json: {e}") from None
         object.__setattr__(self, "blocks", _normalise_blocks(self.blocks, self.num_nextn_predict_layers))
         specs = [self._checked_block(m) for m in range(self.num_modules)]
         if self.scoring_func not in ("sigmoid", "softmax"):
@@ -572,7 +618,8 @@ class MtpConfig:
             head_dim=self.head_dim, v_head_dim=self.v_head_dim, partial_rotary_factor=self.partial_rotary_factor,
             rope_theta=self.rope_theta, sliding_window=self.sliding_window, attn_sinks=self.attn_sinks,
             attn_gate=self.attn_gate, moe=self.is_moe, swiglu_clamp=self.swiglu_clamp,
-            swiglu_clamp_shared=self.swiglu_clamp_shared)
+            swiglu_clamp_shared=self.swiglu_clamp_shared, rope_interleave=self.rope_interleave,
+            rope_scaling=self.rope_scaling)
 
     def _check_moe(self) -> None:
         for name in ("num_experts_per_tok", "moe_intermediate_size"):
@@ -634,7 +681,7 @@ class MtpConfig:
             raise ConfigError(f"config.json: hidden_act expected 'silu', got {_show(act)}")
         H = _req(d, "hidden_size", int)
         Hq = _req(d, "num_attention_heads", int)
-        theta, prf = _rope(d, fam)
+        theta, prf, yarn = _rope(d, fam)
         cfg = cls(
             hidden_size=H,
             num_attention_heads=Hq,
@@ -646,6 +693,8 @@ class MtpConfig:
             rms_norm_eps=_opt(d, "rms_norm_eps", float, 1e-5),
             rope_theta=theta,
             partial_rotary_factor=prf,
+            rope_interleave=_opt(d, "rope_interleave", bool, False),
+            rope_scaling=yarn,
             attention_bias=_opt(d, "attention_bias", bool, False),
             use_qk_norm=_opt(d, "use_qk_norm", bool, False),
             intermediate_size=_opt(d, "intermediate_size", int, 0),
@@ -708,9 +757,15 @@ class MtpConfig:
                 del d[name]
         blocks = d.pop("blocks")
         if blocks:
-            d["mtp_blocks"] = [dict(b) for b in blocks]
+            d["mtp_blocks"] = [{k: (v.to_hf() if isinstance(v, Yarn) else v) for k, v in b} for b in self.blocks]
         theta = d.pop("rope_theta")
-        d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        d.pop("rope_scaling")
+        if not d["rope_interleave"]:
+            del d["rope_interleave"]
+        if self.rope_scaling is None:
+            d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        else:
+            d["rope_parameters"] = {"rope_type": "yarn", "rope_theta": theta, **self.rope_scaling.to_hf()}
         d["hidden_act"] = "silu"
         if fam:
             d["model_type"] = fam

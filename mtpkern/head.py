@@ -17,7 +17,9 @@ The module's block (``MtpConfig.block``, mtpkern/block.py) may switch on: a slid
 window (a row sees the last W keys, itself included), attention sinks, a value head
 dim of its own, an output gate (``o *= sigmoid(gate)``, head-wise or element-wise,
 the gate columns computed by the fused q|k|v projection), a gated shared expert,
-SwiGLU clamps, and a dense MLP in an MoE checkpoint.
+SwiGLU clamps, a dense MLP in an MoE checkpoint, and the RoPE variants (interleaved
+pairs; YaRN's frequencies, its attention factor on cos / sin, its softmax factor on the
+scores' scale).
 
 A sliding-window module's pool releases the leading blocks of a sequence that no
 later row can see (``kv.WindowRule``): after each successful ``forward`` /
@@ -37,7 +39,6 @@ from .config import MtpConfig
 from .errors import StateError
 from .kv import BlockPool, SeqKv, WindowRule
 from .ops.moe import RouterSpec
-from .ops.rope_kv import inv_freq
 from .weights import ModuleWeights
 
 
@@ -138,12 +139,15 @@ class MtpHead:
         window = WindowRule(b.sliding_window, trim_margin, max_forward_rows) if b.sliding_window else None
         self.pool = BlockPool(index, num_blocks, block_size, b.num_key_value_heads, b.head_dim, backend,
                               v_head_dim=b.v_dim, window=window)
-        self._inv_freq = backend.from_host(inv_freq(b.rotary_dim, b.rope_theta))
+        self._inv_freq = backend.from_host(b.inv_freq())          # [R/2]: the default frequencies or YaRN's
         self._router = RouterSpec.from_config(config) if b.moe else None
         self._scale = b.scale
         self._gate_off = b.q_size + b.k_size + b.v_size          # the gate columns of the fused projection
         #: keyword arguments of the ops this block's features switch on (none: the plain calls)
         self._attn_kw = {"sinks": weights.sinks} if b.attn_sinks else {}
+        #: RoPE pairs (2i, 2i + 1); YaRN's attention factor on cos / sin (its softmax factor is in b.scale)
+        self._rope_kw = {k: v for k, v, on in (("interleave", True, b.rope_interleave),
+                                               ("rope_scale", b.rope_scale, b.rope_scale != 1.0)) if on}
         self._experts_kw = {"limit": b.swiglu_clamp} if b.swiglu_clamp else {}
         self._mlp_kw = {"limit": b.swiglu_clamp_shared} if b.swiglu_clamp_shared else {}
         self._one_lock = threading.Lock()
@@ -263,7 +267,8 @@ class MtpHead:
         qkv = be.linear(a_in, w.w_qkv, w.b_qkv, **put("linear", out="qkv"))                      # [n, (Hq+2Hkv)D]
         q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                      w.q_norm, w.k_norm, eps, self._inv_freq, positions,
-                                     self.pool.k, self.pool.v, slots, **put("rope_kv", out="q"))  # [n, Hq, D]
+                                     self.pool.k, self.pool.v, slots, **self._rope_kw,
+                                     **put("rope_kv", out="q"))                                   # [n, Hq, D]
         attn_kw = self._attn_kw if row_start is None else dict(self._attn_kw, row_start=row_start)
         o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
                                **attn_kw, **put("attention", out="o"))                          # [n, Hq Dv]

@@ -1,6 +1,7 @@
 """Per-module blocks (mtpkern/block.py): sliding windows, attention sinks, a value head
-dim of its own, head-wise output gates, SwiGLU clamps, and modules that differ from
-each other (heads, RoPE, dense or MoE), in the SPEC layout.
+dim of its own, head-wise output gates, SwiGLU clamps, the RoPE variants (interleaved
+pairs, YaRN), and modules that differ from each other (heads, RoPE, dense or MoE), in
+the SPEC layout.
 
 Each feature runs through the proposer under random call sequences with every call
 checked against the float64 oracle (mtpkern.testing: exact mode recomputes the
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, settings
 
 from conftest import rand_hiddens
 from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
-from mtpkern.block import BlockSpec
+from mtpkern.block import BlockSpec, Yarn
 from mtpkern.config import tiny_config
 from mtpkern.head import RowJob
 from mtpkern.testing import reference_weights
@@ -33,6 +34,10 @@ MIXED_BLOCKS = [{}, {"sliding_window": 4, "num_attention_heads": 8, "rope_theta"
                 {"v_head_dim": 8, "attn_sinks": True, "attn_gate": "headwise", "swiglu_clamp": 0.4,
                  "swiglu_clamp_shared": 0.3}]
 
+#: YaRN with a tiny original context (12 positions: every run goes past it); mscale beside
+#: mscale_all_dim makes both the cos/sin factor (1.025) and the scores' factor (1.23) other than 1
+YARN = {"factor": 4.0, "original_max_position_embeddings": 12, "mscale": 1.0, "mscale_all_dim": 0.8}
+
 FEATURES = {
     "window": dict(sliding_window=5),
     "sinks": dict(attn_sinks=True),
@@ -43,6 +48,12 @@ FEATURES = {
     "window_sinks_dv_dense": dict(sliding_window=4, attn_sinks=True, v_head_dim=8, intermediate_size=40,
                                   blocks=[{"moe": False}] * 3),
     "mixed": dict(intermediate_size=40, blocks=MIXED_BLOCKS),
+    "interleave": dict(rope_interleave=True),
+    "yarn": dict(rope_scaling=dict(YARN, mscale=0.0, mscale_all_dim=0.0)),    # cos/sin factor 1.139 only
+    # DeepSeek-V3 / GLM-5 style: YaRN with both mscales, interleaved pairs, whole heads rotated
+    "yarn_interleave": dict(rope_interleave=True, rope_scaling=YARN, partial_rotary_factor=1.0),
+    # per module: plain, interleaved, YaRN with partial rotation
+    "rope_per_module": dict(blocks=[{}, {"rope_interleave": True}, {"rope_scaling": YARN}]),
 }
 
 
@@ -133,7 +144,10 @@ def _module_rows(path, backend, cfg_edit=None, n=11, seed=2):
 
 @pytest.mark.parametrize("name,off", [("window", {"sliding_window": 0}), ("sinks", {"attn_sinks": False}),
                                       ("v_head_dim", None), ("headwise_gate", {"attn_gate": ""}),
-                                      ("clamps", {"swiglu_clamp": 0.0, "swiglu_clamp_shared": 0.0})])
+                                      ("clamps", {"swiglu_clamp": 0.0, "swiglu_clamp_shared": 0.0}),
+                                      ("interleave", {"rope_interleave": False}), ("yarn", {"rope_scaling": None}),
+                                      ("yarn_interleave", {"rope_scaling": None}),
+                                      ("yarn_interleave", {"rope_interleave": False})])
 def test_each_feature_changes_the_rows(ckpts, name, off):
     """The same tensors with the feature switched off compute other rows (a window: the
     same rows while they fit in it)."""
@@ -150,6 +164,101 @@ def test_each_feature_changes_the_rows(ckpts, name, off):
         assert np.abs(on[m][rows] - ref[m][rows]).max() > 1e-3, f"module {m}: {name} changed nothing"
 
 
+def test_each_yarn_factor_changes_the_rows(ckpts):
+    """YaRN's frequencies, its cos/sin factor and its scores' factor each change the rows:
+    the same tensors with one of them undone (the attention factor forced to 1; the
+    scores' factor removed by mscale_all_dim = 0 with the attention factor kept)."""
+    path, _ = ckpts("yarn_interleave")
+    on = _module_rows(path, "numpy")
+    y = Yarn.from_mapping(YARN)
+    assert y.attention_factor != 1.0 and y.softmax_factor != 1.0
+    edits = {"attention factor": dataclasses.replace(y, attention_factor_override=1.0),
+             "scores' factor": dataclasses.replace(y, mscale=0.0, mscale_all_dim=0.0,
+                                                   attention_factor_override=y.attention_factor)}
+    for what, other in edits.items():
+        ref = _module_rows(path, "numpy", {"rope_scaling": other})
+        assert max(np.abs(a - b).max() for a, b in zip(on, ref)) > 1e-4, f"YaRN's {what} changed nothing"
+
+
+def test_yarn_and_interleave_config_fields():
+    cfg = feature_config("yarn_interleave")
+    b = cfg.block(0)
+    assert b.rope_interleave and isinstance(b.rope_scaling, Yarn) and "interleaved yarn x4 of 12" in cfg.describe()
+    m = lambda f, k: 0.1 * k * np.log(f) + 1.0                        # noqa: E731
+    assert np.isclose(b.rope_scale, m(4.0, 1.0) / m(4.0, 0.8)) and np.isclose(b.scale, 16 ** -0.5 * m(4.0, 0.8) ** 2)
+    assert np.isclose(feature_config("yarn").block(0).rope_scale, m(4.0, 1.0))
+    assert feature_config("yarn").block(0).scale == 16 ** -0.5
+    d = cfg.to_dict()
+    assert d["rope_interleave"] is True and d["rope_parameters"]["rope_type"] == "yarn"
+    assert d["rope_parameters"]["original_max_position_embeddings"] == 12
+    per = feature_config("rope_per_module")
+    assert [per.block(m).rope_interleave for m in range(3)] == [False, True, False]
+    assert per.block(2).rope_scaling == Yarn.from_mapping(YARN) and per.block(0).rope_scaling is None
+
+
+def test_yarn_is_read_from_rope_scaling_or_rope_parameters():
+    """DeepSeek-V3's rope_scaling (``type``), transformers 5's rope_parameters (``rope_type``),
+    or both agreeing; the factor defaults to max_position_embeddings / original."""
+    base = tiny_config().to_dict()
+    del base["rope_parameters"]
+    ds = {"type": "yarn", "factor": 4, "original_max_position_embeddings": 12, "mscale": 1.0,
+          "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+    want = feature_config("yarn_interleave")
+    for d in (dict(base, rope_scaling=ds), dict(base, rope_parameters=dict(ds, rope_theta=1e4)),
+              dict(base, rope_scaling=ds, rope_parameters=dict(ds, rope_type="yarn", rope_theta=1e4))):
+        got = MtpConfig.from_dict(dict(d, rope_interleave=True, partial_rotary_factor=1.0))
+        assert got == want
+    got = MtpConfig.from_dict(dict(base, max_position_embeddings=48,
+                                   rope_scaling={"type": "yarn", "original_max_position_embeddings": 12}))
+    assert got.rope_scaling.factor == 4.0
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(rope_scaling={"type": "yarn", "original_max_position_embeddings": 12, "factor": 0.5}),
+     r"rope_scaling: rope_scaling.factor expected a number in \[1, 1e\+06\], got 0.5"),
+    (dict(rope_scaling={"type": "yarn"}), r"rope_scaling.factor is required by rope_type 'yarn'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4, "low_freq_factor": 1.0}),
+     r"rope_scaling.low_freq_factor is not supported \(rope_type 'yarn' reads only"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4, "beta_fast": 1, "beta_slow": 32}),
+     r"beta_slow \(32\) must be <= beta_fast \(1\)"),
+    (dict(rope_scaling={"type": "yarn", "factor": "4"}), r"field 'rope_scaling.factor' expected float, got str"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), r"rope_scaling.rope_type 'llama3' is not supported"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"rope_type 'dynamic' is not supported"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), r"rope_type 'linear' is not supported"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4}, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+     r"rope_parameters.rope_type 'default' disagrees with rope_scaling.rope_type 'yarn'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4}, rope_parameters={"rope_type": "yarn", "factor": 8}),
+     r"rope_parameters.factor \(8.0\) disagrees with rope_scaling.factor \(4.0\)"),
+    (dict(rope_interleave=1), r"field 'rope_interleave' expected bool, got int 1"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4, "attention_factor": 2e3}),
+     r"rope_scaling.attention_factor expected a number in \[0, 1000\], got 2000"),
+    (dict(rope_scaling={"type": "yarn", "factor": 1e6, "mscale": 1e3, "mscale_all_dim": 1e-3}),
+     r"attention factor 13.* must be in \(0, 1e3\]"),
+    (dict(mtp_blocks=[{}, {"rope_interleave": "yes"}, {}]), r"rope_interleave expected a bool, got 'yes' \(module 1"),
+    (dict(mtp_blocks=[{}, {}, {"rope_scaling": {"factor": 4, "original_max_position_embeddings": 12, "beta": 3}}]),
+     r"unknown YaRN field\(s\) \['beta'\]"),
+])
+def test_bad_rope_variants_are_refused(edit, match):
+    d = tiny_config().to_dict()
+    del d["rope_parameters"]
+    with pytest.raises(ConfigError, match=match):
+        MtpConfig.from_dict(dict(d, **edit))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_yarn_interleave_past_the_original_context_agrees_with_the_oracle(ckpts, backend):
+    """Exact mode over positions 30 .. 50, past YaRN's original 12: drafts and every
+    module's K/V rows against the float64 oracle after each call."""
+    import test_oracle
+
+    for name in ("yarn_interleave", "rope_per_module"):
+        path, weights = ckpts(name)
+        prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
+                                                  num_blocks=96, prefill_chunk=7)
+        test_oracle.run_scenario(prop, prop.config, weights, 5, 30, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)],
+                                 "prenorm", None)
+
+
 # -- the proposer under random calls, checked against the oracle -------------------------------
 
 SETTINGS = settings(max_examples=12, stateful_step_count=40, deadline=None,
@@ -159,7 +268,7 @@ SETTINGS = settings(max_examples=12, stateful_step_count=40, deadline=None,
 @pytest.mark.parametrize("name", list(FEATURES))
 @pytest.mark.parametrize("backend,kv_mode", [("numpy", "exact"), ("cpu", "draft"), ("cpu", "exact")])
 def test_random_calls_agree_with_the_oracle(ckpts, name, backend, kv_mode):
-    if backend == "numpy" and name not in ("mixed", "window_sinks_dv_dense"):
+    if backend == "numpy" and name not in ("mixed", "window_sinks_dv_dense", "yarn_interleave"):
         pytest.skip("numpy runs the combined configs; cpu runs every feature")
     path, weights = ckpts(name)
     machine = proposer_machine(lambda: MultiModuleMtpHead.from_pretrained(

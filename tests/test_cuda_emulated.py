@@ -541,8 +541,10 @@ def test_experts_invalid_ids_add_nothing(be):
     assert_close(got, want, "float32", "moe_experts with invalid ids")
 
 
-@pytest.mark.parametrize("n,Hq,Hkv,D,R", [(3, 12, 2, 128, 64), (2, 8, 8, 64, 64), (5, 3, 1, 80, 2), (1, 2, 1, 7, 6)])
-def test_rope_shapes(be, n, Hq, Hkv, D, R):
+@pytest.mark.parametrize("interleave,rope_scale", [(False, 1.0), (True, 1.0), (True, 0.7), (False, 1.4)])
+@pytest.mark.parametrize("n,Hq,Hkv,D,R", [(3, 12, 2, 128, 64), (2, 8, 8, 64, 64), (5, 3, 1, 80, 2), (1, 2, 1, 7, 6),
+                                         (13, 5, 1, 72, 70)])
+def test_rope_shapes(be, n, Hq, Hkv, D, R, interleave, rope_scale):
     rng = np.random.default_rng(D + R)
     NB, BS = 5, 3
     qkv = rnd(rng, n, (Hq + 2 * Hkv) * D, scale=2.0)
@@ -552,8 +554,9 @@ def test_rope_shapes(be, n, Hq, Hkv, D, R):
     slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)
     k, v = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
     kr, vr = np.zeros((NB, BS, Hkv, D), np.float32), np.zeros((NB, BS, Hkv, D), np.float32)
-    q = be.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, pos, k, v, slots)
-    qr = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, pos, kr, vr, slots)
+    kw = dict(interleave=interleave, rope_scale=rope_scale)                  # lanes past 32 pairs: R = 70
+    q = be.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, pos, k, v, slots, **kw)
+    qr = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, pos, kr, vr, slots, **kw)
     assert_close(q, qr, "float32", "q")
     b, o = slots // BS, slots % BS
     if be.kv_dtype == np.float32:
@@ -710,6 +713,11 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
                 q[:4], k, v, tables, np.array([0, 1, 1, 0], np.int32), np.array([192, 1, 100, 17], np.int32),
                 D ** -0.5, row_start=np.array([60, 0, 99, 3], np.int32), sinks=rnd(rng, Hq))
             out[f"kv {kv} {D}"] = np.concatenate([k.view(np.uint8).ravel(), v.view(np.uint8).ravel()])
+        k, v = be.empty_kv(3, 4, 1, 14), be.empty_kv(3, 4, 1, 14)                     # interleaved pairs
+        out[f"rope interleave {kv}"] = be.qk_norm_rope_kv_write(
+            rnd(rng, 5, 4 * 14), 2, 1, rnd(rng, 14), None, 1e-6, inv_freq(10, 1e4),
+            np.array([0, 7, 90, 3, 4000], np.int32), k, v, np.array([0, 11, 5, 2, 7], np.int32),
+            interleave=True, rope_scale=1.25)
     src, dst = rnd(rng, 64), np.zeros(64, np.float32)
     step_launch.copy_segments(np.array([(src.ctypes.data, dst.ctypes.data, 64)], np.int64))
     out["copy_segments"] = dst
@@ -883,12 +891,13 @@ def test_mimo_v2_flash_on_the_kernels(fake_runtime, tmp_path, fp8):
     test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), "draft", 2)
 
 
-@pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense"])
+@pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense", "yarn_interleave", "rope_per_module"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, mode):
     """Modules of different sizes and attention forms (tests/test_blocks.py) on the kernels:
     each module's buffers of its own shape in the captured step, a window's first rows
-    staged per call, sinks, Dv < D; contexts longer than the windows."""
+    staged per call, sinks, Dv < D, interleaved RoPE and YaRN (past its original context of
+    12 positions); contexts longer than the windows."""
     cfg = test_blocks.feature_config(name)
     from mtpkern import write_synthetic_checkpoint
 

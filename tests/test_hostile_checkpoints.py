@@ -404,7 +404,7 @@ _REFUSED = {
     "layer_types": ["full_attention", "sliding_attention"], "hybrid_layer_pattern": [0, 1, 1],
     "swiglu_limits": [None, 7.0], "swiglu_limit": 7.0, "attention_sink_bias": True,
     "add_swa_attention_sink_bias": True, "attn_output_gate": True,
-    "linear_num_key_heads": 16, "rope_interleave": True, "topk_method": "group_limited_greedy",
+    "linear_num_key_heads": 16, "topk_method": "group_limited_greedy",
     "partial_rotary_factors": [0.5, 1.0], "mlp_bias": True,
     # another family's name for a quantity we read, disagreeing with ours
     "num_experts": 512, "num_local_experts": 9, "moe_num_experts": 16, "rotary_dim": 16,
@@ -477,7 +477,8 @@ def test_model_types_and_architectures(change, msg):
 @pytest.mark.parametrize("rope,msg", [
     ({"full_attention": {"rope_type": "default", "rope_theta": 5e6}}, "rope_parameters.full_attention is not supported"),
     ({"rope_type": "default", "factor": 2.0}, "rope_parameters.factor is not supported"),
-    ({"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters.rope_type 'yarn' is not supported"),
+    ({"rope_type": "longrope", "rope_theta": 1e4}, "rope_parameters.rope_type 'longrope' is not supported"),
+    ({"rope_type": "yarn", "rope_theta": 1e4}, "rope_parameters.factor is required by rope_type 'yarn'"),
     ({"rope_type": ["default"]}, "rope_type ['default'] is not supported"),
     ({"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5, "_top": {"rope_theta": 1e4}},
      "rope_parameters.rope_theta (500000.0) disagrees with the top-level rope_theta (10000.0)"),
@@ -520,10 +521,13 @@ def test_finite_values_that_poison_the_maths_are_refused(field, value):
         MtpConfig.from_dict(dict(CFG.to_dict(), **{field: value}, rope_parameters=None))
 
 
-@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 40}, {"type": "linear", "factor": 2.0}])
-def test_a_scaling_beside_rope_parameters_is_not_ignored(scaling):
+@pytest.mark.parametrize("scaling,match", [({"rope_type": "yarn", "factor": 40}, "rope_type 'default' disagrees with "
+                                                                                "rope_scaling.rope_type 'yarn'"),
+                                           ({"type": "linear", "factor": 2.0}, "rope_scaling.rope_type 'linear' is "
+                                                                               "not supported")])
+def test_a_scaling_beside_rope_parameters_is_not_ignored(scaling, match):
     d = dict(CFG.to_dict(), rope_scaling=scaling)               # to_dict writes rope_parameters: default
-    with pytest.raises(ConfigError, match="rope_scaling.(rope_type|factor) .*is not supported"):
+    with pytest.raises(ConfigError, match=match):
         MtpConfig.from_dict(d)
     d = dict(CFG.to_dict(), rope_scaling={"rope_type": "default", "rope_theta": 5.0})
     with pytest.raises(ConfigError, match="disagrees with rope_scaling.rope_theta"):

@@ -182,6 +182,37 @@ def test_qk_norm_rope_kv_write(be, n, Hq, Hkv, D, R, norms):
     assert not k_got[untouched].any() and not v_got[untouched].any(), "a slot not in `slots` was written"
 
 
+@pytest.mark.parametrize("n", [1, 19])
+@pytest.mark.parametrize("Hq,Hkv,D,R,norms", [(4, 2, 16, 16, True), (3, 1, 10, 4, False), (5, 1, 14, 10, True),
+                                             (1, 1, 8, 2, False)])
+@pytest.mark.parametrize("interleave,rope_scale", [(True, 1.0), (True, 1.37), (False, 0.83)])
+def test_qk_norm_rope_kv_write_interleave_and_scale(be, n, Hq, Hkv, D, R, norms, interleave, rope_scale):
+    """The RoPE variants: interleaved pairs (2i, 2i + 1) and cos/sin scaled by YaRN's
+    attention factor, odd head dims and partial rotation, on every backend."""
+    rng = rng_for("rope_il", n, Hq, Hkv, D, R, norms, interleave, rope_scale)
+    NB, BS = 7, 5
+    qkv = acts(rng, n, (Hq + 2 * Hkv) * D, scale=2.0)
+    qn, kn = (acts(rng, D), acts(rng, D)) if norms else (None, None)
+    invf = inv_freq(R, 10000.0)
+    positions = rng.integers(0, 5000, n).astype(np.int32)
+    slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)
+    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    k_ref, v_ref = REF.empty_kv(NB, BS, Hkv, D), REF.empty_kv(NB, BS, Hkv, D)
+    vec = lambda a: None if a is None else be.prepare_vector(a)      # noqa: E731
+    q = be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, vec(qn), vec(kn), 1e-6, be.from_host(invf),
+                                 be.from_host(positions), k_cache, v_cache, be.from_host(slots),
+                                 interleave=interleave, rope_scale=rope_scale)
+    q_ref = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, positions, k_ref, v_ref, slots,
+                                      interleave=interleave, rope_scale=rope_scale)
+    plain = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, positions, REF.empty_kv(NB, BS, Hkv, D),
+                                      REF.empty_kv(NB, BS, Hkv, D), slots)
+    if R > 2 or rope_scale != 1.0:                                   # R = 2: one pair, (0, 1) either way
+        assert np.abs(q_ref - plain).max() > 1e-2, "the variant changed nothing"
+    assert_close(be.to_host(q), q_ref, what="q")
+    blk, off = slots // BS, slots % BS
+    assert_close(be.kv_to_host(k_cache)[blk, off], k_ref[blk, off], kv_tol(be), what="k cache rows")
+
+
 def _rope_both(be, rng, qkv, Hq, Hkv, D, Dv, NB, BS):
     """``qkv`` through the backend and the reference with random q/k norms, full RoPE,
     random positions and distinct random slots -> (q, q_ref, k_cache, v_cache, k_ref,

@@ -60,6 +60,59 @@ def test_rope_is_a_rotation_of_complex_pairs():
     np.testing.assert_array_equal(got[0], x[0])                      # position 0: identity
 
 
+def test_interleaved_rope_rotates_adjacent_pairs_scaled():
+    """Interleaved RoPE: (x_{2i} + i x_{2i+1}) times rope_scale e^{i pos theta_i}; dims past R
+    untouched (unscaled)."""
+    D, R, theta, sc = 14, 10, 500.0, 1.3
+    x = f32(4, 3, D)
+    pos = np.array([0, 1, 7, 1000], np.int32)
+    got = rope_kv.rope(x, pos, rope_kv.inv_freq(R, theta), interleave=True, rope_scale=sc)
+    z = x[..., 0:R:2] + 1j * x[..., 1:R:2]
+    rz = z * sc * np.exp(1j * pos[:, None, None] * theta ** (-np.arange(R // 2) * 2.0 / R))
+    np.testing.assert_allclose(got[..., 0:R:2], rz.real, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[..., 1:R:2], rz.imag, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(got[..., R:], x[..., R:])
+
+
+def _hf_yarn(dim, base, factor, omax, beta_fast=32, beta_slow=1, mscale=None, mscale_all_dim=None):
+    """Hugging Face's ``_compute_yarn_parameters`` re-derived here, in float64, from its formulas:
+    (inv_freq [dim/2], attention_factor)."""
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if mscale and mscale_all_dim:
+        att = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    else:
+        att = get_mscale(factor)
+    corr = [dim * math.log(omax / (b * 2 * math.pi)) / (2 * math.log(base)) for b in (beta_fast, beta_slow)]
+    low, high = max(math.floor(corr[0]), 0), min(math.ceil(corr[1]), dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = [base ** (2 * i / dim) for i in range(dim // 2)]
+    out = []
+    for i, pf in enumerate(pos_freqs):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        extrap = 1.0 - ramp                                  # HF's inv_freq_extrapolation_factor
+        out.append((1.0 / (factor * pf)) * (1 - extrap) + (1.0 / pf) * extrap)
+    return np.array(out), att
+
+
+@pytest.mark.parametrize("dim,base,factor,omax,bf,bs", [(64, 10000.0, 40.0, 4096, 32, 1), (16, 10000.0, 8.0, 16, 32, 1),
+                                                        (10, 5e5, 4.0, 64, 8, 2), (128, 1e6, 2.0, 32768, 32, 1)])
+def test_yarn_inv_freq_matches_hugging_face(dim, base, factor, omax, bf, bs):
+    want, _ = _hf_yarn(dim, base, factor, omax, bf, bs)
+    got = rope_kv.yarn_inv_freq(dim, base, factor, omax, bf, bs)
+    assert got.dtype == np.float32 and got.shape == (dim // 2,)
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-7, atol=0)
+    plain = rope_kv.inv_freq(dim, base).astype(np.float64)
+    assert got[0] == np.float32(plain[0]) and np.isclose(got[-1], plain[-1] / factor, rtol=1e-6)
+
+
+def test_yarn_mscale():
+    assert rope_kv.yarn_mscale(1.0) == 1.0 and rope_kv.yarn_mscale(0.5, 3.0) == 1.0
+    assert math.isclose(rope_kv.yarn_mscale(40.0, 1.0), 0.1 * math.log(40.0) + 1.0)
+    assert math.isclose(rope_kv.yarn_mscale(40.0, 0.707), 0.0707 * math.log(40.0) + 1.0)
+
+
 def test_qk_norm_rope_kv_write_slots_and_layout():
     Hq, Hkv, D, NB, BS = 4, 2, 8, 5, 3
     n = 4

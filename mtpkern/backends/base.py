@@ -159,7 +159,8 @@ class Backend(ABC):
 
     @abstractmethod
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
-                              eps: float, inv_freq, positions, k_cache, v_cache, slots): ...
+                              eps: float, inv_freq, positions, k_cache, v_cache, slots, *,
+                              interleave: bool = False, rope_scale: float = 1.0): ...
 
     @abstractmethod
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,

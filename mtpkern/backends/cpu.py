@@ -309,9 +309,10 @@ class CpuBackend(Backend):
 
     # -- rope + kv write ----------------------------------------------------
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
-                              eps: float, inv_freq, positions, k_cache, v_cache, slots, *, out=None):
+                              eps: float, inv_freq, positions, k_cache, v_cache, slots, *,
+                              interleave: bool = False, rope_scale: float = 1.0, out=None):
         self._check(check_qk_norm_rope_kv_write, qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
-                    inv_freq, positions, k_cache, v_cache, slots)
+                    inv_freq, positions, k_cache, v_cache, slots, interleave, rope_scale)
         NB, BS, Hkv, D = k_cache.shape
         Dv = v_cache.shape[3]
         for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -327,7 +328,7 @@ class CpuBackend(Backend):
             _apart(_act(qkv), q), num_q_heads, num_kv_heads, D, Dv, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
             np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions),
             k_cache.reshape(NB * BS, Hkv * D), v_cache.reshape(NB * BS, Hkv * Dv), slots,
-            q.reshape(n, num_q_heads * D))
+            q.reshape(n, num_q_heads * D), bool(interleave), np.float32(rope_scale))
         return q
 
     # -- attention ----------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Per-head q/k RMSNorm, partial neox RoPE, and the paged KV write, in one op.
+"""Per-head q/k RMSNorm, partial RoPE (neox halves or interleaved pairs), and the paged
+KV write, in one op.
 
 ``qk_norm_rope_kv_write(qkv [n, W >= (Hq + Hkv) D + Hkv Dv], num_q_heads, num_kv_heads,
 q_norm_w [D] | None, k_norm_w [D] | None, eps, inv_freq [R/2], positions [n],
-k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv], slots [n]) -> q [n, Hq, D]``
+k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv], slots [n], *, interleave=False,
+rope_scale=1.0) -> q [n, Hq, D]``
 
 - ``qkv`` row layout: ``Hq`` query heads and ``Hkv`` key heads, each ``D`` wide,
   then ``Hkv`` value heads, each ``Dv`` wide (``v_cache``'s last axis; MiMo-V2 has
@@ -11,9 +13,13 @@ k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv], slots [n]) -> q [n, Hq, D]`
   q | k | v in the same GEMM (an attention output gate, Step-3.5's ``g_proj``)
   rides along, and its columns are read from the same buffer by the next op.
 - q and k are RMS-normalised per head (when the weights are given), then the
-  first ``R = 2 * len(inv_freq)`` dims of every head are rotated neox style:
-  with ``x1 = x[:R/2]``, ``x2 = x[R/2:R]``, ``f = pos * inv_freq``:
-  ``x1' = x1 cos f - x2 sin f``, ``x2' = x2 cos f + x1 sin f``; dims ``R..D`` pass.
+  first ``R = 2 * len(inv_freq)`` dims of every head are rotated: pair ``i`` (angle
+  ``f_i = pos * inv_freq[i]``) is dims ``(i, i + R/2)`` (neox halves, the default) or
+  ``(2i, 2i + 1)`` with ``interleave`` (GPT-J order: DeepSeek-V3's and GLM-4.7-Flash's
+  ``rope_interleave``); with ``(x1, x2)`` the pair, ``c = rope_scale cos f``,
+  ``s = rope_scale sin f``: ``x1' = x1 c - x2 s``, ``x2' = x2 c + x1 s``; dims
+  ``R..D`` pass unscaled. ``rope_scale`` is YaRN's attention factor (Hugging Face's
+  ``attention_scaling``, multiplied into cos and sin: 1 for the default RoPE).
 - k (rotated) and v are written at ``slot = block * BS + offset`` of the caches,
   converted to the cache dtype; q (rotated) is returned in FP32.
 """
@@ -32,20 +38,62 @@ def inv_freq(rotary_dim: int, theta: float) -> np.ndarray:
     return (1.0 / (theta ** exps)).astype(np.float32)
 
 
-def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq_: np.ndarray) -> np.ndarray:
-    """x: [n, heads, D] FP32; rotates the first R dims of every head."""
+def yarn_inv_freq(rotary_dim: int, theta: float, factor: float, original_max_position_embeddings: int,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> np.ndarray:
+    """``[R/2]`` FP32: YaRN's blend of the default frequencies (``theta ** (-2i / R)``,
+    kept where a dim turns more than ``beta_fast`` times over the original context) and
+    the interpolated ones (divided by ``factor``, where it turns fewer than ``beta_slow``
+    times), linearly in between; as Hugging Face's ``_compute_yarn_parameters``."""
+    R, half = rotary_dim, rotary_dim // 2
+    extra = theta ** -(np.arange(0, R, 2, dtype=np.float64) / R)         # [R/2]
+
+    def dim_of(turns: float) -> float:      # the dim whose wave turns `turns` times in the original context
+        return R * np.log(original_max_position_embeddings / (turns * 2 * np.pi)) / (2 * np.log(theta))
+
+    lo, hi = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        lo, hi = np.floor(lo), np.ceil(hi)
+    lo, hi = max(lo, 0.0), min(hi, R - 1.0)
+    if lo == hi:
+        hi += 0.001
+    ramp = np.clip((np.arange(half, dtype=np.float64) - lo) / (hi - lo), 0.0, 1.0)   # 0: keep, 1: interpolate
+    return (extra / factor * ramp + extra * (1.0 - ramp)).astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 mscale ln(factor) + 1`` (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * float(np.log(factor)) + 1.0
+
+
+def rope_pairs(D: int, half: int, interleave: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The dims (x1, x2) of each rotated pair: ``(i, i + half)`` or ``(2i, 2i + 1)``."""
+    i = np.arange(half)
+    return (2 * i, 2 * i + 1) if interleave else (i, i + half)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, inv_freq_: np.ndarray, interleave: bool = False,
+         rope_scale: float = 1.0) -> np.ndarray:
+    """x: [n, heads, D] FP32; rotates the first R dims of every head (module docstring)."""
     half = inv_freq_.shape[0]
     f = positions.astype(np.float32)[:, None] * inv_freq_[None, :]    # [n, R/2]
-    cos, sin = np.cos(f)[:, None, :], np.sin(f)[:, None, :]           # [n, 1, R/2]
-    x1, x2 = x[..., :half], x[..., half:2 * half]
+    sc = np.float32(rope_scale)
+    cos, sin = (np.cos(f) * sc)[:, None, :], (np.sin(f) * sc)[:, None, :]   # [n, 1, R/2]
+    a, b = rope_pairs(x.shape[-1], half, interleave)
+    x1, x2 = x[..., a], x[..., b]
     out = x.copy()
-    out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:2 * half] = x2 * cos + x1 * sin
+    out[..., a] = x1 * cos - x2 * sin
+    out[..., b] = x2 * cos + x1 * sin
     return out
 
 
+def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq_: np.ndarray) -> np.ndarray:
+    """x: [n, heads, D] FP32; rotates the first R dims of every head, neox halves."""
+    return rope(x, positions, inv_freq_)
+
+
 def check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
-                                inv_freq_, positions, k_cache, v_cache, slots) -> None:
+                                inv_freq_, positions, k_cache, v_cache, slots, interleave=False,
+                                rope_scale=1.0) -> None:
     expect_ndim("k_cache", k_cache, 4)
     NB, BS, Hkv, D = k_cache.shape
     if Hkv != num_kv_heads:
@@ -71,12 +119,18 @@ def check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm
     expect_shape("slots", slots, (n,))
     expect_dtype("positions", positions, "int32")
     expect_dtype("slots", slots, "int32")
+    if not isinstance(interleave, (bool, np.bool_)):
+        raise TypeError(f"interleave: expected a bool, got {type(interleave).__name__} {interleave!r}")
+    if (isinstance(rope_scale, bool) or not isinstance(rope_scale, (int, float, np.floating))
+            or not (np.isfinite(rope_scale) and 0 < rope_scale <= 1e3)):
+        raise ValueError(f"rope_scale: expected a finite number in (0, 1e3], got {rope_scale!r}")
 
 
 def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
-                          eps: float, inv_freq_, positions, k_cache, v_cache, slots) -> np.ndarray:
+                          eps: float, inv_freq_, positions, k_cache, v_cache, slots, *,
+                          interleave: bool = False, rope_scale: float = 1.0) -> np.ndarray:
     check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
-                                inv_freq_, positions, k_cache, v_cache, slots)
+                                inv_freq_, positions, k_cache, v_cache, slots, interleave, rope_scale)
     NB, BS, Hkv, D = k_cache.shape
     Dv = v_cache.shape[3]
     n, Hq = qkv.shape[0], num_q_heads
@@ -88,8 +142,8 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
         q = rmsnorm(q, q_norm_w, eps)
     if k_norm_w is not None:
         k = rmsnorm(k, k_norm_w, eps)
-    q = rope_neox(q, positions, inv_freq_)
-    k = rope_neox(k, positions, inv_freq_)
+    q = rope(q, positions, inv_freq_, interleave, rope_scale)
+    k = rope(k, positions, inv_freq_, interleave, rope_scale)
     blk, off = np.divmod(slots.astype(np.int64), BS)
     k_cache[blk, off] = k.astype(k_cache.dtype)
     v_cache[blk, off] = v.astype(v_cache.dtype)

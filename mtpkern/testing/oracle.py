@@ -25,16 +25,45 @@ def _rms(x, w, eps):
     return (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * np.asarray(w, np.float64))
 
 
-def _rope(x, pos, R, theta):
-    """x [n, h, D]: rotate dims (i, i + R/2) of the first R by angle pos * theta^(-2i/R)."""
+def _yarn(R, theta, y):
+    """YaRN's (frequencies [R/2], cos/sin factor, scores' factor), float64, from the
+    formulas of the YaRN paper as Hugging Face and DeepSeek-V3 write them."""
+    def m(scale, k=1.0):                          # the magnitude correction
+        return 1.0 if scale <= 1 else 0.1 * k * np.log(scale) + 1.0
+
+    base = theta ** (-np.arange(R // 2) * 2.0 / R)
+    # dim d turns omax * base_d / (2 pi) times over the original context; solve for d
+    turns_dim = lambda t: R * np.log(y.original_max_position_embeddings / (2 * np.pi * t)) / (2 * np.log(theta))  # noqa: E731
+    lo, hi = turns_dim(y.beta_fast), turns_dim(y.beta_slow)
+    if y.truncate:
+        lo, hi = np.floor(lo), np.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, R - 1)
+    hi = hi + 0.001 if hi == lo else hi
+    interp = np.clip((np.arange(R // 2) - lo) / (hi - lo), 0, 1)   # 1: fully interpolated (divided by factor)
+    freqs = base * (1 - interp) + base / y.factor * interp
+    if y.attention_factor_override:
+        att = y.attention_factor_override
+    elif y.mscale and y.mscale_all_dim:
+        att = m(y.factor, y.mscale) / m(y.factor, y.mscale_all_dim)
+    else:
+        att = m(y.factor)
+    return freqs, att, (m(y.factor, y.mscale_all_dim) ** 2 if y.mscale_all_dim else 1.0)
+
+
+def _rope(x, pos, R, theta, interleave=False, yarn=None):
+    """x [n, h, D]: rotate the pairs of the first R dims, (i, i + R/2) or (2i, 2i + 1) when
+    ``interleave``, by angle pos * theta^(-2i/R) (YaRN's frequencies and cos/sin factor
+    when ``yarn``)."""
     half = R // 2
-    ang = pos[:, None].astype(np.float64) * theta ** (-np.arange(half) * 2.0 / R)[None, :]
-    c = np.cos(ang)[:, None, :]
-    s = np.sin(ang)[:, None, :]
+    freqs, att = (theta ** (-np.arange(half) * 2.0 / R), 1.0) if yarn is None else _yarn(R, theta, yarn)[:2]
+    ang = pos[:, None].astype(np.float64) * freqs[None, :]
+    c = np.cos(ang)[:, None, :] * att
+    s = np.sin(ang)[:, None, :] * att
+    i1, i2 = (np.arange(0, R, 2), np.arange(1, R, 2)) if interleave else (np.arange(half), np.arange(half, R))
     out = x.copy()
-    a, b = x[..., :half], x[..., half:R]
-    out[..., :half] = a * c - b * s
-    out[..., half:R] = b * c + a * s
+    a, b = x[..., i1], x[..., i2]
+    out[..., i1] = a * c - b * s
+    out[..., i2] = b * c + a * s
     return out
 
 
@@ -73,14 +102,16 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     gate = qkv[:, b.q_size + b.k_size + b.v_size:] if b.attn_gate else None    # after q|k|v
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
-    q, k = _rope(q, pos, b.rotary_dim, b.rope_theta), _rope(k, pos, b.rotary_dim, b.rope_theta)
+    rope = dict(interleave=b.rope_interleave, yarn=b.rope_scaling)
+    q, k = _rope(q, pos, b.rotary_dim, b.rope_theta, **rope), _rope(k, pos, b.rotary_dim, b.rope_theta, **rope)
+    scale = D ** -0.5 * (1.0 if b.rope_scaling is None else _yarn(b.rotary_dim, b.rope_theta, b.rope_scaling)[2])
     grp = Hq // Hkv
     att = np.zeros((R, Hq, Dv))
     seen = keys[:, None] >= keys[None, :]                         # causal
     if b.sliding_window:
         seen &= keys[:, None] - keys[None, :] < b.sliding_window
     for hh in range(Hq):
-        s = q[:, hh] @ k[:, hh // grp].T / np.sqrt(D)            # [R, R]
+        s = q[:, hh] @ k[:, hh // grp].T * scale                  # [R, R]
         s = np.where(seen, s, -np.inf)
         mx = s.max(1, keepdims=True)
         if w.sinks is not None:                                   # a logit that joins the softmax, no value

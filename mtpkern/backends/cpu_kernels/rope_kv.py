@@ -1,7 +1,8 @@
-"""Per-head q/k RMSNorm + partial neox RoPE + paged KV write, in one call
-(spec: mtpkern.ops.rope_kv).
+"""Per-head q/k RMSNorm + partial RoPE (neox halves or interleaved pairs) + paged KV
+write, in one call (spec: mtpkern.ops.rope_kv).
 
-A serial pass first fills the per-row cos/sin tables [n, R/2] (a second
+A serial pass first fills the per-row cos/sin tables [n, R/2], both multiplied by
+``rope_scale`` (YaRN's attention factor; 1 otherwise) (a second
 parallel loop would cost more to start than it saves, and ~1.5 s more to
 compile). Then one task per head (Hq query heads, then Hkv key heads, each carrying its
 value head) and walks the rows in order: each head is normed and rotated
@@ -21,8 +22,9 @@ from .norm import sumsq
 
 
 @njit(cache=True, fastmath=False)
-def _norm_rope_head(src, r, c0, D, w, eps, cos, sin, dst, dr, dc0):
-    """dst[dr, dc0:dc0+D] = rope(rmsnorm(src[r, c0:c0+D], w)) (no norm when w is empty)."""
+def _norm_rope_head(src, r, c0, D, w, eps, cos, sin, dst, dr, dc0, interleave):
+    """dst[dr, dc0:dc0+D] = rope(rmsnorm(src[r, c0:c0+D], w)) (no norm when w is empty);
+    pair k is dims (2k, 2k + 1) when ``interleave``, else (k, k + R/2)."""
     x, o = src[r, c0:c0 + D], dst[dr, dc0:dc0 + D]  # 1-D views: see linear._dot_*
     if w.shape[0] > 0:
         d = np.sqrt(sumsq(src, np.int64(r), np.int64(c0), np.int64(D)) / np.float32(D) + eps)
@@ -32,25 +34,28 @@ def _norm_rope_head(src, r, c0, D, w, eps, cos, sin, dst, dr, dc0):
         for k in range(D):
             o[k] = x[k]
     half = cos.shape[1]
+    step, second = (2, 1) if interleave else (1, half)   # pair k: dims (step k, step k + second)
     for k in range(half):
-        x1 = o[k]
-        x2 = o[half + k]
+        a = step * k
+        x1 = o[a]
+        x2 = o[a + second]
         c = cos[r, k]
         s = sin[r, k]
-        o[k] = x1 * c - x2 * s
-        o[half + k] = x2 * c + x1 * s
+        o[a] = x1 * c - x2 * s
+        o[a + second] = x2 * c + x1 * s
 
 
 @njit(cache=True, fastmath=False)
-def _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots):
+def _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots,
+               interleave):
     """Head h (a query head, or KV head h - Hq with its value head) of every row, rows in order."""
     for r in range(qkv.shape[0]):
         if h < Hq:
-            _norm_rope_head(qkv, r, h * D, D, q_norm_w, eps, cos, sin, q_out, r, h * D)
+            _norm_rope_head(qkv, r, h * D, D, q_norm_w, eps, cos, sin, q_out, r, h * D, interleave)
         else:
             kv = h - Hq
             slot = slots[r]
-            _norm_rope_head(qkv, r, h * D, D, k_norm_w, eps, cos, sin, k_rows, slot, kv * D)
+            _norm_rope_head(qkv, r, h * D, D, k_norm_w, eps, cos, sin, k_rows, slot, kv * D, interleave)
             v0 = (Hq + Hkv) * D + kv * Dv
             for k in range(Dv):
                 v_rows[slot, kv * Dv + k] = qkv[r, v0 + k]
@@ -58,9 +63,10 @@ def _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out,
 
 @njit(cache=True, fastmath=False, parallel=True)
 def qk_norm_rope_kv_write_kernel(qkv, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, inv_freq, positions,
-                                 k_rows, v_rows, slots, q_out):
+                                 k_rows, v_rows, slots, q_out, interleave, rope_scale):
     """qkv [n, W >= (Hq + Hkv) D + Hkv Dv] (columns past that unread); k_rows [NB * BS, Hkv * D],
-    v_rows [NB * BS, Hkv * Dv] (the caches, one row per slot); q_out [n, Hq * D]; eps float32."""
+    v_rows [NB * BS, Hkv * Dv] (the caches, one row per slot); q_out [n, Hq * D]; eps and
+    rope_scale float32; interleave bool (pairs (2k, 2k + 1), else (k, k + R/2))."""
     n = qkv.shape[0]
     half = inv_freq.shape[0]
     cos = np.empty((n, half), np.float32)
@@ -69,11 +75,13 @@ def qk_norm_rope_kv_write_kernel(qkv, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, i
         p = np.float32(positions[r])
         for k in range(half):
             f = p * inv_freq[k]
-            cos[r, k] = np.cos(f)
-            sin[r, k] = np.sin(f)
+            cos[r, k] = np.cos(f) * rope_scale
+            sin[r, k] = np.sin(f) * rope_scale
     if n * qkv.shape[1] <= SMALL:
         for h in range(Hq + Hkv):
-            _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots)
+            _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots,
+                       interleave)
     else:
         for h in prange(Hq + Hkv):
-            _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots)
+            _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots,
+                       interleave)

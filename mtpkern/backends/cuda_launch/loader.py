@@ -36,7 +36,7 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "norm": ("rmsnorm_kernel",) + tuple(f"mtp_norms_kernel<{t}>" for t in _CTYPES),
     "linear": tuple(f"linear_kernel<{t}>" for t in _WEIGHT_CTYPES),
     "mlp": tuple(f"swiglu_gate_up_kernel<{t}>" for t in _WEIGHT_CTYPES),
-    "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}>" for t in _CTYPES),
+    "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true")),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
     + ("paged_attention_merge_kernel",),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),

@@ -2,7 +2,11 @@
 
 ``qk_norm_rope_kv_write(qkv [n, W >= (Hq + Hkv) D + Hkv Dv], Hq, Hkv, q_norm_w [D] | None,
 k_norm_w [D] | None, eps, inv_freq [R/2], positions [n] int32,
-k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv], slots [n] int32) -> q [n, Hq, D]``
+k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv], slots [n] int32, *, interleave=False,
+rope_scale=1.0) -> q [n, Hq, D]``
+
+``interleave`` selects the kernel's ``Interleave`` instantiation (pairs (2i, 2i + 1), else
+(i, i + R/2)); ``rope_scale`` (YaRN's attention factor) multiplies cos and sin.
 
 The kernel reads row r of qkv at ``r * W``: columns past q | k | v (a gate stacked
 into the same projection) are skipped, not copied.
@@ -26,10 +30,11 @@ ROPE_WARPS = 4
 
 
 def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w, eps: float,
-                          inv_freq, positions, k_cache, v_cache, slots, *, out=None):
+                          inv_freq, positions, k_cache, v_cache, slots, *, interleave: bool = False,
+                          rope_scale: float = 1.0, out=None):
     """-> q [n, Hq, D] FP32 (``out``: the same, preallocated)."""
     check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
-                                inv_freq, positions, k_cache, v_cache, slots)
+                                inv_freq, positions, k_cache, v_cache, slots, interleave, rope_scale)
     k_cache = inplace(k_cache, "k_cache", "uint16", "float32")
     v_cache = inplace(v_cache, "v_cache", k_cache.dtype.name)
     expect_dtype("inv_freq", inv_freq, "float32")
@@ -48,8 +53,10 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
     if n == 0:
         return q
     grid = (cdiv(Hq + 2 * Hkv, ROPE_WARPS), n)
-    kernel = get_kernel("rope_kv", f"qk_norm_rope_kv_write_kernel<{ctype(k_cache)}>")
+    il = "true" if interleave else "false"
+    kernel = get_kernel("rope_kv", f"qk_norm_rope_kv_write_kernel<{ctype(k_cache)}, {il}>")
     kernel(grid, (ROPE_WARPS * 32,),
-           (qkv, i32(qkv.shape[1]), ptr(q_norm_w), ptr(k_norm_w), f32(eps), inv_freq, i32(half), positions,
+           (qkv, i32(qkv.shape[1]), ptr(q_norm_w), ptr(k_norm_w), f32(eps), inv_freq, i32(half),
+            f32(rope_scale), positions,
             k_cache, v_cache, slots, np.int64(NB * BS), q, i32(Hq), i32(Hkv), i32(D), i32(Dv)))
     return q
