@@ -16,7 +16,11 @@ latent output ``o_lat = sum_j p_j c_j`` and multiplies it out through ``w_uv[h]`
 Each latent row is read once per head here; FlashMLA's shape (all heads of a row
 over one latent tile) is the CUDA kernel's job (not yet). The weights are
 indexed directly (one specialisation per weight dtype, as the GEMV kernels).
-Absent ``row_start`` comes as an empty array.
+Absent ``row_start`` comes as an empty array. Measured (this machine, 2 cores, BF16
+weights, P 128, R 64, L 512, Dv 128, context 512, one sequence): n = 1, 16 heads
+1.35 ms on 1 thread, 0.74 ms on 2; n = 4 4.5 / 2.8 ms; 128 heads (DeepSeek-V3's)
+10.2 / 5.7 ms: ~8 G multiply-adds a second per thread, the latent rows served
+from cache (512 rows x 2,304 bytes).
 """
 
 from __future__ import annotations
