@@ -121,6 +121,11 @@ class Backend(ABC):
     def empty_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> Any:
         """A zeroed ``[num_blocks, block_size, Hkv, D]`` cache in ``kv_dtype``."""
 
+    def empty_latent_kv(self, num_blocks: int, block_size: int, row_width: int) -> Any:
+        """A zeroed ``[num_blocks, block_size, row_width]`` MLA latent cache in ``kv_dtype``
+        (``row_width = kv_lora_rank + qk_rope_head_dim``; mtpkern.ops.mla)."""
+        return self.empty_kv(num_blocks, block_size, 1, row_width).reshape(num_blocks, block_size, row_width)
+
     def kv_to_host(self, cache: Any) -> np.ndarray:
         """A KV cache (or a slice of one) -> FP32 NumPy, whatever ``kv_dtype`` is."""
         return np.asarray(self.to_host(cache), dtype=np.float32)
@@ -165,6 +170,14 @@ class Backend(ABC):
     @abstractmethod
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
                         row_start=None, sinks=None): ...
+
+    @abstractmethod
+    def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,
+                         interleave: bool = False, rope_scale: float = 1.0) -> None: ...
+
+    @abstractmethod
+    def mla_attention_absorbed(self, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+                               scale: float, *, row_start=None): ...
 
     @abstractmethod
     def sigmoid_gate(self, x, gate, residual=None): ...

@@ -39,6 +39,7 @@ from ..ops.attention import check_paged_attention
 from ..ops.gate import check_sigmoid_gate
 from ..ops.linear import check_linear
 from ..ops.lm_head import check_bitmask
+from ..ops.mla import check_mla_attention, check_mla_latent_write
 from ..ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input
@@ -51,6 +52,7 @@ from .cpu_kernels import bounds as bounds_k
 from .cpu_kernels import gate as gate_k
 from .cpu_kernels import linear as linear_k
 from .cpu_kernels import lm_head as lm_head_k
+from .cpu_kernels import mla as mla_k
 from .cpu_kernels import mlp as mlp_k
 from .cpu_kernels import moe as moe_k
 from .cpu_kernels import norm as norm_k
@@ -366,6 +368,60 @@ class CpuBackend(Backend):
         attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables, row_seq,
                                            row_start, row_len, _opt_vec(sinks), np.float32(scale), splits,
                                            out.reshape(n, Hq, Dv))
+        return out
+
+    # -- MLA ----------------------------------------------------------------
+    def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,
+                         interleave: bool = False, rope_scale: float = 1.0) -> None:
+        self._check(check_mla_latent_write, kv_a, kv_a_norm_w, inv_freq, positions, latent_cache, slots,
+                    interleave, rope_scale)
+        NB, BS, W = latent_cache.shape
+        if not (isinstance(latent_cache, np.ndarray) and latent_cache.dtype == np.float32
+                and latent_cache.flags.c_contiguous):
+            raise TypeError(f"latent_cache: expected a C-contiguous float32 NumPy cache (from empty_latent_kv), "
+                            f"got {type(latent_cache).__name__} {dtype_name(latent_cache)}")
+        slots = np.ascontiguousarray(slots)
+        _in_range("slots", slots, NB * BS)
+        self._use_threads()
+        mla_k.mla_latent_write_kernel(_act(kv_a), _act(kv_a_norm_w), np.float32(eps), _act(inv_freq),
+                                      np.ascontiguousarray(positions), latent_cache.reshape(NB * BS, W), slots,
+                                      bool(interleave), np.float32(rope_scale))
+
+    def mla_attention_absorbed(self, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+                               scale: float, *, row_start=None, out=None):
+        self._check(check_mla_attention, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+                    row_start)
+        NB, BS, W = latent_cache.shape
+        S, max_blocks = block_tables.shape
+        n, Hq, _ = q_nope.shape
+        Dv = w_uv.shape[1]
+        w_uk, w_uv = _weight("w_uk", w_uk), _weight("w_uv", w_uv)
+        if w_uk.dtype != w_uv.dtype:
+            raise TypeError(f"w_uv: expected the dtype of w_uk ({w_uk.dtype.name}), got {w_uv.dtype.name}")
+        row_seq = np.ascontiguousarray(row_seq)
+        row_len = np.ascontiguousarray(row_len)
+        block_tables = np.ascontiguousarray(block_tables)
+        _in_range("row_seq", row_seq, S)
+        bad = bounds_k.first_outside(row_len, 1, 1 << 31)
+        if bad >= 0:                                                         # the reference's message
+            raise ValueError(f"row_len[{bad}]: expected >= 1, got {int(row_len[bad])}")
+        _in_range("row_len", row_len, max_blocks * BS + 1, lo=1)
+        if row_start is None:
+            row_start = _NO_ROWS
+        else:
+            row_start = np.ascontiguousarray(row_start)
+            bad = bounds_k.first_outside_each(row_start, row_len)
+            if bad >= 0:                                                     # the reference's message
+                raise ValueError(f"row_start[{bad}]: expected 0 <= row_start < row_len[{bad}] = "
+                                 f"{int(row_len[bad])}, got {int(row_start[bad])}")
+        r, b = bounds_k.first_bad_table_entry(block_tables, row_seq, row_start, row_len, BS, NB)
+        if r >= 0:                                                           # a block a row will read
+            raise ValueError(f"block_tables (entries in use): expected values in [0, {NB}), "
+                             f"got {int(block_tables[row_seq[r], b])}")
+        out = _out("out", out, (n, Hq * Dv))
+        self._use_threads()
+        mla_k.mla_attention_kernel(_act(q_nope), _act(q_pe), w_uk, w_uv, _act(latent_cache), block_tables, row_seq,
+                                   row_start, row_len, np.float32(scale), out.reshape(n, Hq, Dv))
         return out
 
     # -- gate ---------------------------------------------------------------

@@ -219,6 +219,15 @@ class CudaBackend(Backend):
                                          row_start=row_start, sinks=sinks, out=out, part_o=part_o,
                                          part_ml=part_ml)
 
+    # MLA (mtpkern.ops.mla): the numpy and cpu backends have it; the CUDA kernels are not written yet
+    def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,
+                         interleave: bool = False, rope_scale: float = 1.0) -> None:
+        raise NotImplementedError("mla_latent_write: MLA on cuda: not yet (use backend='cpu' or 'numpy')")
+
+    def mla_attention_absorbed(self, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+                               scale: float, *, row_start=None, out=None):
+        raise NotImplementedError("mla_attention_absorbed: MLA on cuda: not yet (use backend='cpu' or 'numpy')")
+
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return gate_launch.sigmoid_gate(x, gate, residual, out=out)
 

@@ -10,6 +10,8 @@ module         ops
 ``rope_kv``    ``qk_norm_rope_kv_write`` (per-head q/k norm, partial neox RoPE, paged KV write)
 ``attention``  ``paged_attention`` (GQA over paged KV, causal rows of many sequences; sliding
                window, attention sinks, a value head dim of its own)
+``mla``        ``mla_latent_write``, ``mla_attention_absorbed`` (MLA over a paged latent cache;
+               ``mla_attention_naive`` and ``split_kv_b_proj``: reference; not yet in the head)
 ``gate``       ``sigmoid_gate`` (output gates: head-wise, element-wise, one per row; + residual)
 ``moe``        ``moe_router``, ``moe_experts``
 ``mlp``        ``swiglu_mlp``

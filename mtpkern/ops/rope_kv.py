@@ -119,6 +119,11 @@ def check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm
     expect_shape("slots", slots, (n,))
     expect_dtype("positions", positions, "int32")
     expect_dtype("slots", slots, "int32")
+    check_rope_options(interleave, rope_scale)
+
+
+def check_rope_options(interleave, rope_scale) -> None:
+    """``interleave`` a bool, ``rope_scale`` a finite number in (0, 1e3] (every rope op's)."""
     if not isinstance(interleave, (bool, np.bool_)):
         raise TypeError(f"interleave: expected a bool, got {type(interleave).__name__} {interleave!r}")
     if (isinstance(rope_scale, bool) or not isinstance(rope_scale, (int, float, np.floating))

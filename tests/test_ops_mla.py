@@ -1,0 +1,392 @@
+"""MLA ops (mtpkern.ops.mla): the absorbed form against the naive one (the specification)
+and against a float64 computation written here, the cpu backend against the NumPy
+reference, the latent write against float64 norm + rope, and bad input refused by name
+with the cache unchanged.
+
+Shapes are odd on purpose: Hq 1..16, kv_lora_rank L 33..127 (never a multiple of 32),
+rope dims R 8..64, v_head_dim != qk_nope_head_dim, block sizes 1..16, ragged rows of
+several sequences (a decode row, a causal prefill chunk, a window), tables permuted.
+The CUDA backend has no MLA kernels yet: it must still instantiate, and says "not yet".
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mtpkern.backends import get_backend
+from mtpkern.backends.cuda import CudaBackend
+from mtpkern.ops import mla
+from mtpkern.ops.rope_kv import inv_freq, yarn_inv_freq
+from mtpkern.tolerance import assert_close
+
+REF = get_backend("numpy")
+#: the backends with MLA (cuda: not yet, test_cuda_says_not_yet)
+HOST_BACKENDS = ["numpy", "cpu"]
+
+#: (Hq, P = qk_nope, R = qk_rope, L = kv_lora, Dv, BS)
+SHAPES = [
+    (1, 16, 8, 40, 24, 1),
+    (3, 24, 16, 72, 20, 3),
+    (7, 32, 32, 100, 48, 5),
+    (16, 48, 64, 127, 32, 16),
+    (2, 8, 8, 33, 12, 7),
+    (11, 64, 24, 90, 16, 4),
+]
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def rnd(rng, *shape, scale=1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# -- float64, independent of the ops ----------------------------------------------------------
+
+def rope64(x, pos, f, interleave, a):
+    """x [R] float64 rotated at pos (pairs (2i, 2i+1) or (i, i + R/2)), cos/sin times a."""
+    half = f.shape[0]
+    i = np.arange(half)
+    i1, i2 = (2 * i, 2 * i + 1) if interleave else (i, i + half)
+    ang = (np.float32(pos) * f).astype(np.float64)     # the angle in FP32, as the spec (and HF) round it
+    c, s = a * np.cos(ang), a * np.sin(ang)
+    y = x.copy()
+    y[i1] = x[i1] * c - x[i2] * s
+    y[i2] = x[i2] * c + x[i1] * s
+    return y
+
+
+def latent_row64(kv_a_row, w, eps, f, pos, interleave, a):
+    L = w.shape[0]
+    x = kv_a_row.astype(np.float64)
+    c = x[:L] / np.sqrt(np.mean(x[:L] ** 2) + eps) * w.astype(np.float64)
+    return np.concatenate([c, rope64(x[L:], pos, f, interleave, a)])
+
+
+def attention64(q_nope, q_pe, kv_b_proj, cache, tables, row_seq, row_len, scale, row_start=None):
+    """Decompress per row and head in float64, softmax, weighted values."""
+    n, Hq, P = q_nope.shape
+    NB, BS, W = cache.shape
+    R = q_pe.shape[2]
+    L = W - R
+    Dv = kv_b_proj.shape[0] // Hq - P
+    kvb = kv_b_proj.astype(np.float64).reshape(Hq, P + Dv, L)
+    out = np.zeros((n, Hq, Dv))
+    for r in range(n):
+        lo = 0 if row_start is None else int(row_start[r])
+        idx = np.arange(lo, int(row_len[r]))
+        rows = cache[tables[row_seq[r], idx // BS], idx % BS].astype(np.float64)   # [L', W]
+        for h in range(Hq):
+            k = np.concatenate([rows[:, :L] @ kvb[h, :P].T, rows[:, L:]], axis=1)   # [L', P + R]
+            v = rows[:, :L] @ kvb[h, P:].T                                          # [L', Dv]
+            q = np.concatenate([q_nope[r, h], q_pe[r, h]]).astype(np.float64)
+            s = k @ q * scale
+            p = np.exp(s - s.max())
+            out[r, h] = (p / p.sum()) @ v
+    return out.reshape(n, Hq * Dv)
+
+
+# -- a filled latent cache and the rows that read it -------------------------------------------
+
+def case(key, Hq, P, R, L, Dv, BS, window=False):
+    """Latent cache, 3 sequences with permuted tables, the rows (a decode row per sequence,
+    a causal 5-row chunk, a row at capacity), queries, kv_b_proj."""
+    rng = rng_for(key, Hq, P, R, L, Dv, BS, window)
+    S, max_blocks = 3, max(2, -(-40 // BS))
+    NB = S * max_blocks + 1
+    cache = rnd(rng, NB, BS, L + R)
+    tables = rng.permutation(NB)[: S * max_blocks].reshape(S, max_blocks).astype(np.int32)
+    cap = max_blocks * BS
+    row_seq = np.array([0, 1, 1, 1, 1, 1, 2, 2], np.int32)
+    row_len = np.array([1, 13, 14, 15, 16, 17, cap, BS + 1], np.int32)
+    row_start = None
+    if window:
+        row_start = np.minimum(row_len - 1, np.array([0, 5, 6, 7, 8, 9, cap - 7, 2])).astype(np.int32)
+        for s in range(S):                  # entries wholly before every row's window: freed (-1)
+            first = min(int(row_start[r]) // BS for r in range(row_seq.size) if row_seq[r] == s)
+            tables[s, :first] = -1
+    n = row_seq.size
+    q_nope, q_pe = rnd(rng, n, Hq, P), rnd(rng, n, Hq, R)
+    kv_b = rnd(rng, Hq * (P + Dv), L, scale=L ** -0.5)
+    return cache, tables, row_seq, row_len, row_start, q_nope, q_pe, kv_b
+
+
+# -- kv_b_proj split ------------------------------------------------------------------------
+
+def test_split_kv_b_proj_is_deepseeks_per_head_layout():
+    Hq, P, Dv, L = 3, 5, 4, 7
+    kv_b = np.arange(Hq * (P + Dv) * L, dtype=np.float32).reshape(Hq * (P + Dv), L)
+    w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
+    assert w_uk.shape == (Hq, P, L) and w_uv.shape == (Hq, Dv, L)
+    for h in range(Hq):                                  # per head: P key rows, then Dv value rows
+        np.testing.assert_array_equal(w_uk[h], kv_b[h * (P + Dv): h * (P + Dv) + P])
+        np.testing.assert_array_equal(w_uv[h], kv_b[h * (P + Dv) + P: (h + 1) * (P + Dv)])
+    bf = kv_b.astype(ml_dtypes.bfloat16)
+    assert mla.split_kv_b_proj(bf, Hq, P, Dv)[0].dtype == bf.dtype and w_uk.flags.c_contiguous
+    with pytest.raises(ValueError, match=r"kv_b_proj: expected shape \[27, \*\], got \[26, 7\]"):
+        mla.split_kv_b_proj(kv_b[:-1], Hq, P, Dv)
+    with pytest.raises(ValueError, match="v_head_dim"):
+        mla.split_kv_b_proj(kv_b, Hq, P, 0)
+
+
+# -- absorbed == naive == float64 ----------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("Hq,P,R,L,Dv,BS", SHAPES)
+def test_absorbed_equals_naive(Hq, P, R, L, Dv, BS, window):
+    cache, tables, row_seq, row_len, row_start, q_nope, q_pe, kv_b = case("an", Hq, P, R, L, Dv, BS, window)
+    scale = (P + R) ** -0.5
+    w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
+    got = mla.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, scale,
+                                     row_start=row_start)
+    if not window:                     # the naive form decompresses every block: no freed entries
+        want = mla.mla_attention_naive(q_nope, q_pe, kv_b, cache, tables, row_seq, row_len, scale)
+        assert_close(got, want, what="absorbed vs naive")
+    else:
+        t = tables.copy()
+        t[t < 0] = 0                   # entries nothing reads: any block will do for the naive form
+        want = mla.mla_attention_naive(q_nope, q_pe, kv_b, cache, t, row_seq, row_len, scale,
+                                       row_start=row_start)
+        assert_close(got, want, what="absorbed vs naive (window)")
+    ref64 = attention64(q_nope, q_pe, kv_b, cache, tables, row_seq, row_len, scale, row_start)
+    assert_close(got, ref64, what="absorbed vs float64")
+    assert_close(want, ref64, what="naive vs float64")
+
+
+def test_window_changes_the_result_and_one_row_is_its_value():
+    """row_start really cuts (a row seeing only itself gets w_uv c of that row)."""
+    Hq, P, R, L, Dv, BS = 2, 8, 8, 33, 12, 4
+    cache, tables, row_seq, row_len, _, q_nope, q_pe, kv_b = case("w1", Hq, P, R, L, Dv, BS)
+    w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
+    last = (row_len - 1).astype(np.int32)
+    got = mla.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, 0.3,
+                                     row_start=last).reshape(-1, Hq, Dv)
+    for r in range(row_seq.size):
+        i = int(row_len[r]) - 1
+        c = cache[tables[row_seq[r], i // BS], i % BS, :L].astype(np.float64)
+        assert_close(got[r], np.einsum("hvl,l->hv", w_uv.astype(np.float64), c))
+    full = mla.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, 0.3)
+    assert not np.allclose(full.reshape(-1, Hq, Dv)[1:], got[1:])
+
+
+# -- cpu == reference ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("Hq,P,R,L,Dv,BS", SHAPES)
+def test_cpu_attention_equals_reference(Hq, P, R, L, Dv, BS, window, wdtype):
+    be = get_backend("cpu")
+    cache, tables, row_seq, row_len, row_start, q_nope, q_pe, kv_b = case("cpu", Hq, P, R, L, Dv, BS, window)
+    if wdtype == "bfloat16":
+        kv_b = kv_b.astype(ml_dtypes.bfloat16)
+    w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
+    scale = (P + R) ** -0.5
+    lc = be.empty_latent_kv(*cache.shape)
+    lc[...] = cache
+    got = be.mla_attention_absorbed(be.from_host(q_nope), be.from_host(q_pe), be.prepare_weight(w_uk),
+                                    be.prepare_weight(w_uv), lc, tables, row_seq, row_len, scale,
+                                    row_start=row_start)
+    want = REF.mla_attention_absorbed(q_nope, q_pe, REF.prepare_weight(w_uk), REF.prepare_weight(w_uv), cache,
+                                      tables, row_seq, row_len, scale, row_start=row_start)
+    assert_close(be.to_host(got), want, what=f"cpu vs reference ({wdtype} weights)")
+
+
+@pytest.mark.parametrize("name", HOST_BACKENDS)
+def test_attention_out_buffer(name):
+    be = get_backend(name)
+    Hq, P, R, L, Dv, BS = 3, 24, 16, 72, 20, 3
+    cache, tables, row_seq, row_len, _, q_nope, q_pe, kv_b = case("out", Hq, P, R, L, Dv, BS)
+    w_uk, w_uv = (be.prepare_weight(w) for w in mla.split_kv_b_proj(kv_b, Hq, P, Dv))
+    out = np.full((row_seq.size, Hq * Dv), np.nan, np.float32)
+    got = be.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, 0.2, out=out)
+    assert got is out
+    assert_close(out, be.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, 0.2))
+
+
+# -- latent write -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", HOST_BACKENDS)
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("L,R,BS,n,yarn", [(33, 8, 1, 5, False), (72, 16, 3, 7, True), (127, 64, 16, 19, True),
+                                           (40, 24, 5, 1, False), (90, 32, 4, 30, False)])
+def test_latent_write_norm_rope_slots(name, interleave, L, R, BS, n, yarn):
+    be = get_backend(name)
+    rng = rng_for("lw", L, R, BS, n, yarn)
+    NB = -(-n // BS) + 2
+    kv_a = rnd(rng, n, L + R, scale=3.0)
+    w = rnd(rng, L)
+    f = yarn_inv_freq(R, 1e4, 40.0, 64) if yarn else inv_freq(R, 1e4)
+    a = 1.3 if yarn else 1.0
+    pos = rng.integers(0, 5000, n).astype(np.int32)
+    slots = rng.permutation(NB * BS)[:n].astype(np.int32)
+    cache = be.empty_latent_kv(NB, BS, L + R)
+    assert cache.shape == (NB, BS, L + R) and np.dtype(cache.dtype) == np.float32
+    assert be.mla_latent_write(kv_a, w, 1e-6, f, pos, cache, slots, interleave=interleave, rope_scale=a) is None
+    rows = be.kv_to_host(cache).reshape(NB * BS, L + R)
+    for r in range(n):
+        assert_close(rows[slots[r]], latent_row64(kv_a[r], w, 1e-6, f, pos[r], interleave, a), what=f"row {r}")
+    untouched = np.setdiff1d(np.arange(NB * BS), slots)
+    assert not rows[untouched].any()
+
+
+def test_latent_write_cpu_equals_reference_and_later_row_wins():
+    cpu = get_backend("cpu")
+    rng = rng_for("dup")
+    L, R, NB, BS, n = 50, 16, 3, 4, 6
+    kv_a, w, f = rnd(rng, n, L + R), rnd(rng, L), inv_freq(R, 1e4)
+    pos = np.arange(n, dtype=np.int32) + 100
+    slots = np.array([3, 7, 3, 0, 11, 7], np.int32)                    # 3 and 7 given twice
+    c_ref, c_cpu = REF.empty_latent_kv(NB, BS, L + R), cpu.empty_latent_kv(NB, BS, L + R)
+    REF.mla_latent_write(kv_a, w, 1e-5, f, pos, c_ref, slots, interleave=True)
+    cpu.mla_latent_write(kv_a.astype(ml_dtypes.bfloat16).astype(np.float32), w, 1e-5, f, pos, c_cpu, slots,
+                         interleave=True)
+    c_ref2 = REF.empty_latent_kv(NB, BS, L + R)
+    REF.mla_latent_write(kv_a.astype(ml_dtypes.bfloat16), w, 1e-5, f, pos, c_ref2, slots, interleave=True)
+    assert_close(c_cpu, c_ref2, what="cpu vs reference")
+    rows = c_ref.reshape(-1, L + R)
+    assert_close(rows[3], latent_row64(kv_a[2], w, 1e-5, f, pos[2], True, 1.0))
+    assert_close(rows[7], latent_row64(kv_a[5], w, 1e-5, f, pos[5], True, 1.0))
+
+
+def test_write_then_attend_cpu_equals_reference():
+    """The two ops together, as a module will call them: rows written, then read back."""
+    cpu = get_backend("cpu")
+    Hq, P, R, L, Dv, BS = 5, 24, 16, 72, 20, 3
+    rng = rng_for("wa")
+    n, NB = 11, 6
+    kv_a, w, f = rnd(rng, n, L + R), rnd(rng, L), inv_freq(R, 1e4)
+    pos = np.arange(n, dtype=np.int32)
+    tables = rng.permutation(NB).reshape(1, NB).astype(np.int32)
+    slots = (tables[0, pos // BS] * BS + pos % BS).astype(np.int32)
+    kv_b = rnd(rng, Hq * (P + Dv), L, scale=L ** -0.5)
+    w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
+    q_nope, q_pe = rnd(rng, n, Hq, P), rnd(rng, n, Hq, R)
+    row_seq, row_len = np.zeros(n, np.int32), (pos + 1).astype(np.int32)
+    res = []
+    for be in (REF, cpu):
+        c = be.empty_latent_kv(NB, BS, L + R)
+        be.mla_latent_write(kv_a, w, 1e-6, f, pos, c, slots, interleave=True)
+        res.append(be.to_host(be.mla_attention_absorbed(q_nope, q_pe, be.prepare_weight(w_uk),
+                                                        be.prepare_weight(w_uv), c, tables, row_seq, row_len,
+                                                        (P + R) ** -0.5)))
+    assert_close(res[1], res[0])
+    c = REF.empty_latent_kv(NB, BS, L + R)
+    REF.mla_latent_write(kv_a, w, 1e-6, f, pos, c, slots, interleave=True)
+    assert_close(res[0], attention64(q_nope, q_pe, kv_b, c, tables, row_seq, row_len, (P + R) ** -0.5))
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+L_, R_, NB_, BS_, N_ = 40, 8, 3, 4, 3
+
+
+def _write_args():
+    rng = rng_for("bad")
+    return dict(kv_a=rnd(rng, N_, L_ + R_), kv_a_norm_w=rnd(rng, L_), eps=1e-6, inv_freq=inv_freq(R_, 1e4),
+                positions=np.arange(N_, dtype=np.int32), slots=np.array([0, 5, 11], np.int32))
+
+
+WRITE_BAD = [
+    ("kv_a", lambda a: a["kv_a"][:, :-1], ValueError, r"kv_a: expected shape \[3, 48\]"),
+    ("kv_a", lambda a: a["kv_a"].astype(np.float64), TypeError, "kv_a: expected dtype float32 or bfloat16"),
+    ("kv_a_norm_w", lambda a: a["kv_a_norm_w"][:-1], ValueError, r"kv_a_norm_w: expected shape \[40\]"),
+    ("inv_freq", lambda a: inv_freq(48, 1e4), ValueError, "inv_freq: expected 1..23 entries"),
+    ("positions", lambda a: a["positions"].astype(np.int64), TypeError, "positions: expected dtype int32"),
+    ("slots", lambda a: a["slots"][:2], ValueError, r"slots: expected shape \[3\]"),
+    ("slots", lambda a: np.array([0, 12, 1], np.int32), ValueError, r"slots: expected values in \[0, 12\), got 12"),
+    ("slots", lambda a: np.array([0, 1, -1], np.int32), ValueError, r"slots: expected values in \[0, 12\), got -1"),
+    ("interleave", lambda a: 1, TypeError, "interleave: expected a bool"),
+    ("rope_scale", lambda a: 0.0, ValueError, "rope_scale: expected a finite number"),
+]
+
+
+@pytest.mark.parametrize("name", HOST_BACKENDS)
+@pytest.mark.parametrize("arg,make,exc,match", WRITE_BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(WRITE_BAD)])
+def test_latent_write_refuses_bad_input_and_changes_nothing(name, arg, make, exc, match):
+    be = get_backend(name)
+    a = _write_args()
+    cache = be.empty_latent_kv(NB_, BS_, L_ + R_)
+    cache[...] = rnd(rng_for("c"), NB_, BS_, L_ + R_)
+    before = cache.copy()
+    kw = {"interleave": True, "rope_scale": 1.0}
+    if arg in kw:
+        kw[arg] = make(a)
+    else:
+        a[arg] = make(a)
+    with pytest.raises(exc, match=match):
+        be.mla_latent_write(a["kv_a"], a["kv_a_norm_w"], a["eps"], a["inv_freq"], a["positions"], cache,
+                            a["slots"], **kw)
+    np.testing.assert_array_equal(cache, before)
+
+
+@pytest.mark.parametrize("name", HOST_BACKENDS)
+def test_latent_write_refuses_a_bad_cache(name):
+    be = get_backend(name)
+    a = _write_args()
+    with pytest.raises(ValueError, match="latent_cache: expected 3 dimensions"):
+        be.mla_latent_write(a["kv_a"], a["kv_a_norm_w"], 1e-6, a["inv_freq"], a["positions"],
+                            np.zeros((NB_, BS_, 1, L_ + R_), np.float32), a["slots"])
+    with pytest.raises(TypeError, match="latent_cache: expected dtype float32 or bfloat16"):
+        be.mla_latent_write(a["kv_a"], a["kv_a_norm_w"], 1e-6, a["inv_freq"], a["positions"],
+                            np.zeros((NB_, BS_, L_ + R_), np.float64), a["slots"])
+
+
+def _attn_args():
+    Hq, P, R, L, Dv, BS = 3, 8, 8, 33, 12, 4
+    cache, tables, row_seq, row_len, _, q_nope, q_pe, kv_b = case("badattn", Hq, P, R, L, Dv, BS)
+    w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
+    return dict(q_nope=q_nope, q_pe=q_pe, w_uk=w_uk, w_uv=w_uv, latent_cache=cache, block_tables=tables,
+                row_seq=row_seq, row_len=row_len)
+
+
+ATTN_BAD = [
+    ("q_pe", lambda a: a["q_pe"][:, :2], ValueError, r"q_pe: expected shape \[8, 3, \*\]"),
+    ("q_pe", lambda a: np.zeros((8, 3, 41), np.float32), ValueError, "q_pe: expected a rope dim in 1..40"),
+    ("w_uk", lambda a: a["w_uk"][:, :, :-1], ValueError, r"w_uk: expected shape \[3, 8, 33\]"),
+    ("w_uv", lambda a: a["w_uv"][:2], ValueError, r"w_uv: expected shape \[3, \*, 33\]"),
+    ("block_tables", lambda a: a["block_tables"].astype(np.int64), TypeError, "block_tables: expected dtype int32"),
+    ("row_len", lambda a: np.where(np.arange(8) == 2, 0, a["row_len"]).astype(np.int32), ValueError,
+     r"row_len\[2\]: expected >= 1, got 0"),
+    ("row_start", lambda a: a["row_len"].copy(), ValueError, r"row_start\[0\]: expected 0 <= row_start < row_len"),
+]
+
+
+@pytest.mark.parametrize("name", HOST_BACKENDS)
+@pytest.mark.parametrize("arg,make,exc,match", ATTN_BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(ATTN_BAD)])
+def test_attention_refuses_bad_input(name, arg, make, exc, match):
+    be = get_backend(name)
+    a = _attn_args()
+    kw = {}
+    if arg == "row_start":
+        kw["row_start"] = make(a)
+    else:
+        a[arg] = make(a)
+    with pytest.raises(exc, match=match):
+        be.mla_attention_absorbed(a["q_nope"], a["q_pe"], a["w_uk"], a["w_uv"], a["latent_cache"],
+                                  a["block_tables"], a["row_seq"], a["row_len"], 0.1, **kw)
+
+
+def test_cpu_attention_refuses_a_table_entry_out_of_range():
+    be = get_backend("cpu")
+    a = _attn_args()
+    a["block_tables"] = a["block_tables"].copy()
+    a["block_tables"][1, 0] = 99
+    NB = a["latent_cache"].shape[0]
+    with pytest.raises(ValueError, match=rf"block_tables \(entries in use\): expected values in \[0, {NB}\), got 99"):
+        be.mla_attention_absorbed(a["q_nope"], a["q_pe"], a["w_uk"], a["w_uv"], a["latent_cache"],
+                                  a["block_tables"], a["row_seq"], a["row_len"], 0.1)
+
+
+# -- cuda: not yet ------------------------------------------------------------------------------
+
+def test_cuda_says_not_yet():
+    assert not CudaBackend.__abstractmethods__
+    with pytest.raises(NotImplementedError, match="MLA on cuda: not yet"):
+        CudaBackend.mla_latent_write(object(), None, None, 1e-6, None, None, None, None)
+    with pytest.raises(NotImplementedError, match="MLA on cuda: not yet"):
+        CudaBackend.mla_attention_absorbed(object(), None, None, None, None, None, None, None, None, 0.1)
