@@ -339,28 +339,9 @@ class CpuBackend(Backend):
         self._check(check_paged_attention, q, k_cache, v_cache, block_tables, row_seq, row_len, row_start, sinks)
         NB, BS, Hkv, D = k_cache.shape
         Dv = v_cache.shape[3]
-        S, max_blocks = block_tables.shape
+        max_blocks = block_tables.shape[1]
         n, Hq, _ = q.shape
-        row_seq = np.ascontiguousarray(row_seq)
-        row_len = np.ascontiguousarray(row_len)
-        block_tables = np.ascontiguousarray(block_tables)
-        _in_range("row_seq", row_seq, S)
-        bad = bounds_k.first_outside(row_len, 1, 1 << 31)
-        if bad >= 0:                                                         # the reference's message
-            raise ValueError(f"row_len[{bad}]: expected >= 1, got {int(row_len[bad])}")
-        _in_range("row_len", row_len, max_blocks * BS + 1, lo=1)
-        if row_start is None:
-            row_start = _NO_ROWS
-        else:
-            row_start = np.ascontiguousarray(row_start)
-            bad = bounds_k.first_outside_each(row_start, row_len)
-            if bad >= 0:                                                     # the reference's message
-                raise ValueError(f"row_start[{bad}]: expected 0 <= row_start < row_len[{bad}] = "
-                                 f"{int(row_len[bad])}, got {int(row_start[bad])}")
-        r, b = bounds_k.first_bad_table_entry(block_tables, row_seq, row_start, row_len, BS, NB)
-        if r >= 0:                                                           # a block a row will read
-            raise ValueError(f"block_tables (entries in use): expected values in [0, {NB}), "
-                             f"got {int(block_tables[row_seq[r], b])}")
+        block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
         out = _out("out", out, (n, Hq * Dv))
         # chunks of KV blocks per row: about 2 tasks per thread (n = 1, 2 threads: 4 chunks)
         splits = max(1, min(max_blocks, -(-2 * self.threads // max(n, 1))))
@@ -392,32 +373,12 @@ class CpuBackend(Backend):
         self._check(check_mla_attention, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
                     row_start)
         NB, BS, W = latent_cache.shape
-        S, max_blocks = block_tables.shape
         n, Hq, _ = q_nope.shape
         Dv = w_uv.shape[1]
         w_uk, w_uv = _weight("w_uk", w_uk), _weight("w_uv", w_uv)
         if w_uk.dtype != w_uv.dtype:
             raise TypeError(f"w_uv: expected the dtype of w_uk ({w_uk.dtype.name}), got {w_uv.dtype.name}")
-        row_seq = np.ascontiguousarray(row_seq)
-        row_len = np.ascontiguousarray(row_len)
-        block_tables = np.ascontiguousarray(block_tables)
-        _in_range("row_seq", row_seq, S)
-        bad = bounds_k.first_outside(row_len, 1, 1 << 31)
-        if bad >= 0:                                                         # the reference's message
-            raise ValueError(f"row_len[{bad}]: expected >= 1, got {int(row_len[bad])}")
-        _in_range("row_len", row_len, max_blocks * BS + 1, lo=1)
-        if row_start is None:
-            row_start = _NO_ROWS
-        else:
-            row_start = np.ascontiguousarray(row_start)
-            bad = bounds_k.first_outside_each(row_start, row_len)
-            if bad >= 0:                                                     # the reference's message
-                raise ValueError(f"row_start[{bad}]: expected 0 <= row_start < row_len[{bad}] = "
-                                 f"{int(row_len[bad])}, got {int(row_start[bad])}")
-        r, b = bounds_k.first_bad_table_entry(block_tables, row_seq, row_start, row_len, BS, NB)
-        if r >= 0:                                                           # a block a row will read
-            raise ValueError(f"block_tables (entries in use): expected values in [0, {NB}), "
-                             f"got {int(block_tables[row_seq[r], b])}")
+        block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
         out = _out("out", out, (n, Hq * Dv))
         self._use_threads()
         mla_k.mla_attention_kernel(_act(q_nope), _act(q_pe), w_uk, w_uv, _act(latent_cache), block_tables, row_seq,
@@ -512,3 +473,32 @@ class CpuBackend(Backend):
         if none >= 0:                                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         return ids
+
+
+def _checked_rows(block_tables, row_seq, row_len, row_start, BS: int, NB: int) -> tuple:
+    """The row index of a paged attention (dense or latent), contiguous and checked before a
+    kernel reads through it: sequences in the table, lengths in [1, its capacity], windows
+    inside the rows, every table entry a row will read a block of the cache. ``row_start``
+    None -> the empty array the kernels read as "from row 0"."""
+    S, max_blocks = block_tables.shape
+    row_seq = np.ascontiguousarray(row_seq)
+    row_len = np.ascontiguousarray(row_len)
+    block_tables = np.ascontiguousarray(block_tables)
+    _in_range("row_seq", row_seq, S)
+    bad = bounds_k.first_outside(row_len, 1, 1 << 31)
+    if bad >= 0:                                                         # the reference's message
+        raise ValueError(f"row_len[{bad}]: expected >= 1, got {int(row_len[bad])}")
+    _in_range("row_len", row_len, max_blocks * BS + 1, lo=1)
+    if row_start is None:
+        row_start = _NO_ROWS
+    else:
+        row_start = np.ascontiguousarray(row_start)
+        bad = bounds_k.first_outside_each(row_start, row_len)
+        if bad >= 0:                                                     # the reference's message
+            raise ValueError(f"row_start[{bad}]: expected 0 <= row_start < row_len[{bad}] = "
+                             f"{int(row_len[bad])}, got {int(row_start[bad])}")
+    r, b = bounds_k.first_bad_table_entry(block_tables, row_seq, row_start, row_len, BS, NB)
+    if r >= 0:                                                           # a block a row will read
+        raise ValueError(f"block_tables (entries in use): expected values in [0, {NB}), "
+                         f"got {int(block_tables[row_seq[r], b])}")
+    return block_tables, row_seq, row_len, row_start

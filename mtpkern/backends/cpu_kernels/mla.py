@@ -28,16 +28,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import _DOT_FLAGS, SMALL, widen
-
-
-@njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot(a, b):
-    """a [K] . b [K] (1-D FP32 views)."""
-    s = np.float32(0.0)
-    for d in range(a.shape[0]):
-        s += a[d] * b[d]
-    return s
+from .attention import _dot, _first_row
+from .linear import SMALL, widen
 
 
 @njit(cache=True, fastmath=False)
@@ -88,7 +80,7 @@ def _row_head(r, h, q_nope, q_pe, w_uk, w_uv, cache, block_tables, row_seq, row_
         for l in range(L):
             q_lat[l] += qp * widen(wr[l])
     s = row_seq[r]
-    start = row_start[r] if row_start.shape[0] > 0 else 0
+    start = _first_row(row_start, r)
     cnt = row_len[r] - start
     sc = np.empty(cnt, np.float32)
     qpe = q_pe[r, h]
