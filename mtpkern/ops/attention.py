@@ -40,6 +40,32 @@ import numpy as np
 from ._check import expect_dtype, expect_ndim, expect_shape
 
 
+def check_row_index(n: int, block_tables, row_seq, row_len, row_start=None) -> None:
+    """The row index of a paged attention over ``n`` rows (dense or latent KV): int32
+    ``block_tables [S, max_blocks]``, ``row_seq`` / ``row_len`` / ``row_start`` ``[n]``."""
+    expect_ndim("block_tables", block_tables, 2)
+    expect_shape("row_seq", row_seq, (n,))
+    expect_shape("row_len", row_len, (n,))
+    for name, a in (("block_tables", block_tables), ("row_seq", row_seq), ("row_len", row_len)):
+        expect_dtype(name, a, "int32")
+    if row_start is not None:
+        expect_shape("row_start", row_start, (n,))
+        expect_dtype("row_start", row_start, "int32")
+
+
+def visible_rows(r: int, block_tables, row_seq, row_len, row_start, BS: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``r``'s visible KV rows ``row_start[r] .. row_len[r] - 1`` as (block, offset)
+    index arrays into a paged cache; a length < 1 or a start outside the rows raises."""
+    s, L = int(row_seq[r]), int(row_len[r])
+    if L <= 0:
+        raise ValueError(f"row_len[{r}]: expected >= 1, got {L}")
+    start = 0 if row_start is None else int(row_start[r])
+    if not 0 <= start < L:
+        raise ValueError(f"row_start[{r}]: expected 0 <= row_start < row_len[{r}] = {L}, got {start}")
+    idx = np.arange(start, L)
+    return block_tables[s, idx // BS], idx % BS
+
+
 def check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, row_start=None,
                           sinks=None) -> None:
     expect_ndim("k_cache", k_cache, 4)
@@ -52,14 +78,7 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, r
     n, Hq, Dq = q.shape
     if Dq != D or Hq % Hkv:
         raise ValueError(f"q: expected [n, a multiple of {Hkv}, {D}], got {list(q.shape)}")
-    expect_ndim("block_tables", block_tables, 2)
-    expect_shape("row_seq", row_seq, (n,))
-    expect_shape("row_len", row_len, (n,))
-    for name, a in (("block_tables", block_tables), ("row_seq", row_seq), ("row_len", row_len)):
-        expect_dtype(name, a, "int32")
-    if row_start is not None:
-        expect_shape("row_start", row_start, (n,))
-        expect_dtype("row_start", row_start, "int32")
+    check_row_index(n, block_tables, row_seq, row_len, row_start)
     if sinks is not None:
         expect_shape("sinks", sinks, (Hq,))
         expect_dtype("sinks", sinks, "float32")
@@ -74,16 +93,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     group = Hq // Hkv
     out = np.zeros((n, Hq, Dv), np.float32)
     for r in range(n):
-        s, L = int(row_seq[r]), int(row_len[r])
-        if L <= 0:
-            raise ValueError(f"row_len[{r}]: expected >= 1, got {L}")
-        start = 0 if row_start is None else int(row_start[r])
-        if not 0 <= start < L:
-            raise ValueError(f"row_start[{r}]: expected 0 <= row_start < row_len[{r}] = {L}, got {start}")
-        idx = np.arange(start, L)                                     # the visible KV rows
-        blk = block_tables[s, idx // BS]
-        k = np.asarray(k_cache[blk, idx % BS], np.float32)           # [L', Hkv, D]
-        v = np.asarray(v_cache[blk, idx % BS], np.float32)           # [L', Hkv, Dv]
+        blk, off = visible_rows(r, block_tables, row_seq, row_len, row_start, BS)
+        k = np.asarray(k_cache[blk, off], np.float32)                # [L', Hkv, D]
+        v = np.asarray(v_cache[blk, off], np.float32)                # [L', Hkv, Dv]
         k = np.repeat(k, group, axis=1)                               # [L', Hq, D]
         v = np.repeat(v, group, axis=1)                               # [L', Hq, Dv]
         s_ = np.einsum("hd,lhd->hl", np.asarray(q[r], np.float32), k) * np.float32(scale)   # [Hq, L']

@@ -53,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._check import expect_dtype, expect_ndim, expect_shape
-from .attention import paged_attention
+from .attention import check_row_index, paged_attention, visible_rows
 from .norm import rmsnorm
 from .rope_kv import check_rope_options, rope
 
@@ -138,26 +138,7 @@ def check_mla_attention(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, ro
     expect_shape("w_uv", w_uv, (Hq, None, L))
     if w_uv.shape[1] < 1:
         raise ValueError(f"w_uv: expected a value head dim >= 1, got shape {list(w_uv.shape)}")
-    expect_ndim("block_tables", block_tables, 2)
-    expect_shape("row_seq", row_seq, (n,))
-    expect_shape("row_len", row_len, (n,))
-    for name, a in (("block_tables", block_tables), ("row_seq", row_seq), ("row_len", row_len)):
-        expect_dtype(name, a, "int32")
-    if row_start is not None:
-        expect_shape("row_start", row_start, (n,))
-        expect_dtype("row_start", row_start, "int32")
-
-
-def _visible(r, block_tables, row_seq, row_len, row_start, BS):
-    """Row r's visible latent rows: (block, offset) index arrays (checks as paged_attention)."""
-    s, L = int(row_seq[r]), int(row_len[r])
-    if L <= 0:
-        raise ValueError(f"row_len[{r}]: expected >= 1, got {L}")
-    start = 0 if row_start is None else int(row_start[r])
-    if not 0 <= start < L:
-        raise ValueError(f"row_start[{r}]: expected 0 <= row_start < row_len[{r}] = {L}, got {start}")
-    idx = np.arange(start, L)
-    return block_tables[s, idx // BS], idx % BS
+    check_row_index(n, block_tables, row_seq, row_len, row_start)
 
 
 def mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
@@ -171,7 +152,7 @@ def mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables,
     w_uv = np.asarray(w_uv, np.float32)
     out = np.zeros((n, Hq, Dv), np.float32)
     for r in range(n):
-        blk, off = _visible(r, block_tables, row_seq, row_len, row_start, BS)
+        blk, off = visible_rows(r, block_tables, row_seq, row_len, row_start, BS)
         rows = np.asarray(latent_cache[blk, off], np.float32)                  # [L', L + R]
         c, k_pe = rows[:, :L], rows[:, L:]                                     # [L', L], [L', R]
         q_lat = np.einsum("hp,hpl->hl", np.asarray(q_nope[r], np.float32), w_uk)   # [Hq, L]
