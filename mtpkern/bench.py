@@ -119,7 +119,9 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-    Is = cfg.shared_intermediate_size
+    moe = cfg.is_moe
+    # the block's other MLP: the shared experts of a MoE block, or a dense block's MLP (the same op)
+    mlp, Is = ("swiglu_shared", cfg.shared_intermediate_size) if moe else ("swiglu_dense", cfg.intermediate_size)
 
     host: dict[int, np.ndarray] = {}              # id(prepared BF16 weight) -> its host values
 
@@ -141,11 +143,9 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     x, g = act(n, H), act(n, H)
     embed, head = W(V, H), W(V, H)
     eh, wqkv, wo = W(H, 2 * H), W((Hq + 2 * Hkv) * D, H), W(H, Hq * D)
-    moe = cfg.is_moe
-    if not moe:                                   # a dense block (Step-3.5's MTP modules): its MLP as
-        E, I, Is = 1, 1, cfg.intermediate_size    # "swiglu_shared" (the same op), no router or experts
-    gate = W(E, H)
-    w13, w2 = W(E, 2 * I, H), W(E, H, I)
+    if moe:
+        gate = W(E, H)
+        w13, w2 = W(E, 2 * I, H), W(E, H, I)
     s13, s2 = W(2 * Is, H), W(H, Is)
     bs = 16
     nb = -(-context // bs) + 1
@@ -160,13 +160,15 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     pos = be.from_host(np.full(n, context, np.int32))
     slots = be.from_host((np.arange(n, dtype=np.int32) * nb * bs) + context - 1)
     invf = be.from_host(inv_freq(cfg.rotary_dim, cfg.rope_theta))
-    spec = RouterSpec.from_config(cfg) if moe else RouterSpec(1, 1, 1, 1.0, True)
-    ids, wts = be.moe_router(x, gate, vec(E), spec)
-    distinct = len(np.unique(be.to_host(ids)))
     f4, b2 = 4, 2
-    eh8, wqkv8, wo8, gate8, head8 = W8(eh), W8(wqkv), W8(wo), W8(gate), W8(head)
-    w13_8, w2_8, s13_8, s2_8 = W8(w13), W8(w2), W8(s13), W8(s2)
-    used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
+    eh8, wqkv8, wo8, head8 = W8(eh), W8(wqkv), W8(wo), W8(head)
+    s13_8, s2_8 = W8(s13), W8(s2)
+    if moe:
+        spec = RouterSpec.from_config(cfg)
+        ids, wts = be.moe_router(x, gate, vec(E), spec)
+        distinct = len(np.unique(be.to_host(ids)))
+        gate8, w13_8, w2_8 = W8(gate), W8(w13), W8(w2)
+        used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
     xo = act(n, Hq * D)
     gates = act(n, Hq + 5)[:, 5:]                 # head-wise gates: a column slice of a wider projection
     gated = act(n, Hq * D)                        # their output (a buffer, as a planned step passes)
@@ -185,24 +187,32 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
         (f"paged_attention_ctx{context}_w{window}_sinks", 2 * n * window * Hkv * D * kvb + 2 * n * Hq * D * f4,
          lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, row_start=starts, sinks=sinks)),
         ("sigmoid_gate", 2 * n * Hq * D * f4 + n * Hq * f4, lambda: be.sigmoid_gate(xo, gates, out=gated)),
-        ("moe_router", E * H * b2 + n * H * f4, lambda: be.moe_router(x, gate, vec(E), spec)),
-        ("moe_experts", distinct * 3 * I * H * b2 + 2 * n * H * f4, lambda: be.moe_experts(x, ids, wts, w13, w2, x)),
-        ("swiglu_shared", 3 * Is * H * b2 + 2 * n * H * f4, lambda: be.swiglu_mlp(x, s13, s2, x)),
+    ]
+    if moe:
+        cases += [
+            ("moe_router", E * H * b2 + n * H * f4, lambda: be.moe_router(x, gate, vec(E), spec)),
+            ("moe_experts", distinct * 3 * I * H * b2 + 2 * n * H * f4,
+             lambda: be.moe_experts(x, ids, wts, w13, w2, x)),
+        ]
+    cases += [
+        (mlp, 3 * Is * H * b2 + 2 * n * H * f4, lambda: be.swiglu_mlp(x, s13, s2, x)),
         ("lm_head_argmax", V * H * b2 + n * H * f4, lambda: be.lm_head_argmax(x, head)),
         ("mtp_input_fp8", fp8_bytes(H, 2 * H) + n * H * b2 + 2 * n * H * f4,
          lambda: be.mtp_input(embed, tokens, g, vec(H), vec(H), eh8, 1e-5)),
         ("linear_qkv_fp8", fp8_bytes((Hq + 2 * Hkv) * D, H) + n * (H + (Hq + 2 * Hkv) * D) * f4,
          lambda: be.linear(x, wqkv8)),
         ("linear_o_fp8", fp8_bytes(H, Hq * D) + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo8, None, x)),
-        ("moe_router_fp8", fp8_bytes(E, H) + n * H * f4, lambda: be.moe_router(x, gate8, vec(E), spec)),
-        ("moe_experts_fp8", used13 + used2 + 2 * n * H * f4, lambda: be.moe_experts(x, ids, wts, w13_8, w2_8, x)),
-        ("swiglu_shared_fp8", fp8_bytes(2 * Is, H) + fp8_bytes(H, Is) + 2 * n * H * f4,
+    ]
+    if moe:
+        cases += [
+            ("moe_router_fp8", fp8_bytes(E, H) + n * H * f4, lambda: be.moe_router(x, gate8, vec(E), spec)),
+            ("moe_experts_fp8", used13 + used2 + 2 * n * H * f4, lambda: be.moe_experts(x, ids, wts, w13_8, w2_8, x)),
+        ]
+    cases += [
+        (f"{mlp}_fp8", fp8_bytes(2 * Is, H) + fp8_bytes(H, Is) + 2 * n * H * f4,
          lambda: be.swiglu_mlp(x, s13_8, s2_8, x)),
         ("lm_head_argmax_fp8", fp8_bytes(V, H) + n * H * f4, lambda: be.lm_head_argmax(x, head8)),
     ]
-    if not moe:
-        cases = [(("swiglu_dense" + name[len("swiglu_shared"):]) if name.startswith("swiglu_shared") else name, b, f)
-                 for name, b, f in cases if not name.startswith(("moe_router", "moe_experts"))]
     return cases
 
 
