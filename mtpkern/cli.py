@@ -303,10 +303,10 @@ def run_info(args: argparse.Namespace) -> dict:
     rd = CheckpointReader(path)
     print(f"{path}: {cfg.describe()}")
     print(f"  family: {fam.describe() if cfg.family else fam.title}")
-    rows = [BlockPool.bytes_per_block(1, b.num_key_value_heads, b.head_dim, 2, b.v_dim)
-            for b in (cfg.block(m) for m in range(cfg.num_modules))]
+    blocks = [cfg.block(m) for m in range(cfg.num_modules)]
+    rows = [BlockPool.bytes_per_block(1, b.num_key_value_heads, b.head_dim, 2, b.v_dim) for b in blocks]
     kv_row = max(rows)
-    windows = [cfg.block(m).sliding_window for m in range(cfg.num_modules)]
+    windows = [b.sliding_window for b in blocks]
     each = f"{kv_row}" if len(set(rows)) == 1 else "/".join(map(str, rows))
     bound = (f"; windowed modules keep about their window ({'/'.join(str(w or '-') for w in windows)} tokens)"
              if any(windows) else "")

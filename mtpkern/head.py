@@ -214,6 +214,8 @@ class MtpHead:
         slots = np.empty(n, np.int32)
         row_seq = np.empty(n, np.int32)
         row_len = np.empty(n, np.int32)
+        W = self.block.sliding_window
+        row_start = np.empty(n, np.int32) if W else None   # a window's first visible row, per row
         max_blocks = 1
         tabs = []
         at = 0
@@ -227,19 +229,13 @@ class MtpHead:
             row_len[at:at + c] = np.arange(first_row + 1, first_row + c + 1)
             tabs.append(self.pool.table(job.seq))    # released entries as 0: never read (outside the window)
             max_blocks = max(max_blocks, tabs[-1].shape[0])
+            if W:     # the first row whose key is > key - W (positions are keys + a constant)
+                for i in range(c):
+                    row_start[at + i] = job.seq._keys.rows_before(job.first_key + i - W + 1)
             at += c
         tables = np.zeros((len(jobs), table_width(max_blocks) if pad_tables else max_blocks), np.int32)
         for s, t in enumerate(tabs):
             tables[s, :t.shape[0]] = t
-        W = self.block.sliding_window
-        row_start = None
-        if W:     # the first row whose key is > key - W (positions are keys + a constant), per row
-            row_start = np.empty(n, np.int32)
-            at = 0
-            for job in jobs:
-                for i in range(job.count):
-                    row_start[at + i] = job.seq._keys.rows_before(job.first_key + i - W + 1)
-                at += job.count
         return RowIndex(tokens, positions, slots, row_seq, row_len, tables, row_start)
 
     def compute(self, tokens: Any, g: Any, positions: Any, slots: Any, tables: Any, row_seq: Any,
