@@ -46,6 +46,11 @@ def rnd(rng, *shape, scale=1.0) -> np.ndarray:
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
+def cat(q_nope, q_pe):
+    """The op's query [n, Hq, P + R]: per head the no-rope dims, then the (roped) rope dims."""
+    return np.ascontiguousarray(np.concatenate([q_nope, q_pe], axis=2))
+
+
 # -- float64, independent of the ops ----------------------------------------------------------
 
 def rope64(x, pos, f, interleave, a):
@@ -142,16 +147,16 @@ def test_absorbed_equals_naive(Hq, P, R, L, Dv, BS, window):
     cache, tables, row_seq, row_len, row_start, q_nope, q_pe, kv_b = case("an", Hq, P, R, L, Dv, BS, window)
     scale = (P + R) ** -0.5
     w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
-    got = mla.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, scale,
+    got = mla.mla_attention_absorbed(cat(q_nope, q_pe), w_uk, w_uv, cache, tables, row_seq, row_len, scale,
                                      row_start=row_start)
     if not window:                     # the naive form decompresses every block: no freed entries
-        want = mla.mla_attention_naive(q_nope, q_pe, kv_b, cache, tables, row_seq, row_len, scale)
+        want = mla.mla_attention_naive(cat(q_nope, q_pe), kv_b, cache, tables, row_seq, row_len, scale, qk_nope_head_dim=P)
         assert_close(got, want, what="absorbed vs naive")
     else:
         t = tables.copy()
         t[t < 0] = 0                   # entries nothing reads: any block will do for the naive form
-        want = mla.mla_attention_naive(q_nope, q_pe, kv_b, cache, t, row_seq, row_len, scale,
-                                       row_start=row_start)
+        want = mla.mla_attention_naive(cat(q_nope, q_pe), kv_b, cache, t, row_seq, row_len, scale,
+                                       row_start=row_start, qk_nope_head_dim=P)
         assert_close(got, want, what="absorbed vs naive (window)")
     ref64 = attention64(q_nope, q_pe, kv_b, cache, tables, row_seq, row_len, scale, row_start)
     assert_close(got, ref64, what="absorbed vs float64")
@@ -164,13 +169,13 @@ def test_window_changes_the_result_and_one_row_is_its_value():
     cache, tables, row_seq, row_len, _, q_nope, q_pe, kv_b = case("w1", Hq, P, R, L, Dv, BS)
     w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
     last = (row_len - 1).astype(np.int32)
-    got = mla.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, 0.3,
+    got = mla.mla_attention_absorbed(cat(q_nope, q_pe), w_uk, w_uv, cache, tables, row_seq, row_len, 0.3,
                                      row_start=last).reshape(-1, Hq, Dv)
     for r in range(row_seq.size):
         i = int(row_len[r]) - 1
         c = cache[tables[row_seq[r], i // BS], i % BS, :L].astype(np.float64)
         assert_close(got[r], np.einsum("hvl,l->hv", w_uv.astype(np.float64), c))
-    full = mla.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, 0.3)
+    full = mla.mla_attention_absorbed(cat(q_nope, q_pe), w_uk, w_uv, cache, tables, row_seq, row_len, 0.3)
     assert not np.allclose(full.reshape(-1, Hq, Dv)[1:], got[1:])
 
 
@@ -188,10 +193,10 @@ def test_cpu_attention_equals_reference(Hq, P, R, L, Dv, BS, window, wdtype):
     scale = (P + R) ** -0.5
     lc = be.empty_latent_kv(*cache.shape)
     lc[...] = cache
-    got = be.mla_attention_absorbed(be.from_host(q_nope), be.from_host(q_pe), be.prepare_weight(w_uk),
+    got = be.mla_attention_absorbed(be.from_host(cat(q_nope, q_pe)), be.prepare_weight(w_uk),
                                     be.prepare_weight(w_uv), lc, tables, row_seq, row_len, scale,
                                     row_start=row_start)
-    want = REF.mla_attention_absorbed(q_nope, q_pe, REF.prepare_weight(w_uk), REF.prepare_weight(w_uv), cache,
+    want = REF.mla_attention_absorbed(cat(q_nope, q_pe), REF.prepare_weight(w_uk), REF.prepare_weight(w_uv), cache,
                                       tables, row_seq, row_len, scale, row_start=row_start)
     assert_close(be.to_host(got), want, what=f"cpu vs reference ({wdtype} weights)")
 
@@ -203,9 +208,9 @@ def test_attention_out_buffer(name):
     cache, tables, row_seq, row_len, _, q_nope, q_pe, kv_b = case("out", Hq, P, R, L, Dv, BS)
     w_uk, w_uv = (be.prepare_weight(w) for w in mla.split_kv_b_proj(kv_b, Hq, P, Dv))
     out = np.full((row_seq.size, Hq * Dv), np.nan, np.float32)
-    got = be.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, 0.2, out=out)
+    got = be.mla_attention_absorbed(cat(q_nope, q_pe), w_uk, w_uv, cache, tables, row_seq, row_len, 0.2, out=out)
     assert got is out
-    assert_close(out, be.mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, cache, tables, row_seq, row_len, 0.2))
+    assert_close(out, be.mla_attention_absorbed(cat(q_nope, q_pe), w_uk, w_uv, cache, tables, row_seq, row_len, 0.2))
 
 
 # -- latent write -------------------------------------------------------------------------------
@@ -232,6 +237,40 @@ def test_latent_write_norm_rope_slots(name, interleave, L, R, BS, n, yarn):
         assert_close(rows[slots[r]], latent_row64(kv_a[r], w, 1e-6, f, pos[r], interleave, a), what=f"row {r}")
     untouched = np.setdiff1d(np.arange(NB * BS), slots)
     assert not rows[untouched].any()
+
+
+@pytest.mark.parametrize("name", HOST_BACKENDS)
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("Hq,P,L,R,yarn", [(1, 16, 33, 8, False), (3, 24, 72, 16, True), (16, 48, 127, 64, True)])
+def test_latent_write_ropes_the_query_as_the_key(name, interleave, Hq, P, L, R, yarn):
+    """q's rope dims (last R of each head) turn by the key's angles, its first P pass
+    unchanged; the cache gets exactly what it gets without q; out= is filled."""
+    be = get_backend(name)
+    rng = rng_for("lwq", Hq, P, L, R, yarn)
+    n, NB, BS = 5, 3, 4
+    kv_a, w = rnd(rng, n, L + R), rnd(rng, L)
+    q = rnd(rng, n, Hq, P + R)
+    f = yarn_inv_freq(R, 1e4, 40.0, 64) if yarn else inv_freq(R, 1e4)
+    a = 1.3 if yarn else 1.0
+    pos = rng.integers(0, 5000, n).astype(np.int32)
+    slots = rng.permutation(NB * BS)[:n].astype(np.int32)
+    c1, c2 = be.empty_latent_kv(NB, BS, L + R), be.empty_latent_kv(NB, BS, L + R)
+    got = be.mla_latent_write(kv_a, w, 1e-6, f, pos, c1, slots, q=q, interleave=interleave, rope_scale=a)
+    be.mla_latent_write(kv_a, w, 1e-6, f, pos, c2, slots, interleave=interleave, rope_scale=a)
+    np.testing.assert_array_equal(be.kv_to_host(c1), be.kv_to_host(c2))
+    got = be.to_host(got)
+    assert got.shape == (n, Hq, P + R) and got.dtype == np.float32
+    np.testing.assert_array_equal(got[:, :, :P], q[:, :, :P])
+    for r in range(n):
+        for h in range(Hq):
+            assert_close(got[r, h, P:], rope64(q[r, h, P:].astype(np.float64), pos[r], f, interleave, a),
+                         what=f"q row {r} head {h}")
+    out = np.full((n, Hq, P + R), np.nan, np.float32)
+    assert be.mla_latent_write(kv_a, w, 1e-6, f, pos, c2, slots, q=q, interleave=interleave, rope_scale=a,
+                               out=out) is out
+    np.testing.assert_array_equal(out, got)
+    with pytest.raises(ValueError, match=r"q: expected \[5, Hq >= 1, P \+ %d\]" % R):
+        be.mla_latent_write(kv_a, w, 1e-6, f, pos, c2, slots, q=q[:, :, :R])
 
 
 def test_latent_write_cpu_equals_reference_and_later_row_wins():
@@ -271,7 +310,7 @@ def test_write_then_attend_cpu_equals_reference():
     for be in (REF, cpu):
         c = be.empty_latent_kv(NB, BS, L + R)
         be.mla_latent_write(kv_a, w, 1e-6, f, pos, c, slots, interleave=True)
-        res.append(be.to_host(be.mla_attention_absorbed(q_nope, q_pe, be.prepare_weight(w_uk),
+        res.append(be.to_host(be.mla_attention_absorbed(cat(q_nope, q_pe), be.prepare_weight(w_uk),
                                                         be.prepare_weight(w_uv), c, tables, row_seq, row_len,
                                                         (P + R) ** -0.5)))
     assert_close(res[1], res[0])
@@ -340,14 +379,16 @@ def _attn_args():
     Hq, P, R, L, Dv, BS = 3, 8, 8, 33, 12, 4
     cache, tables, row_seq, row_len, _, q_nope, q_pe, kv_b = case("badattn", Hq, P, R, L, Dv, BS)
     w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
-    return dict(q_nope=q_nope, q_pe=q_pe, w_uk=w_uk, w_uv=w_uv, latent_cache=cache, block_tables=tables,
+    return dict(q=cat(q_nope, q_pe), w_uk=w_uk, w_uv=w_uv, latent_cache=cache, block_tables=tables,
                 row_seq=row_seq, row_len=row_len)
 
 
 ATTN_BAD = [
-    ("q_pe", lambda a: a["q_pe"][:, :2], ValueError, r"q_pe: expected shape \[8, 3, \*\]"),
-    ("q_pe", lambda a: np.zeros((8, 3, 41), np.float32), ValueError, "q_pe: expected a rope dim in 1..40"),
-    ("w_uk", lambda a: a["w_uk"][:, :, :-1], ValueError, r"w_uk: expected shape \[3, 8, 33\]"),
+    ("q", lambda a: a["q"][:, :2], ValueError, r"q: expected shape \[8, 3, 16\]"),
+    ("q", lambda a: np.zeros((8, 3, 41), np.float32), ValueError, r"q: expected shape \[8, 3, 16\]"),
+    ("w_uk", lambda a: np.zeros((3, 8, 41), np.float32), ValueError, r"w_uk: expected \[Hq, P, L\] with L < 41"),
+    ("w_uk", lambda a: a["w_uk"][0], ValueError, r"w_uk: expected 3 dimensions"),
+    ("w_uk", lambda a: a["w_uk"][:, :, :-1], ValueError, r"q: expected shape \[8, 3, 17\]"),   # L sets R = W - L
     ("w_uv", lambda a: a["w_uv"][:2], ValueError, r"w_uv: expected shape \[3, \*, 33\]"),
     ("block_tables", lambda a: a["block_tables"].astype(np.int64), TypeError, "block_tables: expected dtype int32"),
     ("row_len", lambda a: np.where(np.arange(8) == 2, 0, a["row_len"]).astype(np.int32), ValueError,
@@ -367,7 +408,7 @@ def test_attention_refuses_bad_input(name, arg, make, exc, match):
     else:
         a[arg] = make(a)
     with pytest.raises(exc, match=match):
-        be.mla_attention_absorbed(a["q_nope"], a["q_pe"], a["w_uk"], a["w_uv"], a["latent_cache"],
+        be.mla_attention_absorbed(a["q"], a["w_uk"], a["w_uv"], a["latent_cache"],
                                   a["block_tables"], a["row_seq"], a["row_len"], 0.1, **kw)
 
 
@@ -378,7 +419,7 @@ def test_cpu_attention_refuses_a_table_entry_out_of_range():
     a["block_tables"][1, 0] = 99
     NB = a["latent_cache"].shape[0]
     with pytest.raises(ValueError, match=rf"block_tables \(entries in use\): expected values in \[0, {NB}\), got 99"):
-        be.mla_attention_absorbed(a["q_nope"], a["q_pe"], a["w_uk"], a["w_uv"], a["latent_cache"],
+        be.mla_attention_absorbed(a["q"], a["w_uk"], a["w_uv"], a["latent_cache"],
                                   a["block_tables"], a["row_seq"], a["row_len"], 0.1)
 
 
@@ -389,4 +430,4 @@ def test_cuda_says_not_yet():
     with pytest.raises(NotImplementedError, match="MLA on cuda: not yet"):
         CudaBackend.mla_latent_write(object(), None, None, 1e-6, None, None, None, None)
     with pytest.raises(NotImplementedError, match="MLA on cuda: not yet"):
-        CudaBackend.mla_attention_absorbed(object(), None, None, None, None, None, None, None, None, 0.1)
+        CudaBackend.mla_attention_absorbed(object(), None, None, None, None, None, None, None, 0.1)

@@ -173,10 +173,11 @@ class Backend(ABC):
 
     @abstractmethod
     def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,
-                         interleave: bool = False, rope_scale: float = 1.0) -> None: ...
+                         q=None, interleave: bool = False, rope_scale: float = 1.0):
+        """-> None, or ``q`` with its rope dims rotated (``out=`` with ``q``)."""
 
     @abstractmethod
-    def mla_attention_absorbed(self, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+    def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
                                scale: float, *, row_start=None): ...
 
     @abstractmethod

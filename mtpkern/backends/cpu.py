@@ -353,27 +353,32 @@ class CpuBackend(Backend):
 
     # -- MLA ----------------------------------------------------------------
     def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,
-                         interleave: bool = False, rope_scale: float = 1.0) -> None:
+                         q=None, interleave: bool = False, rope_scale: float = 1.0, out=None):
         self._check(check_mla_latent_write, kv_a, kv_a_norm_w, inv_freq, positions, latent_cache, slots,
-                    interleave, rope_scale)
+                    interleave, rope_scale, q)
         NB, BS, W = latent_cache.shape
         if not (isinstance(latent_cache, np.ndarray) and latent_cache.dtype == np.float32
                 and latent_cache.flags.c_contiguous):
             raise TypeError(f"latent_cache: expected a C-contiguous float32 NumPy cache (from empty_latent_kv), "
                             f"got {type(latent_cache).__name__} {dtype_name(latent_cache)}")
+        if q is None and out is not None:
+            raise TypeError("out: the roped query's buffer needs q (no q: nothing is returned)")
         slots = np.ascontiguousarray(slots)
         _in_range("slots", slots, NB * BS)
+        q_in = np.empty((0, 1, 1), np.float32) if q is None else _act(q)
+        q_out = None if q is None else _out("out", out, tuple(q.shape))
         self._use_threads()
         mla_k.mla_latent_write_kernel(_act(kv_a), _act(kv_a_norm_w), np.float32(eps), _act(inv_freq),
                                       np.ascontiguousarray(positions), latent_cache.reshape(NB * BS, W), slots,
-                                      bool(interleave), np.float32(rope_scale))
+                                      bool(interleave), np.float32(rope_scale), q_in,
+                                      q_in if q_out is None else q_out)
+        return q_out
 
-    def mla_attention_absorbed(self, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+    def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
                                scale: float, *, row_start=None, out=None):
-        self._check(check_mla_attention, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
-                    row_start)
+        self._check(check_mla_attention, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start)
         NB, BS, W = latent_cache.shape
-        n, Hq, _ = q_nope.shape
+        n, Hq, _ = q.shape
         Dv = w_uv.shape[1]
         w_uk, w_uv = _weight("w_uk", w_uk), _weight("w_uv", w_uv)
         if w_uk.dtype != w_uv.dtype:
@@ -381,7 +386,7 @@ class CpuBackend(Backend):
         block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
         out = _out("out", out, (n, Hq * Dv))
         self._use_threads()
-        mla_k.mla_attention_kernel(_act(q_nope), _act(q_pe), w_uk, w_uv, _act(latent_cache), block_tables, row_seq,
+        mla_k.mla_attention_kernel(_act(q), w_uk, w_uv, _act(latent_cache), block_tables, row_seq,
                                    row_start, row_len, np.float32(scale), out.reshape(n, Hq, Dv))
         return out
 

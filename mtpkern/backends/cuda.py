@@ -221,10 +221,10 @@ class CudaBackend(Backend):
 
     # MLA (mtpkern.ops.mla): the numpy and cpu backends have it; the CUDA kernels are not written yet
     def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,
-                         interleave: bool = False, rope_scale: float = 1.0) -> None:
+                         q=None, interleave: bool = False, rope_scale: float = 1.0, out=None):
         raise NotImplementedError("mla_latent_write: MLA on cuda: not yet (use backend='cpu' or 'numpy')")
 
-    def mla_attention_absorbed(self, q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+    def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
                                scale: float, *, row_start=None, out=None):
         raise NotImplementedError("mla_attention_absorbed: MLA on cuda: not yet (use backend='cpu' or 'numpy')")
 

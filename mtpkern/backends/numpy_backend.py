@@ -74,7 +74,7 @@ class NumpyBackend(Backend):
     linear = with_out(linear.linear)
     qk_norm_rope_kv_write = with_out(rope_kv.qk_norm_rope_kv_write)
     paged_attention = with_out(attention.paged_attention)
-    mla_latent_write = staticmethod(mla.mla_latent_write)
+    mla_latent_write = with_out(mla.mla_latent_write)
     mla_attention_absorbed = with_out(mla.mla_attention_absorbed)
     sigmoid_gate = with_out(gate.sigmoid_gate)
     moe_router = with_out(moe.moe_router, "ids", "weights")

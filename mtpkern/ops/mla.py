@@ -7,7 +7,8 @@ shared key ``k_pe`` (``R``), one row per token, shared by every head (FlashMLA's
 layout: ``[NB, BS, 1, L + R]``, here without the unit head axis).
 
 ``mla_latent_write(kv_a [n, L + R], kv_a_norm_w [L], eps, inv_freq [R/2], positions [n],
-latent_cache [NB, BS, L + R], slots [n], *, interleave=False, rope_scale=1.0) -> None``
+latent_cache [NB, BS, L + R], slots [n], *, q=None, interleave=False, rope_scale=1.0)
+-> None, or q roped [n, Hq, P + R] when q is given``
 
 - ``kv_a`` is ``kv_a_proj_with_mqa``'s output as released: ``L`` compressed values, then
   the ``R`` rope-key values. ``c = rmsnorm(kv_a[:, :L], kv_a_norm_w, eps)``
@@ -20,16 +21,21 @@ latent_cache [NB, BS, L + R], slots [n], *, interleave=False, rope_scale=1.0) ->
 - ``[c | k_pe]`` goes to row ``slot = block * BS + offset`` of the cache (cache dtype);
   a slot given twice ends with the later row. Slots are checked in ``[0, NB * BS)``
   before anything is written.
+- ``q`` [n, Hq, P + R] (``q_b_proj``'s or ``q_proj``'s output as released: per head
+  ``P`` no-rope dims, then ``R`` rope dims): returned in FP32 with each head's last
+  ``R`` dims rotated as ``k_pe`` is (same positions, pairs, factor), the first ``P``
+  unchanged: the query ``mla_attention_absorbed`` takes.
 
-``mla_attention_absorbed(q_nope [n, Hq, P], q_pe [n, Hq, R], w_uk [Hq, P, L],
-w_uv [Hq, Dv, L], latent_cache [NB, BS, L + R], block_tables [S, max_blocks],
-row_seq [n], row_len [n], scale, *, row_start [n] | None = None) -> [n, Hq * Dv]``
+``mla_attention_absorbed(q [n, Hq, P + R], w_uk [Hq, P, L], w_uv [Hq, Dv, L],
+latent_cache [NB, BS, L + R], block_tables [S, max_blocks], row_seq [n], row_len [n], scale,
+*, row_start [n] | None = None) -> [n, Hq * Dv]``
 
 Rows, sequences, block tables and ``row_start`` mean what they mean in
-``mtpkern.ops.attention.paged_attention``. ``q_pe`` is already roped (the same
-rotation as ``k_pe``). ``w_uk`` / ``w_uv`` are ``kv_b_proj``'s key and value parts
-(``split_kv_b_proj``). The naive form decompresses every visible row ``j`` per head:
-``k_j = [w_uk[h] c_j ; k_pe_j]``, ``v_j = w_uv[h] c_j``. The absorbed form never does:
+``mtpkern.ops.attention.paged_attention``. ``q`` per head is ``[q_nope (P) | q_pe (R)]``
+with ``q_pe`` already roped (``mla_latent_write(q=...)``). ``w_uk`` / ``w_uv`` are
+``kv_b_proj``'s key and value parts (``split_kv_b_proj``). The naive form decompresses
+every visible row ``j`` per head: ``k_j = [w_uk[h] c_j ; k_pe_j]``, ``v_j = w_uv[h] c_j``.
+The absorbed form never does:
 
     q_lat[h]  = w_uk[h]^T q_nope[h]                        # [L]   (q_nope . (w_uk c) = (w_uk^T q_nope) . c)
     s[h, j]   = scale * (q_lat[h] . c_j + q_pe[h] . k_pe_j)  # over the visible latent rows j
@@ -41,7 +47,7 @@ so each latent row is read once per head and never widened to ``Hq * (P + R + Dv
 ``scale`` is the caller's: DeepSeek-V3's ``(P + R)^-0.5``, times YaRN's
 ``mscale(factor, mscale_all_dim)^2`` when set. Results are FP32.
 
-``mla_attention_naive(q_nope, q_pe, kv_b_proj [Hq * (P + Dv), L], latent_cache, block_tables,
+``mla_attention_naive(q, kv_b_proj [Hq * (P + Dv), L], latent_cache, block_tables,
 row_seq, row_len, scale, *, row_start=None)`` (reference only) is the specification the
 absorbed form is tested against: decompress the whole cache per head through
 ``kv_b_proj`` into ordinary K / V caches (``Hkv = Hq``, ``D = P + R``) and run
@@ -73,7 +79,7 @@ def split_kv_b_proj(kv_b_proj, num_heads: int, qk_nope_head_dim: int, v_head_dim
 
 
 def check_mla_latent_write(kv_a, kv_a_norm_w, inv_freq_, positions, latent_cache, slots,
-                           interleave=False, rope_scale=1.0) -> None:
+                           interleave=False, rope_scale=1.0, q=None) -> None:
     expect_ndim("latent_cache", latent_cache, 3)
     NB, BS, W = latent_cache.shape
     expect_dtype("latent_cache", latent_cache, "float32", "bfloat16")
@@ -95,6 +101,13 @@ def check_mla_latent_write(kv_a, kv_a_norm_w, inv_freq_, positions, latent_cache
     expect_dtype("positions", positions, "int32")
     expect_dtype("slots", slots, "int32")
     check_rope_options(interleave, rope_scale)
+    if q is not None:
+        expect_ndim("q", q, 3)
+        expect_shape("q", q, (n, None, None))
+        if q.shape[1] < 1 or q.shape[2] <= R:
+            raise ValueError(f"q: expected [{n}, Hq >= 1, P + {R}] with P >= 1 (the rope dims last), "
+                             f"got shape {list(q.shape)}")
+        expect_dtype("q", q, "float32", "bfloat16")
 
 
 def slots_refused(slots, num_slots: int) -> ValueError | None:
@@ -105,9 +118,9 @@ def slots_refused(slots, num_slots: int) -> ValueError | None:
     return ValueError(f"slots: expected values in [0, {num_slots}), got {int(slots[bad[0]])}")
 
 
-def mla_latent_write(kv_a, kv_a_norm_w, eps: float, inv_freq_, positions, latent_cache, slots, *,
-                     interleave: bool = False, rope_scale: float = 1.0) -> None:
-    check_mla_latent_write(kv_a, kv_a_norm_w, inv_freq_, positions, latent_cache, slots, interleave, rope_scale)
+def mla_latent_write(kv_a, kv_a_norm_w, eps: float, inv_freq_, positions, latent_cache, slots, *, q=None,
+                     interleave: bool = False, rope_scale: float = 1.0):
+    check_mla_latent_write(kv_a, kv_a_norm_w, inv_freq_, positions, latent_cache, slots, interleave, rope_scale, q)
     NB, BS, W = latent_cache.shape
     L = kv_a_norm_w.shape[0]
     err = slots_refused(slots, NB * BS)
@@ -118,22 +131,27 @@ def mla_latent_write(kv_a, kv_a_norm_w, eps: float, inv_freq_, positions, latent
     k_pe = rope(kv_a[:, None, L:], positions, inv_freq_, interleave, rope_scale)[:, 0]   # [n, R]
     blk, off = np.divmod(slots.astype(np.int64), BS)
     latent_cache[blk, off] = np.concatenate([c, k_pe], axis=1).astype(latent_cache.dtype)
+    if q is None:
+        return None
+    R = W - L
+    q = np.array(q, np.float32)                                                   # a copy: [n, Hq, P + R]
+    P = q.shape[2] - R
+    q[:, :, P:] = rope(np.ascontiguousarray(q[:, :, P:]), positions, inv_freq_, interleave, rope_scale)
+    return q
 
 
-def check_mla_attention(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
-                        row_start=None) -> None:
+def check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start=None) -> None:
     expect_ndim("latent_cache", latent_cache, 3)
     NB, BS, W = latent_cache.shape
-    expect_ndim("q_nope", q_nope, 3)
-    n, Hq, P = q_nope.shape
-    expect_ndim("q_pe", q_pe, 3)
-    expect_shape("q_pe", q_pe, (n, Hq, None))
-    R = q_pe.shape[2]
-    if not 1 <= R < W:
-        raise ValueError(f"q_pe: expected a rope dim in 1..{W - 1} (L + R = {W} the latent row), "
-                         f"got shape {list(q_pe.shape)}")
-    L = W - R
-    expect_shape("w_uk", w_uk, (Hq, P, L))
+    expect_ndim("w_uk", w_uk, 3)
+    Hq, P, L = w_uk.shape
+    if not 1 <= L < W:
+        raise ValueError(f"w_uk: expected [Hq, P, L] with L < {W} (L + R = {W} the latent row), "
+                         f"got shape {list(w_uk.shape)}")
+    R = W - L
+    expect_ndim("q", q, 3)
+    n = q.shape[0]
+    expect_shape("q", q, (n, Hq, P + R))
     expect_ndim("w_uv", w_uv, 3)
     expect_shape("w_uv", w_uv, (Hq, None, L))
     if w_uv.shape[1] < 1:
@@ -141,22 +159,23 @@ def check_mla_attention(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, ro
     check_row_index(n, block_tables, row_seq, row_len, row_start)
 
 
-def mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+def mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
                            scale: float, *, row_start=None) -> np.ndarray:
-    check_mla_attention(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start)
+    check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start)
     NB, BS, W = latent_cache.shape
-    n, Hq, _ = q_nope.shape
-    L = W - q_pe.shape[2]
+    Hq, P, L = w_uk.shape
+    n = q.shape[0]
     Dv = w_uv.shape[1]
     w_uk = np.asarray(w_uk, np.float32)
     w_uv = np.asarray(w_uv, np.float32)
+    q = np.asarray(q, np.float32)
     out = np.zeros((n, Hq, Dv), np.float32)
     for r in range(n):
         blk, off = visible_rows(r, block_tables, row_seq, row_len, row_start, BS)
         rows = np.asarray(latent_cache[blk, off], np.float32)                  # [L', L + R]
         c, k_pe = rows[:, :L], rows[:, L:]                                     # [L', L], [L', R]
-        q_lat = np.einsum("hp,hpl->hl", np.asarray(q_nope[r], np.float32), w_uk)   # [Hq, L]
-        s = (q_lat @ c.T + np.asarray(q_pe[r], np.float32) @ k_pe.T) * np.float32(scale)   # [Hq, L']
+        q_lat = np.einsum("hp,hpl->hl", q[r, :, :P], w_uk)                     # [Hq, L]
+        s = (q_lat @ c.T + q[r, :, P:] @ k_pe.T) * np.float32(scale)           # [Hq, L']
         p = np.exp(s - s.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
         o_lat = p @ c                                                          # [Hq, L]
@@ -164,24 +183,25 @@ def mla_attention_absorbed(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables,
     return out.reshape(n, Hq * Dv)
 
 
-def mla_attention_naive(q_nope, q_pe, kv_b_proj, latent_cache, block_tables, row_seq, row_len,
-                        scale: float, *, row_start=None) -> np.ndarray:
-    expect_ndim("q_nope", q_nope, 3)
-    _, Hq, P = q_nope.shape
+def mla_attention_naive(q, kv_b_proj, latent_cache, block_tables, row_seq, row_len,
+                        scale: float, *, row_start=None, qk_nope_head_dim: int) -> np.ndarray:
+    """``qk_nope_head_dim``: P (q's last axis is P + R)."""
+    expect_ndim("q", q, 3)
+    _, Hq, _ = q.shape
+    P = int(qk_nope_head_dim)
     expect_ndim("kv_b_proj", kv_b_proj, 2)
     if kv_b_proj.shape[0] % Hq or kv_b_proj.shape[0] // Hq <= P:
         raise ValueError(f"kv_b_proj: expected [{Hq} * ({P} + Dv), L], got {list(kv_b_proj.shape)}")
     w_uk, w_uv = split_kv_b_proj(np.asarray(kv_b_proj, np.float32), Hq, P, kv_b_proj.shape[0] // Hq - P)
-    check_mla_attention(q_nope, q_pe, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start)
+    check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start)
     NB, BS, W = latent_cache.shape
-    R = q_pe.shape[2]
-    L = W - R
+    L = w_uk.shape[2]
+    R = W - L
     cache = np.asarray(latent_cache, np.float32)
     c, k_pe = cache[..., :L], cache[..., L:]                                   # [NB, BS, L], [NB, BS, R]
     k_nope = np.einsum("hpl,bjl->bjhp", w_uk, c)                               # [NB, BS, Hq, P]
     k_cache = np.concatenate([k_nope, np.broadcast_to(k_pe[:, :, None, :], (NB, BS, Hq, R))], axis=3)
     v_cache = np.einsum("hvl,bjl->bjhv", w_uv, c)                              # [NB, BS, Hq, Dv]
-    q = np.concatenate([np.asarray(q_nope, np.float32), np.asarray(q_pe, np.float32)], axis=2)  # [n, Hq, P + R]
-    return paged_attention(np.ascontiguousarray(q), np.ascontiguousarray(k_cache, np.float32),
+    return paged_attention(np.ascontiguousarray(q, np.float32), np.ascontiguousarray(k_cache, np.float32),
                            np.ascontiguousarray(v_cache, np.float32), block_tables, row_seq, row_len,
                            scale, row_start=row_start)

@@ -3,7 +3,8 @@
 ``mla_latent_write_kernel``: one serial pass over the rows, in order (a slot given
 twice ends with the later row, as the reference's assignment): RMSNorm of the L
 compressed values straight into the row's slot, then the R rope-key values
-rotated there. A row is L + R values (576 for DeepSeek-V3): a parallel region
+rotated there, then (when a query is given) the row's query copied out with each
+head's R rope dims rotated by the same angles. A row is L + R values (576 for DeepSeek-V3): a parallel region
 would cost more to start than the whole write (``linear.SMALL``).
 
 ``mla_attention_kernel``: one task per (row, head), because a decode step has one
@@ -57,25 +58,52 @@ def _write_row(kv_a, r, L, w, eps, inv_freq, pos, dst, interleave, rope_scale):
 
 
 @njit(cache=True, fastmath=False)
-def mla_latent_write_kernel(kv_a, w, eps, inv_freq, positions, rows, slots, interleave, rope_scale):
+def _rope_q(q, r, inv_freq, pos, dst, interleave, rope_scale):
+    """dst [Hq, P + R] = q[r] with each head's last R dims rotated (as the key's)."""
+    Hq, PR = q.shape[1], q.shape[2]
+    half = inv_freq.shape[0]
+    P = PR - 2 * half
+    step, second = (2, 1) if interleave else (1, half)
+    p = np.float32(pos)
+    for h in range(Hq):
+        x = q[r, h]
+        d = dst[h]
+        for k in range(P):
+            d[k] = x[k]
+        for k in range(half):
+            f = p * inv_freq[k]
+            c = np.cos(f) * rope_scale
+            sn = np.sin(f) * rope_scale
+            a = P + step * k
+            x1 = x[a]
+            x2 = x[a + second]
+            d[a] = x1 * c - x2 * sn
+            d[a + second] = x2 * c + x1 * sn
+
+
+@njit(cache=True, fastmath=False)
+def mla_latent_write_kernel(kv_a, w, eps, inv_freq, positions, rows, slots, interleave, rope_scale, q, q_out):
     """kv_a [n, L + R] FP32; w [L]; rows [NB * BS, L + R] (the cache, one row per slot);
-    slots checked in range by the launcher; eps and rope_scale float32."""
+    slots checked in range by the launcher; eps and rope_scale float32; q [n, Hq, P + R]
+    FP32 and q_out like it (or q empty: no query to rotate)."""
     L = w.shape[0]
     for r in range(kv_a.shape[0]):
         _write_row(kv_a, r, L, w, eps, inv_freq, positions[r], rows[slots[r]], interleave, rope_scale)
+        if q.shape[0]:
+            _rope_q(q, r, inv_freq, positions[r], q_out[r], interleave, rope_scale)
 
 
 @njit(cache=True, fastmath=False, error_model="numpy")
-def _row_head(r, h, q_nope, q_pe, w_uk, w_uv, cache, block_tables, row_seq, row_start, row_len, scale, out):
+def _row_head(r, h, q, w_uk, w_uv, cache, block_tables, row_seq, row_start, row_len, scale, out):
     """out[r, h] (see the module docstring)."""
-    P = q_nope.shape[2]
-    R = q_pe.shape[2]
+    P = w_uk.shape[1]
     L = w_uk.shape[2]
+    R = q.shape[2] - P
     Dv = w_uv.shape[1]
     BS = cache.shape[1]
     q_lat = np.zeros(L, np.float32)
     for p in range(P):                                  # q_lat = w_uk[h]^T q_nope[r, h]
-        qp = q_nope[r, h, p]
+        qp = q[r, h, p]
         wr = w_uk[h, p]
         for l in range(L):
             q_lat[l] += qp * widen(wr[l])
@@ -83,7 +111,7 @@ def _row_head(r, h, q_nope, q_pe, w_uk, w_uv, cache, block_tables, row_seq, row_
     start = _first_row(row_start, r)
     cnt = row_len[r] - start
     sc = np.empty(cnt, np.float32)
-    qpe = q_pe[r, h]
+    qpe = q[r, h, P:]
     for j in range(cnt):
         i = start + j
         row = cache[block_tables[s, i // BS], i % BS]
@@ -113,17 +141,17 @@ def _row_head(r, h, q_nope, q_pe, w_uk, w_uv, cache, block_tables, row_seq, row_
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def mla_attention_kernel(q_nope, q_pe, w_uk, w_uv, cache, block_tables, row_seq, row_start, row_len, scale, out):
-    """q_nope [n, Hq, P], q_pe [n, Hq, R] FP32; w_uk [Hq, P, L], w_uv [Hq, Dv, L] (BF16 bits or
+def mla_attention_kernel(q, w_uk, w_uv, cache, block_tables, row_seq, row_start, row_len, scale, out):
+    """q [n, Hq, P + R] FP32 (rope dims last, roped); w_uk [Hq, P, L], w_uv [Hq, Dv, L] (BF16 bits or
     FP32); cache [NB, BS, L + R] FP32; row_start [n] (or empty: 0); indices checked in range
     by the launcher; scale float32; out [n, Hq, Dv]."""
-    n, Hq, P = q_nope.shape
-    L = w_uk.shape[2]
+    n, Hq = q.shape[0], q.shape[1]
+    P, L = w_uk.shape[1], w_uk.shape[2]
     if n * Hq * (P + 2 * L) <= SMALL // 16:             # a handful of tiny tasks: the calling thread
         for t in range(n * Hq):
-            _row_head(t // Hq, t % Hq, q_nope, q_pe, w_uk, w_uv, cache, block_tables, row_seq, row_start,
+            _row_head(t // Hq, t % Hq, q, w_uk, w_uv, cache, block_tables, row_seq, row_start,
                       row_len, scale, out)
     else:
         for t in prange(n * Hq):
-            _row_head(t // Hq, t % Hq, q_nope, q_pe, w_uk, w_uv, cache, block_tables, row_seq, row_start,
+            _row_head(t // Hq, t % Hq, q, w_uk, w_uv, cache, block_tables, row_seq, row_start,
                       row_len, scale, out)
