@@ -143,16 +143,31 @@ class BlockSpec:
     rope_interleave: bool = False
     #: YaRN scaling of the RoPE (a mapping of its fields is read as one), None: plain RoPE
     rope_scaling: Yarn | None = None
+    #: MLA (multi-head latent attention, DeepSeek-V3 / GLM-5): L = kv_lora_rank > 0 switches
+    #: it on. Then ``head_dim`` is the query / key head dim P + R (``qk_nope_head_dim`` +
+    #: ``qk_rope_head_dim``), ``v_head_dim`` the value head dim, and the KV is one latent
+    #: row of L + R values per token shared by every head (mtpkern.ops.mla)
+    kv_lora_rank: int = 0
+    #: 0: a plain ``q_proj``; else ``q_a_proj`` [q_lora_rank, H] -> ``q_a_layernorm`` -> ``q_b_proj``
+    q_lora_rank: int = 0
+    #: R: the rotated dims at the end of each MLA query head, and of the shared key
+    qk_rope_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise BlockError(f"{name} expected an int >= 1, got {v!r}")
-        for name in ("v_head_dim", "sliding_window"):
+        for name in ("v_head_dim", "sliding_window", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise BlockError(f"{name} expected an int >= 0, got {v!r}")
+        if self.mla:
+            self._check_mla()
+        elif self.q_lora_rank or self.qk_rope_head_dim:
+            name = "q_lora_rank" if self.q_lora_rank else "qk_rope_head_dim"
+            raise BlockError(f"field {name!r} = {getattr(self, name)} describes multi-head latent attention, "
+                             f"which needs kv_lora_rank > 0, got {self.kv_lora_rank}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise BlockError(f"num_attention_heads must be a multiple of num_key_value_heads, got "
                              f"{self.num_attention_heads} and {self.num_key_value_heads}")
@@ -179,6 +194,21 @@ class BlockSpec:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Yarn):
             raise BlockError(f"rope_scaling expected YaRN's fields or None, got {self.rope_scaling!r}")
 
+    def _check_mla(self) -> None:
+        R, D = self.qk_rope_head_dim, self.head_dim
+        if R < 2 or R % 2 or R >= D:
+            raise BlockError(f"qk_rope_head_dim expected an even number in [2, head_dim) (head_dim = "
+                             f"qk_nope_head_dim + qk_rope_head_dim = {D} in MLA), got {R}")
+        if not self.v_head_dim:
+            raise BlockError("v_head_dim expected > 0 in MLA (kv_b_proj's value rows per head), got 0")
+        if self.partial_rotary_factor != 1.0:
+            raise BlockError(f"partial_rotary_factor expected 1 in MLA (qk_rope_head_dim says which dims "
+                             f"rotate), got {self.partial_rotary_factor}")
+        for name, off in (("attn_sinks", False), ("attn_gate", "")):
+            if getattr(self, name) != off:
+                raise BlockError(f"{name} expected {off!r} in MLA (no released MLA block has it), "
+                                 f"got {getattr(self, name)!r}")
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
@@ -198,7 +228,29 @@ class BlockSpec:
         return self.v_head_dim or self.head_dim
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """P: an MLA query head's dims that are not rotated (0 outside MLA)."""
+        return self.head_dim - self.qk_rope_head_dim if self.mla else 0
+
+    @property
+    def latent_width(self) -> int:
+        """L + R: one MLA latent row (0 outside MLA)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else 0
+
+    @property
+    def kv_row_values(self) -> int:
+        """Values one token adds to this module's KV: K and V of every KV head, or one latent row."""
+        return self.latent_width if self.mla else self.num_key_value_heads * (self.head_dim + self.v_dim)
+
+    @property
     def rotary_dim(self) -> int:
+        if self.mla:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -225,7 +277,9 @@ class BlockSpec:
 
     @property
     def qkv_size(self) -> int:
-        """Columns of the fused projection: q | k | v | gate."""
+        """Columns of the fused projection: q | k | v | gate (MLA: the query, q_proj's or q_b_proj's)."""
+        if self.mla:
+            return self.q_size
         return self.q_size + self.k_size + self.v_size + self.gate_size
 
     @property
@@ -248,7 +302,12 @@ class BlockSpec:
                              y.beta_fast, y.beta_slow, y.truncate)
 
     def describe(self) -> str:
-        parts = [f"Hq={self.num_attention_heads} Hkv={self.num_key_value_heads} D={self.head_dim}"]
+        if self.mla:
+            q = f"q_lora={self.q_lora_rank}" if self.q_lora_rank else "q_proj"
+            parts = [f"MLA Hq={self.num_attention_heads} L={self.kv_lora_rank} P={self.qk_nope_head_dim} "
+                     f"R={self.qk_rope_head_dim} {q}"]
+        else:
+            parts = [f"Hq={self.num_attention_heads} Hkv={self.num_key_value_heads} D={self.head_dim}"]
         if self.v_head_dim and self.v_head_dim != self.head_dim:
             parts.append(f"Dv={self.v_head_dim}")
         parts.append(f"rotary={self.rotary_dim} theta={self.rope_theta:g}")

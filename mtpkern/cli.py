@@ -304,13 +304,15 @@ def run_info(args: argparse.Namespace) -> dict:
     print(f"{path}: {cfg.describe()}")
     print(f"  family: {fam.describe() if cfg.family else fam.title}")
     blocks = [cfg.block(m) for m in range(cfg.num_modules)]
-    rows = [BlockPool.bytes_per_block(1, b.num_key_value_heads, b.head_dim, 2, b.v_dim) for b in blocks]
+    rows = [BlockPool.bytes_per_block(1, b.kv_row_values, 2) for b in blocks]
     kv_row = max(rows)
     windows = [b.sliding_window for b in blocks]
     each = f"{kv_row}" if len(set(rows)) == 1 else "/".join(map(str, rows))
     bound = (f"; windowed modules keep about their window ({'/'.join(str(w or '-') for w in windows)} tokens)"
              if any(windows) else "")
-    print(f"  KV per token and module: {each} B (K and V, BF16 on cuda; twice that in FP32 on numpy/cpu){bound}")
+    what = "K and V" if not any(b.mla for b in blocks) else \
+        ("one latent row" if all(b.mla for b in blocks) else "K and V, or one latent row (MLA)")
+    print(f"  KV per token and module: {each} B ({what}, BF16 on cuda; twice that in FP32 on numpy/cpu){bound}")
     report = {"config": cfg.describe(), "family": cfg.family or "", "features": fam.describe(),
               "kv_bytes_per_token_module_bf16": kv_row, "modules": []}
     for m in range(cfg.num_modules):

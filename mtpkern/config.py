@@ -82,13 +82,11 @@ def _group(names: str, reason: str, expected: str = "absent or null",
     return {n: Unimplemented(reason, expected, off) for n in names.split()}
 
 
-_MLA = "multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash, GLM-5, Kimi-K2)"
 _SWA = "sliding-window attention (Step-3.5, MiMo)"
 
 #: Field -> why it is refused. Taken from the published config.json files of the
 #: families planned next (DeepSeek-V3, Step-3.5, MiMo, Qwen3-Next) and of FP8 releases.
 UNIMPLEMENTED_FIELDS: dict[str, Unimplemented] = {
-    **_group("kv_lora_rank q_lora_rank qk_rope_head_dim qk_nope_head_dim", _MLA),
     **_group("index_topk index_n_heads index_head_dim", "DSA sparse-attention indexer (GLM-5, DeepSeek-V3.2)"),
     **_group("sliding_window_size num_sliding_attention_heads attention_other_setting "
              "swa_num_attention_heads swa_num_key_value_heads swa_head_dim swa_v_head_dim swa_rope_theta", _SWA),
@@ -130,6 +128,7 @@ SAME_AS: dict[str, str] = {
     "num_mtp_layers": "num_nextn_predict_layers",      # transformers' attribute name
     "rotary_dim": "rotary_dim",                        # MiniMax-M2, GPT-J: head_dim * partial_rotary_factor
     "query_pre_attn_scalar": "head_dim",               # scores are scaled by head_dim ** -0.5
+    "qk_head_dim": "head_dim",                         # MLA (transformers writes qk_nope + qk_rope)
 }
 
 #: Inclusive ranges of the int fields. Generous (4-16x the largest published
@@ -154,6 +153,9 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, 2**31 - 1),  # kernels index positions in int32
     "v_head_dim": (0, 1024),                   # 128 beside head_dim 192 (MiMo-V2); 0: head_dim
     "sliding_window": (0, 2**31 - 1),          # 128 (MiMo-V2), 512 (Step-3.5); 0: full attention
+    "kv_lora_rank": (0, 1 << 14),              # 512 (DeepSeek-V3, GLM-5); 0: not MLA
+    "q_lora_rank": (0, 1 << 15),               # 1536 (DeepSeek-V3), 2048 (GLM-5); 0: a plain q_proj
+    "qk_rope_head_dim": (0, 1024),             # 64
 }
 
 #: Ranges (low, high] of the float fields; every one must also be finite.
@@ -557,6 +559,11 @@ class MtpConfig:
     rope_scaling: Yarn | None = None
     #: v multiplied by this before attention (MiMo-V2): folded into v_proj at load
     attention_value_scale: float = 1.0
+    #: MLA (mtpkern/block.py): kv_lora_rank L > 0; q_lora_rank (0: q_proj); qk_rope_head_dim R,
+    #: with head_dim = qk_nope_head_dim + R and v_head_dim the value head dim
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
     #: per module, the BlockSpec fields that differ from the default block (a family's
     #: layer_types, per-layer RoPE, dense MTP blocks in a MoE model ...): a tuple of
     #: ((field, value), ...) per module, or () when every module is the default block
@@ -579,6 +586,9 @@ class MtpConfig:
             raise ConfigError(
                 f"config.json: field 'scoring_func' expected 'sigmoid' or 'softmax', got {self.scoring_func!r}"
             )
+        if any(b.mla for b in specs) and (self.use_qk_norm or self.attention_bias):
+            raise ConfigError(f"config.json: an MLA module has no q/k norms or q/k/v biases; expected use_qk_norm and "
+                              f"attention_bias false, got {self.use_qk_norm} and {self.attention_bias}")
         if any(b.moe for b in specs):
             if not self.is_moe:
                 raise ConfigError("config.json: an MoE MTP module needs n_routed_experts > 0 (mtp_blocks sets moe)")
@@ -619,7 +629,8 @@ class MtpConfig:
             rope_theta=self.rope_theta, sliding_window=self.sliding_window, attn_sinks=self.attn_sinks,
             attn_gate=self.attn_gate, moe=self.is_moe, swiglu_clamp=self.swiglu_clamp,
             swiglu_clamp_shared=self.swiglu_clamp_shared, rope_interleave=self.rope_interleave,
-            rope_scaling=self.rope_scaling)
+            rope_scaling=self.rope_scaling, kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim)
 
     def _check_moe(self) -> None:
         for name in ("num_experts_per_tok", "moe_intermediate_size"):
@@ -686,7 +697,7 @@ class MtpConfig:
             hidden_size=H,
             num_attention_heads=Hq,
             num_key_value_heads=_opt(d, "num_key_value_heads", int, Hq),
-            head_dim=_head_dim(d, H, Hq),
+            head_dim=_mla_head_dim(d) or _head_dim(d, H, Hq),
             vocab_size=_req(d, "vocab_size", int),
             num_hidden_layers=_req(d, "num_hidden_layers", int),
             num_nextn_predict_layers=_req(d, "num_nextn_predict_layers", int),
@@ -723,6 +734,9 @@ class MtpConfig:
             swiglu_clamp_shared=_opt(d, "swiglu_clamp_shared", float, 0.0),
             blocks=d.get("mtp_blocks") or (),
             attention_value_scale=_opt(d, "attention_value_scale", float, 1.0),
+            kv_lora_rank=_opt(d, "kv_lora_rank", int, 0),
+            q_lora_rank=_opt(d, "q_lora_rank", int, 0),
+            qk_rope_head_dim=_opt(d, "qk_rope_head_dim", int, 0),
         )
         _check_same_as(d, cfg)
         return cfg
@@ -752,9 +766,12 @@ class MtpConfig:
                                             "num_bits": 8, "type": "float", "strategy": "channel",
                                             "symmetric": True, "dynamic": False}}}}
         for name, off in (("v_head_dim", 0), ("sliding_window", 0), ("attn_sinks", False), ("swiglu_clamp", 0.0),
-                          ("swiglu_clamp_shared", 0.0), ("attention_value_scale", 1.0)):
+                          ("swiglu_clamp_shared", 0.0), ("attention_value_scale", 1.0), ("kv_lora_rank", 0),
+                          ("q_lora_rank", 0), ("qk_rope_head_dim", 0)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
+        if self.kv_lora_rank:                   # MLA: the query / key head dim as its config gives it
+            d["qk_nope_head_dim"] = self.head_dim - self.qk_rope_head_dim
         blocks = d.pop("blocks")
         if blocks:
             d["mtp_blocks"] = [{k: (v.to_hf() if isinstance(v, Yarn) else v) for k, v in b} for b in self.blocks]
@@ -788,6 +805,32 @@ class MtpConfig:
         if len(set(blocks)) == 1:
             return text + f"block {blocks[0].describe()}"
         return text + ", ".join(f"module {m}: {b.describe()}" for m, b in enumerate(blocks))
+
+
+def _mla_head_dim(d: dict) -> int:
+    """An MLA config's query / key head dim, ``qk_nope_head_dim + qk_rope_head_dim``; 0 when
+    the config is not MLA (no ``kv_lora_rank``). Hugging Face's DeepseekV3Config writes
+    ``head_dim = qk_rope_head_dim`` (the RoPE's width): accepted, as is ``head_dim`` = P + R;
+    the MLA fields without ``kv_lora_rank`` are refused."""
+    L = _opt(d, "kv_lora_rank", int, 0)
+    P, R = _opt(d, "qk_nope_head_dim", int, None), _opt(d, "qk_rope_head_dim", int, None)
+    lo, hi = INT_RANGES["kv_lora_rank"]
+    if not L or not lo <= L <= hi:         # out of range: refused by the range check
+        if L == 0 and P is not None:
+            raise ConfigError(f"config.json: field 'qk_nope_head_dim' = {P} describes multi-head latent attention, "
+                              f"which needs kv_lora_rank > 0, got {_show(d.get('kv_lora_rank'))}")
+        return 0
+    if P is None or R is None:
+        missing = "qk_nope_head_dim" if P is None else "qk_rope_head_dim"
+        raise ConfigError(f"config.json: field 'kv_lora_rank' = {L} (MLA) needs {missing!r}, which is missing")
+    if not (1 <= P <= 1024 and 0 <= R <= 1024):
+        raise ConfigError(f"config.json: qk_nope_head_dim must be in [1, 1024] and qk_rope_head_dim in [0, 1024], "
+                          f"got {P} and {R}")
+    hd = _opt(d, "head_dim", int, None)
+    if hd is not None and hd not in (R, P + R):
+        raise ConfigError(f"config.json: field 'head_dim' = {hd} disagrees with MLA's qk_nope_head_dim + "
+                          f"qk_rope_head_dim = {P} + {R} (or qk_rope_head_dim, as Hugging Face writes it)")
+    return P + R
 
 
 def _head_dim(d: dict, H: int, Hq: int) -> int:

@@ -4,7 +4,7 @@ One row = (token ``t``, incoming hidden ``g``, RoPE position ``p``), written
 into this module's own paged KV at the end of its sequence's rows::
 
     x  = eh_proj @ concat(enorm(E[t]), hnorm(g))              # [n, H]
-    r  = x + o_proj @ attn(input_layernorm(x), p)             # GQA over the module's KV, causal
+    r  = x + o_proj @ attn(input_layernorm(x), p)             # GQA (or MLA) over the module's KV, causal
     y  = r + ffn(post_attention_layernorm(r))                 # MoE (+ shared experts) or dense SwiGLU
     normed = shared_head_norm(y)                              # what the LM head reads
     draft  = argmax(head @ normed, grammar bitmask)
@@ -17,9 +17,10 @@ The module's block (``MtpConfig.block``, mtpkern/block.py) may switch on: a slid
 window (a row sees the last W keys, itself included), attention sinks, a value head
 dim of its own, an output gate (``o *= sigmoid(gate)``, head-wise or element-wise,
 the gate columns computed by the fused q|k|v projection), a gated shared expert,
-SwiGLU clamps, a dense MLP in an MoE checkpoint, and the RoPE variants (interleaved
+SwiGLU clamps, a dense MLP in an MoE checkpoint, the RoPE variants (interleaved
 pairs; YaRN's frequencies, its attention factor on cos / sin, its softmax factor on the
-scores' scale).
+scores' scale), and MLA (multi-head latent attention: one latent row per token in the pool,
+the absorbed attention of mtpkern.ops.mla).
 
 A sliding-window module's pool releases the leading blocks of a sequence that no
 later row can see (``kv.WindowRule``): after each successful ``forward`` /
@@ -88,7 +89,9 @@ class ForwardBuffers:
     arguments (the CUDA launchers' ``xcat=``, ``part_o=`` ...; empty on NumPy).
     ``y`` may be read by the op that writes it (the shared experts add into it). With a
     gated shared expert (``shared_expert_gate``): ``shared`` [n, H] and ``shared_gate``
-    [n, 1]. The block's sizes are the module's own (``MtpConfig.block``)."""
+    [n, 1]. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, L + R];
+    with ``q_lora_rank``, ``q_c`` / ``q_cn`` [n, q_lora_rank] (before and after q_a_layernorm).
+    The block's sizes are the module's own (``MtpConfig.block``)."""
 
     x: Any
     a_in: Any
@@ -104,6 +107,9 @@ class ForwardBuffers:
     ws: dict = field(default_factory=dict)
     shared: Any = None
     shared_gate: Any = None
+    kv_a: Any = None
+    q_c: Any = None
+    q_cn: Any = None
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -138,7 +144,7 @@ class MtpHead:
         self.block = b = config.block(index)
         window = WindowRule(b.sliding_window, trim_margin, max_forward_rows) if b.sliding_window else None
         self.pool = BlockPool(index, num_blocks, block_size, b.num_key_value_heads, b.head_dim, backend,
-                              v_head_dim=b.v_dim, window=window)
+                              v_head_dim=b.v_dim, window=window, latent_width=b.latent_width)
         self._inv_freq = backend.from_host(b.inv_freq())          # [R/2]: the default frequencies or YaRN's
         self._router = RouterSpec.from_config(config) if b.moe else None
         self._scale = b.scale
@@ -260,16 +266,19 @@ class MtpHead:
         x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
                          **put("mtp_input", out="x"))                                            # [n, H]
         a_in = be.rmsnorm(x, w.input_layernorm, eps, **put("rmsnorm", out="a_in"))               # [n, H]
-        qkv = be.linear(a_in, w.w_qkv, w.b_qkv, **put("linear", out="qkv"))                      # [n, (Hq+2Hkv)D]
-        q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
-                                     w.q_norm, w.k_norm, eps, self._inv_freq, positions,
-                                     self.pool.k, self.pool.v, slots, **self._rope_kw,
-                                     **put("rope_kv", out="q"))                                   # [n, Hq, D]
-        attn_kw = self._attn_kw if row_start is None else dict(self._attn_kw, row_start=row_start)
-        o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
-                               **attn_kw, **put("attention", out="o"))                          # [n, Hq Dv]
-        if b.gate_size:                      # o * sigmoid(gate): the gate columns after q|k|v
-            o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
+        if b.mla:
+            o = self._mla(a_in, positions, slots, tables, row_seq, row_len, row_start, put)      # [n, Hq Dv]
+        else:
+            qkv = be.linear(a_in, w.w_qkv, w.b_qkv, **put("linear", out="qkv"))                  # [n, (Hq+2Hkv)D]
+            q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
+                                         w.q_norm, w.k_norm, eps, self._inv_freq, positions,
+                                         self.pool.k, self.pool.v, slots, **self._rope_kw,
+                                         **put("rope_kv", out="q"))                               # [n, Hq, D]
+            attn_kw = self._attn_kw if row_start is None else dict(self._attn_kw, row_start=row_start)
+            o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
+                                   **attn_kw, **put("attention", out="o"))                      # [n, Hq Dv]
+            if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
+                o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
         f_in = be.rmsnorm(r, w.post_attention_layernorm, eps, **put("rmsnorm", out="f_in"))      # [n, H]
         if b.moe:
@@ -287,6 +296,26 @@ class MtpHead:
             y = be.swiglu_mlp(f_in, w.mlp_w13, w.mlp_w2, r, **self._mlp_kw, **put("mlp", out="y"))
         normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
         return y, normed
+
+    def _mla(self, a_in: Any, positions: Any, slots: Any, tables: Any, row_seq: Any, row_len: Any,
+             row_start: Any, put: Any) -> Any:
+        """MLA attention of ``a_in`` [n, H] -> [n, Hq Dv] (before o_proj), the latent rows
+        written (mtpkern.ops.mla): the query through q_a_proj, q_a_layernorm and q_b_proj
+        (or q_proj), the latent row from kv_a_proj_with_mqa, then the absorbed attention."""
+        be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
+        n = a_in.shape[0]
+        kv_a = be.linear(a_in, w.mla_kv_a, **put("linear", out="kv_a"))                          # [n, L + R]
+        qc = a_in
+        if w.mla_q_a is not None:
+            qc = be.linear(a_in, w.mla_q_a, **put("linear", out="q_c"))                           # [n, q_lora]
+            qc = be.rmsnorm(qc, w.mla_q_a_norm, eps, **put("rmsnorm", out="q_cn"))
+        qf = be.linear(qc, w.w_qkv, **put("linear", out="qkv"))                                   # [n, Hq (P + R)]
+        q = be.mla_latent_write(kv_a, w.mla_kv_a_norm, eps, self._inv_freq, positions, self.pool.k, slots,
+                                q=qf.reshape(n, b.num_attention_heads, b.head_dim), **self._rope_kw,
+                                **put("mla_write", out="q"))                                      # [n, Hq, P + R]
+        kw = {} if row_start is None else {"row_start": row_start}
+        return be.mla_attention_absorbed(q, w.mla_uk, w.mla_uv, self.pool.k, tables, row_seq, row_len, self._scale,
+                                         **kw, **put("mla_attention", out="o"))
 
     def argmax(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> np.ndarray:
         """Drafts for ``normed_rows`` [n, H]; ``bitmask`` [n, W] int32 or None -> [n] int32 (host)."""

@@ -283,7 +283,11 @@ class BlockPool:
     MAX_BLOCKS = 2**31 - 1
 
     def __init__(self, module: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, backend: Any, v_head_dim: int | None = None, window: WindowRule | None = None):
+                 head_dim: int, backend: Any, v_head_dim: int | None = None, window: WindowRule | None = None,
+                 latent_width: int = 0):
+        """``latent_width`` > 0: an MLA pool, one latent row of that many values per token
+        (``k`` is the ``[num_blocks, block_size, latent_width]`` cache, ``v`` None); else
+        K ``[.., num_kv_heads, head_dim]`` and V ``[.., num_kv_heads, v_head_dim]`` caches."""
         if not 1 <= num_blocks <= self.MAX_BLOCKS:
             raise ValueError(f"num_blocks: expected 1 .. {self.MAX_BLOCKS}, got {num_blocks}")
         if not 1 <= block_size <= self.MAX_BLOCKS // num_blocks:
@@ -299,8 +303,13 @@ class BlockPool:
         self.window_released = 0
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k = backend.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
-        self.v = backend.empty_kv(num_blocks, block_size, num_kv_heads, v_head_dim or head_dim)
+        #: an MLA pool's latent row width (0: K and V caches)
+        self.latent_width = int(latent_width)
+        if latent_width:
+            self.k, self.v = backend.empty_latent_kv(num_blocks, block_size, latent_width), None
+        else:
+            self.k = backend.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
+            self.v = backend.empty_kv(num_blocks, block_size, num_kv_heads, v_head_dim or head_dim)
         # A stack: pop() hands out the lowest free id first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._owner = np.zeros(num_blocks, np.int64)       # serial of the owning sequence; 0 = free
@@ -324,14 +333,14 @@ class BlockPool:
         return len(self._seqs)
 
     @staticmethod
-    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, itemsize: int,
-                        v_head_dim: int | None = None) -> int:
-        """Bytes of one block: K and V rows of ``block_size`` tokens."""
-        return block_size * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * itemsize
+    def bytes_per_block(block_size: int, row_values: int, itemsize: int) -> int:
+        """Bytes of one block: ``block_size`` tokens of ``row_values`` values each
+        (``BlockSpec.kv_row_values``: K and V of every KV head, or one MLA latent row)."""
+        return block_size * row_values * itemsize
 
     def block_bytes(self) -> int:
-        """Bytes of one block: K and V, ``block_size`` rows each."""
-        return (int(self.k.nbytes) + int(self.v.nbytes)) // self.num_blocks
+        """Bytes of one block: K and V (or the latent rows), ``block_size`` rows each."""
+        return (int(self.k.nbytes) + (0 if self.v is None else int(self.v.nbytes))) // self.num_blocks
 
     def available_to(self, seq: SeqKv) -> int:
         """Blocks ``seq`` may still take: the unpromised free ones plus its own reservation."""

@@ -73,9 +73,12 @@ class MemoryUse:
 
     weights: int                 # every distinct weight array (a shared [V, H] matrix once)
     kv_pools: int                # K and V caches of every module's pool, allocated up front
-    kv_block: int                # one block of one module: K and V, block_size rows
+    kv_block: int                # one block of module 0: K and V (or MLA latent rows), block_size rows
     kv_in_use: int               # blocks owned by states and carried entries, all modules
     blocks_in_use: tuple[int, ...]
+    #: per module, the KV bytes of one token: K and V of every KV head, or one MLA latent
+    #: row (kv_lora_rank + qk_rope_head_dim values), in the backend's kv_dtype
+    kv_row_bytes: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -155,7 +158,7 @@ class MultiModuleMtpHead(DraftProposer):
             raise ValueError(f"num_blocks, block_size: expected num_blocks * block_size <= "
                              f"{BlockPool.MAX_BLOCKS} (int32 slots), got {num_blocks} * {block_size}")
         item = np.dtype(backend.kv_dtype).itemsize
-        sizes = [BlockPool.bytes_per_block(block_size, b.num_key_value_heads, b.head_dim, item, b.v_dim)
+        sizes = [BlockPool.bytes_per_block(block_size, b.kv_row_values, item)
                  for b in (cfg.block(m) for m in range(cfg.num_modules))]
         need = num_blocks * sum(sizes)
         have = backend.memory_bytes()
@@ -231,9 +234,10 @@ class MultiModuleMtpHead(DraftProposer):
         if tn is not None:
             seen[id(tn)] = int(tn.nbytes)
         used = tuple(self.kv_blocks_in_use())
-        block = self.pools[0].block_bytes()
-        return MemoryUse(sum(seen.values()), block * self.num_blocks * self.num_modules, block,
-                         block * sum(used), used)
+        blocks = [p.block_bytes() for p in self.pools]     # modules may differ (their own blocks)
+        return MemoryUse(sum(seen.values()), sum(blocks) * self.num_blocks, blocks[0],
+                         sum(b * u for b, u in zip(blocks, used)), used,
+                         tuple(b // self.block_size for b in blocks))
 
     def drafter_rows(self, state: ProposerState) -> int:
         """Module 0's rows (``rows_per_module`` on the state gives every module's)."""

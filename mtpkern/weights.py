@@ -34,6 +34,7 @@ from .config import MtpConfig
 from .errors import CheckpointError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 from .models import Family, family
+from .ops.mla import split_kv_b_proj
 from .quant import Fp8Weight
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -44,7 +45,7 @@ _FP8 = "F8_E4M3"
 def _is_projection(suffix: str) -> bool:
     """A module's projection weights: the GEMV operands an FP8 release quantizes
     (never the norms, the router's correction bias, the embedding or the LM head)."""
-    return suffix.endswith("_proj.weight") or suffix == "mlp.gate.weight"
+    return suffix.endswith(("_proj.weight", "_proj_with_mqa.weight")) or suffix == "mlp.gate.weight"
 
 
 def scale_key(cfg: MtpConfig, key: str) -> str:
@@ -238,7 +239,7 @@ class ModuleWeights:
     eh_proj: Any          # [H, 2H]
     input_layernorm: Any  # [H]
     post_attention_layernorm: Any  # [H]
-    w_qkv: Any            # [block.qkv_size, H]: q | k | v | gate rows
+    w_qkv: Any            # [block.qkv_size, H]: q | k | v | gate rows (MLA: q_proj, or q_b_proj [.., q_lora_rank])
     b_qkv: Any | None     # [block.qkv_size]
     q_norm: Any | None    # [D]
     k_norm: Any | None    # [D]
@@ -256,6 +257,13 @@ class ModuleWeights:
     # dense MLP (when the module's block is not MoE)
     mlp_w13: Any | None = None       # [2I, H]
     mlp_w2: Any | None = None        # [H, I]
+    # MLA (when the module's block is: mtpkern.ops.mla; L kv_lora_rank, R qk_rope_head_dim)
+    mla_kv_a: Any | None = None      # [L + R, H] kv_a_proj_with_mqa
+    mla_kv_a_norm: Any | None = None  # [L] kv_a_layernorm
+    mla_q_a: Any | None = None       # [q_lora_rank, H] q_a_proj (None: q_proj, in w_qkv)
+    mla_q_a_norm: Any | None = None  # [q_lora_rank] q_a_layernorm
+    mla_uk: Any | None = None        # [Hq, P, L] kv_b_proj's key rows per head
+    mla_uv: Any | None = None        # [Hq, Dv, L] kv_b_proj's value rows per head
 
     def __repr__(self) -> str:
         kind = "moe" if self.gate_w is not None else "dense"
@@ -287,12 +295,17 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
         "eh_proj.weight": ((H, 2 * H), True),
         "input_layernorm.weight": ((H,), True),
         "post_attention_layernorm.weight": ((H,), True),
-        "self_attn.q_proj.weight": ((q_rows, H), True),
-        "self_attn.k_proj.weight": ((b.k_size, H), True),
-        "self_attn.v_proj.weight": ((b.v_size, H), True),
-        "self_attn.o_proj.weight": ((H, b.o_size), True),
-        "shared_head.norm.weight": ((H,), True),
     }
+    if b.mla:
+        keys.update(_mla_keys(b, H))
+    else:
+        keys.update({
+            "self_attn.q_proj.weight": ((q_rows, H), True),
+            "self_attn.k_proj.weight": ((b.k_size, H), True),
+            "self_attn.v_proj.weight": ((b.v_size, H), True),
+        })
+    keys["self_attn.o_proj.weight"] = ((H, b.o_size), True)
+    keys["shared_head.norm.weight"] = ((H,), True)
     if b.attn_gate == "headwise":
         keys["self_attn.g_proj.weight"] = ((Hq, H), True)
     if b.attn_sinks:
@@ -330,6 +343,21 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
     return keys
 
 
+def _mla_keys(b, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """An MLA block's attention tensors as DeepSeek-V3 releases them (but ``o_proj``)."""
+    L, R, Hq = b.kv_lora_rank, b.qk_rope_head_dim, b.num_attention_heads
+    keys = {"self_attn.kv_a_proj_with_mqa.weight": ((L + R, H), True),
+            "self_attn.kv_a_layernorm.weight": ((L,), True),
+            "self_attn.kv_b_proj.weight": ((Hq * (b.qk_nope_head_dim + b.v_dim), L), True)}
+    if b.q_lora_rank:
+        Q = b.q_lora_rank
+        keys.update({"self_attn.q_a_proj.weight": ((Q, H), True), "self_attn.q_a_layernorm.weight": ((Q,), True),
+                     "self_attn.q_b_proj.weight": ((b.q_size, Q), True)})
+    else:
+        keys["self_attn.q_proj.weight"] = ((b.q_size, H), True)
+    return keys
+
+
 #: The config field that decides whether a tensor under a module's prefix is read:
 #: (pattern on the key under the prefix, field). First match wins; FP8 scales come
 #: first because they sit beside every quantized weight.
@@ -339,6 +367,8 @@ _TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"(^|\.)self_attn\.[qk]_norm\.weight$"), "use_qk_norm"),
     (re.compile(r"(^|\.)self_attn\.g_proj\."), "attn_gate"),
     (re.compile(r"(^|\.)self_attn\.sinks$"), "attn_sinks"),
+    (re.compile(r"(^|\.)self_attn\.q_(a_proj|a_layernorm|b_proj)\."), "q_lora_rank"),
+    (re.compile(r"(^|\.)self_attn\.kv_(a_proj_with_mqa|a_layernorm|b_proj)\."), "kv_lora_rank"),
     (re.compile(r"(^|\.)mlp\.shared_experts\."), "n_shared_experts"),
     (re.compile(r"(^|\.)mlp\.(gate\.|experts\.|(gate|up|down)_proj\.)"), "n_routed_experts"),  # MoE, or dense MLP
 )
@@ -396,6 +426,15 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
             ours |= _read_keys(cfg, rd, {sx: (module_key(fam, rd, cfg.layer_index(other), other, sx), sh, rq)
                                          for sx, (sh, rq) in _module_keys(cfg, other).items()}, check=False)
     unused = sorted(k for k in rd.keys_under(pre) if k not in ours)
+    ignored: dict[str, list[str]] = {}
+    for k in unused:                           # what the family says it does not read, and why
+        why = fam.ignored_reason(k[len(pre):])
+        if why is not None:
+            ignored.setdefault(why, []).append(k)
+    for why, keys in ignored.items():
+        notes.append(f"module {m}: {len(keys)} tensor(s) not read ({why}): {', '.join(keys[:3])}"
+                     f"{', ...' if len(keys) > 3 else ''}")
+    unused = [k for k in unused if fam.ignored_reason(k[len(pre):]) is None]
     if unused:
         _refuse_or_note_unused(cfg, rd, m, pre, unused, allow_unused, notes)
     return spec
@@ -597,6 +636,21 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 np.concatenate([v.data[:, H:], v.data[:, :H]], axis=1),
                 np.concatenate([v.scale[:, hb:], v.scale[:, :hb]], axis=1), v.block))
 
+        def mla(mw: ModuleWeights) -> None:
+            """The MLA tensors: q_a_proj / q_a_layernorm (or none), kv_a_proj_with_mqa and its
+            norm, kv_b_proj split per head into its key and value parts (an FP8 one
+            dequantized first, as vLLM's MLA does: the absorbed attention reads it dense)."""
+            mw.mla_kv_a = backend.prepare_weight(w("self_attn.kv_a_proj_with_mqa.weight"))
+            mw.mla_kv_a_norm = norm("self_attn.kv_a_layernorm.weight")
+            if blk.q_lora_rank:
+                mw.mla_q_a = backend.prepare_weight(w("self_attn.q_a_proj.weight"))
+                mw.mla_q_a_norm = norm("self_attn.q_a_layernorm.weight")
+            kv_b = w("self_attn.kv_b_proj.weight")
+            if isinstance(kv_b, Fp8Weight):
+                kv_b = kv_b.dequantize()
+            uk, uv = split_kv_b_proj(kv_b, blk.num_attention_heads, blk.qk_nope_head_dim, blk.v_dim)
+            mw.mla_uk, mw.mla_uv = backend.prepare_weight(uk), backend.prepare_weight(uv)
+
         head_keys = [spec["shared_head.head.weight"][0], fam.target_head]
         if cfg.tie_word_embeddings:
             head_keys.append(fam.target_embed)
@@ -608,7 +662,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             eh_proj=eh_proj(),
             input_layernorm=norm("input_layernorm.weight"),
             post_attention_layernorm=norm("post_attention_layernorm.weight"),
-            w_qkv=backend.prepare_weight(stack_rows(*qkv_rows(
+            w_qkv=backend.prepare_weight(w("self_attn.q_b_proj.weight" if blk.q_lora_rank else "self_attn.q_proj.weight"))
+            if blk.mla else backend.prepare_weight(stack_rows(*qkv_rows(
                 w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), value_scaled(w("self_attn.v_proj.weight")),
                 w("self_attn.g_proj.weight") if blk.attn_gate == "headwise" else None))),
             b_qkv=backend.prepare_vector(np.concatenate([p.astype(np.float32) for p in qkv_rows(
@@ -621,6 +676,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             w_o=backend.prepare_weight(w("self_attn.o_proj.weight")),
             shared_head_norm=norm("shared_head.norm.weight"),
         )
+        if blk.mla:
+            mla(mw)
         if blk.moe:
             E = cfg.n_routed_experts
             mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
@@ -683,9 +740,21 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
         t[p + "eh_proj.weight"] = mat(H, 2 * H)
         t[p + "input_layernorm.weight"] = norm_w(H)
         t[p + "post_attention_layernorm.weight"] = norm_w(H)
-        t[p + "self_attn.q_proj.weight"] = mat(q_rows, H, gain=2.0)
-        t[p + "self_attn.k_proj.weight"] = mat(b.k_size, H, gain=2.0)
-        t[p + "self_attn.v_proj.weight"] = mat(b.v_size, H)
+        if b.mla:
+            L, R, Q = b.kv_lora_rank, b.qk_rope_head_dim, b.q_lora_rank
+            t[p + "self_attn.kv_a_proj_with_mqa.weight"] = mat(L + R, H, gain=2.0)
+            t[p + "self_attn.kv_a_layernorm.weight"] = norm_w(L)
+            t[p + "self_attn.kv_b_proj.weight"] = mat(Hq * (b.qk_nope_head_dim + b.v_dim), L, gain=2.0)
+            if Q:
+                t[p + "self_attn.q_a_proj.weight"] = mat(Q, H)
+                t[p + "self_attn.q_a_layernorm.weight"] = norm_w(Q)
+                t[p + "self_attn.q_b_proj.weight"] = mat(b.q_size, Q, gain=2.0)
+            else:
+                t[p + "self_attn.q_proj.weight"] = mat(b.q_size, H, gain=2.0)
+        else:
+            t[p + "self_attn.q_proj.weight"] = mat(q_rows, H, gain=2.0)
+            t[p + "self_attn.k_proj.weight"] = mat(b.k_size, H, gain=2.0)
+            t[p + "self_attn.v_proj.weight"] = mat(b.v_size, H)
         t[p + "self_attn.o_proj.weight"] = mat(H, b.o_size)
         if cfg.attention_bias:
             for name, n in (("q", q_rows), ("k", b.k_size), ("v", b.v_size)):

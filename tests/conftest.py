@@ -79,13 +79,17 @@ def rand_hiddens(rng, n, H):
 
 
 def kv_rows(prop, st, m):
-    """Module m's K and V rows of ``st`` in row order, FP32 on the host: [rows, Hkv, D] each;
+    """Module m's K and V rows of ``st`` in row order, FP32 on the host: [rows, Hkv, D] each
+    (MLA: the latent rows [rows, 1, L + R] and an empty V);
     a sliding-window module's from its first live block on (``base * block_size``: the
     rows before were released with their blocks)."""
     pool = prop.modules[m].pool
     seq = st.kv[m]
     be = prop.backend
-    k, v = be.kv_to_host(pool.k), be.kv_to_host(pool.v)
+    k = be.kv_to_host(pool.k)
+    if pool.latent_width:        # MLA: the latent rows as [rows, 1, L + R], an empty V
+        k = k[:, :, None, :]
+    v = np.zeros(k.shape[:3] + (0,), np.float32) if pool.v is None else be.kv_to_host(pool.v)
     r = np.arange(seq.base * pool.block_size, seq.rows)
     blk = np.asarray(seq.blocks, np.int64)[r // pool.block_size - seq.base]
     return k[blk, r % pool.block_size], v[blk, r % pool.block_size]

@@ -38,6 +38,10 @@ MIXED_BLOCKS = [{}, {"sliding_window": 4, "num_attention_heads": 8, "rope_theta"
 #: mscale_all_dim makes both the cos/sin factor (1.025) and the scores' factor (1.23) other than 1
 YARN = {"factor": 4.0, "original_max_position_embeddings": 12, "mscale": 1.0, "mscale_all_dim": 0.8}
 
+#: MLA at odd sizes: L 40 (not a multiple of 32), P 12, R 8, Dv 12, q_lora_rank 24
+MLA = dict(kv_lora_rank=40, q_lora_rank=24, qk_rope_head_dim=8, head_dim=20, v_head_dim=12, num_key_value_heads=4,
+           partial_rotary_factor=1.0, use_qk_norm=False, attention_bias=False)
+
 FEATURES = {
     "window": dict(sliding_window=5),
     "sinks": dict(attn_sinks=True),
@@ -54,6 +58,12 @@ FEATURES = {
     "yarn_interleave": dict(rope_interleave=True, rope_scaling=YARN, partial_rotary_factor=1.0),
     # per module: plain, interleaved, YaRN with partial rotation
     "rope_per_module": dict(blocks=[{}, {"rope_interleave": True}, {"rope_scaling": YARN}]),
+    # DeepSeek-V3's MLA (q_lora_rank, interleaved RoPE, YaRN past the original context), small
+    "mla": dict(MLA, rope_interleave=True, rope_scaling=YARN),
+    # MLA with a plain q_proj, a sliding window, neox RoPE; module 1 a GQA block, module 2 dense
+    "mla_mixed": dict(MLA, q_lora_rank=0, sliding_window=6, intermediate_size=40,
+                      blocks=[{}, {"kv_lora_rank": 0, "qk_rope_head_dim": 0, "head_dim": 16, "v_head_dim": 0,
+                               "partial_rotary_factor": 0.5}, {"moe": False, "v_head_dim": 8}]),
 }
 
 
@@ -109,6 +119,35 @@ def test_bad_blocks_are_refused_naming_the_module(blocks, match):
         MtpConfig.from_dict(dict(tiny_config().to_dict(), mtp_blocks=blocks))
 
 
+def test_mla_modules_hold_one_latent_row_per_token(ckpts):
+    """An MLA module's pool is one [NB, BS, L + R] cache (no V), its bytes per token in
+    ``memory()``; a GQA module beside it keeps K and V."""
+    path, w = ckpts("mla_mixed")
+    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", block_size=4, num_blocks=10)
+    p0, p1, p2 = (h.pool for h in prop.modules)
+    assert p0.k.shape == (10, 4, 48) and p0.v is None and p0.latent_width == 48
+    assert p1.k.shape == (10, 4, 4, 16) and p1.v.shape == (10, 4, 4, 16) and p1.latent_width == 0
+    mem = prop.memory()
+    assert mem.kv_row_bytes == (48 * 4, 4 * 2 * 16 * 4, 48 * 4)
+    assert mem.kv_pools == 10 * 4 * sum(mem.kv_row_bytes) and mem.kv_block == 4 * 48 * 4
+    assert w.modules[0].mla_q_a is None and w.modules[0].mla_uk.shape == (4, 12, 40)
+    assert w.modules[2].mla_uv.shape == (4, 8, 40) and w.modules[1].mla_kv_a is None
+    assert "MLA Hq=4 L=40 P=12 R=8 q_proj" in prop.config.describe()
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(MLA, qk_rope_head_dim=7), r"qk_rope_head_dim expected an even number in \[2, head_dim\)"),
+    (dict(MLA, v_head_dim=0), r"v_head_dim expected > 0 in MLA"),
+    (dict(MLA, partial_rotary_factor=0.5), r"partial_rotary_factor expected 1 in MLA"),
+    (dict(MLA, attn_sinks=True), r"attn_sinks expected False in MLA"),
+    (dict(MLA, use_qk_norm=True), r"an MLA module has no q/k norms"),
+    (dict(q_lora_rank=24), r"field 'q_lora_rank' = 24 describes multi-head latent attention"),
+])
+def test_bad_mla_blocks_are_refused(edit, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(**edit)
+
+
 def test_a_dense_module_in_a_moe_checkpoint_needs_no_experts_and_reads_its_mlp(ckpts):
     path, w = ckpts("mixed")
     assert w.modules[1].mlp_w13 is not None and w.modules[1].experts_w13 is None
@@ -147,7 +186,8 @@ def _module_rows(path, backend, cfg_edit=None, n=11, seed=2):
                                       ("clamps", {"swiglu_clamp": 0.0, "swiglu_clamp_shared": 0.0}),
                                       ("interleave", {"rope_interleave": False}), ("yarn", {"rope_scaling": None}),
                                       ("yarn_interleave", {"rope_scaling": None}),
-                                      ("yarn_interleave", {"rope_interleave": False})])
+                                      ("yarn_interleave", {"rope_interleave": False}),
+                                      ("mla", {"rope_interleave": False}), ("mla", {"rope_scaling": None})])
 def test_each_feature_changes_the_rows(ckpts, name, off):
     """The same tensors with the feature switched off compute other rows (a window: the
     same rows while they fit in it)."""
@@ -251,7 +291,7 @@ def test_yarn_interleave_past_the_original_context_agrees_with_the_oracle(ckpts,
     module's K/V rows against the float64 oracle after each call."""
     import test_oracle
 
-    for name in ("yarn_interleave", "rope_per_module"):
+    for name in ("yarn_interleave", "rope_per_module", "mla"):   # (windows: test_window_memory)
         path, weights = ckpts(name)
         prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
                                                   num_blocks=96, prefill_chunk=7)
@@ -268,7 +308,7 @@ SETTINGS = settings(max_examples=12, stateful_step_count=40, deadline=None,
 @pytest.mark.parametrize("name", list(FEATURES))
 @pytest.mark.parametrize("backend,kv_mode", [("numpy", "exact"), ("cpu", "draft"), ("cpu", "exact")])
 def test_random_calls_agree_with_the_oracle(ckpts, name, backend, kv_mode):
-    if backend == "numpy" and name not in ("mixed", "window_sinks_dv_dense", "yarn_interleave"):
+    if backend == "numpy" and name not in ("mixed", "window_sinks_dv_dense", "yarn_interleave", "mla_mixed"):
         pytest.skip("numpy runs the combined configs; cpu runs every feature")
     path, weights = ckpts(name)
     machine = proposer_machine(lambda: MultiModuleMtpHead.from_pretrained(

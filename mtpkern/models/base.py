@@ -16,6 +16,9 @@ as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
   renames a prefix of the suffix; values may use ``{m}``), and other names a
   tensor may have in checkpoints of the family written for another reader
   (``alternatives``: e.g. the name transformers loads), one of which is read;
+- **ignored tensors**: prefixes (under a module's prefix) of tensors the release holds and
+  mtpkern reads not, each with the reason, stated at load (``MtpWeights.notes``) and by
+  ``mtpkern info`` (e.g. the DSA indexer of GLM-5 / DeepSeek-V3.2: mtpkern/models/glm_moe_dsa.py);
 - **wrappers**: the model types (and their architectures) whose config holds this
   family's config under ``text_config`` (a vision-language release of the same
   text model);
@@ -38,7 +41,8 @@ Concat = Literal["embed_hidden", "hidden_embed"]
 
 #: the canonical RMSNorm weights of a module (the ones a zero-centred family stores as w)
 NORMS = ("enorm.weight", "hnorm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-         "self_attn.q_norm.weight", "self_attn.k_norm.weight", "shared_head.norm.weight")
+         "self_attn.q_norm.weight", "self_attn.k_norm.weight", "shared_head.norm.weight",
+         "self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,9 @@ class Family:
     #: canonical suffix -> other names (under the module's prefix) the checkpoint may give
     #: the same tensor instead of the release's; exactly one of them must be present
     alternatives: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: (suffix prefix under a module's prefix, why it is not read): tensors of the release
+    #: that are loaded not, and said so (never silently, never refused)
+    ignored: tuple[tuple[str, str], ...] = ()
     #: an outer model_type -> its architectures, whose config.json nests this family's
     #: config under ``text_config`` (read as that text config: mtpkern/config.py)
     wrappers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -102,6 +109,10 @@ class Family:
         pre = self.module_prefix(layer, m)
         return (self.key(layer, m, suffix),) + tuple(pre + a.format(m=m) for a in self.alternatives.get(suffix, ()))
 
+    def ignored_reason(self, suffix: str) -> str | None:
+        """Why the tensor ``suffix`` (under a module's prefix) is not read, if the family says."""
+        return next((why for pre, why in self.ignored if suffix.startswith(pre)), None)
+
     def folds_norm(self, suffix: str) -> bool:
         return self.zero_centred and suffix in NORMS
 
@@ -115,6 +126,8 @@ class Family:
             parts.append("q_proj gate rows per head (regrouped)")
         if self.chain != "prenorm":
             parts.append(f"{self.chain} chain")
+        for pre, why in self.ignored:
+            parts.append(f"{pre}* not read ({why})")
         feats = [f"{k}={v}" for k, v in self.fixed.items()]
         if feats:
             parts.append(", ".join(feats))

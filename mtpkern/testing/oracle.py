@@ -69,8 +69,8 @@ def _rope(x, pos, R, theta, interleave=False, yarn=None):
 
 @dataclass
 class ModuleRows:
-    k: np.ndarray        # [R, Hkv, D]  (rotated)
-    v: np.ndarray        # [R, Hkv, D]
+    k: np.ndarray        # [R, Hkv, D]  (rotated); MLA: the latent rows [R, 1, L + R]
+    v: np.ndarray        # [R, Hkv, Dv]; MLA: [R, 1, 0]
     y: np.ndarray        # [R, H]
     normed: np.ndarray   # [R, H]
 
@@ -88,6 +88,8 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     f = lambda a: np.asarray(a, np.float64)  # noqa: E731
     if R == 0:
         z = np.zeros((0, H))
+        if b.mla:
+            return ModuleRows(np.zeros((0, 1, b.latent_width)), np.zeros((0, 1, 0)), z, z)
         return ModuleRows(np.zeros((0, Hkv, D)), np.zeros((0, Hkv, Dv)), z, z)
     pos = np.arange(R) + m + 1 if pos is None else np.asarray(pos)
     keys = np.arange(R) if keys is None else np.asarray(keys)
@@ -95,6 +97,10 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     h = _rms(g, w.hnorm, eps)
     x = np.concatenate([e, h], 1) @ f(w.eh_proj).T
     a = _rms(x, w.input_layernorm, eps)
+    if b.mla:
+        att, k, v = _mla(b, w, a, pos, keys, eps)
+        r = x + att.reshape(R, Hq * Dv) @ f(w.w_o).T
+        return _ffn(cfg, b, w, x, r, k, v, eps)
     qkv = a @ f(w.w_qkv).T + (0 if w.b_qkv is None else f(w.b_qkv))
     q = qkv[:, :b.q_size].reshape(R, Hq, D)
     k = qkv[:, b.q_size:b.q_size + b.k_size].reshape(R, Hkv, D)
@@ -126,6 +132,41 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     if gate is not None:                                          # att * sigmoid(gate): per column, or per head
         att = att / (1 + np.exp(-gate.reshape(R, -1, 1 if b.attn_gate == "headwise" else Dv)))
     r = x + att.reshape(R, Hq * Dv) @ f(w.w_o).T
+    return _ffn(cfg, b, w, x, r, k, v, eps)
+
+
+def _mla(b, w, a, pos, keys, eps):
+    """MLA in its naive form (every latent row decompressed per head through kv_b_proj's
+    parts, DeepSeek-V3's formulas), float64: (attention [R, Hq, Dv], the latent rows
+    [R, 1, L + R] as the KV, an empty V)."""
+    f = lambda t: np.asarray(t, np.float64)  # noqa: E731
+    R_, Hq, L, Rr, P, Dv = len(a), b.num_attention_heads, b.kv_lora_rank, b.qk_rope_head_dim, \
+        b.qk_nope_head_dim, b.v_dim
+    qc = a if w.mla_q_a is None else _rms(a @ f(w.mla_q_a).T, w.mla_q_a_norm, eps)
+    q = (qc @ f(w.w_qkv).T).reshape(R_, Hq, P + Rr)
+    kv_a = a @ f(w.mla_kv_a).T                                        # [R, L + Rr]
+    c = _rms(kv_a[:, :L], w.mla_kv_a_norm, eps)                       # [R, L]
+    rope = dict(interleave=b.rope_interleave, yarn=b.rope_scaling)
+    k_pe = _rope(kv_a[:, None, L:], pos, Rr, b.rope_theta, **rope)[:, 0]   # [R, Rr]
+    q_pe = _rope(np.ascontiguousarray(q[:, :, P:]), pos, Rr, b.rope_theta, **rope)
+    scale = (P + Rr) ** -0.5 * (1.0 if b.rope_scaling is None else _yarn(Rr, b.rope_theta, b.rope_scaling)[2])
+    seen = keys[:, None] >= keys[None, :]
+    if b.sliding_window:
+        seen &= keys[:, None] - keys[None, :] < b.sliding_window
+    att = np.zeros((R_, Hq, Dv))
+    for hh in range(Hq):
+        k_nope = c @ f(w.mla_uk[hh]).T                                # [R, P]
+        v = c @ f(w.mla_uv[hh]).T                                     # [R, Dv]
+        s = (q[:, hh, :P] @ k_nope.T + q_pe[:, hh] @ k_pe.T) * scale
+        s = np.where(seen, s, -np.inf)
+        p = np.exp(s - s.max(1, keepdims=True))
+        att[:, hh] = (p / p.sum(1, keepdims=True)) @ v
+    return att, np.concatenate([c, k_pe], axis=1)[:, None, :], np.zeros((R_, 1, 0))
+
+
+def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
+    """The block after attention: post_attention_layernorm, MoE or dense MLP, the head norm."""
+    f = lambda t: np.asarray(t, np.float64)  # noqa: E731
     fin = _rms(r, w.post_attention_layernorm, eps)
     if b.moe:
         fin32 = fin.astype(np.float32)

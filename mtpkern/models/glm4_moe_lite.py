@@ -1,0 +1,20 @@
+"""GLM-4.7-Flash (``glm4_moe_lite``): DeepSeek-V3's MTP layer (MLA, MoE) at GLM's sizes.
+
+References: transformers 5.24 ``glm4_moe_lite`` (the model; no MTP drafting) and vLLM
+``glm4_moe_lite_mtp.py``: the MTP layer at ``model.layers.{num_hidden_layers}.`` (47) with
+DeepSeek-V3's names, ``rope_interleave`` (true by default), one routing group. vLLM's MTP
+layer hands on its pre-norm output (the ``prenorm`` chain, this family's default; SGLang
+recycles the post-norm one: pass ``chain="postnorm"`` to draft as SGLang does), and uses
+``rms_norm_eps`` for ``q_a_layernorm`` / ``kv_a_layernorm`` (transformers: 1e-6).
+"""
+
+from .base import Family
+
+FAMILY = Family(
+    model_type="glm4_moe_lite",
+    architectures=("Glm4MoeLiteForCausalLM",),
+    title="GLM-4.7-Flash",
+    defaults={"rope_interleave": True, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1, "n_group": 1,
+              "topk_group": 1},
+    target_only=frozenset({"mlp_layer_types", "moe_layer_freq", "ep_size"}),
+)
