@@ -639,7 +639,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         def mla(mw: ModuleWeights) -> None:
             """The MLA tensors: q_a_proj / q_a_layernorm (or none), kv_a_proj_with_mqa and its
             norm, kv_b_proj split per head into its key and value parts (an FP8 one
-            dequantized first, as vLLM's MLA does: the absorbed attention reads it dense)."""
+            dequantized to BF16 first, as vLLM's MLA does: the absorbed attention reads it at
+            two bytes a weight; FP8 codes times power-of-two scales are exact in BF16)."""
             mw.mla_kv_a = backend.prepare_weight(w("self_attn.kv_a_proj_with_mqa.weight"))
             mw.mla_kv_a_norm = norm("self_attn.kv_a_layernorm.weight")
             if blk.q_lora_rank:
@@ -647,7 +648,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 mw.mla_q_a_norm = norm("self_attn.q_a_layernorm.weight")
             kv_b = w("self_attn.kv_b_proj.weight")
             if isinstance(kv_b, Fp8Weight):
-                kv_b = kv_b.dequantize()
+                kv_b = kv_b.dequantize().astype(BF16)
             uk, uv = split_kv_b_proj(kv_b, blk.num_attention_heads, blk.qk_nope_head_dim, blk.v_dim)
             mw.mla_uk, mw.mla_uv = backend.prepare_weight(uk), backend.prepare_weight(uv)
 
