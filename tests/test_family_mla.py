@@ -191,3 +191,60 @@ def test_fp8_block_checkpoint_drafts_as_its_dequantized_weights(tmp_path, backen
     plain = test_fp8_checkpoints._dequantized_copy(fp8, tmp_path / "fp32", cfg)
     for mode in ("exact", "draft"):
         assert run_rounds(fp8, backend, mode)[1] == run_rounds(plain, backend, mode)[1]
+
+
+# -- LongCat-Flash ------------------------------------------------------------------------------
+
+LONGCAT = {
+    "architectures": ["LongcatFlashForCausalLM"], "model_type": "longcat_flash", "hidden_size": 6144,
+    "ffn_hidden_size": 12288, "expert_ffn_hidden_size": 2048, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_attention_heads": 64,
+    "num_layers": 28, "moe_topk": 12, "n_routed_experts": 512, "zero_expert_num": 256,
+    "zero_expert_type": "identity", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000000.0, "routed_scaling_factor": 6.0, "router_bias": False, "mla_scale_q_lora": True,
+    "mla_scale_kv_lora": True, "vocab_size": 131072, "attention_method": "MLA",
+}
+
+
+def test_longcat_release_config():
+    cfg = MtpConfig.from_dict(LONGCAT)
+    b = cfg.block(0)
+    assert cfg.family == "longcat_flash" and cfg.num_modules == 1 and not b.moe and cfg.intermediate_size == 12288
+    assert b.mla and b.rope_interleave and b.rope_theta == 1e7 and cfg.num_hidden_layers == 56
+    assert math.isclose(cfg.q_a_norm_scale, 2.0) and math.isclose(cfg.kv_a_norm_scale, 12 ** 0.5)
+    with pytest.raises(ConfigError, match=r"LongCat-Flash has one MTP layer"):
+        MtpConfig.from_dict(dict(LONGCAT, num_nextn_predict_layers=2))
+    no_scale = MtpConfig.from_dict({k: v for k, v in LONGCAT.items() if not k.startswith("mla_scale")})
+    assert no_scale.q_a_norm_scale == 1.0 and no_scale.kv_a_norm_scale == 1.0
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_longcat_layout_loads_folds_the_lora_norm_scales_and_drafts_as_the_canonical_one(tmp_path, backend):
+    from mtpkern.weights import read_tensors
+
+    base = tiny_config(**dict(MLA_FIELDS, rope_scaling=None), n_routed_experts=0, num_experts_per_tok=0,
+                       n_shared_experts=0, n_group=1, topk_group=1, intermediate_size=40,
+                       num_nextn_predict_layers=1)
+    cfg = dataclasses.replace(base, family="longcat_flash", q_a_norm_scale=2.0, kv_a_norm_scale=0.5,
+                              rope_theta=1e7)
+    path = write_synthetic_checkpoint(tmp_path / "lc", cfg, seed=8, dtype="float32", own_embed=True)
+    raw = read_tensors(path)
+    for name in ("model.mtp.layers.0.enorm.m.weight", "model.mtp.layers.0.transformer_layer.mlp.gate_proj.weight",
+                 "model.mtp.norm.weight", "model.mtp.embed_tokens.weight",
+                 "model.mtp.layers.0.self_attn.kv_b_proj.weight"):
+        assert name in raw, name
+    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+    w = prop.weights.modules[0]
+    np.testing.assert_allclose(w.mla_q_a_norm, raw["model.mtp.layers.0.self_attn.q_a_layernorm.weight"] * 2.0,
+                               rtol=1e-6)
+    np.testing.assert_allclose(w.mla_kv_a_norm, raw["model.mtp.layers.0.self_attn.kv_a_layernorm.weight"] * 0.5,
+                               rtol=1e-6)
+    assert prop.chain == "postnorm"
+    canon = write_synthetic_checkpoint(tmp_path / "canon", dataclasses.replace(cfg, family=""), seed=8,
+                                       dtype="float32", own_embed=True)
+    for mode in ("exact", "draft"):
+        got = run_rounds(path, backend, mode, chain="postnorm")[1]
+        assert got == run_rounds(canon, backend, mode, chain="postnorm")[1]
+    test_oracle.run_scenario(MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
+                                                                num_blocks=64),
+                             cfg, reference_weights(path), 2, 9, [(1, 1.0), (1, 0.0), (1, 1.0)], "postnorm", None)
