@@ -50,18 +50,21 @@ FAMILIES: tuple[str, ...] = tuple(NAME_EXPRESSIONS)
 
 
 def kernel_dir() -> Path:
-    """Directory holding the ``.cu`` / ``.cuh`` sources: the installed package
-    ``mtpkern.kernels`` (shipped in the wheel), else the source tree's ``kernels/``."""
+    """Directory holding the ``.cu`` / ``.cuh`` sources: the ``kernels/`` of the source tree
+    this package sits in, when there is one, else the installed package ``mtpkern.kernels``
+    (shipped in the wheel). The source tree comes first because an editable install maps
+    ``mtpkern.kernels`` to the checkout it was installed from: a second worktree run with
+    that environment would otherwise compile the other checkout's kernels."""
+    src = Path(__file__).resolve().parents[3] / "kernels"
+    if (src / "common.cuh").is_file():
+        return src
     try:
         d = Path(str(resources.files("mtpkern.kernels")))
         if (d / "common.cuh").is_file():
             return d
     except (ModuleNotFoundError, TypeError):
         pass
-    d = Path(__file__).resolve().parents[3] / "kernels"
-    if not (d / "common.cuh").is_file():
-        raise FileNotFoundError(f"mtpkern kernel sources not found (looked in mtpkern.kernels and {d})")
-    return d
+    raise FileNotFoundError(f"mtpkern kernel sources not found (looked in {src} and mtpkern.kernels)")
 
 
 def source(family: str) -> str:
