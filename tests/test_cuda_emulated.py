@@ -384,6 +384,141 @@ def test_attention_window_sinks_workspaces(be, sm_count, monkeypatch, budget_row
                            part_o=np.zeros((n, Hq, p.num_parts, D), np.float32), part_ml=ws["part_ml"])
 
 
+# -- MLA (kernels/mla.cu): split-KV, DeepSeek-V3's shapes, workspaces ---------------------------
+
+def _latent_cache(be, rng, NB, BS, W):
+    """A latent cache of be's kv dtype holding random rows, and those rows in FP32."""
+    vals = rnd(rng, NB, BS, W)
+    lc = be.empty_latent_kv(NB, BS, W)
+    lc[...] = vals.astype(BF16).view(np.uint16) if lc.dtype == np.uint16 else vals
+    return lc, be.kv_to_host(lc)
+
+
+def _mla_rows(rng, S, cap, n, window: bool):
+    """n rows of S sequences, the first of each at capacity (decode rows of a long context),
+    the others ragged; with ``window``, windows of 1, 37, 200 rows and one past the context."""
+    row_seq = (np.arange(n) % S).astype(np.int32)
+    row_len = rng.integers(1, cap + 1, n).astype(np.int32)
+    row_len[:S] = cap
+    row_start = None
+    if window:
+        w = np.resize(np.array([200, 1, 37, cap + 9]), n)
+        row_start = np.maximum(0, row_len - w).astype(np.int32)
+    return row_seq, row_len, row_start
+
+
+def _mla_case(be, rng, Hq, P, R, L, Dv, BS, max_blocks, n, window, wd="bf16"):
+    S = 2
+    NB = S * max_blocks + 3
+    lc, host = _latent_cache(be, rng, NB, BS, L + R)
+    tables = rng.permutation(NB)[: S * max_blocks].reshape(S, max_blocks).astype(np.int32)
+    row_seq, row_len, row_start = _mla_rows(rng, S, max_blocks * BS, n, window)
+    if window:                                  # blocks wholly before every window of a sequence: freed
+        for s in range(S):
+            tables[s, : min(int(row_start[r]) // BS for r in range(n) if row_seq[r] == s)] = -1
+    q = rnd(rng, n, Hq, P + R)
+    w_uk, w_uk32 = stored(rnd(rng, Hq, P, L, scale=P ** -0.5), wd)
+    w_uv, w_uv32 = stored(rnd(rng, Hq, Dv, L, scale=L ** -0.5), wd)
+    args = (q, be.prepare_weight(w_uk), be.prepare_weight(w_uv), lc, tables, row_seq, row_len, (P + R) ** -0.5)
+    want = REF.mla_attention_absorbed(q, w_uk32, w_uv32, host, tables, row_seq, row_len, (P + R) ** -0.5,
+                                      row_start=row_start)
+    return args, row_start, want
+
+
+@pytest.mark.parametrize("Hq,P,R,L,Dv,BS,max_blocks", [
+    (5, 16, 16, 100, 24, 16, 40),      # 640 rows, W = 116: scalar staging
+    (20, 24, 32, 300, 40, 5, 90),      # two tiles of 10 heads, L > 256 (LPT 2), W = 332
+    (16, 32, 64, 512, 32, 7, 60),      # L 512, W 576: 16-byte staging, BS 7
+    (1, 8, 8, 33, 12, 1, 300)])        # one head, one row per block
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("sms", [1, 132])
+def test_mla_split_kv_shapes(be, sm_count, Hq, P, R, L, Dv, BS, max_blocks, window, sms):
+    """Contexts of 300..640 latent rows split into partitions (132 SMs: from each row's window,
+    merged by attention.cu's merge kernel with Dv = L) or walked by one block (1 SM: tiles
+    with the online softmax rescaling); windows whose blocks before them are -1 in the table."""
+    from mtpkern.backends.cuda_launch import mla as mla_launch
+    sm_count(sms)
+    n = 5
+    rng = np.random.default_rng(Hq * 1000 + L + BS)
+    p = mla_launch.plan(Hq, L, R, max_blocks * BS, n, target_blocks=2 * sms, smem_max=227 * 1024)
+    assert (p.num_parts > 1) == (sms == 132), p
+    args, row_start, want = _mla_case(be, rng, Hq, P, R, L, Dv, BS, max_blocks, n, window)
+    got = be.mla_attention_absorbed(*args, row_start=row_start)
+    assert_close(got, want, "float32", f"mla_attention_absorbed ({p.num_parts} partitions)")
+
+
+@pytest.mark.parametrize("wd", ["bf16", "f32"])
+def test_mla_deepseek_v3_shapes(be, wd):
+    """DeepSeek-V3's MLA (Hq 128, P 128, R 64, L 512, Dv 128) at ~300 rows of context: a decode
+    row at capacity and a shorter one, split over partitions as on a 132-SM device."""
+    from mtpkern.backends.cuda_launch import mla as mla_launch
+    Hq, P, R, L, Dv, BS, max_blocks = 128, 128, 64, 512, 128, 16, 19      # 304 rows
+    p = mla_launch.plan(Hq, L, R, max_blocks * BS, 2, target_blocks=2 * emu_backend.DEFAULT_SM_COUNT,
+                        smem_max=emu_backend.DEFAULT_SMEM_OPTIN, kv_itemsize=np.dtype(be.kv_dtype).itemsize)
+    assert p.heads == 16 and p.num_parts == 3 and p.lpt == 2, p
+    rng = np.random.default_rng(3)
+    args, _, want = _mla_case(be, rng, Hq, P, R, L, Dv, BS, max_blocks, 2, False, wd)
+    got = be.mla_attention_absorbed(*args)
+    assert_close(got, want, "float32", "mla_attention_absorbed (DeepSeek-V3 shapes)")
+
+
+def test_mla_workspaces_given_allocate_nothing(be, sm_count, monkeypatch):
+    """The planned step's call: out and every workspace given (sized by plan + workspace_shapes,
+    as workspace_floats counts them): the launcher allocates nothing and writes into them;
+    a workspace of the wrong shape is refused by name."""
+    from mtpkern.backends.cuda_launch import mla as mla_launch
+    Hq, P, R, L, Dv, BS, max_blocks, n = 12, 16, 16, 64, 24, 16, 32, 3
+    sm_count(4)
+    rng = np.random.default_rng(11)
+    args, row_start, want = _mla_case(be, rng, Hq, P, R, L, Dv, BS, max_blocks, n, True)
+    p = mla_launch.plan(Hq, L, R, max_blocks * BS, n, target_blocks=8, smem_max=emu_backend.DEFAULT_SMEM_OPTIN,
+                        kv_itemsize=np.dtype(be.kv_dtype).itemsize)
+    assert p.num_parts > 1
+    shapes = mla_launch.workspace_shapes(n, Hq, L, R, p.num_parts)
+    assert set(shapes) == {"q_full", "o_lat", "part_o", "part_ml"}
+    assert mla_launch.workspace_floats(n, Hq, L, R, max_blocks * BS, target_blocks=8,
+                                       smem_max=emu_backend.DEFAULT_SMEM_OPTIN) == sum(
+        int(np.prod(s)) for s in shapes.values())
+    ws = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    out = np.zeros((n, Hq * Dv), np.float32)
+    real_output = mla_launch.output
+
+    def no_alloc(buf, name, shape, dtype):
+        assert buf is not None, f"{name}: allocated by the launcher"
+        return real_output(buf, name, shape, dtype)
+
+    monkeypatch.setattr(mla_launch, "output", no_alloc)
+    assert be.mla_attention_absorbed(*args, row_start=row_start, out=out, **ws) is out
+    assert_close(out, want, "float32", "mla_attention_absorbed (caller's workspaces)")
+    q = args[0]
+    np.testing.assert_array_equal(ws["q_full"][..., L:], q[..., P:])           # q_pe rides along
+    w_uv = args[2].view(BF16).astype(np.float32) if args[2].dtype == np.uint16 else args[2]
+    assert_close(out.reshape(n, Hq, Dv), np.einsum("rhl,hvl->rhv", ws["o_lat"], w_uv), "float32",
+                 "out = w_uv o_lat (o_lat the merged latent output)")
+    with pytest.raises(ValueError, match=rf"part_o: expected shape \[{n}, {Hq}, {p.num_parts}, {L}\]"):
+        be.mla_attention_absorbed(*args, row_start=row_start, out=out,
+                                  **{**ws, "part_o": np.zeros((n, Hq, p.num_parts, L + 1), np.float32)})
+
+
+def test_mla_device_slots_out_of_range_write_nothing(emu, monkeypatch):
+    """Slots in device memory are not read back: the kernel itself writes no row when one is
+    outside the cache (every block scans them), and the query is still roped."""
+    from mtpkern.backends.cuda_launch import mla as mla_launch
+    be = emu_backend.backend("bfloat16")
+    rng = np.random.default_rng(5)
+    L, R, NB, BS, n = 40, 8, 3, 4, 4
+    cache = be.empty_latent_kv(NB, BS, L + R)
+    q = rnd(rng, n, 2, 16 + R)
+    monkeypatch.setattr(mla_launch, "is_device_array", lambda a: True)
+    got = be.mla_latent_write(rnd(rng, n, L + R), rnd(rng, L), 1e-6, inv_freq(R, 1e4), np.arange(n, dtype=np.int32),
+                              cache, np.array([0, 5, NB * BS, 1], np.int32), q=q)
+    assert not cache.any()
+    want = REF.mla_latent_write(rnd(rng, n, L + R), rnd(rng, L), 1e-6, inv_freq(R, 1e4),
+                                np.arange(n, dtype=np.int32), np.zeros((NB, BS, L + R), np.float32),
+                                np.arange(n, dtype=np.int32), q=q)
+    assert_close(got, want, "float32", "q roped")
+
+
 @pytest.mark.parametrize("n,F,G", [(1, 4096, 32), (5, 2049, 2049), (3, 999, 1), (300, 64, 16), (2, 1, 1)])
 @pytest.mark.parametrize("mis", [False, True], ids=["aligned", "misaligned"])
 def test_sigmoid_gate_shapes(be, n, F, G, mis):
@@ -718,6 +853,23 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             rnd(rng, 5, 4 * 14), 2, 1, rnd(rng, 14), None, 1e-6, inv_freq(10, 1e4),
             np.array([0, 7, 90, 3, 4000], np.int32), k, v, np.array([0, 11, 5, 2, 7], np.int32),
             interleave=True, rope_scale=1.25)
+        for il, (L, R, Hq, P, Dv) in zip((False, True), ((72, 16, 3, 24, 20), (300, 32, 17, 16, 24))):   # LPT 1, 2
+            NB, BS = 12, 16
+            n = NB * BS
+            lc = be.empty_latent_kv(NB, BS, L + R)
+            slots = rng.permutation(n).astype(np.int32)
+            slots[-3:] = slots[:3]                                             # given twice: the later row wins
+            qr = be.mla_latent_write(rnd(rng, n, L + R), rnd(rng, L), 1e-6, inv_freq(R, 1e4),
+                                     np.arange(n, dtype=np.int32), lc, slots, q=rnd(rng, n, Hq, P + R),
+                                     interleave=il, rope_scale=1.1)
+            out[f"mla q {kv} {il}"] = qr
+            out[f"mla cache {kv} {il}"] = lc.view(np.uint8).ravel()
+            tables = rng.permutation(NB).astype(np.int32).reshape(2, 6)
+            for wd in ("bf16", "f32"):
+                w_uk, w_uv = (be.prepare_weight(stored(rnd(rng, Hq, d, L, scale=d ** -0.5), wd)[0]) for d in (P, Dv))
+                out[f"mla attention {kv} {L} {wd}"] = be.mla_attention_absorbed(
+                    qr[:4], w_uk, w_uv, lc, tables, np.array([0, 1, 1, 0], np.int32),
+                    np.array([96, 1, 70, 17], np.int32), 0.2, row_start=np.array([0, 0, 9, 16], np.int32))
     src, dst = rnd(rng, 64), np.zeros(64, np.float32)
     step_launch.copy_segments(np.array([(src.ctypes.data, dst.ctypes.data, 64)], np.int64))
     out["copy_segments"] = dst

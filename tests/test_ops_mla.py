@@ -6,7 +6,10 @@ with the cache unchanged.
 Shapes are odd on purpose: Hq 1..16, kv_lora_rank L 33..127 (never a multiple of 32),
 rope dims R 8..64, v_head_dim != qk_nope_head_dim, block sizes 1..16, ragged rows of
 several sequences (a decode row, a causal prefill chunk, a window), tables permuted.
-The CUDA backend has no MLA kernels yet: it must still instantiate, and says "not yet".
+Every backend test also runs on the CUDA backend's kernels (kernels/mla.cu) through the
+emulator of tests/cuda_emu (``cuda_emu_bf16`` / ``cuda_emu_f32``: BF16 and FP32 latent
+caches), skipped where the emulator cannot be built; its split-KV, DeepSeek-V3-sized and
+workspace cases are in tests/test_cuda_emulated.py.
 """
 
 from __future__ import annotations
@@ -17,15 +20,57 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from cuda_emu import emu_backend
+
 from mtpkern.backends import get_backend
+from mtpkern.backends.base import Backend
 from mtpkern.backends.cuda import CudaBackend
 from mtpkern.ops import mla
 from mtpkern.ops.rope_kv import inv_freq, yarn_inv_freq
 from mtpkern.tolerance import assert_close
 
 REF = get_backend("numpy")
-#: the backends with MLA (cuda: not yet, test_cuda_says_not_yet)
 HOST_BACKENDS = ["numpy", "cpu"]
+#: the CUDA backend's kernels on the emulator, with a BF16 / an FP32 latent cache
+EMU_BACKENDS = ["cuda_emu_bf16", "cuda_emu_f32"]
+BACKENDS = HOST_BACKENDS + EMU_BACKENDS
+#: the backends compared with the reference (numpy is the reference)
+OTHER_BACKENDS = ["cpu"] + EMU_BACKENDS
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    """The CUDA emulator routing the cuda launchers for this module (built once, cached)."""
+    try:
+        lib = emu_backend.build(asan=emu_backend.asan_requested())
+    except emu_backend.EmulatorUnavailable as e:
+        pytest.skip(f"CUDA emulator unavailable: {e}")
+    em = emu_backend.Emulator(lib)
+    with em.installed():
+        yield em
+
+
+@pytest.fixture
+def backend(request):
+    """``backend(name)`` -> the backend (an emulated cuda one starts the emulator)."""
+    def make(name: str):
+        if name in EMU_BACKENDS:
+            request.getfixturevalue("emulator")
+            return emu_backend.backend("bfloat16" if name.endswith("bf16") else "float32")
+        return get_backend(name)
+    return make
+
+
+def kv_tol(be) -> str:
+    """The tolerance of values that went through the backend's latent cache."""
+    return "bfloat16" if np.dtype(be.kv_dtype) == np.uint16 else "float32"
+
+
+def filled(be, cache) -> object:
+    """A latent cache of ``be`` holding the FP32 ``cache`` (BF16 bits where it stores BF16)."""
+    lc = be.empty_latent_kv(*cache.shape)
+    lc[...] = cache.astype(ml_dtypes.bfloat16).view(np.uint16) if lc.dtype == np.uint16 else cache
+    return lc
 
 #: (Hq, P = qk_nope, R = qk_rope, L = kv_lora, Dv, BS)
 SHAPES = [
@@ -181,31 +226,34 @@ def test_window_changes_the_result_and_one_row_is_its_value():
 
 # -- cpu == reference ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", OTHER_BACKENDS)
 @pytest.mark.parametrize("wdtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("Hq,P,R,L,Dv,BS", SHAPES)
-def test_cpu_attention_equals_reference(Hq, P, R, L, Dv, BS, window, wdtype):
-    be = get_backend("cpu")
+def test_attention_equals_reference(backend, name, Hq, P, R, L, Dv, BS, window, wdtype):
+    """The reference runs on the values the backend's cache holds (BF16-rounded for a BF16
+    cache), so every backend is held to FP32 accumulation's tolerance."""
+    be = backend(name)
     cache, tables, row_seq, row_len, row_start, q_nope, q_pe, kv_b = case("cpu", Hq, P, R, L, Dv, BS, window)
     if wdtype == "bfloat16":
         kv_b = kv_b.astype(ml_dtypes.bfloat16)
     w_uk, w_uv = mla.split_kv_b_proj(kv_b, Hq, P, Dv)
     scale = (P + R) ** -0.5
-    lc = be.empty_latent_kv(*cache.shape)
-    lc[...] = cache
+    lc = filled(be, cache)
     got = be.mla_attention_absorbed(be.from_host(cat(q_nope, q_pe)), be.prepare_weight(w_uk),
                                     be.prepare_weight(w_uv), lc, tables, row_seq, row_len, scale,
                                     row_start=row_start)
-    want = REF.mla_attention_absorbed(cat(q_nope, q_pe), REF.prepare_weight(w_uk), REF.prepare_weight(w_uv), cache,
-                                      tables, row_seq, row_len, scale, row_start=row_start)
-    assert_close(be.to_host(got), want, what=f"cpu vs reference ({wdtype} weights)")
+    want = REF.mla_attention_absorbed(cat(q_nope, q_pe), REF.prepare_weight(w_uk), REF.prepare_weight(w_uv),
+                                      be.kv_to_host(lc), tables, row_seq, row_len, scale, row_start=row_start)
+    assert_close(be.to_host(got), want, what=f"{name} vs reference ({wdtype} weights)")
 
 
-@pytest.mark.parametrize("name", HOST_BACKENDS)
-def test_attention_out_buffer(name):
-    be = get_backend(name)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_attention_out_buffer(backend, name):
+    be = backend(name)
     Hq, P, R, L, Dv, BS = 3, 24, 16, 72, 20, 3
     cache, tables, row_seq, row_len, _, q_nope, q_pe, kv_b = case("out", Hq, P, R, L, Dv, BS)
+    cache = filled(be, cache)
     w_uk, w_uv = (be.prepare_weight(w) for w in mla.split_kv_b_proj(kv_b, Hq, P, Dv))
     out = np.full((row_seq.size, Hq * Dv), np.nan, np.float32)
     got = be.mla_attention_absorbed(cat(q_nope, q_pe), w_uk, w_uv, cache, tables, row_seq, row_len, 0.2, out=out)
@@ -215,12 +263,12 @@ def test_attention_out_buffer(name):
 
 # -- latent write -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", HOST_BACKENDS)
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("L,R,BS,n,yarn", [(33, 8, 1, 5, False), (72, 16, 3, 7, True), (127, 64, 16, 19, True),
                                            (40, 24, 5, 1, False), (90, 32, 4, 30, False)])
-def test_latent_write_norm_rope_slots(name, interleave, L, R, BS, n, yarn):
-    be = get_backend(name)
+def test_latent_write_norm_rope_slots(backend, name, interleave, L, R, BS, n, yarn):
+    be = backend(name)
     rng = rng_for("lw", L, R, BS, n, yarn)
     NB = -(-n // BS) + 2
     kv_a = rnd(rng, n, L + R, scale=3.0)
@@ -230,22 +278,23 @@ def test_latent_write_norm_rope_slots(name, interleave, L, R, BS, n, yarn):
     pos = rng.integers(0, 5000, n).astype(np.int32)
     slots = rng.permutation(NB * BS)[:n].astype(np.int32)
     cache = be.empty_latent_kv(NB, BS, L + R)
-    assert cache.shape == (NB, BS, L + R) and np.dtype(cache.dtype) == np.float32
+    assert cache.shape == (NB, BS, L + R) and np.dtype(cache.dtype) == np.dtype(be.kv_dtype)
     assert be.mla_latent_write(kv_a, w, 1e-6, f, pos, cache, slots, interleave=interleave, rope_scale=a) is None
     rows = be.kv_to_host(cache).reshape(NB * BS, L + R)
     for r in range(n):
-        assert_close(rows[slots[r]], latent_row64(kv_a[r], w, 1e-6, f, pos[r], interleave, a), what=f"row {r}")
+        assert_close(rows[slots[r]], latent_row64(kv_a[r], w, 1e-6, f, pos[r], interleave, a), kv_tol(be),
+                     what=f"row {r}")
     untouched = np.setdiff1d(np.arange(NB * BS), slots)
     assert not rows[untouched].any()
 
 
-@pytest.mark.parametrize("name", HOST_BACKENDS)
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("Hq,P,L,R,yarn", [(1, 16, 33, 8, False), (3, 24, 72, 16, True), (16, 48, 127, 64, True)])
-def test_latent_write_ropes_the_query_as_the_key(name, interleave, Hq, P, L, R, yarn):
+def test_latent_write_ropes_the_query_as_the_key(backend, name, interleave, Hq, P, L, R, yarn):
     """q's rope dims (last R of each head) turn by the key's angles, its first P pass
     unchanged; the cache gets exactly what it gets without q; out= is filled."""
-    be = get_backend(name)
+    be = backend(name)
     rng = rng_for("lwq", Hq, P, L, R, yarn)
     n, NB, BS = 5, 3, 4
     kv_a, w = rnd(rng, n, L + R), rnd(rng, L)
@@ -273,8 +322,9 @@ def test_latent_write_ropes_the_query_as_the_key(name, interleave, Hq, P, L, R, 
         be.mla_latent_write(kv_a, w, 1e-6, f, pos, c2, slots, q=q[:, :, :R])
 
 
-def test_latent_write_cpu_equals_reference_and_later_row_wins():
-    cpu = get_backend("cpu")
+@pytest.mark.parametrize("name", OTHER_BACKENDS)
+def test_latent_write_equals_reference_and_later_row_wins(backend, name):
+    cpu = backend(name)
     rng = rng_for("dup")
     L, R, NB, BS, n = 50, 16, 3, 4, 6
     kv_a, w, f = rnd(rng, n, L + R), rnd(rng, L), inv_freq(R, 1e4)
@@ -286,15 +336,16 @@ def test_latent_write_cpu_equals_reference_and_later_row_wins():
                          interleave=True)
     c_ref2 = REF.empty_latent_kv(NB, BS, L + R)
     REF.mla_latent_write(kv_a.astype(ml_dtypes.bfloat16), w, 1e-5, f, pos, c_ref2, slots, interleave=True)
-    assert_close(c_cpu, c_ref2, what="cpu vs reference")
+    assert_close(cpu.kv_to_host(c_cpu), c_ref2, kv_tol(cpu), what=f"{name} vs reference")
     rows = c_ref.reshape(-1, L + R)
     assert_close(rows[3], latent_row64(kv_a[2], w, 1e-5, f, pos[2], True, 1.0))
     assert_close(rows[7], latent_row64(kv_a[5], w, 1e-5, f, pos[5], True, 1.0))
 
 
-def test_write_then_attend_cpu_equals_reference():
+@pytest.mark.parametrize("name", OTHER_BACKENDS)
+def test_write_then_attend_equals_reference(backend, name):
     """The two ops together, as a module will call them: rows written, then read back."""
-    cpu = get_backend("cpu")
+    cpu = backend(name)
     Hq, P, R, L, Dv, BS = 5, 24, 16, 72, 20, 3
     rng = rng_for("wa")
     n, NB = 11, 6
@@ -313,7 +364,7 @@ def test_write_then_attend_cpu_equals_reference():
         res.append(be.to_host(be.mla_attention_absorbed(cat(q_nope, q_pe), be.prepare_weight(w_uk),
                                                         be.prepare_weight(w_uv), c, tables, row_seq, row_len,
                                                         (P + R) ** -0.5)))
-    assert_close(res[1], res[0])
+    assert_close(res[1], res[0], kv_tol(cpu))
     c = REF.empty_latent_kv(NB, BS, L + R)
     REF.mla_latent_write(kv_a, w, 1e-6, f, pos, c, slots, interleave=True)
     assert_close(res[0], attention64(q_nope, q_pe, kv_b, c, tables, row_seq, row_len, (P + R) ** -0.5))
@@ -344,13 +395,12 @@ WRITE_BAD = [
 ]
 
 
-@pytest.mark.parametrize("name", HOST_BACKENDS)
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("arg,make,exc,match", WRITE_BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(WRITE_BAD)])
-def test_latent_write_refuses_bad_input_and_changes_nothing(name, arg, make, exc, match):
-    be = get_backend(name)
+def test_latent_write_refuses_bad_input_and_changes_nothing(backend, name, arg, make, exc, match):
+    be = backend(name)
     a = _write_args()
-    cache = be.empty_latent_kv(NB_, BS_, L_ + R_)
-    cache[...] = rnd(rng_for("c"), NB_, BS_, L_ + R_)
+    cache = filled(be, rnd(rng_for("c"), NB_, BS_, L_ + R_))
     before = cache.copy()
     kw = {"interleave": True, "rope_scale": 1.0}
     if arg in kw:
@@ -363,9 +413,9 @@ def test_latent_write_refuses_bad_input_and_changes_nothing(name, arg, make, exc
     np.testing.assert_array_equal(cache, before)
 
 
-@pytest.mark.parametrize("name", HOST_BACKENDS)
-def test_latent_write_refuses_a_bad_cache(name):
-    be = get_backend(name)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_latent_write_refuses_a_bad_cache(backend, name):
+    be = backend(name)
     a = _write_args()
     with pytest.raises(ValueError, match="latent_cache: expected 3 dimensions"):
         be.mla_latent_write(a["kv_a"], a["kv_a_norm_w"], 1e-6, a["inv_freq"], a["positions"],
@@ -397,10 +447,17 @@ ATTN_BAD = [
 ]
 
 
-@pytest.mark.parametrize("name", HOST_BACKENDS)
+#: index values: checked where they live on the host (numpy, cpu); the cuda launchers do not
+#: read device data back (as paged_attention's: a row with nothing to see gets zeros)
+DEVICE_DATA = ("row_len", "row_start")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("arg,make,exc,match", ATTN_BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(ATTN_BAD)])
-def test_attention_refuses_bad_input(name, arg, make, exc, match):
-    be = get_backend(name)
+def test_attention_refuses_bad_input(backend, name, arg, make, exc, match):
+    if name in EMU_BACKENDS and arg in DEVICE_DATA:
+        pytest.skip("index values in device arrays are not checked on the GPU")
+    be = backend(name)
     a = _attn_args()
     kw = {}
     if arg == "row_start":
@@ -423,11 +480,27 @@ def test_cpu_attention_refuses_a_table_entry_out_of_range():
                                   a["block_tables"], a["row_seq"], a["row_len"], 0.1)
 
 
-# -- cuda: not yet ------------------------------------------------------------------------------
+# -- cuda ---------------------------------------------------------------------------------------
 
-def test_cuda_says_not_yet():
+def test_cuda_backend_has_the_mla_ops(backend):
+    """CudaBackend implements both ops (no NotImplementedError left), with the signatures of
+    the Backend interface plus its workspaces, and they run (here on the emulator)."""
+    import inspect
+
     assert not CudaBackend.__abstractmethods__
-    with pytest.raises(NotImplementedError, match="MLA on cuda: not yet"):
-        CudaBackend.mla_latent_write(object(), None, None, 1e-6, None, None, None, None)
-    with pytest.raises(NotImplementedError, match="MLA on cuda: not yet"):
-        CudaBackend.mla_attention_absorbed(object(), None, None, None, None, None, None, None, 0.1)
+    for op in ("mla_latent_write", "mla_attention_absorbed"):
+        assert getattr(CudaBackend, op) is not getattr(Backend, op)
+        base, mine = (inspect.signature(getattr(c, op)).parameters for c in (Backend, CudaBackend))
+        assert list(mine)[:len(base)] == list(base)
+    assert {"q_full", "o_lat", "part_o", "part_ml", "out"} <= set(
+        inspect.signature(CudaBackend.mla_attention_absorbed).parameters)
+    be = backend("cuda_emu_bf16")
+    assert isinstance(be, CudaBackend)
+    a = _write_args()
+    cache = be.empty_latent_kv(NB_, BS_, L_ + R_)
+    be.mla_latent_write(a["kv_a"], a["kv_a_norm_w"], 1e-6, a["inv_freq"], a["positions"], cache, a["slots"])
+    assert be.kv_to_host(cache).reshape(-1, L_ + R_)[a["slots"]].any(axis=1).all()
+    b = _attn_args()
+    got = be.mla_attention_absorbed(b["q"], be.prepare_weight(b["w_uk"]), be.prepare_weight(b["w_uv"]),
+                                    filled(be, b["latent_cache"]), b["block_tables"], b["row_seq"], b["row_len"], 0.1)
+    assert got.shape == (8, 3 * 12) and np.isfinite(got).all()

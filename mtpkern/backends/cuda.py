@@ -34,7 +34,7 @@ import numpy as np
 from ..quant import Fp8Weight
 from . import dlpack
 from .base import Backend
-from .cuda_launch import attention, linear, lm_head, mlp, moe, norm, rope_kv
+from .cuda_launch import attention, linear, lm_head, mla, mlp, moe, norm, rope_kv
 from .cuda_launch import gate as gate_launch
 from .cuda_launch._util import CudaFp8
 
@@ -219,14 +219,20 @@ class CudaBackend(Backend):
                                          row_start=row_start, sinks=sinks, out=out, part_o=part_o,
                                          part_ml=part_ml)
 
-    # MLA (mtpkern.ops.mla): the numpy and cpu backends have it; the CUDA kernels are not written yet
+    # MLA (mtpkern.ops.mla; kernels/mla.cu)
     def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,
                          q=None, interleave: bool = False, rope_scale: float = 1.0, out=None):
-        raise NotImplementedError("mla_latent_write: MLA on cuda: not yet (use backend='cpu' or 'numpy')")
+        return mla.mla_latent_write(kv_a, kv_a_norm_w, eps, inv_freq, positions, latent_cache, slots, q=q,
+                                    interleave=interleave, rope_scale=rope_scale, out=out)
 
     def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
-                               scale: float, *, row_start=None, out=None):
-        raise NotImplementedError("mla_attention_absorbed: MLA on cuda: not yet (use backend='cpu' or 'numpy')")
+                               scale: float, *, row_start=None, out=None, q_full=None, o_lat=None, part_o=None,
+                               part_ml=None):
+        """Workspaces ``q_full`` / ``o_lat`` / ``part_o`` / ``part_ml``: ``cuda_launch.mla``
+        (sizes: ``mla.plan`` + ``mla.workspace_shapes``)."""
+        return mla.mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, scale,
+                                          row_start=row_start, out=out, q_full=q_full, o_lat=o_lat, part_o=part_o,
+                                          part_ml=part_ml)
 
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return gate_launch.sigmoid_gate(x, gate, residual, out=out)

@@ -15,7 +15,7 @@ latent row against ``q_lat`` and ``q_pe`` in one pass, takes the softmax over th
 scores (max, exp, sum: two passes over a [L'] FP32 buffer), accumulates the
 latent output ``o_lat = sum_j p_j c_j`` and multiplies it out through ``w_uv[h]``.
 Each latent row is read once per head here; FlashMLA's shape (all heads of a row
-over one latent tile) is the CUDA kernel's job (not yet). The weights are
+over one latent tile) is the CUDA kernel's (kernels/mla.cu). The weights are
 indexed directly (one specialisation per weight dtype, as the GEMV kernels).
 Absent ``row_start`` comes as an empty array. Measured (this machine, 2 cores, BF16
 weights, P 128, R 64, L 512, Dv 128, context 512, one sequence): n = 1, 16 heads

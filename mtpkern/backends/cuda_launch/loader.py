@@ -29,6 +29,8 @@ _WEIGHT_CTYPES = _CTYPES + ("__nv_fp8_e4m3",)
 
 #: Head-dim elements per lane in the PV pass of paged_attention (D <= 32 * DC).
 ATTENTION_DC = (2, 4, 8)
+#: Latent dims per thread in the PV pass of mla_attention_kernel (L <= 256 * LPT).
+MLA_LPT = (1, 2)
 
 #: family -> the instantiations to compile (``nvrtcAddNameExpression``); a
 #: launcher asks for exactly one of these strings.
@@ -39,6 +41,10 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true")),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
     + ("paged_attention_merge_kernel",),
+    "mla": tuple(f"mla_latent_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true"))
+    + tuple(f"mla_q_absorb_kernel<{t}>" for t in _CTYPES)
+    + tuple(f"mla_attention_kernel<{t}, {lpt}>" for t in _CTYPES for lpt in MLA_LPT)
+    + tuple(f"mla_out_kernel<{t}>" for t in _CTYPES),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
     + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
@@ -50,18 +56,21 @@ FAMILIES: tuple[str, ...] = tuple(NAME_EXPRESSIONS)
 
 
 def kernel_dir() -> Path:
-    """Directory holding the ``.cu`` / ``.cuh`` sources: the installed package
-    ``mtpkern.kernels`` (shipped in the wheel), else the source tree's ``kernels/``."""
+    """Directory holding the ``.cu`` / ``.cuh`` sources: the ``kernels/`` of the source tree
+    this package sits in, when there is one, else the installed package ``mtpkern.kernels``
+    (shipped in the wheel). The source tree comes first because an editable install maps
+    ``mtpkern.kernels`` to the checkout it was installed from: a second worktree run with
+    that environment would otherwise compile the other checkout's kernels."""
+    src = Path(__file__).resolve().parents[3] / "kernels"
+    if (src / "common.cuh").is_file():
+        return src
     try:
         d = Path(str(resources.files("mtpkern.kernels")))
         if (d / "common.cuh").is_file():
             return d
     except (ModuleNotFoundError, TypeError):
         pass
-    d = Path(__file__).resolve().parents[3] / "kernels"
-    if not (d / "common.cuh").is_file():
-        raise FileNotFoundError(f"mtpkern kernel sources not found (looked in mtpkern.kernels and {d})")
-    return d
+    raise FileNotFoundError(f"mtpkern kernel sources not found (looked in {src} and mtpkern.kernels)")
 
 
 def source(family: str) -> str:

@@ -1,0 +1,449 @@
+// mla.cu -- MLA (multi-head latent attention, DeepSeek-V3 / GLM-5) over a paged latent cache.
+//
+// Letters as mtpkern/ops/mla.py: Hq heads, L = kv_lora_rank, R = qk_rope_head_dim,
+// P = qk_nope_head_dim, Dv = v_head_dim, W = L + R values per latent row.
+//
+// mla_latent_write_kernel<KV, Interleave>: grid (n, 1 + has_q), block 256.
+//   blockIdx.y == 0: row r of kv_a [n, W] fp32 -> cache row slots[r] of latent_cache
+//   [NB, BS, W] in KV: c = rmsnorm(kv_a[r, :L], norm_w) (block_sum of squares), then the
+//   R rope dims rotated at positions[r] (pairs (i, i + R/2), or (2i, 2i + 1) with
+//   Interleave; cos and sin times rope_scale, as rope_kv.cu). Every block first scans all
+//   n slots (n ints, L1 hits): if one is outside [0, num_slots) no block writes (the
+//   launcher refuses host slots before launching; device slots are not read back), and
+//   a row whose slot a later row also names is left to that row (a slot given twice ends
+//   with the later row, whatever the block order).
+//   blockIdx.y == 1 (q not null): q_out [n, Hq, P + R] fp32 = q with each head's last R
+//   dims rotated by the same angles, the first P copied.
+//
+// mla_q_absorb_kernel<W>: q_full [n, Hq, W] fp32 = [w_uk[h]^T q_nope[r, h] | q_pe[r, h]]
+//   (FlashMLA's query layout: one latent-space query of L + R per head).
+//   grid (ceil(L / 128), Hq, ceil(n / 8)), block 128 = 4 warps. Lane l owns the 4 adjacent
+//   columns blockIdx.x * 128 + 4 l .. of w_uk[h] [P, L] (a warp reads 256 B of BF16 per
+//   weight row, coalesced), warp w the weight rows p = w, w + 4, ...; each weight is loaded
+//   once for the chunk's up to 8 query rows (q_nope in shared memory, broadcast reads).
+//   The 4 warps' sums are added in warp order through shared memory (deterministic).
+//
+// mla_attention_kernel<KV, LPT>: o_lat [n, Hq, L] fp32 = softmax_j(scale * q_full[h] .
+//   row_j) c_j over the visible latent rows j of the row (row_start[r] .. row_len[r] - 1).
+//   grid (ceil(Hq / heads), n, num_parts), block 256 = 8 warps. One block = one query row
+//   x a tile of `heads` <= 16 query heads x one partition of part_size latent rows
+//   (split-KV, as attention.cu). The partition is walked in tiles of `tile` (<= 64) rows:
+//     0. the tile's slots from the block table (entries before the window never read);
+//     1. the tile's rows are copied once from global memory into shared memory as stored
+//        (16-byte loads, coalesced along the row; zero padded to Wq = W rounded up to 8;
+//        row stride Wq + 8 so the 16-byte reads of step 2 hit distinct banks);
+//     2. scores: thread t takes row t % tile and heads t / tile + k * (256 / tile), k < 4;
+//        it streams its row from shared memory 8 values at a time against q (pre-scaled,
+//        in shared memory: broadcast reads, every lane of a warp has the same heads);
+//     3. online softmax: warp w owns heads w, w + 8: tile max, new running max m, rescale
+//        factor alpha = e^(m_old - m), p = e^(s - m) in place, running sum l = alpha l + sum p;
+//     4. o = alpha o + sum_j p_j c_j: thread t owns latent dims t + 256 k (k < LPT) for all
+//        16 head slots (o[16][LPT] in registers; p read as float4 broadcasts, the heads past
+//        the tile have p = 0).
+//   Every latent row is read from global memory once per block and used by all its heads.
+//   num_parts == 1: o_lat = o / l directly; otherwise o (unnormalised) and (m, l) go to
+//   part_o [n, Hq, num_parts, L] / part_ml [n, Hq, num_parts, 2] and attention.cu's
+//   paged_attention_merge_kernel (Dv = L, no sinks) combines them in partition order.
+//   Shared memory (dynamic, bytes) = 4 * (heads * Wq + tile * 20 + 48 + tile)
+//   + tile * (Wq + 8) * sizeof(KV); the launcher (mla.smem_bytes) computes the same sum.
+//
+// mla_out_kernel<W>: out [n, Hq * Dv] fp32, out[r, h * Dv + v] = w_uv[h, v, :] . o_lat[r, h].
+//   grid (ceil(Dv / 8), Hq, ceil(n / 8)), block 128: warp w computes weight rows
+//   v = blockIdx.x * 8 + 2 w, + 1 with common.cuh's GEMV core (each weight vector loaded
+//   once for the chunk's up to 8 rows; 16-byte loads when L and the bases allow).
+//
+// Preconditions: block sizes as above; L <= 256 * LPT; heads <= 16; tile <= 64, a multiple
+// of 4, 256 % tile == 0; P <= 1024 (q_nope of 8 rows in shared memory); block_tables
+// entries of the blocks holding rows row_start .. row_len - 1 valid (the others are never
+// read); slots < 2^31. row_len is clamped to max_blocks * BS and row_start to >= 0; a row
+// with nothing to see gets zeros. Vector paths need W % 8 == 0 (staging), L % 4 == 0
+// (absorb), L % (16 / sizeof(W)) == 0 (out) and aligned bases; otherwise scalar loads
+// (same results).
+// Cost (scalar FP32 FMAs, no tensor cores): per (latent row, head) W + L FMAs, so for
+// DeepSeek-V3's 128 heads the attention is FMA-bound, not memory-bound (docs/cuda.md).
+#include "common.cuh"
+
+namespace mtp {
+constexpr int kMlaWriteThreads = 256;
+constexpr int kMlaThreads = 256;
+constexpr int kMlaWarps = kMlaThreads / kWarp;
+constexpr int kMlaHeads = 16;    // head slots of an attention block (o[16][LPT])
+constexpr int kMlaPStride = 20;  // floats per row of the score / p buffer: 16 heads + pad (16-byte rows)
+constexpr int kAbsorbWarps = 4;
+constexpr int kAbsorbCols = 4;                        // adjacent columns of w_uk per lane
+constexpr int kAbsorbSpan = kWarp * kAbsorbCols;      // 128 columns per block
+constexpr int kOutRowsPerBlock = 2 * kGemvWarps;      // 8 rows of w_uv per block
+
+// 8 values of a shared-memory row (16-byte aligned) as floats (plain loads: __ldg is global only).
+__device__ __forceinline__ void smem8(const float* p, float (&f)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void smem8(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  f[0] = bf16_lo(u.x); f[1] = bf16_hi(u.x); f[2] = bf16_lo(u.y); f[3] = bf16_hi(u.y);
+  f[4] = bf16_lo(u.z); f[5] = bf16_hi(u.z); f[6] = bf16_lo(u.w); f[7] = bf16_hi(u.w);
+}
+
+// 8 stored values global -> shared, bit for bit (both 16-byte aligned).
+template <typename KV>
+__device__ __forceinline__ void copy8(KV* dst, const KV* src) {
+  constexpr int N = 8 * sizeof(KV) / 16;  // 16-byte words: 1 for bf16, 2 for fp32
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+}
+
+// The rotation of pair i at position pos (rope_kv.cu's formula): (x1, x2) -> (x1', x2').
+__device__ __forceinline__ void rotate(float pos, float inv_freq, float rope_scale, float x1, float x2,
+                                       float& y1, float& y2) {
+  float s, c;
+  sincosf(pos * inv_freq, &s, &c);
+  c *= rope_scale;
+  s *= rope_scale;
+  y1 = x1 * c - x2 * s;
+  y2 = x2 * c + x1 * s;
+}
+}  // namespace mtp
+
+template <typename KV, bool Interleave>
+__global__ void __launch_bounds__(mtp::kMlaWriteThreads)
+mla_latent_write_kernel(const float* __restrict__ kv_a, const float* __restrict__ norm_w, float eps,
+                        const float* __restrict__ inv_freq, int half, float rope_scale,
+                        const int* __restrict__ positions, const int* __restrict__ slots, int n,
+                        long long num_slots, KV* __restrict__ cache, int L, const float* __restrict__ q,
+                        float* __restrict__ q_out, int Hq, int P) {
+  __shared__ float red[33];
+  const long long r = blockIdx.x;
+  const int W = L + 2 * half;
+  const float pos = static_cast<float>(positions[r]);
+
+  if (blockIdx.y == 1) {  // the query: heads [P copied | R rotated]
+    const int per = P + half;  // work items per head: P copies, half pairs
+    const float* src = q + r * Hq * (P + 2 * half);
+    float* dst = q_out + r * Hq * (P + 2 * half);
+    for (int e = threadIdx.x; e < Hq * per; e += blockDim.x) {
+      const int h = e / per, k = e % per;
+      const float* x = src + static_cast<long long>(h) * (P + 2 * half);
+      float* y = dst + static_cast<long long>(h) * (P + 2 * half);
+      if (k < P) {
+        y[k] = x[k];
+      } else {
+        const int i = k - P;
+        const int a = P + (Interleave ? 2 * i : i), b = P + (Interleave ? 2 * i + 1 : i + half);
+        mtp::rotate(pos, inv_freq[i], rope_scale, x[a], x[b], y[a], y[b]);
+      }
+    }
+    return;
+  }
+
+  const long long slot = slots[r];
+  int skip = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const long long s = slots[i];
+    skip |= s < 0 || s >= num_slots || (i > r && s == slot);
+  }
+  if (__syncthreads_or(skip)) return;  // uniform over the block
+
+  const float* x = kv_a + r * W;
+  float ss = 0.0f;
+  for (int k = threadIdx.x; k < L; k += blockDim.x) ss = fmaf(x[k], x[k], ss);
+  ss = mtp::block_sum(ss, red);
+  const float denom = sqrtf(ss / static_cast<float>(L) + eps);  // as the reference: x / sqrt(var + eps) * w
+  KV* row = cache + slot * W;
+  for (int k = threadIdx.x; k < L; k += blockDim.x) row[k] = mtp::from_f32<KV>(x[k] / denom * norm_w[k]);
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const int a = L + (Interleave ? 2 * i : i), b = L + (Interleave ? 2 * i + 1 : i + half);
+    float y1, y2;
+    mtp::rotate(pos, inv_freq[i], rope_scale, x[a], x[b], y1, y2);
+    row[a] = mtp::from_f32<KV>(y1);
+    row[b] = mtp::from_f32<KV>(y2);
+  }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(mtp::kAbsorbWarps * mtp::kWarp)
+mla_q_absorb_kernel(const float* __restrict__ q, const W* __restrict__ w_uk, float* __restrict__ q_full, int n,
+                    int Hq, int P, int R, int L) {
+  using namespace mtp;
+  __shared__ float red[kAbsorbWarps][kMaxRows][kAbsorbSpan];  // 16 KB
+  extern __shared__ float4 smem_raw[];
+  float* q_s = reinterpret_cast<float*>(smem_raw);            // [m][P]: q_nope of the chunk's rows
+  const int h = blockIdx.y;
+  const long long r0 = static_cast<long long>(blockIdx.z) * kMaxRows;
+  const int m = min(static_cast<long long>(kMaxRows), n - r0);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int Wq = P + R, Wl = L + R;  // q row, q_full row
+  for (int e = threadIdx.x; e < m * P; e += blockDim.x) {
+    const int i = e / P, p = e % P;
+    q_s[e] = q[((r0 + i) * Hq + h) * Wq + p];
+  }
+  __syncthreads();
+
+  const int c0 = blockIdx.x * kAbsorbSpan + lane * kAbsorbCols;  // this lane's first column
+  const W* wh = w_uk + static_cast<long long>(h) * P * L;
+  const bool vec = L % kAbsorbCols == 0 && aligned16(w_uk);
+  float acc[kMaxRows][kAbsorbCols];
+  zero(acc);
+  if (c0 < L) {
+#pragma unroll 4
+    for (int p = warp; p < P; p += kAbsorbWarps) {
+      float wv[kAbsorbCols];
+      const W* wp = wh + static_cast<long long>(p) * L + c0;
+      if (vec) load_vec<kAbsorbCols>(wp, wv);
+      else load_guarded<kAbsorbCols>(wp, L - c0, wv);
+#pragma unroll
+      for (int i = 0; i < kMaxRows; ++i) {
+        if (i < m) {
+          const float qv = q_s[i * P + p];
+#pragma unroll
+          for (int c = 0; c < kAbsorbCols; ++c) acc[i][c] = fmaf(wv[c], qv, acc[i][c]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxRows; ++i)
+#pragma unroll
+    for (int c = 0; c < kAbsorbCols; ++c) red[warp][i][lane * kAbsorbCols + c] = acc[i][c];
+  __syncthreads();
+  for (int e = threadIdx.x; e < m * kAbsorbSpan; e += blockDim.x) {
+    const int i = e / kAbsorbSpan, c = e % kAbsorbSpan;
+    const int l = blockIdx.x * kAbsorbSpan + c;
+    if (l < L) {
+      float v = red[0][i][c];
+      for (int w = 1; w < kAbsorbWarps; ++w) v += red[w][i][c];  // warp order
+      q_full[((r0 + i) * Hq + h) * Wl + l] = v;
+    }
+  }
+  if (blockIdx.x == 0) {  // q_pe, already roped, after the latent query
+    for (int e = threadIdx.x; e < m * R; e += blockDim.x) {
+      const int i = e / R, k = e % R;
+      q_full[((r0 + i) * Hq + h) * Wl + L + k] = q[((r0 + i) * Hq + h) * Wq + P + k];
+    }
+  }
+}
+
+template <typename KV, int LPT>
+__global__ void __launch_bounds__(mtp::kMlaThreads)
+mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ cache,
+                     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
+                     const int* __restrict__ row_start, const int* __restrict__ row_len,
+                     float* __restrict__ o_lat, float* __restrict__ part_o, float* __restrict__ part_ml, int Hq,
+                     int heads, int L, int R, int BS, int tile, int part_size, int num_parts, float scale) {
+  using namespace mtp;
+  constexpr int HM = kMlaHeads;
+  extern __shared__ float4 smem_raw[];
+  const int W = L + R, Wq = (W + 7) & ~7, Wc = Wq + 8;
+  const int h0 = blockIdx.x * heads, p = blockIdx.z;
+  const long long r = blockIdx.y;
+  const int hc = min(heads, Hq - h0);  // heads of this block
+  const int t = threadIdx.x, warp = t / kWarp, lane = t % kWarp;
+  float* q_s = reinterpret_cast<float*>(smem_raw);      // [heads][Wq]: q * scale, zero padded
+  float* p_s = q_s + heads * Wq;                        // [tile][kMlaPStride]: scores, then p
+  float* ml_s = p_s + tile * kMlaPStride;               // [3][HM]: running max, running sum, alpha
+  int* slot_s = reinterpret_cast<int*>(ml_s + 3 * HM);  // [tile]
+  KV* c_s = reinterpret_cast<KV*>(slot_s + tile);       // [tile][Wc]: the tile's latent rows
+
+  const int seq = row_seq[r];
+  const int Lr = min(row_len[r], max_blocks * BS);
+  const int first = row_start ? max(row_start[r], 0) : 0;  // the window's first latent row
+  const int start = first + p * part_size;
+  const int Lp = min(Lr - start, part_size);  // latent rows of this partition
+  const long long head0 = r * Hq + h0;        // [n, Hq]: the block's first head
+  if (Lp <= 0) {  // uniform: nothing to attend to in this partition
+    if (num_parts == 1)
+      for (int e = t; e < hc * L; e += blockDim.x) o_lat[head0 * L + e] = 0.0f;
+    return;
+  }
+
+  for (int e = t; e < hc * Wq; e += blockDim.x) {
+    const int g = e / Wq, d = e % Wq;
+    q_s[e] = d < W ? q_full[(head0 + g) * W + d] * scale : 0.0f;
+  }
+  for (int e = t; e < tile * kMlaPStride; e += blockDim.x) p_s[e] = 0.0f;  // heads past hc: p = 0
+  if (t < HM) {
+    ml_s[t] = neg_inf();
+    ml_s[HM + t] = 0.0f;
+    ml_s[2 * HM + t] = 0.0f;
+  }
+
+  const bool vec = W % 8 == 0 && aligned16(cache);
+  const int groups = blockDim.x / tile;
+  const int ja = t % tile, ga = t / tile;  // step 2: row, first head
+  float o[HM][LPT];
+#pragma unroll
+  for (int g = 0; g < HM; ++g)
+#pragma unroll
+    for (int k = 0; k < LPT; ++k) o[g][k] = 0.0f;
+
+  for (int j0 = 0; j0 < Lp; j0 += tile) {
+    const int Lt = min(tile, Lp - j0);
+    // 0. slots
+    for (int i = t; i < Lt; i += blockDim.x) {
+      const int j = start + j0 + i;
+      slot_s[i] = block_tables[static_cast<long long>(seq) * max_blocks + j / BS] * BS + j % BS;
+    }
+    __syncthreads();
+    // 1. the rows, once, into shared memory
+    if (vec) {
+      const int nch = Wq / 8;
+      for (int e = t; e < Lt * nch; e += blockDim.x) {
+        const int i = e / nch, c = e % nch;
+        copy8<KV>(c_s + i * Wc + 8 * c, cache + static_cast<long long>(slot_s[i]) * W + 8 * c);
+      }
+    } else {
+      for (int e = t; e < Lt * Wq; e += blockDim.x) {
+        const int i = e / Wq, d = e % Wq;
+        c_s[i * Wc + d] = d < W ? cache[static_cast<long long>(slot_s[i]) * W + d] : from_f32<KV>(0.0f);
+      }
+    }
+    __syncthreads();
+    // 2. scores s[j][g] = (q[g] * scale) . row_j
+    {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (ja < Lt) {
+        const KV* crow = c_s + ja * Wc;
+        for (int d0 = 0; d0 < Wq; d0 += 8) {
+          float cf[8];
+          smem8(crow + d0, cf);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int g = ga + k * groups;
+            if (g < hc) {
+              const float4* qg = reinterpret_cast<const float4*>(q_s + g * Wq + d0);
+              const float4 qa = qg[0], qb = qg[1];
+              float a = acc[k];
+              a = fmaf(qa.x, cf[0], a); a = fmaf(qa.y, cf[1], a); a = fmaf(qa.z, cf[2], a); a = fmaf(qa.w, cf[3], a);
+              a = fmaf(qb.x, cf[4], a); a = fmaf(qb.y, cf[5], a); a = fmaf(qb.z, cf[6], a); a = fmaf(qb.w, cf[7], a);
+              acc[k] = a;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int g = ga + k * groups;
+        if (g < hc) p_s[ja * kMlaPStride + g] = ja < Lt ? acc[k] : neg_inf();
+      }
+    }
+    __syncthreads();
+    // 3. online softmax, per head
+    for (int g = warp; g < hc; g += kMlaWarps) {
+      float mt = neg_inf();
+      for (int i = lane; i < Lt; i += kWarp) mt = fmaxf(mt, p_s[i * kMlaPStride + g]);
+      mt = warp_max(mt);
+      const float m_old = ml_s[g], l_old = ml_s[HM + g];
+      const float m_new = fmaxf(m_old, mt);
+      // a -inf score weighs 0, also while every score so far is -inf (m_new = -inf)
+      const float mo = m_new == neg_inf() ? 0.0f : m_new;
+      float l = 0.0f;
+      for (int i = lane; i < Lt; i += kWarp) {
+        const float e = expf(p_s[i * kMlaPStride + g] - mo);
+        p_s[i * kMlaPStride + g] = e;
+        l += e;
+      }
+      l = warp_sum(l);
+      const float alpha = expf(m_old - mo);  // m_old = -inf (first tile): 0
+      if (lane == 0) {
+        ml_s[g] = m_new;
+        ml_s[HM + g] = l_old * alpha + l;
+        ml_s[2 * HM + g] = alpha;
+      }
+    }
+    __syncthreads();
+    // 4. o = alpha o + sum_j p_j c_j
+#pragma unroll
+    for (int g = 0; g < HM; ++g) {
+      const float alpha = ml_s[2 * HM + g];
+#pragma unroll
+      for (int k = 0; k < LPT; ++k) o[g][k] *= alpha;
+    }
+    for (int i = 0; i < Lt; ++i) {
+      float cv[LPT];
+#pragma unroll
+      for (int k = 0; k < LPT; ++k) {
+        const int l = t + k * kMlaThreads;
+        cv[k] = l < L ? to_f32(c_s[i * Wc + l]) : 0.0f;
+      }
+      const float4* pr = reinterpret_cast<const float4*>(p_s + i * kMlaPStride);
+#pragma unroll
+      for (int g4 = 0; g4 < HM / 4; ++g4) {
+        const float4 pv = pr[g4];
+#pragma unroll
+        for (int k = 0; k < LPT; ++k) {
+          o[4 * g4 + 0][k] = fmaf(pv.x, cv[k], o[4 * g4 + 0][k]);
+          o[4 * g4 + 1][k] = fmaf(pv.y, cv[k], o[4 * g4 + 1][k]);
+          o[4 * g4 + 2][k] = fmaf(pv.z, cv[k], o[4 * g4 + 2][k]);
+          o[4 * g4 + 3][k] = fmaf(pv.w, cv[k], o[4 * g4 + 3][k]);
+        }
+      }
+    }
+    __syncthreads();  // slot_s, c_s, p_s and alpha are rewritten by the next tile
+  }
+
+#pragma unroll
+  for (int g = 0; g < HM; ++g) {
+    if (g < hc) {
+      const long long hq = head0 + g;  // [n, Hq]
+#pragma unroll
+      for (int k = 0; k < LPT; ++k) {
+        const int l = t + k * kMlaThreads;
+        if (l < L) {
+          if (num_parts == 1) o_lat[hq * L + l] = o[g][k] / ml_s[HM + g];
+          else part_o[(hq * num_parts + p) * L + l] = o[g][k];
+        }
+      }
+    }
+  }
+  if (num_parts > 1 && t < hc) {
+    const long long at = (head0 + t) * num_parts + p;  // [n, Hq, num_parts]
+    part_ml[2 * at] = ml_s[t];
+    part_ml[2 * at + 1] = ml_s[HM + t];
+  }
+}
+
+namespace mtp {
+template <typename W, int NR>
+__device__ __forceinline__ void mla_out_chunk(const float* o_lat, const W* w_uv, float* out, long long r0, int m,
+                                              int Hq, int Dv, int L, bool vec) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int h = blockIdx.y;
+  const int v0 = blockIdx.x * kOutRowsPerBlock + 2 * warp;
+  if (v0 >= Dv) return;  // the whole warp: no barriers in this kernel
+  const int v1 = min(v0 + 1, Dv - 1);  // an odd Dv's last warp reads row Dv - 1 twice, stores it once
+  const W* const wr[2] = {w_uv + (static_cast<long long>(h) * Dv + v0) * L,
+                          w_uv + (static_cast<long long>(h) * Dv + v1) * L};
+  const float* const sr[2] = {nullptr, nullptr};
+  const float* xr[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) xr[i] = o_lat + ((r0 + min(i, m - 1)) * Hq + h) * L;
+  float acc[2][NR];
+  zero(acc);
+  gemv_dot<W, NR, 2>(wr, sr, 1, xr, L, lane, kWarp, vec, acc);
+  warp_sum_all(acc);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      if (i < m) {
+        float* y = out + ((r0 + i) * Hq + h) * Dv;
+        y[v0] = acc[0][i];
+        if (v0 + 1 < Dv) y[v0 + 1] = acc[1][i];
+      }
+    }
+  }
+}
+}  // namespace mtp
+
+template <typename W>
+__global__ void __launch_bounds__(mtp::kGemvThreads)
+mla_out_kernel(const float* __restrict__ o_lat, const W* __restrict__ w_uv, float* __restrict__ out, int n, int Hq,
+               int Dv, int L) {
+  const long long r0 = static_cast<long long>(blockIdx.z) * mtp::kMaxRows;
+  const int m = min(static_cast<long long>(mtp::kMaxRows), n - r0);
+  const bool vec = mtp::gemv_vec_ok(w_uv, o_lat, L, mtp::make_scales<W>(nullptr, 1, 1, L));
+  if (m > 4)       mtp::mla_out_chunk<W, 8>(o_lat, w_uv, out, r0, m, Hq, Dv, L, vec);
+  else if (m > 2)  mtp::mla_out_chunk<W, 4>(o_lat, w_uv, out, r0, m, Hq, Dv, L, vec);
+  else if (m == 2) mtp::mla_out_chunk<W, 2>(o_lat, w_uv, out, r0, m, Hq, Dv, L, vec);
+  else             mtp::mla_out_chunk<W, 1>(o_lat, w_uv, out, r0, m, Hq, Dv, L, vec);
+}
