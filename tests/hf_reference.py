@@ -1,8 +1,8 @@
 """Helpers of the tests against Hugging Face ``generate(..., use_mtp=True)``
 (``test_hf_reference.py``: Glm4Moe; ``test_hf_step3p5.py``: Step-3.5 through
-transformers' ``step3p7`` port; ``test_hf_deepseek_v3.py``: DeepSeek-V3, MLA): build a tiny random checkpoint HF can run, record
-every MTP drafting step of a greedy generation, and replay the same calls through
-``mtpkern``.
+transformers' ``step3p7`` port; ``test_hf_deepseek_v3.py``: DeepSeek-V3, MLA):
+build a tiny random checkpoint HF can run, record every MTP drafting step of a
+greedy generation, and replay the same calls through ``mtpkern``.
 
 Needs torch and transformers >= 5.24 (not project dependencies); import it only
 after ``conftest.require_hf_mtp()``. See docs/hf_reference.md.
