@@ -50,6 +50,8 @@ SHAPES: dict[str, tuple[Callable[[], MtpConfig], int]] = {
     "glm45air": (CONFIGS["glm45air"], 512),
     # Step-3.5-shaped (a quarter of its width): a window of 512 inside 2048 rows of context
     "step35": (CONFIGS["step35"], 2048),
+    # DeepSeek-V3's MLA block at H=1024 (16 heads, L 512, R 64, q_lora 384), MoE as small
+    "mla": (CONFIGS["mla"], 2048),
 }
 
 
@@ -113,11 +115,10 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     import ml_dtypes
 
     from .ops.moe import RouterSpec
-    from .ops.rope_kv import inv_freq
     from .quant import Fp8Weight
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
+    H, V = cfg.hidden_size, cfg.vocab_size
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
     moe = cfg.is_moe
     # the block's other MLP: the shared experts of a MoE block, or a dense block's MLP (the same op)
@@ -142,26 +143,14 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
 
     x, g = act(n, H), act(n, H)
     embed, head = W(V, H), W(V, H)
-    eh, wqkv, wo = W(H, 2 * H), W((Hq + 2 * Hkv) * D, H), W(H, Hq * D)
+    eh = W(H, 2 * H)
     if moe:
         gate = W(E, H)
         w13, w2 = W(E, 2 * I, H), W(E, H, I)
     s13, s2 = W(2 * Is, H), W(H, Is)
-    bs = 16
-    nb = -(-context // bs) + 1
-    kc, vc = be.empty_kv(nb * n, bs, Hkv, D), be.empty_kv(nb * n, bs, Hkv, D)
-    kvb = np.dtype(be.kv_dtype).itemsize
-    tables = be.from_host(np.arange(nb * n, dtype=np.int32).reshape(n, nb))
-    row_seq = be.from_host(np.arange(n, dtype=np.int32))
-    row_len = be.from_host(np.full(n, context, np.int32))
     tokens = be.from_host(rng.integers(0, V, n).astype(np.int32))
-    qkv = act(n, (Hq + 2 * Hkv) * D)
-    q = act(n, Hq, D)
-    pos = be.from_host(np.full(n, context, np.int32))
-    slots = be.from_host((np.arange(n, dtype=np.int32) * nb * bs) + context - 1)
-    invf = be.from_host(inv_freq(cfg.rotary_dim, cfg.rope_theta))
     f4, b2 = 4, 2
-    eh8, wqkv8, wo8, head8 = W8(eh), W8(wqkv), W8(wo), W8(head)
+    eh8, head8 = W8(eh), W8(head)
     s13_8, s2_8 = W8(s13), W8(s2)
     if moe:
         spec = RouterSpec.from_config(cfg)
@@ -169,25 +158,12 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
         distinct = len(np.unique(be.to_host(ids)))
         gate8, w13_8, w2_8 = W8(gate), W8(w13), W8(w2)
         used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
-    xo = act(n, Hq * D)
-    gates = act(n, Hq + 5)[:, 5:]                 # head-wise gates: a column slice of a wider projection
-    gated = act(n, Hq * D)                        # their output (a buffer, as a planned step passes)
-    window = min(128, context)                    # a sliding window of 128 rows, with sinks
-    starts = be.from_host(np.full(n, context - window, np.int32))
-    sinks = vec(Hq)
+    attention = (mla_op_cases(cfg, be, context, n, W, W8, act, vec) if cfg.block(0).mla
+                 else gqa_op_cases(cfg, be, context, n, W, W8, act, vec))
     cases = [
         ("rmsnorm", 2 * n * H * f4 + H * f4, lambda: be.rmsnorm(x, vec(H), 1e-5)),
         ("mtp_input", 2 * H * H * b2 + n * H * b2 + 2 * n * H * f4, lambda: be.mtp_input(embed, tokens, g, vec(H), vec(H), eh, 1e-5)),
-        ("linear_qkv", (Hq + 2 * Hkv) * D * H * b2 + n * (H + (Hq + 2 * Hkv) * D) * f4, lambda: be.linear(x, wqkv)),
-        ("linear_o", H * Hq * D * b2 + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo, None, x)),
-        ("qk_norm_rope_kv_write", n * ((Hq + 2 * Hkv) * D + Hq * D) * f4 + 2 * n * Hkv * D * kvb,
-         lambda: be.qk_norm_rope_kv_write(qkv, Hq, Hkv, vec(D), vec(D), 1e-5, invf, pos, kc, vc, slots)),
-        (f"paged_attention_ctx{context}", 2 * n * context * Hkv * D * kvb + 2 * n * Hq * D * f4,
-         lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5)),
-        (f"paged_attention_ctx{context}_w{window}_sinks", 2 * n * window * Hkv * D * kvb + 2 * n * Hq * D * f4,
-         lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, row_start=starts, sinks=sinks)),
-        ("sigmoid_gate", 2 * n * Hq * D * f4 + n * Hq * f4, lambda: be.sigmoid_gate(xo, gates, out=gated)),
-    ]
+    ] + [c for c in attention if not c[0].endswith("_fp8")]
     if moe:
         cases += [
             ("moe_router", E * H * b2 + n * H * f4, lambda: be.moe_router(x, gate, vec(E), spec)),
@@ -199,10 +175,7 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
         ("lm_head_argmax", V * H * b2 + n * H * f4, lambda: be.lm_head_argmax(x, head)),
         ("mtp_input_fp8", fp8_bytes(H, 2 * H) + n * H * b2 + 2 * n * H * f4,
          lambda: be.mtp_input(embed, tokens, g, vec(H), vec(H), eh8, 1e-5)),
-        ("linear_qkv_fp8", fp8_bytes((Hq + 2 * Hkv) * D, H) + n * (H + (Hq + 2 * Hkv) * D) * f4,
-         lambda: be.linear(x, wqkv8)),
-        ("linear_o_fp8", fp8_bytes(H, Hq * D) + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo8, None, x)),
-    ]
+    ] + [c for c in attention if c[0].endswith("_fp8")]
     if moe:
         cases += [
             ("moe_router_fp8", fp8_bytes(E, H) + n * H * f4, lambda: be.moe_router(x, gate8, vec(E), spec)),
@@ -212,6 +185,99 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
         (f"{mlp}_fp8", fp8_bytes(2 * Is, H) + fp8_bytes(H, Is) + 2 * n * H * f4,
          lambda: be.swiglu_mlp(x, s13_8, s2_8, x)),
         ("lm_head_argmax_fp8", fp8_bytes(V, H) + n * H * f4, lambda: be.lm_head_argmax(x, head8)),
+    ]
+    return cases
+
+
+def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> list[tuple[str, int, Callable]]:
+    """The attention ops of a GQA block at decode shape ``n`` rows: the fused projection,
+    the q/k norm + RoPE + KV write, the paged attention (full, and a window of 128 with
+    sinks), the head-wise gate, ``o_proj`` (BF16, then the projections in FP8)."""
+    from .ops.rope_kv import inv_freq
+
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    f4, b2 = 4, 2
+    x = act(n, H)
+    wqkv, wo = W((Hq + 2 * Hkv) * D, H), W(H, Hq * D)
+    bs = 16
+    nb = -(-context // bs) + 1
+    kc, vc = be.empty_kv(nb * n, bs, Hkv, D), be.empty_kv(nb * n, bs, Hkv, D)
+    kvb = np.dtype(be.kv_dtype).itemsize
+    tables = be.from_host(np.arange(nb * n, dtype=np.int32).reshape(n, nb))
+    row_seq = be.from_host(np.arange(n, dtype=np.int32))
+    row_len = be.from_host(np.full(n, context, np.int32))
+    qkv = act(n, (Hq + 2 * Hkv) * D)
+    q = act(n, Hq, D)
+    pos = be.from_host(np.full(n, context, np.int32))
+    slots = be.from_host((np.arange(n, dtype=np.int32) * nb * bs) + context - 1)
+    invf = be.from_host(inv_freq(cfg.rotary_dim, cfg.rope_theta))
+    wqkv8, wo8 = W8(wqkv), W8(wo)
+    xo = act(n, Hq * D)
+    gates = act(n, Hq + 5)[:, 5:]                 # head-wise gates: a column slice of a wider projection
+    gated = act(n, Hq * D)                        # their output (a buffer, as a planned step passes)
+    window = min(128, context)                    # a sliding window of 128 rows, with sinks
+    starts = be.from_host(np.full(n, context - window, np.int32))
+    sinks = vec(Hq)
+    return [
+        ("linear_qkv", (Hq + 2 * Hkv) * D * H * b2 + n * (H + (Hq + 2 * Hkv) * D) * f4, lambda: be.linear(x, wqkv)),
+        ("linear_o", H * Hq * D * b2 + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo, None, x)),
+        ("qk_norm_rope_kv_write", n * ((Hq + 2 * Hkv) * D + Hq * D) * f4 + 2 * n * Hkv * D * kvb,
+         lambda: be.qk_norm_rope_kv_write(qkv, Hq, Hkv, vec(D), vec(D), 1e-5, invf, pos, kc, vc, slots)),
+        (f"paged_attention_ctx{context}", 2 * n * context * Hkv * D * kvb + 2 * n * Hq * D * f4,
+         lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5)),
+        (f"paged_attention_ctx{context}_w{window}_sinks", 2 * n * window * Hkv * D * kvb + 2 * n * Hq * D * f4,
+         lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, row_start=starts, sinks=sinks)),
+        ("sigmoid_gate", 2 * n * Hq * D * f4 + n * Hq * f4, lambda: be.sigmoid_gate(xo, gates, out=gated)),
+        ("linear_qkv_fp8", fp8_bytes((Hq + 2 * Hkv) * D, H) + n * (H + (Hq + 2 * Hkv) * D) * f4,
+         lambda: be.linear(x, wqkv8)),
+        ("linear_o_fp8", fp8_bytes(H, Hq * D) + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo8, None, x)),
+    ]
+
+
+def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> list[tuple[str, int, Callable]]:
+    """The attention ops of an MLA block at decode shape ``n`` rows (mtpkern.ops.mla): the
+    query and latent projections (BF16, then FP8), the latent write with the query's RoPE,
+    the absorbed attention over ``context`` latent rows (w_uk / w_uv in BF16), ``o_proj``."""
+    from .ops.rope_kv import inv_freq
+
+    b = cfg.block(0)
+    H, Hq, L, R, P, Dv, Q = (cfg.hidden_size, b.num_attention_heads, b.kv_lora_rank, b.qk_rope_head_dim,
+                             b.qk_nope_head_dim, b.v_dim, b.q_lora_rank)
+    f4, b2 = 4, 2
+    kvb = np.dtype(be.kv_dtype).itemsize
+    bs = 16
+    nb = -(-context // bs) + 1
+    cache = be.empty_latent_kv(nb * n, bs, L + R)
+    tables = be.from_host(np.arange(nb * n, dtype=np.int32).reshape(n, nb))
+    row_seq = be.from_host(np.arange(n, dtype=np.int32))
+    row_len = be.from_host(np.full(n, context, np.int32))
+    pos = be.from_host(np.full(n, context, np.int32))
+    slots = be.from_host((np.arange(n, dtype=np.int32) * nb * bs) + context - 1)
+    invf = be.from_host(inv_freq(R, b.rope_theta))
+    x, q_in, kv_a, xo = act(n, H), act(n, Hq, P + R), act(n, L + R), act(n, Hq * Dv)
+    q_src = Q or H
+    wkva, wq, wo = W(L + R, H), W(Hq * (P + R), q_src), W(H, Hq * Dv)
+    uk, uv = W(Hq, P, L), W(Hq, Dv, L)
+    q_lat = act(n, Q or H)
+    cases = [
+        ("linear_kv_a", (L + R) * H * b2 + n * (H + L + R) * f4, lambda: be.linear(x, wkva)),
+        ("linear_q", Hq * (P + R) * q_src * b2 + n * (q_src + Hq * (P + R)) * f4, lambda: be.linear(q_lat, wq)),
+        ("mla_latent_write", n * ((L + R) + 2 * Hq * (P + R)) * f4 + n * (L + R) * kvb,
+         lambda: be.mla_latent_write(kv_a, vec(L), 1e-6, invf, pos, cache, slots, q=q_in, interleave=True)),
+        (f"mla_attention_ctx{context}", Hq * (P + Dv) * L * b2 + n * context * (L + R) * kvb
+         + n * Hq * (P + R + Dv) * f4,
+         lambda: be.mla_attention_absorbed(q_in, uk, uv, cache, tables, row_seq, row_len, (P + R) ** -0.5)),
+        ("linear_o", H * Hq * Dv * b2 + n * (Hq * Dv + 2 * H) * f4, lambda: be.linear(xo, wo, None, x)),
+    ]
+    wq_a = W(Q, H) if Q else None
+    if Q:
+        cases.insert(1, ("linear_q_a", Q * H * b2 + n * (H + Q) * f4, lambda: be.linear(x, wq_a)))
+    wkva8, wq8, wo8 = W8(wkva), W8(wq), W8(wo)
+    cases += [
+        ("linear_kv_a_fp8", fp8_bytes(L + R, H) + n * (H + L + R) * f4, lambda: be.linear(x, wkva8)),
+        ("linear_q_fp8", fp8_bytes(Hq * (P + R), q_src) + n * (q_src + Hq * (P + R)) * f4,
+         lambda: be.linear(q_lat, wq8)),
+        ("linear_o_fp8", fp8_bytes(H, Hq * Dv) + n * (Hq * Dv + 2 * H) * f4, lambda: be.linear(xo, wo8, None, x)),
     ]
     return cases
 
@@ -234,14 +300,21 @@ def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "") -> li
 
 def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact") -> int:
     """Weights one propose of k drafts must read (BF16), plus the KV it attends over, module
-    by module (each its own block): module 0 attends over ``context`` rows; modules m >= 1
+    by module (each its own block; an MLA block reads one latent row per token and
+    kv_b_proj once): module 0 attends over ``context`` rows; modules m >= 1
     too in exact mode, but in draft mode only over the row they write (after_verify(0) left
     none of theirs); a sliding window caps the rows a module reads."""
     H, V = cfg.hidden_size, cfg.vocab_size
     total = 0
     for m in range(k):
         b = cfg.block(m)
-        per = 2 * H * H + b.qkv_size * H + H * b.o_size + V * H        # eh, q|k|v|gate, o, head
+        per = 2 * H * H + H * b.o_size + V * H                           # eh, o, head
+        if b.mla:          # q_a (or q_proj), q_b, kv_a_proj_with_mqa, kv_b_proj (w_uk and w_uv)
+            Q, L = b.q_lora_rank, b.kv_lora_rank
+            per += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H
+            per += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L
+        else:
+            per += b.qkv_size * H                                         # q|k|v|gate
         if b.moe:
             experts = min(cfg.n_routed_experts, B * cfg.num_experts_per_tok)
             per += cfg.n_routed_experts * H + experts * 3 * cfg.moe_intermediate_size * H
@@ -251,7 +324,7 @@ def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
         rows = context if m == 0 or kv_mode == "exact" else 1
         if b.sliding_window:
             rows = min(rows, b.sliding_window)
-        total += 2 * per + B * rows * b.num_key_value_heads * (b.head_dim + b.v_dim) * kv_itemsize
+        total += 2 * per + B * rows * b.kv_row_values * kv_itemsize      # K and V, or the latent rows
     return total
 
 
@@ -280,6 +353,7 @@ def fast_fill(be) -> Iterator[None]:
         "mtp_input": fake(lambda embed, tokens, *a: (tokens.shape[0], embed.shape[1])),
         "linear": fake(lambda x, w, *a: (x.shape[0], w.shape[0])),
         "paged_attention": fake(lambda q, k_cache, v_cache, *a: (q.shape[0], q.shape[1] * v_cache.shape[3])),
+        "mla_attention_absorbed": fake(lambda q, w_uk, w_uv, *a: (q.shape[0], q.shape[1] * w_uv.shape[1])),
         "sigmoid_gate": fake(lambda x, *a: x.shape),
         "moe_router": router,
         "moe_experts": fake(lambda x, *a: x.shape),
@@ -341,10 +415,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="Numba threads of the cpu backend (default: the backend's, half the cores)")
     ap.add_argument("--shapes", default="small", choices=sorted(SHAPES),
                     help="shape set: tiny (H=64, V=301), small (H=1024, V=32768), glm45air (H=4096, V=151552), "
-                         "step35 (Step-3.5's MTP block at H=1024: window 512, head-wise gate, dense)")
+                         "step35 (Step-3.5's MTP block at H=1024: window 512, head-wise gate, dense), "
+                         "mla (DeepSeek-V3's MLA block at H=1024: 16 heads, L 512, R 64, q_lora 384)")
     ap.add_argument("--contexts", type=argtypes.positive_ints, default=None, metavar="N[,N...]",
                     help="rows of KV already in each sequence, e.g. 512,4096,32768 "
-                         "(default: the shape set's: tiny 64, small 512, glm45air 512, step35 2048)")
+                         "(default: the shape set's: tiny 64, small 512, glm45air 512, step35 2048, mla 2048)")
     ap.add_argument("--batches", type=argtypes.positive_ints, default="1,8", metavar="B[,B...]",
                     help="sequences per propose_batch")
     ap.add_argument("--kv-modes", type=argtypes.choices_list("draft", "exact"), default="draft,exact",
@@ -408,7 +483,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in batches:
             res["ops"] += bench_ops(cfg, be, contexts[0], n, args.warmup, args.runs, copy_gbs)
             for c in contexts[1:]:
-                res["ops"] += bench_ops(cfg, be, c, n, args.warmup, args.runs, copy_gbs, only="paged_attention")
+                res["ops"] += bench_ops(cfg, be, c, n, args.warmup, args.runs, copy_gbs,
+                                        only="mla_attention" if cfg.block(0).mla else "paged_attention")
         print_ops(res["ops"])
     if not args.no_propose:
         res["propose"] = bench_proposes(args, cfg, be, contexts, read_gbs, llc, res)
@@ -435,7 +511,8 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
     ckpt = synthetic_checkpoint(args.shapes, say=lambda line: print("\n" + line))
     torch_peer = None if args.no_torch else _torch_peer(ckpt, cfg)
     if torch_peer is None:
-        res["torch"] = "not importable" if not args.no_torch else "skipped"
+        res["torch"] = ("skipped" if args.no_torch else "no MLA in the eager peer"
+                        if any(cfg.block(m).mla for m in range(cfg.num_modules)) else "not importable")
         print("\nPyTorch: " + res["torch"] + " (no eager comparison)")
     steps = args.warmup + args.runs
     props = {mode: make_proposer(ckpt, be, mode, max(args.batches), max(contexts), steps)
@@ -550,6 +627,8 @@ def _device_copy_bandwidth(nbytes: int = 1 << 30) -> float:
 def _torch_peer(ckpt: Path, cfg: MtpConfig):
     """A timing function ``(k, B, warmup, runs, context) -> Timing`` for a PyTorch eager
     MTP step on the same weights, or None."""
+    if any(cfg.block(m).mla for m in range(cfg.num_modules)):
+        return None                        # the eager peer computes GQA blocks only
     try:
         from . import bench_torch
     except ImportError:

@@ -167,6 +167,8 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "partial_rotary_factor": (0.0, 1.0),
     "routed_scaling_factor": (0.0, 1e3),            # 1 .. 16 in releases; 1e308 overflowed to inf
     "attention_value_scale": (0.0, 1e3),            # 0.707 (MiMo-V2-Flash)
+    "q_a_norm_scale": (0.0, 1e3),                   # sqrt(6144 / 1536) = 2 (LongCat-Flash's mla_scale_q_lora)
+    "kv_a_norm_scale": (0.0, 1e3),                  # sqrt(6144 / 512)
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
@@ -416,7 +418,7 @@ def _rope(d: dict, fam: Family) -> tuple[float, float, Yarn | None]:
     merged = {k: v for _, r, _ in reversed(objs) for k, v in r.items()}
     # Glm4MoeConfig's partial_rotary_factor default is 0.5; DeepseekV3-style configs rotate whole heads.
     prf_default = fam.defaults.get("partial_rotary_factor", 1.0)
-    theta = _rope_value(d, merged, name, "rope_theta", 10000.0)
+    theta = _rope_value(d, merged, name, "rope_theta", fam.defaults.get("rope_theta", 10000.0))
     prf = _rope_value(d, merged, name, "partial_rotary_factor", prf_default)
     return theta, prf, (_yarn(d, merged, name) if rope_type == "yarn" else None)
 
@@ -564,6 +566,10 @@ class MtpConfig:
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    #: q_a_layernorm's / kv_a_layernorm's output multiplied by this (LongCat-Flash's
+    #: mla_scale_q_lora / mla_scale_kv_lora): folded into the norm weights at load
+    q_a_norm_scale: float = 1.0
+    kv_a_norm_scale: float = 1.0
     #: per module, the BlockSpec fields that differ from the default block (a family's
     #: layer_types, per-layer RoPE, dense MTP blocks in a MoE model ...): a tuple of
     #: ((field, value), ...) per module, or () when every module is the default block
@@ -737,6 +743,8 @@ class MtpConfig:
             kv_lora_rank=_opt(d, "kv_lora_rank", int, 0),
             q_lora_rank=_opt(d, "q_lora_rank", int, 0),
             qk_rope_head_dim=_opt(d, "qk_rope_head_dim", int, 0),
+            q_a_norm_scale=_opt(d, "q_a_norm_scale", float, 1.0),
+            kv_a_norm_scale=_opt(d, "kv_a_norm_scale", float, 1.0),
         )
         _check_same_as(d, cfg)
         return cfg
@@ -767,7 +775,8 @@ class MtpConfig:
                                             "symmetric": True, "dynamic": False}}}}
         for name, off in (("v_head_dim", 0), ("sliding_window", 0), ("attn_sinks", False), ("swiglu_clamp", 0.0),
                           ("swiglu_clamp_shared", 0.0), ("attention_value_scale", 1.0), ("kv_lora_rank", 0),
-                          ("q_lora_rank", 0), ("qk_rope_head_dim", 0)):
+                          ("q_lora_rank", 0), ("qk_rope_head_dim", 0), ("q_a_norm_scale", 1.0),
+                          ("kv_a_norm_scale", 1.0)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
         if self.kv_lora_rank:                   # MLA: the query / key head dim as its config gives it

@@ -223,6 +223,10 @@ class StepPlan:
             return buf((max(n[m] * size_of(blk[m]) for m in self.run),))
 
         qkv, q, o = flat(lambda b: b.qkv_size), flat(lambda b: b.q_size), flat(lambda b: b.o_size)
+        mla = [m for m in self.run if blk[m].mla]                 # MLA: the latent projection, the q path
+        kv_a = flat(lambda b: b.latent_width) if mla else None
+        q_c = flat(lambda b: b.q_lora_rank) if any(blk[m].q_lora_rank for m in mla) else None
+        q_cn = flat(lambda b: b.q_lora_rank) if q_c is not None else None
         K = cfg.num_experts_per_tok
         moe = any(blk[m].moe for m in self.run)
         eids = buf((n_max, K), np.int32) if moe else None
@@ -280,6 +284,11 @@ class StepPlan:
                                           self.y[m], self.normed[m],
                                           None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws,
                                           None if shared is None else shared[:c], None if sgate is None else sgate[:c])
+            if b.mla:
+                W, Q = b.latent_width, b.q_lora_rank
+                self.bufs[m].kv_a = kv_a[:c * W].reshape(c, W)
+                if Q:
+                    self.bufs[m].q_c, self.bufs[m].q_cn = q_c[:c * Q].reshape(c, Q), q_cn[:c * Q].reshape(c, Q)
 
         self._ranges = [(address(a), a.nbytes) for a in self._own] + [(address(stg.dev), stg.dev.nbytes)]
         self._fill_static_segments()

@@ -37,6 +37,15 @@ CONFIGS: dict[str, Callable[[], MtpConfig]] = {
                                   n_group=1, topk_group=1, intermediate_size=2816, partial_rotary_factor=1.0,
                                   rope_theta=1e4, sliding_window=512, attn_gate="headwise", attention_bias=False,
                                   max_position_embeddings=65536),
+    # DeepSeek-V3's MTP block at a seventh of its width: MLA with its own latent sizes (L 512,
+    # R 64, P 128, Dv 128, q_lora 384) over 16 heads, interleaved RoPE, YaRN (x40 of 4096),
+    # E=32 top-4 of 4 groups / 2 kept, I=512, 1 shared, V=32768, the postnorm chain
+    "mla": lambda: small_config(num_attention_heads=16, num_key_value_heads=16, head_dim=192, kv_lora_rank=512,
+                                q_lora_rank=384, qk_rope_head_dim=64, v_head_dim=128, partial_rotary_factor=1.0,
+                                attention_bias=False, use_qk_norm=False, rope_interleave=True, rope_theta=1e4,
+                                rope_scaling={"factor": 40.0, "original_max_position_embeddings": 4096,
+                                              "mscale": 1.0, "mscale_all_dim": 1.0},
+                                max_position_embeddings=163840, family="deepseek_v3"),
 }
 
 

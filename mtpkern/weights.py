@@ -587,10 +587,12 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                     at += part.shape[0]
             return out
 
-        def norm(suffix):
-            """A norm weight, zero-centred ones folded (stored w, applied as 1 + w)."""
+        def norm(suffix, scale: float = 1.0):
+            """A norm weight, zero-centred ones folded (stored w, applied as 1 + w), times
+            ``scale`` (an output scale of the norm, folded in FP32)."""
             v = w(suffix)
-            return backend.prepare_vector(v.astype(np.float32) + 1.0 if fam.folds_norm(suffix) else v)
+            v = v.astype(np.float32) + 1.0 if fam.folds_norm(suffix) else v
+            return backend.prepare_vector(v if scale == 1.0 else v.astype(np.float32) * np.float32(scale))
 
         def qkv_rows(q, k, v, g=None):
             """The parts of the fused projection in its row order: q | k | v (| gate): the
@@ -639,15 +641,16 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         def mla(mw: ModuleWeights) -> None:
             """The MLA tensors: q_a_proj / q_a_layernorm (or none), kv_a_proj_with_mqa and its
             norm, kv_b_proj split per head into its key and value parts (an FP8 one
-            dequantized first, as vLLM's MLA does: the absorbed attention reads it dense)."""
+            dequantized to BF16 first, as vLLM's MLA does: the absorbed attention reads it at
+            two bytes a weight; FP8 codes times power-of-two scales are exact in BF16)."""
             mw.mla_kv_a = backend.prepare_weight(w("self_attn.kv_a_proj_with_mqa.weight"))
-            mw.mla_kv_a_norm = norm("self_attn.kv_a_layernorm.weight")
+            mw.mla_kv_a_norm = norm("self_attn.kv_a_layernorm.weight", cfg.kv_a_norm_scale)
             if blk.q_lora_rank:
                 mw.mla_q_a = backend.prepare_weight(w("self_attn.q_a_proj.weight"))
-                mw.mla_q_a_norm = norm("self_attn.q_a_layernorm.weight")
+                mw.mla_q_a_norm = norm("self_attn.q_a_layernorm.weight", cfg.q_a_norm_scale)
             kv_b = w("self_attn.kv_b_proj.weight")
             if isinstance(kv_b, Fp8Weight):
-                kv_b = kv_b.dequantize()
+                kv_b = kv_b.dequantize().astype(BF16)
             uk, uv = split_kv_b_proj(kv_b, blk.num_attention_heads, blk.qk_nope_head_dim, blk.v_dim)
             mw.mla_uk, mw.mla_uv = backend.prepare_weight(uk), backend.prepare_weight(uv)
 
@@ -848,6 +851,10 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
                     a = np.concatenate([a[:, half:], a[:, :half]], axis=1)
                 if fam.folds_norm(suffix):
                     a = a - np.float32(1.0)
+                scale = {"self_attn.q_a_layernorm.weight": cfg.q_a_norm_scale,
+                         "self_attn.kv_a_layernorm.weight": cfg.kv_a_norm_scale}.get(base, 1.0)
+                if scale != 1.0:                                 # the release stores the unscaled norm
+                    a = a / np.float32(scale)
                 if base in ("self_attn.v_proj.weight", "self_attn.v_proj.bias") and cfg.attention_value_scale != 1 \
                         and (tail or a.dtype.itemsize > 1):      # FP8: its scales carry the factor
                     a = a / np.float32(cfg.attention_value_scale)

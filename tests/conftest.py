@@ -52,6 +52,24 @@ def tiny_ckpt(tmp_path_factory, tiny_cfg):
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("tiny"), tiny_cfg, seed=7)
 
 
+#: a small DeepSeek-V3-style MLA config (mtpkern/block.py): q_lora_rank, interleaved RoPE,
+#: YaRN past a 12-position original context; odd sizes (L 40, P 12, R 8, Dv 12)
+MLA_FIELDS = dict(kv_lora_rank=40, q_lora_rank=24, qk_rope_head_dim=8, head_dim=20, v_head_dim=12,
+                  num_key_value_heads=4, partial_rotary_factor=1.0, use_qk_norm=False, attention_bias=False,
+                  rope_interleave=True, rope_scaling={"factor": 4.0, "original_max_position_embeddings": 12,
+                                                      "mscale": 1.0, "mscale_all_dim": 0.8})
+
+
+@pytest.fixture(scope="session")
+def mla_cfg():
+    return tiny_config(**MLA_FIELDS)
+
+
+@pytest.fixture(scope="session")
+def mla_ckpt(tmp_path_factory, mla_cfg):
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("mla"), mla_cfg, seed=7)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt_dense(tmp_path_factory):
     cfg = tiny_config(n_routed_experts=0, intermediate_size=48, attention_bias=False, use_qk_norm=False,

@@ -187,3 +187,33 @@ def test_op_cases_of_a_dense_block_have_no_experts():
     for name, nbytes, fn in cases:
         assert nbytes > 0
         fn()
+
+
+def test_mla_shapes_read_latent_rows_and_kv_b_proj_and_time_the_mla_ops():
+    """An MLA block's floor: q_a / q_b / kv_a_proj_with_mqa / kv_b_proj / o weights and one
+    latent row of L + R values per token (not K and V per head); its op cases are the MLA
+    ops (and run)."""
+    from mtpkern.backends import get_backend
+    from mtpkern.bench import op_cases
+    from mtpkern.config import tiny_config
+    from mtpkern.synthetic import CONFIGS
+
+    cfg = CONFIGS["mla"]()
+    b = cfg.block(0)
+    H, V, Hq, L, R, P, Dv, Q = (cfg.hidden_size, cfg.vocab_size, 16, 512, 64, 128, 128, 384)
+    assert (b.mla, b.num_attention_heads, b.kv_lora_rank, b.qk_rope_head_dim, b.q_lora_rank) == (True, Hq, L, R, Q)
+    attn = Q * H + Hq * (P + R) * Q + (L + R) * H + Hq * (P + Dv) * L + H * Hq * Dv
+    experts = min(cfg.n_routed_experts, cfg.num_experts_per_tok)
+    mlp = cfg.n_routed_experts * H + experts * 3 * cfg.moe_intermediate_size * H + 3 * cfg.shared_intermediate_size * H
+    per = 2 * (2 * H * H + V * H + attn + mlp)
+    assert propose_bytes(cfg, 1, 4096, 1, 2) == per + 4096 * (L + R) * 2
+    assert propose_bytes(cfg, 2, 4096, 1, 2, "draft") == 2 * per + (4096 + 1) * (L + R) * 2
+    small = tiny_config(kv_lora_rank=40, q_lora_rank=0, qk_rope_head_dim=8, head_dim=20, v_head_dim=12,
+                        num_key_value_heads=4, partial_rotary_factor=1.0, use_qk_norm=False, attention_bias=False)
+    cases = op_cases(small, get_backend("numpy"), 24, 2, np.random.default_rng(0))
+    names = [c[0] for c in cases]
+    assert "mla_attention_ctx24" in names and "mla_latent_write" in names and "linear_kv_a_fp8" in names
+    assert not any(n.startswith(("paged_attention", "qk_norm", "linear_q_a")) for n in names)
+    for _, nbytes, fn in cases:
+        assert nbytes > 0
+        fn()

@@ -453,11 +453,10 @@ def test_a_window_that_is_switched_off_loads():
 
 
 @pytest.mark.parametrize("change,msg", [
-    ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported; supported: glm4_moe (Glm4MoeForCausalLM), mimo (MiMoForCausalLM), mimo_v2_flash"),
-    ({"model_type": "longcat_flash"}, "model_type 'longcat_flash' is not supported"),
-    ({"model_type": "glm4_moe_lite"}, "model_type 'glm4_moe_lite' is not supported"),
+    ({"model_type": "kimi_k2"}, "model_type 'kimi_k2' is not supported; supported: glm4_moe (Glm4MoeForCausalLM), mimo (MiMoForCausalLM), mimo_v2_flash"),
+    ({"model_type": "glm5_next"}, "model_type 'glm5_next' is not supported"),
     ({"model_type": 4}, "model_type 4 is not supported"),
-    ({"architectures": ["DeepseekV3ForCausalLM"]}, "architecture 'DeepseekV3ForCausalLM' is not supported; supported: glm4_moe"),
+    ({"architectures": ["DeepseekV2ForCausalLM"]}, "architecture 'DeepseekV2ForCausalLM' is not supported; supported: glm4_moe"),
     ({"architectures": ["Step3p5ForCausalLM"], "model_type": "glm4_moe"},
      "architecture 'Step3p5ForCausalLM' is a step3p5 model, but model_type is 'glm4_moe'"),
     ({"architectures": "Glm4MoeForCausalLM"}, "field 'architectures' expected a list of names"),

@@ -157,6 +157,16 @@ def test_planned_step_equals_eager(tiny_ckpt, tiny_cfg, mode, chain, seed, lens,
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**scenario)
+def test_planned_step_equals_eager_mla(mla_ckpt, mla_cfg, mode, seed, lens, rounds):
+    """MLA modules (latent pools, the q_lora path, the latent write and absorbed attention
+    with out= buffers) in the planned step."""
+    eager, planned = _pair(mla_ckpt, mode, "postnorm")
+    run_twins(eager, planned, mla_cfg, seed, lens, rounds)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_planned_step_dense_checkpoint(tiny_ckpt_dense, mode):
     from mtpkern.config import MtpConfig
 
@@ -202,12 +212,13 @@ def test_no_allowed_token_rolls_back(tiny_ckpt, tiny_cfg):
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
-def test_plan_writes_only_its_buffers_and_reads_no_temporaries(tiny_ckpt, tiny_cfg, mode):
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "mla_ckpt"])
+def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, request):
     """What capture needs: every op of the plan gets its output buffer(s), and every
     array an op reads or writes is persistent (plan buffers, the staging area, the
     weights, the KV pools): a replay reads the addresses the capture saw."""
-    prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode=mode, block_size=4,
-                                              num_blocks=64)
+    prop = MultiModuleMtpHead.from_pretrained(request.getfixturevalue(ckpt), backend="numpy", kv_mode=mode,
+                                              block_size=4, num_blocks=64)
     runner = prop.step_runner = StepRunner(prop, capture=False)
     rng = np.random.default_rng(3)
     sts = [prop.alloc_state() for _ in range(2)]
@@ -223,7 +234,7 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(tiny_ckpt, tiny_c
             for plan in runner.plans.values():
                 persistent.extend(plan._own + [plan.stage.dev])
             for h in prop.modules:
-                persistent.extend([h.pool.k, h.pool.v, h._inv_freq])
+                persistent.extend(a for a in (h.pool.k, h.pool.v, h._inv_freq) if a is not None)
                 persistent.extend(v for v in (getattr(h.w, f) for f in h.w.__slots__) if isinstance(v, np.ndarray))
         return persistent
 
@@ -243,7 +254,7 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(tiny_ckpt, tiny_c
 
     def propose(*a, **kw):   # check the ops only while the plan runs
         names = ("rmsnorm", "mtp_input", "linear", "qk_norm_rope_kv_write", "paged_attention", "moe_router",
-                 "moe_experts", "swiglu_mlp", "lm_head_argmax")
+                 "moe_experts", "swiglu_mlp", "lm_head_argmax", "mla_latent_write", "mla_attention_absorbed")
         for n in names:
             setattr(be, n, checked(n, getattr(NumpyBackend, n)))
         try:
@@ -254,7 +265,8 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(tiny_ckpt, tiny_c
 
     runner.propose = propose
     prop.propose_batch([1, 2], rng.standard_normal((2, 64)).astype(np.float32), [7, 7], 3, sts)
-    assert calls.count("lm_head_argmax") == 3 and "paged_attention" in calls
+    attention = "mla_attention_absorbed" if prop.modules[0].block.mla else "paged_attention"
+    assert calls.count("lm_head_argmax") == 3 and attention in calls
 
 
 def test_host_copy_segments_checks_bounds():

@@ -15,6 +15,7 @@ from .deepseek_v32 import FAMILY as DEEPSEEK_V32
 from .glm4_moe import FAMILY as GLM4_MOE
 from .glm4_moe_lite import FAMILY as GLM4_MOE_LITE
 from .glm_moe_dsa import FAMILY as GLM_MOE_DSA
+from .longcat_flash import FAMILY as LONGCAT_FLASH
 from .mimo import FAMILY as MIMO
 from .mimo_v2_flash import FAMILY as MIMO_V2_FLASH
 from .qwen3_next import FAMILY as QWEN3_NEXT
@@ -22,7 +23,8 @@ from .step3p5 import FAMILY as STEP3P5
 
 #: model_type -> family
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO, MIMO_V2_FLASH, QWEN3_NEXT, STEP3P5,
-                                                         DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE)}
+                                                         DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE,
+                                                         LONGCAT_FLASH)}
 
 #: the SPEC layout with MtpConfig's defaults (no model_type, no architectures)
 CANONICAL = Family(model_type="", architectures=(), title="SPEC layout (no model_type)")

@@ -1,0 +1,250 @@
+"""The MLA families: DeepSeek-V3 / V3.1 / R1 (``deepseek_v3``), DeepSeek-V3.2
+(``deepseek_v32``), GLM-5 (``glm_moe_dsa``) and GLM-4.7-Flash (``glm4_moe_lite``).
+
+Their configs as released are read into MLA blocks (YaRN, interleaved RoPE, the query
+path, the family's chain); small synthetic checkpoints in their layouts (BF16, and FP8
+block scales as the DeepSeek-V3 release stores them) load unchanged and draft as the
+float64 oracle (mtpkern.testing, the naive MLA form) on the NumPy reference and the cpu
+backend, in both KV modes; GLM-5's and V3.2's DSA indexer tensors are not read, and
+loading and ``mtpkern info`` say so. Drafts against Hugging Face's DeepSeek-V3 MTP:
+tests/test_hf_deepseek_v3.py (optional).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import test_fp8_checkpoints
+import test_oracle
+from conftest import MLA_FIELDS, run_rounds
+from mtpkern import CheckpointError, ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
+from mtpkern.config import tiny_config
+from mtpkern.testing import reference_weights
+
+#: DeepSeek-V3's config.json as released (the fields the MTP layer depends on, and a few it does not)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000, "attention_bias": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "tie_word_embeddings": False, "vocab_size": 129280, "ep_size": 1, "use_cache": True,
+}
+
+#: GLM-5's (GlmMoeDsaConfig's fields; the indexer's are accepted, not read)
+GLM5 = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 6144,
+    "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 78,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 2048,
+    "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+    "max_position_embeddings": 202752, "rms_norm_eps": 1e-5, "attention_bias": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000}, "index_topk": 2048,
+    "index_head_dim": 128, "index_n_heads": 32, "vocab_size": 154880, "tie_word_embeddings": False,
+}
+
+
+def test_deepseek_v3_release_config():
+    cfg = MtpConfig.from_dict(DEEPSEEK_V3)
+    b = cfg.block(0)
+    assert cfg.family == "deepseek_v3" and cfg.weight_quant == "fp8" and cfg.fp8_block == (128, 128)
+    assert (b.mla, b.kv_lora_rank, b.q_lora_rank, b.qk_nope_head_dim, b.qk_rope_head_dim, b.v_dim) == \
+        (True, 512, 1536, 128, 64, 128)
+    assert b.head_dim == 192 and b.rotary_dim == 64 and b.rope_interleave       # the family's default
+    assert b.latent_width == 576 and b.kv_row_values == 576 and b.o_size == 128 * 128
+    m = 0.1 * math.log(40) + 1
+    assert b.rope_scaling.factor == 40 and b.rope_scale == 1.0 and math.isclose(b.scale, 192 ** -0.5 * m * m)
+    assert b.moe and cfg.n_group == 8 and "MLA Hq=128 L=512 P=128 R=64 q_lora=1536" in cfg.describe()
+    from mtpkern.models import family
+    assert family("deepseek_v3").chain == "postnorm"
+
+
+def test_transformers_writes_head_dim_as_the_rope_width_and_qk_head_dim():
+    """DeepseekV3Config writes head_dim = qk_rope_head_dim and qk_head_dim = P + R: both read."""
+    d = dict(DEEPSEEK_V3, head_dim=64, qk_head_dim=192)
+    assert MtpConfig.from_dict(d).block(0).head_dim == 192
+    with pytest.raises(ConfigError, match=r"field 'head_dim' = 100 disagrees with MLA's qk_nope_head_dim"):
+        MtpConfig.from_dict(dict(DEEPSEEK_V3, head_dim=100))
+    with pytest.raises(ConfigError, match=r"field 'qk_head_dim' = 128 disagrees with head_dim = 192"):
+        MtpConfig.from_dict(dict(DEEPSEEK_V3, qk_head_dim=128))
+    with pytest.raises(ConfigError, match=r"field 'kv_lora_rank' = 512 \(MLA\) needs 'qk_nope_head_dim'"):
+        MtpConfig.from_dict({k: v for k, v in DEEPSEEK_V3.items() if k != "qk_nope_head_dim"})
+
+
+def test_glm5_release_config_and_the_dsa_fields():
+    cfg = MtpConfig.from_dict(GLM5)
+    b = cfg.block(0)
+    assert cfg.family == "glm_moe_dsa" and b.rope_interleave and b.rope_scaling is None
+    assert (b.head_dim, b.v_dim, b.q_lora_rank, b.rope_theta) == (256, 256, 2048, 1e6)
+    with pytest.raises(ConfigError, match=r"rope_interleave.*every GLM-5 module has rope_interleave = True"):
+        MtpConfig.from_dict(dict(GLM5, rope_interleave=False))
+    with pytest.raises(ConfigError, match=r"field 'index_topk' = 2048 is not supported yet \(DSA"):
+        MtpConfig.from_dict(dict(tiny_config().to_dict(), index_topk=2048))   # another family: refused
+    lite = MtpConfig.from_dict(dict({k: v for k, v in GLM5.items() if not k.startswith("index_")},
+                                    model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"]))
+    assert lite.block(0).rope_interleave and lite.family == "glm4_moe_lite"
+
+
+# -- synthetic checkpoints in the families' layouts ------------------------------------------------
+
+def _mla(family: str = "deepseek_v3", **kw) -> MtpConfig:
+    fields = dict(MLA_FIELDS, **kw)
+    if family == "glm_moe_dsa":
+        fields["rope_interleave"] = True
+    return tiny_config(family=family, **fields)
+
+
+def _with_indexer(path, cfg: MtpConfig, seed: int = 0):
+    """GLM-5's / V3.2's MTP layer holds a DSA indexer: add its tensors to the checkpoint."""
+    t = load_file(str(path / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    Q, H = cfg.q_lora_rank, cfg.hidden_size
+    for m in range(cfg.num_modules):
+        p = f"model.layers.{cfg.layer_index(m)}.self_attn.indexer."
+        for name, shape in (("wq_b.weight", (4 * 16, Q)), ("wk.weight", (16, H)), ("k_norm.weight", (16,)),
+                            ("k_norm.bias", (16,)), ("weights_proj.weight", (4, H))):
+            t[p + name] = rng.standard_normal(shape).astype(np.float32)
+    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
+    d = json.loads((path / "config.json").read_text())
+    d.update(index_topk=2048, index_head_dim=16, index_n_heads=4)
+    (path / "config.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa", "deepseek_v32", "glm4_moe_lite"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_family_checkpoint_drafts_as_the_oracle(tmp_path, family, backend):
+    """Exact mode, the family's chain, positions past YaRN's original 12, every module's
+    latent rows against the oracle's after each call."""
+    cfg = _mla(family)
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=11, dtype="float32")
+    if family in ("glm_moe_dsa", "deepseek_v32"):
+        _with_indexer(path, cfg)
+    prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
+                                              num_blocks=96, prefill_chunk=7)
+    chain = {"glm4_moe_lite": "prenorm"}.get(family, "postnorm")
+    assert prop.chain == chain
+    weights = reference_weights(path)
+    test_oracle.run_scenario(prop, prop.config, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], chain, None)
+
+
+def test_dsa_indexer_is_not_read_and_loading_says_so(tmp_path, capsys):
+    from mtpkern.cli import main
+
+    cfg = _mla("glm_moe_dsa")
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=2, dtype="float32")
+    _with_indexer(path, cfg)
+    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+    notes = prop.weights.notes
+    assert len(notes) == 3 and all("5 tensor(s) not read (the DSA indexer: dense attention instead" in n
+                                   for n in notes), notes
+    assert "self_attn.indexer.k_norm.bias" in notes[0]
+    main(["info", str(path)])
+    out = capsys.readouterr().out
+    assert "self_attn.indexer.* not read" in out and "KV per token and module: 96 B (one latent row" in out
+    # another family's checkpoint with the same tensors: refused by name, as any unread tensor
+    d = json.loads((path / "config.json").read_text())
+    for k in ("index_topk", "index_head_dim", "index_n_heads"):
+        d.pop(k)
+    d.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
+    (path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"self_attn\.indexer\.k_norm\.bias' .* would not be used"):
+        MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_no_q_lora_rank_reads_q_proj(tmp_path, backend):
+    cfg = _mla(q_lora_rank=0, rope_interleave=False, rope_scaling=None)
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=12, dtype="float32")
+    prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4, num_blocks=96)
+    assert prop.weights.modules[0].mla_q_a is None
+    test_oracle.run_scenario(prop, prop.config, reference_weights(path), 3, 9, [(3, 1.0), (2, 0.5), (3, 0.0)],
+                             "postnorm", None)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_fp8_block_checkpoint_drafts_as_its_dequantized_weights(tmp_path, backend):
+    """DeepSeek-V3's FP8 release layout: every MLA projection (q_a, q_b, kv_a_proj_with_mqa,
+    kv_b, o) and the experts in FP8 with block scales; power-of-two scales make the
+    dequantized weights exact, so the drafts are the same."""
+    cfg = dataclasses.replace(_mla(), weight_quant="fp8", fp8_block=(16, 16))
+    fp8 = write_synthetic_checkpoint(tmp_path / "fp8", cfg, seed=4, pow2_scales=True)
+    from mtpkern.weights import read_tensors
+
+    raw = read_tensors(fp8)
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert raw[f"model.layers.2.self_attn.{name}.weight"].dtype.itemsize == 1, name
+        assert f"model.layers.2.self_attn.{name}.weight_scale_inv" in raw, name
+    plain = test_fp8_checkpoints._dequantized_copy(fp8, tmp_path / "fp32", cfg)
+    for mode in ("exact", "draft"):
+        assert run_rounds(fp8, backend, mode)[1] == run_rounds(plain, backend, mode)[1]
+
+
+# -- LongCat-Flash ------------------------------------------------------------------------------
+
+LONGCAT = {
+    "architectures": ["LongcatFlashForCausalLM"], "model_type": "longcat_flash", "hidden_size": 6144,
+    "ffn_hidden_size": 12288, "expert_ffn_hidden_size": 2048, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_attention_heads": 64,
+    "num_layers": 28, "moe_topk": 12, "n_routed_experts": 512, "zero_expert_num": 256,
+    "zero_expert_type": "identity", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000000.0, "routed_scaling_factor": 6.0, "router_bias": False, "mla_scale_q_lora": True,
+    "mla_scale_kv_lora": True, "vocab_size": 131072, "attention_method": "MLA",
+}
+
+
+def test_longcat_release_config():
+    cfg = MtpConfig.from_dict(LONGCAT)
+    b = cfg.block(0)
+    assert cfg.family == "longcat_flash" and cfg.num_modules == 1 and not b.moe and cfg.intermediate_size == 12288
+    assert b.mla and b.rope_interleave and b.rope_theta == 1e7 and cfg.num_hidden_layers == 56
+    assert math.isclose(cfg.q_a_norm_scale, 2.0) and math.isclose(cfg.kv_a_norm_scale, 12 ** 0.5)
+    with pytest.raises(ConfigError, match=r"LongCat-Flash has one MTP layer"):
+        MtpConfig.from_dict(dict(LONGCAT, num_nextn_predict_layers=2))
+    no_scale = MtpConfig.from_dict({k: v for k, v in LONGCAT.items() if not k.startswith("mla_scale")})
+    assert no_scale.q_a_norm_scale == 1.0 and no_scale.kv_a_norm_scale == 1.0
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_longcat_layout_loads_folds_the_lora_norm_scales_and_drafts_as_the_canonical_one(tmp_path, backend):
+    from mtpkern.weights import read_tensors
+
+    base = tiny_config(**dict(MLA_FIELDS, rope_scaling=None), n_routed_experts=0, num_experts_per_tok=0,
+                       n_shared_experts=0, n_group=1, topk_group=1, intermediate_size=40,
+                       num_nextn_predict_layers=1)
+    cfg = dataclasses.replace(base, family="longcat_flash", q_a_norm_scale=2.0, kv_a_norm_scale=0.5,
+                              rope_theta=1e7)
+    path = write_synthetic_checkpoint(tmp_path / "lc", cfg, seed=8, dtype="float32", own_embed=True)
+    raw = read_tensors(path)
+    for name in ("model.mtp.layers.0.enorm.m.weight", "model.mtp.layers.0.transformer_layer.mlp.gate_proj.weight",
+                 "model.mtp.norm.weight", "model.mtp.embed_tokens.weight",
+                 "model.mtp.layers.0.self_attn.kv_b_proj.weight"):
+        assert name in raw, name
+    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+    w = prop.weights.modules[0]
+    np.testing.assert_allclose(w.mla_q_a_norm, raw["model.mtp.layers.0.self_attn.q_a_layernorm.weight"] * 2.0,
+                               rtol=1e-6)
+    np.testing.assert_allclose(w.mla_kv_a_norm, raw["model.mtp.layers.0.self_attn.kv_a_layernorm.weight"] * 0.5,
+                               rtol=1e-6)
+    assert prop.chain == "postnorm"
+    canon = write_synthetic_checkpoint(tmp_path / "canon", dataclasses.replace(cfg, family=""), seed=8,
+                                       dtype="float32", own_embed=True)
+    for mode in ("exact", "draft"):
+        got = run_rounds(path, backend, mode, chain="postnorm")[1]
+        assert got == run_rounds(canon, backend, mode, chain="postnorm")[1]
+    test_oracle.run_scenario(MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
+                                                                num_blocks=64),
+                             cfg, reference_weights(path), 2, 9, [(1, 1.0), (1, 0.0), (1, 1.0)], "postnorm", None)
