@@ -1,8 +1,8 @@
 """Helpers of the tests against Hugging Face ``generate(..., use_mtp=True)``
 (``test_hf_reference.py``: Glm4Moe; ``test_hf_step3p5.py``: Step-3.5 through
-transformers' ``step3p7`` port): build a tiny random checkpoint HF can run, record
-every MTP drafting step of a greedy generation, and replay the same calls through
-``mtpkern``.
+transformers' ``step3p7`` port; ``test_hf_deepseek_v3.py``: DeepSeek-V3, MLA):
+build a tiny random checkpoint HF can run, record every MTP drafting step of a
+greedy generation, and replay the same calls through ``mtpkern``.
 
 Needs torch and transformers >= 5.24 (not project dependencies); import it only
 after ``conftest.require_hf_mtp()``. See docs/hf_reference.md.
@@ -19,7 +19,7 @@ HF drafts from ``MTPCandidateGenerator.get_candidates``; each call we record is 
 
 ``drafts`` are the ``M`` tokens HF drafted, ``logits`` ``[M, V]`` their logits.
 Nothing here depends on the family but the checkpoint builders (``build_checkpoint``,
-``build_step3p7_checkpoint``).
+``build_step3p7_checkpoint``, ``build_deepseek_v3_checkpoint``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (Glm4MoeConfig, Glm4MoeForCausalLM, PreTrainedModel, Step3p7Config,
-                          Step3p7ForConditionalGeneration)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM,
+                          PreTrainedModel, Step3p7Config, Step3p7ForConditionalGeneration)
 from transformers.cache_utils import MtpCache
 from transformers.generation.candidate_generator import MTPCandidateGenerator
 
@@ -270,6 +270,107 @@ def load_step3p7(path: str | Path) -> Step3p7ForConditionalGeneration:
     model lists its MTP layers in ``_keys_to_ignore_on_load_unexpected`` from
     ``num_nextn_predict_layers``)."""
     return Step3p7ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# -- DeepSeek-V3 (MLA) ---------------------------------------------------------------------
+
+#: shapes of the tiny DeepSeek-V3 (all float32); per case ``DS3_CASES`` adds the attention's
+#: ranks, the RoPE and the number of MTP modules. rms_norm_eps is 1e-6 because transformers'
+#: q_a_layernorm / kv_a_layernorm always use 1e-6 and mtpkern (as vLLM) rms_norm_eps.
+DS3_TINY = dict(
+    vocab_size=257, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+    routed_scaling_factor=2.5, norm_topk_prob=True,
+    # target layer 0 dense, layer 1 MoE; HF builds every MTP layer as MoE whatever this is
+    first_k_dense_replace=1,
+    kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+    max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.1,
+    tie_word_embeddings=False, pad_token_id=0,
+)
+#: ``yarn``: q_a_proj / q_b_proj, GPT-J-paired RoPE, YaRN x4 from 16 positions with mscale
+#: 1.0 != mscale_all_dim 0.8 (so cos / sin carry an attention factor != 1 and the softmax
+#: scale mscale(4, 0.8)^2 != 1) and beta_slow 0.25 (one frequency blended, not only
+#: interpolated or extrapolated ones); ``plain``: q_proj, neox-halves RoPE, no scaling.
+DS3_CASES = {
+    "yarn": dict(num_nextn_predict_layers=3, q_lora_rank=24, rope_interleave=True,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                      original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.8,
+                                      beta_fast=32.0, beta_slow=0.25)),
+    "plain": dict(num_nextn_predict_layers=2, q_lora_rank=None, rope_interleave=False,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+}
+
+
+def deepseek_v3_config(case: str) -> DeepseekV3Config:
+    return DeepseekV3Config(**DS3_TINY, **DS3_CASES[case], dtype="float32")
+
+
+def ds3_mtp_tensors(cfg: DeepseekV3Config, seed: int) -> dict[str, torch.Tensor]:
+    """Random MTP modules in DeepSeek-V3's release layout: module m under
+    ``model.layers.{num_hidden_layers + m}.`` with MLA attention, a MoE block with the
+    routed experts one by one, ``shared_head.norm``; no per-module ``embed_tokens`` /
+    ``shared_head.head`` (both sides use the target's). The router's weights are scaled up
+    (its logits spread over several units, so no two experts' scores come near a tie) and
+    its correction bias is nonzero (selection and weights differ)."""
+    mat, norm, vec = _random(seed)
+    H, L, E, I = cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.moe_intermediate_size
+    Hq, Lk, P, R, Dv = (cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                        cfg.qk_rope_head_dim, cfg.v_head_dim)
+    Is = I * cfg.n_shared_experts
+    out = {}
+    for m in range(cfg.num_mtp_layers):
+        t = {
+            "enorm.weight": norm(H), "hnorm.weight": norm(H), "eh_proj.weight": mat(H, 2 * H),
+            "input_layernorm.weight": norm(H), "post_attention_layernorm.weight": norm(H),
+            "self_attn.kv_a_proj_with_mqa.weight": mat(Lk + R, H), "self_attn.kv_a_layernorm.weight": norm(Lk),
+            "self_attn.kv_b_proj.weight": mat(Hq * (P + Dv), Lk), "self_attn.o_proj.weight": mat(H, Hq * Dv),
+            "mlp.gate.weight": 3.0 * mat(E, H),
+            "mlp.gate.e_score_correction_bias": vec(E, 0.3),
+            "mlp.shared_experts.gate_proj.weight": mat(Is, H), "mlp.shared_experts.up_proj.weight": mat(Is, H),
+            "mlp.shared_experts.down_proj.weight": mat(H, Is),
+            "shared_head.norm.weight": norm(H),
+        }
+        if cfg.q_lora_rank:
+            t.update({"self_attn.q_a_proj.weight": mat(cfg.q_lora_rank, H),
+                      "self_attn.q_a_layernorm.weight": norm(cfg.q_lora_rank),
+                      "self_attn.q_b_proj.weight": mat(Hq * (P + R), cfg.q_lora_rank)})
+        else:
+            t["self_attn.q_proj.weight"] = mat(Hq * (P + R), H)
+        for e in range(E):
+            t[f"mlp.experts.{e}.gate_proj.weight"] = mat(I, H)
+            t[f"mlp.experts.{e}.up_proj.weight"] = mat(I, H)
+            t[f"mlp.experts.{e}.down_proj.weight"] = mat(H, I)
+        out.update({f"model.layers.{L + m}.{k}": v.contiguous() for k, v in t.items()})
+    return out
+
+
+def build_deepseek_v3_checkpoint(path: str | Path, case: str, seed: int = 0) -> Path:
+    """A random tiny ``DeepseekV3ForCausalLM`` saved by ``save_pretrained`` (config.json as
+    transformers writes it: ``head_dim`` = qk_rope_head_dim, ``qk_head_dim``,
+    ``rope_parameters``), with the MTP modules of ``ds3_mtp_tensors`` added to the same
+    safetensors file (``save_pretrained`` writes only the target)."""
+    path = Path(path)
+    cfg = deepseek_v3_config(case)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    _perturb_norms(model, 1.0)
+    model.save_pretrained(path)
+    sd = load_file(path / "model.safetensors")
+    sd.update(ds3_mtp_tensors(cfg, seed + 1))
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def load_deepseek_v3(path: str | Path) -> DeepseekV3ForCausalLM:
+    """The target, loaded with ``from_pretrained``. Same workaround as ``load_hf``:
+    DeepseekV3 hard-codes its unexpected keys to ``model\\.layers\\.61.*`` (the release's one
+    MTP layer), so the instance names this checkpoint's MTP layers."""
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    c = model.config
+    model._keys_to_ignore_on_load_unexpected = [
+        rf"model\.layers\.{c.num_hidden_layers + m}\..*" for m in range(c.num_mtp_layers)]
+    return model
 
 
 # -- recording and replaying HF's drafting steps (any family) ------------------------------------
