@@ -155,6 +155,7 @@ class StepPlan:
         None: the plan allocates its own."""
         from .backends.cuda_launch import attention as attn_launch
         from .backends.cuda_launch import lm_head as lm_launch
+        from .backends.cuda_launch import mla as mla_launch
 
         be = self.backend = prop.backend
         self.prop, self.shape = prop, shape
@@ -250,12 +251,24 @@ class StepPlan:
             from .backends.cuda_launch._util import sm_count, smem_optin
 
             BS = prop.block_size
+            kv_item = np.dtype(be.kv_dtype).itemsize
+            mla_ws: dict[int, dict[str, tuple[int, ...]]] = {}    # an MLA module's workspace shapes
             for m in self.run:
                 b = blk[m]
+                if b.mla:
+                    L, R = b.kv_lora_rank, b.qk_rope_head_dim
+                    mp = mla_launch.plan(b.num_attention_heads, L, R, shape.widths[m] * BS, n[m],
+                                         target_blocks=2 * sm_count(), smem_max=smem_optin(), kv_itemsize=kv_item)
+                    mla_ws[m] = mla_launch.workspace_shapes(n[m], b.num_attention_heads, L, R, mp.num_parts)
+                    parts[m] = 1                    # (its split-KV partials are in mla_ws)
+                    continue
                 parts[m] = attn_launch.plan(b.num_attention_heads // b.num_key_value_heads, b.head_dim,
                                             shape.widths[m] * BS, work=n[m] * b.num_key_value_heads,
                                             target_blocks=2 * sm_count(), smem_max=smem_optin(),
                                             Dv=b.v_dim).num_parts
+            # one flat FP32 buffer per MLA workspace kind, each MLA module a view of its own shape
+            mla_flat = {key: buf((max(int(np.prod(ws_[key])) for ws_ in mla_ws.values() if key in ws_),))
+                        for key in {k for ws_ in mla_ws.values() for k in ws_}}
             split = [m for m in self.run if parts[m] > 1]
             po = max((n[m] * blk[m].num_attention_heads * parts[m] * blk[m].v_dim for m in split), default=0)
             pml = max((n[m] * blk[m].num_attention_heads * parts[m] * 2 for m in split), default=0)
@@ -278,6 +291,9 @@ class StepPlan:
                 p_ = parts[m]
                 ws["attention"] = {"part_o": part_o[:c * Hq * p_ * b.v_dim].reshape(c, Hq, p_, b.v_dim),
                                    "part_ml": part_ml[:c * Hq * p_ * 2].reshape(c, Hq, p_, 2)}
+            if self.cuda and m in mla_ws:
+                ws["mla_attention"] = {key: mla_flat[key][:int(np.prod(shp))].reshape(shp)
+                                       for key, shp in mla_ws[m].items()}
             self.bufs[m] = ForwardBuffers(x[:c], a_in[:c], qkv[:c * b.qkv_size].reshape(c, b.qkv_size),
                                           q[:c * b.q_size].reshape(c, Hq, b.head_dim),
                                           o[:c * b.o_size].reshape(c, b.o_size), r[:c], f_in[:c],

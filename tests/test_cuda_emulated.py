@@ -1043,13 +1043,15 @@ def test_mimo_v2_flash_on_the_kernels(fake_runtime, tmp_path, fp8):
     test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), "draft", 2)
 
 
-@pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense", "yarn_interleave", "rope_per_module"])
+@pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense", "yarn_interleave", "rope_per_module", "mla",
+                                  "mla_mixed"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, mode):
     """Modules of different sizes and attention forms (tests/test_blocks.py) on the kernels:
     each module's buffers of its own shape in the captured step, a window's first rows
     staged per call, sinks, Dv < D, interleaved RoPE and YaRN (past its original context of
-    12 positions); contexts longer than the windows."""
+    12 positions), MLA modules (latent pools, their workspaces in the captured step) beside
+    GQA ones; contexts longer than the windows."""
     cfg = test_blocks.feature_config(name)
     from mtpkern import write_synthetic_checkpoint
 

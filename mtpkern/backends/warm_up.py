@@ -86,6 +86,17 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
         be.paged_attention(act(N, HQ, D), kc, vc, tables, idx([0, 1]), idx([5, 7]), D ** -0.5,
                            row_start=idx([2, 0]), sinks=vec(HQ))
 
+    def mla():
+        L, R, P = 16, 8, 8                                         # the latent attention (mtpkern.ops.mla)
+        cache = be.empty_latent_kv(NB, BS, L + R)
+        for interleave in (False, True):
+            q = be.mla_latent_write(act(N, L + R), vec(L), 1e-6, be.from_host(inv_freq(R, 10000.0)), idx([1, 2]),
+                                    cache, idx([1, 2]), q=act(N, HQ, P + R), interleave=interleave)
+        for uk, uv in zip(dense(HQ, P, L), dense(HQ, 8, L)):
+            be.mla_attention_absorbed(q, uk, uv, cache, idx([[0, 1], [2, 3]]), idx([0, 1]), idx([5, 7]), 0.25)
+            be.mla_attention_absorbed(q, uk, uv, cache, idx([[0, 1], [2, 3]]), idx([0, 1]), idx([5, 7]), 0.25,
+                                      row_start=idx([2, 0]))
+
     def gate():
         y = act(N, HQ * D)
         be.sigmoid_gate(y, act(N, HQ), y)                          # head-wise, with the residual
@@ -111,6 +122,6 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
             be.lm_head_logits(x, w)
 
     return [("rmsnorm", lambda: be.rmsnorm(x, vec(H), 1e-5)), ("moe_router", router),
-            ("qk_norm_rope_kv_write", rope_kv), ("paged_attention", attention), ("sigmoid_gate", gate),
+            ("qk_norm_rope_kv_write", rope_kv), ("paged_attention", attention), ("mla", mla), ("sigmoid_gate", gate),
             ("linear", linear),
             ("mtp_input", mtp_input), ("swiglu_mlp", mlp), ("moe_experts", experts), ("lm_head", lm_head)]
