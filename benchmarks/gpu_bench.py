@@ -23,6 +23,12 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    module, and the routed experts expected under uniform routing,
    E (1 - (1 - K/E)^rows) (an estimate: the router decides).
 
+4. ``dsv3 ...`` kernels (``--no-mla`` leaves them out): DeepSeek-V3's MTP module (MLA: 128
+   heads, kv_lora 512, rope 64, q_lora 1536; 256 experts top-8, moe_intermediate 2048;
+   V = 129280) op by op at 1 and 8 rows, its own random BF16 weights (~27 GB, freed after):
+   the MLA projections, the latent write, the absorbed attention at each context, o_proj,
+   router, experts, shared expert, LM head.
+
 Writes ``gpu_bench.json`` (updated after every section, so a run cut short
 still leaves what it measured) and ``gpu_bench.md`` (the summary tables) to
 ``--out``; elapsed times are printed as it goes.
@@ -60,6 +66,20 @@ def glm45_air(M: int = 3) -> "MtpConfig":
                         num_hidden_layers=46, num_nextn_predict_layers=M, max_position_embeddings=131072)
 
 
+def deepseek_v3() -> "MtpConfig":
+    """DeepSeek-V3's MTP module (one, as released): MLA (128 heads, kv_lora 512, rope 64,
+    nope 128, v 128, q_lora 1536), 256 experts top-8 of 8 groups / 4 kept, moe_intermediate
+    2048, one shared expert, V = 129280."""
+    from mtpkern.config import MtpConfig
+
+    return MtpConfig(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, head_dim=192,
+                     vocab_size=129280, num_hidden_layers=61, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
+                     kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+                     rope_interleave=True, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+                     moe_intermediate_size=2048, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                     max_position_embeddings=163840, family="deepseek_v3")
+
+
 def say(msg: str) -> None:
     print(f"[gpu_bench +{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
@@ -88,7 +108,12 @@ def bf16_uniform(shape, fan_in: int, seed: int):
         _fill_kernel = cp.ElementwiseKernel("float32 scale, uint64 seed", "uint16 out", _FILL_SRC,
                                             "mtpkern_bench_fill_bf16")
     out = cp.empty(shape, cp.uint16)
-    _fill_kernel(np.float32(math.sqrt(3.0 / fan_in)), np.uint64(seed * 0x1000193 + 7), out)
+    scale = np.float32(math.sqrt(3.0 / fan_in))
+    if out.size < 1 << 30 or out.ndim < 2:
+        _fill_kernel(scale, np.uint64(seed * 0x1000193 + 7), out)
+    else:                           # DeepSeek-V3's experts (7.5 G values): one fill per leading index
+        for e in range(shape[0]):
+            _fill_kernel(scale, np.uint64((seed * 0x1000193 + 7) ^ (e * 0x9E3779B9)), out[e])
     return out
 
 
@@ -306,6 +331,95 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
     return cases
 
 
+def mla_kernel_cases(cfg: MtpConfig, be, n: int, contexts: list[int], seed: int = 7
+                     ) -> list[tuple[str, int, int, Callable]]:
+    """DeepSeek-V3's MTP module at ``n`` decode rows: its MLA ops (projections, the latent
+    write with the query's RoPE, the absorbed attention over ``contexts`` latent rows with
+    its workspaces), its router, experts, shared expert and LM head; random BF16 weights
+    made on the device (~27 GB), every output preallocated. (op, context, bytes, thunk)."""
+    import cupy as cp
+
+    from mtpkern.backends.cuda_launch import lm_head as lm_launch
+    from mtpkern.backends.cuda_launch import mla as mla_launch
+    from mtpkern.backends.cuda_launch._util import sm_count, smem_optin
+    from mtpkern.ops.moe import RouterSpec
+    from mtpkern.ops.rope_kv import inv_freq
+
+    b = cfg.block(0)
+    H, V, Hq, L, R, P, Dv, Q = (cfg.hidden_size, cfg.vocab_size, b.num_attention_heads, b.kv_lora_rank,
+                                b.qk_rope_head_dim, b.qk_nope_head_dim, b.v_dim, b.q_lora_rank)
+    E, K, I, Is = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    f4, b2 = 4, 2
+    s = iter(range(seed * 1000, seed * 1000 + 100))
+    rs = cp.random.RandomState(n)
+
+    def act(*shape):
+        return rs.standard_normal(shape, dtype=cp.float32)
+
+    def empty(*shape, dtype=cp.float32):
+        return cp.empty(shape, dtype)
+
+    w_kva, w_qa = bf16_uniform((L + R, H), H, next(s)), bf16_uniform((Q, H), H, next(s))
+    w_qb, w_o = bf16_uniform((Hq * (P + R), Q), Q, next(s)), bf16_uniform((H, Hq * Dv), Hq * Dv, next(s))
+    w_uk, w_uv = bf16_uniform((Hq, P, L), L, next(s)), bf16_uniform((Hq, Dv, L), L, next(s))
+    gate_w, gate_bias = bf16_uniform((E, H), H, next(s)), cp.zeros(E, cp.float32)
+    w13, w2 = bf16_uniform((E, 2 * I, H), H, next(s)), bf16_uniform((E, H, I), I, next(s))
+    s13, s2 = bf16_uniform((2 * Is, H), H, next(s)), bf16_uniform((H, Is), Is, next(s))
+    head = bf16_uniform((V, H), H, next(s))
+    x, r = act(n, H), act(n, H)
+    kv_a, qc, qf, q_rot, o, y = empty(n, L + R), empty(n, Q), empty(n, Hq, P + R), empty(n, Hq, P + R), \
+        empty(n, Hq * Dv), empty(n, H)
+    ones = cp.ones(max(L, Q), cp.float32)
+    invf = cp.asarray(inv_freq(R, 10000.0))
+    spec = RouterSpec.from_config(cfg)
+    logits, ids, wts = empty(n, E), empty(n, K, dtype=cp.int32), empty(n, K)
+    be.moe_router(x, gate_w, gate_bias, spec, ids=ids, weights=wts, logits=logits)
+    distinct = int(np.unique(ids.get()).size)
+    act_e, partial, act_s = empty(n * K, I), empty(n * K, H), empty(n, Is)
+    PB = -(-V // lm_launch.ROWS_PER_BLOCK)
+    part_v, part_i, lm_ids = empty(n, PB), empty(n, PB, dtype=cp.int32), empty(n, dtype=cp.int32)
+    cases = [
+        ("dsv3 linear_kv_a", 0, (L + R) * H * b2 + n * (H + L + R) * f4, lambda: be.linear(x, w_kva, out=kv_a)),
+        ("dsv3 linear_q_a", 0, Q * H * b2 + n * (H + Q) * f4, lambda: be.linear(x, w_qa, out=qc)),
+        ("dsv3 linear_q_b", 0, Hq * (P + R) * Q * b2 + n * (Q + Hq * (P + R)) * f4,
+         lambda: be.linear(qc, w_qb, out=qf.reshape(n, -1))),
+    ]
+    BS = 64
+    for ctx in contexts:
+        nb = -(-ctx // BS)
+        cache = bf16_uniform((n * nb, BS, L + R), 3, 300 + ctx)
+        tables = cp.arange(n * nb, dtype=cp.int32).reshape(n, nb)
+        row_seq, row_len = cp.arange(n, dtype=cp.int32), cp.full(n, ctx, cp.int32)
+        pos = cp.full(n, ctx - 1, cp.int32)
+        slots = cp.asarray(np.arange(n, dtype=np.int32) * nb * BS + ctx - 1)
+        if ctx == contexts[0]:
+            cases.append(("dsv3 mla_latent_write", 0, n * ((L + R) + 2 * Hq * (P + R)) * f4 + n * (L + R) * b2,
+                          lambda cache=cache, pos=pos, slots=slots: be.mla_latent_write(
+                              kv_a, ones[:L], 1e-6, invf, pos, cache, slots, q=qf, interleave=True, out=q_rot)))
+        mp = mla_launch.plan(Hq, L, R, nb * BS, n, target_blocks=2 * sm_count(), smem_max=smem_optin())
+        ws = {k: empty(*shape) for k, shape in mla_launch.workspace_shapes(n, Hq, L, R, mp.num_parts).items()}
+        ws_bytes = 2 * sum(int(a.nbytes) for a in ws.values())            # written, then read back
+        cases.append(("dsv3 mla_attention", ctx, Hq * (P + Dv) * L * b2 + n * ctx * (L + R) * b2
+                      + n * Hq * (P + R + Dv) * f4 + ws_bytes,
+                      lambda cache=cache, tables=tables, row_seq=row_seq, row_len=row_len, ws=ws:
+                      be.mla_attention_absorbed(q_rot, w_uk, w_uv, cache, tables, row_seq, row_len,
+                                                (P + R) ** -0.5, out=o, **ws)))
+    cases += [
+        ("dsv3 linear_o", 0, H * Hq * Dv * b2 + n * (Hq * Dv + 2 * H) * f4,
+         lambda: be.linear(o, w_o, None, x, out=y)),
+        ("dsv3 moe_router", 0, E * H * b2 + n * H * f4 + 2 * n * E * f4 + E * f4 + 2 * n * K * f4,
+         lambda: be.moe_router(x, gate_w, gate_bias, spec, ids=ids, weights=wts, logits=logits)),
+        (f"dsv3 moe_experts ({distinct} experts)", 0,
+         distinct * 3 * I * H * b2 + n * H * f4 + 2 * n * K * I * f4 + 2 * n * K * H * f4 + 2 * n * H * f4,
+         lambda: be.moe_experts(x, ids, wts, w13, w2, r, out=y, act=act_e, partial=partial)),
+        ("dsv3 swiglu_shared", 0, 3 * Is * H * b2 + n * H * f4 + 2 * n * Is * f4 + 2 * n * H * f4,
+         lambda: be.swiglu_mlp(x, s13, s2, r, out=y, act=act_s)),
+        ("dsv3 lm_head_argmax", 0, V * H * b2 + n * H * f4 + 2 * n * PB * 8 + n * 4,
+         lambda: be.lm_head_argmax(x, head, None, out=lm_ids, part_v=part_v, part_i=part_i, check=False)),
+    ]
+    return cases
+
+
 # -- propose -------------------------------------------------------------------------------------
 
 def fake_context(prop, st, n: int, rng) -> None:
@@ -429,7 +543,10 @@ def summary(res: dict) -> str:
                          f"{r['eager_median_us']:.0f} | {r['graph_median_us']:.0f} | {r['graph_speedup']:.2f}x | "
                          f"{r['floor_us']:.0f} | {r['graph_x_floor']:.2f} |")
         lines.append("")
-    for key in ("errors", "propose_skipped", "kernels_skipped"):
+    if res.get("mla_config"):
+        lines.append(f"DeepSeek-V3 rows (`dsv3 ...`): {res['mla_config']}")
+        lines.append("")
+    for key in ("errors", "propose_skipped", "kernels_skipped", "mla_skipped"):
         if res.get(key):
             lines.append(f"{key}: {res[key]}")
     lines.append(f"elapsed: {res.get('elapsed_s', 0):.0f} s")
@@ -442,6 +559,24 @@ def save(res: dict, out: Path) -> None:
     (out / "gpu_bench.md").write_text(summary(res))
 
 
+def run_cases(gpu: Gpu, res: dict, cases, n: int, runs: int) -> None:
+    """Time each (op, context, bytes, thunk) and append its row to ``res["kernels"]``; an op
+    that fails is recorded in ``res["errors"]`` and the rest go on."""
+    for name, ctx, nbytes, fn in cases:
+        try:
+            ts, how = gpu.time_op(fn, runs)
+        except Exception as e:          # keep going: one op's failure is a result too
+            res["errors"].append(f"kernel {name} rows {n}: {type(e).__name__}: {e}")
+            say(res["errors"][-1])
+            continue
+        s = stats(ts)
+        gbs = nbytes / (s["median_us"] * 1e-6) / 1e9
+        res["kernels"].append({"op": name, "rows": n, "context": ctx, "bytes": nbytes, **s, "GB/s": gbs,
+                               "of_copy": gbs / res["copy_GB/s"], "timed": how})
+        say(f"{name:<28} rows {n} ctx {ctx or '-':>5}: {s['median_us']:8.1f} us  {gbs:7.0f} GB/s "
+            f"({gbs / res['copy_GB/s']:.0%} of copy, {how})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out")
@@ -449,18 +584,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--propose-runs", type=int, default=10, help="timed proposes per (mode, context, B, k, path)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--budget-s", type=float, default=140.0,
-                    help="time budget: kernels start until 45%% of it, proposes until 90%%")
+                    help="time budget: kernels start until 35%% of it, DeepSeek-V3's until 50%%, "
+                         "proposes until 90%%")
     ap.add_argument("--contexts", default="512,8192")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--kv-modes", default="exact,draft")
     ap.add_argument("--modules", type=int, default=3)
+    ap.add_argument("--no-mla", dest="mla", action="store_false",
+                    help="leave out DeepSeek-V3's module (MLA kernels, its experts and LM head)")
     args = ap.parse_args(argv)
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     args.kv_modes = args.kv_modes.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kernels_until, propose_until = T0 + 0.45 * args.budget_s, T0 + 0.9 * args.budget_s
+    kernels_until, mla_until, propose_until = T0 + 0.35 * args.budget_s, T0 + 0.5 * args.budget_s, \
+        T0 + 0.9 * args.budget_s
     res: dict[str, Any] = {"argv": sys.argv[1:], "python": platform.python_version(), "kernels": [], "propose": [],
                            "errors": []}
     rc = 0
@@ -488,20 +627,25 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() > kernels_until:
                 res["kernels_skipped"] = "time budget"
                 break
-            for name, ctx, nbytes, fn in kernel_cases(cfg, be, weights.modules[0], n, args.contexts):
-                try:
-                    ts, how = gpu.time_op(fn, args.runs)
-                except Exception as e:          # keep going: one op's failure is a result too
-                    res["errors"].append(f"kernel {name} rows {n}: {type(e).__name__}: {e}")
-                    say(res["errors"][-1])
-                    continue
-                s = stats(ts)
-                gbs = nbytes / (s["median_us"] * 1e-6) / 1e9
-                res["kernels"].append({"op": name, "rows": n, "context": ctx, "bytes": nbytes, **s, "GB/s": gbs,
-                                       "of_copy": gbs / res["copy_GB/s"], "timed": how})
-                say(f"{name:<28} rows {n} ctx {ctx or '-':>5}: {s['median_us']:8.1f} us  {gbs:7.0f} GB/s "
-                    f"({gbs / res['copy_GB/s']:.0%} of copy, {how})")
+            run_cases(gpu, res, kernel_cases(cfg, be, weights.modules[0], n, args.contexts), n, args.runs)
             save(res, out)
+            cp.get_default_memory_pool().free_all_blocks()
+
+        if args.mla and time.perf_counter() < mla_until:     # DeepSeek-V3's module (MLA), its own weights
+            dsv3 = deepseek_v3()
+            res["mla_config"] = dsv3.describe()
+            say(f"DeepSeek-V3 kernels: {dsv3.describe()}")
+            try:
+                for n in args.batches:
+                    if time.perf_counter() > mla_until:
+                        res["mla_skipped"] = "time budget"
+                        break
+                    run_cases(gpu, res, mla_kernel_cases(dsv3, be, n, args.contexts), n, args.runs)
+                    save(res, out)
+            except Exception as e:
+                res["errors"].append(f"mla kernels: {type(e).__name__}: {e}")
+                say(res["errors"][-1])
+                traceback.print_exc()
             cp.get_default_memory_pool().free_all_blocks()
 
         try:

@@ -60,3 +60,15 @@ def test_floor_bytes_and_report(bench):
                         "graph_median_us": 450.0, "graph_speedup": 2.0, "floor_us": 300.0, "graph_x_floor": 1.5}]}
     text = bench.summary(res)
     assert "| rmsnorm | 1 |" in text and "2.00x" in text
+
+
+def test_the_deepseek_v3_section_has_the_released_shapes(bench):
+    cfg = bench.deepseek_v3()
+    b = cfg.block(0)
+    assert (cfg.hidden_size, b.num_attention_heads, b.kv_lora_rank, b.qk_rope_head_dim, b.q_lora_rank) == \
+        (7168, 128, 512, 64, 1536)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.vocab_size) == \
+        (256, 8, 2048, 129280)
+    assert b.mla and b.qk_nope_head_dim == 128 and b.v_dim == 128 and cfg.family == "deepseek_v3"
+    text = bench.summary({"kernels": [], "mla_config": cfg.describe(), "mla_skipped": "time budget"})
+    assert "DeepSeek-V3 rows (`dsv3 ...`)" in text and "mla_skipped: time budget" in text
