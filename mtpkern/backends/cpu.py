@@ -385,9 +385,19 @@ class CpuBackend(Backend):
             raise TypeError(f"w_uv: expected the dtype of w_uk ({w_uk.dtype.name}), got {w_uv.dtype.name}")
         block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
         out = _out("out", out, (n, Hq * Dv))
+        L = w_uk.shape[2]
+        cache = _act(latent_cache).reshape(NB, BS, 1, W)
+        q_full = np.empty((n, Hq, W), np.float32)
+        o_lat = np.empty((n, Hq, L), np.float32)
+        splits = max(1, min(block_tables.shape[1], -(-2 * self.threads // max(n, 1))))   # as paged_attention
         self._use_threads()
-        mla_k.mla_attention_kernel(_act(q), w_uk, w_uv, _act(latent_cache), block_tables, row_seq,
-                                   row_start, row_len, np.float32(scale), out.reshape(n, Hq, Dv))
+        mla_k.mla_absorb_kernel(_act(q), w_uk, q_full)
+        # the latent attention is paged attention with one KV head, keys the whole latent
+        # rows [c | k_pe] and values their first L columns (c, o_lat's width): each latent
+        # row read once per task for every head
+        attention_k.paged_attention_kernel(q_full, cache, cache, block_tables, row_seq, row_start,
+                                           row_len, np.empty(0, np.float32), np.float32(scale), splits, o_lat)
+        mla_k.mla_out_kernel(o_lat, w_uv, out.reshape(n, Hq, Dv))
         return out
 
     # -- gate ---------------------------------------------------------------

@@ -89,13 +89,16 @@ def _merge(m_part, l_part, acc_part, splits, used, r, h, sinks, out):
 @njit(cache=True, fastmath=False, parallel=True)
 def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, sinks, scale, splits,
                            out):
-    """q [n, Hq, D], out [n, Hq, Dv]; k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv] FP32;
+    """q [n, Hq, D], out [n, Hq, Dv]; k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, >= Dv] FP32,
+    C-contiguous: the values are the first Dv = out.shape[2] columns of v_cache's rows (MLA's
+    latent attention passes the latent cache as both: keys [c | k_pe], values c; a column
+    slice instead would be a strided array, whose loops do not vectorise: 3.3x slower);
     row_start [n] (or empty: 0), sinks [Hq] (or empty: none); indices checked in range by the
     launcher; scale float32; splits: chunks of KV blocks per row (>= 1)."""
     n, Hq, D = q.shape
     BS = k_cache.shape[1]
     Hkv = k_cache.shape[2]
-    Dv = v_cache.shape[3]
+    Dv = out.shape[2]
     G = Hq // Hkv
     m_part = np.empty((n * splits, Hq), np.float32)                 # per (row, chunk): running max,
     l_part = np.empty((n * splits, Hq), np.float32)                 # running sum,

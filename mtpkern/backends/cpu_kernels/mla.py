@@ -7,21 +7,22 @@ rotated there, then (when a query is given) the row's query copied out with each
 head's R rope dims rotated by the same angles. A row is L + R values (576 for DeepSeek-V3): a parallel region
 would cost more to start than the whole write (``linear.SMALL``).
 
-``mla_attention_kernel``: one task per (row, head), because a decode step has one
-row and its parallelism is in the heads (128 for DeepSeek-V3). A task absorbs its
-query through ``w_uk[h]`` (``q_lat = w_uk[h]^T q_nope``: P x L multiply-adds, the
-weight widened from BF16 bits or FP32 by ``linear.widen``), scores every visible
-latent row against ``q_lat`` and ``q_pe`` in one pass, takes the softmax over those
-scores (max, exp, sum: two passes over a [L'] FP32 buffer), accumulates the
-latent output ``o_lat = sum_j p_j c_j`` and multiplies it out through ``w_uv[h]``.
-Each latent row is read once per head here; FlashMLA's shape (all heads of a row
-over one latent tile) is the CUDA kernel's (kernels/mla.cu). The weights are
-indexed directly (one specialisation per weight dtype, as the GEMV kernels).
-Absent ``row_start`` comes as an empty array. Measured (this machine, 2 cores, BF16
-weights, P 128, R 64, L 512, Dv 128, context 512, one sequence): n = 1, 16 heads
-1.35 ms on 1 thread, 0.74 ms on 2; n = 4 4.5 / 2.8 ms; 128 heads (DeepSeek-V3's)
-10.2 / 5.7 ms: ~8 G multiply-adds a second per thread, the latent rows served
-from cache (512 rows x 2,304 bytes).
+The absorbed attention, in three steps (the launcher: ``CpuBackend.mla_attention_absorbed``):
+
+- ``mla_absorb_kernel``: one task per (row, head): ``q_full[r, h] = [w_uk[h]^T q_nope |
+  q_pe]`` (P x L multiply-adds, the weight widened from BF16 bits or FP32 by
+  ``linear.widen``, indexed directly: one specialisation per weight dtype);
+- the latent attention is ``attention.paged_attention_kernel`` itself, with one KV head:
+  keys the latent rows ``[c | k_pe]``, values their first L columns (``c``: the kernel
+  reads the first ``out.shape[2]`` columns of the value rows, so the latent cache is passed
+  as both, contiguous). Tasks per (row, chunk of blocks) serve every head, so each latent
+  row is read once per task, not once per head, with an online softmax and a merge;
+- ``mla_out_kernel``: one task per (row, head): ``out = w_uv[h] o_lat``.
+
+Measured (this machine, 1 thread, 16 heads, L 512, R 64, one row over 2048 latent rows in
+blocks of 16): the attention step 1.8-2.1 ms, against 5.9 ms for one task per (row, head)
+that re-read every latent row per head, and 5.9 ms too when the values were a column
+slice of the cache (a strided array: its loops do not vectorise).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import _dot, _first_row
 from .linear import SMALL, widen
 
 
@@ -93,65 +93,54 @@ def mla_latent_write_kernel(kv_a, w, eps, inv_freq, positions, rows, slots, inte
             _rope_q(q, r, inv_freq, positions[r], q_out[r], interleave, rope_scale)
 
 
-@njit(cache=True, fastmath=False, error_model="numpy")
-def _row_head(r, h, q, w_uk, w_uv, cache, block_tables, row_seq, row_start, row_len, scale, out):
-    """out[r, h] (see the module docstring)."""
-    P = w_uk.shape[1]
-    L = w_uk.shape[2]
+@njit(cache=True, fastmath=False)
+def _absorb(r, h, q, w_uk, q_full):
+    """q_full[r, h] = [w_uk[h]^T q_nope | q_pe] (q = [q_nope (P) | q_pe (R)])."""
+    P, L = w_uk.shape[1], w_uk.shape[2]
     R = q.shape[2] - P
-    Dv = w_uv.shape[1]
-    BS = cache.shape[1]
-    q_lat = np.zeros(L, np.float32)
-    for p in range(P):                                  # q_lat = w_uk[h]^T q_nope[r, h]
+    dst = q_full[r, h]
+    dst[:L] = 0.0
+    for p in range(P):
         qp = q[r, h, p]
         wr = w_uk[h, p]
         for l in range(L):
-            q_lat[l] += qp * widen(wr[l])
-    s = row_seq[r]
-    start = _first_row(row_start, r)
-    cnt = row_len[r] - start
-    sc = np.empty(cnt, np.float32)
-    qpe = q[r, h, P:]
-    for j in range(cnt):
-        i = start + j
-        row = cache[block_tables[s, i // BS], i % BS]
-        sc[j] = (_dot(q_lat, row[:L]) + _dot(qpe, row[L:L + R])) * scale
-    m = sc[0]
-    for j in range(1, cnt):
-        if sc[j] > m:
-            m = sc[j]
-    o_lat = np.zeros(L, np.float32)
-    tot = np.float32(0.0)
-    for j in range(cnt):
-        p_ = np.exp(sc[j] - m)                          # every score -inf: NaN, as the reference
-        tot += p_
-        i = start + j
-        row = cache[block_tables[s, i // BS], i % BS]
-        for l in range(L):
-            o_lat[l] += p_ * row[l]
-    for l in range(L):
-        o_lat[l] = o_lat[l] / tot
-    o = out[r, h]
-    for v in range(Dv):                                 # out = w_uv[h] o_lat
+            dst[l] += qp * widen(wr[l])
+    for k in range(R):
+        dst[L + k] = q[r, h, P + k]
+
+
+@njit(cache=True, fastmath=False)
+def _project_out(r, h, o_lat, w_uv, out):
+    """out[r, h] = w_uv[h] o_lat[r, h]."""
+    L, Dv = w_uv.shape[2], w_uv.shape[1]
+    o, x = out[r, h], o_lat[r, h]
+    for v in range(Dv):
         wr = w_uv[h, v]
         a = np.float32(0.0)
         for l in range(L):
-            a += widen(wr[l]) * o_lat[l]
+            a += widen(wr[l]) * x[l]
         o[v] = a
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def mla_attention_kernel(q, w_uk, w_uv, cache, block_tables, row_seq, row_start, row_len, scale, out):
-    """q [n, Hq, P + R] FP32 (rope dims last, roped); w_uk [Hq, P, L], w_uv [Hq, Dv, L] (BF16 bits or
-    FP32); cache [NB, BS, L + R] FP32; row_start [n] (or empty: 0); indices checked in range
-    by the launcher; scale float32; out [n, Hq, Dv]."""
+def mla_absorb_kernel(q, w_uk, q_full):
+    """q [n, Hq, P + R] FP32, w_uk [Hq, P, L] (BF16 bits or FP32) -> q_full [n, Hq, L + R]."""
     n, Hq = q.shape[0], q.shape[1]
-    P, L = w_uk.shape[1], w_uk.shape[2]
-    if n * Hq * (P + 2 * L) <= SMALL // 16:             # a handful of tiny tasks: the calling thread
+    if n * Hq * w_uk.shape[1] * w_uk.shape[2] <= SMALL:
         for t in range(n * Hq):
-            _row_head(t // Hq, t % Hq, q, w_uk, w_uv, cache, block_tables, row_seq, row_start,
-                      row_len, scale, out)
+            _absorb(t // Hq, t % Hq, q, w_uk, q_full)
     else:
         for t in prange(n * Hq):
-            _row_head(t // Hq, t % Hq, q, w_uk, w_uv, cache, block_tables, row_seq, row_start,
-                      row_len, scale, out)
+            _absorb(t // Hq, t % Hq, q, w_uk, q_full)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def mla_out_kernel(o_lat, w_uv, out):
+    """o_lat [n, Hq, L] FP32, w_uv [Hq, Dv, L] (BF16 bits or FP32) -> out [n, Hq, Dv]."""
+    n, Hq = o_lat.shape[0], o_lat.shape[1]
+    if n * Hq * w_uv.shape[1] * w_uv.shape[2] <= SMALL:
+        for t in range(n * Hq):
+            _project_out(t // Hq, t % Hq, o_lat, w_uv, out)
+    else:
+        for t in prange(n * Hq):
+            _project_out(t // Hq, t % Hq, o_lat, w_uv, out)
