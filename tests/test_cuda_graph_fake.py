@@ -167,6 +167,29 @@ class FakeCudaBackend(NumpyBackend):
         return self._run("paged_attention", q, k_cache, v_cache, block_tables, row_seq, row_len, scale,
                          row_start=row_start, sinks=sinks, out=out)
 
+    def mla_latent_write(self, kv_a, kv_a_norm_w, eps, inv_freq, positions, latent_cache, slots, *, q=None,
+                         interleave=False, rope_scale=1.0, out=None):
+        return self._run("mla_latent_write", kv_a, kv_a_norm_w, eps, inv_freq, positions, latent_cache, slots, q=q,
+                         interleave=interleave, rope_scale=rope_scale, out=out)
+
+    def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, scale, *,
+                               row_start=None, out=None, **ws):
+        from mtpkern.backends.cuda_launch import mla as mla_launch
+
+        n, Hq = q.shape[0], q.shape[1]
+        NB, BS, W = latent_cache.shape
+        L = w_uk.shape[2]
+        if out is not None:                  # a planned step: the launcher's own workspace rule
+            p = mla_launch.plan(Hq, L, W - L, block_tables.shape[1] * BS, n, target_blocks=2 * SMS,
+                                smem_max=227 * 1024, kv_itemsize=np.dtype(latent_cache.dtype).itemsize)
+            want = mla_launch.workspace_shapes(n, Hq, L, W - L, p.num_parts)
+            assert set(ws) == set(want), (sorted(ws), sorted(want))
+            for key, shape in want.items():
+                _expect(key, ws[key], shape)
+                self.ws_seen.add(f"mla {key}")
+        return self._run("mla_attention_absorbed", q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
+                         scale, row_start=row_start, out=out)
+
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return self._run("sigmoid_gate", x, gate, residual, out=out)
 
@@ -267,3 +290,13 @@ def test_captured_dense_checkpoint(fake_cuda, tiny_ckpt_dense):
     eager, graph = _twins(tiny_ckpt_dense, "exact", fake_cuda)
     counts = run_twins(eager, graph, cfg, 2, [6, 9], [(2, [0.0], [None])] * 3 + [(1, [1.0], [None])])
     assert counts["replayed"] >= 2 and "mlp act" in graph.backend.ws_seen
+
+
+def test_captured_mla_checkpoint(fake_cuda, mla_ckpt, mla_cfg):
+    """MLA modules in the captured step: the latent write's roped query and the absorbed
+    attention's workspaces (q_full, o_lat; the split-KV partials at a long context) planned
+    as the launcher's rule says."""
+    eager, graph = _twins(mla_ckpt, "exact", fake_cuda)
+    counts = run_twins(eager, graph, mla_cfg, 3, [7, 300], [(3, [0.0], [None])] * 3 + [(2, [1.0], [None])])
+    assert counts["replayed"] >= 2
+    assert {"mla q_full", "mla o_lat", "mla part_o", "mla part_ml"} <= graph.backend.ws_seen, graph.backend.ws_seen
