@@ -124,20 +124,25 @@ def mtp_tensors(cfg: Glm4MoeConfig, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _save_with_mtp(path: Path, model_cls, cfg, centre: float, mtp_tensors_of, seed: int) -> Path:
+    """A random ``model_cls(cfg)`` (norms perturbed around ``centre``) saved by
+    ``save_pretrained``, with ``mtp_tensors_of(cfg, seed + 1)`` added to its safetensors
+    file (``save_pretrained`` writes only the target: the HF classes hold no MTP layers)."""
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    _perturb_norms(model, centre)
+    model.save_pretrained(path)
+    sd = load_file(path / "model.safetensors")
+    sd.update(mtp_tensors_of(cfg, seed + 1))
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 def build_checkpoint(path: str | Path, num_mtp: int, seed: int = 0, **overrides) -> Path:
     """A random tiny Glm4MoeForCausalLM saved by ``save_pretrained`` (config.json +
     model.safetensors), with ``num_mtp`` MTP modules added to the same safetensors file
     (``save_pretrained`` writes only the target: the HF model class holds no MTP layers)."""
-    path = Path(path)
-    cfg = hf_config(num_mtp, **overrides)
-    torch.manual_seed(seed)
-    model = Glm4MoeForCausalLM(cfg).eval()
-    _perturb_norms(model, 1.0)
-    model.save_pretrained(path)
-    sd = load_file(path / "model.safetensors")
-    sd.update(mtp_tensors(cfg, seed + 1))
-    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return _save_with_mtp(Path(path), Glm4MoeForCausalLM, hf_config(num_mtp, **overrides), 1.0, mtp_tensors, seed)
 
 
 def load_hf(path: str | Path) -> Glm4MoeForCausalLM:
@@ -253,16 +258,8 @@ def build_step3p7_checkpoint(path: str | Path, case: str, seed: int = 0) -> Path
     (config.json in transformers' form, the target's tensors under the release's names:
     ``model.layers.*``, ``model.embed_tokens``, ``model.norm``, ``lm_head``), with the MTP
     modules of ``step_mtp_tensors`` added to the same safetensors file."""
-    path = Path(path)
-    cfg = step3p7_config(case)
-    torch.manual_seed(seed)
-    model = Step3p7ForConditionalGeneration(cfg).eval()
-    _perturb_norms(model, 0.0)
-    model.save_pretrained(path)
-    sd = load_file(path / "model.safetensors")
-    sd.update(step_mtp_tensors(cfg, seed + 1))
-    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return _save_with_mtp(Path(path), Step3p7ForConditionalGeneration, step3p7_config(case), 0.0, step_mtp_tensors,
+                          seed)
 
 
 def load_step3p7(path: str | Path) -> Step3p7ForConditionalGeneration:
@@ -350,16 +347,7 @@ def build_deepseek_v3_checkpoint(path: str | Path, case: str, seed: int = 0) -> 
     transformers writes it: ``head_dim`` = qk_rope_head_dim, ``qk_head_dim``,
     ``rope_parameters``), with the MTP modules of ``ds3_mtp_tensors`` added to the same
     safetensors file (``save_pretrained`` writes only the target)."""
-    path = Path(path)
-    cfg = deepseek_v3_config(case)
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg).eval()
-    _perturb_norms(model, 1.0)
-    model.save_pretrained(path)
-    sd = load_file(path / "model.safetensors")
-    sd.update(ds3_mtp_tensors(cfg, seed + 1))
-    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return _save_with_mtp(Path(path), DeepseekV3ForCausalLM, deepseek_v3_config(case), 1.0, ds3_mtp_tensors, seed)
 
 
 def load_deepseek_v3(path: str | Path) -> DeepseekV3ForCausalLM:

@@ -61,13 +61,7 @@ KV_DTYPES = ("bfloat16", "float32")
 @pytest.fixture(scope="module")
 def emu():
     """The emulator, built once (cached across runs), routing the cuda launchers for this module."""
-    try:
-        lib = emu_backend.build(asan=emu_backend.asan_requested())
-    except emu_backend.EmulatorUnavailable as e:
-        pytest.skip(f"CUDA emulator unavailable: {e}")
-    emulator = emu_backend.Emulator(lib)
-    with emulator.installed():
-        yield emulator
+    yield from emu_backend.installed_emulator()
 
 
 @pytest.fixture(scope="module")

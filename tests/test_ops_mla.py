@@ -41,13 +41,7 @@ OTHER_BACKENDS = ["cpu"] + EMU_BACKENDS
 @pytest.fixture(scope="module")
 def emulator():
     """The CUDA emulator routing the cuda launchers for this module (built once, cached)."""
-    try:
-        lib = emu_backend.build(asan=emu_backend.asan_requested())
-    except emu_backend.EmulatorUnavailable as e:
-        pytest.skip(f"CUDA emulator unavailable: {e}")
-    em = emu_backend.Emulator(lib)
-    with em.installed():
-        yield em
+    yield from emu_backend.installed_emulator()
 
 
 @pytest.fixture

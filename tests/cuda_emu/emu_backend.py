@@ -577,3 +577,16 @@ def _cuda_backend_class():
 def backend(kv_dtype: str = "bfloat16"):
     """An ``EmuCudaBackend`` (its ops launch into the emulator inside ``Emulator.installed()``)."""
     return _cuda_backend_class()(kv_dtype)
+
+
+def installed_emulator() -> Iterator[Emulator]:
+    """A pytest fixture's body: the emulator, built once (cached across runs), routing the
+    cuda launchers while the fixture lives; the test is skipped where it cannot be built."""
+    import pytest
+
+    try:
+        lib = build(asan=asan_requested())
+    except EmulatorUnavailable as e:
+        pytest.skip(f"CUDA emulator unavailable: {e}")
+    with Emulator(lib).installed() as em:
+        yield em
