@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import rand_hiddens
+from conftest import MLA_FIELDS, rand_hiddens
 from mtpkern import KvCacheFull, MultiModuleMtpHead, StateError, write_synthetic_checkpoint
 from mtpkern.backends import get_backend
 from mtpkern.config import tiny_config
@@ -30,6 +30,8 @@ W, BS, NB = 5, 4, 12
 WINDOWED = tiny_config(sliding_window=W)
 #: only module 1 has a window (dense MLPs keep the forward cheap)
 MIXED = tiny_config(intermediate_size=40, blocks=[{}, {"sliding_window": 4}, {}])
+#: windowed MLA modules: their latent pools give blocks back the same way
+WINDOWED_MLA = tiny_config(**MLA_FIELDS, sliding_window=W)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def ckpts(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            cfg = {"windowed": WINDOWED, "mixed": MIXED, "full": tiny_config()}[name]
+            cfg = {"windowed": WINDOWED, "mixed": MIXED, "full": tiny_config(), "windowed_mla": WINDOWED_MLA}[name]
             path = write_synthetic_checkpoint(tmp_path_factory.mktemp(name), cfg, seed=17, dtype="float32")
             made[name] = path, reference_weights(path)
         return made[name]
@@ -204,15 +206,16 @@ def run_long(prop, weights, rng, tokens=300, prompt=60, extend=40):
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
-def test_long_run_holds_the_window_not_the_sequence(ckpts, backend, mode):
-    path, weights = ckpts("windowed")
+@pytest.mark.parametrize("name", ["windowed", "windowed_mla"])
+def test_long_run_holds_the_window_not_the_sequence(ckpts, backend, mode, name):
+    path, weights = ckpts(name)
     kw = dict(backend=backend, kv_mode=mode, block_size=BS, num_blocks=NB, prefill_chunk=8)
     full = MultiModuleMtpHead.from_pretrained(ckpts("full")[0], **kw)
     with pytest.raises(KvCacheFull):                # the pool is too small for a sequence that keeps its rows
         run_long(full, None, np.random.default_rng(1))
     prop = MultiModuleMtpHead.from_pretrained(path, **kw)
     st = run_long(prop, weights, np.random.default_rng(1))
-    assert st.num_verified >= 300 and prop.kv_blocks_in_use()[0] <= bound(WINDOWED, mode, 0)
+    assert st.num_verified >= 300 and prop.kv_blocks_in_use()[0] <= bound(prop.config, mode, 0)
     assert all(s.base > 0 for s in st.kv[: 1 if mode == "draft" else 3])
     assert prop.pools[0].window_released > NB
     prop.free_state(st)
