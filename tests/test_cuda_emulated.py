@@ -179,6 +179,8 @@ def test_emulator_shared_memory_opt_in(emu):
 @pytest.mark.parametrize("name,args,smem,match", [
     pytest.param("partial_warp_shuffle", lambda: (np.zeros(128, np.float32),), 0,
                  r"deadlock.*\n  warp 0: lanes 0-15 warp collective, lanes 16-31 exited", id="shuffle_with_exited_lanes"),
+    pytest.param("partial_warp_mma", lambda: (np.zeros(128, np.float32),), 0,
+                 r"deadlock.*\n  warp 0: lanes 0-15 warp collective, lanes 16-31 exited", id="mma_with_exited_lanes"),
     pytest.param("barrier_vs_shuffle", lambda: (np.zeros(128, np.float32),), 0, "deadlock",
                  id="barrier_against_shuffle"),
     pytest.param("mixed_collectives", lambda: (np.zeros(128, np.int32),), 0, "different warp collectives",
@@ -213,6 +215,25 @@ def test_emulator_ubsan_checks(emu, name, args, match):
         pytest.skip("the ASan build reports through the sanitizer runtime (and aborts)")
     with pytest.raises(emu_backend.EmulatorError, match=match):
         emu.selftest_kernel(name)((1,), (32,), args())
+
+
+# -- tensor cores: kernels/mma.cuh's fragment layout ------------------------------------------------
+
+def test_mma_fragment_layout(emu):
+    """kernels/mma.cu's probe on the emulator: A [16 x 16] and B [16 x 8] BF16 loaded into
+    fragments by mma.cuh's loaders (B from both storage orders), one mma, D stored by the
+    accumulator layout, against A B + C in float64; each deliberately wrong layout of the
+    probe (A transposed, a[1] / a[2] or b[0] / b[1] exchanged, D's row halves exchanged) is
+    caught. The emulated mma rebuilds A and B from its own copy of the PTX ISA's layout, so
+    this checks the loaders against it; tests/test_gpu.py runs the same probe on a device."""
+    probe = emu.kernel("mma", "mma_bf16_probe_kernel")
+
+    def run(layout, args):
+        d = np.full((2, 16, 8), np.nan, np.float32)
+        probe((1,), (32,), (*args, d, np.int32(layout)))
+        return d
+
+    test_gpu.check_mma_probe(run)
 
 
 # -- tests/test_ops_backends.py on the emulated backend -----------------------------------------
@@ -870,6 +891,10 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
                 out[f"mla attention {kv} {L} {wd}"] = be.mla_attention_absorbed(
                     qr[:4], w_uk, w_uv, lc, tables, np.array([0, 1, 1, 0], np.int32),
                     np.array([96, 1, 70, 17], np.int32), 0.2, row_start=np.array([0, 0, 9, 16], np.int32))
+    mma_args, _ = test_gpu.mma_probe_case(seed)
+    out["mma probe"] = np.zeros((2, 16, 8), np.float32)
+    step_launch.get_kernel("mma", "mma_bf16_probe_kernel")(          # (the emulator's get_kernel)
+        (1,), (32,), (*mma_args, out["mma probe"], np.int32(0)))
     src, dst = rnd(rng, 64), np.zeros(64, np.float32)
     step_launch.copy_segments(np.array([(src.ctypes.data, dst.ctypes.data, 64)], np.int64))
     out["copy_segments"] = dst

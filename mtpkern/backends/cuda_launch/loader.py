@@ -50,6 +50,8 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}>" for t in _WEIGHT_CTYPES) + ("argmax_final_kernel",),
     "step": ("copy_segments_kernel",),
+    # a probe of mma.cuh's fragment layout, for the tests only (kernels/mma.cu)
+    "mma": ("mma_bf16_probe_kernel",),
 }
 
 FAMILIES: tuple[str, ...] = tuple(NAME_EXPRESSIONS)
