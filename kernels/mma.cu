@@ -10,6 +10,7 @@
 //   them. The others are wrong on purpose, each a plausible slip, so that a test can show
 //   the comparison catches one: 1 A read transposed, 2 a[1] and a[2] exchanged (rows + 8
 //   taken for columns + 8), 3 b[0] and b[1] exchanged, 4 D's rows g and g + 8 exchanged.
+#include "common.cuh"
 #include "mma.cuh"
 
 __global__ void __launch_bounds__(32)
@@ -17,7 +18,7 @@ mma_bf16_probe_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* 
                       const __nv_bfloat16* __restrict__ b_kn, const float* __restrict__ c, float* __restrict__ d,
                       int layout) {
   using namespace mtp;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
   unsigned af[4];
   if (layout == 1) {  // A^T's fragment: element (row, col) read at [col][row]
     af[0] = pack_bf16x2(a[(2 * t) * 16 + g], a[(2 * t + 1) * 16 + g]);
