@@ -47,21 +47,45 @@
 //   Shared memory (dynamic, bytes) = 4 * (heads * Wq + tile * 20 + 48 + tile)
 //   + tile * (Wq + 8) * sizeof(KV); the launcher (mla.smem_bytes) computes the same sum.
 //
+// mla_attention_tc_kernel<LPT>: the same o_lat / part_o / part_ml from the same arguments, over a
+//   BF16 cache, with both products on tensor cores (mma.cuh: mma.sync m16n8k16 BF16 -> FP32,
+//   sm_80+; FlashMLA's idea). The launcher takes it for head tiles of 16 (mla.attention_variant).
+//   Same grid, block, partitions and tiles; the 16 head slots are the mma's M (rows past hc zero):
+//     q_s [16][Ws] BF16 = bf16(q_full * scale), once per block (Ws = W rounded up to 16, + 8: the
+//       fragment reads of a warp hit 32 distinct banks);
+//     1. the tile's rows as stored into c_s [tile][Ws] (16-byte copies, each thread issuing 6
+//        loads before their stores: 24 KB in flight per block), columns W .. and rows Lt ..
+//        (rounded up to 16) zeroed: the mma reads whole 16 x 16 blocks;
+//     2. S [16 x 8 rows] = Q C^T per warp (warp w: rows 8 w .. 8 w + 7), Wk / 16 mma over k =
+//        the latent dims, A from q_s, B from c_s (k contiguous in a row): one 32-bit shared
+//        load per register; the D fragments go to p_s [row][head] (rows past Lt, heads past hc: 0);
+//     3. the scalar kernel's online softmax (FP32 p, m, l in shared memory);
+//     4. O [16 x L] = alpha O + P C: O in D fragments, warp w owning the n-tiles of 8 latent dims
+//        w, w + 8, .. (4 LPT of them: 16 LPT floats per thread, as the scalar kernel's o); alpha
+//        per fragment row (heads g, g + 8); A = P rounded to BF16 from p_s, B = C from c_s
+//        (n contiguous: two 16-bit loads per register); ceil(Lt / 16) k-steps of 16 rows.
+//   BF16 rounding of q * scale and of P is the extra error against the scalar kernel (the running
+//   sum l adds the FP32 p): ~1e-3 relative on the outputs. Shared memory (bytes) = 2 * 16 * Ws
+//   + 4 * (tile * 20 + 48 + tile) + 2 * tile * Ws (mla.smem_bytes(..., "tc")): 97 KB at
+//   DeepSeek-V3's shapes, two blocks per SM (__launch_bounds__(256, 2): <= 128 registers).
+//
 // mla_out_kernel<W>: out [n, Hq * Dv] fp32, out[r, h * Dv + v] = w_uv[h, v, :] . o_lat[r, h].
 //   grid (ceil(Dv / 8), Hq, ceil(n / 8)), block 128: warp w computes weight rows
 //   v = blockIdx.x * 8 + 2 w, + 1 with common.cuh's GEMV core (each weight vector loaded
 //   once for the chunk's up to 8 rows; 16-byte loads when L and the bases allow).
 //
 // Preconditions: block sizes as above; L <= 256 * LPT; heads <= 16; tile <= 64, a multiple
-// of 4, 256 % tile == 0; P <= 1024 (q_nope of 8 rows in shared memory); block_tables
+// of 4 (of 16 for the tc kernel), 256 % tile == 0; P <= 1024 (q_nope of 8 rows in shared memory); block_tables
 // entries of the blocks holding rows row_start .. row_len - 1 valid (the others are never
 // read); slots < 2^31. row_len is clamped to max_blocks * BS and row_start to >= 0; a row
 // with nothing to see gets zeros. Vector paths need W % 8 == 0 (staging), L % 4 == 0
 // (absorb), L % (16 / sizeof(W)) == 0 (out) and aligned bases; otherwise scalar loads
 // (same results).
-// Cost (scalar FP32 FMAs, no tensor cores): per (latent row, head) W + L FMAs, so for
-// DeepSeek-V3's 128 heads the attention is FMA-bound, not memory-bound (docs/cuda.md).
+// Cost of mla_attention_kernel (scalar FP32 FMAs): per (latent row, head) W + L FMAs, so for
+// DeepSeek-V3's 128 heads it is FMA-bound, not memory-bound; the tc kernel moves both products
+// to tensor cores (docs/cuda.md, "MLA kernels").
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace mtp {
 constexpr int kMlaWriteThreads = 256;
@@ -69,6 +93,7 @@ constexpr int kMlaThreads = 256;
 constexpr int kMlaWarps = kMlaThreads / kWarp;
 constexpr int kMlaHeads = 16;    // head slots of an attention block (o[16][LPT])
 constexpr int kMlaPStride = 20;  // floats per row of the score / p buffer: 16 heads + pad (16-byte rows)
+constexpr int kMlaStageBatch = 6;  // tc kernel: 16-byte loads in flight per thread while a tile is staged
 constexpr int kAbsorbWarps = 4;
 constexpr int kAbsorbCols = 4;                        // adjacent columns of w_uk per lane
 constexpr int kAbsorbSpan = kWarp * kAbsorbCols;      // 128 columns per block
@@ -92,6 +117,44 @@ __device__ __forceinline__ void copy8(KV* dst, const KV* src) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
     reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+}
+
+// Step 0 of an attention tile: the cache slots of latent rows start + j0 .. + Lt - 1.
+__device__ __forceinline__ void mla_tile_slots(int* slot_s, const int* block_tables, int seq, int max_blocks, int BS,
+                                               int j, int Lt) {
+  for (int i = threadIdx.x; i < Lt; i += blockDim.x) {
+    const int jj = j + i;
+    slot_s[i] = block_tables[static_cast<long long>(seq) * max_blocks + jj / BS] * BS + jj % BS;
+  }
+}
+
+// Step 3 of an attention tile, per head g < hc (warp w owns heads w, w + 8): the tile's scores
+// s = p_s[i][g], i < Lt, become p = e^(s - m) in place; running max m, sum l and this tile's
+// rescale factor alpha = e^(m_old - m) in ml_s [3][kMlaHeads].
+__device__ __forceinline__ void mla_online_softmax(float* p_s, float* ml_s, int Lt, int hc, int warp, int lane) {
+  constexpr int HM = kMlaHeads;
+  for (int g = warp; g < hc; g += kMlaWarps) {
+    float mt = neg_inf();
+    for (int i = lane; i < Lt; i += kWarp) mt = fmaxf(mt, p_s[i * kMlaPStride + g]);
+    mt = warp_max(mt);
+    const float m_old = ml_s[g], l_old = ml_s[HM + g];
+    const float m_new = fmaxf(m_old, mt);
+    // a -inf score weighs 0, also while every score so far is -inf (m_new = -inf)
+    const float mo = m_new == neg_inf() ? 0.0f : m_new;
+    float l = 0.0f;
+    for (int i = lane; i < Lt; i += kWarp) {
+      const float e = expf(p_s[i * kMlaPStride + g] - mo);
+      p_s[i * kMlaPStride + g] = e;
+      l += e;
+    }
+    l = warp_sum(l);
+    const float alpha = expf(m_old - mo);  // m_old = -inf (first tile): 0
+    if (lane == 0) {
+      ml_s[g] = m_new;
+      ml_s[HM + g] = l_old * alpha + l;
+      ml_s[2 * HM + g] = alpha;
+    }
+  }
 }
 
 // The rotation of pair i at position pos (rope_kv.cu's formula): (x1, x2) -> (x1', x2').
@@ -279,11 +342,7 @@ mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ ca
 
   for (int j0 = 0; j0 < Lp; j0 += tile) {
     const int Lt = min(tile, Lp - j0);
-    // 0. slots
-    for (int i = t; i < Lt; i += blockDim.x) {
-      const int j = start + j0 + i;
-      slot_s[i] = block_tables[static_cast<long long>(seq) * max_blocks + j / BS] * BS + j % BS;
-    }
+    mla_tile_slots(slot_s, block_tables, seq, max_blocks, BS, start + j0, Lt);  // 0. slots
     __syncthreads();
     // 1. the rows, once, into shared memory
     if (vec) {
@@ -328,29 +387,7 @@ mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ ca
       }
     }
     __syncthreads();
-    // 3. online softmax, per head
-    for (int g = warp; g < hc; g += kMlaWarps) {
-      float mt = neg_inf();
-      for (int i = lane; i < Lt; i += kWarp) mt = fmaxf(mt, p_s[i * kMlaPStride + g]);
-      mt = warp_max(mt);
-      const float m_old = ml_s[g], l_old = ml_s[HM + g];
-      const float m_new = fmaxf(m_old, mt);
-      // a -inf score weighs 0, also while every score so far is -inf (m_new = -inf)
-      const float mo = m_new == neg_inf() ? 0.0f : m_new;
-      float l = 0.0f;
-      for (int i = lane; i < Lt; i += kWarp) {
-        const float e = expf(p_s[i * kMlaPStride + g] - mo);
-        p_s[i * kMlaPStride + g] = e;
-        l += e;
-      }
-      l = warp_sum(l);
-      const float alpha = expf(m_old - mo);  // m_old = -inf (first tile): 0
-      if (lane == 0) {
-        ml_s[g] = m_new;
-        ml_s[HM + g] = l_old * alpha + l;
-        ml_s[2 * HM + g] = alpha;
-      }
-    }
+    mla_online_softmax(p_s, ml_s, Lt, hc, warp, lane);  // 3. online softmax, per head
     __syncthreads();
     // 4. o = alpha o + sum_j p_j c_j
 #pragma unroll
@@ -393,6 +430,159 @@ mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ ca
           if (num_parts == 1) o_lat[hq * L + l] = o[g][k] / ml_s[HM + g];
           else part_o[(hq * num_parts + p) * L + l] = o[g][k];
         }
+      }
+    }
+  }
+  if (num_parts > 1 && t < hc) {
+    const long long at = (head0 + t) * num_parts + p;  // [n, Hq, num_parts]
+    part_ml[2 * at] = ml_s[t];
+    part_ml[2 * at + 1] = ml_s[HM + t];
+  }
+}
+
+template <int LPT>
+__global__ void __launch_bounds__(mtp::kMlaThreads, 2)
+mla_attention_tc_kernel(const float* __restrict__ q_full, const __nv_bfloat16* __restrict__ cache,
+                        const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
+                        const int* __restrict__ row_start, const int* __restrict__ row_len,
+                        float* __restrict__ o_lat, float* __restrict__ part_o, float* __restrict__ part_ml, int Hq,
+                        int heads, int L, int R, int BS, int tile, int part_size, int num_parts, float scale) {
+  using namespace mtp;
+  using bf16 = __nv_bfloat16;
+  constexpr int HM = kMlaHeads;  // the mma's M: 16 head rows, those past hc zero
+  constexpr int NT = 4 * LPT;    // n-tiles of 8 latent dims per warp in the PV product (L <= 64 NT)
+  extern __shared__ float4 smem_raw[];
+  const int W = L + R, Wk = (W + 15) & ~15, Ws = Wk + 8;  // k padded to the mma's 16; row stride
+  const int h0 = blockIdx.x * heads, p = blockIdx.z;
+  const long long r = blockIdx.y;
+  const int hc = min(heads, Hq - h0);
+  const int t = threadIdx.x, warp = t / kWarp, lane = t % kWarp;
+  bf16* q_s = reinterpret_cast<bf16*>(smem_raw);                  // [16][Ws]: bf16(q * scale), zero padded
+  float* p_s = reinterpret_cast<float*>(q_s + HM * Ws);            // [tile][kMlaPStride]: scores, then p
+  float* ml_s = p_s + tile * kMlaPStride;                          // [3][HM]: running max, running sum, alpha
+  int* slot_s = reinterpret_cast<int*>(ml_s + 3 * HM);             // [tile]
+  bf16* c_s = reinterpret_cast<bf16*>(slot_s + tile);              // [tile][Ws]: the tile's latent rows
+
+  const int seq = row_seq[r];
+  const int Lr = min(row_len[r], max_blocks * BS);
+  const int first = row_start ? max(row_start[r], 0) : 0;
+  const int start = first + p * part_size;
+  const int Lp = min(Lr - start, part_size);
+  const long long head0 = r * Hq + h0;
+  if (Lp <= 0) {
+    if (num_parts == 1)
+      for (int e = t; e < hc * L; e += blockDim.x) o_lat[head0 * L + e] = 0.0f;
+    return;
+  }
+
+  for (int e = t; e < HM * Ws; e += blockDim.x) {
+    const int g = e / Ws, d = e % Ws;
+    q_s[e] = __float2bfloat16_rn(g < hc && d < W ? q_full[(head0 + g) * W + d] * scale : 0.0f);
+  }
+  if (t < HM) {
+    ml_s[t] = neg_inf();
+    ml_s[HM + t] = 0.0f;
+    ml_s[2 * HM + t] = 0.0f;
+  }
+
+  const bool vec = W % 8 == 0 && aligned16(cache);
+  float o[NT][4];  // D fragments: heads mma_c_row, latent dims n0 + mma_c_col of n-tile warp + 8 j
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[j][i] = 0.0f;
+
+  for (int j0 = 0; j0 < Lp; j0 += tile) {
+    const int Lt = min(tile, Lp - j0);
+    const int Lz = (Lt + 15) & ~15;  // rows the PV product reads: those past Lt are zeros
+    mla_tile_slots(slot_s, block_tables, seq, max_blocks, BS, start + j0, Lt);  // 0. slots
+    __syncthreads();
+    // 1. the rows, once, into shared memory (BF16 as stored); columns W .. Wk and rows Lt .. Lz zero
+    if (vec) {  // kMlaStageBatch 16-byte loads issued before their stores (bytes in flight)
+      const int nch = Wk / 8, total = Lz * nch;
+      for (int e0 = t; e0 < total; e0 += kMlaStageBatch * kMlaThreads) {
+        uint4 v[kMlaStageBatch];
+#pragma unroll
+        for (int u = 0; u < kMlaStageBatch; ++u) {
+          const int e = e0 + u * kMlaThreads, i = e / nch, c = e % nch;
+          const uint4 z = {0u, 0u, 0u, 0u};
+          v[u] = e < total && i < Lt && 8 * c < W
+                     ? __ldg(reinterpret_cast<const uint4*>(cache + static_cast<long long>(slot_s[i]) * W + 8 * c))
+                     : z;
+        }
+#pragma unroll
+        for (int u = 0; u < kMlaStageBatch; ++u) {
+          const int e = e0 + u * kMlaThreads;
+          if (e < total) *reinterpret_cast<uint4*>(c_s + (e / nch) * Ws + 8 * (e % nch)) = v[u];
+        }
+      }
+    } else {
+      for (int e = t; e < Lz * Wk; e += blockDim.x) {
+        const int i = e / Wk, d = e % Wk;
+        c_s[i * Ws + d] = i < Lt && d < W ? cache[static_cast<long long>(slot_s[i]) * W + d] : from_f32<bf16>(0.0f);
+      }
+    }
+    __syncthreads();
+    // 2. scores S [16 heads x 8 rows] per warp: n-tile nt = rows 8 nt .. 8 nt + 7, Wk / 16 mma over k
+    for (int nt = warp; nt < tile / 8; nt += kMlaWarps) {  // warp-uniform
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (8 * nt < Lt) {
+        const bf16* cb = c_s + 8 * nt * Ws;
+        for (int k0 = 0; k0 < Wk; k0 += 16) {
+          unsigned a[4], b[2];
+          mma_load_a(a, q_s + k0, Ws, lane);
+          mma_load_b_nk(b, cb + k0, Ws, lane);
+          mma_m16n8k16_bf16(sc, a, b);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // rows past Lt and heads past hc: p = 0 for step 4
+        const int g = mma_c_row(lane, i), j = 8 * nt + mma_c_col(lane, i);
+        p_s[j * kMlaPStride + g] = j < Lt && g < hc ? sc[i] : 0.0f;
+      }
+    }
+    __syncthreads();
+    mla_online_softmax(p_s, ml_s, Lt, hc, warp, lane);  // 3. online softmax, per head
+    __syncthreads();
+    // 4. O = alpha O + P C: A = P [16 heads x 16 rows] (BF16), B = C [16 rows x 8 dims]
+    {
+      const int g = lane >> 2, q4 = lane & 3;
+      const float alo = ml_s[2 * HM + g], ahi = ml_s[2 * HM + g + 8];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        o[j][0] *= alo; o[j][1] *= alo; o[j][2] *= ahi; o[j][3] *= ahi;
+      }
+      for (int k0 = 0; k0 < Lz; k0 += 16) {
+        const float* pk = p_s + (k0 + 2 * q4) * kMlaPStride;  // P[g][k] = p_s[k][g]
+        unsigned a[4];
+        a[0] = pack_bf16x2(pk[g], pk[kMlaPStride + g]);
+        a[1] = pack_bf16x2(pk[g + 8], pk[kMlaPStride + g + 8]);
+        a[2] = pack_bf16x2(pk[8 * kMlaPStride + g], pk[9 * kMlaPStride + g]);
+        a[3] = pack_bf16x2(pk[8 * kMlaPStride + g + 8], pk[9 * kMlaPStride + g + 8]);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int n0 = 8 * (warp + j * kMlaWarps);
+          if (n0 < L) {  // warp-uniform
+            unsigned b[2];
+            mma_load_b_kn(b, c_s + k0 * Ws + n0, Ws, lane);
+            mma_m16n8k16_bf16(o[j], a, b);
+          }
+        }
+      }
+    }
+    __syncthreads();  // slot_s, c_s, p_s and alpha are rewritten by the next tile
+  }
+
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int n0 = 8 * (warp + j * kMlaWarps);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int g = mma_c_row(lane, i), l = n0 + mma_c_col(lane, i);
+      if (g < hc && l < L) {
+        const long long hq = head0 + g;  // [n, Hq]
+        if (num_parts == 1) o_lat[hq * L + l] = o[j][i] / ml_s[HM + g];
+        else part_o[(hq * num_parts + p) * L + l] = o[j][i];
       }
     }
   }

@@ -39,6 +39,7 @@ import test_family_qwen3_next as qwen3_next
 import test_family_step3p5 as step3p5
 import test_gpu
 import test_ops_backends
+import test_ops_mla
 from cuda_emu import emu_backend
 from test_cuda_graph_fake import FakeRuntime
 
@@ -173,6 +174,8 @@ def test_emulator_shared_memory_opt_in(emu):
 @pytest.mark.parametrize("name,args,smem,match", [
     pytest.param("partial_warp_shuffle", lambda: (np.zeros(128, np.float32),), 0,
                  r"deadlock.*\n  warp 0: lanes 0-15 warp collective, lanes 16-31 exited", id="shuffle_with_exited_lanes"),
+    pytest.param("partial_warp_mma", lambda: (np.zeros(128, np.float32),), 0,
+                 r"deadlock.*\n  warp 0: lanes 0-15 warp collective, lanes 16-31 exited", id="mma_with_exited_lanes"),
     pytest.param("barrier_vs_shuffle", lambda: (np.zeros(128, np.float32),), 0, "deadlock",
                  id="barrier_against_shuffle"),
     pytest.param("mixed_collectives", lambda: (np.zeros(128, np.int32),), 0, "different warp collectives",
@@ -207,6 +210,25 @@ def test_emulator_ubsan_checks(emu, name, args, match):
         pytest.skip("the ASan build reports through the sanitizer runtime (and aborts)")
     with pytest.raises(emu_backend.EmulatorError, match=match):
         emu.selftest_kernel(name)((1,), (32,), args())
+
+
+# -- tensor cores: kernels/mma.cuh's fragment layout ------------------------------------------------
+
+def test_mma_fragment_layout(emu):
+    """kernels/mma.cu's probe on the emulator: A [16 x 16] and B [16 x 8] BF16 loaded into
+    fragments by mma.cuh's loaders (B from both storage orders), one mma, D stored by the
+    accumulator layout, against A B + C in float64; each deliberately wrong layout of the
+    probe (A transposed, a[1] / a[2] or b[0] / b[1] exchanged, D's row halves exchanged) is
+    caught. The emulated mma rebuilds A and B from its own copy of the PTX ISA's layout, so
+    this checks the loaders against it; tests/test_gpu.py runs the same probe on a device."""
+    probe = emu.kernel("mma", "mma_bf16_probe_kernel")
+
+    def run(layout, args):
+        d = np.full((2, 16, 8), np.nan, np.float32)
+        probe((1,), (32,), (*args, d, np.int32(layout)))
+        return d
+
+    test_gpu.check_mma_probe(run)
 
 
 # -- tests/test_ops_backends.py on the emulated backend -----------------------------------------
@@ -438,22 +460,31 @@ def test_mla_split_kv_shapes(be, sm_count, Hq, P, R, L, Dv, BS, max_blocks, wind
     assert (p.num_parts > 1) == (sms == 132), p
     args, row_start, want = _mla_case(be, rng, Hq, P, R, L, Dv, BS, max_blocks, n, window)
     got = be.mla_attention_absorbed(*args, row_start=row_start)
-    assert_close(got, want, "float32", f"mla_attention_absorbed ({p.num_parts} partitions)")
+    tol = test_ops_mla.attention_tol(be, Hq, L, R, max_blocks * BS)      # Hq 16, BF16: tensor cores
+    assert_close(got, want, tol, f"mla_attention_absorbed ({p.num_parts} partitions, {tol} tolerance)")
 
 
 @pytest.mark.parametrize("wd", ["bf16", "f32"])
-def test_mla_deepseek_v3_shapes(be, wd):
+def test_mla_deepseek_v3_shapes(be, emu, wd):
     """DeepSeek-V3's MLA (Hq 128, P 128, R 64, L 512, Dv 128) at ~300 rows of context: a decode
-    row at capacity and a shorter one, split over partitions as on a 132-SM device."""
+    row at capacity and a shorter one, split over partitions as on a 132-SM device; on tensor
+    cores with a BF16 cache (BF16's tolerance: test_ops_mla.attention_tol), FP32 FMAs with FP32."""
     from mtpkern.backends.cuda_launch import mla as mla_launch
     Hq, P, R, L, Dv, BS, max_blocks = 128, 128, 64, 512, 128, 16, 19      # 304 rows
+    kv_itemsize = np.dtype(be.kv_dtype).itemsize
     p = mla_launch.plan(Hq, L, R, max_blocks * BS, 2, target_blocks=2 * emu_backend.DEFAULT_SM_COUNT,
-                        smem_max=emu_backend.DEFAULT_SMEM_OPTIN, kv_itemsize=np.dtype(be.kv_dtype).itemsize)
+                        smem_max=emu_backend.DEFAULT_SMEM_OPTIN, kv_itemsize=kv_itemsize)
     assert p.heads == 16 and p.num_parts == 3 and p.lpt == 2, p
+    assert p.variant == ("tc" if kv_itemsize == 2 else "scalar"), p
     rng = np.random.default_rng(3)
     args, _, want = _mla_case(be, rng, Hq, P, R, L, Dv, BS, max_blocks, 2, False, wd)
+    before = emu.launches.copy()
     got = be.mla_attention_absorbed(*args)
-    assert_close(got, want, "float32", "mla_attention_absorbed (DeepSeek-V3 shapes)")
+    kernel = ("mla_attention_tc_kernel<2>" if p.variant == "tc"
+              else f"mla_attention_kernel<{loader.CTYPE[np.dtype(be.kv_dtype).name]}, 2>")
+    assert (emu.launches - before)[kernel] == 1, emu.launches - before
+    tol = test_ops_mla.attention_tol(be, Hq, L, R, max_blocks * BS)
+    assert_close(got, want, tol, f"mla_attention_absorbed (DeepSeek-V3 shapes, {p.variant} kernel)")
 
 
 def test_mla_workspaces_given_allocate_nothing(be, sm_count, monkeypatch):
@@ -864,6 +895,17 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
                 out[f"mla attention {kv} {L} {wd}"] = be.mla_attention_absorbed(
                     qr[:4], w_uk, w_uv, lc, tables, np.array([0, 1, 1, 0], np.int32),
                     np.array([96, 1, 70, 17], np.int32), 0.2, row_start=np.array([0, 0, 9, 16], np.int32))
+            if kv == "bfloat16":                                               # 16-head tiles: tensor cores
+                Htc = 16 if L < 256 else 32
+                w_uk, w_uv = (be.prepare_weight(stored(rnd(rng, Htc, d, L, scale=d ** -0.5), "bf16")[0])
+                              for d in (P, Dv))
+                out[f"mla attention tc {L}"] = be.mla_attention_absorbed(
+                    rnd(rng, 4, Htc, P + R), w_uk, w_uv, lc, tables, np.array([0, 1, 1, 0], np.int32),
+                    np.array([96, 1, 70, 17], np.int32), 0.2, row_start=np.array([0, 0, 9, 16], np.int32))
+    mma_args, _ = test_gpu.mma_probe_case(seed)
+    out["mma probe"] = np.zeros((2, 16, 8), np.float32)
+    step_launch.get_kernel("mma", "mma_bf16_probe_kernel")(          # (the emulator's get_kernel)
+        (1,), (32,), (*mma_args, out["mma probe"], np.int32(0)))
     src, dst = rnd(rng, 64), np.zeros(64, np.float32)
     step_launch.copy_segments(np.array([(src.ctypes.data, dst.ctypes.data, 64)], np.int64))
     out["copy_segments"] = dst

@@ -14,7 +14,10 @@
   drafts and bit-identical KV for k = 1..M at batch 1 and 8 (both run the same
   launches on the same shapes), grammar masks and NoAllowedToken included;
 - device inputs: CuPy, Numba and (when importable with CUDA) PyTorch arrays are
-  used in place; BF16 device tensors are widened on the device.
+  used in place; BF16 device tensors are widened on the device;
+- the tensor cores' fragment layout (kernels/mma.cu's probe of kernels/mma.cuh) against a
+  NumPy matmul, each deliberately wrong layout caught (the emulator runs the same check
+  against its emulated mma: test_cuda_emulated.py::test_mma_fragment_layout).
 
 Scripted for the device machine by scripts/gpu_check.sh.
 """
@@ -260,6 +263,54 @@ def test_device_inputs_are_used_in_place(tiny_ckpt, tiny_cfg):
     prop.prefill_drafter(toks, x.get()[:1].repeat(7, 0), a)
     prop.prefill_drafter(toks, cp.asarray(x.get()[:1].repeat(7, 0)), b)
     assert prop.propose(3, x[1], 7, 3, a) == prop.propose(3, x[1].get(), 7, 3, b)
+
+
+#: kernels/mma.cu's probe layouts: 0 is mma.cuh's, the others are wrong on purpose
+MMA_WRONG_LAYOUTS = {1: "A transposed", 2: "a[1] and a[2] exchanged", 3: "b[0] and b[1] exchanged",
+                     4: "D's rows g and g + 8 exchanged"}
+
+
+def mma_probe_case(seed: int):
+    """Inputs of mma_bf16_probe_kernel (BF16 as uint16 bits: a [16, 16], bt = B^T [8, 16],
+    b [16, 8], c [16, 8] FP32) and D = A B + C in float64."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((16, 8)).astype(ml_dtypes.bfloat16)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64) + c
+    bits = lambda x: np.ascontiguousarray(x).view(np.uint16)
+    return (bits(a), bits(b.T), bits(b), c), want
+
+
+def check_mma_probe(run) -> None:
+    """``run(layout, args) -> d [2, 16, 8]`` (host): D within FP32 rounding of a 16-term sum
+    (the products of two BF16 are exact; FP32's tolerance) through both B loaders; every
+    wrong layout off by O(1) somewhere."""
+    for seed in (0, 1, 2):
+        args, want = mma_probe_case(seed)
+        d = run(0, args)
+        for v, how in enumerate(("B^T rows (mma_load_b_nk)", "B rows (mma_load_b_kn)")):
+            assert_close(d[v], want, "float32", f"mma D = A B + C, {how}, seed {seed}")
+        for layout, what in MMA_WRONG_LAYOUTS.items():
+            bad = run(layout, args)
+            assert np.abs(bad[0] - want).max() > 0.1, f"probe layout {layout} ({what}) not caught"
+
+
+def test_mma_fragment_layout_on_the_device():
+    import cupy as cp
+
+    from mtpkern.backends.cuda_launch import loader
+
+    probe = loader.get_kernel("mma", "mma_bf16_probe_kernel")
+
+    def run(layout, args):
+        d = cp.full((2, 16, 8), cp.nan, cp.float32)
+        probe((1,), (32,), (*(cp.asarray(x) for x in args), d, np.int32(layout)))
+        return d.get()
+
+    check_mma_probe(run)
 
 
 def test_torch_device_tensors(tiny_cfg):

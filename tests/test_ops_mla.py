@@ -9,7 +9,9 @@ several sequences (a decode row, a causal prefill chunk, a window), tables permu
 Every backend test also runs on the CUDA backend's kernels (kernels/mla.cu) through the
 emulator of tests/cuda_emu (``cuda_emu_bf16`` / ``cuda_emu_f32``: BF16 and FP32 latent
 caches), skipped where the emulator cannot be built; its split-KV, DeepSeek-V3-sized and
-workspace cases are in tests/test_cuda_emulated.py.
+workspace cases are in tests/test_cuda_emulated.py. With 16-head tiles over a BF16 cache the
+CUDA launcher takes the tensor-core attention (``mla_attention_tc_kernel``), held to the BF16
+tolerance (:func:`attention_tol`); test_attention_tensor_cores sweeps Hq 16..128 there.
 """
 
 from __future__ import annotations
@@ -58,6 +60,24 @@ def backend(request):
 def kv_tol(be) -> str:
     """The tolerance of values that went through the backend's latent cache."""
     return "bfloat16" if np.dtype(be.kv_dtype) == np.uint16 else "float32"
+
+
+def attention_tol(be, Hq: int, L: int, R: int, max_len: int) -> str:
+    """The tolerance of ``be``'s mla_attention_absorbed against the reference run on the values
+    its cache holds: FP32 accumulation's ("float32"), except where the CUDA launcher takes the
+    tensor-core kernel (mla.attention_variant: 16-head tiles over a BF16 cache). That kernel
+    rounds the scaled query and the softmax probabilities P to BF16 before their products (as
+    FlashMLA does; the reference rounds nothing): 2^-9 relative per value, so a score moves by
+    ~2^-9 of its terms' magnitude and an output by ~1e-3 relative. Measured on these tests'
+    data: at most 6.4e-3 absolute here (2.3e-3 of the largest |output|), 1.1e-2 at DeepSeek-V3's
+    W = 576 in test_cuda_emulated (6.4e-3 of the largest; a third of the BF16 tolerance at the
+    worst element). That is BF16 storage's error, so the BF16 row of the table (2e-2 + 2e-2 |r|);
+    a layout or rescale slip is off by O(1)."""
+    if isinstance(be, CudaBackend) and np.dtype(be.kv_dtype) == np.uint16:
+        from mtpkern.backends.cuda_launch import mla as mla_launch
+        if mla_launch.plan(Hq, L, R, max_len).variant == "tc":
+            return "bfloat16"
+    return "float32"
 
 
 def filled(be, cache) -> object:
@@ -226,7 +246,8 @@ def test_window_changes_the_result_and_one_row_is_its_value():
 @pytest.mark.parametrize("Hq,P,R,L,Dv,BS", SHAPES)
 def test_attention_equals_reference(backend, name, Hq, P, R, L, Dv, BS, window, wdtype):
     """The reference runs on the values the backend's cache holds (BF16-rounded for a BF16
-    cache), so every backend is held to FP32 accumulation's tolerance."""
+    cache), so every backend is held to FP32 accumulation's tolerance, except the CUDA
+    tensor-core kernel (Hq 16 over a BF16 cache) to BF16's (attention_tol)."""
     be = backend(name)
     cache, tables, row_seq, row_len, row_start, q_nope, q_pe, kv_b = case("cpu", Hq, P, R, L, Dv, BS, window)
     if wdtype == "bfloat16":
@@ -239,7 +260,45 @@ def test_attention_equals_reference(backend, name, Hq, P, R, L, Dv, BS, window, 
                                     row_start=row_start)
     want = REF.mla_attention_absorbed(cat(q_nope, q_pe), REF.prepare_weight(w_uk), REF.prepare_weight(w_uv),
                                       be.kv_to_host(lc), tables, row_seq, row_len, scale, row_start=row_start)
-    assert_close(be.to_host(got), want, what=f"{name} vs reference ({wdtype} weights)")
+    tol = attention_tol(be, Hq, L, R, tables.shape[1] * BS)
+    assert_close(be.to_host(got), want, tol, f"{name} vs reference ({wdtype} weights, {tol} tolerance)")
+
+
+#: (Hq, P, R, L, Dv, BS): head counts whose tiles are 16 (Hq 31: 16 + 15), odd L and W
+TC_SHAPES = [
+    (16, 16, 8, 40, 24, 5),       # W = 48: one k-step past 32
+    (32, 24, 16, 100, 20, 16),    # two head tiles, W = 116: scalar staging, k padded to 128
+    (31, 16, 8, 72, 16, 3),       # a last tile of 15 heads (zero query rows in the mma)
+    (128, 32, 64, 127, 24, 7),    # DeepSeek-V3's head count, W = 191
+    (16, 32, 32, 300, 24, 16),    # L > 256: LPT 2 (8 n-tiles per warp)
+]
+
+
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("Hq,P,R,L,Dv,BS", TC_SHAPES)
+def test_attention_tensor_cores(backend, emulator, Hq, P, R, L, Dv, BS, window):
+    """The launcher takes mla_attention_tc_kernel for 16-head tiles over a BF16 cache (and the
+    scalar kernel over an FP32 one, or for tiles under 16), and it matches the reference on the
+    cache's values within BF16's tolerance (attention_tol: BF16-rounded q and P)."""
+    from mtpkern.backends.cuda_launch import mla as mla_launch
+    be = backend("cuda_emu_bf16")
+    cache, tables, row_seq, row_len, row_start, q_nope, q_pe, kv_b = case("tc", Hq, P, R, L, Dv, BS, window)
+    max_len = tables.shape[1] * BS
+    plan = mla_launch.plan(Hq, L, R, max_len, row_seq.size, kv_itemsize=2)
+    assert plan.variant == "tc" and plan.heads == 16, plan
+    assert mla_launch.plan(Hq, L, R, max_len, row_seq.size, kv_itemsize=4).variant == "scalar"
+    assert attention_tol(be, Hq, L, R, max_len) == "bfloat16"
+    w_uk, w_uv = mla.split_kv_b_proj(kv_b.astype(ml_dtypes.bfloat16), Hq, P, Dv)
+    scale = (P + R) ** -0.5
+    lc = filled(be, cache)
+    before = emulator.launches.copy()
+    got = be.mla_attention_absorbed(cat(q_nope, q_pe), be.prepare_weight(w_uk), be.prepare_weight(w_uv), lc,
+                                    tables, row_seq, row_len, scale, row_start=row_start)
+    attn = {k: c for k, c in (emulator.launches - before).items() if k.startswith("mla_attention")}
+    assert attn == {f"mla_attention_tc_kernel<{plan.lpt}>": 1}, attn
+    want = REF.mla_attention_absorbed(cat(q_nope, q_pe), REF.prepare_weight(w_uk), REF.prepare_weight(w_uv),
+                                      be.kv_to_host(lc), tables, row_seq, row_len, scale, row_start=row_start)
+    assert_close(got, want, "bfloat16", f"tensor-core attention, Hq {Hq}")
 
 
 @pytest.mark.parametrize("name", BACKENDS)

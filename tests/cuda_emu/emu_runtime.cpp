@@ -81,6 +81,8 @@ struct Fiber {
   State state = kReady;
   int kind = 0;           // collective
   uint32_t value = 0, arg = 0, result = 0;
+  const uint32_t* gather_src = nullptr;  // warp_gather: this lane's words, and where all lanes' go
+  uint32_t* gather_dst = nullptr;
   int bar_result = 0;
 };
 
@@ -196,15 +198,29 @@ const char* state_name(State s) {
   return "?";
 }
 
+const char* collective_name(int kind) {
+  switch (kind) {
+    case kShflXor: return "__shfl_xor_sync";
+    case kBallot: return "__ballot_sync";
+    case kGather: return "warp_gather (mma)";
+  }
+  return "?";
+}
+
 void complete_collective(unsigned warp) {
   Fiber* lanes = &g_fibers[32 * warp];
   const int kind = lanes[0].kind;
   for (int l = 1; l < 32; ++l)
     if (lanes[l].kind != kind)
       fail("warp %u: lanes 0 and %d are in different warp collectives (%s / %s)", warp, l,
-           kind == kShflXor ? "__shfl_xor_sync" : "__ballot_sync",
-           lanes[l].kind == kShflXor ? "__shfl_xor_sync" : "__ballot_sync");
-  if (kind == kShflXor) {
+           collective_name(kind), collective_name(lanes[l].kind));
+  if (kind == kGather) {
+    const uint32_t n = lanes[0].value;
+    for (int l = 1; l < 32; ++l)
+      if (lanes[l].value != n) fail("warp_gather: lane 0 gives %u words, lane %d %u", n, l, lanes[l].value);
+    for (int l = 0; l < 32; ++l)
+      for (int s = 0; s < 32; ++s) std::memcpy(lanes[l].gather_dst + s * n, lanes[s].gather_src, n * 4);
+  } else if (kind == kShflXor) {
     for (int l = 0; l < 32; ++l) {
       const unsigned src = l ^ lanes[l].arg;
       if (src >= 32) fail("__shfl_xor_sync lane mask %u (lane %d)", lanes[l].arg, l);
@@ -354,6 +370,15 @@ uint32_t warp_collective(int kind, uint32_t value, uint32_t arg) {
   }
   yield_thread();
   return me->result;
+}
+
+void warp_gather(const uint32_t* mine, int n, uint32_t* all) {
+  Fiber* me = g_cur;
+  if (!me) fail("warp collective outside a thread");
+  if (n <= 0) fail("warp_gather of %d words", n);
+  me->gather_src = mine;
+  me->gather_dst = all;
+  warp_collective(kGather, static_cast<uint32_t>(n), 0);
 }
 
 int block_barrier(int predicate) {

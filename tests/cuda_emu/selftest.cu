@@ -3,6 +3,7 @@
 // the emulator claims (include/emu_cuda.h) fires on a kernel that breaks it. Compiled into
 // the emulator library only (never for a GPU); entries emu_selftest_<name>.
 #include "common.cuh"
+#include "mma.cuh"
 
 using mtp::kFullMask;
 
@@ -37,6 +38,15 @@ __global__ void racy_store_kernel(int* out) { out[0] = threadIdx.x; }
 __global__ void partial_warp_shuffle_kernel(float* out) {
   if (threadIdx.x % 32 >= 16) return;
   out[threadIdx.x] = mtp::warp_sum(1.0f);
+}
+
+// Lanes 0..15 issue a tensor-core mma (mma.sync.aligned: the whole warp), lanes 16..31 have exited.
+__global__ void partial_warp_mma_kernel(float* out) {
+  if (threadIdx.x % 32 >= 16) return;
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const unsigned a[4] = {0u, 0u, 0u, 0u}, b[2] = {0u, 0u};
+  mtp::mma_m16n8k16_bf16(c, a, b);
+  out[threadIdx.x] = c[0];
 }
 
 // Odd lanes wait at __syncthreads, even lanes at a shuffle.
@@ -93,6 +103,7 @@ EMU_SELFTEST(shared_unwritten)
 EMU_SELFTEST(racy_store)
 EMU_SELFTEST(partial_warp_shuffle)
 EMU_SELFTEST(barrier_vs_shuffle)
+EMU_SELFTEST(partial_warp_mma)
 EMU_SELFTEST(mixed_collectives)
 EMU_SELFTEST(vector_load)
 EMU_SELFTEST(local_index)

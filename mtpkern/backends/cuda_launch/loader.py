@@ -29,7 +29,8 @@ _WEIGHT_CTYPES = _CTYPES + ("__nv_fp8_e4m3",)
 
 #: Head-dim elements per lane in the PV pass of paged_attention (D <= 32 * DC).
 ATTENTION_DC = (2, 4, 8)
-#: Latent dims per thread in the PV pass of mla_attention_kernel (L <= 256 * LPT).
+#: Latent dims per thread in the PV pass of mla_attention_kernel (L <= 256 * LPT); the same for
+#: mla_attention_tc_kernel (a warp's 4 LPT n-tiles of 8 dims: 16 LPT accumulators per thread).
 MLA_LPT = (1, 2)
 
 #: family -> the instantiations to compile (``nvrtcAddNameExpression``); a
@@ -44,12 +45,15 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "mla": tuple(f"mla_latent_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true"))
     + tuple(f"mla_q_absorb_kernel<{t}>" for t in _CTYPES)
     + tuple(f"mla_attention_kernel<{t}, {lpt}>" for t in _CTYPES for lpt in MLA_LPT)
+    + tuple(f"mla_attention_tc_kernel<{lpt}>" for lpt in MLA_LPT)
     + tuple(f"mla_out_kernel<{t}>" for t in _CTYPES),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
     + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}>" for t in _WEIGHT_CTYPES) + ("argmax_final_kernel",),
     "step": ("copy_segments_kernel",),
+    # a probe of mma.cuh's fragment layout, for the tests only (kernels/mma.cu)
+    "mma": ("mma_bf16_probe_kernel",),
 }
 
 FAMILIES: tuple[str, ...] = tuple(NAME_EXPRESSIONS)

@@ -13,7 +13,8 @@ out, q_full, o_lat, part_o, part_ml) -> out [n, Hq * Dv]`` FP32: three or four l
 on one stream, through the workspaces
 
 - ``q_full [n, Hq, L + R]`` FP32: ``mla_q_absorb_kernel`` (``w_uk[h]^T q_nope | q_pe``);
-- ``o_lat [n, Hq, L]`` FP32: ``mla_attention_kernel`` (one partition), or
+- ``o_lat [n, Hq, L]`` FP32: ``mla_attention_kernel`` or ``mla_attention_tc_kernel``
+  (:func:`attention_variant`; one partition), or
   ``paged_attention_merge_kernel`` (attention.cu, with ``Dv = L``) over
 - ``part_o [n, Hq, num_parts, L]`` / ``part_ml [n, Hq, num_parts, 2]`` FP32 when the
   plan splits the context (``num_parts > 1``; ignored otherwise);
@@ -38,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import combinations
 from math import prod
+from typing import Literal
 
 import ml_dtypes
 import numpy as np
@@ -72,6 +74,10 @@ SMEM_LIMIT = 48 * 1024
 MAX_P = 1024
 
 
+#: the two attention kernels: FP32 FMAs (mla_attention_kernel) or BF16 tensor cores (mla_attention_tc_kernel)
+Variant = Literal["scalar", "tc"]
+
+
 @dataclass(frozen=True, slots=True)
 class MlaPlan:
     heads: int        # query heads per block (a tile of the Hq heads)
@@ -80,11 +86,26 @@ class MlaPlan:
     part_size: int    # latent rows per block
     num_parts: int    # partitions of the longest possible row
     smem_bytes: int   # dynamic shared memory of an attention block
+    variant: Variant  # which attention kernel (attention_variant)
 
 
-def smem_bytes(heads: int, W: int, tile: int, kv_itemsize: int) -> int:
-    """mla_attention_kernel's layout: q_s [heads][Wq], p_s [tile][20], ml_s [3][16], slot_s [tile],
-    c_s [tile][Wq + 8] in the cache's element type (``W = L + R``, ``Wq`` = W rounded up to 8)."""
+def attention_variant(heads: int, kv_itemsize: int) -> Variant:
+    """``"tc"`` (mla_attention_tc_kernel: scores and P C on BF16 tensor cores, mma.sync m16n8k16,
+    sm_80+) when a block's head tile is 16 heads (the mma's M; a last tile of fewer, as Hq 31's
+    16 + 15, runs with zero query rows) over a BF16 cache; else ``"scalar"`` (FP32 FMAs): head
+    tiles under 16 (Hq < 16, or Hq = 20's tiles of 10) would leave most of the mma's rows empty,
+    and an FP32 cache keeps FP32 products (rounding it to BF16 would lose what it is kept for)."""
+    return "tc" if heads == HEADS and kv_itemsize == 2 else "scalar"
+
+
+def smem_bytes(heads: int, W: int, tile: int, kv_itemsize: int, variant: Variant = "scalar") -> int:
+    """Dynamic shared memory of an attention block (``W = L + R``). mla_attention_kernel:
+    q_s [heads][Wq] FP32, p_s [tile][20], ml_s [3][16], slot_s [tile], c_s [tile][Wq + 8] in the
+    cache's element type (``Wq`` = W rounded up to 8). mla_attention_tc_kernel: q_s [16][Ws] BF16,
+    the same p_s, ml_s, slot_s, c_s [tile][Ws] BF16 (``Ws`` = W rounded up to 16, + 8)."""
+    if variant == "tc":
+        Ws = cdiv(W, 16) * 16 + 8
+        return 2 * HEADS * Ws + 4 * (tile * P_STRIDE + 3 * HEADS + tile) + tile * Ws * 2
     Wq = cdiv(W, 8) * 8
     return 4 * (heads * Wq + tile * P_STRIDE + 3 * HEADS + tile) + tile * (Wq + 8) * kv_itemsize
 
@@ -99,17 +120,19 @@ def plan(Hq: int, L: int, R: int, max_len: int, n: int = 1, target_blocks: int =
     into partitions of at least ``MIN_PART`` rows: one decode row of DeepSeek-V3 (8 head
     tiles) at 4096 rows gets 32 partitions of 128 (256 blocks); a prefill chunk of 33+ rows
     gets none (no partials). The tile is 64 rows, halved (to 16) while shared memory is over
-    ``max(48 KiB, smem_max)``; past that, ValueError."""
+    ``max(48 KiB, smem_max)``; past that, ValueError. The kernel is :func:`attention_variant`'s
+    (it changes the shared memory, not the partitions' meaning: the workspaces are the same)."""
     if not 1 <= L <= 256 * MLA_LPT[-1]:
         raise ValueError(f"w_uk: expected L (kv_lora_rank) in 1..{256 * MLA_LPT[-1]} on cuda, got {L}")
     tiles = cdiv(Hq, HEADS)
     heads = cdiv(Hq, tiles)
     lpt = next(c for c in MLA_LPT if L <= 256 * c)
+    variant = attention_variant(heads, kv_itemsize)
     limit = max(SMEM_LIMIT, smem_max)
-    tile = TILE
-    while tile > 16 and smem_bytes(heads, L + R, tile, kv_itemsize) > limit:
+    tile = TILE                     # 64, 32, 16: multiples of the tc kernel's k-step of 16 rows
+    while tile > 16 and smem_bytes(heads, L + R, tile, kv_itemsize, variant) > limit:
         tile //= 2
-    smem = smem_bytes(heads, L + R, tile, kv_itemsize)
+    smem = smem_bytes(heads, L + R, tile, kv_itemsize, variant)
     if smem > limit:
         raise ValueError(f"mla_attention_absorbed: {heads} heads x latent rows of {L + R} need {smem} B of "
                          f"shared memory, over this device's {limit}")
@@ -117,7 +140,7 @@ def plan(Hq: int, L: int, R: int, max_len: int, n: int = 1, target_blocks: int =
     work = max(1, n) * tiles
     parts = 1 if work >= target_blocks else max(1, min(cdiv(target_blocks, work), cdiv(max_len, MIN_PART)))
     part_size = cdiv(cdiv(max_len, parts), tile) * tile
-    return MlaPlan(heads, lpt, tile, part_size, cdiv(max_len, part_size), smem)
+    return MlaPlan(heads, lpt, tile, part_size, cdiv(max_len, part_size), smem, variant)
 
 
 def workspace_shapes(n: int, Hq: int, L: int, R: int, num_parts: int) -> dict[str, tuple[int, ...]]:
@@ -241,7 +264,8 @@ def mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, r
     absorb = get_kernel("mla", f"mla_q_absorb_kernel<{wt}>")
     absorb((cdiv(L, ABSORB_SPAN), Hq, cdiv(n, ROWS)), (ABSORB_THREADS,),
            (q, w_uk, ws["q_full"], i32(n), i32(Hq), i32(P), i32(R), i32(L)), shared_mem=ROWS * P * 4)
-    attn = get_kernel("mla", f"mla_attention_kernel<{ctype(cache)}, {p.lpt}>")
+    attn = get_kernel("mla", f"mla_attention_tc_kernel<{p.lpt}>" if p.variant == "tc"
+                      else f"mla_attention_kernel<{ctype(cache)}, {p.lpt}>")
     opt_in_smem(attn, p.smem_bytes)
     direct = p.num_parts == 1
     attn((cdiv(Hq, p.heads), n, p.num_parts), (ATTN_THREADS,),

@@ -13,6 +13,11 @@
 // - __shfl_xor_sync / __ballot_sync: all 32 lanes of the warp must reach a
 //   collective of the same kind with the full mask; an exited lane, or one waiting
 //   at __syncthreads instead, is an error (real hardware would hang or read junk).
+// - tensor cores: no PTX runs here. kernels/mma.cuh's mma_m16n8k16_bf16 has an emulated
+//   body (under MTPKERN_CUDA_EMU, defined below) that gathers the 32 lanes' fragments
+//   with emu::warp_gather, a warp collective of its own (the same all-lanes rule as a
+//   shuffle: mma.sync.aligned needs every lane of the warp), and computes the product
+//   from the PTX ISA's fragment layout.
 // - shared memory: `__shared__` variables and the dynamic `extern __shared__`
 //   array read as 0xff bytes (NaN / -1) until written in each block; static plus
 //   dynamic shared memory is limited to 48 KiB (no opt-in attribute emulated).
@@ -32,7 +37,7 @@
 //   threads that the hardware would expose may go unnoticed unless the thread
 //   order changes the result (run with reversed / shuffled order to shake them);
 //   blocks never run concurrently; no atomics, __threadfence, async copies (cp.async,
-//   TMA), cooperative groups, tensor cores, streams or events;
+//   TMA), cooperative groups, inline PTX (the one mma is emulated: above), streams or events;
 // - independent thread scheduling inside a warp (lanes run one after another
 //   between collectives);
 // - floating point details of the device: CuPy compiles with -ftz=true (denormals
@@ -48,6 +53,9 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+
+// The kernels' headers test this to swap a body of inline PTX for its emulation (mma.cuh).
+#define MTPKERN_CUDA_EMU 1
 
 #define __global__
 #define __device__
@@ -74,12 +82,16 @@ struct __nv_bfloat16 { uint16_t bits; };
 struct __nv_fp8_e4m3;  // cuda_fp8.h
 
 namespace emu {
-enum Collective { kShflXor = 1, kBallot = 2 };
+enum Collective { kShflXor = 1, kBallot = 2, kGather = 3 };
 extern uint3 g_block_idx;
 extern dim3 g_block_dim, g_grid_dim;
 [[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 const uint3& thread_idx();
 uint32_t warp_collective(int kind, uint32_t value, uint32_t arg);
+// All-gather across the warp: every lane gives n words (`mine`) and receives the n words of
+// every lane, lane-major (`all[32 * n]`: lane l's words at all + l * n). Every lane must
+// pass the same n.
+void warp_gather(const uint32_t* mine, int n, uint32_t* all);
 int block_barrier(int predicate);
 void* dynamic_shared();
 void shared_declared(void* p, size_t bytes, const char* name);
@@ -121,6 +133,7 @@ inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
 
 inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float(static_cast<unsigned>(b.bits) << 16); }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.bits; }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   unsigned u = __float_as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{static_cast<uint16_t>((u >> 16) | 0x40)};  // quiet NaN
