@@ -687,3 +687,22 @@ def test_launch_abi(recorder, wdtype):
     assert f"paged_attention_kernel<{kv}, 2>" in launched and f"paged_attention_kernel<{kv}, 4>" in launched
     assert {f"moe_expert_kernel<{ct}, true>", f"moe_expert_kernel<{ct}, false>", f"linear_kernel<{ct}>",
             f"swiglu_gate_up_kernel<{ct}>", f"lm_head_argmax_partial_kernel<{ct}>"} <= launched
+
+
+def test_a_device_older_than_sm_80_is_refused(monkeypatch):
+    """The kernels use BF16 arithmetic and sm_80's tensor cores (the MLA attention): a
+    Turing device is refused at construction, naming its compute capability."""
+    import types
+
+    import mtpkern.backends.cuda as cuda_mod
+
+    def fake(cc):
+        dev = types.SimpleNamespace(id=0, compute_capability=cc)
+        return types.SimpleNamespace(cuda=types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: 1), Device=lambda: dev))
+
+    monkeypatch.setattr(cuda_mod, "_cupy", lambda: fake("75"))
+    with pytest.raises(RuntimeError, match=r"compute capability 7\.5; the kernels need 8\.0 or newer"):
+        cuda_mod.CudaBackend()
+    monkeypatch.setattr(cuda_mod, "_cupy", lambda: fake("90"))
+    assert cuda_mod.CudaBackend().device_id == 0

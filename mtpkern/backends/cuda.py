@@ -53,6 +53,10 @@ def _bf16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+#: the oldest device the kernels run on (compiled and recorded for sm_80 and sm_90)
+MIN_COMPUTE_CAPABILITY = 80
+
+
 class CudaBackend(Backend):
     name = "cuda"
     kv_dtype: Any = np.uint16  # BF16 bits
@@ -67,8 +71,14 @@ class CudaBackend(Backend):
             raise RuntimeError(f"CudaBackend: no usable CUDA device ({e})") from e
         if count < 1:
             raise RuntimeError("CudaBackend: no CUDA device")
+        dev = cp.cuda.Device()
+        cc = int(dev.compute_capability)
+        if cc < MIN_COMPUTE_CAPABILITY:
+            raise RuntimeError(f"CudaBackend: device {dev.id} has compute capability {cc // 10}.{cc % 10}; the "
+                               f"kernels need {MIN_COMPUTE_CAPABILITY // 10}.0 or newer (BF16 arithmetic and the "
+                               f"BF16 tensor cores of sm_80 / sm_90)")
         self.kv_dtype = np.uint16 if kv_dtype == "bfloat16" else np.float32
-        self.device_id = cp.cuda.Device().id
+        self.device_id = dev.id
 
     @property
     def xp(self):
