@@ -467,8 +467,9 @@ class CpuBackend(Backend):
         expect_shape("w", w, (None, x.shape[1]))
         return self.linear(x, w, out=out)
 
-    def lm_head_argmax(self, x, w, bitmask=None, *, out=None):
-        """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head)."""
+    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None):
+        """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head); ``conf``: an FP32 [n]
+        buffer for the drafts' confidences (ops.lm_head)."""
         expect_ndim("x", x, 2)
         expect_shape("w", w, (None, x.shape[1]))
         n, V = x.shape[0], w.shape[0]
@@ -479,12 +480,13 @@ class CpuBackend(Backend):
             bitmask = np.ascontiguousarray(bitmask)
         chunks = max(1, min(_ARGMAX_CHUNKS, V))
         ids = _out("out", out, (n,), np.int32)
+        cf = np.empty(0, np.float32) if conf is None else _out("conf", conf, (n,), np.float32)
         w = _any_weight("w", w)
         self._use_threads()
         if isinstance(w, CpuFp8):
-            none = lm_head_k.lm_head_argmax_fp8_kernel(_act(x), w.kernel_args(), bitmask, ids)
+            none = lm_head_k.lm_head_argmax_fp8_kernel(_act(x), w.kernel_args(), bitmask, ids, cf)
         else:
-            none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids)
+            none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids, cf)
         if none >= 0:                                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         return ids

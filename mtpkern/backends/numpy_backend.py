@@ -81,4 +81,12 @@ class NumpyBackend(Backend):
     moe_experts = with_out(moe.moe_experts)
     swiglu_mlp = with_out(mlp.swiglu_mlp)
     lm_head_logits = with_out(lm_head.lm_head_logits)
-    lm_head_argmax = with_out(lm_head.lm_head_argmax)
+    _lm_head_argmax = with_out(lm_head.lm_head_argmax)
+    _lm_head_argmax_conf = with_out(lm_head.lm_head_argmax_conf, "out", "conf")
+
+    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None):
+        """-> ids [n] int32; with ``conf`` (an FP32 [n] buffer) each draft's confidence
+        written into it (mtpkern.ops.lm_head)."""
+        if conf is None:
+            return self._lm_head_argmax(x, w, bitmask, out=out)
+        return self._lm_head_argmax_conf(x, w, bitmask, out=out, conf=conf)[0]

@@ -15,6 +15,14 @@ token has a non-NaN logit raises ``NoAllowedToken`` naming the row.
 
 ``lm_head_argmax(x, w, bitmask) = masked_argmax(lm_head_logits(x, w), bitmask)``;
 the fast backends fuse it so the logits are never written out in full.
+
+**Confidence** (every backend's ``lm_head_argmax(..., conf=buf)``, ``buf`` an FP32 ``[n]``
+output): ``conf[r]`` is the probability the drafter gives its draft, the softmax of row
+``r``'s allowed, non-NaN logits at ``ids[r]``:
+``1 / sum_{j allowed, l_j not NaN} exp(l_j - l_{ids[r]})``, in ``(0, 1]`` (1 when one token is
+allowed). The fast backends compute it by an online log-sum-exp in the argmax's own
+reduction (one ``exp`` per logit), never from stored logits. A row whose best logit is
+``-inf`` has no defined confidence (finite weights and hiddens never give one).
 """
 
 from __future__ import annotations
@@ -87,3 +95,22 @@ def masked_argmax(logits, bitmask=None) -> np.ndarray:
 
 def lm_head_argmax(x, w, bitmask=None) -> np.ndarray:
     return masked_argmax(lm_head_logits(x, w), bitmask)
+
+
+def masked_confidence(logits, ids, bitmask=None) -> np.ndarray:
+    """[n] FP32: the softmax of each row's allowed, non-NaN logits at ``ids`` (float64 sums)."""
+    n, V = logits.shape
+    lg = np.asarray(logits, np.float64)
+    ok = ~np.isnan(lg)
+    if bitmask is not None:
+        ok &= bitmask_allowed(bitmask, V)
+    top = lg[np.arange(n), ids][:, None]                                 # the drafts' logits
+    e = np.where(ok, np.exp(np.where(ok, lg, 0.0) - top), 0.0)
+    return (1.0 / e.sum(axis=1)).astype(np.float32)
+
+
+def lm_head_argmax_conf(x, w, bitmask=None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, conf): ``lm_head_argmax`` and each draft's confidence (module docstring)."""
+    logits = lm_head_logits(x, w)
+    ids = masked_argmax(logits, bitmask)
+    return ids, masked_confidence(logits, ids, bitmask)

@@ -11,7 +11,9 @@ rows some input row allows is read whole; in a group where some row is allowed
 by no input row, only the allowed rows are read, one at a time (a tight mask
 saves their memory reads). A serial pass then reduces the chunks in order with
 a strict ``>``, so the lowest id wins a tie; a row left with id -1 had no
-allowed non-NaN token. The [n, V] logits are never written out.
+allowed non-NaN token. The [n, V] logits are never written out. Asked for the drafts'
+confidences, each chunk also keeps per input row the sum of exp(logit - its best),
+rescaled when the best rises (an online log-sum-exp), and the reduction combines them.
 
 ``lm_head_argmax_fp8_kernel`` takes an FP8 head: its chunks are the weight's row chunks
 (``linear.fp8_chunk``: one scaled copy of x per chunk), each read whole unless no input
@@ -43,22 +45,35 @@ def _any_allowed(bitmask, n, j):
 
 
 @njit(cache=True, fastmath=False)
-def _offer(best_val, best_id, c, i, v, j):
-    """Keep (v, j) if it beats chunk c's best for row i: non-NaN, and larger or as large with a lower id."""
+def _offer(best_val, best_id, sums, c, i, v, j):
+    """Keep (v, j) if it beats chunk c's best for row i: non-NaN, and larger or as large with a
+    lower id. With ``sums`` (not empty): the chunk's running sum of exp(logit - its best),
+    rescaled when the best rises (an online log-sum-exp; NaN logits not counted)."""
+    if v != v:
+        return
     b = best_id[c, i]
-    if v == v and (b < 0 or v > best_val[c, i] or (v == best_val[c, i] and j < b)):
+    if sums.shape[0] > 0:
+        if b < 0:
+            sums[c, i] = 1.0
+        elif v > best_val[c, i]:
+            sums[c, i] = sums[c, i] * np.exp(best_val[c, i] - v) + np.float32(1.0)
+        else:
+            sums[c, i] += np.exp(v - best_val[c, i])
+    if b < 0 or v > best_val[c, i] or (v == best_val[c, i] and j < b):
         best_val[c, i] = v
         best_id[c, i] = j
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids):
+def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf):
     """x [n, H], w [V, H], bitmask [n, ceil(V/32)] int32 or empty; out ids [n] int32
-    (-1: nothing allowed). Returns the first row left with -1, or -1."""
+    (-1: nothing allowed) and, when conf [n] FP32 is not empty, the drafts' confidences.
+    Returns the first row left with -1, or -1."""
     n = x.shape[0]
     V = w.shape[0]
     best_val = np.empty((nchunks, n), np.float32)               # per chunk and row
     best_id = np.empty((nchunks, n), np.int64)
+    sums = np.zeros((nchunks if conf.shape[0] else 0, n), np.float32)
     masked = bitmask.shape[0] > 0
     per = (V + nchunks - 1) // nchunks
     zero, no = np.int64(0), np.bool_(False)                      # typed, not literal: see gemv_task
@@ -87,12 +102,12 @@ def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids):
                             y[i, s] = _dot_1x1(w, rows[s], zero, x, np.int64(i))
             for s in range(count):
                 if ok[s]:
-                    _offer_rows(best_val, best_id, c, bitmask, y, s, rows[s])
-    return _reduce(best_val, best_id, ids)
+                    _offer_rows(best_val, best_id, sums, c, bitmask, y, s, rows[s])
+    return _reduce(best_val, best_id, sums, ids, conf)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids):
+def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids, conf):
     """``lm_head_argmax_kernel`` for an FP8 head (w8: the tuple of ``linear.fp8_chunk``):
     one chunk per row chunk of the weight."""
     n = x.shape[0]
@@ -101,6 +116,7 @@ def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids):
     nchunks = chunks(w8)
     best_val = np.empty((nchunks, n), np.float32)
     best_id = np.empty((nchunks, n), np.int64)
+    sums = np.zeros((nchunks if conf.shape[0] else 0, n), np.float32)
     zero, no = np.int64(0), np.bool_(False)
     for c in prange(nchunks):
         _clear(best_val, best_id, c)
@@ -112,8 +128,8 @@ def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids):
             for i in range(n):                                   # row by row: 763 against 787 us
                 for j in range(lo, hi):                          # column by column (n = 8, V = 4096)
                     if _allowed(bitmask, i, j):
-                        _offer(best_val, best_id, c, i, y[i, j - lo], j)
-    return _reduce(best_val, best_id, ids)
+                        _offer(best_val, best_id, sums, c, i, y[i, j - lo], j)
+    return _reduce(best_val, best_id, sums, ids, conf)
 
 
 @njit(cache=True, fastmath=False)
@@ -135,17 +151,18 @@ def _clear(best_val, best_id, c):
 
 
 @njit(cache=True, fastmath=False)
-def _offer_rows(best_val, best_id, c, bitmask, y, s, j):
+def _offer_rows(best_val, best_id, sums, c, bitmask, y, s, j):
     """Offer token j's logits y[:, s] to chunk c's bests of the input rows that allow it."""
     for i in range(y.shape[0]):
         if _allowed(bitmask, i, j):
-            _offer(best_val, best_id, c, i, y[i, s], j)
+            _offer(best_val, best_id, sums, c, i, y[i, s], j)
 
 
 @njit(cache=True, fastmath=False)
-def _reduce(best_val, best_id, ids):
+def _reduce(best_val, best_id, sums, ids, conf):
     """ids[i] = the best of the chunks' bests (in chunk order, strict >: the lowest id wins a
-    tie). Returns the first row left with -1, or -1."""
+    tie); with ``sums``, conf[i] = 1 / sum_c sums[c, i] exp(best_c - best) (NaN without a
+    candidate). Returns the first row left with -1, or -1."""
     nchunks, n = best_id.shape
     first_none = -1
     for i in range(n):
@@ -156,6 +173,12 @@ def _reduce(best_val, best_id, ids):
                 bi = best_id[c, i]
                 bv = best_val[c, i]
         ids[i] = bi
+        if sums.shape[0] > 0:
+            tot = np.float32(0.0)
+            for c in range(nchunks):
+                if best_id[c, i] >= 0:
+                    tot += sums[c, i] * np.exp(best_val[c, i] - bv)
+            conf[i] = np.float32(1.0) / tot if bi >= 0 else np.float32(np.nan)
         if bi < 0 and first_none < 0:
             first_none = i
     return first_none

@@ -1,0 +1,108 @@
+"""Draft confidences (the original interface's ``out_conf``): the probability the drafter
+gives each draft, the softmax of the grammar-masked logits at the draft, computed in the
+LM head's argmax epilogue (``lm_head_argmax(..., conf=buf)``, mtpkern.ops.lm_head) and
+returned by ``propose`` / ``propose_batch(..., out_conf=[])``.
+
+Op level: every backend against a float64 softmax of the reference's exact logits, over
+odd vocabularies, masks (one allowed token: 1), NaN logits, ties, BF16 / FP32 / FP8 heads;
+``conf`` absent changes nothing."""
+
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mtpkern.backends import get_backend
+from mtpkern.ops import lm_head as ref_lm
+from mtpkern.quant import Fp8Weight
+from mtpkern.tolerance import assert_close
+
+BF16 = ml_dtypes.bfloat16
+
+
+def rng_for(*key):
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def conf64(x, w, bitmask=None):
+    """(ids, conf) in float64 from the reference's exact logits."""
+    logits = ref_lm.lm_head_logits(x, w).astype(np.float64)
+    ids = ref_lm.masked_argmax(logits.astype(np.float32), bitmask)
+    ok = ~np.isnan(logits)
+    if bitmask is not None:
+        ok &= ref_lm.bitmask_allowed(bitmask, logits.shape[1])
+    out = np.empty(len(ids))
+    for r, i in enumerate(ids):
+        out[r] = 1.0 / np.exp(logits[r, ok[r]] - logits[r, i]).sum()
+    return ids, out
+
+
+def mask_of(rng, n, V, kind):
+    if kind is None:
+        return None
+    W = (V + 31) // 32
+    if kind == "one":                                    # exactly one allowed token per row
+        m = np.zeros((n, W), np.int64)
+        for r in range(n):
+            j = int(rng.integers(0, V))
+            m[r, j >> 5] |= 1 << (j & 31)
+        return m.astype(np.uint32).view(np.int32)
+    return rng.integers(-2**31, 2**31 - 1, (n, W), dtype=np.int64).astype(np.int32)
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+@pytest.mark.parametrize("V,n", [(1, 1), (63, 2), (64, 3), (65, 1), (301, 5), (4099, 8), (9000, 2)])
+@pytest.mark.parametrize("kind", [None, "random", "one"])
+@pytest.mark.parametrize("wdtype", ["float32", "bfloat16", "fp8"])
+def test_confidence_is_the_masked_softmax_at_the_draft(name, V, n, kind, wdtype):
+    be = get_backend(name)
+    rng = rng_for(V, n, kind, wdtype)
+    H = 48
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    w = (rng.standard_normal((V, H)) * 0.3).astype(np.float32)    # logits of a few units: a spread softmax
+    if wdtype == "bfloat16":
+        w = w.astype(BF16).astype(np.float32)
+    prepared = be.prepare_weight(w.astype(BF16) if wdtype == "bfloat16" else
+                                 Fp8Weight.quantize(w, (16, 16)) if wdtype == "fp8" else w)
+    if wdtype == "fp8":
+        w = Fp8Weight.quantize(w, (16, 16)).dequantize()
+    bm = mask_of(rng, n, V, kind)
+    if kind == "random" and V < 64:                      # a random mask may leave a small row nothing
+        bm[:, 0] |= 1
+    ids_want, conf_want = conf64(x, w, bm)
+    conf = np.full(n, np.nan, np.float32)
+    ids = be.lm_head_argmax(be.from_host(x), prepared, None if bm is None else be.from_host(bm), conf=conf)
+    np.testing.assert_array_equal(be.to_host(ids), ids_want)
+    assert_close(conf, conf_want, what="confidence")
+    assert np.all((conf > 0) & (conf <= 1.0 + 1e-6))
+    if kind == "one":
+        np.testing.assert_allclose(conf, 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(be.to_host(be.lm_head_argmax(be.from_host(x), prepared,
+                                                               None if bm is None else be.from_host(bm))), ids_want)
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+def test_nan_logits_do_not_count_and_ties_share(name):
+    """NaN logits never win and add nothing; two tied best tokens each carry half (or less)."""
+    be = get_backend(name)
+    H, V = 4, 70
+    w = np.zeros((V, H), np.float32)
+    w[:, 0] = -50.0                                      # every other logit far below
+    w[5, 0], w[66, 0] = 2.0, 2.0                         # a tie across the 64-row chunks
+    w[9, :] = np.nan                                     # a NaN logit
+    x = np.ones((1, H), np.float32)
+    conf = np.zeros(1, np.float32)
+    ids = be.lm_head_argmax(x, be.prepare_weight(w), conf=conf)
+    assert int(be.to_host(ids)[0]) == 5
+    assert_close(conf, np.array([0.5]), what="tied confidence")
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+def test_a_bad_conf_buffer_is_refused_by_name(name):
+    be = get_backend(name)
+    x, w = np.ones((2, 4), np.float32), be.prepare_weight(np.ones((10, 4), np.float32))
+    with pytest.raises(ValueError, match="conf: expected shape \\[2\\]"):
+        be.lm_head_argmax(x, w, conf=np.zeros(3, np.float32))
