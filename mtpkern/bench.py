@@ -377,9 +377,10 @@ def make_proposer(ckpt: Path, be, kv_mode: str, max_batch: int, max_context: int
                                               num_blocks=max_batch * (-(-rows // 16) + 1) + 8)
 
 
-def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int) -> Timing:
+def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, conf: bool = False) -> Timing:
     """``propose_batch`` of ``k`` drafts for ``B`` fresh sequences of ``context`` rows each
-    (filled with ``fast_fill``): the time of the propose alone, over ``runs`` calls."""
+    (filled with ``fast_fill``): the time of the propose alone, over ``runs`` calls; ``conf``:
+    asking for the drafts' confidences (``out_conf``)."""
     rng = np.random.default_rng(1)
     H, V = prop.config.hidden_size, prop.config.vocab_size
     sts = []
@@ -394,7 +395,7 @@ def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int) ->
     try:
         for i in range(warmup + runs):
             t0 = time.perf_counter()
-            prop.propose_batch(toks, hs, [context + i] * B, k, sts)
+            prop.propose_batch(toks, hs, [context + i] * B, k, sts, out_conf=[] if conf else None)
             prop.backend.synchronize()
             if i >= warmup:
                 ts.append(time.perf_counter() - t0)
@@ -519,18 +520,20 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
              for mode in args.kv_modes}
     kvb = np.dtype(be.kv_dtype).itemsize
     rows = []
-    print(f"\n{'kv_mode':<8}{'k':>3}{'B':>4}{'ctx':>7}{'median us':>12}{'p20':>10}{'p80':>10}{'floor us':>10}"
+    print(f"\n{'kv_mode':<13}{'k':>3}{'B':>4}{'ctx':>7}{'median us':>12}{'p20':>10}{'p80':>10}{'floor us':>10}"
           f"{'x floor':>9}{'torch us':>10}{'vs torch':>9}")
     for context in contexts:
         for B in args.batches:
-            for k in range(1, cfg.num_modules + 1):
-                tt = torch_peer(k, B, args.warmup, args.runs, context) if torch_peer else None
+            M = cfg.num_modules
+            for k, conf in [(k, False) for k in range(1, M + 1)] + [(M, True)]:   # then k = M with confidences
+                tt = torch_peer(k, B, args.warmup, args.runs, context) if torch_peer and not conf else None
                 for mode, prop in props.items():
                     nbytes = propose_bytes(cfg, k, context, B, kvb, mode)
                     floor_us = nbytes / (read_gbs * 1e9) * 1e6
                     judged = llc is None or nbytes > llc
-                    t = time_proposes(prop, k, B, context, args.warmup, args.runs)
-                    row = {"kv_mode": mode, "k": k, "batch": B, "context": context, **asdict(t),
+                    t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf)
+                    row = {"kv_mode": mode + ("+conf" if conf else ""), "conf": conf, "k": k, "batch": B,
+                           "context": context, **asdict(t),
                            "bytes": nbytes, "floor_us": floor_us, "x_floor": t.median_us / floor_us,
                            "floor_judged": judged, "spread": t.spread,
                            "warnings": warnings_of(t, floor_us if judged else None)}
@@ -538,7 +541,7 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                         row["torch_median_us"] = tt.median_us
                         row["speedup_vs_torch"] = tt.median_us / t.median_us
                     rows.append(row)
-                    print(f"{mode:<8}{k:>3}{B:>4}{context:>7}{t.median_us:>12.0f}{t.p20_us:>10.0f}"
+                    print(f"{row['kv_mode']:<13}{k:>3}{B:>4}{context:>7}{t.median_us:>12.0f}{t.p20_us:>10.0f}"
                           f"{t.p80_us:>10.0f}{floor_us:>10.0f}{row['x_floor']:>9.2f}"
                           + (f"{tt.median_us:>10.0f}{row['speedup_vs_torch']:>8.2f}x" if tt else "")
                           + _marks(row))

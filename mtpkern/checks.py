@@ -64,6 +64,14 @@ def check_list(name: str, v: Any, n: int | None = None, what: str = "entries") -
     return list(v)
 
 
+def check_out_conf(name: str, v: Any, confs: list | None) -> list | None:
+    """``out_conf`` of a propose: None, or a list (filled by the call on success); returns
+    ``confs`` (the list the call fills first) when one was given, else None."""
+    if v is not None and not isinstance(v, list):
+        raise TypeError(f"{name}: expected a list (filled with the drafts' confidences) or None, got {_kind(v)}")
+    return None if v is None else confs
+
+
 def check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {_kind(v)} {v!r}")

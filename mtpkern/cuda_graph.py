@@ -31,7 +31,7 @@ table per call. Per call, ``StepRunner.propose``:
 3. the plan: run eagerly the first time for a shape (this compiles every
    kernel family and is that call's real computation), captured right after
    (on cuda, when ``capture``); later calls of the shape replay the graph;
-4. one D2H copy of the drafts; a -1 (a grammar row that allows no token)
+4. one D2H copy of the drafts (two with their confidences); a -1 (a grammar row that allows no token)
    raises ``NoAllowedToken`` and the proposer's ``txn.guarded`` rolls back;
 5. host bookkeeping after: drafts into the token tails, the chained outputs
    copied out of the persistent buffers into the exact-mode windows.
@@ -77,6 +77,7 @@ class StepShape:
     rows: tuple[int, ...]     # rows per sequence module m writes (0: it does not run)
     widths: tuple[int, ...]   # module m's padded block-table width (0: it does not run)
     masked: bool              # static grammar masks are applied
+    conf: bool = False        # the drafts' confidences are computed (the LM head's epilogue)
 
 
 def step_rows(kv_mode: str, M: int, k: int) -> tuple[int, ...]:
@@ -215,6 +216,7 @@ class StepPlan:
         self.y = {m: buf((n[m], H)) for m in self.run}
         self.normed = {m: buf((n[m], H)) for m in self.run}
         self.ids = buf((k, B), np.int32)
+        self.conf = buf((k, B)) if shape.conf else None           # the drafts' confidences
         self.last = buf((B, H)) if self.exact else None
         x, a_in, r, f_in = (buf((n_max, H)) for _ in range(4))
         blk = {m: prop.modules[m].block for m in self.run}      # each module's own sizes
@@ -280,6 +282,8 @@ class StepPlan:
                 part_o, part_ml = ws[:po], ws[po:floats]
             P = -(-cfg.vocab_size // lm_launch.ROWS_PER_BLOCK)
             lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
+            if shape.conf:
+                lm_ws["part_s"] = buf((B, P))                        # the blocks' sums of exp
 
         self.bufs: dict[int, ForwardBuffers] = {}
         for m in self.run:
@@ -374,8 +378,9 @@ class StepPlan:
                 if f2 > f1:
                     out.append(partial(self._segments, seg[f1:f2]))
                 src = self.last if self.exact else self.normed[m]
+                conf = {} if self.conf is None else {"conf": self.conf[m]}
                 out.append(partial(self.backend.lm_head_argmax, src, head.w.head,
-                                   None if masks is None else masks[m], out=self.ids[m], **lm_ws))
+                                   None if masks is None else masks[m], out=self.ids[m], **conf, **lm_ws))
         return out
 
     def _segments(self, table: Any) -> None:
@@ -469,22 +474,31 @@ class StepPlan:
     def replay(self) -> None:
         self.graph.launch(_cupy().cuda.get_current_stream())
 
-    def read_ids(self) -> np.ndarray:
-        """[k, B] drafts on the host: the step's one device-to-host copy (synchronises)."""
-        if not self.cuda:
-            out = self.ids.copy()
-        else:
-            cp = _cupy()
-            if not hasattr(self, "_ids_host"):
-                self._ids_pinned = cp.cuda.alloc_pinned_memory(self.ids.nbytes)
-                self._ids_host = np.frombuffer(self._ids_pinned, np.int32, self.ids.size).reshape(self.ids.shape)
-            cur = cp.cuda.get_current_stream()
-            cp.cuda.runtime.memcpyAsync(address(self._ids_host), address(self.ids), self.ids.nbytes,
-                                        cp.cuda.runtime.memcpyDeviceToHost, cur.ptr)
-            cur.synchronize()
-            out = self._ids_host.copy()
+    def read_ids(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """([k, B] drafts, [k, B] confidences or None) on the host: the step's device-to-host
+        copy (one; two with confidences), then a synchronisation."""
+        ids = self._to_host("ids", self.ids)
+        conf = None if self.conf is None else self._to_host("conf", self.conf)
+        if self.cuda:
+            _cupy().cuda.get_current_stream().synchronize()
         self._keep = []
-        return out
+        return ids.copy(), None if conf is None else conf.copy()
+
+    def _to_host(self, name: str, a: Any) -> np.ndarray:
+        """``a`` on the host: a copy of the NumPy array, or an async copy into a pinned buffer
+        kept for this array (valid after the stream synchronises)."""
+        if not self.cuda:
+            return a
+        cp = _cupy()
+        host = getattr(self, f"_{name}_host", None)
+        if host is None:
+            pinned = cp.cuda.alloc_pinned_memory(a.nbytes)
+            host = np.frombuffer(pinned, a.dtype, a.size).reshape(a.shape)
+            setattr(self, f"_{name}_pinned", pinned)
+            setattr(self, f"_{name}_host", host)
+        cp.cuda.runtime.memcpyAsync(address(host), address(a), a.nbytes, cp.cuda.runtime.memcpyDeviceToHost,
+                                    cp.cuda.get_current_stream().ptr)
+        return host
 
 
 class StepRunner:
@@ -546,14 +560,15 @@ class StepRunner:
         return plan
 
     def propose(self, sts: list, toks: list[int], poss: list[int], hid: Any, k: int,
-                masks: list) -> tuple[list[list[int]], Any]:
+                masks: list, want_conf: bool = False) -> tuple[list[list[int]], Any, np.ndarray | None]:
         """The planned ``_propose_exact`` / ``_propose_draft``: same state changes, same drafts;
-        also returns the drafts as a device array. The plans' buffers are shared, so one
-        planned step runs at a time (calls from other threads wait for it)."""
+        also returns the drafts as a device array, and with ``want_conf`` their [k, B]
+        confidences. The plans' buffers are shared, so one planned step runs at a time
+        (calls from other threads wait for it)."""
         with self._lock:
-            return self._propose(sts, toks, poss, hid, k, masks)
+            return self._propose(sts, toks, poss, hid, k, masks, want_conf)
 
-    def _propose(self, sts, toks, poss, hid, k, masks):
+    def _propose(self, sts, toks, poss, hid, k, masks, want_conf=False):
         prop = self.prop
         be, cfg = prop.backend, prop.config
         M, B, H = prop.num_modules, len(sts), cfg.hidden_size
@@ -582,7 +597,8 @@ class StepRunner:
             elif exact:
                 sources[m] = [(st._win[m - 1], p - 1 - m - st._win_start[m - 1]) for st, p in zip(sts, poss)]
         masked = any(fn is not None for fn in masks)
-        shape = StepShape(B, k, rows, tuple(index[m].tables.shape[1] if rows[m] else 0 for m in range(M)), masked)
+        shape = StepShape(B, k, rows, tuple(index[m].tables.shape[1] if rows[m] else 0 for m in range(M)), masked,
+                          bool(want_conf))
         plan = self.plan(shape)
 
         plan.wait_staging()
@@ -612,7 +628,7 @@ class StepRunner:
                     plan.capture_failed = True
                     _log.warning("mtpkern: CUDA-graph capture of the propose step %s failed (%s: %s); "
                                  "running it eagerly", shape, type(e).__name__, e)
-        ids = plan.read_ids()                                       # [k, B]
+        ids, confs = plan.read_ids()                                # [k, B] each
         bad = np.argwhere(ids < 0)
         if bad.size:
             m, i = (int(v) for v in bad[0])
@@ -636,4 +652,4 @@ class StepRunner:
                 st._num_hiddens = p
                 st._num_verified = p + 1
                 st._tail_start = p + 1
-        return drafts, plan.ids.T.copy()
+        return drafts, plan.ids.T.copy(), confs

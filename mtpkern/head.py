@@ -323,6 +323,15 @@ class MtpHead:
         bm = None if bitmask is None else be.from_host(np.ascontiguousarray(bitmask, np.int32))
         return np.asarray(be.to_host(be.lm_head_argmax(normed_rows, self.w.head, bm)), np.int32)
 
+    def argmax_conf(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``argmax`` and each draft's confidence (the softmax of the allowed logits at the
+        draft, mtpkern.ops.lm_head): ([n] int32, [n] FP32), on the host."""
+        be = self.backend
+        bm = None if bitmask is None else be.from_host(np.ascontiguousarray(bitmask, np.int32))
+        conf = be.xp.empty(normed_rows.shape[0], np.float32)
+        ids = be.lm_head_argmax(normed_rows, self.w.head, bm, conf=conf)
+        return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(conf), np.float32)
+
     def logits(self, normed_rows: Any) -> np.ndarray:
         """[n, V] FP32 logits on the host (diagnostics and tests; drafting never writes them)."""
         return np.asarray(self.backend.to_host(self.backend.lm_head_logits(normed_rows, self.w.head)))

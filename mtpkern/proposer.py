@@ -38,8 +38,8 @@ import numpy as np
 from .backends import BackendName, get_backend
 from .backends.base import Backend
 from .carry import CarryRegistry
-from .checks import (check_bool, check_hidden_dtype, check_int, check_list, check_positions, check_token,
-                     check_tokens, expect_finite, hidden_shape, ingest_hidden, shape_of)
+from .checks import (check_bool, check_hidden_dtype, check_int, check_list, check_out_conf, check_positions,
+                     check_token, check_tokens, expect_finite, hidden_shape, ingest_hidden, shape_of)
 from .config import MtpConfig, ceil_div
 from .errors import CheckpointError, NoAllowedToken, StateError, no_token_reason, no_token_where
 from .draft import DraftChain
@@ -403,31 +403,45 @@ class MultiModuleMtpHead(DraftProposer):
 
     # -- propose ------------------------------------------------------------------------
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int,
-                state: ProposerState, grammar_bitmask: Any = None) -> list[int]:
+                state: ProposerState, grammar_bitmask: Any = None, out_conf: list | None = None) -> list[int]:
         """Draft ``min(num_drafts, M)`` tokens after ``last_token`` = ``t_P`` at ``position`` = ``P``.
 
         ``target_hidden`` ``[H]``: the target's ``h_{P-1}``. Module 0 takes
         ``(t_P, h_{P-1})``, module ``m`` takes ``(d_{m-1}, module m-1's output)``, all
         at key ``P-1`` and RoPE position ``P+m``. ``grammar_bitmask``: see
-        ``mtpkern.grammar``. Returns ``[d_0 .. d_{k'-1}]``.
+        ``mtpkern.grammar``. Returns ``[d_0 .. d_{k'-1}]``. ``out_conf``: a list, replaced
+        on success by each draft's confidence (floats: the probability its module gave it,
+        the softmax of the grammar-allowed logits; mtpkern.ops.lm_head); untouched on error.
         """
-        return self._propose([last_token], [target_hidden], [position], num_drafts, [state],
-                             None if grammar_bitmask is None else [grammar_bitmask], single=True)[0]
+        confs = None if out_conf is None else []
+        drafts = self._propose([last_token], [target_hidden], [position], num_drafts, [state],
+                               None if grammar_bitmask is None else [grammar_bitmask], single=True,
+                               out_conf=check_out_conf("out_conf", out_conf, confs))[0]
+        if out_conf is not None:
+            out_conf[:] = confs[0]
+        return drafts
 
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
                       num_drafts: int, states: Sequence[ProposerState],
-                      grammar_bitmasks: Sequence[Any] | None = None) -> list[list[int]]:
+                      grammar_bitmasks: Sequence[Any] | None = None,
+                      out_conf: list | None = None) -> list[list[int]]:
         """``propose`` for ``B`` sequences at once: one forward per module over all of them.
 
         ``target_hiddens``: ``[B, H]`` or a list of ``B`` ``[H]`` arrays;
         ``grammar_bitmasks``: None or a list of ``B`` (each None or any form ``propose``
         takes). Returns one list of drafts per sequence, as ``propose`` would.
+        ``out_conf``: a list, replaced on success by one list of confidences per sequence.
         """
-        return self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
-                             single=False)
+        confs = None if out_conf is None else []
+        drafts = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
+                               single=False, out_conf=check_out_conf("out_conf", out_conf, confs))
+        if out_conf is not None:
+            out_conf[:] = confs
+        return drafts
 
     def _propose(self, last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
-                 single: bool) -> list[list[int]]:
+                 single: bool, out_conf: list | None = None) -> list[list[int]]:
+        """``out_conf``: None, or an empty list that gets one list of confidences per sequence."""
         cfg = self.config
 
         def name(one: str, many: str, i: int | None = None) -> str:
@@ -463,7 +477,9 @@ class MultiModuleMtpHead(DraftProposer):
             if runner is not None and static and runner.applies(sts, poss, k):
                 run = runner.propose
             rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
-            drafts, device = guarded(self.pools, sts, rows, lambda: run(sts, toks, poss, hid, k, masks))
+            want_conf = out_conf is not None
+            drafts, device, confs = guarded(self.pools, sts, rows,
+                                            lambda: run(sts, toks, poss, hid, k, masks, want_conf))
             for st, p, d in zip(sts, poss, drafts):
                 st._drafted = True
                 st._last_position = p
@@ -478,6 +494,8 @@ class MultiModuleMtpHead(DraftProposer):
             self.last_drafts_device = (device if device is not None else
                                        self.backend.from_host(np.asarray(drafts, np.int32).reshape(B, k)))
             self._last_drafts = drafts[-1]
+        if out_conf is not None:                                  # [k, B] -> one list per sequence
+            out_conf.extend([float(c) for c in np.asarray(confs)[:, i]] for i in range(B))
         return drafts
 
     def _check_position(self, st: MtpState, p: int, k: int, name: str) -> None:
@@ -485,15 +503,25 @@ class MultiModuleMtpHead(DraftProposer):
         check_positions(name, self.mode.highest_position(p, k, self.num_modules),
                         self.config.max_position_embeddings)
 
-    def _propose_eager(self, sts, toks, poss, hid, k, masks) -> tuple[list[list[int]], None]:
-        return self.mode.propose(sts, toks, poss, hid, k,
-                                 lambda m, normed, drafts: self._draft_ids(m, normed, masks, drafts)), None
+    def _propose_eager(self, sts, toks, poss, hid, k, masks,
+                       want_conf: bool = False) -> tuple[list[list[int]], None, np.ndarray | None]:
+        """-> (drafts, None, [k, B] confidences or None)."""
+        confs: list[np.ndarray] | None = [] if want_conf else None
+        drafts = self.mode.propose(sts, toks, poss, hid, k,
+                                   lambda m, normed, drafts: self._draft_ids(m, normed, masks, drafts, confs))
+        return drafts, None, None if confs is None else np.stack(confs)
 
-    def _draft_ids(self, m: int, normed: Any, masks: list[MaskFn | None], drafts: list[list[int]]) -> np.ndarray:
+    def _draft_ids(self, m: int, normed: Any, masks: list[MaskFn | None], drafts: list[list[int]],
+                   confs: list | None = None) -> np.ndarray:
         """Module ``m``'s drafts for rows ``normed`` [B, H] (row i = sequence i), with a
-        ``NoAllowedToken`` that names the sequence and the draft position."""
+        ``NoAllowedToken`` that names the sequence and the draft position; with ``confs``
+        (a list), their confidences [B] appended to it."""
         rows = self._mask_rows(masks, m, drafts)
         try:
+            if confs is not None:
+                ids, conf = self.modules[m].argmax_conf(normed, rows)
+                confs.append(conf)
+                return ids
             return self.modules[m].argmax(normed, rows)
         except NoAllowedToken as e:
             i = e.row

@@ -36,7 +36,9 @@ def test_bench_contexts_writes_json_only_where_asked(workdir, tmp_path, capsys):
     assert res["contexts"] == [8, 40] and res["threads"] == 1 and "1 thread" in res["backend"]
     rows = res["propose"]
     assert {(r["context"], r["batch"], r["k"], r["kv_mode"]) for r in rows} == {
-        (c, b, k, m) for c in (8, 40) for b in (1, 2) for k in (1, 2, 3) for m in ("draft", "exact")}
+        (c, b, k, m) for c in (8, 40) for b in (1, 2) for k in (1, 2, 3) for m in ("draft", "exact")} | {
+        (c, b, 3, m + "+conf") for c in (8, 40) for b in (1, 2) for m in ("draft", "exact")}      # k = M, confidences
+    assert all(r["conf"] == r["kv_mode"].endswith("+conf") for r in rows)
     for r in rows:
         assert r["runs"] == 2 and isinstance(r["warnings"], list) and r["floor_us"] > 0
     text = capsys.readouterr().out

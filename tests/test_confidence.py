@@ -106,3 +106,28 @@ def test_a_bad_conf_buffer_is_refused_by_name(name):
     x, w = np.ones((2, 4), np.float32), be.prepare_weight(np.ones((10, 4), np.float32))
     with pytest.raises(ValueError, match="conf: expected shape \\[2\\]"):
         be.lm_head_argmax(x, w, conf=np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+def test_infinite_logits_follow_the_equal_to_the_best_rule(name):
+    """A logit equal to the draft's counts 1: -inf adds nothing beside a finite best, three
+    allowed -inf logits give 1/3, two +inf give 1/2 (every backend the same: the cuda
+    kernels' rule too)."""
+    be = get_backend(name)
+    H, V = 1, 70
+    x = np.ones((3, H), np.float32)
+    w = np.full((V, H), -1.0, np.float32)
+    out = []
+    for case in ("finite", "all -inf", "two +inf"):
+        ww = w.copy()
+        if case == "finite":
+            ww[:10, 0] = -np.inf
+        elif case == "all -inf":
+            ww[:, 0] = -np.inf
+        else:
+            ww[[3, 67], 0] = np.inf
+        conf = np.zeros(3, np.float32)
+        mask = None if case != "all -inf" else np.array([[0b111, 0, 0]] * 3, np.int32)   # tokens 0, 1, 2
+        be.lm_head_argmax(x, be.prepare_weight(ww), mask, conf=conf)
+        out.append(float(conf[0]))
+    assert_close(np.array(out), np.array([1 / 60, 1 / 3, 1 / 2]), what="confidences with infinite logits")

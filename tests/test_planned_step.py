@@ -98,12 +98,16 @@ def run_twins(eager, planned, cfg, seed, lens, rounds):
             masks_arg = None if all(m is None for m in masks) else masks
             runs = sum(planned.step_runner.counts[c] for c in ("executed", "replayed"))
             outs = []
-            for p, ss in ((eager, s0), (planned, s1)):
+            ask = bool(rng.integers(0, 2))                   # every other call asks for confidences
+            confs: list = [[] if ask else None, [] if ask else None]
+            for (p, ss), conf in zip(((eager, s0), (planned, s1)), confs):
                 try:
-                    outs.append(p.propose_batch(last, np.stack(pending), pos, k, ss, grammar_bitmasks=masks_arg))
+                    outs.append(p.propose_batch(last, np.stack(pending), pos, k, ss, grammar_bitmasks=masks_arg,
+                                                out_conf=conf))
                 except NoAllowedToken:
                     outs.append(NoAllowedToken)
             assert outs[0] == outs[1]
+            assert confs[0] == confs[1], "the planned step's confidences differ from the eager path's"
             took_plan = sum(planned.step_runner.counts[c] for c in ("executed", "replayed")) > runs
             planned_calls += took_plan
             if took_plan:

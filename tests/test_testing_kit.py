@@ -89,9 +89,21 @@ def test_a_failed_call_that_changed_state_is_caught(make_prop, monkeypatch):
 def test_a_wrong_draft_is_caught_by_the_oracle(make_prop, tiny_ckpt, monkeypatch):
     prop, d, st, rng = _checked_state(make_prop, "exact", 3, reference_weights(tiny_ckpt), n=6)
     real = prop._draft_ids
-    monkeypatch.setattr(prop, "_draft_ids", lambda m, normed, masks, drafts: (real(m, normed, masks, drafts) + 1) % V)
+    monkeypatch.setattr(prop, "_draft_ids",
+                        lambda m, normed, masks, drafts, confs=None: (real(m, normed, masks, drafts, confs) + 1) % V)
     with pytest.raises(AssertionError, match="differ from the oracle's"):
         d.propose(1, rand_hiddens(rng, 1, H)[0], 6, 2, st)
+
+
+def test_a_wrong_confidence_is_caught_by_the_oracle(make_prop, tiny_ckpt, monkeypatch):
+    """The checked proxy compares out_conf with the oracle's softmax: a confidence off by
+    a few percent fails."""
+    prop, d, st, rng = _checked_state(make_prop, "exact", 3, reference_weights(tiny_ckpt), n=6)
+    real = prop.modules[1].argmax_conf
+    monkeypatch.setattr(prop.modules[1], "argmax_conf", lambda normed, bm=None: (real(normed, bm)[0],
+                                                                                  real(normed, bm)[1] * 0.97))
+    with pytest.raises(AssertionError, match="confidences .* differ from the oracle's softmax"):
+        d.propose(1, rand_hiddens(rng, 1, H)[0], 6, 2, st, out_conf=[])
 
 
 def test_the_oracle_module_is_the_dense_recomputation(make_prop, tiny_ckpt, tiny_cfg):

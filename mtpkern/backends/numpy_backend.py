@@ -51,6 +51,10 @@ def with_out(fn: Callable, *names: str) -> Callable:
     return staticmethod(op)
 
 
+_argmax = with_out(lm_head.lm_head_argmax).__func__
+_argmax_conf = with_out(lm_head.lm_head_argmax_conf, "out", "conf").__func__
+
+
 class NumpyBackend(Backend):
     name = "numpy"
     kv_dtype = np.float32
@@ -81,12 +85,10 @@ class NumpyBackend(Backend):
     moe_experts = with_out(moe.moe_experts)
     swiglu_mlp = with_out(mlp.swiglu_mlp)
     lm_head_logits = with_out(lm_head.lm_head_logits)
-    _lm_head_argmax = with_out(lm_head.lm_head_argmax)
-    _lm_head_argmax_conf = with_out(lm_head.lm_head_argmax_conf, "out", "conf")
-
-    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None):
+    @staticmethod
+    def lm_head_argmax(x, w, bitmask=None, *, out=None, conf=None):
         """-> ids [n] int32; with ``conf`` (an FP32 [n] buffer) each draft's confidence
         written into it (mtpkern.ops.lm_head)."""
         if conf is None:
-            return self._lm_head_argmax(x, w, bitmask, out=out)
-        return self._lm_head_argmax_conf(x, w, bitmask, out=out, conf=conf)[0]
+            return _argmax(x, w, bitmask, out=out)
+        return _argmax_conf(x, w, bitmask, out=out, conf=conf)[0]

@@ -20,9 +20,10 @@ the fast backends fuse it so the logits are never written out in full.
 output): ``conf[r]`` is the probability the drafter gives its draft, the softmax of row
 ``r``'s allowed, non-NaN logits at ``ids[r]``:
 ``1 / sum_{j allowed, l_j not NaN} exp(l_j - l_{ids[r]})``, in ``(0, 1]`` (1 when one token is
-allowed). The fast backends compute it by an online log-sum-exp in the argmax's own
-reduction (one ``exp`` per logit), never from stored logits. A row whose best logit is
-``-inf`` has no defined confidence (finite weights and hiddens never give one).
+allowed). A term whose logit equals the draft's counts exactly 1 (never ``exp(inf - inf)``):
+``-inf`` logits add 0 beside a finite best, a row of ``c`` allowed logits all ``-inf`` (or
+``c`` tied at ``+inf``) gives ``1 / c``. The fast backends compute it by an online
+log-sum-exp in the argmax's own reduction (one ``exp`` per logit), never from stored logits.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def masked_confidence(logits, ids, bitmask=None) -> np.ndarray:
     if bitmask is not None:
         ok &= bitmask_allowed(bitmask, V)
     top = lg[np.arange(n), ids][:, None]                                 # the drafts' logits
-    e = np.where(ok, np.exp(np.where(ok, lg, 0.0) - top), 0.0)
+    with np.errstate(invalid="ignore"):                                  # inf - inf: counted as 1 below
+        e = np.where(ok, np.where(lg == top, 1.0, np.exp(np.where(ok, lg, 0.0) - top)), 0.0)
     return (1.0 / e.sum(axis=1)).astype(np.float32)
 
 

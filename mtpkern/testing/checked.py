@@ -128,27 +128,39 @@ class CheckedProposer:
                                          self.model.rows_after_prefill(len(np.asarray(prompt_tokens).reshape(-1))))])
 
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int, state: Any,
-                grammar_bitmask: Any = None) -> list[int]:
+                grammar_bitmask: Any = None, out_conf: list | None = None) -> list[int]:
         gm = self._grammar(grammar_bitmask)
+        before = None if out_conf is None else list(out_conf)
 
         def then(d: list[int]) -> None:
-            self.model.propose(state, last_token, target_hidden, position, num_drafts, self._seen(gm), d)
+            self.model.propose(state, last_token, target_hidden, position, num_drafts, self._seen(gm), d,
+                               None if out_conf is None else out_conf)
             self._after_propose([state], [d])
 
-        return self._call(lambda: self.prop.propose(last_token, target_hidden, position, num_drafts, state, gm),
+        def call():
+            try:
+                return self.prop.propose(last_token, target_hidden, position, num_drafts, state, gm, out_conf)
+            except BaseException:
+                assert out_conf is None or out_conf == before, "a failed propose changed out_conf"
+                raise
+
+        return self._call(call,
                           then, room=lambda: [(self.model.of(state),
                                                self.model.rows_after_propose(self.model.of(state), position,
                                                                              num_drafts))],
                           counts=self._clamp(num_drafts))
 
     def propose_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, num_drafts: int,
-                      states: Any, grammar_bitmasks: Any = None) -> list[list[int]]:
+                      states: Any, grammar_bitmasks: Any = None, out_conf: list | None = None) -> list[list[int]]:
         gms = None if grammar_bitmasks is None else [self._grammar(g) for g in grammar_bitmasks]
 
         def then(drafts: list[list[int]]) -> None:
+            if out_conf is not None:
+                assert len(out_conf) == len(drafts), f"out_conf holds {len(out_conf)} lists for {len(drafts)} states"
             for i, (st, d) in enumerate(zip(states, drafts)):
                 gm = None if gms is None else self._seen(gms[i])
-                self.model.propose(st, last_tokens[i], target_hiddens[i], positions[i], num_drafts, gm, d)
+                self.model.propose(st, last_tokens[i], target_hiddens[i], positions[i], num_drafts, gm, d,
+                                   None if out_conf is None else out_conf[i])
             self._after_propose(list(states), drafts)
 
         def room():
@@ -156,7 +168,7 @@ class CheckedProposer:
                     for st, p in zip(states, positions)]
 
         return self._call(lambda: self.prop.propose_batch(last_tokens, target_hiddens, positions, num_drafts,
-                                                          states, gms), then, room=room,
+                                                          states, gms, out_conf), then, room=room,
                           counts=self._clamp(num_drafts))
 
     def after_verify(self, num_accepted: int, state: Any) -> None:

@@ -10,7 +10,7 @@ the state machine (``mtpkern.testing.machine``) runs the same steps as rules.
 
 Kinds (``KINDS``): ``alloc`` (with or without a budget), ``prefill``,
 ``propose`` (grammar masks of every form, one that allows nothing, skipped
-positions in draft mode), ``propose_batch``, ``verify``, ``catchup`` (also
+positions in draft mode; half of them asking for the drafts' confidences), ``propose_batch``, ``verify``, ``catchup`` (also
 extending the sequence past the accepted drafts), ``round`` (propose, verify and
 catch-up with checks between), ``take`` / ``install`` / ``free_carried``
 (carrying KV across turns), ``free``, ``bad_input`` (refused input, a copied
@@ -157,9 +157,10 @@ class Driver:
         P = s.next_position + skip
         mask = self._mask(rng, call.variant)
         self._count("propose")
+        conf = [] if rng.random() < 0.5 else None               # half the calls ask for confidences
         try:
             d = self.p.propose(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], P, k, st,
-                               grammar_bitmask=mask)
+                               grammar_bitmask=mask, out_conf=conf)
         except NoAllowedToken:
             assert call.variant == "none_allowed", "NoAllowedToken without a mask that allows nothing"
             return False
@@ -188,7 +189,7 @@ class Driver:
         try:
             self.p.propose_batch([int(t) for t in rng.integers(0, self.cfg.vocab_size, len(group))],
                                  list(self._h(rng, len(group))), [s.next_position for _, s in group], k,
-                                 [st for st, _ in group], masks)
+                                 [st for st, _ in group], masks, out_conf=[] if rng.random() < 0.5 else None)
         except KvCacheFull:
             pass
         return True

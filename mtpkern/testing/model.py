@@ -30,6 +30,12 @@ from . import oracle
 MaskFn = Callable[[int, list], Any]
 
 
+#: confidences against the float64 oracle: the logits the backends compute differ from its
+#: own by their rounding (FP32, BF16 weights), which a softmax carries over as
+#: ~exp(error) - 1 relative to each probability
+CONF_RTOL, CONF_ATOL = 1e-3, 1e-5
+
+
 @dataclass
 class SeqModel:
     """One sequence as the model sees it."""
@@ -129,7 +135,9 @@ class ProposerModel:
         assert rows == want, f"prefill_drafter wrote {rows} rows, expected {want}"
 
     def propose(self, st: Any, last_token: int, hidden: Any, P: int, num_drafts: int, grammar: Any,
-                drafts: list[int]) -> None:
+                drafts: list[int], confs: list[float] | None = None) -> None:
+        """``confs``: the call's confidences of ``drafts`` (out_conf), checked against the
+        oracle's softmax of its logits when given."""
         s = self.of(st)
         assert s.phase == "ready", f"propose accepted a state in phase {s.phase}"
         k = min(int(num_drafts), self.M)
@@ -147,13 +155,21 @@ class ProposerModel:
             s.tokens += [-1] * (P - s.next_position)           # (unknown tokens; draft mode reads none)
         s.tokens.append(int(last_token))
         s.hiddens.append(_host(hidden).reshape(-1))
+        if confs is not None:
+            assert len(confs) == k and all(isinstance(c, float) and 0.0 < c <= 1.0 + 1e-5 for c in confs), \
+                f"confidences {confs}: expected {k} floats in (0, 1]"
+        want_conf: list[float] = []
         if self.mode == "exact" and self.weights is not None:
             want = oracle.propose(self.prop.config, self.weights, s.tokens, s.hiddens, k, self.prop.chain,
-                                  masks=fn, target_norm=self.weights.target_norm)
+                                  masks=fn, target_norm=self.weights.target_norm, confs=want_conf)
             assert drafts == want, f"drafts {drafts} differ from the oracle's {want}"
         if s.draft is not None:
-            want = s.draft.propose(last_token, hidden, P, k, masks=fn)
+            want = s.draft.propose(last_token, hidden, P, k, masks=fn, confs=want_conf)
             assert drafts == want, f"draft-mode drafts {drafts} differ from the oracle's {want}"
+        if confs is not None and want_conf:
+            got, ref = np.asarray(confs), np.asarray(want_conf)
+            assert np.allclose(got, ref, rtol=CONF_RTOL, atol=CONF_ATOL), \
+                f"confidences {confs} differ from the oracle's softmax {want_conf}"
         for m in range(k):
             s.keys[m].append(P - 1)
         s.phase, s.P, s.k, s.drafts = "drafted", P, k, list(drafts)

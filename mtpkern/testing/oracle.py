@@ -234,7 +234,8 @@ class DraftRows:
         for j in range(len(toks) - 1):
             self.rows[0].append((toks[j + 1], self._g(hiddens[j])[0], j + 1))
 
-    def propose(self, last_token: int, hidden, P: int, k: int, masks=None) -> list[int]:
+    def propose(self, last_token: int, hidden, P: int, k: int, masks=None, confs: list | None = None) -> list[int]:
+        """``confs``: a list the drafts' confidences are appended to."""
         cfg, w = self.cfg, self.weights
         tok, g = int(last_token), self._g(hidden)[0]
         drafts: list[int] = []
@@ -245,7 +246,10 @@ class DraftRows:
             pos = np.array([r[2] for r in self.rows[m]])
             out = module_forward(cfg, w.modules[m], m, toks, gs, pos, keys=pos)    # windows count positions
             logits = out.normed[-1] @ np.asarray(w.modules[m].head, np.float64).T
-            tok = masked_argmax64(logits, None if masks is None else masks(m, drafts))
+            words = None if masks is None else masks(m, drafts)
+            tok = masked_argmax64(logits, words)
+            if confs is not None:
+                confs.append(confidence64(logits, words))
             drafts.append(tok)
             g = (out.normed if self.chain == "postnorm" else out.y)[-1]
         self.k = len(drafts)
@@ -257,26 +261,43 @@ class DraftRows:
         self.k = 0
 
 
-def masked_argmax64(logits, mask_words=None) -> int:
+def _allowed64(logits, mask_words=None) -> np.ndarray:
     ok = ~np.isnan(logits)
     if mask_words is not None:
         words = np.asarray(mask_words).reshape(-1).astype(np.int64) & 0xFFFFFFFF
         j = np.arange(len(logits))
         ok &= ((words[j >> 5] >> (j & 31)) & 1).astype(bool)
-    cand = np.flatnonzero(ok)
+    return ok
+
+
+def masked_argmax64(logits, mask_words=None) -> int:
+    cand = np.flatnonzero(_allowed64(logits, mask_words))
     return int(cand[np.argmax(logits[cand])])
 
 
-def propose(cfg, weights, verified, hiddens, k: int, chain: str, masks=None, target_norm=None):
+def confidence64(logits, mask_words=None) -> float:
+    """The softmax of the allowed logits at their argmax (a draft's confidence), float64."""
+    lg = np.asarray(logits, np.float64)[_allowed64(logits, mask_words)]
+    top = lg.max()
+    with np.errstate(invalid="ignore"):
+        return float(1.0 / np.where(lg == top, 1.0, np.exp(lg - top)).sum())   # a tie with the best counts 1
+
+
+def propose(cfg, weights, verified, hiddens, k: int, chain: str, masks=None, target_norm=None,
+            confs: list | None = None):
     """Drafts of a propose at P = len(verified) - 1 (``verified`` ends with t_P,
-    ``hiddens`` = h_0 .. h_{P-1}). ``masks``: None or a function (i, drafts) -> words."""
+    ``hiddens`` = h_0 .. h_{P-1}). ``masks``: None or a function (i, drafts) -> words;
+    ``confs``: a list the drafts' confidences are appended to."""
     toks = list(verified)
     drafts = []
     P = len(verified) - 1
     for m in range(min(k, cfg.num_modules)):
         rows = chain_state(cfg, weights, toks, hiddens, chain, target_norm)
         logits = rows[m].normed[P - 1] @ np.asarray(weights.modules[m].head, np.float64).T
-        d = masked_argmax64(logits, None if masks is None else masks(m, drafts))
+        words = None if masks is None else masks(m, drafts)
+        d = masked_argmax64(logits, words)
+        if confs is not None:
+            confs.append(confidence64(logits, words))
         drafts.append(d)
         toks.append(d)
     return drafts

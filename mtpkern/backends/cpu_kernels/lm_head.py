@@ -52,11 +52,13 @@ def _offer(best_val, best_id, sums, c, i, v, j):
     if v != v:
         return
     b = best_id[c, i]
-    if sums.shape[0] > 0:
+    if sums.shape[0] > 0:                 # a logit equal to the best counts 1 (never exp(inf - inf))
         if b < 0:
             sums[c, i] = 1.0
         elif v > best_val[c, i]:
             sums[c, i] = sums[c, i] * np.exp(best_val[c, i] - v) + np.float32(1.0)
+        elif v == best_val[c, i]:
+            sums[c, i] += np.float32(1.0)
         else:
             sums[c, i] += np.exp(v - best_val[c, i])
     if b < 0 or v > best_val[c, i] or (v == best_val[c, i] and j < b):
@@ -177,7 +179,7 @@ def _reduce(best_val, best_id, sums, ids, conf):
             tot = np.float32(0.0)
             for c in range(nchunks):
                 if best_id[c, i] >= 0:
-                    tot += sums[c, i] * np.exp(best_val[c, i] - bv)
+                    tot += sums[c, i] * (np.float32(1.0) if best_val[c, i] == bv else np.exp(best_val[c, i] - bv))
             conf[i] = np.float32(1.0) / tot if bi >= 0 else np.float32(np.nan)
         if bi < 0 and first_none < 0:
             first_none = i
