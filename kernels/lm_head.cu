@@ -12,7 +12,7 @@
 //   by an online log-sum-exp beside the argmax (NaN for a row with no candidate).
 //
 // Two-stage reduction, deterministic (no atomics):
-// lm_head_argmax_partial_kernel<W>: grid (P = ceil(V / 64)), block 128 = 4 warps.
+// lm_head_argmax_partial_kernel<W, CONF>: grid (P = ceil(V / 64)), block 128 = 4 warps.
 //   Block b owns vocab rows [64 b, 64 b + 64): warp w computes row pairs
 //   (64 b + 2 (4 it + w), +1) for it = 0..7, each with the GEMV core of
 //   common.cuh (one pass over the 64 weight rows for up to 8 input rows at a
