@@ -7,19 +7,29 @@
 //   NaN never wins, and a row with no candidate gets -1 (the launcher raises
 //   NoAllowedToken naming the row). The [n, V] logits are never written.
 //   (lm_head_logits, when the logits are wanted, is linear_kernel in linear.cu.)
+// With CONF, also conf [n] fp32: the drafter's probability of its draft,
+//   conf[r] = 1 / sum_{j allowed, l_j not NaN} exp(l_j - l_max), l_max = the winner's logit,
+//   by an online log-sum-exp beside the argmax (NaN for a row with no candidate).
 //
 // Two-stage reduction, deterministic (no atomics):
-// lm_head_argmax_partial_kernel<W>: grid (P = ceil(V / 64)), block 128 = 4 warps.
+// lm_head_argmax_partial_kernel<W, CONF>: grid (P = ceil(V / 64)), block 128 = 4 warps.
 //   Block b owns vocab rows [64 b, 64 b + 64): warp w computes row pairs
 //   (64 b + 2 (4 it + w), +1) for it = 0..7, each with the GEMV core of
 //   common.cuh (one pass over the 64 weight rows for up to 8 input rows at a
 //   time), and keeps its best (value, id) per input row in registers. The four
 //   warps' bests are combined in shared memory and written to
-//   part_v / part_i [n, P].
-// argmax_final_kernel: grid (n), block 256: combines a row's P partials (strided
-//   per thread, then warp shuffles, then across warps) into ids[r].
+//   part_v / part_i [n, P]. CONF: each warp also keeps s = sum exp(l - m) over its
+//   candidates (m: its best value, rescaled when a larger one comes), the warps'
+//   sums are rescaled to the block's best and added in warp order: part_s [n, P].
+// argmax_final_kernel<CONF>: grid (n), block 256: combines a row's P partials (strided
+//   per thread, then warp shuffles, then across warps) into ids[r]; CONF merges the
+//   partial sums the same way, S = sum_b s_b exp(m_b - M), and writes conf[r] = 1 / S.
 // Both stages use mtp::beats, a strict total order on (value, id), so the winner
-// does not depend on the combination order.
+// does not depend on the combination order; the sums are added in an order fixed by
+// the grid (no atomics), so conf is bit-reproducible too. exp(a - m) is taken as 1
+// when a == m (an infinite best: +inf - +inf would be NaN), so with an infinite best
+// the tokens tied with it share the probability; an empty partial has m = -inf,
+// s = 0 and adds 0 * (0 or 1) = 0.
 //
 // W and scale/bn/bk: as linear.cu (an FP8 head's scales, null for dense weights).
 //
@@ -32,21 +42,31 @@ namespace mtp {
 constexpr int kLmIter = 8;                                   // row pairs per warp
 constexpr int kLmRowsPerBlock = kGemvWarps * 2 * kLmIter;   // 64 vocab rows per block
 
-template <typename W, int NR>
+// exp(a - m) for a <= m; 1 when a == m, so an infinite m gives no inf - inf = NaN.
+__device__ __forceinline__ float exp_below(float a, float m) { return a == m ? 1.0f : expf(a - m); }
+
+// Sum of exps s (relative to the best value m) after adding a partial (v, sv) of the same
+// form: rescaled to max(m, v). Called before the argmax update; an empty side is (-inf, 0).
+__device__ __forceinline__ float lse_merge(float s, float m, float sv, float v) {
+  return v > m ? s * exp_below(m, v) + sv : s + sv * exp_below(v, m);
+}
+
+template <typename W, bool CONF, int NR>
 __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, const Scales& sc, const int* bitmask,
-                                                float* part_v, int* part_i, int r0, int m, int V,
-                                                int H, int P, bool vec,
+                                                float* part_v, int* part_i, float* part_s, int r0, int m,
+                                                int V, int H, int P, bool vec,
                                                 float (&sv)[kGemvWarps][kMaxRows],
-                                                int (&si)[kGemvWarps][kMaxRows]) {
+                                                int (&si)[kGemvWarps][kMaxRows],
+                                                float (&ss)[kGemvWarps][kMaxRows]) {
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int words = (V + 31) / 32;
   const float* xr[NR];
 #pragma unroll
   for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * H;
-  float bv[NR];
+  float bv[NR], bs[NR];  // bs: CONF only, sum exp(l - bv) over the candidates seen
   int bi[NR];
 #pragma unroll
-  for (int r = 0; r < NR; ++r) { bv[r] = neg_inf(); bi[r] = -1; }
+  for (int r = 0; r < NR; ++r) { bv[r] = neg_inf(); bi[r] = -1; bs[r] = 0.0f; }
 
   for (int it = 0; it < kLmIter; ++it) {
     const int a = blockIdx.x * kLmRowsPerBlock + 2 * (it * kGemvWarps + warp);
@@ -71,13 +91,20 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
           const unsigned word = static_cast<unsigned>(bitmask[static_cast<long long>(r0 + r) * words + (id >> 5)]);
           ok = (word >> (id & 31)) & 1u;
         }
+        if constexpr (CONF) {
+          if (ok) bs[r] = lse_merge(bs[r], bv[r], 1.0f, v);  // against the best before v
+        }
         if (ok && beats(v, id, bv[r], bi[r])) { bv[r] = v; bi[r] = id; }
       }
     }
   }
   if (lane == 0) {
 #pragma unroll
-    for (int r = 0; r < NR; ++r) { sv[warp][r] = bv[r]; si[warp][r] = bi[r]; }
+    for (int r = 0; r < NR; ++r) {
+      sv[warp][r] = bv[r];
+      si[warp][r] = bi[r];
+      if constexpr (CONF) ss[warp][r] = bs[r];
+    }
   }
   __syncthreads();
   if (threadIdx.x < m) {
@@ -89,58 +116,90 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
     const long long at = static_cast<long long>(r0 + r) * P + blockIdx.x;  // [n, P]
     part_v[at] = v;
     part_i[at] = i;
+    if constexpr (CONF) {
+      float s = 0.0f;  // every warp's best is <= v: rescale each to v, add in warp order
+      for (int q = 0; q < kGemvWarps; ++q) s += ss[q][r] * exp_below(sv[q][r], v);
+      part_s[at] = s;
+    }
   }
-  __syncthreads();  // sv / si are rewritten by the next chunk
+  __syncthreads();  // sv / si / ss are rewritten by the next chunk
 }
 
 }  // namespace mtp
 
-template <typename W>
+// part_s: [n, P] with CONF, unused (null) without.
+template <typename W, bool CONF>
 __global__ void __launch_bounds__(mtp::kGemvThreads)
 lm_head_argmax_partial_kernel(const float* __restrict__ x, const W* __restrict__ w,
                               const float* __restrict__ scale, int bn, int bk,
                               const int* __restrict__ bitmask, float* __restrict__ part_v,
-                              int* __restrict__ part_i, int n, int V, int H, int P) {
+                              int* __restrict__ part_i, float* __restrict__ part_s, int n, int V, int H,
+                              int P) {
   using namespace mtp;
   __shared__ float sv[kGemvWarps][kMaxRows];
   __shared__ int si[kGemvWarps][kMaxRows];
+  __shared__ float ss[kGemvWarps][kMaxRows];  // CONF only
   const Scales sc = make_scales<W>(scale, bn, bk, H);
   const bool vec = gemv_vec_ok(w, x, H, sc);
   for (int r0 = 0; r0 < n; r0 += kMaxRows) {
     const int m = min(kMaxRows, n - r0);
-    if (m > 4)       lm_argmax_chunk<W, 8>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
-    else if (m > 2)  lm_argmax_chunk<W, 4>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
-    else if (m == 2) lm_argmax_chunk<W, 2>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
-    else             lm_argmax_chunk<W, 1>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, vec, sv, si);
+    if (m > 4)
+      lm_argmax_chunk<W, CONF, 8>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, vec, sv, si, ss);
+    else if (m > 2)
+      lm_argmax_chunk<W, CONF, 4>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, vec, sv, si, ss);
+    else if (m == 2)
+      lm_argmax_chunk<W, CONF, 2>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, vec, sv, si, ss);
+    else
+      lm_argmax_chunk<W, CONF, 1>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, vec, sv, si, ss);
   }
 }
 
+// part_s, conf: [n, P] and [n] with CONF, unused (null) without.
+template <bool CONF>
 __global__ void __launch_bounds__(256)
-argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ part_i, int P,
-                    int* __restrict__ ids) {
+argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ part_i,
+                    const float* __restrict__ part_s, int P, int* __restrict__ ids,
+                    float* __restrict__ conf) {
   using namespace mtp;
   __shared__ float sv[32];
   __shared__ int si[32];
+  __shared__ float ss[32];  // CONF only
   const long long r = blockIdx.x;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  float bv = neg_inf();
+  float bv = neg_inf(), bs = 0.0f;  // bs: CONF only, sum exp(l - bv) of the partials taken
   int bi = -1;
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
     const float v = part_v[r * P + p];
     const int i = part_i[r * P + p];
+    if constexpr (CONF) {
+      if (i >= 0) bs = lse_merge(bs, bv, part_s[r * P + p], v);  // an empty partial adds nothing
+    }
     if (beats(v, i, bv, bi)) { bv = v; bi = i; }
   }
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o >>= 1) {
     const float ov = __shfl_xor_sync(kFullMask, bv, o);
     const int oi = __shfl_xor_sync(kFullMask, bi, o);
+    if constexpr (CONF) {
+      const float os = __shfl_xor_sync(kFullMask, bs, o);
+      if (oi >= 0) bs = lse_merge(bs, bv, os, ov);
+    }
     if (beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
   }
-  if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+  if (lane == 0) {
+    sv[warp] = bv;
+    si[warp] = bi;
+    if constexpr (CONF) ss[warp] = bs;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int q = 1; q < static_cast<int>(blockDim.x / kWarp); ++q)
+    for (int q = 1; q < static_cast<int>(blockDim.x / kWarp); ++q) {
+      if constexpr (CONF) {
+        if (si[q] >= 0) bs = lse_merge(bs, bv, ss[q], sv[q]);
+      }
       if (beats(sv[q], si[q], bv, bi)) { bv = sv[q]; bi = si[q]; }
+    }
     ids[r] = bi;
+    if constexpr (CONF) conf[r] = bi >= 0 ? 1.0f / bs : quiet_nan();  // bs >= 1: the winner adds 1
   }
 }

@@ -673,6 +673,7 @@ def test_launch_abi(recorder, wdtype):
     mlp.swiglu_mlp(f(n, H), wt(12, H), wt(H, 6), f(n, H))
     lm_head.lm_head_logits(f(n, H), wt(100, H))
     lm_head.lm_head_argmax(f(n, H), wt(100, H), i(n, 4), check=False)
+    lm_head.lm_head_argmax(f(n, H), wt(100, H), None, conf=FakeDev((n,), F32), check=False)   # CONF
     step.copy_segments(np.zeros((5, 3), np.int64))
 
     launched = {name for _, name, *_ in recorder.launches}
@@ -680,13 +681,14 @@ def test_launch_abi(recorder, wdtype):
         check_launch(*launch)
     expected = {
         "rmsnorm_kernel", "paged_attention_merge_kernel", "moe_router_select_kernel",
-        "moe_combine_kernel", "argmax_final_kernel", "copy_segments_kernel",
+        "moe_combine_kernel", "argmax_final_kernel<false>", "argmax_final_kernel<true>", "copy_segments_kernel",
     }
     assert expected <= launched
     ct, kv = (loader.CTYPE[np.dtype(t).name] for t in (np.uint8 if wdtype == "fp8" else wdtype, dense))
     assert f"paged_attention_kernel<{kv}, 2>" in launched and f"paged_attention_kernel<{kv}, 4>" in launched
     assert {f"moe_expert_kernel<{ct}, true>", f"moe_expert_kernel<{ct}, false>", f"linear_kernel<{ct}>",
-            f"swiglu_gate_up_kernel<{ct}>", f"lm_head_argmax_partial_kernel<{ct}>"} <= launched
+            f"swiglu_gate_up_kernel<{ct}>", f"lm_head_argmax_partial_kernel<{ct}, false>",
+            f"lm_head_argmax_partial_kernel<{ct}, true>"} <= launched
 
 
 def test_a_device_older_than_sm_80_is_refused(monkeypatch):

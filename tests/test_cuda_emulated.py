@@ -50,6 +50,8 @@ from mtpkern.backends.cuda_launch import loader
 from mtpkern.backends.cuda_launch._util import CudaFp8
 from mtpkern.backends.cuda_launch import step as step_launch
 from mtpkern.config import tiny_config
+from mtpkern.errors import NoAllowedToken
+from mtpkern.ops.lm_head import bitmask_allowed, masked_argmax
 from mtpkern.ops.moe import RouterSpec
 from mtpkern.ops.rope_kv import inv_freq
 from mtpkern.tolerance import assert_close
@@ -627,6 +629,169 @@ def test_lm_head_shapes(be, wd, n, V, H):
         np.testing.assert_array_equal(be.lm_head_argmax(x, be.prepare_weight(wq), bm), REF.lm_head_argmax(x, wf, bm))
 
 
+def conf_reference(logits: np.ndarray, bitmask: np.ndarray | None) -> np.ndarray:
+    """[n, V] FP32 logits (the reference's, ``ops.lm_head.lm_head_logits``) -> conf [n] float64:
+    the softmax over each row's allowed, non-NaN logits at its maximum, ``1 / sum exp(l - l_max)``;
+    exp(l - l_max) is 1 where l == l_max (so an infinite maximum is shared by the tokens tied with
+    it, as the kernel's online log-sum-exp); NaN for a row without a candidate."""
+    n, V = logits.shape
+    ok = ~np.isnan(logits)
+    if bitmask is not None:
+        ok &= bitmask_allowed(bitmask, V)
+    out = np.full(n, np.nan)
+    for r in range(n):
+        lr = logits[r, ok[r]].astype(np.float64)
+        if lr.size:
+            top = lr.max()
+            with np.errstate(invalid="ignore"):
+                out[r] = 1.0 / np.where(lr == top, 1.0, np.exp(lr - top)).sum()
+    return out
+
+
+def ref_ids(logits: np.ndarray, bitmask: np.ndarray | None) -> np.ndarray:
+    """The reference's masked argmax, -1 for a row without a candidate (as the kernels)."""
+    ids = np.full(logits.shape[0], -1, np.int32)
+    for r in range(logits.shape[0]):
+        try:
+            ids[r] = masked_argmax(logits[r:r + 1], None if bitmask is None else bitmask[r:r + 1])[0]
+        except NoAllowedToken:
+            pass
+    return ids
+
+
+def lm_argmax_conf(be, x, w, bitmask=None, **kw):
+    """-> (ids, conf) of the emulated op with ``conf=`` (check=False: rows without a token give -1)."""
+    conf = np.full(x.shape[0], 7.0, np.float32)                 # every element must be written
+    ids = be.lm_head_argmax(x, w, bitmask, conf=conf, check=False, **kw)
+    return ids, conf
+
+
+def expect_conf(got, want, what):
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
+    ok = ~np.isnan(want)
+    assert_close(got[ok], want[ok], "float32", what)
+    assert ((got[ok] > 0) & (got[ok] <= 1)).all(), what
+
+
+@pytest.mark.parametrize("wd", ["bf16", "f32", "fp8", "fp8c"])
+@pytest.mark.parametrize("n,V,H", [(1, 1, 16), (2, 63, 40), (3, 64, 32), (8, 65, 24), (5, 301, 48),
+                                   (9, 130, 16), (4, 2500, 32), (2, 4099, 24)])
+def test_lm_head_conf(be, wd, n, V, H):
+    """conf against the float64 softmax of the reference's logits over odd shapes (every row
+    count of a chunk, NR = 1, 2, 4, 8, two chunks at n = 9), with and without masks; ids with
+    conf= are the ids without it; a mask of one token gives conf = 1 exactly; a row without
+    an allowed token gives -1 and NaN."""
+    rng = np.random.default_rng(31 * V + n + H)
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=2 * H ** -0.5)   # logits of a few units: conf spread over (0, 1]
+    wq, wf = stored(w, wd)
+    wb = be.prepare_weight(wq)
+    logits = REF.lm_head_logits(x, wf)
+    words = (V + 31) // 32
+    dense = rng.integers(-2**31, 2**31, (n, words), dtype=np.int64).astype(np.int32)
+    one = np.zeros((n, words), np.int32)
+    pick = rng.integers(0, V, n)
+    one[np.arange(n), pick >> 5] = (np.uint32(1) << (pick & 31).astype(np.uint32)).view(np.int32)
+    for name, bm in (("no mask", None), ("random mask", dense), ("one token", one)):
+        ids, conf = lm_argmax_conf(be, x, wb, bm)
+        np.testing.assert_array_equal(ids, be.lm_head_argmax(x, wb, bm, check=False), err_msg=name)
+        np.testing.assert_array_equal(ids, ref_ids(logits, bm), err_msg=name)
+        expect_conf(conf, conf_reference(logits, bm), f"conf {wd} n={n} V={V} {name}")
+        if name == "one token":
+            np.testing.assert_array_equal(ids, pick)
+            np.testing.assert_array_equal(conf, np.ones(n, np.float32))
+    empty = dense.copy()
+    empty[n - 1] = 0                                              # the last row allows nothing
+    ids, conf = lm_argmax_conf(be, x, wb, empty)
+    assert ids[-1] == -1 and np.isnan(conf[-1])
+    expect_conf(conf, conf_reference(logits, empty), f"conf {wd} n={n} V={V} empty row")
+
+
+@pytest.mark.parametrize("wd", ["bfloat16", "float32", "fp8_block", "fp8_channel"])
+def test_lm_head_conf_nan_inf_and_ties(be, wd):
+    """Exact logits (an identity head, x on a grid of few values: many ties at the maximum),
+    NaN tokens (NaN weight rows: never counted), -inf tokens (-inf on the diagonal times
+    x > 0: counted as 0), a row whose allowed logits are all -inf (they tie: 1 / count),
+    a row with two +inf logits (1 / 2) -- FP8 has no infinity: NaN only there."""
+    V = 150
+    rng = np.random.default_rng(5)
+    x = rng.choice(np.array([0.25, 0.5, 1.0, 2.0, 3.0], np.float32), (6, V))
+    w = np.eye(V, dtype=np.float32)
+    w[[3, 70, 149]] = np.nan                                       # NaN for every row
+    fp8 = wd.startswith("fp8")
+    if not fp8:
+        w[[5, 64, 100], [5, 64, 100]] = -np.inf                    # -inf where x > 0
+        x[4, [7, 140]] = -1.0
+        w[[7, 140], [7, 140]] = -np.inf                            # -1 * -inf = +inf: row 4 only
+    wt = test_ops_backends.exact_weight(w, wd)
+    wf = REF.prepare_weight(wt)
+    logits = REF.lm_head_logits(x, wf)
+    mask = np.full((6, (V + 31) // 32), -1, np.int32)
+    if not fp8:
+        mask[5] = 0                                                # row 5: only the -inf tokens
+        for j in (5, 64, 100):
+            mask[5, j >> 5] |= np.int32(1 << (j & 31))
+    want = conf_reference(logits, mask)
+    ids, conf = lm_argmax_conf(be, x, be.prepare_weight(wt), mask)
+    np.testing.assert_array_equal(ids, ref_ids(logits, mask))
+    expect_conf(conf, want, f"conf {wd}")
+    top = logits[:4].max(axis=1, initial=-np.inf, where=~np.isnan(logits[:4]))
+    assert ((logits[:4] == top[:, None]).sum(axis=1) > 1).all()    # ties at the maximum in every plain row
+    if not fp8:
+        assert ids[4] == 7 and conf[4] == 0.5                      # two +inf
+        assert ids[5] == 5 and conf[5] == np.float32(1 / 3)        # three -inf, nothing else allowed
+    assert np.isfinite(conf).all()
+
+
+def test_lm_head_conf_none_is_the_plain_argmax(emu, be):
+    """Without conf= the plain instantiations run (the CONF ones do not), with the same ids;
+    part_s without conf is refused; conf is checked by name; given workspaces are used."""
+    rng = np.random.default_rng(2)
+    n, V, H = 5, 200, 32
+    x, w = rnd(rng, n, H), be.prepare_weight(rnd(rng, V, H).astype(BF16))
+    before = emu.launches.copy()
+    ids = be.lm_head_argmax(x, w)
+    ran = {k for k, c in (emu.launches - before).items() if c}
+    assert ran == {"lm_head_argmax_partial_kernel<__nv_bfloat16, false>", "argmax_final_kernel<false>"}, ran
+    P = -(-V // 64)
+    part_v, part_i, part_s = (np.zeros((n, P), t) for t in (np.float32, np.int32, np.float32))
+    conf, out = np.zeros(n, np.float32), np.zeros(n, np.int32)
+    before = emu.launches.copy()
+    got = be.lm_head_argmax(x, w, out=out, part_v=part_v, part_i=part_i, part_s=part_s, conf=conf)
+    ran = {k for k, c in (emu.launches - before).items() if c}
+    assert ran == {"lm_head_argmax_partial_kernel<__nv_bfloat16, true>", "argmax_final_kernel<true>"}, ran
+    assert got is out
+    np.testing.assert_array_equal(out, ids)
+    assert (part_s >= 1).all() and (conf > 0).all()               # every block holds its best (adds 1)
+    m = part_v.max(axis=1, keepdims=True)                          # the final merge, in float64
+    np.testing.assert_allclose(conf, 1 / (part_s * np.exp(part_v.astype(np.float64) - m)).sum(axis=1), rtol=1e-6)
+    with pytest.raises(ValueError, match="part_s"):
+        be.lm_head_argmax(x, w, part_s=part_s)
+    with pytest.raises(TypeError, match="conf: expected dtype float32"):
+        be.lm_head_argmax(x, w, conf=np.zeros(n, np.float64))
+    with pytest.raises(ValueError, match=r"conf: expected shape \[5\]"):
+        be.lm_head_argmax(x, w, conf=np.zeros(n + 1, np.float32))
+    with pytest.raises(ValueError, match=r"part_s: expected shape \[5, 4\]"):
+        be.lm_head_argmax(x, w, part_s=np.zeros((n, P + 1), np.float32), conf=conf)
+
+
+def test_lm_head_conf_matches_the_numpy_backend(be):
+    """Once the NumPy reference has conf= (mtpkern/ops/lm_head.py), the emulated op agrees with it."""
+    import inspect
+
+    if "conf" not in inspect.signature(REF.lm_head_argmax).parameters:
+        pytest.skip("the NumPy backend's lm_head_argmax has no conf= yet")
+    rng = np.random.default_rng(3)
+    x, w = rnd(rng, 4, 40), rnd(rng, 301, 40, scale=0.3)
+    mask = rng.integers(-2**31, 2**31, (4, 10), dtype=np.int64).astype(np.int32)
+    mask[:, 0] |= 1
+    want = np.zeros(4, np.float32)
+    REF.lm_head_argmax(x, w, mask, conf=want)
+    ids, conf = lm_argmax_conf(be, x, be.prepare_weight(w), mask)
+    np.testing.assert_array_equal(ids, REF.lm_head_argmax(x, w, mask))
+    assert_close(conf, want, "float32", "conf against the NumPy backend")
+
+
 _LOGITS = [-3.0, -2.25, -1.5, -0.75, 0.0, 0.5, 1.0, 1.25, 2.0, 2.5]
 _BIAS = [-0.5, -0.125, 0.0, 0.25, 0.5]
 
@@ -844,7 +1009,10 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         out[f"swiglu {wd}"] = be.swiglu_mlp(x, pw(w(48, 64)), pw(w(64, 24)), x)
         mask = rng.integers(-2**31, 2**31, (5, 5), dtype=np.int64).astype(np.int32)
         mask[:, 0] |= 1
-        out[f"lm_head {wd}"] = be.lm_head_argmax(x, pw(w(130, 64)), mask)
+        head = pw(w(130, 64))
+        out[f"lm_head {wd}"] = be.lm_head_argmax(x, head, mask)
+        out[f"lm_head conf {wd}"] = np.full(5, np.nan, np.float32)                      # the CONF instantiations
+        out[f"lm_head conf ids {wd}"] = be.lm_head_argmax(x, head, mask, conf=out[f"lm_head conf {wd}"])
         ids, wts = be.moe_router(x, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
         out[f"router {wd}"] = ids
         e13, e2 = rnd(rng, 32, 48, 64, scale=0.125), rnd(rng, 32, 64, 24, scale=24 ** -0.5)

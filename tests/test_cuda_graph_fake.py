@@ -18,6 +18,7 @@ timing. tests/test_gpu.py does, on a device.
 from __future__ import annotations
 
 import ctypes
+import inspect
 from functools import partial
 from types import SimpleNamespace
 
@@ -31,7 +32,7 @@ from mtpkern.backends.cuda_launch import attention as attn_launch
 from mtpkern.backends.cuda_launch import lm_head as lm_launch
 from mtpkern.backends.cuda_launch import step as step_launch
 from mtpkern.backends.numpy_backend import NumpyBackend
-from mtpkern.ops.lm_head import lm_head_logits, masked_argmax
+from mtpkern.ops.lm_head import bitmask_allowed, lm_head_logits, masked_argmax
 from test_planned_step import run_twins
 
 SMS = 132
@@ -214,23 +215,34 @@ class FakeCudaBackend(NumpyBackend):
             self.ws_seen.add("mlp act")
         return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit)
 
-    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, check=True):
+    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
+                       check=True):
+        n, P = x.shape[0], -(-w.shape[0] // lm_launch.ROWS_PER_BLOCK)
+        if part_s is not None and conf is None:
+            raise ValueError("part_s: the confidence workspace is used only with conf=; got part_s without conf")
+        if conf is not None:                 # the launcher's rule: conf [n] FP32, written in place
+            _expect("conf", conf, (n,))
         if out is not None:
-            P = -(-w.shape[0] // lm_launch.ROWS_PER_BLOCK)
-            _expect("part_v", part_v, (x.shape[0], P))
-            _expect("part_i", part_i, (x.shape[0], P), np.int32)
+            _expect("part_v", part_v, (n, P))
+            _expect("part_i", part_i, (n, P), np.int32)
+            if conf is not None:
+                _expect("part_s", part_s, (n, P))
+                self.ws_seen.add("lm conf")
             assert check is False, "a captured argmax must not read the ids back"
             self.ws_seen.add("lm parts")
 
-        def kernel(x, w, bitmask, out):
-            """-1 for a row without an allowed token, as lm_head_argmax_partial/final do."""
+        def kernel(x, w, bitmask, out, conf):
+            """-1 (and conf NaN) for a row without an allowed token, as lm_head_argmax_partial/final do."""
             logits = lm_head_logits(x, w)
             ids = np.empty(x.shape[0], np.int32)
             for r in range(x.shape[0]):
+                mask = None if bitmask is None else bitmask[r:r + 1]
                 try:
-                    ids[r] = masked_argmax(logits[r:r + 1], None if bitmask is None else bitmask[r:r + 1])[0]
+                    ids[r] = masked_argmax(logits[r:r + 1], mask)[0]
                 except NoAllowedToken:
                     ids[r] = -1
+                if conf is not None:
+                    conf[r] = np.nan if ids[r] < 0 else draft_confidence(x[r:r + 1], w, mask, logits[r])
             if check:
                 lm_launch.raise_if_no_allowed(ids, w.shape[0])
             if out is None:
@@ -238,7 +250,25 @@ class FakeCudaBackend(NumpyBackend):
             out[...] = ids
             return out
 
-        return self.rt.launch(kernel, x, w, bitmask, out, returns=out)
+        return self.rt.launch(kernel, x, w, bitmask, out, conf, returns=out)
+
+
+def draft_confidence(x, w, bitmask, logits) -> float:
+    """conf of one row [1, H] that has an allowed token: the NumPy backend's ``conf=`` when it
+    has one, else the float64 softmax of the reference logits [V] over the allowed, non-NaN
+    tokens at their maximum (exp(l - l_max) = 1 where l == l_max: an infinite maximum is shared
+    by the tokens tied with it, as the kernels' online log-sum-exp)."""
+    if "conf" in inspect.signature(NumpyBackend.lm_head_argmax).parameters:
+        c = np.full(1, np.nan, np.float32)
+        NumpyBackend.lm_head_argmax(x, w, bitmask, conf=c)
+        return float(c[0])
+    ok = ~np.isnan(logits)
+    if bitmask is not None:
+        ok &= bitmask_allowed(bitmask, logits.shape[0])[0]
+    lr = logits[ok].astype(np.float64)
+    top = lr.max()
+    with np.errstate(invalid="ignore"):
+        return float(1.0 / np.where(lr == top, 1.0, np.exp(lr - top)).sum())
 
 
 @pytest.fixture
@@ -259,6 +289,44 @@ def _twins(ckpt, mode, rt, **kw):
                                                num_blocks=160, **kw)
     assert graph.step_runner is not None and graph.step_runner.capture      # cuda_graphs=True by default
     return eager, graph
+
+
+def test_fake_lm_head_argmax_conf(fake_cuda):
+    """The fake's conf= (which the planned step will pass with part_s): the launcher's shape
+    rules, conf in (0, 1] against the softmax of the logits, 1 for a one-token mask, NaN and -1
+    for a row without a token, and a captured launch writes conf only on replay."""
+    be = FakeCudaBackend(fake_cuda)
+    rng = np.random.default_rng(0)
+    n, V, H = 3, 130, 16
+    x, w = rng.standard_normal((n, H)).astype(np.float32), rng.standard_normal((V, H)).astype(np.float32)
+    P = 3
+    mask = np.full((n, 5), -1, np.int32)
+    mask[1] = 0
+    mask[1, 2] = 1 << 9                                   # token 73 only
+    mask[2] = 0                                           # nothing
+    ws = dict(part_v=np.zeros((n, P), np.float32), part_i=np.zeros((n, P), np.int32),
+              part_s=np.zeros((n, P), np.float32))
+    out, conf = np.zeros(n, np.int32), np.zeros(n, np.float32)
+    be.lm_head_argmax(x, w, mask, out=out, conf=conf, check=False, **ws)
+    logits = lm_head_logits(x, w).astype(np.float64)
+    assert out[0] == np.argmax(logits[0]) and np.isclose(conf[0], 1 / np.exp(logits[0] - logits[0].max()).sum())
+    assert out[1] == 73 and conf[1] == 1.0
+    assert out[2] == -1 and np.isnan(conf[2])
+    assert "lm conf" in be.ws_seen
+    with pytest.raises(AssertionError, match="part_s"):
+        be.lm_head_argmax(x, w, mask, out=out, conf=conf, check=False, **{**ws, "part_s": None})
+    with pytest.raises(AssertionError, match="conf"):
+        be.lm_head_argmax(x, w, mask, conf=np.zeros(n + 1, np.float32), check=False)
+    with pytest.raises(ValueError, match="part_s"):
+        be.lm_head_argmax(x, w, mask, part_s=ws["part_s"], check=False)
+    fake_cuda.recording = []                              # captured: nothing runs until replay
+    conf[:] = 7.0
+    be.lm_head_argmax(x, w, mask, out=out, conf=conf, check=False, **ws)
+    assert (conf == 7.0).all()
+    for f in fake_cuda.recording:
+        f()
+    fake_cuda.recording = None
+    assert conf[1] == 1.0 and np.isnan(conf[2])
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

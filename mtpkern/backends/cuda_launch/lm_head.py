@@ -8,6 +8,13 @@
 word ``j >> 5`` allows token j, padding bits past V are ignored. Workspaces
 ``part_v [n, P]`` FP32 / ``part_i [n, P]`` int32 with ``P = ceil(V / 64)``.
 
+``conf [n]`` FP32 (keyword, optional; written in place): the drafter's probability of
+its draft, ``conf[r] = 1 / sum_{j allowed, l_j not NaN} exp(l_j - l_ids[r])``, the
+softmax over the row's allowed logits at the winner (NaN for a row without a
+candidate). An online log-sum-exp in both stages (the ``CONF`` instantiations), with
+one more workspace ``part_s [n, P]`` FP32; without ``conf`` the kernels are the plain
+argmax's and ``part_s`` must not be passed.
+
 A row with no allowed, non-NaN token comes back as -1; with ``check=True``
 (default) the launcher copies ids to the host (a synchronisation) and raises
 ``NoAllowedToken`` naming the row. Inside a CUDA-graph capture pass
@@ -45,8 +52,9 @@ def lm_head_logits(x, w, *, out=None):
     return y
 
 
-def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, check: bool = True):
-    """-> ids [n] int32 (see the module doc for ``check`` and the workspaces)."""
+def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
+                   check: bool = True):
+    """-> ids [n] int32 (see the module doc for ``check``, ``conf`` and the workspaces)."""
     _check(x, w)
     n, H = x.shape
     V = w.shape[0]
@@ -54,18 +62,26 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, ch
         raise ValueError("w: expected at least one vocabulary row, got 0")
     if bitmask is not None:
         check_bitmask(bitmask, n, V)
+    if part_s is not None and conf is None:
+        raise ValueError("part_s: the confidence workspace is used only with conf=; got part_s without conf")
     x, w = device(x, "x", "float32"), device_weight(w, "w")
     bitmask = optional(bitmask, "bitmask", "int32")
     P = cdiv(V, ROWS_PER_BLOCK)
     ids = output(out, "out", (n,), np.int32)
     part_v = output(part_v, "part_v", (n, P), np.float32)
     part_i = output(part_i, "part_i", (n, P), np.int32)
+    want_conf = conf is not None
+    if want_conf:
+        conf = output(conf, "conf", (n,), np.float32)
+        part_s = output(part_s, "part_s", (n, P), np.float32)
     if n == 0:
         return ids
-    partial = get_kernel("lm_head", f"lm_head_argmax_partial_kernel<{ctype(w)}>")
-    partial((P,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, i32(n), i32(V), i32(H), i32(P)))
-    final = get_kernel("lm_head", "argmax_final_kernel")
-    final((n,), (FINAL_THREADS,), (part_v, part_i, i32(P), ids))
+    c = "true" if want_conf else "false"
+    partial = get_kernel("lm_head", f"lm_head_argmax_partial_kernel<{ctype(w)}, {c}>")
+    partial((P,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, ptr(part_s), i32(n), i32(V),
+                                    i32(H), i32(P)))
+    final = get_kernel("lm_head", f"argmax_final_kernel<{c}>")
+    final((n,), (FINAL_THREADS,), (part_v, part_i, ptr(part_s), i32(P), ids, ptr(conf)))
     if check:
         raise_if_no_allowed(ids, V, bitmask is not None)
     return ids

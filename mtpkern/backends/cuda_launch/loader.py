@@ -50,7 +50,9 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
     + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
-    "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}>" for t in _WEIGHT_CTYPES) + ("argmax_final_kernel",),
+    # CONF: the confidence epilogue (lm_head_argmax(..., conf=)); false is the plain argmax
+    "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}>" for t in _WEIGHT_CTYPES for c in ("false", "true"))
+    + ("argmax_final_kernel<false>", "argmax_final_kernel<true>"),
     "step": ("copy_segments_kernel",),
     # a probe of mma.cuh's fragment layout, for the tests only (kernels/mma.cu)
     "mma": ("mma_bf16_probe_kernel",),
