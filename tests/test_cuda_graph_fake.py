@@ -368,3 +368,14 @@ def test_captured_mla_checkpoint(fake_cuda, mla_ckpt, mla_cfg):
     counts = run_twins(eager, graph, mla_cfg, 3, [7, 300], [(3, [0.0], [None])] * 3 + [(2, [1.0], [None])])
     assert counts["replayed"] >= 2
     assert {"mla q_full", "mla o_lat", "mla part_o", "mla part_ml"} <= graph.backend.ws_seen, graph.backend.ws_seen
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_step_with_confidences(fake_cuda, tiny_ckpt, tiny_cfg, mode):
+    """out_conf on every propose: the captured step passes conf / part_s to the LM head (the
+    launcher's shape rule) and replays the eager path's confidences; two D2H copies a call."""
+    eager, graph = _twins(tiny_ckpt, mode, fake_cuda)
+    counts = run_twins(eager, graph, tiny_cfg, 6, [7, 12], [(3, [0.0], [None])] * 4 + [(2, [1.0], ["one"])],
+                       conf=True)
+    assert counts["replayed"] >= 2 and "lm conf" in graph.backend.ws_seen
+    assert fake_cuda.memcpys["d2h"] == 2 * (counts["executed"] + counts["replayed"])

@@ -74,8 +74,9 @@ def _random_mask(rng, V, kind, k):
     return lambda i, drafts: rows[i]          # callable: the planned path must not take it
 
 
-def run_twins(eager, planned, cfg, seed, lens, rounds):
-    """Drive both proposers through the same calls; compare after every one."""
+def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False):
+    """Drive both proposers through the same calls; compare after every one. ``conf``: every
+    propose also asks for the drafts' confidences (out_conf), compared too."""
     rng = np.random.default_rng(seed)
     H, V, B = cfg.hidden_size, cfg.vocab_size, len(lens)
     exact = eager.kv_mode == "exact"
@@ -98,8 +99,7 @@ def run_twins(eager, planned, cfg, seed, lens, rounds):
             masks_arg = None if all(m is None for m in masks) else masks
             runs = sum(planned.step_runner.counts[c] for c in ("executed", "replayed"))
             outs = []
-            ask = bool(rng.integers(0, 2))                   # every other call asks for confidences
-            confs: list = [[] if ask else None, [] if ask else None]
+            confs: list = [[] if conf else None, [] if conf else None]
             for (p, ss), conf in zip(((eager, s0), (planned, s1)), confs):
                 try:
                     outs.append(p.propose_batch(last, np.stack(pending), pos, k, ss, grammar_bitmasks=masks_arg,
@@ -168,6 +168,16 @@ def test_planned_step_equals_eager_mla(mla_ckpt, mla_cfg, mode, seed, lens, roun
     with out= buffers) in the planned step."""
     eager, planned = _pair(mla_ckpt, mode, "postnorm")
     run_twins(eager, planned, mla_cfg, seed, lens, rounds)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**scenario)
+def test_planned_step_with_confidences_equals_eager(tiny_ckpt, tiny_cfg, mode, seed, lens, rounds):
+    """Every propose asking for out_conf: the planned step's conf buffers and their copy to
+    the host give the eager path's confidences exactly."""
+    eager, planned = _pair(tiny_ckpt, mode, "prenorm")
+    run_twins(eager, planned, tiny_cfg, seed, lens, rounds, conf=True)
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
