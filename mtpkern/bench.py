@@ -377,10 +377,11 @@ def make_proposer(ckpt: Path, be, kv_mode: str, max_batch: int, max_context: int
                                               num_blocks=max_batch * (-(-rows // 16) + 1) + 8)
 
 
-def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, conf: bool = False) -> Timing:
+def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, conf: bool = False,
+                  min_confidence: float | None = None) -> Timing:
     """``propose_batch`` of ``k`` drafts for ``B`` fresh sequences of ``context`` rows each
     (filled with ``fast_fill``): the time of the propose alone, over ``runs`` calls; ``conf``:
-    asking for the drafts' confidences (``out_conf``)."""
+    asking for the drafts' confidences (``out_conf``); ``min_confidence``: an early stop."""
     rng = np.random.default_rng(1)
     H, V = prop.config.hidden_size, prop.config.vocab_size
     sts = []
@@ -395,7 +396,8 @@ def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, co
     try:
         for i in range(warmup + runs):
             t0 = time.perf_counter()
-            prop.propose_batch(toks, hs, [context + i] * B, k, sts, out_conf=[] if conf else None)
+            prop.propose_batch(toks, hs, [context + i] * B, k, sts, out_conf=[] if conf else None,
+                               min_confidence=min_confidence)
             prop.backend.synchronize()
             if i >= warmup:
                 ts.append(time.perf_counter() - t0)
@@ -525,14 +527,17 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
     for context in contexts:
         for B in args.batches:
             M = cfg.num_modules
-            for k, conf in [(k, False) for k in range(1, M + 1)] + [(M, True)]:   # then k = M with confidences
+            # k = 1 .. M; then k = M with confidences, and with an early stop at 0.5 (the floor
+            # of a propose of all M drafts: the stop reads less when it stops)
+            for k, conf, stop in [(k, False, None) for k in range(1, M + 1)] + [(M, True, None), (M, True, 0.5)]:
                 tt = torch_peer(k, B, args.warmup, args.runs, context) if torch_peer and not conf else None
                 for mode, prop in props.items():
                     nbytes = propose_bytes(cfg, k, context, B, kvb, mode)
                     floor_us = nbytes / (read_gbs * 1e9) * 1e6
-                    judged = llc is None or nbytes > llc
-                    t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf)
-                    row = {"kv_mode": mode + ("+conf" if conf else ""), "conf": conf, "k": k, "batch": B,
+                    judged = (llc is None or nbytes > llc) and stop is None
+                    t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf, stop)
+                    tag = "" if not conf else "+conf" if stop is None else f"+stop{stop:g}"
+                    row = {"kv_mode": mode + tag, "conf": conf, "min_confidence": stop, "k": k, "batch": B,
                            "context": context, **asdict(t),
                            "bytes": nbytes, "floor_us": floor_us, "x_floor": t.median_us / floor_us,
                            "floor_judged": judged, "spread": t.spread,

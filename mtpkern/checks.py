@@ -72,6 +72,14 @@ def check_out_conf(name: str, v: Any, confs: list | None) -> list | None:
     return None if v is None else confs
 
 
+def check_probability(name: str, v: Any) -> float:
+    """A threshold on confidences: a real number in [0, 1]."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= float(v) <= 1.0:
+        raise ValueError(f"{name}: expected a number in [0, 1], got {_kind(v)} {v!r}")
+    return float(v)
+
+
 def check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {_kind(v)} {v!r}")

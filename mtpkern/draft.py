@@ -69,14 +69,22 @@ class DraftChain:
         drafts: list[list[int]] = [[] for _ in range(B)]
         cur_tok = np.asarray(toks, np.int32)
         g = hid
+        active = list(range(B))                  # the sequences still drafting (row j: active[j])
         for m in range(k):
-            jobs = [RowJob(st._kv[m], cur_tok[i:i + 1], p - 1, m + 1, st) for i, (st, p) in enumerate(zip(sts, poss))]
+            jobs = [RowJob(sts[i]._kv[m], cur_tok[j:j + 1], poss[i] - 1, m + 1, sts[i]) for j, i in enumerate(active)]
             y, normed = self.modules[m]._forward(jobs, g, pad_tables=True)
-            ids = draft_ids(m, normed, drafts)
-            for i in range(B):
-                drafts[i].append(int(ids[i]))
+            ids, stops = draft_ids(m, normed, drafts, active)
+            for j, i in enumerate(active):
+                drafts[i].append(int(ids[j]))
             cur_tok = ids.astype(np.int32)
             g = normed if self.chain == "postnorm" else y
+            if stops is not None and stops.any():            # early stop: the rest go on alone
+                keep = np.flatnonzero(~stops)
+                if keep.size == 0:
+                    break
+                active = [active[j] for j in keep]
+                cur_tok = cur_tok[keep]
+                g = g[self.modules[m].backend.from_host(keep.astype(np.int64))]
         for st, p in zip(sts, poss):
             st._num_hiddens = p
             st._num_verified = st._tail_start = p + 1

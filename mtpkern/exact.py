@@ -25,8 +25,10 @@ from .errors import StateError
 from .head import MtpHead, RowJob
 from .state import MtpState
 
-#: drafts of module m for rows [B, H] (row i = sequence i), given the drafts so far
-DraftFn = Callable[[int, Any, list[list[int]]], np.ndarray]
+#: drafts of module m for rows [n, H], row j = sequence active[j], given the drafts so far:
+#: ``(m, rows, drafts, active) -> (ids [n], stops [n] bool or None)``; a sequence whose
+#: ``stops`` entry is True drafts no further in this propose (early stop)
+DraftFn = Callable[[int, Any, list[list[int]], list[int]], tuple[np.ndarray, np.ndarray | None]]
 
 
 def exact_rows(st: MtpState, m: int) -> int:
@@ -114,9 +116,12 @@ class ExactChain:
     def propose(self, sts: list[MtpState], toks: list[int], poss: list[int], hid: Any, k: int,
                 draft_ids: DraftFn) -> list[list[int]]:
         """Every module reaches its exact rows over ``t_P`` and the drafts; modules
-        ``m < k`` draft from their key ``P - 1`` row."""
+        ``m < k`` draft from their key ``P - 1`` row, for the sequences that have not stopped
+        (a stopped sequence's later modules reach the rows of its shorter tail: the state
+        of a propose that asked for as many drafts as it made)."""
         B = len(sts)
         drafts: list[list[int]] = [[] for _ in range(B)]
+        active = list(range(B))
         for i, (st, p) in enumerate(zip(sts, poss)):
             st._num_hiddens = p
             st._num_verified = p + 1
@@ -124,12 +129,14 @@ class ExactChain:
         stage = [(p - 1, hid[i:i + 1]) for i, p in enumerate(poss)]
         for m in range(self.M):
             normed, last_rows = self.run(m, sts, stage, pad_tables=True)
-            if m < k:
-                idx = self.backend.from_host(np.asarray(last_rows, np.int64))
-                ids = draft_ids(m, normed[idx], drafts)
-                for i, st in enumerate(sts):
-                    drafts[i].append(int(ids[i]))
-                    st._tail.append(int(ids[i]))
+            if m < k and active:
+                idx = self.backend.from_host(np.asarray([last_rows[i] for i in active], np.int64))
+                ids, stops = draft_ids(m, normed[idx], drafts, active)
+                for j, i in enumerate(active):
+                    drafts[i].append(int(ids[j]))
+                    sts[i]._tail.append(int(ids[j]))
+                if stops is not None:
+                    active = [i for j, i in enumerate(active) if not stops[j]]
         for st in sts:
             self.trim_windows(st)
             self.trim_tail(st)

@@ -39,7 +39,8 @@ from .backends import BackendName, get_backend
 from .backends.base import Backend
 from .carry import CarryRegistry
 from .checks import (check_bool, check_hidden_dtype, check_int, check_list, check_out_conf, check_positions,
-                     check_token, check_tokens, expect_finite, hidden_shape, ingest_hidden, shape_of)
+                     check_probability, check_token, check_tokens, expect_finite, hidden_shape, ingest_hidden,
+                     shape_of)
 from .config import MtpConfig, ceil_div
 from .errors import CheckpointError, NoAllowedToken, StateError, no_token_reason, no_token_where
 from .draft import DraftChain
@@ -403,7 +404,8 @@ class MultiModuleMtpHead(DraftProposer):
 
     # -- propose ------------------------------------------------------------------------
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int,
-                state: ProposerState, grammar_bitmask: Any = None, out_conf: list | None = None) -> list[int]:
+                state: ProposerState, grammar_bitmask: Any = None, out_conf: list | None = None,
+                min_confidence: float | None = None) -> list[int]:
         """Draft ``min(num_drafts, M)`` tokens after ``last_token`` = ``t_P`` at ``position`` = ``P``.
 
         ``target_hidden`` ``[H]``: the target's ``h_{P-1}``. Module 0 takes
@@ -412,11 +414,15 @@ class MultiModuleMtpHead(DraftProposer):
         ``mtpkern.grammar``. Returns ``[d_0 .. d_{k'-1}]``. ``out_conf``: a list, replaced
         on success by each draft's confidence (floats: the probability its module gave it,
         the softmax of the grammar-allowed logits; mtpkern.ops.lm_head); untouched on error.
+        ``min_confidence``: early stop: drafting ends with the first draft whose confidence is
+        below it (that draft is returned; no later module drafts), leaving the state a
+        propose of that many drafts leaves (docs/api.md).
         """
         confs = None if out_conf is None else []
         drafts = self._propose([last_token], [target_hidden], [position], num_drafts, [state],
                                None if grammar_bitmask is None else [grammar_bitmask], single=True,
-                               out_conf=check_out_conf("out_conf", out_conf, confs))[0]
+                               out_conf=check_out_conf("out_conf", out_conf, confs),
+                               min_confidence=min_confidence)[0]
         if out_conf is not None:
             out_conf[:] = confs[0]
         return drafts
@@ -424,25 +430,29 @@ class MultiModuleMtpHead(DraftProposer):
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
                       num_drafts: int, states: Sequence[ProposerState],
                       grammar_bitmasks: Sequence[Any] | None = None,
-                      out_conf: list | None = None) -> list[list[int]]:
+                      out_conf: list | None = None, min_confidence: float | None = None) -> list[list[int]]:
         """``propose`` for ``B`` sequences at once: one forward per module over all of them.
 
         ``target_hiddens``: ``[B, H]`` or a list of ``B`` ``[H]`` arrays;
         ``grammar_bitmasks``: None or a list of ``B`` (each None or any form ``propose``
         takes). Returns one list of drafts per sequence, as ``propose`` would.
-        ``out_conf``: a list, replaced on success by one list of confidences per sequence.
+        ``out_conf``: a list, replaced on success by one list of confidences per sequence;
+        ``min_confidence``: early stop per sequence (its list of drafts may be shorter).
         """
         confs = None if out_conf is None else []
         drafts = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
-                               single=False, out_conf=check_out_conf("out_conf", out_conf, confs))
+                               single=False, out_conf=check_out_conf("out_conf", out_conf, confs),
+                               min_confidence=min_confidence)
         if out_conf is not None:
             out_conf[:] = confs
         return drafts
 
     def _propose(self, last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
-                 single: bool, out_conf: list | None = None) -> list[list[int]]:
+                 single: bool, out_conf: list | None = None, min_confidence: float | None = None) -> list[list[int]]:
         """``out_conf``: None, or an empty list that gets one list of confidences per sequence."""
         cfg = self.config
+        if min_confidence is not None:
+            min_confidence = check_probability("min_confidence", min_confidence)
 
         def name(one: str, many: str, i: int | None = None) -> str:
             return one if single else many if i is None else f"{many}[{i}]"
@@ -470,20 +480,26 @@ class MultiModuleMtpHead(DraftProposer):
             for i, (st, p) in enumerate(zip(sts, poss)):
                 self._check_position(st, p, k, name("position", "positions", i))
             hid = self._target_norm(hid)
-            run = self._propose_eager
+            planned = False
             runner = self.step_runner
-            # The planned step takes only masks that do not depend on the drafts (callables may).
+            # The planned step takes only masks that do not depend on the drafts (callables may),
+            # and runs every module for every sequence (an early stop decides per module, on the host).
             static = grammar_bitmasks is None or not any(callable(gm) for gm in grammar_bitmasks)
-            if runner is not None and static and runner.applies(sts, poss, k):
-                run = runner.propose
+            if runner is not None and static and min_confidence is None and runner.applies(sts, poss, k):
+                planned = True
             rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
-            want_conf = out_conf is not None
-            drafts, device, confs = guarded(self.pools, sts, rows,
-                                            lambda: run(sts, toks, poss, hid, k, masks, want_conf))
+            want_conf = out_conf is not None or min_confidence is not None
+            if planned:
+                drafts, device, confs = guarded(self.pools, sts, rows,
+                                                lambda: runner.propose(sts, toks, poss, hid, k, masks, want_conf))
+                confs = None if confs is None else [[float(c) for c in confs[:, i]] for i in range(B)]
+            else:
+                drafts, device, confs = guarded(self.pools, sts, rows, lambda: self._propose_eager(
+                    sts, toks, poss, hid, k, masks, want_conf, min_confidence))
             for st, p, d in zip(sts, poss, drafts):
                 st._drafted = True
                 st._last_position = p
-                st._last_k = k
+                st._last_k = len(d)                               # k, or fewer after an early stop
                 st._last_drafts = d
         with self._lock:                                          # counted once the call has succeeded
             if num_drafts > self.num_modules:
@@ -491,11 +507,15 @@ class MultiModuleMtpHead(DraftProposer):
                     _log.warning("mtpkern: num_drafts=%d exceeds the %d MTP modules; drafting %d "
                                  "(counted in clamped_calls)", num_drafts, self.num_modules, k)
                 self.clamped_calls += 1
-            self.last_drafts_device = (device if device is not None else
-                                       self.backend.from_host(np.asarray(drafts, np.int32).reshape(B, k)))
+            if device is None:                                    # [B, k], -1 past an early stop
+                padded = np.full((B, k), -1, np.int32)
+                for i, d in enumerate(drafts):
+                    padded[i, :len(d)] = d
+                device = self.backend.from_host(padded)
+            self.last_drafts_device = device
             self._last_drafts = drafts[-1]
-        if out_conf is not None:                                  # [k, B] -> one list per sequence
-            out_conf.extend([float(c) for c in np.asarray(confs)[:, i]] for i in range(B))
+        if out_conf is not None:
+            out_conf.extend(confs)
         return drafts
 
     def _check_position(self, st: MtpState, p: int, k: int, name: str) -> None:
@@ -503,29 +523,36 @@ class MultiModuleMtpHead(DraftProposer):
         check_positions(name, self.mode.highest_position(p, k, self.num_modules),
                         self.config.max_position_embeddings)
 
-    def _propose_eager(self, sts, toks, poss, hid, k, masks,
-                       want_conf: bool = False) -> tuple[list[list[int]], None, np.ndarray | None]:
-        """-> (drafts, None, [k, B] confidences or None)."""
-        confs: list[np.ndarray] | None = [] if want_conf else None
-        drafts = self.mode.propose(sts, toks, poss, hid, k,
-                                   lambda m, normed, drafts: self._draft_ids(m, normed, masks, drafts, confs))
-        return drafts, None, None if confs is None else np.stack(confs)
+    def _propose_eager(self, sts, toks, poss, hid, k, masks, want_conf: bool = False,
+                       min_confidence: float | None = None) -> tuple[list[list[int]], None, list | None]:
+        """-> (drafts, None, per sequence its drafts' confidences, or None)."""
+        confs: list[list[float]] | None = [[] for _ in sts] if want_conf else None
+
+        def draft_ids(m, normed, drafts, active):
+            return self._draft_ids(m, normed, masks, drafts, active, confs, min_confidence)
+
+        return self.mode.propose(sts, toks, poss, hid, k, draft_ids), None, confs
 
     def _draft_ids(self, m: int, normed: Any, masks: list[MaskFn | None], drafts: list[list[int]],
-                   confs: list | None = None) -> np.ndarray:
-        """Module ``m``'s drafts for rows ``normed`` [B, H] (row i = sequence i), with a
-        ``NoAllowedToken`` that names the sequence and the draft position; with ``confs``
-        (a list), their confidences [B] appended to it."""
-        rows = self._mask_rows(masks, m, drafts)
+                   active: list[int] | None = None, confs: list | None = None,
+                   min_confidence: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """Module ``m``'s drafts for rows ``normed`` [n, H] (row j = sequence ``active[j]``, all
+        by default), with a ``NoAllowedToken`` that names the sequence and the draft position;
+        with ``confs`` (a list per sequence), their confidences appended; returns (ids, which
+        rows stop: their confidence is below ``min_confidence``, or None)."""
+        active = list(range(len(masks))) if active is None else active
+        rows = self._mask_rows([masks[i] for i in active], m, [drafts[i] for i in active])
         try:
-            if confs is not None:
-                ids, conf = self.modules[m].argmax_conf(normed, rows)
-                confs.append(conf)
-                return ids
-            return self.modules[m].argmax(normed, rows)
+            if confs is None:
+                return self.modules[m].argmax(normed, rows), None
+            ids, conf = self.modules[m].argmax_conf(normed, rows)
+            for j, i in enumerate(active):
+                confs[i].append(float(conf[j]))
+            return ids, None if min_confidence is None else conf < np.float32(min_confidence)
         except NoAllowedToken as e:
-            i = e.row
-            masked = rows is not None and i is not None and not (rows[i] == -1).all()
+            j = e.row
+            i = None if j is None else active[j]
+            masked = rows is not None and j is not None and not (rows[j] == -1).all()
             raise NoAllowedToken(f"{no_token_where(i, len(masks), m)}: "
                                  f"{no_token_reason(masked, self.config.vocab_size)}", row=i, draft=m) from None
 

@@ -30,8 +30,9 @@ class DraftProposer(ABC):
 
     @abstractmethod
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int,
-                state: ProposerState, grammar_bitmask: Any = None) -> list[int]:
-        """Draft up to ``num_drafts`` tokens after ``last_token`` (at ``position``)."""
+                state: ProposerState, grammar_bitmask: Any = None, out_conf: list | None = None) -> list[int]:
+        """Draft up to ``num_drafts`` tokens after ``last_token`` (at ``position``);
+        ``out_conf``: a list that receives each draft's confidence."""
 
     @abstractmethod
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
@@ -54,7 +55,8 @@ class DraftProposer(ABC):
 
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
                       num_drafts: int, states: Sequence[ProposerState],
-                      grammar_bitmasks: Sequence[Any] | None = None) -> list[list[int]] | None:
+                      grammar_bitmasks: Sequence[Any] | None = None,
+                      out_conf: list | None = None) -> list[list[int]] | None:
         """Propose for several sequences at once; ``None`` when unsupported (the default)."""
         return None
 

@@ -131,3 +131,86 @@ def test_infinite_logits_follow_the_equal_to_the_best_rule(name):
         be.lm_head_argmax(x, be.prepare_weight(ww), mask, conf=conf)
         out.append(float(conf[0]))
     assert_close(np.array(out), np.array([1 / 60, 1 / 3, 1 / 2]), what="confidences with infinite logits")
+
+
+# -- the proposer: out_conf and early stop ---------------------------------------------------------
+
+from conftest import kv_rows, rand_hiddens  # noqa: E402
+
+from mtpkern import MultiModuleMtpHead  # noqa: E402
+
+
+def _fingerprint(prop, st):
+    return (st.rows_per_module(), [s.keys.to_list() for s in st.kv], st.num_verified, st.num_hiddens,
+            [kv_rows(prop, st, m) for m in range(prop.num_modules)])
+
+
+def _same(p0, s0, p1, s1):
+    """The same rows, keys and counters; the same KV values (a batch of rows and one row
+    sum their GEMVs in other orders: equal to FP32 rounding)."""
+    f0, f1 = _fingerprint(p0, s0), _fingerprint(p1, s1)
+    assert f0[:4] == f1[:4]
+    for (k0, v0), (k1, v1) in zip(f0[4], f1[4]):
+        assert_close(k0, k1, what="K rows")
+        assert_close(v0, v1, what="V rows")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "mla_ckpt"])
+def test_an_early_stop_is_a_propose_of_that_many_drafts(backend, mode, ckpt, request):
+    """A batch with ``min_confidence``: each sequence ends at its first draft below it, and
+    its drafts, confidences, rows, keys and KV equal those of its own propose asking for
+    that many drafts; later rounds (verify, catch-up, propose) stay equal too."""
+    path = request.getfixturevalue(ckpt)
+    kw = dict(backend=backend, kv_mode=mode, block_size=4, num_blocks=128)
+    stop, plain = MultiModuleMtpHead.from_pretrained(path, **kw), MultiModuleMtpHead.from_pretrained(path, **kw)
+    rng = np.random.default_rng(5)
+    H, V, B = stop.config.hidden_size, stop.config.vocab_size, 4
+    s0, s1 = [stop.alloc_state() for _ in range(B)], [plain.alloc_state() for _ in range(B)]
+    pos = []
+    for a, b in zip(s0, s1):
+        n = int(rng.integers(5, 12))
+        toks, hid = rng.integers(0, V, n).tolist(), rand_hiddens(rng, n, H)
+        stop.prefill_drafter(toks, hid, a)
+        plain.prefill_drafter(toks, hid, b)
+        pos.append(n)
+    lengths = set()
+    for round_ in range(6):
+        last, hs = rng.integers(0, V, B).tolist(), rand_hiddens(rng, B, H)
+        thr = [0.6, 0.3, 0.9, 0.45, 0.75, 0.2][round_]
+        conf: list = []
+        d0 = stop.propose_batch(last, hs, pos, 3, s0, out_conf=conf, min_confidence=thr)
+        for i, (a, b) in enumerate(zip(s0, s1)):
+            c1: list = []
+            d1 = plain.propose(last[i], hs[i], pos[i], len(d0[i]), b, out_conf=c1)
+            assert d0[i] == d1
+            assert_close(np.array(conf[i]), np.array(c1), what="confidences")
+            assert all(c >= np.float32(thr) for c in conf[i][:-1]) and (len(d0[i]) == 3 or conf[i][-1] < thr)
+            lengths.add(len(d0[i]))
+            _same(stop, a, plain, b)
+            acc = int(rng.integers(0, len(d0[i]) + 1))
+            for p, st in ((stop, a), (plain, b)):
+                p.after_verify(acc, st)
+                p.catchup_drafter(d0[i][:acc], rand_hiddens(np.random.default_rng(round_ * 10 + i), acc, H), st)
+            _same(stop, a, plain, b)
+            pos[i] += 1 + acc
+        stop.check_invariants()
+        plain.check_invariants()
+    assert len(lengths) >= 2, f"the thresholds stopped nothing early (lengths {lengths}): the test tests nothing"
+    assert stop.stats.drafted == plain.stats.drafted and stop.stats.accepted == plain.stats.accepted
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+def test_min_confidence_is_checked(name, tiny_ckpt):
+    prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=name, block_size=4, num_blocks=32)
+    st = prop.alloc_state()
+    rng = np.random.default_rng(0)
+    prop.prefill_drafter(rng.integers(0, 301, 6).tolist(), rand_hiddens(rng, 6, 64), st)
+    for bad in (1.5, -0.1, "0.5", True, float("nan")):
+        with pytest.raises(ValueError, match="min_confidence: expected a number in \\[0, 1\\]"):
+            prop.propose(1, rand_hiddens(rng, 1, 64)[0], 6, 3, st, min_confidence=bad)
+    with pytest.raises(TypeError, match="out_conf: expected a list"):
+        prop.propose(1, rand_hiddens(rng, 1, 64)[0], 6, 3, st, out_conf=())
+    assert prop.propose(1, rand_hiddens(rng, 1, 64)[0], 6, 3, st, min_confidence=0.0) and st.rows_per_module()
+    prop.check_invariants()

@@ -89,8 +89,11 @@ def test_a_failed_call_that_changed_state_is_caught(make_prop, monkeypatch):
 def test_a_wrong_draft_is_caught_by_the_oracle(make_prop, tiny_ckpt, monkeypatch):
     prop, d, st, rng = _checked_state(make_prop, "exact", 3, reference_weights(tiny_ckpt), n=6)
     real = prop._draft_ids
-    monkeypatch.setattr(prop, "_draft_ids",
-                        lambda m, normed, masks, drafts, confs=None: (real(m, normed, masks, drafts, confs) + 1) % V)
+    def wrong(*a, **kw):
+        ids, stops = real(*a, **kw)
+        return (ids + 1) % V, stops
+
+    monkeypatch.setattr(prop, "_draft_ids", wrong)
     with pytest.raises(AssertionError, match="differ from the oracle's"):
         d.propose(1, rand_hiddens(rng, 1, H)[0], 6, 2, st)
 
@@ -187,9 +190,9 @@ def test_draft_mode_drafts_are_checked_by_the_oracle(make_prop, tiny_ckpt, monke
     real = prop.mode.propose
 
     def wrong(sts, toks, poss, hid, k, draft_ids):
-        def ids(m, normed, drafts):
-            out = draft_ids(m, normed, drafts)
-            return out if m == 0 else np.full_like(out, toks[0])
+        def ids(m, normed, drafts, active):
+            out, stops = draft_ids(m, normed, drafts, active)
+            return (out if m == 0 else np.full_like(out, toks[0])), stops
         return real(sts, toks, poss, hid, k, ids)
 
     monkeypatch.setattr(prop.mode, "propose", wrong)

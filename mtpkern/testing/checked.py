@@ -106,8 +106,10 @@ class CheckedProposer:
         for st, d in zip(states, drafts):
             assert self.prop.read_deferred_draft_token(st) == d[-1], "read_deferred_draft_token(state) is not its last draft"
         assert self.prop.read_deferred_draft_token() == drafts[-1][-1]
-        dev = self.prop.last_drafts_device
-        assert np.asarray(self.prop.backend.to_host(dev)).tolist() == drafts, "last_drafts_device differs from the drafts"
+        dev = np.asarray(self.prop.backend.to_host(self.prop.last_drafts_device))
+        k = dev.shape[1] if dev.ndim == 2 else 0                   # min(num_drafts, M); -1 past an early stop
+        want = [d + [-1] * (k - len(d)) for d in drafts]
+        assert k >= max(len(d) for d in drafts) and dev.tolist() == want, "last_drafts_device differs from the drafts"
 
     # -- lifecycle --------------------------------------------------------------------
     def alloc_state(self) -> Any:
@@ -128,18 +130,22 @@ class CheckedProposer:
                                          self.model.rows_after_prefill(len(np.asarray(prompt_tokens).reshape(-1))))])
 
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int, state: Any,
-                grammar_bitmask: Any = None, out_conf: list | None = None) -> list[int]:
+                grammar_bitmask: Any = None, out_conf: list | None = None,
+                min_confidence: float | None = None) -> list[int]:
         gm = self._grammar(grammar_bitmask)
+        if out_conf is None and min_confidence is not None:
+            out_conf = []                      # the confidences an early stop decided on, to check it
         before = None if out_conf is None else list(out_conf)
 
         def then(d: list[int]) -> None:
             self.model.propose(state, last_token, target_hidden, position, num_drafts, self._seen(gm), d,
-                               None if out_conf is None else out_conf)
+                               None if out_conf is None else out_conf, min_confidence)
             self._after_propose([state], [d])
 
         def call():
             try:
-                return self.prop.propose(last_token, target_hidden, position, num_drafts, state, gm, out_conf)
+                return self.prop.propose(last_token, target_hidden, position, num_drafts, state, gm, out_conf,
+                                         min_confidence)
             except BaseException:
                 assert out_conf is None or out_conf == before, "a failed propose changed out_conf"
                 raise
@@ -151,8 +157,11 @@ class CheckedProposer:
                           counts=self._clamp(num_drafts))
 
     def propose_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, num_drafts: int,
-                      states: Any, grammar_bitmasks: Any = None, out_conf: list | None = None) -> list[list[int]]:
+                      states: Any, grammar_bitmasks: Any = None, out_conf: list | None = None,
+                      min_confidence: float | None = None) -> list[list[int]]:
         gms = None if grammar_bitmasks is None else [self._grammar(g) for g in grammar_bitmasks]
+        if out_conf is None and min_confidence is not None:
+            out_conf = []
 
         def then(drafts: list[list[int]]) -> None:
             if out_conf is not None:
@@ -160,7 +169,7 @@ class CheckedProposer:
             for i, (st, d) in enumerate(zip(states, drafts)):
                 gm = None if gms is None else self._seen(gms[i])
                 self.model.propose(st, last_tokens[i], target_hiddens[i], positions[i], num_drafts, gm, d,
-                                   None if out_conf is None else out_conf[i])
+                                   None if out_conf is None else out_conf[i], min_confidence)
             self._after_propose(list(states), drafts)
 
         def room():
@@ -168,7 +177,7 @@ class CheckedProposer:
                     for st, p in zip(states, positions)]
 
         return self._call(lambda: self.prop.propose_batch(last_tokens, target_hiddens, positions, num_drafts,
-                                                          states, gms, out_conf), then, room=room,
+                                                          states, gms, out_conf, min_confidence), then, room=room,
                           counts=self._clamp(num_drafts))
 
     def after_verify(self, num_accepted: int, state: Any) -> None:

@@ -10,7 +10,8 @@ the state machine (``mtpkern.testing.machine``) runs the same steps as rules.
 
 Kinds (``KINDS``): ``alloc`` (with or without a budget), ``prefill``,
 ``propose`` (grammar masks of every form, one that allows nothing, skipped
-positions in draft mode; half of them asking for the drafts' confidences), ``propose_batch``, ``verify``, ``catchup`` (also
+positions in draft mode; half of them asking for the drafts' confidences, some stopping
+early at a random ``min_confidence``), ``propose_batch``, ``verify``, ``catchup`` (also
 extending the sequence past the accepted drafts), ``round`` (propose, verify and
 catch-up with checks between), ``take`` / ``install`` / ``free_carried``
 (carrying KV across turns), ``free``, ``bad_input`` (refused input, a copied
@@ -157,10 +158,11 @@ class Driver:
         P = s.next_position + skip
         mask = self._mask(rng, call.variant)
         self._count("propose")
-        conf = [] if rng.random() < 0.5 else None               # half the calls ask for confidences
+        conf = [] if rng.random() < 0.5 else None               # half the calls ask for confidences,
+        stop = float(rng.uniform(0.05, 0.9)) if rng.random() < 0.3 else None   # some stop early
         try:
             d = self.p.propose(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], P, k, st,
-                               grammar_bitmask=mask, out_conf=conf)
+                               grammar_bitmask=mask, out_conf=conf, min_confidence=stop)
         except NoAllowedToken:
             assert call.variant == "none_allowed", "NoAllowedToken without a mask that allows nothing"
             return False
@@ -189,7 +191,8 @@ class Driver:
         try:
             self.p.propose_batch([int(t) for t in rng.integers(0, self.cfg.vocab_size, len(group))],
                                  list(self._h(rng, len(group))), [s.next_position for _, s in group], k,
-                                 [st for st, _ in group], masks, out_conf=[] if rng.random() < 0.5 else None)
+                                 [st for st, _ in group], masks, out_conf=[] if rng.random() < 0.5 else None,
+                                 min_confidence=float(rng.uniform(0.05, 0.9)) if rng.random() < 0.3 else None)
         except KvCacheFull:
             pass
         return True

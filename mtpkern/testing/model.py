@@ -135,13 +135,25 @@ class ProposerModel:
         assert rows == want, f"prefill_drafter wrote {rows} rows, expected {want}"
 
     def propose(self, st: Any, last_token: int, hidden: Any, P: int, num_drafts: int, grammar: Any,
-                drafts: list[int], confs: list[float] | None = None) -> None:
+                drafts: list[int], confs: list[float] | None = None, min_confidence: float | None = None) -> None:
         """``confs``: the call's confidences of ``drafts`` (out_conf), checked against the
-        oracle's softmax of its logits when given."""
+        oracle's softmax of its logits when given; ``min_confidence``: an early stop, which
+        must end at the first draft below it (everything after is the state of a propose of
+        that many drafts: the oracle is asked for as many)."""
         s = self.of(st)
         assert s.phase == "ready", f"propose accepted a state in phase {s.phase}"
         k = min(int(num_drafts), self.M)
-        assert len(drafts) == k, f"propose returned {len(drafts)} drafts, expected min(num_drafts, M) = {k}"
+        if min_confidence is None:
+            assert len(drafts) == k, f"propose returned {len(drafts)} drafts, expected min(num_drafts, M) = {k}"
+        else:
+            assert 1 <= len(drafts) <= k, f"an early-stopping propose returned {len(drafts)} drafts, expected 1..{k}"
+            assert confs is not None and len(confs) == len(drafts)
+            thr = np.float32(min_confidence)
+            assert all(np.float32(c) >= thr for c in confs[:-1]), \
+                f"drafting went on past a confidence below {min_confidence}: {confs}"
+            assert len(drafts) == k or np.float32(confs[-1]) < thr, \
+                f"drafting stopped at {len(drafts)} of {k} with confidences {confs} >= {min_confidence}"
+            k = len(drafts)
         if self.mode == "exact":
             assert P == s.next_position, f"exact-mode propose accepted position {P}, expected {s.next_position}"
         else:
