@@ -298,13 +298,15 @@ def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "") -> li
 
 # -- propose benchmarks ---------------------------------------------------------------------
 
-def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact") -> int:
+def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact",
+                  head_rows: int | None = None) -> int:
     """Weights one propose of k drafts must read (BF16), plus the KV it attends over, module
     by module (each its own block; an MLA block reads one latent row per token and
     kv_b_proj once): module 0 attends over ``context`` rows; modules m >= 1
     too in exact mode, but in draft mode only over the row they write (after_verify(0) left
-    none of theirs); a sliding window caps the rows a module reads."""
-    H, V = cfg.hidden_size, cfg.vocab_size
+    none of theirs); a sliding window caps the rows a module reads. ``head_rows``: the LM
+    head's rows read (a draft vocabulary's size; default the whole vocabulary)."""
+    H, V = cfg.hidden_size, cfg.vocab_size if head_rows is None else head_rows
     total = 0
     for m in range(k):
         b = cfg.block(m)
@@ -368,13 +370,14 @@ def fast_fill(be) -> Iterator[None]:
             delattr(be, name)
 
 
-def make_proposer(ckpt: Path, be, kv_mode: str, max_batch: int, max_context: int, steps: int):
+def make_proposer(ckpt: Path, be, kv_mode: str, max_batch: int, max_context: int, steps: int,
+                  draft_vocab: Any = None):
     """A proposer whose pools hold ``max_batch`` sequences of ``max_context + steps`` rows."""
     from .proposer import MultiModuleMtpHead
 
     rows = max_context + 2 * steps + 64
     return MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=kv_mode,
-                                              num_blocks=max_batch * (-(-rows // 16) + 1) + 8)
+                                              num_blocks=max_batch * (-(-rows // 16) + 1) + 8, draft_vocab=draft_vocab)
 
 
 def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, conf: bool = False,
@@ -432,6 +435,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-ops", action="store_true", help="skip the per-op table")
     ap.add_argument("--no-propose", action="store_true", help="skip the propose table")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager peer even if torch imports")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="also time k = M with a reduced draft vocabulary of the first N token ids (rows '+vocabN'; "
+                         "0: off)")
     ap.add_argument("--json", type=argtypes.output_file, default=None, metavar="PATH",
                     help="write every figure as JSON to PATH (default: not written)")
     ap.add_argument("--plot", type=argtypes.output_file, default=None, metavar="PATH",
@@ -520,24 +526,33 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
     steps = args.warmup + args.runs
     props = {mode: make_proposer(ckpt, be, mode, max(args.batches), max(contexts), steps)
              for mode in args.kv_modes}
+    nv = getattr(args, "draft_vocab", 0)
+    if nv and not 1 <= nv <= cfg.vocab_size:
+        raise ValueError(f"--draft-vocab: expected 1 .. {cfg.vocab_size} (the vocabulary), got {nv}")
+    sub = {mode: make_proposer(ckpt, be, mode, max(args.batches), max(contexts), steps, np.arange(nv))
+           for mode in args.kv_modes} if nv else {}
     kvb = np.dtype(be.kv_dtype).itemsize
     rows = []
-    print(f"\n{'kv_mode':<13}{'k':>3}{'B':>4}{'ctx':>7}{'median us':>12}{'p20':>10}{'p80':>10}{'floor us':>10}"
+    print(f"\n{'kv_mode':<17}{'k':>3}{'B':>4}{'ctx':>7}{'median us':>12}{'p20':>10}{'p80':>10}{'floor us':>10}"
           f"{'x floor':>9}{'torch us':>10}{'vs torch':>9}")
     for context in contexts:
         for B in args.batches:
             M = cfg.num_modules
             # k = 1 .. M; then k = M with confidences, and with an early stop at 0.5 (the floor
             # of a propose of all M drafts: the stop reads less when it stops)
-            for k, conf, stop in [(k, False, None) for k in range(1, M + 1)] + [(M, True, None), (M, True, 0.5)]:
-                tt = torch_peer(k, B, args.warmup, args.runs, context) if torch_peer and not conf else None
-                for mode, prop in props.items():
-                    nbytes = propose_bytes(cfg, k, context, B, kvb, mode)
+            cases = [(k, False, None, False) for k in range(1, M + 1)] + [(M, True, None, False), (M, True, 0.5, False)]
+            cases += [(M, False, None, True)] if sub else []                  # the draft vocabulary's heads
+            for k, conf, stop, reduced in cases:
+                tt = torch_peer(k, B, args.warmup, args.runs, context) if torch_peer and not (conf or reduced) \
+                    else None
+                for mode, prop in (sub if reduced else props).items():
+                    nbytes = propose_bytes(cfg, k, context, B, kvb, mode, nv if reduced else None)
                     floor_us = nbytes / (read_gbs * 1e9) * 1e6
                     judged = (llc is None or nbytes > llc) and stop is None
                     t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf, stop)
-                    tag = "" if not conf else "+conf" if stop is None else f"+stop{stop:g}"
-                    row = {"kv_mode": mode + tag, "conf": conf, "min_confidence": stop, "k": k, "batch": B,
+                    tag = f"+vocab{nv}" if reduced else "" if not conf else "+conf" if stop is None else f"+stop{stop:g}"
+                    row = {"kv_mode": mode + tag, "conf": conf, "min_confidence": stop,
+                           "draft_vocab": nv if reduced else None, "k": k, "batch": B,
                            "context": context, **asdict(t),
                            "bytes": nbytes, "floor_us": floor_us, "x_floor": t.median_us / floor_us,
                            "floor_judged": judged, "spread": t.spread,
@@ -546,7 +561,7 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                         row["torch_median_us"] = tt.median_us
                         row["speedup_vs_torch"] = tt.median_us / t.median_us
                     rows.append(row)
-                    print(f"{row['kv_mode']:<13}{k:>3}{B:>4}{context:>7}{t.median_us:>12.0f}{t.p20_us:>10.0f}"
+                    print(f"{row['kv_mode']:<17}{k:>3}{B:>4}{context:>7}{t.median_us:>12.0f}{t.p20_us:>10.0f}"
                           f"{t.p80_us:>10.0f}{floor_us:>10.0f}{row['x_floor']:>9.2f}"
                           + (f"{tt.median_us:>10.0f}{row['speedup_vs_torch']:>8.2f}x" if tt else "")
                           + _marks(row))

@@ -131,14 +131,18 @@ class MtpHead:
     """Module ``index`` of an MTP checkpoint with its own KV block pool."""
 
     def __init__(self, index: int, config: MtpConfig, weights: ModuleWeights, backend: Any,
-                 num_blocks: int, block_size: int, trim_margin: int = 0, max_forward_rows: int = 1):
+                 num_blocks: int, block_size: int, trim_margin: int = 0, max_forward_rows: int = 1,
+                 vocab: Any = None):
         """``trim_margin``, ``max_forward_rows``: for a sliding-window block, the rows a
         later call may trim from a sequence and the most rows one forward appends
         (``kv.WindowRule``; the proposer's KV mode sets them; 0 and 1 suit
-        ``forward_one`` users, who never trim)."""
+        ``forward_one`` users, who never trim). ``vocab``: the ``DraftVocab`` whose rows
+        ``weights.head`` holds (mtpkern.vocab), or None."""
         self.index = index
         self.config = config
         self.w = weights
+        #: the token subset the LM head reads (None: the whole vocabulary)
+        self.vocab = vocab
         self.backend = backend
         #: this module's block (sizes, attention form, MLP kind: mtpkern/block.py)
         self.block = b = config.block(index)
@@ -318,22 +322,34 @@ class MtpHead:
                                          **kw, **put("mla_attention", out="o"))
 
     def argmax(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> np.ndarray:
-        """Drafts for ``normed_rows`` [n, H]; ``bitmask`` [n, W] int32 or None -> [n] int32 (host)."""
+        """Drafts for ``normed_rows`` [n, H]; ``bitmask`` [n, W] int32 or None -> [n] int32 (host).
+        With a draft vocabulary: the argmax over its rows, the mask and the ids in target ids."""
         be = self.backend
-        bm = None if bitmask is None else be.from_host(np.ascontiguousarray(bitmask, np.int32))
-        return np.asarray(be.to_host(be.lm_head_argmax(normed_rows, self.w.head, bm)), np.int32)
+        ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask))
+        return self._target(np.asarray(be.to_host(ids), np.int32))
 
     def argmax_conf(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``argmax`` and each draft's confidence (the softmax of the allowed logits at the
-        draft, mtpkern.ops.lm_head): ([n] int32, [n] FP32), on the host."""
+        draft, mtpkern.ops.lm_head; over the draft vocabulary when there is one):
+        ([n] int32, [n] FP32), on the host."""
         be = self.backend
-        bm = None if bitmask is None else be.from_host(np.ascontiguousarray(bitmask, np.int32))
         conf = be.xp.empty(normed_rows.shape[0], np.float32)
-        ids = be.lm_head_argmax(normed_rows, self.w.head, bm, conf=conf)
-        return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(conf), np.float32)
+        ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), conf=conf)
+        return self._target(np.asarray(be.to_host(ids), np.int32)), np.asarray(be.to_host(conf), np.float32)
+
+    def _mask(self, bitmask: np.ndarray | None) -> Any:
+        """A host [n, W] mask in target ids -> the backend mask the LM head reads."""
+        if bitmask is None:
+            return None
+        bm = np.ascontiguousarray(bitmask, np.int32)
+        return self.backend.from_host(bm if self.vocab is None else self.vocab.sub_mask(bm))
+
+    def _target(self, ids: np.ndarray) -> np.ndarray:
+        return ids if self.vocab is None else self.vocab.to_target(ids)
 
     def logits(self, normed_rows: Any) -> np.ndarray:
-        """[n, V] FP32 logits on the host (diagnostics and tests; drafting never writes them)."""
+        """[n, V] FP32 logits on the host (diagnostics and tests; drafting never writes them);
+        with a draft vocabulary [n, V'], column j for target id ``vocab.ids[j]``."""
         return np.asarray(self.backend.to_host(self.backend.lm_head_logits(normed_rows, self.w.head)))
 
     # -- one row, for engines that drive a single module ------------------------

@@ -26,6 +26,7 @@ any threads; a state used by a second call while one runs gets ``StateError``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -42,6 +43,7 @@ from .checks import (check_bool, check_hidden_dtype, check_int, check_list, chec
                      check_probability, check_token, check_tokens, expect_finite, hidden_shape, ingest_hidden,
                      shape_of)
 from .config import MtpConfig, ceil_div
+from .vocab import DraftVocab
 from .errors import CheckpointError, NoAllowedToken, StateError, no_token_reason, no_token_where
 from .draft import DraftChain
 from .exact import ExactChain
@@ -86,6 +88,22 @@ class MemoryUse:
         return self.weights + self.kv_pools
 
 
+def _subset_heads(weights: MtpWeights, backend: Backend, vocab: DraftVocab) -> MtpWeights:
+    """``weights`` with each module's LM head cut to ``vocab``'s rows (one copy per distinct
+    head: modules that share a head share its subset)."""
+    idx = backend.from_host(vocab.ids.astype(np.int64))
+    cut: dict[int, Any] = {}
+    modules = []
+    for m, mw in enumerate(weights.modules):
+        if not hasattr(mw.head, "shape") or type(mw.head).__name__.endswith("Fp8"):
+            raise TypeError(f"draft_vocab: module {m}'s LM head is {type(mw.head).__name__}; a subset of an FP8 "
+                            f"head is not supported (releases keep the LM head in BF16)")
+        if id(mw.head) not in cut:
+            cut[id(mw.head)] = backend.xp.ascontiguousarray(backend.xp.take(mw.head, idx, axis=0))
+        modules.append(dataclasses.replace(mw, head=cut[id(mw.head)]))
+    return dataclasses.replace(weights, modules=modules)
+
+
 class MultiModuleMtpHead(DraftProposer):
     """Independent MTP modules, one per draft slot, each with its own weights and paged KV.
 
@@ -99,7 +117,11 @@ class MultiModuleMtpHead(DraftProposer):
     def __init__(self, config: MtpConfig, weights: MtpWeights, backend: Backend, *,
                  kv_mode: KvMode = "exact", chain: Chain | None = None, block_size: int = 16,
                  num_blocks: int | None = None, max_batch: int = 64, prefill_chunk: int = 256,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, draft_vocab: Any = None):
+        """``draft_vocab``: None, or the token subset the LM heads read (an array of target
+        ids or a ``.npy`` / text file of them; mtpkern.vocab): drafts and masks stay in
+        target ids, a head reads ``V' / V`` of its bytes; ``weights`` is not changed (the
+        modules get subset copies of their heads)."""
         _check_modes(kv_mode, chain)
         block_size = check_int("block_size", block_size, 1)
         if num_blocks is None:
@@ -111,6 +133,10 @@ class MultiModuleMtpHead(DraftProposer):
         if len(weights.modules) != config.num_modules:
             raise ValueError(f"weights: expected {config.num_modules} modules, got {len(weights.modules)}")
         self._check_pool_size(config, backend, num_blocks, block_size)
+        #: the LM heads' token subset (mtpkern.vocab.DraftVocab), or None: the whole vocabulary
+        self.draft_vocab = None if draft_vocab is None else DraftVocab(draft_vocab, config.vocab_size)
+        if self.draft_vocab is not None:
+            weights = _subset_heads(weights, backend, self.draft_vocab)
         self.config = config
         self.weights = weights
         self.backend = backend
@@ -124,7 +150,7 @@ class MultiModuleMtpHead(DraftProposer):
         # KV mode allows (trim_margin), and one forward appends at most a chunk + M rows.
         rules = ExactChain if kv_mode == "exact" else DraftChain
         self.modules = [MtpHead(m, config, mw, backend, num_blocks, block_size, trim_margin=rules.trim_margin(m),
-                                max_forward_rows=self.prefill_chunk + config.num_modules)
+                                max_forward_rows=self.prefill_chunk + config.num_modules, vocab=self.draft_vocab)
                         for m, mw in enumerate(weights.modules)]
         self.pools = [h.pool for h in self.modules]
         self.exact = ExactChain(self.modules, backend, chain, self.prefill_chunk)
@@ -176,7 +202,8 @@ class MultiModuleMtpHead(DraftProposer):
                         apply_target_norm: bool = False, block_size: int = 16,
                         num_blocks: int | None = None, max_batch: int = 64,
                         prefill_chunk: int = 256, cuda_graphs: bool = True,
-                        threads: int | None = None, allow_unused_tensors: bool = False) -> "MultiModuleMtpHead":
+                        threads: int | None = None, allow_unused_tensors: bool = False,
+                        draft_vocab: Any = None) -> "MultiModuleMtpHead":
         """Load the MTP modules of the checkpoint at ``ckpt_dir`` (``config.json`` + safetensors).
 
         ``apply_target_norm``: the engine hands pre-norm target hiddens; apply the
@@ -188,7 +215,8 @@ class MultiModuleMtpHead(DraftProposer):
         engine's own threads; docs/cpu.md); refused with numpy, cuda or a Backend object,
         ignored when ``"auto"`` picks cuda. ``allow_unused_tensors``: load a checkpoint that
         holds tensors under a module's prefix which the config would not read (refused by
-        default, naming the tensor and the config field: docs/checkpoints.md).
+        default, naming the tensor and the config field: docs/checkpoints.md). ``draft_vocab``:
+        the LM heads' token subset (see ``__init__``).
         """
         _check_modes(kv_mode, chain)
         apply_target_norm = check_bool("apply_target_norm", apply_target_norm)
@@ -201,7 +229,7 @@ class MultiModuleMtpHead(DraftProposer):
                                allow_unused_tensors=check_bool("allow_unused_tensors", allow_unused_tensors))
         return cls(cfg, weights, be, kv_mode=kv_mode, chain=chain, block_size=block_size,
                    num_blocks=num_blocks, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                   cuda_graphs=cuda_graphs)
+                   cuda_graphs=cuda_graphs, draft_vocab=draft_vocab)
 
     def __repr__(self) -> str:
         closed = ", closed" if self._closed else ""
@@ -483,9 +511,11 @@ class MultiModuleMtpHead(DraftProposer):
             planned = False
             runner = self.step_runner
             # The planned step takes only masks that do not depend on the drafts (callables may),
-            # and runs every module for every sequence (an early stop decides per module, on the host).
+            # runs every module for every sequence (an early stop decides per module, on the host),
+            # and reads whole LM heads (a draft vocabulary's ids map back on the host: not yet in it).
             static = grammar_bitmasks is None or not any(callable(gm) for gm in grammar_bitmasks)
-            if runner is not None and static and min_confidence is None and runner.applies(sts, poss, k):
+            if runner is not None and static and min_confidence is None and self.draft_vocab is None \
+                    and runner.applies(sts, poss, k):
                 planned = True
             rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
             want_conf = out_conf is not None or min_confidence is not None

@@ -221,3 +221,16 @@ def test_mla_shapes_read_latent_rows_and_kv_b_proj_and_time_the_mla_ops():
     for _, nbytes, fn in cases:
         assert nbytes > 0
         fn()
+
+
+def test_bench_draft_vocab_rows_read_fewer_head_bytes(workdir, tmp_path):
+    out = tmp_path / "b.json"
+    assert main(TINY + ["--threads", "1", "--contexts", "8", "--no-ops", "--batches", "1", "--draft-vocab", "100",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["propose"]
+    full = {r["kv_mode"]: r for r in rows if r["k"] == 3 and not r["conf"] and r["draft_vocab"] is None}
+    sub = {r["kv_mode"]: r for r in rows if r["draft_vocab"] == 100}
+    assert set(sub) == {"draft+vocab100", "exact+vocab100"}
+    for mode in ("draft", "exact"):               # the heads read 100 of 301 rows: 201 x 64 x 2 bytes each
+        assert full[mode]["bytes"] - sub[mode + "+vocab100"]["bytes"] == 3 * 2 * 201 * 64
+    assert main(TINY + ["--no-ops", "--draft-vocab", "302"]) == 2          # one line: expected 1 .. 301

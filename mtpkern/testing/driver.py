@@ -164,7 +164,9 @@ class Driver:
             d = self.p.propose(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], P, k, st,
                                grammar_bitmask=mask, out_conf=conf, min_confidence=stop)
         except NoAllowedToken:
-            assert call.variant == "none_allowed", "NoAllowedToken without a mask that allows nothing"
+            # a mask may allow tokens outside a draft vocabulary only
+            assert call.variant == "none_allowed" or getattr(self.prop, "draft_vocab", None) is not None, \
+                "NoAllowedToken without a mask that allows nothing"
             return False
         except KvCacheFull:
             return False

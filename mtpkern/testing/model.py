@@ -107,7 +107,8 @@ class ProposerModel:
     def new_seq(self, budget: int | None = None) -> SeqModel:
         draft = None
         if self.weights is not None and self.mode == "draft":
-            draft = oracle.DraftRows(self.prop.config, self.weights, self.prop.chain, self.weights.target_norm)
+            draft = oracle.DraftRows(self.prop.config, self.weights, self.prop.chain, self.weights.target_norm,
+                                     vocab=self._vocab())
         return SeqModel([[] for _ in range(self.M)], budget=budget, draft=draft)
 
     def of(self, st: Any) -> SeqModel:
@@ -133,6 +134,11 @@ class ProposerModel:
             s.draft.prefill(toks, hid)
         want = n - 1 if self.mode == "draft" else sum(max(0, n - 1 - m) for m in range(self.M))
         assert rows == want, f"prefill_drafter wrote {rows} rows, expected {want}"
+
+    def _vocab(self):
+        """The proposer's draft vocabulary's ids (its LM heads' rows), or None."""
+        dv = getattr(self.prop, "draft_vocab", None)
+        return None if dv is None else dv.ids
 
     def propose(self, st: Any, last_token: int, hidden: Any, P: int, num_drafts: int, grammar: Any,
                 drafts: list[int], confs: list[float] | None = None, min_confidence: float | None = None) -> None:
@@ -173,6 +179,7 @@ class ProposerModel:
         want_conf: list[float] = []
         if self.mode == "exact" and self.weights is not None:
             want = oracle.propose(self.prop.config, self.weights, s.tokens, s.hiddens, k, self.prop.chain,
+                                  vocab=self._vocab(),
                                   masks=fn, target_norm=self.weights.target_norm, confs=want_conf)
             assert drafts == want, f"drafts {drafts} differ from the oracle's {want}"
         if s.draft is not None:

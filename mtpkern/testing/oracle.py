@@ -220,8 +220,10 @@ class DraftRows:
     module ``m``'s row of that propose iff ``m <= a``. Every module recomputes all its
     rows from scratch (float64, O(R^2)): tiny models only."""
 
-    def __init__(self, cfg, weights, chain: str, target_norm=None):
-        self.cfg, self.weights, self.chain, self.target_norm = cfg, weights, chain, target_norm
+    def __init__(self, cfg, weights, chain: str, target_norm=None, vocab=None):
+        """``vocab``: a draft vocabulary's ids (the LM heads read only those rows), or None;
+        ``weights`` hold the whole heads."""
+        self.cfg, self.weights, self.chain, self.target_norm, self.vocab = cfg, weights, chain, target_norm, vocab
         self.rows: list[list[tuple[int, np.ndarray, int]]] = [[] for _ in weights.modules]
         self.k = 0
 
@@ -245,11 +247,8 @@ class DraftRows:
             gs = np.stack([r[1] for r in self.rows[m]])
             pos = np.array([r[2] for r in self.rows[m]])
             out = module_forward(cfg, w.modules[m], m, toks, gs, pos, keys=pos)    # windows count positions
-            logits = out.normed[-1] @ np.asarray(w.modules[m].head, np.float64).T
-            words = None if masks is None else masks(m, drafts)
-            tok = masked_argmax64(logits, words)
-            if confs is not None:
-                confs.append(confidence64(logits, words))
+            head = w.modules[m].head if self.vocab is None else np.asarray(w.modules[m].head)[self.vocab]
+            tok = _draft64(out.normed[-1], head, None if masks is None else masks(m, drafts), self.vocab, confs)
             drafts.append(tok)
             g = (out.normed if self.chain == "postnorm" else out.y)[-1]
         self.k = len(drafts)
@@ -261,43 +260,53 @@ class DraftRows:
         self.k = 0
 
 
-def _allowed64(logits, mask_words=None) -> np.ndarray:
+def _allowed64(logits, mask_words=None, vocab=None) -> np.ndarray:
+    """Allowed, non-NaN entries of ``logits`` (over target ids, or over ``vocab``'s ids)."""
     ok = ~np.isnan(logits)
     if mask_words is not None:
         words = np.asarray(mask_words).reshape(-1).astype(np.int64) & 0xFFFFFFFF
-        j = np.arange(len(logits))
+        j = np.arange(len(logits)) if vocab is None else np.asarray(vocab, np.int64)
         ok &= ((words[j >> 5] >> (j & 31)) & 1).astype(bool)
     return ok
 
 
-def masked_argmax64(logits, mask_words=None) -> int:
-    cand = np.flatnonzero(_allowed64(logits, mask_words))
+def _draft64(h, head, mask_words, vocab, confs):
+    """The draft of normed row ``h`` (float64): the LM head over the whole vocabulary or the
+    ids of ``vocab`` (a draft vocabulary), masked; its confidence appended to ``confs``."""
+    w = np.asarray(head, np.float64)
+    logits = h @ w.T
+    tok = masked_argmax64(logits, mask_words, vocab)
+    if confs is not None:
+        confs.append(confidence64(logits, mask_words, vocab))
+    return tok if vocab is None else int(np.asarray(vocab)[tok])
+
+
+def masked_argmax64(logits, mask_words=None, vocab=None) -> int:
+    cand = np.flatnonzero(_allowed64(logits, mask_words, vocab))
     return int(cand[np.argmax(logits[cand])])
 
 
-def confidence64(logits, mask_words=None) -> float:
+def confidence64(logits, mask_words=None, vocab=None) -> float:
     """The softmax of the allowed logits at their argmax (a draft's confidence), float64."""
-    lg = np.asarray(logits, np.float64)[_allowed64(logits, mask_words)]
+    lg = np.asarray(logits, np.float64)[_allowed64(logits, mask_words, vocab)]
     top = lg.max()
     with np.errstate(invalid="ignore"):
         return float(1.0 / np.where(lg == top, 1.0, np.exp(lg - top)).sum())   # a tie with the best counts 1
 
 
 def propose(cfg, weights, verified, hiddens, k: int, chain: str, masks=None, target_norm=None,
-            confs: list | None = None):
+            confs: list | None = None, vocab=None):
     """Drafts of a propose at P = len(verified) - 1 (``verified`` ends with t_P,
     ``hiddens`` = h_0 .. h_{P-1}). ``masks``: None or a function (i, drafts) -> words;
-    ``confs``: a list the drafts' confidences are appended to."""
+    ``confs``: a list the drafts' confidences are appended to; ``vocab``: a draft
+    vocabulary's ids (the heads' rows read), or None."""
     toks = list(verified)
     drafts = []
     P = len(verified) - 1
     for m in range(min(k, cfg.num_modules)):
         rows = chain_state(cfg, weights, toks, hiddens, chain, target_norm)
-        logits = rows[m].normed[P - 1] @ np.asarray(weights.modules[m].head, np.float64).T
-        words = None if masks is None else masks(m, drafts)
-        d = masked_argmax64(logits, words)
-        if confs is not None:
-            confs.append(confidence64(logits, words))
+        head = weights.modules[m].head if vocab is None else np.asarray(weights.modules[m].head)[vocab]
+        d = _draft64(rows[m].normed[P - 1], head, None if masks is None else masks(m, drafts), vocab, confs)
         drafts.append(d)
         toks.append(d)
     return drafts

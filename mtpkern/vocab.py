@@ -1,0 +1,83 @@
+"""A reduced draft vocabulary (FR-Spec / EAGLE-3's ``d2t`` idea): the LM heads read only the
+rows of a token subset, the argmax maps back to target ids, grammar masks stay in target id
+space (mtpkern.ops.lm_head's layout).
+
+``DraftVocab(ids, V)``: ``ids`` the subset (unique target ids in ``[0, V)``, sorted here, so
+that the lowest subset index is the lowest target id and ties still go to the lowest id);
+``sub_mask(rows [n, ceil(V / 32)]) -> [n, ceil(V' / 32)]`` the same allowed tokens, in the
+subset's order; ``to_target(sub_ids)`` the target ids (-1 stays -1). A head over the subset
+is ``V' / V`` of the bytes (at GLM-4.5's shapes the LM head is about two thirds of a
+module's): ``head_bytes_saved``. A draft's confidence is then the softmax over the subset.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class DraftVocab:
+    """The token subset the draft LM heads read (see the module docstring)."""
+
+    def __init__(self, ids: Any, vocab_size: int, name: str = "draft_vocab"):
+        if isinstance(ids, (str, os.PathLike)):
+            ids = read_ids(Path(ids), name)
+        a = np.asarray(ids)
+        if a.ndim != 1 or a.size == 0 or not (np.issubdtype(a.dtype, np.integer) or a.size and a.dtype == bool):
+            raise ValueError(f"{name}: expected a non-empty 1-D array of token ids, got shape {list(a.shape)} "
+                             f"{a.dtype}")
+        if a.dtype == bool:
+            raise TypeError(f"{name}: expected integer token ids, got bool")
+        a = a.astype(np.int64)
+        bad = np.flatnonzero((a < 0) | (a >= vocab_size))
+        if bad.size:
+            raise ValueError(f"{name}: expected token ids in [0, {vocab_size}), got {int(a[bad[0]])}")
+        s = np.sort(a)
+        dup = np.flatnonzero(s[1:] == s[:-1])
+        if dup.size:
+            raise ValueError(f"{name}: token id {int(s[dup[0]])} appears twice")
+        self.ids = s.astype(np.int32)                      # [V'] target id of each subset index
+        self.vocab_size = int(vocab_size)
+        #: -1 appended: a subset argmax of -1 (no allowed token) maps to -1 (take's wrap)
+        self.ids_ext = np.concatenate([self.ids, np.array([-1], np.int32)])
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def words(self) -> int:
+        """Words of a bitmask row over the subset."""
+        return (self.size + 31) // 32
+
+    def sub_mask(self, rows: np.ndarray) -> np.ndarray:
+        """[n, ceil(V / 32)] int32 target-space masks -> [n, ceil(V' / 32)] over the subset."""
+        words = np.asarray(rows).astype(np.int64) & 0xFFFFFFFF
+        bits = (words[:, self.ids >> 5] >> (self.ids & 31)) & 1             # [n, V']
+        pad = np.zeros((bits.shape[0], self.words * 32), np.int64)
+        pad[:, :self.size] = bits
+        packed = (pad.reshape(bits.shape[0], self.words, 32) << np.arange(32)).sum(axis=2)
+        return packed.astype(np.uint32).view(np.int32)
+
+    def to_target(self, sub_ids: np.ndarray) -> np.ndarray:
+        return self.ids_ext[np.asarray(sub_ids)]
+
+    def head_bytes_saved(self, hidden_size: int, itemsize: int = 2) -> int:
+        """Bytes one LM head no longer reads per row of drafts."""
+        return (self.vocab_size - self.size) * hidden_size * itemsize
+
+
+def read_ids(path: Path, name: str) -> np.ndarray:
+    """Token ids from a ``.npy`` file or a text file of whitespace-separated integers."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}: {os.fspath(path)!r} is not a file")
+    if path.suffix == ".npy":
+        return np.load(path, allow_pickle=False)
+    text = path.read_text()
+    try:
+        return np.array([int(t) for t in text.split()], np.int64)
+    except ValueError as e:
+        raise ValueError(f"{name}: {os.fspath(path)!r}: expected whitespace-separated token ids ({e})") from None
