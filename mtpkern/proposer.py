@@ -43,6 +43,8 @@ from .checks import (check_bool, check_hidden_dtype, check_int, check_list, chec
                      check_probability, check_token, check_tokens, expect_finite, hidden_shape, ingest_hidden,
                      shape_of)
 from .config import MtpConfig, ceil_div
+from .schedule import expand as expand_schedule
+from .schedule import resolve as resolve_schedule
 from .vocab import DraftVocab
 from .errors import CheckpointError, NoAllowedToken, StateError, no_token_reason, no_token_where
 from .draft import DraftChain
@@ -117,11 +119,15 @@ class MultiModuleMtpHead(DraftProposer):
     def __init__(self, config: MtpConfig, weights: MtpWeights, backend: Backend, *,
                  kv_mode: KvMode = "exact", chain: Chain | None = None, block_size: int = 16,
                  num_blocks: int | None = None, max_batch: int = 64, prefill_chunk: int = 256,
-                 cuda_graphs: bool = True, draft_vocab: Any = None):
+                 cuda_graphs: bool = True, draft_vocab: Any = None, module_schedule: Any = None,
+                 max_drafts: int | None = None):
         """``draft_vocab``: None, or the token subset the LM heads read (an array of target
         ids or a ``.npy`` / text file of them; mtpkern.vocab): drafts and masks stay in
         target ids, a head reads ``V' / V`` of its bytes; ``weights`` is not changed (the
-        modules get subset copies of their heads)."""
+        modules get subset copies of their heads). ``module_schedule`` / ``max_drafts``:
+        the module each draft step runs (mtpkern.schedule: None or "clamp", "last" or
+        "cycle" with ``max_drafts``, or a list); the proposer's modules are then the steps
+        (``num_modules`` = steps, ``config`` the expanded one, ``module_schedule`` the list)."""
         _check_modes(kv_mode, chain)
         block_size = check_int("block_size", block_size, 1)
         if num_blocks is None:
@@ -132,6 +138,9 @@ class MultiModuleMtpHead(DraftProposer):
         cuda_graphs = check_bool("cuda_graphs", cuda_graphs)
         if len(weights.modules) != config.num_modules:
             raise ValueError(f"weights: expected {config.num_modules} modules, got {len(weights.modules)}")
+        #: draft step s runs the weights of module_schedule[s] (mtpkern.schedule)
+        self.module_schedule = resolve_schedule(module_schedule, config.num_modules, max_drafts)
+        config, weights = expand_schedule(config, weights, self.module_schedule)
         self._check_pool_size(config, backend, num_blocks, block_size)
         #: the LM heads' token subset (mtpkern.vocab.DraftVocab), or None: the whole vocabulary
         self.draft_vocab = None if draft_vocab is None else DraftVocab(draft_vocab, config.vocab_size)
@@ -203,7 +212,8 @@ class MultiModuleMtpHead(DraftProposer):
                         num_blocks: int | None = None, max_batch: int = 64,
                         prefill_chunk: int = 256, cuda_graphs: bool = True,
                         threads: int | None = None, allow_unused_tensors: bool = False,
-                        draft_vocab: Any = None) -> "MultiModuleMtpHead":
+                        draft_vocab: Any = None, module_schedule: Any = None,
+                        max_drafts: int | None = None) -> "MultiModuleMtpHead":
         """Load the MTP modules of the checkpoint at ``ckpt_dir`` (``config.json`` + safetensors).
 
         ``apply_target_norm``: the engine hands pre-norm target hiddens; apply the
@@ -216,7 +226,8 @@ class MultiModuleMtpHead(DraftProposer):
         ignored when ``"auto"`` picks cuda. ``allow_unused_tensors``: load a checkpoint that
         holds tensors under a module's prefix which the config would not read (refused by
         default, naming the tensor and the config field: docs/checkpoints.md). ``draft_vocab``:
-        the LM heads' token subset (see ``__init__``).
+        the LM heads' token subset; ``module_schedule`` / ``max_drafts``: the module each draft
+        step runs (see ``__init__``).
         """
         _check_modes(kv_mode, chain)
         apply_target_norm = check_bool("apply_target_norm", apply_target_norm)
@@ -229,7 +240,8 @@ class MultiModuleMtpHead(DraftProposer):
                                allow_unused_tensors=check_bool("allow_unused_tensors", allow_unused_tensors))
         return cls(cfg, weights, be, kv_mode=kv_mode, chain=chain, block_size=block_size,
                    num_blocks=num_blocks, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                   cuda_graphs=cuda_graphs, draft_vocab=draft_vocab)
+                   cuda_graphs=cuda_graphs, draft_vocab=draft_vocab, module_schedule=module_schedule,
+                   max_drafts=max_drafts)
 
     def __repr__(self) -> str:
         closed = ", closed" if self._closed else ""
