@@ -157,6 +157,25 @@ __device__ __forceinline__ void mla_online_softmax(float* p_s, float* ml_s, int 
   }
 }
 
+// The epilogue of both attention kernels: head g's latent output value v at column l, normalised
+// into o_lat [n, Hq, L] (one partition), or unnormalised into part_o [n, Hq, num_parts, L].
+__device__ __forceinline__ void mla_store_out(float v, int g, int l, long long head0, int L, int p,
+                                              int num_parts, const float* ml_s, float* o_lat, float* part_o) {
+  const long long hq = head0 + g;  // [n, Hq]
+  if (num_parts == 1) o_lat[hq * L + l] = v / ml_s[kMlaHeads + g];
+  else part_o[(hq * num_parts + p) * L + l] = v;
+}
+
+// ... and, split, the (running max, running sum) of head t < hc for the merge kernel.
+__device__ __forceinline__ void mla_store_ml(int t, int hc, long long head0, int p, int num_parts,
+                                             const float* ml_s, float* part_ml) {
+  if (num_parts > 1 && t < hc) {
+    const long long at = (head0 + t) * num_parts + p;  // [n, Hq, num_parts]
+    part_ml[2 * at] = ml_s[t];
+    part_ml[2 * at + 1] = ml_s[kMlaHeads + t];
+  }
+}
+
 // The rotation of pair i at position pos (rope_kv.cu's formula): (x1, x2) -> (x1', x2').
 __device__ __forceinline__ void rotate(float pos, float inv_freq, float rope_scale, float x1, float x2,
                                        float& y1, float& y2) {
@@ -422,22 +441,14 @@ mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ ca
 #pragma unroll
   for (int g = 0; g < HM; ++g) {
     if (g < hc) {
-      const long long hq = head0 + g;  // [n, Hq]
 #pragma unroll
       for (int k = 0; k < LPT; ++k) {
         const int l = t + k * kMlaThreads;
-        if (l < L) {
-          if (num_parts == 1) o_lat[hq * L + l] = o[g][k] / ml_s[HM + g];
-          else part_o[(hq * num_parts + p) * L + l] = o[g][k];
-        }
+        if (l < L) mla_store_out(o[g][k], g, l, head0, L, p, num_parts, ml_s, o_lat, part_o);
       }
     }
   }
-  if (num_parts > 1 && t < hc) {
-    const long long at = (head0 + t) * num_parts + p;  // [n, Hq, num_parts]
-    part_ml[2 * at] = ml_s[t];
-    part_ml[2 * at + 1] = ml_s[HM + t];
-  }
+  mla_store_ml(t, hc, head0, p, num_parts, ml_s, part_ml);
 }
 
 template <int LPT>
@@ -579,18 +590,10 @@ mla_attention_tc_kernel(const float* __restrict__ q_full, const __nv_bfloat16* _
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int g = mma_c_row(lane, i), l = n0 + mma_c_col(lane, i);
-      if (g < hc && l < L) {
-        const long long hq = head0 + g;  // [n, Hq]
-        if (num_parts == 1) o_lat[hq * L + l] = o[j][i] / ml_s[HM + g];
-        else part_o[(hq * num_parts + p) * L + l] = o[j][i];
-      }
+      if (g < hc && l < L) mla_store_out(o[j][i], g, l, head0, L, p, num_parts, ml_s, o_lat, part_o);
     }
   }
-  if (num_parts > 1 && t < hc) {
-    const long long at = (head0 + t) * num_parts + p;  // [n, Hq, num_parts]
-    part_ml[2 * at] = ml_s[t];
-    part_ml[2 * at + 1] = ml_s[HM + t];
-  }
+  mla_store_ml(t, hc, head0, p, num_parts, ml_s, part_ml);
 }
 
 namespace mtp {
