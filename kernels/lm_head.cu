@@ -22,7 +22,8 @@
 //   candidates (m: its best value, rescaled when a larger one comes), the warps'
 //   sums are rescaled to the block's best and added in warp order: part_s [n, P].
 // argmax_final_kernel<CONF>: grid (n), block 256: combines a row's P partials (strided
-//   per thread, then warp shuffles, then across warps) into ids[r]; CONF merges the
+//   per thread, then warp shuffles, then across warps) into ids[r] (through id_map [V]
+//   when given: a draft vocabulary's rows -> target ids; -1 stays -1); CONF merges the
 //   partial sums the same way, S = sum_b s_b exp(m_b - M), and writes conf[r] = 1 / S.
 // Both stages use mtp::beats, a strict total order on (value, id), so the winner
 // does not depend on the combination order; the sums are added in an order fixed by
@@ -159,7 +160,7 @@ template <bool CONF>
 __global__ void __launch_bounds__(256)
 argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ part_i,
                     const float* __restrict__ part_s, int P, int* __restrict__ ids,
-                    float* __restrict__ conf) {
+                    float* __restrict__ conf, const int* __restrict__ id_map) {
   using namespace mtp;
   __shared__ float sv[32];
   __shared__ int si[32];
@@ -199,7 +200,7 @@ argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ pa
       }
       if (beats(sv[q], si[q], bv, bi)) { bv = sv[q]; bi = si[q]; }
     }
-    ids[r] = bi;
+    ids[r] = (id_map != nullptr && bi >= 0) ? id_map[bi] : bi;  // a draft vocabulary's target id
     if constexpr (CONF) conf[r] = bi >= 0 ? 1.0f / bs : quiet_nan();  // bs >= 1: the winner adds 1
   }
 }

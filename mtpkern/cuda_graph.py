@@ -170,7 +170,8 @@ class StepPlan:
         cfg = prop.config
         B, k, M = shape.B, shape.k, prop.num_modules
         H = cfg.hidden_size
-        W = cfg.bitmask_words
+        vocab = prop.draft_vocab               # the LM heads' token subset: masks staged in its bits
+        W = self.mask_words = cfg.bitmask_words if vocab is None else vocab.words
         self.run = [m for m in range(M) if shape.rows[m]]
         n = {m: B * shape.rows[m] for m in self.run}
         n_max = max(n.values())
@@ -280,7 +281,7 @@ class StepPlan:
                 self._attn_ws = ws = (attention_workspace(floats) if attention_workspace is not None
                                       else buf((floats,)))
                 part_o, part_ml = ws[:po], ws[po:floats]
-            P = -(-cfg.vocab_size // lm_launch.ROWS_PER_BLOCK)
+            P = -(-(cfg.vocab_size if vocab is None else vocab.size) // lm_launch.ROWS_PER_BLOCK)   # the heads' rows
             lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
             if shape.conf:
                 lm_ws["part_s"] = buf((B, P))                        # the blocks' sums of exp
@@ -361,7 +362,7 @@ class StepPlan:
 
     def _launches(self, lm_ws: dict) -> list[Callable[[], Any]]:
         out: list[Callable[[], Any]] = []
-        B, k, W = self.shape.B, self.shape.k, self.prop.config.bitmask_words
+        B, k, W = self.shape.B, self.shape.k, self.mask_words
         stg = self.stage
         seg = stg.d("seg").reshape(-1, SEG_FIELDS)
         masks = stg.d("mask").reshape(k, B, W) if self.shape.masked else None
@@ -380,7 +381,8 @@ class StepPlan:
                 src = self.last if self.exact else self.normed[m]
                 conf = {} if self.conf is None else {"conf": self.conf[m]}
                 out.append(partial(self.backend.lm_head_argmax, src, head.w.head,
-                                   None if masks is None else masks[m], out=self.ids[m], **conf, **lm_ws))
+                                   None if masks is None else masks[m], out=self.ids[m], **conf, **head._lm_kw,
+                                   **lm_ws))
         return out
 
     def _segments(self, table: Any) -> None:
@@ -611,6 +613,8 @@ class StepRunner:
                     mk = None if fn is None else fn(m, [])            # static forms ignore the drafts
                     if mk is not None:
                         mrows[m, i] = mk
+            if prop.draft_vocab is not None:                           # target ids -> the subset's bits
+                mrows = prop.draft_vocab.sub_mask(mrows.reshape(k * B, -1)).reshape(k, B, -1)
             plan.stage_masks(mrows)
         plan.stage_sources(sources)
         plan.upload()

@@ -141,8 +141,10 @@ class MtpHead:
         self.index = index
         self.config = config
         self.w = weights
-        #: the token subset the LM head reads (None: the whole vocabulary)
+        #: the token subset the LM head reads (None: the whole vocabulary), and its target ids
+        #: on the backend (the LM head's ``id_map``)
         self.vocab = vocab
+        self._lm_kw = {} if vocab is None else {"id_map": backend.from_host(vocab.ids)}
         self.backend = backend
         #: this module's block (sizes, attention form, MLP kind: mtpkern/block.py)
         self.block = b = config.block(index)
@@ -325,8 +327,8 @@ class MtpHead:
         """Drafts for ``normed_rows`` [n, H]; ``bitmask`` [n, W] int32 or None -> [n] int32 (host).
         With a draft vocabulary: the argmax over its rows, the mask and the ids in target ids."""
         be = self.backend
-        ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask))
-        return self._target(np.asarray(be.to_host(ids), np.int32))
+        ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), **self._lm_kw)
+        return np.asarray(be.to_host(ids), np.int32)
 
     def argmax_conf(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``argmax`` and each draft's confidence (the softmax of the allowed logits at the
@@ -334,8 +336,8 @@ class MtpHead:
         ([n] int32, [n] FP32), on the host."""
         be = self.backend
         conf = be.xp.empty(normed_rows.shape[0], np.float32)
-        ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), conf=conf)
-        return self._target(np.asarray(be.to_host(ids), np.int32)), np.asarray(be.to_host(conf), np.float32)
+        ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), conf=conf, **self._lm_kw)
+        return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(conf), np.float32)
 
     def _mask(self, bitmask: np.ndarray | None) -> Any:
         """A host [n, W] mask in target ids -> the backend mask the LM head reads."""
@@ -343,9 +345,6 @@ class MtpHead:
             return None
         bm = np.ascontiguousarray(bitmask, np.int32)
         return self.backend.from_host(bm if self.vocab is None else self.vocab.sub_mask(bm))
-
-    def _target(self, ids: np.ndarray) -> np.ndarray:
-        return ids if self.vocab is None else self.vocab.to_target(ids)
 
     def logits(self, normed_rows: Any) -> np.ndarray:
         """[n, V] FP32 logits on the host (diagnostics and tests; drafting never writes them);

@@ -523,11 +523,9 @@ class MultiModuleMtpHead(DraftProposer):
             planned = False
             runner = self.step_runner
             # The planned step takes only masks that do not depend on the drafts (callables may),
-            # runs every module for every sequence (an early stop decides per module, on the host),
-            # and reads whole LM heads (a draft vocabulary's ids map back on the host: not yet in it).
+            # and runs every module for every sequence (an early stop decides per module, on the host).
             static = grammar_bitmasks is None or not any(callable(gm) for gm in grammar_bitmasks)
-            if runner is not None and static and min_confidence is None and self.draft_vocab is None \
-                    and runner.applies(sts, poss, k):
+            if runner is not None and static and min_confidence is None and runner.applies(sts, poss, k):
                 planned = True
             rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
             want_conf = out_conf is not None or min_confidence is not None

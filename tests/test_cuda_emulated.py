@@ -1306,3 +1306,32 @@ def test_random_call_sequences_match_reference(fake_runtime, tiny_ckpt, tiny_cfg
     ref, fast = _PARITY[key]
     assert fast.step_runner is not None
     test_backend_parity.run_script(ref, fast, tiny_cfg, script)
+
+
+@pytest.mark.parametrize("n,V", [(1, 7), (3, 65), (5, 301)])
+def test_lm_head_id_map(be, n, V):
+    """id_map (a draft vocabulary's rows -> target ids): the final kernel writes id_map[best];
+    a row without an allowed token stays -1; confidences are those of the unmapped argmax."""
+    rng = np.random.default_rng(V + n)
+    H = 24
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=2 * H ** -0.5)
+    wb = be.prepare_weight(w.astype(BF16))
+    id_map = np.sort(rng.permutation(10 * V)[:V]).astype(np.int32)
+    plain, conf0 = lm_argmax_conf(be, x, wb)
+    mapped, conf1 = lm_argmax_conf(be, x, wb, id_map=id_map)
+    np.testing.assert_array_equal(mapped, id_map[plain])
+    np.testing.assert_array_equal(conf0, conf1)
+    none = np.zeros((n, (V + 31) // 32), np.int32)
+    assert (be.lm_head_argmax(x, wb, none, id_map=id_map, check=False) == -1).all()
+    with pytest.raises(ValueError, match=rf"id_map: expected shape \[{V}\]"):
+        be.lm_head_argmax(x, wb, id_map=id_map[:-1], check=False)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_a_draft_vocabulary_on_the_kernels_replays_like_eager(fake_runtime, tiny_ckpt, tiny_cfg, mode):
+    """A draft vocabulary's heads, masks and id_map through the emulated kernels: against the
+    NumPy reference, and captured steps replaying their eager twins."""
+    ids = np.random.default_rng(5).permutation(301)[:140]
+    test_gpu.check_cuda_matches_numpy_reference((tiny_ckpt, tiny_cfg), mode, "float32", emu_backend.backend("float32"),
+                                                draft_vocab=ids)
+    test_gpu.check_graph_replay_equals_eager(tiny_ckpt, tiny_cfg, emu_backend.backend(), mode, 2, draft_vocab=ids)

@@ -216,7 +216,7 @@ class FakeCudaBackend(NumpyBackend):
         return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
-                       check=True):
+                       id_map=None, check=True):
         n, P = x.shape[0], -(-w.shape[0] // lm_launch.ROWS_PER_BLOCK)
         if part_s is not None and conf is None:
             raise ValueError("part_s: the confidence workspace is used only with conf=; got part_s without conf")
@@ -230,6 +230,10 @@ class FakeCudaBackend(NumpyBackend):
                 self.ws_seen.add("lm conf")
             assert check is False, "a captured argmax must not read the ids back"
             self.ws_seen.add("lm parts")
+
+        if id_map is not None:                # a draft vocabulary: ids through it, in the graph
+            _expect("id_map", id_map, (w.shape[0],), np.int32)
+            self.ws_seen.add("lm id_map")
 
         def kernel(x, w, bitmask, out, conf):
             """-1 (and conf NaN) for a row without an allowed token, as lm_head_argmax_partial/final do."""
@@ -245,6 +249,8 @@ class FakeCudaBackend(NumpyBackend):
                     conf[r] = np.nan if ids[r] < 0 else draft_confidence(x[r:r + 1], w, mask, logits[r])
             if check:
                 lm_launch.raise_if_no_allowed(ids, w.shape[0])
+            if id_map is not None:
+                ids = np.where(ids >= 0, id_map[np.maximum(ids, 0)], -1).astype(np.int32)
             if out is None:
                 return ids
             out[...] = ids
@@ -379,3 +385,17 @@ def test_captured_step_with_confidences(fake_cuda, tiny_ckpt, tiny_cfg, mode):
                        conf=True)
     assert counts["replayed"] >= 2 and "lm conf" in graph.backend.ws_seen
     assert fake_cuda.memcpys["d2h"] == 2 * (counts["executed"] + counts["replayed"])
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_step_with_a_draft_vocabulary(fake_cuda, tiny_ckpt, tiny_cfg, mode):
+    """A draft vocabulary in the captured step: the LM heads' id_map maps rows to target ids in
+    the graph (the next module reads target tokens), masks staged in the subset's bits."""
+    ids = np.random.default_rng(2).permutation(301)[:150]
+    eager = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode=mode, block_size=4,
+                                               num_blocks=160, draft_vocab=ids)
+    graph = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=FakeCudaBackend(fake_cuda), kv_mode=mode,
+                                               block_size=4, num_blocks=160, draft_vocab=ids)
+    counts = run_twins(eager, graph, tiny_cfg, 9, [7, 12], [(3, [0.0], [None])] * 3 + [(3, [1.0], ["one"])] * 2,
+                       conf=True)
+    assert counts["replayed"] >= 2 and "lm id_map" in graph.backend.ws_seen

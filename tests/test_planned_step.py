@@ -181,6 +181,25 @@ def test_planned_step_with_confidences_equals_eager(tiny_ckpt, tiny_cfg, mode, s
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**scenario)
+def test_planned_step_with_a_draft_vocabulary_equals_eager(tiny_ckpt, tiny_cfg, mode, seed, lens, rounds):
+    """The LM heads over a token subset in the planned step (id_map in the argmax, masks in
+    the subset's bits) give the eager path's drafts, confidences and state."""
+    key = (str(tiny_ckpt), mode, "vocab")
+    if key not in _PAIRS:
+        ids = np.random.default_rng(8).permutation(301)[:120]
+        make = lambda: MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode=mode,  # noqa: E731
+                                                          block_size=4, num_blocks=160, prefill_chunk=6,
+                                                          draft_vocab=ids)
+        eager, planned = make(), make()
+        planned.step_runner = StepRunner(planned, capture=False)
+        _PAIRS[key] = (eager, planned)
+    eager, planned = _PAIRS[key]
+    run_twins(eager, planned, tiny_cfg, seed, lens, rounds, conf=True)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_planned_step_dense_checkpoint(tiny_ckpt_dense, mode):
     from mtpkern.config import MtpConfig
 

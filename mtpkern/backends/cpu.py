@@ -38,7 +38,7 @@ from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
 from ..ops.gate import check_sigmoid_gate
 from ..ops.linear import check_linear
-from ..ops.lm_head import check_bitmask
+from ..ops.lm_head import check_bitmask, map_ids
 from ..ops.mla import check_mla_attention, check_mla_latent_write
 from ..ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
@@ -467,9 +467,10 @@ class CpuBackend(Backend):
         expect_shape("w", w, (None, x.shape[1]))
         return self.linear(x, w, out=out)
 
-    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None):
+    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None, id_map=None):
         """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head); ``conf``: an FP32 [n]
-        buffer for the drafts' confidences (ops.lm_head)."""
+        buffer for the drafts' confidences; ``id_map`` [V] int32: the ids mapped through it
+        (a draft vocabulary's rows -> target ids; ops.lm_head)."""
         expect_ndim("x", x, 2)
         expect_shape("w", w, (None, x.shape[1]))
         n, V = x.shape[0], w.shape[0]
@@ -489,6 +490,9 @@ class CpuBackend(Backend):
             none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids, cf)
         if none >= 0:                                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
+        if id_map is not None:
+            expect_shape("id_map", id_map, (V,))
+            ids[:] = map_ids(ids, id_map)
         return ids
 
 

@@ -261,8 +261,9 @@ class CudaBackend(Backend):
         return lm_head.lm_head_logits(x, w, out=out)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
-                       check: bool = True):
-        """-> ids [n] int32, and the drafter's probability of each id into ``conf [n]`` FP32 when
-        given; raises ``NoAllowedToken`` (when ``check``; see the launcher)."""
+                       id_map=None, check: bool = True):
+        """-> ids [n] int32 (through ``id_map`` [V] int32 when given), and the drafter's
+        probability of each id into ``conf [n]`` FP32 when given; raises ``NoAllowedToken``
+        (when ``check``; see the launcher)."""
         return lm_head.lm_head_argmax(x, w, bitmask, out=out, part_v=part_v, part_i=part_i, part_s=part_s,
-                                      conf=conf, check=check)
+                                      conf=conf, id_map=id_map, check=check)

@@ -86,9 +86,14 @@ class NumpyBackend(Backend):
     swiglu_mlp = with_out(mlp.swiglu_mlp)
     lm_head_logits = with_out(lm_head.lm_head_logits)
     @staticmethod
-    def lm_head_argmax(x, w, bitmask=None, *, out=None, conf=None):
+    def lm_head_argmax(x, w, bitmask=None, *, out=None, conf=None, id_map=None):
         """-> ids [n] int32; with ``conf`` (an FP32 [n] buffer) each draft's confidence
-        written into it (mtpkern.ops.lm_head)."""
-        if conf is None:
-            return _argmax(x, w, bitmask, out=out)
-        return _argmax_conf(x, w, bitmask, out=out, conf=conf)[0]
+        written into it; with ``id_map`` [V] int32 the ids mapped through it (a draft
+        vocabulary's rows -> target ids; mtpkern.ops.lm_head)."""
+        if id_map is None:
+            if conf is None:
+                return _argmax(x, w, bitmask, out=out)
+            return _argmax_conf(x, w, bitmask, out=out, conf=conf)[0]
+        ids = (_argmax(x, w, bitmask) if conf is None else _argmax_conf(x, w, bitmask, conf=conf)[0])
+        mapped = lm_head.map_ids(ids, id_map)
+        return mapped if out is None else _into("out", out, mapped)

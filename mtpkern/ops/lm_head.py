@@ -16,6 +16,11 @@ token has a non-NaN logit raises ``NoAllowedToken`` naming the row.
 ``lm_head_argmax(x, w, bitmask) = masked_argmax(lm_head_logits(x, w), bitmask)``;
 the fast backends fuse it so the logits are never written out in full.
 
+**A draft vocabulary** (every backend's ``lm_head_argmax(..., id_map=ids)``, ``ids`` int32
+``[V]``): ``w`` holds the rows of a token subset (mtpkern.vocab) and the result is
+``ids[argmax]``, the target id (-1 stays -1); ties go to the lowest row, which is the lowest
+target id when ``ids`` is sorted.
+
 **Confidence** (every backend's ``lm_head_argmax(..., conf=buf)``, ``buf`` an FP32 ``[n]``
 output): ``conf[r]`` is the probability the drafter gives its draft, the softmax of row
 ``r``'s allowed, non-NaN logits at ``ids[r]``:
@@ -96,6 +101,14 @@ def masked_argmax(logits, bitmask=None) -> np.ndarray:
 
 def lm_head_argmax(x, w, bitmask=None) -> np.ndarray:
     return masked_argmax(lm_head_logits(x, w), bitmask)
+
+
+def map_ids(ids, id_map) -> np.ndarray:
+    """[n] int32: ``id_map[ids]``, -1 staying -1 (a draft vocabulary's rows -> target ids)."""
+    expect_ndim("id_map", id_map, 1)
+    expect_dtype("id_map", id_map, "int32")
+    ids = np.asarray(ids)
+    return np.where(ids >= 0, np.asarray(id_map)[np.maximum(ids, 0)], -1).astype(np.int32)
 
 
 def masked_confidence(logits, ids, bitmask=None) -> np.ndarray:

@@ -3,8 +3,9 @@
 
 ``lm_head_logits(x [n, H], w [V, H]) -> [n, V]`` FP32.
 
-``lm_head_argmax(x [n, H], w [V, H], bitmask [n, ceil(V / 32)] int32 | None)
--> ids [n] int32``: ties to the lowest id, NaN never wins, bit ``j & 31`` of
+``lm_head_argmax(x [n, H], w [V, H], bitmask [n, ceil(V / 32)] int32 | None, *, id_map [V]
+int32 | None) -> ids [n] int32`` (through ``id_map`` when given: a draft vocabulary's rows
+to target ids, -1 staying -1): ties to the lowest id, NaN never wins, bit ``j & 31`` of
 word ``j >> 5`` allows token j, padding bits past V are ignored. Workspaces
 ``part_v [n, P]`` FP32 / ``part_i [n, P]`` int32 with ``P = ceil(V / 64)``.
 
@@ -53,7 +54,7 @@ def lm_head_logits(x, w, *, out=None):
 
 
 def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
-                   check: bool = True):
+                   id_map=None, check: bool = True):
     """-> ids [n] int32 (see the module doc for ``check``, ``conf`` and the workspaces)."""
     _check(x, w)
     n, H = x.shape
@@ -64,8 +65,11 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
         check_bitmask(bitmask, n, V)
     if part_s is not None and conf is None:
         raise ValueError("part_s: the confidence workspace is used only with conf=; got part_s without conf")
+    if id_map is not None:
+        expect_shape("id_map", id_map, (V,))
     x, w = device(x, "x", "float32"), device_weight(w, "w")
     bitmask = optional(bitmask, "bitmask", "int32")
+    id_map = optional(id_map, "id_map", "int32")
     P = cdiv(V, ROWS_PER_BLOCK)
     ids = output(out, "out", (n,), np.int32)
     part_v = output(part_v, "part_v", (n, P), np.float32)
@@ -81,7 +85,7 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
     partial((P,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, ptr(part_s), i32(n), i32(V),
                                     i32(H), i32(P)))
     final = get_kernel("lm_head", f"argmax_final_kernel<{c}>")
-    final((n,), (FINAL_THREADS,), (part_v, part_i, ptr(part_s), i32(P), ids, ptr(conf)))
+    final((n,), (FINAL_THREADS,), (part_v, part_i, ptr(part_s), i32(P), ids, ptr(conf), ptr(id_map)))
     if check:
         raise_if_no_allowed(ids, V, bitmask is not None)
     return ids
