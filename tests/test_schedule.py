@@ -93,3 +93,21 @@ def test_the_clamp_schedule_is_the_default(two_modules):
     a = MultiModuleMtpHead.from_pretrained(path, backend="numpy")
     b = MultiModuleMtpHead.from_pretrained(path, backend="numpy", module_schedule="clamp")
     assert a.module_schedule == b.module_schedule == [0, 1] and a.config == b.config
+
+
+@pytest.mark.parametrize("backend,mode", [("cpu", "exact"), ("cpu", "draft"), ("numpy", "exact")])
+def test_every_drafting_option_at_once_agrees_with_the_oracle(mla_ckpt, backend, mode):
+    """An MLA checkpoint with its modules cycled to four steps, a draft vocabulary of 150
+    tokens, and the machine's confidences and early stops: the oracle of the expanded chain
+    over the same subset."""
+    weights = reference_weights(mla_ckpt)
+    sched = resolve("cycle", weights.config.num_modules, 4)
+    vocab = np.random.default_rng(9).permutation(301)[:150]
+    machine = proposer_machine(lambda: MultiModuleMtpHead.from_pretrained(
+        mla_ckpt, backend=backend, kv_mode=mode, block_size=4, num_blocks=48, prefill_chunk=5,
+        module_schedule="cycle", max_drafts=4, draft_vocab=vocab), _expanded_weights(weights, sched))
+    machine.steps.clear()
+    machine.TestCase.settings = settings(max_examples=6, stateful_step_count=30, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    machine.TestCase().runTest()
+    assert machine.steps["propose"] + machine.steps["propose_batch"] > 10, dict(machine.steps)
