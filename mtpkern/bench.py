@@ -189,6 +189,23 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     return cases
 
 
+#: the op cases' KV block size
+BENCH_BLOCK = 16
+
+
+def decode_rows(be, n: int, context: int) -> tuple:
+    """The row index of ``n`` decode rows, one sequence each, over ``context`` rows of KV in
+    blocks of ``BENCH_BLOCK`` (sequence i owns blocks i * nb ..): (nb, tables, row_seq,
+    row_len, positions, the slots of the rows' own KV write)."""
+    nb = -(-context // BENCH_BLOCK) + 1
+    tables = be.from_host(np.arange(nb * n, dtype=np.int32).reshape(n, nb))
+    row_seq = be.from_host(np.arange(n, dtype=np.int32))
+    row_len = be.from_host(np.full(n, context, np.int32))
+    pos = be.from_host(np.full(n, context, np.int32))
+    slots = be.from_host((np.arange(n, dtype=np.int32) * nb * BENCH_BLOCK) + context - 1)
+    return nb, tables, row_seq, row_len, pos, slots
+
+
 def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> list[tuple[str, int, Callable]]:
     """The attention ops of a GQA block at decode shape ``n`` rows: the fused projection,
     the q/k norm + RoPE + KV write, the paged attention (full, and a window of 128 with
@@ -199,17 +216,11 @@ def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> l
     f4, b2 = 4, 2
     x = act(n, H)
     wqkv, wo = W((Hq + 2 * Hkv) * D, H), W(H, Hq * D)
-    bs = 16
-    nb = -(-context // bs) + 1
-    kc, vc = be.empty_kv(nb * n, bs, Hkv, D), be.empty_kv(nb * n, bs, Hkv, D)
+    nb, tables, row_seq, row_len, pos, slots = decode_rows(be, n, context)
+    kc, vc = be.empty_kv(nb * n, BENCH_BLOCK, Hkv, D), be.empty_kv(nb * n, BENCH_BLOCK, Hkv, D)
     kvb = np.dtype(be.kv_dtype).itemsize
-    tables = be.from_host(np.arange(nb * n, dtype=np.int32).reshape(n, nb))
-    row_seq = be.from_host(np.arange(n, dtype=np.int32))
-    row_len = be.from_host(np.full(n, context, np.int32))
     qkv = act(n, (Hq + 2 * Hkv) * D)
     q = act(n, Hq, D)
-    pos = be.from_host(np.full(n, context, np.int32))
-    slots = be.from_host((np.arange(n, dtype=np.int32) * nb * bs) + context - 1)
     invf = be.from_host(inv_freq(cfg.rotary_dim, cfg.rope_theta))
     wqkv8, wo8 = W8(wqkv), W8(wo)
     xo = act(n, Hq * D)
@@ -245,14 +256,8 @@ def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> l
                              b.qk_nope_head_dim, b.v_dim, b.q_lora_rank)
     f4, b2 = 4, 2
     kvb = np.dtype(be.kv_dtype).itemsize
-    bs = 16
-    nb = -(-context // bs) + 1
-    cache = be.empty_latent_kv(nb * n, bs, L + R)
-    tables = be.from_host(np.arange(nb * n, dtype=np.int32).reshape(n, nb))
-    row_seq = be.from_host(np.arange(n, dtype=np.int32))
-    row_len = be.from_host(np.full(n, context, np.int32))
-    pos = be.from_host(np.full(n, context, np.int32))
-    slots = be.from_host((np.arange(n, dtype=np.int32) * nb * bs) + context - 1)
+    nb, tables, row_seq, row_len, pos, slots = decode_rows(be, n, context)
+    cache = be.empty_latent_kv(nb * n, BENCH_BLOCK, L + R)
     invf = be.from_host(inv_freq(R, b.rope_theta))
     x, q_in, kv_a, xo = act(n, H), act(n, Hq, P + R), act(n, L + R), act(n, Hq * Dv)
     q_src = Q or H

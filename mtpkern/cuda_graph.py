@@ -271,7 +271,7 @@ class StepPlan:
                                             Dv=b.v_dim).num_parts
             # one flat FP32 buffer per MLA workspace kind, each MLA module a view of its own shape
             mla_flat = {key: buf((max(int(np.prod(ws_[key])) for ws_ in mla_ws.values() if key in ws_),))
-                        for key in {k for ws_ in mla_ws.values() for k in ws_}}
+                        for key in sorted({k for ws_ in mla_ws.values() for k in ws_})}   # a fixed order
             split = [m for m in self.run if parts[m] > 1]
             po = max((n[m] * blk[m].num_attention_heads * parts[m] * blk[m].v_dim for m in split), default=0)
             pml = max((n[m] * blk[m].num_attention_heads * parts[m] * 2 for m in split), default=0)

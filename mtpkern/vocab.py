@@ -5,7 +5,8 @@ space (mtpkern.ops.lm_head's layout).
 ``DraftVocab(ids, V)``: ``ids`` the subset (unique target ids in ``[0, V)``, sorted here, so
 that the lowest subset index is the lowest target id and ties still go to the lowest id);
 ``sub_mask(rows [n, ceil(V / 32)]) -> [n, ceil(V' / 32)]`` the same allowed tokens, in the
-subset's order; ``to_target(sub_ids)`` the target ids (-1 stays -1). A head over the subset
+subset's order; ``ids`` is the LM head's ``id_map`` (rows -> target ids, mtpkern.ops.lm_head).
+A head over the subset
 is ``V' / V`` of the bytes (at GLM-4.5's shapes the LM head is about two thirds of a
 module's): ``head_bytes_saved``. A draft's confidence is then the softmax over the subset.
 """
@@ -26,7 +27,7 @@ class DraftVocab:
         if isinstance(ids, (str, os.PathLike)):
             ids = read_ids(Path(ids), name)
         a = np.asarray(ids)
-        if a.ndim != 1 or a.size == 0 or not (np.issubdtype(a.dtype, np.integer) or a.size and a.dtype == bool):
+        if a.ndim != 1 or a.size == 0 or not (np.issubdtype(a.dtype, np.integer) or a.dtype == bool):
             raise ValueError(f"{name}: expected a non-empty 1-D array of token ids, got shape {list(a.shape)} "
                              f"{a.dtype}")
         if a.dtype == bool:
@@ -41,8 +42,6 @@ class DraftVocab:
             raise ValueError(f"{name}: token id {int(s[dup[0]])} appears twice")
         self.ids = s.astype(np.int32)                      # [V'] target id of each subset index
         self.vocab_size = int(vocab_size)
-        #: -1 appended: a subset argmax of -1 (no allowed token) maps to -1 (take's wrap)
-        self.ids_ext = np.concatenate([self.ids, np.array([-1], np.int32)])
 
     @property
     def size(self) -> int:
@@ -61,9 +60,6 @@ class DraftVocab:
         pad[:, :self.size] = bits
         packed = (pad.reshape(bits.shape[0], self.words, 32) << np.arange(32)).sum(axis=2)
         return packed.astype(np.uint32).view(np.int32)
-
-    def to_target(self, sub_ids: np.ndarray) -> np.ndarray:
-        return self.ids_ext[np.asarray(sub_ids)]
 
     def head_bytes_saved(self, hidden_size: int, itemsize: int = 2) -> int:
         """Bytes one LM head no longer reads per row of drafts."""

@@ -104,3 +104,19 @@ def test_a_mask_outside_the_subset_allows_no_draft(tiny_ckpt):
 def test_bad_subsets_are_refused_by_name(ids, exc, match):
     with pytest.raises(exc, match=match):
         DraftVocab(ids, V)
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+def test_a_bad_id_map_is_refused_before_anything_is_written(name):
+    from mtpkern.backends import get_backend
+
+    be = get_backend(name)
+    x, w = np.ones((2, 4), np.float32), be.prepare_weight(np.ones((10, 4), np.float32))
+    conf, out = np.full(2, 7.0, np.float32), np.full(2, 7, np.int32)
+    with pytest.raises(ValueError, match=r"id_map: expected shape \[10\]"):
+        be.lm_head_argmax(x, w, out=out, conf=conf, id_map=np.arange(9, dtype=np.int32))
+    with pytest.raises(TypeError, match="id_map: expected dtype int32"):
+        be.lm_head_argmax(x, w, out=out, conf=conf, id_map=np.arange(10, dtype=np.int64))
+    assert (conf == 7.0).all() and (out == 7).all()
+    ids = be.lm_head_argmax(x, w, id_map=np.arange(100, 110, dtype=np.int32))
+    assert be.to_host(ids).tolist() == [100, 100]

@@ -38,7 +38,7 @@ from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
 from ..ops.gate import check_sigmoid_gate
 from ..ops.linear import check_linear
-from ..ops.lm_head import check_bitmask, map_ids
+from ..ops.lm_head import check_bitmask, check_id_map, map_ids
 from ..ops.mla import check_mla_attention, check_mla_latent_write
 from ..ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
@@ -474,6 +474,8 @@ class CpuBackend(Backend):
         expect_ndim("x", x, 2)
         expect_shape("w", w, (None, x.shape[1]))
         n, V = x.shape[0], w.shape[0]
+        if id_map is not None:
+            check_id_map(id_map, V)
         if bitmask is None:
             bitmask = np.empty((0, 0), np.int32)
         else:
@@ -491,7 +493,6 @@ class CpuBackend(Backend):
         if none >= 0:                                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         if id_map is not None:
-            expect_shape("id_map", id_map, (V,))
             ids[:] = map_ids(ids, id_map)
         return ids
 

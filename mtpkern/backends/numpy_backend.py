@@ -94,6 +94,7 @@ class NumpyBackend(Backend):
             if conf is None:
                 return _argmax(x, w, bitmask, out=out)
             return _argmax_conf(x, w, bitmask, out=out, conf=conf)[0]
+        lm_head.check_id_map(id_map, w.shape[0])
         ids = (_argmax(x, w, bitmask) if conf is None else _argmax_conf(x, w, bitmask, conf=conf)[0])
         mapped = lm_head.map_ids(ids, id_map)
         return mapped if out is None else _into("out", out, mapped)

@@ -103,10 +103,14 @@ def lm_head_argmax(x, w, bitmask=None) -> np.ndarray:
     return masked_argmax(lm_head_logits(x, w), bitmask)
 
 
+def check_id_map(id_map, V: int) -> None:
+    """``id_map`` of a head of ``V`` rows: ``[V]`` int32 (checked before anything is computed)."""
+    expect_shape("id_map", id_map, (V,))
+    expect_dtype("id_map", id_map, "int32")
+
+
 def map_ids(ids, id_map) -> np.ndarray:
     """[n] int32: ``id_map[ids]``, -1 staying -1 (a draft vocabulary's rows -> target ids)."""
-    expect_ndim("id_map", id_map, 1)
-    expect_dtype("id_map", id_map, "int32")
     ids = np.asarray(ids)
     return np.where(ids >= 0, np.asarray(id_map)[np.maximum(ids, 0)], -1).astype(np.int32)
 

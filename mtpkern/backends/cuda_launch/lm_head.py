@@ -28,7 +28,7 @@ import numpy as np
 
 from ...errors import NoAllowedToken, no_token_reason
 from ...ops._check import expect_ndim, expect_shape
-from ...ops.lm_head import check_bitmask
+from ...ops.lm_head import check_bitmask, check_id_map
 from ._util import cdiv, ctype, device, device_weight, expect_weight, i32, optional, output, ptr, weight_args
 from .linear import GEMV_THREADS, launch_linear
 from .loader import get_kernel
@@ -66,7 +66,7 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
     if part_s is not None and conf is None:
         raise ValueError("part_s: the confidence workspace is used only with conf=; got part_s without conf")
     if id_map is not None:
-        expect_shape("id_map", id_map, (V,))
+        check_id_map(id_map, V)
     x, w = device(x, "x", "float32"), device_weight(w, "w")
     bitmask = optional(bitmask, "bitmask", "int32")
     id_map = optional(id_map, "id_map", "int32")
