@@ -204,3 +204,92 @@ argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ pa
     if constexpr (CONF) conf[r] = bi >= 0 ? 1.0f / bs : quiet_nan();  // bs >= 1: the winner adds 1
   }
 }
+
+// masked_topk_kernel: grid (n), block 256: row r of logits [n, V] fp32 (lm_head_logits) ->
+//   ids [n, K] int32 / probs [n, K] fp32: its K best allowed, non-NaN logits in mtp::beats
+//   order (value descending, the lowest id on a tie), through id_map [V] when given, -1 / 0
+//   past the row's candidates (ids[r, 0] = -1: none at all; the launcher raises). probs by
+//   the confidence rule of lm_head_argmax<CONF>, for every candidate c:
+//   probs[r, c] = exp_below(l_c, l_top) / S, S = sum_j exp_below(l_j, l_top) over the
+//   candidates (l_top: the best logit; a term equal to it counts 1).
+// Round c takes the best candidate that round c - 1's winner beats (beats is a strict total
+//   order, so no id is taken twice and ties keep id order): one pass over the row per round
+//   (K <= 64; a draft tree's rows are few, their logits small next to the head's bytes), then
+//   one pass for S. Reductions: per thread (strided ids), warp shuffles, then warps in order
+//   by thread 0, so ids and probs are bit-reproducible.
+__device__ __forceinline__ bool topk_allowed(const int* bitmask, long long r, int W, int j) {
+  return bitmask == nullptr || ((static_cast<unsigned>(bitmask[r * W + (j >> 5)]) >> (j & 31)) & 1u) != 0u;
+}
+
+__global__ void __launch_bounds__(256)
+masked_topk_kernel(const float* __restrict__ logits, const int* __restrict__ bitmask, int V, int K,
+                   int* __restrict__ ids, float* __restrict__ probs, const int* __restrict__ id_map) {
+  using namespace mtp;
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  __shared__ float win_v[64];   // the winners' logits, for the probabilities
+  __shared__ int win_i[64];
+  __shared__ int s_got;
+  const long long r = blockIdx.x;
+  const int W = (V + 31) / 32;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int nwarps = static_cast<int>(blockDim.x / kWarp);
+  const float* row = logits + r * V;
+  float pv = 0.0f;
+  int pi = -1;  // the last round's winner (none before round 0)
+  int got = 0;
+  for (int c = 0; c < K; ++c) {
+    float bv = neg_inf();
+    int bi = -1;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+      const float v = row[j];
+      if (v != v || !topk_allowed(bitmask, r, W, j)) continue;
+      if (pi >= 0 && !beats(pv, pi, v, j)) continue;  // taken, or ahead of the last winner
+      if (beats(v, j, bv, bi)) { bv = v; bi = j; }
+    }
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(kFullMask, bv, o);
+      const int oi = __shfl_xor_sync(kFullMask, bi, o);
+      if (beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int q = 1; q < nwarps; ++q) {
+        if (beats(sv[q], si[q], bv, bi)) { bv = sv[q]; bi = si[q]; }
+      }
+      win_v[c] = bv;
+      win_i[c] = bi;
+    }
+    __syncthreads();
+    pv = win_v[c];
+    pi = win_i[c];
+    if (pi < 0) break;  // uniform: every thread read the same winner
+    got = c + 1;
+    __syncthreads();    // sv / si are written again next round
+  }
+  if (threadIdx.x == 0) s_got = got;
+  const float top = got > 0 ? win_v[0] : 0.0f;
+  float s = 0.0f;
+  if (got > 0) {
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+      const float v = row[j];
+      if (v == v && topk_allowed(bitmask, r, W, j)) s += exp_below(v, top);
+    }
+  }
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) s += __shfl_xor_sync(kFullMask, s, o);
+  if (lane == 0) sv[warp] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float tot = sv[0];
+    for (int q = 1; q < nwarps; ++q) tot += sv[q];
+    for (int c = 0; c < K; ++c) {
+      const bool have = c < s_got;
+      const int i = have ? win_i[c] : -1;
+      ids[r * K + c] = (have && id_map != nullptr) ? id_map[i] : i;
+      probs[r * K + c] = have ? exp_below(win_v[c], top) / tot : 0.0f;
+    }
+  }
+}

@@ -987,6 +987,58 @@ def test_lm_head_argmax_edges(be):
     assert e.value.row == 1
 
 
+@settings(max_examples=120, deadline=None)
+@given(case=argmax_cases(), k=st.integers(1, 6), mapped=st.booleans())
+def test_lm_head_topk_property(be, case, k, mapped):
+    """A draft tree's candidates: the k best allowed tokens in order (ties to the lowest id,
+    NaN never taken, -1 / 0 past the row's candidates) and their probabilities, as the
+    reference's over exact logits (an identity head); column 0 is the argmax and its
+    confidence; with ``id_map`` the ids are mapped and nothing else changes."""
+    x, nan_tokens, mask, wdtype = case
+    n, V = x.shape
+    w = np.eye(V, dtype=np.float32)
+    w[nan_tokens] = np.nan
+    w = exact_weight(w, wdtype)
+    id_map = (np.arange(V, dtype=np.int32) * 3 + 1) if mapped else None
+    kw = {} if id_map is None else {"id_map": be.from_host(id_map)}
+    args = (be.from_host(x), be.prepare_weight(w), None if mask is None else be.from_host(mask))
+    try:
+        want_ids, want_p = REF.lm_head_topk(x, REF.prepare_weight(w), mask, k)
+    except NoAllowedToken as e:
+        with pytest.raises(NoAllowedToken, match=str(e).split(":")[0] + ":"):
+            be.lm_head_topk(*args, k, **kw)
+        return
+    ids, probs = be.lm_head_topk(*args, k, **kw)
+    ids, probs = be.to_host(ids), be.to_host(probs)
+    assert ids.dtype == np.int32 and probs.dtype == np.float32 and ids.shape == probs.shape == (n, k)
+    np.testing.assert_array_equal(ids, want_ids if id_map is None else np.where(want_ids >= 0, id_map[want_ids], -1))
+    assert_close(probs, want_p, what="topk probs")
+    conf = np.empty(n, np.float32)
+    top = REF.lm_head_argmax(x, REF.prepare_weight(w), mask, conf=conf)
+    np.testing.assert_array_equal(want_ids[:, 0], top)
+    assert_close(want_p[:, 0], conf, what="topk column 0 vs confidence")
+
+
+@pytest.mark.parametrize("n,V,k", [(1, 1, 3), (3, 300, 4), (2, 5000, 8)])
+def test_lm_head_topk_random(be, n, V, k):
+    """Random logits through a real GEMV: the candidates are the reference's up to rounding
+    (a swap only between logits within the float32 tolerance), their probabilities sum to
+    at most 1 and fall along the order."""
+    rng = rng_for("topk", n, V, k)
+    H = 40
+    x, w = acts(rng, n, H), weight(rng, (V, H), "bfloat16")
+    wb, wr = be.prepare_weight(w), REF.prepare_weight(w)
+    ids, probs = (be.to_host(a) for a in be.lm_head_topk(be.from_host(x), wb, None, k))
+    want_ids, want_p = REF.lm_head_topk(x, wr, None, k)
+    logits = REF.lm_head_logits(x, wr)
+    tol = TOLERANCE["float32"]
+    for r in range(n):
+        got_l, want_l = logits[r, ids[r][ids[r] >= 0]], logits[r, want_ids[r][want_ids[r] >= 0]]
+        assert np.all(np.abs(got_l - want_l) <= tol.atol + tol.rtol * np.abs(want_l))
+    assert_close(probs, want_p, what="topk probs")
+    assert (probs.sum(axis=1) <= 1 + 1e-5).all() and (np.diff(probs, axis=1) <= 1e-6).all()
+
+
 # -- prefill-sized inputs -----------------------------------------------------
 
 @pytest.mark.parametrize("wdtype", WDTYPES + ["fp8_block"])

@@ -200,3 +200,11 @@ class Backend(ABC):
     @abstractmethod
     def lm_head_argmax(self, x, w, bitmask=None):
         """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head)."""
+
+    @abstractmethod
+    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
+        """-> (ids [n, k] int32, probs [n, k] FP32) on the backend: each row's ``k`` best
+        allowed tokens (value descending, ties to the lowest id; -1 / 0 past the row's
+        candidates) and their probabilities; raises ``NoAllowedToken`` for a row with no
+        candidate (mtpkern.ops.lm_head.masked_topk). The logits are written out once
+        ([n, V] FP32, far fewer bytes than the head's at H >= 1024: a draft tree's rows)."""

@@ -38,7 +38,7 @@ from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
 from ..ops.gate import check_sigmoid_gate
 from ..ops.linear import check_linear
-from ..ops.lm_head import check_bitmask, check_id_map, map_ids
+from ..ops.lm_head import check_bitmask, check_id_map, check_topk, map_id_rows, map_ids
 from ..ops.mla import check_mla_attention, check_mla_latent_write
 from ..ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
@@ -495,6 +495,29 @@ class CpuBackend(Backend):
         if id_map is not None:
             ids[:] = map_ids(ids, id_map)
         return ids
+
+    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
+        """-> (ids [n, k] int32, probs [n, k] FP32): the logits (``lm_head_logits``), then each
+        row's k best allowed tokens and their probabilities (ops.lm_head.masked_topk)."""
+        k = check_topk(k)
+        logits = self.lm_head_logits(x, w)
+        n, V = logits.shape
+        if id_map is not None:
+            check_id_map(id_map, V)
+        if bitmask is None:
+            bitmask = np.empty((0, 0), np.int32)
+        else:
+            check_bitmask(bitmask, n, V)
+            bitmask = np.ascontiguousarray(bitmask)
+        ids = np.empty((n, k), np.int32)
+        probs = np.empty((n, k), np.float32)
+        self._use_threads()
+        none = lm_head_k.masked_topk_kernel(logits, bitmask, ids, probs)
+        if none >= 0:
+            raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
+        if id_map is not None:
+            ids = map_id_rows(ids, id_map)
+        return ids, probs
 
 
 def _checked_rows(block_tables, row_seq, row_len, row_start, BS: int, NB: int) -> tuple:

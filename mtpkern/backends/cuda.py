@@ -260,6 +260,9 @@ class CudaBackend(Backend):
     def lm_head_logits(self, x, w, *, out=None):
         return lm_head.lm_head_logits(x, w, out=out)
 
+    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
+        return lm_head.lm_head_topk(x, w, bitmask, k, id_map=id_map)
+
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
                        id_map=None, check: bool = True):
         """-> ids [n] int32 (through ``id_map`` [V] int32 when given), and the drafter's

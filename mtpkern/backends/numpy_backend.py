@@ -98,3 +98,12 @@ class NumpyBackend(Backend):
         ids = (_argmax(x, w, bitmask) if conf is None else _argmax_conf(x, w, bitmask, conf=conf)[0])
         mapped = lm_head.map_ids(ids, id_map)
         return mapped if out is None else _into("out", out, mapped)
+
+    @staticmethod
+    def lm_head_topk(x, w, bitmask=None, k=1, *, id_map=None):
+        """-> (ids [n, k] int32, probs [n, k] FP32): each row's k best allowed tokens and
+        their probabilities (mtpkern.ops.lm_head.masked_topk), ids through ``id_map``."""
+        if id_map is not None:
+            lm_head.check_id_map(id_map, w.shape[0])
+        ids, probs = lm_head.lm_head_topk(x, w, bitmask, k)
+        return (ids if id_map is None else lm_head.map_id_rows(ids, id_map)), probs

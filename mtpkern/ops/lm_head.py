@@ -133,3 +133,62 @@ def lm_head_argmax_conf(x, w, bitmask=None) -> tuple[np.ndarray, np.ndarray]:
     logits = lm_head_logits(x, w)
     ids = masked_argmax(logits, bitmask)
     return ids, masked_confidence(logits, ids, bitmask)
+
+
+#: the most candidates per row ``masked_topk`` takes (a draft tree's widest node)
+MAX_TOPK = 64
+
+
+def check_topk(k) -> int:
+    """``k`` of a top-k: an int in [1, MAX_TOPK]."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TOPK:
+        raise ValueError(f"k: expected an int in [1, {MAX_TOPK}], got {k!r}")
+    return int(k)
+
+
+def _topk_order(vals: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """``cand`` (ascending ids) ordered by value descending, ties to the lower id."""
+    return cand[np.lexsort((cand, -vals.astype(np.float64)))]
+
+
+def masked_topk(logits, bitmask=None, k: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [n, k] int32, probs [n, k] FP32): each row's ``k`` best allowed, non-NaN tokens,
+    by logit descending with ties to the lowest id (column 0 is ``masked_argmax``), and the
+    probability of each: the softmax of the row's allowed, non-NaN logits at it, by the
+    confidence rule (``1 / sum_j t_j``, ``t_j = 1`` where ``l_j`` equals the candidate's logit,
+    else ``exp(l_j - l_c)``; column 0 is ``masked_confidence``). A row with fewer than ``k``
+    candidates pads with id -1 and probability 0; a row with none raises ``NoAllowedToken``."""
+    expect_ndim("logits", logits, 2)
+    k = check_topk(k)
+    n, V = logits.shape
+    lg = np.asarray(logits, np.float32)
+    ok = ~np.isnan(lg)
+    if bitmask is not None:
+        check_bitmask(bitmask, n, V)
+        ok &= bitmask_allowed(bitmask, V)
+    ids = np.full((n, k), -1, np.int32)
+    probs = np.zeros((n, k), np.float32)
+    for r in range(n):
+        cand = np.flatnonzero(ok[r])
+        if cand.size == 0:
+            raise NoAllowedToken(f"row {r}: {no_token_reason(bitmask is not None, V)}", row=r)
+        top = _topk_order(lg[r, cand], cand)[:k]
+        vals = lg[r, cand].astype(np.float64)
+        for j, c in enumerate(top):
+            lc = float(lg[r, c])
+            with np.errstate(invalid="ignore", over="ignore"):
+                t = np.where(vals == lc, 1.0, np.exp(vals - lc))
+            ids[r, j] = c
+            probs[r, j] = 1.0 / t.sum()
+    return ids, probs
+
+
+def lm_head_topk(x, w, bitmask=None, k: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """``masked_topk(lm_head_logits(x, w), bitmask, k)``: a draft tree's candidates."""
+    return masked_topk(lm_head_logits(x, w), bitmask, k)
+
+
+def map_id_rows(ids, id_map) -> np.ndarray:
+    """``map_ids`` over an [n, k] array."""
+    ids = np.asarray(ids)
+    return map_ids(ids.reshape(-1), id_map).reshape(ids.shape)

@@ -184,3 +184,63 @@ def _reduce(best_val, best_id, sums, ids, conf):
         if bi < 0 and first_none < 0:
             first_none = i
     return first_none
+
+
+@njit(cache=True, fastmath=False)
+def _topk_row(logits, bitmask, i, ids, probs):
+    """Row i's top-k (k = ids.shape[1]) by insertion into a list kept sorted (value
+    descending, lower id first on a tie: ids are visited in increasing order, so a new
+    id goes after an equal value), then each candidate's probability by the confidence
+    rule. Returns False when the row has no candidate."""
+    V = logits.shape[1]
+    k = ids.shape[1]
+    vals = np.empty(k, np.float32)
+    cnt = 0
+    best = np.float32(0.0)
+    total = np.float32(0.0)            # sum exp(l - best), a logit equal to the best counting 1
+    for j in range(V):
+        v = logits[i, j]
+        if v != v or not _allowed(bitmask, i, j):
+            continue
+        if cnt == 0 and total == 0.0:
+            best = v
+            total = np.float32(1.0)
+        elif v > best:
+            total = total * np.exp(best - v) + np.float32(1.0)
+            best = v
+        elif v == best:
+            total += np.float32(1.0)
+        else:
+            total += np.exp(v - best)
+        if cnt < k or v > vals[cnt - 1]:
+            at = min(cnt, k - 1)
+            while at > 0 and v > vals[at - 1]:
+                if at < k:
+                    vals[at] = vals[at - 1]
+                    ids[i, at] = ids[i, at - 1]
+                at -= 1
+            vals[at] = v
+            ids[i, at] = j
+            if cnt < k:
+                cnt += 1
+    for c in range(cnt):
+        lc = vals[c]
+        probs[i, c] = (np.float32(1.0) if lc == best else np.exp(lc - best)) / total
+    for c in range(cnt, k):
+        ids[i, c] = -1
+        probs[i, c] = np.float32(0.0)
+    return cnt > 0
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def masked_topk_kernel(logits, bitmask, ids, probs):
+    """ids / probs [n, k]: each row's k best allowed non-NaN logits (spec:
+    mtpkern.ops.lm_head.masked_topk). Returns the first row without a candidate, or -1."""
+    n = logits.shape[0]
+    ok = np.ones(n, np.bool_)
+    for i in prange(n):
+        ok[i] = _topk_row(logits, bitmask, i, ids, probs)
+    for i in range(n):
+        if not ok[i]:
+            return i
+    return -1

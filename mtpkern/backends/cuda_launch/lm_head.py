@@ -28,7 +28,7 @@ import numpy as np
 
 from ...errors import NoAllowedToken, no_token_reason
 from ...ops._check import expect_ndim, expect_shape
-from ...ops.lm_head import check_bitmask, check_id_map
+from ...ops.lm_head import MAX_TOPK, check_bitmask, check_id_map, check_topk
 from ._util import cdiv, ctype, device, device_weight, expect_weight, i32, optional, output, ptr, weight_args
 from .linear import GEMV_THREADS, launch_linear
 from .loader import get_kernel
@@ -89,6 +89,33 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
     if check:
         raise_if_no_allowed(ids, V, bitmask is not None)
     return ids
+
+
+def lm_head_topk(x, w, bitmask=None, k=1, *, id_map=None):
+    """-> (ids [n, k] int32, probs [n, k] FP32) on the device: the logits (``linear_kernel``),
+    then ``masked_topk_kernel`` (kernels/lm_head.cu; spec: mtpkern.ops.lm_head.masked_topk).
+    Raises ``NoAllowedToken`` for a row without a candidate (a host read of column 0)."""
+    _check(x, w)
+    k = check_topk(k)
+    n, V = x.shape[0], w.shape[0]
+    if V < 1:
+        raise ValueError("w: expected at least one vocabulary row, got 0")
+    if bitmask is not None:
+        check_bitmask(bitmask, n, V)
+    if id_map is not None:
+        check_id_map(id_map, V)
+    logits = lm_head_logits(x, w)
+    bitmask = optional(bitmask, "bitmask", "int32")
+    id_map = optional(id_map, "id_map", "int32")
+    ids = output(None, "ids", (n, k), np.int32)
+    probs = output(None, "probs", (n, k), np.float32)
+    if n == 0:
+        return ids, probs
+    assert k <= MAX_TOPK <= 64                 # win_v / win_i in the kernel's shared memory
+    get_kernel("lm_head", "masked_topk_kernel")((n,), (FINAL_THREADS,), (logits, ptr(bitmask), i32(V), i32(k), ids,
+                                                                         probs, ptr(id_map)))
+    raise_if_no_allowed(ids[:, 0], V, bitmask is not None)
+    return ids, probs
 
 
 def raise_if_no_allowed(ids, V: int, masked: bool = True) -> None:

@@ -52,7 +52,7 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
     # CONF: the confidence epilogue (lm_head_argmax(..., conf=)); false is the plain argmax
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}>" for t in _WEIGHT_CTYPES for c in ("false", "true"))
-    + ("argmax_final_kernel<false>", "argmax_final_kernel<true>"),
+    + ("argmax_final_kernel<false>", "argmax_final_kernel<true>", "masked_topk_kernel"),
     "step": ("copy_segments_kernel",),
     # a probe of mma.cuh's fragment layout, for the tests only (kernels/mma.cu)
     "mma": ("mma_bf16_probe_kernel",),
