@@ -251,12 +251,15 @@ class MtpHead:
         return RowIndex(tokens, positions, slots, row_seq, row_len, tables, row_start)
 
     def compute(self, tokens: Any, g: Any, positions: Any, slots: Any, tables: Any, row_seq: Any,
-                row_len: Any, bufs: "ForwardBuffers | None" = None, row_start: Any = None) -> tuple[Any, Any]:
+                row_len: Any, bufs: "ForwardBuffers | None" = None, row_start: Any = None,
+                kv_copy: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
         """The module's ops over rows whose KV slots and tables are known (backend arrays:
         ``tokens`` [n], ``g`` [n, H], ``positions`` / ``slots`` / ``row_seq`` / ``row_len``
         [n], ``tables`` [S, width]; ``row_start`` [n] the first KV row each row sees, for a
         sliding-window block). ``bufs``: every output and workspace preallocated (a planned
-        step: nothing is allocated); None allocates as it goes."""
+        step: nothing is allocated); None allocates as it goes. ``kv_copy``: (src, dst) slot
+        arrays: once the rows' K/V are written, the cache rows ``dst`` take rows ``src``'s
+        values, before any row attends (a draft tree's copy-on-write blocks, mtpkern.tree)."""
         be, cfg, w, b = self.backend, self.config, self.w, self.block
         eps = cfg.rms_norm_eps
 
@@ -273,13 +276,15 @@ class MtpHead:
                          **put("mtp_input", out="x"))                                            # [n, H]
         a_in = be.rmsnorm(x, w.input_layernorm, eps, **put("rmsnorm", out="a_in"))               # [n, H]
         if b.mla:
-            o = self._mla(a_in, positions, slots, tables, row_seq, row_len, row_start, put)      # [n, Hq Dv]
+            o = self._mla(a_in, positions, slots, tables, row_seq, row_len, row_start, put, kv_copy)  # [n, Hq Dv]
         else:
             qkv = be.linear(a_in, w.w_qkv, w.b_qkv, **put("linear", out="qkv"))                  # [n, (Hq+2Hkv)D]
             q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                          w.q_norm, w.k_norm, eps, self._inv_freq, positions,
                                          self.pool.k, self.pool.v, slots, **self._rope_kw,
                                          **put("rope_kv", out="q"))                               # [n, Hq, D]
+            if kv_copy is not None:
+                self.pool.copy_rows(*kv_copy)
             attn_kw = self._attn_kw if row_start is None else dict(self._attn_kw, row_start=row_start)
             o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
                                    **attn_kw, **put("attention", out="o"))                      # [n, Hq Dv]
@@ -304,7 +309,7 @@ class MtpHead:
         return y, normed
 
     def _mla(self, a_in: Any, positions: Any, slots: Any, tables: Any, row_seq: Any, row_len: Any,
-             row_start: Any, put: Any) -> Any:
+             row_start: Any, put: Any, kv_copy: Any = None) -> Any:
         """MLA attention of ``a_in`` [n, H] -> [n, Hq Dv] (before o_proj), the latent rows
         written (mtpkern.ops.mla): the query through q_a_proj, q_a_layernorm and q_b_proj
         (or q_proj), the latent row from kv_a_proj_with_mqa, then the absorbed attention."""
@@ -319,6 +324,8 @@ class MtpHead:
         q = be.mla_latent_write(kv_a, w.mla_kv_a_norm, eps, self._inv_freq, positions, self.pool.k, slots,
                                 q=qf.reshape(n, b.num_attention_heads, b.head_dim), **self._rope_kw,
                                 **put("mla_write", out="q"))                                      # [n, Hq, P + R]
+        if kv_copy is not None:
+            self.pool.copy_rows(*kv_copy)
         kw = {} if row_start is None else {"row_start": row_start}
         return be.mla_attention_absorbed(q, w.mla_uk, w.mla_uv, self.pool.k, tables, row_seq, row_len, self._scale,
                                          **kw, **put("mla_attention", out="o"))
@@ -338,6 +345,14 @@ class MtpHead:
         conf = be.xp.empty(normed_rows.shape[0], np.float32)
         ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), conf=conf, **self._lm_kw)
         return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(conf), np.float32)
+
+    def topk(self, normed_rows: Any, bitmask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's ``k`` best allowed tokens and their probabilities (a draft tree's
+        children; mtpkern.ops.lm_head.masked_topk), target ids, on the host:
+        ([n, k] int32, -1 past the candidates; [n, k] FP32)."""
+        be = self.backend
+        ids, probs = be.lm_head_topk(normed_rows, self.w.head, self._mask(bitmask), k, **self._lm_kw)
+        return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(probs), np.float32)
 
     def _mask(self, bitmask: np.ndarray | None) -> Any:
         """A host [n, W] mask in target ids -> the backend mask the LM head reads."""

@@ -305,6 +305,7 @@ class BlockPool:
         self.block_size = block_size
         #: an MLA pool's latent row width (0: K and V caches)
         self.latent_width = int(latent_width)
+        self._backend = backend
         if latent_width:
             self.k, self.v = backend.empty_latent_kv(num_blocks, block_size, latent_width), None
         else:
@@ -396,6 +397,14 @@ class BlockPool:
         t = np.zeros(seq._base + len(seq._blocks), np.int32)
         t[seq._base:] = np.maximum(np.asarray(seq._blocks, np.int64), 0)
         return t
+
+    def copy_rows(self, src: Any, dst: Any) -> None:
+        """Cache slots ``dst`` take the K/V (or latent) rows of slots ``src`` (int32 arrays of
+        equal length, on the host or the backend): a draft tree's copy-on-write of a partial
+        block (mtpkern.tree). The caller owns the blocks of ``dst``."""
+        for cache in (self.k, self.v):
+            if cache is not None:
+                self._backend.copy_kv_rows(cache, src, dst)
 
     # -- registry -------------------------------------------------------------
     def new_seq(self, holder: Any) -> SeqKv:

@@ -55,6 +55,7 @@ from .kv import BlockPool
 from .models import family
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
 from .trait import DraftProposer, ProposerState
+from .tree import DraftTree, TreeRunner, check_shape
 from .txn import guarded
 from .weights import MtpWeights, load_weights
 
@@ -167,6 +168,8 @@ class MultiModuleMtpHead(DraftProposer):
         self.mode: ExactChain | DraftChain = (self.exact if kv_mode == "exact" else
                                               DraftChain(self.modules, chain, self.prefill_chunk))
         self.carry = CarryRegistry(self, self.modules)
+        #: draft trees (mtpkern.tree): propose_tree / after_verify_tree
+        self.trees = TreeRunner(self.modules, backend, chain, kv_mode == "exact")
         self.stats = AcceptanceStats([0] * config.num_modules, [0] * config.num_modules)
         self.clamped_calls = 0      # proposes whose num_drafts exceeded num_modules
         self._states: dict[int, MtpState] = {}
@@ -341,6 +344,8 @@ class MultiModuleMtpHead(DraftProposer):
     def free_state(self, state: ProposerState) -> None:
         with self._use([state], "free_state", allow_drafted=True) as (st,):
             with self._lock:
+                if st._tree is not None:
+                    self.trees.drop(st, st._tree)
                 for p, seq in zip(self.pools, st._kv):
                     p.retire(seq, st)
                 st._freed = True
@@ -608,6 +613,94 @@ class MultiModuleMtpHead(DraftProposer):
                     rows[i] = mk
         return rows
 
+    # -- draft trees (mtpkern.tree) -----------------------------------------------------------
+    def propose_tree(self, last_token: int, target_hidden: Any, position: int, state: ProposerState,
+                     widths: Sequence[int] | None = None, shape: Sequence[Sequence[int]] | None = None,
+                     grammar_bitmask: Any = None) -> DraftTree:
+        """Draft a tree after ``last_token`` = ``t_P`` at ``position`` = ``P`` (``target_hidden``
+        ``h_{P-1}``, as ``propose``). ``widths[d]``: each node of depth ``d - 1`` (the root for
+        ``d = 0``) gets its ``widths[d]`` best tokens as children; or ``shape``: a static tree,
+        the paths of child ranks of its nodes (``[[0], [1], [0, 0]]``: two children of the root,
+        one of the first), whose rank-0 path is the deepest. Depths: at most ``num_modules``
+        (draft step ``d`` drafts depth ``d``). ``grammar_bitmask``: as ``propose``; a callable
+        is asked ``(depth, path tokens so far)`` once per node it expands. Returns the tree
+        (mtpkern.tree.DraftTree: tokens, parents, depths, probabilities, path scores). Every
+        row of a depth is one forward of its module; the state awaits ``after_verify_tree``."""
+        cfg = self.config
+        with self._use([state], "propose_tree") as (st,):
+            tok = check_token("last_token", last_token, cfg.vocab_size)
+            P = check_int("position", position, 1)
+            ws, counts, D = check_shape(widths, shape, self.num_modules)
+            hid = self._batch_hiddens("target_hidden", target_hidden, 1, single=True)
+            mask = resolve("grammar_bitmask", grammar_bitmask, cfg.vocab_size, D)
+            self._check_position(st, P, D, "position")
+            hid = self._target_norm(hid)
+            W = cfg.bitmask_words
+
+            def mask_rows(m: int, paths: list[list[int]]) -> np.ndarray | None:
+                if mask is None:
+                    return None
+                rows = np.full((len(paths), W), -1, np.int32)
+                for j, path in enumerate(paths):
+                    mk = mask(m, list(path))
+                    if mk is not None:
+                        rows[j] = mk
+                return rows
+
+            def topk(m: int, normed: Any, rows: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+                try:
+                    return self.modules[m].topk(normed, rows, k)
+                except NoAllowedToken as e:
+                    masked = rows is not None and e.row is not None and not (rows[e.row] == -1).all()
+                    raise NoAllowedToken(f"propose_tree: depth {m}, node {e.row} of the depth before: "
+                                         f"{no_token_reason(masked, cfg.vocab_size)}", row=0, draft=m) from None
+
+            rows = [[self.mode.propose_rows(st, m, P, D)] for m in range(self.num_modules)]
+            tree = guarded(self.pools, [st], rows,
+                           lambda: self.trees.propose(st, tok, P, hid, D, ws, counts, mask_rows, topk))
+            st._drafted = True
+            st._last_position, st._last_k = P, D
+            st._last_drafts = [int(tree.tokens[i]) for i in self._greedy_path(tree)]
+        with self._lock:
+            self._last_drafts = list(st._last_drafts)
+        return tree
+
+    @staticmethod
+    def _greedy_path(tree: DraftTree) -> list[int]:
+        """The rank-0 path (the greedy chain), node indices."""
+        out, e = [], -1
+        while True:
+            kids = tree.children(e)
+            if not kids:
+                return out
+            e = kids[0]
+            out.append(e)
+
+    def after_verify_tree(self, path: Sequence[int], state: ProposerState) -> None:
+        """The verify of the last ``propose_tree`` accepted the nodes ``path`` (indices into the
+        tree, from depth 0 down, each the child of the one before; empty: none accepted). Keeps
+        exactly that path's KV rows (the state a chain propose forced along the path leaves
+        after ``after_verify(len(path))``) and frees every other row of the tree at once."""
+        with self._use([state], "after_verify_tree", allow_drafted=True) as (st,):
+            if not st._drafted or st._tree is None:
+                raise StateError("state: after_verify_tree without a propose_tree to verify"
+                                 + (" (the last propose was a chain: call after_verify)" if st._drafted else ""))
+            tree = st._tree.tree
+            if isinstance(path, (str, bytes)) or not isinstance(path, (Sequence, np.ndarray)):
+                raise TypeError(f"path: expected a list of node indices, got {type(path).__name__}")
+            nodes = [check_int(f"path[{j}]", i, 0, len(tree) - 1) for j, i in enumerate(path)]
+            for j, i in enumerate(nodes):
+                want = -1 if j == 0 else nodes[j - 1]
+                if int(tree.parents[i]) != want:
+                    raise ValueError(f"path[{j}]: expected a child of {'the root' if want < 0 else f'node {want}'}, "
+                                     f"got node {i} (its parent: {int(tree.parents[i])})")
+            a = self.trees.after_verify(st, st._tree, nodes)
+            for p, seq in zip(self.pools, st._kv):
+                p.release_window(seq, st)
+            st._drafted = False
+            k = st._last_k
+        self.stats.record(k, a)
+
     # -- verify and catch-up ---------------------------------------------------------------
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:
         """The verify accepted the first ``num_accepted`` drafts of the last propose.
@@ -620,6 +713,8 @@ class MultiModuleMtpHead(DraftProposer):
         with self._use([state], "after_verify", allow_drafted=True) as (st,):
             if not st._drafted:
                 raise StateError("state: after_verify without a propose to verify")
+            if st._tree is not None:
+                raise StateError("state: the last propose was propose_tree; call after_verify_tree(path, state)")
             a = check_int("num_accepted", num_accepted, 0, st._last_k)
             P, k = st._last_position, st._last_k
             self.mode.after_verify(st, P, a, k)
@@ -761,7 +856,12 @@ class MultiModuleMtpHead(DraftProposer):
                 holders = p.holders()
                 ours = [h for h in holders if h is not self.modules[m]]
                 want = {id(st) for st in sts} | {id(kv) for kv in carried}
-                if len(ours) != len(want) or {id(h) for h in ours} != want:
+                scratch = [st._tree.modules[m].scratch for st in sts if st._tree is not None
+                           and st._tree.modules[m] is not None and st._tree.modules[m].scratch is not None]
+                for sq in scratch:                  # a pending tree's other lines (mtpkern.tree)
+                    if p._seqs.get(sq._serial, (None, None))[0] is not sq:
+                        raise AssertionError(f"module {m}: a tree's scratch sequence is not held by its state")
+                if len(ours) != len(want) + len(scratch) or {id(h) for h in ours} != want:
                     raise AssertionError(f"module {m}: {len(ours)} sequences held in the pool, expected one for "
                                          f"each of {len(sts)} states and {len(carried)} carried entries")
                 for st in sts:

@@ -36,7 +36,7 @@ class MtpState(ProposerState):
 
     __slots__ = ("owner", "_kv", "_freed", "_num_verified", "_num_hiddens", "_tail", "_tail_start", "_win",
                  "_win_start", "_drafted", "_next_position", "_last_position", "_last_k", "_last_drafts",
-                 "_busy", "_busy_call")
+                 "_busy", "_busy_call", "_tree")
 
     def __init__(self, owner: Any, num_modules: int):
         self.owner = owner
@@ -76,6 +76,7 @@ class MtpState(ProposerState):
         self._next_position = 1
         self._drafted = False
         self._last_position, self._last_k, self._last_drafts = -1, 0, []
+        self._tree: Any = None          # a propose_tree awaiting after_verify_tree (mtpkern.tree.PendingTree)
 
     def __copy__(self) -> "MtpState":
         return _copy_handle(self, {}, deep=False)

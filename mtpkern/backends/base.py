@@ -121,6 +121,17 @@ class Backend(ABC):
     def empty_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> Any:
         """A zeroed ``[num_blocks, block_size, Hkv, D]`` cache in ``kv_dtype``."""
 
+    def copy_kv_rows(self, cache: Any, src: Any, dst: Any) -> None:
+        """``cache`` [NB, BS, ...] (from ``empty_kv`` / ``empty_latent_kv``): the rows at slots
+        ``dst`` (block * BS + offset) take the values of the rows at slots ``src`` (all read
+        before any is written)."""
+        xp = self.xp
+        flat = cache.reshape((cache.shape[0] * cache.shape[1],) + tuple(cache.shape[2:]))
+        if not xp.shares_memory(flat, cache):
+            raise ValueError("cache: expected a contiguous KV cache (from empty_kv)")
+        s, d = (xp.asarray(self.from_host(np.asarray(a, np.int64))) for a in (src, dst))
+        flat[d] = flat[s]
+
     def empty_latent_kv(self, num_blocks: int, block_size: int, row_width: int) -> Any:
         """A zeroed ``[num_blocks, block_size, row_width]`` MLA latent cache in ``kv_dtype``
         (``row_width = kv_lora_rank + qk_rope_head_dim``; mtpkern.ops.mla)."""

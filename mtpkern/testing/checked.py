@@ -193,6 +193,36 @@ class CheckedProposer:
         return self._call(lambda: self.prop.after_verify(num_accepted, state),
                           lambda _: self.model.verify(state, int(num_accepted)), counts=counts)
 
+    def propose_tree(self, last_token: int, target_hidden: Any, position: int, state: Any, widths: Any = None,
+                     shape: Any = None, grammar_bitmask: Any = None) -> Any:
+        """A draft tree (a grammar callable is asked again by the model: give a pure one)."""
+        def then(tree: Any) -> None:
+            self.model.propose_tree(state, last_token, target_hidden, position, tree, grammar_bitmask)
+            greedy = self.model.of(state).drafts
+            assert self.prop.read_deferred_draft_token(state) == greedy[-1], "read_deferred_draft_token after a tree"
+
+        def room():
+            s = self.model.of(state)
+            depth = len(widths) if widths is not None else max(len(p) for p in shape)
+            return [(s, self.model.rows_after_propose(s, position, depth))]
+
+        return self._call(lambda: self.prop.propose_tree(last_token, target_hidden, position, state, widths, shape,
+                                                         grammar_bitmask), then, room=room)
+
+    def after_verify_tree(self, path: Any, state: Any) -> None:
+        entry = self.model.seqs.get(id(state))
+        k = entry[1].k if entry is not None and entry[0] is state else 0
+        tree = getattr(getattr(state, "_tree", None), "tree", None)
+
+        def counts(c: tuple) -> tuple:
+            a = len(path)
+            drafted = tuple(d + (m < k) for m, d in enumerate(c[0]))
+            accepted = tuple(x + (m < a) for m, x in enumerate(c[1]))
+            return drafted, accepted, c[2] + 1, c[3] + a, c[4]
+
+        return self._call(lambda: self.prop.after_verify_tree(path, state),
+                          lambda _: self.model.verify_tree(state, [int(tree.tokens[i]) for i in path]), counts=counts)
+
     def catchup_drafter(self, tokens: Any, hiddens: Any, state: Any) -> int:
         return self.catchup_batch([tokens], [hiddens], [state], single=True)
 

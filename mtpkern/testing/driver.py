@@ -11,7 +11,8 @@ the state machine (``mtpkern.testing.machine``) runs the same steps as rules.
 Kinds (``KINDS``): ``alloc`` (with or without a budget), ``prefill``,
 ``propose`` (grammar masks of every form, one that allows nothing, skipped
 positions in draft mode; half of them asking for the drafts' confidences, some stopping
-early at a random ``min_confidence``), ``propose_batch``, ``verify``, ``catchup`` (also
+early at a random ``min_confidence``), ``propose_batch``, ``tree`` (a draft tree of random widths or a static shape, verified
+along a random path at once or by a later ``verify``), ``verify``, ``catchup`` (also
 extending the sequence past the accepted drafts), ``round`` (propose, verify and
 catch-up with checks between), ``take`` / ``install`` / ``free_carried``
 (carrying KV across turns), ``free``, ``bad_input`` (refused input, a copied
@@ -33,7 +34,7 @@ from .checked import CheckedProposer, checked
 from .model import SeqModel
 
 KINDS = ("alloc", "prefill", "propose", "propose_batch", "verify", "catchup", "round", "take", "install",
-         "free_carried", "free", "bad_input", "reenter")
+         "free_carried", "free", "bad_input", "reenter", "tree")
 MASKS = ("none", "one", "per_position", "callable", "none_allowed")
 BAD = ("token", "hidden", "dtype", "nan", "accepted", "position", "drafts", "foreign", "copy_state", "copy_carried")
 REENTER = ("free_state", "take_drafter_kv", "propose", "after_verify", "catchup_drafter")
@@ -200,8 +201,48 @@ class Driver:
         return True
 
     def _verify_one(self, st: Any, s: SeqModel, frac: float) -> None:
+        if s.tree is not None:
+            return self._verify_tree(st, s, frac)
         self._count("verify")
         self.p.after_verify(int(round(min(max(frac, 0.0), 1.0) * s.k)), st)
+
+    def _verify_tree(self, st: Any, s: SeqModel, frac: float) -> None:
+        """A random path: ``frac`` of the depth, each step a child picked by ``frac``'s digits."""
+        tree = st._tree.tree
+        a = int(round(min(max(frac, 0.0), 1.0) * tree.depth))
+        path, e = [], -1
+        for j in range(a):
+            kids = tree.children(e)
+            if not kids:
+                break
+            e = kids[int(frac * 10 ** (j + 1)) % len(kids)]
+            path.append(e)
+        self._count("verify_tree")
+        self.p.after_verify_tree(path, st)
+
+    def _tree(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("ready",))
+        if pick is None:
+            return False
+        st, s = pick
+        D = int(rng.integers(1, self.M + 1))
+        widths = shape = None
+        if rng.random() < 0.75:
+            widths = [int(w) for w in rng.integers(1, 3, D)]
+        else:                                   # a static tree: the rank-0 path, and a sibling at random depths
+            shape = [[0] * d for d in range(1, D + 1)]
+            shape += [[0] * d + [1] for d in range(D) if rng.random() < 0.6]
+        mask = self._mask(rng, str(rng.choice(["none", "one", "callable"])))   # pure masks: the model asks again
+        self._count("tree")
+        skip = int(rng.integers(0, 3)) if self.model.mode == "draft" and call.variant == "skip" else 0
+        try:
+            self.p.propose_tree(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], s.next_position + skip, st,
+                                widths=widths, shape=shape, grammar_bitmask=mask)
+        except (KvCacheFull, NoAllowedToken):
+            return True
+        if rng.random() < 0.5:
+            self._verify_tree(st, s, call.frac)
+        return True
 
     def _verify(self, call: Call, rng) -> bool:
         pick = self._choose(call, ("drafted",))

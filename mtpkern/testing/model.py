@@ -50,6 +50,7 @@ class SeqModel:
     accepted: int = 0                                   # of the last verify, still to catch up (exact)
     budget: int | None = None                           # alloc_state_for's budget_tokens
     draft: Any = None                                   # oracle.DraftRows (draft mode, with weights)
+    tree: Any = None                                    # a propose_tree awaiting its verify
 
     @property
     def next_position(self) -> int:
@@ -141,8 +142,11 @@ class ProposerModel:
         return None if dv is None else dv.ids
 
     def propose(self, st: Any, last_token: int, hidden: Any, P: int, num_drafts: int, grammar: Any,
-                drafts: list[int], confs: list[float] | None = None, min_confidence: float | None = None) -> None:
-        """``confs``: the call's confidences of ``drafts`` (out_conf), checked against the
+                drafts: list[int], confs: list[float] | None = None, min_confidence: float | None = None,
+                forced: bool = False) -> None:
+        """``forced``: ``drafts`` hold the forced ones only (a draft tree's accepted path, with
+        ``grammar`` allowing only those): the rest are the oracle's (not checked).
+        ``confs``: the call's confidences of ``drafts`` (out_conf), checked against the
         oracle's softmax of its logits when given; ``min_confidence``: an early stop, which
         must end at the first draft below it (everything after is the state of a propose of
         that many drafts: the oracle is asked for as many)."""
@@ -165,7 +169,7 @@ class ProposerModel:
         else:
             assert P >= s.next_position, f"draft-mode propose accepted position {P} < {s.next_position}"
         fn = mask_fn(grammar)
-        for i, d in enumerate(drafts):
+        for i, d in enumerate([] if forced else drafts):
             assert 0 <= d < self.prop.config.vocab_size, f"draft {i} = {d} is outside the vocabulary"
             if fn is not None:
                 assert allowed(fn(i, drafts[:i]), d), f"draft {i} = {d} violates the grammar mask"
@@ -181,10 +185,12 @@ class ProposerModel:
             want = oracle.propose(self.prop.config, self.weights, s.tokens, s.hiddens, k, self.prop.chain,
                                   vocab=self._vocab(),
                                   masks=fn, target_norm=self.weights.target_norm, confs=want_conf)
-            assert drafts == want, f"drafts {drafts} differ from the oracle's {want}"
+            assert forced or drafts == want, f"drafts {drafts} differ from the oracle's {want}"
+            drafts = want if forced else drafts
         if s.draft is not None:
             want = s.draft.propose(last_token, hidden, P, k, masks=fn, confs=want_conf)
-            assert drafts == want, f"draft-mode drafts {drafts} differ from the oracle's {want}"
+            assert forced or drafts == want, f"draft-mode drafts {drafts} differ from the oracle's {want}"
+            drafts = want if forced else drafts
         if confs is not None and want_conf:
             got, ref = np.asarray(confs), np.asarray(want_conf)
             assert np.allclose(got, ref, rtol=CONF_RTOL, atol=CONF_ATOL), \
@@ -192,6 +198,86 @@ class ProposerModel:
         for m in range(k):
             s.keys[m].append(P - 1)
         s.phase, s.P, s.k, s.drafts = "drafted", P, k, list(drafts)
+
+    # -- draft trees -------------------------------------------------------------------
+    def propose_tree(self, st: Any, last_token: int, hidden: Any, P: int, tree: Any, grammar: Any) -> None:
+        """A ``propose_tree``: the layout's rules; with weights, every expanded node's children
+        are the oracle's top-c along the node's path, with its probabilities; the state is then
+        the state of a chain propose along the rank-0 path (checked as one)."""
+        s = self.of(st)
+        assert s.phase == "ready", f"propose_tree accepted a state in phase {s.phase}"
+        N = len(tree)
+        par, dep = tree.parents.tolist(), tree.depths.tolist()
+        assert N >= 1 and all(-1 <= par[i] < i for i in range(N)), f"parents {par}: each before its child"
+        assert par == sorted(par), f"parents {par}: breadth-first order (never decreasing)"
+        assert all(dep[i] == (0 if par[i] < 0 else dep[par[i]] + 1) for i in range(N)), f"depths {dep}"
+        assert all(0.0 < p <= 1.0 + 1e-5 for p in tree.probs.tolist()), f"probs {tree.probs}"
+        for i in range(N):
+            base = 0.0 if par[i] < 0 else float(tree.scores[par[i]])
+            assert np.isclose(tree.scores[i], base + np.log(tree.probs[i]), rtol=1e-4, atol=1e-4), "scores"
+        fn = mask_fn(grammar)
+        for i in range(N):
+            if fn is not None:
+                assert allowed(fn(dep[i], tree.path_tokens(par[i]) if par[i] >= 0 else []), int(tree.tokens[i])), \
+                    f"node {i} = {tree.tokens[i]} violates the grammar mask"
+        D = tree.depth
+        if self.weights is not None:
+            for e in [-1] + list(range(N)):
+                kids = tree.children(e)
+                if not kids:
+                    continue
+                path = [] if e < 0 else tree.path_tokens(e)
+                d = len(path)
+                if self.mode == "exact":
+                    h = oracle.forced_normed(self.prop.config, self.weights, s.tokens + [int(last_token)],
+                                             s.hiddens + [_host(hidden).reshape(-1)], path, self.prop.chain,
+                                             self.weights.target_norm)
+                else:
+                    h = s.draft.forced_normed(last_token, hidden, P, path)
+                vocab = self._vocab()
+                head = self.weights.modules[d].head if vocab is None else np.asarray(self.weights.modules[d].head)[vocab]
+                ids, probs = oracle.topk64(h, head, len(kids), None if fn is None else fn(d, path), vocab)
+                got = [int(tree.tokens[c]) for c in kids]
+                assert got == ids, f"node {e}'s children {got} differ from the oracle's top-{len(kids)} {ids}"
+                assert np.allclose(tree.probs[kids], probs, rtol=CONF_RTOL, atol=CONF_ATOL), \
+                    f"node {e}'s children's probabilities {tree.probs[kids]} differ from the oracle's {probs}"
+        greedy = []
+        e = -1
+        while tree.children(e):
+            e = tree.children(e)[0]
+            greedy.append(e)
+        before = (len(s.tokens), len(s.hiddens), [list(k) for k in s.keys],
+                  None if s.draft is None else ([list(r) for r in s.draft.rows], s.draft.k))
+        self.propose(st, last_token, hidden, P, D, grammar, [int(tree.tokens[i]) for i in greedy],
+                     [float(tree.probs[i]) for i in greedy])
+        s.tree = (last_token, hidden, P, D, grammar, before)
+
+    def verify_tree(self, st: Any, path_tokens: list[int]) -> None:
+        """``after_verify_tree`` along a path of these tokens: the state of a chain propose
+        forced along them, after ``after_verify(len(path))``."""
+        s = self.of(st)
+        assert s.phase == "drafted" and s.tree is not None, f"after_verify_tree accepted phase {s.phase}"
+        last_token, hidden, P, D, grammar, before = s.tree
+        nt, nh, keys, draft = before
+        del s.tokens[nt:], s.hiddens[nh:]
+        s.keys = keys
+        if draft is not None:
+            s.draft.rows, s.draft.k = draft
+        s.phase, s.tree = "ready", None
+        a = len(path_tokens)
+        V, fn = self.prop.config.vocab_size, mask_fn(grammar)
+
+        def forced(i: int, drafts: list) -> Any:
+            if i < a:
+                words = np.zeros((V + 31) // 32, np.int32)
+                words[path_tokens[i] >> 5] = np.int32(np.uint32(1) << np.uint32(path_tokens[i] & 31))
+                return words
+            return None if fn is None else fn(i, drafts)
+
+        self.propose(st, last_token, hidden, P, D, forced, list(path_tokens) + [0] * (D - a), forced=True)
+        if self.weights is None:
+            s.drafts = list(path_tokens) + s.drafts[a:]
+        self.verify(st, a)
 
     def verify(self, st: Any, a: int) -> None:
         s = self.of(st)

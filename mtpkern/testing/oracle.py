@@ -259,6 +259,23 @@ class DraftRows:
             self.rows[m].pop()
         self.k = 0
 
+    def forced_normed(self, last_token: int, hidden, P: int, path: list[int]) -> np.ndarray:
+        """Module ``len(path)``'s normed output at its row of a propose at ``P`` forced along
+        ``path`` (draft ``m`` = ``path[m]``), float64, nothing recorded: what a draft tree's
+        node at the end of ``path`` (the root when empty) is expanded from."""
+        cfg, w = self.cfg, self.weights
+        tok, g = int(last_token), self._g(hidden)[0]
+        for m in range(len(path) + 1):
+            rows = self.rows[m] + [(tok, g, P + m)]
+            toks = np.array([r[0] for r in rows], np.int64)
+            gs = np.stack([r[1] for r in rows])
+            pos = np.array([r[2] for r in rows])
+            out = module_forward(cfg, w.modules[m], m, toks, gs, pos, keys=pos)
+            if m == len(path):
+                return out.normed[-1]
+            tok, g = int(path[m]), (out.normed if self.chain == "postnorm" else out.y)[-1]
+        raise AssertionError("unreachable")
+
 
 def _allowed64(logits, mask_words=None, vocab=None) -> np.ndarray:
     """Allowed, non-NaN entries of ``logits`` (over target ids, or over ``vocab``'s ids)."""
@@ -292,6 +309,28 @@ def confidence64(logits, mask_words=None, vocab=None) -> float:
     top = lg.max()
     with np.errstate(invalid="ignore"):
         return float(1.0 / np.where(lg == top, 1.0, np.exp(lg - top)).sum())   # a tie with the best counts 1
+
+
+def forced_normed(cfg, weights, verified, hiddens, path: list[int], chain: str, target_norm=None) -> np.ndarray:
+    """Exact mode: module ``len(path)``'s normed output at key P - 1 (P = len(verified) - 1)
+    when the drafts so far are ``path`` (a draft tree's node, the root when empty)."""
+    rows = chain_state(cfg, weights, list(verified) + list(path), hiddens, chain, target_norm)
+    return rows[len(path)].normed[len(verified) - 2]
+
+
+def topk64(h, head, k: int, mask_words=None, vocab=None) -> tuple[list[int], list[float]]:
+    """The ``k`` best allowed tokens of normed row ``h`` (float64 logits; value descending,
+    ties to the lowest id; target ids) and their probabilities (the confidence rule)."""
+    logits = h @ np.asarray(head, np.float64).T
+    cand = np.flatnonzero(_allowed64(logits, mask_words, vocab))
+    order = cand[np.lexsort((cand, -logits[cand]))][:k]
+    lg = logits[cand]
+    probs = []
+    for c in order:
+        with np.errstate(invalid="ignore", over="ignore"):
+            probs.append(float(1.0 / np.where(lg == logits[c], 1.0, np.exp(lg - logits[c])).sum()))
+    ids = [int(c) if vocab is None else int(np.asarray(vocab)[c]) for c in order]
+    return ids, probs
 
 
 def propose(cfg, weights, verified, hiddens, k: int, chain: str, masks=None, target_norm=None,

@@ -26,6 +26,7 @@ _SHAPES = {
     "free": (hs.just(1), hs.just("")),
     "bad_input": (hs.integers(0, 7), hs.sampled_from(BAD)),
     "reenter": (hs.just(1), hs.sampled_from(REENTER)),
+    "tree": (hs.just(1), hs.sampled_from(["", "skip"])),
 }
 
 

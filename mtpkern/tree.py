@@ -1,0 +1,530 @@
+"""Draft trees (``MultiModuleMtpHead.propose_tree`` / ``after_verify_tree``).
+
+**The tree.** A propose at ``P`` (``t_P`` the root) drafts depth ``d`` with draft step
+``d``'s module: each node of depth ``d - 1`` (the root for ``d = 0``) is one row of that
+module, and its top-``c`` tokens become its children (``c``: ``widths[d]``, or the static
+shape's count for that node). All rows of one depth are one forward of their module.
+Module ``m``'s row for a node ``x`` is built from ``(x's token, module m-1's output at the
+row of x's parent)``, as a chain builds module ``m``'s row from ``(d_{m-1}, module m-1's
+output)``: each root-to-node path is the chain forced along it.
+
+**Layout** (``DraftTree``): ``N`` nodes in breadth-first order (depth by depth; within a
+depth by parent, then by rank: probability descending, ties to the lower id), so a
+parent always comes before its children and ``parents`` never decreases. ``tokens``
+[N] int32, ``parents`` [N] int32 (``-1``: a child of the root ``t_P``), ``depths`` [N],
+``probs`` [N] (the probability the node's module gave it, the confidence rule of
+mtpkern.ops.lm_head), ``scores`` [N] (the sum of the log-probabilities along its path).
+Node ``i`` is a candidate for ``t_{P+1+depths[i]}``; ``ancestor_mask()`` gives the tree
+attention mask a verify builds ([N+1, N+1] with the root first).
+
+**KV.** Every row a tree needs is computed once; rows of one module at one key (siblings)
+cannot share a slot, so a row's KV context is its own path: the sequence's rows, then its
+ancestors' rows in that module, then itself. A row continues the line of its parent (the
+first child does) or starts a new *line*: a block of its own that begins at its path's
+last block boundary, whose first rows are copies of that partial block (copy-on-write,
+written once the forward's rows are, before any row attends: ``MtpHead.compute(kv_copy=)``);
+the blocks before it are shared through the row's block table. The main line (the rank-0
+path, the greedy chain) lives in the state's own sequence, as a chain propose would write
+it; the other lines' blocks belong to one scratch sequence per module, held by the state
+until ``after_verify_tree``. That call keeps exactly the accepted path's rows: in every
+module the rows a chain propose forced along the path keeps (draft mode: module ``m``'s
+row of the path's node ``m - 1`` iff ``m <= a``; exact mode: the exact-mode rule's rows),
+copies those off the main line into the sequence, and frees every other row at once.
+The state is then the state of a chain propose along the accepted path after its verify.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .exact import exact_rows
+from .head import MtpHead
+from .ops.lm_head import MAX_TOPK
+from .state import MtpState
+
+#: the most nodes one tree may hold (every row of a depth is one forward)
+MAX_TREE_NODES = 1024
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A propose_tree's drafts (module docstring, "Layout")."""
+
+    position: int
+    root_token: int
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    probs: np.ndarray
+    scores: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def depth(self) -> int:
+        """Depths drafted (the longest path's length)."""
+        return int(self.depths.max()) + 1 if len(self) else 0
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from depth 0 down to ``node``."""
+        out = []
+        i = int(node)
+        while i >= 0:
+            out.append(i)
+            i = int(self.parents[i])
+        return out[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        return [int(self.tokens[i]) for i in self.path(node)]
+
+    def children(self, node: int) -> list[int]:
+        """The children of ``node`` (-1: of the root), by rank."""
+        return [int(i) for i in np.flatnonzero(self.parents == node)]
+
+    def leaves(self) -> list[int]:
+        has_child = np.zeros(len(self), bool)
+        has_child[self.parents[self.parents >= 0]] = True
+        return [int(i) for i in np.flatnonzero(~has_child)]
+
+    def positions(self) -> np.ndarray:
+        """[N + 1] int32: the root's position P, then each node's ``P + 1 + depth``."""
+        return np.concatenate([[self.position], self.position + 1 + self.depths]).astype(np.int32)
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[N + 1, N + 1] bool, the root first: entry ``[i, j]`` is True iff ``j`` is ``i`` or
+        an ancestor of ``i`` (what row ``i`` of a tree verify attends to, past the prefix)."""
+        N = len(self)
+        mask = np.eye(N + 1, dtype=bool)
+        mask[:, 0] = True
+        for i in range(N):                      # parents come first: their rows are complete
+            p = int(self.parents[i])
+            mask[i + 1] |= mask[p + 1] if p >= 0 else mask[0]
+        return mask
+
+
+def check_shape(widths: Any, shape: Any, depth_max: int) -> tuple[list[int] | None, dict | None, int]:
+    """``widths`` (children per node at each depth) or ``shape`` (a static tree: paths of child
+    ranks) -> (widths, children count per node path, depth)."""
+    if (widths is None) == (shape is None):
+        raise ValueError("widths, shape: expected exactly one of them (children per depth, or a static tree)")
+    if widths is not None:
+        if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or not widths:
+            raise ValueError(f"widths: expected a non-empty list of ints (children per node at each depth), "
+                             f"got {widths!r}")
+        ws = []
+        for d, w in enumerate(widths):
+            if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not 1 <= w <= MAX_TOPK:
+                raise ValueError(f"widths[{d}]: expected an int in [1, {MAX_TOPK}], got {w!r}")
+            ws.append(int(w))
+        if len(ws) > depth_max:
+            raise ValueError(f"widths: expected at most {depth_max} depths (the draft steps: num_modules), "
+                             f"got {len(ws)}")
+        if sum(math.prod(ws[:d + 1]) for d in range(len(ws))) > MAX_TREE_NODES:
+            raise ValueError(f"widths: a tree of {ws} holds more than {MAX_TREE_NODES} nodes")
+        return ws, None, len(ws)
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not shape:
+        raise ValueError(f"shape: expected a non-empty list of paths of child ranks, e.g. [[0], [1], [0, 0]], "
+                         f"got {shape!r}")
+    paths = set()
+    for i, p in enumerate(shape):
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p or any(
+                isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < MAX_TOPK for r in p):
+            raise ValueError(f"shape[{i}]: expected a non-empty list of child ranks in [0, {MAX_TOPK}), got {p!r}")
+        t = tuple(int(r) for r in p)
+        if t in paths:
+            raise ValueError(f"shape[{i}]: {list(t)} appears twice")
+        paths.add(t)
+    if len(paths) > MAX_TREE_NODES:
+        raise ValueError(f"shape: expected at most {MAX_TREE_NODES} nodes, got {len(paths)}")
+    for t in sorted(paths):
+        if len(t) > 1 and t[:-1] not in paths:
+            raise ValueError(f"shape: {list(t)} is listed without its parent {list(t[:-1])}")
+        if t[-1] > 0 and t[:-1] + (t[-1] - 1,) not in paths:
+            raise ValueError(f"shape: {list(t)} is listed without its elder sibling {list(t[:-1] + (t[-1] - 1,))} "
+                             f"(a node's children are its top-c tokens, ranks 0 .. c-1)")
+    depth = max(len(t) for t in paths)
+    if depth > depth_max:
+        raise ValueError(f"shape: expected at most {depth_max} depths (the draft steps: num_modules), got {depth}")
+    if (0,) * depth not in paths:
+        raise ValueError(f"shape: the rank-0 path {[0] * depth} must reach the deepest depth ({depth}): it is the "
+                         f"greedy chain the sequence's own rows hold")
+    counts: dict[tuple, int] = {}
+    for t in paths:
+        counts[t[:-1]] = max(counts.get(t[:-1], 0), t[-1] + 1)
+    return None, counts, depth
+
+
+@dataclass(slots=True)
+class _Line:
+    """A run of logical rows of one module's tree: ``prefix`` block ids before ``start``
+    (logical block index of the line's own first block), ``own`` its block ids."""
+
+    prefix: list[int]
+    start: int
+    own: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ModuleTree:
+    """One module's tree rows: ``elems[i]`` (-1: the root ``t_P``, else a node), ``logical[i]``
+    (its row index in its path's sequence), ``slot[i]`` (where it was written), ``main[i]``
+    (on the state's own sequence), ``keys[i]``; ``row_of`` elem -> i; ``outs`` the chained
+    outputs [n, H]; ``scratch`` the sequence holding the other lines' blocks (or None);
+    ``committed`` the sequence's rows before the propose."""
+
+    elems: list[int]
+    logical: list[int]
+    slot: list[int]
+    main: list[bool]
+    keys: list[int]
+    row_of: dict
+    outs: Any
+    scratch: Any
+    committed: int
+
+
+@dataclass(slots=True)
+class PendingTree:
+    """What ``after_verify_tree`` needs of the last ``propose_tree``."""
+
+    tree: DraftTree
+    modules: list[ModuleTree | None]
+    win: list[Any]
+    win_start: list[int]
+    tail: list[int]
+    tail_start: int
+
+
+class TreeRunner:
+    """Runs draft trees over the modules of a ``MultiModuleMtpHead`` in either KV mode."""
+
+    def __init__(self, modules: list[MtpHead], backend: Any, chain: str, exact: bool):
+        self.modules = modules
+        self.backend = backend
+        self.chain = chain
+        self.exact = exact
+        self.M = len(modules)
+
+    # -- which rows ---------------------------------------------------------------
+    def _key(self, m: int, P: int, depth: int) -> int:
+        """Key of module m's row for an element of ``depth`` (-1: the root)."""
+        return P - 1 if not self.exact else P - 1 - m + (depth + 1)
+
+    def _elems(self, m: int, P: int, D: int, depths: list[int]) -> list[int]:
+        """The elements module ``m`` computes (in order): draft mode, module m's drafting
+        rows (the root for m = 0, the nodes of depth m - 1 after); exact mode, the root and
+        every node of depth < min(m, D), those whose key is >= 0."""
+        if not self.exact:
+            return [-1] if m == 0 else [i for i, d in enumerate(depths) if d == m - 1]
+        top = min(m, D)
+        out = [-1] if self._key(m, P, -1) >= 0 else []
+        return out + [i for i, d in enumerate(depths) if d < top and self._key(m, P, d) >= 0]
+
+    # -- propose ------------------------------------------------------------------
+    def propose(self, st: MtpState, tok: int, P: int, hid: Any, D: int, widths: list[int] | None,
+                counts: dict | None, mask_rows: Any, topk: Any) -> DraftTree:
+        """``mask_rows(depth, [path tokens per row]) -> [n, W] | None``; ``topk(m, normed, mask,
+        k) -> (ids [n, k], probs [n, k])`` on the host. On error every scratch sequence is
+        retired (the caller restores the state's own rows)."""
+        xp = self.backend.xp
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        probs: list[float] = []
+        scores: list[float] = []
+        ranks: list[tuple] = []            # each node's path of ranks (static shapes)
+        mods: list[ModuleTree | None] = [None] * self.M
+        pending = PendingTree(None, mods, list(st._win), list(st._win_start), list(st._tail), st._tail_start)
+        try:
+            run = self.M if self.exact else D
+            for m in range(run):
+                elems = self._elems(m, P, D, depths)
+                if not elems:
+                    continue
+                mt = self._forward(st, m, P, tok, hid, elems, tokens, parents, depths, mods)
+                mods[m] = mt
+                if m >= D:
+                    continue
+                drafting = [e for e in elems if (depths[e] if e >= 0 else -1) == m - 1]
+                rows = [mt.row_of[e] for e in drafting]
+                paths = [[] if e < 0 else [tokens[i] for i in self._path(e, parents)] for e in drafting]
+                want = [widths[m] if widths is not None else counts.get(() if e < 0 else ranks[e], 0)
+                        for e in drafting]
+                k = max(want)
+                if k == 0:
+                    continue
+                normed = mt.outs[1]
+                ids, pr = topk(m, normed[self.backend.from_host(np.asarray(rows, np.int64))], mask_rows(m, paths), k)
+                for j, e in enumerate(drafting):
+                    base = 0.0 if e < 0 else scores[e]
+                    for r in range(want[j]):
+                        if ids[j, r] < 0:
+                            break
+                        tokens.append(int(ids[j, r]))
+                        parents.append(e)
+                        depths.append(m)
+                        probs.append(float(pr[j, r]))
+                        scores.append(base + (math.log(pr[j, r]) if pr[j, r] > 0 else -math.inf))
+                        ranks.append((() if e < 0 else ranks[e]) + (r,))
+            for mt in mods:                       # keep only the chained outputs
+                if mt is not None:
+                    mt.outs = mt.outs[0]
+        except BaseException:
+            self.drop(st, pending)
+            raise
+        pending.tree = DraftTree(P, tok, np.asarray(tokens, np.int32), np.asarray(parents, np.int32),
+                                 np.asarray(depths, np.int32), np.asarray(probs, np.float32),
+                                 np.asarray(scores, np.float32))
+        self._as_chain(st, pending, P)
+        st._tree = pending
+        return pending.tree
+
+    @staticmethod
+    def _path(e: int, parents: list[int]) -> list[int]:
+        out = []
+        while e >= 0:
+            out.append(e)
+            e = parents[e]
+        return out[::-1]
+
+    def _forward(self, st, m, P, tok, hid, elems, tokens, parents, depths, mods) -> ModuleTree:
+        """Module m's rows for ``elems``: lines laid out, blocks taken, the forward run."""
+        head = self.modules[m]
+        pool = head.pool
+        BS = pool.block_size
+        seq = st._kv[m]
+        R = seq.rows
+        xp = self.backend.xp
+        n = len(elems)
+        row_of = {e: i for i, e in enumerate(elems)}
+        parent_row: list[int | None] = []
+        for e in elems:
+            if not self.exact or e < 0:
+                parent_row.append(None)
+            else:
+                parent_row.append(row_of.get(parents[e], None))
+        keys = [self._key(m, P, -1 if e < 0 else depths[e]) for e in elems]
+        logical = [R if p is None else 0 for p in parent_row]
+        for i, p in enumerate(parent_row):
+            if p is not None:
+                logical[i] = logical[p] + 1
+        # lines: the first child continues its parent's line (the committed rows' first: the main one)
+        line_of: list[int] = [0] * n
+        lines: list[_Line | None] = [None]          # 0: the state's own sequence
+        heads: dict[int, int] = {}                  # line -> the row that starts it
+        taken: set = set()
+        for i, p in enumerate(parent_row):
+            if p not in taken:
+                taken.add(p)
+                line_of[i] = 0 if p is None else line_of[p]
+            else:
+                line_of[i] = len(lines)
+                heads[len(lines)] = i
+                lines.append(_Line([], logical[i] // BS))
+        main = [line_of[i] == 0 for i in range(n)]
+        for i in range(n):                          # the main line's rows: the state's sequence, a chain's
+            if main[i]:
+                pool.append(seq, keys[i], 1, st)
+        mt = ModuleTree(list(elems), logical, [0] * n, main, keys, row_of, None, None, R)
+        if len(lines) > 1:
+            mt.scratch = pool.new_seq(st)
+        seq_table = pool.table(seq).tolist()
+        scratch, next_key = mt.scratch, [0]
+
+        def new_block() -> int:
+            """One more block of the scratch sequence (KvCacheFull here rolls the call back)."""
+            pool.append(scratch, next_key[0], BS, st)
+            next_key[0] += BS
+            return scratch.blocks[-1]
+
+        def table_of(line: int) -> list[int]:
+            return seq_table if line == 0 else lines[line].prefix + lines[line].own
+
+        src, dst = [], []
+        for i in range(n):                          # parents first: a line's prefix is its parent's table
+            ln_id = line_of[i]
+            if ln_id == 0:
+                mt.slot[i] = int(pool.slots(seq, logical[i], 1)[0])
+                continue
+            ln = lines[ln_id]
+            first = ln.start * BS
+            if heads[ln_id] == i:
+                p = parent_row[i]
+                ln.prefix = table_of(0 if p is None else line_of[p])[:ln.start]
+            off = logical[i] - first
+            while off // BS >= len(ln.own):
+                ln.own.append(new_block())
+            mt.slot[i] = ln.own[off // BS] * BS + off % BS
+            if heads[ln_id] == i:                   # copy-on-write of the partial block before it
+                anc = self._ancestry(i, parent_row)       # ancestor rows, nearest first
+                for q in range(first, logical[i]):
+                    src.append(int(pool.slots(seq, q, 1)[0]) if q < R else mt.slot[anc[logical[i] - 1 - q]])
+                    dst.append(ln.own[(q - first) // BS] * BS + (q - first) % BS)
+        # the forward: every row its own block table
+        width = max(-(-(logical[i] + 1) // BS) for i in range(n))
+        tables = np.zeros((n, width), np.int32)
+        for i in range(n):
+            t = table_of(line_of[i])[: -(-(logical[i] + 1) // BS)]
+            tables[i, :len(t)] = t
+        row_len = np.asarray([logical[i] + 1 for i in range(n)], np.int32)
+        row_start = None
+        W = head.block.sliding_window
+        if W:
+            row_start = np.empty(n, np.int32)
+            for i in range(n):
+                first_key = keys[i] - (logical[i] - R)     # the path's keys run consecutively to keys[i]
+                kv = keys[i] - W + 1
+                row_start[i] = (min(seq._keys.rows_before(kv), R) if kv <= first_key else R + kv - first_key)
+        toks = np.asarray([tok if e < 0 else tokens[e] for e in elems], np.int32)
+        positions = np.asarray(keys, np.int32) + m + 1
+        g = self._inputs(st, m, P, hid, elems, parents, mods)
+        be = self.backend
+        kv_copy = None if not src else (np.asarray(src, np.int32), np.asarray(dst, np.int32))
+        y, normed = head.compute(be.from_host(toks), g, be.from_host(positions),
+                                 be.from_host(np.asarray(mt.slot, np.int32)), be.from_host(tables),
+                                 be.from_host(np.arange(n, dtype=np.int32)), be.from_host(row_len),
+                                 row_start=None if row_start is None else be.from_host(row_start), kv_copy=kv_copy)
+        mt.outs = (normed if self.chain == "postnorm" else y, normed)
+        return mt
+
+    @staticmethod
+    def _ancestry(i: int, parent_row: list) -> list[int]:
+        out = []
+        p = parent_row[i]
+        while p is not None:
+            out.append(p)
+            p = parent_row[p]
+        return out
+
+    def _inputs(self, st, m, P, hid, elems, parents, mods) -> Any:
+        """g for module m's rows: module 0 takes h_{P-1}; module m takes module m-1's output at
+        the row of the element's parent (the root's: module m-1's window at its key)."""
+        xp = self.backend.xp
+        if m == 0:
+            return hid
+        prev = mods[m - 1]
+        parts = []
+        idx = []
+        for e in elems:
+            if e < 0:
+                key = self._key(m, P, -1)
+                ws = st._win_start[m - 1]
+                parts.append(("win", st._win[m - 1][key - ws: key - ws + 1]))
+            else:
+                idx.append(prev.row_of[parents[e]])
+        out = []
+        if parts:
+            out.append(parts[0][1])
+        if idx:
+            out.append(prev.outs[0][self.backend.from_host(np.asarray(idx, np.int64))])
+        return out[0] if len(out) == 1 else xp.concatenate(out, axis=0)
+
+    def _as_chain(self, st: MtpState, pending: PendingTree, P: int) -> None:
+        """Counters (and in exact mode the tail and windows) as a chain propose along the
+        main line leaves them, so the state's own rows obey its KV mode's rule meanwhile."""
+        tree = pending.tree
+        main_tokens = []
+        e = -1
+        while True:
+            kids = [i for i in range(len(tree)) if tree.parents[i] == e]
+            if not kids:
+                break
+            e = kids[0]
+            main_tokens.append(int(tree.tokens[e]))
+        st._num_hiddens = P
+        st._num_verified = P + 1
+        if not self.exact:
+            st._tail_start = P + 1
+            return
+        st._tail.append(int(tree.root_token))
+        st._tail.extend(main_tokens)
+        from .exact import ExactChain
+
+        for m, mt in enumerate(pending.modules):
+            if mt is None or m == self.M - 1:
+                continue
+            rows = [i for i in range(len(mt.elems)) if mt.main[i]]
+            if rows:
+                self._append_window(st, m, mt.keys[rows[0]], mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
+        ExactChain.trim_tail(st)
+        self._trim_windows(st)
+
+    def _append_window(self, st, m, first_key, new) -> None:
+        xp = self.backend.xp
+        if st._win[m] is None or st._win[m].shape[0] == 0:
+            st._win[m], st._win_start[m] = new, first_key
+        else:
+            st._win[m] = xp.concatenate([st._win[m], new], axis=0)
+
+    def _trim_windows(self, st) -> None:
+        window = self.M + 1
+        for m in range(self.M):
+            w = st._win[m]
+            if w is None:
+                continue
+            end = st._kv[m].rows - st._win_start[m]
+            start = max(0, end - window)
+            st._win[m] = w[start:max(start, end)]
+            st._win_start[m] += start
+
+    # -- verify -------------------------------------------------------------------
+    def after_verify(self, st: MtpState, pending: PendingTree, path: list[int]) -> int:
+        """Keep the accepted ``path``'s rows (module docstring); returns a = len(path)."""
+        tree = pending.tree
+        P = tree.position
+        a = len(path)
+        if self.exact:
+            st._tail, st._tail_start = list(pending.tail), pending.tail_start
+            st._tail.append(int(tree.root_token))
+            st._tail.extend(int(tree.tokens[i]) for i in path)
+            st._num_verified = P + 1 + a
+            st._win, st._win_start = list(pending.win), list(pending.win_start)
+        for m, mt in enumerate(pending.modules):
+            if mt is None:
+                continue
+            seq = st._kv[m]
+            pool = self.modules[m].pool
+            if self.exact:
+                keep_rows = exact_rows(st, m) - mt.committed
+                chain = [-1] + list(path)
+                elems = [e for e in chain if e in mt.row_of][:max(0, keep_rows)]
+            else:
+                e = -1 if m == 0 else (path[m - 1] if m <= a else None)
+                elems = [] if e is None else [e]
+            rows = [mt.row_of[e] for e in elems]
+            r0 = next((j for j, i in enumerate(rows) if not mt.main[i]), len(rows))
+            pool.trim(seq, seq.rows - (mt.committed + r0), st)
+            src, dst = [], []
+            for j in range(r0, len(rows)):
+                i = rows[j]
+                first = pool.append(seq, mt.keys[i], 1, st)
+                src.append(mt.slot[i])
+                dst.append(int(pool.slots(seq, first, 1)[0]))
+            if src:
+                pool.copy_rows(np.asarray(src, np.int32), np.asarray(dst, np.int32))
+            if self.exact and m < self.M - 1 and rows:
+                self._append_window(st, m, mt.keys[rows[0]], mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
+            if mt.scratch is not None:
+                pool.retire(mt.scratch, st)
+                mt.scratch = None
+        if self.exact:
+            from .exact import ExactChain
+
+            self._trim_windows(st)
+            ExactChain.trim_tail(st)
+        st._num_verified = st._next_position = P + 1 + a
+        st._tree = None
+        return a
+
+    def drop(self, st: MtpState, pending: PendingTree) -> None:
+        """Retire every scratch sequence of ``pending`` (a failed propose, a freed state)."""
+        for m, mt in enumerate(pending.modules):
+            if mt is not None and mt.scratch is not None:
+                self.modules[m].pool.retire(mt.scratch, st)
+                mt.scratch = None
+        st._tree = None
