@@ -247,7 +247,6 @@ class TreeRunner:
                 if not elems:
                     continue
                 mt = self._forward(st, m, P, tok, hid, elems, tokens, parents, depths, mods)
-                mods[m] = mt
                 if m >= D:
                     continue
                 drafting = [e for e in elems if (depths[e] if e >= 0 else -1) == m - 1]
@@ -331,6 +330,7 @@ class TreeRunner:
             if main[i]:
                 pool.append(seq, keys[i], 1, st)
         mt = ModuleTree(list(elems), logical, [0] * n, main, keys, row_of, None, None, R)
+        mods[m] = mt                                # before any block is taken: a failure retires its scratch
         if len(lines) > 1:
             mt.scratch = pool.new_seq(st)
         seq_table = pool.table(seq).tolist()

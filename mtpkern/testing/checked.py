@@ -206,8 +206,11 @@ class CheckedProposer:
             depth = len(widths) if widths is not None else max(len(p) for p in shape)
             return [(s, self.model.rows_after_propose(s, position, depth))]
 
+        # a tree's other lines take blocks outside any budget (mtpkern.tree): the budget rule holds
+        # for a chain-shaped tree only
+        chain = all(w == 1 for w in widths) if widths is not None else all(set(p) == {0} for p in shape)
         return self._call(lambda: self.prop.propose_tree(last_token, target_hidden, position, state, widths, shape,
-                                                         grammar_bitmask), then, room=room)
+                                                         grammar_bitmask), then, room=room if chain else None)
 
     def after_verify_tree(self, path: Any, state: Any) -> None:
         entry = self.model.seqs.get(id(state))

@@ -344,7 +344,15 @@ class Driver:
         h = self._h(rng)[0]
         self._count("bad_input")
         try:
-            if s.phase == "drafted":
+            if s.phase == "drafted" and s.tree is not None:          # a tree awaits its verify
+                tree = st._tree.tree
+                if what == "accepted":                               # a node that is not a root's child
+                    self.p.after_verify_tree([len(tree) - 1] if tree.depth > 1 else [len(tree)], st)
+                elif what == "position":
+                    self.p.after_verify(0, st)                       # a chain's verify
+                else:
+                    self.p.propose_tree(0, h, P, st, widths=[1])
+            elif s.phase == "drafted":
                 if what == "accepted":
                     self.p.after_verify(s.k + 1, st)
                 else:
@@ -360,7 +368,10 @@ class Driver:
             elif what == "position":
                 self.p.propose(0, h, P - 1, 1, st)
             elif what == "drafts":
-                self.p.propose(0, h, P, 0, st)
+                if call.size % 2:
+                    self.p.propose(0, h, P, 0, st)
+                else:                                               # deeper than the draft steps
+                    self.p.propose_tree(0, h, P, st, widths=[1] * (self.M + 1))
             elif what == "foreign":
                 self.p.propose(0, h, P, 1, self._foreign_state())
             elif what == "copy_state":

@@ -60,6 +60,7 @@ def proposer_machine(make_proposer: Callable[[], Any], weights: Any = None,
         free = step("free", lambda self: len(self.driver.model.seqs) >= 2)
         bad_input = step("bad_input", any_in("ready", "drafted"))
         reenter = step("reenter", any_in("ready"))
+        tree = step("tree", any_in("ready"))
 
         @invariant()
         def agrees_with_the_model(self) -> None:
