@@ -42,6 +42,7 @@ import test_ops_backends
 import test_ops_mla
 from cuda_emu import emu_backend
 from test_cuda_graph_fake import FakeRuntime
+from conftest import kv_rows
 
 from mtpkern import Fp8Weight, cuda_graph
 from mtpkern.backends import get_backend
@@ -1335,3 +1336,43 @@ def test_a_draft_vocabulary_on_the_kernels_replays_like_eager(fake_runtime, tiny
     test_gpu.check_cuda_matches_numpy_reference((tiny_ckpt, tiny_cfg), mode, "float32", emu_backend.backend("float32"),
                                                 draft_vocab=ids)
     test_gpu.check_graph_replay_equals_eager(tiny_ckpt, tiny_cfg, emu_backend.backend(), mode, 2, draft_vocab=ids)
+
+
+# -- draft trees on the emulated kernels -----------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["draft", "exact"])
+def test_draft_tree_matches_the_reference(emu, tiny_ckpt, tiny_cfg, mode):
+    """propose_tree / after_verify_tree through the CUDA launchers (the copy-on-write rows,
+    per-row block tables, masked_topk_kernel): the reference's trees, and after a verify
+    off the greedy path the same KV and the same next drafts."""
+    ref = test_gpu._make(tiny_ckpt, test_gpu._reference_backend("float32"), mode, block_size=4, num_blocks=128)
+    dev = test_gpu._make(tiny_ckpt, emu_backend.backend("float32"), mode, block_size=4, num_blocks=128,
+                         cuda_graphs=False)
+    rng = np.random.default_rng(12)
+    H, V, M = tiny_cfg.hidden_size, tiny_cfg.vocab_size, tiny_cfg.num_modules
+    n = 9
+    toks, hid = rng.integers(0, V, n).tolist(), rng.standard_normal((n, H)).astype(np.float32)
+    sr, sd = ref.alloc_state(), dev.alloc_state()
+    ref.prefill_drafter(toks, hid, sr)
+    dev.prefill_drafter(toks, hid, sd)
+    for widths in ([2, 2, 2], [3, 1, 2], [1, 1, 1]):
+        h, t = rng.standard_normal(H).astype(np.float32), int(rng.integers(0, V))
+        a = ref.propose_tree(t, h, sr.next_position, sr, widths=widths[:M])
+        b = dev.propose_tree(t, h, sd.next_position, sd, widths=widths[:M])
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.parents, b.parents)
+        assert_close(b.probs, a.probs, "float32", "tree probs")
+        path = a.path(a.leaves()[-1])[:2]
+        ref.after_verify_tree(path, sr)
+        dev.after_verify_tree(path, sd)
+        for m in range(M):
+            for x, y in zip(kv_rows(ref, sr, m), kv_rows(dev, sd, m)):
+                assert_close(y, x, "float32", f"module {m} KV after the tree's verify")
+        if mode == "exact":
+            got = [int(a.tokens[i]) for i in path]
+            hs = rng.standard_normal((len(got), H)).astype(np.float32)
+            ref.catchup_drafter(got, hs, sr)
+            dev.catchup_drafter(got, hs, sd)
+        dev.check_invariants()
+    h, t = rng.standard_normal(H).astype(np.float32), int(rng.integers(0, V))
+    assert ref.propose(t, h, sr.next_position, M, sr) == dev.propose(t, h, sd.next_position, M, sd)
