@@ -381,8 +381,9 @@ def make_proposer(ckpt: Path, be, kv_mode: str, max_batch: int, max_context: int
     from .proposer import MultiModuleMtpHead
 
     rows = max_context + 2 * steps + 64
-    return MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=kv_mode,
-                                              num_blocks=max_batch * (-(-rows // 16) + 1) + 8, draft_vocab=draft_vocab)
+    tree = 4 * 84                            # a width-4 tree's other lines: a block or two per row, M = 3
+    return MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=kv_mode, draft_vocab=draft_vocab,
+                                              num_blocks=max_batch * (-(-rows // 16) + 1 + tree) + 8)
 
 
 def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, conf: bool = False,
@@ -417,6 +418,36 @@ def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, co
     return Timing.of(ts)
 
 
+def time_trees(prop, widths: list[int], B: int, context: int, warmup: int, runs: int) -> Timing:
+    """``propose_tree`` of ``widths`` for ``B`` fresh sequences of ``context`` rows, one tree
+    per sequence (a call each), timed together as one step; each tree verified along its
+    rank-0 path (kept out of the time)."""
+    rng = np.random.default_rng(1)
+    H, V = prop.config.hidden_size, prop.config.vocab_size
+    sts = []
+    with fast_fill(prop.backend):
+        for _ in range(B):
+            st = prop.alloc_state()
+            prop.prefill_drafter(rng.integers(0, V, context), np.zeros((context, H), np.float32), st)
+            sts.append(st)
+    hs = rng.standard_normal((B, H)).astype(np.float32)
+    toks = rng.integers(0, V, B).tolist()
+    ts = []
+    try:
+        for i in range(warmup + runs):
+            t0 = time.perf_counter()
+            trees = [prop.propose_tree(toks[j], hs[j], sts[j].next_position, sts[j], widths=widths) for j in range(B)]
+            prop.backend.synchronize()
+            if i >= warmup:
+                ts.append(time.perf_counter() - t0)
+            for st in sts:                   # nothing accepted: no catch-up in either mode
+                prop.after_verify_tree([], st)
+    finally:
+        for st in sts:
+            prop.free_state(st)
+    return Timing.of(ts)
+
+
 # -- the command ------------------------------------------------------------------------------
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -440,6 +471,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-ops", action="store_true", help="skip the per-op table")
     ap.add_argument("--no-propose", action="store_true", help="skip the propose table")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager peer even if torch imports")
+    ap.add_argument("--tree-widths", type=argtypes.positive_int, nargs="*", default=[1, 4], metavar="W",
+                    help="draft-tree rows: a tree of depth M with W children per node, for each W "
+                         "(default 1 4; none: no tree rows)")
     ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="also time k = M with a reduced draft vocabulary of the first N token ids (rows '+vocabN'; "
                          "0: off)")
@@ -545,18 +579,27 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
             M = cfg.num_modules
             # k = 1 .. M; then k = M with confidences, and with an early stop at 0.5 (the floor
             # of a propose of all M drafts: the stop reads less when it stops)
-            cases = [(k, False, None, False) for k in range(1, M + 1)] + [(M, True, None, False), (M, True, 0.5, False)]
-            cases += [(M, False, None, True)] if sub else []                  # the draft vocabulary's heads
-            for k, conf, stop, reduced in cases:
-                tt = torch_peer(k, B, args.warmup, args.runs, context) if torch_peer and not (conf or reduced) \
-                    else None
+            cases = [(k, False, None, False, 0) for k in range(1, M + 1)]
+            cases += [(M, True, None, False, 0), (M, True, 0.5, False, 0)]
+            cases += [(M, False, None, True, 0)] if sub else []               # the draft vocabulary's heads
+            # draft trees of depth M: width 1 (the chain, through propose_tree) and 4 (4 + 16 + 64 nodes at M = 3)
+            cases += [(M, True, None, False, w) for w in getattr(args, "tree_widths", ())]
+            for k, conf, stop, reduced, width in cases:
+                tt = torch_peer(k, B, args.warmup, args.runs, context) \
+                    if torch_peer and not (conf or reduced or width) else None
                 for mode, prop in (sub if reduced else props).items():
                     nbytes = propose_bytes(cfg, k, context, B, kvb, mode, nv if reduced else None)
                     floor_us = nbytes / (read_gbs * 1e9) * 1e6
-                    judged = (llc is None or nbytes > llc) and stop is None
-                    t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf, stop)
-                    tag = f"+vocab{nv}" if reduced else "" if not conf else "+conf" if stop is None else f"+stop{stop:g}"
-                    row = {"kv_mode": mode + tag, "conf": conf, "min_confidence": stop,
+                    # a tree's floor is its chain's (its other rows read no more weights; they cost compute)
+                    judged = (llc is None or nbytes > llc) and stop is None and not width
+                    if width:
+                        t = time_trees(prop, [width] * k, B, context, args.warmup, args.runs)
+                        tag = f"+tree{width}"
+                    else:
+                        t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf, stop)
+                        tag = (f"+vocab{nv}" if reduced else "" if not conf else "+conf" if stop is None
+                               else f"+stop{stop:g}")
+                    row = {"kv_mode": mode + tag, "conf": conf, "min_confidence": stop, "tree_width": width or None,
                            "draft_vocab": nv if reduced else None, "k": k, "batch": B,
                            "context": context, **asdict(t),
                            "bytes": nbytes, "floor_us": floor_us, "x_floor": t.median_us / floor_us,
