@@ -436,7 +436,8 @@ def time_trees(prop, widths: list[int], B: int, context: int, warmup: int, runs:
     try:
         for i in range(warmup + runs):
             t0 = time.perf_counter()
-            trees = [prop.propose_tree(toks[j], hs[j], sts[j].next_position, sts[j], widths=widths) for j in range(B)]
+            for j in range(B):
+                prop.propose_tree(toks[j], hs[j], sts[j].next_position, sts[j], widths=widths)
             prop.backend.synchronize()
             if i >= warmup:
                 ts.append(time.perf_counter() - t0)

@@ -169,7 +169,7 @@ class MultiModuleMtpHead(DraftProposer):
                                               DraftChain(self.modules, chain, self.prefill_chunk))
         self.carry = CarryRegistry(self, self.modules)
         #: draft trees (mtpkern.tree): propose_tree / after_verify_tree
-        self.trees = TreeRunner(self.modules, backend, chain, kv_mode == "exact")
+        self.trees = TreeRunner(self.modules, backend, chain, self.exact if kv_mode == "exact" else None)
         self.stats = AcceptanceStats([0] * config.num_modules, [0] * config.num_modules)
         self.clamped_calls = 0      # proposes whose num_drafts exceeded num_modules
         self._states: dict[int, MtpState] = {}

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .exact import exact_rows
+from .exact import ExactChain, exact_rows
 from .head import MtpHead
 from .ops.lm_head import MAX_TOPK
 from .state import MtpState
@@ -203,11 +203,13 @@ class PendingTree:
 class TreeRunner:
     """Runs draft trees over the modules of a ``MultiModuleMtpHead`` in either KV mode."""
 
-    def __init__(self, modules: list[MtpHead], backend: Any, chain: str, exact: bool):
+    def __init__(self, modules: list[MtpHead], backend: Any, chain: str, exact: ExactChain | None):
+        """``exact``: the proposer's ExactChain in exact mode (its window and tail rules), else None."""
         self.modules = modules
         self.backend = backend
         self.chain = chain
-        self.exact = exact
+        self.rules = exact
+        self.exact = exact is not None
         self.M = len(modules)
 
     # -- which rows ---------------------------------------------------------------
@@ -231,7 +233,6 @@ class TreeRunner:
         """``mask_rows(depth, [path tokens per row]) -> [n, W] | None``; ``topk(m, normed, mask,
         k) -> (ids [n, k], probs [n, k])`` on the host. On error every scratch sequence is
         retired (the caller restores the state's own rows)."""
-        xp = self.backend.xp
         tokens: list[int] = []
         parents: list[int] = []
         depths: list[int] = []
@@ -298,7 +299,6 @@ class TreeRunner:
         BS = pool.block_size
         seq = st._kv[m]
         R = seq.rows
-        xp = self.backend.xp
         n = len(elems)
         row_of = {e: i for i, e in enumerate(elems)}
         parent_row: list[int | None] = []
@@ -404,25 +404,16 @@ class TreeRunner:
     def _inputs(self, st, m, P, hid, elems, parents, mods) -> Any:
         """g for module m's rows: module 0 takes h_{P-1}; module m takes module m-1's output at
         the row of the element's parent (the root's: module m-1's window at its key)."""
-        xp = self.backend.xp
         if m == 0:
             return hid
-        prev = mods[m - 1]
         parts = []
-        idx = []
-        for e in elems:
-            if e < 0:
-                key = self._key(m, P, -1)
-                ws = st._win_start[m - 1]
-                parts.append(("win", st._win[m - 1][key - ws: key - ws + 1]))
-            else:
-                idx.append(prev.row_of[parents[e]])
-        out = []
-        if parts:
-            out.append(parts[0][1])
+        if elems[0] < 0:                         # the root comes first
+            key, ws = self._key(m, P, -1), st._win_start[m - 1]
+            parts.append(st._win[m - 1][key - ws: key - ws + 1])
+        idx = [mods[m - 1].row_of[parents[e]] for e in elems if e >= 0]
         if idx:
-            out.append(prev.outs[0][self.backend.from_host(np.asarray(idx, np.int64))])
-        return out[0] if len(out) == 1 else xp.concatenate(out, axis=0)
+            parts.append(mods[m - 1].outs[0][self.backend.from_host(np.asarray(idx, np.int64))])
+        return parts[0] if len(parts) == 1 else self.backend.xp.concatenate(parts, axis=0)
 
     def _as_chain(self, st: MtpState, pending: PendingTree, P: int) -> None:
         """Counters (and in exact mode the tail and windows) as a chain propose along the
@@ -443,34 +434,14 @@ class TreeRunner:
             return
         st._tail.append(int(tree.root_token))
         st._tail.extend(main_tokens)
-        from .exact import ExactChain
-
         for m, mt in enumerate(pending.modules):
             if mt is None or m == self.M - 1:
                 continue
             rows = [i for i in range(len(mt.elems)) if mt.main[i]]
             if rows:
-                self._append_window(st, m, mt.keys[rows[0]], mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
+                self.rules.append_window(st, m, mt.keys[rows[0]], mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
         ExactChain.trim_tail(st)
-        self._trim_windows(st)
-
-    def _append_window(self, st, m, first_key, new) -> None:
-        xp = self.backend.xp
-        if st._win[m] is None or st._win[m].shape[0] == 0:
-            st._win[m], st._win_start[m] = new, first_key
-        else:
-            st._win[m] = xp.concatenate([st._win[m], new], axis=0)
-
-    def _trim_windows(self, st) -> None:
-        window = self.M + 1
-        for m in range(self.M):
-            w = st._win[m]
-            if w is None:
-                continue
-            end = st._kv[m].rows - st._win_start[m]
-            start = max(0, end - window)
-            st._win[m] = w[start:max(start, end)]
-            st._win_start[m] += start
+        self.rules.trim_windows(st)
 
     # -- verify -------------------------------------------------------------------
     def after_verify(self, st: MtpState, pending: PendingTree, path: list[int]) -> int:
@@ -508,14 +479,12 @@ class TreeRunner:
             if src:
                 pool.copy_rows(np.asarray(src, np.int32), np.asarray(dst, np.int32))
             if self.exact and m < self.M - 1 and rows:
-                self._append_window(st, m, mt.keys[rows[0]], mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
+                self.rules.append_window(st, m, mt.keys[rows[0]], mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
             if mt.scratch is not None:
                 pool.retire(mt.scratch, st)
                 mt.scratch = None
         if self.exact:
-            from .exact import ExactChain
-
-            self._trim_windows(st)
+            self.rules.trim_windows(st)
             ExactChain.trim_tail(st)
         st._num_verified = st._next_position = P + 1 + a
         st._tree = None
