@@ -386,11 +386,9 @@ def make_proposer(ckpt: Path, be, kv_mode: str, max_batch: int, max_context: int
                                               num_blocks=max_batch * (-(-rows // 16) + 1 + tree) + 8)
 
 
-def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, conf: bool = False,
-                  min_confidence: float | None = None) -> Timing:
-    """``propose_batch`` of ``k`` drafts for ``B`` fresh sequences of ``context`` rows each
-    (filled with ``fast_fill``): the time of the propose alone, over ``runs`` calls; ``conf``:
-    asking for the drafts' confidences (``out_conf``); ``min_confidence``: an early stop."""
+def _filled_states(prop, B: int, context: int) -> tuple[list, list[int], np.ndarray]:
+    """``B`` states prefilled with ``context`` rows (``fast_fill``), and a token and a hidden
+    for each one's propose."""
     rng = np.random.default_rng(1)
     H, V = prop.config.hidden_size, prop.config.vocab_size
     sts = []
@@ -399,8 +397,15 @@ def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, co
             st = prop.alloc_state()
             prop.prefill_drafter(rng.integers(0, V, context), np.zeros((context, H), np.float32), st)
             sts.append(st)
-    hs = rng.standard_normal((B, H)).astype(np.float32)
-    toks = rng.integers(0, V, B).tolist()
+    return sts, rng.integers(0, V, B).tolist(), rng.standard_normal((B, H)).astype(np.float32)
+
+
+def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, conf: bool = False,
+                  min_confidence: float | None = None) -> Timing:
+    """``propose_batch`` of ``k`` drafts for ``B`` fresh sequences of ``context`` rows each
+    (filled with ``fast_fill``): the time of the propose alone, over ``runs`` calls; ``conf``:
+    asking for the drafts' confidences (``out_conf``); ``min_confidence``: an early stop."""
+    sts, toks, hs = _filled_states(prop, B, context)
     ts = []
     try:
         for i in range(warmup + runs):
@@ -422,16 +427,7 @@ def time_trees(prop, widths: list[int], B: int, context: int, warmup: int, runs:
     """``propose_tree`` of ``widths`` for ``B`` fresh sequences of ``context`` rows, one tree
     per sequence (a call each), timed together as one step; each tree verified along its
     rank-0 path (kept out of the time)."""
-    rng = np.random.default_rng(1)
-    H, V = prop.config.hidden_size, prop.config.vocab_size
-    sts = []
-    with fast_fill(prop.backend):
-        for _ in range(B):
-            st = prop.alloc_state()
-            prop.prefill_drafter(rng.integers(0, V, context), np.zeros((context, H), np.float32), st)
-            sts.append(st)
-    hs = rng.standard_normal((B, H)).astype(np.float32)
-    toks = rng.integers(0, V, B).tolist()
+    sts, toks, hs = _filled_states(prop, B, context)
     ts = []
     try:
         for i in range(warmup + runs):

@@ -1014,6 +1014,7 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         out[f"lm_head {wd}"] = be.lm_head_argmax(x, head, mask)
         out[f"lm_head conf {wd}"] = np.full(5, np.nan, np.float32)                      # the CONF instantiations
         out[f"lm_head conf ids {wd}"] = be.lm_head_argmax(x, head, mask, conf=out[f"lm_head conf {wd}"])
+        out[f"lm_head topk ids {wd}"], out[f"lm_head topk probs {wd}"] = be.lm_head_topk(x, head, mask, 4)
         ids, wts = be.moe_router(x, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
         out[f"router {wd}"] = ids
         e13, e2 = rnd(rng, 32, 48, 64, scale=0.125), rnd(rng, 32, 64, 24, scale=24 ** -0.5)

@@ -476,11 +476,7 @@ class CpuBackend(Backend):
         n, V = x.shape[0], w.shape[0]
         if id_map is not None:
             check_id_map(id_map, V)
-        if bitmask is None:
-            bitmask = np.empty((0, 0), np.int32)
-        else:
-            check_bitmask(bitmask, n, V)
-            bitmask = np.ascontiguousarray(bitmask)
+        bitmask = _bitmask_arg(bitmask, n, V)
         chunks = max(1, min(_ARGMAX_CHUNKS, V))
         ids = _out("out", out, (n,), np.int32)
         cf = np.empty(0, np.float32) if conf is None else _out("conf", conf, (n,), np.float32)
@@ -504,11 +500,7 @@ class CpuBackend(Backend):
         n, V = logits.shape
         if id_map is not None:
             check_id_map(id_map, V)
-        if bitmask is None:
-            bitmask = np.empty((0, 0), np.int32)
-        else:
-            check_bitmask(bitmask, n, V)
-            bitmask = np.ascontiguousarray(bitmask)
+        bitmask = _bitmask_arg(bitmask, n, V)
         ids = np.empty((n, k), np.int32)
         probs = np.empty((n, k), np.float32)
         self._use_threads()
@@ -518,6 +510,15 @@ class CpuBackend(Backend):
         if id_map is not None:
             ids = map_id_rows(ids, id_map)
         return ids, probs
+
+
+def _bitmask_arg(bitmask, n: int, V: int) -> np.ndarray:
+    """A grammar mask as the LM-head kernels read it: checked [n, ceil(V / 32)] int32, or the
+    empty array that allows every token."""
+    if bitmask is None:
+        return np.empty((0, 0), np.int32)
+    check_bitmask(bitmask, n, V)
+    return np.ascontiguousarray(bitmask)
 
 
 def _checked_rows(block_tables, row_seq, row_len, row_start, BS: int, NB: int) -> tuple:

@@ -184,14 +184,9 @@ class CheckedProposer:
         entry = self.model.seqs.get(id(state))
         k = entry[1].k if entry is not None and entry[0] is state else 0
 
-        def counts(c: tuple) -> tuple:
-            a = int(num_accepted)
-            drafted = tuple(d + (m < k) for m, d in enumerate(c[0]))
-            accepted = tuple(x + (m < a) for m, x in enumerate(c[1]))
-            return drafted, accepted, c[2] + 1, c[3] + a, c[4]
-
         return self._call(lambda: self.prop.after_verify(num_accepted, state),
-                          lambda _: self.model.verify(state, int(num_accepted)), counts=counts)
+                          lambda _: self.model.verify(state, int(num_accepted)),
+                          counts=_verify_counts(k, int(num_accepted)))
 
     def propose_tree(self, last_token: int, target_hidden: Any, position: int, state: Any, widths: Any = None,
                      shape: Any = None, grammar_bitmask: Any = None) -> Any:
@@ -217,14 +212,9 @@ class CheckedProposer:
         k = entry[1].k if entry is not None and entry[0] is state else 0
         tree = getattr(getattr(state, "_tree", None), "tree", None)
 
-        def counts(c: tuple) -> tuple:
-            a = len(path)
-            drafted = tuple(d + (m < k) for m, d in enumerate(c[0]))
-            accepted = tuple(x + (m < a) for m, x in enumerate(c[1]))
-            return drafted, accepted, c[2] + 1, c[3] + a, c[4]
-
         return self._call(lambda: self.prop.after_verify_tree(path, state),
-                          lambda _: self.model.verify_tree(state, [int(tree.tokens[i]) for i in path]), counts=counts)
+                          lambda _: self.model.verify_tree(state, [int(tree.tokens[i]) for i in path]),
+                          counts=_verify_counts(k, len(path)))
 
     def catchup_drafter(self, tokens: Any, hiddens: Any, state: Any) -> int:
         return self.catchup_batch([tokens], [hiddens], [state], single=True)
@@ -252,6 +242,15 @@ class CheckedProposer:
 
     def free_drafter_kv(self, carried: Any) -> None:
         return self._call(lambda: self.prop.free_drafter_kv(carried), lambda _: self.model.free_carried(carried))
+
+
+def _verify_counts(k: int, a: int) -> Callable[[tuple], tuple]:
+    """The counters a verify of ``k`` drafts accepting ``a`` moves."""
+    def counts(c: tuple) -> tuple:
+        drafted = tuple(d + (m < k) for m, d in enumerate(c[0]))
+        accepted = tuple(x + (m < a) for m, x in enumerate(c[1]))
+        return drafted, accepted, c[2] + 1, c[3] + a, c[4]
+    return counts
 
 
 def checked(prop: Any, weights: Any = None) -> CheckedProposer:
