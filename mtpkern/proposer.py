@@ -635,17 +635,9 @@ class MultiModuleMtpHead(DraftProposer):
             mask = resolve("grammar_bitmask", grammar_bitmask, cfg.vocab_size, D)
             self._check_position(st, P, D, "position")
             hid = self._target_norm(hid)
-            W = cfg.bitmask_words
 
             def mask_rows(m: int, paths: list[list[int]]) -> np.ndarray | None:
-                if mask is None:
-                    return None
-                rows = np.full((len(paths), W), -1, np.int32)
-                for j, path in enumerate(paths):
-                    mk = mask(m, list(path))
-                    if mk is not None:
-                        rows[j] = mk
-                return rows
+                return self._mask_rows([mask] * len(paths), m, paths)        # each node's path as its drafts
 
             def topk(m: int, normed: Any, rows: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
                 try:
@@ -660,21 +652,10 @@ class MultiModuleMtpHead(DraftProposer):
                            lambda: self.trees.propose(st, tok, P, hid, D, ws, counts, mask_rows, topk))
             st._drafted = True
             st._last_position, st._last_k = P, D
-            st._last_drafts = [int(tree.tokens[i]) for i in self._greedy_path(tree)]
+            st._last_drafts = [int(tree.tokens[i]) for i in tree.greedy_path()]
         with self._lock:
             self._last_drafts = list(st._last_drafts)
         return tree
-
-    @staticmethod
-    def _greedy_path(tree: DraftTree) -> list[int]:
-        """The rank-0 path (the greedy chain), node indices."""
-        out, e = [], -1
-        while True:
-            kids = tree.children(e)
-            if not kids:
-                return out
-            e = kids[0]
-            out.append(e)
 
     def after_verify_tree(self, path: Sequence[int], state: ProposerState) -> None:
         """The verify of the last ``propose_tree`` accepted the nodes ``path`` (indices into the

@@ -86,6 +86,16 @@ class DraftTree:
         """The children of ``node`` (-1: of the root), by rank."""
         return [int(i) for i in np.flatnonzero(self.parents == node)]
 
+    def greedy_path(self) -> list[int]:
+        """The rank-0 path from depth 0 down (the greedy chain), node indices."""
+        out, e = [], -1
+        while True:
+            kids = self.children(e)
+            if not kids:
+                return out
+            e = kids[0]
+            out.append(e)
+
     def leaves(self) -> list[int]:
         has_child = np.zeros(len(self), bool)
         has_child[self.parents[self.parents >= 0]] = True
@@ -247,7 +257,7 @@ class TreeRunner:
                 elems = self._elems(m, P, D, depths)
                 if not elems:
                     continue
-                mt = self._forward(st, m, P, tok, hid, elems, tokens, parents, depths, mods)
+                mt, normed = self._forward(st, m, P, tok, hid, elems, tokens, parents, depths, mods)
                 if m >= D:
                     continue
                 drafting = [e for e in elems if (depths[e] if e >= 0 else -1) == m - 1]
@@ -258,7 +268,6 @@ class TreeRunner:
                 k = max(want)
                 if k == 0:
                     continue
-                normed = mt.outs[1]
                 ids, pr = topk(m, normed[self.backend.from_host(np.asarray(rows, np.int64))], mask_rows(m, paths), k)
                 for j, e in enumerate(drafting):
                     base = 0.0 if e < 0 else scores[e]
@@ -271,9 +280,6 @@ class TreeRunner:
                         probs.append(float(pr[j, r]))
                         scores.append(base + (math.log(pr[j, r]) if pr[j, r] > 0 else -math.inf))
                         ranks.append((() if e < 0 else ranks[e]) + (r,))
-            for mt in mods:                       # keep only the chained outputs
-                if mt is not None:
-                    mt.outs = mt.outs[0]
         except BaseException:
             self.drop(st, pending)
             raise
@@ -292,8 +298,9 @@ class TreeRunner:
             e = parents[e]
         return out[::-1]
 
-    def _forward(self, st, m, P, tok, hid, elems, tokens, parents, depths, mods) -> ModuleTree:
-        """Module m's rows for ``elems``: lines laid out, blocks taken, the forward run."""
+    def _forward(self, st, m, P, tok, hid, elems, tokens, parents, depths, mods) -> tuple[ModuleTree, Any]:
+        """Module m's rows for ``elems``: lines laid out, blocks taken, the forward run;
+        -> (the rows, their normed outputs [n, H] for the LM head)."""
         head = self.modules[m]
         pool = head.pool
         BS = pool.block_size
@@ -389,8 +396,8 @@ class TreeRunner:
                                  be.from_host(np.asarray(mt.slot, np.int32)), be.from_host(tables),
                                  be.from_host(np.arange(n, dtype=np.int32)), be.from_host(row_len),
                                  row_start=None if row_start is None else be.from_host(row_start), kv_copy=kv_copy)
-        mt.outs = (normed if self.chain == "postnorm" else y, normed)
-        return mt
+        mt.outs = normed if self.chain == "postnorm" else y
+        return mt, normed
 
     @staticmethod
     def _ancestry(i: int, parent_row: list) -> list[int]:
@@ -412,36 +419,32 @@ class TreeRunner:
             parts.append(st._win[m - 1][key - ws: key - ws + 1])
         idx = [mods[m - 1].row_of[parents[e]] for e in elems if e >= 0]
         if idx:
-            parts.append(mods[m - 1].outs[0][self.backend.from_host(np.asarray(idx, np.int64))])
+            parts.append(mods[m - 1].outs[self.backend.from_host(np.asarray(idx, np.int64))])
         return parts[0] if len(parts) == 1 else self.backend.xp.concatenate(parts, axis=0)
 
     def _as_chain(self, st: MtpState, pending: PendingTree, P: int) -> None:
         """Counters (and in exact mode the tail and windows) as a chain propose along the
         main line leaves them, so the state's own rows obey its KV mode's rule meanwhile."""
         tree = pending.tree
-        main_tokens = []
-        e = -1
-        while True:
-            kids = [i for i in range(len(tree)) if tree.parents[i] == e]
-            if not kids:
-                break
-            e = kids[0]
-            main_tokens.append(int(tree.tokens[e]))
         st._num_hiddens = P
         st._num_verified = P + 1
         if not self.exact:
             st._tail_start = P + 1
             return
         st._tail.append(int(tree.root_token))
-        st._tail.extend(main_tokens)
+        st._tail.extend(int(tree.tokens[i]) for i in tree.greedy_path())
         for m, mt in enumerate(pending.modules):
-            if mt is None or m == self.M - 1:
-                continue
-            rows = [i for i in range(len(mt.elems)) if mt.main[i]]
-            if rows:
-                self.rules.append_window(st, m, mt.keys[rows[0]], mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
+            if mt is not None:
+                self._extend_window(st, m, mt, [i for i in range(len(mt.elems)) if mt.main[i]])
         ExactChain.trim_tail(st)
         self.rules.trim_windows(st)
+
+    def _extend_window(self, st: MtpState, m: int, mt: ModuleTree, rows: list[int]) -> None:
+        """Exact mode: module m's chained outputs of tree ``rows`` (consecutive keys) join its
+        window (the last module's are never read)."""
+        if rows and m < self.M - 1:
+            self.rules.append_window(st, m, mt.keys[rows[0]],
+                                     mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
 
     # -- verify -------------------------------------------------------------------
     def after_verify(self, st: MtpState, pending: PendingTree, path: list[int]) -> int:
@@ -452,8 +455,7 @@ class TreeRunner:
         if self.exact:
             st._tail, st._tail_start = list(pending.tail), pending.tail_start
             st._tail.append(int(tree.root_token))
-            st._tail.extend(int(tree.tokens[i]) for i in path)
-            st._num_verified = P + 1 + a
+            st._tail.extend(int(tree.tokens[i]) for i in path)       # exact_rows reads T from the tail
             st._win, st._win_start = list(pending.win), list(pending.win_start)
         for m, mt in enumerate(pending.modules):
             if mt is None:
@@ -478,8 +480,8 @@ class TreeRunner:
                 dst.append(int(pool.slots(seq, first, 1)[0]))
             if src:
                 pool.copy_rows(np.asarray(src, np.int32), np.asarray(dst, np.int32))
-            if self.exact and m < self.M - 1 and rows:
-                self.rules.append_window(st, m, mt.keys[rows[0]], mt.outs[self.backend.from_host(np.asarray(rows, np.int64))])
+            if self.exact:
+                self._extend_window(st, m, mt, rows)
             if mt.scratch is not None:
                 pool.retire(mt.scratch, st)
                 mt.scratch = None

@@ -129,7 +129,7 @@ class Backend(ABC):
         flat = cache.reshape((cache.shape[0] * cache.shape[1],) + tuple(cache.shape[2:]))
         if not xp.shares_memory(flat, cache):
             raise ValueError("cache: expected a contiguous KV cache (from empty_kv)")
-        s, d = (xp.asarray(self.from_host(np.asarray(a, np.int64))) for a in (src, dst))
+        s, d = (self.from_host(np.asarray(a, np.int64)) for a in (src, dst))
         flat[d] = flat[s]
 
     def empty_latent_kv(self, num_blocks: int, block_size: int, row_width: int) -> Any:

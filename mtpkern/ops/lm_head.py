@@ -81,7 +81,8 @@ def check_bitmask(bitmask, n: int, V: int) -> None:
     expect_dtype("bitmask", bitmask, "int32")
 
 
-def masked_argmax(logits, bitmask=None) -> np.ndarray:
+def _candidates(logits, bitmask) -> tuple[np.ndarray, np.ndarray]:
+    """(FP32 logits [n, V], the allowed non-NaN entries [n, V] bool), the mask checked."""
     expect_ndim("logits", logits, 2)
     n, V = logits.shape
     logits = np.asarray(logits, np.float32)
@@ -89,6 +90,12 @@ def masked_argmax(logits, bitmask=None) -> np.ndarray:
     if bitmask is not None:
         check_bitmask(bitmask, n, V)
         ok &= bitmask_allowed(bitmask, V)
+    return logits, ok
+
+
+def masked_argmax(logits, bitmask=None) -> np.ndarray:
+    logits, ok = _candidates(logits, bitmask)
+    n, V = logits.shape
     out = np.empty(n, np.int32)
     for r in range(n):
         cand = np.flatnonzero(ok[r])
@@ -158,14 +165,9 @@ def masked_topk(logits, bitmask=None, k: int = 1) -> tuple[np.ndarray, np.ndarra
     confidence rule (``1 / sum_j t_j``, ``t_j = 1`` where ``l_j`` equals the candidate's logit,
     else ``exp(l_j - l_c)``; column 0 is ``masked_confidence``). A row with fewer than ``k``
     candidates pads with id -1 and probability 0; a row with none raises ``NoAllowedToken``."""
-    expect_ndim("logits", logits, 2)
     k = check_topk(k)
-    n, V = logits.shape
-    lg = np.asarray(logits, np.float32)
-    ok = ~np.isnan(lg)
-    if bitmask is not None:
-        check_bitmask(bitmask, n, V)
-        ok &= bitmask_allowed(bitmask, V)
+    lg, ok = _candidates(logits, bitmask)
+    n, V = lg.shape
     ids = np.full((n, k), -1, np.int32)
     probs = np.zeros((n, k), np.float32)
     for r in range(n):

@@ -241,11 +241,7 @@ class ProposerModel:
                 assert got == ids, f"node {e}'s children {got} differ from the oracle's top-{len(kids)} {ids}"
                 assert np.allclose(tree.probs[kids], probs, rtol=CONF_RTOL, atol=CONF_ATOL), \
                     f"node {e}'s children's probabilities {tree.probs[kids]} differ from the oracle's {probs}"
-        greedy = []
-        e = -1
-        while tree.children(e):
-            e = tree.children(e)[0]
-            greedy.append(e)
+        greedy = tree.greedy_path()
         before = (len(s.tokens), len(s.hiddens), [list(k) for k in s.keys],
                   None if s.draft is None else ([list(r) for r in s.draft.rows], s.draft.k))
         self.propose(st, last_token, hidden, P, D, grammar, [int(tree.tokens[i]) for i in greedy],
