@@ -1,16 +1,29 @@
-"""The PyTorch eager peer of the benchmark (used only when torch is importable).
+"""The PyTorch eager peer of the benchmarks (used only when torch is importable).
 
 The same MTP module, written the way a Hugging Face ``MtpModel`` step runs it
-eagerly: ``nn.functional`` ops on the checkpoint's weights, a contiguous KV
-cache per module, routed experts looped over the selected ones. One row per
-module per step (a draft-mode propose). Weights are kept in the checkpoint's
-BF16 and, separately, widened to FP32; the faster of the two is the peer.
+eagerly: ``nn.functional`` ops on the module's weights, a contiguous KV cache
+per module, routed experts looped over the selected ones. One row per module
+per step (a draft-mode propose).
+
+Two callers, one implementation:
+
+- ``mtpkern bench`` (the cpu backend): the checkpoint's weights on the CPU
+  (:func:`make_timer`), kept in BF16 and, separately, widened to FP32; the
+  faster of the two is the peer;
+- ``benchmarks/gpu_bench.py`` (the cuda backend): the benchmark's own random
+  BF16 device weights, shared with the CuPy arrays through DLPack (no copy),
+  on ``device="cuda"`` (:func:`module_weights`, :func:`step_timer`); every
+  timed step starts and ends with ``torch.cuda.synchronize()``, so a time is
+  the step's wall time with its device work finished, as the mtpkern propose
+  it is compared with is timed.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -18,7 +31,55 @@ import torch.nn.functional as F
 
 from .config import MtpConfig
 from .timing import Timing
-from .weights import load_weights
+from .weights import ModuleWeights, load_weights
+
+
+def torch_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``: the CPU, or a CUDA device torch can use."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: expected a CUDA device torch can use, got {device!r} "
+                         f"(torch {torch.__version__}: torch.cuda.is_available() is False)")
+    return dev
+
+
+def as_torch(a: Any) -> torch.Tensor:
+    """A backend array (NumPy, CuPy, Numba) as a tensor on the array's own device, sharing
+    its memory through DLPack (a read-only NumPy array, which DLPack cannot export, is
+    copied). BF16 stored as its uint16 bits (how the cpu and cuda backends hold it) comes
+    back as ``torch.bfloat16``: the bits travel as int16, which every torch with DLPack
+    knows, and are viewed, not converted."""
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        a = a.copy()
+    bf16 = a.dtype == np.uint16
+    t = torch.from_dlpack(a.view(np.int16) if bf16 else a)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def module_weights(modules: Sequence[ModuleWeights], dtype: torch.dtype,
+                   device: str | torch.device = "cpu") -> list[ModuleWeights]:
+    """``modules`` (any backend's arrays) as torch tensors on ``device``: matrices in
+    ``dtype``, vectors (norms, biases, the router's bias) in FP32, as :class:`_TorchWeights`
+    prepares a checkpoint. A tensor already on ``device`` in that dtype is shared, not copied
+    (CuPy BF16 weights under ``dtype=torch.bfloat16`` on their own device)."""
+    dev = torch_device(device)
+    done: dict[int, torch.Tensor] = {}       # id -> tensor: the embedding / LM head shared by modules stay shared
+    out = []
+    for mw in modules:
+        kw = {}
+        for f in fields(mw):
+            a = getattr(mw, f.name)
+            if a is not None and id(a) not in done:
+                t = a if isinstance(a, torch.Tensor) else as_torch(a)
+                done[id(a)] = t.to(device=dev, dtype=dtype if t.ndim >= 2 else torch.float32)
+            kw[f.name] = None if a is None else done[id(a)]
+        out.append(ModuleWeights(**kw))
+    return out
 
 
 class _TorchWeights:
@@ -40,11 +101,29 @@ def _rms(x, w, eps):
 
 
 class TorchMtp:
-    def __init__(self, ckpt: Path, cfg: MtpConfig, dtype: torch.dtype):
-        self.cfg, self.dtype = cfg, dtype
-        self.w = load_weights(ckpt, cfg, _TorchWeights(dtype)).modules
+    """The eager module step on ``modules`` (torch tensors on ``device``: :func:`module_weights`)."""
+
+    def __init__(self, cfg: MtpConfig, modules: Sequence[ModuleWeights], dtype: torch.dtype,
+                 device: str | torch.device = "cpu"):
+        if any(cfg.block(m).mla for m in range(cfg.num_modules)):
+            raise ValueError(f"cfg: expected GQA blocks (the eager peer computes no MLA), got {cfg.describe()}")
+        if len(modules) != cfg.num_modules:
+            raise ValueError(f"modules: expected {cfg.num_modules} (cfg.num_modules), got {len(modules)}")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch_device(device)
+        self.w = list(modules)
         R = cfg.rotary_dim
-        self.inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
+        self.inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, R, 2, dtype=torch.float32, device=self.device) / R))
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Path, cfg: MtpConfig, dtype: torch.dtype,
+                        device: str | torch.device = "cpu") -> "TorchMtp":
+        modules = load_weights(ckpt, cfg, _TorchWeights(dtype)).modules
+        return cls(cfg, module_weights(modules, dtype, device), dtype, device)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (nothing to wait for on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def rope(self, x, pos):
         R = self.cfg.rotary_dim
@@ -102,31 +181,52 @@ class TorchMtp:
         return y, F.linear(normed, w.head).argmax(-1)
 
 
-def make_timer(ckpt: Path, cfg: MtpConfig):
-    peers = {dt: TorchMtp(ckpt, cfg, dt) for dt in (torch.bfloat16, torch.float32)}
+def step_timer(peers: Sequence[TorchMtp], before: Callable[[], None] | None = None
+               ) -> Callable[..., Timing]:
+    """``time_step(k, B, warmup, runs, context=512) -> Timing``: one draft step of ``k``
+    modules at batch ``B`` over ``context`` rows of random KV, timed on every peer (one per
+    dtype); the fastest peer's timing. ``before`` runs ahead of each step, untimed (the GPU
+    benchmark's L2 flush); each timed step is bracketed by the device's synchronisation."""
+    if not peers:
+        raise ValueError("peers: expected at least one TorchMtp, got none")
 
     def time_step(k: int, B: int, warmup: int, runs: int, context: int = 512) -> Timing:
         best = None
-        for dt, peer in peers.items():
+        for peer in peers:
+            cfg, dt, dev = peer.cfg, peer.dtype, peer.device
+            if not 1 <= k <= cfg.num_modules:
+                raise ValueError(f"k: expected 1 .. {cfg.num_modules} (the modules), got {k}")
             H, D, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads
             cap = context + warmup + runs + 2
-            caches = [(torch.randn(B, cap, Hkv, D, dtype=dt), torch.randn(B, cap, Hkv, D, dtype=dt))
-                      for _ in range(cfg.num_modules)]
-            tok = torch.randint(0, cfg.vocab_size, (B,))
-            h = torch.randn(B, H, dtype=dt)
+            caches = [(torch.randn(B, cap, Hkv, D, dtype=dt, device=dev),
+                       torch.randn(B, cap, Hkv, D, dtype=dt, device=dev)) for _ in range(k)]
+            tok = torch.randint(0, cfg.vocab_size, (B,), device=dev)
+            h = torch.randn(B, H, dtype=dt, device=dev)
             ts = []
             for i in range(warmup + runs):
                 L = context + i
+                if before is not None:
+                    before()
+                peer.synchronize()
                 t0 = time.perf_counter()
                 t, g = tok, h
                 for m in range(k):
-                    pos = torch.full((B,), L + 1 + m)
+                    pos = torch.full((B,), L + 1 + m, device=dev)
                     g, t = peer.module(m, t, g, pos, *caches[m], L)
+                peer.synchronize()
                 if i >= warmup:
                     ts.append(time.perf_counter() - t0)
+            del caches
             tm = Timing.of(ts)
             if best is None or tm.median_us < best.median_us:
                 best = tm
         return best
 
     return time_step
+
+
+def make_timer(ckpt: Path, cfg: MtpConfig, device: str | torch.device = "cpu",
+               dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float32),
+               before: Callable[[], None] | None = None) -> Callable[..., Timing]:
+    """:func:`step_timer` over the checkpoint's weights on ``device``, one peer per dtype."""
+    return step_timer([TorchMtp.from_checkpoint(ckpt, cfg, dt, device) for dt in dtypes], before)
