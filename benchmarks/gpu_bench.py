@@ -1,6 +1,6 @@
 """GPU benchmark of the cuda backend on GLM-4.5-Air-sized shapes (run by scripts/gpu_check.sh).
 
-    python3 benchmarks/gpu_bench.py --out ./out [--runs 20] [--budget-s 140]
+    python3 benchmarks/gpu_bench.py --out ./out [--runs 20] [--budget-s 140] [--no-mla] [--no-torch]
 
 Shapes: H = 4096, 96 query / 8 KV heads, D = 128, 128 routed experts (top-8,
 one group), moe_intermediate = 1408, 1 shared expert, V = 151552, M = 3;
@@ -29,9 +29,16 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    the MLA projections, the latent write, the absorbed attention at each context, o_proj,
    router, experts, shared expert, LM head.
 
-Writes ``gpu_bench.json`` (updated after every section, so a run cut short
-still leaves what it measured) and ``gpu_bench.md`` (the summary tables) to
-``--out``; elapsed times are printed as it goes.
+5. ``torch``: beside each propose row, the PyTorch eager peer (``mtpkern/bench_torch.py``,
+   ``--no-torch`` leaves it out) at the same context, batch and k on the same device weights
+   (shared through DLPack), L2 flushed before each step, timed between
+   ``torch.cuda.synchronize()`` calls; "torch / graph" is its time over the graph replay's.
+
+Results are written as they are measured (``Recorder``): ``gpu_bench.jsonl`` (one JSON
+record a line: meta, kernel, propose, note, error, end) and ``gpu_bench.md`` (the tables,
+a row a measurement), both in ``--out`` and flushed after every record, so a run cut short
+(SIGTERM from the check script's time limit, a crash, SIGKILL) keeps every row it measured;
+SIGTERM also writes the end record. Elapsed times are printed as it goes.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import argparse
 import json
 import math
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -457,17 +465,55 @@ def propose_floor_bytes(cfg: MtpConfig, mode: str, k: int, B: int, ctx: int, kv_
     return total
 
 
-def bench_propose(gpu: Gpu, cfg, weights, be, res, args, deadline: float) -> None:
+def torch_peer(cfg: MtpConfig, weights, gpu: Gpu, rec: "Recorder") -> Callable | None:
+    """The PyTorch eager step (``mtpkern/bench_torch.py``) on this run's own device weights,
+    shared with the CuPy arrays through DLPack (no copy), as a timing function
+    ``(k, B, warmup, runs, context) -> Timing`` with the L2 flushed before each step; None
+    (and a note saying why) when torch or its CUDA is not there."""
+    try:
+        import cupy as cp
+        import torch
+
+        from mtpkern import bench_torch
+
+        device = f"cuda:{cp.cuda.Device().id}"
+        mods = bench_torch.module_weights(weights.modules, torch.bfloat16, device)
+        peer = bench_torch.TorchMtp(cfg, mods, torch.bfloat16, device)
+    except Exception as e:                  # no torch, a CPU-only torch, no DLPack: the rows go on without it
+        rec.note("torch", f"not run ({type(e).__name__}: {e})")
+        return None
+    rec.note("torch", f"torch {torch.__version__} eager on {device}: BF16 nn.functional ops on the same "
+                      f"weights, KV [B, ctx, Hkv, D] per module, routed experts looped, one row per module; "
+                      f"wall time between torch.cuda.synchronize() calls, L2 flushed before each step")
+    return bench_torch.step_timer([peer], before=gpu.flush)
+
+
+def bench_propose(gpu: Gpu, cfg, weights, be, rec: "Recorder", args, deadline: float) -> None:
     import cupy as cp
 
     from mtpkern.proposer import MultiModuleMtpHead
 
+    res = rec.res
     rng = np.random.default_rng(0)
     V, H, M = cfg.vocab_size, cfg.hidden_size, cfg.num_modules
     steps = len(args.batches) * M * 2 * (args.warmup + args.propose_runs) + 8
     max_rows = max(args.batches) * (max(args.contexts) + 4 * steps)
     num_blocks = -(-max_rows // 16) + 64
     kvb = np.dtype(be.kv_dtype).itemsize
+    peer = [torch_peer(cfg, weights, gpu, rec) if args.torch else None]
+    if not args.torch:
+        rec.note("torch", "not run (--no-torch)")
+    torch_t: dict[tuple[int, int, int], Any] = {}         # (context, B, k) -> the peer's Timing, shared by the modes
+
+    def peer_time(ctx: int, B: int, k: int):
+        if peer[0] is not None and (ctx, B, k) not in torch_t:
+            try:
+                torch_t[ctx, B, k] = peer[0](k, B, args.warmup, args.propose_runs, ctx)
+            except Exception as e:          # out of memory, an op torch lacks: no more peer rows
+                rec.error(f"torch peer ctx {ctx} B {B} k {k}: {type(e).__name__}: {e}")
+                peer[0] = None
+        return torch_t.get((ctx, B, k))
+
     for mode in args.kv_modes:
         prop = MultiModuleMtpHead(cfg, weights, be, kv_mode=mode, block_size=16, num_blocks=num_blocks,
                                   max_batch=max(args.batches), cuda_graphs=True)
@@ -478,8 +524,7 @@ def bench_propose(gpu: Gpu, cfg, weights, be, res, args, deadline: float) -> Non
         for ctx in args.contexts:
             for B in args.batches:
                 if time.perf_counter() > deadline:
-                    res["propose_skipped"] = "time budget"
-                    say("propose: time budget reached, skipping the rest")
+                    rec.note("propose_skipped", f"time budget: from {mode} context {ctx} batch {B} on")
                     return
                 sts = [prop.alloc_state() for _ in range(B)]
                 for st in sts:
@@ -511,70 +556,182 @@ def bench_propose(gpu: Gpu, cfg, weights, be, res, args, deadline: float) -> Non
                         row[f"{path}_p20_us"], row[f"{path}_p80_us"] = s["p20_us"], s["p80_us"]
                         row[f"{path}_x_floor"] = s["median_us"] / row["floor_us"]
                     row["graph_speedup"] = row["eager_median_us"] / row["graph_median_us"]
-                    res["propose"].append(row)
+                    prop.step_runner = runner
+                    tt = peer_time(ctx, B, k)
+                    if tt is not None:
+                        row.update(torch_median_us=tt.median_us, torch_p20_us=tt.p20_us, torch_p80_us=tt.p80_us,
+                                   speedup_vs_torch=tt.median_us / row["graph_median_us"])
+                    rec.row("propose", row)
                     say(f"propose {mode} ctx {ctx} B {B} k {k}: eager {row['eager_median_us']:.0f} us, "
-                        f"graph {row['graph_median_us']:.0f} us, floor {row['floor_us']:.0f} us")
+                        f"graph {row['graph_median_us']:.0f} us, floor {row['floor_us']:.0f} us"
+                        + (f", torch {tt.median_us:.0f} us ({row['speedup_vs_torch']:.2f}x)" if tt else ""))
                 for st in sts:
                     prop.free_state(st)
         prop.step_runner = runner
-        res["graph_counts_" + mode] = dict(runner.counts)
+        rec.note("graph_counts_" + mode, dict(runner.counts))
         del prop
 
 
 # -- report ----------------------------------------------------------------------------------------
 
-def summary(res: dict) -> str:
-    lines = [f"# mtpkern GPU benchmark: {res.get('device', '?')}", "",
-             f"config: {res.get('config', '?')}; copy bandwidth {res.get('copy_GB/s', float('nan')):.0f} GB/s "
-             f"(device-to-device, read + write); L2 flushed before every run", ""]
-    if res.get("kernels"):
-        lines += ["| op | rows | context | MB moved | median us | p20 | p80 | GB/s | of copy | timed |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for r in res["kernels"]:
-            lines.append(f"| {r['op']} | {r['rows']} | {r['context'] or ''} | {r['bytes'] / 1e6:.1f} | "
-                         f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['GB/s']:.0f} | "
-                         f"{r['of_copy']:.0%} | {r['timed']} |")
-        lines.append("")
-    if res.get("propose"):
-        lines += ["| kv_mode | context | B | k | eager us | graph us | graph speedup | floor us | graph / floor |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in res["propose"]:
-            lines.append(f"| {r['kv_mode']} | {r['context']} | {r['batch']} | {r['k']} | "
-                         f"{r['eager_median_us']:.0f} | {r['graph_median_us']:.0f} | {r['graph_speedup']:.2f}x | "
-                         f"{r['floor_us']:.0f} | {r['graph_x_floor']:.2f} |")
-        lines.append("")
+#: the two files of a run, in ``--out``
+JSONL, MD = "gpu_bench.jsonl", "gpu_bench.md"
+
+_KERNEL_HEAD = ("| op | rows | context | MB moved | median us | p20 | p80 | GB/s | of copy | timed |\n"
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+_PROPOSE_HEAD = ("| kv_mode | context | B | k | eager us | graph us | graph speedup | floor us | graph / floor "
+                 "| torch us | torch / graph |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+#: table -> (its title, its header)
+TABLES = {"kernels": ("GLM-4.5-Air-sized kernels", _KERNEL_HEAD),
+          "dsv3": ("DeepSeek-V3's MTP module, kernels (`dsv3 ...`)", _KERNEL_HEAD),
+          "propose": ("propose_batch (host included)", _PROPOSE_HEAD)}
+#: notes shown under the tables, in this order
+NOTES = ("torch", "errors", "kernels_skipped", "mla_skipped", "propose_skipped")
+
+
+def table_of(kind: str, row: dict) -> str:
+    if kind == "propose":
+        return "propose"
+    return "dsv3" if row["op"].startswith("dsv3 ") else "kernels"
+
+
+def row_md(table: str, r: dict) -> str:
+    if table == "propose":
+        torch_cols = (f"{r['torch_median_us']:.0f} | {r['speedup_vs_torch']:.2f}x" if "torch_median_us" in r
+                      else " | ")
+        return (f"| {r['kv_mode']} | {r['context']} | {r['batch']} | {r['k']} | "
+                f"{r['eager_median_us']:.0f} | {r['graph_median_us']:.0f} | {r['graph_speedup']:.2f}x | "
+                f"{r['floor_us']:.0f} | {r['graph_x_floor']:.2f} | {torch_cols} |\n")
+    return (f"| {r['op']} | {r['rows']} | {r['context'] or ''} | {r['bytes'] / 1e6:.1f} | "
+            f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['GB/s']:.0f} | "
+            f"{r['of_copy']:.0%} | {r['timed']} |\n")
+
+
+def header_md(res: dict) -> str:
+    return (f"# mtpkern GPU benchmark: {res.get('device', '?')}\n\n"
+            f"config: {res.get('config', '?')}; copy bandwidth {res.get('copy_GB/s', float('nan')):.0f} GB/s "
+            f"(device-to-device, read + write); L2 flushed before every run\n")
+
+
+def table_md(table: str) -> str:
+    title, head = TABLES[table]
+    return f"\n## {title}\n\n{head}"
+
+
+def footer_md(res: dict) -> str:
+    lines = [""]
     if res.get("mla_config"):
         lines.append(f"DeepSeek-V3 rows (`dsv3 ...`): {res['mla_config']}")
-        lines.append("")
-    for key in ("errors", "propose_skipped", "kernels_skipped", "mla_skipped"):
+    for key in NOTES:
         if res.get(key):
-            lines.append(f"{key}: {res[key]}")
-    lines.append(f"elapsed: {res.get('elapsed_s', 0):.0f} s")
+            lines += [f"error: {m}" for m in res[key]] if key == "errors" else [f"{key}: {res[key]}"]
+    lines.append(f"elapsed: {res.get('elapsed_s', 0):.0f} s" + (f", stopped by {res['stopped']}"
+                                                                if res.get("stopped") else ""))
     return "\n".join(lines) + "\n"
 
 
-def save(res: dict, out: Path) -> None:
-    res["elapsed_s"] = time.perf_counter() - T0
-    (out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
-    (out / "gpu_bench.md").write_text(summary(res))
+def summary(res: dict) -> str:
+    """The whole markdown of ``res``: what ``gpu_bench.md`` holds once a run has ended."""
+    text = header_md(res)
+    rows = [("kernel", r) for r in res.get("kernels", [])] + [("propose", r) for r in res.get("propose", [])]
+    table = None
+    for kind, r in rows:
+        if table_of(kind, r) != table:
+            table = table_of(kind, r)
+            text += table_md(table)
+        text += row_md(table, r)
+    return text + footer_md(res)
 
 
-def run_cases(gpu: Gpu, res: dict, cases, n: int, runs: int) -> None:
-    """Time each (op, context, bytes, thunk) and append its row to ``res["kernels"]``; an op
-    that fails is recorded in ``res["errors"]`` and the rest go on."""
+class Recorder:
+    """Every result as it is measured. ``gpu_bench.jsonl`` gets one JSON line per record
+    (``{"kind": "meta" | "kernel" | "propose" | "note" | "error" | "end", ...}``) and
+    ``gpu_bench.md`` its markdown (the header, a table's title and header before its first
+    row, one row per measurement, the notes at the end); both files are flushed after every
+    record, so a run cut short (a time limit, a crash, SIGKILL) leaves every row measured
+    before it. ``res`` holds the same records, for :func:`summary`; a run that ends leaves
+    ``gpu_bench.md`` equal to ``summary(res)``."""
+
+    def __init__(self, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.res: dict[str, Any] = {"kernels": [], "propose": [], "errors": []}
+        self._jsonl = open(out / JSONL, "w", encoding="utf-8")
+        self._md = open(out / MD, "w", encoding="utf-8")
+        self._header = False
+        self._table: str | None = None
+
+    def _write(self, record: dict, md: str = "") -> None:
+        self._jsonl.write(json.dumps({**record, "t_s": round(time.perf_counter() - T0, 3)}) + "\n")
+        self._jsonl.flush()
+        if md:
+            self._md.write(md)
+            self._md.flush()
+
+    def meta(self, **kw: Any) -> None:
+        """Facts of the run (device, config, copy bandwidth); the markdown header is written
+        with the first row (or at the end), when they are all known."""
+        self.res.update(kw)
+        self._write({"kind": "meta", **kw})
+
+    def row(self, kind: str, row: dict) -> None:
+        if kind not in ("kernel", "propose"):
+            raise ValueError(f"kind: expected 'kernel' or 'propose', got {kind!r}")
+        self.res["kernels" if kind == "kernel" else "propose"].append(row)
+        md = ""
+        if not self._header:
+            md, self._header = header_md(self.res), True
+        table = table_of(kind, row)
+        if table != self._table:
+            md += table_md(table)
+            self._table = table
+        self._write({"kind": kind, **row}, md + row_md(table, row))
+
+    def note(self, key: str, value: Any) -> None:
+        self.res[key] = value
+        self._write({"kind": "note", "key": key, "value": value})
+
+    def error(self, message: str) -> None:
+        self.res["errors"].append(message)
+        self._write({"kind": "error", "message": message})
+        say(message)
+
+    def close(self, rc: int, stopped: str | None = None) -> None:
+        """The end record and the markdown's notes; the files are closed."""
+        self.res["elapsed_s"] = time.perf_counter() - T0
+        if stopped:
+            self.res["stopped"] = stopped
+        md = "" if self._header else header_md(self.res)
+        self._header = True
+        self._write({"kind": "end", "rc": rc, "elapsed_s": self.res["elapsed_s"], "stopped": stopped},
+                    md + footer_md(self.res))
+        self._jsonl.close()
+        self._md.close()
+
+
+def run_cases(gpu: Gpu, rec: Recorder, cases, n: int, runs: int) -> None:
+    """Time each (op, context, bytes, thunk) and record its row; an op that fails is
+    recorded as an error and the rest go on."""
+    copy = rec.res["copy_GB/s"]
     for name, ctx, nbytes, fn in cases:
         try:
             ts, how = gpu.time_op(fn, runs)
         except Exception as e:          # keep going: one op's failure is a result too
-            res["errors"].append(f"kernel {name} rows {n}: {type(e).__name__}: {e}")
-            say(res["errors"][-1])
+            rec.error(f"kernel {name} rows {n}: {type(e).__name__}: {e}")
             continue
         s = stats(ts)
         gbs = nbytes / (s["median_us"] * 1e-6) / 1e9
-        res["kernels"].append({"op": name, "rows": n, "context": ctx, "bytes": nbytes, **s, "GB/s": gbs,
-                               "of_copy": gbs / res["copy_GB/s"], "timed": how})
+        rec.row("kernel", {"op": name, "rows": n, "context": ctx, "bytes": nbytes, **s, "GB/s": gbs,
+                           "of_copy": gbs / copy, "timed": how})
         say(f"{name:<28} rows {n} ctx {ctx or '-':>5}: {s['median_us']:8.1f} us  {gbs:7.0f} GB/s "
-            f"({gbs / res['copy_GB/s']:.0%} of copy, {how})")
+            f"({gbs / copy:.0%} of copy, {how})")
+
+
+class Stopped(BaseException):
+    """SIGTERM (the check script's time limit): ends the run through its ``finally``."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Stopped("SIGTERM")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -592,17 +749,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modules", type=int, default=3)
     ap.add_argument("--no-mla", dest="mla", action="store_false",
                     help="leave out DeepSeek-V3's module (MLA kernels, its experts and LM head)")
+    ap.add_argument("--no-torch", dest="torch", action="store_false",
+                    help="leave out the PyTorch eager peer of the propose rows")
     args = ap.parse_args(argv)
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     args.kv_modes = args.kv_modes.split(",")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     kernels_until, mla_until, propose_until = T0 + 0.35 * args.budget_s, T0 + 0.5 * args.budget_s, \
         T0 + 0.9 * args.budget_s
-    res: dict[str, Any] = {"argv": sys.argv[1:], "python": platform.python_version(), "kernels": [], "propose": [],
-                           "errors": []}
-    rc = 0
+    rec = Recorder(out)
+    rec.meta(argv=sys.argv[1:] if argv is None else list(argv), python=platform.python_version(),
+             budget_s=args.budget_s)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    rc, stopped = 0, None
     try:
         import cupy as cp
 
@@ -611,58 +771,60 @@ def main(argv: list[str] | None = None) -> int:
         gpu = Gpu()
         be = CudaBackend()
         cfg = glm45_air(args.modules)
-        res.update(device=f"{gpu.name()} (L2 {gpu.l2 >> 20} MiB)", cupy=cp.__version__, config=cfg.describe(),
-                   contexts=args.contexts)
-        say(f"device {res['device']}, CuPy {cp.__version__}; {cfg.describe()}")
-        res["copy_GB/s"], res["copy_us"] = gpu.copy_bandwidth()
-        say(f"copy bandwidth {res['copy_GB/s']:.0f} GB/s (1 GiB device-to-device, read + write)")
-        save(res, out)
+        rec.meta(device=f"{gpu.name()} (L2 {gpu.l2 >> 20} MiB)", cupy=cp.__version__, config=cfg.describe(),
+                 contexts=args.contexts)
+        say(f"device {rec.res['device']}, CuPy {cp.__version__}; {cfg.describe()}")
+        copy_gbs, copy_us = gpu.copy_bandwidth()
+        rec.meta(**{"copy_GB/s": copy_gbs, "copy_us": copy_us})
+        say(f"copy bandwidth {copy_gbs:.0f} GB/s (1 GiB device-to-device, read + write)")
 
         weights = build_weights(cfg)
         cp.cuda.get_current_stream().synchronize()
-        res["weights_GB"] = weights.nbytes / 1e9
+        rec.meta(weights_GB=weights.nbytes / 1e9)
         say(f"random BF16 weights on the device: {weights.nbytes / 1e9:.1f} GB")
 
         for n in args.batches:
             if time.perf_counter() > kernels_until:
-                res["kernels_skipped"] = "time budget"
+                rec.note("kernels_skipped", f"time budget: from {n} rows on")
                 break
-            run_cases(gpu, res, kernel_cases(cfg, be, weights.modules[0], n, args.contexts), n, args.runs)
-            save(res, out)
+            run_cases(gpu, rec, kernel_cases(cfg, be, weights.modules[0], n, args.contexts), n, args.runs)
             cp.get_default_memory_pool().free_all_blocks()
 
         if args.mla and time.perf_counter() < mla_until:     # DeepSeek-V3's module (MLA), its own weights
             dsv3 = deepseek_v3()
-            res["mla_config"] = dsv3.describe()
+            rec.note("mla_config", dsv3.describe())
             say(f"DeepSeek-V3 kernels: {dsv3.describe()}")
             try:
                 for n in args.batches:
                     if time.perf_counter() > mla_until:
-                        res["mla_skipped"] = "time budget"
+                        rec.note("mla_skipped", f"time budget: from {n} rows on")
                         break
-                    run_cases(gpu, res, mla_kernel_cases(dsv3, be, n, args.contexts), n, args.runs)
-                    save(res, out)
+                    run_cases(gpu, rec, mla_kernel_cases(dsv3, be, n, args.contexts), n, args.runs)
             except Exception as e:
-                res["errors"].append(f"mla kernels: {type(e).__name__}: {e}")
-                say(res["errors"][-1])
+                rec.error(f"mla kernels: {type(e).__name__}: {e}")
                 traceback.print_exc()
             cp.get_default_memory_pool().free_all_blocks()
+        elif args.mla:
+            rec.note("mla_skipped", "time budget")
 
         try:
-            bench_propose(gpu, cfg, weights, be, res, args, propose_until)
+            bench_propose(gpu, cfg, weights, be, rec, args, propose_until)
         except Exception as e:
-            res["errors"].append(f"propose: {type(e).__name__}: {e}")
-            say(res["errors"][-1])
+            rec.error(f"propose: {type(e).__name__}: {e}")
             traceback.print_exc()
             rc = 1
+    except Stopped as e:
+        stopped, rc = str(e), 143
+        say(f"stopped by {stopped}: the rows measured so far are in {out / JSONL} and {out / MD}")
     except Exception as e:
-        res["errors"].append(f"{type(e).__name__}: {e}")
+        rec.error(f"{type(e).__name__}: {e}")
         traceback.print_exc()
         rc = 1
     finally:
-        save(res, out)
-        print(summary(res))
-        say(f"wrote {out / 'gpu_bench.json'} and {out / 'gpu_bench.md'}")
+        signal.signal(signal.SIGTERM, previous)
+        rec.close(rc, stopped)
+        print(summary(rec.res))
+        say(f"wrote {out / JSONL} and {out / MD}")
     return rc
 
 

@@ -1,10 +1,18 @@
 """The host side of benchmarks/gpu_bench.py, without a GPU: its shortcut to a long
 context (``fake_context``) leaves a state the proposer accepts, eager and planned,
-and its byte counts and report behave."""
+its byte counts and report behave, and its rows are on disk as soon as they are
+measured (a run killed midway keeps them; SIGTERM also writes the end record)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +68,9 @@ def test_floor_bytes_and_report(bench):
                         "graph_median_us": 450.0, "graph_speedup": 2.0, "floor_us": 300.0, "graph_x_floor": 1.5}]}
     text = bench.summary(res)
     assert "| rmsnorm | 1 |" in text and "2.00x" in text
+    assert "| 1.50 |  |  |" in text                        # no peer: the torch columns stay empty
+    res["propose"][0].update(torch_median_us=1800.0, speedup_vs_torch=4.0)
+    assert "| 1.50 | 1800 | 4.00x |" in bench.summary(res)
 
 
 def test_the_deepseek_v3_section_has_the_released_shapes(bench):
@@ -72,3 +83,95 @@ def test_the_deepseek_v3_section_has_the_released_shapes(bench):
     assert b.mla and b.qk_nope_head_dim == 128 and b.v_dim == 128 and cfg.family == "deepseek_v3"
     text = bench.summary({"kernels": [], "mla_config": cfg.describe(), "mla_skipped": "time budget"})
     assert "DeepSeek-V3 rows (`dsv3 ...`)" in text and "mla_skipped: time budget" in text
+
+
+def _kernel_row(i: int) -> dict:
+    return {"op": f"op{i}", "rows": 1, "context": 0, "bytes": 1e6 * (i + 1), "median_us": 10.0 + i, "p20_us": 9.0,
+            "p80_us": 11.0 + i, "runs": 20, "GB/s": 100.0, "of_copy": 0.025, "timed": "graph"}
+
+
+_PROPOSE = {"kv_mode": "draft", "context": 512, "batch": 8, "k": 3, "eager_median_us": 900.0,
+            "graph_median_us": 600.0, "graph_speedup": 1.5, "floor_us": 400.0, "graph_x_floor": 1.5,
+            "torch_median_us": 3000.0, "speedup_vs_torch": 5.0}
+
+
+def test_recorder_writes_each_row_as_it_is_measured(bench, tmp_path):
+    """Each record is on disk (both files) before the next is made; a table's header comes
+    with its first row; at the end the markdown is the summary of what was recorded."""
+    rec = bench.Recorder(tmp_path)
+    rec.meta(device="H200 (L2 60 MiB)", config="cfg", **{"copy_GB/s": 4000.0})
+    md = tmp_path / "gpu_bench.md"
+    jl = tmp_path / "gpu_bench.jsonl"
+    assert md.read_text() == "" and json.loads(jl.read_text())["kind"] == "meta"
+    rows = [("kernel", _kernel_row(0)), ("kernel", _kernel_row(1)),
+            ("kernel", {**_kernel_row(2), "op": "dsv3 linear_o"}), ("propose", _PROPOSE)]
+    for i, (kind, row) in enumerate(rows):
+        rec.row(kind, row)
+        lines = [json.loads(x) for x in jl.read_text().splitlines()]
+        assert [x["kind"] for x in lines] == ["meta"] + [k for k, _ in rows[:i + 1]]
+        assert md.read_text().count("\n| ") == i + 1 + {0: 1, 1: 1, 2: 2, 3: 3}[i]   # rows + table headers
+    assert "## DeepSeek-V3's MTP module" in md.read_text() and "| 600 | 1.50x | 400 | 1.50 | 3000 | 5.00x |" \
+        in md.read_text()
+    rec.note("torch", "torch X eager on cuda:0")
+    rec.error("kernel op9 rows 8: RuntimeError: boom")
+    rec.close(0)
+    assert md.read_text() == bench.summary(rec.res)
+    text = md.read_text()
+    assert "torch: torch X eager on cuda:0" in text and "error: kernel op9 rows 8: RuntimeError: boom" in text
+    end = json.loads(jl.read_text().splitlines()[-1])
+    assert end["kind"] == "end" and end["rc"] == 0 and end["stopped"] is None
+    with pytest.raises(ValueError, match="kind: expected 'kernel' or 'propose'"):
+        bench.Recorder(tmp_path / "again").row("ops", {})
+
+
+_WRITER = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("gpu_bench", sys.argv[1])
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+rec = bench.Recorder(__import__("pathlib").Path(sys.argv[2]))
+rec.meta(device="D", config="C", **{"copy_GB/s": 1000.0})
+for i in range(10 ** 6):
+    rec.row("kernel", {"op": f"op{i}", "rows": 1, "context": 0, "bytes": 1e6, "median_us": 1.0, "p20_us": 1.0,
+                       "p80_us": 1.0, "runs": 1, "GB/s": 1.0, "of_copy": 0.001, "timed": "graph"})
+    print(i, flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_rows_survive_a_kill_midway(tmp_path):
+    """SIGKILL (no handler, no finally) after a few rows: every row the writer reported
+    is in both files, and each JSON line is whole."""
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(_PATH), str(tmp_path)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        done = [p.stdout.readline() for _ in range(4)]
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    assert [int(x) for x in done] == [0, 1, 2, 3]
+    lines = [json.loads(x) for x in (tmp_path / "gpu_bench.jsonl").read_text().splitlines()]
+    kernels = [x["op"] for x in lines if x["kind"] == "kernel"]
+    assert kernels[:4] == ["op0", "op1", "op2", "op3"] and "end" not in {x["kind"] for x in lines}
+    md = (tmp_path / "gpu_bench.md").read_text()
+    assert all(f"| op{i} | 1 |" in md for i in range(4))
+
+
+def test_sigterm_ends_the_run_with_its_end_record(bench, tmp_path, monkeypatch, capsys):
+    """The check script's time limit sends SIGTERM: main returns 143 through its finally,
+    writing the end record (stopped: SIGTERM) and the markdown's notes."""
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+
+    def terminated():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(bench, "Gpu", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    assert bench.main(["--out", str(tmp_path), "--no-torch"]) == 143
+    assert signal.getsignal(signal.SIGTERM) == before             # the handler is put back
+    end = json.loads((tmp_path / "gpu_bench.jsonl").read_text().splitlines()[-1])
+    assert end["kind"] == "end" and end["stopped"] == "SIGTERM" and end["rc"] == 143
+    assert "stopped by SIGTERM" in (tmp_path / "gpu_bench.md").read_text()
+    assert "stopped by SIGTERM" in capsys.readouterr().out
