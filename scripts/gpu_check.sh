@@ -1,64 +1,304 @@
 #!/usr/bin/env bash
-# GPU checks for a device machine (no network, no install needed):
-#   1. the gpu-marked tests (tests/test_gpu.py and every other gpu-marked test),
-#   2. the cuda op tests against the NumPy reference (tests/test_ops_backends.py -k cuda),
-#   3. benchmarks/gpu_bench.py (GLM-4.5-Air-sized kernels and propose steps).
-# Usage: bash scripts/gpu_check.sh [OUT_DIR]      (default: $OUT, else ./out)
-# Writes to OUT_DIR: gpu_check.log (this script's timeline), status.txt (one "step rc" line per
-# step), device.txt, <step>.log for each step, gpu_tests.xml / op_tests.xml (JUnit), and the
-# benchmark's gpu_bench.json / gpu_bench.md. Runs every step even if an earlier one fails; the
-# exit status is 1 if any step failed. Budget: under 6 minutes on an H200 (per-step timeouts).
+# GPU checks for a device machine: no network, no install, under 8 minutes in all (docs/cuda.md,
+# "On a device: scripts/gpu_check.sh").
+#
+#   bash scripts/gpu_check.sh [OPTIONS] [OUT_DIR]          OUT_DIR: default $OUT, else ./out
+#
+#   --steps LIST          which of tests,bench to run, in that order (default tests,bench); the
+#                         probe always runs first
+#   --limit STEP=SECONDS  a step's time limit (probe 20, tests 200, bench 220 by default); the
+#                         limits plus 5 s of grace each must add up to at most 470 s
+#   --test-timeout S      pytest-timeout's per-test limit in the tests step (default 90)
+#   --tests PATHS         what the tests step collects (default tests/; comma or space separated)
+#   --bench-args ARGS     extra arguments for benchmarks/gpu_bench.py (e.g. "--no-mla")
+#
+# Steps, each under its own limit (timeout: SIGTERM, then SIGKILL 5 s later), each run whatever
+# the previous one did:
+#   probe   versions, the device, whether pytest-timeout is there (python + nvidia-smi)
+#   tests   ONE pytest process: every gpu-marked test (tests/test_gpu.py, the cuda cases of
+#           tests/test_ops_backends.py, the rest), --timeout per test when pytest-timeout is there
+#   bench   benchmarks/gpu_bench.py: kernels, proposes and the PyTorch eager peer, each row on
+#           disk as soon as it is measured
+# One python process per step, three in all: CuPy's disk cache cannot keep the kernels built
+# with name_expressions, so each process that launches kernels (tests, bench) compiles every
+# family it uses once with NVRTC.
+#
+# OUT_DIR gets six plain files, nothing in subfolders (the device tool returns at most 8 files,
+# at most 2 folders down): summary.txt (rewritten at every step's start and end: which steps ran,
+# passed, failed, timed out; test counts; the propose table), gpu_check.log (the timeline and
+# the probe), tests.log, bench.log, gpu_bench.md and gpu_bench.jsonl (the benchmark's rows). A
+# file over 15 MiB (the tool's per-file limit is 16) is gzipped in place at the end. The exit
+# status is 1 if a step failed or timed out, 2 on a bad option.
 set -u
 
-cd "$(dirname "$0")/.." || exit 1
-OUT_DIR="${1:-${OUT:-./out}}"
-mkdir -p "$OUT_DIR"
+cd "$(dirname "$0")/.." || exit 2
+ROOT="$PWD"
+
+usage() { sed -n '5,13p' "$0" | sed 's/^# \{0,1\}//'; }
+
+STEPS="tests,bench"
+declare -A LIMIT=([probe]=20 [tests]=200 [bench]=220)
+KILL_AFTER=5
+TOTAL_MAX=470
+TEST_TIMEOUT=90
+TEST_PATHS="tests/"
+BENCH_ARGS=""
+OUT_ARG=""
+MAX_BYTES="${GPU_CHECK_MAX_BYTES:-15728640}"   # 15 MiB; a test sets it lower to see the gzip
+
+die() { echo "gpu_check: $*" >&2; exit 2; }
+is_int() { [[ "$1" =~ ^[0-9]+$ ]] && [ "$1" -ge 1 ]; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --steps) [ $# -ge 2 ] || die "--steps: expected a list of tests,bench, got nothing"; STEPS="$2"; shift 2 ;;
+    --limit)
+      [ $# -ge 2 ] || die "--limit: expected STEP=SECONDS, got nothing"
+      name="${2%%=*}"; secs="${2#*=}"
+      [[ -n "${LIMIT[$name]+x}" ]] || die "--limit: expected a step of probe, tests, bench, got '$name'"
+      is_int "$secs" || die "--limit: expected a whole number of seconds >= 1 for $name, got '$secs'"
+      LIMIT[$name]="$secs"; shift 2 ;;
+    --test-timeout)
+      [ $# -ge 2 ] && is_int "$2" || die "--test-timeout: expected a whole number of seconds >= 1, got '${2:-}'"
+      TEST_TIMEOUT="$2"; shift 2 ;;
+    --tests) [ $# -ge 2 ] || die "--tests: expected paths, got nothing"; TEST_PATHS="${2//,/ }"; shift 2 ;;
+    --bench-args) [ $# -ge 2 ] || die "--bench-args: expected arguments, got nothing"; BENCH_ARGS="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    -*) die "unknown option '$1' (--help lists them)" ;;
+    *) [ -z "$OUT_ARG" ] || die "expected one OUT_DIR, got '$OUT_ARG' and '$1'"; OUT_ARG="$1"; shift ;;
+  esac
+done
+
+RUN_STEPS=(probe)
+for s in ${STEPS//,/ }; do
+  case "$s" in
+    tests|bench) RUN_STEPS+=("$s") ;;
+    probe) ;;                                   # always first
+    *) die "--steps: expected names among tests, bench, got '$s'" ;;
+  esac
+done
+TOTAL=0
+for s in "${RUN_STEPS[@]}"; do TOTAL=$(( TOTAL + LIMIT[$s] + KILL_AFTER )); done
+[ "$TOTAL" -le "$TOTAL_MAX" ] || die "--limit: the steps' limits with ${KILL_AFTER} s of grace each add up to ${TOTAL} s, over the ${TOTAL_MAX} s the script may take (8 minutes less its own few seconds)"
+
+OUT_DIR="${OUT_ARG:-${OUT:-./out}}"
+mkdir -p "$OUT_DIR" || die "OUT_DIR: cannot create '$OUT_DIR'"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/mtpkern-gpu.XXXXXX")"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the checkout, installed or not
+FILES=(summary.txt gpu_check.log tests.log bench.log gpu_bench.md gpu_bench.jsonl)
+for f in "${FILES[@]}"; do rm -f "$OUT_DIR/$f" "$OUT_DIR/$f.gz"; done
+SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/mtpkern-gpu.XXXXXX")" || die "cannot make a scratch directory"
+trap 'rm -rf "$SCRATCH"' EXIT
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # the checkout, installed or not
 export NUMBA_CACHE_DIR="$SCRATCH/numba"
-export CUPY_CACHE_DIR="$SCRATCH/cupy"                  # one compile per family, shared by every step
+export CUPY_CACHE_DIR="$SCRATCH/cupy"     # keeps ElementwiseKernels; name_expressions builds recompile per process
 export PYTHONDONTWRITEBYTECODE=1
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 
 START=$(date +%s)
 STATUS=0
-: > "$OUT_DIR/status.txt"
+PY_STARTS=0
+declare -A STATE ELAPSED
+for s in probe tests bench; do STATE[$s]="left out (--steps)"; ELAPSED[$s]="-"; done
+for s in "${RUN_STEPS[@]}"; do STATE[$s]="not reached"; done
+TIMEOUT_NOTE="not known yet (the probe decides)"
+COMMIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+DIRTY="$(git -C "$ROOT" status --porcelain 2>/dev/null | wc -l | tr -d ' ')"
+[ "$COMMIT" = unknown ] || [ "$DIRTY" = 0 ] || COMMIT="$COMMIT (+$DIRTY uncommitted paths)"
 
 log() {
   echo "[gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT_DIR/gpu_check.log"
 }
 
-# step NAME LIMIT_S COMMAND...: run with a timeout, keep its output, record its status, go on.
-step() {
-  local name="$1" limit="$2"
-  shift 2
-  local t0=$(date +%s)
-  log "start $name (limit ${limit}s): $*"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
-  local rc=$?
-  [ "$rc" -eq 124 ] && echo "TIMEOUT after ${limit}s" >> "$OUT_DIR/$name.log"
-  log "end $name: rc $rc after $(( $(date +%s) - t0 ))s"
-  tail -n 25 "$OUT_DIR/$name.log"
-  echo "$name $rc" >> "$OUT_DIR/status.txt"
-  [ "$rc" -eq 0 ] || STATUS=1
+# count PATTERN FILE: lines of FILE matching the extended regex PATTERN (0 when none or no file)
+count() { local n; n=$(grep -cE -- "$1" "$2" 2>/dev/null); echo "${n:-0}"; }
+
+RESULT_RE=' (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)( |$)'
+
+tests_report() {
+  local f="$OUT_DIR/tests.log"
+  [ -f "$f" ] || { echo "tests: no log (the step did not run)"; return; }
+  local p x s e final running
+  p=$(count "^[^ ]+::.* PASSED( |$)" "$f"); x=$(count "^[^ ]+::.* FAILED( |$)" "$f")
+  s=$(count "^[^ ]+::.* SKIPPED( |$)" "$f"); e=$(count "^[^ ]+::.* ERROR( |$)" "$f")
+  final=$(grep -E '^=+ .* in [0-9.]+s.* =+$' "$f" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+  echo "tests: $p passed, $x failed, $e errors, $s skipped (pytest: ${final:-no final line: the run was cut short})"
+  local op_p op_x other_p other_x
+  op_p=$(count "^[^ ]*test_ops_backends.py::.* PASSED( |$)" "$f"); op_x=$(count "^[^ ]*test_ops_backends.py::.* (FAILED|ERROR)( |$)" "$f")
+  other_p=$((p - op_p)); other_x=$((x + e - op_x))
+  echo "  op tests (tests/test_ops_backends.py, cuda cases): $op_p passed, $op_x failed; other gpu-marked tests: $other_p passed, $other_x failed"
+  if [ -z "$final" ]; then
+    running=$(grep -E '^[^ ]+::' "$f" | grep -vE "$RESULT_RE" | tail -n 1)
+    [ -z "$running" ] || echo "  running when the step ended: $running"
+  fi
+  grep -E '^(FAILED|ERROR) [^ ]+::' "$f" | head -n 20 | sed 's/^/  /'
+  local nf; nf=$(count '^(FAILED|ERROR) [^ ]+::' "$f")
+  [ "$nf" -le 20 ] || echo "  ... and $((nf - 20)) more in tests.log"
 }
 
-{
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || true
-  "$PY" -c 'import sys, numpy, cupy; print("python", sys.version.split()[0], "numpy", numpy.__version__, "cupy", cupy.__version__); print("devices", cupy.cuda.runtime.getDeviceCount())' 2>&1 || true
-} > "$OUT_DIR/device.txt"
-cat "$OUT_DIR/device.txt"
+bench_report() {
+  local j="$OUT_DIR/gpu_bench.jsonl" md="$OUT_DIR/gpu_bench.md"
+  [ -f "$j" ] || { echo "bench: no gpu_bench.jsonl (the step did not run, or stopped before its first record)"; return; }
+  local k pr t er end
+  k=$(count '"kind": "kernel"' "$j"); pr=$(count '"kind": "propose"' "$j")
+  t=$(count '"kind": "propose".*"torch_median_us"' "$j"); er=$(count '"kind": "error"' "$j")
+  end=$(grep '"kind": "end"' "$j" | sed -E 's/.*"rc": ([0-9-]+).*"stopped": ("[^"]*"|null).*/rc \1, stopped \2/')
+  [ -n "$end" ] && end="end record: $end" || end="no end record (killed before it)"
+  echo "bench: $k kernel rows, $pr propose rows ($t beside the torch peer), $er error(s); $end"
+  grep '"kind": "error"' "$j" | head -n 5 | sed -E 's/.*"message": "(.*)", "t_s".*/  error: \1/'
+  grep -E '^torch: ' "$md" 2>/dev/null | head -n 1 | cut -c1-160 | sed 's/^/  /'
+  if grep -q '^## propose_batch' "$md" 2>/dev/null; then
+    echo
+    awk '/^## propose_batch/ { print; on = 1; next } on && /^\|/ { print; seen = 1; next } seen { exit }' "$md"
+  fi
+}
 
-step gpu_tests 140 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short \
-  --ignore=tests/test_ops_backends.py --junitxml="$OUT_DIR/gpu_tests.xml" tests/
-step op_tests 45 "$PY" -m pytest -q -p no:cacheprovider --tb=short \
-  --junitxml="$OUT_DIR/op_tests.xml" tests/test_ops_backends.py -k cuda
-step bench 135 "$PY" benchmarks/gpu_bench.py --out "$OUT_DIR" --budget-s 120
+summary_text() {
+  echo "mtpkern gpu_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $COMMIT, +$(( $(date +%s) - START ))s"
+  [ -f "$SCRATCH/probe.txt" ] && sed 's/^/  /' "$SCRATCH/probe.txt"
+  echo "per-test timeout: $TIMEOUT_NOTE"
+  echo "python processes started: $PY_STARTS (one per step; tests and bench each compile every kernel family they use once, NVRTC)"
+  echo
+  printf '%-6s %6s %8s  %s\n' step limit elapsed result
+  local s
+  for s in probe tests bench; do
+    if [[ " ${RUN_STEPS[*]} " == *" $s "* ]]; then
+      printf '%-6s %5ss %8s  %s\n' "$s" "${LIMIT[$s]}" "${ELAPSED[$s]}" "${STATE[$s]}"
+    else
+      printf '%-6s %6s %8s  %s\n' "$s" - - "${STATE[$s]}"
+    fi
+  done
+  printf '%-6s %5ss %7ss  %s\n' all "$TOTAL" "$(( $(date +%s) - START ))" "(limits with ${KILL_AFTER} s grace each; the script's own time)"
+  echo
+  [[ " ${RUN_STEPS[*]} " == *" tests "* ]] && tests_report && echo
+  [[ " ${RUN_STEPS[*]} " == *" bench "* ]] && bench_report && echo
+  echo "files in OUT_DIR: $(cd "$OUT_DIR" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')"
+  [ -z "${GZIPPED:-}" ] || echo "gzipped (over $MAX_BYTES bytes): $GZIPPED"
+}
 
-log "done: status $STATUS; results in $OUT_DIR"
-rm -rf "$SCRATCH"
+write_summary() {
+  summary_text > "$SCRATCH/summary.txt" 2>&1
+  cp "$SCRATCH/summary.txt" "$OUT_DIR/summary.txt"
+}
+
+# step NAME LOG COMMAND...: run under the step's limit, output to LOG, record the result, go on.
+step() {
+  local name="$1" logf="$2"
+  shift 2
+  local limit="${LIMIT[$name]}" t0 rc dt
+  STATE[$name]="running"
+  PY_STARTS=$((PY_STARTS + 1))
+  write_summary
+  local shown=() a
+  for a in "$@"; do [[ "$a" == *$'\n'* ]] && shown+=("<inline script>") || shown+=("$a"); done
+  log "start $name (limit ${limit}s): ${shown[*]}"
+  t0=$(date +%s)
+  timeout --kill-after="$KILL_AFTER" "$limit" "$@" > "$logf" 2>&1 < /dev/null
+  rc=$?
+  dt=$(( $(date +%s) - t0 ))
+  ELAPSED[$name]="${dt}s"
+  if [ "$rc" -eq 0 ]; then
+    STATE[$name]="passed"
+  elif [ "$rc" -eq 124 ] || { [ "$rc" -eq 137 ] && [ "$dt" -ge "$limit" ]; }; then
+    STATE[$name]="timed out (stopped at its ${limit}s limit, rc $rc)"
+    printf '\n[gpu_check] TIMEOUT: %s stopped at its %ss limit (rc %s)\n' "$name" "$limit" "$rc" >> "$logf"
+  else
+    STATE[$name]="failed (rc $rc)"
+  fi
+  [ "$rc" -eq 0 ] || STATUS=1
+  log "end $name: ${STATE[$name]} after ${dt}s"
+  write_summary
+}
+
+PROBE_PY=$(cat <<'PYEOF'
+import importlib
+import importlib.metadata
+import sys
+
+print("python:", sys.version.split()[0], sys.executable)
+ok = False
+for name in ("numpy", "cupy", "numba", "torch", "pytest", "pytest_timeout"):
+    label = name.replace("_", "-")
+    try:
+        m = importlib.import_module(name)
+    except Exception as e:
+        print(f"{label}: absent ({type(e).__name__}: {e})")
+        continue
+    version = getattr(m, "__version__", None)
+    if not isinstance(version, str):
+        try:
+            version = importlib.metadata.version(label)
+        except Exception:
+            version = "?"
+    line = f"{label}: {version}"
+    try:
+        if name == "cupy":
+            rt = m.cuda.runtime
+            n = rt.getDeviceCount()
+            p = rt.getDeviceProperties(0) if n else {}
+            dev = p.get("name", b"?")
+            dev = dev.decode() if isinstance(dev, bytes) else dev
+            line += (f"; {n} device(s): {dev}, sm_{p.get('major')}{p.get('minor')}, "
+                     f"{p.get('multiProcessorCount')} SMs; CUDA runtime {rt.runtimeGetVersion()}, "
+                     f"driver {rt.driverGetVersion()}, NVRTC {m.cuda.nvrtc.getVersion()}")
+            ok = n > 0
+        elif name == "torch":
+            line += f"; CUDA {m.version.cuda}, {m.cuda.device_count() if m.cuda.is_available() else 0} device(s)"
+    except Exception as e:
+        line += f"; no device ({type(e).__name__}: {e})"
+    print(line)
+sys.exit(0 if ok else 1)
+PYEOF
+)
+
+log "mtpkern gpu_check, commit $COMMIT; out $OUT_DIR; steps ${RUN_STEPS[*]} (limits: $(for s in "${RUN_STEPS[@]}"; do printf '%s %ss ' "$s" "${LIMIT[$s]}"; done)= ${TOTAL}s with grace)"
+
+# -- probe ---------------------------------------------------------------------------------------
+step probe "$SCRATCH/probe.txt" "$PY" -c "$PROBE_PY"
+{ echo "nvidia-smi: $(timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 | head -n 2 | tr '\n' ' ')"; } >> "$SCRATCH/probe.txt"
+cat "$SCRATCH/probe.txt" | tee -a "$OUT_DIR/gpu_check.log"
+if grep -q '^pytest-timeout: ' "$SCRATCH/probe.txt" && ! grep -q '^pytest-timeout: absent' "$SCRATCH/probe.txt"; then
+  TIMEOUT_ARGS=(--timeout="$TEST_TIMEOUT")
+  TIMEOUT_NOTE="${TEST_TIMEOUT} s a test (pytest-timeout $(sed -n 's/^pytest-timeout: //p' "$SCRATCH/probe.txt")), then the step's limit"
+else
+  # without the plugin: faulthandler dumps the stacks of a test slower than the limit (it does not stop it)
+  TIMEOUT_ARGS=(-p no:timeout -o "faulthandler_timeout=$TEST_TIMEOUT")
+  TIMEOUT_NOTE="none: pytest-timeout is not importable, so the tests run without per-test limits (stacks dumped after ${TEST_TIMEOUT} s; the step's limit stops them)"
+fi
+log "per-test timeout: $TIMEOUT_NOTE"
+
+# -- tests ---------------------------------------------------------------------------------------
+if [[ " ${RUN_STEPS[*]} " == *" tests "* ]]; then
+  # shellcheck disable=SC2086  # TEST_PATHS: the paths, split
+  COLUMNS=200 step tests "$OUT_DIR/tests.log" "$PY" -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfE --durations=15 \
+    -o console_output_style=classic "${TIMEOUT_ARGS[@]}" $TEST_PATHS
+  [ "${STATE[tests]}" = passed ] || tail -n 12 "$OUT_DIR/tests.log"
+fi
+
+# -- bench ---------------------------------------------------------------------------------------
+if [[ " ${RUN_STEPS[*]} " == *" bench "* ]]; then
+  BUDGET=$(( LIMIT[bench] > 60 ? LIMIT[bench] - 30 : LIMIT[bench] / 2 ))    # its sections' deadlines, inside the limit
+  # shellcheck disable=SC2086  # BENCH_ARGS: the arguments, split
+  step bench "$OUT_DIR/bench.log" "$PY" benchmarks/gpu_bench.py --out "$OUT_DIR" --budget-s "$BUDGET" $BENCH_ARGS
+  [ "${STATE[bench]}" = passed ] || tail -n 12 "$OUT_DIR/bench.log"
+fi
+
+# -- the files' contract: flat, at most 8, each under the tool's 16 MiB ---------------------------
+log "done: status $STATUS after $(( $(date +%s) - START ))s; results in $OUT_DIR"
+for f in "${FILES[@]:1}"; do                # all but summary.txt, which stays small and plain
+  p="$OUT_DIR/$f"
+  if [ -f "$p" ] && [ "$(wc -c < "$p")" -gt "$MAX_BYTES" ]; then
+    gzip -f -9 "$p" && GZIPPED="${GZIPPED:-}$f " && echo "[gpu_check] gzipped $f (over $MAX_BYTES bytes): $f.gz"
+  fi
+done
+write_summary
+NFILES=$(find "$OUT_DIR" -type f | wc -l | tr -d ' ')
+DEEP=$(find "$OUT_DIR" -mindepth 4 -type f | wc -l | tr -d ' ')
+if [ "$NFILES" -gt 8 ] || [ "$DEEP" -gt 0 ]; then
+  echo "WARNING: $NFILES files in $OUT_DIR ($DEEP more than 2 folders down): the device tool returns 8, at most 2 folders down" | tee -a "$OUT_DIR/summary.txt"
+fi
+echo
+[ -f "$OUT_DIR/gpu_bench.md" ] && cat "$OUT_DIR/gpu_bench.md" && echo
+cat "$OUT_DIR/summary.txt"
 exit "$STATUS"
