@@ -29,10 +29,14 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    the MLA projections, the latent write, the absorbed attention at each context, o_proj,
    router, experts, shared expert, LM head.
 
-5. ``torch``: beside each propose row, the PyTorch eager peer (``mtpkern/bench_torch.py``,
-   ``--no-torch`` leaves it out) at the same context, batch and k on the same device weights
+5. ``torch`` (``--no-torch`` leaves it out): beside each propose row, the PyTorch eager peer
+   (``mtpkern/bench_torch.py``) at the same context, batch and k on the same device weights
    (shared through DLPack), L2 flushed before each step, timed between
    ``torch.cuda.synchronize()`` calls; "torch / graph" is its time over the graph replay's.
+   Beside the kernel rows that have a one-call counterpart (rmsnorm, linear_qkv, linear_o,
+   swiglu_shared, lm_head_argmax, paged_attention as SDPA over a contiguous cache), that
+   ``nn.functional`` call on the same weights with BF16 activations, timed with torch CUDA
+   events (eager: launch gaps included), L2 flushed before each run.
 
 Results are written as they are measured (``Recorder``): ``gpu_bench.jsonl`` (one JSON
 record a line: meta, kernel, propose, note, error, end) and ``gpu_bench.md`` (the tables,
@@ -217,6 +221,26 @@ class Gpu:
             out.append(cp.cuda.get_elapsed_time(self.start, self.end) * 1e3)
         return out, how
 
+    def time_torch(self, fn: Callable[[], Any], runs: int) -> list[float]:
+        """Device time in microseconds of the PyTorch eager ``fn`` per run (torch CUDA events on
+        torch's stream, launch gaps included: that is eager), L2 flushed and the device idle
+        before each."""
+        import torch
+
+        fn()                                             # cuBLAS handles, heuristics
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        out = []
+        for _ in range(runs):
+            self.flush()
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) * 1e3)
+        return out
+
     def copy_bandwidth(self, nbytes: int = 1 << 30, runs: int = 10) -> tuple[float, float]:
         """(GB/s counting read + write, median us) of a device-to-device cudaMemcpyAsync."""
         cp = self.cp
@@ -337,6 +361,48 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
          lambda: be.lm_head_argmax(x, w.head, None, out=lm_ids, part_v=part_v, part_i=part_i, check=False)),
     ]
     return cases
+
+
+def torch_kernel_peers(cfg: MtpConfig, w, n: int, contexts: list[int], device: str | None = None
+                       ) -> dict[tuple[str, int], Callable]:
+    """PyTorch eager counterparts of the kernel rows that have one, keyed (op, context):
+    ``nn.functional`` on the same BF16 device weights (shared through DLPack) with BF16
+    activations of the same shapes, as a Hugging Face module runs them; attention is SDPA
+    over a contiguous [n, Hkv, ctx, D] cache (the same bytes as the paged one). ``device``:
+    CuPy's current device when None (the tests pass "cpu")."""
+    import torch
+    import torch.nn.functional as F
+
+    from mtpkern.bench_torch import as_torch, rms_norm
+
+    dev = torch.device(device or _cupy_device())
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    Is = cfg.shared_intermediate_size
+    bf = torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(n)
+
+    def act(*shape):
+        return torch.randn(*shape, device=dev, dtype=bf, generator=gen)
+
+    x, r, o = act(n, H), act(n, H), act(n, Hq * D)
+    ln = as_torch(w.input_layernorm)
+    wqkv, wo, s13, s2, head = (as_torch(a) for a in (w.w_qkv, w.w_o, w.shared_w13, w.shared_w2, w.head))
+    bqkv = None if w.b_qkv is None else as_torch(w.b_qkv).to(bf)
+    eps = cfg.rms_norm_eps
+
+    def swiglu_shared():
+        gu = F.linear(x, s13)                                       # [n, 2 Is]
+        return r + F.linear(F.silu(gu[:, :Is]) * gu[:, Is:], s2)
+
+    peers = {("rmsnorm", 0): lambda: rms_norm(x, ln, eps),
+             ("linear_qkv", 0): lambda: F.linear(x, wqkv, bqkv),
+             ("linear_o", 0): lambda: r + F.linear(o, wo),
+             ("swiglu_shared", 0): swiglu_shared,
+             ("lm_head_argmax", 0): lambda: F.linear(x, head).argmax(-1)}
+    for ctx in contexts:
+        q, k, v = act(n, Hq, 1, D), act(n, Hkv, ctx, D), act(n, Hkv, ctx, D)
+        peers["paged_attention", ctx] = lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return peers
 
 
 def mla_kernel_cases(cfg: MtpConfig, be, n: int, contexts: list[int], seed: int = 7
@@ -465,18 +531,24 @@ def propose_floor_bytes(cfg: MtpConfig, mode: str, k: int, B: int, ctx: int, kv_
     return total
 
 
-def torch_peer(cfg: MtpConfig, weights, gpu: Gpu, rec: "Recorder") -> Callable | None:
+def _cupy_device() -> str:
+    import cupy as cp
+
+    return f"cuda:{cp.cuda.Device().id}"
+
+
+def torch_peer(cfg: MtpConfig, weights, gpu: Gpu, rec: "Recorder", device: str | None = None) -> Callable | None:
     """The PyTorch eager step (``mtpkern/bench_torch.py``) on this run's own device weights,
     shared with the CuPy arrays through DLPack (no copy), as a timing function
     ``(k, B, warmup, runs, context) -> Timing`` with the L2 flushed before each step; None
-    (and a note saying why) when torch or its CUDA is not there."""
+    (and a note saying why) when torch or its CUDA is not there. ``device``: CuPy's current
+    device when None (the tests pass "cpu")."""
     try:
-        import cupy as cp
         import torch
 
         from mtpkern import bench_torch
 
-        device = f"cuda:{cp.cuda.Device().id}"
+        device = device or _cupy_device()
         mods = bench_torch.module_weights(weights.modules, torch.bfloat16, device)
         peer = bench_torch.TorchMtp(cfg, mods, torch.bfloat16, device)
     except Exception as e:                  # no torch, a CPU-only torch, no DLPack: the rows go on without it
@@ -577,8 +649,8 @@ def bench_propose(gpu: Gpu, cfg, weights, be, rec: "Recorder", args, deadline: f
 #: the two files of a run, in ``--out``
 JSONL, MD = "gpu_bench.jsonl", "gpu_bench.md"
 
-_KERNEL_HEAD = ("| op | rows | context | MB moved | median us | p20 | p80 | GB/s | of copy | timed |\n"
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+_KERNEL_HEAD = ("| op | rows | context | MB moved | median us | p20 | p80 | GB/s | of copy | timed | torch us "
+                "| torch / ours |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|\n")
 _PROPOSE_HEAD = ("| kv_mode | context | B | k | eager us | graph us | graph speedup | floor us | graph / floor "
                  "| torch us | torch / graph |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 #: table -> (its title, its header)
@@ -586,7 +658,7 @@ TABLES = {"kernels": ("GLM-4.5-Air-sized kernels", _KERNEL_HEAD),
           "dsv3": ("DeepSeek-V3's MTP module, kernels (`dsv3 ...`)", _KERNEL_HEAD),
           "propose": ("propose_batch (host included)", _PROPOSE_HEAD)}
 #: notes shown under the tables, in this order
-NOTES = ("torch", "errors", "kernels_skipped", "mla_skipped", "propose_skipped")
+NOTES = ("torch", "torch_kernels", "errors", "kernels_skipped", "mla_skipped", "propose_skipped")
 
 
 def table_of(kind: str, row: dict) -> str:
@@ -602,9 +674,11 @@ def row_md(table: str, r: dict) -> str:
         return (f"| {r['kv_mode']} | {r['context']} | {r['batch']} | {r['k']} | "
                 f"{r['eager_median_us']:.0f} | {r['graph_median_us']:.0f} | {r['graph_speedup']:.2f}x | "
                 f"{r['floor_us']:.0f} | {r['graph_x_floor']:.2f} | {torch_cols} |\n")
+    torch_cols = (f"{r['torch_median_us']:.1f} | {r['speedup_vs_torch']:.2f}x" if "torch_median_us" in r
+                  else " | ")
     return (f"| {r['op']} | {r['rows']} | {r['context'] or ''} | {r['bytes'] / 1e6:.1f} | "
             f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['GB/s']:.0f} | "
-            f"{r['of_copy']:.0%} | {r['timed']} |\n")
+            f"{r['of_copy']:.0%} | {r['timed']} | {torch_cols} |\n")
 
 
 def header_md(res: dict) -> str:
@@ -708,9 +782,10 @@ class Recorder:
         self._md.close()
 
 
-def run_cases(gpu: Gpu, rec: Recorder, cases, n: int, runs: int) -> None:
-    """Time each (op, context, bytes, thunk) and record its row; an op that fails is
-    recorded as an error and the rest go on."""
+def run_cases(gpu: Gpu, rec: Recorder, cases, n: int, runs: int,
+              peers: dict[tuple[str, int], Callable] | None = None) -> None:
+    """Time each (op, context, bytes, thunk) and record its row, beside its PyTorch eager
+    peer when ``peers`` has one; an op that fails is recorded as an error and the rest go on."""
     copy = rec.res["copy_GB/s"]
     for name, ctx, nbytes, fn in cases:
         try:
@@ -720,10 +795,20 @@ def run_cases(gpu: Gpu, rec: Recorder, cases, n: int, runs: int) -> None:
             continue
         s = stats(ts)
         gbs = nbytes / (s["median_us"] * 1e-6) / 1e9
-        rec.row("kernel", {"op": name, "rows": n, "context": ctx, "bytes": nbytes, **s, "GB/s": gbs,
-                           "of_copy": gbs / copy, "timed": how})
+        row = {"op": name, "rows": n, "context": ctx, "bytes": nbytes, **s, "GB/s": gbs, "of_copy": gbs / copy,
+               "timed": how}
+        peer = (peers or {}).get((name, ctx))
+        if peer is not None:
+            try:
+                t = stats(gpu.time_torch(peer, runs))
+                row.update(torch_median_us=t["median_us"], torch_p20_us=t["p20_us"], torch_p80_us=t["p80_us"],
+                           speedup_vs_torch=t["median_us"] / s["median_us"])
+            except Exception as e:
+                rec.error(f"torch peer of {name} rows {n}: {type(e).__name__}: {e}")
+        rec.row("kernel", row)
         say(f"{name:<28} rows {n} ctx {ctx or '-':>5}: {s['median_us']:8.1f} us  {gbs:7.0f} GB/s "
-            f"({gbs / copy:.0%} of copy, {how})")
+            f"({gbs / copy:.0%} of copy, {how})"
+            + (f"; torch {row['torch_median_us']:.1f} us" if "torch_median_us" in row else ""))
 
 
 class Stopped(BaseException):
@@ -787,7 +872,14 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() > kernels_until:
                 rec.note("kernels_skipped", f"time budget: from {n} rows on")
                 break
-            run_cases(gpu, rec, kernel_cases(cfg, be, weights.modules[0], n, args.contexts), n, args.runs)
+            peers = {}
+            if args.torch:
+                try:
+                    peers = torch_kernel_peers(cfg, weights.modules[0], n, args.contexts)
+                except Exception as e:      # no torch, a CPU-only torch: the rows go on without peers
+                    rec.note("torch_kernels", f"no peers at {n} rows ({type(e).__name__}: {e})")
+            run_cases(gpu, rec, kernel_cases(cfg, be, weights.modules[0], n, args.contexts), n, args.runs, peers)
+            del peers
             cp.get_default_memory_pool().free_all_blocks()
 
         if args.mla and time.perf_counter() < mla_until:     # DeepSeek-V3's module (MLA), its own weights

@@ -95,7 +95,8 @@ class _TorchWeights:
         return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
 
-def _rms(x, w, eps):
+def rms_norm(x, w, eps):
+    """RMSNorm of x in FP32 with the FP32 weight w, back in x's dtype (as Hugging Face computes it)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
 
@@ -139,19 +140,19 @@ class TorchMtp:
         eps = cfg.rms_norm_eps
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         B = tok.shape[0]
-        x = F.linear(torch.cat([_rms(w.embed[tok], w.enorm, eps), _rms(g, w.hnorm, eps)], -1), w.eh_proj)
-        qkv = F.linear(_rms(x, w.input_layernorm, eps), w.w_qkv, None if w.b_qkv is None else w.b_qkv.to(dt))
+        x = F.linear(torch.cat([rms_norm(w.embed[tok], w.enorm, eps), rms_norm(g, w.hnorm, eps)], -1), w.eh_proj)
+        qkv = F.linear(rms_norm(x, w.input_layernorm, eps), w.w_qkv, None if w.b_qkv is None else w.b_qkv.to(dt))
         q = qkv[:, :Hq * D].view(B, Hq, D)
         k = qkv[:, Hq * D:(Hq + Hkv) * D].view(B, Hkv, D)
         v = qkv[:, (Hq + Hkv) * D:].view(B, Hkv, D)
         if w.q_norm is not None:
-            q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
         q, k = self.rope(q, pos), self.rope(k, pos)
         kc[:, L], vc[:, L] = k, v
         o = F.scaled_dot_product_attention(q[:, :, None, :], kc[:, :L + 1].transpose(1, 2),
                                            vc[:, :L + 1].transpose(1, 2), enable_gqa=True)
         r = x + F.linear(o.reshape(B, Hq * D), w.w_o)
-        f = _rms(r, w.post_attention_layernorm, eps)
+        f = rms_norm(r, w.post_attention_layernorm, eps)
         if cfg.is_moe:
             s = torch.sigmoid(F.linear(f.float(), w.gate_w.float()))
             c = s + w.gate_bias
@@ -177,7 +178,7 @@ class TorchMtp:
             gu = F.linear(f, w.mlp_w13)
             Im = gu.shape[1] // 2
             y = r + F.linear(F.silu(gu[:, :Im]) * gu[:, Im:], w.mlp_w2)
-        normed = _rms(y, w.shared_head_norm, eps)
+        normed = rms_norm(y, w.shared_head_norm, eps)
         return y, F.linear(normed, w.head).argmax(-1)
 
 

@@ -68,7 +68,9 @@ def test_floor_bytes_and_report(bench):
                         "graph_median_us": 450.0, "graph_speedup": 2.0, "floor_us": 300.0, "graph_x_floor": 1.5}]}
     text = bench.summary(res)
     assert "| rmsnorm | 1 |" in text and "2.00x" in text
-    assert "| 1.50 |  |  |" in text                        # no peer: the torch columns stay empty
+    assert "| 1.50 |  |  |" in text and "| graph |  |  |" in text     # no peer: the torch columns stay empty
+    res["kernels"][0].update(torch_median_us=5.0, speedup_vs_torch=2.5)
+    assert "| 12% | graph | 5.0 | 2.50x |" in bench.summary(res)
     res["propose"][0].update(torch_median_us=1800.0, speedup_vs_torch=4.0)
     assert "| 1.50 | 1800 | 4.00x |" in bench.summary(res)
 
@@ -175,3 +177,39 @@ def test_sigterm_ends_the_run_with_its_end_record(bench, tmp_path, monkeypatch, 
     assert end["kind"] == "end" and end["stopped"] == "SIGTERM" and end["rc"] == 143
     assert "stopped by SIGTERM" in (tmp_path / "gpu_bench.md").read_text()
     assert "stopped by SIGTERM" in capsys.readouterr().out
+
+
+def test_the_torch_peers_run_on_the_benchmarks_weights(bench, tiny_ckpt, tiny_cfg, tmp_path):
+    """The GPU benchmark's PyTorch paths on CPU torch (device="cpu"): the propose peer and the
+    kernel peers take the backend's BF16 bits as they are (the cpu backend holds them as
+    uint16, as CuPy does), the flush hook runs before every step, and the kernel peers
+    compute their op (the LM head's argmax, SDPA's output shape) on the same weights."""
+    torch = pytest.importorskip("torch")
+    from mtpkern.backends import get_backend
+    from mtpkern.weights import load_weights
+
+    weights = load_weights(tiny_ckpt, tiny_cfg, get_backend("cpu"))
+    flushes = []
+    gpu = types.SimpleNamespace(flush=lambda: flushes.append(1))
+    rec = bench.Recorder(tmp_path)
+    time_step = bench.torch_peer(tiny_cfg, weights, gpu, rec, device="cpu")
+    assert time_step is not None and rec.res["torch"].startswith(f"torch {torch.__version__} eager on cpu")
+    t = time_step(3, 2, 1, 2, 33)
+    assert t.runs == 2 and t.median_us > 0 and len(flushes) == 3
+    w = weights.modules[0]
+    peers = bench.torch_kernel_peers(tiny_cfg, w, 3, [17, 40], device="cpu")
+    assert set(peers) == {("rmsnorm", 0), ("linear_qkv", 0), ("linear_o", 0), ("swiglu_shared", 0),
+                          ("lm_head_argmax", 0), ("paged_attention", 17), ("paged_attention", 40)}
+    H, Hq, D = tiny_cfg.hidden_size, tiny_cfg.num_attention_heads, tiny_cfg.head_dim
+    assert peers["paged_attention", 40]().shape == (3, Hq, 1, D)
+    assert peers["linear_qkv", 0]().shape == (3, w.w_qkv.shape[0]) and peers["swiglu_shared", 0]().shape == (3, H)
+    ids = peers["lm_head_argmax", 0]()
+    assert ids.shape == (3,) and int(ids.max()) < tiny_cfg.vocab_size
+    rec.close(0)
+    assert "torch: torch" in (tmp_path / "gpu_bench.md").read_text()
+
+
+def test_a_torch_peer_that_cannot_start_is_a_note(bench, tiny_cfg, tmp_path):
+    rec = bench.Recorder(tmp_path)
+    assert bench.torch_peer(tiny_cfg, None, types.SimpleNamespace(flush=lambda: None), rec, device="metal") is None
+    assert rec.res["torch"].startswith("not run (")
