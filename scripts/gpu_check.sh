@@ -4,8 +4,8 @@
 #
 #   bash scripts/gpu_check.sh [OPTIONS] [OUT_DIR]          OUT_DIR: default $OUT, else ./out
 #
-#   --steps LIST          which of tests,bench to run, in that order (default tests,bench); the
-#                         probe always runs first
+#   --steps LIST          which of tests,bench to run, in the order given (default tests,bench);
+#                         the probe always runs first
 #   --limit STEP=SECONDS  a step's time limit (probe 20, tests 200, bench 220 by default); the
 #                         limits plus 5 s of grace each must add up to at most 470 s
 #   --test-timeout S      pytest-timeout's per-test limit in the tests step (default 90)
@@ -55,7 +55,7 @@ while [ $# -gt 0 ]; do
     --limit)
       [ $# -ge 2 ] || die "--limit: expected STEP=SECONDS, got nothing"
       name="${2%%=*}"; secs="${2#*=}"
-      [[ -n "${LIMIT[$name]+x}" ]] || die "--limit: expected a step of probe, tests, bench, got '$name'"
+      [[ -n "$name" && -n "${LIMIT[$name]+x}" ]] || die "--limit: expected a step of probe, tests, bench, got '$name'"
       is_int "$secs" || die "--limit: expected a whole number of seconds >= 1 for $name, got '$secs'"
       LIMIT[$name]="$secs"; shift 2 ;;
     --test-timeout)
@@ -72,7 +72,7 @@ done
 RUN_STEPS=(probe)
 for s in ${STEPS//,/ }; do
   case "$s" in
-    tests|bench) RUN_STEPS+=("$s") ;;
+    tests|bench) [[ " ${RUN_STEPS[*]} " == *" $s "* ]] || RUN_STEPS+=("$s") ;;
     probe) ;;                                   # always first
     *) die "--steps: expected names among tests, bench, got '$s'" ;;
   esac
@@ -268,21 +268,21 @@ else
 fi
 log "per-test timeout: $TIMEOUT_NOTE"
 
-# -- tests ---------------------------------------------------------------------------------------
-if [[ " ${RUN_STEPS[*]} " == *" tests "* ]]; then
+run_tests() {
   # shellcheck disable=SC2086  # TEST_PATHS: the paths, split
-  COLUMNS=200 step tests "$OUT_DIR/tests.log" "$PY" -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfE --durations=15 \
-    -o console_output_style=classic "${TIMEOUT_ARGS[@]}" $TEST_PATHS
+  COLUMNS=200 step tests "$OUT_DIR/tests.log" "$PY" -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfE \
+    --durations=15 -o console_output_style=classic "${TIMEOUT_ARGS[@]}" $TEST_PATHS
   [ "${STATE[tests]}" = passed ] || tail -n 12 "$OUT_DIR/tests.log"
-fi
+}
 
-# -- bench ---------------------------------------------------------------------------------------
-if [[ " ${RUN_STEPS[*]} " == *" bench "* ]]; then
-  BUDGET=$(( LIMIT[bench] > 60 ? LIMIT[bench] - 30 : LIMIT[bench] / 2 ))    # its sections' deadlines, inside the limit
+run_bench() {
+  local budget=$(( LIMIT[bench] > 60 ? LIMIT[bench] - 30 : LIMIT[bench] / 2 ))   # its sections' deadlines, inside the limit
   # shellcheck disable=SC2086  # BENCH_ARGS: the arguments, split
-  step bench "$OUT_DIR/bench.log" "$PY" benchmarks/gpu_bench.py --out "$OUT_DIR" --budget-s "$BUDGET" $BENCH_ARGS
+  step bench "$OUT_DIR/bench.log" "$PY" benchmarks/gpu_bench.py --out "$OUT_DIR" --budget-s "$budget" $BENCH_ARGS
   [ "${STATE[bench]}" = passed ] || tail -n 12 "$OUT_DIR/bench.log"
-fi
+}
+
+for s in "${RUN_STEPS[@]:1}"; do "run_$s"; done
 
 # -- the files' contract: flat, at most 8, each under the tool's 16 MiB ---------------------------
 log "done: status $STATUS after $(( $(date +%s) - START ))s; results in $OUT_DIR"

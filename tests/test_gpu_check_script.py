@@ -200,6 +200,14 @@ def test_a_benchmark_killed_at_its_limit_keeps_its_rows(fake):
     assert _contract(out) == ["bench.log", "gpu_bench.jsonl", "gpu_bench.md", "gpu_check.log", "summary.txt"]
 
 
+def test_steps_run_in_the_order_given(fake):
+    cp, out = fake(["--steps", "bench,tests"], FAKE_PROBE=_PROBE_WITH_TIMEOUT, FAKE_PYTEST=fake.dir / "pytest_standin.py",
+                   FAKE_BENCH=fake.dir / "bench_standin.py", FAKE_BENCH_ROWS=1)
+    assert fake.calls.read_text().splitlines() == ["-c import importlib", "benchmarks/gpu_bench.py --out", "-m pytest"]
+    log = (out / "gpu_check.log").read_text()
+    assert log.index("start bench") < log.index("start tests")
+
+
 def test_files_over_the_size_limit_are_gzipped_in_place(fake):
     cp, out = fake(["--steps", "bench"], FAKE_PROBE=_PROBE_WITH_TIMEOUT, FAKE_BENCH=fake.dir / "bench_standin.py",
                    FAKE_BENCH_ROWS=40, GPU_CHECK_MAX_BYTES=2000)
@@ -211,6 +219,7 @@ def test_files_over_the_size_limit_are_gzipped_in_place(fake):
 @pytest.mark.parametrize("args, message", [
     (["--limit", "tests=400"], "add up to 655 s, over the 470 s"),
     (["--limit", "lint=3"], "--limit: expected a step of probe, tests, bench, got 'lint'"),
+    (["--limit", "=3"], "--limit: expected a step of probe, tests, bench, got ''"),
     (["--limit", "bench=0"], "--limit: expected a whole number of seconds >= 1 for bench, got '0'"),
     (["--steps", "tests,docs"], "--steps: expected names among tests, bench, got 'docs'"),
     (["--test-timeout", "x"], "--test-timeout: expected a whole number of seconds"),
