@@ -717,6 +717,11 @@ def summary(res: dict) -> str:
     return text + footer_md(res)
 
 
+def _plain(v: Any) -> Any:
+    """A value ``json`` does not know (a NumPy scalar or array, anything else) as one it does."""
+    return v.tolist() if isinstance(v, (np.generic, np.ndarray)) else str(v)
+
+
 class Recorder:
     """Every result as it is measured. ``gpu_bench.jsonl`` gets one JSON line per record
     (``{"kind": "meta" | "kernel" | "propose" | "note" | "error" | "end", ...}``) and
@@ -735,7 +740,7 @@ class Recorder:
         self._table: str | None = None
 
     def _write(self, record: dict, md: str = "") -> None:
-        self._jsonl.write(json.dumps({**record, "t_s": round(time.perf_counter() - T0, 3)}) + "\n")
+        self._jsonl.write(json.dumps({**record, "t_s": round(time.perf_counter() - T0, 3)}, default=_plain) + "\n")
         self._jsonl.flush()
         if md:
             self._md.write(md)

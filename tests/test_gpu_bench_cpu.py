@@ -115,12 +115,16 @@ def test_recorder_writes_each_row_as_it_is_measured(bench, tmp_path):
     assert "## DeepSeek-V3's MTP module" in md.read_text() and "| 600 | 1.50x | 400 | 1.50 | 3000 | 5.00x |" \
         in md.read_text()
     rec.note("torch", "torch X eager on cuda:0")
+    rec.note("graph_counts_draft", {"captured": np.int64(3), "shape": np.array([1, 8])})    # NumPy values too
     rec.error("kernel op9 rows 8: RuntimeError: boom")
     rec.close(0)
     assert md.read_text() == bench.summary(rec.res)
     text = md.read_text()
     assert "torch: torch X eager on cuda:0" in text and "error: kernel op9 rows 8: RuntimeError: boom" in text
-    end = json.loads(jl.read_text().splitlines()[-1])
+    records = [json.loads(x) for x in jl.read_text().splitlines()]
+    assert {"kind": "note", "key": "graph_counts_draft", "value": {"captured": 3, "shape": [1, 8]}} == \
+        {k: v for k, v in records[-3].items() if k != "t_s"}
+    end = records[-1]
     assert end["kind"] == "end" and end["rc"] == 0 and end["stopped"] is None
     with pytest.raises(ValueError, match="kind: expected 'kernel' or 'propose'"):
         bench.Recorder(tmp_path / "again").row("ops", {})
