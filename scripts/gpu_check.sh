@@ -174,7 +174,6 @@ summary_text() {
   [[ " ${RUN_STEPS[*]} " == *" tests "* ]] && tests_report && echo
   [[ " ${RUN_STEPS[*]} " == *" bench "* ]] && bench_report && echo
   echo "files in OUT_DIR: $(cd "$OUT_DIR" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')"
-  [ -z "${GZIPPED:-}" ] || echo "gzipped (over $MAX_BYTES bytes): $GZIPPED"
 }
 
 write_summary() {
@@ -286,13 +285,15 @@ for s in "${RUN_STEPS[@]:1}"; do "run_$s"; done
 
 # -- the files' contract: flat, at most 8, each under the tool's 16 MiB ---------------------------
 log "done: status $STATUS after $(( $(date +%s) - START ))s; results in $OUT_DIR"
+write_summary                               # read from the plain logs, before any is gzipped
+GZIPPED=""
 for f in "${FILES[@]:1}"; do                # all but summary.txt, which stays small and plain
   p="$OUT_DIR/$f"
   if [ -f "$p" ] && [ "$(wc -c < "$p")" -gt "$MAX_BYTES" ]; then
-    gzip -f -9 "$p" && GZIPPED="${GZIPPED:-}$f " && echo "[gpu_check] gzipped $f (over $MAX_BYTES bytes): $f.gz"
+    gzip -f -9 "$p" && GZIPPED="$GZIPPED$f " && echo "[gpu_check] gzipped $f (over $MAX_BYTES bytes): $f.gz"
   fi
 done
-write_summary
+[ -z "$GZIPPED" ] || echo "gzipped (over $MAX_BYTES bytes) after the summary above was written: $GZIPPED; files now: $(cd "$OUT_DIR" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')" >> "$OUT_DIR/summary.txt"
 NFILES=$(find "$OUT_DIR" -type f | wc -l | tr -d ' ')
 DEEP=$(find "$OUT_DIR" -mindepth 4 -type f | wc -l | tr -d ' ')
 if [ "$NFILES" -gt 8 ] || [ "$DEEP" -gt 0 ]; then

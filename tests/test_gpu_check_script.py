@@ -213,7 +213,9 @@ def test_files_over_the_size_limit_are_gzipped_in_place(fake):
                    FAKE_BENCH_ROWS=40, GPU_CHECK_MAX_BYTES=2000)
     names = _contract(out)
     assert "gpu_bench.jsonl.gz" in names and "gpu_bench.jsonl" not in names and "summary.txt" in names
-    assert "gzipped (over 2000 bytes): " in (out / "summary.txt").read_text()
+    s = (out / "summary.txt").read_text()
+    assert "bench: 40 kernel rows, 1 propose rows" in s                 # counted before the gzip
+    assert "gzipped (over 2000 bytes) after the summary above was written: " in s and "gpu_bench.jsonl.gz" in s
 
 
 @pytest.mark.parametrize("args, message", [
