@@ -81,6 +81,8 @@ TOTAL=0
 for s in "${RUN_STEPS[@]}"; do TOTAL=$(( TOTAL + LIMIT[$s] + KILL_AFTER )); done
 [ "$TOTAL" -le "$TOTAL_MAX" ] || die "--limit: the steps' limits with ${KILL_AFTER} s of grace each add up to ${TOTAL} s, over the ${TOTAL_MAX} s the script may take (8 minutes less its own few seconds)"
 
+command -v timeout > /dev/null || die "coreutils' timeout is not on PATH: every step runs under it"
+
 OUT_DIR="${OUT_ARG:-${OUT:-./out}}"
 mkdir -p "$OUT_DIR" || die "OUT_DIR: cannot create '$OUT_DIR'"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
@@ -132,8 +134,8 @@ tests_report() {
     running=$(grep -E '^[^ ]+::' "$f" | grep -vE "$RESULT_RE" | tail -n 1)
     [ -z "$running" ] || echo "  running when the step ended: $running"
   fi
-  grep -E '^(FAILED|ERROR) [^ ]+::' "$f" | head -n 20 | sed 's/^/  /'
-  local nf; nf=$(count '^(FAILED|ERROR) [^ ]+::' "$f")
+  grep -E '^(FAILED|ERROR) [^ ]' "$f" | head -n 20 | sed 's/^/  /'
+  local nf; nf=$(count '^(FAILED|ERROR) [^ ]' "$f")
   [ "$nf" -le 20 ] || echo "  ... and $((nf - 20)) more in tests.log"
 }
 
@@ -269,8 +271,10 @@ log "per-test timeout: $TIMEOUT_NOTE"
 
 run_tests() {
   # shellcheck disable=SC2086  # TEST_PATHS: the paths, split
+  # --continue-on-collection-errors: a test module that cannot import there (a package's version)
+  # is one error, not the end of every gpu test
   COLUMNS=200 step tests "$OUT_DIR/tests.log" "$PY" -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfE \
-    --durations=15 -o console_output_style=classic "${TIMEOUT_ARGS[@]}" $TEST_PATHS
+    --durations=15 -o console_output_style=classic --continue-on-collection-errors "${TIMEOUT_ARGS[@]}" $TEST_PATHS
   [ "${STATE[tests]}" = passed ] || tail -n 12 "$OUT_DIR/tests.log"
 }
 

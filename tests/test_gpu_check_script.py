@@ -154,6 +154,7 @@ def test_a_full_run_keeps_the_contract_and_says_what_ran(fake):
     assert "python processes started: 3" in s
     argv = (fake.dir / "pytest_argv.txt").read_text().splitlines()
     assert "--timeout=90" in argv and argv[-1] == "tests/" and argv[argv.index("-m") + 1] == "gpu"
+    assert "--continue-on-collection-errors" in argv
     assert cp.stdout.rstrip().endswith(s.rstrip())               # the summary closes the output
 
 
