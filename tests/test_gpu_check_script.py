@@ -75,7 +75,7 @@ while n == 0 or i < n:
                        "p80_us": 31.0, "runs": 20, "GB/s": 3333.0, "of_copy": 0.83, "timed": "graph"})
     print("row", i, flush=True)
     i += 1
-    time.sleep(0.1)
+    time.sleep(float(os.environ.get("FAKE_BENCH_SLEEP", "0.1")))
 rec.row("propose", {"kv_mode": "draft", "context": 512, "batch": 1, "k": 3, "eager_median_us": 2000.0,
                     "graph_median_us": 1000.0, "graph_speedup": 2.0, "floor_us": 700.0, "graph_x_floor": 1.43,
                     "torch_median_us": 9000.0, "speedup_vs_torch": 9.0})
@@ -211,7 +211,7 @@ def test_steps_run_in_the_order_given(fake):
 
 def test_files_over_the_size_limit_are_gzipped_in_place(fake):
     cp, out = fake(["--steps", "bench"], FAKE_PROBE=_PROBE_WITH_TIMEOUT, FAKE_BENCH=fake.dir / "bench_standin.py",
-                   FAKE_BENCH_ROWS=40, GPU_CHECK_MAX_BYTES=2000)
+                   FAKE_BENCH_ROWS=40, FAKE_BENCH_SLEEP=0, GPU_CHECK_MAX_BYTES=2000)
     names = _contract(out)
     assert "gpu_bench.jsonl.gz" in names and "gpu_bench.jsonl" not in names and "summary.txt" in names
     s = (out / "summary.txt").read_text()
