@@ -9,12 +9,13 @@ architecture with the loader's options and name expressions, plus
     python -m mtpkern.nvrtc_check --write kernels/registers.json
 
 A toolkit is one CUDA major (:data:`TOOLKITS`): its ``libnvrtc.so.<major>``
-(the ``nvidia-cuda-nvrtc-cu12`` / ``nvidia-cuda-nvrtc`` 13 wheels, or
-``$CUDA_PATH`` / ``$CUDA_HOME``, or the system loader) and the runtime headers of
-the same major (``nvidia-cuda-runtime-cu12`` / ``nvidia-cuda-runtime`` 13). NVRTC is
-called through ctypes, the same code for every toolkit, each toolkit's compiles in
-worker processes of their own (one libnvrtc per process). Both come with
-``pip install mtpkern[nvrtc]``; no CUDA driver or device.
+(the ``nvidia-cuda-nvrtc-cu12`` / ``nvidia-cuda-nvrtc`` 13 wheels, else
+``$CUDA_PATH`` / ``$CUDA_HOME``, ``$LD_LIBRARY_PATH`` or ldconfig's cache) and
+the runtime headers of the same major (``nvidia-cuda-runtime-cu12`` /
+``nvidia-cuda-runtime`` 13). NVRTC is called through ctypes, the same code for
+every toolkit, each toolkit's compiles in worker processes of their own (one
+libnvrtc per process). Both come with ``pip install mtpkern[nvrtc]``; no CUDA
+driver or device.
 
 Exit status 1 when a family fails to compile or a kernel spills, 2 when no
 requested toolkit is installed.
@@ -27,6 +28,7 @@ import ctypes
 import json
 import os
 import re
+import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -41,8 +43,8 @@ TOOLKITS: tuple[int, ...] = (12, 13)
 NVRTC_WHEEL_DIRS: dict[int, tuple[str, ...]] = {12: ("nvidia/cuda_nvrtc/lib",), 13: ("nvidia/cu13/lib",)}
 #: what installs each toolkit (for the message when one is missing); setup.cfg's nvrtc extra
 INSTALL_HINT: dict[int, str] = {
-    12: "pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12",
-    13: "pip install 'nvidia-cuda-nvrtc==13.0.*' 'nvidia-cuda-runtime==13.0.*'",
+    12: "pip install 'nvidia-cuda-nvrtc-cu12==12.9.*' 'nvidia-cuda-runtime-cu12==12.9.*'",
+    13: "pip install 'nvidia-cuda-nvrtc==13.5.*' 'nvidia-cuda-runtime==13.5.*'",
 }
 #: where the recorded register counts live (shipped with the kernels)
 REGISTERS_FILE = "registers.json"
@@ -70,7 +72,7 @@ class Toolkit:
     """One CUDA toolkit's NVRTC and the runtime headers of the same major."""
 
     major: int
-    nvrtc: str    # path of libnvrtc.so.<major> (or the bare soname, for the system loader)
+    nvrtc: str    # path of libnvrtc.so.<major>
     include: str  # directory holding cuda_bf16.h
 
 
@@ -80,20 +82,26 @@ def _site_dirs() -> list[Path]:
 
 def find_nvrtc(major: int) -> str | None:
     """``libnvrtc.so.<major>``: the wheel's on ``sys.path``, else ``$CUDA_PATH`` /
-    ``$CUDA_HOME``'s, else the bare soname when the system loader finds it."""
+    ``$CUDA_HOME``'s, else one on ``$LD_LIBRARY_PATH`` or in ldconfig's cache
+    (looked up, not loaded: this process loads no libnvrtc)."""
     soname = f"libnvrtc.so.{major}"
     candidates = [p / sub / soname for p in _site_dirs() for sub in NVRTC_WHEEL_DIRS.get(major, ())]
     for v in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(v):
             candidates += [Path(os.environ[v]) / lib / soname for lib in ("lib64", "lib")]
+    candidates += [Path(d) / soname for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
     for c in candidates:
         if c.is_file():
             return str(c)
-    try:  # ldconfig's paths; loaded here only to see that it exists
-        ctypes.CDLL(soname)
-        return soname
-    except OSError:
+    try:
+        cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
         return None
+    for line in cache.splitlines():  # "\tlibnvrtc.so.13 (libc6,x86-64) => /usr/local/cuda/lib64/libnvrtc.so.13"
+        name, _, path = line.strip().partition(" => ")
+        if name.split(" ")[0] == soname and Path(path).is_file():
+            return path
+    return None
 
 
 def find_toolkit(major: int) -> Toolkit:
@@ -128,7 +136,7 @@ class _Nvrtc:
     def __init__(self, path: str):
         # libnvrtc dlopens its builtins by soname at the first compile: load the ones beside
         # it first (a wheel's lib directory is on no search path), so that this name is found
-        for b in sorted(Path(path).parent.glob("libnvrtc-builtins.so.*")) if os.sep in path else ():
+        for b in sorted(Path(path).parent.glob("libnvrtc-builtins.so.*")):
             ctypes.CDLL(str(b))
         lib = ctypes.CDLL(path)
         P, S, I = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int  # noqa: E741
