@@ -5,7 +5,7 @@ register counts recorded for that toolkit in kernels/registers.json (so a change
 in register pressure shows up in review).
 
 All families, both architectures and both toolkits compile once per session
-(~80 s on two cores, the two toolkits side by side); a toolkit whose libnvrtc
+(~80 s of CPU on two cores, the two toolkits side by side); a toolkit whose libnvrtc
 or runtime headers are missing is skipped with what to install.
 """
 
@@ -31,10 +31,10 @@ def compiled_all() -> dict[int, tuple[str, dict[str, dict[str, nvrtc_check.Kerne
 
 
 @pytest.fixture
-def compiled(compiled_all, major):
+def compiled(request, major):
     if major in MISSING:
         pytest.skip(MISSING[major])
-    return compiled_all[major]
+    return request.getfixturevalue("compiled_all")[major]
 
 
 @toolkit

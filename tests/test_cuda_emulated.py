@@ -21,7 +21,8 @@ tests/cuda_emu/ (g++ against a CUDA shim; every GPU thread a fiber; docs/cuda.md
 Skipped, with the reason, where the emulator cannot be built (no g++, not x86-64
 Linux). ``MTPKERN_CUDA_EMU_ASAN=1`` (``tests/cuda_emu/run.sh --asan``) builds with
 ASan + UBSan; ``MTPKERN_CUDA_EMU_ORDER=reverse|shuffle`` changes the block and thread
-order. The mid-size proposer runs are ``slow`` (``pytest -m slow tests/test_cuda_emulated.py``).
+order; ``MTPKERN_CUDA_EMU_CONTRACT=1`` (``run.sh --contract``) contracts multiply-adds into
+FMAs as NVRTC does (no test here depends on it: docs/cuda.md, "Floating-point contraction"). The mid-size proposer runs are ``slow`` (``pytest -m slow tests/test_cuda_emulated.py``).
 """
 
 from __future__ import annotations
