@@ -226,10 +226,9 @@ def compile_family(family: str, arch: str, tk: Toolkit) -> tuple[str, dict[str, 
     -> (NVRTC version, {name expression: KernelInfo})."""
     nv = _nvrtc(tk)
     names = loader.NAME_EXPRESSIONS[family]
-    opts = (*loader.compile_options(), "-ftz=true", f"-arch={arch}", "-Xptxas=-v")
-    # the loader's options, with the headers of this toolkit instead of the first found
-    opts = tuple(o for o in opts if not (o.startswith("-I") and o[2:] != str(loader.kernel_dir())))
-    opts += (f"-I{tk.include}",)
+    # the loader's options, its include path with this toolkit's headers
+    opts = (*(o for o in loader.compile_options(tk.major) if not o.startswith("-I")),
+            f"-I{loader.kernel_dir()}", f"-I{tk.include}", "-ftz=true", f"-arch={arch}", "-Xptxas=-v")
     ok, log, lowered = nv.compile(loader.source(family), f"{family}.cu", opts, names)
     version = nv.version()
     if not ok:
@@ -247,17 +246,6 @@ def _compile_task(task: tuple[str, str, Toolkit]) -> tuple[str, dict[str, Kernel
     return compile_family(*task)
 
 
-def _version_task(tk: Toolkit) -> str:
-    return _nvrtc(tk).version()
-
-
-def nvrtc_version(tk: Toolkit) -> str:
-    """'13.0': the version of ``tk``'s NVRTC, asked in a worker process (so that this one
-    loads no libnvrtc)."""
-    with ProcessPoolExecutor(max_workers=1) as pool:
-        return pool.submit(_version_task, tk).result()
-
-
 def check_all(archs=ARCHS, families=None, jobs: int | None = None, toolkits=None) -> dict[str, dict[str, dict[str, KernelInfo]]]:
     """-> {NVRTC version: {arch: {name expression: KernelInfo}}} over every family and
     every toolkit in ``toolkits`` (Toolkit objects; default: every one installed).
@@ -273,7 +261,7 @@ def check_all(archs=ARCHS, families=None, jobs: int | None = None, toolkits=None
         return {}
     tasks = [(f, a) for a in archs for f in families]
     jobs = jobs or os.cpu_count() or 1
-    per = max(1, min(len(tasks), round(jobs / len(toolkits))))
+    per = max(1, min(len(tasks), jobs // len(toolkits)))
     # largest first, so the long compiles do not end up last on one worker
     order = sorted(range(len(tasks)), key=lambda i: -len(loader.NAME_EXPRESSIONS[tasks[i][0]]))
     pools = [ProcessPoolExecutor(max_workers=per) for _ in toolkits]
@@ -282,9 +270,7 @@ def check_all(archs=ARCHS, families=None, jobs: int | None = None, toolkits=None
         out: dict[str, dict[str, dict[str, KernelInfo]]] = {}
         for fs in futures:
             done = dict(zip(order, (f.result() for f in fs)))
-            versions = {done[i][0] for i in done}
-            (version,) = versions
-            table = out.setdefault(version, {a: {} for a in archs})
+            table = out.setdefault(done[order[0]][0], {a: {} for a in archs})
             for i, (_, a) in enumerate(tasks):
                 table[a].update(done[i][1])
         return out
