@@ -1,22 +1,34 @@
-"""Compile every CUDA kernel family with NVRTC, without a GPU.
+"""Compile every CUDA kernel family with NVRTC, without a GPU, under each installed toolkit.
 
 Each ``kernels/<family>.cu`` is compiled to a CUBIN for every requested
 architecture with the loader's options and name expressions, plus
 ``-Xptxas=-v``; the ptxas log gives, per kernel, registers and spill bytes::
 
-    python -m mtpkern.nvrtc_check                       # sm_80 and sm_90, print a table
+    python -m mtpkern.nvrtc_check                       # every toolkit found, sm_80 and sm_90
+    python -m mtpkern.nvrtc_check --toolkit 13          # CUDA 13 only
     python -m mtpkern.nvrtc_check --write kernels/registers.json
 
-Exit status 1 when a family fails to compile or a kernel spills.
-Needs ``cuda-bindings`` (``pip install mtpkern[nvrtc]``); no CUDA driver or device.
+A toolkit is one CUDA major (:data:`TOOLKITS`): its ``libnvrtc.so.<major>``
+(the ``nvidia-cuda-nvrtc-cu12`` / ``nvidia-cuda-nvrtc`` 13 wheels, else
+``$CUDA_PATH`` / ``$CUDA_HOME``, ``$LD_LIBRARY_PATH`` or ldconfig's cache) and
+the runtime headers of the same major (``nvidia-cuda-runtime-cu12`` /
+``nvidia-cuda-runtime`` 13). NVRTC is called through ctypes, the same code for
+every toolkit, each toolkit's compiles in worker processes of their own (one
+libnvrtc per process). Both come with ``pip install mtpkern[nvrtc]``; no CUDA
+driver or device.
+
+Exit status 1 when a family fails to compile or a kernel spills, 2 when no
+requested toolkit is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
+import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -25,12 +37,26 @@ from pathlib import Path
 from .backends.cuda_launch import loader
 
 ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
+#: the CUDA majors checked: 12 (CI's first table) and 13 (the GPU machine's CuPy)
+TOOLKITS: tuple[int, ...] = (12, 13)
+#: where each major's libnvrtc sits in a site-packages directory (the nvidia-cuda-nvrtc wheels)
+NVRTC_WHEEL_DIRS: dict[int, tuple[str, ...]] = {12: ("nvidia/cuda_nvrtc/lib",), 13: ("nvidia/cu13/lib",)}
+#: what installs each toolkit (for the message when one is missing); setup.cfg's nvrtc extra
+INSTALL_HINT: dict[int, str] = {
+    12: "pip install 'nvidia-cuda-nvrtc-cu12==12.9.*' 'nvidia-cuda-runtime-cu12==12.9.*'",
+    13: "pip install 'nvidia-cuda-nvrtc==13.5.*' 'nvidia-cuda-runtime==13.5.*'",
+}
 #: where the recorded register counts live (shipped with the kernels)
 REGISTERS_FILE = "registers.json"
+REFRESH = "python -m mtpkern.nvrtc_check --write kernels/registers.json"
 
 
 class CompileError(RuntimeError):
     """NVRTC rejected a family; the message holds the compiler log."""
+
+
+class ToolkitMissing(LookupError):
+    """A toolkit's libnvrtc or runtime headers are not installed; the message says what to install."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,24 +67,138 @@ class KernelInfo:
     stack: int         # bytes of stack frame (local arrays and spills)
 
 
-def _nvrtc():
-    from cuda.bindings import nvrtc
+@dataclass(frozen=True, slots=True)
+class Toolkit:
+    """One CUDA toolkit's NVRTC and the runtime headers of the same major."""
 
-    return nvrtc
-
-
-def _ok(result):
-    """cuda.bindings returns (status, *values); raise on a bad status."""
-    nvrtc = _nvrtc()
-    status, *values = result
-    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise CompileError(f"NVRTC call failed: {status}")
-    return values[0] if len(values) == 1 else values
+    major: int
+    nvrtc: str    # path of libnvrtc.so.<major>
+    include: str  # directory holding cuda_bf16.h
 
 
-def nvrtc_version() -> str:
-    major, minor = _ok(_nvrtc().nvrtcVersion())
-    return f"{major}.{minor}"
+def _site_dirs() -> list[Path]:
+    return [Path(p) for p in sys.path if p and Path(p).is_dir()]
+
+
+def find_nvrtc(major: int) -> str | None:
+    """``libnvrtc.so.<major>``: the wheel's on ``sys.path``, else ``$CUDA_PATH`` /
+    ``$CUDA_HOME``'s, else one on ``$LD_LIBRARY_PATH`` or in ldconfig's cache
+    (looked up, not loaded: this process loads no libnvrtc)."""
+    soname = f"libnvrtc.so.{major}"
+    candidates = [p / sub / soname for p in _site_dirs() for sub in NVRTC_WHEEL_DIRS.get(major, ())]
+    for v in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(v):
+            candidates += [Path(os.environ[v]) / lib / soname for lib in ("lib64", "lib")]
+    candidates += [Path(d) / soname for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    try:
+        cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in cache.splitlines():  # "\tlibnvrtc.so.13 (libc6,x86-64) => /usr/local/cuda/lib64/libnvrtc.so.13"
+        name, _, path = line.strip().partition(" => ")
+        if name.split(" ")[0] == soname and Path(path).is_file():
+            return path
+    return None
+
+
+def find_toolkit(major: int) -> Toolkit:
+    """The installed toolkit ``major`` (12 or 13); :class:`ToolkitMissing` naming what is absent."""
+    if major not in TOOLKITS:
+        raise ValueError(f"major: expected one of {', '.join(map(str, TOOLKITS))}, got {major!r}")
+    lib = find_nvrtc(major)
+    include = loader.cuda_include_dir(major)
+    missing = [w for w, ok in ((f"libnvrtc.so.{major}", lib), (f"CUDA {major} runtime headers (cuda_bf16.h)", include)) if not ok]
+    if missing:
+        raise ToolkitMissing(f"CUDA {major} toolkit not found: no {' and no '.join(missing)} ({INSTALL_HINT[major]})")
+    return Toolkit(major, lib, include)
+
+
+def find_toolkits(majors=TOOLKITS) -> tuple[dict[int, Toolkit], dict[int, str]]:
+    """-> ({major: Toolkit} of those installed, {major: why not} of the others)."""
+    found, missing = {}, {}
+    for m in majors:
+        try:
+            found[m] = find_toolkit(m)
+        except ToolkitMissing as e:
+            missing[m] = str(e)
+    return found, missing
+
+
+# --------------------------------------------------------------------------
+# NVRTC's C API through ctypes (the same calls for every toolkit)
+
+class _Nvrtc:
+    """The few nvrtc* entry points a compile check needs, from one libnvrtc."""
+
+    def __init__(self, path: str):
+        # libnvrtc dlopens its builtins by soname at the first compile: load the ones beside
+        # it first (a wheel's lib directory is on no search path), so that this name is found
+        for b in sorted(Path(path).parent.glob("libnvrtc-builtins.so.*")):
+            ctypes.CDLL(str(b))
+        lib = ctypes.CDLL(path)
+        P, S, I = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int  # noqa: E741
+        sigs = {
+            "nvrtcVersion": [ctypes.POINTER(I), ctypes.POINTER(I)],
+            "nvrtcCreateProgram": [ctypes.POINTER(P), S, S, I, ctypes.POINTER(S), ctypes.POINTER(S)],
+            "nvrtcAddNameExpression": [P, S],
+            "nvrtcCompileProgram": [P, I, ctypes.POINTER(S)],
+            "nvrtcGetProgramLogSize": [P, ctypes.POINTER(ctypes.c_size_t)],
+            "nvrtcGetProgramLog": [P, ctypes.c_char_p],
+            "nvrtcGetLoweredName": [P, S, ctypes.POINTER(S)],
+            "nvrtcDestroyProgram": [ctypes.POINTER(P)],
+        }
+        for name, args in sigs.items():
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, I
+        lib.nvrtcGetErrorString.argtypes, lib.nvrtcGetErrorString.restype = [I], S
+        self.lib, self.path = lib, path
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:  # NVRTC_SUCCESS
+            raise CompileError(f"{what} failed: {self.lib.nvrtcGetErrorString(status).decode()} ({self.path})")
+
+    def version(self) -> str:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        return f"{major.value}.{minor.value}"
+
+    def compile(self, src: str, name: str, options, name_expressions) -> tuple[bool, str, dict[str, str]]:
+        """-> (compiled, log, {name expression: lowered (mangled) name}); the names only when compiled."""
+        prog = ctypes.c_void_p()
+        self.check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None),
+                   "nvrtcCreateProgram")
+        try:
+            for n in name_expressions:
+                self.check(self.lib.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
+            opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+            status = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+            size = ctypes.c_size_t()
+            self.check(self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
+            buf = ctypes.create_string_buffer(size.value + 1)
+            self.check(self.lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+            log = buf.value.decode(errors="replace").rstrip()
+            if status != 0:
+                return False, log, {}
+            lowered = {}
+            for n in name_expressions:
+                out = ctypes.c_char_p()
+                self.check(self.lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(out)), f"nvrtcGetLoweredName({n})")
+                lowered[n] = out.value.decode()
+            return True, log, lowered
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+_LOADED: dict[str, _Nvrtc] = {}
+
+
+def _nvrtc(tk: Toolkit) -> _Nvrtc:
+    if tk.nvrtc not in _LOADED:
+        _LOADED[tk.nvrtc] = _Nvrtc(tk.nvrtc)
+    return _LOADED[tk.nvrtc]
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")
@@ -81,69 +221,95 @@ def parse_ptxas_log(log: str) -> dict[str, KernelInfo]:
     return out
 
 
-def compile_family(family: str, arch: str) -> dict[str, KernelInfo]:
-    """Compile one family for one arch ('sm_90'); -> {name expression: KernelInfo}."""
-    nvrtc = _nvrtc()
+def compile_family(family: str, arch: str, tk: Toolkit) -> tuple[str, dict[str, KernelInfo]]:
+    """Compile one family for one arch ('sm_90') with toolkit ``tk``;
+    -> (NVRTC version, {name expression: KernelInfo})."""
+    nv = _nvrtc(tk)
     names = loader.NAME_EXPRESSIONS[family]
-    prog = _ok(nvrtc.nvrtcCreateProgram(loader.source(family).encode(), f"{family}.cu".encode(), 0, [], []))
-    try:
-        for n in names:
-            _ok(nvrtc.nvrtcAddNameExpression(prog, n.encode()))
-        opts = [o.encode() for o in (*loader.compile_options(), "-ftz=true", f"-arch={arch}", "-Xptxas=-v")]
-        (status,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        size = _ok(nvrtc.nvrtcGetProgramLogSize(prog))
-        buf = b" " * size
-        _ok(nvrtc.nvrtcGetProgramLog(prog, buf))
-        log = buf.decode(errors="replace").rstrip("\x00 \n")
-        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(f"{family}.cu for {arch} does not compile:\n{log}")
-        by_mangled = parse_ptxas_log(log)
-        out = {}
-        for n in names:
-            mangled = _ok(nvrtc.nvrtcGetLoweredName(prog, n.encode())).decode()
-            if mangled not in by_mangled:
-                raise CompileError(f"{family}.cu for {arch}: no ptxas report for {n} ({mangled})")
-            out[n] = by_mangled[mangled]
-        return out
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    # the loader's options, its include path with this toolkit's headers
+    opts = (*(o for o in loader.compile_options(tk.major) if not o.startswith("-I")),
+            f"-I{loader.kernel_dir()}", f"-I{tk.include}", "-ftz=true", f"-arch={arch}", "-Xptxas=-v")
+    ok, log, lowered = nv.compile(loader.source(family), f"{family}.cu", opts, names)
+    version = nv.version()
+    if not ok:
+        raise CompileError(f"{family}.cu for {arch} does not compile with NVRTC {version}:\n{log}")
+    by_mangled = parse_ptxas_log(log)
+    out = {}
+    for n in names:
+        if lowered[n] not in by_mangled:
+            raise CompileError(f"{family}.cu for {arch}, NVRTC {version}: no ptxas report for {n} ({lowered[n]})")
+        out[n] = by_mangled[lowered[n]]
+    return version, out
 
 
-def _compile_task(task: tuple[str, str]) -> dict[str, KernelInfo]:
+def _compile_task(task: tuple[str, str, Toolkit]) -> tuple[str, dict[str, KernelInfo]]:
     return compile_family(*task)
 
 
-def check_all(archs=ARCHS, families=None, jobs: int | None = None) -> dict[str, dict[str, KernelInfo]]:
-    """-> {arch: {name expression: KernelInfo}} over every family.
+def check_all(archs=ARCHS, families=None, jobs: int | None = None, toolkits=None) -> dict[str, dict[str, dict[str, KernelInfo]]]:
+    """-> {NVRTC version: {arch: {name expression: KernelInfo}}} over every family and
+    every toolkit in ``toolkits`` (Toolkit objects; default: every one installed).
 
-    The (family, arch) compiles run in ``jobs`` worker processes (default: one
-    per CPU): cuda.bindings holds the GIL during nvrtcCompileProgram, so
-    threads would not overlap."""
+    Each toolkit's (family, arch) compiles run in a process pool of its own (so a
+    process loads one libnvrtc only), the pools side by side, ``jobs`` workers in all
+    (default: one per CPU; at least one per toolkit)."""
     families = tuple(families or loader.FAMILIES)
+    if toolkits is None:
+        toolkits = tuple(find_toolkits()[0].values())
+    toolkits = tuple(toolkits)
+    if not toolkits:
+        return {}
     tasks = [(f, a) for a in archs for f in families]
-    jobs = min(len(tasks), jobs or os.cpu_count() or 1)
-    if jobs <= 1:
-        results = [_compile_task(t) for t in tasks]
-    else:
-        # largest first, so the long compiles do not end up last on one worker
-        order = sorted(range(len(tasks)), key=lambda i: -len(loader.NAME_EXPRESSIONS[tasks[i][0]]))
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            done = dict(zip(order, pool.map(_compile_task, [tasks[i] for i in order])))
-        results = [done[i] for i in range(len(tasks))]
-    out: dict[str, dict[str, KernelInfo]] = {a: {} for a in archs}
-    for (_, a), res in zip(tasks, results):
-        out[a].update(res)
-    return out
+    jobs = jobs or os.cpu_count() or 1
+    per = max(1, min(len(tasks), jobs // len(toolkits)))
+    # largest first, so the long compiles do not end up last on one worker
+    order = sorted(range(len(tasks)), key=lambda i: -len(loader.NAME_EXPRESSIONS[tasks[i][0]]))
+    pools = [ProcessPoolExecutor(max_workers=per) for _ in toolkits]
+    try:
+        futures = [[pool.submit(_compile_task, (*tasks[i], tk)) for i in order] for pool, tk in zip(pools, toolkits)]
+        out: dict[str, dict[str, dict[str, KernelInfo]]] = {}
+        for fs in futures:
+            done = dict(zip(order, (f.result() for f in fs)))
+            table = out.setdefault(done[order[0]][0], {a: {} for a in archs})
+            for i, (_, a) in enumerate(tasks):
+                table[a].update(done[i][1])
+        return out
+    finally:
+        for pool in pools:
+            pool.shutdown(cancel_futures=True)
 
 
-def registers_table(infos: dict[str, dict[str, KernelInfo]]) -> dict:
-    """The content of registers.json: registers per (arch, kernel), and the NVRTC
-    version that produced them (another version may allocate differently)."""
-    return {
-        "nvrtc": nvrtc_version(),
-        "refresh": "python -m mtpkern.nvrtc_check --write kernels/registers.json",
-        "registers": {a: {k: i.registers for k, i in sorted(ks.items())} for a, ks in infos.items()},
-    }
+def registers_table(infos: dict[str, dict[str, dict[str, KernelInfo]]], previous: dict | None = None) -> dict:
+    """The content of registers.json: registers per (NVRTC version, arch, kernel) (another
+    version may allocate differently). The tables of ``previous`` (the file's content)
+    for toolkit majors not in ``infos`` are kept (a toolkit not installed here)."""
+    now = {v: {a: {k: i.registers for k, i in sorted(ks.items())} for a, ks in t.items()} for v, t in infos.items()}
+    majors = {v.split(".")[0] for v in now}
+    kept = {v: t for v, t in recorded_tables(previous or {}).items() if v.split(".")[0] not in majors}
+    return {"refresh": REFRESH, "toolkits": dict(sorted({**kept, **now}.items(), key=lambda kv: _version_key(kv[0])))}
+
+
+def _version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def recorded_tables(recorded: dict) -> dict[str, dict]:
+    """{NVRTC version: {arch: {kernel: registers}}} of registers.json's content (also of
+    the one-toolkit layout before it had tables per toolkit: ``nvrtc`` and ``registers``)."""
+    if "toolkits" in recorded:
+        return dict(recorded["toolkits"])
+    if "nvrtc" in recorded and "registers" in recorded:
+        return {recorded["nvrtc"]: recorded["registers"]}
+    return {}
+
+
+def recorded_table(major: int, recorded: dict) -> tuple[str, dict] | None:
+    """(version, {arch: {kernel: registers}}) of toolkit ``major`` in registers.json's
+    content, or None when it has no table for that major."""
+    for v, t in recorded_tables(recorded).items():
+        if v.split(".")[0] == str(major):
+            return v, t
+    return None
 
 
 def recorded_registers_path() -> Path:
@@ -154,26 +320,38 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mtpkern.nvrtc_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", action="append", help="sm_XX (repeatable); default sm_80 and sm_90")
     ap.add_argument("--family", action="append", choices=loader.FAMILIES, help="default: all")
-    ap.add_argument("--write", metavar="PATH", help="write the register table (JSON) here")
-    ap.add_argument("--jobs", type=int, default=None, help="parallel compiles")
+    ap.add_argument("--toolkit", action="append", type=int, choices=TOOLKITS,
+                    help="CUDA major (repeatable); default: every one installed")
+    ap.add_argument("--write", metavar="PATH",
+                    help="write the register table (JSON) here: the toolkits compiled replace theirs, the others' are kept")
+    ap.add_argument("--jobs", type=int, default=None, help="parallel compiles, all toolkits together")
     args = ap.parse_args(argv)
     archs = tuple(args.arch or ARCHS)
+    found, missing = find_toolkits(tuple(args.toolkit or TOOLKITS))
+    for why in missing.values():
+        print(f"skipped: {why}", file=sys.stderr)
+    if not found:
+        return 2
     try:
-        infos = check_all(archs, args.family, args.jobs)
+        infos = check_all(archs, args.family, args.jobs, tuple(found.values()))
     except CompileError as e:
         print(e, file=sys.stderr)
         return 1
     bad = 0
-    print(f"NVRTC {nvrtc_version()}")
-    print(f"{'arch':6} {'kernel':52} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6}")
-    for a, ks in infos.items():
-        for k, i in ks.items():
-            flag = "  <-- spills" if i.spill_stores or i.spill_loads else ""
-            bad += bool(flag)
-            print(f"{a:6} {k:52} {i.registers:5} {i.spill_stores:9} {i.spill_loads:9} {i.stack:6}{flag}")
+    print(f"{'nvrtc':6} {'arch':6} {'kernel':52} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6}")
+    for v, table in infos.items():
+        for a, ks in table.items():
+            for k, i in ks.items():
+                flag = "  <-- spills" if i.spill_stores or i.spill_loads else ""
+                bad += bool(flag)
+                print(f"{v:6} {a:6} {k:52} {i.registers:5} {i.spill_stores:9} {i.spill_loads:9} {i.stack:6}{flag}")
     if args.write:
-        Path(args.write).write_text(json.dumps(registers_table(infos), indent=1) + "\n")
-        print(f"wrote {args.write}")
+        path = Path(args.write)
+        previous = json.loads(path.read_text()) if path.is_file() else None
+        table = registers_table(infos, previous)
+        path.write_text(json.dumps(table, indent=1) + "\n")
+        kept = sorted(set(table["toolkits"]) - set(infos))
+        print(f"wrote {args.write}" + (f" (NVRTC {', '.join(kept)} kept from the file: not installed here)" if kept else ""))
     return 1 if bad else 0
 
 

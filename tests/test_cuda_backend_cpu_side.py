@@ -65,10 +65,14 @@ def test_every_family_has_a_source_with_a_header():
 def test_registers_file_lists_the_instantiations():
     from mtpkern import nvrtc_check
 
-    recorded = json.loads(nvrtc_check.recorded_registers_path().read_text())["registers"]
+    recorded = json.loads(nvrtc_check.recorded_registers_path().read_text())
     want = {n for names in loader.NAME_EXPRESSIONS.values() for n in names}
-    for arch in nvrtc_check.ARCHS:
-        assert set(recorded[arch]) == want
+    for major in nvrtc_check.TOOLKITS:  # one table per toolkit, each complete
+        found = nvrtc_check.recorded_table(major, recorded)
+        assert found is not None, f"registers.json: no table for CUDA {major}"
+        version, table = found
+        for arch in nvrtc_check.ARCHS:
+            assert set(table[arch]) == want, f"NVRTC {version} {arch}"
 
 
 def test_bf16_unpack_matches_ml_dtypes():

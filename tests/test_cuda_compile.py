@@ -1,11 +1,12 @@
 """Every CUDA kernel family compiles with NVRTC (no GPU needed) for sm_80 and
-sm_90, with the loader's options and name expressions, without register
-spills, and with the register counts recorded in kernels/registers.json (so a
-change in register pressure shows up in review).
+sm_90 under each CUDA toolkit (12 and 13: CI's and the GPU machine's), with the
+loader's options and name expressions, without register spills, and with the
+register counts recorded for that toolkit in kernels/registers.json (so a change
+in register pressure shows up in review).
 
-All families and both architectures compile once per session (~30 s on two
-cores); skipped cleanly where cuda-bindings or the CUDA runtime headers are
-missing.
+All families, both architectures and both toolkits compile once per session
+(~80 s of CPU on two cores, the two toolkits side by side); a toolkit whose libnvrtc
+or runtime headers are missing is skipped with what to install.
 """
 
 from __future__ import annotations
@@ -14,64 +15,109 @@ import json
 
 import pytest
 
-pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings not installed (pip install mtpkern[nvrtc])")
+from mtpkern import nvrtc_check
+from mtpkern.backends.cuda_launch import loader
 
-from mtpkern import nvrtc_check  # noqa: E402
-from mtpkern.backends.cuda_launch import loader  # noqa: E402
-
-REFRESH = "python -m mtpkern.nvrtc_check --write kernels/registers.json"
+REFRESH = nvrtc_check.REFRESH
+FOUND, MISSING = nvrtc_check.find_toolkits()
+toolkit = pytest.mark.parametrize("major", nvrtc_check.TOOLKITS, ids=[f"cuda{m}" for m in nvrtc_check.TOOLKITS])
 
 
 @pytest.fixture(scope="session")
-def compiled() -> dict[str, dict[str, nvrtc_check.KernelInfo]]:
-    try:
-        return nvrtc_check.check_all(nvrtc_check.ARCHS)
-    except nvrtc_check.CompileError as e:
-        if 'cannot open source file "cuda_bf16.h"' in str(e):
-            pytest.skip("CUDA runtime headers (cuda_bf16.h) not found: pip install nvidia-cuda-runtime-cu12")
-        raise
+def compiled_all() -> dict[int, tuple[str, dict[str, dict[str, nvrtc_check.KernelInfo]]]]:
+    """{major: (NVRTC version, {arch: {name expression: KernelInfo}})} of every installed toolkit."""
+    infos = nvrtc_check.check_all(nvrtc_check.ARCHS, toolkits=tuple(FOUND.values()))
+    return {int(v.split(".")[0]): (v, t) for v, t in infos.items()}
 
 
-def test_every_instantiation_compiles(compiled):
+@pytest.fixture
+def compiled(request, major):
+    if major in MISSING:
+        pytest.skip(MISSING[major])
+    return request.getfixturevalue("compiled_all")[major]
+
+
+@toolkit
+def test_every_instantiation_compiles(compiled, major):
+    version, table = compiled
     want = {n for names in loader.NAME_EXPRESSIONS.values() for n in names}
     for arch in nvrtc_check.ARCHS:
-        assert set(compiled[arch]) == want, f"{arch}: missing {sorted(want - set(compiled[arch]))}"
+        assert set(table[arch]) == want, f"NVRTC {version} {arch}: missing {sorted(want - set(table[arch]))}"
 
 
-def test_no_register_spills(compiled):
+@toolkit
+def test_no_register_spills(compiled, major):
+    version, table = compiled
     spills = [
         f"{arch} {name}: {i.spill_stores} B stored, {i.spill_loads} B loaded"
-        for arch, kernels in compiled.items()
+        for arch, kernels in table.items()
         for name, i in kernels.items()
         if i.spill_stores or i.spill_loads
     ]
-    assert not spills, "kernels spill registers to local memory:\n" + "\n".join(spills)
+    assert not spills, f"kernels spill registers to local memory under NVRTC {version}:\n" + "\n".join(spills)
 
 
-def test_registers_match_recorded(compiled):
-    recorded = json.loads(nvrtc_check.recorded_registers_path().read_text())
-    if recorded["nvrtc"] != nvrtc_check.nvrtc_version():
+@toolkit
+def test_registers_match_recorded(compiled, major):
+    version, table = compiled
+    recorded_file = json.loads(nvrtc_check.recorded_registers_path().read_text())
+    found = nvrtc_check.recorded_table(major, recorded_file)
+    assert found is not None, f"kernels/registers.json has no table for CUDA {major} (NVRTC {version}): {REFRESH}"
+    recorded_version, recorded = found
+    if recorded_version != version:
         pytest.skip(
-            f"registers.json was recorded with NVRTC {recorded['nvrtc']}, this is "
-            f"{nvrtc_check.nvrtc_version()}: allocation may differ ({REFRESH} to re-record)"
+            f"registers.json's CUDA {major} table was recorded with NVRTC {recorded_version}, this is "
+            f"{version}: allocation may differ (setup.cfg's nvrtc extra pins the recorded one; {REFRESH} to re-record)"
         )
-    now = nvrtc_check.registers_table(compiled)["registers"]
+    now = nvrtc_check.registers_table({version: table})["toolkits"][version]
     diffs = [
-        f"{arch} {name}: recorded {recorded['registers'].get(arch, {}).get(name)}, now {regs}"
+        f"{arch} {name}: recorded {recorded.get(arch, {}).get(name)}, now {regs}"
         for arch, kernels in now.items()
         for name, regs in kernels.items()
-        if recorded["registers"].get(arch, {}).get(name) != regs
+        if recorded.get(arch, {}).get(name) != regs
     ]
     stale = [
         f"{arch} {name}: recorded but no longer compiled"
-        for arch, kernels in recorded["registers"].items()
+        for arch, kernels in recorded.items()
         for name in kernels
         if name not in now.get(arch, {})
     ]
     assert not diffs + stale, (
-        "register counts differ from kernels/registers.json:\n" + "\n".join(diffs + stale)
+        f"register counts under NVRTC {version} differ from kernels/registers.json:\n" + "\n".join(diffs + stale)
         + f"\nIf the change is intended, refresh the file: {REFRESH}"
     )
+
+
+def test_toolkits_pair_nvrtc_and_headers_of_one_major():
+    """Each toolkit found compiles with headers of its own major (NVRTC 12 with CUDA 13's
+    cuda_bf16.h, or the reverse, is not what either machine compiles)."""
+    if not FOUND:
+        pytest.skip("; ".join(MISSING.values()))
+    for major, tk in FOUND.items():
+        assert tk.nvrtc.endswith(f"libnvrtc.so.{major}")
+        assert loader.cuda_headers_major(tk.include) == major, tk.include
+
+
+def test_missing_toolkit_names_what_to_install(monkeypatch):
+    monkeypatch.setattr(nvrtc_check, "find_nvrtc", lambda major: None)
+    with pytest.raises(nvrtc_check.ToolkitMissing, match=r"libnvrtc\.so\.13.*pip install 'nvidia-cuda-nvrtc==13"):
+        nvrtc_check.find_toolkit(13)
+    with pytest.raises(ValueError, match="major: expected one of 12, 13, got 11"):
+        nvrtc_check.find_toolkit(11)
+
+
+def test_write_keeps_tables_of_toolkits_not_compiled():
+    info = nvrtc_check.KernelInfo(40, 0, 0, 0)
+    previous = {"toolkits": {"12.9": {"sm_90": {"k": 30}}, "13.0": {"sm_90": {"k": 31}}}}
+    got = nvrtc_check.registers_table({"13.5": {"sm_90": {"k": info}}}, previous)
+    assert got["toolkits"] == {"12.9": {"sm_90": {"k": 30}}, "13.5": {"sm_90": {"k": 40}}}
+    assert nvrtc_check.recorded_table(13, got) == ("13.5", {"sm_90": {"k": 40}})
+    assert nvrtc_check.recorded_table(11, got) is None
+    # the one-toolkit layout of earlier files still reads, and its table is kept
+    old = {"nvrtc": "12.9", "registers": {"sm_90": {"k": 30}}}
+    assert nvrtc_check.recorded_table(12, old) == ("12.9", {"sm_90": {"k": 30}})
+    assert nvrtc_check.registers_table({"13.5": {"sm_90": {"k": info}}}, old)["toolkits"] == {
+        "12.9": {"sm_90": {"k": 30}}, "13.5": {"sm_90": {"k": 40}}}
 
 
 def test_parse_ptxas_log():

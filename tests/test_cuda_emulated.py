@@ -21,7 +21,8 @@ tests/cuda_emu/ (g++ against a CUDA shim; every GPU thread a fiber; docs/cuda.md
 Skipped, with the reason, where the emulator cannot be built (no g++, not x86-64
 Linux). ``MTPKERN_CUDA_EMU_ASAN=1`` (``tests/cuda_emu/run.sh --asan``) builds with
 ASan + UBSan; ``MTPKERN_CUDA_EMU_ORDER=reverse|shuffle`` changes the block and thread
-order. The mid-size proposer runs are ``slow`` (``pytest -m slow tests/test_cuda_emulated.py``).
+order; ``MTPKERN_CUDA_EMU_CONTRACT=1`` (``run.sh --contract``) contracts multiply-adds into
+FMAs as NVRTC does (no test here depends on it: docs/cuda.md, "Floating-point contraction"). The mid-size proposer runs are ``slow`` (``pytest -m slow tests/test_cuda_emulated.py``).
 """
 
 from __future__ import annotations
@@ -172,6 +173,32 @@ def test_emulator_shared_memory_opt_in(emu):
     k.max_dynamic_shared_size_bytes = emu.smem_optin + 1
     with pytest.raises(emu_backend.EmulatorError, match="over the device's opt-in limit"):
         k((1,), (128,), (out,), shared_mem=16384)
+
+
+def test_emulator_contraction_mode(emu):
+    """The default build rounds a * b + c twice (-ffp-contract=off); the contraction build
+    (MTPKERN_CUDA_EMU_CONTRACT=1, tests/cuda_emu/run.sh --contract) fuses it into one
+    rounding, as NVRTC does. a * a = 1 + 2^-11 + 2^-24 rounds (a tie, to even) to
+    1 + 2^-11, so the two differ by 2^-24."""
+    a = np.array([1 + 2.0**-12], np.float32)
+    out = np.zeros(1, np.float32)
+    emu.selftest_kernel("mul_add")((1,), (32,), (a, a, np.array([-1.0], np.float32), out))
+    want = 2.0**-11 + 2.0**-24 if emu.contract else 2.0**-11
+    assert float(out[0]) == want, (emu.contract, float(out[0]))
+
+
+def test_contraction_needs_fma():
+    assert emu_backend.cpu_has_fma("processor\t: 0\nflags\t\t: fpu sse2 avx fma avx2\n")
+    assert not emu_backend.cpu_has_fma("processor\t: 0\nflags\t\t: fpu sse2 avx fma4\n")
+    kernels, runtime, _ = emu_backend.compile_flags(asan=False, contract=False)
+    assert "-ffp-contract=off" in kernels and "-mfma" not in kernels
+    if not emu_backend.cpu_has_fma():
+        with pytest.raises(emu_backend.EmulatorUnavailable, match="cannot be emulated faithfully"):
+            emu_backend.compile_flags(asan=False, contract=True)
+        return
+    kernels, runtime, _ = emu_backend.compile_flags(asan=False, contract=True)
+    assert {"-ffp-contract=fast", "-mfma"} <= set(kernels) and "-ffp-contract=off" not in kernels
+    assert "-ffp-contract=off" in runtime
 
 
 @pytest.mark.parametrize("name,args,smem,match", [

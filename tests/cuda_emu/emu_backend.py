@@ -26,6 +26,12 @@ Environment (all optional):
   process must preload the ASan runtime (``tests/cuda_emu/run.sh --asan`` does);
 - ``MTPKERN_CUDA_EMU_ORDER=forward|reverse|shuffle`` (and ``MTPKERN_CUDA_EMU_SEED``):
   the order of the blocks of a grid and of the threads between synchronisation points;
+- ``MTPKERN_CUDA_EMU_CONTRACT=1``: compile the kernels with floating-point contraction on
+  (``-ffp-contract=fast -mfma``: ``a * b + c`` may become one fused multiply-add, as NVRTC
+  does by default) instead of off; needs a CPU with FMA (else the emulator is unavailable:
+  without FMA g++ cannot contract, so NVRTC's rounding cannot be emulated). A separate
+  cached build. g++ and NVRTC need not fuse the same pairs: this mode shows which
+  results depend on contraction, it does not reproduce NVRTC's bits;
 - ``MTPKERN_CUDA_EMU_CACHE``: where builds are kept (default
   ``$XDG_CACHE_HOME/mtpkern/cuda_emu`` or ``~/.cache/mtpkern/cuda_emu``), one
   directory per hash of the sources, flags and compiler.
@@ -81,6 +87,21 @@ class EmulatorError(RuntimeError):
 
 def asan_requested() -> bool:
     return os.environ.get("MTPKERN_CUDA_EMU_ASAN", "0") not in ("", "0")
+
+
+def contract_requested() -> bool:
+    return os.environ.get("MTPKERN_CUDA_EMU_CONTRACT", "0") not in ("", "0")
+
+
+def cpu_has_fma(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has FMA3 (a ``fma`` flag in ``/proc/cpuinfo``)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    return any(line.startswith("flags") and "fma" in line.split(":", 1)[-1].split()
+               for line in cpuinfo.splitlines())
 
 
 def order_from_env() -> tuple[str, int]:
@@ -164,19 +185,28 @@ def _writable_root() -> Path:
         return fallback
 
 
-def compile_flags(asan: bool) -> tuple[list[str], list[str], list[str]]:
+def compile_flags(asan: bool, contract: bool = False) -> tuple[list[str], list[str], list[str]]:
     """-> (flags for the kernels, for the runtime, for the link); the kernels also get
-    ``-I`` the directory of the translated headers."""
+    ``-I`` the directory of the translated headers. ``contract``: the kernels (not the
+    runtime) with ``-ffp-contract=fast -mfma`` (EmulatorUnavailable without FMA)."""
     common = ["-std=c++17", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-omit-frame-pointer",
               "-Wno-unknown-pragmas", "-Wno-attributes", f"-I{INCLUDE}"]
+    kernels = common
+    if contract:
+        if not cpu_has_fma():
+            raise EmulatorUnavailable(
+                "MTPKERN_CUDA_EMU_CONTRACT=1 needs a CPU with FMA (no 'fma' flag in /proc/cpuinfo): without it "
+                "g++ cannot fuse a * b + c into one rounding as NVRTC does, so contraction cannot be emulated "
+                "faithfully here")
+        kernels = [f for f in common if f != "-ffp-contract=off"] + ["-ffp-contract=fast", "-mfma"]
     if asan:
         san = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-        return common + san, common + san, ["-shared", "-fsanitize=address,undefined"]
+        return kernels + san, common + san, ["-shared", "-fsanitize=address,undefined"]
     # UBSan checks without its runtime: emu_runtime.cpp defines the handlers, which
     # report through EmulatorError with the kernel, block and thread.
     checks = "alignment,bounds,signed-integer-overflow,shift,integer-divide-by-zero,null,pointer-overflow,return,unreachable"
     ub = [f"-fsanitize={checks}", "-fno-sanitize-recover=all"]
-    return common + ["-O2"] + ub, common + ["-O2"], ["-shared"]
+    return kernels + ["-O2"] + ub, common + ["-O2"], ["-shared"]
 
 
 def _gxx() -> str:
@@ -228,12 +258,13 @@ def _run_jobs(cmds: list[list[str]], jobs: int) -> None:
         raise EmulatorBuildError("the kernels do not compile for the CUDA emulator:\n" + "\n".join(errors)[-8000:])
 
 
-def build(asan: bool = False, jobs: int | None = None) -> Path:
-    """Build (or find in the cache) the emulator library; -> its path."""
+def build(asan: bool = False, jobs: int | None = None, contract: bool = False) -> Path:
+    """Build (or find in the cache) the emulator library; -> its path. ``contract``: the
+    kernels with floating-point contraction on (``MTPKERN_CUDA_EMU_CONTRACT``)."""
     gxx = _gxx()
     version = _version(gxx)
     root = _writable_root()
-    kflags, rflags, lflags = compile_flags(asan)
+    kflags, rflags, lflags = compile_flags(asan, contract)
     srcs = units()
     h = hashlib.sha256()
     for part in (TRANSLATION_VERSION, gxx, version, " ".join(kflags + rflags + lflags)):
@@ -243,7 +274,7 @@ def build(asan: bool = False, jobs: int | None = None) -> Path:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     for name, text in sorted(hdrs.items()) + sorted(srcs.items()):
         h.update(name.encode() + b"\0" + text.encode() + b"\0")
-    key = f"{'asan' if asan else 'fast'}-{h.hexdigest()[:16]}"
+    key = f"{'asan' if asan else 'fast'}{'-contract' if contract else ''}-{h.hexdigest()[:16]}"
     final = root / key
     lib = final / "libcudaemu.so"
     if lib.is_file():
@@ -395,6 +426,8 @@ class Emulator:
         self.lib.emu_last_error.restype = ctypes.c_char_p
         self.lib.emu_set_order.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
         self.asan = bool(self.lib.emu_asan())
+        #: kernels built with floating-point contraction on (build(contract=True): the key says so)
+        self.contract = "-contract-" in lib_path.parent.name
         self.sm_count = DEFAULT_SM_COUNT
         #: the device's opt-in shared memory limit the launchers plan for (H100 / H200)
         self.smem_optin = DEFAULT_SMEM_OPTIN
@@ -585,7 +618,7 @@ def installed_emulator() -> Iterator[Emulator]:
     import pytest
 
     try:
-        lib = build(asan=asan_requested())
+        lib = build(asan=asan_requested(), contract=contract_requested())
     except EmulatorUnavailable as e:
         pytest.skip(f"CUDA emulator unavailable: {e}")
     with Emulator(lib).installed() as em:

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Run the emulated CUDA kernel tests (tests/test_cuda_emulated.py) with emulator options.
 #
-#   tests/cuda_emu/run.sh [--asan] [--order forward|reverse|shuffle] [--seed N] [pytest args...]
+#   tests/cuda_emu/run.sh [--asan] [--contract] [--order forward|reverse|shuffle] [--seed N] [pytest args...]
 #
 #   --asan    build the kernels with -fsanitize=address,undefined (a separate cached build)
 #             and preload the ASan runtime into Python, which is not built with it;
 #             a sanitizer report aborts the run (ASAN_OPTIONS / UBSAN_OPTIONS are kept)
+#   --contract  build the kernels with floating-point contraction on (-ffp-contract=fast -mfma,
+#             as NVRTC fuses multiply-adds; a separate cached build; needs a CPU with FMA);
+#             the tests that depend on unfused rounding are listed in docs/testing.md
 #   --order   order of the blocks of a grid and of the threads between synchronisation
 #             points (default forward); --seed picks the shuffle
 #   pytest args: tests/test_cuda_emulated.py unless a test path is given; add e.g. -m slow,
@@ -19,6 +22,7 @@ PY="${PYTHON:-python3}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --asan) export MTPKERN_CUDA_EMU_ASAN=1; shift ;;
+    --contract) export MTPKERN_CUDA_EMU_CONTRACT=1; shift ;;
     --order) export MTPKERN_CUDA_EMU_ORDER="$2"; shift 2 ;;
     --seed) export MTPKERN_CUDA_EMU_SEED="$2"; shift 2 ;;
     *) break ;;

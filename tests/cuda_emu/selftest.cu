@@ -91,6 +91,13 @@ __global__ void big_shared_kernel(float* out) {
   if (threadIdx.x == 0) out[0] = s[1];
 }
 
+// out[0] = a[0] * b[0] + c[0] as written (no fmaf): one rounding where the compiler
+// contracts it into a fused multiply-add (NVRTC by default; the emulator with
+// MTPKERN_CUDA_EMU_CONTRACT=1), two where it does not (the emulator's default build).
+__global__ void mul_add_kernel(const float* a, const float* b, const float* c, float* out) {
+  if (threadIdx.x == 0) out[0] = a[0] * b[0] + c[0];
+}
+
 #define EMU_SELFTEST(name)                                                                                  \
   extern "C" int emu_selftest_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long smem, \
                                      void** args) {                                                          \
@@ -109,3 +116,4 @@ EMU_SELFTEST(vector_load)
 EMU_SELFTEST(local_index)
 EMU_SELFTEST(int_product)
 EMU_SELFTEST(big_shared)
+EMU_SELFTEST(mul_add)

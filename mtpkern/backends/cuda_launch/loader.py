@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import re
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -85,19 +88,64 @@ def source(family: str) -> str:
     return (kernel_dir() / f"{family}.cu").read_text()
 
 
-def include_dirs() -> tuple[str, ...]:
-    """``kernels/`` for ``common.cuh``, and the CUDA runtime headers (``cuda_bf16.h``)
-    of the nvidia-cuda-runtime wheel when cuda-pathfinder finds them (else NVRTC's
-    and CuPy's defaults must find them)."""
-    dirs = [str(kernel_dir())]
+#: where the CUDA runtime headers (cuda_bf16.h) of each toolkit major sit in a
+#: site-packages directory: the nvidia-cuda-runtime-cu12 and nvidia-cuda-runtime (13) wheels
+CUDA_INCLUDE_WHEEL_DIRS: dict[int, tuple[str, ...]] = {
+    12: ("nvidia/cuda_runtime/include",),
+    13: ("nvidia/cu13/include",),
+}
+
+
+def cuda_headers_major(d: str | Path) -> int | None:
+    """The toolkit major of the CUDA runtime headers in ``d`` (its ``cuda_runtime_api.h``'s
+    ``CUDART_VERSION``), or None when ``d`` holds no readable ``cuda_bf16.h`` and version."""
+    d = Path(d)
+    try:
+        if not (d / "cuda_bf16.h").is_file():
+            return None
+        m = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", (d / "cuda_runtime_api.h").read_text(errors="replace"))
+    except OSError:
+        return None
+    return int(m.group(1)) // 1000 if m else None
+
+
+def cuda_include_dir(major: int | None = None) -> str | None:
+    """The directory holding ``cuda_bf16.h`` and the rest of the CUDA runtime headers.
+
+    ``major`` None: the first that cuda-pathfinder finds (it prefers the CUDA 13 wheel).
+    ``major`` 12 or 13: headers of that toolkit only (NVRTC 12 does not compile CUDA 13's
+    ``cuda_bf16.h`` faithfully, nor the reverse): the runtime wheel of that major on
+    ``sys.path``, else cuda-pathfinder's or ``$CUDA_PATH`` / ``$CUDA_HOME``'s ``include``
+    when their ``CUDART_VERSION`` has that major. None when nothing fits."""
+    found: list[str] = []
     try:
         from cuda.pathfinder import find_nvidia_header_directory
 
-        cudart = find_nvidia_header_directory("cudart")
-        if cudart:
-            dirs.append(str(cudart))
-    except Exception:  # no cuda-pathfinder, or no header wheel: rely on the defaults
+        d = find_nvidia_header_directory("cudart")
+        if d:
+            found.append(str(d))
+    except Exception:  # no cuda-pathfinder, or it finds nothing: the other places
         pass
+    if major is None:
+        return found[0] if found else None
+    wheel = [
+        str(Path(p) / sub) for p in sys.path if p for sub in CUDA_INCLUDE_WHEEL_DIRS.get(major, ())
+    ]
+    env = [str(Path(os.environ[v]) / "include") for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)]
+    for d in wheel + found + env:
+        if cuda_headers_major(d) == major:
+            return d
+    return None
+
+
+def include_dirs(cuda_major: int | None = None) -> tuple[str, ...]:
+    """``kernels/`` for ``common.cuh``, and the CUDA runtime headers (``cuda_bf16.h``)
+    of toolkit ``cuda_major`` (:func:`cuda_include_dir`) when they are found (else NVRTC's
+    and CuPy's defaults must find them)."""
+    dirs = [str(kernel_dir())]
+    cudart = cuda_include_dir(cuda_major)
+    if cudart:
+        dirs.append(cudart)
     return tuple(dirs)
 
 
@@ -111,13 +159,14 @@ def headers_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def compile_options() -> tuple[str, ...]:
-    """Options shared by the loader and nvrtc_check (which adds the arch and -Xptxas=-v).
+def compile_options(cuda_major: int | None = None) -> tuple[str, ...]:
+    """Options shared by the loader and nvrtc_check (which adds the arch and -Xptxas=-v),
+    with the runtime headers of toolkit ``cuda_major`` (that of the NVRTC compiling).
 
     CuPy adds ``-ftz=true`` to every NVRTC compile; nvrtc_check adds it too so
     that the register counts it records are those of the loaded kernels."""
     return ("-std=c++17", f"-DMTPKERN_HEADERS={headers_digest()}") + tuple(
-        f"-I{d}" for d in include_dirs()
+        f"-I{d}" for d in include_dirs(cuda_major)
     )
 
 
@@ -125,9 +174,13 @@ def compile_options() -> tuple[str, ...]:
 def _module(family: str) -> Any:
     import cupy
 
+    try:  # the headers of the toolkit whose NVRTC CuPy compiles with
+        major: int | None = cupy.cuda.nvrtc.getVersion()[0]
+    except Exception:
+        major = None
     return cupy.RawModule(
         code=source(family),
-        options=compile_options(),
+        options=compile_options(major),
         name_expressions=NAME_EXPRESSIONS[family],
     )
 
