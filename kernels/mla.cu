@@ -309,7 +309,7 @@ mla_q_absorb_kernel(const float* __restrict__ q, const W* __restrict__ w_uk, flo
 // Two blocks per SM, as the tensor-core kernel: without the minimum NVRTC 13.5 gave the BF16
 // LPT = 1 build 64 registers and a spill on sm_80 (and 12.9 nearly so); with it every build
 // takes 96..112 registers, no spills on either toolkit (kernels/registers.json), and the
-// plans' shared memory already keeps these blocks to two or three per SM.
+// shared memory already keeps a block per SM at DeepSeek-V3's shapes (~117 KB: smem_bytes).
 template <typename KV, int LPT>
 __global__ void __launch_bounds__(mtp::kMlaThreads, 2)
 mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ cache,
