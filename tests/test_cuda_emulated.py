@@ -46,6 +46,7 @@ from conftest import kv_rows
 
 from mtpkern import Fp8Weight, cuda_graph
 from mtpkern.backends import get_backend
+from mtpkern.backends.cuda_launch import gemm_tc as gemm_tc_launch
 from mtpkern.backends.cuda_launch import linear as linear_launch
 from mtpkern.backends.cuda_launch import loader
 from mtpkern.backends.cuda_launch._util import CudaFp8
@@ -618,6 +619,131 @@ def test_gemv_split_k_widths(emu, be, sm_count):
     assert seen == {1, 2, 4}, seen
 
 
+# -- gemm_tc: the GEMV of 4 rows or more on tensor cores (kernels/gemm_tc.cu) ---------------------
+
+def _tc_ref64(x, w, bias, residual, norm):
+    """float64 y = (inv_rms *) (x (* g)) w^T + bias + residual, and the bound of gemm_tc's error:
+    x carried to 16 bits (|x - hi - lo| <= 2^-17 |x|, twice for margin) plus FP32 sums of K
+    terms, times sum_k |w x|; FP32 rounding of the bias / residual adds."""
+    x64, w64 = x.astype(np.float64), np.asarray(w, np.float64)
+    scale = np.ones((x.shape[0], 1))
+    if norm is not None:
+        g, eps = norm
+        scale = 1.0 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + eps)
+        x64 = x64 * g.astype(np.float64)
+    y = scale * (x64 @ w64.T)
+    mag = scale * (np.abs(x64) @ np.abs(w64).T)
+    if bias is not None:
+        y = y + bias
+    if residual is not None:
+        y = y + residual
+    K = x.shape[1]
+    return y, (2.0 ** -16 + K * 2.0 ** -23) * mag + 2.0 ** -22 * np.abs(y)
+
+
+@pytest.mark.parametrize("n", [4, 5, 8, 9, 16, 24, 33])
+@pytest.mark.parametrize("K,N", [(72, 33), (264, 20)])          # K % 32 == 8; two chunks of 256
+@pytest.mark.parametrize("extras", ["plain", "bias+residual", "norm", "norm+bias+residual"])
+def test_gemm_tc_against_float64(emu, be, n, K, N, extras):
+    """gemm_tc_kernel through linear (and gemm_tc for the norm) against a float64 product: within
+    the 16-bit split of x (2^-16 relative to sum |w x|) and FP32 sums, far inside BF16's 2^-9.
+    Measured on the emulator (n = 4 .. 33, N = 64): max |err| / sum|w x| = 1.9e-6 at K = 72,
+    8.8e-7 at K = 264, 3.3e-7 at K = 2048; linear_kernel's 6.4e-8, 3.7e-8, 1.7e-8."""
+    rng = np.random.default_rng(n * 1000 + K + N)
+    x, w = rnd(rng, n, K), rnd(rng, N, K, scale=K ** -0.5)
+    wq, wf = stored(w, "bf16")
+    wp = be.prepare_weight(wq)
+    bias = rnd(rng, N) if "bias" in extras else None
+    res = rnd(rng, n, N) if "residual" in extras else None
+    norm = (rnd(rng, K) + 1.0, 1e-5) if "norm" in extras else None
+    before = emu.launches.copy()
+    if norm is None:
+        got = be.linear(x, wp, bias, res)
+    else:
+        got = gemm_tc_launch.gemm_tc(x, wp, bias, res, norm=norm)
+    ran = emu.launches - before
+    assert set(ran) == {f"gemm_tc_kernel<{nt}, {'false' if norm is None else 'true'}>"
+                        for nt in ({4, 1} if n == 33 else {-(-n // 8)})}, ran
+    want, bound = _tc_ref64(x, wf, bias, res, norm)
+    err = np.abs(got - want)
+    assert (err <= bound).all(), f"max err {err.max()}, bound there {bound[np.unravel_index(err.argmax(), err.shape)]}"
+    assert_close(got, want, "float32", "gemm_tc")
+
+
+def test_gemm_tc_bf16_x_would_fail_the_bound(emu, be):
+    """The bound of test_gemm_tc_against_float64 is one the lo term is needed for: x rounded to
+    BF16 alone (the hi term) breaks it."""
+    rng = np.random.default_rng(3)
+    x, w = rnd(rng, 8, 72), rnd(rng, 16, 72, scale=72 ** -0.5)
+    wq, wf = stored(w, "bf16")
+    hi_only = np.asarray(x.astype(BF16), np.float64) @ np.asarray(wf, np.float64).T
+    want, bound = _tc_ref64(x, wf, None, None, None)
+    assert (np.abs(hi_only - want) > bound).any()
+    assert (np.abs(be.linear(x, be.prepare_weight(wq)) - want) <= bound).all()
+
+
+def test_gemm_tc_selection(emu, be):
+    """Which kernel linear runs: gemm_tc_kernel<ceil(n / 8), false> for n >= 4 rows of BF16
+    weights with K % 8 == 0 (n > 32: launches of 32 rows); linear_kernel for fewer rows, FP32 or
+    FP8 weights, and K % 8 != 0 (the boundary: K = 76 falls back, K = 72 and 80 do not)."""
+    rng = np.random.default_rng(11)
+    cases = [(1, 72, "bf16", {"linear_kernel<__nv_bfloat16>"}),
+             (3, 72, "bf16", {"linear_kernel<__nv_bfloat16>"}),
+             (4, 72, "bf16", {"gemm_tc_kernel<1, false>"}),
+             (8, 80, "bf16", {"gemm_tc_kernel<1, false>"}),
+             (9, 72, "bf16", {"gemm_tc_kernel<2, false>"}),
+             (17, 72, "bf16", {"gemm_tc_kernel<3, false>"}),
+             (32, 72, "bf16", {"gemm_tc_kernel<4, false>"}),
+             (40, 72, "bf16", {"gemm_tc_kernel<4, false>", "gemm_tc_kernel<1, false>"}),
+             (8, 76, "bf16", {"linear_kernel<__nv_bfloat16>"}),
+             (8, 72, "f32", {"linear_kernel<float>"}),
+             (8, 72, "fp8", {"linear_kernel<__nv_fp8_e4m3>"}),
+             (8, 72, "fp8c", {"linear_kernel<__nv_fp8_e4m3>"})]
+    for n, K, wd, want in cases:
+        x, w = rnd(rng, n, K), rnd(rng, 24, K, scale=K ** -0.5)
+        wq, wf = stored(w, wd, (16, 8))
+        before = emu.launches.copy()
+        got = be.linear(x, be.prepare_weight(wq))
+        assert set(emu.launches - before) == want, (n, K, wd)
+        assert_close(got, REF.linear(x, wf), "float32", f"linear n={n} K={K} {wd}")
+
+
+def test_gemm_tc_k_warps_misaligned_and_in_place(emu, be, sm_count):
+    """Every k-warp count (1, 2, 4, 8 warps splitting K, chosen by N against the SM count), a
+    weight and input 4 bytes off 16 (the 2-byte weight loads), and out = residual in place."""
+    rng = np.random.default_rng(5)
+    seen = set()
+    K = 264
+    for sms, N in ((2, 130), (2, 100), (2, 64), (2, 16), (132, 40)):
+        sm_count(sms)
+        seen.add(gemm_tc_launch.tc_config(N)[1])
+        x, w, r = rnd(rng, 12, K), rnd(rng, N, K, scale=K ** -0.5), rnd(rng, 12, N)
+        wq, wf = stored(w, "bf16")
+        wp = be.prepare_weight(wq)
+        want, bound = _tc_ref64(x, wf, None, r, None)
+        for mis in (False, True):
+            xa, wa = (misaligned(x), misaligned(wp)) if mis else (x, wp)
+            y = r.copy()
+            got = be.linear(xa, wa, None, y, out=y)
+            assert got is y
+            assert (np.abs(y - want) <= bound).all(), (sms, N, mis)
+    assert seen == {1, 2, 4, 8}, seen
+
+
+def test_gemm_tc_bad_input(emu, be):
+    rng = np.random.default_rng(1)
+    x = rnd(rng, 8, 72)
+    wq = be.prepare_weight(stored(rnd(rng, 16, 72), "bf16")[0])
+    with pytest.raises(TypeError, match="w: expected BF16"):
+        gemm_tc_launch.gemm_tc(x, rnd(rng, 16, 72))
+    with pytest.raises(ValueError, match="K % 8 == 0"):
+        gemm_tc_launch.gemm_tc(rnd(rng, 8, 76), be.prepare_weight(stored(rnd(rng, 16, 76), "bf16")[0]))
+    with pytest.raises(ValueError, match=r"norm g: expected shape \[72\], got \[71\]"):
+        gemm_tc_launch.gemm_tc(x, wq, norm=(rnd(rng, 71), 1e-5))
+    with pytest.raises(ValueError, match="norm eps: expected > 0"):
+        gemm_tc_launch.gemm_tc(x, wq, norm=(rnd(rng, 72), 0.0))
+
+
 @pytest.mark.parametrize("wd", ["bf16", "f32", "fp8", "fp8c"])
 @pytest.mark.parametrize("n,V,H", [(1, 1000, 64), (9, 1001, 64), (17, 129, 48), (3, 64, 40), (8, 2, 8)])
 def test_lm_head_shapes(be, wd, n, V, H):
@@ -1004,6 +1130,7 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         be = emu_backend.backend()
         pw = be.prepare_weight
         out[f"linear {wd}"] = be.linear(x, pw(w(33, 64)), rnd(rng, 33), rnd(rng, 5, 33))
+        out[f"linear 3 rows {wd}"] = be.linear(x[:3], pw(w(33, 64)), rnd(rng, 33))     # under gemm_tc's 4
         embed = stored(rnd(rng, 11, 64), "f32" if wd == "f32" else "bf16")[0]          # never FP8
         out[f"mtp_input {wd}"] = be.mtp_input(pw(embed), np.array([1, 10, 0, 3, 3], np.int32), x,
                                               rnd(rng, 64), rnd(rng, 64), pw(w(64, 128)), 1e-5)
@@ -1023,6 +1150,11 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         hot = np.array([[1, 2, 3, 4]] * 5, np.int32)
         w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
         out[f"experts by expert {wd}"] = be.moe_experts(x, hot, wts, w13, w2)
+    xt = rnd(rng, 32, 64)
+    wt = emu_backend.backend().prepare_weight(stored(rnd(rng, 40, 64, scale=0.125), "bf16")[0])
+    for rows in (8, 16, 24, 32):                                                        # NT = 1 .. 4
+        for norm in (None, (rnd(rng, 64), 1e-6)):
+            out[f"gemm_tc {rows} {norm is None}"] = gemm_tc_launch.gemm_tc(xt[:rows], wt, rnd(rng, 40), norm=norm)
     out["rmsnorm"] = emu_backend.backend().rmsnorm(x, rnd(rng, 64), 1e-6)
     fused = rnd(rng, 5, 80)
     out["sigmoid_gate"] = emu_backend.backend().sigmoid_gate(x, fused[:, 8:16])

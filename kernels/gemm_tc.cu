@@ -1,0 +1,209 @@
+// gemm_tc.cu -- y[n, N] = x[n, K] W[N, K]^T (+ bias[N]) (+ residual[n, N]) on BF16 tensor cores,
+// for the GEMVs of 4 input rows or more (batch 8, exact-mode modules of 16-24 rows), with an
+// optional RMSNorm prologue: y = inv_rms(x) * (W (x * g)) (+ bias) (+ residual),
+// inv_rms[r] = 1 / sqrt(mean_k(x[r, k]^2) + eps).
+//
+// W BF16 (the mma's A operand: 16 weight rows x 16 k), x / bias / residual / y FP32, FP32
+// accumulation (mma.cuh: mma.sync m16n8k16). The input rows are the mma's B operand, 8 per
+// n-tile, NT = 1..4 n-tiles per launch (n <= 8 NT); every weight fragment is used for all NT
+// n-tiles, so each weight byte is read from memory once per launch (the launcher cuts n > 32
+// into launches of 32 rows).
+//
+// Accuracy: x is split as hi = bf16(x), lo = bf16(x - hi) and both are multiplied (W is
+// exactly BF16, each product exact in FP32): x is carried to 16 significant bits, an error of
+// at most 2^-17 |x| per element (the scalar kernel's FP32 x has 2^-24), far below BF16's 2^-9.
+// With the norm, the split is of x * g (one FP32 product, as the reference's normed row before
+// its scale).
+//
+// k order inside a 32-wide step: lane (g, t) loads 16 bytes of weight row g and of row g + 8,
+// k = 8t .. 8t + 7, and 16 bytes of the staged row g of an n-tile at the same k. Read as two
+// mma k-blocks ({w.x, w.y} then {w.z, w.w}), each lane's elements sit at the fragment
+// positions of mma.cuh's layout for k' = 2t, 2t + 1, 2t + 8, 2t + 9: a permutation of k,
+// the same for A and B, so the sum is the dot product (in another order). One 16-byte load
+// per operand and step, no shuffles.
+//
+// Grid mapping: block 256 = 8 warps = (8 / kw) row warps x kw k-warps (kw in {1, 2, 4, 8},
+// chosen by the launcher so that the grid fills the SMs). Row warp rw owns the 16 weight rows
+// (blockIdx.x * (8 / kw) + rw) * 16 .., so grid.x = ceil(N / (128 / kw)). K is walked in
+// chunks of kTcKc = 256: the block stages x[0 .. 8 NT)[chunk] once as hi / lo BF16 in shared
+// memory (rows past n zero; row stride 288 elements: 576 B, so the 16-byte fragment reads of
+// a quarter warp hit distinct banks), then each warp takes the chunk's 32-wide steps
+// ks, ks + kw, .. (8 / kw of them), loading up to 4 steps of weights (4 KB per warp) before
+// their mma. The kw partial sums of a row warp are added in k-warp order through shared
+// memory (fixed order: the same launch gives the same bits). Weight loads are 16-byte
+// ld.global.nc.L1::no_allocate (streamed once: they must not evict the staged x from L1).
+//
+// Preconditions: blockDim.x == 256; n in [1, 8 NT]; K % 8 == 0 (a step's 8-element groups
+// are then all in or all out of K; the launcher runs linear_kernel otherwise); x, residual,
+// y FP32 [n, *] contiguous, any alignment (x is staged with scalar loads); w [N, K] BF16,
+// any 2-byte alignment (16-byte aligned: vector loads, else 8 2-byte loads per 16 bytes);
+// bias / residual may be null; y may alias residual (each element read then written by the
+// same thread), not x. NORM: g [K] FP32; eps > 0 is the caller's.
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace mtp {
+
+constexpr int kTcWarps = 8;
+constexpr int kTcThreads = kTcWarps * kWarp;
+constexpr int kTcKc = 256;          // k per staged chunk
+constexpr int kTcLd = kTcKc + 32;   // staged row stride in BF16 (576 B: 64 B mod 128 B)
+constexpr int kTcGroup = 4;         // 32-wide steps whose weights are loaded before their mma
+
+// 16 bytes of W, read once: no L1 allocation (PTX ISA ld, .L1::no_allocate, sm_70+).
+__device__ __forceinline__ uint4 load_w16(const __nv_bfloat16* p, bool vec) {
+  if (!vec) {
+    uint4 v;
+    v.x = pack_bf16x2(p[0], p[1]);
+    v.y = pack_bf16x2(p[2], p[3]);
+    v.z = pack_bf16x2(p[4], p[5]);
+    v.w = pack_bf16x2(p[6], p[7]);
+    return v;
+  }
+#if defined(MTPKERN_CUDA_EMU)
+  return __ldg(reinterpret_cast<const uint4*>(p));
+#else
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+#endif
+}
+
+// A bf16 pair (hi, lo) of x: hi = bf16(v), lo = bf16(v - hi), packed as mma.cuh's pairs.
+__device__ __forceinline__ void split_pair(float v0, float v1, unsigned& hi, unsigned& lo) {
+  const __nv_bfloat16 h0 = __float2bfloat16_rn(v0), h1 = __float2bfloat16_rn(v1);
+  hi = pack_bf16x2(h0, h1);
+  lo = pack_bf16x2(v0 - __bfloat162float(h0), v1 - __bfloat162float(h1));
+}
+
+}  // namespace mtp
+
+template <int NT, bool NORM>
+__global__ void __launch_bounds__(mtp::kTcThreads)
+gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, const float* __restrict__ bias,
+               const float* residual, const float* __restrict__ g, float eps, float* y, int n, int N, int K,
+               int kw) {
+  using namespace mtp;
+  constexpr int R = 8 * NT;  // staged input rows
+  // xs[0] hi, xs[1] lo: [R][kTcLd] BF16 as uint4 (16-byte aligned fragment reads); after the K
+  // loop the same words hold the k-warps' partial sums (8 warps x NT x 4 x 32 floats <= its size)
+  __shared__ uint4 xs[2][R][kTcLd / 8];
+  __shared__ float inv[R];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int gq = lane >> 2, t = lane & 3;
+  const int rw = warp / kw, ks = warp % kw;
+  const int row0 = (blockIdx.x * (kTcWarps / kw) + rw) * 16;
+  const bool live = row0 < N;  // uniform over the warp
+  const bool vec = aligned16(w);
+  const __nv_bfloat16* wa = w + static_cast<long long>(min(row0 + gq, N - 1)) * K + 8 * t;
+  const __nv_bfloat16* wb = w + static_cast<long long>(min(row0 + gq + 8, N - 1)) * K + 8 * t;
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+  float ssq[NT];  // NORM: this lane's sum of x^2 over its staged elements of rows warp + 8 j
+#pragma unroll
+  for (int j = 0; j < NT; ++j) ssq[j] = 0.0f;
+
+  for (int k0 = 0; k0 < K; k0 += kTcKc) {
+    // stage: warp stages rows warp + 8 j, lane the pairs 2 lane + 64 c of the chunk
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int r = warp + 8 * j;
+      unsigned* hi = reinterpret_cast<unsigned*>(&xs[0][r][0]);
+      unsigned* lo = reinterpret_cast<unsigned*>(&xs[1][r][0]);
+      const float* xr = x + static_cast<long long>(min(r, n - 1)) * K;
+#pragma unroll
+      for (int c = 0; c < kTcKc / 64; ++c) {
+        const int kk = 2 * lane + 64 * c, k = k0 + kk;
+        float v0 = 0.0f, v1 = 0.0f;
+        if (r < n && k < K) {  // K even: k + 1 < K too
+          v0 = __ldg(xr + k);
+          v1 = __ldg(xr + k + 1);
+          if constexpr (NORM) {
+            ssq[j] = fmaf(v0, v0, fmaf(v1, v1, ssq[j]));
+            v0 *= __ldg(g + k);
+            v1 *= __ldg(g + k + 1);
+          }
+        }
+        split_pair(v0, v1, hi[kk / 2], lo[kk / 2]);
+      }
+    }
+    __syncthreads();
+    if (live) {
+      const int steps = min(kTcKc / 32, (K - k0 + 31) / 32);  // 32-wide steps holding some k < K
+      for (int s0 = ks; s0 < steps; s0 += kw * kTcGroup) {
+        uint4 a0[kTcGroup], a1[kTcGroup];
+#pragma unroll
+        for (int q = 0; q < kTcGroup; ++q) {
+          const int s = s0 + q * kw;
+          const int k = k0 + 32 * s + 8 * t;
+          if (s < steps && k < K) {
+            a0[q] = load_w16(wa + (k0 + 32 * s), vec);
+            a1[q] = load_w16(wb + (k0 + 32 * s), vec);
+          } else {
+            a0[q] = uint4{0u, 0u, 0u, 0u};
+            a1[q] = uint4{0u, 0u, 0u, 0u};
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kTcGroup; ++q) {
+          const int s = s0 + q * kw;
+          if (s >= steps) break;  // uniform over the warp
+          const unsigned A0[4] = {a0[q].x, a1[q].x, a0[q].y, a1[q].y};
+          const unsigned A1[4] = {a0[q].z, a1[q].z, a0[q].w, a1[q].w};
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const uint4 h = xs[0][8 * j + gq][4 * s + t], l = xs[1][8 * j + gq][4 * s + t];
+            const unsigned bh0[2] = {h.x, h.y}, bh1[2] = {h.z, h.w};
+            const unsigned bl0[2] = {l.x, l.y}, bl1[2] = {l.z, l.w};
+            mma_m16n8k16_bf16(acc[j], A0, bl0);
+            mma_m16n8k16_bf16(acc[j], A1, bl1);
+            mma_m16n8k16_bf16(acc[j], A0, bh0);
+            mma_m16n8k16_bf16(acc[j], A1, bh1);
+          }
+        }
+      }
+    }
+    __syncthreads();  // xs is restaged (or reused for the partial sums)
+  }
+
+  if constexpr (NORM) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float s = warp_sum(ssq[j]);
+      if (lane == 0) inv[warp + 8 * j] = 1.0f / sqrtf(s / static_cast<float>(K) + eps);
+    }
+  }
+  float* red = reinterpret_cast<float*>(&xs[0][0][0]);  // [8 warps][NT][4][32 lanes]
+  if (kw > 1) {  // uniform over the block
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[((warp * NT + j) * 4 + i) * kWarp + lane] = acc[j][i];
+  }
+  __syncthreads();
+  if (!live || ks != 0) return;
+  for (int s = 1; s < kw; ++s)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] += red[(((warp + s) * NT + j) * 4 + i) * kWarp + lane];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int o = row0 + mma_c_row(lane, i), r = 8 * j + mma_c_col(lane, i);
+      if (o >= N || r >= n) continue;
+      float v = acc[j][i];
+      if constexpr (NORM) v *= inv[r];
+      if (bias) v += bias[o];
+      const long long at = static_cast<long long>(r) * N + o;
+      if (residual) v += residual[at];
+      y[at] = v;
+    }
+}
