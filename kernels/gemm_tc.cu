@@ -9,11 +9,13 @@
 // n-tiles, so each weight byte is read from memory once per launch (the launcher cuts n > 32
 // into launches of 32 rows).
 //
-// Accuracy: x is split as hi = bf16(x), lo = bf16(x - hi) and both are multiplied (W is
-// exactly BF16, each product exact in FP32): x is carried to 16 significant bits, an error of
-// at most 2^-17 |x| per element (the scalar kernel's FP32 x has 2^-24), far below BF16's 2^-9.
-// With the norm, the split is of x * g (one FP32 product, as the reference's normed row before
-// its scale).
+// Accuracy: x is split into kTcTerms = 3 BF16 terms, x0 = bf16(x), x1 = bf16(x - x0),
+// x2 = bf16(x - x0 - x1) (each difference exact in FP32), and every term is multiplied (W is
+// exactly BF16, each product exact in FP32, the smallest term first): x is carried to 24
+// significant bits (error <= 2^-26 |x|, under FP32's 2^-24), so the result agrees with the FP32
+// reference within FP32 summation rounding (tests/test_cuda_emulated.py measures 3-6e-8 of
+// sum |w x|, as linear_kernel; two terms, 16 bits, give 3e-7 .. 2e-6). With the norm, the split
+// is of x * g (one FP32 product, the reference's normed row before its scale).
 //
 // k order inside a 32-wide step: lane (g, t) loads 16 bytes of weight row g and of row g + 8,
 // k = 8t .. 8t + 7, and 16 bytes of the staged row g of an n-tile at the same k. Read as two
@@ -23,18 +25,22 @@
 // per operand and step, no shuffles.
 //
 // Grid mapping: block 256 = 8 warps = (8 / kw) row warps x kw k-warps (kw in {1, 2, 4, 8},
-// chosen by the launcher so that the grid fills the SMs). Row warp rw owns the 16 weight rows
+// chosen by the launcher so that the grid covers the SMs). Row warp rw owns the 16 weight rows
 // (blockIdx.x * (8 / kw) + rw) * 16 .., so grid.x = ceil(N / (128 / kw)). K is walked in
-// chunks of kTcKc = 256: the block stages x[0 .. 8 NT)[chunk] once as hi / lo BF16 in shared
-// memory (rows past n zero; row stride 288 elements: 576 B, so the 16-byte fragment reads of
-// a quarter warp hit distinct banks), then each warp takes the chunk's 32-wide steps
-// ks, ks + kw, .. (8 / kw of them), loading up to 4 steps of weights (4 KB per warp) before
-// their mma. The kw partial sums of a row warp are added in k-warp order through shared
-// memory (fixed order: the same launch gives the same bits). Weight loads are 16-byte
-// ld.global.nc.L1::no_allocate (streamed once: they must not evict the staged x from L1).
+// chunks of kTcKc = 256: the block stages x[0 .. 8 NT)[chunk] once as its three terms in
+// dynamic shared memory (3 x 8 NT rows x 288 BF16: 13.5 KiB per n-tile; rows past n zero;
+// the row stride of 576 B puts the 16-byte fragment reads of a quarter warp on distinct
+// banks), then each warp takes the chunk's 32-wide steps ks, ks + kw, .. (8 / kw of them)
+// in groups of kTcGroup = 4 (4 KB of weights per warp loaded before their 4 x 6 NT mma).
+// The first group of the next chunk is loaded before the chunk's closing barrier, so weight
+// loads stay in flight while the block restages x. The kw partial sums of a row warp are added
+// in k-warp order through shared memory (fixed order: the same launch gives the same bits).
+// Weight loads are 16-byte ld.global.nc.L1::no_allocate (read once: they must not evict the
+// staged x rows, read by every block, from L1).
 //
-// Preconditions: blockDim.x == 256; n in [1, 8 NT]; K % 8 == 0 (a step's 8-element groups
-// are then all in or all out of K; the launcher runs linear_kernel otherwise); x, residual,
+// Preconditions: blockDim.x == 256; dynamic shared memory 3 * 8 NT * 288 * 2 bytes (the
+// launcher opts in past 48 KiB); n in [1, 8 NT]; K % 8 == 0 (a step's 8-element groups are
+// then all in or all out of K; the launcher runs linear_kernel otherwise); x, residual,
 // y FP32 [n, *] contiguous, any alignment (x is staged with scalar loads); w [N, K] BF16,
 // any 2-byte alignment (16-byte aligned: vector loads, else 8 2-byte loads per 16 bytes);
 // bias / residual may be null; y may alias residual (each element read then written by the
@@ -49,6 +55,7 @@ constexpr int kTcThreads = kTcWarps * kWarp;
 constexpr int kTcKc = 256;          // k per staged chunk
 constexpr int kTcLd = kTcKc + 32;   // staged row stride in BF16 (576 B: 64 B mod 128 B)
 constexpr int kTcGroup = 4;         // 32-wide steps whose weights are loaded before their mma
+constexpr int kTcTerms = 3;         // BF16 terms x is split into (gemm_tc.py TC_TERMS)
 
 // 16 bytes of W, read once: no L1 allocation (PTX ISA ld, .L1::no_allocate, sm_70+).
 __device__ __forceinline__ uint4 load_w16(const __nv_bfloat16* p, bool vec) {
@@ -71,11 +78,17 @@ __device__ __forceinline__ uint4 load_w16(const __nv_bfloat16* p, bool vec) {
 #endif
 }
 
-// A bf16 pair (hi, lo) of x: hi = bf16(v), lo = bf16(v - hi), packed as mma.cuh's pairs.
-__device__ __forceinline__ void split_pair(float v0, float v1, unsigned& hi, unsigned& lo) {
-  const __nv_bfloat16 h0 = __float2bfloat16_rn(v0), h1 = __float2bfloat16_rn(v1);
-  hi = pack_bf16x2(h0, h1);
-  lo = pack_bf16x2(v0 - __bfloat162float(h0), v1 - __bfloat162float(h1));
+// Two values of x as TERMS BF16 pairs (mma.cuh's packing) that add up to them: part 0 =
+// bf16(v), part e = bf16(v - parts 0 .. e - 1) (each difference exact in FP32).
+template <int TERMS>
+__device__ __forceinline__ void split_pair(float v0, float v1, unsigned (&parts)[TERMS]) {
+#pragma unroll
+  for (int e = 0; e < TERMS; ++e) {
+    const __nv_bfloat16 h0 = __float2bfloat16_rn(v0), h1 = __float2bfloat16_rn(v1);
+    parts[e] = pack_bf16x2(h0, h1);
+    v0 -= __bfloat162float(h0);
+    v1 -= __bfloat162float(h1);
+  }
 }
 
 }  // namespace mtp
@@ -86,10 +99,12 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                const float* residual, const float* __restrict__ g, float eps, float* y, int n, int N, int K,
                int kw) {
   using namespace mtp;
-  constexpr int R = 8 * NT;  // staged input rows
-  // xs[0] hi, xs[1] lo: [R][kTcLd] BF16 as uint4 (16-byte aligned fragment reads); after the K
-  // loop the same words hold the k-warps' partial sums (8 warps x NT x 4 x 32 floats <= its size)
-  __shared__ uint4 xs[2][R][kTcLd / 8];
+  constexpr int R = 8 * NT;       // staged input rows
+  constexpr int L = kTcLd / 8;    // uint4 per staged row
+  // dynamic, kTcTerms * R * kTcLd BF16 (tc_smem_bytes in the launcher): term e of staged row r
+  // at xs[(e * R + r) * L ..]; after the K loop the same words hold the k-warps' partial sums
+  // (8 warps x NT x 4 x 32 floats, well within)
+  extern __shared__ uint4 xs[];
   __shared__ float inv[R];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int gq = lane >> 2, t = lane & 3;
@@ -109,13 +124,28 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
 #pragma unroll
   for (int j = 0; j < NT; ++j) ssq[j] = 0.0f;
 
+  // The weights of one group: steps s0 + q kw (q < kTcGroup) of the chunk at k0, zero past K.
+  uint4 a0[kTcGroup], a1[kTcGroup];
+  auto load_group = [&](int k0, int s0) {
+#pragma unroll
+    for (int q = 0; q < kTcGroup; ++q) {
+      const int ko = k0 + 32 * (s0 + q * kw);
+      if (s0 + q * kw < kTcKc / 32 && ko + 8 * t < K) {
+        a0[q] = load_w16(wa + ko, vec);
+        a1[q] = load_w16(wb + ko, vec);
+      } else {
+        a0[q] = uint4{0u, 0u, 0u, 0u};
+        a1[q] = uint4{0u, 0u, 0u, 0u};
+      }
+    }
+  };
+  if (live) load_group(0, ks);  // in flight while the first chunk is staged
+
   for (int k0 = 0; k0 < K; k0 += kTcKc) {
     // stage: warp stages rows warp + 8 j, lane the pairs 2 lane + 64 c of the chunk
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int r = warp + 8 * j;
-      unsigned* hi = reinterpret_cast<unsigned*>(&xs[0][r][0]);
-      unsigned* lo = reinterpret_cast<unsigned*>(&xs[1][r][0]);
       const float* xr = x + static_cast<long long>(min(r, n - 1)) * K;
 #pragma unroll
       for (int c = 0; c < kTcKc / 64; ++c) {
@@ -130,26 +160,17 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
             v1 *= __ldg(g + k + 1);
           }
         }
-        split_pair(v0, v1, hi[kk / 2], lo[kk / 2]);
+        unsigned parts[kTcTerms];
+        split_pair<kTcTerms>(v0, v1, parts);
+#pragma unroll
+        for (int e = 0; e < kTcTerms; ++e) reinterpret_cast<unsigned*>(xs + (e * R + r) * L)[kk / 2] = parts[e];
       }
     }
     __syncthreads();
     if (live) {
       const int steps = min(kTcKc / 32, (K - k0 + 31) / 32);  // 32-wide steps holding some k < K
       for (int s0 = ks; s0 < steps; s0 += kw * kTcGroup) {
-        uint4 a0[kTcGroup], a1[kTcGroup];
-#pragma unroll
-        for (int q = 0; q < kTcGroup; ++q) {
-          const int s = s0 + q * kw;
-          const int k = k0 + 32 * s + 8 * t;
-          if (s < steps && k < K) {
-            a0[q] = load_w16(wa + (k0 + 32 * s), vec);
-            a1[q] = load_w16(wb + (k0 + 32 * s), vec);
-          } else {
-            a0[q] = uint4{0u, 0u, 0u, 0u};
-            a1[q] = uint4{0u, 0u, 0u, 0u};
-          }
-        }
+        if (s0 != ks) load_group(k0, s0);  // kw = 1: the chunk's second group
 #pragma unroll
         for (int q = 0; q < kTcGroup; ++q) {
           const int s = s0 + q * kw;
@@ -157,17 +178,17 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
           const unsigned A0[4] = {a0[q].x, a1[q].x, a0[q].y, a1[q].y};
           const unsigned A1[4] = {a0[q].z, a1[q].z, a0[q].w, a1[q].w};
 #pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const uint4 h = xs[0][8 * j + gq][4 * s + t], l = xs[1][8 * j + gq][4 * s + t];
-            const unsigned bh0[2] = {h.x, h.y}, bh1[2] = {h.z, h.w};
-            const unsigned bl0[2] = {l.x, l.y}, bl1[2] = {l.z, l.w};
-            mma_m16n8k16_bf16(acc[j], A0, bl0);
-            mma_m16n8k16_bf16(acc[j], A1, bl1);
-            mma_m16n8k16_bf16(acc[j], A0, bh0);
-            mma_m16n8k16_bf16(acc[j], A1, bh1);
-          }
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = kTcTerms - 1; e >= 0; --e) {  // smallest term first
+              const uint4 b = xs[(e * R + 8 * j + gq) * L + 4 * s + t];
+              const unsigned b0[2] = {b.x, b.y}, b1[2] = {b.z, b.w};
+              mma_m16n8k16_bf16(acc[j], A0, b0);
+              mma_m16n8k16_bf16(acc[j], A1, b1);
+            }
         }
       }
+      if (k0 + kTcKc < K) load_group(k0 + kTcKc, ks);  // next chunk's first group, across the barriers
     }
     __syncthreads();  // xs is restaged (or reused for the partial sums)
   }
@@ -179,7 +200,7 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
       if (lane == 0) inv[warp + 8 * j] = 1.0f / sqrtf(s / static_cast<float>(K) + eps);
     }
   }
-  float* red = reinterpret_cast<float*>(&xs[0][0][0]);  // [8 warps][NT][4][32 lanes]
+  float* red = reinterpret_cast<float*>(xs);  // [8 warps][NT][4][32 lanes]
   if (kw > 1) {  // uniform over the block
 #pragma unroll
     for (int j = 0; j < NT; ++j)

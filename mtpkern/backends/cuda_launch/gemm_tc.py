@@ -19,12 +19,15 @@ import numpy as np
 from ...ops._check import dtype_name, shape_of
 from ...ops.linear import check_linear
 from ._util import (CudaFp8, cdiv, device, device_weight, expect_disjoint, expect_same_or_disjoint, f32, i32,
-                    optional, output, ptr, sm_count)
+                    opt_in_smem, optional, output, ptr, sm_count)
 from .loader import GEMM_TC_NT, get_kernel
 
 #: kTcThreads in gemm_tc.cu: 8 warps
 TC_THREADS = 256
 TC_WARPS = 8
+#: kTcTerms, kTcLd in gemm_tc.cu: BF16 terms of x, staged row stride in BF16 elements
+TC_TERMS = 3
+TC_LD = 256 + 32
 #: input rows per launch (NT n-tiles of 8); more rows are cut into launches of this many
 TC_ROWS = 8 * max(GEMM_TC_NT)
 #: fewest input rows for which linear takes the tensor cores: below, the scalar kernel's
@@ -50,6 +53,12 @@ def tc_config(N: int) -> tuple[tuple[int], int]:
     return (cdiv(N, 16),), 8
 
 
+def tc_smem_bytes(nt: int) -> int:
+    """Dynamic shared memory of gemm_tc_kernel<nt, *>: the staged x, TC_TERMS x 8 nt rows x TC_LD
+    BF16 (13.5 KiB per n-tile: 54 KiB at nt = 4, past 48 KiB: the kernel opts in)."""
+    return TC_TERMS * 8 * nt * TC_LD * 2
+
+
 def launch_gemm_tc(x, w, bias, residual, y, norm=None) -> None:
     """Validated, contiguous device arrays: x [n, K], w [N, K] uint16 (K % 8 == 0), y [n, N];
     ``norm``: (g [K] FP32 device array, eps) or None. One launch per TC_ROWS input rows."""
@@ -65,9 +74,11 @@ def launch_gemm_tc(x, w, bias, residual, y, norm=None) -> None:
         m = min(TC_ROWS, n - r0)
         nt = cdiv(m, 8)
         kernel = get_kernel("gemm_tc", f"gemm_tc_kernel<{nt}, {'false' if g is None else 'true'}>")
+        smem = tc_smem_bytes(nt)
+        opt_in_smem(kernel, smem)
         res = None if residual is None else residual[r0:r0 + m]
         kernel(grid, (TC_THREADS,), (x[r0:r0 + m], w, ptr(bias), ptr(res), ptr(g), f32(eps), y[r0:r0 + m],
-                                     i32(m), i32(N), i32(K), i32(kw)))
+                                     i32(m), i32(N), i32(K), i32(kw)), shared_mem=smem)
 
 
 def gemm_tc(x, w, bias=None, residual=None, *, norm=None, out=None):
