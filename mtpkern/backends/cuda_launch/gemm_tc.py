@@ -72,12 +72,12 @@ def launch_gemm_tc(x, w, bias, residual, y, norm=None) -> None:
     g, eps = (None, 0.0) if norm is None else norm
     for r0 in range(0, n, TC_ROWS):
         m = min(TC_ROWS, n - r0)
+        rows = (lambda a: a) if m == n else (lambda a: None if a is None else a[r0:r0 + m])
         nt = cdiv(m, 8)
         kernel = get_kernel("gemm_tc", f"gemm_tc_kernel<{nt}, {'false' if g is None else 'true'}>")
         smem = tc_smem_bytes(nt)
         opt_in_smem(kernel, smem)
-        res = None if residual is None else residual[r0:r0 + m]
-        kernel(grid, (TC_THREADS,), (x[r0:r0 + m], w, ptr(bias), ptr(res), ptr(g), f32(eps), y[r0:r0 + m],
+        kernel(grid, (TC_THREADS,), (rows(x), w, ptr(bias), ptr(rows(residual)), ptr(g), f32(eps), rows(y),
                                      i32(m), i32(N), i32(K), i32(kw)), shared_mem=smem)
 
 
