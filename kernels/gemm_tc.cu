@@ -3,6 +3,13 @@
 // optional RMSNorm prologue: y = inv_rms(x) * (W (x * g)) (+ bias) (+ residual),
 // inv_rms[r] = 1 / sqrt(mean_k(x[r, k]^2) + eps).
 //
+//   gemm_tc_kernel<NT, NORM>: linear's product (linear.cu's, for BF16 weights and n >= 4).
+//   swiglu_tc_kernel<NT, NORM>: mlp.cu's gate/up product, act[n, I] = swiglu(x Wg^T, x Wu^T, L)
+//     (mtp::swiglu, clamp L; w13 [2I, H]: gate row u, up row I + u), K = H. Its tile is 8
+//     units: fragment rows 0..7 are gate rows u0 .. u0 + 7, rows 8..15 the up rows I + u0 ..,
+//     so each lane's accumulators hold a gate and its up for the same input row.
+//   Both run one tile driver (gemm_tc_tiles) and differ in their epilogue only.
+//
 // W BF16 (the mma's A operand: 16 weight rows x 16 k), x / bias / residual / y FP32, FP32
 // accumulation (mma.cuh: mma.sync m16n8k16). The input rows are the mma's B operand, 8 per
 // n-tile, NT = 1..4 n-tiles per launch (n <= 8 NT); every weight fragment is used for all NT
@@ -25,8 +32,9 @@
 // per operand and step, no shuffles.
 //
 // Grid mapping: block 256 = 8 warps = (8 / kw) row warps x kw k-warps (kw in {1, 2, 4, 8},
-// chosen by the launcher so that the grid covers the SMs). Row warp rw owns the 16 weight rows
-// (blockIdx.x * (8 / kw) + rw) * 16 .., so grid.x = ceil(N / (128 / kw)). K is walked in
+// chosen by the launcher so that the grid covers the SMs). Row warp rw owns tile
+// blockIdx.x * (8 / kw) + rw (16 weight rows: rows 16 tile .. of W, or 8 units of w13), so
+// grid.x = ceil(tiles / (8 / kw)), tiles = ceil(N / 16) (ceil(I / 8) for SwiGLU). K is walked in
 // chunks of kTcKc = 256: the block stages x[0 .. 8 NT)[chunk] once as its three terms in
 // dynamic shared memory (3 x 8 NT rows x 288 BF16: 13.5 KiB per n-tile; rows past n zero;
 // the row stride of 576 B puts the 16-byte fragment reads of a quarter warp on distinct
@@ -44,7 +52,7 @@
 // y FP32 [n, *] contiguous, any alignment (x is staged with scalar loads); w [N, K] BF16,
 // any 2-byte alignment (16-byte aligned: vector loads, else 8 2-byte loads per 16 bytes);
 // bias / residual may be null; y may alias residual (each element read then written by the
-// same thread), not x. NORM: g [K] FP32; eps > 0 is the caller's.
+// same thread), not x; act must not overlap x. NORM: g [K] FP32; eps > 0 is the caller's.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -91,14 +99,83 @@ __device__ __forceinline__ void split_pair(float v0, float v1, unsigned (&parts)
   }
 }
 
-}  // namespace mtp
+// ---------------------------------------------------------------------------
+// Epilogues. rows(tile, gq, a, b): the weight rows of the tile's fragment rows gq and gq + 8
+// (clamped into the matrix), false when the tile is past the end; store<NT, NORM>(tile,
+// lane, n, acc, inv): acc[j][i] is D[mma_c_row(lane, i)][mma_c_col(lane, i)] of n-tile j,
+// inv[r] the row's 1 / rms (NORM).
 
-template <int NT, bool NORM>
-__global__ void __launch_bounds__(mtp::kTcThreads)
-gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, const float* __restrict__ bias,
-               const float* residual, const float* __restrict__ g, float eps, float* y, int n, int N, int K,
-               int kw) {
-  using namespace mtp;
+struct LinearTcEpi {
+  const float* bias;      // [N] or null
+  const float* residual;  // [n, N] or null
+  float* y;               // [n, N]
+  int N;
+
+  __device__ int tiles() const { return (N + 15) / 16; }
+  __device__ bool rows(int tile, int gq, int& a, int& b) const {
+    a = min(tile * 16 + gq, N - 1);
+    b = min(tile * 16 + gq + 8, N - 1);
+    return tile * 16 < N;
+  }
+  template <int NT, bool NORM>
+  __device__ void store(int tile, int lane, int n, const float (&acc)[NT][4], const float* inv) const {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int o = tile * 16 + mma_c_row(lane, i), r = 8 * j + mma_c_col(lane, i);
+        if (o >= N || r >= n) continue;
+        float v = acc[j][i];
+        if constexpr (NORM) v *= inv[r];
+        if (bias) v += bias[o];  // the reference's order: (x w^T + bias) + residual
+        const long long at = static_cast<long long>(r) * N + o;
+        if (residual) v += residual[at];
+        y[at] = v;
+      }
+  }
+};
+
+// SwiGLU gate/up (mlp.cu's product): a tile is 8 units u0 .. u0 + 7 as fragment rows 0..7 =
+// gate rows u, 8..15 = up rows I + u, so a lane holds both halves of act[r][u] (c[h] and
+// c[2 + h], h = 0, 1: input row 8 j + 2 t + h) and activates them in place.
+struct SwigluTcEpi {
+  float* act;  // [n, I]
+  int I;
+  float limit;  // the SwiGLU clamp, +inf for none
+
+  __device__ int tiles() const { return (I + 7) / 8; }
+  __device__ bool rows(int tile, int gq, int& a, int& b) const {
+    a = min(tile * 8 + gq, I - 1);
+    b = I + a;
+    return tile * 8 < I;
+  }
+  template <int NT, bool NORM>
+  __device__ void store(int tile, int lane, int n, const float (&acc)[NT][4], const float* inv) const {
+    const int u = tile * 8 + (lane >> 2);
+    if (u >= I) return;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 8 * j + 2 * (lane & 3) + h;
+        if (r >= n) continue;
+        float gate = acc[j][h], up = acc[j][2 + h];
+        if constexpr (NORM) {
+          gate *= inv[r];
+          up *= inv[r];
+        }
+        act[static_cast<long long>(r) * I + u] = swiglu(gate, up, limit);
+      }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The tile driver of both kernels (the header's mapping): row warp rw of block b computes
+// tile b * (8 / kw) + rw of epi.
+template <int NT, bool NORM, typename Epi>
+__device__ __forceinline__ void gemm_tc_tiles(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                                              const float* __restrict__ g, float eps, int n, int K, int kw,
+                                              const Epi& epi) {
   constexpr int R = 8 * NT;       // staged input rows
   constexpr int L = kTcLd / 8;    // uint4 per staged row
   // dynamic, kTcTerms * R * kTcLd BF16 (tc_smem_bytes in the launcher): term e of staged row r
@@ -109,11 +186,12 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int gq = lane >> 2, t = lane & 3;
   const int rw = warp / kw, ks = warp % kw;
-  const int row0 = (blockIdx.x * (kTcWarps / kw) + rw) * 16;
-  const bool live = row0 < N;  // uniform over the warp
+  const int tile = blockIdx.x * (kTcWarps / kw) + rw;
+  int ra = 0, rb = 0;
+  const bool live = epi.rows(tile, gq, ra, rb);  // uniform over the warp
   const bool vec = aligned16(w);
-  const __nv_bfloat16* wa = w + static_cast<long long>(min(row0 + gq, N - 1)) * K + 8 * t;
-  const __nv_bfloat16* wb = w + static_cast<long long>(min(row0 + gq + 8, N - 1)) * K + 8 * t;
+  const __nv_bfloat16* wa = w + static_cast<long long>(ra) * K + 8 * t;
+  const __nv_bfloat16* wb = w + static_cast<long long>(rb) * K + 8 * t;
 
   float acc[NT][4];
 #pragma unroll
@@ -214,17 +292,24 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][i] += red[(((warp + s) * NT + j) * 4 + i) * kWarp + lane];
-#pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int o = row0 + mma_c_row(lane, i), r = 8 * j + mma_c_col(lane, i);
-      if (o >= N || r >= n) continue;
-      float v = acc[j][i];
-      if constexpr (NORM) v *= inv[r];
-      if (bias) v += bias[o];
-      const long long at = static_cast<long long>(r) * N + o;
-      if (residual) v += residual[at];
-      y[at] = v;
-    }
+  epi.template store<NT, NORM>(tile, lane, n, acc, inv);
+}
+
+}  // namespace mtp
+
+template <int NT, bool NORM>
+__global__ void __launch_bounds__(mtp::kTcThreads)
+gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, const float* __restrict__ bias,
+               const float* residual, const float* __restrict__ g, float eps, float* y, int n, int N, int K,
+               int kw) {
+  const mtp::LinearTcEpi epi{bias, residual, y, N};
+  mtp::gemm_tc_tiles<NT, NORM>(x, w, g, eps, n, K, kw, epi);
+}
+
+template <int NT, bool NORM>
+__global__ void __launch_bounds__(mtp::kTcThreads)
+swiglu_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w13, const float* __restrict__ g,
+                 float eps, float* __restrict__ act, int n, int I, int H, int kw, float limit) {
+  const mtp::SwigluTcEpi epi{act, I, limit};
+  mtp::gemm_tc_tiles<NT, NORM>(x, w13, g, eps, n, H, kw, epi);
 }

@@ -54,6 +54,7 @@ from mtpkern.backends.cuda_launch import step as step_launch
 from mtpkern.config import tiny_config
 from mtpkern.errors import NoAllowedToken
 from mtpkern.ops.lm_head import bitmask_allowed, masked_argmax
+from mtpkern.ops.mlp import swiglu_act, swiglu_limit
 from mtpkern.ops.moe import RouterSpec
 from mtpkern.ops.rope_kv import inv_freq
 from mtpkern.tolerance import assert_close
@@ -720,7 +721,7 @@ def test_gemm_tc_k_warps_misaligned_and_in_place(emu, be, sm_count):
     K = 264
     for sms, N in ((2, 130), (2, 100), (2, 64), (2, 16), (132, 40)):
         sm_count(sms)
-        seen.add(gemm_tc_launch.tc_config(N)[1])
+        seen.add(gemm_tc_launch.tc_config(-(-N // 16))[1])
         x, w, r = rnd(rng, 12, K), rnd(rng, N, K, scale=K ** -0.5), rnd(rng, 12, N)
         wq, wf = stored(w, "bf16")
         wp = be.prepare_weight(wq)
@@ -731,6 +732,70 @@ def test_gemm_tc_k_warps_misaligned_and_in_place(emu, be, sm_count):
             got = be.linear(xa, wa, None, y, out=y)
             assert got is y
             assert (np.abs(y - want) <= bound).all(), (sms, N, mis)
+    assert seen == {1, 2, 4, 8}, seen
+
+
+def _swiglu_ref(x, w13, L, norm):
+    """act = swiglu_act of the float64 gate | up (rounded to FP32 once), the kernel's inputs."""
+    gu, _ = _tc_ref64(x, w13, None, None, norm)
+    return swiglu_act(gu.astype(np.float32), L)
+
+
+@pytest.mark.parametrize("n", [4, 9, 24, 33])
+@pytest.mark.parametrize("I,H", [(20, 72), (64, 264)])          # I % 8 != 0: a partial tile of units
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("norm", [False, True])
+def test_swiglu_tc_against_float64(emu, be, n, I, H, limit, norm):
+    """swiglu_tc_kernel (mlp's gate/up product for n >= 4 rows of BF16 w13) against the float64
+    gate and up through the reference's activation and clamp; with the down projection, the
+    whole swiglu_mlp against the reference (norm off: swiglu_mlp has no norm)."""
+    rng = np.random.default_rng(n * 100 + I + H)
+    x = rnd(rng, n, H)
+    (w13, f13), (w2, f2) = stored(rnd(rng, 2 * I, H, scale=H ** -0.5), "bf16"), stored(rnd(rng, H, I), "bf16")
+    nrm = (rnd(rng, H) + 1.0, 1e-5) if norm else None
+    L = swiglu_limit(limit)
+    before = emu.launches.copy()
+    act = gemm_tc_launch.swiglu_tc(x, be.prepare_weight(w13), limit=limit, norm=nrm)
+    nt = {4, 1} if n == 33 else {-(-n // 8)}
+    assert set(emu.launches - before) == {f"swiglu_tc_kernel<{t}, {'true' if norm else 'false'}>" for t in nt}
+    assert_close(act, _swiglu_ref(x, f13, L, nrm), "float32", "swiglu_tc")
+    if limit is not None:
+        assert (np.abs(act) <= max(L, 0.28) * L).all()                          # silu >= -0.279
+        assert (np.abs(act - _swiglu_ref(x, f13, swiglu_limit(None), nrm)) > 1e-3).any()   # the clamp bites
+    if not norm:
+        res = rnd(rng, n, H)
+        before = emu.launches.copy()
+        y = be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2), res, limit=limit)
+        down = "gemm_tc_kernel" if I % 8 == 0 else "linear_kernel"                # K = I of the down projection
+        assert {k.split("<")[0] for k in emu.launches - before} == {"swiglu_tc_kernel", down}
+        assert_close(y, REF.swiglu_mlp(x, f13, f2, res, limit=limit), "float32", "swiglu_mlp on tensor cores")
+
+
+def test_swiglu_tc_selection_and_k_warps(emu, be, sm_count):
+    """swiglu_mlp's gate/up on swiglu_tc_kernel for n >= 4 rows of BF16 w13, H % 8 == 0; the
+    scalar swiglu_gate_up_kernel for 3 rows, FP32 / FP8 weights and H % 8 != 0; every k-warp
+    count (units I against the SM count)."""
+    rng = np.random.default_rng(21)
+    for n, H, wd, want in ((3, 72, "bf16", "swiglu_gate_up_kernel<__nv_bfloat16>"),
+                           (4, 72, "bf16", "swiglu_tc_kernel<1, false>"),
+                           (8, 76, "bf16", "swiglu_gate_up_kernel<__nv_bfloat16>"),
+                           (8, 72, "f32", "swiglu_gate_up_kernel<float>"),
+                           (8, 72, "fp8", "swiglu_gate_up_kernel<__nv_fp8_e4m3>")):
+        x = rnd(rng, n, H)
+        (w13, f13), (w2, f2) = (stored(rnd(rng, 48, H, scale=H ** -0.5), wd, (16, 8)),
+                                stored(rnd(rng, H, 24, scale=0.2), wd, (16, 8)))
+        before = emu.launches.copy()
+        y = be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2))
+        assert want in set(emu.launches - before), (n, H, wd)
+        assert_close(y, REF.swiglu_mlp(x, f13, f2), "float32", f"swiglu_mlp n={n} H={H} {wd}")
+    seen = set()
+    for sms, I in ((2, 130), (2, 50), (2, 32), (2, 8)):
+        sm_count(sms)
+        seen.add(gemm_tc_launch.tc_config(-(-I // 8))[1])
+        x = rnd(rng, 12, 264)
+        w13, f13 = stored(rnd(rng, 2 * I, 264, scale=264 ** -0.5), "bf16")
+        assert_close(gemm_tc_launch.swiglu_tc(x, be.prepare_weight(w13)), _swiglu_ref(x, f13, swiglu_limit(None), None),
+                     "float32", f"swiglu_tc sms={sms} I={I}")
     assert seen == {1, 2, 4, 8}, seen
 
 
@@ -746,6 +811,10 @@ def test_gemm_tc_bad_input(emu, be):
         gemm_tc_launch.gemm_tc(x, wq, norm=(rnd(rng, 71), 1e-5))
     with pytest.raises(ValueError, match="norm eps: expected > 0"):
         gemm_tc_launch.gemm_tc(x, wq, norm=(rnd(rng, 72), 0.0))
+    with pytest.raises(ValueError, match=r"w13: expected an even number of rows \[2I, 72\], got \[15, 72\]"):
+        gemm_tc_launch.swiglu_tc(x, be.prepare_weight(stored(rnd(rng, 15, 72), "bf16")[0]))
+    with pytest.raises(TypeError, match="w13: expected BF16"):
+        gemm_tc_launch.swiglu_tc(x, rnd(rng, 16, 72))
 
 
 @pytest.mark.parametrize("wd", ["bf16", "f32", "fp8", "fp8c"])
@@ -1159,6 +1228,7 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
     for rows in (8, 16, 24, 32):                                                        # NT = 1 .. 4
         for norm in (None, (rnd(rng, 64), 1e-6)):
             out[f"gemm_tc {rows} {norm is None}"] = gemm_tc_launch.gemm_tc(xt[:rows], wt, rnd(rng, 40), norm=norm)
+            out[f"swiglu_tc {rows} {norm is None}"] = gemm_tc_launch.swiglu_tc(xt[:rows], wt, limit=1.5, norm=norm)
     out["rmsnorm"] = emu_backend.backend().rmsnorm(x, rnd(rng, 64), 1e-6)
     fused = rnd(rng, 5, 80)
     out["sigmoid_gate"] = emu_backend.backend().sigmoid_gate(x, fused[:, 8:16])
