@@ -35,9 +35,9 @@
 // chosen by the launcher so that the grid covers the SMs). Row warp rw owns tile
 // blockIdx.x * (8 / kw) + rw (16 weight rows: rows 16 tile .. of W, or 8 units of w13), so
 // grid.x = ceil(tiles / (8 / kw)), tiles = ceil(N / 16) (ceil(I / 8) for SwiGLU). K is walked in
-// chunks of kTcKc = 256: the block stages x[0 .. 8 NT)[chunk] once as its three terms in
-// dynamic shared memory (3 x 8 NT rows x 288 BF16: 13.5 KiB per n-tile; rows past n zero;
-// the row stride of 576 B puts the 16-byte fragment reads of a quarter warp on distinct
+// chunks of kTcKc = 512: the block stages x[0 .. 8 NT)[chunk] once as its three terms in
+// dynamic shared memory (3 x 8 NT rows x 544 BF16: 25.5 KiB per n-tile; rows past n zero;
+// the row stride of 1088 B puts the 16-byte fragment reads of a quarter warp on distinct
 // banks), then each warp takes the chunk's 32-wide steps ks, ks + kw, .. (8 / kw of them)
 // in groups of kTcGroup = 4 (4 KB of weights per warp loaded before their 4 x 6 NT mma).
 // The first group of the next chunk is loaded before the chunk's closing barrier, so weight
@@ -46,7 +46,7 @@
 // Weight loads are 16-byte ld.global.nc.L1::no_allocate (read once: they must not evict the
 // staged x rows, read by every block, from L1).
 //
-// Preconditions: blockDim.x == 256; dynamic shared memory 3 * 8 NT * 288 * 2 bytes (the
+// Preconditions: blockDim.x == 256; dynamic shared memory 3 * 8 NT * 544 * 2 bytes (the
 // launcher opts in past 48 KiB); n in [1, 8 NT]; K % 8 == 0 (a step's 8-element groups are
 // then all in or all out of K; the launcher runs linear_kernel otherwise); x, residual,
 // y FP32 [n, *] contiguous, any alignment (x is staged with scalar loads); w [N, K] BF16,
@@ -60,9 +60,9 @@ namespace mtp {
 
 constexpr int kTcWarps = 8;
 constexpr int kTcThreads = kTcWarps * kWarp;
-constexpr int kTcKc = 256;          // k per staged chunk
-constexpr int kTcLd = kTcKc + 32;   // staged row stride in BF16 (576 B: 64 B mod 128 B)
-constexpr int kTcGroup = 4;         // 32-wide steps whose weights are loaded before their mma
+constexpr int kTcKc = 512;          // k per staged chunk
+constexpr int kTcLd = kTcKc + 32;   // staged row stride in BF16 (1088 B: 64 B mod 128 B)
+constexpr int kTcGroup = 4;         // 32-wide steps of weights a warp keeps in flight (4 KB)
 constexpr int kTcTerms = 3;         // BF16 terms x is split into (gemm_tc.py TC_TERMS)
 
 // 16 bytes of W, read once: no L1 allocation (PTX ISA ld, .L1::no_allocate, sm_70+).
@@ -202,22 +202,24 @@ __device__ __forceinline__ void gemm_tc_tiles(const float* __restrict__ x, const
 #pragma unroll
   for (int j = 0; j < NT; ++j) ssq[j] = 0.0f;
 
-  // The weights of one group: steps s0 + q kw (q < kTcGroup) of the chunk at k0, zero past K.
+  // A ring of this warp's next kTcGroup steps' weights: its steps are ks, ks + kw, .. over all
+  // of K (step i at k = 32 (ks + i kw)), a0[0] / a1[0] the next one; zero past K.
   uint4 a0[kTcGroup], a1[kTcGroup];
-  auto load_group = [&](int k0, int s0) {
-#pragma unroll
-    for (int q = 0; q < kTcGroup; ++q) {
-      const int ko = k0 + 32 * (s0 + q * kw);
-      if (s0 + q * kw < kTcKc / 32 && ko + 8 * t < K) {
-        a0[q] = load_w16(wa + ko, vec);
-        a1[q] = load_w16(wb + ko, vec);
-      } else {
-        a0[q] = uint4{0u, 0u, 0u, 0u};
-        a1[q] = uint4{0u, 0u, 0u, 0u};
-      }
+  auto load_step = [&](int step, uint4& p, uint4& q) {
+    const int ko = 32 * (ks + step * kw);
+    if (ko + 8 * t < K) {
+      p = load_w16(wa + ko, vec);
+      q = load_w16(wb + ko, vec);
+    } else {
+      p = uint4{0u, 0u, 0u, 0u};
+      q = uint4{0u, 0u, 0u, 0u};
     }
   };
-  if (live) load_group(0, ks);  // in flight while the first chunk is staged
+  if (live) {  // in flight while the first chunk is staged
+#pragma unroll
+    for (int q = 0; q < kTcGroup; ++q) load_step(q, a0[q], a1[q]);
+  }
+  int next = 0;  // this warp's next step
 
   for (int k0 = 0; k0 < K; k0 += kTcKc) {
     // stage: warp stages rows warp + 8 j, lane the pairs 2 lane + 64 c of the chunk
@@ -246,27 +248,27 @@ __device__ __forceinline__ void gemm_tc_tiles(const float* __restrict__ x, const
     }
     __syncthreads();
     if (live) {
-      const int steps = min(kTcKc / 32, (K - k0 + 31) / 32);  // 32-wide steps holding some k < K
-      for (int s0 = ks; s0 < steps; s0 += kw * kTcGroup) {
-        if (s0 != ks) load_group(k0, s0);  // kw = 1: the chunk's second group
+      const int kend = min(k0 + kTcKc, K);
+      for (; 32 * (ks + next * kw) < kend; ++next) {  // this chunk's steps of the warp (uniform)
+        const int s = ks + next * kw - k0 / 32;   // the step within the chunk
+        const unsigned A0[4] = {a0[0].x, a1[0].x, a0[0].y, a1[0].y};
+        const unsigned A1[4] = {a0[0].z, a1[0].z, a0[0].w, a1[0].w};
 #pragma unroll
-        for (int q = 0; q < kTcGroup; ++q) {
-          const int s = s0 + q * kw;
-          if (s >= steps) break;  // uniform over the warp
-          const unsigned A0[4] = {a0[q].x, a1[q].x, a0[q].y, a1[q].y};
-          const unsigned A1[4] = {a0[q].z, a1[q].z, a0[q].w, a1[q].w};
-#pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int e = kTcTerms - 1; e >= 0; --e) {  // smallest term first
-              const uint4 b = xs[(e * R + 8 * j + gq) * L + 4 * s + t];
-              const unsigned b0[2] = {b.x, b.y}, b1[2] = {b.z, b.w};
-              mma_m16n8k16_bf16(acc[j], A0, b0);
-              mma_m16n8k16_bf16(acc[j], A1, b1);
-            }
+        for (int q = 0; q + 1 < kTcGroup; ++q) {
+          a0[q] = a0[q + 1];
+          a1[q] = a1[q + 1];
         }
+        load_step(next + kTcGroup, a0[kTcGroup - 1], a1[kTcGroup - 1]);  // kTcGroup steps ahead
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = kTcTerms - 1; e >= 0; --e) {  // smallest term first
+            const uint4 b = xs[(e * R + 8 * j + gq) * L + 4 * s + t];
+            const unsigned b0[2] = {b.x, b.y}, b1[2] = {b.z, b.w};
+            mma_m16n8k16_bf16(acc[j], A0, b0);
+            mma_m16n8k16_bf16(acc[j], A1, b1);
+          }
       }
-      if (k0 + kTcKc < K) load_group(k0 + kTcKc, ks);  // next chunk's first group, across the barriers
     }
     __syncthreads();  // xs is restaged (or reused for the partial sums)
   }
@@ -298,7 +300,7 @@ __device__ __forceinline__ void gemm_tc_tiles(const float* __restrict__ x, const
 }  // namespace mtp
 
 template <int NT, bool NORM>
-__global__ void __launch_bounds__(mtp::kTcThreads)
+__global__ void __launch_bounds__(mtp::kTcThreads, NT <= 2 ? 3 : 2)
 gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w, const float* __restrict__ bias,
                const float* residual, const float* __restrict__ g, float eps, float* y, int n, int N, int K,
                int kw) {
@@ -307,7 +309,7 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
 }
 
 template <int NT, bool NORM>
-__global__ void __launch_bounds__(mtp::kTcThreads)
+__global__ void __launch_bounds__(mtp::kTcThreads, NT <= 2 ? 3 : 2)
 swiglu_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w13, const float* __restrict__ g,
                  float eps, float* __restrict__ act, int n, int I, int H, int kw, float limit) {
   const mtp::SwigluTcEpi epi{act, I, limit};

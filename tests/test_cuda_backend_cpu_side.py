@@ -662,9 +662,9 @@ def test_launch_abi(recorder, wdtype):
     linear.linear(f(n, H), wt(10, H), f(10), f(n, 10))
     linear.linear(f(n, H), wt(10, H))
     linear.linear(f(8, H), wt(10, H), f(10), f(8, 10))               # BF16: gemm_tc_kernel<1, false>
-    gemm_tc.gemm_tc(f(24, H), np.zeros((10, H), np.uint16), f(10), norm=(f(H), 1e-6))         # <3, true>
+    gemm_tc.gemm_tc(f(6, H), np.zeros((10, H), np.uint16), f(10), norm=(f(H), 1e-6))          # <1, true>
     mlp.swiglu_mlp(f(8, H), wt(12, H), wt(H, 6), f(8, H))            # BF16: swiglu_tc_kernel<1, false>
-    gemm_tc.swiglu_tc(f(24, H), np.zeros((12, H), np.uint16), limit=2.0, norm=(f(H), 1e-6))  # <3, true>
+    gemm_tc.swiglu_tc(f(6, H), np.zeros((12, H), np.uint16), limit=2.0, norm=(f(H), 1e-6))   # <1, true>
     cache = FakeDev((5, 4, 2, 8), dense)
     rope_kv.qk_norm_rope_kv_write(f(n, 8 * 8), 4, 2, f(8), None, 1e-6, f(2), i(n), cache, cache, i(n))
     tables = i(2, 3)
@@ -688,7 +688,7 @@ def test_launch_abi(recorder, wdtype):
         "moe_combine_kernel", "argmax_final_kernel<false>", "argmax_final_kernel<true>", "copy_segments_kernel",
     }
     assert expected <= launched
-    assert {"gemm_tc_kernel<3, true>", "swiglu_tc_kernel<3, true>"} <= launched
+    assert {"gemm_tc_kernel<1, true>", "swiglu_tc_kernel<1, true>"} <= launched
     assert ("gemm_tc_kernel<1, false>" in launched) == (wdtype is np.uint16)
     assert ("swiglu_tc_kernel<1, false>" in launched) == (wdtype is np.uint16)
     ct, kv = (loader.CTYPE[np.dtype(t).name] for t in (np.uint8 if wdtype == "fp8" else wdtype, dense))

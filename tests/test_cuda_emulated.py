@@ -643,7 +643,7 @@ def _tc_ref64(x, w, bias, residual, norm):
 
 
 @pytest.mark.parametrize("n", [4, 5, 8, 9, 16, 24, 33])
-@pytest.mark.parametrize("K,N", [(72, 33), (264, 20)])          # K % 32 == 8; two chunks of 256
+@pytest.mark.parametrize("K,N", [(72, 33), (520, 20)])          # K % 32 == 8; two chunks of 512
 @pytest.mark.parametrize("extras", ["plain", "bias+residual", "norm", "norm+bias+residual"])
 def test_gemm_tc_against_float64(emu, be, n, K, N, extras):
     """gemm_tc_kernel through linear (and gemm_tc for the norm) against a float64 product, within
@@ -718,8 +718,8 @@ def test_gemm_tc_k_warps_misaligned_and_in_place(emu, be, sm_count):
     weight and input 4 bytes off 16 (the 2-byte weight loads), and out = residual in place."""
     rng = np.random.default_rng(5)
     seen = set()
-    K = 264
-    for sms, N in ((2, 130), (2, 100), (2, 64), (2, 16), (132, 40)):
+    K = 520                                                           # two chunks of 512
+    for sms, N in ((2, 320), (2, 160), (2, 80), (2, 32), (132, 40)):      # 20, 10, 5, 2 tiles x kw >= 20
         sm_count(sms)
         seen.add(gemm_tc_launch.tc_config(-(-N // 16))[1])
         x, w, r = rnd(rng, 12, K), rnd(rng, N, K, scale=K ** -0.5), rnd(rng, 12, N)
@@ -742,7 +742,7 @@ def _swiglu_ref(x, w13, L, norm):
 
 
 @pytest.mark.parametrize("n", [4, 9, 24, 33])
-@pytest.mark.parametrize("I,H", [(20, 72), (64, 264)])          # I % 8 != 0: a partial tile of units
+@pytest.mark.parametrize("I,H", [(20, 72), (64, 520)])          # I % 8 != 0: a partial tile of units
 @pytest.mark.parametrize("limit", [None, 0.7])
 @pytest.mark.parametrize("norm", [False, True])
 def test_swiglu_tc_against_float64(emu, be, n, I, H, limit, norm):
@@ -789,11 +789,11 @@ def test_swiglu_tc_selection_and_k_warps(emu, be, sm_count):
         assert want in set(emu.launches - before), (n, H, wd)
         assert_close(y, REF.swiglu_mlp(x, f13, f2), "float32", f"swiglu_mlp n={n} H={H} {wd}")
     seen = set()
-    for sms, I in ((2, 130), (2, 50), (2, 32), (2, 8)):
+    for sms, I in ((2, 160), (2, 80), (2, 40), (2, 16)):
         sm_count(sms)
         seen.add(gemm_tc_launch.tc_config(-(-I // 8))[1])
-        x = rnd(rng, 12, 264)
-        w13, f13 = stored(rnd(rng, 2 * I, 264, scale=264 ** -0.5), "bf16")
+        x = rnd(rng, 12, 520)
+        w13, f13 = stored(rnd(rng, 2 * I, 520, scale=520 ** -0.5), "bf16")
         assert_close(gemm_tc_launch.swiglu_tc(x, be.prepare_weight(w13)), _swiglu_ref(x, f13, swiglu_limit(None), None),
                      "float32", f"swiglu_tc sms={sms} I={I}")
     assert seen == {1, 2, 4, 8}, seen

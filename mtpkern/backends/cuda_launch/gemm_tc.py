@@ -33,7 +33,10 @@ TC_THREADS = 256
 TC_WARPS = 8
 #: kTcTerms, kTcLd in gemm_tc.cu: BF16 terms of x, staged row stride in BF16 elements
 TC_TERMS = 3
-TC_LD = 256 + 32
+TC_LD = 512 + 32
+#: warps a launch should give each SM: 4 KB of weights in flight per warp (gemm_tc.cu's ring
+#: of kTcGroup = 4 steps of 16 rows x 32 k), ~40 KB per SM to cover the memory latency
+TC_WARPS_PER_SM = 10
 #: input rows per launch (NT n-tiles of 8); more rows are cut into launches of this many
 TC_ROWS = 8 * max(GEMM_TC_NT)
 #: fewest input rows for which the tensor cores are taken: below, the scalar kernels' weight
@@ -50,19 +53,19 @@ def selected(n: int, K: int, w: Any) -> bool:
 
 def tc_config(tiles: int) -> tuple[tuple[int], int]:
     """-> (grid, kw) for ``tiles`` tiles of 16 weight rows (linear: ceil(N / 16); SwiGLU:
-    ceil(I / 8)): kw k-warps per tile, the smallest of (1, 2, 4, 8) whose grid
-    (``ceil(tiles / (8 / kw))`` blocks) covers every SM, else 8. Fewer k-warps mean more
-    tiles per block, so fewer blocks stage the same x."""
-    target = sm_count()
-    for kw in (1, 2, 4):
-        if cdiv(tiles, TC_WARPS // kw) >= target:
-            return (cdiv(tiles, TC_WARPS // kw),), kw
-    return (tiles,), 8
+    ceil(I / 8)): kw k-warps per tile, the smallest of (1, 2, 4, 8) that puts TC_WARPS_PER_SM
+    warps (each keeping 4 KB of weights in flight: 40 KB per SM) on every SM, else 8; grid
+    ``ceil(tiles / (8 / kw))`` blocks. Fewer k-warps mean more tiles per block, so fewer
+    blocks stage the same x (x is read from L2 kw n / 64 times the weight bytes)."""
+    want = TC_WARPS_PER_SM * sm_count()
+    kw = next((k for k in (1, 2, 4) if tiles * k >= want), 8)
+    return (cdiv(tiles, TC_WARPS // kw),), kw
 
 
 def tc_smem_bytes(nt: int) -> int:
     """Dynamic shared memory of the kernels at ``nt`` n-tiles: the staged x, TC_TERMS x 8 nt rows
-    x TC_LD BF16 (13.5 KiB per n-tile: 54 KiB at nt = 4, past 48 KiB: the kernel opts in)."""
+    x TC_LD BF16 (25.5 KiB per n-tile: 102 KiB at nt = 4, 2 blocks per SM; past 48 KiB (nt >= 2)
+    the kernel opts in)."""
     return TC_TERMS * 8 * nt * TC_LD * 2
 
 
