@@ -687,6 +687,19 @@ def test_gemm_tc_is_fp32_level(emu, be):
     assert (np.abs(be.linear(x, be.prepare_weight(wq)) - want) / mag).max() <= 2.0 ** -20
 
 
+def test_gemm_tc_keeps_inf_and_nan(emu, be):
+    """An infinite input stays infinite (its lower terms are 0, not inf - inf) and a NaN stays
+    NaN, as in the reference; the other rows are untouched."""
+    rng = np.random.default_rng(9)
+    x, w = rnd(rng, 8, 72), np.abs(rnd(rng, 16, 72, scale=72 ** -0.5)) + 0.01      # w > 0
+    x[1, 5], x[2, 7], x[3, 0] = np.inf, -np.inf, np.nan
+    wq, wf = stored(w, "bf16")
+    got = be.linear(x, be.prepare_weight(wq))
+    assert (got[1] == np.inf).all() and (got[2] == -np.inf).all() and np.isnan(got[3]).all()
+    keep = [0, 4, 5, 6, 7]
+    assert_close(got[keep], REF.linear(x[keep], wf), "float32", "gemm_tc rows without inf / nan")
+
+
 def test_gemm_tc_selection(emu, be):
     """Which kernel linear runs: gemm_tc_kernel<ceil(n / 8), false> for n >= 4 rows of BF16
     weights with K % 8 == 0 (n > 32: launches of 32 rows); linear_kernel for fewer rows, FP32 or
@@ -1208,6 +1221,7 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         out[f"mtp_input {wd}"] = be.mtp_input(pw(embed), np.array([1, 10, 0, 3, 3], np.int32), x,
                                               rnd(rng, 64), rnd(rng, 64), pw(w(64, 128)), 1e-5)
         out[f"swiglu {wd}"] = be.swiglu_mlp(x, pw(w(48, 64)), pw(w(64, 24)), x)
+        out[f"swiglu 3 rows {wd}"] = be.swiglu_mlp(x[:3], pw(w(48, 64)), pw(w(64, 24)), x[:3])  # under gemm_tc's 4
         mask = rng.integers(-2**31, 2**31, (5, 5), dtype=np.int64).astype(np.int32)
         mask[:, 0] |= 1
         head = pw(w(130, 64))
