@@ -229,7 +229,7 @@ __device__ __forceinline__ void gemm_tc_tiles(const float* __restrict__ x, const
     for (int j = 0; j < NT; ++j) {
       const int r = warp + 8 * j;
       const float* xr = x + static_cast<long long>(min(r, n - 1)) * K;
-#pragma unroll
+#pragma unroll (NT <= 2 ? 8 : (NT == 3 ? 4 : 2))  // NT 3-4: fewer staging loads at once, no spills
       for (int c = 0; c < kTcKc / 64; ++c) {
         const int kk = 2 * lane + 64 * c, k = k0 + kk;
         float v0 = 0.0f, v1 = 0.0f;
