@@ -593,7 +593,7 @@ class Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    from mtpkern.backends.cuda_launch import lm_head, mlp, moe, norm, rope_kv, step
+    from mtpkern.backends.cuda_launch import gemm_tc, lm_head, mlp, moe, norm, rope_kv, step
 
     def device(a, name, *dtypes):
         a = a if isinstance(a, FakeDev) else FakeDev(np.shape(a), np.asarray(a).dtype)
@@ -610,7 +610,7 @@ def recorder(monkeypatch):
         "optional": lambda a, name, *d: None if a is None else device(a, name, *d), "sm_count": lambda: 132,
         "smem_optin": lambda: 227 * 1024,
     }
-    for mod in (_util, norm, linear, rope_kv, attention, mlp, moe, lm_head, step):
+    for mod in (_util, norm, gemm_tc, linear, rope_kv, attention, mlp, moe, lm_head, step):
         for attr, fake in fakes.items():
             if hasattr(mod, attr):
                 monkeypatch.setattr(mod, attr, fake)
@@ -644,7 +644,7 @@ def check_launch(family, name, grid, block, args, shared_mem):
 def test_launch_abi(recorder, wdtype):
     """Every launch's arguments against the kernel's C++ signature; "fp8": the GEMV weights are
     ``CudaFp8`` (block scales), the KV cache and the embedding table BF16."""
-    from mtpkern.backends.cuda_launch import lm_head, mlp, moe, norm, rope_kv, step
+    from mtpkern.backends.cuda_launch import gemm_tc, lm_head, mlp, moe, norm, rope_kv, step
 
     def f(*shape):
         return np.zeros(shape, F32)
@@ -665,6 +665,10 @@ def test_launch_abi(recorder, wdtype):
     norm.mtp_input(np.zeros((50, H), dense), i(n), f(n, H), f(H), f(H), wt(H, 2 * H), 1e-6)
     linear.linear(f(n, H), wt(10, H), f(10), f(n, 10))
     linear.linear(f(n, H), wt(10, H))
+    linear.linear(f(8, H), wt(10, H), f(10), f(8, 10))               # BF16: gemm_tc_kernel<1, false>
+    gemm_tc.gemm_tc(f(6, H), np.zeros((10, H), np.uint16), f(10), norm=(f(H), 1e-6))          # <1, true>
+    mlp.swiglu_mlp(f(8, H), wt(12, H), wt(H, 6), f(8, H))            # BF16: swiglu_tc_kernel<1, false>
+    gemm_tc.swiglu_tc(f(6, H), np.zeros((12, H), np.uint16), limit=2.0, norm=(f(H), 1e-6))   # <1, true>
     cache = FakeDev((5, 4, 2, 8), dense)
     rope_kv.qk_norm_rope_kv_write(f(n, 8 * 8), 4, 2, f(8), None, 1e-6, f(2), i(n), cache, cache, i(n))
     tables = i(2, 3)
@@ -688,6 +692,9 @@ def test_launch_abi(recorder, wdtype):
         "moe_combine_kernel", "argmax_final_kernel<false>", "argmax_final_kernel<true>", "copy_segments_kernel",
     }
     assert expected <= launched
+    assert {"gemm_tc_kernel<1, true>", "swiglu_tc_kernel<1, true>"} <= launched
+    assert ("gemm_tc_kernel<1, false>" in launched) == (wdtype is np.uint16)
+    assert ("swiglu_tc_kernel<1, false>" in launched) == (wdtype is np.uint16)
     ct, kv = (loader.CTYPE[np.dtype(t).name] for t in (np.uint8 if wdtype == "fp8" else wdtype, dense))
     assert f"paged_attention_kernel<{kv}, 2>" in launched and f"paged_attention_kernel<{kv}, 4>" in launched
     assert {f"moe_expert_kernel<{ct}, true>", f"moe_expert_kernel<{ct}, false>", f"linear_kernel<{ct}>",

@@ -47,6 +47,7 @@ from conftest import kv_rows
 
 from mtpkern import Fp8Weight, cuda_graph
 from mtpkern.backends import get_backend
+from mtpkern.backends.cuda_launch import gemm_tc as gemm_tc_launch
 from mtpkern.backends.cuda_launch import linear as linear_launch
 from mtpkern.backends.cuda_launch import loader
 from mtpkern.backends.cuda_launch._util import CudaFp8
@@ -54,6 +55,7 @@ from mtpkern.backends.cuda_launch import step as step_launch
 from mtpkern.config import tiny_config
 from mtpkern.errors import NoAllowedToken
 from mtpkern.ops.lm_head import bitmask_allowed, masked_argmax
+from mtpkern.ops.mlp import swiglu_act, swiglu_limit
 from mtpkern.ops.moe import RouterSpec
 from mtpkern.ops.rope_kv import inv_freq
 from mtpkern.tolerance import assert_close
@@ -645,6 +647,216 @@ def test_gemv_split_k_widths(emu, be, sm_count):
     assert seen == {1, 2, 4}, seen
 
 
+# -- gemm_tc: the GEMV of 4 rows or more on tensor cores (kernels/gemm_tc.cu) ---------------------
+
+def _tc_ref64(x, w, bias, residual, norm):
+    """float64 y = (inv_rms *) (x (* g)) w^T + bias + residual, and a bound of gemm_tc's error:
+    x carried by three BF16 terms (|x - sum| <= 2^-26 |x|, 2^-24 for margin) plus FP32 sums of K
+    terms (K 2^-23), times sum_k |w x|; FP32 rounding of the bias / residual adds."""
+    x64, w64 = x.astype(np.float64), np.asarray(w, np.float64)
+    scale = np.ones((x.shape[0], 1))
+    if norm is not None:
+        g, eps = norm
+        scale = 1.0 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + eps)
+        x64 = x64 * g.astype(np.float64)
+    y = scale * (x64 @ w64.T)
+    mag = scale * (np.abs(x64) @ np.abs(w64).T)
+    if bias is not None:
+        y = y + bias
+    if residual is not None:
+        y = y + residual
+    K = x.shape[1]
+    return y, (2.0 ** -24 + K * 2.0 ** -23) * mag + 2.0 ** -22 * np.abs(y)
+
+
+@pytest.mark.parametrize("n", [4, 5, 8, 9, 16, 24, 33])
+@pytest.mark.parametrize("K,N", [(72, 33), (520, 20)])          # K % 32 == 8; two chunks of 512
+@pytest.mark.parametrize("extras", ["plain", "bias+residual", "norm", "norm+bias+residual"])
+def test_gemm_tc_against_float64(emu, be, n, K, N, extras):
+    """gemm_tc_kernel through linear (and gemm_tc for the norm) against a float64 product, within
+    FP32 sums of K terms (_tc_ref64). Measured on the emulator (n = 4 .. 33, N = 64): max |err| /
+    sum|w x| = 6.1e-8 at K = 72, 3.4e-8 at K = 264, 5.5e-8 at K = 2048; linear_kernel's 6.4e-8,
+    3.7e-8, 1.7e-8 (with two terms of x instead of three: 1.9e-6, 8.8e-7, 3.3e-7)."""
+    rng = np.random.default_rng(n * 1000 + K + N)
+    x, w = rnd(rng, n, K), rnd(rng, N, K, scale=K ** -0.5)
+    wq, wf = stored(w, "bf16")
+    wp = be.prepare_weight(wq)
+    bias = rnd(rng, N) if "bias" in extras else None
+    res = rnd(rng, n, N) if "residual" in extras else None
+    norm = (rnd(rng, K) + 1.0, 1e-5) if "norm" in extras else None
+    before = emu.launches.copy()
+    if norm is None:
+        got = be.linear(x, wp, bias, res)
+    else:
+        got = gemm_tc_launch.gemm_tc(x, wp, bias, res, norm=norm)
+    ran = emu.launches - before
+    assert set(ran) == {f"gemm_tc_kernel<{nt}, {'false' if norm is None else 'true'}>"
+                        for nt in ({4, 1} if n == 33 else {-(-n // 8)})}, ran
+    want, bound = _tc_ref64(x, wf, bias, res, norm)
+    err = np.abs(got - want)
+    assert (err <= bound).all(), f"max err {err.max()}, bound there {bound[np.unravel_index(err.argmax(), err.shape)]}"
+    assert_close(got, want, "float32", "gemm_tc")
+
+
+def test_gemm_tc_is_fp32_level(emu, be):
+    """x split into three BF16 terms keeps gemm_tc at FP32 level: max |err| / sum|w x| under
+    2^-20 (measured 6.1e-8 at K = 72, as linear_kernel's 6.4e-8), where x carried by one term
+    (bf16(x)) or two (hi + lo, 16 bits) misses it even with exact float64 products and sums."""
+    rng = np.random.default_rng(3)
+    x, w = rnd(rng, 24, 72), rnd(rng, 64, 72, scale=72 ** -0.5)
+    wq, wf = stored(w, "bf16")
+    want, _ = _tc_ref64(x, wf, None, None, None)
+    mag = np.abs(x.astype(np.float64)) @ np.abs(np.asarray(wf, np.float64)).T
+    hi = np.asarray(x.astype(BF16), np.float64)
+    lo = np.asarray((x - hi.astype(np.float32)).astype(BF16), np.float64)
+    for terms in (hi, hi + lo):
+        assert (np.abs(terms @ np.asarray(wf, np.float64).T - want) / mag).max() > 2.0 ** -20
+    assert (np.abs(be.linear(x, be.prepare_weight(wq)) - want) / mag).max() <= 2.0 ** -20
+
+
+def test_gemm_tc_keeps_inf_and_nan(emu, be):
+    """An infinite input stays infinite (its lower terms are 0, not inf - inf) and a NaN stays
+    NaN, as in the reference; the other rows are untouched."""
+    rng = np.random.default_rng(9)
+    x, w = rnd(rng, 8, 72), np.abs(rnd(rng, 16, 72, scale=72 ** -0.5)) + 0.01      # w > 0
+    x[1, 5], x[2, 7], x[3, 0] = np.inf, -np.inf, np.nan
+    wq, wf = stored(w, "bf16")
+    got = be.linear(x, be.prepare_weight(wq))
+    assert (got[1] == np.inf).all() and (got[2] == -np.inf).all() and np.isnan(got[3]).all()
+    keep = [0, 4, 5, 6, 7]
+    assert_close(got[keep], REF.linear(x[keep], wf), "float32", "gemm_tc rows without inf / nan")
+
+
+def test_gemm_tc_selection(emu, be):
+    """Which kernel linear runs: gemm_tc_kernel<ceil(n / 8), false> for n >= 4 rows of BF16
+    weights with K % 8 == 0 (n > 32: launches of 32 rows); linear_kernel for fewer rows, FP32 or
+    FP8 weights, and K % 8 != 0 (the boundary: K = 76 falls back, K = 72 and 80 do not)."""
+    rng = np.random.default_rng(11)
+    cases = [(1, 72, "bf16", {"linear_kernel<__nv_bfloat16>"}),
+             (3, 72, "bf16", {"linear_kernel<__nv_bfloat16>"}),
+             (4, 72, "bf16", {"gemm_tc_kernel<1, false>"}),
+             (8, 80, "bf16", {"gemm_tc_kernel<1, false>"}),
+             (9, 72, "bf16", {"gemm_tc_kernel<2, false>"}),
+             (17, 72, "bf16", {"gemm_tc_kernel<3, false>"}),
+             (32, 72, "bf16", {"gemm_tc_kernel<4, false>"}),
+             (40, 72, "bf16", {"gemm_tc_kernel<4, false>", "gemm_tc_kernel<1, false>"}),
+             (8, 76, "bf16", {"linear_kernel<__nv_bfloat16>"}),
+             (8, 72, "f32", {"linear_kernel<float>"}),
+             (8, 72, "fp8", {"linear_kernel<__nv_fp8_e4m3>"}),
+             (8, 72, "fp8c", {"linear_kernel<__nv_fp8_e4m3>"})]
+    for n, K, wd, want in cases:
+        x, w = rnd(rng, n, K), rnd(rng, 24, K, scale=K ** -0.5)
+        wq, wf = stored(w, wd, (16, 8))
+        before = emu.launches.copy()
+        got = be.linear(x, be.prepare_weight(wq))
+        assert set(emu.launches - before) == want, (n, K, wd)
+        assert_close(got, REF.linear(x, wf), "float32", f"linear n={n} K={K} {wd}")
+
+
+def test_gemm_tc_k_warps_misaligned_and_in_place(emu, be, sm_count):
+    """Every k-warp count (1, 2, 4, 8 warps splitting K, chosen by N against the SM count), a
+    weight and input 4 bytes off 16 (the 2-byte weight loads), and out = residual in place."""
+    rng = np.random.default_rng(5)
+    seen = set()
+    K = 520                                                           # two chunks of 512
+    for sms, N in ((2, 320), (2, 160), (2, 80), (2, 32), (132, 40)):      # 20, 10, 5, 2 tiles x kw >= 20
+        sm_count(sms)
+        seen.add(gemm_tc_launch.tc_config(-(-N // 16))[1])
+        x, w, r = rnd(rng, 12, K), rnd(rng, N, K, scale=K ** -0.5), rnd(rng, 12, N)
+        wq, wf = stored(w, "bf16")
+        wp = be.prepare_weight(wq)
+        want, bound = _tc_ref64(x, wf, None, r, None)
+        for mis in (False, True):
+            xa, wa = (misaligned(x), misaligned(wp)) if mis else (x, wp)
+            y = r.copy()
+            got = be.linear(xa, wa, None, y, out=y)
+            assert got is y
+            assert (np.abs(y - want) <= bound).all(), (sms, N, mis)
+    assert seen == {1, 2, 4, 8}, seen
+
+
+def _swiglu_ref(x, w13, L, norm):
+    """act = swiglu_act of the float64 gate | up (rounded to FP32 once), the kernel's inputs."""
+    gu, _ = _tc_ref64(x, w13, None, None, norm)
+    return swiglu_act(gu.astype(np.float32), L)
+
+
+@pytest.mark.parametrize("n", [4, 9, 24, 33])
+@pytest.mark.parametrize("I,H", [(20, 72), (64, 520)])          # I % 8 != 0: a partial tile of units
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("norm", [False, True])
+def test_swiglu_tc_against_float64(emu, be, n, I, H, limit, norm):
+    """swiglu_tc_kernel (mlp's gate/up product for n >= 4 rows of BF16 w13) against the float64
+    gate and up through the reference's activation and clamp; with the down projection, the
+    whole swiglu_mlp against the reference (norm off: swiglu_mlp has no norm)."""
+    rng = np.random.default_rng(n * 100 + I + H)
+    x = rnd(rng, n, H)
+    (w13, f13), (w2, f2) = stored(rnd(rng, 2 * I, H, scale=H ** -0.5), "bf16"), stored(rnd(rng, H, I), "bf16")
+    nrm = (rnd(rng, H) + 1.0, 1e-5) if norm else None
+    L = swiglu_limit(limit)
+    before = emu.launches.copy()
+    act = gemm_tc_launch.swiglu_tc(x, be.prepare_weight(w13), limit=limit, norm=nrm)
+    nt = {4, 1} if n == 33 else {-(-n // 8)}
+    assert set(emu.launches - before) == {f"swiglu_tc_kernel<{t}, {'true' if norm else 'false'}>" for t in nt}
+    assert_close(act, _swiglu_ref(x, f13, L, nrm), "float32", "swiglu_tc")
+    if limit is not None:
+        assert (np.abs(act) <= max(L, 0.28) * L).all()                          # silu >= -0.279
+        assert (np.abs(act - _swiglu_ref(x, f13, swiglu_limit(None), nrm)) > 1e-3).any()   # the clamp bites
+    if not norm:
+        res = rnd(rng, n, H)
+        before = emu.launches.copy()
+        y = be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2), res, limit=limit)
+        down = "gemm_tc_kernel" if I % 8 == 0 else "linear_kernel"                # K = I of the down projection
+        assert {k.split("<")[0] for k in emu.launches - before} == {"swiglu_tc_kernel", down}
+        assert_close(y, REF.swiglu_mlp(x, f13, f2, res, limit=limit), "float32", "swiglu_mlp on tensor cores")
+
+
+def test_swiglu_tc_selection_and_k_warps(emu, be, sm_count):
+    """swiglu_mlp's gate/up on swiglu_tc_kernel for n >= 4 rows of BF16 w13, H % 8 == 0; the
+    scalar swiglu_gate_up_kernel for 3 rows, FP32 / FP8 weights and H % 8 != 0; every k-warp
+    count (units I against the SM count)."""
+    rng = np.random.default_rng(21)
+    for n, H, wd, want in ((3, 72, "bf16", "swiglu_gate_up_kernel<__nv_bfloat16>"),
+                           (4, 72, "bf16", "swiglu_tc_kernel<1, false>"),
+                           (8, 76, "bf16", "swiglu_gate_up_kernel<__nv_bfloat16>"),
+                           (8, 72, "f32", "swiglu_gate_up_kernel<float>"),
+                           (8, 72, "fp8", "swiglu_gate_up_kernel<__nv_fp8_e4m3>")):
+        x = rnd(rng, n, H)
+        (w13, f13), (w2, f2) = (stored(rnd(rng, 48, H, scale=H ** -0.5), wd, (16, 8)),
+                                stored(rnd(rng, H, 24, scale=0.2), wd, (16, 8)))
+        before = emu.launches.copy()
+        y = be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2))
+        assert want in set(emu.launches - before), (n, H, wd)
+        assert_close(y, REF.swiglu_mlp(x, f13, f2), "float32", f"swiglu_mlp n={n} H={H} {wd}")
+    seen = set()
+    for sms, I in ((2, 160), (2, 80), (2, 40), (2, 16)):
+        sm_count(sms)
+        seen.add(gemm_tc_launch.tc_config(-(-I // 8))[1])
+        x = rnd(rng, 12, 520)
+        w13, f13 = stored(rnd(rng, 2 * I, 520, scale=520 ** -0.5), "bf16")
+        assert_close(gemm_tc_launch.swiglu_tc(x, be.prepare_weight(w13)), _swiglu_ref(x, f13, swiglu_limit(None), None),
+                     "float32", f"swiglu_tc sms={sms} I={I}")
+    assert seen == {1, 2, 4, 8}, seen
+
+
+def test_gemm_tc_bad_input(emu, be):
+    rng = np.random.default_rng(1)
+    x = rnd(rng, 8, 72)
+    wq = be.prepare_weight(stored(rnd(rng, 16, 72), "bf16")[0])
+    with pytest.raises(TypeError, match="w: expected BF16"):
+        gemm_tc_launch.gemm_tc(x, rnd(rng, 16, 72))
+    with pytest.raises(ValueError, match="K % 8 == 0"):
+        gemm_tc_launch.gemm_tc(rnd(rng, 8, 76), be.prepare_weight(stored(rnd(rng, 16, 76), "bf16")[0]))
+    with pytest.raises(ValueError, match=r"norm g: expected shape \[72\], got \[71\]"):
+        gemm_tc_launch.gemm_tc(x, wq, norm=(rnd(rng, 71), 1e-5))
+    with pytest.raises(ValueError, match="norm eps: expected > 0"):
+        gemm_tc_launch.gemm_tc(x, wq, norm=(rnd(rng, 72), 0.0))
+    with pytest.raises(ValueError, match=r"w13: expected an even number of rows \[2I, 72\], got \[15, 72\]"):
+        gemm_tc_launch.swiglu_tc(x, be.prepare_weight(stored(rnd(rng, 15, 72), "bf16")[0]))
+    with pytest.raises(TypeError, match="w13: expected BF16"):
+        gemm_tc_launch.swiglu_tc(x, rnd(rng, 16, 72))
+
+
 @pytest.mark.parametrize("wd", ["bf16", "f32", "fp8", "fp8c"])
 @pytest.mark.parametrize("n,V,H", [(1, 1000, 64), (9, 1001, 64), (17, 129, 48), (3, 64, 40), (8, 2, 8)])
 def test_lm_head_shapes(be, wd, n, V, H):
@@ -1031,10 +1243,12 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         be = emu_backend.backend()
         pw = be.prepare_weight
         out[f"linear {wd}"] = be.linear(x, pw(w(33, 64)), rnd(rng, 33), rnd(rng, 5, 33))
+        out[f"linear 3 rows {wd}"] = be.linear(x[:3], pw(w(33, 64)), rnd(rng, 33))     # under gemm_tc's 4
         embed = stored(rnd(rng, 11, 64), "f32" if wd == "f32" else "bf16")[0]          # never FP8
         out[f"mtp_input {wd}"] = be.mtp_input(pw(embed), np.array([1, 10, 0, 3, 3], np.int32), x,
                                               rnd(rng, 64), rnd(rng, 64), pw(w(64, 128)), 1e-5)
         out[f"swiglu {wd}"] = be.swiglu_mlp(x, pw(w(48, 64)), pw(w(64, 24)), x)
+        out[f"swiglu 3 rows {wd}"] = be.swiglu_mlp(x[:3], pw(w(48, 64)), pw(w(64, 24)), x[:3])  # under gemm_tc's 4
         mask = rng.integers(-2**31, 2**31, (5, 5), dtype=np.int64).astype(np.int32)
         mask[:, 0] |= 1
         head = pw(w(130, 64))
@@ -1050,6 +1264,12 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         hot = np.array([[1, 2, 3, 4]] * 5, np.int32)
         w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
         out[f"experts by expert {wd}"] = be.moe_experts(x, hot, wts, w13, w2)
+    xt = rnd(rng, 32, 64)
+    wt = emu_backend.backend().prepare_weight(stored(rnd(rng, 40, 64, scale=0.125), "bf16")[0])
+    for rows in (8, 16, 24, 32):                                                        # NT = 1 .. 4
+        for norm in (None, (rnd(rng, 64), 1e-6)):
+            out[f"gemm_tc {rows} {norm is None}"] = gemm_tc_launch.gemm_tc(xt[:rows], wt, rnd(rng, 40), norm=norm)
+            out[f"swiglu_tc {rows} {norm is None}"] = gemm_tc_launch.swiglu_tc(xt[:rows], wt, limit=1.5, norm=norm)
     out["rmsnorm"] = emu_backend.backend().rmsnorm(x, rnd(rng, 64), 1e-6)
     fused = rnd(rng, 5, 80)
     out["sigmoid_gate"] = emu_backend.backend().sigmoid_gate(x, fused[:, 8:16])

@@ -16,6 +16,7 @@ import numpy as np
 from ...ops.linear import check_linear
 from ._util import (cdiv, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
                     i32, optional, output, ptr, sm_count, weight_args)
+from .gemm_tc import launch_gemm_tc, selected as tensor_cores_selected
 from .loader import get_kernel
 
 #: kGemvThreads in common.cuh: 4 warps, one row group (2 weight rows) per warp
@@ -44,6 +45,8 @@ def launch_linear(x, w, bias, residual, y) -> None:
     N = w.shape[0]
     if n == 0 or N == 0:
         return
+    if tensor_cores_selected(n, K, w):  # n >= 4 rows, BF16 weights: kernels/gemm_tc.cu
+        return launch_gemm_tc(x, w, bias, residual, y)
     grid, wpr = gemv_config(cdiv(N, 2))
     kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}>")
     kernel(grid, (GEMV_THREADS,), (x, *weight_args(w), ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr)))

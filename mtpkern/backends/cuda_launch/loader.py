@@ -36,12 +36,19 @@ ATTENTION_DC = (2, 4, 8)
 #: mla_attention_tc_kernel (a warp's 4 LPT n-tiles of 8 dims: 16 LPT accumulators per thread).
 MLA_LPT = (1, 2)
 
+#: n-tiles of 8 input rows of gemm_tc_kernel (n <= 8 * NT rows per launch)
+GEMM_TC_NT = (1, 2, 3, 4)
+
 #: family -> the instantiations to compile (``nvrtcAddNameExpression``); a
 #: launcher asks for exactly one of these strings.
 NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "norm": ("rmsnorm_kernel",) + tuple(f"mtp_norms_kernel<{t}>" for t in _CTYPES),
     "linear": tuple(f"linear_kernel<{t}>" for t in _WEIGHT_CTYPES),
     "mlp": tuple(f"swiglu_gate_up_kernel<{t}>" for t in _WEIGHT_CTYPES),
+    # NT n-tiles of 8 input rows (linear's and swiglu_mlp's BF16 path for n >= 4), NORM: the
+    # RMSNorm prologue
+    "gemm_tc": tuple(f"{k}<{nt}, {nm}>" for k in ("gemm_tc_kernel", "swiglu_tc_kernel") for nt in GEMM_TC_NT
+                     for nm in ("false", "true")),
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true")),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
     + ("paged_attention_merge_kernel",),

@@ -15,6 +15,7 @@ from ...ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..base import all_fp8_or_none
 from ._util import (CudaFp8, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
                     i32, optional, output, weight_args)
+from .gemm_tc import launch_swiglu_tc, selected as tensor_cores_selected
 from .linear import GEMV_THREADS, gemv_config, launch_linear
 from .loader import get_kernel
 
@@ -38,7 +39,9 @@ def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None, limit=None):
     expect_same_or_disjoint("out", y, "residual", residual)
     if n == 0:
         return y
-    if I:
+    if I and tensor_cores_selected(n, H, w13):  # n >= 4 rows, BF16 weights: kernels/gemm_tc.cu
+        launch_swiglu_tc(x, w13, act, L)
+    elif I:
         grid, wpr = gemv_config(I)  # row group u = (gate row u, up row I + u)
         kernel = get_kernel("mlp", f"swiglu_gate_up_kernel<{ctype(w13)}>")
         kernel(grid, (GEMV_THREADS,), (x, *weight_args(w13), act, i32(n), i32(I), i32(H), i32(wpr), L))
