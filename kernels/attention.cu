@@ -51,7 +51,7 @@
 //   Dv] / part_ml [n, Hq, num_parts, 2] for the partitions that hold any of its rows and
 //   paged_attention_merge_kernel combines them.
 //   Shared memory (dynamic, bytes) = stages * 32 * (Dp + 16 / sizeof(KV) + Dvp) * sizeof(KV)
-//   + 4 * (rows * heads * Dp + 4 * 32 * MW + stages * 32 + 2 * rows), Dp / Dvp = D / Dv
+//   + 4 * (rows * heads * Dp + 4 * 32 * MW + 8 * MW + stages * 32 + 2 * rows), Dp / Dvp = D / Dv
 //   rounded up to 8, MW = 8 (DC 2, 4) or 4 (DC 8); the launcher computes the same sum.
 //
 // paged_attention_merge_kernel: grid (Hq, n), block 128 over Dv:
@@ -140,8 +140,10 @@ template <int DC>
 __host__ __device__ constexpr int attn_mw() { return DC == 8 ? 4 : 8; }
 }  // namespace mtp
 
+// At most 128 registers (4 blocks of 128 threads per SM): without the minimum-blocks hint
+// ptxas picks 72..96 registers for some instantiations and spills to get there.
 template <typename KV, int DC>
-__global__ void __launch_bounds__(mtp::kAttnThreads)
+__global__ void __launch_bounds__(mtp::kAttnThreads, 4)
 paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cache,
                        const KV* __restrict__ v_cache, const int* __restrict__ block_tables,
                        int max_blocks, const int* __restrict__ row_seq, const int* __restrict__ row_start,
@@ -193,7 +195,8 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   KV* v_s = k_s + stages * T * Dks;                                // [stages][T][Dvs]
   float* q_s = reinterpret_cast<float*>(v_s + stages * T * Dvs);   // [rows * heads][Dp], q * scale
   float* p_s = q_s + rows * heads * Dp;                            // [warps][T][MW] probabilities
-  int* slot_s = reinterpret_cast<int*>(p_s + kAttnWarps * T * MW);  // [stages][T], -1: not read
+  float* ml_s = p_s + kAttnWarps * T * MW;                         // [warps][2][MW] running max, sum
+  int* slot_s = reinterpret_cast<int*>(ml_s + kAttnWarps * 2 * MW);  // [stages][T], -1: not read
   int* ra_s = slot_s + stages * T;                                 // [rows] a_i
   int* rb_s = ra_s + rows;                                         // [rows] b_i
 
@@ -246,27 +249,31 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
       KV* kd = k_s + (k % stages) * T * Dks;
       KV* vd = v_s + (k % stages) * T * Dvs;
       const int* sl = slot_s + (k % stages) * T;
-      if (vec) {
+      if (vec) {  // a warp per tile row, a lane per 16-byte piece of its K | V
         const int ck = D / E, per = (D + Dv) / E;
-        for (int c = threadIdx.x; c < T * per; c += kAttnThreads) {
-          const int t = c / per, e = c % per;
+        for (int t = warp; t < T; t += kAttnWarps) {
           const int slot = sl[t];
           const long long s = slot >= 0 ? slot : 0;
-          if (e < ck) cp_async16(kd + t * Dks + e * E, k_cache + (s * Hkv + h) * D + e * E, slot >= 0);
-          else cp_async16(vd + t * Dvs + (e - ck) * E, v_cache + (s * Hkv + h) * Dv + (e - ck) * E, slot >= 0);
+          const KV* kg = k_cache + (s * Hkv + h) * D;
+          const KV* vg = v_cache + (s * Hkv + h) * Dv - D;  // piece e >= ck: v element e * E - D
+          for (int e = lane; e < per; e += kWarp) {
+            if (e < ck) cp_async16(kd + t * Dks + e * E, kg + e * E, slot >= 0);
+            else cp_async16(vd + t * Dvs + e * E - D, vg + e * E, slot >= 0);
+          }
         }
-      } else {
-        const int per = Dp + Dvs;
-        for (int c = threadIdx.x; c < T * per; c += kAttnThreads) {
-          const int t = c / per, e = c % per;
-          const long long s = sl[t];
-          if (e < Dp) {
-            if (s >= 0 && e < D) kd[t * Dks + e] = k_cache[(s * Hkv + h) * D + e];
+      } else {  // scalar copies, a warp per tile row; zeros past D / Dv and for rows not read
+        for (int t = warp; t < T; t += kAttnWarps) {
+          const int slot = sl[t];
+          const long long s = slot >= 0 ? slot : 0;
+          const KV* kg = k_cache + (s * Hkv + h) * D;
+          const KV* vg = v_cache + (s * Hkv + h) * Dv;
+          for (int e = lane; e < Dp; e += kWarp) {
+            if (slot >= 0 && e < D) kd[t * Dks + e] = kg[e];
             else set_zero(kd[t * Dks + e]);
-          } else if (s >= 0 && e - Dp < Dv) {
-            vd[t * Dvs + e - Dp] = v_cache[(s * Hkv + h) * Dv + e - Dp];
-          } else {
-            set_zero(vd[t * Dvs + e - Dp]);
+          }
+          for (int e = lane; e < Dvs; e += kWarp) {
+            if (slot >= 0 && e < Dv) vd[t * Dvs + e] = vg[e];
+            else set_zero(vd[t * Dvs + e]);
           }
         }
       }
@@ -274,14 +281,17 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
     cp_async_commit();  // an empty group past the last tile keeps the wait count fixed
   };
 
-  float o[MW][DC], mx[MW], l[MW];
+  // o in registers; the running max and sum of the warp's query vectors in shared memory
+  // (every lane computes the same values; lane 0 writes them after the warp's last
+  // collective of the tile, when every lane has read the old ones)
+  float o[MW][DC];
+  float* mx_w = ml_s + warp * 2 * MW;
+  float* l_w = mx_w + MW;
 #pragma unroll
-  for (int j = 0; j < MW; ++j) {
-    mx[j] = neg_inf();
-    l[j] = 0.0f;
+  for (int j = 0; j < MW; ++j)
 #pragma unroll
     for (int c = 0; c < DC; ++c) o[j][c] = 0.0f;
-  }
+  if (lane < MW) { mx_w[lane] = neg_inf(); l_w[lane] = 0.0f; }
   for (int k = 0; k < stages - 1; ++k) tile_slots(k);
   __syncthreads();
   for (int k = 0; k < stages - 1; ++k) issue(k);
@@ -301,6 +311,7 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
     float acc[MW];
 #pragma unroll
     for (int j = 0; j < MW; ++j) acc[j] = 0.0f;
+#pragma unroll 1
     for (int d0 = 0; d0 < Dp; d0 += 8) {
       float kf[8];
       lds<8>(kr + d0, kf);
@@ -326,14 +337,15 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
         const int i = m / gc;
         const bool in = ra_s[i] <= pos && pos < rb_s[i];
         const float s = in ? acc[j] : neg_inf();
-        const float mn = fmaxf(mx[j], warp_max(s));
+        const float mold = mx_w[j], lold = l_w[j];
+        const float mn = fmaxf(mold, warp_max(s));
         // a -inf score weighs 0, also while every score so far is -inf (mn = -inf, where
         // e^(-inf - mn) would be NaN); mx itself goes to the merge unchanged
         const float mo = mn == neg_inf() ? 0.0f : mn;
-        const float alpha = expf(mx[j] - mo);
+        const float alpha = expf(mold - mo);
         const float pe = in ? expf(s - mo) : 0.0f;
-        l[j] = l[j] * alpha + warp_sum(pe);
-        mx[j] = mn;
+        const float ln = lold * alpha + warp_sum(pe);
+        if (lane == 0) { mx_w[j] = mn; l_w[j] = ln; }
 #pragma unroll
         for (int c = 0; c < DC; ++c) o[j][c] *= alpha;
         if (in) e = pe;
@@ -347,20 +359,17 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
     if (dl < Dvs) {
       const KV* vt = v_s + (k % stages) * T * Dvs + dl;
       const int nt = min(T, hi - tile0);
+#pragma unroll 2
       for (int t = 0; t < nt; ++t) {
         float vf[DC];
         lds<DC>(vt + t * Dvs, vf);
         const float* pt = pw + t * MW;
 #pragma unroll
-        for (int j4 = 0; j4 < MW; j4 += 4) {
-          const float4 pp = *reinterpret_cast<const float4*>(pt + j4);
-          const float pj[4] = {pp.x, pp.y, pp.z, pp.w};
+        for (int j = 0; j < MW; ++j) {
+          const float pj = pt[j];
+          if (!(pj < 0.0f))  // in range (NaN included: it propagates, as in the reference)
 #pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            if (!(pj[u] < 0.0f))  // in range (NaN included: it propagates, as in the reference)
-#pragma unroll
-              for (int c = 0; c < DC; ++c) o[j4 + u][c] = fmaf(pj[u], vf[c], o[j4 + u][c]);
-          }
+            for (int c = 0; c < DC; ++c) o[j][c] = fmaf(pj, vf[c], o[j][c]);
         }
       }
     }
@@ -374,9 +383,10 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
       const int hk = h * group + g0 + m % gc;  // query head
       const long long hq = static_cast<long long>(r0 + i) * Hq + hk;
       const bool active = ra_s[i] < rb_s[i];
+      const float mxj = mx_w[j], lj = l_w[j];
       if (num_parts == 1) {
         // the whole denominator: l + e^(s - m) (m = -inf: inf, so the output is 0)
-        const float den = sinks != nullptr ? l[j] + expf(sinks[hk] - mx[j]) : l[j];
+        const float den = sinks != nullptr ? lj + expf(sinks[hk] - mxj) : lj;
 #pragma unroll
         for (int c = 0; c < DC; ++c)
           if (dl + c < Dv) out[hq * Dv + dl + c] = active ? o[j][c] / den : 0.0f;
@@ -385,7 +395,7 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
 #pragma unroll
         for (int c = 0; c < DC; ++c)
           if (dl + c < Dv) part_o[at * Dv + dl + c] = o[j][c];
-        if (lane == 0) { part_ml[2 * at] = mx[j]; part_ml[2 * at + 1] = l[j]; }
+        if (lane == 0) { part_ml[2 * at] = mxj; part_ml[2 * at + 1] = lj; }
       }
     }
   }
