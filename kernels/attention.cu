@@ -365,11 +365,14 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
         lds<DC>(vt + t * Dvs, vf);
         const float* pt = pw + t * MW;
 #pragma unroll
-        for (int j = 0; j < MW; ++j) {
-          const float pj = pt[j];
-          if (!(pj < 0.0f))  // in range (NaN included: it propagates, as in the reference)
+        for (int j4 = 0; j4 < MW; j4 += 4) {
+          const float4 pp = *reinterpret_cast<const float4*>(pt + j4);  // broadcast
+          const float pj[4] = {pp.x, pp.y, pp.z, pp.w};
 #pragma unroll
-            for (int c = 0; c < DC; ++c) o[j][c] = fmaf(pj, vf[c], o[j][c]);
+          for (int u = 0; u < 4; ++u)
+            if (!(pj[u] < 0.0f))  // in range (NaN included: it propagates, as in the reference)
+#pragma unroll
+              for (int c = 0; c < DC; ++c) o[j4 + u][c] = fmaf(pj[u], vf[c], o[j4 + u][c]);
         }
       }
     }
