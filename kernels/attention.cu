@@ -51,7 +51,7 @@
 //   Dv] / part_ml [n, Hq, num_parts, 2] for the partitions that hold any of its rows and
 //   paged_attention_merge_kernel combines them.
 //   Shared memory (dynamic, bytes) = stages * 32 * (Dp + 16 / sizeof(KV) + Dvp) * sizeof(KV)
-//   + 4 * (rows * heads * Dp + 4 * 32 * MW + 8 * MW + stages * 32 + 2 * rows), Dp / Dvp = D / Dv
+//   + 4 * (rows * heads * Dp + 4 * 32 * MW + 16 * MW + stages * 32 + 2 * rows), Dp / Dvp = D / Dv
 //   rounded up to 8, MW = 8 (DC 2, 4) or 4 (DC 8); the launcher computes the same sum.
 //
 // paged_attention_merge_kernel: grid (Hq, n), block 128 over Dv:
@@ -195,8 +195,8 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   KV* v_s = k_s + stages * T * Dks;                                // [stages][T][Dvs]
   float* q_s = reinterpret_cast<float*>(v_s + stages * T * Dvs);   // [rows * heads][Dp], q * scale
   float* p_s = q_s + rows * heads * Dp;                            // [warps][T][MW] probabilities
-  float* ml_s = p_s + kAttnWarps * T * MW;                         // [warps][2][MW] running max, sum
-  int* slot_s = reinterpret_cast<int*>(ml_s + kAttnWarps * 2 * MW);  // [stages][T], -1: not read
+  float* ml_s = p_s + kAttnWarps * T * MW;                         // [warps][2][2][MW] running max, sum
+  int* slot_s = reinterpret_cast<int*>(ml_s + kAttnWarps * 4 * MW);  // [stages][T], -1: not read
   int* ra_s = slot_s + stages * T;                                 // [rows] a_i
   int* rb_s = ra_s + rows;                                         // [rows] b_i
 
@@ -281,17 +281,17 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
     cp_async_commit();  // an empty group past the last tile keeps the wait count fixed
   };
 
-  // o in registers; the running max and sum of the warp's query vectors in shared memory
-  // (every lane computes the same values; lane 0 writes them after the warp's last
-  // collective of the tile, when every lane has read the old ones)
+  // o in registers; the running max and sum of the warp's query vectors in shared memory,
+  // double-buffered by tile parity: every lane reads buffer k & 1 and computes the same new
+  // values, lane 0 writes them to the other buffer (no lane can overwrite what another lane
+  // of its warp has yet to read; the next tile reads them after two barriers)
   float o[MW][DC];
-  float* mx_w = ml_s + warp * 2 * MW;
-  float* l_w = mx_w + MW;
+  float* ml_w = ml_s + warp * 4 * MW;  // [2][max | sum][MW]
 #pragma unroll
   for (int j = 0; j < MW; ++j)
 #pragma unroll
     for (int c = 0; c < DC; ++c) o[j][c] = 0.0f;
-  if (lane < MW) { mx_w[lane] = neg_inf(); l_w[lane] = 0.0f; }
+  if (lane < MW) { ml_w[lane] = neg_inf(); ml_w[MW + lane] = 0.0f; }
   for (int k = 0; k < stages - 1; ++k) tile_slots(k);
   __syncthreads();
   for (int k = 0; k < stages - 1; ++k) issue(k);
@@ -337,7 +337,8 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
         const int i = m / gc;
         const bool in = ra_s[i] <= pos && pos < rb_s[i];
         const float s = in ? acc[j] : neg_inf();
-        const float mold = mx_w[j], lold = l_w[j];
+        const float* old = ml_w + (k & 1) * 2 * MW;
+        const float mold = old[j], lold = old[MW + j];
         const float mn = fmaxf(mold, warp_max(s));
         // a -inf score weighs 0, also while every score so far is -inf (mn = -inf, where
         // e^(-inf - mn) would be NaN); mx itself goes to the merge unchanged
@@ -345,7 +346,7 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
         const float alpha = expf(mold - mo);
         const float pe = in ? expf(s - mo) : 0.0f;
         const float ln = lold * alpha + warp_sum(pe);
-        if (lane == 0) { mx_w[j] = mn; l_w[j] = ln; }
+        if (lane == 0) { ml_w[(~k & 1) * 2 * MW + j] = mn; ml_w[(~k & 1) * 2 * MW + MW + j] = ln; }
 #pragma unroll
         for (int c = 0; c < DC; ++c) o[j][c] *= alpha;
         if (in) e = pe;
@@ -386,7 +387,7 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
       const int hk = h * group + g0 + m % gc;  // query head
       const long long hq = static_cast<long long>(r0 + i) * Hq + hk;
       const bool active = ra_s[i] < rb_s[i];
-      const float mxj = mx_w[j], lj = l_w[j];
+      const float mxj = ml_w[(ntiles & 1) * 2 * MW + j], lj = ml_w[(ntiles & 1) * 2 * MW + MW + j];
       if (num_parts == 1) {
         // the whole denominator: l + e^(s - m) (m = -inf: inf, so the output is 0)
         const float den = sinks != nullptr ? lj + expf(sinks[hk] - mxj) : lj;

@@ -83,12 +83,12 @@ def query_capacity(dc: int) -> int:
 
 def smem_bytes(D: int, Dv: int, dc: int, heads: int, rows: int, stages: int, kv_itemsize: int) -> int:
     """The kernel's layout: K [stages][32][Dp + 16 B], V [stages][32][Dvp] in the cache's dtype,
-    then FP32 q [rows * heads][Dp], p [4][32][MW], (max, sum) [4][2][MW] and int slots
+    then FP32 q [rows * heads][Dp], p [4][32][MW], (max, sum) [4][2][2][MW] and int slots
     [stages][32], a / b [rows]."""
     Dp, Dvp = cdiv(D, 8) * 8, cdiv(Dv, 8) * 8
     mw = query_capacity(dc) // 4
     kv = stages * TILE * (Dp + 16 // kv_itemsize + Dvp) * kv_itemsize
-    return kv + 4 * (rows * heads * Dp + 4 * TILE * mw + 8 * mw + stages * TILE + 2 * rows)
+    return kv + 4 * (rows * heads * Dp + 4 * TILE * mw + 16 * mw + stages * TILE + 2 * rows)
 
 
 def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0,
