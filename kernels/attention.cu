@@ -367,6 +367,7 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
         const float* pt = pw + t * MW;
 #pragma unroll
         for (int j4 = 0; j4 < MW; j4 += 4) {
+          if (warp + kAttnWarps * j4 >= M) break;  // warp-uniform: no query vector from here on
           const float4 pp = *reinterpret_cast<const float4*>(pt + j4);  // broadcast
           const float pj[4] = {pp.x, pp.y, pp.z, pp.w};
 #pragma unroll
