@@ -61,13 +61,18 @@
 //   a time), the numerators summed in partition order (deterministic, no atomics): the
 //   sink counts once, however many partitions there are. Also merges mla.cu's partials.
 //
-// Preconditions: blockDim.x == 128; heads * rows <= 4 * MW; D <= 256; Dv <= 32 * DC (merge:
-// Dv <= 512);
-// stages in {2, 3}; part_size > 0; block_tables entries of the blocks holding rows
-// first .. L - 1 are valid blocks (the others are never read); slots < 2^31. L is clamped
-// to max_blocks * BS and first to 0 .. L; a row with first >= L gets zeros.
+// Preconditions: blockDim.x == 128; gridDim.y == n (the rows of the launch); heads * rows
+// <= 4 * MW; D <= 256; Dv <= 32 * DC (merge: Dv <= 512); stages in {2, 3}; part_size > 0;
+// block_tables entries of the blocks holding rows first .. L - 1 are valid blocks (the
+// others are never read); slots < 2^31. L is clamped to max_blocks * BS and first to
+// 0 .. L; a row with first >= L gets zeros.
 // Summation order: fixed by the launch (tile order, then rows of a tile in order), so the
 // same launch gives the same bits; a different `rows` or `part_size` rounds differently.
+// Cost per tile of 32 KV rows and M query vectors: 32 M (D + Dv) FMAs on CUDA cores and
+// ~5x the tile's bytes of shared-memory traffic (each warp reads the whole K and V tile),
+// so M = 4 is memory-bound and M = 12 near the SM's share of bandwidth; tensor cores for
+// QK / PV would be the next step at M >= 16 (docs/cuda.md, "Paged attention: design and
+// model").
 #include "common.cuh"
 
 namespace mtp {
