@@ -140,22 +140,33 @@ def test_gemv_dot_covers_k_once(K, nt, V):
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 12, 16, 32, 64])
 @pytest.mark.parametrize("D", [1, 19, 64, 80, 128, 192, 256])
-def test_attention_plan(group, D):
-    try:
-        p = attention.plan(group, D, max_len=40_000)
-    except ValueError:
-        assert attention.smem_bytes(group, D, 8, 32 * 8) > attention.SMEM_LIMIT or group * D * 4 > 40_000
-        return
-    assert p.dc in loader.ATTENTION_DC and D <= 32 * p.dc
-    assert p.part_size >= 32 * p.dc                    # the PV reduction reuses the score buffer
-    assert p.smem_bytes == attention.smem_bytes(group, D, p.dc, p.part_size) <= attention.SMEM_LIMIT
-    assert p.num_parts == math.ceil(40_000 / p.part_size)
-    assert f"paged_attention_kernel<__nv_bfloat16, {p.dc}>" in loader.NAME_EXPRESSIONS["attention"]
+@pytest.mark.parametrize("kv_itemsize", [2, 4])
+def test_attention_plan(group, D, kv_itemsize):
+    """Within an H200's opt-in limit every shape plans: 3 stages, as many rows as the block's
+    query capacity allows; within 48 KiB, fewer stages and rows, or a ValueError when not even
+    one row in 2 stages fits."""
+    for smem_max in (227 * 1024, attention.SMEM_LIMIT):
+        least = attention.smem_bytes(D, D, next(c for c in loader.ATTENTION_DC if D <= 32 * c),
+                                     min(group, 32), 1, 2, kv_itemsize)
+        try:
+            p = attention.plan(group, D, max_len=40_000, smem_max=smem_max, kv_itemsize=kv_itemsize)
+        except ValueError:
+            assert smem_max == attention.SMEM_LIMIT and least > smem_max
+            continue
+        assert p.dc in loader.ATTENTION_DC and D <= 32 * p.dc
+        assert p.heads == min(group, attention.query_capacity(p.dc)) and p.heads * p.rows <= attention.query_capacity(p.dc)
+        assert p.smem_bytes == attention.smem_bytes(D, D, p.dc, p.heads, p.rows, p.stages, kv_itemsize) <= smem_max
+        if smem_max > attention.SMEM_LIMIT:
+            assert p.stages == 3 and p.rows == attention.query_capacity(p.dc) // p.heads
+        assert p.part_size == attention.PART_SIZE and p.num_parts == math.ceil(40_000 / p.part_size)
+        assert f"paged_attention_kernel<__nv_bfloat16, {p.dc}>" in loader.NAME_EXPRESSIONS["attention"]
 
 
 def test_attention_plan_spreads_short_decode_over_the_gpu():
     p = attention.plan(12, 128, max_len=2048, work=1 * 8, target_blocks=2 * 132)
-    assert (p.part_size, p.num_parts) == (128, 16)
+    assert (p.part_size, p.num_parts) == (attention.MIN_PART, 32)        # 256 blocks: as close as 64 rows get
+    p = attention.plan(12, 128, max_len=4096, work=1 * 8, target_blocks=2 * 132)
+    assert (p.part_size, p.num_parts) == (64, 64)
     p = attention.plan(12, 128, max_len=32768, work=4 * 8, target_blocks=2 * 132)
     assert (p.part_size, p.num_parts) == (512, 64)
 
@@ -584,11 +595,15 @@ class Recorder:
 
     def get_kernel(self, family, name):
         assert name in loader.NAME_EXPRESSIONS[family], f"{name} is not compiled for {family}"
+        rec = self
 
-        def launch(grid, block, args, shared_mem=0):
-            self.launches.append((family, name, grid, block, args, shared_mem))
+        class Kernel:   # as cupy.RawKernel: called to launch, the opt-in attribute settable
+            max_dynamic_shared_size_bytes = 48 * 1024
 
-        return launch
+            def __call__(self, grid, block, args, shared_mem=0):
+                rec.launches.append((family, name, grid, block, args, shared_mem, self.max_dynamic_shared_size_bytes))
+
+        return Kernel()
 
 
 @pytest.fixture
@@ -617,7 +632,7 @@ def recorder(monkeypatch):
     return rec
 
 
-def check_launch(family, name, grid, block, args, shared_mem):
+def check_launch(family, name, grid, block, args, shared_mem, smem_attr):
     base, _, targs = name.partition("<")
     targs = [t.strip() for t in targs.rstrip(">").split(",")] if targs else []
     tparams, params = kernel_signatures(family)[base]
@@ -637,7 +652,7 @@ def check_launch(family, name, grid, block, args, shared_mem):
     dims = grid + (1,) * (3 - len(grid))
     assert all(d >= 1 for d in dims) and dims[1] <= 65535 and dims[2] <= 65535, f"{name}: grid {grid}"
     assert len(block) == 1 and block[0] % 32 == 0 and 32 <= block[0] <= 1024, f"{name}: block {block}"
-    assert 0 <= shared_mem <= 48 * 1024
+    assert 0 <= shared_mem <= max(48 * 1024, smem_attr) <= 227 * 1024, f"{name}: {shared_mem} B of shared memory"
 
 
 @pytest.mark.parametrize("wdtype", [np.uint16, F32, "fp8"])

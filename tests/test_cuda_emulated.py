@@ -432,6 +432,76 @@ def test_attention_window_sinks_workspaces(be, sm_count, monkeypatch, budget_row
                            part_o=np.zeros((n, Hq, p.num_parts, D), np.float32), part_ml=ws["part_ml"])
 
 
+def test_attention_plan_runs_heads_stages():
+    """The launch plan: query heads x rows of one sequence fill the block's 32 query vectors
+    (16 for Dv > 128), a group past that is split over blocks, 3 pipeline stages when they fit
+    (2 when not, then fewer rows), and partitions halved down to 64 rows to fill 264 blocks."""
+    from mtpkern.backends.cuda_launch import attention as attention_launch
+    plan = attention_launch.plan
+    p = plan(4, 128, 4096, work=8, target_blocks=264, smem_max=227 * 1024)
+    assert (p.dc, p.heads, p.rows, p.stages) == (4, 4, 8, 3)
+    assert (p.part_size, p.num_parts) == (64, 64)                    # 8 x 32 blocks at 128: short of 264
+    assert plan(4, 128, 2048, work=8, target_blocks=264).num_parts == 32   # 64 rows at least
+    assert plan(4, 128, 32768, work=64, target_blocks=264).part_size == 512
+    p = plan(12, 128, 512, work=3 * 8, target_blocks=264, smem_max=227 * 1024)
+    assert (p.heads, p.rows) == (12, 2)
+    p = plan(96, 128, 512, work=8, target_blocks=0, smem_max=227 * 1024)
+    assert (p.heads, p.rows, p.part_size) == (32, 1, 512)
+    p = plan(8, 256, 512, smem_max=227 * 1024, Dv=256)
+    assert (p.dc, p.heads, p.rows) == (8, 8, 2)
+    p = plan(4, 256, 512, smem_max=163 * 1024, Dv=256, kv_itemsize=4)   # an A100's opt-in limit
+    assert p.stages == 2 and p.smem_bytes <= 163 * 1024
+    assert plan(4, 128, 512, rows=3).rows == 3                          # the launcher passes rows=n
+    assert plan(4, 128, 512, rows=1, smem_max=227 * 1024).smem_bytes < plan(4, 128, 512, smem_max=227 * 1024).smem_bytes
+
+
+@pytest.mark.parametrize("sms", [1, 132])
+def test_attention_prefill_chunk_in_runs(be, sm_count, sms):
+    """A 70-row prefill chunk of one sequence (causal lengths 31..100) between rows of two
+    others: the kernel cuts it into runs of plan.rows rows (8 here), each its own block, and
+    every row gets the reference's result, in one partition (1 SM) or many (132); the same
+    launch twice gives the same bits."""
+    from mtpkern.backends.cuda_launch import attention as attention_launch
+    sm_count(sms)
+    Hq, Hkv, D, BS, max_blocks = 8, 2, 32, 8, 16
+    rng = np.random.default_rng(70 + sms)
+    NB = 3 * max_blocks
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D)
+    tables = rng.permutation(NB).reshape(3, max_blocks).astype(np.int32)
+    row_seq = np.array([1, 1] + [0] * 70 + [2], np.int32)
+    row_len = np.array([5, 6] + list(range(31, 101)) + [128], np.int32)
+    n = row_seq.size
+    p = attention_launch.plan(Hq // Hkv, D, max_blocks * BS, work=n * Hkv, target_blocks=2 * sms, rows=n)
+    assert p.rows == 8 and (p.num_parts > 1) == (sms > 1)
+    q = rnd(rng, n, Hq, D)
+    got = be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5)
+    want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5)
+    assert_close(got, want, "float32", "paged_attention (prefill chunk in runs)")
+    again = be.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5)
+    assert np.array_equal(got.view(np.uint32), again.view(np.uint32))
+
+
+def test_attention_run_with_disjoint_windows(be, sm_count):
+    """Two consecutive rows of one sequence whose windows do not meet (KV rows 0..9 and
+    500..519): the block of their run reads only the rows one of them sees; the table entries
+    of the blocks in between are far out of range (a read would fault)."""
+    sm_count(1)                                                          # one partition: one block
+    Hq, Hkv, D, BS, max_blocks = 4, 1, 16, 10, 60
+    rng = np.random.default_rng(5)
+    NB = max_blocks
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D)
+    tables = rng.permutation(NB).reshape(1, max_blocks).astype(np.int32)
+    row_seq, row_len, row_start = np.zeros(2, np.int32), np.array([10, 520], np.int32), np.array([0, 500], np.int32)
+    q = rnd(rng, 2, Hq, D)
+    want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5,
+                               row_start=row_start)
+    bad = tables.copy()
+    bad[0, 1:50] = 1 << 28                                               # KV rows 10..499: never read
+    bad[0, 52:] = 1 << 28
+    got = be.paged_attention(q, k, v, bad, row_seq, row_len, D ** -0.5, row_start=row_start)
+    assert_close(got, want, "float32", "paged_attention (disjoint windows in one run)")
+
+
 # -- MLA (kernels/mla.cu): split-KV, DeepSeek-V3's shapes, workspaces ---------------------------
 
 def _latent_cache(be, rng, NB, BS, W):

@@ -471,6 +471,53 @@ def test_paged_attention_window_sinks_long_context(be, Hq, Hkv, D, Dv):
         _check_window_case(be, case, seqs, lens, window, sinks, rng, D ** -0.5, BS, "paged_attention (all rows)")
 
 
+def _exact_rows(rng, per_seq, cap, layout):
+    """Rows of ``len(per_seq)`` sequences, ``per_seq[s]`` of them for sequence s with causal
+    lengths L_s - k + 1 .. L_s (an exact-mode module or a multi-row draft: each row of a
+    sequence sees one KV row more than the one before), laid out ``consecutive`` (the
+    proposer's layout), ``interleaved`` (round robin over the sequences) or ``shuffled``
+    -> (seqs, lens) as lists."""
+    rows = []
+    for s, k in enumerate(per_seq):
+        L = int(rng.integers(k, cap + 1))
+        rows += [(s, L - k + 1 + i) for i in range(k)]
+    if layout == "interleaved":
+        by_seq = [[sr for sr in rows if sr[0] == s] for s in range(len(per_seq))]
+        rows = [b[i] for i in range(max(per_seq)) for b in by_seq if i < len(b)]
+    elif layout == "shuffled":
+        rows = [rows[i] for i in rng.permutation(len(rows))]
+    return [s for s, _ in rows], [L for _, L in rows]
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "interleaved", "shuffled"])
+@pytest.mark.parametrize("Hq,Hkv,D,Dv,BS", [(8, 2, 64, 64, 16), (12, 1, 128, 128, 16), (4, 4, 32, 16, 5),
+                                           (16, 2, 48, 200, 8)])
+def test_paged_attention_rows_of_one_sequence(be, layout, Hq, Hkv, D, Dv, BS):
+    """Several rows per sequence with their own causal lengths (1..5 rows, 9 sequences), the
+    shape of an exact-mode module: the cuda kernel serves a run of a sequence's rows in one
+    block (its KV read once), also when the rows of a sequence are not consecutive, against
+    the float64 brute force, with windows and sinks; table entries no row reads are poison."""
+    rng = rng_for("attention_rows", layout, Hq, Hkv, D, Dv, BS)
+    max_blocks = -(-160 // BS)
+    seqs, lens = _exact_rows(rng, [3, 1, 5, 2, 3, 1, 4, 2, 3], max_blocks * BS, layout)
+    case = _window_case(be, rng, seqs, lens, BS, max_blocks, Hq, Hkv, D, Dv)
+    for window, sinks in [(None, None), (3, "large"), (70, "mixed"), (None, "tiny")]:
+        _check_window_case(be, case, seqs, lens, window, sinks, rng, D ** -0.5, BS, f"paged_attention ({layout})")
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,Dv", [(8, 2, 64, 64), (6, 1, 128, 96)])
+def test_paged_attention_rows_of_one_sequence_long_context(be, Hq, Hkv, D, Dv):
+    """Exact-mode rows (3 and 2 rows of two sequences, and a decode row) over contexts of
+    ~1500 KV rows: split into partitions per row and merged on the cuda backend, windows
+    across partitions, sinks counted once."""
+    rng = rng_for("attention_rows_long", Hq, Hkv, D, Dv)
+    BS, max_blocks = 16, 96
+    seqs, lens = [0, 0, 0, 1, 1, 2], [1498, 1499, 1500, 1201, 1202, 700]
+    case = _window_case(be, rng, seqs, lens, BS, max_blocks, Hq, Hkv, D, Dv)
+    for window, sinks in [(None, None), (600, "mixed"), (40, None), (None, "large")]:
+        _check_window_case(be, case, seqs, lens, window, sinks, rng, D ** -0.5, BS, "paged_attention (long, rows)")
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the reference's -inf - -inf
 def test_paged_attention_sinks_windows_at_minus_inf(be):
     """Keys of -inf score: every visible score -inf gives NaN without a sink (as before) and 0

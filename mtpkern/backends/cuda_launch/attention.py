@@ -9,15 +9,24 @@ query head in the softmax denominator) are device arrays the caller stages like
 ``row_len``; absent, the kernels get null pointers and compute what they computed
 before these existed, bit for bit.
 
+One block serves the query heads of one KV head (``heads`` of them, up to
+``4 * MW``: 32 for Dv <= 128, 16 for Dv <= 256) for a *run* of up to ``rows``
+consecutive rows of one sequence (``rows = 4 * MW // heads``; the kernel finds the
+runs on the device from ``row_seq``, so a captured step stays capturable), and
+streams the run's KV once through a cp.async ring of ``stages`` tiles of 32 KV rows
+(:func:`plan`). Grid ``(Hkv * ceil(group / heads), n, num_parts)``: the blocks of
+rows that do not start a run exit at once.
+
 Split-KV: a row's visible KV rows (from ``row_start``) are cut into partitions of
-``part_size`` (512, less when the scores would not fit shared memory or the GPU
-would be short of blocks; see :func:`plan`) handled by separate blocks;
+``part_size`` (512, halved down to 64 while the GPU would be short of blocks; see
+:func:`plan`) handled by separate blocks;
 ``num_parts = ceil(max_blocks * BS / part_size)`` comes from the *shapes* (no
 device-to-host read of row_len or row_start, so the launch is graph-capturable),
 and blocks past a row's length exit at once (with a window, most of them). With more
 than one partition the partials go to the workspaces ``part_o [n, Hq, P, Dv]`` and
 ``part_ml [n, Hq, P, 2]`` FP32 (``P = plan(...).num_parts``) and a merge kernel
-writes ``out`` (adding the sink once). Without caller workspaces, rows go in groups
+writes ``out`` (adding the sink once); with one partition there is no merge launch.
+Without caller workspaces, rows go in groups
 whose workspaces fit ``WORKSPACE_BYTES`` (64 MiB): a 256-row prefill chunk at 32K
 context with 96 query heads of 128 would otherwise take 0.8 GB; each group is one
 kernel + merge launch pair on the same stream.
@@ -43,8 +52,12 @@ from .loader import ATTENTION_DC, get_kernel
 
 #: kAttnThreads in attention.cu
 ATTN_THREADS = 128
+#: kAttnTile in attention.cu: KV rows per pipeline stage
+TILE = 32
 #: preferred KV rows per partition (per block)
 PART_SIZE = 512
+#: fewest KV rows per partition (two tiles)
+MIN_PART = 2 * TILE
 #: dynamic shared memory a plan stays within when it can (more takes the opt-in
 #: attribute, up to the device's limit: see ``plan``)
 SMEM_LIMIT = 48 * 1024
@@ -54,52 +67,72 @@ WORKSPACE_BYTES = 64 << 20
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    dc: int            # head dims per lane in the PV pass (template parameter DC)
-    part_size: int     # KV rows per block
+    dc: int            # value dims per lane in the PV pass (template parameter DC)
+    heads: int         # query heads of one KV head per block
+    rows: int          # most query rows of one sequence per block (a run)
+    stages: int        # KV tiles in the cp.async ring (2 or 3)
+    part_size: int     # KV rows per partition (per block)
     num_parts: int     # partitions of the longest possible row
     smem_bytes: int    # dynamic shared memory per block
 
 
-def smem_bytes(group: int, D: int, dc: int, part_size: int) -> int:
-    """The kernel's layout: q_s [group][Dp], s_s [gcap][part], slot_s [part], ml_s [gcap][2]
-    (``D`` the query / key head dim, ``dc`` from the value head dim)."""
-    gcap = min(group, 64 // dc)
-    Dp = cdiv(D, 8) * 8
-    return 4 * (group * Dp + gcap * part_size + part_size + 2 * gcap)
+def query_capacity(dc: int) -> int:
+    """Query vectors (rows x heads) one block holds: 4 warps x MW (attn_mw<DC> in attention.cu)."""
+    return 4 * (4 if dc == 8 else 8)
+
+
+def smem_bytes(D: int, Dv: int, dc: int, heads: int, rows: int, stages: int, kv_itemsize: int) -> int:
+    """The kernel's layout: K [stages][32][Dp + 16 B], V [stages][32][Dvp] in the cache's dtype,
+    then FP32 q [rows * heads][Dp], p [4][32][MW], (max, sum) [4][2][2][MW] and int slots
+    [stages][32], a / b [rows]."""
+    Dp, Dvp = cdiv(D, 8) * 8, cdiv(Dv, 8) * 8
+    mw = query_capacity(dc) // 4
+    kv = stages * TILE * (Dp + 16 // kv_itemsize + Dvp) * kv_itemsize
+    return kv + 4 * (rows * heads * Dp + 4 * TILE * mw + 16 * mw + stages * TILE + 2 * rows)
 
 
 def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0,
-         smem_max: int = SMEM_LIMIT, *, Dv: int | None = None) -> AttentionPlan:
+         smem_max: int = SMEM_LIMIT, *, Dv: int | None = None, kv_itemsize: int = 2,
+         rows: int | None = None) -> AttentionPlan:
     """Launch plan for ``group = Hq / Hkv`` query heads per KV head, head dim D
     (value head dim ``Dv``, default D: it chooses DC), rows of at most
-    ``max_len = max_blocks * BS`` KV rows, and ``work = n * Hkv`` (row, KV head) pairs.
+    ``max_len = max_blocks * BS`` KV rows, ``work = n * Hkv`` (row, KV head) pairs,
+    a cache of ``kv_itemsize`` bytes per element and at most ``rows`` query rows
+    per run (default: as many as the block's query capacity allows).
 
-    part_size starts at 512 and halves (down to 32 * dc: the PV reduction reuses
-    the score buffer) while the scores do not fit shared memory, or while
-    ``work * num_parts`` is under ``target_blocks`` (2 per SM): one decode row
-    with Hkv = 8 and 2048 cached rows gets 128 blocks (part 128), not 32.
+    ``num_parts`` depends only on the shapes, ``work`` and ``target_blocks`` (what a
+    planned step sizes its workspaces from): part_size starts at 512 and halves
+    (down to 64) while ``work * chunks * num_parts`` is under ``target_blocks`` (2 per
+    SM; ``chunks = ceil(group / heads)``): one decode row with Hkv = 8 and 2048
+    cached rows gets 256 blocks (part 64), not 32. Several rows of one sequence
+    share a block, so fewer blocks work than ``work`` counts (an exact-mode module
+    with 3 rows per sequence: a third).
 
-    A group whose queries and scores do not fit 48 KiB even at the smallest
-    partition (e.g. 96 query heads of 128 sharing one KV head) uses up to
-    ``smem_max`` (the device's opt-in limit, ``_util.smem_optin``) through the
-    kernel's max-dynamic-shared-size attribute; beyond that, ValueError."""
+    Shared memory: 3 stages when they fit ``max(48 KiB, smem_max)`` (the device's
+    opt-in limit, ``_util.smem_optin``; over 48 KiB the launcher raises the kernel's
+    max-dynamic-shared-size attribute), else 2, else fewer rows per run; beyond
+    that, ValueError."""
     Dv = D if Dv is None else Dv
     for what, d in (("head dim", D), ("value head dim", Dv)):
         if not 1 <= d <= 32 * ATTENTION_DC[-1]:
             raise ValueError(f"{what}: expected 1..{32 * ATTENTION_DC[-1]}, got {d}")
     dc = next(c for c in ATTENTION_DC if Dv <= 32 * c)
-    part, least = PART_SIZE, 32 * dc
-    while part > least and (
-        smem_bytes(group, D, dc, part) > SMEM_LIMIT or work * cdiv(max_len, part) < target_blocks
-    ):
+    cap_m = query_capacity(dc)
+    heads = min(group, cap_m)
+    chunks = cdiv(group, heads)
+    most_rows = cap_m // heads if rows is None else max(1, min(rows, cap_m // heads))
+    part = PART_SIZE
+    while part > MIN_PART and work * chunks * cdiv(max_len, part) < target_blocks:
         part //= 2
-    smem = smem_bytes(group, D, dc, part)
-    if smem > max(SMEM_LIMIT, smem_max):
-        raise ValueError(
-            f"paged_attention: {group} query heads per KV head x head dim {D} need {smem} B of "
-            f"shared memory, over this device's {max(SMEM_LIMIT, smem_max)}"
-        )
-    return AttentionPlan(dc, part, max(1, cdiv(max_len, part)), smem)
+    limit = max(SMEM_LIMIT, smem_max)
+    for stages, r in [(3, most_rows), (2, most_rows)] + [(2, r) for r in range(most_rows - 1, 0, -1)]:
+        smem = smem_bytes(D, Dv, dc, heads, r, stages, kv_itemsize)
+        if smem <= limit:
+            return AttentionPlan(dc, heads, r, stages, part, max(1, cdiv(max_len, part)), smem)
+    raise ValueError(
+        f"paged_attention: {group} query heads per KV head x head dim {D} need {smem} B of "
+        f"shared memory, over this device's {limit}"
+    )
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
@@ -114,7 +147,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     n, Hq, _ = q.shape
     max_blocks = block_tables.shape[1]
     cap = max_blocks * BS
-    p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count(), smem_max=smem_optin(), Dv=Dv)
+    p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count(), smem_max=smem_optin(), Dv=Dv,
+             kv_itemsize=k_cache.dtype.itemsize, rows=max(1, n))
     expect_grid_yz("KV partitions", p.num_parts)
     q = device(q, "q")
     k_cache, v_cache = device(k_cache, "k_cache"), device(v_cache, "v_cache")
@@ -122,7 +156,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     row_seq, row_len = device(row_seq, "row_seq"), device(row_len, "row_len")
     row_start, sinks = optional(row_start, "row_start", "int32"), optional(sinks, "sinks", "float32")
     y = output(out, "out", (n, Hq * Dv), np.float32)
-    expect_same_or_disjoint("out", y, "q", q)          # block (h, r) reads only the q row it writes
+    expect_same_or_disjoint("out", y, "q", q)          # a block reads only the q rows it writes
     if n == 0:
         return y
     direct = p.num_parts == 1
@@ -143,15 +177,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     opt_in_smem(kernel, p.smem_bytes)
     merge = None if direct else get_kernel("attention", "paged_attention_merge_kernel")
     sk = ptr(sinks)
+    chunks = cdiv(Hq // Hkv, p.heads)
     for r0 in range(0, n, group):
         r1 = min(n, r0 + group)
         qg, sg, fg, lg, yg = ((q, row_seq, row_start, row_len, y) if group == n else
                               (q[r0:r1], row_seq[r0:r1], None if row_start is None else row_start[r0:r1],
                                row_len[r0:r1], y[r0:r1]))
-        kernel((Hkv, r1 - r0, p.num_parts), (ATTN_THREADS,),
+        kernel((Hkv * chunks, r1 - r0, p.num_parts), (ATTN_THREADS,),
                (qg, k_cache, v_cache, block_tables, i32(max_blocks), sg, ptr(fg), lg, sk,
                 yg, NULL if direct else part_o, NULL if direct else part_ml,
-                i32(Hq), i32(Hkv), i32(D), i32(Dv), i32(BS), i32(p.part_size), i32(p.num_parts), f32(scale)),
+                i32(Hq), i32(Hkv), i32(D), i32(Dv), i32(BS), i32(p.heads), i32(p.rows), i32(p.stages),
+                i32(p.part_size), i32(p.num_parts), f32(scale)),
                shared_mem=p.smem_bytes)
         if merge is not None:
             merge((Hq, r1 - r0), (ATTN_THREADS,),
