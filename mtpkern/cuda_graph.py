@@ -266,7 +266,7 @@ class StepPlan:
                     parts[m] = 1                    # (its split-KV partials are in mla_ws)
                     continue
                 parts[m] = attn_launch.plan(b.num_attention_heads // b.num_key_value_heads, b.head_dim,
-                                            shape.widths[m] * BS, work=n[m] * b.num_key_value_heads,
+                                            shape.widths[m] * BS, work=min(n[m], B) * b.num_key_value_heads,
                                             target_blocks=2 * sm_count(), smem_max=smem_optin(),
                                             Dv=b.v_dim).num_parts
             # one flat FP32 buffer per MLA workspace kind, each MLA module a view of its own shape

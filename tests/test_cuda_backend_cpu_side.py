@@ -171,6 +171,26 @@ def test_attention_plan_spreads_short_decode_over_the_gpu():
     assert (p.part_size, p.num_parts) == (512, 64)
 
 
+def test_attention_partitions_count_sequences_not_rows(recorder):
+    """An exact-mode module's rows of one sequence share a block, so its launch gets the
+    partitions of one row per sequence (as many working blocks), not a third of them; the
+    planned step sizes its workspaces by the same rule (min(rows, sequences))."""
+    def grid_z(n, S):
+        recorder.launches.clear()
+        cache = np.zeros((64, 16, 2, 32), np.uint16)
+        attention.paged_attention(np.zeros((n, 8, 32), F32), cache, cache, np.zeros((S, 256), np.int32),
+                                  np.zeros(n, np.int32), np.full(n, 4096, np.int32), 0.1)
+        (_, name, grid, *_), *_ = recorder.launches
+        assert name.startswith("paged_attention_kernel")
+        return grid[2]
+
+    one = grid_z(1, 1)
+    assert one == attention.plan(4, 32, 4096, work=2, target_blocks=264).num_parts > 1
+    assert grid_z(3, 1) == one                      # 3 rows of one sequence: one run
+    assert grid_z(6, 6) < one                       # 6 sequences: 6 runs, fewer partitions each
+    assert grid_z(12, 6) == grid_z(6, 6)
+
+
 def test_attention_plan_rejects_large_head_dim():
     with pytest.raises(ValueError, match="head dim"):
         attention.plan(4, 257, 1024)

@@ -96,7 +96,8 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
          rows: int | None = None) -> AttentionPlan:
     """Launch plan for ``group = Hq / Hkv`` query heads per KV head, head dim D
     (value head dim ``Dv``, default D: it chooses DC), rows of at most
-    ``max_len = max_blocks * BS`` KV rows, ``work = n * Hkv`` (row, KV head) pairs,
+    ``max_len = max_blocks * BS`` KV rows, ``work = runs * Hkv`` (run, KV head) pairs (a
+    run: the rows of one sequence in one block; the launchers count min(rows, sequences)),
     a cache of ``kv_itemsize`` bytes per element and at most ``rows`` query rows
     per run (default: as many as the block's query capacity allows).
 
@@ -104,9 +105,8 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
     planned step sizes its workspaces from): part_size starts at 512 and halves
     (down to 64) while ``work * chunks * num_parts`` is under ``target_blocks`` (2 per
     SM; ``chunks = ceil(group / heads)``): one decode row with Hkv = 8 and 2048
-    cached rows gets 256 blocks (part 64), not 32. Several rows of one sequence
-    share a block, so fewer blocks work than ``work`` counts (an exact-mode module
-    with 3 rows per sequence: a third).
+    cached rows gets 256 blocks (part 64), not 32; an exact-mode module with 3 rows
+    of one sequence gets the same partitions as one row (its rows share a block).
 
     Shared memory: 3 stages when they fit ``max(48 KiB, smem_max)`` (the device's
     opt-in limit, ``_util.smem_optin``; over 48 KiB the launcher raises the kernel's
@@ -147,7 +147,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     n, Hq, _ = q.shape
     max_blocks = block_tables.shape[1]
     cap = max_blocks * BS
-    p = plan(Hq // Hkv, D, cap, work=n * Hkv, target_blocks=2 * sm_count(), smem_max=smem_optin(), Dv=Dv,
+    # blocks that work: one per run of a sequence's rows (and KV head), so the sequences count,
+    # not the rows: block_tables has a row per sequence (a shape, never data read on the host)
+    p = plan(Hq // Hkv, D, cap, work=min(n, block_tables.shape[0]) * Hkv, target_blocks=2 * sm_count(),
+             smem_max=smem_optin(), Dv=Dv,
              kv_itemsize=k_cache.dtype.itemsize, rows=max(1, n))
     expect_grid_yz("KV partitions", p.num_parts)
     q = device(q, "q")
