@@ -62,6 +62,26 @@ def _bits_to_f32(typingctx, v):
     return None
 
 
+@intrinsic
+def _prefetch(typingctx, a, i):
+    """Ask for the cache line of element i of the C-contiguous array a (flat index) to be
+    loaded (``llvm.prefetch``: read, keep in every cache level); no effect on the results."""
+    if isinstance(a, types.Array) and isinstance(i, types.Integer):
+        def codegen(context, builder, sig, args):
+            arr = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = builder.gep(arr.data, [args[1]])
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
+                                                  ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+            builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                              ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.none(a, i), codegen
+    return None
+
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)                  # 8 significant bits: kf * _LN2_HI is exact
 _LN2_LO = np.float32(-2.12194440e-4)               # ln 2 - _LN2_HI
@@ -363,6 +383,8 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
     l[:] = 0.0
     acc[:] = 0.0
     sc = np.empty((RG, BS), np.float32)
+    kblock = BS * Hkv * D                              # floats of one block of each cache
+    vblock = BS * Hkv * v_cache.shape[3]
     jlo = np.empty(R, np.int32)                        # each row's rows of the block
     jhi = np.empty(R, np.int32)
     for b in range(b_lo, b_hi):
@@ -378,6 +400,12 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
         if ulo >= uhi:                                 # no row of the unit sees this block
             continue
         blk = block_tables[s, b]
+        if b + 1 < b_hi:                               # the next block is most likely elsewhere
+            nxt = block_tables[s, b + 1]               # in the pool, where the prefetcher is cold
+            for off in range(0, kblock, 16):
+                _prefetch(k_cache, nxt * kblock + off)
+            for off in range(0, vblock, 16):
+                _prefetch(v_cache, nxt * vblock + off)
         kb, vb = k_cache[blk], v_cache[blk]
         for kvh in range(Hkv):
             _block(qs[kvh], kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
