@@ -21,7 +21,11 @@ Within a task, for each block (``[BS, Hkv, D]``, read front to back) and each KV
   rescaled when a block raises m); ``p = exp(s - m)`` by ``_exp_le0``, a polynomial that
   vectorises over the block's rows (Numba has no vector ``exp`` without SVML: the libm
   call per score cost as much as all the multiply-adds at 3 rows);
-- the values: ``_pv4`` adds 4 V rows, each times its p, to the accumulator in one pass.
+- the values: ``_pv4x4`` adds 4 V rows, each times its p, to 4 accumulators in one pass.
+
+While a block is computed, the next one's K and V lines are prefetched (``_prefetch``):
+the blocks of a sequence lie anywhere in the pool, and the hardware prefetcher starts
+cold on each (one row over 32768 KV rows, one thread: 14.4 -> 8.7 ms of CPU time).
 
 Then one pass per (row, head) merges the chunks' (m, l, acc) states in chunk order (a
 fixed order: the result does not depend on the thread count or schedule). A chunk that
