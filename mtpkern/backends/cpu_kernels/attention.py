@@ -15,20 +15,25 @@ at batch 1 keeps every thread busy.
 Within a task, for each block (``[BS, Hkv, D]``, read front to back) and each KV head:
 
 - scores of the unit's R x G query vectors of that head against the block's K rows
-  (``_qk4``: 4 query vectors against one K row, one K load for 4 dots; the queries are
-  copied once per task, scale folded in);
+  (``_qk4x2``: 4 query vectors against 2 K rows, 6 loads per 8 multiply-adds; the
+  queries are copied once per task by KV head, scale folded in);
 - per (row, head) an online softmax (running max m, sum l, FP32 accumulator [Dv],
-  rescaled when a block raises m); ``p = exp(s - m)`` by ``_exp_le0``, a polynomial that
-  vectorises over the block's rows (Numba has no vector ``exp`` without SVML: the libm
-  call per score cost as much as all the multiply-adds at 3 rows);
+  rescaled when a block raises m: ``_above`` counts the scores over m, vectorised, and
+  only then is the block's max taken); ``p = exp(s - m)`` by ``_exp_le0``, a polynomial
+  that vectorises over the block's rows (Numba has no vector ``exp`` without SVML, and
+  ``np.exp`` is a libm call per score);
 - the values: ``_pv4x4`` adds 4 V rows, each times its p, to 4 accumulators in one pass.
 
 While a block is computed, the next one's K and V lines are prefetched (``_prefetch``):
 the blocks of a sequence lie anywhere in the pool, and the hardware prefetcher starts
 cold on each (one row over 32768 KV rows, one thread: 14.4 -> 8.7 ms of CPU time).
 
+All of it is one helper call per (block, KV head) (``_block``), the small helpers inlined
+into it (``inline="always"``): a Numba call passing 6 arrays cost more than its 8 dots.
+
 Then one pass per (row, head) merges the chunks' (m, l, acc) states in chunk order (a
-fixed order: the result does not depend on the thread count or schedule). A chunk that
+fixed order: the result does not depend on the schedule; the chunk count comes from
+``tasks``, so two thread counts may differ in the last bits, as they did before). A chunk that
 holds none of a row's KV rows leaves the state (-inf, 0, 0), which adds nothing. Sinks
 join in the merge, once per (row, head), as a state of max ``s_h``, sum 1 and no value.
 The value head dim ``Dv`` is ``out``'s (``v_cache``'s rows may be wider: MLA's latent
@@ -202,7 +207,8 @@ def _block(qk, kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
     (row u of the unit sees the block's rows jlo[u] .. jhi[u] - 1, all of them inside
     ulo .. uhi - 1): scores into sc [R * G, BS], then each vector's online softmax step
     (mh, lh [R * G]: running max and sum; ah [R * G, Dv]: the unnormalised output).
-    kb, vb: the block of the K and V caches ([BS, Hkv, D], [BS, Hkv, >= Dv])."""
+    kb, vb: the block of the K and V caches ([BS, Hkv, D], [BS, Hkv, >= Dv]). The helpers it
+    inlines (``inline="always"``) are inlined at Numba's level and take its flags."""
     RG = qk.shape[0]
     j = ulo
     while j + 2 <= uhi:                                # scores, 2 K rows x 4 query vectors at a time
