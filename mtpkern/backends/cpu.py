@@ -334,21 +334,23 @@ class CpuBackend(Backend):
         return q
 
     # -- attention ----------------------------------------------------------
+    def _attention_tasks(self) -> int:
+        """Tasks a paged attention is cut into: (unit of one sequence's rows, chunk of its KV
+        blocks), about 2 per thread (cpu_kernels/attention.py)."""
+        return 2 * self.threads
+
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
                         row_start=None, sinks=None, out=None):
         self._check(check_paged_attention, q, k_cache, v_cache, block_tables, row_seq, row_len, row_start, sinks)
         NB, BS, Hkv, D = k_cache.shape
         Dv = v_cache.shape[3]
-        max_blocks = block_tables.shape[1]
         n, Hq, _ = q.shape
         block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
         out = _out("out", out, (n, Hq * Dv))
-        # chunks of KV blocks per row: about 2 tasks per thread (n = 1, 2 threads: 4 chunks)
-        splits = max(1, min(max_blocks, -(-2 * self.threads // max(n, 1))))
         self._use_threads()
         attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables, row_seq,
-                                           row_start, row_len, _opt_vec(sinks), np.float32(scale), splits,
-                                           out.reshape(n, Hq, Dv))
+                                           row_start, row_len, _opt_vec(sinks), np.float32(scale),
+                                           self._attention_tasks(), out.reshape(n, Hq, Dv))
         return out
 
     # -- MLA ----------------------------------------------------------------
@@ -389,14 +391,14 @@ class CpuBackend(Backend):
         cache = _act(latent_cache).reshape(NB, BS, 1, W)
         q_full = np.empty((n, Hq, W), np.float32)
         o_lat = np.empty((n, Hq, L), np.float32)
-        splits = max(1, min(block_tables.shape[1], -(-2 * self.threads // max(n, 1))))   # as paged_attention
         self._use_threads()
         mla_k.mla_absorb_kernel(_act(q), w_uk, q_full)
         # the latent attention is paged attention with one KV head, keys the whole latent
         # rows [c | k_pe] and values their first L columns (c, o_lat's width): each latent
         # row read once per task for every head
         attention_k.paged_attention_kernel(q_full, cache, cache, block_tables, row_seq, row_start,
-                                           row_len, np.empty(0, np.float32), np.float32(scale), splits, o_lat)
+                                           row_len, np.empty(0, np.float32), np.float32(scale),
+                                           self._attention_tasks(), o_lat)
         mla_k.mla_out_kernel(o_lat, w_uv, out.reshape(n, Hq, Dv))
         return out
 

@@ -1,39 +1,332 @@
 """GQA attention over the paged KV cache on the CPU (spec: mtpkern.ops.attention).
 
-One task per (row, chunk of the row's KV blocks), serving all Hq query heads,
-so each K/V row is read from memory once per task, not G = Hq / Hkv times, and
-a block of the paged cache ([BS, Hkv, D], contiguous) is read front to back.
-Within a task, a single pass over its blocks with an online softmax per head
-(running max m, running sum l, FP32 accumulator [Hq, D], rescaled when a block
-raises m); then one task per (row, head) merges the chunks' (m, l, acc)
-states. The launcher picks the chunk count so that a decode step has a few
-tasks per thread: at n = 1, context 512 (KV cold in memory, 2 cores), 4 chunks
-took 174 us against 241 us for one task per (row, KV head), which read each KV
-head's 256-byte slices of the blocks at a 1 KiB stride.
+The rows of one sequence share its KV: a decode step has one row per sequence, an
+exact-mode module m + 1 rows (its input and the drafts so far), a prefill chunk many.
+So the unit of work is a *unit*: up to ``RMAX`` rows of one sequence (grouped by
+``row_seq``, in their order), and a task is one (unit, chunk of the unit's KV blocks),
+serving all Hq query heads of all its rows: each K/V row is read from memory once per
+task for every row of the unit that sees it, not once per row (and not G = Hq / Hkv
+times). Each row keeps its own causal length ``row_len`` and window start ``row_start``:
+a block is read when one of the unit's rows sees part of it, and each row's softmax and
+values take only the KV rows it sees. The launcher asks for ``tasks`` tasks (a few per
+thread); the chunk count per unit (``splits``) is what makes that many, so one sequence
+at batch 1 keeps every thread busy.
 
-A sliding window (``row_start``) moves where a row's blocks begin: the chunks cut
-the blocks of rows ``row_start .. row_len - 1`` only, and the first of them skips
-its rows before ``row_start``, so nothing before the window is read (its table
-entries included). Sinks join in the merge, once per (row, head), as a state of
-max ``s_h``, sum 1 and no value. The value head dim ``Dv`` is ``v_cache``'s.
-Absent inputs come as empty arrays (one compiled kernel serves both).
+Within a task, for each block (``[BS, Hkv, D]``, read front to back) and each KV head:
+
+- scores of the unit's R x G query vectors of that head against the block's K rows
+  (``_qk4x2``: 4 query vectors against 2 K rows, 6 loads per 8 multiply-adds; the
+  queries are copied once per task by KV head, scale folded in);
+- per (row, head) an online softmax (running max m, sum l, FP32 accumulator [Dv],
+  rescaled when a block raises m: ``_above`` counts the scores over m, vectorised, and
+  only then is the block's max taken); ``p = exp(s - m)`` by ``_exp_le0``, a polynomial
+  that vectorises over the block's rows (Numba has no vector ``exp`` without SVML, and
+  ``np.exp`` is a libm call per score);
+- the values: ``_pv4x4`` adds 4 V rows, each times its p, to 4 accumulators in one pass.
+
+While a block is computed, the next one's K and V lines are prefetched (``_prefetch``):
+the blocks of a sequence lie anywhere in the pool, and the hardware prefetcher starts
+cold on each (one row over 32768 KV rows, one thread: 14.4 -> 8.7 ms of CPU time).
+
+All of it is one helper call per (block, KV head) (``_block``), the small helpers inlined
+into it (``inline="always"``): a Numba call passing 6 arrays cost more than its 8 dots.
+
+Then one pass per (row, head) merges the chunks' (m, l, acc) states in chunk order (a
+fixed order: the result does not depend on the schedule; the chunk count comes from
+``tasks``, so two thread counts may differ in the last bits, as they did before). A chunk that
+holds none of a row's KV rows leaves the state (-inf, 0, 0), which adds nothing. Sinks
+join in the merge, once per (row, head), as a state of max ``s_h``, sum 1 and no value.
+The value head dim ``Dv`` is ``out``'s (``v_cache``'s rows may be wider: MLA's latent
+rows). Absent inputs come as empty arrays (one compiled kernel serves both).
+
+A sliding window (``row_start``) moves where a row's KV begins: a block no row of the
+unit sees is not read, nor is its table entry (it may already be freed), and a row
+takes from a block only the rows from its ``row_start`` on.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from .linear import _DOT_FLAGS, SMALL
 
+#: rows of one sequence per unit: a prefill chunk of n rows becomes ceil(n / RMAX) units,
+#: each reading the KV its rows see once; the unit's queries and accumulators
+#: (RMAX * Hq * (D + Dv) floats: 64 KiB at Hq = 16, D = Dv = 64) stay in L1 / L2
+RMAX = 8
+
+
+@intrinsic
+def _bits_to_f32(typingctx, v):
+    """The FP32 whose bits are the low 32 bits of the integer ``v``."""
+    if isinstance(v, types.Integer):
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.trunc(args[0], ir.IntType(32)) if v.bitwidth > 32 else args[0],
+                                   ir.FloatType())
+
+        return types.float32(v), codegen
+    return None
+
+
+@intrinsic
+def _prefetch(typingctx, a, i):
+    """Ask for the cache line of element i of the C-contiguous array a (flat index) to be
+    loaded (``llvm.prefetch``: read, keep in every cache level); no effect on the results."""
+    if isinstance(a, types.Array) and isinstance(i, types.Integer):
+        def codegen(context, builder, sig, args):
+            arr = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = builder.gep(arr.data, [args[1]])
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
+                                                  ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+            builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                              ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.none(a, i), codegen
+    return None
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)                  # 8 significant bits: kf * _LN2_HI is exact
+_LN2_LO = np.float32(-2.12194440e-4)               # ln 2 - _LN2_HI
+_EXP_MIN = np.float32(-87.0)                       # exp(-87) = 1.6e-38, just above FP32's normals
+
+
+@njit(cache=True, fastmath={"contract"})
+def _exp_le0(x):
+    """exp(x) for x <= 0, in FP32, within ~2 ulp; NaN stays NaN; x below -87 gives
+    exp(-87) (1.6e-38: below every tolerance, and never a denormal, whose arithmetic
+    is 60x slower on this Xeon). Cody-Waite: x = k ln 2 + r, |r| <= ln 2 / 2, then
+    2^k times a degree-6 Taylor polynomial of exp(r) (truncation 1.2e-7 relative).
+    Straight-line code, so a loop over it vectorises (np.exp is a libm call per value)."""
+    x = _EXP_MIN if x < _EXP_MIN else x            # NaN passes (the comparison is false)
+    kf = np.floor(x * _LOG2E + np.float32(0.5))
+    kf = kf if kf >= np.float32(-126.0) else np.float32(-126.0)   # NaN: any k (r is NaN)
+    r = (x - kf * _LN2_HI) - kf * _LN2_LO
+    p = np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _bits_to_f32((np.int32(kf) + np.int32(127)) << 23)
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
+def _qk4(k, q0, q1, q2, q3):
+    """4 query vectors [D] against one key row k [D]: 4 dots, k loaded once per step."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    for d in range(q0.shape[0]):
+        kd = k[d]
+        a0 += q0[d] * kd
+        a1 += q1[d] * kd
+        a2 += q2[d] * kd
+        a3 += q3[d] * kd
+    return a0, a1, a2, a3
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
+def _qk4x2(k0, k1, q0, q1, q2, q3):
+    """4 query vectors against two key rows: 8 dots, 6 loads per 8 multiply-adds."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    b0 = np.float32(0.0)
+    b1 = np.float32(0.0)
+    b2 = np.float32(0.0)
+    b3 = np.float32(0.0)
+    for d in range(q0.shape[0]):
+        x0, x1, x2, x3 = q0[d], q1[d], q2[d], q3[d]
+        ka, kb = k0[d], k1[d]
+        a0 += x0 * ka
+        a1 += x1 * ka
+        a2 += x2 * ka
+        a3 += x3 * ka
+        b0 += x0 * kb
+        b1 += x1 * kb
+        b2 += x2 * kb
+        b3 += x3 * kb
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
+def _qk1(k, q0):
+    a0 = np.float32(0.0)
+    for d in range(q0.shape[0]):
+        a0 += q0[d] * k[d]
+    return a0
+
+
+@njit(cache=True, fastmath=False, inline="always")
+def _above(s, m):
+    """How many of s [J] are above m: a count, which vectorises where a running max (a
+    chain of compares) did not; a NaN is never above."""
+    c = 0
+    for j in range(s.shape[0]):
+        c += 1 if s[j] > m else 0
+    return c
+
+
+@njit(cache=True, fastmath=False, inline="always")
+def _max(s):
+    """The largest of s [J >= 1] in 4 interleaved chains (one chain waits 4 cycles per
+    compare). A NaN may or may not be taken: either way the row's p and sum are NaN."""
+    J = s.shape[0]
+    m0 = s[0]
+    m1 = m0
+    m2 = m0
+    m3 = m0
+    j = 1
+    while j + 4 <= J:
+        m0 = s[j] if s[j] > m0 else m0
+        m1 = s[j + 1] if s[j + 1] > m1 else m1
+        m2 = s[j + 2] if s[j + 2] > m2 else m2
+        m3 = s[j + 3] if s[j + 3] > m3 else m3
+        j += 4
+    while j < J:
+        m0 = s[j] if s[j] > m0 else m0
+        j += 1
+    m0 = m1 if m1 > m0 else m0
+    m2 = m3 if m3 > m2 else m2
+    return m2 if m2 > m0 else m0
+
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot(a, b):
-    """a [D] . b [D] (1-D views: see linear._dot_*)."""
-    s = np.float32(0.0)
-    for d in range(a.shape[0]):
-        s += a[d] * b[d]
-    return s
+def _block(qk, kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
+    """One block of KV rows and one KV head for a unit's R x G query vectors qk [R * G, D]
+    (row u of the unit sees the block's rows jlo[u] .. jhi[u] - 1, all of them inside
+    ulo .. uhi - 1): scores into sc [R * G, BS], then each vector's online softmax step
+    (mh, lh [R * G]: running max and sum; ah [R * G, Dv]: the unnormalised output).
+    kb, vb: the block of the K and V caches ([BS, Hkv, D], [BS, Hkv, >= Dv]). The helpers it
+    inlines (``inline="always"``) are inlined at Numba's level and take its flags."""
+    RG = qk.shape[0]
+    j = ulo
+    while j + 2 <= uhi:                                # scores, 2 K rows x 4 query vectors at a time
+        k0, k1 = kb[j, kvh], kb[j + 1, kvh]
+        i = 0
+        while i + 4 <= RG:
+            s0, s1, s2, s3, t0, t1, t2, t3 = _qk4x2(k0, k1, qk[i], qk[i + 1], qk[i + 2], qk[i + 3])
+            sc[i, j] = s0
+            sc[i + 1, j] = s1
+            sc[i + 2, j] = s2
+            sc[i + 3, j] = s3
+            sc[i, j + 1] = t0
+            sc[i + 1, j + 1] = t1
+            sc[i + 2, j + 1] = t2
+            sc[i + 3, j + 1] = t3
+            i += 4
+        while i < RG:
+            sc[i, j] = _qk1(k0, qk[i])
+            sc[i, j + 1] = _qk1(k1, qk[i])
+            i += 1
+        j += 2
+    if j < uhi:
+        kr = kb[j, kvh]
+        i = 0
+        while i + 4 <= RG:
+            s0, s1, s2, s3 = _qk4(kr, qk[i], qk[i + 1], qk[i + 2], qk[i + 3])
+            sc[i, j] = s0
+            sc[i + 1, j] = s1
+            sc[i + 2, j] = s2
+            sc[i + 3, j] = s3
+            i += 4
+        while i < RG:
+            sc[i, j] = _qk1(kr, qk[i])
+            i += 1
+    for u in range(RG // G):                           # the row's G vectors see the same KV rows
+        lo, hi = jlo[u], jhi[u]
+        if lo >= hi:
+            continue
+        J = hi - lo
+        for i in range(u * G, u * G + G):
+            si = sc[i, lo:hi]
+            if _above(si, mh[i]) > 0:                  # a new running max: rescale what we have
+                bm = _max(si)
+                a = ah[i]
+                corr = np.exp(mh[i] - bm)
+                lh[i] *= corr
+                for d in range(a.shape[0]):
+                    a[d] *= corr
+                mh[i] = bm
+            m = mh[i]
+            tot = np.float32(0.0)
+            for j in range(J):
+                # a -inf score weighs 0, also while m is still -inf (exp(-inf - -inf) would
+                # be NaN); a NaN score stays NaN. si is a view indexed from 0: si[lo + j]
+                # would carry Numba's negative-index wraparound, which kept the loop scalar
+                sj = si[j]
+                p = np.float32(0.0) if sj == -np.inf else _exp_le0(sj - m)
+                si[j] = p
+                tot += p
+            lh[i] += tot
+        i = u * G
+        while i + 4 <= u * G + G:                      # 4 vectors x 4 V rows per pass
+            _pv4x4(ah[i], ah[i + 1], ah[i + 2], ah[i + 3], sc[i, lo:hi], sc[i + 1, lo:hi], sc[i + 2, lo:hi],
+                   sc[i + 3, lo:hi], vb, lo, kvh)
+            i += 4
+        while i < u * G + G:
+            _pv1x4(ah[i], sc[i, lo:hi], vb, lo, kvh)
+            i += 1
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
+def _pv4x4(a0, a1, a2, a3, p0, p1, p2, p3, vb, lo, kvh):
+    """a0..a3 [Dv] += sum_j p0..p3[j] vb[lo + j, kvh] (the first Dv values): 4 V rows per pass
+    over the 4 accumulators, each V row loaded once for the 4 of them."""
+    J = p0.shape[0]
+    j = 0
+    while j + 4 <= J:
+        v0, v1, v2, v3 = vb[lo + j, kvh], vb[lo + j + 1, kvh], vb[lo + j + 2, kvh], vb[lo + j + 3, kvh]
+        w00, w01, w02, w03 = p0[j], p0[j + 1], p0[j + 2], p0[j + 3]
+        w10, w11, w12, w13 = p1[j], p1[j + 1], p1[j + 2], p1[j + 3]
+        w20, w21, w22, w23 = p2[j], p2[j + 1], p2[j + 2], p2[j + 3]
+        w30, w31, w32, w33 = p3[j], p3[j + 1], p3[j + 2], p3[j + 3]
+        for d in range(a0.shape[0]):
+            x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
+            a0[d] += w00 * x0 + w01 * x1 + w02 * x2 + w03 * x3
+            a1[d] += w10 * x0 + w11 * x1 + w12 * x2 + w13 * x3
+            a2[d] += w20 * x0 + w21 * x1 + w22 * x2 + w23 * x3
+            a3[d] += w30 * x0 + w31 * x1 + w32 * x2 + w33 * x3
+        j += 4
+    while j < J:
+        v0 = vb[lo + j, kvh]
+        w00, w10, w20, w30 = p0[j], p1[j], p2[j], p3[j]
+        for d in range(a0.shape[0]):
+            x0 = v0[d]
+            a0[d] += w00 * x0
+            a1[d] += w10 * x0
+            a2[d] += w20 * x0
+            a3[d] += w30 * x0
+        j += 1
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
+def _pv1x4(a0, p0, vb, lo, kvh):
+    """a0 [Dv] += sum_j p0[j] vb[lo + j, kvh]: 4 V rows per pass over a0."""
+    J = p0.shape[0]
+    j = 0
+    while j + 4 <= J:
+        v0, v1, v2, v3 = vb[lo + j, kvh], vb[lo + j + 1, kvh], vb[lo + j + 2, kvh], vb[lo + j + 3, kvh]
+        w0, w1, w2, w3 = p0[j], p0[j + 1], p0[j + 2], p0[j + 3]
+        for d in range(a0.shape[0]):
+            a0[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
+        j += 4
+    while j < J:
+        v0 = vb[lo + j, kvh]
+        w0 = p0[j]
+        for d in range(a0.shape[0]):
+            a0[d] += w0 * v0[d]
+        j += 1
 
 
 @njit(cache=True, fastmath=False)
@@ -43,43 +336,115 @@ def _first_row(row_start, r):
 
 
 @njit(cache=True, fastmath=False)
-def _blocks(start, L, BS, splits):
-    """The blocks of KV rows ``start .. L - 1``: the first one, how many, and per chunk."""
-    b0 = start // BS
-    nblk = (L + BS - 1) // BS - b0
-    return b0, nblk, (nblk + splits - 1) // splits
+def _units(row_seq, row_start, row_len, BS):
+    """The rows grouped into units: ``rows`` (row indices, sorted by sequence, stable),
+    ``ptr`` [U + 1] (unit u is rows[ptr[u]:ptr[u + 1]], at most RMAX of one sequence),
+    and per unit its first block and block count (of KV rows min row_start .. max row_len - 1)."""
+    n = row_seq.shape[0]
+    rows = np.argsort(row_seq, kind="mergesort").astype(np.int32)
+    ptr = np.empty(n + 1, np.int32)
+    U = 0
+    i = 0
+    while i < n:
+        ptr[U] = i
+        j = i + 1
+        while j < n and j - i < RMAX and row_seq[rows[j]] == row_seq[rows[i]]:
+            j += 1
+        U += 1
+        i = j
+    ptr[U] = n
+    b0 = np.empty(U, np.int32)
+    nblk = np.empty(U, np.int32)
+    for u in range(U):
+        lo = np.int32(2 ** 31 - 1)
+        hi = np.int32(0)
+        for i in range(ptr[u], ptr[u + 1]):
+            lo = min(lo, _first_row(row_start, rows[i]))
+            hi = max(hi, row_len[rows[i]])
+        b0[u] = lo // BS
+        nblk[u] = (hi + BS - 1) // BS - lo // BS
+    return rows, ptr[:U + 1], b0, nblk
 
 
 @njit(cache=True, fastmath=False)
-def _chunks_used(start, L, BS, splits):
-    """Chunks of a row's visible KV rows that hold blocks (the first ones; see the kernel)."""
-    _, nblk, per = _blocks(start, L, BS, splits)
-    return (nblk + per - 1) // per if per > 0 else 0
+def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, scale, rows, lo_row, R,
+                b_lo, b_hi, m, l, acc):
+    """One task: the unit of rows rows[lo_row : lo_row + R] over blocks b_lo .. b_hi - 1 of
+    their sequence. Its states are per (KV head, query vector i = u * G + g: row u of the
+    unit, query head kvh * G + g): m, l [Hkv, R * G] (running max, sum) and acc
+    [Hkv, R * G, Dv]."""
+    Hq, D = q.shape[1], q.shape[2]
+    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    RG = R * G
+    s = row_seq[rows[lo_row]]
+    qs = np.empty((Hkv, RG, D), np.float32)            # the unit's queries by KV head, times scale
+    first = np.empty(R, np.int32)
+    last = np.empty(R, np.int32)
+    for u in range(R):
+        r = rows[lo_row + u]
+        first[u] = _first_row(row_start, r)
+        last[u] = row_len[r]
+        for kvh in range(Hkv):
+            for g in range(G):
+                for d in range(D):
+                    qs[kvh, u * G + g, d] = q[r, kvh * G + g, d] * scale
+    m[:] = -np.inf
+    l[:] = 0.0
+    acc[:] = 0.0
+    sc = np.empty((RG, BS), np.float32)
+    kblock = BS * Hkv * D                              # floats of one block of each cache
+    vblock = BS * Hkv * v_cache.shape[3]
+    jlo = np.empty(R, np.int32)                        # each row's rows of the block
+    jhi = np.empty(R, np.int32)
+    for b in range(b_lo, b_hi):
+        base = b * BS
+        ulo = BS
+        uhi = 0
+        for u in range(R):
+            jlo[u] = max(0, first[u] - base)
+            jhi[u] = min(BS, last[u] - base)
+            if jlo[u] < jhi[u]:
+                ulo = min(ulo, jlo[u])
+                uhi = max(uhi, jhi[u])
+        if ulo >= uhi:                                 # no row of the unit sees this block
+            continue
+        blk = block_tables[s, b]
+        if b + 1 < b_hi:                               # the next block is most likely elsewhere
+            nxt = block_tables[s, b + 1]               # in the pool, where the prefetcher is cold
+            for off in range(0, kblock, 16):
+                _prefetch(k_cache, nxt * kblock + off)
+            for off in range(0, vblock, 16):
+                _prefetch(v_cache, nxt * vblock + off)
+        kb, vb = k_cache[blk], v_cache[blk]
+        for kvh in range(Hkv):
+            _block(qs[kvh], kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
 
 
 @njit(cache=True, fastmath=False, error_model="numpy")
-def _merge(m_part, l_part, acc_part, splits, used, r, h, sinks, out):
-    """out[r, h] from the (m, l, acc) states of row r's first ``used`` chunks (r * splits ..)
-    and, when ``sinks`` is not empty, the sink of head h (max s_h, sum 1, no value).
-    A chunk whose scores are all -inf still counts (m = -inf, l = 0; 0 * a NaN in its V
-    stays NaN, as in the reference); every score -inf gives 0 / 0 = NaN, as the reference
-    (a finite sink: 0)."""
-    c0 = r * splits
+def _merge(m_part, l_part, acc_part, r, h, sinks, out):
+    """out[r, h] from the (m, l, acc) states of row r's chunks, in chunk order, and, when
+    ``sinks`` is not empty, the sink of head h (max s_h, sum 1, no value). A chunk whose
+    scores are all -inf, or that holds none of the row's KV, counts with m = -inf, l = 0
+    (0 * a NaN in its V stays NaN, as in the reference); every score -inf gives 0 / 0 =
+    NaN, as the reference (a finite sink: 0)."""
+    splits = m_part.shape[1]
     sink = sinks.shape[0] > 0
     top = np.float32(-np.inf)
-    for c in range(c0, c0 + used):
-        if m_part[c, h] > top:
-            top = m_part[c, h]
+    for c in range(splits):
+        if m_part[r, c, h] > top:
+            top = m_part[r, c, h]
     if sink and sinks[h] > top:
         top = sinks[h]
     o = out[r, h]
     o[:] = 0.0
     tot = np.float32(0.0)
-    for c in range(c0, c0 + used):
-        f = np.exp(m_part[c, h] - top)                  # top = -inf: NaN, and so is the row
-        tot += f * l_part[c, h]
+    for c in range(splits):
+        f = np.exp(m_part[r, c, h] - top)              # top = -inf: NaN, and so is the row
+        tot += f * l_part[r, c, h]
+        a = acc_part[r, c, h]
         for d in range(o.shape[0]):
-            o[d] += f * acc_part[c, h, d]
+            o[d] += f * a[d]
     if sink:
         tot += np.exp(sinks[h] - top)
     for d in range(o.shape[0]):
@@ -87,74 +452,43 @@ def _merge(m_part, l_part, acc_part, splits, used, r, h, sinks, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, sinks, scale, splits,
+def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, sinks, scale, tasks,
                            out):
     """q [n, Hq, D], out [n, Hq, Dv]; k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, >= Dv] FP32,
     C-contiguous: the values are the first Dv = out.shape[2] columns of v_cache's rows (MLA's
     latent attention passes the latent cache as both: keys [c | k_pe], values c; a column
     slice instead would be a strided array, whose loops do not vectorise: 3.3x slower);
     row_start [n] (or empty: 0), sinks [Hq] (or empty: none); indices checked in range by the
-    launcher; scale float32; splits: chunks of KV blocks per row (>= 1)."""
+    launcher; scale float32; tasks: about how many tasks to make (>= 1; a few per thread)."""
     n, Hq, D = q.shape
-    BS = k_cache.shape[1]
-    Hkv = k_cache.shape[2]
+    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
     Dv = out.shape[2]
     G = Hq // Hkv
-    m_part = np.empty((n * splits, Hq), np.float32)                 # per (row, chunk): running max,
-    l_part = np.empty((n * splits, Hq), np.float32)                 # running sum,
-    acc_part = np.empty((n * splits, Hq, Dv), np.float32)           # and unnormalised output
-    for t in prange(n * splits):
-        r = t // splits
-        s = row_seq[r]
-        L = row_len[r]
-        start = _first_row(row_start, r)
-        b0, nblk, per = _blocks(start, L, BS, splits)
-        m, l, acc = m_part[t], l_part[t], acc_part[t]
-        m[:] = -np.inf
-        l[:] = 0.0
-        acc[:] = 0.0
-        sc = np.empty((Hq, BS), np.float32)
-        for b in range(b0 + (t % splits) * per, b0 + min(nblk, (t % splits + 1) * per)):
-            blk = block_tables[s, b]
-            # rows j0 + j of the block, j < cnt: the window's first block starts inside. The
-            # loops count from 0 (sc holds the block's rows from j0): loops from j0 took 11 %
-            # more at n = 1, context 512 (small shapes, 1 thread), 114 against 103 us
-            j0 = max(0, start - b * BS)
-            cnt = min(BS, L - b * BS) - j0
-            for j in range(cnt):                        # each K row read once for its G heads
-                for kvh in range(Hkv):
-                    kr = k_cache[blk, j0 + j, kvh]
-                    for g in range(G):
-                        sc[kvh * G + g, j] = _dot(q[r, kvh * G + g], kr) * scale
-            for h in range(Hq):
-                bm = sc[h, 0]
-                for j in range(1, cnt):
-                    if sc[h, j] > bm:
-                        bm = sc[h, j]
-                a = acc[h]
-                if bm > m[h]:                           # new running max: rescale what we have
-                    corr = np.exp(m[h] - bm)
-                    l[h] *= corr
-                    for d in range(Dv):
-                        a[d] *= corr
-                    m[h] = bm
-                mh = m[h]
-                for j in range(cnt):
-                    sj = sc[h, j]
-                    # a -inf score weighs 0, also while the running max is still -inf
-                    # (exp(-inf - -inf) would be NaN); NaN scores stay NaN
-                    p = np.float32(0.0) if sj == -np.inf else np.exp(sj - mh)
-                    l[h] += p
-                    vr = v_cache[blk, j0 + j, h // G]
-                    for d in range(Dv):
-                        a[d] += p * vr[d]
+    rows, ptr, b0, nblk = _units(row_seq, row_start, row_len, BS)
+    U = b0.shape[0]
+    splits = max(1, min(nblk.max(), (tasks + U - 1) // U))      # chunks per unit
+    m_part = np.empty((n, splits, Hq), np.float32)              # per (row, chunk): running max,
+    l_part = np.empty((n, splits, Hq), np.float32)              # running sum,
+    acc_part = np.empty((n, splits, Hq, Dv), np.float32)        # and unnormalised output
+    for t in prange(U * splits):
+        u, c = t // splits, t % splits
+        R = ptr[u + 1] - ptr[u]
+        per = (nblk[u] + splits - 1) // splits
+        m = np.empty((Hkv, R * G), np.float32)
+        l = np.empty((Hkv, R * G), np.float32)
+        acc = np.empty((Hkv, R * G, Dv), np.float32)
+        _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, scale, rows, ptr[u], R,
+                    b0[u] + min(nblk[u], c * per), b0[u] + min(nblk[u], (c + 1) * per), m, l, acc)
+        for i in range(R):
+            r = rows[ptr[u] + i]
+            for kvh in range(Hkv):
+                for g in range(G):
+                    m_part[r, c, kvh * G + g] = m[kvh, i * G + g]
+                    l_part[r, c, kvh * G + g] = l[kvh, i * G + g]
+                    acc_part[r, c, kvh * G + g] = acc[kvh, i * G + g]
     if n * Hq * splits * Dv <= SMALL:                # merge the chunks of each (row, head)
         for t in range(n * Hq):
-            r = t // Hq
-            used = _chunks_used(_first_row(row_start, r), row_len[r], BS, splits)
-            _merge(m_part, l_part, acc_part, splits, used, r, t % Hq, sinks, out)
+            _merge(m_part, l_part, acc_part, t // Hq, t % Hq, sinks, out)
     else:
         for t in prange(n * Hq):
-            r = t // Hq
-            used = _chunks_used(_first_row(row_start, r), row_len[r], BS, splits)
-            _merge(m_part, l_part, acc_part, splits, used, r, t % Hq, sinks, out)
+            _merge(m_part, l_part, acc_part, t // Hq, t % Hq, sinks, out)
