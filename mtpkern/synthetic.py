@@ -7,6 +7,9 @@ The drafts they give are random tokens: they exercise the code, not a model.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -23,8 +26,9 @@ CONFIGS: dict[str, Callable[[], MtpConfig]] = {
     "demo": lambda: tiny_config(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                                 vocab_size=8192, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
                                 topk_group=2, moe_intermediate_size=128),
-    # H=1024, 16 q / 4 kv heads, D=64, E=32 top-4, 4 groups / 2 kept, I=512, 1 shared, V=32768
-    "small": small_config,
+    # H=1024, 16 q / 4 kv heads, D=64, E=32 top-4, 4 groups / 2 kept, I=512, 1 shared, V=32768;
+    # positions to 65536, so that the bench's --contexts reach 32768
+    "small": lambda: small_config(max_position_embeddings=65536),
     # a GLM-4.5-Air-sized module (H=4096, 96 q / 8 kv heads, D=128, E=128 top-8, V=151552)
     "glm45air": lambda: small_config(hidden_size=4096, num_attention_heads=96, num_key_value_heads=8,
                                      head_dim=128, n_routed_experts=128, num_experts_per_tok=8, n_group=1,
@@ -61,12 +65,16 @@ def synthetic_checkpoint(name: str, seed: int = 0, say: Callable[[str], None] | 
 
     The files are written into a temporary directory beside the final one and renamed
     into place, so a run killed half-way, or two runs at once, never leave a partial one.
+    The directory's name ends in a digest of the config, so a checkpoint written for an
+    earlier definition of ``name`` is never read as this one.
     """
     from .weights import write_synthetic_checkpoint
 
     if name not in CONFIGS:
         raise ValueError(f"name: expected one of {sorted(CONFIGS)}, got {name!r}")
-    path = cache_dir() / f"synthetic-{name}-{seed}"
+    config = CONFIGS[name]()
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str).encode()).hexdigest()
+    path = cache_dir() / f"synthetic-{name}-{seed}-{digest[:12]}"
     if (path / "config.json").exists():
         return path
     if say is not None:
@@ -74,7 +82,7 @@ def synthetic_checkpoint(name: str, seed: int = 0, say: Callable[[str], None] | 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        write_synthetic_checkpoint(tmp, CONFIGS[name](), seed=seed)
+        write_synthetic_checkpoint(tmp, config, seed=seed)
         os.replace(tmp, path)
     except OSError:
         if not (path / "config.json").exists():   # not another process winning the race: a real failure
