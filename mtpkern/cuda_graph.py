@@ -281,7 +281,7 @@ class StepPlan:
                 self._attn_ws = ws = (attention_workspace(floats) if attention_workspace is not None
                                       else buf((floats,)))
                 part_o, part_ml = ws[:po], ws[po:floats]
-            P = -(-(cfg.vocab_size if vocab is None else vocab.size) // lm_launch.ROWS_PER_BLOCK)   # the heads' rows
+            P = lm_launch.num_partials(cfg.vocab_size if vocab is None else vocab.size, sm_count())   # the heads' rows
             lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
             if shape.conf:
                 lm_ws["part_s"] = buf((B, P))                        # the blocks' sums of exp

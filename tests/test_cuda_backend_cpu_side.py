@@ -207,19 +207,21 @@ def beats(v, i, bv, bi) -> bool:
     return i >= 0 and (bi < 0 or v > bv or (v == bv and i < bi))
 
 
-def simulate_lm_argmax(logits: np.ndarray, bitmask: np.ndarray | None) -> np.ndarray:
+def simulate_lm_argmax(logits: np.ndarray, bitmask: np.ndarray | None, blocks: int = 4 * 132) -> np.ndarray:
+    """The two stages as the kernels run them; ``blocks``: the persistent grid's cap (resident
+    blocks per SM times SMs)."""
     n, V = logits.shape
-    P = math.ceil(V / 64)
+    pairs = -(-V // 2)
+    P = min(-(-pairs // 4), blocks)
     part = np.empty((n, P), object)
-    for b in range(P):                                     # partial kernel, block b
+    for b in range(P):                                     # partial kernel, block b: pairs [lo, hi)
+        lo, hi = b * pairs // P, (b + 1) * pairs // P
         for r in range(n):
             warp_best = []
             for warp in range(4):
                 bv, bi = -np.inf, -1
-                for it in range(8):
-                    a = b * 64 + 2 * (it * 4 + warp)
-                    if a >= V:
-                        break
+                for q in range(lo + warp, hi, 4):
+                    a = 2 * q
                     for j in range(2):
                         i = a + j
                         if i >= V:
@@ -267,7 +269,8 @@ def test_argmax_scheme_matches_reference(V):
     bitmask = RNG.integers(-(2**31), 2**31, size=(n, words), dtype=np.int64).astype(np.int32)
     bitmask[:, -1] = -1                                    # padding bits past V set: must be ignored
     for bm in (None, bitmask):
-        np.testing.assert_array_equal(simulate_lm_argmax(logits, bm), lm_head_ref.masked_argmax(logits, bm))
+        for blocks in (4 * 132, 7):                        # one pair per warp; 7 blocks striding over V
+            np.testing.assert_array_equal(simulate_lm_argmax(logits, bm, blocks), lm_head_ref.masked_argmax(logits, bm))
 
 
 def test_argmax_scheme_no_candidate_gives_minus_one():
@@ -686,9 +689,10 @@ def test_launch_abi(recorder, wdtype):
     assert expected <= launched
     ct, kv = (loader.CTYPE[np.dtype(t).name] for t in (np.uint8 if wdtype == "fp8" else wdtype, dense))
     assert f"paged_attention_kernel<{kv}, 2>" in launched and f"paged_attention_kernel<{kv}, 4>" in launched
-    assert {f"moe_expert_kernel<{ct}, true>", f"moe_expert_kernel<{ct}, false>", f"linear_kernel<{ct}>",
-            f"swiglu_gate_up_kernel<{ct}>", f"lm_head_argmax_partial_kernel<{ct}, false>",
-            f"lm_head_argmax_partial_kernel<{ct}, true>"} <= launched
+    assert {f"moe_expert_kernel<{ct}, true, 4>", f"moe_expert_kernel<{ct}, false, 4>", f"linear_kernel<{ct}, 4>",
+            f"swiglu_gate_up_kernel<{ct}, 4>", f"lm_head_argmax_partial_kernel<{ct}, false, 4>",
+            f"lm_head_argmax_partial_kernel<{ct}, true, 4>",
+            f"moe_expert_kernel<{ct}, true, 1>"} <= launched                     # n = 3 (NR = 4); 1
 
 
 def test_a_device_older_than_sm_80_is_refused(monkeypatch):

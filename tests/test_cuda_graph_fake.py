@@ -2,7 +2,7 @@
 
 A NumPy backend that calls itself "cuda" stands in for CudaBackend: its ops
 check every workspace the plan passes against the CUDA launchers' own shape
-rules (``attention.plan``, ``lm_head.ROWS_PER_BLOCK``), then compute with the
+rules (``attention.plan``, ``lm_head.num_partials``), then compute with the
 reference; ``lm_head_argmax`` returns -1 for a row without an allowed token, as
 the kernel does. The fake CuPy module gives pinned memory (host bytes),
 ``memcpyAsync`` (a memmove between the addresses the plan computed), events,
@@ -217,7 +217,7 @@ class FakeCudaBackend(NumpyBackend):
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
                        id_map=None, check=True):
-        n, P = x.shape[0], -(-w.shape[0] // lm_launch.ROWS_PER_BLOCK)
+        n, P = x.shape[0], lm_launch.num_partials(w.shape[0], SMS)
         if part_s is not None and conf is None:
             raise ValueError("part_s: the confidence workspace is used only with conf=; got part_s without conf")
         if conf is not None:                 # the launcher's rule: conf [n] FP32, written in place
@@ -305,7 +305,7 @@ def test_fake_lm_head_argmax_conf(fake_cuda):
     rng = np.random.default_rng(0)
     n, V, H = 3, 130, 16
     x, w = rng.standard_normal((n, H)).astype(np.float32), rng.standard_normal((V, H)).astype(np.float32)
-    P = 3
+    P = lm_launch.num_partials(V, SMS)
     mask = np.full((n, 5), -1, np.int32)
     mask[1] = 0
     mask[1, 2] = 1 << 9                                   # token 73 only

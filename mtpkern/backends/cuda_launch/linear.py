@@ -16,11 +16,19 @@ import numpy as np
 from ...ops.linear import check_linear
 from ._util import (cdiv, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
                     i32, optional, output, ptr, sm_count, weight_args)
-from .loader import get_kernel
+from .loader import GEMV_NR, get_kernel
 
 #: kGemvThreads in common.cuh: 4 warps, one row group (2 weight rows) per warp
 GEMV_THREADS = 128
 GEMV_WARPS = 4
+
+
+def gemv_rows(n: int) -> int:
+    """The GEMV kernels' NR instantiation for n input rows: the smallest of ``GEMV_NR``
+    (1, 2, 4, 8) >= min(n, 8). The kernel takes the rows NR at a time (n > 8: chunks of 8,
+    the last one run by the smallest code path that holds it), and its registers, so its
+    occupancy, are NR's: a 1-row launch does not pay for the 8-row path."""
+    return next(nr for nr in GEMV_NR if nr >= min(max(n, 1), GEMV_NR[-1]))
 
 
 def gemv_config(groups: int) -> tuple[tuple[int], int]:
@@ -45,7 +53,7 @@ def launch_linear(x, w, bias, residual, y) -> None:
     if n == 0 or N == 0:
         return
     grid, wpr = gemv_config(cdiv(N, 2))
-    kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}>")
+    kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}, {gemv_rows(n)}>")
     kernel(grid, (GEMV_THREADS,), (x, *weight_args(w), ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr)))
 
 

@@ -33,12 +33,16 @@ ATTENTION_DC = (2, 4, 8)
 #: mla_attention_tc_kernel (a warp's 4 LPT n-tiles of 8 dims: 16 LPT accumulators per thread).
 MLA_LPT = (1, 2)
 
+#: Input rows per pass of the GEMV kernels (their NR template parameter, common.cuh): a launch
+#: over n rows takes the smallest >= min(n, 8) (``linear.gemv_rows``).
+GEMV_NR = (1, 2, 4, 8)
+
 #: family -> the instantiations to compile (``nvrtcAddNameExpression``); a
 #: launcher asks for exactly one of these strings.
 NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "norm": ("rmsnorm_kernel",) + tuple(f"mtp_norms_kernel<{t}>" for t in _CTYPES),
-    "linear": tuple(f"linear_kernel<{t}>" for t in _WEIGHT_CTYPES),
-    "mlp": tuple(f"swiglu_gate_up_kernel<{t}>" for t in _WEIGHT_CTYPES),
+    "linear": tuple(f"linear_kernel<{t}, {nr}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR),
+    "mlp": tuple(f"swiglu_gate_up_kernel<{t}, {nr}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR),
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true")),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
     + ("paged_attention_merge_kernel",),
@@ -49,9 +53,11 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"mla_out_kernel<{t}>" for t in _CTYPES),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
-    + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
+    + tuple(f"moe_expert_kernel<{t}, {g}, {nr}>" for t in _WEIGHT_CTYPES for g in ("true", "false")
+            for nr in GEMV_NR),
     # CONF: the confidence epilogue (lm_head_argmax(..., conf=)); false is the plain argmax
-    "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}>" for t in _WEIGHT_CTYPES for c in ("false", "true"))
+    "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}, {nr}>" for t in _WEIGHT_CTYPES
+                     for c in ("false", "true") for nr in GEMV_NR)
     + ("argmax_final_kernel<false>", "argmax_final_kernel<true>", "masked_topk_kernel"),
     "step": ("copy_segments_kernel",),
     # a probe of mma.cuh's fragment layout, for the tests only (kernels/mma.cu)

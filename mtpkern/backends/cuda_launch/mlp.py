@@ -15,7 +15,7 @@ from ...ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..base import all_fp8_or_none
 from ._util import (CudaFp8, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
                     i32, optional, output, weight_args)
-from .linear import GEMV_THREADS, gemv_config, launch_linear
+from .linear import GEMV_THREADS, gemv_config, gemv_rows, launch_linear
 from .loader import get_kernel
 
 
@@ -40,7 +40,7 @@ def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None, limit=None):
         return y
     if I:
         grid, wpr = gemv_config(I)  # row group u = (gate row u, up row I + u)
-        kernel = get_kernel("mlp", f"swiglu_gate_up_kernel<{ctype(w13)}>")
+        kernel = get_kernel("mlp", f"swiglu_gate_up_kernel<{ctype(w13)}, {gemv_rows(n)}>")
         kernel(grid, (GEMV_THREADS,), (x, *weight_args(w13), act, i32(n), i32(I), i32(H), i32(wpr), L))
     launch_linear(act, w2, None, residual, y)
     return y

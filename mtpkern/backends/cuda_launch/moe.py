@@ -14,7 +14,7 @@ residual [n, H] | None, *, limit=None) -> [n, H]``: three launches, workspaces
 3. ``moe_combine_kernel``: y = residual + sum_k weights[:, k] * partial[:, k] in k order.
 
 Each expert's weights are read once per launch for all the pairs that chose
-it (up to 8 per pass). Slots: by pair when n * K <= E (decode), else by expert.
+it (up to NR = ``gemv_rows(n)`` per pass). Slots: by pair when n * K <= E (decode), else by expert.
 ``out`` may be ``residual``.
 """
 
@@ -28,7 +28,7 @@ from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..base import all_fp8_or_none
 from ._util import (CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
                     expect_same_or_disjoint, expect_weight, f32, i32, optional, output, ptr, weight_args)
-from .linear import GEMV_THREADS, GEMV_WARPS, launch_linear
+from .linear import GEMV_THREADS, GEMV_WARPS, gemv_rows, launch_linear
 from .loader import get_kernel
 
 #: kRouterMaxExperts in moe.cu: one thread per expert
@@ -95,8 +95,9 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
     if n == 0:
         return y
     if nK and H:
-        gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true>")
-        down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false>")
+        nr = gemv_rows(n)     # the most pairs one expert gets when each row's ids are distinct
+        gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true, {nr}>")
+        down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false, {nr}>")
         if I:
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
                     (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair),
