@@ -309,10 +309,14 @@ __device__ __forceinline__ const float* opaque(const float* p) {
   return p;
 }
 
-template <typename W, int NR, int ROWS>
-__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
-                                         const float* const (&x)[NR], int K, int t, int nt, bool vec,
-                                         float (&acc)[ROWS][NR]) {
+// NORM (gemv_dot_norm): x is the input of an RMSNorm with weight g [K] fused into the GEMV:
+// each x element is multiplied by its g as it is loaded, and ss[r] += x^2 over this thread's
+// share beside the dot products (x is read anyway: no extra bytes but g's, which L1 holds).
+// The caller sums ss over the team and scales the dot products by 1 / sqrt(ss / K + eps).
+template <typename W, int NR, int ROWS, bool NORM>
+__device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
+                                              const float* const (&x)[NR], int K, int t, int nt, bool vec,
+                                              float (&acc)[ROWS][NR], const float* g, float (&ss)[NR]) {
   constexpr int V = Elem<W>::V;  // elements per vector: 8 bf16, 4 fp32 (16 bytes) or 8 fp8 (8 bytes)
   constexpr int U = kGemvUnroll<NR>;
   using Raw = typename WVec<W>::Raw;
@@ -337,10 +341,16 @@ __device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float*
           if constexpr (Elem<W>::scaled) sc = s[j][(k + u * step) / bk];
           widen(raw[j][u], sc, wf[j]);
         }
+        float gv[V];
+        if constexpr (NORM) load_vec<V>(g + k + u * step, gv);
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
           float xv[V];
           load_vec<V>(x[r] + k + u * step, xv);
+          if constexpr (NORM) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) { ss[r] = fmaf(xv[v], xv[v], ss[r]); xv[v] *= gv[v]; }
+          }
 #pragma unroll
           for (int j = 0; j < ROWS; ++j)
 #pragma unroll
@@ -356,10 +366,16 @@ __device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float*
         if constexpr (Elem<W>::scaled) sc = s[j][k / bk];
         widen(WVec<W>::load(w[j] + k), sc, wf[j]);
       }
+      float gv[V];
+      if constexpr (NORM) load_vec<V>(g + k, gv);
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         float xv[V];
         load_vec<V>(x[r] + k, xv);
+        if constexpr (NORM) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) { ss[r] = fmaf(xv[v], xv[v], ss[r]); xv[v] *= gv[v]; }
+        }
 #pragma unroll
         for (int j = 0; j < ROWS; ++j)
 #pragma unroll
@@ -373,12 +389,21 @@ __device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float*
       for (int j = 0; j < ROWS; ++j) wk[j] = weight_at(w[j], s[j], k, bk);
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        const float xk = x[r][k];
+        float xk = x[r][k];
+        if constexpr (NORM) { ss[r] = fmaf(xk, xk, ss[r]); xk *= g[k]; }
 #pragma unroll
         for (int j = 0; j < ROWS; ++j) acc[j][r] = fmaf(wk[j], xk, acc[j][r]);
       }
     }
   }
+}
+
+template <typename W, int NR, int ROWS>
+__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
+                                         const float* const (&x)[NR], int K, int t, int nt, bool vec,
+                                         float (&acc)[ROWS][NR]) {
+  float unused[NR];
+  gemv_dot_impl<W, NR, ROWS, false>(w, s, bk, x, K, t, nt, vec, acc, nullptr, unused);
 }
 
 // Sum acc over the 32 lanes of the warp; every lane gets the sums.
@@ -453,13 +478,19 @@ __device__ __forceinline__ bool beats(float v, int i, float bv, int bi) {
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * kWarp;
 
-template <typename W, int NR, typename Epi>
+// The fused RMSNorm of gemv_groups (NORM): g [K] its weight, eps; rows of x are normalised.
+struct RowNorm {
+  const float* g;
+  float eps;
+};
+
+template <typename W, int NR, bool NORM, typename Epi>
 __device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, const Scales& sc, int r0, int m,
-                                                  int K, int wpr, bool vec, const Epi& epi,
-                                                  float (&red)[kGemvWarps][2 * kMaxRows]) {
+                                                  int K, int wpr, bool vec, const Epi& epi, const RowNorm& nm,
+                                                  float (&red)[kGemvWarps][3 * kMaxRows]) {
   if constexpr (NR > 1) {
     if (m <= NR / 2) {  // uniform over the block: the smaller instantiation's barriers match
-      gemv_groups_chunk<W, NR / 2>(x, w, sc, r0, m, K, wpr, vec, epi, red);
+      gemv_groups_chunk<W, NR / 2, NORM>(x, w, sc, r0, m, K, wpr, vec, epi, nm, red);
       return;
     }
   }
@@ -468,46 +499,72 @@ __device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, co
   const int sub = warp % wpr;
   int a = 0, b = 0;
   const bool active = epi.rows(u, a, b);
-  float acc[2][NR];
+  float acc[2][NR], ss[NR];
   zero(acc);
+#pragma unroll
+  for (int r = 0; r < NR; ++r) ss[r] = 0.0f;
   if (active) {
     const W* const wr[2] = {w + static_cast<long long>(a) * K, w + static_cast<long long>(b) * K};
     const float* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
     const float* xr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * K;
-    gemv_dot<W, NR, 2>(wr, sr, sc.bk, xr, K, sub * kWarp + lane, wpr * kWarp, vec, acc);
+    gemv_dot_impl<W, NR, 2, NORM>(wr, sr, sc.bk, xr, K, sub * kWarp + lane, wpr * kWarp, vec, acc, nm.g, ss);
   }
   warp_sum_all(acc);
+  if constexpr (NORM) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) ss[r] = warp_sum(ss[r]);
+  }
   if (wpr > 1) {  // uniform over the block
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int r = 0; r < NR; ++r) red[warp][j * NR + r] = acc[j][r];
+      if constexpr (NORM) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) red[warp][2 * NR + r] = ss[r];
+      }
     }
     __syncthreads();
     if (sub == 0) {
-      for (int s = 1; s < wpr; ++s)
+      for (int q = 1; q < wpr; ++q) {
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
-          for (int r = 0; r < NR; ++r) acc[j][r] += red[warp + s][j * NR + r];
+          for (int r = 0; r < NR; ++r) acc[j][r] += red[warp + q][j * NR + r];
+        if constexpr (NORM) {
+#pragma unroll
+          for (int r = 0; r < NR; ++r) ss[r] += red[warp + q][2 * NR + r];
+        }
+      }
     }
     __syncthreads();  // red is rewritten by the next chunk
   }
-  if (active && sub == 0 && lane == 0) epi.template store<NR>(u, r0, m, acc);
+  if (active && sub == 0 && lane == 0) {
+    if constexpr (NORM) {  // y = (W (x * g)) / sqrt(mean(x^2) + eps), as rmsnorm's x / denom * g
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const float denom = sqrtf(ss[r] / static_cast<float>(K) + nm.eps);
+        acc[0][r] /= denom;
+        acc[1][r] /= denom;
+      }
+    }
+    epi.template store<NR>(u, r0, m, acc);
+  }
 }
 
-// The GEMV of all n input rows, NR at a time (NR: the kernel's instantiation).
-template <typename W, int NR, typename Epi>
+// The GEMV of all n input rows, NR at a time (NR: the kernel's instantiation); NORM: each
+// row of x normalised by the RMSNorm nm on the fly (gemv_dot_impl).
+template <typename W, int NR, bool NORM, typename Epi>
 __device__ __forceinline__ void gemv_groups(const float* x, const W* w, const Scales& sc, int n, int K, int wpr,
-                                            const Epi& epi) {
-  __shared__ float red[kGemvWarps][2 * kMaxRows];
-  const bool vec = gemv_vec_ok(w, x, K, sc);
+                                            const Epi& epi, const RowNorm& nm) {
+  __shared__ float red[kGemvWarps][3 * kMaxRows];
+  const bool vec = gemv_vec_ok(w, x, K, sc) && (!NORM || aligned16(nm.g));
   for (int r0 = 0; r0 < n; r0 += NR) {
     const int m = min(NR, n - r0);
-    gemv_groups_chunk<W, NR>(x, w, sc, r0, m, K, wpr, vec, epi, red);
+    gemv_groups_chunk<W, NR, NORM>(x, w, sc, r0, m, K, wpr, vec, epi, nm, red);
   }
 }
 

@@ -13,6 +13,11 @@
 //   want a tensor-core GEMM instead.
 // Epilogue (lane 0 of the group's first warp): y = acc + bias + residual, in
 // the reference's order ((x w^T + bias) + residual).
+// NORM (the ops' norm=(norm_w, eps)): x is the input of an RMSNorm fused into the GEMV,
+//   y = (x * norm_w) w^T / sqrt(mean(x^2) + eps) + bias + residual: norm_w [K] is applied as
+//   x is loaded, the row's sum of squares accumulated beside the dot products (split-K
+//   warps add theirs through shared memory), the division in the epilogue (common.cuh
+//   gemv_dot_impl). Without NORM norm_w is null and eps unused.
 //
 // Also used for lm_head_logits (no bias / residual), the router logits of
 // moe_router, the eh_proj of mtp_input and the down projection of swiglu_mlp.
@@ -64,11 +69,12 @@ struct LinearEpi {
 
 }  // namespace mtp
 
-template <typename W, int NR>
+template <typename W, int NR, bool NORM>
 __global__ void
 linear_kernel(const float* __restrict__ x, const W* __restrict__ w, const float* __restrict__ scale, int bn,
               int bk, const float* __restrict__ bias, const float* residual, float* y, int n, int N, int K,
-              int wpr) {
+              int wpr, const float* __restrict__ norm_w, float eps) {
   const mtp::LinearEpi epi{bias, residual, y, N};
-  mtp::gemv_groups<W, NR>(x, w, mtp::make_scales<W>(scale, bn, bk, K), n, K, wpr, epi);
+  mtp::gemv_groups<W, NR, NORM>(x, w, mtp::make_scales<W>(scale, bn, bk, K), n, K, wpr, epi,
+                                mtp::RowNorm{norm_w, eps});
 }

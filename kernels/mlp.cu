@@ -13,6 +13,7 @@
 // used for NR (1, 2, 4 or 8, the instantiation) tokens per pass (see linear.cu).
 //
 // W and scale/bn/bk (FP8 scales of w13 [2I, H], null for dense weights): as linear.cu.
+// NORM / norm_w / eps: an RMSNorm of x fused in, as linear.cu (both halves see the normed x).
 //
 // Preconditions: blockDim.x == 128; x, act fp32 contiguous. Vector path as
 // linear.cu (H % (16 / sizeof(W)) == 0, aligned w13 and x; FP8: as linear.cu), else scalar.
@@ -43,10 +44,12 @@ struct SwiGluEpi {
 
 }  // namespace mtp
 
-template <typename W, int NR>
+template <typename W, int NR, bool NORM>
 __global__ void
 swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, const float* __restrict__ scale,
-                      int bn, int bk, float* __restrict__ act, int n, int I, int H, int wpr, float limit) {
+                      int bn, int bk, float* __restrict__ act, int n, int I, int H, int wpr, float limit,
+                      const float* __restrict__ norm_w, float eps) {
   const mtp::SwiGluEpi epi{act, I, limit};
-  mtp::gemv_groups<W, NR>(x, w13, mtp::make_scales<W>(scale, bn, bk, H), n, H, wpr, epi);
+  mtp::gemv_groups<W, NR, NORM>(x, w13, mtp::make_scales<W>(scale, bn, bk, H), n, H, wpr, epi,
+                                mtp::RowNorm{norm_w, eps});
 }

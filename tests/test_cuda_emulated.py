@@ -1041,6 +1041,9 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             out[f"mtp_input {t}"] = be.mtp_input(pw(embed), np.array([1, 10, 0, 3, 3][:n], np.int32), xn,
                                                  rnd(rng, 64), rnd(rng, 64), pw(w(64, 128)), 1e-5)
             out[f"swiglu {t}"] = be.swiglu_mlp(xn, pw(w(48, 64)), pw(w(64, 24)), xn)
+            g = rnd(rng, 64)                                     # the NORM instantiations (norm=)
+            out[f"linear norm {t}"] = be.linear(xn, pw(w(33, 64)), None, None, norm=(g, 1e-6))
+            out[f"swiglu norm {t}"] = be.swiglu_mlp(xn, pw(w(48, 64)), pw(w(64, 24)), xn, norm=(g, 1e-6))
             mask = rng.integers(-2**31, 2**31, (n, 5), dtype=np.int64).astype(np.int32)
             mask[:, 0] |= 1
             head = pw(w(130, 64))

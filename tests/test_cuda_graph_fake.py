@@ -135,8 +135,8 @@ class FakeCudaBackend(NumpyBackend):
     def rmsnorm(self, x, w, eps, *, out=None):
         return self._run("rmsnorm", x, w, eps, out=out)
 
-    def linear(self, x, w, bias=None, residual=None, *, out=None):
-        return self._run("linear", x, w, bias, residual, out=out)
+    def linear(self, x, w, bias=None, residual=None, *, out=None, norm=None):
+        return self._run("linear", x, w, bias, residual, out=out, norm=norm)
 
     def qk_norm_rope_kv_write(self, qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, eps, inv_freq,
                               positions, k_cache, v_cache, slots, *, out=None):
@@ -209,11 +209,11 @@ class FakeCudaBackend(NumpyBackend):
             self.ws_seen.add("moe act")
         return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit)
 
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None):
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None):
         if act is not None:
             _expect("act", act, (x.shape[0], w13.shape[0] // 2))
             self.ws_seen.add("mlp act")
-        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit)
+        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit, norm=norm)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
                        id_map=None, check=True):

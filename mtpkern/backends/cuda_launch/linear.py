@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops.linear import check_linear
-from ._util import (cdiv, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
-                    i32, optional, output, ptr, sm_count, weight_args)
+from ...ops.norm import check_norm
+from ._util import (NULL, cdiv, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint,
+                    expect_weight, f32, i32, optional, output, ptr, sm_count, weight_args)
 from .loader import GEMV_NR, get_kernel
 
 #: kGemvThreads in common.cuh: 4 warps, one row group (2 weight rows) per warp
@@ -46,19 +47,32 @@ def gemv_config(groups: int) -> tuple[tuple[int], int]:
     return (cdiv(groups, GEMV_WARPS // wpr),), wpr
 
 
-def launch_linear(x, w, bias, residual, y) -> None:
-    """Validated, contiguous device arrays: x [n, K], w [N, K] (``device_weight``), y [n, N]."""
+def norm_args(norm, K: int) -> tuple[str, tuple]:
+    """The ops' ``norm=(weight [K], eps)`` (an RMSNorm of x fused into the GEMV) -> (the
+    kernels' NORM template argument, their ``norm_w, eps`` arguments)."""
+    if norm is None:
+        return "false", (NULL, f32(0.0))
+    g, eps = check_norm(norm, K)
+    return "true", (device(g, "norm weight", "float32"), f32(eps))
+
+
+def launch_linear(x, w, bias, residual, y, norm=None) -> None:
+    """Validated, contiguous device arrays: x [n, K], w [N, K] (``device_weight``), y [n, N];
+    ``norm``: (weight [K], eps) or None."""
     n, K = x.shape
     N = w.shape[0]
     if n == 0 or N == 0:
         return
+    nm, nargs = norm_args(norm, K)
     grid, wpr = gemv_config(cdiv(N, 2))
-    kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}, {gemv_rows(n)}>")
-    kernel(grid, (GEMV_THREADS,), (x, *weight_args(w), ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr)))
+    kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}, {gemv_rows(n)}, {nm}>")
+    kernel(grid, (GEMV_THREADS,), (x, *weight_args(w), ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr),
+                                   *nargs))
 
 
-def linear(x, w, bias=None, residual=None, *, out=None):
-    """y [n, N] = x [n, K] @ w [N, K]^T (+ bias [N]) (+ residual [n, N]); ``out``: [n, N] FP32."""
+def linear(x, w, bias=None, residual=None, *, out=None, norm=None):
+    """y [n, N] = x [n, K] @ w [N, K]^T (+ bias [N]) (+ residual [n, N]); ``out``: [n, N] FP32;
+    ``norm=(g [K], eps)``: x is first RMS-normalised with weight g (fused: ``NORM``)."""
     check_linear(x, w, bias, residual)
     expect_weight("w", w)
     x = device(x, "x", "float32")
@@ -70,5 +84,5 @@ def linear(x, w, bias=None, residual=None, *, out=None):
     expect_same_or_disjoint("out", y, "residual", residual)
     if bias is not None:
         expect_disjoint("out", y, "bias", bias)
-    launch_linear(x, w, bias, residual, y)
+    launch_linear(x, w, bias, residual, y, norm)
     return y

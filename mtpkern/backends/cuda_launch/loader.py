@@ -41,8 +41,11 @@ GEMV_NR = (1, 2, 4, 8)
 #: launcher asks for exactly one of these strings.
 NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "norm": ("rmsnorm_kernel",) + tuple(f"mtp_norms_kernel<{t}>" for t in _CTYPES),
-    "linear": tuple(f"linear_kernel<{t}, {nr}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR),
-    "mlp": tuple(f"swiglu_gate_up_kernel<{t}, {nr}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR),
+    # NORM (the last parameter): an RMSNorm of x fused into the GEMV (the ops' norm=)
+    "linear": tuple(f"linear_kernel<{t}, {nr}, {nm}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
+                    for nm in ("false", "true")),
+    "mlp": tuple(f"swiglu_gate_up_kernel<{t}, {nr}, {nm}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
+                 for nm in ("false", "true")),
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true")),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
     + ("paged_attention_merge_kernel",),
