@@ -232,7 +232,6 @@ class StepPlan:
         q_c = flat(lambda b: b.q_lora_rank) if any(blk[m].q_lora_rank for m in mla) else None
         K = cfg.num_experts_per_tok
         moe = any(blk[m].moe for m in self.run)
-        f_in = buf((n_max, H)) if moe else None                   # the experts' normed input
         eids = buf((n_max, K), np.int32) if moe else None
         ewts = buf((n_max, K)) if moe else None
         gated = moe and cfg.n_shared_experts and cfg.shared_expert_gate
@@ -302,7 +301,6 @@ class StepPlan:
             self.bufs[m] = ForwardBuffers(x[:c], qkv[:c * b.qkv_size].reshape(c, b.qkv_size),
                                           q[:c * b.q_size].reshape(c, Hq, b.head_dim),
                                           o[:c * b.o_size].reshape(c, b.o_size), r[:c], self.y[m], self.normed[m],
-                                          None if f_in is None or not b.moe else f_in[:c],
                                           None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws,
                                           None if shared is None else shared[:c], None if sgate is None else sgate[:c])
             if b.mla:

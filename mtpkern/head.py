@@ -82,9 +82,8 @@ class RowIndex(NamedTuple):
 @dataclass(slots=True)
 class ForwardBuffers:
     """Preallocated outputs of ``MtpHead.compute`` over ``n`` rows (backend arrays,
-    contiguous): ``x``, ``r``, ``y``, ``normed`` [n, H]; ``f_in`` [n, H] for a MoE module only
-    (the experts' normed input; elsewhere the RMSNorms are fused into the GEMVs they feed,
-    ``norm=``, and their rows never stored); ``qkv``
+    contiguous): ``x``, ``r``, ``y``, ``normed`` [n, H] (the block's RMSNorms are fused into the
+    GEMVs they feed, ``norm=``: their rows are never stored); ``qkv``
     [n, block.qkv_size] (q | k | v | gate); ``q`` [n, Hq, D]; ``o`` [n, Hq Dv]; MoE ``expert_ids`` [n, K]
     int32 / ``expert_weights`` [n, K]. ``ws``: per op (``mtp_input``, ``attention``,
     ``router``, ``experts``, ``shared``, ``mlp``), the backend's workspace keyword
@@ -102,7 +101,6 @@ class ForwardBuffers:
     r: Any
     y: Any
     normed: Any
-    f_in: Any = None
     expert_ids: Any = None
     expert_weights: Any = None
     ws: dict = field(default_factory=dict)
@@ -291,21 +289,22 @@ class MtpHead:
             if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
                 o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
-        if b.moe:
-            f_in = be.rmsnorm(r, w.post_attention_layernorm, eps, **put("rmsnorm", out="f_in"))  # [n, H]
-            ids, wts = be.moe_router(f_in, w.gate_w, w.gate_bias, self._router,
+        f_norm = (w.post_attention_layernorm, eps)   # fused into every GEMV of the FFN (norm=)
+        if b.moe:                            # f_in = post_attention_layernorm(r), never stored
+            ids, wts = be.moe_router(r, w.gate_w, w.gate_bias, self._router, norm=f_norm,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
-            y = be.moe_experts(f_in, ids, wts, w.experts_w13, w.experts_w2, r,
+            y = be.moe_experts(r, ids, wts, w.experts_w13, w.experts_w2, r, norm=f_norm,
                                **self._experts_kw, **put("experts", out="y"))                    # [n, H]
             if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row
-                sh = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, **self._mlp_kw, **put("shared", out="shared"))
-                sg = be.linear(f_in, w.shared_gate, **put("linear", out="shared_gate"))          # [n, 1]
+                sh = be.swiglu_mlp(r, w.shared_w13, w.shared_w2, norm=f_norm, **self._mlp_kw,
+                                   **put("shared", out="shared"))
+                sg = be.linear(r, w.shared_gate, norm=f_norm, **put("linear", out="shared_gate"))  # [n, 1]
                 y = be.sigmoid_gate(sh, sg, y, **put("gate", out="y"))
             elif w.shared_w13 is not None:
-                y = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, y, **self._mlp_kw, **put("shared", out="y"))
-        else:                                # y = r + mlp(post_attention_layernorm(r)), the norm fused
-            y = be.swiglu_mlp(r, w.mlp_w13, w.mlp_w2, r, norm=(w.post_attention_layernorm, eps), **self._mlp_kw,
-                              **put("mlp", out="y"))
+                y = be.swiglu_mlp(r, w.shared_w13, w.shared_w2, y, norm=f_norm, **self._mlp_kw,
+                                  **put("shared", out="y"))
+        else:                                # y = r + mlp(post_attention_layernorm(r))
+            y = be.swiglu_mlp(r, w.mlp_w13, w.mlp_w2, r, norm=f_norm, **self._mlp_kw, **put("mlp", out="y"))
         normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
         return y, normed
 

@@ -673,6 +673,9 @@ def test_launch_abi(recorder, wdtype):
     moe.moe_router(f(n, H), wt(8, H), f(8), moe_ref.RouterSpec(2, 2, 1, 1.0, True))
     moe.moe_experts(f(n, H), i(n, 2), f(n, 2), wt(4, 12, H), wt(4, H, 6), f(n, H))   # by expert
     moe.moe_experts(f(1, H), i(1, 2), f(1, 2), wt(4, 12, H), wt(4, H, 6))            # by pair
+    linear.linear(f(n, H), wt(10, H), None, None, norm=(f(H), 1e-6))                # the NORM kernels
+    mlp.swiglu_mlp(f(n, H), wt(12, H), wt(H, 6), f(n, H), norm=(f(H), 1e-6))
+    moe.moe_experts(f(n, H), i(n, 2), f(n, 2), wt(4, 12, H), wt(4, H, 6), f(n, H), norm=(f(H), 1e-6))
     mlp.swiglu_mlp(f(n, H), wt(12, H), wt(H, 6), f(n, H))
     lm_head.lm_head_logits(f(n, H), wt(100, H))
     lm_head.lm_head_argmax(f(n, H), wt(100, H), i(n, 4), check=False)
@@ -689,10 +692,12 @@ def test_launch_abi(recorder, wdtype):
     assert expected <= launched
     ct, kv = (loader.CTYPE[np.dtype(t).name] for t in (np.uint8 if wdtype == "fp8" else wdtype, dense))
     assert f"paged_attention_kernel<{kv}, 2>" in launched and f"paged_attention_kernel<{kv}, 4>" in launched
-    assert {f"moe_expert_kernel<{ct}, true, 4>", f"moe_expert_kernel<{ct}, false, 4>", f"linear_kernel<{ct}, 4>",
-            f"swiglu_gate_up_kernel<{ct}, 4>", f"lm_head_argmax_partial_kernel<{ct}, false, 4>",
-            f"lm_head_argmax_partial_kernel<{ct}, true, 4>",
-            f"moe_expert_kernel<{ct}, true, 1>"} <= launched                     # n = 3 (NR = 4); 1
+    assert {f"moe_expert_kernel<{ct}, true, 4, false>", f"moe_expert_kernel<{ct}, false, 4, false>",
+            f"linear_kernel<{ct}, 4, false>", f"swiglu_gate_up_kernel<{ct}, 4, false>",
+            f"lm_head_argmax_partial_kernel<{ct}, false, 4>", f"lm_head_argmax_partial_kernel<{ct}, true, 4>",
+            f"moe_expert_kernel<{ct}, true, 1, false>"} <= launched              # n = 3 (NR = 4); 1
+    assert {f"linear_kernel<{ct}, 4, true>", f"swiglu_gate_up_kernel<{ct}, 4, true>",
+            f"moe_expert_kernel<{ct}, true, 4, true>"} <= launched               # norm=
 
 
 def test_a_device_older_than_sm_80_is_refused(monkeypatch):

@@ -1056,6 +1056,7 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             e13, e2 = rnd(rng, 32, 48, 64, scale=0.125), rnd(rng, 32, 64, 24, scale=24 ** -0.5)
             w13, w2 = (pw(stored(a, wd, (16, 32))[0]) for a in (e13, e2))
             out[f"experts by pair {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn)      # n*K <= 20 <= E
+            out[f"experts norm {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn, norm=(g, 1e-6))
             hot = np.array([[1, 2, 3, 4]] * n, np.int32)
             w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
             out[f"experts by expert {t}"] = be.moe_experts(xn, hot, wts, w13, w2)

@@ -194,20 +194,20 @@ class FakeCudaBackend(NumpyBackend):
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return self._run("sigmoid_gate", x, gate, residual, out=out)
 
-    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
+    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None, norm=None):
         if logits is not None:
             _expect("logits", logits, (x.shape[0], gate_w.shape[0]))
             self.ws_seen.add("logits")
-        return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights)
+        return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights, norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
-                    limit=None):
+                    limit=None, norm=None):
         if act is not None:
             nK = ids.shape[0] * ids.shape[1]
             _expect("act", act, (nK, w13.shape[1] // 2))
             _expect("partial", partial, (nK, x.shape[1]))
             self.ws_seen.add("moe act")
-        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit)
+        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit, norm=norm)
 
     def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None):
         if act is not None:

@@ -812,6 +812,33 @@ def test_moe_experts(be, wdtype, n, E, K, residual):
     assert_close(be.to_host(got), want, what="moe_experts")
 
 
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 9])
+@pytest.mark.parametrize("by_pair", [True, False])
+def test_moe_norm(be, wdtype, n, by_pair):
+    """moe_router / moe_experts with norm=(g, eps) against their definition on rmsnorm(x):
+    the router's ids and weights, and the experts with x itself as the residual (a MoE
+    block's post-attention half), by pair (n K <= E) and by expert."""
+    rng = rng_for("moe_norm", wdtype, n, by_pair)
+    H, I, K = 40, 23, 2
+    E = 2 * n * K if by_pair else 4
+    x, g = acts(rng, n, H) * 2.0, acts(rng, H)
+    gate_w, bias = weight(rng, (E, H), wdtype), acts(rng, E, scale=0.1)
+    spec = RouterSpec(K, 1, 1, 1.0, True)
+    ids, wts = be.moe_router(be.from_host(x), be.prepare_weight(gate_w), be.prepare_vector(bias), spec,
+                             norm=(be.prepare_vector(g), 1e-6))
+    xn = REF.rmsnorm(x, g, 1e-6)
+    ids_ref, w_ref = REF.moe_router(xn, REF.prepare_weight(gate_w), bias, spec)
+    np.testing.assert_array_equal(be.to_host(ids), ids_ref)
+    assert_close(be.to_host(wts), w_ref, what="router weights, norm=")
+    w13, w2 = weight(rng, (E, 2 * I, H), wdtype), weight(rng, (E, H, I), wdtype)
+    xd = be.from_host(x)
+    got = be.moe_experts(xd, be.from_host(ids_ref), be.from_host(w_ref), be.prepare_weight(w13),
+                         be.prepare_weight(w2), xd, norm=(be.prepare_vector(g), 1e-6))
+    want = REF.moe_experts(xn, ids_ref, w_ref, REF.prepare_weight(w13), REF.prepare_weight(w2), x)
+    assert_close(be.to_host(got), want, what="moe_experts, norm=")
+
+
 # -- mlp ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("wdtype", GEMV_WDTYPES)

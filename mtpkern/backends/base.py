@@ -196,11 +196,13 @@ class Backend(ABC):
     def sigmoid_gate(self, x, gate, residual=None): ...
 
     @abstractmethod
-    def moe_router(self, x, gate_w, bias, spec: RouterSpec): ...
+    def moe_router(self, x, gate_w, bias, spec: RouterSpec, *, norm=None):
+        """``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, limit=None):
-        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``)."""
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, limit=None, norm=None):
+        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``);
+        ``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod
     def swiglu_mlp(self, x, w13, w2, residual=None, *, limit=None, norm=None):

@@ -415,8 +415,10 @@ class CpuBackend(Backend):
         return out
 
     # -- moe ----------------------------------------------------------------
-    def moe_router(self, x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None):
+    def moe_router(self, x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, norm=None):
         self._check(check_moe_router, x, gate_w, bias, spec)
+        if norm is not None:        # the definition: the rmsnorm kernel, then the router
+            x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         n, E = x.shape[0], gate_w.shape[0]
         logits = np.empty((n, E), np.float32)                                # scratch
         ids = _out("ids", ids, (n, spec.top_k), np.int32)
@@ -429,8 +431,10 @@ class CpuBackend(Backend):
                spec.norm_topk_prob, np.float32(spec.routed_scaling_factor), logits, ids, weights)
         return ids, weights
 
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None):
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None, norm=None):
         self._check(check_moe_experts, x, ids, weights, w13, w2, residual)
+        if norm is not None:        # the definition: the rmsnorm kernel, then the experts
+            x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         L = swiglu_limit(limit)
         ids = np.ascontiguousarray(ids)
         _in_range("ids", ids, w13.shape[0])

@@ -247,12 +247,13 @@ class CudaBackend(Backend):
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return gate_launch.sigmoid_gate(x, gate, residual, out=out)
 
-    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
-        return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits)
+    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None, norm=None):
+        return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits, norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
-                    limit=None):
-        return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial, limit=limit)
+                    limit=None, norm=None):
+        return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial, limit=limit,
+                               norm=norm)
 
     def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None):
         return mlp.swiglu_mlp(x, w13, w2, residual, out=out, act=act, limit=limit, norm=norm)
