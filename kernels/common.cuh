@@ -137,14 +137,62 @@ __device__ __forceinline__ void load_vec(const __nv_fp8_e4m3* p, float scale, fl
   f[4] = b.x * scale; f[5] = b.y * scale; f[6] = b.z * scale; f[7] = b.w * scale;
 }
 
-// The weight vector of V elements at p (column k of its row) for the GEMV core: dense
-// types ignore the scales, FP8 takes the scale of its block (the caller checks
-// bk % V == 0). Callers pass p = w + k + step (two pointer steps), not w + (k + step):
-// that int sum cost lm_head_argmax_partial_kernel<float> a register spill on sm_90.
-template <typename W, int V>
-__device__ __forceinline__ void load_weights(const W* p, const float* srow, int k, int bk, float (&f)[V]) {
-  if constexpr (Elem<W>::scaled) load_vec<V>(p, srow[k / bk], f);
-  else load_vec<V>(p, f);
+// Weight streams: every weight of a GEMV launch is read once, so its loads bypass L1
+// allocation (ld.global.nc.L1::no_allocate, through the read-only path) and leave L1 to x,
+// which every warp of the block re-reads. The emulator (MTPKERN_CUDA_EMU) has no PTX: a
+// plain read-only load, with its alignment check. p: 16-byte (ld_stream16) or 8-byte
+// (ld_stream8) aligned.
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+#if defined(MTPKERN_CUDA_EMU)
+  return __ldg(reinterpret_cast<const uint4*>(p));
+#else
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+#endif
+}
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+#if defined(MTPKERN_CUDA_EMU)
+  return __ldg(reinterpret_cast<const uint2*>(p));
+#else
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+#endif
+}
+
+// One weight vector of the GEMV core as loaded (its raw bits), then widened to FP32:
+// 16 bytes (4 floats or 8 bf16) or, for FP8, 8 bytes (8 codes, times the block's scale).
+// The loads of an iteration are all issued before the first is widened, so the raw form
+// is what stays in registers while they are in flight (4 or 2 registers per vector).
+template <typename W>
+struct WVec {
+  using Raw = uint4;
+  __device__ __forceinline__ static Raw load(const W* p) { return ld_stream16(p); }
+};
+template <>
+struct WVec<__nv_fp8_e4m3> {
+  using Raw = uint2;
+  __device__ __forceinline__ static Raw load(const __nv_fp8_e4m3* p) { return ld_stream8(p); }
+};
+
+__device__ __forceinline__ void widen(const uint4& u, float /*scale*/, float (&f)[4]) {
+  f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y); f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void widen(const uint4& u, float /*scale*/, float (&f)[8]) {
+  f[0] = bf16_lo(u.x); f[1] = bf16_hi(u.x); f[2] = bf16_lo(u.y); f[3] = bf16_hi(u.y);
+  f[4] = bf16_lo(u.z); f[5] = bf16_hi(u.z); f[6] = bf16_lo(u.w); f[7] = bf16_hi(u.w);
+}
+// 8 E4M3 codes -> code * scale, each product rounded once (the reference's FP32 weight).
+__device__ __forceinline__ void widen(const uint2& u, float scale, float (&f)[8]) {
+  __nv_fp8x4_e4m3 lo, hi;
+  lo.__x = u.x;
+  hi.__x = u.y;
+  const float4 a = static_cast<float4>(lo), b = static_cast<float4>(hi);
+  f[0] = a.x * scale; f[1] = a.y * scale; f[2] = a.z * scale; f[3] = a.w * scale;
+  f[4] = b.x * scale; f[5] = b.y * scale; f[6] = b.z * scale; f[7] = b.w * scale;
 }
 
 template <typename W>
@@ -224,11 +272,20 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 // GEMV core.
 //
 // acc[j][r] += dot(w_rows[j][k], x_rows[r][k]) over this thread's share of k:
-// thread t of a team of nt threads takes 16-byte vectors t, t + nt, ... (or, on
-// the scalar path, elements t, t + nt, ...). Each weight vector is loaded once
-// and multiplied with all NR input rows: for NR = 8 the weight stream is read
-// once for 8 tokens. Two vectors per row are in flight per iteration, so a warp
-// has 2 * ROWS * 16 B = 64 B per lane outstanding for ROWS = 2.
+// thread t of a team of nt threads takes vectors t, t + nt, ... (or, on the scalar
+// path, elements t, t + nt, ...). Each weight vector is loaded once and multiplied
+// with all NR input rows: for NR = 8 the weight stream is read once for 8 tokens.
+//
+// NR is a template parameter chosen on the host (the kernels are instantiated per NR),
+// so a 1-row launch is compiled for one row and gets the 1-row kernel's registers and
+// occupancy. Each iteration issues U = kGemvUnroll<NR> weight vectors per row before
+// widening the first: ROWS * U * 16 B per lane in flight, 4 KB per warp for ROWS = 2,
+// U = 4 (NR <= 4); 2 KB at NR = 8 (U = 2), whose 16 accumulators and 8 x rows leave no
+// room for more. Weights go through ld_stream16 / ld_stream8 (no L1 allocation).
+//
+// Summation order, fixed (the same bits from the same launch): per thread, vectors in
+// ascending k, within a vector its elements in order, one fmaf chain per (j, r). It does
+// not depend on NR, so a row's dot product is the same whatever rows share its launch.
 //
 // FP8 weights: s[j] is row j's scales (Scales::row), bk the columns per scale; every
 // weight is dequantized (code * scale, rounded once: the reference's FP32 weight) before
@@ -237,44 +294,92 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 // vec: the vector path is legal: K % Elem<W>::V == 0, every w/x row start is 16-byte
 // aligned (8-byte for FP8) and, for FP8, bk % 8 == 0 (the caller checks base pointers,
 // K and bk).
-template <typename W, int NR, int ROWS>
-__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
-                                         const float* const (&x)[NR], int K, int t, int nt, bool vec,
-                                         float (&acc)[ROWS][NR]) {
+template <int NR>
+constexpr int kGemvUnroll = NR >= 4 ? 2 : 4;
+
+// p, through an empty asm the compiler cannot see through: addresses derived from it are
+// not loop invariants of an enclosing loop. A GEMV inside a loop over weight rows (the
+// LM head's pairs, the experts' pair chunks) passes its x rows through it each time round:
+// otherwise the GEMV's per-(row, vector) x addresses are hoisted out of that loop (186
+// registers instead of 94 for lm_head_argmax_partial_kernel<bf16, false, 4> on sm_90).
+__device__ __forceinline__ const float* opaque(const float* p) {
+#if !defined(MTPKERN_CUDA_EMU)
+  asm volatile("" : "+l"(p));
+#endif
+  return p;
+}
+
+// NORM (gemv_dot_norm): x is the input of an RMSNorm with weight g [K] fused into the GEMV:
+// each x element is multiplied by its g as it is loaded, and ss[r] += x^2 over this thread's
+// share beside the dot products (x is read anyway: no extra bytes but g's, which L1 holds).
+// The caller sums ss over the team and scales the dot products by 1 / sqrt(ss / K + eps).
+template <typename W, int NR, int ROWS, bool NORM>
+__device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
+                                              const float* const (&x)[NR], int K, int t, int nt, bool vec,
+                                              float (&acc)[ROWS][NR], const float* g, float (&ss)[NR]) {
   constexpr int V = Elem<W>::V;  // elements per vector: 8 bf16, 4 fp32 (16 bytes) or 8 fp8 (8 bytes)
+  constexpr int U = kGemvUnroll<NR>;
+  using Raw = typename WVec<W>::Raw;
   if (vec) {
     int k = t * V;
     const int step = nt * V;
-    for (; k + step < K; k += 2 * step) {
-      float wa[ROWS][V], wb[ROWS][V];
+    // U vectors per row per iteration; then one at a time for the last < U
+    for (; k + (U - 1) * step < K; k += U * step) {
+      Raw raw[ROWS][U];
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        load_weights<W, V>(w[j] + k, s[j], k, bk, wa[j]);
-        load_weights<W, V>(w[j] + k + step, s[j], k + step, bk, wb[j]);
+        const W* p = w[j] + k;  // pointer steps (see below), not w[j] + (k + u * step)
+#pragma unroll
+        for (int u = 0; u < U; ++u, p += step) raw[j][u] = WVec<W>::load(p);
       }
 #pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        float xa[V], xb[V];
-        load_vec<V>(x[r] + k, xa);
-        load_vec<V>(x[r] + k + step, xb);
+      for (int u = 0; u < U; ++u) {
+        float wf[ROWS][V];
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j)
+        for (int j = 0; j < ROWS; ++j) {
+          float sc = 1.0f;
+          if constexpr (Elem<W>::scaled) sc = s[j][(k + u * step) / bk];
+          widen(raw[j][u], sc, wf[j]);
+        }
+        float gv[V];
+        if constexpr (NORM) load_vec<V>(g + k + u * step, gv);
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wa[j][v], xa[v], fmaf(wb[j][v], xb[v], acc[j][r]));
+        for (int r = 0; r < NR; ++r) {
+          float xv[V];
+          load_vec<V>(x[r] + k + u * step, xv);
+          if constexpr (NORM) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) { ss[r] = fmaf(xv[v], xv[v], ss[r]); xv[v] *= gv[v]; }
+          }
+#pragma unroll
+          for (int j = 0; j < ROWS; ++j)
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wf[j][v], xv[v], acc[j][r]);
+        }
       }
     }
-    if (k < K) {
-      float wa[ROWS][V];
+    for (; k < K; k += step) {
+      float wf[ROWS][V];
 #pragma unroll
-      for (int j = 0; j < ROWS; ++j) load_weights<W, V>(w[j] + k, s[j], k, bk, wa[j]);
+      for (int j = 0; j < ROWS; ++j) {
+        float sc = 1.0f;
+        if constexpr (Elem<W>::scaled) sc = s[j][k / bk];
+        widen(WVec<W>::load(w[j] + k), sc, wf[j]);
+      }
+      float gv[V];
+      if constexpr (NORM) load_vec<V>(g + k, gv);
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        float xa[V];
-        load_vec<V>(x[r] + k, xa);
+        float xv[V];
+        load_vec<V>(x[r] + k, xv);
+        if constexpr (NORM) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) { ss[r] = fmaf(xv[v], xv[v], ss[r]); xv[v] *= gv[v]; }
+        }
 #pragma unroll
         for (int j = 0; j < ROWS; ++j)
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wa[j][v], xa[v], acc[j][r]);
+          for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wf[j][v], xv[v], acc[j][r]);
       }
     }
   } else {
@@ -284,12 +389,21 @@ __device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float*
       for (int j = 0; j < ROWS; ++j) wk[j] = weight_at(w[j], s[j], k, bk);
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        const float xk = x[r][k];
+        float xk = x[r][k];
+        if constexpr (NORM) { ss[r] = fmaf(xk, xk, ss[r]); xk *= g[k]; }
 #pragma unroll
         for (int j = 0; j < ROWS; ++j) acc[j][r] = fmaf(wk[j], xk, acc[j][r]);
       }
     }
   }
+}
+
+template <typename W, int NR, int ROWS>
+__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
+                                         const float* const (&x)[NR], int K, int t, int nt, bool vec,
+                                         float (&acc)[ROWS][NR]) {
+  float unused[NR];
+  gemv_dot_impl<W, NR, ROWS, false>(w, s, bk, x, K, t, nt, vec, acc, nullptr, unused);
 }
 
 // Sum acc over the 32 lanes of the warp; every lane gets the sums.
@@ -327,9 +441,12 @@ __device__ __forceinline__ const float* scale_row(const Scales& sc, long long j)
   else return nullptr;
 }
 
-// Rows per pass of the GEMV kernels: the chunk of m <= 8 input rows is run by
-// the instantiation for NR = 1, 2, 4 or 8 (the smallest >= m); rows past m
-// re-read row m - 1 and are not stored. One kernel covers every n.
+// Rows per pass of the GEMV kernels. Each GEMV kernel is instantiated for NR = 1, 2, 4
+// and 8, and the launcher takes the smallest NR >= min(n, 8) (its registers set the
+// launch's occupancy: a batch-1 launch does not pay for the 8-row path). The kernel
+// takes the input rows NR at a time; a last chunk of m <= NR / 2 rows runs the code for
+// the smallest power of two >= m (each chunk function hands such a chunk to its NR / 2
+// instantiation), rows past m re-reading row m - 1, not stored.
 constexpr int kMaxRows = 8;
 
 // ---------------------------------------------------------------------------
@@ -361,57 +478,93 @@ __device__ __forceinline__ bool beats(float v, int i, float bv, int bi) {
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * kWarp;
 
-template <typename W, int NR, typename Epi>
+// The fused RMSNorm of gemv_groups (NORM): g [K] its weight, eps; rows of x are normalised.
+struct RowNorm {
+  const float* g;
+  float eps;
+};
+
+template <typename W, int NR, bool NORM, typename Epi>
 __device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, const Scales& sc, int r0, int m,
-                                                  int K, int wpr, bool vec, const Epi& epi,
-                                                  float (&red)[kGemvWarps][2 * kMaxRows]) {
+                                                  int K, int wpr, bool vec, const Epi& epi, const RowNorm& nm,
+                                                  float (&red)[kGemvWarps][3 * kMaxRows]) {
+  if constexpr (NR > 1) {
+    if (m <= NR / 2) {  // uniform over the block: the smaller instantiation's barriers match
+      gemv_groups_chunk<W, NR / 2, NORM>(x, w, sc, r0, m, K, wpr, vec, epi, nm, red);
+      return;
+    }
+  }
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int u = blockIdx.x * (kGemvWarps / wpr) + warp / wpr;
   const int sub = warp % wpr;
   int a = 0, b = 0;
   const bool active = epi.rows(u, a, b);
-  float acc[2][NR];
+  float acc[2][NR], ss[NR];
   zero(acc);
+#pragma unroll
+  for (int r = 0; r < NR; ++r) ss[r] = 0.0f;
   if (active) {
     const W* const wr[2] = {w + static_cast<long long>(a) * K, w + static_cast<long long>(b) * K};
     const float* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
     const float* xr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * K;
-    gemv_dot<W, NR, 2>(wr, sr, sc.bk, xr, K, sub * kWarp + lane, wpr * kWarp, vec, acc);
+    gemv_dot_impl<W, NR, 2, NORM>(wr, sr, sc.bk, xr, K, sub * kWarp + lane, wpr * kWarp, vec, acc, nm.g, ss);
   }
   warp_sum_all(acc);
+  if constexpr (NORM) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) ss[r] = warp_sum(ss[r]);
+  }
   if (wpr > 1) {  // uniform over the block
     if (lane == 0) {
 #pragma unroll
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int r = 0; r < NR; ++r) red[warp][j * NR + r] = acc[j][r];
+      if constexpr (NORM) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) red[warp][2 * NR + r] = ss[r];
+      }
     }
     __syncthreads();
     if (sub == 0) {
-      for (int s = 1; s < wpr; ++s)
+      for (int q = 1; q < wpr; ++q) {
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
-          for (int r = 0; r < NR; ++r) acc[j][r] += red[warp + s][j * NR + r];
+          for (int r = 0; r < NR; ++r) acc[j][r] += red[warp + q][j * NR + r];
+        if constexpr (NORM) {
+#pragma unroll
+          for (int r = 0; r < NR; ++r) ss[r] += red[warp + q][2 * NR + r];
+        }
+      }
     }
     __syncthreads();  // red is rewritten by the next chunk
   }
-  if (active && sub == 0 && lane == 0) epi.template store<NR>(u, r0, m, acc);
+  if (active && sub == 0 && lane == 0) {
+    if constexpr (NORM) {  // y = (W (x * g)) / sqrt(mean(x^2) + eps), as rmsnorm's x / denom * g
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const float denom = sqrtf(ss[r] / static_cast<float>(K) + nm.eps);
+        acc[0][r] /= denom;
+        acc[1][r] /= denom;
+      }
+    }
+    epi.template store<NR>(u, r0, m, acc);
+  }
 }
 
-template <typename W, typename Epi>
+// The GEMV of all n input rows, NR at a time (NR: the kernel's instantiation); NORM: each
+// row of x normalised by the RMSNorm nm on the fly (gemv_dot_impl).
+template <typename W, int NR, bool NORM, typename Epi>
 __device__ __forceinline__ void gemv_groups(const float* x, const W* w, const Scales& sc, int n, int K, int wpr,
-                                            const Epi& epi) {
-  __shared__ float red[kGemvWarps][2 * kMaxRows];
-  const bool vec = gemv_vec_ok(w, x, K, sc);
-  for (int r0 = 0; r0 < n; r0 += kMaxRows) {
-    const int m = min(kMaxRows, n - r0);
-    if (m > 4)       gemv_groups_chunk<W, 8>(x, w, sc, r0, m, K, wpr, vec, epi, red);
-    else if (m > 2)  gemv_groups_chunk<W, 4>(x, w, sc, r0, m, K, wpr, vec, epi, red);
-    else if (m == 2) gemv_groups_chunk<W, 2>(x, w, sc, r0, m, K, wpr, vec, epi, red);
-    else             gemv_groups_chunk<W, 1>(x, w, sc, r0, m, K, wpr, vec, epi, red);
+                                            const Epi& epi, const RowNorm& nm) {
+  __shared__ float red[kGemvWarps][3 * kMaxRows];
+  const bool vec = gemv_vec_ok(w, x, K, sc) && (!NORM || aligned16(nm.g));
+  for (int r0 = 0; r0 < n; r0 += NR) {
+    const int m = min(NR, n - r0);
+    gemv_groups_chunk<W, NR, NORM>(x, w, sc, r0, m, K, wpr, vec, epi, nm, red);
   }
 }
 

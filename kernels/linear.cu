@@ -5,13 +5,19 @@
 //   block 128 = 4 warps; row group u = output rows (2u, 2u + 1);
 //   a group is computed by wpr in {1, 2, 4} warps splitting K, so a block holds
 //   4 / wpr groups: grid.x = ceil(ceil(N / 2) / (4 / wpr)).
-//   Input rows are taken 8 at a time (NR = 1, 2, 4 or 8 instantiated by chunk
-//   size): every weight vector is loaded once per chunk of 8 tokens, so for
-//   n <= 8 the weight matrix is streamed exactly once (the bandwidth floor:
-//   N * K * sizeof(W) bytes). For n > 8 it is re-read once per 8 rows, mostly
-//   from L2; prefill-sized n would want a tensor-core GEMM instead.
+//   NR (1, 2, 4 or 8, a template parameter: the launcher takes the smallest
+//   NR >= min(n, 8)) input rows per pass: every weight vector is loaded once per
+//   chunk of NR tokens, so for n <= 8 the weight matrix is streamed exactly once
+//   (the bandwidth floor: N * K * sizeof(W) bytes), without L1 allocation. For
+//   n > 8 it is re-read once per 8 rows, mostly from L2; prefill-sized n would
+//   want a tensor-core GEMM instead.
 // Epilogue (lane 0 of the group's first warp): y = acc + bias + residual, in
 // the reference's order ((x w^T + bias) + residual).
+// NORM (the ops' norm=(norm_w, eps)): x is the input of an RMSNorm fused into the GEMV,
+//   y = (x * norm_w) w^T / sqrt(mean(x^2) + eps) + bias + residual: norm_w [K] is applied as
+//   x is loaded, the row's sum of squares accumulated beside the dot products (split-K
+//   warps add theirs through shared memory), the division in the epilogue (common.cuh
+//   gemv_dot_impl). Without NORM norm_w is null and eps unused.
 //
 // Also used for lm_head_logits (no bias / residual), the router logits of
 // moe_router, the eh_proj of mtp_input and the down projection of swiglu_mlp.
@@ -63,11 +69,12 @@ struct LinearEpi {
 
 }  // namespace mtp
 
-template <typename W>
-__global__ void __launch_bounds__(mtp::kGemvThreads)
+template <typename W, int NR, bool NORM>
+__global__ void
 linear_kernel(const float* __restrict__ x, const W* __restrict__ w, const float* __restrict__ scale, int bn,
               int bk, const float* __restrict__ bias, const float* residual, float* y, int n, int N, int K,
-              int wpr) {
+              int wpr, const float* __restrict__ norm_w, float eps) {
   const mtp::LinearEpi epi{bias, residual, y, N};
-  mtp::gemv_groups<W>(x, w, mtp::make_scales<W>(scale, bn, bk, K), n, K, wpr, epi);
+  mtp::gemv_groups<W, NR, NORM>(x, w, mtp::make_scales<W>(scale, bn, bk, K), n, K, wpr, epi,
+                                mtp::RowNorm{norm_w, eps});
 }

@@ -12,19 +12,25 @@
 //   by an online log-sum-exp beside the argmax (NaN for a row with no candidate).
 //
 // Two-stage reduction, deterministic (no atomics):
-// lm_head_argmax_partial_kernel<W, CONF>: grid (P = ceil(V / 64)), block 128 = 4 warps.
-//   Block b owns vocab rows [64 b, 64 b + 64): warp w computes row pairs
-//   (64 b + 2 (4 it + w), +1) for it = 0..7, each with the GEMV core of
-//   common.cuh (one pass over the 64 weight rows for up to 8 input rows at a
-//   time), and keeps its best (value, id) per input row in registers. The four
-//   warps' bests are combined in shared memory and written to
-//   part_v / part_i [n, P]. CONF: each warp also keeps s = sum exp(l - m) over its
-//   candidates (m: its best value, rescaled when a larger one comes), the warps'
-//   sums are rescaled to the block's best and added in warp order: part_s [n, P].
-// argmax_final_kernel<CONF>: grid (n), block 256: combines a row's P partials (strided
-//   per thread, then warp shuffles, then across warps) into ids[r] (through id_map [V]
-//   when given: a draft vocabulary's rows -> target ids; -1 stays -1); CONF merges the
-//   partial sums the same way, S = sum_b s_b exp(m_b - M), and writes conf[r] = 1 / S.
+// lm_head_argmax_partial_kernel<W, CONF, NR>: grid (P), block 128 = 4 warps, persistent:
+//   P = min(ceil(ceil(V / 2) / 4), resident blocks per SM * SMs) (the launcher, from the
+//   instantiation's registers): one wave, every block resident, instead of ceil(V / 64)
+//   blocks in 4.5 waves (V = 151552 on 132 SMs: a ~10 % tail). The ceil(V / 2) row pairs
+//   (2q, 2q + 1) are split into P contiguous ranges of equal size (+-1 pair): block b owns
+//   pairs [b * pairs / P, (b + 1) * pairs / P), its warp w the pairs lo + w, lo + w + 4, ...
+//   Each pair is a GEMV of common.cuh's core (NR input rows at a time, the launcher's
+//   instantiation); lane r of the warp keeps input row r's best (value, id) in registers
+//   across its pairs. The four warps' bests are combined in shared memory and written
+//   to part_v / part_i [n, ld] (columns 0 .. P - 1; ld >= P: the workspace's width, sized
+//   for the most blocks any instantiation launches). CONF: each lane also keeps
+//   s = sum exp(l - m) over its candidates (m: its best value, rescaled when a larger one
+//   comes), the warps' sums are rescaled to the block's best and added in warp order:
+//   part_s [n, ld].
+// argmax_final_kernel<CONF>: grid (n), block 256: combines a row's P partials (row stride
+//   ld; strided per thread, then warp shuffles, then across warps) into ids[r] (through
+//   id_map [V] when given: a draft vocabulary's rows -> target ids; -1 stays -1); CONF
+//   merges the partial sums the same way, S = sum_b s_b exp(m_b - M), and writes
+//   conf[r] = 1 / S.
 // Both stages use mtp::beats, a strict total order on (value, id), so the winner
 // does not depend on the combination order; the sums are added in an order fixed by
 // the grid (no atomics), so conf is bit-reproducible too. exp(a - m) is taken as 1
@@ -40,8 +46,7 @@
 
 namespace mtp {
 
-constexpr int kLmIter = 8;                                   // row pairs per warp
-constexpr int kLmRowsPerBlock = kGemvWarps * 2 * kLmIter;   // 64 vocab rows per block
+constexpr int kLmBlocksPerSm = 4;  // resident blocks of lm_head_argmax_partial_kernel per SM
 
 // exp(a - m) for a <= m; 1 when a == m, so an infinite m gives no inf - inf = NaN.
 __device__ __forceinline__ float exp_below(float a, float m) { return a == m ? 1.0f : expf(a - m); }
@@ -55,57 +60,67 @@ __device__ __forceinline__ float lse_merge(float s, float m, float sv, float v) 
 template <typename W, bool CONF, int NR>
 __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, const Scales& sc, const int* bitmask,
                                                 float* part_v, int* part_i, float* part_s, int r0, int m,
-                                                int V, int H, int P, bool vec,
+                                                int V, int H, int P, int ld, bool vec,
                                                 float (&sv)[kGemvWarps][kMaxRows],
                                                 int (&si)[kGemvWarps][kMaxRows],
                                                 float (&ss)[kGemvWarps][kMaxRows]) {
+  if constexpr (NR > 1) {
+    if (m <= NR / 2) {  // uniform over the block: the smaller instantiation's barriers match
+      lm_argmax_chunk<W, CONF, NR / 2>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, ld, vec, sv, si,
+                                       ss);
+      return;
+    }
+  }
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int words = (V + 31) / 32;
   const float* xr[NR];
 #pragma unroll
   for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * H;
-  float bv[NR], bs[NR];  // bs: CONF only, sum exp(l - bv) over the candidates seen
-  int bi[NR];
-#pragma unroll
-  for (int r = 0; r < NR; ++r) { bv[r] = neg_inf(); bi[r] = -1; bs[r] = 0.0f; }
+  // Lane r (< m) keeps input row r's best: (bv, bi), and with CONF bs = sum exp(l - bv)
+  // over the candidates seen. One best per lane, not NR in every lane (24 registers at
+  // NR = 8), and the lanes read their rows' bitmask words side by side.
+  const bool mine = lane < m;
+  const int* mrow = bitmask ? bitmask + static_cast<long long>(r0 + min(lane, m - 1)) * words : nullptr;
+  float bv = neg_inf(), bs = 0.0f;
+  int bi = -1;
 
-  for (int it = 0; it < kLmIter; ++it) {
-    const int a = blockIdx.x * kLmRowsPerBlock + 2 * (it * kGemvWarps + warp);
-    if (a >= V) break;  // per warp; no barrier inside the loop
+  const long long pairs = (V + 1) / 2;  // this block's row pairs: [lo, hi)
+  const int lo = static_cast<int>(blockIdx.x * pairs / P), hi = static_cast<int>((blockIdx.x + 1) * pairs / P);
+  for (int q = lo + warp; q < hi; q += kGemvWarps) {  // per warp; no barrier inside the loop
+    const int a = 2 * q;
     const int b = min(a + 1, V - 1);
     const W* const wr[2] = {w + static_cast<long long>(a) * H, w + static_cast<long long>(b) * H};
     const float* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
+    const float* xq[NR];  // the same rows each pair, but not loop invariants (common.cuh opaque)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) xq[r] = opaque(xr[r]);
     float acc[2][NR];
     zero(acc);
-    gemv_dot<W, NR, 2>(wr, sr, sc.bk, xr, H, lane, kWarp, vec, acc);
-    warp_sum_all(acc);  // every lane holds the same sums: the bests stay uniform
+    gemv_dot<W, NR, 2>(wr, sr, sc.bk, xq, H, lane, kWarp, vec, acc);
+    warp_sum_all(acc);  // every lane holds every sum; lane r takes row r's
+    float l[2] = {acc[0][0], acc[1][0]};
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      if (r >= m) break;
+    for (int r = 1; r < NR; ++r) {
+      if (lane == r) { l[0] = acc[0][r]; l[1] = acc[1][r]; }
+    }
+    if (!mine) continue;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int id = a + j;
-        if (id >= V) break;
-        const float v = acc[j][r];
-        bool ok = !isnan(v);
-        if (ok && bitmask) {
-          const unsigned word = static_cast<unsigned>(bitmask[static_cast<long long>(r0 + r) * words + (id >> 5)]);
-          ok = (word >> (id & 31)) & 1u;
-        }
-        if constexpr (CONF) {
-          if (ok) bs[r] = lse_merge(bs[r], bv[r], 1.0f, v);  // against the best before v
-        }
-        if (ok && beats(v, id, bv[r], bi[r])) { bv[r] = v; bi[r] = id; }
+    for (int j = 0; j < 2; ++j) {
+      const int id = a + j;
+      if (id >= V) break;
+      const float v = l[j];
+      bool ok = !isnan(v);
+      if (ok && mrow) ok = (static_cast<unsigned>(mrow[id >> 5]) >> (id & 31)) & 1u;
+      if constexpr (CONF) {
+        if (ok) bs = lse_merge(bs, bv, 1.0f, v);  // against the best before v
       }
+      if (ok && beats(v, id, bv, bi)) { bv = v; bi = id; }
     }
   }
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      sv[warp][r] = bv[r];
-      si[warp][r] = bi[r];
-      if constexpr (CONF) ss[warp][r] = bs[r];
-    }
+  if (mine) {
+    sv[warp][lane] = bv;
+    si[warp][lane] = bi;
+    if constexpr (CONF) ss[warp][lane] = bs;
   }
   __syncthreads();
   if (threadIdx.x < m) {
@@ -114,7 +129,7 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
     int i = -1;
     for (int q = 0; q < kGemvWarps; ++q)
       if (beats(sv[q][r], si[q][r], v, i)) { v = sv[q][r]; i = si[q][r]; }
-    const long long at = static_cast<long long>(r0 + r) * P + blockIdx.x;  // [n, P]
+    const long long at = static_cast<long long>(r0 + r) * ld + blockIdx.x;  // [n, ld]
     part_v[at] = v;
     part_i[at] = i;
     if constexpr (CONF) {
@@ -128,38 +143,31 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
 
 }  // namespace mtp
 
-// part_s: [n, P] with CONF, unused (null) without.
-template <typename W, bool CONF>
-__global__ void __launch_bounds__(mtp::kGemvThreads)
+// part_s: [n, ld] with CONF, unused (null) without. P == gridDim.x <= ld.
+template <typename W, bool CONF, int NR>
+__global__ void
 lm_head_argmax_partial_kernel(const float* __restrict__ x, const W* __restrict__ w,
                               const float* __restrict__ scale, int bn, int bk,
                               const int* __restrict__ bitmask, float* __restrict__ part_v,
                               int* __restrict__ part_i, float* __restrict__ part_s, int n, int V, int H,
-                              int P) {
+                              int P, int ld) {
   using namespace mtp;
   __shared__ float sv[kGemvWarps][kMaxRows];
   __shared__ int si[kGemvWarps][kMaxRows];
   __shared__ float ss[kGemvWarps][kMaxRows];  // CONF only
   const Scales sc = make_scales<W>(scale, bn, bk, H);
   const bool vec = gemv_vec_ok(w, x, H, sc);
-  for (int r0 = 0; r0 < n; r0 += kMaxRows) {
-    const int m = min(kMaxRows, n - r0);
-    if (m > 4)
-      lm_argmax_chunk<W, CONF, 8>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, vec, sv, si, ss);
-    else if (m > 2)
-      lm_argmax_chunk<W, CONF, 4>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, vec, sv, si, ss);
-    else if (m == 2)
-      lm_argmax_chunk<W, CONF, 2>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, vec, sv, si, ss);
-    else
-      lm_argmax_chunk<W, CONF, 1>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, vec, sv, si, ss);
+  for (int r0 = 0; r0 < n; r0 += NR) {
+    const int m = min(NR, n - r0);
+    lm_argmax_chunk<W, CONF, NR>(x, w, sc, bitmask, part_v, part_i, part_s, r0, m, V, H, P, ld, vec, sv, si, ss);
   }
 }
 
-// part_s, conf: [n, P] and [n] with CONF, unused (null) without.
+// part_s, conf: [n, ld] and [n] with CONF, unused (null) without.
 template <bool CONF>
 __global__ void __launch_bounds__(256)
 argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ part_i,
-                    const float* __restrict__ part_s, int P, int* __restrict__ ids,
+                    const float* __restrict__ part_s, int P, int ld, int* __restrict__ ids,
                     float* __restrict__ conf, const int* __restrict__ id_map) {
   using namespace mtp;
   __shared__ float sv[32];
@@ -170,10 +178,10 @@ argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ pa
   float bv = neg_inf(), bs = 0.0f;  // bs: CONF only, sum exp(l - bv) of the partials taken
   int bi = -1;
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    const float v = part_v[r * P + p];
-    const int i = part_i[r * P + p];
+    const float v = part_v[r * ld + p];
+    const int i = part_i[r * ld + p];
     if constexpr (CONF) {
-      if (i >= 0) bs = lse_merge(bs, bv, part_s[r * P + p], v);  // an empty partial adds nothing
+      if (i >= 0) bs = lse_merge(bs, bv, part_s[r * ld + p], v);  // an empty partial adds nothing
     }
     if (beats(v, i, bv, bi)) { bv = v; bi = i; }
   }

@@ -10,9 +10,10 @@
 // so one warp holds both halves of act[:, u] and applies silu(g) * up in its
 // epilogue; act never exists unactivated. block 128 = 4 warps, wpr warps per
 // group splitting K = H, grid.x = ceil(I / (4 / wpr)). Each weight vector is
-// used for up to 8 tokens (see linear.cu).
+// used for NR (1, 2, 4 or 8, the instantiation) tokens per pass (see linear.cu).
 //
 // W and scale/bn/bk (FP8 scales of w13 [2I, H], null for dense weights): as linear.cu.
+// NORM / norm_w / eps: an RMSNorm of x fused in, as linear.cu (both halves see the normed x).
 //
 // Preconditions: blockDim.x == 128; x, act fp32 contiguous. Vector path as
 // linear.cu (H % (16 / sizeof(W)) == 0, aligned w13 and x; FP8: as linear.cu), else scalar.
@@ -43,10 +44,12 @@ struct SwiGluEpi {
 
 }  // namespace mtp
 
-template <typename W>
-__global__ void __launch_bounds__(mtp::kGemvThreads)
+template <typename W, int NR, bool NORM>
+__global__ void
 swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, const float* __restrict__ scale,
-                      int bn, int bk, float* __restrict__ act, int n, int I, int H, int wpr, float limit) {
+                      int bn, int bk, float* __restrict__ act, int n, int I, int H, int wpr, float limit,
+                      const float* __restrict__ norm_w, float eps) {
   const mtp::SwiGluEpi epi{act, I, limit};
-  mtp::gemv_groups<W>(x, w13, mtp::make_scales<W>(scale, bn, bk, H), n, H, wpr, epi);
+  mtp::gemv_groups<W, NR, NORM>(x, w13, mtp::make_scales<W>(scale, bn, bk, H), n, H, wpr, epi,
+                                mtp::RowNorm{norm_w, eps});
 }

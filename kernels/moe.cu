@@ -15,18 +15,22 @@
 //   after every number (mtp::ranks_before, the reference's argsort order), so a NaN
 //   row still fills all K ids with distinct experts.
 //
-// moe_experts = moe_expert_kernel<W, true> + moe_expert_kernel<W, false> + moe_combine_kernel:
+// moe_experts = moe_expert_kernel<W, true, NR> + moe_expert_kernel<W, false, NR> + moe_combine_kernel:
 //
-// moe_expert_kernel<W, GATED>: the gather-GEMV over the selected experts.
+// moe_expert_kernel<W, GATED, NR>: the gather-GEMV over the selected experts.
 //   grid (ceil(units / 4), slots), block 128 = 4 warps, one warp per unit.
 //   A (row, k) pair p = r * K + k selects expert ids[p]. Slot y is
 //     by_pair (n * K <= E, decode): pair y; the block exits unless y is the first pair
 //       naming its expert, so an expert is handled by exactly one slot;
 //     else: expert y (the block exits when no pair names it).
-//   The block then gathers every pair naming its expert (ordered, 8 at a time,
+//   The block then gathers every pair naming its expert (ordered, NR at a time,
 //   warp 0 with ballots) and runs the GEMV for those input rows together: each
-//   expert's weights are read once per 8 pairs, so an expert picked by several
-//   rows is not re-read from memory per row.
+//   expert's weights are read once per NR pairs, so an expert picked by several
+//   rows is not re-read from memory per row. NR (1, 2, 4, 8): the launcher takes the
+//   smallest >= min(n, 8), the most pairs that can name one expert when each row's
+//   ids are distinct (the router's are), so decode at n = 1 runs the 1-row GEMV.
+//   NORM (with GATED; moe_experts(..., norm=)): x rows RMS-normalised on the fly (norm_w [H],
+//     eps; common.cuh gemv_dot_impl), so the normed rows are never stored; else norm_w null.
 //   GATED (gate/up): w = w13 [E, 2I, H], unit u = (gate row u, up row I + u),
 //     x row of pair p = x[p / K], act[p, u] = swiglu(gate, up, limit)   units = I
 //     (mtp::swiglu: min(silu(gate), L) * clip(up, -L, L), Step-3.5 / 3.7; +inf: no clamp)
@@ -136,11 +140,18 @@ moe_router_select_kernel(const float* __restrict__ logits, const float* __restri
 
 namespace mtp {
 
-// One chunk of m <= NR pairs of expert weights `we`: warp unit u, rows a / b.
-template <typename W, bool GATED, int NR>
+// One chunk of m <= NR pairs of expert weights `we`: warp unit u, rows a / b. NORM (GATED
+// only): x rows RMS-normalised on the fly (nm), as gemv_groups' NORM.
+template <typename W, bool GATED, int NR, bool NORM>
 __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W* we, const Scales& se, int R,
                                              int Kd, int u, const int* pairs, int m, float* out, bool vec,
-                                             float limit) {
+                                             float limit, const RowNorm& nm) {
+  if constexpr (NR > 1) {
+    if (m <= NR / 2) {  // the smallest instantiation that holds the m pairs
+      expert_chunk<W, GATED, NR / 2, NORM>(x, x_div, we, se, R, Kd, u, pairs, m, out, vec, limit, nm);
+      return;
+    }
+  }
   const int lane = threadIdx.x % kWarp;
   int a, b;
   if constexpr (GATED) { a = u; b = R / 2 + u; }  // gate row, up row of w13[e] [2I, H]
@@ -149,11 +160,21 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
   const float* const sr[2] = {scale_row<W>(se, a), scale_row<W>(se, b)};
   const float* xr[NR];
 #pragma unroll
-  for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(pairs[min(r, m - 1)] / x_div) * Kd;
-  float acc[2][NR];
+  for (int r = 0; r < NR; ++r) xr[r] = opaque(x + static_cast<long long>(pairs[min(r, m - 1)] / x_div) * Kd);
+  float acc[2][NR], ss[NR];
   zero(acc);
-  gemv_dot<W, NR, 2>(wr, sr, se.bk, xr, Kd, lane, kWarp, vec, acc);
+#pragma unroll
+  for (int r = 0; r < NR; ++r) ss[r] = 0.0f;
+  gemv_dot_impl<W, NR, 2, NORM>(wr, sr, se.bk, xr, Kd, lane, kWarp, vec, acc, nm.g, ss);
   warp_sum_all(acc);
+  if constexpr (NORM) {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const float denom = sqrtf(warp_sum(ss[r]) / static_cast<float>(Kd) + nm.eps);  // as rmsnorm
+      acc[0][r] /= denom;
+      acc[1][r] /= denom;
+    }
+  }
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
@@ -170,13 +191,15 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
 
 }  // namespace mtp
 
-template <typename W, bool GATED>
-__global__ void __launch_bounds__(mtp::kGemvThreads)
+template <typename W, bool GATED, int NR, bool NORM>
+__global__ void
 moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict__ ids, int nK, int E,
                   const W* __restrict__ w, const float* __restrict__ scale, int bn, int bk, int R, int Kd,
-                  float* __restrict__ out, int by_pair, float limit) {
+                  float* __restrict__ out, int by_pair, float limit, const float* __restrict__ norm_w,
+                  float eps) {
+  static_assert(GATED || !NORM, "the norm is fused into the gate/up pass only");
   using namespace mtp;
-  __shared__ int s_pairs[kMaxRows];
+  __shared__ int s_pairs[NR];
   __shared__ int s_count, s_cursor;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int slot = blockIdx.y;
@@ -193,19 +216,19 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
   const W* we = w + static_cast<long long>(e) * R * Kd;  // expert e: [R, Kd]
   const Scales sc = make_scales<W>(scale, bn, bk, Kd);
   const Scales se = Elem<W>::scaled ? sc.expert(e, R) : sc;
-  const bool vec = gemv_vec_ok(w, x, Kd, sc);
+  const bool vec = gemv_vec_ok(w, x, Kd, sc) && (!NORM || aligned16(norm_w));
 
   int cursor = 0;  // next pair to scan
   for (;;) {
-    if (warp == 0) {  // gather the next <= 8 pairs naming e, in pair order
+    if (warp == 0) {  // gather the next <= NR pairs naming e, in pair order
       int cnt = 0;
-      while (cnt < kMaxRows && cursor < nK) {
+      while (cnt < NR && cursor < nK) {
         const int p = cursor + lane;
         const bool hit = p < nK && ids[p] == e;
         const unsigned bits = __ballot_sync(kFullMask, hit);
         const int before = __popc(bits & ((1u << lane) - 1u));
         const int total = __popc(bits);
-        const int take = min(kMaxRows - cnt, total);
+        const int take = min(NR - cnt, total);
         if (hit && before < take) s_pairs[cnt + before] = p;
         if (take < total) {  // resume at the first hit not taken
           cursor += __ffs(__ballot_sync(kFullMask, hit && before == take)) - 1;
@@ -221,10 +244,7 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
     cursor = s_cursor;
     if (m == 0) break;
     if (u < units) {
-      if (m > 4)       expert_chunk<W, GATED, 8>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit);
-      else if (m > 2)  expert_chunk<W, GATED, 4>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit);
-      else if (m == 2) expert_chunk<W, GATED, 2>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit);
-      else             expert_chunk<W, GATED, 1>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit);
+      expert_chunk<W, GATED, NR, NORM>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit, RowNorm{norm_w, eps});
     }
     __syncthreads();  // s_pairs is rewritten by the next gather
   }

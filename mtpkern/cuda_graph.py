@@ -219,7 +219,7 @@ class StepPlan:
         self.ids = buf((k, B), np.int32)
         self.conf = buf((k, B)) if shape.conf else None           # the drafts' confidences
         self.last = buf((B, H)) if self.exact else None
-        x, a_in, r, f_in = (buf((n_max, H)) for _ in range(4))
+        x, r = buf((n_max, H)), buf((n_max, H))
         blk = {m: prop.modules[m].block for m in self.run}      # each module's own sizes
 
         def flat(size_of) -> Any:
@@ -230,7 +230,6 @@ class StepPlan:
         mla = [m for m in self.run if blk[m].mla]                 # MLA: the latent projection, the q path
         kv_a = flat(lambda b: b.latent_width) if mla else None
         q_c = flat(lambda b: b.q_lora_rank) if any(blk[m].q_lora_rank for m in mla) else None
-        q_cn = flat(lambda b: b.q_lora_rank) if q_c is not None else None
         K = cfg.num_experts_per_tok
         moe = any(blk[m].moe for m in self.run)
         eids = buf((n_max, K), np.int32) if moe else None
@@ -281,7 +280,7 @@ class StepPlan:
                 self._attn_ws = ws = (attention_workspace(floats) if attention_workspace is not None
                                       else buf((floats,)))
                 part_o, part_ml = ws[:po], ws[po:floats]
-            P = -(-(cfg.vocab_size if vocab is None else vocab.size) // lm_launch.ROWS_PER_BLOCK)   # the heads' rows
+            P = lm_launch.num_partials(cfg.vocab_size if vocab is None else vocab.size, sm_count())   # the heads' rows
             lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
             if shape.conf:
                 lm_ws["part_s"] = buf((B, P))                        # the blocks' sums of exp
@@ -299,17 +298,16 @@ class StepPlan:
             if self.cuda and m in mla_ws:
                 ws["mla_attention"] = {key: mla_flat[key][:int(np.prod(shp))].reshape(shp)
                                        for key, shp in mla_ws[m].items()}
-            self.bufs[m] = ForwardBuffers(x[:c], a_in[:c], qkv[:c * b.qkv_size].reshape(c, b.qkv_size),
+            self.bufs[m] = ForwardBuffers(x[:c], qkv[:c * b.qkv_size].reshape(c, b.qkv_size),
                                           q[:c * b.q_size].reshape(c, Hq, b.head_dim),
-                                          o[:c * b.o_size].reshape(c, b.o_size), r[:c], f_in[:c],
-                                          self.y[m], self.normed[m],
+                                          o[:c * b.o_size].reshape(c, b.o_size), r[:c], self.y[m], self.normed[m],
                                           None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws,
                                           None if shared is None else shared[:c], None if sgate is None else sgate[:c])
             if b.mla:
                 W, Q = b.latent_width, b.q_lora_rank
                 self.bufs[m].kv_a = kv_a[:c * W].reshape(c, W)
                 if Q:
-                    self.bufs[m].q_c, self.bufs[m].q_cn = q_c[:c * Q].reshape(c, Q), q_cn[:c * Q].reshape(c, Q)
+                    self.bufs[m].q_c = q_c[:c * Q].reshape(c, Q)
 
         self._ranges = [(address(a), a.nbytes) for a in self._own] + [(address(stg.dev), stg.dev.nbytes)]
         self._fill_static_segments()

@@ -82,7 +82,8 @@ class RowIndex(NamedTuple):
 @dataclass(slots=True)
 class ForwardBuffers:
     """Preallocated outputs of ``MtpHead.compute`` over ``n`` rows (backend arrays,
-    contiguous): ``x``, ``a_in``, ``r``, ``f_in``, ``y``, ``normed`` [n, H]; ``qkv``
+    contiguous): ``x``, ``r``, ``y``, ``normed`` [n, H] (the block's RMSNorms are fused into the
+    GEMVs they feed, ``norm=``: their rows are never stored); ``qkv``
     [n, block.qkv_size] (q | k | v | gate); ``q`` [n, Hq, D]; ``o`` [n, Hq Dv]; MoE ``expert_ids`` [n, K]
     int32 / ``expert_weights`` [n, K]. ``ws``: per op (``mtp_input``, ``attention``,
     ``router``, ``experts``, ``shared``, ``mlp``), the backend's workspace keyword
@@ -90,16 +91,14 @@ class ForwardBuffers:
     ``y`` may be read by the op that writes it (the shared experts add into it). With a
     gated shared expert (``shared_expert_gate``): ``shared`` [n, H] and ``shared_gate``
     [n, 1]. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, L + R];
-    with ``q_lora_rank``, ``q_c`` / ``q_cn`` [n, q_lora_rank] (before and after q_a_layernorm).
+    with ``q_lora_rank``, ``q_c`` [n, q_lora_rank] (before q_a_layernorm, which is fused into q_b_proj).
     The block's sizes are the module's own (``MtpConfig.block``)."""
 
     x: Any
-    a_in: Any
     qkv: Any
     q: Any
     o: Any
     r: Any
-    f_in: Any
     y: Any
     normed: Any
     expert_ids: Any = None
@@ -109,7 +108,6 @@ class ForwardBuffers:
     shared_gate: Any = None
     kv_a: Any = None
     q_c: Any = None
-    q_cn: Any = None
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -274,11 +272,11 @@ class MtpHead:
 
         x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
                          **put("mtp_input", out="x"))                                            # [n, H]
-        a_in = be.rmsnorm(x, w.input_layernorm, eps, **put("rmsnorm", out="a_in"))               # [n, H]
+        a_norm = (w.input_layernorm, eps)   # input_layernorm, fused into the GEMVs it feeds (norm=)
         if b.mla:
-            o = self._mla(a_in, positions, slots, tables, row_seq, row_len, row_start, put, kv_copy)  # [n, Hq Dv]
+            o = self._mla(x, a_norm, positions, slots, tables, row_seq, row_len, row_start, put, kv_copy)  # [n, Hq Dv]
         else:
-            qkv = be.linear(a_in, w.w_qkv, w.b_qkv, **put("linear", out="qkv"))                  # [n, (Hq+2Hkv)D]
+            qkv = be.linear(x, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))        # [n, (Hq+2Hkv)D]
             q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                          w.q_norm, w.k_norm, eps, self._inv_freq, positions,
                                          self.pool.k, self.pool.v, slots, **self._rope_kw,
@@ -291,36 +289,39 @@ class MtpHead:
             if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
                 o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
-        f_in = be.rmsnorm(r, w.post_attention_layernorm, eps, **put("rmsnorm", out="f_in"))      # [n, H]
-        if b.moe:
-            ids, wts = be.moe_router(f_in, w.gate_w, w.gate_bias, self._router,
+        f_norm = (w.post_attention_layernorm, eps)   # fused into every GEMV of the FFN (norm=)
+        if b.moe:                            # f_in = post_attention_layernorm(r), never stored
+            ids, wts = be.moe_router(r, w.gate_w, w.gate_bias, self._router, norm=f_norm,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
-            y = be.moe_experts(f_in, ids, wts, w.experts_w13, w.experts_w2, r,
+            y = be.moe_experts(r, ids, wts, w.experts_w13, w.experts_w2, r, norm=f_norm,
                                **self._experts_kw, **put("experts", out="y"))                    # [n, H]
             if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row
-                sh = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, **self._mlp_kw, **put("shared", out="shared"))
-                sg = be.linear(f_in, w.shared_gate, **put("linear", out="shared_gate"))          # [n, 1]
+                sh = be.swiglu_mlp(r, w.shared_w13, w.shared_w2, norm=f_norm, **self._mlp_kw,
+                                   **put("shared", out="shared"))
+                sg = be.linear(r, w.shared_gate, norm=f_norm, **put("linear", out="shared_gate"))  # [n, 1]
                 y = be.sigmoid_gate(sh, sg, y, **put("gate", out="y"))
             elif w.shared_w13 is not None:
-                y = be.swiglu_mlp(f_in, w.shared_w13, w.shared_w2, y, **self._mlp_kw, **put("shared", out="y"))
-        else:
-            y = be.swiglu_mlp(f_in, w.mlp_w13, w.mlp_w2, r, **self._mlp_kw, **put("mlp", out="y"))
+                y = be.swiglu_mlp(r, w.shared_w13, w.shared_w2, y, norm=f_norm, **self._mlp_kw,
+                                  **put("shared", out="y"))
+        else:                                # y = r + mlp(post_attention_layernorm(r))
+            y = be.swiglu_mlp(r, w.mlp_w13, w.mlp_w2, r, norm=f_norm, **self._mlp_kw, **put("mlp", out="y"))
         normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
         return y, normed
 
-    def _mla(self, a_in: Any, positions: Any, slots: Any, tables: Any, row_seq: Any, row_len: Any,
-             row_start: Any, put: Any, kv_copy: Any = None) -> Any:
-        """MLA attention of ``a_in`` [n, H] -> [n, Hq Dv] (before o_proj), the latent rows
-        written (mtpkern.ops.mla): the query through q_a_proj, q_a_layernorm and q_b_proj
-        (or q_proj), the latent row from kv_a_proj_with_mqa, then the absorbed attention."""
+    def _mla(self, x: Any, a_norm: tuple[Any, float], positions: Any, slots: Any, tables: Any, row_seq: Any,
+             row_len: Any, row_start: Any, put: Any, kv_copy: Any = None) -> Any:
+        """MLA attention of ``input_layernorm(x)`` (x [n, H]; ``a_norm``: that norm, fused into
+        the GEMVs that read it) -> [n, Hq Dv] (before o_proj), the latent rows written
+        (mtpkern.ops.mla): the query through q_a_proj, q_a_layernorm and q_b_proj (or q_proj),
+        the latent row from kv_a_proj_with_mqa, then the absorbed attention."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
-        n = a_in.shape[0]
-        kv_a = be.linear(a_in, w.mla_kv_a, **put("linear", out="kv_a"))                          # [n, L + R]
-        qc = a_in
+        n = x.shape[0]
+        kv_a = be.linear(x, w.mla_kv_a, norm=a_norm, **put("linear", out="kv_a"))                # [n, L + R]
         if w.mla_q_a is not None:
-            qc = be.linear(a_in, w.mla_q_a, **put("linear", out="q_c"))                           # [n, q_lora]
-            qc = be.rmsnorm(qc, w.mla_q_a_norm, eps, **put("rmsnorm", out="q_cn"))
-        qf = be.linear(qc, w.w_qkv, **put("linear", out="qkv"))                                   # [n, Hq (P + R)]
+            qc = be.linear(x, w.mla_q_a, norm=a_norm, **put("linear", out="q_c"))                 # [n, q_lora]
+            qf = be.linear(qc, w.w_qkv, norm=(w.mla_q_a_norm, eps), **put("linear", out="qkv"))   # [n, Hq (P + R)]
+        else:
+            qf = be.linear(x, w.w_qkv, norm=a_norm, **put("linear", out="qkv"))                   # [n, Hq (P + R)]
         q = be.mla_latent_write(kv_a, w.mla_kv_a_norm, eps, self._inv_freq, positions, self.pool.k, slots,
                                 q=qf.reshape(n, b.num_attention_heads, b.head_dim), **self._rope_kw,
                                 **put("mla_write", out="q"))                                      # [n, Hq, P + R]

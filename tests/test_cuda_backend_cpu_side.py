@@ -242,19 +242,21 @@ def beats(v, i, bv, bi) -> bool:
     return i >= 0 and (bi < 0 or v > bv or (v == bv and i < bi))
 
 
-def simulate_lm_argmax(logits: np.ndarray, bitmask: np.ndarray | None) -> np.ndarray:
+def simulate_lm_argmax(logits: np.ndarray, bitmask: np.ndarray | None, blocks: int = 4 * 132) -> np.ndarray:
+    """The two stages as the kernels run them; ``blocks``: the persistent grid's cap (resident
+    blocks per SM times SMs)."""
     n, V = logits.shape
-    P = math.ceil(V / 64)
+    pairs = -(-V // 2)
+    P = min(-(-pairs // 4), blocks)
     part = np.empty((n, P), object)
-    for b in range(P):                                     # partial kernel, block b
+    for b in range(P):                                     # partial kernel, block b: pairs [lo, hi)
+        lo, hi = b * pairs // P, (b + 1) * pairs // P
         for r in range(n):
             warp_best = []
             for warp in range(4):
                 bv, bi = -np.inf, -1
-                for it in range(8):
-                    a = b * 64 + 2 * (it * 4 + warp)
-                    if a >= V:
-                        break
+                for q in range(lo + warp, hi, 4):
+                    a = 2 * q
                     for j in range(2):
                         i = a + j
                         if i >= V:
@@ -302,7 +304,8 @@ def test_argmax_scheme_matches_reference(V):
     bitmask = RNG.integers(-(2**31), 2**31, size=(n, words), dtype=np.int64).astype(np.int32)
     bitmask[:, -1] = -1                                    # padding bits past V set: must be ignored
     for bm in (None, bitmask):
-        np.testing.assert_array_equal(simulate_lm_argmax(logits, bm), lm_head_ref.masked_argmax(logits, bm))
+        for blocks in (4 * 132, 7):                        # one pair per warp; 7 blocks striding over V
+            np.testing.assert_array_equal(simulate_lm_argmax(logits, bm, blocks), lm_head_ref.masked_argmax(logits, bm))
 
 
 def test_argmax_scheme_no_candidate_gives_minus_one():
@@ -713,6 +716,9 @@ def test_launch_abi(recorder, wdtype):
     moe.moe_router(f(n, H), wt(8, H), f(8), moe_ref.RouterSpec(2, 2, 1, 1.0, True))
     moe.moe_experts(f(n, H), i(n, 2), f(n, 2), wt(4, 12, H), wt(4, H, 6), f(n, H))   # by expert
     moe.moe_experts(f(1, H), i(1, 2), f(1, 2), wt(4, 12, H), wt(4, H, 6))            # by pair
+    linear.linear(f(n, H), wt(10, H), None, None, norm=(f(H), 1e-6))                # the NORM kernels
+    mlp.swiglu_mlp(f(n, H), wt(12, H), wt(H, 6), f(n, H), norm=(f(H), 1e-6))
+    moe.moe_experts(f(n, H), i(n, 2), f(n, 2), wt(4, 12, H), wt(4, H, 6), f(n, H), norm=(f(H), 1e-6))
     mlp.swiglu_mlp(f(n, H), wt(12, H), wt(H, 6), f(n, H))
     lm_head.lm_head_logits(f(n, H), wt(100, H))
     lm_head.lm_head_argmax(f(n, H), wt(100, H), i(n, 4), check=False)
@@ -732,9 +738,12 @@ def test_launch_abi(recorder, wdtype):
     assert ("swiglu_tc_kernel<1, false>" in launched) == (wdtype is np.uint16)
     ct, kv = (loader.CTYPE[np.dtype(t).name] for t in (np.uint8 if wdtype == "fp8" else wdtype, dense))
     assert f"paged_attention_kernel<{kv}, 2>" in launched and f"paged_attention_kernel<{kv}, 4>" in launched
-    assert {f"moe_expert_kernel<{ct}, true>", f"moe_expert_kernel<{ct}, false>", f"linear_kernel<{ct}>",
-            f"swiglu_gate_up_kernel<{ct}>", f"lm_head_argmax_partial_kernel<{ct}, false>",
-            f"lm_head_argmax_partial_kernel<{ct}, true>"} <= launched
+    assert {f"moe_expert_kernel<{ct}, true, 4, false>", f"moe_expert_kernel<{ct}, false, 4, false>",
+            f"linear_kernel<{ct}, 4, false>", f"swiglu_gate_up_kernel<{ct}, 4, false>",
+            f"lm_head_argmax_partial_kernel<{ct}, false, 4>", f"lm_head_argmax_partial_kernel<{ct}, true, 4>",
+            f"moe_expert_kernel<{ct}, true, 1, false>"} <= launched              # n = 3 (NR = 4); 1
+    assert {f"linear_kernel<{ct}, 4, true>", f"swiglu_gate_up_kernel<{ct}, 4, true>",
+            f"moe_expert_kernel<{ct}, true, 4, true>"} <= launched               # norm=
 
 
 def test_a_device_older_than_sm_80_is_refused(monkeypatch):

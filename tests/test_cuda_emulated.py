@@ -49,6 +49,7 @@ from mtpkern import Fp8Weight, cuda_graph
 from mtpkern.backends import get_backend
 from mtpkern.backends.cuda_launch import gemm_tc as gemm_tc_launch
 from mtpkern.backends.cuda_launch import linear as linear_launch
+from mtpkern.backends.cuda_launch import lm_head as lm_launch
 from mtpkern.backends.cuda_launch import loader
 from mtpkern.backends.cuda_launch._util import CudaFp8
 from mtpkern.backends.cuda_launch import step as step_launch
@@ -1017,6 +1018,36 @@ def test_lm_head_conf(be, wd, n, V, H):
     expect_conf(conf, conf_reference(logits, empty), f"conf {wd} n={n} V={V} empty row")
 
 
+@pytest.mark.parametrize("sms", [1, 3])
+def test_lm_head_persistent_grid(emu, be, sm_count, sms):
+    """The first stage's persistent grid: with few SMs each block takes a contiguous share of
+    many row pairs (the emulator's estimate: 4 resident blocks per SM), each warp a running best
+    over its pairs; ids and conf match the reference (two chunks at n = 9), and a caller's
+    workspaces are written in their first 4 * sms columns only."""
+    sm_count(sms)
+    rng = np.random.default_rng(sms)
+    V, H = 2501, 24
+    P = lm_launch.num_partials(V, sms)
+    used = 4 * sms
+    assert used < P
+    for n in (1, 3, 9):
+        x, w = rnd(rng, n, H), rnd(rng, V, H, scale=2 * H ** -0.5)
+        wq, wf = stored(w, "bf16")
+        wb = be.prepare_weight(wq)
+        logits = REF.lm_head_logits(x, wf)
+        mask = rng.integers(-2**31, 2**31, (n, (V + 31) // 32), dtype=np.int64).astype(np.int32)
+        for bm in (None, mask):
+            part_v, part_s = np.full((n, P), 7.0, np.float32), np.full((n, P), 7.0, np.float32)
+            part_i = np.full((n, P), 7, np.int32)
+            conf, ids = np.zeros(n, np.float32), np.zeros(n, np.int32)
+            be.lm_head_argmax(x, wb, bm, out=ids, part_v=part_v, part_i=part_i, part_s=part_s, conf=conf,
+                              check=False)
+            np.testing.assert_array_equal(ids, ref_ids(logits, bm))
+            expect_conf(conf, conf_reference(logits, bm), f"persistent sms={sms} n={n}")
+            assert (part_v[:, used:] == 7.0).all() and (part_s[:, used:] == 7.0).all()
+            assert (part_i[:, used:] == 7).all() and (part_i[:, :used] < V).all()
+
+
 @pytest.mark.parametrize("wd", ["bfloat16", "float32", "fp8_block", "fp8_channel"])
 def test_lm_head_conf_nan_inf_and_ties(be, wd):
     """Exact logits (an identity head, x on a grid of few values: many ties at the maximum),
@@ -1062,14 +1093,14 @@ def test_lm_head_conf_none_is_the_plain_argmax(emu, be):
     before = emu.launches.copy()
     ids = be.lm_head_argmax(x, w)
     ran = {k for k, c in (emu.launches - before).items() if c}
-    assert ran == {"lm_head_argmax_partial_kernel<__nv_bfloat16, false>", "argmax_final_kernel<false>"}, ran
-    P = -(-V // 64)
+    assert ran == {"lm_head_argmax_partial_kernel<__nv_bfloat16, false, 8>", "argmax_final_kernel<false>"}, ran
+    P = lm_launch.num_partials(V, emu.sm_count)
     part_v, part_i, part_s = (np.zeros((n, P), t) for t in (np.float32, np.int32, np.float32))
     conf, out = np.zeros(n, np.float32), np.zeros(n, np.int32)
     before = emu.launches.copy()
     got = be.lm_head_argmax(x, w, out=out, part_v=part_v, part_i=part_i, part_s=part_s, conf=conf)
     ran = {k for k, c in (emu.launches - before).items() if c}
-    assert ran == {"lm_head_argmax_partial_kernel<__nv_bfloat16, true>", "argmax_final_kernel<true>"}, ran
+    assert ran == {"lm_head_argmax_partial_kernel<__nv_bfloat16, true, 8>", "argmax_final_kernel<true>"}, ran
     assert got is out
     np.testing.assert_array_equal(out, ids)
     assert (part_s >= 1).all() and (conf > 0).all()               # every block holds its best (adds 1)
@@ -1081,7 +1112,7 @@ def test_lm_head_conf_none_is_the_plain_argmax(emu, be):
         be.lm_head_argmax(x, w, conf=np.zeros(n, np.float64))
     with pytest.raises(ValueError, match=r"conf: expected shape \[5\]"):
         be.lm_head_argmax(x, w, conf=np.zeros(n + 1, np.float32))
-    with pytest.raises(ValueError, match=r"part_s: expected shape \[5, 4\]"):
+    with pytest.raises(ValueError, match=rf"part_s: expected shape \[5, {P}\]"):
         be.lm_head_argmax(x, w, part_s=np.zeros((n, P + 1), np.float32), conf=conf)
 
 
@@ -1312,28 +1343,39 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             return stored(rnd(rng, *shape, scale=shape[-1] ** -0.5), _wd, (16, 32))[0]
         be = emu_backend.backend()
         pw = be.prepare_weight
-        out[f"linear {wd}"] = be.linear(x, pw(w(33, 64)), rnd(rng, 33), rnd(rng, 5, 33))
-        out[f"linear 3 rows {wd}"] = be.linear(x[:3], pw(w(33, 64)), rnd(rng, 33))     # under gemm_tc's 4
-        embed = stored(rnd(rng, 11, 64), "f32" if wd == "f32" else "bf16")[0]          # never FP8
-        out[f"mtp_input {wd}"] = be.mtp_input(pw(embed), np.array([1, 10, 0, 3, 3], np.int32), x,
-                                              rnd(rng, 64), rnd(rng, 64), pw(w(64, 128)), 1e-5)
-        out[f"swiglu {wd}"] = be.swiglu_mlp(x, pw(w(48, 64)), pw(w(64, 24)), x)
-        out[f"swiglu 3 rows {wd}"] = be.swiglu_mlp(x[:3], pw(w(48, 64)), pw(w(64, 24)), x[:3])  # under gemm_tc's 4
-        mask = rng.integers(-2**31, 2**31, (5, 5), dtype=np.int64).astype(np.int32)
-        mask[:, 0] |= 1
-        head = pw(w(130, 64))
-        out[f"lm_head {wd}"] = be.lm_head_argmax(x, head, mask)
-        out[f"lm_head conf {wd}"] = np.full(5, np.nan, np.float32)                      # the CONF instantiations
-        out[f"lm_head conf ids {wd}"] = be.lm_head_argmax(x, head, mask, conf=out[f"lm_head conf {wd}"])
-        out[f"lm_head topk ids {wd}"], out[f"lm_head topk probs {wd}"] = be.lm_head_topk(x, head, mask, 4)
-        ids, wts = be.moe_router(x, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
-        out[f"router {wd}"] = ids
-        e13, e2 = rnd(rng, 32, 48, 64, scale=0.125), rnd(rng, 32, 64, 24, scale=24 ** -0.5)
-        w13, w2 = (pw(stored(a, wd, (16, 32))[0]) for a in (e13, e2))
-        out[f"experts by pair {wd}"] = be.moe_experts(x, ids, wts, w13, w2, x)            # n*K = 20 <= E
-        hot = np.array([[1, 2, 3, 4]] * 5, np.int32)
-        w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
-        out[f"experts by expert {wd}"] = be.moe_experts(x, hot, wts, w13, w2)
+        for n in (1, 2, 3, 5):                                  # the GEMV kernels' NR = 1, 2, 4, 8
+            xn, t = x[:n], f"{wd} n={n}"
+            out[f"linear {t}"] = be.linear(xn, pw(w(33, 64)), rnd(rng, 33), rnd(rng, n, 33))
+            embed = stored(rnd(rng, 11, 64), "f32" if wd == "f32" else "bf16")[0]      # never FP8
+            out[f"mtp_input {t}"] = be.mtp_input(pw(embed), np.array([1, 10, 0, 3, 3][:n], np.int32), xn,
+                                                 rnd(rng, 64), rnd(rng, 64), pw(w(64, 128)), 1e-5)
+            out[f"swiglu {t}"] = be.swiglu_mlp(xn, pw(w(48, 64)), pw(w(64, 24)), xn)
+            g = rnd(rng, 64)                                     # the NORM instantiations (norm=)
+            out[f"linear norm {t}"] = be.linear(xn, pw(w(33, 64)), None, None, norm=(g, 1e-6))
+            out[f"swiglu norm {t}"] = be.swiglu_mlp(xn, pw(w(48, 64)), pw(w(64, 24)), xn, norm=(g, 1e-6))
+            if n > 3:   # BF16 at 4+ rows takes gemm_tc when K % 8 == 0: K = 60 keeps NR = 4, 8 launched
+                x60 = np.ascontiguousarray(xn[:, :60])
+                out[f"linear K60 {t}"] = be.linear(x60, pw(w(33, 60)), rnd(rng, 33), rnd(rng, n, 33))
+                out[f"linear norm K60 {t}"] = be.linear(x60, pw(w(33, 60)), None, None, norm=(g[:60].copy(), 1e-6))
+                out[f"swiglu K60 {t}"] = be.swiglu_mlp(x60, pw(w(48, 60)), pw(w(60, 24)), x60)
+                out[f"swiglu norm K60 {t}"] = be.swiglu_mlp(x60, pw(w(48, 60)), pw(w(60, 24)), x60,
+                                                            norm=(g[:60].copy(), 1e-6))
+            mask = rng.integers(-2**31, 2**31, (n, 5), dtype=np.int64).astype(np.int32)
+            mask[:, 0] |= 1
+            head = pw(w(130, 64))
+            out[f"lm_head {t}"] = be.lm_head_argmax(xn, head, mask)
+            out[f"lm_head conf {t}"] = np.full(n, np.nan, np.float32)                 # the CONF instantiations
+            out[f"lm_head conf ids {t}"] = be.lm_head_argmax(xn, head, mask, conf=out[f"lm_head conf {t}"])
+            out[f"lm_head topk ids {t}"], out[f"lm_head topk probs {t}"] = be.lm_head_topk(xn, head, mask, 4)
+            ids, wts = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
+            out[f"router {t}"] = ids
+            e13, e2 = rnd(rng, 32, 48, 64, scale=0.125), rnd(rng, 32, 64, 24, scale=24 ** -0.5)
+            w13, w2 = (pw(stored(a, wd, (16, 32))[0]) for a in (e13, e2))
+            out[f"experts by pair {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn)      # n*K <= 20 <= E
+            out[f"experts norm {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn, norm=(g, 1e-6))
+            hot = np.array([[1, 2, 3, 4]] * n, np.int32)
+            w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
+            out[f"experts by expert {t}"] = be.moe_experts(xn, hot, wts, w13, w2)
     xt = rnd(rng, 32, 64)
     wt = emu_backend.backend().prepare_weight(stored(rnd(rng, 40, 64, scale=0.125), "bf16")[0])
     for rows in (8, 16, 24, 32):                                                        # NT = 1 .. 4

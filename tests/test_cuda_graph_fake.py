@@ -2,7 +2,7 @@
 
 A NumPy backend that calls itself "cuda" stands in for CudaBackend: its ops
 check every workspace the plan passes against the CUDA launchers' own shape
-rules (``attention.plan``, ``lm_head.ROWS_PER_BLOCK``), then compute with the
+rules (``attention.plan``, ``lm_head.num_partials``), then compute with the
 reference; ``lm_head_argmax`` returns -1 for a row without an allowed token, as
 the kernel does. The fake CuPy module gives pinned memory (host bytes),
 ``memcpyAsync`` (a memmove between the addresses the plan computed), events,
@@ -135,8 +135,8 @@ class FakeCudaBackend(NumpyBackend):
     def rmsnorm(self, x, w, eps, *, out=None):
         return self._run("rmsnorm", x, w, eps, out=out)
 
-    def linear(self, x, w, bias=None, residual=None, *, out=None):
-        return self._run("linear", x, w, bias, residual, out=out)
+    def linear(self, x, w, bias=None, residual=None, *, out=None, norm=None):
+        return self._run("linear", x, w, bias, residual, out=out, norm=norm)
 
     def qk_norm_rope_kv_write(self, qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, eps, inv_freq,
                               positions, k_cache, v_cache, slots, *, out=None):
@@ -194,30 +194,30 @@ class FakeCudaBackend(NumpyBackend):
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return self._run("sigmoid_gate", x, gate, residual, out=out)
 
-    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
+    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None, norm=None):
         if logits is not None:
             _expect("logits", logits, (x.shape[0], gate_w.shape[0]))
             self.ws_seen.add("logits")
-        return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights)
+        return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights, norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
-                    limit=None):
+                    limit=None, norm=None):
         if act is not None:
             nK = ids.shape[0] * ids.shape[1]
             _expect("act", act, (nK, w13.shape[1] // 2))
             _expect("partial", partial, (nK, x.shape[1]))
             self.ws_seen.add("moe act")
-        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit)
+        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit, norm=norm)
 
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None):
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None):
         if act is not None:
             _expect("act", act, (x.shape[0], w13.shape[0] // 2))
             self.ws_seen.add("mlp act")
-        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit)
+        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit, norm=norm)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
                        id_map=None, check=True):
-        n, P = x.shape[0], -(-w.shape[0] // lm_launch.ROWS_PER_BLOCK)
+        n, P = x.shape[0], lm_launch.num_partials(w.shape[0], SMS)
         if part_s is not None and conf is None:
             raise ValueError("part_s: the confidence workspace is used only with conf=; got part_s without conf")
         if conf is not None:                 # the launcher's rule: conf [n] FP32, written in place
@@ -305,7 +305,7 @@ def test_fake_lm_head_argmax_conf(fake_cuda):
     rng = np.random.default_rng(0)
     n, V, H = 3, 130, 16
     x, w = rng.standard_normal((n, H)).astype(np.float32), rng.standard_normal((V, H)).astype(np.float32)
-    P = 3
+    P = lm_launch.num_partials(V, SMS)
     mask = np.full((n, 5), -1, np.int32)
     mask[1] = 0
     mask[1, 2] = 1 << 9                                   # token 73 only

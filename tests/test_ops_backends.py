@@ -151,6 +151,55 @@ def test_linear_strided(be):
     assert_close(be.to_host(got), REF.linear(x, REF.prepare_weight(w), None, res), what="linear (strided)")
 
 
+# -- fused RMSNorm (norm=) ------------------------------------------------------
+
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 9])
+@pytest.mark.parametrize("K,N", [(64, 3), (33, 17), (130, 300)])
+def test_linear_norm(be, wdtype, n, K, N):
+    """linear(x, .., norm=(g, eps)) against its definition, linear(rmsnorm(x, g, eps), ..): the
+    vector and scalar paths (K = 33), split-K row groups (N = 3: 4 warps per group), NR = 1, 4,
+    and two chunks (n = 9); with bias and residual."""
+    rng = rng_for("linear_norm", wdtype, n, K, N)
+    x, w, g = acts(rng, n, K) * 3.0, weight(rng, (N, K), wdtype), acts(rng, K)
+    bias, res = acts(rng, N), acts(rng, n, N)
+    wb, wr = be.prepare_weight(w), REF.prepare_weight(w)
+    for b, r in ((None, None), (bias, res)):
+        got = be.linear(be.from_host(x), wb, None if b is None else be.prepare_vector(b),
+                        None if r is None else be.from_host(r), norm=(be.prepare_vector(g), 1e-5))
+        want = REF.linear(REF.rmsnorm(x, g, 1e-5), wr, b, r)
+        assert_close(be.to_host(got), want, what=f"linear norm= bias={b is not None}")
+    np.testing.assert_array_equal(REF.linear(x, wr, bias, res, norm=(g, 1e-5)),
+                                  REF.linear(REF.rmsnorm(x, g, 1e-5), wr, bias, res))    # the definition
+
+
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("H,I", [(64, 37), (33, 20)])
+def test_swiglu_mlp_norm(be, wdtype, n, H, I):
+    """swiglu_mlp(x, .., x, norm=(g, eps)) = x + mlp(rmsnorm(x)): the residual is the
+    un-normed x itself (a block's post-attention half), and without a residual."""
+    rng = rng_for("mlp_norm", wdtype, n, H, I)
+    x, g = acts(rng, n, H), acts(rng, H)
+    w13, w2 = weight(rng, (2 * I, H), wdtype), weight(rng, (H, I), wdtype)
+    args = (be.prepare_weight(w13), be.prepare_weight(w2))
+    ref_args = (REF.prepare_weight(w13), REF.prepare_weight(w2))
+    for with_res in (False, True):
+        xd = be.from_host(x)
+        got = be.swiglu_mlp(xd, *args, xd if with_res else None, norm=(be.prepare_vector(g), 1e-6))
+        want = REF.swiglu_mlp(REF.rmsnorm(x, g, 1e-6), *ref_args, x if with_res else None)
+        assert_close(be.to_host(got), want, what=f"swiglu_mlp norm= residual={with_res}")
+
+
+@pytest.mark.parametrize("bad,error", [((np.ones(5, np.float32), 1e-6), ValueError),
+                                       ((np.ones(8, np.float32), -1.0), ValueError),
+                                       (np.ones(8, np.float32), TypeError)])
+def test_norm_keyword_validated(be, bad, error):
+    x, w = np.ones((2, 8), np.float32), be.prepare_weight(np.ones((3, 8), np.float32))
+    with pytest.raises(error, match="norm"):
+        be.linear(be.from_host(x), w, norm=bad)
+
+
 # -- rope + kv write ----------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 3, 17])
@@ -808,6 +857,33 @@ def test_moe_experts(be, wdtype, n, E, K, residual):
                          be.prepare_weight(w2), None if res is None else be.from_host(res))
     want = REF.moe_experts(x, ids, weights, REF.prepare_weight(w13), REF.prepare_weight(w2), res)
     assert_close(be.to_host(got), want, what="moe_experts")
+
+
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 9])
+@pytest.mark.parametrize("by_pair", [True, False])
+def test_moe_norm(be, wdtype, n, by_pair):
+    """moe_router / moe_experts with norm=(g, eps) against their definition on rmsnorm(x):
+    the router's ids and weights, and the experts with x itself as the residual (a MoE
+    block's post-attention half), by pair (n K <= E) and by expert."""
+    rng = rng_for("moe_norm", wdtype, n, by_pair)
+    H, I, K = 40, 23, 2
+    E = 2 * n * K if by_pair else 4
+    x, g = acts(rng, n, H) * 2.0, acts(rng, H)
+    gate_w, bias = weight(rng, (E, H), wdtype), acts(rng, E, scale=0.1)
+    spec = RouterSpec(K, 1, 1, 1.0, True)
+    ids, wts = be.moe_router(be.from_host(x), be.prepare_weight(gate_w), be.prepare_vector(bias), spec,
+                             norm=(be.prepare_vector(g), 1e-6))
+    xn = REF.rmsnorm(x, g, 1e-6)
+    ids_ref, w_ref = REF.moe_router(xn, REF.prepare_weight(gate_w), bias, spec)
+    np.testing.assert_array_equal(be.to_host(ids), ids_ref)
+    assert_close(be.to_host(wts), w_ref, what="router weights, norm=")
+    w13, w2 = weight(rng, (E, 2 * I, H), wdtype), weight(rng, (E, H, I), wdtype)
+    xd = be.from_host(x)
+    got = be.moe_experts(xd, be.from_host(ids_ref), be.from_host(w_ref), be.prepare_weight(w13),
+                         be.prepare_weight(w2), xd, norm=(be.prepare_vector(g), 1e-6))
+    want = REF.moe_experts(xn, ids_ref, w_ref, REF.prepare_weight(w13), REF.prepare_weight(w2), x)
+    assert_close(be.to_host(got), want, what="moe_experts, norm=")
 
 
 # -- mlp ----------------------------------------------------------------------

@@ -171,7 +171,8 @@ class Backend(ABC):
     def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float): ...
 
     @abstractmethod
-    def linear(self, x, w, bias=None, residual=None): ...
+    def linear(self, x, w, bias=None, residual=None, *, norm=None):
+        """``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
@@ -195,15 +196,18 @@ class Backend(ABC):
     def sigmoid_gate(self, x, gate, residual=None): ...
 
     @abstractmethod
-    def moe_router(self, x, gate_w, bias, spec: RouterSpec): ...
+    def moe_router(self, x, gate_w, bias, spec: RouterSpec, *, norm=None):
+        """``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, limit=None):
-        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``)."""
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, limit=None, norm=None):
+        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``);
+        ``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, limit=None):
-        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``)."""
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, limit=None, norm=None):
+        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``);
+        ``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod
     def lm_head_logits(self, x, w): ...

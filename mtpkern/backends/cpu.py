@@ -42,7 +42,7 @@ from ..ops.lm_head import check_bitmask, check_id_map, check_topk, map_id_rows, 
 from ..ops.mla import check_mla_attention, check_mla_latent_write
 from ..ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
-from ..ops.norm import check_mtp_input
+from ..ops.norm import check_mtp_input, check_norm
 from ..ops.rope_kv import check_qk_norm_rope_kv_write
 from ..quant import Fp8Weight
 from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
@@ -287,8 +287,10 @@ class CpuBackend(Backend):
         return out
 
     # -- linear -------------------------------------------------------------
-    def linear(self, x, w, bias=None, residual=None, *, out=None):
+    def linear(self, x, w, bias=None, residual=None, *, out=None, norm=None):
         self._check(check_linear, x, w, bias, residual)
+        if norm is not None:        # the definition: the rmsnorm kernel, then the GEMV
+            x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         w = _any_weight("w", w)
         out = _out("out", out, (x.shape[0], w.shape[0]))
         x = _apart(_act(x), out)                                             # out is written while x is read
@@ -415,8 +417,10 @@ class CpuBackend(Backend):
         return out
 
     # -- moe ----------------------------------------------------------------
-    def moe_router(self, x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None):
+    def moe_router(self, x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, norm=None):
         self._check(check_moe_router, x, gate_w, bias, spec)
+        if norm is not None:        # the definition: the rmsnorm kernel, then the router
+            x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         n, E = x.shape[0], gate_w.shape[0]
         logits = np.empty((n, E), np.float32)                                # scratch
         ids = _out("ids", ids, (n, spec.top_k), np.int32)
@@ -429,8 +433,10 @@ class CpuBackend(Backend):
                spec.norm_topk_prob, np.float32(spec.routed_scaling_factor), logits, ids, weights)
         return ids, weights
 
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None):
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None, norm=None):
         self._check(check_moe_experts, x, ids, weights, w13, w2, residual)
+        if norm is not None:        # the definition: the rmsnorm kernel, then the experts
+            x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         L = swiglu_limit(limit)
         ids = np.ascontiguousarray(ids)
         _in_range("ids", ids, w13.shape[0])
@@ -447,8 +453,10 @@ class CpuBackend(Backend):
         return out
 
     # -- mlp ----------------------------------------------------------------
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, limit=None):
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, limit=None, norm=None):
         self._check(check_swiglu_mlp, x, w13, w2, residual)
+        if norm is not None:        # the definition: the rmsnorm kernel, then the MLP
+            x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         L = swiglu_limit(limit)
         n = x.shape[0]
         out = _out("out", out, tuple(x.shape))

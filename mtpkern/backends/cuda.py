@@ -213,8 +213,8 @@ class CudaBackend(Backend):
     def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None, xcat=None):
         return norm.mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, out=out, xcat=xcat)
 
-    def linear(self, x, w, bias=None, residual=None, *, out=None):
-        return linear.linear(x, w, bias, residual, out=out)
+    def linear(self, x, w, bias=None, residual=None, *, out=None, norm=None):
+        return linear.linear(x, w, bias, residual, out=out, norm=norm)
 
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
                               eps: float, inv_freq, positions, k_cache, v_cache, slots, *,
@@ -247,15 +247,16 @@ class CudaBackend(Backend):
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return gate_launch.sigmoid_gate(x, gate, residual, out=out)
 
-    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None):
-        return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits)
+    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None, norm=None):
+        return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits, norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
-                    limit=None):
-        return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial, limit=limit)
+                    limit=None, norm=None):
+        return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial, limit=limit,
+                               norm=norm)
 
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None):
-        return mlp.swiglu_mlp(x, w13, w2, residual, out=out, act=act, limit=limit)
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None):
+        return mlp.swiglu_mlp(x, w13, w2, residual, out=out, act=act, limit=limit, norm=norm)
 
     def lm_head_logits(self, x, w, *, out=None):
         return lm_head.lm_head_logits(x, w, out=out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._check import expect_ndim, expect_shape
+from .norm import normed
 
 
 def check_linear(x, w, bias, residual) -> None:
@@ -22,8 +23,10 @@ def check_linear(x, w, bias, residual) -> None:
         expect_shape("residual", residual, (x.shape[0], N))
 
 
-def linear(x, w, bias=None, residual=None) -> np.ndarray:
+def linear(x, w, bias=None, residual=None, *, norm=None) -> np.ndarray:
+    """``norm=(g [K], eps)``: of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed)."""
     check_linear(x, w, bias, residual)
+    x = normed(x, norm)
     y = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T      # [n, N]
     if bias is not None:
         y = y + np.asarray(bias, np.float32)

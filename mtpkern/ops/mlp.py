@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from ._check import expect_ndim, expect_shape
+from .norm import normed
 
 #: the bound the kernels take when there is no clamp: min(v, +inf) is v, bit for bit (NaN too)
 NO_LIMIT = np.float32(np.inf)
@@ -80,10 +81,12 @@ def check_swiglu_mlp(x, w13, w2, residual) -> None:
         expect_shape("residual", residual, (n, H))
 
 
-def swiglu_mlp(x, w13, w2, residual=None, *, limit=None) -> np.ndarray:
+def swiglu_mlp(x, w13, w2, residual=None, *, limit=None, norm=None) -> np.ndarray:
+    """``norm=(g [H], eps)``: of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed); the
+    residual stays as given (it may be x itself)."""
     check_swiglu_mlp(x, w13, w2, residual)
     L = swiglu_limit(limit)
-    gu = np.asarray(x, np.float32) @ np.asarray(w13, np.float32).T     # [n, 2I]
+    gu = np.asarray(normed(x, norm), np.float32) @ np.asarray(w13, np.float32).T     # [n, 2I]
     act = swiglu_act(gu, L)                                            # [n, I]
     y = act @ np.asarray(w2, np.float32).T                             # [n, H]
     if residual is not None:

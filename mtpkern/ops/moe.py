@@ -30,6 +30,7 @@ import numpy as np
 
 from ._check import expect_dtype, expect_ndim, expect_shape
 from .mlp import swiglu_act, swiglu_limit
+from .norm import normed
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +68,10 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-values, axis=-1, kind="stable")[..., :k]
 
 
-def moe_router(x, gate_w, bias, spec: RouterSpec) -> tuple[np.ndarray, np.ndarray]:
+def moe_router(x, gate_w, bias, spec: RouterSpec, *, norm=None) -> tuple[np.ndarray, np.ndarray]:
+    """``norm=(g [H], eps)``: of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed)."""
     check_moe_router(x, gate_w, bias, spec)
-    logits = np.asarray(x, np.float32) @ np.asarray(gate_w, np.float32).T        # [n, E]
+    logits = np.asarray(normed(x, norm), np.float32) @ np.asarray(gate_w, np.float32).T        # [n, E]
     if spec.scoring == "sigmoid":
         s = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
     else:
@@ -110,10 +112,12 @@ def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
         expect_shape("residual", residual, (n, H))
 
 
-def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None) -> np.ndarray:
+def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, norm=None) -> np.ndarray:
+    """``norm=(g [H], eps)``: the experts of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed);
+    the residual stays as given (it may be x itself)."""
     check_moe_experts(x, ids, weights, w13, w2, residual)
     L = swiglu_limit(limit)
-    x = np.asarray(x, np.float32)
+    x = np.asarray(normed(x, norm), np.float32)
     n, H = x.shape
     y = np.zeros((n, H), np.float32) if residual is None else np.array(residual, np.float32)
     for r in range(n):

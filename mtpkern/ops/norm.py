@@ -9,6 +9,10 @@ eh_w [H, 2H], eps) -> x [n, H]``::
     x = eh_w @ concat(rmsnorm(embed[t], enorm_w), rmsnorm(g, hnorm_w))
 
 The concat order (embedding first) is DeepSeek-V3's and vLLM's.
+
+``norm=(w [H], eps)`` on ``linear`` and ``swiglu_mlp`` (``check_norm``, ``normed``): the op of
+``rmsnorm(x, w, eps)`` instead of ``x``, the definition; the cuda backend fuses the norm into
+the GEMV (one launch, the normed rows never stored).
 """
 
 from __future__ import annotations
@@ -26,6 +30,28 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x = _f32(x)
     var = np.mean(x * x, axis=-1, keepdims=True)             # [n, 1]
     return (x / np.sqrt(var + np.float32(eps))) * _f32(w)     # [n, H]
+
+
+def check_norm(norm, H: int) -> tuple[np.ndarray, float]:
+    """The ``norm=(weight [H], eps)`` keyword of the GEMV ops (linear, swiglu_mlp): an RMSNorm
+    of the op's input ``x`` applied first (the cuda backend fuses it into the GEMV) ->
+    ``(weight, eps)``, checked."""
+    if not isinstance(norm, tuple) or len(norm) != 2:
+        raise TypeError(f"norm: expected a (weight [{H}], eps) pair, got {type(norm).__name__}")
+    w, eps = norm
+    expect_shape("norm weight", w, (H,))
+    eps = float(eps)
+    if not eps >= 0.0:
+        raise ValueError(f"norm eps: expected >= 0, got {eps}")
+    return w, eps
+
+
+def normed(x, norm) -> np.ndarray:
+    """``x`` through the optional ``norm=(weight, eps)`` of a GEMV op: its definition,
+    ``rmsnorm(x, weight, eps)``, or ``x`` itself for None."""
+    if norm is None:
+        return x
+    return rmsnorm(x, *check_norm(norm, np.shape(x)[-1]))
 
 
 def check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w) -> None:

@@ -252,6 +252,23 @@ def sm_count() -> int:
     return _sm_count(_cupy().cuda.Device().id)
 
 
+#: per-SM limits of sm_80 / sm_90 the occupancy estimate uses: registers, warps, blocks
+SM_REGISTERS, SM_WARPS, SM_BLOCKS = 65536, 64, 32
+
+
+def resident_blocks(kernel: Any, threads: int, fallback: int = 4) -> int:
+    """Blocks of ``threads`` threads one SM holds at once, from the kernel's registers per
+    thread (``num_regs``: allocated per warp in units of 256) and the SM's warp and block
+    limits (shared memory is not counted: the GEMV kernels use under 1 KiB). ``fallback``
+    where the kernel does not say (the emulator's kernels)."""
+    regs = getattr(kernel, "num_regs", None)
+    if not regs:
+        return fallback
+    warps = cdiv(threads, 32)
+    per_warp = cdiv(int(regs) * 32, 256) * 256
+    return max(1, min(SM_REGISTERS // (per_warp * warps), SM_WARPS // warps, SM_BLOCKS))
+
+
 #: dynamic shared memory a block may use without the opt-in attribute
 SMEM_DEFAULT = 48 * 1024
 

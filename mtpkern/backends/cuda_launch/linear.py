@@ -14,14 +14,23 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops.linear import check_linear
-from ._util import (cdiv, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
-                    i32, optional, output, ptr, sm_count, weight_args)
+from ...ops.norm import check_norm
+from ._util import (NULL, cdiv, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint,
+                    expect_weight, f32, i32, optional, output, ptr, sm_count, weight_args)
 from .gemm_tc import launch_gemm_tc, selected as tensor_cores_selected
-from .loader import get_kernel
+from .loader import GEMV_NR, get_kernel
 
 #: kGemvThreads in common.cuh: 4 warps, one row group (2 weight rows) per warp
 GEMV_THREADS = 128
 GEMV_WARPS = 4
+
+
+def gemv_rows(n: int) -> int:
+    """The GEMV kernels' NR instantiation for n input rows: the smallest of ``GEMV_NR``
+    (1, 2, 4, 8) >= min(n, 8). The kernel takes the rows NR at a time (n > 8: chunks of 8,
+    the last one run by the smallest code path that holds it), and its registers, so its
+    occupancy, are NR's: a 1-row launch does not pay for the 8-row path."""
+    return next(nr for nr in GEMV_NR if nr >= min(max(n, 1), GEMV_NR[-1]))
 
 
 def gemv_config(groups: int) -> tuple[tuple[int], int]:
@@ -39,21 +48,43 @@ def gemv_config(groups: int) -> tuple[tuple[int], int]:
     return (cdiv(groups, GEMV_WARPS // wpr),), wpr
 
 
-def launch_linear(x, w, bias, residual, y) -> None:
-    """Validated, contiguous device arrays: x [n, K], w [N, K] (``device_weight``), y [n, N]."""
+def device_norm(norm, K: int) -> tuple | None:
+    """The ops' ``norm=(weight [K], eps)`` (an RMSNorm of x fused into the GEMV), checked,
+    with the weight on the device: (weight, eps) or None."""
+    if norm is None:
+        return None
+    g, eps = check_norm(norm, K)
+    return device(g, "norm weight", "float32"), eps
+
+
+def norm_args(norm, K: int) -> tuple[str, tuple]:
+    """``norm`` as ``device_norm`` takes it -> (the GEMV kernels' NORM template argument,
+    their ``norm_w, eps`` arguments)."""
+    dn = device_norm(norm, K)
+    if dn is None:
+        return "false", (NULL, f32(0.0))
+    return "true", (dn[0], f32(dn[1]))
+
+
+def launch_linear(x, w, bias, residual, y, norm=None) -> None:
+    """Validated, contiguous device arrays: x [n, K], w [N, K] (``device_weight``), y [n, N];
+    ``norm``: (weight [K], eps) or None."""
     n, K = x.shape
     N = w.shape[0]
     if n == 0 or N == 0:
         return
     if tensor_cores_selected(n, K, w):  # n >= 4 rows, BF16 weights: kernels/gemm_tc.cu
-        return launch_gemm_tc(x, w, bias, residual, y)
+        return launch_gemm_tc(x, w, bias, residual, y, device_norm(norm, K))
+    nm, nargs = norm_args(norm, K)
     grid, wpr = gemv_config(cdiv(N, 2))
-    kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}>")
-    kernel(grid, (GEMV_THREADS,), (x, *weight_args(w), ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr)))
+    kernel = get_kernel("linear", f"linear_kernel<{ctype(w)}, {gemv_rows(n)}, {nm}>")
+    kernel(grid, (GEMV_THREADS,), (x, *weight_args(w), ptr(bias), ptr(residual), y, i32(n), i32(N), i32(K), i32(wpr),
+                                   *nargs))
 
 
-def linear(x, w, bias=None, residual=None, *, out=None):
-    """y [n, N] = x [n, K] @ w [N, K]^T (+ bias [N]) (+ residual [n, N]); ``out``: [n, N] FP32."""
+def linear(x, w, bias=None, residual=None, *, out=None, norm=None):
+    """y [n, N] = x [n, K] @ w [N, K]^T (+ bias [N]) (+ residual [n, N]); ``out``: [n, N] FP32;
+    ``norm=(g [K], eps)``: x is first RMS-normalised with weight g (fused: ``NORM``)."""
     check_linear(x, w, bias, residual)
     expect_weight("w", w)
     x = device(x, "x", "float32")
@@ -65,5 +96,5 @@ def linear(x, w, bias=None, residual=None, *, out=None):
     expect_same_or_disjoint("out", y, "residual", residual)
     if bias is not None:
         expect_disjoint("out", y, "bias", bias)
-    launch_linear(x, w, bias, residual, y)
+    launch_linear(x, w, bias, residual, y, norm)
     return y

@@ -7,7 +7,10 @@
 int32 | None) -> ids [n] int32`` (through ``id_map`` when given: a draft vocabulary's rows
 to target ids, -1 staying -1): ties to the lowest id, NaN never wins, bit ``j & 31`` of
 word ``j >> 5`` allows token j, padding bits past V are ignored. Workspaces
-``part_v [n, P]`` FP32 / ``part_i [n, P]`` int32 with ``P = ceil(V / 64)``.
+``part_v [n, P]`` FP32 / ``part_i [n, P]`` int32 with ``P = num_partials(V, sm_count())``:
+the first stage is a persistent grid of one block per resident slot (its instantiation's
+registers say how many fit an SM, at most 16 of 128 threads), each block a contiguous
+share of the vocabulary, so a launch fills the first ``P' <= P`` columns.
 
 ``conf [n]`` FP32 (keyword, optional; written in place): the drafter's probability of
 its draft, ``conf[r] = 1 / sum_{j allowed, l_j not NaN} exp(l_j - l_ids[r])``, the
@@ -29,13 +32,25 @@ import numpy as np
 from ...errors import NoAllowedToken, no_token_reason
 from ...ops._check import expect_ndim, expect_shape
 from ...ops.lm_head import MAX_TOPK, check_bitmask, check_id_map, check_topk
-from ._util import cdiv, ctype, device, device_weight, expect_weight, i32, optional, output, ptr, weight_args
-from .linear import GEMV_THREADS, launch_linear
+from ._util import (SM_WARPS, cdiv, ctype, device, device_weight, expect_weight, i32, optional, output, ptr,
+                    resident_blocks, sm_count, weight_args)
+from .linear import GEMV_THREADS, GEMV_WARPS, gemv_rows, launch_linear
 from .loader import get_kernel
 
-#: kLmRowsPerBlock in lm_head.cu: vocab rows per block of the first stage
-ROWS_PER_BLOCK = 64
 FINAL_THREADS = 256
+#: most blocks of GEMV_THREADS an SM holds (its 64 warps): the partials' width per SM
+MAX_BLOCKS_PER_SM = SM_WARPS // GEMV_WARPS
+
+
+def _blocks_for(V: int) -> int:
+    """Blocks with work for a V-row head: one row pair per warp at least."""
+    return cdiv(cdiv(V, 2), GEMV_WARPS)
+
+
+def num_partials(V: int, sms: int) -> int:
+    """Columns P of the first stage's workspaces for a V-row head on ``sms`` SMs: the most
+    blocks any instantiation launches (16 per SM, or fewer when V is small)."""
+    return max(1, min(_blocks_for(V), MAX_BLOCKS_PER_SM * sms))
 
 
 def _check(x, w) -> None:
@@ -70,7 +85,8 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
     x, w = device(x, "x", "float32"), device_weight(w, "w")
     bitmask = optional(bitmask, "bitmask", "int32")
     id_map = optional(id_map, "id_map", "int32")
-    P = cdiv(V, ROWS_PER_BLOCK)
+    sms = sm_count()
+    P = num_partials(V, sms)
     ids = output(out, "out", (n,), np.int32)
     part_v = output(part_v, "part_v", (n, P), np.float32)
     part_i = output(part_i, "part_i", (n, P), np.int32)
@@ -81,11 +97,13 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
     if n == 0:
         return ids
     c = "true" if want_conf else "false"
-    partial = get_kernel("lm_head", f"lm_head_argmax_partial_kernel<{ctype(w)}, {c}>")
-    partial((P,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, ptr(part_s), i32(n), i32(V),
-                                    i32(H), i32(P)))
+    partial = get_kernel("lm_head", f"lm_head_argmax_partial_kernel<{ctype(w)}, {c}, {gemv_rows(n)}>")
+    # persistent: one wave of the blocks the SMs hold at once (each an equal share of V)
+    used = min(resident_blocks(partial, GEMV_THREADS) * sms, P)
+    partial((used,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, ptr(part_s), i32(n),
+                                       i32(V), i32(H), i32(used), i32(P)))
     final = get_kernel("lm_head", f"argmax_final_kernel<{c}>")
-    final((n,), (FINAL_THREADS,), (part_v, part_i, ptr(part_s), i32(P), ids, ptr(conf), ptr(id_map)))
+    final((n,), (FINAL_THREADS,), (part_v, part_i, ptr(part_s), i32(used), i32(P), ids, ptr(conf), ptr(id_map)))
     if check:
         raise_if_no_allowed(ids, V, bitmask is not None)
     return ids

@@ -38,13 +38,19 @@ MLA_LPT = (1, 2)
 
 #: n-tiles of 8 input rows of gemm_tc_kernel (n <= 8 * NT rows per launch)
 GEMM_TC_NT = (1, 2, 3, 4)
+#: Input rows per pass of the GEMV kernels (their NR template parameter, common.cuh): a launch
+#: over n rows takes the smallest >= min(n, 8) (``linear.gemv_rows``).
+GEMV_NR = (1, 2, 4, 8)
 
 #: family -> the instantiations to compile (``nvrtcAddNameExpression``); a
 #: launcher asks for exactly one of these strings.
 NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "norm": ("rmsnorm_kernel",) + tuple(f"mtp_norms_kernel<{t}>" for t in _CTYPES),
-    "linear": tuple(f"linear_kernel<{t}>" for t in _WEIGHT_CTYPES),
-    "mlp": tuple(f"swiglu_gate_up_kernel<{t}>" for t in _WEIGHT_CTYPES),
+    # NORM (the last parameter): an RMSNorm of x fused into the GEMV (the ops' norm=)
+    "linear": tuple(f"linear_kernel<{t}, {nr}, {nm}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
+                    for nm in ("false", "true")),
+    "mlp": tuple(f"swiglu_gate_up_kernel<{t}, {nr}, {nm}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
+                 for nm in ("false", "true")),
     # NT n-tiles of 8 input rows (linear's and swiglu_mlp's BF16 path for n >= 4), NORM: the
     # RMSNorm prologue
     "gemm_tc": tuple(f"{k}<{nt}, {nm}>" for k in ("gemm_tc_kernel", "swiglu_tc_kernel") for nt in GEMM_TC_NT
@@ -59,9 +65,12 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"mla_out_kernel<{t}>" for t in _CTYPES),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
-    + tuple(f"moe_expert_kernel<{t}, {g}>" for t in _WEIGHT_CTYPES for g in ("true", "false")),
+    + tuple(f"moe_expert_kernel<{t}, {g}, {nr}, false>" for t in _WEIGHT_CTYPES for g in ("true", "false")
+            for nr in GEMV_NR)
+    + tuple(f"moe_expert_kernel<{t}, true, {nr}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR),
     # CONF: the confidence epilogue (lm_head_argmax(..., conf=)); false is the plain argmax
-    "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}>" for t in _WEIGHT_CTYPES for c in ("false", "true"))
+    "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}, {nr}>" for t in _WEIGHT_CTYPES
+                     for c in ("false", "true") for nr in GEMV_NR)
     + ("argmax_final_kernel<false>", "argmax_final_kernel<true>", "masked_topk_kernel"),
     "step": ("copy_segments_kernel",),
     # a probe of mma.cuh's fragment layout, for the tests only (kernels/mma.cu)

@@ -16,12 +16,14 @@ from ..base import all_fp8_or_none
 from ._util import (CudaFp8, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
                     i32, optional, output, weight_args)
 from .gemm_tc import launch_swiglu_tc, selected as tensor_cores_selected
-from .linear import GEMV_THREADS, gemv_config, launch_linear
+from .linear import GEMV_THREADS, device_norm, gemv_config, gemv_rows, launch_linear, norm_args
 from .loader import get_kernel
 
 
-def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None, limit=None):
-    """-> y [n, H] FP32 = residual + w2 @ (silu(w13[:I] x) * w13[I:] x), clamped by ``limit``."""
+def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None):
+    """-> y [n, H] FP32 = residual + w2 @ (silu(w13[:I] x) * w13[I:] x), clamped by ``limit``;
+    ``norm=(g [H], eps)``: x RMS-normalised first, fused into the gate/up GEMV (residual may
+    then be x itself: y = x + mlp(rmsnorm(x)))."""
     check_swiglu_mlp(x, w13, w2, residual)
     L = swiglu_limit(limit)
     expect_weight("w13", w13)
@@ -40,10 +42,11 @@ def swiglu_mlp(x, w13, w2, residual=None, *, out=None, act=None, limit=None):
     if n == 0:
         return y
     if I and tensor_cores_selected(n, H, w13):  # n >= 4 rows, BF16 weights: kernels/gemm_tc.cu
-        launch_swiglu_tc(x, w13, act, L)
+        launch_swiglu_tc(x, w13, act, L, device_norm(norm, H))
     elif I:
         grid, wpr = gemv_config(I)  # row group u = (gate row u, up row I + u)
-        kernel = get_kernel("mlp", f"swiglu_gate_up_kernel<{ctype(w13)}>")
-        kernel(grid, (GEMV_THREADS,), (x, *weight_args(w13), act, i32(n), i32(I), i32(H), i32(wpr), L))
+        nm, nargs = norm_args(norm, H)
+        kernel = get_kernel("mlp", f"swiglu_gate_up_kernel<{ctype(w13)}, {gemv_rows(n)}, {nm}>")
+        kernel(grid, (GEMV_THREADS,), (x, *weight_args(w13), act, i32(n), i32(I), i32(H), i32(wpr), L, *nargs))
     launch_linear(act, w2, None, residual, y)
     return y

@@ -14,7 +14,7 @@ residual [n, H] | None, *, limit=None) -> [n, H]``: three launches, workspaces
 3. ``moe_combine_kernel``: y = residual + sum_k weights[:, k] * partial[:, k] in k order.
 
 Each expert's weights are read once per launch for all the pairs that chose
-it (up to 8 per pass). Slots: by pair when n * K <= E (decode), else by expert.
+it (up to NR = ``gemv_rows(n)`` per pass). Slots: by pair when n * K <= E (decode), else by expert.
 ``out`` may be ``residual``.
 """
 
@@ -26,9 +26,9 @@ from ...ops._check import expect_dtype
 from ...ops.mlp import NO_LIMIT, swiglu_limit
 from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..base import all_fp8_or_none
-from ._util import (CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
+from ._util import (NULL, CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
                     expect_same_or_disjoint, expect_weight, f32, i32, optional, output, ptr, weight_args)
-from .linear import GEMV_THREADS, GEMV_WARPS, launch_linear
+from .linear import GEMV_THREADS, GEMV_WARPS, gemv_rows, launch_linear, norm_args
 from .loader import get_kernel
 
 #: kRouterMaxExperts in moe.cu: one thread per expert
@@ -36,8 +36,9 @@ ROUTER_MAX_EXPERTS = 1024
 COMBINE_THREADS = 256
 
 
-def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, logits=None):
-    """-> (ids [n, K] int32, weights [n, K] FP32); ``logits``: workspace [n, E] FP32."""
+def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, logits=None, norm=None):
+    """-> (ids [n, K] int32, weights [n, K] FP32); ``logits``: workspace [n, E] FP32; ``norm=(g,
+    eps)``: x RMS-normalised first (fused into the logits' GEMV)."""
     check_moe_router(x, gate_w, bias, spec)
     expect_weight("gate_w", gate_w)
     n = x.shape[0]
@@ -52,7 +53,7 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
     weights = output(weights, "weights", (n, K), np.float32)
     if n == 0:
         return ids, weights
-    launch_linear(x, gate_w, None, None, logits)
+    launch_linear(x, gate_w, None, None, logits, norm)
     block = cdiv(E, 32) * 32
     get_kernel("moe", "moe_router_select_kernel")(
         (n,), (block,),
@@ -62,9 +63,11 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
     return ids, weights
 
 
-def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None, limit=None):
+def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None, limit=None,
+                norm=None):
     """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces;
-    ``limit``: the SwiGLU clamp of every expert (None / 0: none)."""
+    ``limit``: the SwiGLU clamp of every expert (None / 0: none); ``norm=(g, eps)``: x
+    RMS-normalised first, fused into the gate/up pass (residual may be x itself)."""
     check_moe_experts(x, ids, weights, w13, w2, residual)
     L = swiglu_limit(limit)
     expect_weight("w13", w13)
@@ -95,15 +98,17 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
     if n == 0:
         return y
     if nK and H:
-        gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true>")
-        down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false>")
+        nr = gemv_rows(n)     # the most pairs one expert gets when each row's ids are distinct
+        nm, nargs = norm_args(norm, H)
+        gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true, {nr}, {nm}>")
+        down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false, {nr}, false>")
         if I:
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
                     (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair),
-                     L))
+                     L, *nargs))
         down((cdiv(cdiv(H, 2), GEMV_WARPS), slots), (GEMV_THREADS,),
              (act, i32(1), ids, i32(nK), i32(E), *weight_args(w2), i32(H), i32(I), partial, i32(by_pair),
-              NO_LIMIT))
+              NO_LIMIT, NULL, f32(0.0)))
     if H:
         get_kernel("moe", "moe_combine_kernel")(
             (cdiv(H, COMBINE_THREADS), n), (COMBINE_THREADS,),
