@@ -800,21 +800,22 @@ def test_gemm_tc_keeps_inf_and_nan(emu, be):
 
 def test_gemm_tc_selection(emu, be):
     """Which kernel linear runs: gemm_tc_kernel<ceil(n / 8), false> for n >= 4 rows of BF16
-    weights with K % 8 == 0 (n > 32: launches of 32 rows); linear_kernel for fewer rows, FP32 or
-    FP8 weights, and K % 8 != 0 (the boundary: K = 76 falls back, K = 72 and 80 do not)."""
+    weights with K % 8 == 0 (n > 32: launches of 32 rows); linear_kernel<W, NR, false> (NR the
+    smallest of 1, 2, 4, 8 >= min(n, 8)) for fewer rows, FP32 or FP8 weights, and K % 8 != 0
+    (the boundary: K = 76 falls back, K = 72 and 80 do not)."""
     rng = np.random.default_rng(11)
-    cases = [(1, 72, "bf16", {"linear_kernel<__nv_bfloat16>"}),
-             (3, 72, "bf16", {"linear_kernel<__nv_bfloat16>"}),
+    cases = [(1, 72, "bf16", {"linear_kernel<__nv_bfloat16, 1, false>"}),
+             (3, 72, "bf16", {"linear_kernel<__nv_bfloat16, 4, false>"}),
              (4, 72, "bf16", {"gemm_tc_kernel<1, false>"}),
              (8, 80, "bf16", {"gemm_tc_kernel<1, false>"}),
              (9, 72, "bf16", {"gemm_tc_kernel<2, false>"}),
              (17, 72, "bf16", {"gemm_tc_kernel<3, false>"}),
              (32, 72, "bf16", {"gemm_tc_kernel<4, false>"}),
              (40, 72, "bf16", {"gemm_tc_kernel<4, false>", "gemm_tc_kernel<1, false>"}),
-             (8, 76, "bf16", {"linear_kernel<__nv_bfloat16>"}),
-             (8, 72, "f32", {"linear_kernel<float>"}),
-             (8, 72, "fp8", {"linear_kernel<__nv_fp8_e4m3>"}),
-             (8, 72, "fp8c", {"linear_kernel<__nv_fp8_e4m3>"})]
+             (8, 76, "bf16", {"linear_kernel<__nv_bfloat16, 8, false>"}),
+             (8, 72, "f32", {"linear_kernel<float, 8, false>"}),
+             (8, 72, "fp8", {"linear_kernel<__nv_fp8_e4m3, 8, false>"}),
+             (8, 72, "fp8c", {"linear_kernel<__nv_fp8_e4m3, 8, false>"})]
     for n, K, wd, want in cases:
         x, w = rnd(rng, n, K), rnd(rng, 24, K, scale=K ** -0.5)
         wq, wf = stored(w, wd, (16, 8))
@@ -887,11 +888,11 @@ def test_swiglu_tc_selection_and_k_warps(emu, be, sm_count):
     scalar swiglu_gate_up_kernel for 3 rows, FP32 / FP8 weights and H % 8 != 0; every k-warp
     count (units I against the SM count)."""
     rng = np.random.default_rng(21)
-    for n, H, wd, want in ((3, 72, "bf16", "swiglu_gate_up_kernel<__nv_bfloat16>"),
+    for n, H, wd, want in ((3, 72, "bf16", "swiglu_gate_up_kernel<__nv_bfloat16, 4, false>"),
                            (4, 72, "bf16", "swiglu_tc_kernel<1, false>"),
-                           (8, 76, "bf16", "swiglu_gate_up_kernel<__nv_bfloat16>"),
-                           (8, 72, "f32", "swiglu_gate_up_kernel<float>"),
-                           (8, 72, "fp8", "swiglu_gate_up_kernel<__nv_fp8_e4m3>")):
+                           (8, 76, "bf16", "swiglu_gate_up_kernel<__nv_bfloat16, 8, false>"),
+                           (8, 72, "f32", "swiglu_gate_up_kernel<float, 8, false>"),
+                           (8, 72, "fp8", "swiglu_gate_up_kernel<__nv_fp8_e4m3, 8, false>")):
         x = rnd(rng, n, H)
         (w13, f13), (w2, f2) = (stored(rnd(rng, 48, H, scale=H ** -0.5), wd, (16, 8)),
                                 stored(rnd(rng, H, 24, scale=0.2), wd, (16, 8)))
