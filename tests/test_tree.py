@@ -121,7 +121,9 @@ def test_a_width_one_tree_is_the_chain(tiny_ckpt, mode):
         chain = prop.propose(t, h, P, M, a, out_conf=conf)
         tree = prop.propose_tree(t, h, P, b, widths=[1] * M)
         assert tree.tokens.tolist() == chain and tree.parents.tolist() == list(range(-1, M - 1))
-        np.testing.assert_allclose(tree.probs, conf, rtol=1e-6)
+        # FP32 rounding only: the exact-mode tree runs a module's rows in one forward, the chain
+        # in its own groups, and the cpu attention's split of a sequence's rows follows them
+        np.testing.assert_allclose(tree.probs, conf, rtol=1e-5)
         _same_kv(prop, a, b)                                 # pending: the chain's rows
         prop.after_verify(acc, a)
         prop.after_verify_tree(list(range(acc)), b)
