@@ -65,7 +65,8 @@ constexpr int kTcLd = kTcKc + 32;   // staged row stride in BF16 (1088 B: 64 B m
 constexpr int kTcGroup = 4;         // 32-wide steps of weights a warp keeps in flight (4 KB)
 constexpr int kTcTerms = 3;         // BF16 terms x is split into (gemm_tc.py TC_TERMS)
 
-// 16 bytes of W, read once: no L1 allocation (PTX ISA ld, .L1::no_allocate, sm_70+).
+// 16 bytes of W, read once: no L1 allocation (PTX ISA ld, .L1::no_allocate, sm_70+); 2-byte
+// reads when the row is not 16-byte aligned.
 __device__ __forceinline__ uint4 load_w16(const __nv_bfloat16* p, bool vec) {
   if (!vec) {
     uint4 v;
@@ -75,15 +76,7 @@ __device__ __forceinline__ uint4 load_w16(const __nv_bfloat16* p, bool vec) {
     v.w = pack_bf16x2(p[6], p[7]);
     return v;
   }
-#if defined(MTPKERN_CUDA_EMU)
-  return __ldg(reinterpret_cast<const uint4*>(p));
-#else
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-#endif
+  return ld_stream16(p);  // common.cuh: ld.global.nc.L1::no_allocate (a plain load on the emulator)
 }
 
 // Two values of x as TERMS BF16 pairs (mma.cuh's packing) that add up to them: part 0 =
