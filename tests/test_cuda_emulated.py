@@ -919,7 +919,7 @@ def test_gemm_tc_bad_input(emu, be):
         gemm_tc_launch.gemm_tc(x, rnd(rng, 16, 72))
     with pytest.raises(ValueError, match="K % 8 == 0"):
         gemm_tc_launch.gemm_tc(rnd(rng, 8, 76), be.prepare_weight(stored(rnd(rng, 16, 76), "bf16")[0]))
-    with pytest.raises(ValueError, match=r"norm g: expected shape \[72\], got \[71\]"):
+    with pytest.raises(ValueError, match=r"norm weight: expected shape \[72\], got \[71\]"):
         gemm_tc_launch.gemm_tc(x, wq, norm=(rnd(rng, 71), 1e-5))
     with pytest.raises(ValueError, match="norm eps: expected > 0"):
         gemm_tc_launch.gemm_tc(x, wq, norm=(rnd(rng, 72), 0.0))

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...ops._check import dtype_name, expect_dtype, shape_of
+from ...ops.norm import check_norm
 from ...quant import Fp8Weight
 from ..base import fp8_embedding_refused, unprepared_fp8
 from .loader import CTYPE
@@ -289,3 +290,13 @@ def opt_in_smem(kernel: Any, nbytes: int) -> None:
     takes the kernel's max-dynamic-shared-size attribute (set once, never lowered)."""
     if nbytes > SMEM_DEFAULT and kernel.max_dynamic_shared_size_bytes < nbytes:
         kernel.max_dynamic_shared_size_bytes = nbytes
+
+
+def device_norm(norm, K: int) -> tuple | None:
+    """The ops' ``norm=(weight [K], eps)`` (an RMSNorm of x fused into a GEMV: ``linear``,
+    ``swiglu_mlp``, the experts, ``gemm_tc``), checked, with the weight on the device:
+    (weight, eps) or None."""
+    if norm is None:
+        return None
+    g, eps = check_norm(norm, K)
+    return device(g, "norm weight", "float32"), eps

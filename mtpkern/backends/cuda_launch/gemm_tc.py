@@ -24,8 +24,8 @@ import numpy as np
 from ...ops._check import dtype_name, expect_ndim, expect_shape, shape_of
 from ...ops.linear import check_linear
 from ...ops.mlp import swiglu_limit
-from ._util import (CudaFp8, cdiv, device, device_weight, expect_disjoint, expect_same_or_disjoint, f32, i32,
-                    opt_in_smem, optional, output, ptr, sm_count)
+from ._util import (CudaFp8, cdiv, device, device_norm, device_weight, expect_disjoint, expect_same_or_disjoint,
+                    f32, i32, opt_in_smem, optional, output, ptr, sm_count)
 from .loader import GEMM_TC_NT, get_kernel
 
 #: kTcThreads in gemm_tc.cu: 8 warps
@@ -122,16 +122,11 @@ def _bf16_weight(w, name: str):
 
 
 def _norm(norm, K: int):
-    """(g [K] FP32 on the device, eps > 0) or None, checked."""
-    if norm is None:
-        return None
-    g, eps = norm
-    g = device(g, "norm g", "float32")
-    if shape_of(g) != (K,):
-        raise ValueError(f"norm g: expected shape [{K}], got {list(shape_of(g))}")
-    if not float(eps) > 0:
-        raise ValueError(f"norm eps: expected > 0, got {eps}")
-    return g, float(eps)
+    """(g [K] FP32 on the device, eps > 0) or None: ``device_norm``'s checks, and eps > 0."""
+    dn = device_norm(norm, K)
+    if dn is not None and not dn[1] > 0:
+        raise ValueError(f"norm eps: expected > 0, got {dn[1]}")
+    return dn
 
 
 def _expect_k8(K: int) -> None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops.linear import check_linear
-from ...ops.norm import check_norm
-from ._util import (NULL, cdiv, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint,
-                    expect_weight, f32, i32, optional, output, ptr, sm_count, weight_args)
+from ._util import (NULL, cdiv, ctype, device, device_norm, device_weight, expect_disjoint,
+                    expect_same_or_disjoint, expect_weight, f32, i32, optional, output, ptr, sm_count,
+                    weight_args)
 from .gemm_tc import launch_gemm_tc, selected as tensor_cores_selected
 from .loader import GEMV_NR, get_kernel
 
@@ -46,15 +46,6 @@ def gemv_config(groups: int) -> tuple[tuple[int], int]:
             wpr = w
             break
     return (cdiv(groups, GEMV_WARPS // wpr),), wpr
-
-
-def device_norm(norm, K: int) -> tuple | None:
-    """The ops' ``norm=(weight [K], eps)`` (an RMSNorm of x fused into the GEMV), checked,
-    with the weight on the device: (weight, eps) or None."""
-    if norm is None:
-        return None
-    g, eps = check_norm(norm, K)
-    return device(g, "norm weight", "float32"), eps
 
 
 def norm_args(norm, K: int) -> tuple[str, tuple]:

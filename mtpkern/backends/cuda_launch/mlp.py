@@ -13,10 +13,10 @@ import numpy as np
 
 from ...ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..base import all_fp8_or_none
-from ._util import (CudaFp8, ctype, device, device_weight, expect_disjoint, expect_same_or_disjoint, expect_weight,
-                    i32, optional, output, weight_args)
+from ._util import (CudaFp8, ctype, device, device_norm, device_weight, expect_disjoint, expect_same_or_disjoint,
+                    expect_weight, i32, optional, output, weight_args)
 from .gemm_tc import launch_swiglu_tc, selected as tensor_cores_selected
-from .linear import GEMV_THREADS, device_norm, gemv_config, gemv_rows, launch_linear, norm_args
+from .linear import GEMV_THREADS, gemv_config, gemv_rows, launch_linear, norm_args
 from .loader import get_kernel
 
 
