@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -258,11 +259,20 @@ def test_close_racing_allocations_and_frees_is_all_or_nothing(make_prop):
             return "done"
 
         def closer():
-            prop.close()
-            return "closed"
+            # close() never waits: against a call holding a state it is refused whole
+            # (nothing released) and the caller tries again, as an engine's shutdown would
+            for _ in range(10_000):
+                try:
+                    prop.close()
+                    return "closed"
+                except StateError as e:
+                    assert "in use by" in str(e), e
+                    time.sleep(0)
+            return "never closed"
 
         with fast_switching():
             res = run_threads([worker, freer, closer])
+        assert res[2] == "closed", res
         assert not [r for r in res if isinstance(r, BaseException)], res
         assert prop.kv_blocks_in_use() == [0] * prop.num_modules
         assert all(p.num_seqs == 0 for p in prop.pools)
