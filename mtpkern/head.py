@@ -272,11 +272,11 @@ class MtpHead:
 
         x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
                          **put("mtp_input", out="x"))                                            # [n, H]
-        a_norm = (w.input_layernorm, eps)   # input_layernorm, fused into the GEMVs it feeds (norm=)
+        xa, a_norm = self._normed_input(x, w.input_layernorm)   # input_layernorm(x), fused where the backend can
         if b.mla:
-            o = self._mla(x, a_norm, positions, slots, tables, row_seq, row_len, row_start, put, kv_copy)  # [n, Hq Dv]
+            o = self._mla(xa, a_norm, positions, slots, tables, row_seq, row_len, row_start, put, kv_copy)  # [n, Hq Dv]
         else:
-            qkv = be.linear(x, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))        # [n, (Hq+2Hkv)D]
+            qkv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))       # [n, (Hq+2Hkv)D]
             q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                          w.q_norm, w.k_norm, eps, self._inv_freq, positions,
                                          self.pool.k, self.pool.v, slots, **self._rope_kw,
@@ -289,29 +289,38 @@ class MtpHead:
             if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
                 o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
-        f_norm = (w.post_attention_layernorm, eps)   # fused into every GEMV of the FFN (norm=)
-        if b.moe:                            # f_in = post_attention_layernorm(r), never stored
-            ids, wts = be.moe_router(r, w.gate_w, w.gate_bias, self._router, norm=f_norm,
+        f, f_norm = self._normed_input(r, w.post_attention_layernorm)   # f_in = post_attention_layernorm(r)
+        if b.moe:
+            ids, wts = be.moe_router(f, w.gate_w, w.gate_bias, self._router, norm=f_norm,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
-            y = be.moe_experts(r, ids, wts, w.experts_w13, w.experts_w2, r, norm=f_norm,
+            y = be.moe_experts(f, ids, wts, w.experts_w13, w.experts_w2, r, norm=f_norm,
                                **self._experts_kw, **put("experts", out="y"))                    # [n, H]
             if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row
-                sh = be.swiglu_mlp(r, w.shared_w13, w.shared_w2, norm=f_norm, **self._mlp_kw,
+                sh = be.swiglu_mlp(f, w.shared_w13, w.shared_w2, norm=f_norm, **self._mlp_kw,
                                    **put("shared", out="shared"))
-                sg = be.linear(r, w.shared_gate, norm=f_norm, **put("linear", out="shared_gate"))  # [n, 1]
+                sg = be.linear(f, w.shared_gate, norm=f_norm, **put("linear", out="shared_gate"))  # [n, 1]
                 y = be.sigmoid_gate(sh, sg, y, **put("gate", out="y"))
             elif w.shared_w13 is not None:
-                y = be.swiglu_mlp(r, w.shared_w13, w.shared_w2, y, norm=f_norm, **self._mlp_kw,
+                y = be.swiglu_mlp(f, w.shared_w13, w.shared_w2, y, norm=f_norm, **self._mlp_kw,
                                   **put("shared", out="y"))
         else:                                # y = r + mlp(post_attention_layernorm(r))
-            y = be.swiglu_mlp(r, w.mlp_w13, w.mlp_w2, r, norm=f_norm, **self._mlp_kw, **put("mlp", out="y"))
+            y = be.swiglu_mlp(f, w.mlp_w13, w.mlp_w2, r, norm=f_norm, **self._mlp_kw, **put("mlp", out="y"))
         normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
         return y, normed
 
-    def _mla(self, x: Any, a_norm: tuple[Any, float], positions: Any, slots: Any, tables: Any, row_seq: Any,
+    def _normed_input(self, x: Any, g: Any) -> tuple[Any, "tuple[Any, float] | None"]:
+        """The rows and ``norm=`` for the GEMVs that read ``rmsnorm(x) * g``: ``(x, (g, eps))``
+        where the backend fuses the norm into them (the normalised rows never stored),
+        else ``(rmsnorm(x), None)``, computed once for all its readers."""
+        eps = self.config.rms_norm_eps
+        if self.backend.fuses_norm:
+            return x, (g, eps)
+        return self.backend.rmsnorm(x, g, eps), None
+
+    def _mla(self, x: Any, a_norm: "tuple[Any, float] | None", positions: Any, slots: Any, tables: Any, row_seq: Any,
              row_len: Any, row_start: Any, put: Any, kv_copy: Any = None) -> Any:
-        """MLA attention of ``input_layernorm(x)`` (x [n, H]; ``a_norm``: that norm, fused into
-        the GEMVs that read it) -> [n, Hq Dv] (before o_proj), the latent rows written
+        """MLA attention of ``input_layernorm(x)`` (x [n, H] and ``a_norm`` as ``_normed_input``
+        gives them: the norm fused into the GEMVs that read it, or already applied) -> [n, Hq Dv] (before o_proj), the latent rows written
         (mtpkern.ops.mla): the query through q_a_proj, q_a_layernorm and q_b_proj (or q_proj),
         the latent row from kv_a_proj_with_mqa, then the absorbed attention."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps

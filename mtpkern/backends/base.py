@@ -65,6 +65,9 @@ class Backend(ABC):
     kv_dtype: Any = np.float32
     #: array module of the backend's arrays (concatenate, slicing): numpy or cupy
     xp: Any = np
+    #: whether ``norm=`` on linear / swiglu_mlp / moe_router / moe_experts costs nothing
+    #: (fused into the kernel); where it does not, the head normalises once and passes the rows
+    fuses_norm: bool = False
 
     # -- memory -------------------------------------------------------------
     @abstractmethod

@@ -60,6 +60,7 @@ MIN_COMPUTE_CAPABILITY = 80
 class CudaBackend(Backend):
     name = "cuda"
     kv_dtype: Any = np.uint16  # BF16 bits
+    fuses_norm = True         # the GEMV and tensor-core kernels normalise their input rows
 
     def __init__(self, kv_dtype: KvDtype = "bfloat16"):
         if kv_dtype not in ("bfloat16", "float32"):
