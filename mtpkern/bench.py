@@ -309,13 +309,16 @@ def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
     by module (each its own block; an MLA block reads one latent row per token and
     kv_b_proj once): module 0 attends over ``context`` rows; modules m >= 1
     too in exact mode, but in draft mode only over the row they write (after_verify(0) left
-    none of theirs); a sliding window caps the rows a module reads. ``head_rows``: the LM
-    head's rows read (a draft vocabulary's size; default the whole vocabulary)."""
+    none of theirs); a sliding window caps the rows a module reads. Draft mode runs the k
+    drafting modules; exact mode every module, the ones past k without their LM head (they
+    write the rows of the token just verified and of the drafts, and draft nothing).
+    ``head_rows``: the LM head's rows read (a draft vocabulary's size; default the whole
+    vocabulary)."""
     H, V = cfg.hidden_size, cfg.vocab_size if head_rows is None else head_rows
     total = 0
-    for m in range(k):
+    for m in range(cfg.num_modules if kv_mode == "exact" else k):
         b = cfg.block(m)
-        per = 2 * H * H + H * b.o_size + V * H                           # eh, o, head
+        per = 2 * H * H + H * b.o_size + (V * H if m < k else 0)          # eh, o, head
         if b.mla:          # q_a (or q_proj), q_b, kv_a_proj_with_mqa, kv_b_proj (w_uk and w_uv)
             Q, L = b.q_lora_rank, b.kv_lora_rank
             per += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H

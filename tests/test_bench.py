@@ -111,16 +111,50 @@ def test_warnings_of_and_the_table_mark():
 
 def test_propose_bytes_counts_the_kv_each_mode_reads():
     """Draft mode: only module 0 attends over the context (the later modules hold just the
-    row they write); exact mode: every module does. Weights: every drafting module's."""
+    row they write); exact mode: every module does. Weights: every drafting module's, and in
+    exact mode the other modules' too, less their LM head."""
     cfg = small_config()
+    assert cfg.num_modules == 3
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 4                  # K and V, FP32
+    head = 2 * cfg.vocab_size * cfg.hidden_size
     one = propose_bytes(cfg, 1, 0, 1, 4, "draft")                            # weights of one module
     assert propose_bytes(cfg, 1, 512, 1, 4, "draft") == one + 512 * kv_row
-    assert propose_bytes(cfg, 1, 512, 1, 4, "exact") == one + 512 * kv_row
+    assert propose_bytes(cfg, 1, 512, 1, 4, "exact") == 3 * one - 2 * head + 3 * 512 * kv_row
     two = propose_bytes(cfg, 1, 0, 2, 4, "draft")                            # B=2 routes to more experts
     assert two > one
     assert propose_bytes(cfg, 3, 512, 2, 4, "draft") == 3 * two + 2 * (512 + 2) * kv_row
     assert propose_bytes(cfg, 3, 512, 2, 4, "exact") == 3 * two + 2 * 3 * 512 * kv_row
+    assert propose_bytes(cfg, 2, 512, 2, 4, "exact") == 3 * two - head + 2 * 3 * 512 * kv_row
+
+
+@pytest.mark.parametrize("kv_mode", ["draft", "exact"])
+def test_propose_bytes_counts_the_modules_a_propose_runs(make_prop, kv_mode):
+    """The floor's modules are the ones a steady-state propose runs (the bench's loop: a
+    propose, then after_verify(0)): draft mode the k drafting ones; exact mode all of them
+    (the later ones write the verified token's row), with an LM head for the first k only."""
+    prop = make_prop(kv_mode)
+    M, H, V = prop.num_modules, prop.config.hidden_size, prop.config.vocab_size
+    assert M >= 3
+    be = prop.backend
+    calls = {"mtp_input": 0, "lm_head_argmax": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(be, name), _n=name, **kw):
+            calls[_n] += 1
+            return _f(*a, **kw)
+        setattr(be, name, counted)
+    rng = np.random.default_rng(0)
+    st = prop.alloc_state()
+    prop.prefill_drafter(rng.integers(0, V, 9).tolist(), rng.standard_normal((9, H)).astype(np.float32), st)
+    p = 9
+    for k in (1, 2, 1, M):
+        for _ in range(2):                    # the second call is the steady state the bench times
+            for c in calls:
+                calls[c] = 0
+            prop.propose(int(rng.integers(0, V)), rng.standard_normal(H).astype(np.float32), p, k, st)
+            prop.after_verify(0, st)
+            p += 1
+        runs = M if kv_mode == "exact" else k
+        assert calls == {"mtp_input": runs, "lm_head_argmax": k}, (k, calls)
 
 
 def test_stream_bytes_outgrow_the_cache():
@@ -175,9 +209,9 @@ def test_propose_bytes_read_each_modules_block_and_cap_windows():
     per = 2 * H * H + b.qkv_size * H + H * b.o_size + V * H + 3 * cfg.intermediate_size * H
     kv_row = b.num_key_value_heads * (b.head_dim + b.v_dim) * 2
     assert b.gate_size == 24 and b.sliding_window == 512
-    assert propose_bytes(cfg, 1, 4096, 1, 2) == 2 * per + 512 * kv_row           # not 4096 rows
+    assert propose_bytes(cfg, 1, 4096, 1, 2, "draft") == 2 * per + 512 * kv_row  # not 4096 rows
     assert propose_bytes(cfg, 3, 4096, 2, 2, "draft") == 3 * 2 * per + 2 * (512 + 1 + 1) * kv_row
-    assert propose_bytes(cfg, 1, 100, 1, 2) == 2 * per + 100 * kv_row
+    assert propose_bytes(cfg, 1, 100, 1, 2, "draft") == 2 * per + 100 * kv_row
 
 
 def test_op_cases_of_a_dense_block_have_no_experts():
@@ -212,7 +246,7 @@ def test_mla_shapes_read_latent_rows_and_kv_b_proj_and_time_the_mla_ops():
     experts = min(cfg.n_routed_experts, cfg.num_experts_per_tok)
     mlp = cfg.n_routed_experts * H + experts * 3 * cfg.moe_intermediate_size * H + 3 * cfg.shared_intermediate_size * H
     per = 2 * (2 * H * H + V * H + attn + mlp)
-    assert propose_bytes(cfg, 1, 4096, 1, 2) == per + 4096 * (L + R) * 2
+    assert propose_bytes(cfg, 1, 4096, 1, 2, "draft") == per + 4096 * (L + R) * 2
     assert propose_bytes(cfg, 2, 4096, 1, 2, "draft") == 2 * per + (4096 + 1) * (L + R) * 2
     small = tiny_config(kv_lora_rank=40, q_lora_rank=0, qk_rope_head_dim=8, head_dim=20, v_head_dim=12,
                         num_key_value_heads=4, partial_rotary_factor=1.0, use_qk_norm=False, attention_bias=False)
