@@ -272,7 +272,7 @@ class MtpHead:
 
         x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
                          **put("mtp_input", out="x"))                                            # [n, H]
-        xa, a_norm = self._normed_input(x, w.input_layernorm)   # input_layernorm(x), fused where the backend can
+        xa, a_norm = self._normed_input(x, w.input_layernorm, bufs is not None)  # input_layernorm(x)
         if b.mla:
             o = self._mla(xa, a_norm, positions, slots, tables, row_seq, row_len, row_start, put, kv_copy)  # [n, Hq Dv]
         else:
@@ -289,7 +289,7 @@ class MtpHead:
             if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
                 o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
-        f, f_norm = self._normed_input(r, w.post_attention_layernorm)   # f_in = post_attention_layernorm(r)
+        f, f_norm = self._normed_input(r, w.post_attention_layernorm, bufs is not None)  # f_in
         if b.moe:
             ids, wts = be.moe_router(f, w.gate_w, w.gate_bias, self._router, norm=f_norm,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
@@ -308,21 +308,23 @@ class MtpHead:
         normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
         return y, normed
 
-    def _normed_input(self, x: Any, g: Any) -> tuple[Any, "tuple[Any, float] | None"]:
+    def _normed_input(self, x: Any, g: Any, planned: bool) -> tuple[Any, "tuple[Any, float] | None"]:
         """The rows and ``norm=`` for the GEMVs that read ``rmsnorm(x) * g``: ``(x, (g, eps))``
-        where the backend fuses the norm into them (the normalised rows never stored),
-        else ``(rmsnorm(x), None)``, computed once for all its readers."""
+        where the backend fuses the norm into them (the normalised rows never stored) or in
+        a planned step (``ForwardBuffers`` holds no normed rows: each op applies it), else
+        ``(rmsnorm(x), None)``, computed once for all its readers."""
         eps = self.config.rms_norm_eps
-        if self.backend.fuses_norm:
+        if self.backend.fuses_norm or planned:
             return x, (g, eps)
         return self.backend.rmsnorm(x, g, eps), None
 
-    def _mla(self, x: Any, a_norm: "tuple[Any, float] | None", positions: Any, slots: Any, tables: Any, row_seq: Any,
-             row_len: Any, row_start: Any, put: Any, kv_copy: Any = None) -> Any:
+    def _mla(self, x: Any, a_norm: "tuple[Any, float] | None", positions: Any, slots: Any, tables: Any,
+             row_seq: Any, row_len: Any, row_start: Any, put: Any, kv_copy: Any = None) -> Any:
         """MLA attention of ``input_layernorm(x)`` (x [n, H] and ``a_norm`` as ``_normed_input``
-        gives them: the norm fused into the GEMVs that read it, or already applied) -> [n, Hq Dv] (before o_proj), the latent rows written
-        (mtpkern.ops.mla): the query through q_a_proj, q_a_layernorm and q_b_proj (or q_proj),
-        the latent row from kv_a_proj_with_mqa, then the absorbed attention."""
+        gives them: the norm fused into the GEMVs that read it, or already applied) -> [n, Hq Dv]
+        (before o_proj), the latent rows written (mtpkern.ops.mla): the query through q_a_proj,
+        q_a_layernorm and q_b_proj (or q_proj), the latent row from kv_a_proj_with_mqa, then
+        the absorbed attention."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
         n = x.shape[0]
         kv_a = be.linear(x, w.mla_kv_a, norm=a_norm, **put("linear", out="kv_a"))                # [n, L + R]
