@@ -279,13 +279,23 @@ def check_all(archs=ARCHS, families=None, jobs: int | None = None, toolkits=None
             pool.shutdown(cancel_futures=True)
 
 
-def registers_table(infos: dict[str, dict[str, dict[str, KernelInfo]]], previous: dict | None = None) -> dict:
+def registers_table(infos: dict[str, dict[str, dict[str, KernelInfo]]], previous: dict | None = None,
+                    families: "list[str] | None" = None) -> dict:
     """The content of registers.json: registers per (NVRTC version, arch, kernel) (another
     version may allocate differently). The tables of ``previous`` (the file's content)
-    for toolkit majors not in ``infos`` are kept (a toolkit not installed here)."""
-    now = {v: {a: {k: i.registers for k, i in sorted(ks.items())} for a, ks in t.items()} for v, t in infos.items()}
+    for toolkit majors not in ``infos`` are kept (a toolkit not installed here). ``families``:
+    the ones compiled, when not all: a compiled toolkit's table keeps the other families'
+    kernels from ``previous`` (a kernel of a compiled family not compiled now is gone)."""
+    now = {v: {a: {k: i.registers for k, i in ks.items()} for a, ks in t.items()} for v, t in infos.items()}
+    recorded = recorded_tables(previous or {})
+    if families is not None:
+        ours = {n.split("<")[0] for f in families for n in loader.NAME_EXPRESSIONS[f]}
+        for v, t in now.items():
+            for a, old in recorded.get(v, {}).items():
+                t[a] = {**{k: r for k, r in old.items() if k.split("<")[0] not in ours}, **t.get(a, {})}
+    now = {v: {a: dict(sorted(ks.items())) for a, ks in sorted(t.items())} for v, t in now.items()}
     majors = {v.split(".")[0] for v in now}
-    kept = {v: t for v, t in recorded_tables(previous or {}).items() if v.split(".")[0] not in majors}
+    kept = {v: t for v, t in recorded.items() if v.split(".")[0] not in majors}
     return {"refresh": REFRESH, "toolkits": dict(sorted({**kept, **now}.items(), key=lambda kv: _version_key(kv[0])))}
 
 
@@ -323,7 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--toolkit", action="append", type=int, choices=TOOLKITS,
                     help="CUDA major (repeatable); default: every one installed")
     ap.add_argument("--write", metavar="PATH",
-                    help="write the register table (JSON) here: the toolkits compiled replace theirs, the others' are kept")
+                    help="write the register table (JSON) here: the toolkits compiled replace theirs (with --family, "
+                         "only that family's kernels in them), the others' are kept")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles, all toolkits together")
     args = ap.parse_args(argv)
     archs = tuple(args.arch or ARCHS)
@@ -348,7 +359,7 @@ def main(argv=None) -> int:
     if args.write:
         path = Path(args.write)
         previous = json.loads(path.read_text()) if path.is_file() else None
-        table = registers_table(infos, previous)
+        table = registers_table(infos, previous, args.family)
         path.write_text(json.dumps(table, indent=1) + "\n")
         kept = sorted(set(table["toolkits"]) - set(infos))
         print(f"wrote {args.write}" + (f" (NVRTC {', '.join(kept)} kept from the file: not installed here)" if kept else ""))

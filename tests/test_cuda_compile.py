@@ -120,6 +120,20 @@ def test_write_keeps_tables_of_toolkits_not_compiled():
         "12.9": {"sm_90": {"k": 30}}, "13.5": {"sm_90": {"k": 40}}}
 
 
+def test_write_of_one_family_keeps_the_other_families_kernels():
+    """--family moe --write: the compiled toolkit's table takes the moe kernels compiled now
+    (a moe kernel no longer compiled is dropped) and keeps every other family's."""
+    info = nvrtc_check.KernelInfo(40, 0, 0, 0)
+    previous = {"toolkits": {"13.5": {"sm_90": {"linear_kernel<float, 1, false>": 30, "moe_combine_kernel": 20,
+                                                "moe_expert_kernel<float, false, 1, false>": 70},
+                                      "sm_80": {"linear_kernel<float, 1, false>": 33}}}}
+    got = nvrtc_check.registers_table({"13.5": {"sm_90": {"moe_combine_kernel": info}}}, previous, ["moe"])
+    assert got["toolkits"] == {"13.5": {"sm_80": {"linear_kernel<float, 1, false>": 33},
+                                        "sm_90": {"linear_kernel<float, 1, false>": 30, "moe_combine_kernel": 40}}}
+    whole = nvrtc_check.registers_table({"13.5": {"sm_90": {"moe_combine_kernel": info}}}, previous)
+    assert whole["toolkits"] == {"13.5": {"sm_90": {"moe_combine_kernel": 40}}}   # every family: the table
+
+
 def test_parse_ptxas_log():
     log = (
         "ptxas info    : 0 bytes gmem\n"
