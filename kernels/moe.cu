@@ -15,7 +15,8 @@
 //   after every number (mtp::ranks_before, the reference's argsort order), so a NaN
 //   row still fills all K ids with distinct experts.
 //
-// moe_experts = moe_expert_kernel<W, true, NR> + moe_expert_kernel<W, false, NR> + moe_combine_kernel:
+// moe_experts = moe_expert_kernel<W, true, NR> + moe_expert_kernel<W, false, NR> + moe_combine_kernel
+// (one row: moe_expert_kernel<W, true, 1> + moe_down_combine_kernel<W>):
 //
 // moe_expert_kernel<W, GATED, NR>: the gather-GEMV over the selected experts.
 //   grid (ceil(units / 4), slots), block 128 = 4 warps, one warp per unit.
@@ -37,6 +38,14 @@
 //   !GATED (down):   w = w2 [E, H, I], unit u = rows (2u, 2u + 1),
 //     x row of pair p = act[p], partial[p, h] = w2[e, h] . act[p].   units = ceil(H / 2)
 //     (limit unused)
+//
+// moe_down_combine_kernel<W>: the down pass and the combine in one launch for one row (n = 1,
+//   the decode step): grid (ceil(ceil(H / 2) / 4)), block 128, warp unit u = rows (2u, 2u + 1)
+//   of w2[ids[k]] for every k in turn; y[h] = residual[h] + sum_k weights[k] * (w2[ids[k], h] .
+//   act[k]), k in order: the same dot (expert_chunk's, NR = 1) and the same sum as the two
+//   launches, without partial. One row names each expert at most once (the router's ids are
+//   distinct), so every expert's weights are still read once. Pairs whose id is outside [0, E)
+//   add nothing. y may alias residual (each warp reads its two values before writing them).
 //
 // moe_combine_kernel: grid (ceil(H / 256), n), block 256:
 //   y[r, h] = residual[r, h] + sum_k weights[r, k] * partial[r * K + k, h], k in order
@@ -248,6 +257,42 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
     }
     __syncthreads();  // s_pairs is rewritten by the next gather
   }
+}
+
+template <typename W>
+__global__ void
+moe_down_combine_kernel(const float* __restrict__ act, const int* __restrict__ ids,
+                        const float* __restrict__ weights, int K, int E, const W* __restrict__ w,
+                        const float* __restrict__ scale, int bn, int bk, int H, int I, const float* residual,
+                        float* y) {
+  using namespace mtp;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int u = blockIdx.x * kGemvWarps + warp;
+  if (u >= (H + 1) / 2) return;
+  const int a = 2 * u, b = min(a + 1, H - 1);
+  const Scales sc = make_scales<W>(scale, bn, bk, I);
+  const bool vec = gemv_vec_ok(w, act, I, sc);
+  float y0 = residual ? residual[a] : 0.0f;
+  float y1 = residual && a + 1 < H ? residual[a + 1] : 0.0f;
+  for (int k = 0; k < K; ++k) {
+    const int e = ids[k];
+    if (e < 0 || e >= E) continue;
+    const W* we = w + static_cast<long long>(e) * H * I;  // expert e: [H, I]
+    const Scales se = Elem<W>::scaled ? sc.expert(e, H) : sc;
+    const W* const wr[2] = {we + static_cast<long long>(a) * I, we + static_cast<long long>(b) * I};
+    const float* const sr[2] = {scale_row<W>(se, a), scale_row<W>(se, b)};
+    const float* const xr[1] = {opaque(act + static_cast<long long>(k) * I)};
+    float acc[2][1], ss[1] = {0.0f};
+    zero(acc);
+    gemv_dot_impl<W, 1, 2, false>(wr, sr, se.bk, xr, I, lane, kWarp, vec, acc, nullptr, ss);
+    warp_sum_all(acc);
+    const float wk = weights[k];
+    y0 += wk * acc[0][0];
+    y1 += wk * acc[1][0];
+  }
+  if (lane != 0) return;
+  y[a] = y0;
+  if (a + 1 < H) y[a + 1] = y1;
 }
 
 __global__ void __launch_bounds__(256)

@@ -1208,6 +1208,37 @@ def test_experts_invalid_ids_add_nothing(be):
     assert_close(got, want, "float32", "moe_experts with invalid ids")
 
 
+@pytest.mark.parametrize("wd,ctype", [("bf16", "__nv_bfloat16"), ("f32", "float"), ("fp8", "__nv_fp8_e4m3"),
+                                      ("fp8c", "__nv_fp8_e4m3")])
+def test_experts_one_row_fuses_the_combine(emu, be, wd, ctype):
+    """One row: the gate/up pass and moe_down_combine_kernel, two launches (partial never
+    written); an odd H (the last warp's second row absent), an id outside [0, E) adding
+    nothing, out given as the residual itself; as the reference, and bitwise as the two-row
+    path computes that row (the same dots, summed in k order)."""
+    rng = np.random.default_rng(11)
+    E, K, H, I = 16, 4, 37, 24
+    x = rnd(rng, 2, H)
+    ids = np.array([[3, -1, 15, 7], [3, -1, 15, 7]], np.int32)
+    wts = rng.random((2, K)).astype(np.float32)
+    (w13, f13), (w2, f2) = (stored(rnd(rng, E, 2 * I, H, scale=H ** -0.5), wd, (8, 16)),
+                            stored(rnd(rng, E, H, I, scale=I ** -0.5), wd, (8, 16)))
+    w13, w2 = be.prepare_weight(w13), be.prepare_weight(w2)
+    res = rnd(rng, 2, H)
+    want = res[:1].copy()
+    for k in (0, 2, 3):
+        want += wts[0, k] * REF.moe_experts(x[:1], ids[:1, k:k + 1], np.ones((1, 1), np.float32), f13, f2)
+    two = be.moe_experts(x, ids, wts, w13, w2, res.copy())           # the n > 1 path: down + combine
+    partial = np.full((K, H), 7.0, np.float32)
+    y = res[:1].copy()
+    before = emu.launches.copy()
+    got = be.moe_experts(x[:1], ids[:1], wts[:1], w13, w2, y, out=y, partial=partial)
+    ran = {k for k, c in (emu.launches - before).items() if c}
+    assert ran == {f"moe_expert_kernel<{ctype}, true, 1, false>", f"moe_down_combine_kernel<{ctype}>"}, ran
+    assert got is y and (partial == 7.0).all()
+    assert_close(got, want, "float32", "moe_experts, one row")
+    np.testing.assert_array_equal(got[0], two[0])
+
+
 @pytest.mark.parametrize("interleave,rope_scale", [(False, 1.0), (True, 1.0), (True, 0.7), (False, 1.4)])
 @pytest.mark.parametrize("n,Hq,Hkv,D,R", [(3, 12, 2, 128, 64), (2, 8, 8, 64, 64), (5, 3, 1, 80, 2), (1, 2, 1, 7, 6),
                                          (13, 5, 1, 72, 70)])
@@ -1503,6 +1534,29 @@ def test_proposer_matches_numpy_reference(fake_runtime, request, config, mode, k
     else:
         ckpt_cfg = request.getfixturevalue("mid_ckpt"), tiny_config(**test_gpu.MID)
     test_gpu.check_cuda_matches_numpy_reference(ckpt_cfg, mode, kv, emu_backend.backend(kv))
+
+
+@pytest.mark.parametrize("B,want", [(1, 15), (4, 16)])
+def test_launches_per_module_of_a_propose(emu, tiny_ckpt, tiny_cfg, B, want):
+    """A draft-mode propose of M drafts on the tiny MoE config (shared experts): the norms
+    that feed GEMVs fused into them, and at one row the experts' down pass and combine in one
+    launch (docs/cuda.md, "Launches"): 15 launches a module at batch 1, 16 at batch 4."""
+    from mtpkern import MultiModuleMtpHead
+
+    prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=emu_backend.backend(), kv_mode="draft",
+                                              block_size=4, num_blocks=96)
+    prop.step_runner = None                   # eager: the launches themselves, no capture
+    rng = np.random.default_rng(0)
+    H, V, M = tiny_cfg.hidden_size, tiny_cfg.vocab_size, tiny_cfg.num_modules
+    sts = [prop.alloc_state() for _ in range(B)]
+    for st in sts:
+        prop.prefill_drafter(rng.integers(0, V, 9).tolist(), rnd(rng, 9, H), st)
+    before = emu.launches.copy()
+    prop.propose_batch(rng.integers(0, V, B).tolist(), rnd(rng, B, H), [9] * B, M, sts)
+    ran = emu.launches - before
+    assert sum(ran.values()) == want * M, sorted(ran.items())
+    fused = {k for k in ran if k.startswith("moe_down_combine_kernel")}
+    assert bool(fused) == (B == 1) and ("moe_combine_kernel" in ran) == (B > 1), sorted(ran)
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

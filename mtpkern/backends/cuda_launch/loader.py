@@ -64,10 +64,12 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"mla_attention_tc_kernel<{lpt}>" for lpt in MLA_LPT)
     + tuple(f"mla_out_kernel<{t}>" for t in _CTYPES),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
+    # one row's down pass is moe_down_combine_kernel (the combine fused in): no <W, false, 1, false>
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
-    + tuple(f"moe_expert_kernel<{t}, {g}, {nr}, false>" for t in _WEIGHT_CTYPES for g in ("true", "false")
-            for nr in GEMV_NR)
-    + tuple(f"moe_expert_kernel<{t}, true, {nr}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR),
+    + tuple(f"moe_expert_kernel<{t}, true, {nr}, false>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
+    + tuple(f"moe_expert_kernel<{t}, false, {nr}, false>" for t in _WEIGHT_CTYPES for nr in GEMV_NR if nr > 1)
+    + tuple(f"moe_expert_kernel<{t}, true, {nr}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
+    + tuple(f"moe_down_combine_kernel<{t}>" for t in _WEIGHT_CTYPES),
     # CONF: the confidence epilogue (lm_head_argmax(..., conf=)); false is the plain argmax
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}, {nr}>" for t in _WEIGHT_CTYPES
                      for c in ("false", "true") for nr in GEMV_NR)

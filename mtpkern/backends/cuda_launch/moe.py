@@ -13,6 +13,9 @@ residual [n, H] | None, *, limit=None) -> [n, H]``: three launches, workspaces
 2. ``moe_expert_kernel<W, false>``: partial[p] = w2[e] @ act[p];
 3. ``moe_combine_kernel``: y = residual + sum_k weights[:, k] * partial[:, k] in k order.
 
+One row (n = 1, the decode step) takes two: 2 and 3 are ``moe_down_combine_kernel<W>``, the
+same dots and sum without ``partial`` (a row names each expert once, so no weight is read twice).
+
 Each expert's weights are read once per launch for all the pairs that chose
 it (up to NR = ``gemv_rows(n)`` per pass). Slots: by pair when n * K <= E (decode), else by expert.
 ``out`` may be ``residual``.
@@ -101,11 +104,16 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
         nr = gemv_rows(n)     # the most pairs one expert gets when each row's ids are distinct
         nm, nargs = norm_args(norm, H)
         gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true, {nr}, {nm}>")
-        down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false, {nr}, false>")
         if I:
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
                     (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair),
                      L, *nargs))
+        if n == 1:
+            get_kernel("moe", f"moe_down_combine_kernel<{ctype(w2)}>")(
+                (cdiv(cdiv(H, 2), GEMV_WARPS),), (GEMV_THREADS,),
+                (act, ids, weights, i32(K), i32(E), *weight_args(w2), i32(H), i32(I), ptr(residual), y))
+            return y
+        down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false, {nr}, false>")
         down((cdiv(cdiv(H, 2), GEMV_WARPS), slots), (GEMV_THREADS,),
              (act, i32(1), ids, i32(nK), i32(E), *weight_args(w2), i32(H), i32(I), partial, i32(by_pair),
               NO_LIMIT, NULL, f32(0.0)))
