@@ -217,7 +217,7 @@ def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> l
     x = act(n, H)
     wqkv, wo = W((Hq + 2 * Hkv) * D, H), W(H, Hq * D)
     nb, tables, row_seq, row_len, pos, slots = decode_rows(be, n, context)
-    kc, vc = be.empty_kv(nb * n, BENCH_BLOCK, Hkv, D), be.empty_kv(nb * n, BENCH_BLOCK, Hkv, D)
+    kc, vc = be.empty_keys(nb * n, BENCH_BLOCK, Hkv, D), be.empty_kv(nb * n, BENCH_BLOCK, Hkv, D)
     kvb = np.dtype(be.kv_dtype).itemsize
     qkv = act(n, (Hq + 2 * Hkv) * D)
     q = act(n, Hq, D)

@@ -309,7 +309,7 @@ class BlockPool:
         if latent_width:
             self.k, self.v = backend.empty_latent_kv(num_blocks, block_size, latent_width), None
         else:
-            self.k = backend.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
+            self.k = backend.empty_keys(num_blocks, block_size, num_kv_heads, head_dim)
             self.v = backend.empty_kv(num_blocks, block_size, num_kv_heads, v_head_dim or head_dim)
         # A stack: pop() hands out the lowest free id first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))

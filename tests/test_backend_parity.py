@@ -21,10 +21,11 @@ FAST = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 _PROPS: dict = {}
 
 
-def _pair(ckpt, backend, kv_mode, chain):
-    key = (str(ckpt), backend, kv_mode, chain)
+def _pair(ckpt, backend, kv_mode, chain, block_size=4):
+    key = (str(ckpt), backend, kv_mode, chain, block_size)
     if key not in _PROPS:
-        kw = dict(kv_mode=kv_mode, chain=chain, block_size=4, num_blocks=160, prefill_chunk=6)
+        kw = dict(kv_mode=kv_mode, chain=chain, block_size=block_size, num_blocks=640 // block_size,
+                  prefill_chunk=6)
         _PROPS[key] = (MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", **kw),
                        MultiModuleMtpHead.from_pretrained(ckpt, backend=backend, **kw))
     return _PROPS[key]
@@ -48,6 +49,17 @@ ops = hs.lists(hs.tuples(hs.sampled_from(["round", "round", "round", "new", "car
 @given(script=ops)
 def test_fast_backend_matches_reference(tiny_ckpt, tiny_cfg, backend, kv_mode, chain, script):
     ref, fast = _pair(tiny_ckpt, backend, kv_mode, chain)
+    run_script(ref, fast, tiny_cfg, script)
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=ops)
+def test_cpu_backend_with_blocks_of_16_matches_reference(tiny_ckpt, tiny_cfg, kv_mode, script):
+    """Blocks of 16 rows: the cpu backend's own key layout (rows innermost, CpuBackend.empty_keys)
+    and its vector score tiles, through every call of the script."""
+    ref, fast = _pair(tiny_ckpt, "cpu", kv_mode, "prenorm", block_size=16)
+    assert not fast.pools[0].k.flags.c_contiguous            # the transposed key cache is in use
     run_script(ref, fast, tiny_cfg, script)
 
 

@@ -270,12 +270,51 @@ def _rope_both(be, rng, qkv, Hq, Hkv, D, Dv, NB, BS):
     qn, kn, invf = acts(rng, D), acts(rng, D), inv_freq(D, 10000.0)
     positions = rng.integers(0, 5000, n).astype(np.int32)
     slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)
-    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, Dv)
+    k_cache, v_cache = be.empty_keys(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, Dv)
     k_ref, v_ref = REF.empty_kv(NB, BS, Hkv, D), REF.empty_kv(NB, BS, Hkv, Dv)
     q = be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, be.prepare_vector(qn), be.prepare_vector(kn), 1e-6,
                                  be.from_host(invf), be.from_host(positions), k_cache, v_cache, be.from_host(slots))
     q_ref = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, invf, positions, k_ref, v_ref, slots)
     return q, q_ref, k_cache, v_cache, k_ref, v_ref, slots
+
+
+@pytest.mark.parametrize("BS", [4, 16, 32])
+def test_key_cache_of_the_backend_reads_and_writes_as_empty_kv(be, BS):
+    """``empty_keys`` (the cpu backend's rows-innermost blocks where BS % 16 == 0, else
+    ``empty_kv``'s): the KV write, copy_kv_rows and kv_to_host give what they give on an
+    ``empty_kv`` cache, bit for bit, and attention over either is the reference's."""
+    rng = rng_for("key_layouts", BS)
+    NB, Hq, Hkv, D, n = 6, 4, 2, 32, 9
+    keys, plain = be.empty_keys(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    assert keys.shape == plain.shape == (NB, BS, Hkv, D)
+    if be.name == "cpu":
+        assert keys.flags.c_contiguous == (BS % 16 != 0)
+    qkv = acts(rng, n, (Hq + 2 * Hkv) * D)
+    slots = rng.choice(NB * BS, n, replace=False).astype(np.int32)
+    args = (be.prepare_vector(acts(rng, D)), be.prepare_vector(acts(rng, D)), 1e-6, be.from_host(inv_freq(D, 1e4)),
+            be.from_host(rng.integers(0, 99, n).astype(np.int32)))
+    outs = []
+    for k in (keys, plain):
+        v = be.empty_kv(NB, BS, Hkv, D)
+        outs.append((be.to_host(be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, *args, k, v,
+                                                         be.from_host(slots))), k, v))
+    (q0, k0, v0), (q1, k1, v1) = outs
+    np.testing.assert_array_equal(q0, q1)
+    np.testing.assert_array_equal(be.kv_to_host(k0), be.kv_to_host(k1))
+    np.testing.assert_array_equal(be.kv_to_host(v0), be.kv_to_host(v1))
+    src, dst = slots[:4], np.setdiff1d(np.arange(NB * BS), slots)[:4].astype(np.int32)
+    for k in (k0, k1):
+        be.copy_kv_rows(k, be.from_host(src), be.from_host(dst))
+    got = be.kv_to_host(k0)
+    np.testing.assert_array_equal(got, be.kv_to_host(k1))
+    np.testing.assert_array_equal(got.reshape(NB * BS, Hkv, D)[dst], got.reshape(NB * BS, Hkv, D)[src])
+    tables = be.from_host(rng.permutation(NB).reshape(2, NB // 2).astype(np.int32))
+    row_seq, row_len = np.array([0, 1, 1], np.int32), np.array([NB // 2 * BS, 3, BS + 1], np.int32)
+    q = acts(rng, 3, Hq, D)
+    want = REF.paged_attention(q, got, be.kv_to_host(v0), be.to_host(tables), row_seq, row_len, 0.3)
+    for k, v in ((k0, v0), (k1, v1)):
+        o = be.paged_attention(be.from_host(q), k, v, tables, be.from_host(row_seq), be.from_host(row_len), 0.3)
+        assert_close(be.to_host(o), want, kv_tol(be), what=f"paged_attention, BS {BS}")
 
 
 # -- attention ----------------------------------------------------------------
@@ -286,7 +325,7 @@ def _filled_caches(be, rng, NB, BS, Hkv, D, Dv=None):
     of them."""
     n, Dv = NB * BS, D if Dv is None else Dv
     qkv = acts(rng, n, 2 * Hkv * D + Hkv * Dv)                         # Hkv query heads, unused
-    k_cache, v_cache = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, Dv)
+    k_cache, v_cache = be.empty_keys(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, Dv)
     be.qk_norm_rope_kv_write(be.from_host(qkv), Hkv, Hkv, None, None, 1e-6, be.from_host(inv_freq(2, 1e4)),
                              be.from_host(np.zeros(n, np.int32)), k_cache, v_cache,
                              be.from_host(np.arange(n, dtype=np.int32)))

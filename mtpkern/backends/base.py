@@ -124,6 +124,13 @@ class Backend(ABC):
     def empty_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> Any:
         """A zeroed ``[num_blocks, block_size, Hkv, D]`` cache in ``kv_dtype``."""
 
+    def empty_keys(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> Any:
+        """The key cache of a pool: ``empty_kv``'s, unless the backend keeps its keys in a
+        layout of its own behind the same ``[num_blocks, block_size, Hkv, D]`` view (the cpu
+        backend's rows-innermost blocks); its own ops, ``copy_kv_rows`` and ``kv_to_host``
+        take it like any cache."""
+        return self.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
+
     def copy_kv_rows(self, cache: Any, src: Any, dst: Any) -> None:
         """``cache`` [NB, BS, ...] (from ``empty_kv`` / ``empty_latent_kv``): the rows at slots
         ``dst`` (block * BS + offset) take the values of the rows at slots ``src`` (all read

@@ -57,6 +57,7 @@ from .cpu_kernels import mlp as mlp_k
 from .cpu_kernels import moe as moe_k
 from .cpu_kernels import norm as norm_k
 from .cpu_kernels import rope_kv as rope_kv_k
+from .cpu_kernels import simd as simd_k
 
 #: from this many rows, FP32 weights go to OpenBLAS (x @ w.T): with the
 #: thread-pool switch counted, [4096, 1024] n=512 took 25 ms against 70 ms, and
@@ -114,6 +115,16 @@ def _any_weight(name: str, w):
     if isinstance(w, Fp8Weight):
         raise unprepared_fp8(name, w)
     return _weight(name, w)
+
+
+def _key_tiles(k_cache) -> np.ndarray | None:
+    """The [NB, Hkv, D, BS] array behind a key cache from ``CpuBackend.empty_keys`` (a
+    transposed view of it), or None for a C-contiguous [NB, BS, Hkv, D] cache (also when
+    BS = 1, where the two layouts are one)."""
+    if not isinstance(k_cache, np.ndarray) or k_cache.ndim != 4 or k_cache.flags.c_contiguous:
+        return None
+    tiles = k_cache.transpose(0, 2, 3, 1)
+    return tiles if tiles.flags.c_contiguous and tiles.dtype == np.float32 else None
 
 
 def _out(name: str, buf, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
@@ -248,6 +259,22 @@ class CpuBackend(Backend):
     def empty_kv(self, num_blocks, block_size, num_kv_heads, head_dim):
         return np.zeros((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
 
+    def empty_keys(self, num_blocks, block_size, num_kv_heads, head_dim):
+        """Where ``block_size % 16 == 0``: the keys stored ``[NB, Hkv, D, BS]`` (a block's rows
+        innermost: the attention's scores of 16 rows are vector FMAs, cpu_kernels/simd.py),
+        returned as the ``[NB, BS, Hkv, D]`` view of that array; else ``empty_kv``'s."""
+        if block_size % simd_k.VL:
+            return self.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
+        return np.zeros((num_blocks, num_kv_heads, head_dim, block_size), np.float32).transpose(0, 3, 1, 2)
+
+    def copy_kv_rows(self, cache, src, dst):
+        tiles = _key_tiles(cache)
+        if tiles is None:
+            return super().copy_kv_rows(cache, src, dst)
+        BS = cache.shape[1]
+        s, d = (np.asarray(a, np.int64) for a in (src, dst))
+        tiles[d // BS, :, :, d % BS] = tiles[s // BS, :, :, s % BS]   # the right side is a copy
+
     def describe(self) -> str:
         return f"cpu (Numba {numba.__version__}, {self.threads} thread{'' if self.threads == 1 else 's'})"
 
@@ -319,7 +346,8 @@ class CpuBackend(Backend):
                     inv_freq, positions, k_cache, v_cache, slots, interleave, rope_scale)
         NB, BS, Hkv, D = k_cache.shape
         Dv = v_cache.shape[3]
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        tiles = _key_tiles(k_cache)
+        for name, c in (("k_cache", k_cache if tiles is None else tiles), ("v_cache", v_cache)):
             if not (isinstance(c, np.ndarray) and c.dtype == np.float32 and c.flags.c_contiguous):
                 raise TypeError(f"{name}: expected a C-contiguous float32 NumPy cache (from empty_kv), "
                                 f"got {type(c).__name__} {dtype_name(c)}")
@@ -327,12 +355,19 @@ class CpuBackend(Backend):
         _in_range("slots", slots, NB * BS)
         n = qkv.shape[0]
         q = _out("out", out, (n, num_q_heads, D))
+        if tiles is None:
+            k_rows, v_rows, rows = k_cache.reshape(NB * BS, Hkv * D), v_cache.reshape(NB * BS, Hkv * Dv), slots
+        else:   # transposed keys: the kernel writes the n new rows apart, then they go to their slots
+            k_rows, v_rows = np.empty((n, Hkv * D), np.float32), np.empty((n, Hkv * Dv), np.float32)
+            rows = np.arange(n, dtype=slots.dtype)
         self._use_threads()
         rope_kv_k.qk_norm_rope_kv_write_kernel(
             _apart(_act(qkv), q), num_q_heads, num_kv_heads, D, Dv, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
-            np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions),
-            k_cache.reshape(NB * BS, Hkv * D), v_cache.reshape(NB * BS, Hkv * Dv), slots,
+            np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions), k_rows, v_rows, rows,
             q.reshape(n, num_q_heads * D), bool(interleave), np.float32(rope_scale))
+        if tiles is not None:
+            tiles[slots // BS, :, :, slots % BS] = k_rows.reshape(n, Hkv, D)
+            v_cache.reshape(NB * BS, Hkv * Dv)[slots] = v_rows
         return q
 
     # -- attention ----------------------------------------------------------
@@ -350,9 +385,11 @@ class CpuBackend(Backend):
         block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
         out = _out("out", out, (n, Hq * Dv))
         self._use_threads()
-        attention_k.paged_attention_kernel(_act(q), _act(k_cache), _act(v_cache), block_tables, row_seq,
-                                           row_start, row_len, _opt_vec(sinks), np.float32(scale),
-                                           self._attention_tasks(), out.reshape(n, Hq, Dv))
+        tiles = _key_tiles(k_cache)
+        attention_k.paged_attention_kernel(_act(q), _act(k_cache) if tiles is None else tiles, _act(v_cache),
+                                           block_tables, row_seq, row_start, row_len, _opt_vec(sinks),
+                                           np.float32(scale), self._attention_tasks(), out.reshape(n, Hq, Dv),
+                                           tiles is not None)
         return out
 
     # -- MLA ----------------------------------------------------------------
@@ -400,7 +437,7 @@ class CpuBackend(Backend):
         # row read once per task for every head
         attention_k.paged_attention_kernel(q_full, cache, cache, block_tables, row_seq, row_start,
                                            row_len, np.empty(0, np.float32), np.float32(scale),
-                                           self._attention_tasks(), o_lat)
+                                           self._attention_tasks(), o_lat, False)
         mla_k.mla_out_kernel(o_lat, w_uv, out.reshape(n, Hq, Dv))
         return out
 

@@ -59,7 +59,7 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
 
     x = act(N, H)
     qkv_w = weights((HQ + 2 * HKV) * D, H)
-    kc, vc = be.empty_kv(NB, BS, HKV, D), be.empty_kv(NB, BS, HKV, D)
+    kc, vc = be.empty_keys(NB, BS, HKV, D), be.empty_kv(NB, BS, HKV, D)
     spec = RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
     ids, wts = idx([[0, 1], [2, 3]]), act(N, 2)                # [N, top_k] routing of each row
     bitmask = idx(np.full((N, -(-V // 32)), -1))

@@ -52,6 +52,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .linear import _DOT_FLAGS, SMALL
+from .simd import VL, pv1, pv4, qk1, qk4
 
 #: rows of one sequence per unit: a prefill chunk of n rows becomes ceil(n / RMAX) units,
 #: each reading the KV its rows see once; the unit's queries and accumulators
@@ -245,38 +246,86 @@ def _block(qk, kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
             i += 1
     for u in range(RG // G):                           # the row's G vectors see the same KV rows
         lo, hi = jlo[u], jhi[u]
+        if lo < hi:
+            _softmax_step(sc, lo, hi, u * G, u * G + G, mh, lh, ah)
+            _pv_rows(ah, sc, vb, lo, hi, kvh, u * G, u * G + G)
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS)
+def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
+    """``_block`` over a block of the transposed key cache: kt [D, BS] is the block's keys
+    of head kvh with the rows innermost (``BS % 16 == 0``), so the scores of 16 KV rows are
+    vector FMAs without a reduction (``simd.qk4``: 4 query vectors a pass); the values by
+    ``simd.pv4`` (Dv % 16 == 0) or ``_pv_rows``. Scores are computed for the 16-row groups
+    that hold ``ulo .. uhi - 1`` (the group's other rows lie in the block and go unused)."""
+    RG = qk.shape[0]
+    j0 = (ulo // VL) * VL
+    while j0 < uhi:
+        i = 0
+        while i + 4 <= RG:
+            qk4(kt, qk, sc, i, j0)
+            i += 4
+        while i < RG:
+            qk1(kt, qk, sc, i, j0)
+            i += 1
+        j0 += VL
+    vec = ah.shape[1] % VL == 0
+    for u in range(RG // G):
+        lo, hi = jlo[u], jhi[u]
         if lo >= hi:
             continue
-        J = hi - lo
-        for i in range(u * G, u * G + G):
-            si = sc[i, lo:hi]
-            if _above(si, mh[i]) > 0:                  # a new running max: rescale what we have
-                bm = _max(si)
-                a = ah[i]
-                corr = np.exp(mh[i] - bm)
-                lh[i] *= corr
-                for d in range(a.shape[0]):
-                    a[d] *= corr
-                mh[i] = bm
-            m = mh[i]
-            tot = np.float32(0.0)
-            for j in range(J):
-                # a -inf score weighs 0, also while m is still -inf (exp(-inf - -inf) would
-                # be NaN); a NaN score stays NaN. si is a view indexed from 0: si[lo + j]
-                # would carry Numba's negative-index wraparound, which kept the loop scalar
-                sj = si[j]
-                p = np.float32(0.0) if sj == -np.inf else _exp_le0(sj - m)
-                si[j] = p
-                tot += p
-            lh[i] += tot
+        _softmax_step(sc, lo, hi, u * G, u * G + G, mh, lh, ah)
+        if not vec:
+            _pv_rows(ah, sc, vb, lo, hi, kvh, u * G, u * G + G)
+            continue
         i = u * G
-        while i + 4 <= u * G + G:                      # 4 vectors x 4 V rows per pass
-            _pv4x4(ah[i], ah[i + 1], ah[i + 2], ah[i + 3], sc[i, lo:hi], sc[i + 1, lo:hi], sc[i + 2, lo:hi],
-                   sc[i + 3, lo:hi], vb, lo, kvh)
+        while i + 4 <= u * G + G:
+            pv4(vb, kvh, sc, ah, i, lo, hi)
             i += 4
         while i < u * G + G:
-            _pv1x4(ah[i], sc[i, lo:hi], vb, lo, kvh)
+            pv1(vb, kvh, sc, ah, i, lo, hi)
             i += 1
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
+def _softmax_step(sc, lo, hi, i0, i1, mh, lh, ah):
+    """The online softmax step of query vectors i0 .. i1 - 1 over the scores sc[i, lo:hi]
+    (replaced by their weights p)."""
+    J = hi - lo
+    for i in range(i0, i1):
+        si = sc[i, lo:hi]
+        if _above(si, mh[i]) > 0:                      # a new running max: rescale what we have
+            bm = _max(si)
+            a = ah[i]
+            corr = np.exp(mh[i] - bm)
+            lh[i] *= corr
+            for d in range(a.shape[0]):
+                a[d] *= corr
+            mh[i] = bm
+        m = mh[i]
+        tot = np.float32(0.0)
+        for j in range(J):
+            # a -inf score weighs 0, also while m is still -inf (exp(-inf - -inf) would
+            # be NaN); a NaN score stays NaN. si is a view indexed from 0: si[lo + j]
+            # would carry Numba's negative-index wraparound, which kept the loop scalar
+            sj = si[j]
+            p = np.float32(0.0) if sj == -np.inf else _exp_le0(sj - m)
+            si[j] = p
+            tot += p
+        lh[i] += tot
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
+def _pv_rows(ah, sc, vb, lo, hi, kvh, i0, i1):
+    """ah[i] += sum_j sc[i, lo + j] vb[lo + j, kvh] for query vectors i0 .. i1 - 1."""
+    i = i0
+    while i + 4 <= i1:                                 # 4 vectors x 4 V rows per pass
+        _pv4x4(ah[i], ah[i + 1], ah[i + 2], ah[i + 3], sc[i, lo:hi], sc[i + 1, lo:hi], sc[i + 2, lo:hi],
+               sc[i + 3, lo:hi], vb, lo, kvh)
+        i += 4
+    while i < i1:
+        _pv1x4(ah[i], sc[i, lo:hi], vb, lo, kvh)
+        i += 1
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
@@ -368,13 +417,13 @@ def _units(row_seq, row_start, row_len, BS):
 
 @njit(cache=True, fastmath=False)
 def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, scale, rows, lo_row, R,
-                b_lo, b_hi, m, l, acc):
+                b_lo, b_hi, m, l, acc, keys_t):
     """One task: the unit of rows rows[lo_row : lo_row + R] over blocks b_lo .. b_hi - 1 of
     their sequence. Its states are per (KV head, query vector i = u * G + g: row u of the
     unit, query head kvh * G + g): m, l [Hkv, R * G] (running max, sum) and acc
-    [Hkv, R * G, Dv]."""
+    [Hkv, R * G, Dv]. ``keys_t``: k_cache is [NB, Hkv, D, BS] (``_block_t``)."""
     Hq, D = q.shape[1], q.shape[2]
-    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    BS, Hkv = _block_size_heads(k_cache, keys_t)
     G = Hq // Hkv
     RG = R * G
     s = row_seq[rows[lo_row]]
@@ -418,7 +467,18 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
                 _prefetch(v_cache, nxt * vblock + off)
         kb, vb = k_cache[blk], v_cache[blk]
         for kvh in range(Hkv):
-            _block(qs[kvh], kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
+            if keys_t:
+                _block_t(qs[kvh], kb[kvh], vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
+            else:
+                _block(qs[kvh], kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
+
+
+@njit(cache=True, fastmath=False)
+def _block_size_heads(k_cache, keys_t):
+    """(BS, Hkv) of a key cache [NB, BS, Hkv, D], or of the transposed [NB, Hkv, D, BS]."""
+    if keys_t:
+        return k_cache.shape[3], k_cache.shape[1]
+    return k_cache.shape[1], k_cache.shape[2]
 
 
 @njit(cache=True, fastmath=False, error_model="numpy")
@@ -453,15 +513,16 @@ def _merge(m_part, l_part, acc_part, r, h, sinks, out):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, sinks, scale, tasks,
-                           out):
-    """q [n, Hq, D], out [n, Hq, Dv]; k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, >= Dv] FP32,
+                           out, keys_t):
+    """q [n, Hq, D], out [n, Hq, Dv]; k_cache [NB, BS, Hkv, D] (``keys_t``: [NB, Hkv, D, BS],
+    BS % 16 == 0, the cpu backend's key cache), v_cache [NB, BS, Hkv, >= Dv] FP32,
     C-contiguous: the values are the first Dv = out.shape[2] columns of v_cache's rows (MLA's
     latent attention passes the latent cache as both: keys [c | k_pe], values c; a column
     slice instead would be a strided array, whose loops do not vectorise: 3.3x slower);
     row_start [n] (or empty: 0), sinks [Hq] (or empty: none); indices checked in range by the
     launcher; scale float32; tasks: about how many tasks to make (>= 1; a few per thread)."""
     n, Hq, D = q.shape
-    BS, Hkv = k_cache.shape[1], k_cache.shape[2]
+    BS, Hkv = _block_size_heads(k_cache, keys_t)
     Dv = out.shape[2]
     G = Hq // Hkv
     rows, ptr, b0, nblk = _units(row_seq, row_start, row_len, BS)
@@ -478,7 +539,7 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_start
         l = np.empty((Hkv, R * G), np.float32)
         acc = np.empty((Hkv, R * G, Dv), np.float32)
         _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, scale, rows, ptr[u], R,
-                    b0[u] + min(nblk[u], c * per), b0[u] + min(nblk[u], (c + 1) * per), m, l, acc)
+                    b0[u] + min(nblk[u], c * per), b0[u] + min(nblk[u], (c + 1) * per), m, l, acc, keys_t)
         for i in range(R):
             r = rows[ptr[u] + i]
             for kvh in range(Hkv):

@@ -1,0 +1,146 @@
+"""Explicit 16-lane FP32 vector tiles for the CPU attention, as Numba intrinsics.
+
+Numba compiles loops to whatever LLVM's vectoriser makes of them. For a decode
+attention's scores that is a dot product along the head dim per (KV row, query),
+each ending in a horizontal reduction, at ~4x the vector-FMA bound
+(benchmarks/README.md). With the keys of a block stored with their rows innermost
+(the cpu backend's key cache, ``[NB, Hkv, D, BS]``: ``CpuBackend.empty_keys``),
+16 KV rows are one vector and a score tile needs no reduction at all; these
+intrinsics emit that code directly, as LLVM vector IR (``<16 x float>``, the FMAs
+through ``llvm.fma``: one rounding each, in a fixed order, so the results do not
+depend on the thread count or the schedule). LLVM lowers the vectors to the
+machine's registers (one AVX-512 register, two AVX ones, ...).
+
+- ``qk4`` / ``qk1`` (``T`` = 4 / 1 query vectors): ``sc[i + t, j0 : j0 + 16] =
+  sum_d q[i + t, d] * kt[d, j0 : j0 + 16]``, d in order: one key vector load per d
+  for the T queries (their values broadcast from memory), T accumulators in registers.
+- ``pv4`` / ``pv1``: ``acc[i + t, c : c + 16] += sum_{lo <= j < hi} p[i + t, j] *
+  vb[j, kvh, c : c + 16]`` for each 16-column chunk c of ``acc`` (``Dv % 16 == 0``),
+  j in order: one value vector load per (j, chunk) for the T queries, the T
+  accumulators held in registers over the rows.
+
+The callers check the shapes (``kt`` [D, BS >= j0 + 16], ``q`` [>= i + T, D], ``sc``
+[>= i + T, >= j0 + 16], ``vb`` [>= hi, Hkv, >= Dv], ``p`` [>= i + T, >= hi], ``acc``
+[>= i + T, Dv]); every array is C-contiguous FP32.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+#: lanes of a tile: 16 KV rows of a score tile, 16 value columns of a PV chunk
+VL = 16
+_F32 = ir.FloatType()
+_VEC = ir.VectorType(_F32, VL)
+_ZERO = ir.Constant(_VEC, [0.0] * VL)
+_I32 = ir.IntType(32)
+_SPLAT = ir.Constant(ir.VectorType(_I32, VL), [0] * VL)
+
+
+def _splat(builder, x):
+    """<16 x float> of the scalar x."""
+    v = builder.insert_element(ir.Constant(_VEC, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(_VEC, ir.Undefined), _SPLAT)
+
+
+def _fma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), f"llvm.fma.v{VL}f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _vptr(builder, base, idx):
+    return builder.bitcast(builder.gep(base, [idx]), _VEC.as_pointer())
+
+
+def _arrays(context, builder, sig, args, which):
+    return [context.make_array(sig.args[k])(context, builder, args[k]) for k in which]
+
+
+def _ints(context, builder, sig, args, which):
+    return [context.cast(builder, args[k], sig.args[k], types.intp) for k in which]
+
+
+def _const(context, v):
+    return ir.Constant(context.get_value_type(types.intp), v)
+
+
+def _c_f32(*arrays) -> bool:
+    """Whether every argument is typed as a C-contiguous FP32 array (the only layout the
+    code below indexes correctly): anything else fails to type where it is called."""
+    return all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in arrays)
+
+
+def _make_qk(T: int):
+    @intrinsic
+    def qk(typingctx, kt, q, sc, i, j0):
+        if not (_c_f32(kt, q, sc) and kt.ndim == q.ndim == sc.ndim == 2):
+            return None
+        sig = types.void(kt, q, sc, i, j0)
+
+        def codegen(context, builder, sig, args):
+            kta, qa, sca = _arrays(context, builder, sig, args, (0, 1, 2))
+            iv, j0v = _ints(context, builder, sig, args, (3, 4))
+            D, BS = cgutils.unpack_tuple(builder, kta.shape, 2)
+            Dq = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
+            BSs = cgutils.unpack_tuple(builder, sca.shape, 2)[1]
+            rows = [builder.add(iv, _const(context, t)) for t in range(T)]
+            qrow = [builder.mul(r, Dq) for r in rows]
+            accs = [cgutils.alloca_once_value(builder, _ZERO) for _ in range(T)]
+            with cgutils.for_range(builder, D) as loop:
+                d = loop.index
+                kv = builder.load(_vptr(builder, kta.data, builder.add(builder.mul(d, BS), j0v)), align=4)
+                for t in range(T):
+                    qd = builder.load(builder.gep(qa.data, [builder.add(qrow[t], d)]))
+                    builder.store(_fma(builder, kv, _splat(builder, qd), builder.load(accs[t])), accs[t])
+            for t in range(T):
+                at = builder.add(builder.mul(rows[t], BSs), j0v)
+                builder.store(builder.load(accs[t]), _vptr(builder, sca.data, at), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return qk
+
+
+def _make_pv(T: int):
+    @intrinsic
+    def pv(typingctx, vb, kvh, p, acc, i, lo, hi):
+        if not (_c_f32(vb, p, acc) and vb.ndim == 3 and p.ndim == acc.ndim == 2):
+            return None
+        sig = types.void(vb, kvh, p, acc, i, lo, hi)
+
+        def codegen(context, builder, sig, args):
+            va, pa, aa = _arrays(context, builder, sig, args, (0, 2, 3))
+            kvhv, iv, lov, hiv = _ints(context, builder, sig, args, (1, 4, 5, 6))
+            _, Hkv, Dvf = cgutils.unpack_tuple(builder, va.shape, 3)
+            BSp = cgutils.unpack_tuple(builder, pa.shape, 2)[1]
+            Dv = cgutils.unpack_tuple(builder, aa.shape, 2)[1]
+            rows = [builder.add(iv, _const(context, t)) for t in range(T)]
+            prow = [builder.mul(r, BSp) for r in rows]
+            arow = [builder.mul(r, Dv) for r in rows]
+            accs = [cgutils.alloca_once_value(builder, _ZERO) for _ in range(T)]
+            with cgutils.for_range(builder, builder.udiv(Dv, _const(context, VL))) as chunks:
+                c = builder.mul(chunks.index, _const(context, VL))
+                for t in range(T):
+                    builder.store(builder.load(_vptr(builder, aa.data, builder.add(arow[t], c)), align=4), accs[t])
+                with cgutils.for_range(builder, builder.sub(hiv, lov)) as loop:
+                    j = builder.add(lov, loop.index)
+                    at = builder.add(builder.mul(builder.add(builder.mul(j, Hkv), kvhv), Dvf), c)
+                    v = builder.load(_vptr(builder, va.data, at), align=4)
+                    for t in range(T):
+                        pj = builder.load(builder.gep(pa.data, [builder.add(prow[t], j)]))
+                        builder.store(_fma(builder, _splat(builder, pj), v, builder.load(accs[t])), accs[t])
+                for t in range(T):
+                    builder.store(builder.load(accs[t]), _vptr(builder, aa.data, builder.add(arow[t], c)), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return pv
+
+
+qk4, qk1 = _make_qk(4), _make_qk(1)
+pv4, pv1 = _make_pv(4), _make_pv(1)
