@@ -52,12 +52,15 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .linear import _DOT_FLAGS, SMALL
-from .simd import VL, pv1, pv4, qk1, qk4
+from .simd import VL, pv1, pv4, pv8, qk1, qk4, qk8
 
 #: rows of one sequence per unit: a prefill chunk of n rows becomes ceil(n / RMAX) units,
 #: each reading the KV its rows see once; the unit's queries and accumulators
 #: (RMAX * Hq * (D + Dv) floats: 64 KiB at Hq = 16, D = Dv = 64) stay in L1 / L2
 RMAX = 8
+
+#: how many blocks ahead of the one computed a task asks for (their K and V lines)
+PREFETCH_BLOCKS = 1
 
 
 @intrinsic
@@ -255,13 +258,17 @@ def _block(qk, kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
 def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
     """``_block`` over a block of the transposed key cache: kt [D, BS] is the block's keys
     of head kvh with the rows innermost (``BS % 16 == 0``), so the scores of 16 KV rows are
-    vector FMAs without a reduction (``simd.qk4``: 4 query vectors a pass); the values by
-    ``simd.pv4`` (Dv % 16 == 0) or ``_pv_rows``. Scores are computed for the 16-row groups
+    vector FMAs without a reduction (``simd.qk8`` / ``qk4``: 8 or 4 query vectors a pass); the values by
+    ``simd.pv8`` / ``pv4`` (Dv % 16 == 0; consecutive rows of the unit that see the same KV
+    rows of the block in one pass) or ``_pv_rows``. Scores are computed for the 16-row groups
     that hold ``ulo .. uhi - 1`` (the group's other rows lie in the block and go unused)."""
     RG = qk.shape[0]
     j0 = (ulo // VL) * VL
     while j0 < uhi:
         i = 0
+        while i + 8 <= RG:
+            qk8(kt, qk, sc, i, j0)
+            i += 8
         while i + 4 <= RG:
             qk4(kt, qk, sc, i, j0)
             i += 4
@@ -269,20 +276,31 @@ def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
             qk1(kt, qk, sc, i, j0)
             i += 1
         j0 += VL
+    R = RG // G
+    for u in range(R):
+        if jlo[u] < jhi[u]:
+            _softmax_step(sc, jlo[u], jhi[u], u * G, u * G + G, mh, lh, ah)
     vec = ah.shape[1] % VL == 0
-    for u in range(RG // G):
+    u = 0
+    while u < R:                                       # rows seeing the same KV rows: one pass
         lo, hi = jlo[u], jhi[u]
+        u1 = u + 1
+        while u1 < R and jlo[u1] == lo and jhi[u1] == hi:
+            u1 += 1
+        i, i1 = u * G, u1 * G
+        u = u1
         if lo >= hi:
             continue
-        _softmax_step(sc, lo, hi, u * G, u * G + G, mh, lh, ah)
         if not vec:
-            _pv_rows(ah, sc, vb, lo, hi, kvh, u * G, u * G + G)
+            _pv_rows(ah, sc, vb, lo, hi, kvh, i, i1)
             continue
-        i = u * G
-        while i + 4 <= u * G + G:
+        while i + 8 <= i1:
+            pv8(vb, kvh, sc, ah, i, lo, hi)
+            i += 8
+        while i + 4 <= i1:
             pv4(vb, kvh, sc, ah, i, lo, hi)
             i += 4
-        while i < u * G + G:
+        while i < i1:
             pv1(vb, kvh, sc, ah, i, lo, hi)
             i += 1
 
@@ -459,12 +477,15 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
         if ulo >= uhi:                                 # no row of the unit sees this block
             continue
         blk = block_tables[s, b]
-        if b + 1 < b_hi:                               # the next block is most likely elsewhere
-            nxt = block_tables[s, b + 1]               # in the pool, where the prefetcher is cold
-            for off in range(0, kblock, 16):
-                _prefetch(k_cache, nxt * kblock + off)
-            for off in range(0, vblock, 16):
-                _prefetch(v_cache, nxt * vblock + off)
+        for ahead in range(1 if b > b_lo else 0, PREFETCH_BLOCKS + 1):
+            if b + ahead < b_hi:                       # the blocks ahead are most likely elsewhere
+                nxt = block_tables[s, b + ahead]       # in the pool, where the prefetcher is cold
+                if ahead < PREFETCH_BLOCKS and b > b_lo:
+                    continue                           # asked for by an earlier block
+                for off in range(0, kblock, 16):
+                    _prefetch(k_cache, nxt * kblock + off)
+                for off in range(0, vblock, 16):
+                    _prefetch(v_cache, nxt * vblock + off)
         kb, vb = k_cache[blk], v_cache[blk]
         for kvh in range(Hkv):
             if keys_t:

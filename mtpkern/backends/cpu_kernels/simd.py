@@ -11,10 +11,10 @@ through ``llvm.fma``: one rounding each, in a fixed order, so the results do not
 depend on the thread count or the schedule). LLVM lowers the vectors to the
 machine's registers (one AVX-512 register, two AVX ones, ...).
 
-- ``qk4`` / ``qk1`` (``T`` = 4 / 1 query vectors): ``sc[i + t, j0 : j0 + 16] =
+- ``qk8`` / ``qk4`` / ``qk1`` (``T`` = 8 / 4 / 1 query vectors): ``sc[i + t, j0 : j0 + 16] =
   sum_d q[i + t, d] * kt[d, j0 : j0 + 16]``, d in order: one key vector load per d
   for the T queries (their values broadcast from memory), T accumulators in registers.
-- ``pv4`` / ``pv1``: ``acc[i + t, c : c + 16] += sum_{lo <= j < hi} p[i + t, j] *
+- ``pv8`` / ``pv4`` / ``pv1``: ``acc[i + t, c : c + 16] += sum_{lo <= j < hi} p[i + t, j] *
   vb[j, kvh, c : c + 16]`` for each 16-column chunk c of ``acc`` (``Dv % 16 == 0``),
   j in order: one value vector load per (j, chunk) for the T queries, the T
   accumulators held in registers over the rows.
@@ -89,12 +89,21 @@ def _make_qk(T: int):
             rows = [builder.add(iv, _const(context, t)) for t in range(T)]
             qrow = [builder.mul(r, Dq) for r in rows]
             accs = [cgutils.alloca_once_value(builder, _ZERO) for _ in range(T)]
-            with cgutils.for_range(builder, D) as loop:
-                d = loop.index
+
+            def step(d):
                 kv = builder.load(_vptr(builder, kta.data, builder.add(builder.mul(d, BS), j0v)), align=4)
                 for t in range(T):
                     qd = builder.load(builder.gep(qa.data, [builder.add(qrow[t], d)]))
                     builder.store(_fma(builder, kv, _splat(builder, qd), builder.load(accs[t])), accs[t])
+
+            quads = builder.udiv(D, _const(context, 4))
+            with cgutils.for_range(builder, quads) as loop:     # 4 steps of d a trip, in order
+                d = builder.mul(loop.index, _const(context, 4))
+                for u in range(4):
+                    step(builder.add(d, _const(context, u)))
+            done = builder.mul(quads, _const(context, 4))
+            with cgutils.for_range(builder, builder.sub(D, done)) as loop:
+                step(builder.add(done, loop.index))
             for t in range(T):
                 at = builder.add(builder.mul(rows[t], BSs), j0v)
                 builder.store(builder.load(accs[t]), _vptr(builder, sca.data, at), align=4)
@@ -142,5 +151,5 @@ def _make_pv(T: int):
     return pv
 
 
-qk4, qk1 = _make_qk(4), _make_qk(1)
-pv4, pv1 = _make_pv(4), _make_pv(1)
+qk8, qk4, qk1 = _make_qk(8), _make_qk(4), _make_qk(1)
+pv8, pv4, pv1 = _make_pv(8), _make_pv(4), _make_pv(1)
