@@ -59,9 +59,6 @@ from .simd import VL, pv1, pv4, pv8, qk1, qk4, qk8
 #: (RMAX * Hq * (D + Dv) floats: 64 KiB at Hq = 16, D = Dv = 64) stay in L1 / L2
 RMAX = 8
 
-#: how many blocks ahead of the one computed a task asks for (their K and V lines)
-PREFETCH_BLOCKS = 1
-
 
 @intrinsic
 def _bits_to_f32(typingctx, v):
@@ -477,17 +474,16 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
         if ulo >= uhi:                                 # no row of the unit sees this block
             continue
         blk = block_tables[s, b]
-        for ahead in range(1 if b > b_lo else 0, PREFETCH_BLOCKS + 1):
-            if b + ahead < b_hi:                       # the blocks ahead are most likely elsewhere
-                nxt = block_tables[s, b + ahead]       # in the pool, where the prefetcher is cold
-                if ahead < PREFETCH_BLOCKS and b > b_lo:
-                    continue                           # asked for by an earlier block
-                for off in range(0, kblock, 16):
-                    _prefetch(k_cache, nxt * kblock + off)
-                for off in range(0, vblock, 16):
-                    _prefetch(v_cache, nxt * vblock + off)
+        # the next block is most likely elsewhere in the pool, where the prefetcher is cold:
+        # its lines are asked for a KV head's share at a time, between the heads' compute
+        nxt = block_tables[s, b + 1] if b + 1 < b_hi else -1
         kb, vb = k_cache[blk], v_cache[blk]
         for kvh in range(Hkv):
+            if nxt >= 0:
+                for off in range(kvh * kblock // Hkv, (kvh + 1) * kblock // Hkv, 16):
+                    _prefetch(k_cache, nxt * kblock + off)
+                for off in range(kvh * vblock // Hkv, (kvh + 1) * vblock // Hkv, 16):
+                    _prefetch(v_cache, nxt * vblock + off)
             if keys_t:
                 _block_t(qs[kvh], kb[kvh], vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
             else:
