@@ -21,7 +21,11 @@ machine's registers (one AVX-512 register, two AVX ones, ...).
 
 The callers check the shapes (``kt`` [D, BS >= j0 + 16], ``q`` [>= i + T, D], ``sc``
 [>= i + T, >= j0 + 16], ``vb`` [>= hi, Hkv, >= Dv], ``p`` [>= i + T, >= hi], ``acc``
-[>= i + T, Dv]); every array is C-contiguous FP32.
+[>= i + T, Dv]); every array is C-contiguous FP32 (an argument typed otherwise makes the
+call fail to compile, not run wrong).
+
+Numba's on-disk cache keys a compiled function on its own file only: a change here reaches
+cached callers (cpu_kernels/attention.py) once their file changes too, or the cache is cleared.
 """
 
 from __future__ import annotations
