@@ -60,10 +60,14 @@ def _drive(prop, weights, seed: int, rounds: int = 12) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["draft", "exact"])
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_trees_through_the_kit(ckpt, mode, backend):
+@pytest.mark.parametrize("backend,block_size", [("numpy", 4), ("cpu", 4), ("cpu", 16)])
+def test_trees_through_the_kit(ckpt, mode, backend, block_size):
+    """Trees driven by the testing kit against its oracle; the cpu backend at blocks of 16
+    uses its rows-innermost key cache (a tree's copy-on-write of a partial block goes
+    through copy_kv_rows)."""
     name, path, weights = ckpt
-    prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode=mode, block_size=4, num_blocks=160)
+    prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode=mode, block_size=block_size,
+                                              num_blocks=640 // block_size)
     steps = _drive(prop, weights, seed=len(name) + (mode == "exact"))
     assert steps.get("tree", 0) >= 5 and steps.get("verify_tree", 0) >= 3, steps
 
