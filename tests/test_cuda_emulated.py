@@ -144,6 +144,30 @@ def test_emulator_collectives_barriers_and_blocks(emu):
     assert (small[2] == 0).all()                                 # nobody says yes
 
 
+def test_emulator_atomics_run_the_last_block_pattern(emu):
+    """atomicInc tickets: whichever block runs last (the grid's last in forward order, its
+    first in reverse, any when shuffled) combines the partials, in block order, so the sum is
+    the same bits in every order; the counter is back at 0 for the next launch."""
+    rng = np.random.default_rng(5)
+    blocks, per = 7, 5
+    x = rng.standard_normal(blocks * per).astype(np.float32)
+    sums, lasts = set(), []
+    try:
+        for order, seed in (("forward", 1), ("reverse", 1), ("shuffle", 3), ("shuffle", 4)):
+            emu.set_order(order, seed)
+            partial, ticket, out = np.zeros(blocks, np.float32), np.zeros(1, np.uint32), np.zeros(2, np.float32)
+            for _ in range(2):                                    # a second launch on the same counter
+                emu.selftest_kernel("last_block")((blocks,), (64,), (x, np.int32(per), partial, ticket, out))
+                assert ticket[0] == 0
+            sums.add(out[0].tobytes())
+            lasts.append(int(out[1]))
+    finally:
+        emu.set_order(*emu_backend.order_from_env())
+    assert len(sums) == 1
+    np.testing.assert_allclose(np.frombuffer(sums.pop(), np.float32)[0], x.astype(np.float64).sum(), rtol=1e-5)
+    assert lasts[:2] == [blocks - 1, 0]
+
+
 def test_emulator_unwritten_shared_memory_reads_nan(emu):
     out = np.zeros(2, np.float32)
     emu.selftest_kernel("shared_unwritten")((2,), (64,), (out,), shared_mem=64)

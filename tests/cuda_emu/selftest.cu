@@ -98,6 +98,27 @@ __global__ void mul_add_kernel(const float* a, const float* b, const float* c, f
   if (threadIdx.x == 0) out[0] = a[0] * b[0] + c[0];
 }
 
+// The last-block pattern: each block sums its slice of x into partial[block], fences and
+// takes a ticket (atomicInc wraps the counter back to 0 for the next launch); the block with
+// the last ticket sums the partials in block order into out[0] and names itself in out[1].
+__global__ void last_block_kernel(const float* x, int per, float* partial, unsigned* ticket, float* out) {
+  __shared__ int s_last;
+  if (threadIdx.x == 0) {
+    float acc = 0.0f;
+    for (int i = 0; i < per; ++i) acc += x[blockIdx.x * per + i];
+    partial[blockIdx.x] = acc;
+    __threadfence();
+    s_last = atomicInc(ticket, gridDim.x - 1) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (s_last && threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (unsigned b = 0; b < gridDim.x; ++b) sum += partial[b];
+    out[0] = sum;
+    out[1] = static_cast<float>(blockIdx.x);
+  }
+}
+
 #define EMU_SELFTEST(name)                                                                                  \
   extern "C" int emu_selftest_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned long smem, \
                                      void** args) {                                                          \
@@ -117,3 +138,4 @@ EMU_SELFTEST(local_index)
 EMU_SELFTEST(int_product)
 EMU_SELFTEST(big_shared)
 EMU_SELFTEST(mul_add)
+EMU_SELFTEST(last_block)

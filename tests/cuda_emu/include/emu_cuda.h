@@ -36,8 +36,10 @@
 //   collectives (never between two plain loads / stores), so a race between
 //   threads that the hardware would expose may go unnoticed unless the thread
 //   order changes the result (run with reversed / shuffled order to shake them);
-//   blocks never run concurrently; no atomics, __threadfence, async copies (cp.async,
-//   TMA), cooperative groups, inline PTX (the one mma is emulated: above), streams or events;
+//   blocks never run concurrently, so an atomic is a plain read-modify-write and
+//   __threadfence orders nothing (both below): a kernel that leaves out a fence it needs
+//   is not caught here; no async copies (cp.async, TMA), cooperative groups, inline PTX
+//   (the one mma is emulated: above), streams or events;
 // - independent thread scheduling inside a warp (lanes run one after another
 //   between collectives);
 // - floating point details of the device: CuPy compiles with -ftz=true (denormals
@@ -147,6 +149,22 @@ inline float4 __ldg(const float4* p) { emu::check_align(p, 16, "__ldg(float4)");
 inline unsigned __ldg(const unsigned* p) { emu::check_align(p, 4, "__ldg(unsigned)"); return *p; }
 inline uint2 __ldg(const uint2* p) { emu::check_align(p, 8, "__ldg(uint2)"); return *p; }
 inline uint4 __ldg(const uint4* p) { emu::check_align(p, 16, "__ldg(uint4)"); return *p; }
+
+// Atomics and the fence, for the last-block pattern (each block writes its result, fences,
+// takes a ticket; the block with the last ticket combines them): blocks run one after
+// another and threads interleave only at barriers and collectives, so each atomic is a
+// read-modify-write nothing can interrupt, returning the old value as CUDA's do.
+inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
+inline float atomicAdd(float* p, float v) { const float old = *p; *p = old + v; return old; }
+inline unsigned atomicInc(unsigned* p, unsigned limit) {  // old >= limit ? 0 : old + 1, as CUDA's
+  const unsigned old = *p;
+  *p = old >= limit ? 0u : old + 1u;
+  return old;
+}
+inline int atomicExch(int* p, int v) { const int old = *p; *p = v; return old; }
+inline int atomicCAS(int* p, int compare, int v) { const int old = *p; if (old == compare) *p = v; return old; }
+inline void __threadfence() {}
 
 // CUDA's integer min / max overloads (the kernels call them unqualified).
 inline int min(int a, int b) { return a < b ? a : b; }
