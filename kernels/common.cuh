@@ -309,6 +309,31 @@ __device__ __forceinline__ const float* opaque(const float* p) {
   return p;
 }
 
+// One vector step of gemv_dot_impl: the V widened weights wf of each of the ROWS rows at
+// column k + off against the V values of each x row there (NORM: times g, their squares into
+// ss). The address is (x + k) + off, as the loop wrote it: off a constant multiple of the step,
+// so the compiler keeps one pointer per x row (x + (k + off) changed the registers of 130 of
+// the kernels' builds).
+template <int NR, int ROWS, int V, bool NORM>
+__device__ __forceinline__ void gemv_dot_vector(const float (&wf)[ROWS][V], const float* const (&x)[NR], int k,
+                                                int off, const float* g, float (&acc)[ROWS][NR], float (&ss)[NR]) {
+  float gv[V];
+  if constexpr (NORM) load_vec<V>(g + k + off, gv);
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    float xv[V];
+    load_vec<V>(x[r] + k + off, xv);
+    if constexpr (NORM) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) { ss[r] = fmaf(xv[v], xv[v], ss[r]); xv[v] *= gv[v]; }
+    }
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j)
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wf[j][v], xv[v], acc[j][r]);
+  }
+}
+
 // NORM (gemv_dot_norm): x is the input of an RMSNorm with weight g [K] fused into the GEMV:
 // each x element is multiplied by its g as it is loaded, and ss[r] += x^2 over this thread's
 // share beside the dot products (x is read anyway: no extra bytes but g's, which L1 holds).
@@ -341,21 +366,7 @@ __device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const f
           if constexpr (Elem<W>::scaled) sc = s[j][(k + u * step) / bk];
           widen(raw[j][u], sc, wf[j]);
         }
-        float gv[V];
-        if constexpr (NORM) load_vec<V>(g + k + u * step, gv);
-#pragma unroll
-        for (int r = 0; r < NR; ++r) {
-          float xv[V];
-          load_vec<V>(x[r] + k + u * step, xv);
-          if constexpr (NORM) {
-#pragma unroll
-            for (int v = 0; v < V; ++v) { ss[r] = fmaf(xv[v], xv[v], ss[r]); xv[v] *= gv[v]; }
-          }
-#pragma unroll
-          for (int j = 0; j < ROWS; ++j)
-#pragma unroll
-            for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wf[j][v], xv[v], acc[j][r]);
-        }
+        gemv_dot_vector<NR, ROWS, V, NORM>(wf, x, k, u * step, g, acc, ss);
       }
     }
     for (; k < K; k += step) {
@@ -366,21 +377,7 @@ __device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const f
         if constexpr (Elem<W>::scaled) sc = s[j][k / bk];
         widen(WVec<W>::load(w[j] + k), sc, wf[j]);
       }
-      float gv[V];
-      if constexpr (NORM) load_vec<V>(g + k, gv);
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        float xv[V];
-        load_vec<V>(x[r] + k, xv);
-        if constexpr (NORM) {
-#pragma unroll
-          for (int v = 0; v < V; ++v) { ss[r] = fmaf(xv[v], xv[v], ss[r]); xv[v] *= gv[v]; }
-        }
-#pragma unroll
-        for (int j = 0; j < ROWS; ++j)
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[j][r] = fmaf(wf[j][v], xv[v], acc[j][r]);
-      }
+      gemv_dot_vector<NR, ROWS, V, NORM>(wf, x, k, 0, g, acc, ss);
     }
   } else {
     for (int k = t; k < K; k += nt) {
