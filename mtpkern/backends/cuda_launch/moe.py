@@ -68,7 +68,8 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
 
 def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None, limit=None,
                 norm=None):
-    """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces;
+    """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces (one row
+    uses no ``partial``: none is allocated, a given one is checked and left as it is);
     ``limit``: the SwiGLU clamp of every expert (None / 0: none); ``norm=(g, eps)``: x
     RMS-normalised first, fused into the gate/up pass (residual may be x itself)."""
     check_moe_experts(x, ids, weights, w13, w2, residual)
@@ -90,12 +91,14 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
     all_fp8_or_none("w13, w2", isinstance(w13, CudaFp8), isinstance(w2, CudaFp8))
     residual = optional(residual, "residual", "float32")
     act = output(act, "act", (nK, I), np.float32)
-    partial = output(partial, "partial", (nK, H), np.float32)
+    one_row = n == 1           # moe_down_combine_kernel: no partial (a given one is checked, not used)
+    partial = None if one_row and partial is None else output(partial, "partial", (nK, H), np.float32)
     y = output(out, "out", (n, H), np.float32)
-    expect_disjoint("out", y, "partial", partial)
-    for nm, a in (("act", act), ("partial", partial)):
-        expect_disjoint(nm, a, "x", x)
-    expect_disjoint("act", act, "partial", partial)
+    expect_disjoint("act", act, "x", x)
+    if partial is not None:
+        expect_disjoint("out", y, "partial", partial)
+        expect_disjoint("partial", partial, "x", x)
+        expect_disjoint("act", act, "partial", partial)
     expect_same_or_disjoint("out", y, "residual", residual)
     expect_disjoint("out", y, "weights", weights)
     if n == 0:
@@ -108,7 +111,7 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
                     (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair),
                      L, *nargs))
-        if n == 1:
+        if one_row:
             get_kernel("moe", f"moe_down_combine_kernel<{ctype(w2)}>")(
                 (cdiv(cdiv(H, 2), GEMV_WARPS),), (GEMV_THREADS,),
                 (act, ids, weights, i32(K), i32(E), *weight_args(w2), i32(H), i32(I), ptr(residual), y))
@@ -120,5 +123,5 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
     if H:
         get_kernel("moe", "moe_combine_kernel")(
             (cdiv(H, COMBINE_THREADS), n), (COMBINE_THREADS,),
-            (partial, ids, weights, ptr(residual), y, i32(K), i32(E), i32(H)))
+            (ptr(partial), ids, weights, ptr(residual), y, i32(K), i32(E), i32(H)))   # K = 0: none read
     return y
