@@ -30,6 +30,9 @@ cold on each (one row over 32768 KV rows, one thread: 14.4 -> 8.7 ms of CPU time
 
 All of it is one helper call per (block, KV head) (``_block``), the small helpers inlined
 into it (``inline="always"``): a Numba call passing 6 arrays cost more than its 8 dots.
+The cpu backend's own key cache (``CpuBackend.empty_keys``, blocks of 16k rows) is
+``[NB, Hkv, D, BS]``, a block's rows innermost (``keys_t``): there ``_block_t`` computes
+the scores and values with the 16-lane tiles of ``simd`` instead, the softmax step shared.
 
 Then one pass per (row, head) merges the chunks' (m, l, acc) states in chunk order (a
 fixed order: the result does not depend on the schedule; the chunk count comes from
