@@ -24,9 +24,11 @@ Within a task, for each block (``[BS, Hkv, D]``, read front to back) and each KV
   ``np.exp`` is a libm call per score);
 - the values: ``_pv4x4`` adds 4 V rows, each times its p, to 4 accumulators in one pass.
 
-While a block is computed, the next one's K and V lines are prefetched (``_prefetch``):
-the blocks of a sequence lie anywhere in the pool, and the hardware prefetcher starts
-cold on each (one row over 32768 KV rows, one thread: 14.4 -> 8.7 ms of CPU time).
+While a block is computed, the next one's K and V lines are prefetched: the blocks of a
+sequence lie anywhere in the pool, and the hardware prefetcher starts cold on each (one row
+over 32768 KV rows, one thread: 14.4 -> 8.7 ms of CPU time). The tiles of ``_block_t`` ask for
+each line of the next block as they load the same line of theirs (docs/cpu.md); ``_block``
+asks for a KV head's share of them (``_prefetch``) before it computes that head.
 
 All of it is one helper call per (block, KV head) (``_block``), the small helpers inlined
 into it (``inline="always"``): a Numba call passing 6 arrays cost more than its 8 dots.
@@ -255,7 +257,7 @@ def _block(qk, kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
-def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
+def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah, kpf, kpo, vpf, vpo):
     """``_block`` over a block of the transposed key cache: kt [D, BS] is the block's keys
     of head kvh with the rows innermost (``BS % 16 == 0``), so the scores of 16 KV rows are
     vector FMAs without a reduction (``simd.qk8`` / ``qk4``: 8 or 4 query vectors a pass); the values by
@@ -267,13 +269,13 @@ def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
     while j0 < uhi:
         i = 0
         while i + 8 <= RG:
-            qk8(kt, qk, sc, i, j0)
+            qk8(kt, qk, sc, i, j0, kpf, kpo)
             i += 8
         while i + 4 <= RG:
-            qk4(kt, qk, sc, i, j0)
+            qk4(kt, qk, sc, i, j0, kpf, kpo)
             i += 4
         while i < RG:
-            qk1(kt, qk, sc, i, j0)
+            qk1(kt, qk, sc, i, j0, kpf, kpo)
             i += 1
         j0 += VL
     R = RG // G
@@ -295,13 +297,13 @@ def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
             _pv_rows(ah, sc, vb, lo, hi, kvh, i, i1)
             continue
         while i + 8 <= i1:
-            pv8(vb, kvh, sc, ah, i, lo, hi)
+            pv8(vb, kvh, sc, ah, i, lo, hi, vpf, vpo)
             i += 8
         while i + 4 <= i1:
-            pv4(vb, kvh, sc, ah, i, lo, hi)
+            pv4(vb, kvh, sc, ah, i, lo, hi, vpf, vpo)
             i += 4
         while i < i1:
-            pv1(vb, kvh, sc, ah, i, lo, hi)
+            pv1(vb, kvh, sc, ah, i, lo, hi, vpf, vpo)
             i += 1
 
 
@@ -482,15 +484,17 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
         nxt = block_tables[s, b + 1] if b + 1 < b_hi else -1
         kb, vb = k_cache[blk], v_cache[blk]
         for kvh in range(Hkv):
+            if keys_t:                                 # the tiles ask for the next block's
+                pb = nxt if nxt >= 0 else blk          # lines as they load their own
+                _block_t(qs[kvh], kb[kvh], vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh],
+                         k_cache, pb * kblock + kvh * (kblock // Hkv), v_cache, pb * vblock)
+                continue
             if nxt >= 0:
                 for off in range(kvh * kblock // Hkv, (kvh + 1) * kblock // Hkv, 16):
                     _prefetch(k_cache, nxt * kblock + off)
                 for off in range(kvh * vblock // Hkv, (kvh + 1) * vblock // Hkv, 16):
                     _prefetch(v_cache, nxt * vblock + off)
-            if keys_t:
-                _block_t(qs[kvh], kb[kvh], vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
-            else:
-                _block(qs[kvh], kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
+            _block(qs[kvh], kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
 
 
 @njit(cache=True, fastmath=False)

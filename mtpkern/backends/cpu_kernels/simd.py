@@ -12,12 +12,18 @@ depend on the thread count or the schedule). LLVM lowers the vectors to the
 machine's registers (one AVX-512 register, two AVX ones, ...).
 
 - ``qk8`` / ``qk4`` / ``qk1`` (``T`` = 8 / 4 / 1 query vectors): ``sc[i + t, j0 : j0 + 16] =
-  sum_d q[i + t, d] * kt[d, j0 : j0 + 16]``, d in order: one key vector load per d
-  for the T queries (their values broadcast from memory), T accumulators in registers.
+  sum_d q[i + t, d] * kt[d, j0 : j0 + 16]``: one key vector load per d for the T queries
+  (their values broadcast from memory), T x S accumulators in registers (``_QK_SETS``: S
+  sets over alternating steps of d, so 8 chains of FMAs are in flight), summed in a fixed
+  order at the end.
 - ``pv8`` / ``pv4`` / ``pv1``: ``acc[i + t, c : c + 16] += sum_{lo <= j < hi} p[i + t, j] *
   vb[j, kvh, c : c + 16]`` for each 16-column chunk c of ``acc`` (``Dv % 16 == 0``),
-  j in order: one value vector load per (j, chunk) for the T queries, the T
-  accumulators held in registers over the rows.
+  j in order: one value vector load per (j, chunk) for the T queries, the accumulators
+  of ``_PV_CHUNKS`` chunks at a time held in registers over the rows.
+- both take ``pf, pfo``: with each vector they load from their tile at offset ``o`` they ask
+  for the line of ``pf``'s flat element ``pfo + o`` (the same line of the next block, which
+  the caller names; a hint: ``pfo`` must keep every such element inside ``pf``, and no
+  result depends on it).
 
 The callers check the shapes (``kt`` [D, BS >= j0 + 16], ``q`` [>= i + T, D], ``sc``
 [>= i + T, >= j0 + 16], ``vb`` [>= hi, Hkv, >= Dv], ``p`` [>= i + T, >= hi], ``acc``
@@ -42,6 +48,13 @@ _VEC = ir.VectorType(_F32, VL)
 _ZERO = ir.Constant(_VEC, [0.0] * VL)
 _I32 = ir.IntType(32)
 _SPLAT = ir.Constant(ir.VectorType(_I32, VL), [0] * VL)
+#: score accumulator sets of a qk tile by query count: step d of the head dim goes to set
+#: d % 4 % S (the tail's to set 0), summed (a0 + a1) + (a2 + a3) at the end, so that 8
+#: chains of FMAs are in flight where T < 8 would leave the FMA units waiting on latency
+_QK_SETS = {8: 1, 4: 2, 1: 4}
+#: 16-column chunks of a pv pass by query count: 16 accumulators in registers (T x C)
+#: across the rows; each chunk keeps its own sums, so the results are those of one chunk a pass
+_PV_CHUNKS = {8: 2, 4: 4, 1: 4}
 
 
 def _splat(builder, x):
@@ -53,6 +66,15 @@ def _splat(builder, x):
 def _fma(builder, a, b, c):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), f"llvm.fma.v{VL}f32")
     return builder.call(fn, [a, b, c])
+
+
+def _prefetch(builder, base, idx):
+    """Ask for the cache line of base[idx] (``llvm.prefetch``: a read, into L2 and below: L1 keeps the lines in use)."""
+    i8p = ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(builder.gep(base, [idx]), i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 2),
+                      ir.Constant(_I32, 1)])
 
 
 def _vptr(builder, base, idx):
@@ -78,39 +100,46 @@ def _c_f32(*arrays) -> bool:
 
 
 def _make_qk(T: int):
+    S = _QK_SETS[T]
+
     @intrinsic
-    def qk(typingctx, kt, q, sc, i, j0):
-        if not (_c_f32(kt, q, sc) and kt.ndim == q.ndim == sc.ndim == 2):
+    def qk(typingctx, kt, q, sc, i, j0, pf, pfo):
+        if not (_c_f32(kt, q, sc, pf) and kt.ndim == q.ndim == sc.ndim == 2):
             return None
-        sig = types.void(kt, q, sc, i, j0)
+        sig = types.void(kt, q, sc, i, j0, pf, pfo)
 
         def codegen(context, builder, sig, args):
-            kta, qa, sca = _arrays(context, builder, sig, args, (0, 1, 2))
-            iv, j0v = _ints(context, builder, sig, args, (3, 4))
+            kta, qa, sca, pfa = _arrays(context, builder, sig, args, (0, 1, 2, 5))
+            iv, j0v, pfov = _ints(context, builder, sig, args, (3, 4, 6))
             D, BS = cgutils.unpack_tuple(builder, kta.shape, 2)
             Dq = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
             BSs = cgutils.unpack_tuple(builder, sca.shape, 2)[1]
             rows = [builder.add(iv, _const(context, t)) for t in range(T)]
             qrow = [builder.mul(r, Dq) for r in rows]
-            accs = [cgutils.alloca_once_value(builder, _ZERO) for _ in range(T)]
+            accs = [[cgutils.alloca_once_value(builder, _ZERO) for _ in range(T)] for _ in range(S)]
 
-            def step(d):
-                kv = builder.load(_vptr(builder, kta.data, builder.add(builder.mul(d, BS), j0v)), align=4)
+            def step(d, acc):
+                off = builder.add(builder.mul(d, BS), j0v)
+                _prefetch(builder, pfa.data, builder.add(pfov, off))
+                kv = builder.load(_vptr(builder, kta.data, off), align=4)
                 for t in range(T):
                     qd = builder.load(builder.gep(qa.data, [builder.add(qrow[t], d)]))
-                    builder.store(_fma(builder, kv, _splat(builder, qd), builder.load(accs[t])), accs[t])
+                    builder.store(_fma(builder, kv, _splat(builder, qd), builder.load(acc[t])), acc[t])
 
             quads = builder.udiv(D, _const(context, 4))
             with cgutils.for_range(builder, quads) as loop:     # 4 steps of d a trip, in order
                 d = builder.mul(loop.index, _const(context, 4))
                 for u in range(4):
-                    step(builder.add(d, _const(context, u)))
+                    step(builder.add(d, _const(context, u)), accs[u % S])
             done = builder.mul(quads, _const(context, 4))
             with cgutils.for_range(builder, builder.sub(D, done)) as loop:
-                step(builder.add(done, loop.index))
+                step(builder.add(done, loop.index), accs[0])
             for t in range(T):
+                sums = [builder.load(accs[s_][t]) for s_ in range(S)]
+                while len(sums) > 1:                            # (a0 + a1) + (a2 + a3)
+                    sums = [builder.fadd(sums[k], sums[k + 1]) for k in range(0, len(sums), 2)]
                 at = builder.add(builder.mul(rows[t], BSs), j0v)
-                builder.store(builder.load(accs[t]), _vptr(builder, sca.data, at), align=4)
+                builder.store(sums[0], _vptr(builder, sca.data, at), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -119,35 +148,53 @@ def _make_qk(T: int):
 
 
 def _make_pv(T: int):
+    C = _PV_CHUNKS[T]
+
     @intrinsic
-    def pv(typingctx, vb, kvh, p, acc, i, lo, hi):
-        if not (_c_f32(vb, p, acc) and vb.ndim == 3 and p.ndim == acc.ndim == 2):
+    def pv(typingctx, vb, kvh, p, acc, i, lo, hi, pf, pfo):
+        if not (_c_f32(vb, p, acc, pf) and vb.ndim == 3 and p.ndim == acc.ndim == 2):
             return None
-        sig = types.void(vb, kvh, p, acc, i, lo, hi)
+        sig = types.void(vb, kvh, p, acc, i, lo, hi, pf, pfo)
 
         def codegen(context, builder, sig, args):
-            va, pa, aa = _arrays(context, builder, sig, args, (0, 2, 3))
-            kvhv, iv, lov, hiv = _ints(context, builder, sig, args, (1, 4, 5, 6))
+            va, pa, aa, pfa = _arrays(context, builder, sig, args, (0, 2, 3, 7))
+            kvhv, iv, lov, hiv, pfov = _ints(context, builder, sig, args, (1, 4, 5, 6, 8))
             _, Hkv, Dvf = cgutils.unpack_tuple(builder, va.shape, 3)
             BSp = cgutils.unpack_tuple(builder, pa.shape, 2)[1]
             Dv = cgutils.unpack_tuple(builder, aa.shape, 2)[1]
             rows = [builder.add(iv, _const(context, t)) for t in range(T)]
             prow = [builder.mul(r, BSp) for r in rows]
             arow = [builder.mul(r, Dv) for r in rows]
-            accs = [cgutils.alloca_once_value(builder, _ZERO) for _ in range(T)]
-            with cgutils.for_range(builder, builder.udiv(Dv, _const(context, VL))) as chunks:
-                c = builder.mul(chunks.index, _const(context, VL))
-                for t in range(T):
-                    builder.store(builder.load(_vptr(builder, aa.data, builder.add(arow[t], c)), align=4), accs[t])
+            accs = [[cgutils.alloca_once_value(builder, _ZERO) for _ in range(T)] for _ in range(C)]
+
+            def chunks(cs):
+                """The rows lo .. hi - 1 into the accumulators of the chunks starting at
+                columns cs (each chunk its own sums: grouping them changes no result)."""
+                for c, acc in zip(cs, accs):
+                    for t in range(T):
+                        builder.store(builder.load(_vptr(builder, aa.data, builder.add(arow[t], c)), align=4), acc[t])
                 with cgutils.for_range(builder, builder.sub(hiv, lov)) as loop:
                     j = builder.add(lov, loop.index)
-                    at = builder.add(builder.mul(builder.add(builder.mul(j, Hkv), kvhv), Dvf), c)
-                    v = builder.load(_vptr(builder, va.data, at), align=4)
+                    row = builder.mul(builder.add(builder.mul(j, Hkv), kvhv), Dvf)
+                    pj = [_splat(builder, builder.load(builder.gep(pa.data, [builder.add(prow[t], j)])))
+                          for t in range(T)]
+                    for c, acc in zip(cs, accs):
+                        _prefetch(builder, pfa.data, builder.add(pfov, builder.add(row, c)))
+                        v = builder.load(_vptr(builder, va.data, builder.add(row, c)), align=4)
+                        for t in range(T):
+                            builder.store(_fma(builder, pj[t], v, builder.load(acc[t])), acc[t])
+                for c, acc in zip(cs, accs):
                     for t in range(T):
-                        pj = builder.load(builder.gep(pa.data, [builder.add(prow[t], j)]))
-                        builder.store(_fma(builder, _splat(builder, pj), v, builder.load(accs[t])), accs[t])
-                for t in range(T):
-                    builder.store(builder.load(accs[t]), _vptr(builder, aa.data, builder.add(arow[t], c)), align=4)
+                        builder.store(builder.load(acc[t]), _vptr(builder, aa.data, builder.add(arow[t], c)), align=4)
+
+            n = builder.udiv(Dv, _const(context, VL))
+            groups = builder.udiv(n, _const(context, C))
+            with cgutils.for_range(builder, groups) as g:       # C chunks a pass over the rows
+                c0 = builder.mul(g.index, _const(context, C * VL))
+                chunks([builder.add(c0, _const(context, k * VL)) for k in range(C)])
+            done = builder.mul(groups, _const(context, C))
+            with cgutils.for_range(builder, builder.sub(n, done)) as g:
+                chunks([builder.mul(builder.add(done, g.index), _const(context, VL))])
             return context.get_dummy_value()
 
         return sig, codegen
