@@ -475,6 +475,39 @@ __device__ __forceinline__ bool beats(float v, int i, float bv, int bi) {
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * kWarp;
 
+// The epilogue of a plain GEMV (linear.cu's linear_kernel, moe.cu's router logits):
+// y = acc + bias + residual, in the reference's order ((x w^T + bias) + residual).
+struct LinearEpi {
+  const float* bias;      // [N] or null
+  const float* residual;  // [n, N] or null
+  float* y;               // [n, N]
+  int N;
+
+  __device__ bool rows(int u, int& a, int& b) const {
+    a = 2 * u;
+    b = min(a + 1, N - 1);  // the last group of an odd N reads row N - 1 twice, stores it once
+    return a < N;
+  }
+
+  template <int NR>
+  __device__ void store(int u, int r0, int m, const float (&acc)[2][NR]) const {
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      if (r >= m) break;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int o = 2 * u + j;
+        if (o >= N) break;
+        const long long at = static_cast<long long>(r0 + r) * N + o;
+        float v = acc[j][r];
+        if (bias) v += bias[o];
+        if (residual) v += residual[at];
+        y[at] = v;
+      }
+    }
+  }
+};
+
 // The fused RMSNorm of gemv_groups (NORM): g [K] its weight, eps; rows of x are normalised.
 struct RowNorm {
   const float* g;

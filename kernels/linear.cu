@@ -34,41 +34,6 @@
 // also needs bk % 8 == 0 and an 8-byte aligned w.
 #include "common.cuh"
 
-namespace mtp {
-
-struct LinearEpi {
-  const float* bias;      // [N] or null
-  const float* residual;  // [n, N] or null
-  float* y;               // [n, N]
-  int N;
-
-  __device__ bool rows(int u, int& a, int& b) const {
-    a = 2 * u;
-    b = min(a + 1, N - 1);  // the last group of an odd N reads row N - 1 twice, stores it once
-    return a < N;
-  }
-
-  template <int NR>
-  __device__ void store(int u, int r0, int m, const float (&acc)[2][NR]) const {
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      if (r >= m) break;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int o = 2 * u + j;
-        if (o >= N) break;
-        const long long at = static_cast<long long>(r0 + r) * N + o;
-        float v = acc[j][r];
-        if (bias) v += bias[o];
-        if (residual) v += residual[at];
-        y[at] = v;
-      }
-    }
-  }
-};
-
-}  // namespace mtp
-
 template <typename W, int NR, bool NORM>
 __global__ void
 linear_kernel(const float* __restrict__ x, const W* __restrict__ w, const float* __restrict__ scale, int bn,

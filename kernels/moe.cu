@@ -1,10 +1,12 @@
 // moe.cu -- the router's selection and the routed experts.
 //
 // moe_router = linear_kernel (linear.cu: logits [n, E] = x @ gate_w^T, the GEMV
-// spread over the GPU) + moe_router_select_kernel:
+// spread over the GPU) + moe_router_select_kernel; one row (n = 1, the decode step):
+// moe_router_kernel<W, NORM>, the same GEMV whose last block runs the selection (below).
 //
 // moe_router_select_kernel: grid (n), block = E rounded up to 32 (<= 1024); thread e
-//   owns expert e of row r, exactly as Hugging Face Glm4MoeTopkRouter in FP32:
+//   owns expert e of row r (router_select_row: any block size, thread t owning experts
+//   t, t + blockDim.x, ..), exactly as Hugging Face Glm4MoeTopkRouter in FP32:
 //   s = sigmoid(logit) (or softmax over the row); c = s + bias (selection only);
 //   group score = sum of the group's top-2 c; the topk_group best groups are kept
 //   (rank by score, lowest group id on ties); c outside them becomes 0.0 (not -inf);
@@ -76,75 +78,128 @@ __device__ __forceinline__ bool ranks_before(float v, int i, float w, int j) {
 __device__ __forceinline__ bool larger(float v, float w) { return !isnan(v) && (isnan(w) || v > w); }
 }  // namespace mtp
 
-__global__ void __launch_bounds__(mtp::kRouterMaxExperts)
-moe_router_select_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
-                         int* __restrict__ ids, float* __restrict__ weights, int E, int K,
-                         int n_group, int topk_group, float scale, int norm_topk, int softmax) {
-  using namespace mtp;
-  __shared__ float s_c[kRouterMaxExperts];     // c, then c masked by group
-  __shared__ float s_gs[kRouterMaxExperts];    // group scores
-  __shared__ int s_keep[kRouterMaxExperts];    // group kept
-  __shared__ float s_sel[kRouterMaxExperts];   // s of the chosen experts, by rank
-  __shared__ float red[33];
-  const int e = threadIdx.x;
-  const long long r = blockIdx.x;
-  const bool valid = e < E;
+namespace mtp {
 
-  const float l = valid ? logits[r * E + e] : 0.0f;
-  float s;
+// The shared memory of one row's selection.
+struct RouterSmem {
+  float c[kRouterMaxExperts];     // c, then c masked by group
+  float s[kRouterMaxExperts];     // s (the weights' values)
+  float gs[kRouterMaxExperts];    // group scores
+  int keep[kRouterMaxExperts];    // group kept
+  float sel[kRouterMaxExperts];   // s of the chosen experts, by rank
+  float red[33];
+};
+
+// One row's selection (the header's rule) by a block of any multiple of 32 threads: thread
+// t owns experts t, t + blockDim.x, ..; logits read through L2 (__ldcg: in the fused kernel
+// other blocks wrote them during this launch). With one expert per thread (the select
+// kernel's block of E rounded up) the sums and maxima are those of one value per thread.
+__device__ __forceinline__ void router_select_row(const float* logits, const float* __restrict__ bias, int* ids, float* weights,
+                                                  int E, int K, int n_group, int topk_group, float scale, int norm_topk,
+                                                  int softmax, RouterSmem& sm) {
+  const int t = threadIdx.x, nt = blockDim.x;
   if (softmax) {  // uniform
-    const float mx = block_max(valid ? l : neg_inf(), red);
-    const float z = valid ? expf(l - mx) : 0.0f;
-    s = z / block_sum(z, red);
+    float mx = neg_inf();
+    for (int e = t; e < E; e += nt) mx = fmaxf(mx, __ldcg(logits + e));
+    mx = block_max(mx, sm.red);
+    float z = 0.0f;
+    for (int e = t; e < E; e += nt) {
+      const float v = expf(__ldcg(logits + e) - mx);
+      sm.s[e] = v;
+      z += v;
+    }
+    z = block_sum(z, sm.red);
+    for (int e = t; e < E; e += nt) sm.s[e] = sm.s[e] / z;
   } else {
-    s = 1.0f / (1.0f + expf(-l));
+    for (int e = t; e < E; e += nt) sm.s[e] = 1.0f / (1.0f + expf(-__ldcg(logits + e)));
   }
-  const float c = valid ? s + bias[e] : 0.0f;
-  if (valid) s_c[e] = c;
+  for (int e = t; e < E; e += nt) sm.c[e] = sm.s[e] + bias[e];
   __syncthreads();
 
   const int EG = E / n_group;  // experts per group
-  if (e < n_group) {
+  for (int g = t; g < n_group; g += nt) {
     // top-2 of the group in the reference's order (NaN the smallest: a group with one
     // number and a NaN scores NaN, as sum(sort(..)[:2]) does); a duplicate max fills both
     float a = quiet_nan(), b = quiet_nan();
     for (int j = 0; j < EG; ++j) {
-      const float v = s_c[e * EG + j];
+      const float v = sm.c[g * EG + j];
       if (larger(v, a)) { b = a; a = v; }
       else if (larger(v, b)) { b = v; }
     }
-    s_gs[e] = EG >= 2 ? a + b : a;
+    sm.gs[g] = EG >= 2 ? a + b : a;
   }
   __syncthreads();
-  if (e < n_group) {
-    const float gs = s_gs[e];
+  for (int g = t; g < n_group; g += nt) {
+    const float gs = sm.gs[g];
     int rank = 0;
-    for (int g = 0; g < n_group; ++g) rank += ranks_before(s_gs[g], g, gs, e);
-    s_keep[e] = rank < topk_group;
+    for (int h = 0; h < n_group; ++h) rank += ranks_before(sm.gs[h], h, gs, g);
+    sm.keep[g] = rank < topk_group;
   }
   __syncthreads();
-
-  const float cm = valid ? (s_keep[e / EG] ? c : 0.0f) : 0.0f;  // Hugging Face's masked_fill(.., 0.0)
-  if (valid) s_c[e] = cm;
+  for (int e = t; e < E; e += nt) {
+    if (!sm.keep[e / EG]) sm.c[e] = 0.0f;  // Hugging Face's masked_fill(.., 0.0)
+  }
   __syncthreads();
-  if (valid) {
+  for (int e = t; e < E; e += nt) {
+    const float cm = sm.c[e];
     int rank = 0;
-    for (int f = 0; f < E; ++f) rank += ranks_before(s_c[f], f, cm, e);
+    for (int f = 0; f < E; ++f) rank += ranks_before(sm.c[f], f, cm, e);
     if (rank < K) {
-      ids[r * K + rank] = e;
-      s_sel[rank] = s;
+      ids[rank] = e;
+      sm.sel[rank] = sm.s[e];
     }
   }
   __syncthreads();
-  if (e < K) {
-    float w = s_sel[e];
+  for (int k = t; k < K; k += nt) {
+    float w = sm.sel[k];
     if (norm_topk) {
       float sum = 0.0f;
-      for (int k = 0; k < K; ++k) sum += s_sel[k];
+      for (int j = 0; j < K; ++j) sum += sm.sel[j];
       w = w / (sum + 1e-20f);
     }
-    weights[r * K + e] = w * scale;
+    weights[k] = w * scale;
   }
+  __syncthreads();  // sm is rewritten by the next row
+}
+
+}  // namespace mtp
+
+__global__ void __launch_bounds__(mtp::kRouterMaxExperts)
+moe_router_select_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                         int* __restrict__ ids, float* __restrict__ weights, int E, int K,
+                         int n_group, int topk_group, float scale, int norm_topk, int softmax) {
+  __shared__ mtp::RouterSmem sm;
+  const long long r = blockIdx.x;
+  mtp::router_select_row(logits + r * E, bias, ids + r * K, weights + r * K, E, K, n_group, topk_group, scale,
+                         norm_topk, softmax, sm);
+}
+
+// The router in one launch for one row (n = 1, the decode step): linear.cu's GEMV of the
+// logits (gemv_groups, NR = 1, the launcher's grid and wpr), then the last block to finish
+// runs the selection. Each block's logits are written, fenced (__threadfence: visible to the
+// whole device before the ticket), and one thread takes a ticket with atomicInc(ticket,
+// gridDim.x - 1); the block that draws gridDim.x - 1 is the last, and atomicInc wraps the
+// counter back to 0 as it draws it, so the ticket is zero again for the next launch (a CUDA
+// graph replays it as it is). ``ticket``: one unsigned, zero before the first launch.
+template <typename W, bool NORM>
+__global__ void
+moe_router_kernel(const float* __restrict__ x, const W* __restrict__ w, const float* __restrict__ scale, int bn,
+                  int bk, const float* __restrict__ bias, float* logits, int* __restrict__ ids,
+                  float* __restrict__ weights, unsigned* ticket, int E, int H, int wpr,
+                  const float* __restrict__ norm_w, float eps, int K, int n_group, int topk_group, float rscale,
+                  int norm_topk, int softmax) {
+  using namespace mtp;
+  const LinearEpi epi{nullptr, nullptr, logits, E};
+  gemv_groups<W, 1, NORM>(x, w, make_scales<W>(scale, bn, bk, H), 1, H, wpr, epi, RowNorm{norm_w, eps});
+  __shared__ bool last;
+  __shared__ RouterSmem sm;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicInc(ticket, gridDim.x - 1) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  router_select_row(logits, bias, ids, weights, E, K, n_group, topk_group, rscale, norm_topk, softmax, sm);
 }
 
 namespace mtp {

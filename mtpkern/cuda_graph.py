@@ -244,7 +244,8 @@ class StepPlan:
             ws_fixed["mtp_input"] = {"xcat": xcat}
             if moe:
                 I = cfg.moe_intermediate_size
-                ws_fixed["router"] = {"logits": buf((n_max, cfg.n_routed_experts))}
+                ws_fixed["router"] = {"logits": buf((n_max, cfg.n_routed_experts)),
+                                      "ticket": buf((1,), np.uint32)}    # zero, and left zero by each launch
                 ws_fixed["experts"] = {"act": buf((n_max * K, I)), "partial": buf((n_max * K, H))}
                 if cfg.n_shared_experts:
                     ws_fixed["shared"] = {"act": buf((n_max, cfg.shared_intermediate_size))}

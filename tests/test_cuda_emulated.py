@@ -1178,6 +1178,47 @@ def test_router_large(be, E, spec):
     assert_close(w, w_ref, "float32", "router weights")
 
 
+@pytest.mark.parametrize("wd,ctype", [("bf16", "__nv_bfloat16"), ("f32", "float"), ("fp8", "__nv_fp8_e4m3")])
+@pytest.mark.parametrize("E,spec", [
+    (256, RouterSpec(8, 8, 4, 2.5, True)), (1000, RouterSpec(6, 8, 3, 1.0, True)),
+    (160, RouterSpec(6, 1, 1, 16.0, False, "softmax")), (33, RouterSpec(3, 3, 2, 1.0, True, "softmax"))])
+def test_router_one_row_selects_in_the_last_block(emu, be, wd, ctype, E, spec):
+    """One row: moe_router_kernel alone (the logits' GEMV, then the selection in the block that
+    finishes last, 128 threads over up to 1000 experts), in every block order; ids as the
+    reference and as the two-launch path gives that row, weights close to both; the caller's
+    ticket is zero again after each launch (a second launch on it is right too), the logits
+    workspace holds the row's logits."""
+    rng = np.random.default_rng(E)
+    H = 24
+    x = rnd(rng, 2, H)
+    gate, f_gate = stored(rnd(rng, E, H, scale=H ** -0.5), wd, (8, 8))
+    gate = be.prepare_weight(gate)
+    bias = (rng.integers(-3, 3, size=E) * 0.125).astype(np.float32)
+    ids_ref, w_ref = REF.moe_router(x[:1], f_gate, bias, spec)
+    two_ids, two_w = be.moe_router(x, gate, bias, spec)               # n = 2: linear + select
+    ticket, logits = np.zeros(1, np.uint32), np.zeros((1, E), np.float32)
+    try:
+        for order, seed in (("forward", 1), ("reverse", 1), ("shuffle", 3)):
+            emu.set_order(order, seed)
+            for _ in range(2):
+                before = emu.launches.copy()
+                ids, w = be.moe_router(x[:1], gate, bias, spec, ticket=ticket, logits=logits)
+                ran = {k for k, c in (emu.launches - before).items() if c}
+                assert ran == {f"moe_router_kernel<{ctype}, false>"}, ran
+                assert ticket[0] == 0
+                np.testing.assert_array_equal(ids, ids_ref)
+                np.testing.assert_array_equal(ids[0], two_ids[0])
+                assert_close(w, w_ref, "float32", "router weights, one row")
+                assert_close(w[0], two_w[0], "float32", "router weights, one row against two")
+                assert_close(logits, x[:1] @ f_gate.T, "float32", "router logits")
+    finally:
+        emu.set_order(*emu_backend.order_from_env())
+    with pytest.raises(ValueError, match="ticket"):
+        be.moe_router(x[:1], gate, bias, spec, ticket=np.zeros(2, np.uint32))
+    with pytest.raises(TypeError, match="ticket"):
+        be.moe_router(x[:1], gate, bias, spec, ticket=np.zeros(1, np.int32))
+
+
 @pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
 @pytest.mark.parametrize("nan_at", [[3], [0, 5, 6, 7], list(range(16))])
 def test_router_nan_scores(be, scoring, nan_at):
@@ -1425,6 +1466,8 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             out[f"lm_head topk ids {t}"], out[f"lm_head topk probs {t}"] = be.lm_head_topk(xn, head, mask, 4)
             ids, wts = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
             out[f"router {t}"] = ids
+            out[f"router norm {t}"] = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True),
+                                                    norm=(g, 1e-6))[0]
             e13, e2 = rnd(rng, 32, 48, 64, scale=0.125), rnd(rng, 32, 64, 24, scale=24 ** -0.5)
             w13, w2 = (pw(stored(a, wd, (16, 32))[0]) for a in (e13, e2))
             out[f"experts by pair {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn)      # n*K <= 20 <= E
@@ -1560,11 +1603,12 @@ def test_proposer_matches_numpy_reference(fake_runtime, request, config, mode, k
     test_gpu.check_cuda_matches_numpy_reference(ckpt_cfg, mode, kv, emu_backend.backend(kv))
 
 
-@pytest.mark.parametrize("B,want", [(1, 15), (4, 16)])
+@pytest.mark.parametrize("B,want", [(1, 14), (4, 16)])
 def test_launches_per_module_of_a_propose(emu, tiny_ckpt, tiny_cfg, B, want):
     """A draft-mode propose of M drafts on the tiny MoE config (shared experts): the norms
-    that feed GEMVs fused into them, and at one row the experts' down pass and combine in one
-    launch (docs/cuda.md, "Launches"): 15 launches a module at batch 1, 16 at batch 4."""
+    that feed GEMVs fused into them, and at one row the router's selection in its GEMV and the
+    experts' down pass and combine in one launch (docs/cuda.md, "Launches"): 14 launches a
+    module at batch 1, 16 at batch 4."""
     from mtpkern import MultiModuleMtpHead
 
     prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=emu_backend.backend(), kv_mode="draft",
@@ -1579,8 +1623,9 @@ def test_launches_per_module_of_a_propose(emu, tiny_ckpt, tiny_cfg, B, want):
     prop.propose_batch(rng.integers(0, V, B).tolist(), rnd(rng, B, H), [9] * B, M, sts)
     ran = emu.launches - before
     assert sum(ran.values()) == want * M, sorted(ran.items())
-    fused = {k for k in ran if k.startswith("moe_down_combine_kernel")}
-    assert bool(fused) == (B == 1) and ("moe_combine_kernel" in ran) == (B > 1), sorted(ran)
+    fused = {k for k in ran if k.startswith(("moe_down_combine_kernel", "moe_router_kernel"))}
+    assert len(fused) == 2 * (B == 1) and ("moe_combine_kernel" in ran) == (B > 1), sorted(ran)
+    assert ("moe_router_select_kernel" in ran) == (B > 1), sorted(ran)
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

@@ -194,10 +194,14 @@ class FakeCudaBackend(NumpyBackend):
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return self._run("sigmoid_gate", x, gate, residual, out=out)
 
-    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None, norm=None):
+    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None, ticket=None, norm=None):
         if logits is not None:
             _expect("logits", logits, (x.shape[0], gate_w.shape[0]))
             self.ws_seen.add("logits")
+        if ticket is not None:
+            _expect("ticket", ticket, (1,), np.uint32)
+            assert ticket[0] == 0
+            self.ws_seen.add("router ticket")
         return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights, norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
@@ -345,7 +349,7 @@ def test_captured_step_replays_like_eager(fake_cuda, tiny_ckpt, tiny_cfg, mode, 
     counts = run_twins(eager, graph, tiny_cfg, 4, [7, 12, 30], rounds)
     assert counts["captured"] >= 4 and counts["replayed"] >= 4, counts
     assert fake_cuda.memcpys["h2d"] == fake_cuda.memcpys["d2h"] == counts["executed"] + counts["replayed"]
-    ws = {"xcat", "logits", "moe act", "mlp act", "lm parts"}
+    ws = {"xcat", "logits", "router ticket", "moe act", "mlp act", "lm parts"}
     assert ws <= graph.backend.ws_seen, ws - graph.backend.ws_seen
 
 

@@ -248,8 +248,9 @@ class CudaBackend(Backend):
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return gate_launch.sigmoid_gate(x, gate, residual, out=out)
 
-    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None, norm=None):
-        return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits, norm=norm)
+    def moe_router(self, x, gate_w, bias, spec, *, ids=None, weights=None, logits=None, ticket=None, norm=None):
+        return moe.moe_router(x, gate_w, bias, spec, ids=ids, weights=weights, logits=logits, ticket=ticket,
+                              norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
                     limit=None, norm=None):

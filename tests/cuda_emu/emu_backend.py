@@ -475,7 +475,7 @@ class Emulator:
         )
 
         fakes = {"device": _device, "optional": _optional, "inplace": _inplace, "output": _output,
-                 "device_rows": _device_rows,
+                 "zeroed": _zeroed, "device_rows": _device_rows,
                  "expect_disjoint": _expect_disjoint, "expect_same_or_disjoint": _expect_same_or_disjoint,
                  "get_kernel": self.kernel,
                  "sm_count": lambda: self.sm_count, "smem_optin": lambda: self.smem_optin}
@@ -540,6 +540,10 @@ def _output(out, name, shape, dtype):
     if shape_of(arr) != tuple(shape):
         raise ValueError(f"{name}: expected shape {list(shape)}, got {list(shape_of(arr))}")
     return arr
+
+
+def _zeroed(buf, name, shape, dtype):
+    return np.zeros(shape, dtype) if buf is None else _output(buf, name, shape, dtype)
 
 
 def _expect_disjoint(name_a, a, name_b, b):

@@ -145,6 +145,14 @@ def output(out: Any, name: str, shape: tuple[int, ...], dtype) -> Any:
     return arr
 
 
+def zeroed(buf: Any, name: str, shape: tuple[int, ...], dtype) -> Any:
+    """A workspace that must hold zeros when a launch starts and that the kernel leaves zero
+    (a ticket counter): the caller's (checked as ``output``), or a new zeroed one."""
+    if buf is None:
+        return _cupy().zeros(shape, dtype)
+    return output(buf, name, shape, dtype)
+
+
 def expect_disjoint(name_a: str, a: Any, name_b: str, b: Any) -> None:
     """Raise when two device arrays share memory (a kernel reading b while writing a)."""
     a0, b0 = a.data.ptr, b.data.ptr

@@ -69,7 +69,9 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"moe_expert_kernel<{t}, true, {nr}, false>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
     + tuple(f"moe_expert_kernel<{t}, false, {nr}, false>" for t in _WEIGHT_CTYPES for nr in GEMV_NR if nr > 1)
     + tuple(f"moe_expert_kernel<{t}, true, {nr}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
-    + tuple(f"moe_down_combine_kernel<{t}>" for t in _WEIGHT_CTYPES),
+    + tuple(f"moe_down_combine_kernel<{t}>" for t in _WEIGHT_CTYPES)
+    # one row's router: the logits' GEMV and the selection in one launch
+    + tuple(f"moe_router_kernel<{t}, {nm}>" for t in _WEIGHT_CTYPES for nm in ("false", "true")),
     # CONF: the confidence epilogue (lm_head_argmax(..., conf=)); false is the plain argmax
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}, {nr}>" for t in _WEIGHT_CTYPES
                      for c in ("false", "true") for nr in GEMV_NR)

@@ -2,7 +2,11 @@
 
 ``moe_router(x [n, H], gate_w [E, H], bias [E], spec) -> (ids [n, K] int32,
 weights [n, K] FP32)``: ``linear_kernel`` for the logits (workspace ``logits``
-[n, E] FP32) then ``moe_router_select_kernel``, one block per row. E <= 1024.
+[n, E] FP32) then ``moe_router_select_kernel``, one block per row. E <= 1024. One row
+(n = 1, the decode step) takes one launch, ``moe_router_kernel<W, NORM>``: the same GEMV,
+whose last block to finish runs the selection, found with a ticket (workspace ``ticket``:
+one uint32, zero before the launch and zero again after it; a new zeroed one per call
+when none is given).
 
 ``moe_experts(x [n, H], ids [n, K], weights [n, K], w13 [E, 2I, H], w2 [E, H, I],
 residual [n, H] | None, *, limit=None) -> [n, H]``: three launches, workspaces
@@ -30,8 +34,8 @@ from ...ops.mlp import NO_LIMIT, swiglu_limit
 from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..base import all_fp8_or_none
 from ._util import (NULL, CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
-                    expect_same_or_disjoint, expect_weight, f32, i32, optional, output, ptr, weight_args)
-from .linear import GEMV_THREADS, GEMV_WARPS, gemv_rows, launch_linear, norm_args
+                    expect_same_or_disjoint, expect_weight, f32, i32, optional, output, ptr, weight_args, zeroed)
+from .linear import GEMV_THREADS, GEMV_WARPS, gemv_config, gemv_rows, launch_linear, norm_args
 from .loader import get_kernel
 
 #: kRouterMaxExperts in moe.cu: one thread per expert
@@ -39,9 +43,11 @@ ROUTER_MAX_EXPERTS = 1024
 COMBINE_THREADS = 256
 
 
-def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, logits=None, norm=None):
-    """-> (ids [n, K] int32, weights [n, K] FP32); ``logits``: workspace [n, E] FP32; ``norm=(g,
-    eps)``: x RMS-normalised first (fused into the logits' GEMV)."""
+def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, logits=None, ticket=None,
+               norm=None):
+    """-> (ids [n, K] int32, weights [n, K] FP32); ``logits``: workspace [n, E] FP32; ``ticket``:
+    workspace [1] uint32 of the one-row launch, zero (it is left zero; a planned step keeps one);
+    ``norm=(g, eps)``: x RMS-normalised first (fused into the logits' GEMV)."""
     check_moe_router(x, gate_w, bias, spec)
     expect_weight("gate_w", gate_w)
     n = x.shape[0]
@@ -54,7 +60,21 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
     logits = output(logits, "logits", (n, E), np.float32)
     ids = output(ids, "ids", (n, K), np.int32)
     weights = output(weights, "weights", (n, K), np.float32)
+    if ticket is not None:
+        ticket = output(ticket, "ticket", (1,), np.uint32)
     if n == 0:
+        return ids, weights
+    if n == 1:
+        ticket = zeroed(ticket, "ticket", (1,), np.uint32)
+        H = x.shape[1]
+        nm, nargs = norm_args(norm, H)
+        grid, wpr = gemv_config(cdiv(E, 2))
+        get_kernel("moe", f"moe_router_kernel<{ctype(gate_w)}, {nm}>")(
+            grid, (GEMV_THREADS,),
+            (x, *weight_args(gate_w), bias, logits, ids, weights, ticket, i32(E), i32(H), i32(wpr), *nargs, i32(K),
+             i32(spec.n_group), i32(spec.topk_group), f32(spec.routed_scaling_factor), i32(spec.norm_topk_prob),
+             i32(spec.scoring == "softmax")),
+        )
         return ids, weights
     launch_linear(x, gate_w, None, None, logits, norm)
     block = cdiv(E, 32) * 32

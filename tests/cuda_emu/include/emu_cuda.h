@@ -149,6 +149,8 @@ inline float4 __ldg(const float4* p) { emu::check_align(p, 16, "__ldg(float4)");
 inline unsigned __ldg(const unsigned* p) { emu::check_align(p, 4, "__ldg(unsigned)"); return *p; }
 inline uint2 __ldg(const uint2* p) { emu::check_align(p, 8, "__ldg(uint2)"); return *p; }
 inline uint4 __ldg(const uint4* p) { emu::check_align(p, 16, "__ldg(uint4)"); return *p; }
+// __ldcg (a load cached in L2 only: what another block wrote this launch): a plain load here
+inline float __ldcg(const float* p) { emu::check_align(p, 4, "__ldcg(float)"); return *p; }
 
 // Atomics and the fence, for the last-block pattern (each block writes its result, fences,
 // takes a ticket; the block with the last ticket combines them): blocks run one after
