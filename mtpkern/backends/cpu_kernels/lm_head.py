@@ -102,9 +102,12 @@ def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf):
                     if ok[s]:
                         for i in range(n):
                             y[i, s] = _dot_1x1(w, rows[s], zero, x, np.int64(i))
-            for s in range(count):
-                if ok[s]:
-                    _offer_rows(best_val, best_id, sums, c, bitmask, y, s, rows[s])
+            if masked or sums.shape[0] > 0:
+                for s in range(count):
+                    if ok[s]:
+                        _offer_rows(best_val, best_id, sums, c, bitmask, y, s, rows[s])
+            else:
+                _offer_group(best_val, best_id, c, y, rows, count)
     return _reduce(best_val, best_id, sums, ids, conf)
 
 
@@ -150,6 +153,25 @@ def _clear(best_val, best_id, c):
     for i in range(best_id.shape[1]):
         best_id[c, i] = -1
         best_val[c, i] = 0.0
+
+
+@njit(cache=True, fastmath=False)
+def _offer_group(best_val, best_id, c, y, rows, count):
+    """``_offer`` of a group's logits y[:, :count] (tokens rows[:count]) to chunk c's bests of
+    every input row, without a mask or sums: the same rule (non-NaN; larger, or as large with
+    a lower id), the best kept in registers across the group (``_offer`` per logit was 0.9 ms
+    of a [32768, 1024] head's 2.3 at one row, 2.1 of 6.7 at eight, from L3)."""
+    for i in range(y.shape[0]):
+        bv = best_val[c, i]
+        bi = best_id[c, i]
+        for s in range(count):
+            v = y[i, s]
+            j = rows[s]
+            if v > bv or (bi < 0 and v == v) or (v == bv and j < bi):
+                bv = v
+                bi = j
+        best_val[c, i] = bv
+        best_id[c, i] = bi
 
 
 @njit(cache=True, fastmath=False)
