@@ -1,0 +1,256 @@
+"""Communicators: how the ranks of a sharded draft head talk (docs/distributed.md).
+
+A sharded head runs the same propose on every rank, each holding a slice of the
+weights (and of the KV where the heads are sliced); the slices' partial results
+meet in collectives. mtpkern does not bring a transport of its own: a
+communicator is any object with
+
+- ``rank`` and ``size`` (ints: this process's index, 0 .. size - 1, and the world size);
+- ``all_reduce(buf, op)``: ``buf`` replaced, in place, by the element-wise ``op`` ("sum" or
+  "max") of every rank's ``buf`` (same shape and dtype everywhere);
+- ``all_gather(send, recv)``: ``recv[r]`` = rank r's ``send`` (``recv``: ``[size, *send.shape]``);
+- ``broadcast(buf, root)``: every rank's ``buf`` replaced, in place, by rank ``root``'s.
+
+Buffers are the backend's arrays: NumPy for the numpy and cpu backends, CuPy for cuda,
+where every call is ordered on the current CuPy stream (so a CUDA graph may capture it)
+and returns without waiting for it. Every rank makes the same calls in the same order; a
+call that raises on one rank raises on all (the checks below depend only on what every
+rank agrees on: shapes, dtypes, op names).
+
+Three implementations: ``LocalComm`` (a world of one: every collective is the identity),
+``MpiComm`` (``mpi4py``, NumPy buffers; ``pip install 'mtpkern[mpi]'``) and ``NcclComm``
+(NCCL through ``cupy.cuda.nccl``, CuPy buffers). An engine that has a communicator of its
+own wraps it in an object with the four members above.
+
+``sharded_argmax`` and ``sharded_confidence`` are the vocabulary-parallel LM head's
+reductions: one collective each, exactly the single-rank answer's rule (ties to the
+lowest id, NaN never wins).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+#: the reductions every communicator provides
+OPS = ("sum", "max")
+#: the dtypes the collectives carry (``sharded_argmax`` packs its keys as uint64)
+DTYPES = ("float32", "int32", "int64", "uint64")
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, buf: Any, op: str) -> None: ...
+
+    def all_gather(self, send: Any, recv: Any) -> None: ...
+
+    def broadcast(self, buf: Any, root: int) -> None: ...
+
+
+def check_comm(comm: Any, name: str = "comm") -> Any:
+    """``comm`` if it has what a communicator must (module docstring), else a TypeError
+    naming what it lacks; a ValueError for a rank outside 0 .. size - 1."""
+    missing = [m for m in ("rank", "size", "all_reduce", "all_gather", "broadcast") if not hasattr(comm, m)]
+    if missing:
+        raise TypeError(f"{name}: expected a communicator (rank, size, all_reduce, all_gather, broadcast), "
+                        f"got {type(comm).__name__} without {', '.join(missing)}")
+    size, rank = comm.size, comm.rank
+    if not (isinstance(size, (int, np.integer)) and size >= 1):
+        raise ValueError(f"{name}.size: expected an int >= 1, got {size!r}")
+    if not (isinstance(rank, (int, np.integer)) and 0 <= rank < size):
+        raise ValueError(f"{name}.rank: expected an int in 0 .. {size - 1}, got {rank!r}")
+    return comm
+
+
+def _dtype(name: str, buf: Any) -> str:
+    dt = np.dtype(buf.dtype).name
+    if dt not in DTYPES:
+        raise TypeError(f"{name}: expected dtype {' or '.join(DTYPES)}, got {dt}")
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strides {buf.strides}")
+    return dt
+
+
+def _op(op: str) -> str:
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {', '.join(OPS)}, got {op!r}")
+    return op
+
+
+def _gather_shape(send: Any, recv: Any, size: int) -> None:
+    want = (size, *send.shape)
+    if tuple(recv.shape) != want or np.dtype(recv.dtype) != np.dtype(send.dtype):
+        raise ValueError(f"recv: expected shape {list(want)} {np.dtype(send.dtype).name}, "
+                         f"got {list(recv.shape)} {np.dtype(recv.dtype).name}")
+
+
+def _root(root: int, size: int) -> int:
+    if not (isinstance(root, (int, np.integer)) and 0 <= root < size):
+        raise ValueError(f"root: expected an int in 0 .. {size - 1}, got {root!r}")
+    return int(root)
+
+
+class LocalComm:
+    """A world of one rank: all_reduce and broadcast leave ``buf`` as it is, all_gather
+    copies ``send`` into ``recv[0]``. A sharded head over it is the unsharded head."""
+
+    rank = 0
+    size = 1
+
+    def all_reduce(self, buf: Any, op: str) -> None:
+        _dtype("buf", buf)
+        _op(op)
+
+    def all_gather(self, send: Any, recv: Any) -> None:
+        _dtype("send", send)
+        _gather_shape(send, recv, 1)
+        recv[0] = send
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        _dtype("buf", buf)
+        _root(root, 1)
+
+
+class MpiComm:
+    """MPI through ``mpi4py`` (NumPy buffers): ``MpiComm()`` is ``MPI.COMM_WORLD``,
+    ``MpiComm(c)`` any mpi4py intracommunicator (an engine's own, or a split of it)."""
+
+    def __init__(self, comm: Any = None):
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise ImportError("MpiComm needs mpi4py: pip install 'mtpkern[mpi]'") from e
+        self._MPI = MPI
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = int(self.comm.Get_rank())
+        self.size = int(self.comm.Get_size())
+
+    def _host(self, name: str, buf: Any) -> np.ndarray:
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"{name}: MpiComm takes NumPy arrays, got {type(buf).__name__}")
+        _dtype(name, buf)
+        return buf
+
+    def all_reduce(self, buf: Any, op: str) -> None:
+        b = self._host("buf", buf)
+        mpi_op = self._MPI.SUM if _op(op) == "sum" else self._MPI.MAX
+        self.comm.Allreduce(self._MPI.IN_PLACE, b, op=mpi_op)
+
+    def all_gather(self, send: Any, recv: Any) -> None:
+        s, r = self._host("send", send), self._host("recv", recv)
+        _gather_shape(s, r, self.size)
+        self.comm.Allgather(s, r)
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        self.comm.Bcast(self._host("buf", buf), root=_root(root, self.size))
+
+
+class NcclComm:
+    """NCCL through ``cupy.cuda.nccl`` (CuPy buffers, ordered on the current stream).
+
+    ``NcclComm(size, rank, unique_id)`` joins a communicator whose id rank 0 made with
+    ``NcclComm.unique_id()`` and handed to every rank; ``NcclComm.from_mpi(mpi_comm)`` does
+    that hand-over through MPI (one rank per GPU: each rank selects its device first)."""
+
+    _OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX"}
+    _TYPES = {"float32": "NCCL_FLOAT32", "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64"}
+
+    def __init__(self, size: int, rank: int, unique_id: Any):
+        from cupy.cuda import nccl
+
+        self._nccl = nccl
+        self.size, self.rank = int(size), int(rank)
+        self.comm = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+
+    @staticmethod
+    def unique_id() -> Any:
+        from cupy.cuda import nccl
+
+        return nccl.get_unique_id()
+
+    @classmethod
+    def from_mpi(cls, mpi_comm: Any = None) -> NcclComm:
+        m = MpiComm(mpi_comm)
+        uid = cls.unique_id() if m.rank == 0 else None
+        return cls(m.size, m.rank, m.comm.bcast(uid, root=0))
+
+    def _args(self, name: str, buf: Any) -> tuple:
+        import cupy
+
+        if not isinstance(buf, cupy.ndarray):
+            raise TypeError(f"{name}: NcclComm takes CuPy arrays, got {type(buf).__name__}")
+        dt = _dtype(name, buf)
+        return buf.data.ptr, buf.size, getattr(self._nccl, self._TYPES[dt]), cupy.cuda.get_current_stream().ptr
+
+    def all_reduce(self, buf: Any, op: str) -> None:
+        ptr, n, dt, stream = self._args("buf", buf)
+        self.comm.allReduce(ptr, ptr, n, dt, getattr(self._nccl, self._OPS[_op(op)]), stream)
+
+    def all_gather(self, send: Any, recv: Any) -> None:
+        sp, n, dt, stream = self._args("send", send)
+        rp, _, _, _ = self._args("recv", recv)
+        _gather_shape(send, recv, self.size)
+        self.comm.allGather(sp, rp, n, dt, stream)
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        ptr, n, dt, stream = self._args("buf", buf)
+        self.comm.broadcast(ptr, ptr, n, dt, _root(root, self.size), stream)
+
+
+# -- the vocabulary-parallel LM head's reductions -------------------------------------------
+
+_NONE = np.uint64(0)
+_LOW = np.uint64(0xFFFFFFFF)
+
+
+def argmax_keys(best_val: Any, best_id: Any, xp: Any = np) -> Any:
+    """One uint64 per row that orders the (value, id) candidates as the single-rank argmax
+    does: a larger value wins, then a lower id; 0 for a row with no candidate (id -1).
+    Value bits map to an unsigned order (negative floats inverted, non-negative ones with
+    the top bit set, -0.0 as +0.0: they compare equal, so the id decides); the id's
+    complement takes the low 32 bits. ``best_val`` FP32 (never NaN where ``best_id >= 0``),
+    ``best_id`` int (global ids below 2^32 - 1)."""
+    v = xp.where(best_val == 0, xp.float32(0.0), best_val.astype(xp.float32))   # -0.0 -> +0.0
+    bits = v.view(xp.uint32).astype(xp.uint64)
+    neg = (bits >> xp.uint64(31)) != 0
+    ordered = xp.where(neg, bits ^ _LOW, bits | xp.uint64(0x80000000))
+    ids = best_id.astype(xp.int64)
+    key = (ordered << xp.uint64(32)) | (_LOW - xp.maximum(ids, 0).astype(xp.uint64))
+    return xp.where(ids >= 0, key, _NONE)
+
+
+def ids_of_keys(keys: Any, xp: Any = np) -> Any:
+    """The winning ids (int32; -1 where no rank had a candidate) of reduced ``argmax_keys``."""
+    ids = (_LOW - (keys & _LOW)).astype(xp.int64)
+    return xp.where(keys == _NONE, -1, ids).astype(xp.int32)
+
+
+def sharded_argmax(best_val: Any, best_id: Any, comm: Any, xp: Any = np) -> Any:
+    """Each rank's per-row best allowed non-NaN logit (value, global id; id -1: none on this
+    rank) -> the single-rank argmax of the whole vocabulary on every rank, with one
+    all-reduce (max) of packed keys: int32 [n], -1 where no rank had a candidate."""
+    keys = xp.ascontiguousarray(argmax_keys(best_val, best_id, xp))
+    comm.all_reduce(keys, "max")
+    return ids_of_keys(keys, xp)
+
+
+def sharded_confidence(best_val: Any, sum_exp: Any, has: Any, ids: Any, comm: Any, xp: Any = np) -> Any:
+    """The drafts' confidences (the softmax probability of the argmax), as the single-rank
+    LM head's chunks combine theirs: each rank's per-row best logit ``best_val``, its
+    ``sum_exp`` = sum over its allowed non-NaN logits of exp(logit - best_val) (a logit equal
+    to the best counting 1) and ``has`` (whether it had any); the global best by an
+    all-reduce (max), then sum_r sum_exp_r * exp(best_r - best) (1 where they are equal) by an
+    all-reduce (sum); the confidence is 1 / that sum, NaN where ``ids`` (``sharded_argmax``'s)
+    is -1."""
+    top = xp.ascontiguousarray(xp.where(has, best_val, -xp.inf).astype(xp.float32))
+    comm.all_reduce(top, "max")
+    with np.errstate(invalid="ignore", over="ignore"):
+        f = xp.where(best_val == top, xp.float32(1.0), xp.exp(best_val - top))
+        part = xp.ascontiguousarray(xp.where(has, sum_exp * f, 0.0).astype(xp.float32))
+    comm.all_reduce(part, "sum")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return xp.where(ids < 0, xp.float32(np.nan), xp.float32(1.0) / part).astype(xp.float32)

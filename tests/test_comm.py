@@ -1,0 +1,134 @@
+"""Communicators (mtpkern.comm) and the vocabulary-parallel LM head's reductions: in one
+process (a world of threads, any number of ranks) and under ``mpirun -n 2`` / ``-n 4``
+(tests/mpi_worker.py, MPICH and mpi4py from the test extras)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from comm_cases import ThreadWorld, local_best, logit_case, reference
+from mtpkern.comm import (Communicator, LocalComm, argmax_keys, check_comm, ids_of_keys, sharded_argmax,
+                          sharded_confidence)
+
+HERE = Path(__file__).resolve().parent
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 5))
+def test_sharded_argmax_is_the_single_rank_argmax(seed, ranks):
+    """The vocabulary cut in ``ranks`` contiguous shards (some empty when V < ranks): one
+    all-reduce of the packed keys gives the whole vocabulary's argmax on every rank (ties
+    to the lowest id, -0.0 tying with 0.0, NaN never winning, masks sliced by vocabulary,
+    -1 for a row nothing allows), and the confidences its softmax probability."""
+    x, w, mask = logit_case(np.random.default_rng(seed))
+    want_ids, want_conf = reference(x, w, mask)
+    V = w.shape[0]
+
+    def rank(comm):
+        lo, hi = comm.rank * V // comm.size, (comm.rank + 1) * V // comm.size
+        best, ids, sums, has = local_best(x, w, mask, lo, hi)
+        got = sharded_argmax(best, ids, comm)
+        return got, sharded_confidence(best, sums, has, got, comm)
+
+    for got, conf in ThreadWorld(ranks).run(rank):
+        np.testing.assert_array_equal(got, want_ids)
+        np.testing.assert_allclose(conf, want_conf, rtol=1e-5, equal_nan=True)
+
+
+def test_argmax_keys_order_values_then_lower_ids():
+    vals = np.array([-np.inf, -2.0, -0.0, 0.0, 1e-30, 3.0, np.inf, 5.0], np.float32)
+    ids = np.array([0, 1, 9, 4, 2, 7, 3, -1], np.int64)
+    keys = argmax_keys(vals, ids)
+    assert keys[-1] == 0 and (keys[:-1] > 0).all()                       # no candidate: below all
+    assert list(np.argsort(keys[:-1], kind="stable")) == [0, 1, 2, 3, 4, 5, 6]
+    assert keys[3] > keys[2]                                             # equal values: id 4 over id 9
+    np.testing.assert_array_equal(ids_of_keys(keys), [0, 1, 9, 4, 2, 7, 3, -1])
+    assert ids_of_keys(argmax_keys(np.float32([7.0]), np.int64([2**31 - 1])))[0] == 2**31 - 1
+
+
+def test_local_comm_is_a_world_of_one():
+    c = check_comm(LocalComm())
+    assert isinstance(c, Communicator) and (c.rank, c.size) == (0, 1)
+    a = np.arange(3, dtype=np.float32)
+    c.all_reduce(a, "sum")
+    c.broadcast(a, 0)
+    recv = np.zeros((1, 3), np.float32)
+    c.all_gather(a, recv)
+    np.testing.assert_array_equal(recv[0], [0, 1, 2])
+    np.testing.assert_array_equal(sharded_argmax(np.float32([2.0, 1.0]), np.int64([5, -1]), c), [5, -1])
+
+
+def test_collectives_refuse_bad_arguments_naming_them():
+    c = LocalComm()
+    with pytest.raises(ValueError, match="op: expected one of sum, max, got 'min'"):
+        c.all_reduce(np.zeros(2, np.float32), "min")
+    with pytest.raises(TypeError, match="buf: expected dtype float32 or int32 or int64 or uint64, got float64"):
+        c.all_reduce(np.zeros(2), "sum")
+    with pytest.raises(ValueError, match="buf: expected a C-contiguous array"):
+        c.all_reduce(np.zeros((2, 4), np.float32)[:, ::2], "sum")
+    with pytest.raises(ValueError, match=r"recv: expected shape \[1, 2\] float32, got \[2, 2\] float32"):
+        c.all_gather(np.zeros(2, np.float32), np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match="root: expected an int in 0 .. 0, got 1"):
+        c.broadcast(np.zeros(2, np.float32), 1)
+
+
+def test_check_comm_names_what_is_missing():
+    class Half:
+        rank, size = 0, 2
+
+        def all_reduce(self, buf, op):
+            pass
+
+    with pytest.raises(TypeError, match="got Half without all_gather, broadcast"):
+        check_comm(Half())
+    bad = LocalComm()
+    bad.rank = 1
+    with pytest.raises(ValueError, match=r"comm.rank: expected an int in 0 .. 0, got 1"):
+        check_comm(bad)
+
+
+def test_thread_world_collectives():
+    def rank(comm):
+        r, R = comm.rank, comm.size
+        a = np.full(2, r + 1, np.int64)
+        comm.all_reduce(a, "max")
+        g = np.zeros((R, 1), np.float32)
+        comm.all_gather(np.float32([r]), g)
+        b = np.uint64([r])
+        comm.broadcast(b, 2)
+        return a, g, b
+
+    for a, g, b in ThreadWorld(3).run(rank):
+        assert list(a) == [3, 3] and list(g[:, 0]) == [0, 1, 2] and b[0] == 2
+
+
+def _mpirun() -> str | None:
+    for cand in (Path(sys.executable).parent / "mpirun", Path(sys.executable).parent / "mpiexec"):
+        if cand.exists():
+            return str(cand)
+    return shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_mpi_world(ranks, tmp_path):
+    """``mpirun -n ranks``: MpiComm's collectives and the sharded argmax / confidences on
+    every rank equal the single-rank answer (tests/mpi_worker.py)."""
+    pytest.importorskip("mpi4py", reason="MPI: pip install 'mtpkern[mpi]' (the test extras include it)")
+    mpirun = _mpirun()
+    if mpirun is None:
+        pytest.skip("no mpirun / mpiexec (pip install mpich)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([mpirun, "-n", str(ranks), sys.executable, str(HERE / "mpi_worker.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{q}" for q in range(ranks)], r.stdout + r.stderr
+    assert all(p.read_text() == "ok" for p in tmp_path.iterdir())
