@@ -193,12 +193,15 @@ moe_router_kernel(const float* __restrict__ x, const W* __restrict__ w, const fl
   gemv_groups<W, 1, NORM>(x, w, make_scales<W>(scale, bn, bk, H), 1, H, wpr, epi, RowNorm{norm_w, eps});
   __shared__ bool last;
   __shared__ RouterSmem sm;
-  __threadfence();
+  __threadfence();   // each writer's logits, device-wide, before the barrier
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicInc(ticket, gridDim.x - 1) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();   // and again by the thread that releases them with its ticket (cumulative)
+    last = atomicInc(ticket, gridDim.x - 1) == gridDim.x - 1;
+  }
   __syncthreads();
   if (!last) return;
-  __threadfence();
+  __threadfence();   // the acquire side: the other blocks' logits, read through L2 (__ldcg)
   router_select_row(logits, bias, ids, weights, E, K, n_group, topk_group, rscale, norm_topk, softmax, sm);
 }
 

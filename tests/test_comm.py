@@ -132,3 +132,36 @@ def test_mpi_world(ranks, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{q}" for q in range(ranks)], r.stdout + r.stderr
     assert all(p.read_text() == "ok" for p in tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+def test_nccl_world_of_one():
+    """NcclComm on the device (scripts/gpu_check.sh): a world of one rank, CuPy buffers on
+    the current stream; the sharded argmax / confidences through it as through LocalComm."""
+    cupy = pytest.importorskip("cupy")
+    from cupy.cuda import nccl
+
+    if not getattr(nccl, "available", True):
+        pytest.skip("CuPy built without NCCL")
+    from mtpkern.comm import NcclComm
+
+    c = check_comm(NcclComm(1, 0, NcclComm.unique_id()))
+    a = cupy.arange(4, dtype=cupy.float32)
+    c.all_reduce(a, "sum")
+    c.all_reduce(a, "max")
+    recv = cupy.zeros((1, 4), cupy.float32)
+    c.all_gather(a, recv)
+    c.broadcast(a, 0)
+    cupy.cuda.get_current_stream().synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(recv[0]), [0, 1, 2, 3])
+    np.testing.assert_array_equal(cupy.asnumpy(a), [0, 1, 2, 3])
+    with pytest.raises(TypeError, match="NcclComm takes CuPy arrays"):
+        c.all_reduce(np.zeros(2, np.float32), "sum")
+    x, w, mask = logit_case(np.random.default_rng(3), V=64, masked=True)
+    best, ids, sums, has = local_best(x, w, mask, 0, 64)
+    want = sharded_argmax(best, ids, LocalComm())
+    got = sharded_argmax(cupy.asarray(best), cupy.asarray(ids), c, xp=cupy)
+    np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    conf = sharded_confidence(cupy.asarray(best), cupy.asarray(sums), cupy.asarray(has), got, c, xp=cupy)
+    np.testing.assert_allclose(cupy.asnumpy(conf), sharded_confidence(best, sums, has, want, LocalComm()),
+                               rtol=1e-6, equal_nan=True)
