@@ -102,12 +102,7 @@ def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf):
                     if ok[s]:
                         for i in range(n):
                             y[i, s] = _dot_1x1(w, rows[s], zero, x, np.int64(i))
-            if masked or sums.shape[0] > 0:
-                for s in range(count):
-                    if ok[s]:
-                        _offer_rows(best_val, best_id, sums, c, bitmask, y, s, rows[s])
-            else:
-                _offer_group(best_val, best_id, c, y, rows, count)
+            _offer_group(best_val, best_id, sums, c, bitmask, y, rows, count, ok)
     return _reduce(best_val, best_id, sums, ids, conf)
 
 
@@ -156,30 +151,41 @@ def _clear(best_val, best_id, c):
 
 
 @njit(cache=True, fastmath=False)
-def _offer_group(best_val, best_id, c, y, rows, count):
-    """``_offer`` of a group's logits y[:, :count] (tokens rows[:count]) to chunk c's bests of
-    every input row, without a mask or sums: the same rule (non-NaN; larger, or as large with
-    a lower id), the best kept in registers across the group (``_offer`` per logit was 0.9 ms
-    of a [32768, 1024] head's 2.3 at one row, 2.1 of 6.7 at eight, from L3)."""
+def _offer_group(best_val, best_id, sums, c, bitmask, y, rows, count, ok):
+    """``_offer`` of a group's logits y[:, s] (token rows[s], for s < count with ok[s]: the rows
+    read) to chunk c's bests of the input rows that allow them: per input row the tokens in s
+    order, as one ``_offer`` per logit would take them (the same operations in the same order,
+    so the same bits), with the row's best, id and sum held in registers across the group
+    (``_offer`` per logit was 0.9 ms of a [32768, 1024] head's 2.3 at one row, 2.1 of 6.7 at
+    eight, from L3)."""
+    with_sums = sums.shape[0] > 0
     for i in range(y.shape[0]):
         bv = best_val[c, i]
         bi = best_id[c, i]
+        sm = sums[c, i] if with_sums else np.float32(0.0)
         for s in range(count):
-            v = y[i, s]
             j = rows[s]
-            if v > bv or (bi < 0 and v == v) or (v == bv and j < bi):
+            if not ok[s] or not _allowed(bitmask, i, j):
+                continue
+            v = y[i, s]
+            if v != v:
+                continue
+            if with_sums:                 # a logit equal to the best counts 1 (never exp(inf - inf))
+                if bi < 0:
+                    sm = np.float32(1.0)
+                elif v > bv:
+                    sm = sm * np.exp(bv - v) + np.float32(1.0)
+                elif v == bv:
+                    sm += np.float32(1.0)
+                else:
+                    sm += np.exp(v - bv)
+            if bi < 0 or v > bv or (v == bv and j < bi):
                 bv = v
                 bi = j
         best_val[c, i] = bv
         best_id[c, i] = bi
-
-
-@njit(cache=True, fastmath=False)
-def _offer_rows(best_val, best_id, sums, c, bitmask, y, s, j):
-    """Offer token j's logits y[:, s] to chunk c's bests of the input rows that allow it."""
-    for i in range(y.shape[0]):
-        if _allowed(bitmask, i, j):
-            _offer(best_val, best_id, sums, c, i, y[i, s], j)
+        if with_sums:
+            sums[c, i] = sm
 
 
 @njit(cache=True, fastmath=False)
