@@ -1569,3 +1569,29 @@ def test_fp8_refusals(be):
         be.linear(x, q)
     with pytest.raises(ValueError, match=r"w: expected shape \[\*, 17\]"):
         be.linear(f(acts(rng, 2, 17)), be.prepare_weight(q))
+
+
+@pytest.mark.parametrize("wd", ["bf16", "f32"])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_gemv_rows_do_not_depend_on_their_group(wd, n):
+    """cpu backend: a weight row's dot comes from the same instructions wherever it falls (a
+    full group of 8, the rows past the last group, a matrix of one row, a shard of the rows),
+    so its bits do not depend on the grouping; and the masked LM head, which computes rows
+    alone where a mask leaves only some of a group, picks the argmax of those same logits."""
+    be = get_backend("cpu")
+    rng = np.random.default_rng(n)
+    N, H = 41, 72
+    w = rng.standard_normal((N, H)).astype(np.float32)
+    w = w.astype(ml_dtypes.bfloat16) if wd == "bf16" else w
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    full = be.linear(x, be.prepare_weight(w), None)
+    alone = np.concatenate([be.linear(x, be.prepare_weight(w[j:j + 1]), None) for j in range(N)], axis=1)
+    shards = np.concatenate([be.linear(x, be.prepare_weight(w[a:b]), None) for a, b in ((0, 17), (17, 30), (30, N))],
+                            axis=1)
+    np.testing.assert_array_equal(alone, full)
+    np.testing.assert_array_equal(shards, full)
+    mask = rng.integers(-2**31, 2**31, (n, 2), dtype=np.int64).astype(np.int32) & 0x11111111
+    mask[:, 0] |= 1 << 9
+    allowed = bitmask_allowed(mask, N)
+    want = np.where(allowed, full, -np.inf).argmax(axis=1)     # the first (lowest) id of the max
+    np.testing.assert_array_equal(be.lm_head_argmax(x, be.prepare_weight(w), mask), want)

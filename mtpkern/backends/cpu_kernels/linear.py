@@ -23,7 +23,8 @@ former 2 adjacent weight rows x 4), a remaining pair all 8 weight rows x 2
 (``_dot_8x2``; n = 2: 187 -> 150 us, n = 3: 273 -> 227 us against one input row
 at a time), a last single row all 8 in one pass (``_dot_8x1``). With the tasks
 split evenly over the threads, each thread reads 8 disjoint ranges side by
-side. Rows past the last full group of 8 are tasks of their own (``_dot_1x1``).
+side. Rows past the last full group of 8 are tasks of their own, the row in all 8 slots of
+the same code (``gemv_task``: a row's result does not depend on its group).
 
 Large n (prefill chunks) is compute-bound and OpenBLAS sgemm is faster there,
 but only FP32 weights go to it (the ``linear`` launcher, n >= 256): widening
@@ -100,15 +101,6 @@ def widen(typingctx, v):
 # Rows are sliced to 1-D views first: indexing w[j, k0 + k] in the loop would
 # carry Numba's negative-index wraparound per element and stop vectorisation
 # (2.5 ms instead of 0.63 ms for a [4096, 1024] BF16 GEMV on one core).
-
-@njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot_1x1(w, j, k0, x, i):
-    wa, x0 = w[j, k0:], x[i]
-    a0 = np.float32(0.0)
-    for k in range(x0.shape[0]):
-        a0 += widen(wa[k]) * x0[k]
-    return a0
-
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
 def _dot_8x1(w, r, k0, x, i):
@@ -305,9 +297,14 @@ def group8(t, q, lo):
 def gemv_task(w, rows, count, k0, x, i0, i1, y, cols, accumulate):
     """For input rows i0..i1 of x [*, K] and s < count:
     ``y[i, cols[s]] (+)= w[rows[s], k0:k0+K] . x[i]``. ``rows`` / ``cols``: 8-tuples
-    of int64; count 8 reads the 8 weight rows together (``_dot_4x4``, ``_dot_8x2``,
-    ``_dot_8x1``), a smaller count one row at a time. Each weight row is read from memory once for
-    all the input rows (the rest of the passes hit L1/L2).
+    of int64, every entry a valid row (a smaller count repeats its rows: ``group8``): the 8
+    weight rows are read together (``_dot_4x4``, ``_dot_8x2``, ``_dot_8x1``) whatever the
+    count, and only the first ``count`` results are stored. So every row's dot comes from the
+    same instructions wherever the row falls, in a full group or alone (the 8 accumulators of
+    each helper are reduced alike): a row's result does not depend on the grouping, hence not
+    on the matrix's row count, a vocabulary shard's bounds or a grammar mask
+    (tests/test_ops_backends.py::test_gemv_rows_do_not_depend_on_their_group). Each weight row
+    is read from memory once for all the input rows (the rest of the passes hit L1/L2).
 
     Numba compiles a copy of a function per argument type, and a literal
     argument (``0``, ``False``) is a type of its own: callers pass
@@ -315,28 +312,24 @@ def gemv_task(w, rows, count, k0, x, i0, i1, y, cols, accumulate):
     compiles one copy (left to literals, ``_dot_2x4`` was once compiled 16 times
     for the ops of this backend)."""
     k0 = np.int64(k0)
-    if count < 8:
-        for s in range(count):
-            for i in range(i0, i1):
-                _put(y, i, cols[s], _dot_1x1(w, rows[s], k0, x, np.int64(i)), accumulate)
-        return
     i = np.int64(i0)
     while i + 4 <= i1:
         for h in range(2):                           # weight rows 0..3, then 4..7
             r = _dot_4x4(w, rows[4 * h], rows[4 * h + 1], rows[4 * h + 2], rows[4 * h + 3], k0, x, i)
             for s in range(4):
-                for d in range(4):
-                    _put(y, i + d, cols[4 * h + s], r[4 * s + d], accumulate)
+                if 4 * h + s < count:
+                    for d in range(4):
+                        _put(y, i + d, cols[4 * h + s], r[4 * s + d], accumulate)
         i += 4
     if i + 2 <= i1:
         r16 = _dot_8x2(w, rows, k0, x, i)
-        for s in range(8):
+        for s in range(count):
             _put(y, i, cols[s], r16[2 * s], accumulate)
             _put(y, i + 1, cols[s], r16[2 * s + 1], accumulate)
         i += 2
     while i < i1:
         r8 = _dot_8x1(w, rows, k0, x, i)
-        for s in range(8):
+        for s in range(count):
             _put(y, i, cols[s], r8[s], accumulate)
         i += 1
 

@@ -9,7 +9,8 @@ best allowed non-NaN (value, id): larger value, or the lower id on a tie,
 since the groups do not visit ids in order. With a grammar mask, a group whose
 rows some input row allows is read whole; in a group where some row is allowed
 by no input row, only the allowed rows are read, one at a time (a tight mask
-saves their memory reads). A serial pass then reduces the chunks in order with
+saves their memory reads), each by the group's own code (``linear.gemv_task``), so a
+mask changes no logit's bits. A serial pass then reduces the chunks in order with
 a strict ``>``, so the lowest id wins a tie; a row left with id -1 had no
 allowed non-NaN token. The [n, V] logits are never written out. Asked for the drafts'
 confidences, each chunk also keeps per input row the sum of exp(logit - its best),
@@ -25,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import _dot_1x1, chunks, fp8_chunk, gemv_task, group8
+from .linear import chunks, fp8_chunk, gemv_task, group8
 
 
 @njit(cache=True, fastmath=False)
@@ -98,10 +99,11 @@ def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf):
             if read == count:
                 gemv_task(w, rows, count, zero, x, zero, n, y, cols, no)
             else:
-                for s in range(count):
+                for s in range(count):          # the row alone, by the group's code (same bits)
                     if ok[s]:
-                        for i in range(n):
-                            y[i, s] = _dot_1x1(w, rows[s], zero, x, np.int64(i))
+                        j, col = rows[s], np.int64(s)
+                        gemv_task(w, (j, j, j, j, j, j, j, j), 1, zero, x, zero, n, y,
+                                  (col, col, col, col, col, col, col, col), no)
             _offer_group(best_val, best_id, sums, c, bitmask, y, rows, count, ok)
     return _reduce(best_val, best_id, sums, ids, conf)
 
