@@ -60,29 +60,27 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
     logits = output(logits, "logits", (n, E), np.float32)
     ids = output(ids, "ids", (n, K), np.int32)
     weights = output(weights, "weights", (n, K), np.float32)
-    if ticket is not None:
-        ticket = output(ticket, "ticket", (1,), np.uint32)
+    if n == 1:
+        ticket = zeroed(ticket, "ticket", (1,), np.uint32)      # the caller's (checked), or a new one
+    elif ticket is not None:
+        ticket = output(ticket, "ticket", (1,), np.uint32)      # checked, unused
     if n == 0:
         return ids, weights
+    rule = (i32(spec.n_group), i32(spec.topk_group), f32(spec.routed_scaling_factor), i32(spec.norm_topk_prob),
+            i32(spec.scoring == "softmax"))                      # router_select_row's arguments
     if n == 1:
-        ticket = zeroed(ticket, "ticket", (1,), np.uint32)
         H = x.shape[1]
         nm, nargs = norm_args(norm, H)
         grid, wpr = gemv_config(cdiv(E, 2))
         get_kernel("moe", f"moe_router_kernel<{ctype(gate_w)}, {nm}>")(
             grid, (GEMV_THREADS,),
             (x, *weight_args(gate_w), bias, logits, ids, weights, ticket, i32(E), i32(H), i32(wpr), *nargs, i32(K),
-             i32(spec.n_group), i32(spec.topk_group), f32(spec.routed_scaling_factor), i32(spec.norm_topk_prob),
-             i32(spec.scoring == "softmax")),
+             *rule),
         )
         return ids, weights
     launch_linear(x, gate_w, None, None, logits, norm)
     block = cdiv(E, 32) * 32
-    get_kernel("moe", "moe_router_select_kernel")(
-        (n,), (block,),
-        (logits, bias, ids, weights, i32(E), i32(K), i32(spec.n_group), i32(spec.topk_group),
-         f32(spec.routed_scaling_factor), i32(spec.norm_topk_prob), i32(spec.scoring == "softmax")),
-    )
+    get_kernel("moe", "moe_router_select_kernel")((n,), (block,), (logits, bias, ids, weights, i32(E), i32(K), *rule))
     return ids, weights
 
 
