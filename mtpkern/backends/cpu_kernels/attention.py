@@ -57,7 +57,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .linear import _DOT_FLAGS, SMALL
-from .simd import VL, pv1, pv4, pv8, qk1, qk4, qk8
+from .simd import VL, emit_prefetch, pv1, pv4, pv8, qk1, qk4, qk8
 
 #: rows of one sequence per unit: a prefill chunk of n rows becomes ceil(n / RMAX) units,
 #: each reading the KV its rows see once; the unit's queries and accumulators
@@ -84,13 +84,7 @@ def _prefetch(typingctx, a, i):
     if isinstance(a, types.Array) and isinstance(i, types.Integer):
         def codegen(context, builder, sig, args):
             arr = context.make_array(sig.args[0])(context, builder, args[0])
-            ptr = builder.gep(arr.data, [args[1]])
-            i8p = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            fn = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
-                                                  ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
-            builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
-                              ir.Constant(i32, 1)])
+            emit_prefetch(builder, arr.data, args[1], locality=3)
             return context.get_dummy_value()
 
         return types.none(a, i), codegen

@@ -68,13 +68,14 @@ def _fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
-def _prefetch(builder, base, idx):
-    """Ask for the cache line of base[idx] (``llvm.prefetch``: a read, into L2 and below: L1 keeps the lines in use)."""
+def emit_prefetch(builder, base, idx, locality: int = 2):
+    """Ask for the cache line of base[idx] (``llvm.prefetch``, a read; ``locality`` 3 keeps it in
+    every level, 2, the tiles' choice, in L2 and below: L1 keeps the lines in use)."""
     i8p = ir.IntType(8).as_pointer()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                         "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(builder.gep(base, [idx]), i8p), ir.Constant(_I32, 0), ir.Constant(_I32, 2),
-                      ir.Constant(_I32, 1)])
+    builder.call(fn, [builder.bitcast(builder.gep(base, [idx]), i8p), ir.Constant(_I32, 0),
+                      ir.Constant(_I32, locality), ir.Constant(_I32, 1)])
 
 
 def _vptr(builder, base, idx):
@@ -120,7 +121,7 @@ def _make_qk(T: int):
 
             def step(d, acc):
                 off = builder.add(builder.mul(d, BS), j0v)
-                _prefetch(builder, pfa.data, builder.add(pfov, off))
+                emit_prefetch(builder, pfa.data, builder.add(pfov, off))
                 kv = builder.load(_vptr(builder, kta.data, off), align=4)
                 for t in range(T):
                     qd = builder.load(builder.gep(qa.data, [builder.add(qrow[t], d)]))
@@ -179,7 +180,7 @@ def _make_pv(T: int):
                     pj = [_splat(builder, builder.load(builder.gep(pa.data, [builder.add(prow[t], j)])))
                           for t in range(T)]
                     for c, acc in zip(cs, accs):
-                        _prefetch(builder, pfa.data, builder.add(pfov, builder.add(row, c)))
+                        emit_prefetch(builder, pfa.data, builder.add(pfov, builder.add(row, c)))
                         v = builder.load(_vptr(builder, va.data, builder.add(row, c)), align=4)
                         for t in range(T):
                             builder.store(_fma(builder, pj[t], v, builder.load(acc[t])), acc[t])
