@@ -163,12 +163,15 @@ lm_head_argmax_partial_kernel(const float* __restrict__ x, const W* __restrict__
   }
 }
 
-// part_s, conf: [n, ld] and [n] with CONF, unused (null) without.
+// part_s, conf: [n, ld] and [n] with CONF, unused (null) without. best, sum_exp ([n], or
+// null): a vocabulary shard's partial result (mtpkern.ops.lm_head): the winning logit
+// (-inf without a candidate) and, with CONF, the confidence's denominator (0 without).
 template <bool CONF>
 __global__ void __launch_bounds__(256)
 argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ part_i,
                     const float* __restrict__ part_s, int P, int ld, int* __restrict__ ids,
-                    float* __restrict__ conf, const int* __restrict__ id_map) {
+                    float* __restrict__ conf, const int* __restrict__ id_map, float* __restrict__ best,
+                    float* __restrict__ sum_exp) {
   using namespace mtp;
   __shared__ float sv[32];
   __shared__ int si[32];
@@ -210,6 +213,10 @@ argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ pa
     }
     ids[r] = (id_map != nullptr && bi >= 0) ? id_map[bi] : bi;  // a draft vocabulary's target id
     if constexpr (CONF) conf[r] = bi >= 0 ? 1.0f / bs : quiet_nan();  // bs >= 1: the winner adds 1
+    if (best != nullptr) best[r] = bi >= 0 ? bv : neg_inf();
+    if constexpr (CONF) {
+      if (sum_exp != nullptr) sum_exp[r] = bi >= 0 ? bs : 0.0f;
+    }
   }
 }
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from mtpkern import Fp8Weight
 from mtpkern.backends import cuda_available, get_backend
 from mtpkern.errors import NoAllowedToken
-from mtpkern.ops.lm_head import bitmask_allowed
+from mtpkern.ops.lm_head import bitmask_allowed, masked_best
 from mtpkern.ops.moe import RouterSpec
 from mtpkern.ops.rope_kv import inv_freq
 from mtpkern.tolerance import TOLERANCE, assert_close
@@ -1109,6 +1109,90 @@ def argmax_cases(draw):
                                                 min_size=n * ((V + 31) // 32), max_size=n * ((V + 31) // 32))))
     mask = None if words is None else np.array(words, np.int32).reshape(n, -1)
     return x, nan_tokens, mask, draw(st.sampled_from(GEMV_WDTYPES))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=argmax_cases(), mapped=st.booleans())
+def test_lm_head_shard_partial(be, case, mapped):
+    """A vocabulary shard's partial result (``best=`` / ``sum_exp=``): the reference's
+    ``masked_best`` checked against its definition in float64 (the first maximum of the allowed
+    non-NaN logits, the sum of exp(l - best) with ties counting 1; id -1, -inf, 0 and no raise
+    for a row without a candidate), then every backend against it exactly (an identity head:
+    logits = x), the ids and confidences as the plain call gives them where a row has one."""
+    x, nan_tokens, mask, wdtype = case
+    n, V = x.shape
+    w = np.eye(V, dtype=np.float32)
+    w[nan_tokens] = np.nan
+    w = exact_weight(w, wdtype)
+    logits = REF.lm_head_logits(x, REF.prepare_weight(w))
+    ok = ~np.isnan(logits) & (True if mask is None else bitmask_allowed(mask, V))
+    ids, best, sums = masked_best(logits, mask)
+    for r in range(n):
+        if not ok[r].any():
+            assert (ids[r], best[r], sums[r]) == (-1, -np.inf, 0.0)
+            continue
+        top = logits[r][ok[r]].max()
+        assert ids[r] == np.flatnonzero(ok[r] & (logits[r] == top))[0] and best[r] == top
+        with np.errstate(invalid="ignore"):
+            terms = np.where(logits[r] == top, 1.0, np.exp(logits[r].astype(np.float64) - top))
+        assert np.isclose(sums[r], terms[ok[r]].sum(), rtol=1e-6)
+    id_map = (np.arange(V, dtype=np.int32) * 3 + 5) if mapped else None
+    kw = {} if id_map is None else {"id_map": be.from_host(id_map)}
+    f = be.from_host
+    bv, sv, cf = (f(np.full(n, 7.0, np.float32)) for _ in range(3))
+    got = be.to_host(be.lm_head_argmax(f(x), be.prepare_weight(w), None if mask is None else f(mask),
+                                       best=bv, sum_exp=sv, conf=cf, **kw))
+    want = ids if id_map is None else np.where(ids >= 0, id_map[np.maximum(ids, 0)], -1)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(be.to_host(bv), best)
+    has = ids >= 0
+    np.testing.assert_allclose(be.to_host(sv)[has], sums[has], rtol=1e-5)
+    assert (be.to_host(sv)[~has] == 0).all() and np.isnan(be.to_host(cf)[~has]).all()
+    np.testing.assert_allclose(be.to_host(cf)[has], 1 / sums[has], rtol=1e-5)
+    only_best = be.to_host(be.lm_head_argmax(f(x), be.prepare_weight(w), None if mask is None else f(mask),
+                                             best=f(np.zeros(n, np.float32)), **kw))
+    np.testing.assert_array_equal(only_best, want)                    # best= alone: the same ids, no raise
+
+
+def test_lm_head_shard_partial_buffers_checked(be):
+    """A wrong best= / sum_exp= buffer is refused by name before anything is written."""
+    V, H, n = 40, 8, 2
+    x, w = be.from_host(np.ones((n, H), np.float32)), be.prepare_weight(np.eye(V, H, dtype=np.float32))
+    out = be.from_host(np.full(n, 9, np.int32))
+    for name in ("best", "sum_exp"):
+        with pytest.raises((ValueError, TypeError), match=name):
+            be.lm_head_argmax(x, w, out=out, **{name: be.from_host(np.zeros(n + 1, np.float32))})
+    np.testing.assert_array_equal(be.to_host(out), [9, 9])
+
+
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n,E,K", [(1, 8, 2), (3, 6, 3), (17, 16, 4)])
+def test_moe_experts_empty_slots(be, wdtype, n, E, K):
+    """An id of -1 (an expert-parallel rank's slot for an expert it does not hold) adds
+    nothing: the reference equals its definition (the same rows with those slots' weights at
+    0 on any valid expert), every backend equals the reference, and a row of empty slots is its
+    residual exactly."""
+    rng = rng_for("experts-empty", wdtype, n, E, K)
+    H, I = 40, 23
+    x, res = acts(rng, n, H), acts(rng, n, H)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    empty = rng.random((n, K)) < 0.4
+    empty[0] = True                                                    # row 0: every slot empty
+    weights = rng.random((n, K)).astype(np.float32)
+    w13, w2 = weight(rng, (E, 2 * I, H), wdtype), weight(rng, (E, H, I), wdtype)
+    r13, r2 = REF.prepare_weight(w13), REF.prepare_weight(w2)
+    local = np.where(empty, -1, ids).astype(np.int32)
+    want = REF.moe_experts(x, local, weights, r13, r2, res)
+    assert_close(want, REF.moe_experts(x, ids, np.where(empty, 0, weights).astype(np.float32), r13, r2, res),
+                 what="empty slots, the definition")
+    np.testing.assert_array_equal(want[0], res[0])
+    f = be.from_host
+    got = be.to_host(be.moe_experts(f(x), f(local), f(weights), be.prepare_weight(w13), be.prepare_weight(w2),
+                                    f(res)))
+    assert_close(got, want, what="moe_experts with empty slots")
+    np.testing.assert_array_equal(got[0], res[0])
+    with pytest.raises(ValueError, match="ids"):
+        REF.moe_experts(x, np.full((n, K), -2, np.int32), weights, r13, r2, res)
 
 
 @settings(max_examples=150, deadline=None)

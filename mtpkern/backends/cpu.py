@@ -476,7 +476,7 @@ class CpuBackend(Backend):
             x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         L = swiglu_limit(limit)
         ids = np.ascontiguousarray(ids)
-        _in_range("ids", ids, w13.shape[0])
+        _in_range("ids", ids, w13.shape[0], lo=-1)      # -1: an empty slot (ops.moe)
         out = _out("out", out, tuple(x.shape))
         # x is gathered before out is written; residual and weights are read row by row with it
         w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
@@ -514,10 +514,11 @@ class CpuBackend(Backend):
         expect_shape("w", w, (None, x.shape[1]))
         return self.linear(x, w, out=out)
 
-    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None, id_map=None):
+    def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None, id_map=None, best=None, sum_exp=None):
         """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head); ``conf``: an FP32 [n]
         buffer for the drafts' confidences; ``id_map`` [V] int32: the ids mapped through it
-        (a draft vocabulary's rows -> target ids; ops.lm_head)."""
+        (a draft vocabulary's rows -> target ids); ``best`` / ``sum_exp`` (FP32 [n]): a
+        vocabulary shard's partial result, rows without a candidate left at -1 (ops.lm_head)."""
         expect_ndim("x", x, 2)
         expect_shape("w", w, (None, x.shape[1]))
         n, V = x.shape[0], w.shape[0]
@@ -526,15 +527,26 @@ class CpuBackend(Backend):
         bitmask = _bitmask_arg(bitmask, n, V)
         chunks = max(1, min(_ARGMAX_CHUNKS, V))
         ids = _out("out", out, (n,), np.int32)
-        cf = np.empty(0, np.float32) if conf is None else _out("conf", conf, (n,), np.float32)
+        partial = best is not None or sum_exp is not None
+        best = None if best is None else _out("best", best, (n,), np.float32)
+        sum_exp = None if sum_exp is None else _out("sum_exp", sum_exp, (n,), np.float32)
+        if conf is not None:
+            cf = _out("conf", conf, (n,), np.float32)
+        else:                                        # the sums ride on the confidence's pass
+            cf = np.empty(n if sum_exp is not None else 0, np.float32)
+        stats = np.empty((2 if partial else 0, n), np.float32)
         w = _any_weight("w", w)
         self._use_threads()
         if isinstance(w, CpuFp8):
-            none = lm_head_k.lm_head_argmax_fp8_kernel(_act(x), w.kernel_args(), bitmask, ids, cf)
+            none = lm_head_k.lm_head_argmax_fp8_kernel(_act(x), w.kernel_args(), bitmask, ids, cf, stats)
         else:
-            none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids, cf)
-        if none >= 0:                                                        # the first row left with -1
+            none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids, cf, stats)
+        if none >= 0 and not partial:                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
+        if best is not None:
+            best[:] = stats[0]
+        if sum_exp is not None:
+            sum_exp[:] = stats[1]
         if id_map is not None:
             ids[:] = map_ids(ids, id_map)
         return ids

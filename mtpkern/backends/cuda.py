@@ -267,9 +267,10 @@ class CudaBackend(Backend):
         return lm_head.lm_head_topk(x, w, bitmask, k, id_map=id_map)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
-                       id_map=None, check: bool = True):
+                       id_map=None, check: bool = True, best=None, sum_exp=None):
         """-> ids [n] int32 (through ``id_map`` [V] int32 when given), and the drafter's
         probability of each id into ``conf [n]`` FP32 when given; raises ``NoAllowedToken``
-        (when ``check``; see the launcher)."""
+        (when ``check``; see the launcher); ``best`` / ``sum_exp``: a vocabulary shard's
+        partial result (mtpkern.ops.lm_head)."""
         return lm_head.lm_head_argmax(x, w, bitmask, out=out, part_v=part_v, part_i=part_i, part_s=part_s,
-                                      conf=conf, id_map=id_map, check=check)
+                                      conf=conf, id_map=id_map, check=check, best=best, sum_exp=sum_exp)

@@ -25,13 +25,18 @@ from .base import Backend
 
 def _into(name: str, buf: Any, value: np.ndarray) -> np.ndarray:
     """Copy ``value`` into the caller's buffer ``buf`` (checked: NumPy, same shape and dtype)."""
+    _check_buf(name, buf, value)
+    np.copyto(buf, value)
+    return buf
+
+
+def _check_buf(name: str, buf: Any, value: np.ndarray) -> None:
+    """``buf`` can take ``value``: a NumPy array of its shape and dtype."""
     if not isinstance(buf, np.ndarray):
         raise TypeError(f"{name}: expected a NumPy array, got {type(buf).__name__}")
     if buf.shape != value.shape or buf.dtype != value.dtype:
         raise ValueError(f"{name}: expected shape {list(value.shape)} {value.dtype}, "
                          f"got {list(buf.shape)} {buf.dtype}")
-    np.copyto(buf, value)
-    return buf
 
 
 def with_out(fn: Callable, *names: str) -> Callable:
@@ -86,17 +91,35 @@ class NumpyBackend(Backend):
     swiglu_mlp = with_out(mlp.swiglu_mlp)
     lm_head_logits = with_out(lm_head.lm_head_logits)
     @staticmethod
-    def lm_head_argmax(x, w, bitmask=None, *, out=None, conf=None, id_map=None):
+    def lm_head_argmax(x, w, bitmask=None, *, out=None, conf=None, id_map=None, best=None, sum_exp=None):
         """-> ids [n] int32; with ``conf`` (an FP32 [n] buffer) each draft's confidence
         written into it; with ``id_map`` [V] int32 the ids mapped through it (a draft
-        vocabulary's rows -> target ids; mtpkern.ops.lm_head)."""
-        if id_map is None:
-            if conf is None:
-                return _argmax(x, w, bitmask, out=out)
-            return _argmax_conf(x, w, bitmask, out=out, conf=conf)[0]
-        lm_head.check_id_map(id_map, w.shape[0])
-        ids = (_argmax(x, w, bitmask) if conf is None else _argmax_conf(x, w, bitmask, conf=conf)[0])
-        mapped = lm_head.map_ids(ids, id_map)
+        vocabulary's rows -> target ids); with ``best`` / ``sum_exp`` (FP32 [n]) a vocabulary
+        shard's partial result, rows without a candidate left at -1 (mtpkern.ops.lm_head)."""
+        if id_map is not None:
+            lm_head.check_id_map(id_map, w.shape[0])
+        if best is None and sum_exp is None:
+            if id_map is None:
+                if conf is None:
+                    return _argmax(x, w, bitmask, out=out)
+                return _argmax_conf(x, w, bitmask, out=out, conf=conf)[0]
+            ids = (_argmax(x, w, bitmask) if conf is None else _argmax_conf(x, w, bitmask, conf=conf)[0])
+        else:
+            n = np.shape(x)[0]
+            if bitmask is not None:
+                lm_head.check_bitmask(bitmask, n, w.shape[0])
+            ids, bv, sums = lm_head.masked_best(lm_head.lm_head_logits(x, w), bitmask)
+            with np.errstate(divide="ignore"):
+                cf = np.where(ids >= 0, np.float32(1.0) / sums, np.float32(np.nan)).astype(np.float32)
+            mapped = ids if id_map is None else lm_head.map_ids(ids, id_map)
+            outs = [(nm, b, v) for nm, b, v in (("best", best, bv), ("sum_exp", sum_exp, sums), ("conf", conf, cf),
+                                                 ("out", out, mapped)) if b is not None]
+            for nm, b, v in outs:                    # every buffer checked before any is written
+                _check_buf(nm, b, v)
+            for nm, b, v in outs:
+                np.copyto(b, v)
+            return mapped if out is None else out
+        mapped = ids if id_map is None else lm_head.map_ids(ids, id_map)
         return mapped if out is None else _into("out", out, mapped)
 
     @staticmethod

@@ -29,6 +29,14 @@ allowed). A term whose logit equals the draft's counts exactly 1 (never ``exp(in
 ``-inf`` logits add 0 beside a finite best, a row of ``c`` allowed logits all ``-inf`` (or
 ``c`` tied at ``+inf``) gives ``1 / c``. The fast backends compute it by an online
 log-sum-exp in the argmax's own reduction (one ``exp`` per logit), never from stored logits.
+
+**A vocabulary shard's partial result** (every backend's ``lm_head_argmax(..., best=buf,
+sum_exp=buf)``, FP32 ``[n]`` outputs; ``masked_best`` here): ``best[r]`` the winning logit
+(``-inf`` where the row has no candidate), ``sum_exp[r]`` the confidence's denominator
+``sum_{j allowed, l_j not NaN} t_j`` (``t_j`` as above: 1 where ``l_j`` equals the best, 0
+where there is no candidate). With either given, a row without a candidate gets id -1 and
+raises nothing: a rank of a vocabulary-parallel head may hold none of the allowed tokens;
+``mtpkern.comm.sharded_argmax`` / ``sharded_confidence`` combine the ranks' results.
 """
 
 from __future__ import annotations
@@ -133,6 +141,27 @@ def masked_confidence(logits, ids, bitmask=None) -> np.ndarray:
     with np.errstate(invalid="ignore"):                                  # inf - inf: counted as 1 below
         e = np.where(ok, np.where(lg == top, 1.0, np.exp(np.where(ok, lg, 0.0) - top)), 0.0)
     return (1.0 / e.sum(axis=1)).astype(np.float32)
+
+
+def masked_best(logits, bitmask=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids [n] int32, best [n] FP32, sum_exp [n] FP32): a vocabulary shard's partial result
+    (module docstring): id -1, best -inf and sum 0 where a row has no candidate; never raises."""
+    logits, ok = _candidates(logits, bitmask)
+    n = logits.shape[0]
+    ids = np.full(n, -1, np.int32)
+    best = np.full(n, -np.inf, np.float32)
+    sums = np.zeros(n, np.float32)
+    for r in range(n):
+        cand = np.flatnonzero(ok[r])
+        if cand.size == 0:
+            continue
+        vals = logits[r, cand]
+        i = int(np.argmax(vals))                                         # first maximum = lowest id
+        ids[r], best[r] = cand[i], vals[i]
+        v64, top = vals.astype(np.float64), np.float64(vals[i])
+        with np.errstate(invalid="ignore", over="ignore"):               # inf - inf: counted as 1
+            sums[r] = np.where(v64 == top, 1.0, np.exp(v64 - top)).sum()
+    return ids, best, sums
 
 
 def lm_head_argmax_conf(x, w, bitmask=None) -> tuple[np.ndarray, np.ndarray]:

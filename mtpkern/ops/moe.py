@@ -19,6 +19,10 @@ expert_{ids[:, k]}(x)`` with each expert a SwiGLU (``w13[e]`` = gate rows over u
 ``limit`` clamps every routed expert's SwiGLU as Hugging Face ``Step3p7Experts._apply_gate``
 does (Step-3.5 / Step-3.7 ``swiglu_limits[layer]``): ``min(silu(gate), L) * clip(up, -L, L)``,
 None or 0 for none, NaN kept (``mtpkern.ops.mlp``, ``swiglu_limit``).
+
+An id of -1 is an empty slot: it adds nothing (its weight is not read into the sum). A
+rank of an expert-parallel head (mtpkern.shard) holds experts ``e0 .. e1 - 1`` as its
+local ``0 .. e1 - e0 - 1`` and passes the router's ids mapped to them, -1 for the others.
 """
 
 from __future__ import annotations
@@ -110,6 +114,9 @@ def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
     expect_shape("w2", w2, (E, H, I2 // 2))
     if residual is not None:
         expect_shape("residual", residual, (n, H))
+    if isinstance(ids, np.ndarray) and ids.size and not (-1 <= ids.min() and ids.max() < E):
+        bad = ids[(ids < -1) | (ids >= E)][0]
+        raise ValueError(f"ids: expected values in [-1, {E}) (-1: an empty slot), got {int(bad)}")
 
 
 def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, norm=None) -> np.ndarray:
@@ -123,6 +130,8 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, norm=Non
     for r in range(n):
         for k in range(ids.shape[1]):
             e = int(ids[r, k])
+            if e < 0:                                                  # an empty slot
+                continue
             gu = np.asarray(w13[e], np.float32) @ x[r]                 # [2I]
             act = swiglu_act(gu, L)                                    # [I]
             y[r] += np.float32(weights[r, k]) * (np.asarray(w2[e], np.float32) @ act)

@@ -46,10 +46,11 @@ def _any_allowed(bitmask, n, j):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf):
+def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf, stats):
     """x [n, H], w [V, H], bitmask [n, ceil(V/32)] int32 or empty; out ids [n] int32
-    (-1: nothing allowed) and, when conf [n] FP32 is not empty, the drafts' confidences.
-    Returns the first row left with -1, or -1."""
+    (-1: nothing allowed) and, when conf [n] FP32 is not empty, the drafts' confidences;
+    when stats [2, n] FP32 is not empty, each row's best logit and (with conf) its
+    confidence's denominator (``_reduce``). Returns the first row left with -1, or -1."""
     n = x.shape[0]
     V = w.shape[0]
     best_val = np.empty((nchunks, n), np.float32)               # per chunk and row
@@ -83,11 +84,11 @@ def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf):
                         gemv_task(w, (j, j, j, j, j, j, j, j), 1, zero, x, zero, n, y,
                                   (col, col, col, col, col, col, col, col), no)
             _offer_group(best_val, best_id, sums, c, bitmask, y, rows, count, ok)
-    return _reduce(best_val, best_id, sums, ids, conf)
+    return _reduce(best_val, best_id, sums, ids, conf, stats)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids, conf):
+def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids, conf, stats):
     """``lm_head_argmax_kernel`` for an FP8 head (w8: the tuple of ``linear.fp8_chunk``):
     one chunk per row chunk of the weight."""
     n = x.shape[0]
@@ -110,7 +111,7 @@ def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids, conf):
                 rows = (j, j + 1, j + 2, j + 3, j + 4, j + 5, j + 6, j + 7)
                 _offer_group(best_val, best_id, sums, c, bitmask, y[:, j - lo:j - lo + 8], rows,
                              min(8, hi - j), ok)
-    return _reduce(best_val, best_id, sums, ids, conf)
+    return _reduce(best_val, best_id, sums, ids, conf, stats)
 
 
 @njit(cache=True, fastmath=False)
@@ -171,10 +172,12 @@ def _offer_group(best_val, best_id, sums, c, bitmask, y, rows, count, ok):
 
 
 @njit(cache=True, fastmath=False)
-def _reduce(best_val, best_id, sums, ids, conf):
+def _reduce(best_val, best_id, sums, ids, conf, stats):
     """ids[i] = the best of the chunks' bests (in chunk order, strict >: the lowest id wins a
     tie); with ``sums``, conf[i] = 1 / sum_c sums[c, i] exp(best_c - best) (NaN without a
-    candidate). Returns the first row left with -1, or -1."""
+    candidate); with ``stats`` [2, n] (a vocabulary shard's partial result, ops.lm_head),
+    stats[0, i] = the best (-inf without a candidate) and, with ``sums``, stats[1, i] = the
+    sum (0 without). Returns the first row left with -1, or -1."""
     nchunks, n = best_id.shape
     first_none = -1
     for i in range(n):
@@ -191,6 +194,10 @@ def _reduce(best_val, best_id, sums, ids, conf):
                 if best_id[c, i] >= 0:
                     tot += sums[c, i] * (np.float32(1.0) if best_val[c, i] == bv else np.exp(best_val[c, i] - bv))
             conf[i] = np.float32(1.0) / tot if bi >= 0 else np.float32(np.nan)
+            if stats.shape[0] > 0:
+                stats[1, i] = tot
+        if stats.shape[0] > 0:
+            stats[0, i] = bv if bi >= 0 else np.float32(-np.inf)
         if bi < 0 and first_none < 0:
             first_none = i
     return first_none

@@ -79,15 +79,20 @@ def gate_up_group(t, q, I):
 
 @njit(cache=True, fastmath=False)
 def sort_pairs(ids, E):
-    """ids [n, K] (values in 0..E-1) -> the n K (row, slot) pairs (pair index r K + k)
-    grouped by expert, in pair order within an expert: ``perm`` [P] (the pair at each
-    sorted position), ``inv`` [P] (its inverse), ``experts`` [U] (the distinct experts,
-    ascending) and ``starts`` [U + 1] (their position ranges)."""
+    """ids [n, K] (values in -1..E-1; -1: an empty slot, as a rank of an expert-parallel head
+    leaves the experts it does not hold) -> the P (row, slot) pairs that name an expert
+    (pair index r K + k) grouped by expert, in pair order within an expert: ``perm`` [P]
+    (the pair at each sorted position), ``inv`` [n K] (each pair's sorted position, -1 for
+    an empty slot), ``experts`` [U] (the distinct experts, ascending) and ``starts`` [U + 1]
+    (their position ranges)."""
     n, K = ids.shape
-    P = n * K
     count = np.zeros(E, np.int64)
-    for p in range(P):
-        count[ids[p // K, p % K]] += 1
+    P = 0
+    for p in range(n * K):
+        e = ids[p // K, p % K]
+        if e >= 0:
+            count[e] += 1
+            P += 1
     U = 0
     for e in range(E):
         U += count[e] > 0
@@ -105,24 +110,28 @@ def sort_pairs(ids, E):
             u += 1
     starts[U] = P
     perm = np.empty(P, np.int64)
-    inv = np.empty(P, np.int64)
-    for p in range(P):
+    inv = np.full(n * K, -1, np.int64)
+    for p in range(n * K):
         e = ids[p // K, p % K]
-        perm[at[e]] = p
-        inv[p] = at[e]
-        at[e] += 1
+        if e >= 0:
+            perm[at[e]] = p
+            inv[p] = at[e]
+            at[e] += 1
     return perm, inv, experts, starts
 
 
 @njit(cache=True, fastmath=False)
 def _combine_row(residual, weights, y2, inv, r, out):
-    """out[r] = residual[r] (if given) + sum_k weights[r, k] * y2[position of pair (r, k)], in slot order."""
+    """out[r] = residual[r] (if given) + sum_k weights[r, k] * y2[position of pair (r, k)], in
+    slot order; an empty slot (position -1) adds nothing."""
     K = weights.shape[1]
     has_res = residual.shape[0] > 0
     for h in range(out.shape[1]):
         v = residual[r, h] if has_res else np.float32(0.0)
         for k in range(K):
-            v = v + weights[r, k] * y2[inv[r * K + k], h]
+            at = inv[r * K + k]
+            if at >= 0:
+                v = v + weights[r, k] * y2[at, h]
         out[r, h] = v
 
 
@@ -130,7 +139,7 @@ def _combine_row(residual, weights, y2, inv, r, out):
 def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, limit, out):
     """out [n, H] = residual + sum_k weights[:, k] * swiglu_{ids[:, k]}(x).
 
-    x [n, H]; ids [n, K] (checked in range by the launcher), weights [n, K];
+    x [n, H]; ids [n, K] (checked in -1..E-1 by the launcher; -1 an empty slot), weights [n, K];
     w13 [E, 2I, H]; w2 [E, H, I]; residual [n, H] or empty (it may be ``out``
     itself: each element is read before it is written); limit float32, the SwiGLU
     clamp (+inf: none)."""

@@ -69,8 +69,10 @@ def lm_head_logits(x, w, *, out=None):
 
 
 def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
-                   id_map=None, check: bool = True):
-    """-> ids [n] int32 (see the module doc for ``check``, ``conf`` and the workspaces)."""
+                   id_map=None, check: bool = True, best=None, sum_exp=None):
+    """-> ids [n] int32 (see the module doc for ``check``, ``conf`` and the workspaces; ``best`` /
+    ``sum_exp``: FP32 [n] outputs of a vocabulary shard's partial result, mtpkern.ops.lm_head,
+    which leave rows without a candidate at -1 unchecked)."""
     _check(x, w)
     n, H = x.shape
     V = w.shape[0]
@@ -90,7 +92,11 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
     ids = output(out, "out", (n,), np.int32)
     part_v = output(part_v, "part_v", (n, P), np.float32)
     part_i = output(part_i, "part_i", (n, P), np.int32)
-    want_conf = conf is not None
+    if best is not None or sum_exp is not None:
+        check = False                        # a shard may hold none of a row's allowed tokens
+        best = None if best is None else output(best, "best", (n,), np.float32)
+        sum_exp = None if sum_exp is None else output(sum_exp, "sum_exp", (n,), np.float32)
+    want_conf = conf is not None or sum_exp is not None     # the sums are the confidence's pass
     if want_conf:
         conf = output(conf, "conf", (n,), np.float32)
         part_s = output(part_s, "part_s", (n, P), np.float32)
@@ -103,7 +109,8 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
     partial((used,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, ptr(part_s), i32(n),
                                        i32(V), i32(H), i32(used), i32(P)))
     final = get_kernel("lm_head", f"argmax_final_kernel<{c}>")
-    final((n,), (FINAL_THREADS,), (part_v, part_i, ptr(part_s), i32(used), i32(P), ids, ptr(conf), ptr(id_map)))
+    final((n,), (FINAL_THREADS,), (part_v, part_i, ptr(part_s), i32(used), i32(P), ids, ptr(conf), ptr(id_map),
+                                          ptr(best), ptr(sum_exp)))
     if check:
         raise_if_no_allowed(ids, V, bitmask is not None)
     return ids
