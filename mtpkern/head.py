@@ -36,10 +36,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
+from .comm import sharded_argmax, sharded_confidence
 from .config import MtpConfig
-from .errors import StateError
+from .errors import NoAllowedToken, StateError, no_token_reason
 from .kv import BlockPool, SeqKv, WindowRule
 from .ops.moe import RouterSpec
+from .shard import Shard
+from .vocab import DraftVocab
 from .weights import ModuleWeights
 
 
@@ -130,22 +133,37 @@ class MtpHead:
 
     def __init__(self, index: int, config: MtpConfig, weights: ModuleWeights, backend: Any,
                  num_blocks: int, block_size: int, trim_margin: int = 0, max_forward_rows: int = 1,
-                 vocab: Any = None):
+                 vocab: Any = None, comm: Any = None, shard: Shard | None = None):
         """``trim_margin``, ``max_forward_rows``: for a sliding-window block, the rows a
         later call may trim from a sequence and the most rows one forward appends
         (``kv.WindowRule``; the proposer's KV mode sets them; 0 and 1 suit
         ``forward_one`` users, who never trim). ``vocab``: the ``DraftVocab`` whose rows
-        ``weights.head`` holds (mtpkern.vocab), or None."""
+        ``weights.head`` holds (mtpkern.vocab), or None. ``comm`` / ``shard``: a rank of a
+        sharded head (mtpkern.shard; ``weights`` that rank's slice): the partial sums meet in
+        ``comm``'s all-reduces, the LM head's bests in ``comm.sharded_argmax``."""
         self.index = index
         self.config = config
         self.w = weights
-        #: the token subset the LM head reads (None: the whole vocabulary), and its target ids
-        #: on the backend (the LM head's ``id_map``)
+        self.comm, self.shard = (None, None) if shard is None or shard.size == 1 else (comm, shard)
+        if self.shard is not None:
+            if vocab is not None:
+                raise ValueError("vocab: a sharded head's LM head rows are its vocabulary shard; a draft "
+                                 "vocabulary with a sharded head is not supported")
+            vocab = DraftVocab(np.arange(*shard.vocab(config.vocab_size)), config.vocab_size)
+        #: the token subset the LM head reads (None: the whole vocabulary; a sharded head's
+        #: rank: its vocabulary shard), and its target ids on the backend (the LM head's ``id_map``)
         self.vocab = vocab
         self._lm_kw = {} if vocab is None else {"id_map": backend.from_host(vocab.ids)}
         self.backend = backend
-        #: this module's block (sizes, attention form, MLP kind: mtpkern/block.py)
-        self.block = b = config.block(index)
+        #: this module's block (sizes, attention form, MLP kind: mtpkern/block.py); a sharded
+        #: head's rank: its query / KV heads only
+        b = config.block(index)
+        self.block = b = b if self.shard is None else self.shard.block(b, f" (module {index})")
+        #: whether this rank adds the residual of a partial sum (every unsharded head does)
+        self._owner = self.shard is None or self.shard.owns_residual
+        em = None if self.shard is None or not b.moe else self.shard.expert_map(config.n_routed_experts)
+        #: router id -> this rank's expert (-1: another rank's), for an expert-parallel rank
+        self._expert_map = None if em is None else backend.from_host(em)
         window = WindowRule(b.sliding_window, trim_margin, max_forward_rows) if b.sliding_window else None
         self.pool = BlockPool(index, num_blocks, block_size, b.num_key_value_heads, b.head_dim, backend,
                               v_head_dim=b.v_dim, window=window, latent_width=b.latent_width)
@@ -288,12 +306,16 @@ class MtpHead:
                                    **attn_kw, **put("attention", out="o"))                      # [n, Hq Dv]
             if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
                 o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
-        r = be.linear(o, w.w_o, None, x, **put("linear", out="r"))                               # [n, H]
+        r = be.linear(o, w.w_o, None, x if self._owner else None, **put("linear", out="r"))   # [n, H]
+        self._sum(r)                         # a sharded head: the heads' partial products
         f, f_norm = self._normed_input(r, w.post_attention_layernorm, bufs is not None)  # f_in
+        res = r if self._owner else None
         if b.moe:
             ids, wts = be.moe_router(f, w.gate_w, w.gate_bias, self._router, norm=f_norm,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
-            y = be.moe_experts(f, ids, wts, w.experts_w13, w.experts_w2, r, norm=f_norm,
+            if self._expert_map is not None:          # this rank's experts; -1: an empty slot
+                ids = be.xp.take(self._expert_map, ids).astype(np.int32, copy=False)
+            y = be.moe_experts(f, ids, wts, w.experts_w13, w.experts_w2, res, norm=f_norm,
                                **self._experts_kw, **put("experts", out="y"))                    # [n, H]
             if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row
                 sh = be.swiglu_mlp(f, w.shared_w13, w.shared_w2, norm=f_norm, **self._mlp_kw,
@@ -304,9 +326,15 @@ class MtpHead:
                 y = be.swiglu_mlp(f, w.shared_w13, w.shared_w2, y, norm=f_norm, **self._mlp_kw,
                                   **put("shared", out="y"))
         else:                                # y = r + mlp(post_attention_layernorm(r))
-            y = be.swiglu_mlp(f, w.mlp_w13, w.mlp_w2, r, norm=f_norm, **self._mlp_kw, **put("mlp", out="y"))
+            y = be.swiglu_mlp(f, w.mlp_w13, w.mlp_w2, res, norm=f_norm, **self._mlp_kw, **put("mlp", out="y"))
+        self._sum(y)                         # a sharded head: the FFN slices' partial outputs
         normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
         return y, normed
+
+    def _sum(self, buf: Any) -> None:
+        """A sharded head's partial sums, ``buf`` in place: every rank's added (sum all-reduce)."""
+        if self.comm is not None:
+            self.comm.all_reduce(buf, "sum")
 
     def _normed_input(self, x: Any, g: Any, planned: bool) -> tuple[Any, "tuple[Any, float] | None"]:
         """The rows and ``norm=`` for the GEMVs that read ``rmsnorm(x) * g``: ``(x, (g, eps))``
@@ -346,6 +374,8 @@ class MtpHead:
         """Drafts for ``normed_rows`` [n, H]; ``bitmask`` [n, W] int32 or None -> [n] int32 (host).
         With a draft vocabulary: the argmax over its rows, the mask and the ids in target ids."""
         be = self.backend
+        if self.comm is not None:
+            return self._sharded_argmax(normed_rows, bitmask, conf=False)[0]
         ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), **self._lm_kw)
         return np.asarray(be.to_host(ids), np.int32)
 
@@ -354,15 +384,40 @@ class MtpHead:
         draft, mtpkern.ops.lm_head; over the draft vocabulary when there is one):
         ([n] int32, [n] FP32), on the host."""
         be = self.backend
+        if self.comm is not None:
+            return self._sharded_argmax(normed_rows, bitmask, conf=True)
         conf = be.xp.empty(normed_rows.shape[0], np.float32)
         ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), conf=conf, **self._lm_kw)
         return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(conf), np.float32)
+
+    def _sharded_argmax(self, normed_rows: Any, bitmask: np.ndarray | None,
+                        conf: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """``argmax`` / ``argmax_conf`` of a vocabulary-parallel LM head: this rank's partial
+        result over its rows, then the whole vocabulary's by ``comm.sharded_argmax`` (and
+        ``sharded_confidence``): the single-rank rule exactly (ties to the lowest id, NaN never
+        wins); ``NoAllowedToken`` on every rank alike when no rank has a candidate."""
+        be, xp = self.backend, self.backend.xp
+        n = normed_rows.shape[0]
+        best, sums = xp.empty(n, np.float32), (xp.empty(n, np.float32) if conf else None)
+        local = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), best=best, sum_exp=sums,
+                                  **self._lm_kw)
+        ids = sharded_argmax(best, local, self.comm, xp)
+        confs = sharded_confidence(best, sums, local >= 0, ids, self.comm, xp) if conf else None
+        host = np.asarray(be.to_host(ids), np.int32)
+        none = np.flatnonzero(host < 0)
+        if none.size:
+            r = int(none[0])
+            raise NoAllowedToken(f"row {r}: {no_token_reason(bitmask is not None, self.config.vocab_size)}", row=r)
+        return host, None if confs is None else np.asarray(be.to_host(confs), np.float32)
 
     def topk(self, normed_rows: Any, bitmask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Each row's ``k`` best allowed tokens and their probabilities (a draft tree's
         children; mtpkern.ops.lm_head.masked_topk), target ids, on the host:
         ([n, k] int32, -1 past the candidates; [n, k] FP32)."""
         be = self.backend
+        if self.comm is not None:
+            raise NotImplementedError("topk: a draft tree's candidates over a sharded LM head are not supported yet "
+                                      "(propose_tree needs a single-rank head)")
         ids, probs = be.lm_head_topk(normed_rows, self.w.head, self._mask(bitmask), k, **self._lm_kw)
         return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(probs), np.float32)
 

@@ -39,6 +39,7 @@ import numpy as np
 from .backends import BackendName, get_backend
 from .backends.base import Backend
 from .carry import CarryRegistry
+from .comm import check_comm
 from .checks import (check_bool, check_hidden_dtype, check_int, check_list, check_out_conf, check_positions,
                      check_probability, check_token, check_tokens, expect_finite, hidden_shape, ingest_hidden,
                      shape_of)
@@ -53,6 +54,7 @@ from .grammar import MaskFn, resolve
 from .head import MtpHead
 from .kv import BlockPool
 from .models import family
+from .shard import Shard
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
 from .trait import DraftProposer, ProposerState
 from .tree import DraftTree, TreeRunner, check_shape
@@ -107,6 +109,27 @@ def _subset_heads(weights: MtpWeights, backend: Backend, vocab: DraftVocab) -> M
     return dataclasses.replace(weights, modules=modules)
 
 
+def _check_shard(weights: MtpWeights, comm: Any) -> Shard | None:
+    """The shard ``weights`` were loaded as, checked against ``comm`` (its rank and size):
+    a sharded head needs both, alike; a world of one rank is the unsharded head."""
+    shard = weights.shard
+    if comm is None:
+        if shard is not None and shard.size > 1:
+            raise ValueError(f"comm: weights are rank {shard.rank} of a {shard.size}-rank shard; expected the "
+                             f"communicator they were loaded for, got None")
+        return None
+    check_comm(comm)
+    if comm.size == 1:
+        if shard is not None and shard.size > 1:
+            raise ValueError(f"comm: a world of one rank, but weights are rank {shard.rank} of {shard.size}")
+        return None
+    if shard is None or (shard.rank, shard.size) != (comm.rank, comm.size):
+        got = "the whole head" if shard is None else f"rank {shard.rank} of {shard.size}"
+        raise ValueError(f"weights: expected rank {comm.rank} of {comm.size}'s shard (load_weights(..., shard=)), "
+                         f"got {got}")
+    return shard
+
+
 class MultiModuleMtpHead(DraftProposer):
     """Independent MTP modules, one per draft slot, each with its own weights and paged KV.
 
@@ -121,15 +144,20 @@ class MultiModuleMtpHead(DraftProposer):
                  kv_mode: KvMode = "exact", chain: Chain | None = None, block_size: int = 16,
                  num_blocks: int | None = None, max_batch: int = 64, prefill_chunk: int = 256,
                  cuda_graphs: bool = True, draft_vocab: Any = None, module_schedule: Any = None,
-                 max_drafts: int | None = None):
+                 max_drafts: int | None = None, comm: Any = None):
         """``draft_vocab``: None, or the token subset the LM heads read (an array of target
         ids or a ``.npy`` / text file of them; mtpkern.vocab): drafts and masks stay in
         target ids, a head reads ``V' / V`` of its bytes; ``weights`` is not changed (the
         modules get subset copies of their heads). ``module_schedule`` / ``max_drafts``:
         the module each draft step runs (mtpkern.schedule: None or "clamp", "last" or
         "cycle" with ``max_drafts``, or a list); the proposer's modules are then the steps
-        (``num_modules`` = steps, ``config`` the expanded one, ``module_schedule`` the list)."""
+        (``num_modules`` = steps, ``config`` the expanded one, ``module_schedule`` the list).
+        ``comm``: a communicator (mtpkern.comm) when ``weights`` are one rank's slice of a sharded
+        head (``load_weights(..., shard=)``, ``from_pretrained(..., comm=)``): every rank makes
+        the same calls with the same arguments, and they meet in its collectives
+        (docs/distributed.md)."""
         _check_modes(kv_mode, chain)
+        shard = _check_shard(weights, comm)
         block_size = check_int("block_size", block_size, 1)
         if num_blocks is None:
             num_blocks = ceil_div(self.DEFAULT_KV_TOKENS, block_size)
@@ -142,7 +170,7 @@ class MultiModuleMtpHead(DraftProposer):
         #: draft step s runs the weights of module_schedule[s] (mtpkern.schedule)
         self.module_schedule = resolve_schedule(module_schedule, config.num_modules, max_drafts)
         config, weights = expand_schedule(config, weights, self.module_schedule)
-        self._check_pool_size(config, backend, num_blocks, block_size)
+        self._check_pool_size(config, backend, num_blocks, block_size, shard)
         #: the LM heads' token subset (mtpkern.vocab.DraftVocab), or None: the whole vocabulary
         self.draft_vocab = None if draft_vocab is None else DraftVocab(draft_vocab, config.vocab_size)
         if self.draft_vocab is not None:
@@ -159,8 +187,11 @@ class MultiModuleMtpHead(DraftProposer):
         # A sliding-window module's pool keeps what its window may read after the trims the
         # KV mode allows (trim_margin), and one forward appends at most a chunk + M rows.
         rules = ExactChain if kv_mode == "exact" else DraftChain
+        #: the communicator and this rank's slice of a sharded head (None, None: one rank)
+        self.comm, self.shard = (comm, shard) if shard is not None else (None, None)
         self.modules = [MtpHead(m, config, mw, backend, num_blocks, block_size, trim_margin=rules.trim_margin(m),
-                                max_forward_rows=self.prefill_chunk + config.num_modules, vocab=self.draft_vocab)
+                                max_forward_rows=self.prefill_chunk + config.num_modules, vocab=self.draft_vocab,
+                                comm=self.comm, shard=self.shard)
                         for m, mw in enumerate(weights.modules)]
         self.pools = [h.pool for h in self.modules]
         self.exact = ExactChain(self.modules, backend, chain, self.prefill_chunk)
@@ -184,21 +215,24 @@ class MultiModuleMtpHead(DraftProposer):
         #: the planned propose step (mtpkern.cuda_graph): captured and replayed as a
         #: CUDA graph on the cuda backend when ``cuda_graphs``; None runs every step eagerly
         self.step_runner: Any = None
-        if cuda_graphs and backend.name == "cuda":
+        if cuda_graphs and backend.name == "cuda" and self.comm is None:   # a sharded head runs eagerly
             from .cuda_graph import StepRunner
 
             self.step_runner = StepRunner(self, capture=True)
 
     @staticmethod
-    def _check_pool_size(cfg: MtpConfig, backend: Backend, num_blocks: int, block_size: int) -> None:
+    def _check_pool_size(cfg: MtpConfig, backend: Backend, num_blocks: int, block_size: int,
+                         shard: Shard | None = None) -> None:
         """Refuse pools that cannot fit where the backend allocates them: the K/V caches are
         allocated up front, M modules x num_blocks x block_size rows x Hkv x D (K and V)."""
         if not 1 <= num_blocks <= BlockPool.MAX_BLOCKS or not 1 <= block_size <= BlockPool.MAX_BLOCKS // num_blocks:
             raise ValueError(f"num_blocks, block_size: expected num_blocks * block_size <= "
                              f"{BlockPool.MAX_BLOCKS} (int32 slots), got {num_blocks} * {block_size}")
         item = np.dtype(backend.kv_dtype).itemsize
-        sizes = [BlockPool.bytes_per_block(block_size, b.kv_row_values, item)
-                 for b in (cfg.block(m) for m in range(cfg.num_modules))]
+        blocks = [cfg.block(m) for m in range(cfg.num_modules)]
+        if shard is not None:                        # a rank's pools hold its KV heads only
+            blocks = [shard.block(b, f" (module {m})") for m, b in enumerate(blocks)]
+        sizes = [BlockPool.bytes_per_block(block_size, b.kv_row_values, item) for b in blocks]
         need = num_blocks * sum(sizes)
         have = backend.memory_bytes()
         if have is not None and need > have:
@@ -216,7 +250,8 @@ class MultiModuleMtpHead(DraftProposer):
                         prefill_chunk: int = 256, cuda_graphs: bool = True,
                         threads: int | None = None, allow_unused_tensors: bool = False,
                         draft_vocab: Any = None, module_schedule: Any = None,
-                        max_drafts: int | None = None) -> "MultiModuleMtpHead":
+                        max_drafts: int | None = None, comm: Any = None,
+                        experts: str = "ep") -> "MultiModuleMtpHead":
         """Load the MTP modules of the checkpoint at ``ckpt_dir`` (``config.json`` + safetensors).
 
         ``apply_target_norm``: the engine hands pre-norm target hiddens; apply the
@@ -230,7 +265,10 @@ class MultiModuleMtpHead(DraftProposer):
         holds tensors under a module's prefix which the config would not read (refused by
         default, naming the tensor and the config field: docs/checkpoints.md). ``draft_vocab``:
         the LM heads' token subset; ``module_schedule`` / ``max_drafts``: the module each draft
-        step runs (see ``__init__``).
+        step runs (see ``__init__``). ``comm``: a communicator of ``size > 1`` ranks
+        (mtpkern.comm; every rank calls this alike): each rank reads only its slice of the
+        checkpoint (mtpkern.shard: attention heads, ``experts`` "ep" by expert id or "tp" by
+        intermediate slice, LM head rows) and the proposer is sharded (``needs_comm()``).
         """
         _check_modes(kv_mode, chain)
         apply_target_norm = check_bool("apply_target_norm", apply_target_norm)
@@ -239,12 +277,17 @@ class MultiModuleMtpHead(DraftProposer):
             raise CheckpointError(f"ckpt_dir: {os.fspath(ckpt_dir)!r} {what} (config.json and *.safetensors)")
         cfg = MtpConfig.from_json(os.path.join(os.fspath(ckpt_dir), "config.json"))
         be = get_backend(backend, threads=threads)
+        shard = None
+        if comm is not None:
+            check_comm(comm)
+            shard = Shard.of(comm, experts) if comm.size > 1 else None
         weights = load_weights(ckpt_dir, cfg, be, apply_target_norm=apply_target_norm,
-                               allow_unused_tensors=check_bool("allow_unused_tensors", allow_unused_tensors))
+                               allow_unused_tensors=check_bool("allow_unused_tensors", allow_unused_tensors),
+                               shard=shard)
         return cls(cfg, weights, be, kv_mode=kv_mode, chain=chain, block_size=block_size,
                    num_blocks=num_blocks, max_batch=max_batch, prefill_chunk=prefill_chunk,
                    cuda_graphs=cuda_graphs, draft_vocab=draft_vocab, module_schedule=module_schedule,
-                   max_drafts=max_drafts)
+                   max_drafts=max_drafts, comm=comm)
 
     def __repr__(self) -> str:
         closed = ", closed" if self._closed else ""
@@ -290,6 +333,11 @@ class MultiModuleMtpHead(DraftProposer):
     def last_pair_key(self, state: ProposerState) -> int | None:
         """Key of module 0's newest row; None when it has none."""
         return self._idle(state).kv[0].last_key
+
+    def needs_comm(self) -> bool:
+        """True when the head is sharded over a communicator of more than one rank: every
+        rank must make the same calls, with the same arguments, in the same order."""
+        return self.comm is not None
 
     def propose_batch_max(self) -> int:
         """The widest ``propose_batch``: ``max_batch``, and no more sequences than a
@@ -626,6 +674,9 @@ class MultiModuleMtpHead(DraftProposer):
         is asked ``(depth, path tokens so far)`` once per node it expands. Returns the tree
         (mtpkern.tree.DraftTree: tokens, parents, depths, probabilities, path scores). Every
         row of a depth is one forward of its module; the state awaits ``after_verify_tree``."""
+        if self.comm is not None:
+            raise NotImplementedError("propose_tree: draft trees over a sharded head are not supported yet "
+                                      "(a sharded top-k is not built); use propose / propose_batch")
         cfg = self.config
         with self._use([state], "propose_tree") as (st,):
             tok = check_token("last_token", last_token, cfg.vocab_size)

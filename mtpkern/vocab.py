@@ -42,6 +42,10 @@ class DraftVocab:
             raise ValueError(f"{name}: token id {int(s[dup[0]])} appears twice")
         self.ids = s.astype(np.int32)                      # [V'] target id of each subset index
         self.vocab_size = int(vocab_size)
+        lo = int(s[0])
+        #: the subset is the whole words lo / 32 .. of the target's mask (a vocabulary shard of a
+        #: sharded head, mtpkern.shard): ``sub_mask`` slices the words instead of gathering bits
+        self._words = (lo // 32, lo // 32 + self.words) if lo % 32 == 0 and int(s[-1]) - lo + 1 == s.size else None
 
     @property
     def size(self) -> int:
@@ -53,7 +57,10 @@ class DraftVocab:
         return (self.size + 31) // 32
 
     def sub_mask(self, rows: np.ndarray) -> np.ndarray:
-        """[n, ceil(V / 32)] int32 target-space masks -> [n, ceil(V' / 32)] over the subset."""
+        """[n, ceil(V / 32)] int32 target-space masks -> [n, ceil(V' / 32)] over the subset (the
+        bits past V' of the last word may be set: they are padding, never read as tokens)."""
+        if self._words is not None:
+            return np.ascontiguousarray(np.asarray(rows, np.int32)[:, self._words[0]:self._words[1]])
         words = np.asarray(rows).astype(np.int64) & 0xFFFFFFFF
         bits = (words[:, self.ids >> 5] >> (self.ids & 31)) & 1             # [n, V']
         pad = np.zeros((bits.shape[0], self.words * 32), np.int64)

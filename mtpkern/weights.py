@@ -36,6 +36,7 @@ from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular
 from .models import Family, family
 from .ops.mla import split_kv_b_proj
 from .quant import Fp8Weight
+from .shard import Shard
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _FLOAT_DTYPES = ("BF16", "F32")
@@ -151,16 +152,24 @@ class CheckpointReader:
         except Exception as e:
             raise CheckpointError(f"tensor {key!r} in {self.file_of(key)}: unreadable ({e})") from None
 
-    def get(self, key: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = _FLOAT_DTYPES) -> np.ndarray:
-        """Read ``key`` after checking its shape and dtype against the expectation."""
+    def get(self, key: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = _FLOAT_DTYPES,
+            rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> np.ndarray:
+        """Read ``key`` after checking its shape and dtype against the expectation; ``rows`` /
+        ``cols``: only that range of its first / second dimension is read (a rank's shard)."""
         got_shape, got_dtype = self.info(key)
         where = f"tensor {key!r} in {self.file_of(key)}"
         if got_shape != tuple(shape):
             raise CheckpointError(f"{where}: expected shape {list(shape)}, got {list(got_shape)}")
         if got_dtype not in dtypes:
             raise CheckpointError(f"{where}: expected dtype {' or '.join(dtypes)}, got {got_dtype}")
+        index = _index(got_shape, rows, cols)
         try:
-            a = self._raw_fp8(key) if got_dtype == _FP8 else self._handle(key).get_tensor(key)
+            if got_dtype == _FP8:
+                a = self._raw_fp8(key, index)
+            elif index is None:
+                a = self._handle(key).get_tensor(key)
+            else:
+                a = self._handle(key).get_slice(key)[index]
         except CheckpointError:
             raise
         except Exception as e:
@@ -169,9 +178,10 @@ class CheckpointReader:
             raise CheckpointError(f"{where}: holds NaN or infinite values")
         return a
 
-    def _raw_fp8(self, key: str) -> np.ndarray:
+    def _raw_fp8(self, key: str, index: tuple | None = None) -> np.ndarray:
         """An ``F8_E4M3`` tensor as ``float8_e4m3fn`` (safetensors' NumPy reader has no FP8
-        dtype): its bytes read straight from the file at the header's offsets."""
+        dtype): its bytes read straight from the file at the header's offsets (``index``: only
+        those rows / columns, through a read-only map of the file)."""
         f = self._key_file[key]
         header, base = self._header(f)
         info = header.get(key)
@@ -179,6 +189,11 @@ class CheckpointReader:
         shape = [int(x) for x in info["shape"]]
         if e - b != int(np.prod(shape, dtype=np.int64)):
             raise CheckpointError(f"tensor {key!r} in {f}: {e - b} bytes for shape {shape}")
+        if index is not None:
+            if os.path.getsize(f) < base + e:
+                raise CheckpointError(f"tensor {key!r} in {f}: truncated (the file ends before its data)")
+            mm = np.memmap(f, np.uint8, "r", offset=base + b, shape=tuple(shape))
+            return np.array(mm[index]).view(ml_dtypes.float8_e4m3fn)
         with open(f, "rb") as fh:
             fh.seek(base + b)
             buf = fh.read(e - b)
@@ -196,6 +211,35 @@ class CheckpointReader:
                     raise CheckpointError(f"{f}: safetensors header of {n} bytes")
                 cached = self._headers[f] = (json.loads(fh.read(n)), 8 + n)
         return cached
+
+
+def _index(shape: tuple[int, ...], rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> tuple | None:
+    """The NumPy index of a tensor's ``rows`` / ``cols`` ranges (None: the whole tensor)."""
+    if rows is None and cols is None:
+        return None
+    if cols is not None and len(shape) < 2:
+        raise ValueError(f"cols: a tensor of shape {list(shape)} has no second dimension")
+    r = slice(*rows) if rows is not None else slice(None)
+    return (r,) if cols is None else (r, slice(*cols))
+
+
+def _fp8_scale_slice(scale: np.ndarray, block: tuple[int, int] | None, rows: tuple[int, int] | None,
+                     cols: tuple[int, int] | None, shape: tuple[int, ...], key: str) -> np.ndarray:
+    """The scales of an FP8 weight's ``rows`` / ``cols`` (whole scale blocks only: a block
+    cannot be cut, so a shard boundary must fall on one)."""
+    N, K = shape
+    if block is None:                                # per output channel: rows only
+        return scale if rows is None else scale[rows[0]:rows[1]]
+    bn, bk = block
+    for name, rng, b, full in (("rows", rows, bn, N), ("columns", cols, bk, K)):
+        if rng is not None and (rng[0] % b or (rng[1] % b and rng[1] != full)):
+            raise CheckpointError(f"tensor {key!r}: a shard of {name} {rng[0]}:{rng[1]} cuts its FP8 scale "
+                                  f"blocks of {b}; shard where the blocks allow (docs/distributed.md)")
+    if rows is not None:
+        scale = scale[rows[0] // bn: -(-rows[1] // bn)]
+    if cols is not None:
+        scale = scale[:, cols[0] // bk: -(-cols[1] // bk)]
+    return scale
 
 
 def _row_slice(w: Any, a: int, b: int) -> Any:
@@ -278,6 +322,8 @@ class MtpWeights:
     nbytes: int = 0                  # bytes read from the checkpoint
     distinct_vocab_matrices: int = 0  # how many [V, H] matrices are held
     notes: list[str] = field(default_factory=list)
+    #: the rank's slice (mtpkern.shard) when loaded for a sharded head, else None
+    shard: Shard | None = None
 
     def __repr__(self) -> str:
         return (f"MtpWeights({len(self.modules)} modules, {self.nbytes} bytes read, "
@@ -482,7 +528,7 @@ def _refuse_or_note_unused(cfg: MtpConfig, rd: CheckpointReader, m: int, pre: st
 
 
 def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_norm: bool = False, *,
-                 allow_unused_tensors: bool = False) -> MtpWeights:
+                 allow_unused_tensors: bool = False, shard: Shard | None = None) -> MtpWeights:
     """Read every module of the checkpoint at ``path`` onto ``backend``.
 
     Before a module's tensors are read, what ``cfg`` implies is compared with what the
@@ -492,36 +538,41 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     unknown name) raises ``CheckpointError`` naming the tensor and the config field.
     ``allow_unused_tensors=True`` loads without the unused tensors and lists them in
     ``MtpWeights.notes``. Tensors outside the modules' prefixes (the target's) are ignored.
+
+    ``shard``: read only rank ``shard.rank``'s slice of every tensor (mtpkern.shard): its
+    attention heads, experts or intermediate slices and LM head rows; the replicated tensors
+    whole. The modules' weights then have the rank's shapes (``Shard.block``).
     """
     if not isinstance(allow_unused_tensors, bool):
         raise TypeError(f"allow_unused_tensors: expected a bool, got {allow_unused_tensors!r}")
     rd = CheckpointReader(path)
     notes: list[str] = []
     nbytes = 0
-    by_key: dict[str, Any] = {}        # checkpoint key -> prepared [V, H] matrix
+    by_key: dict[tuple, Any] = {}      # (checkpoint key, rows) -> prepared [V, H] matrix
     by_digest: dict[bytes, Any] = {}   # content digest -> prepared [V, H] matrix
     V, H = cfg.vocab_size, cfg.hidden_size
 
-    def read(key, shape, dtypes=_FLOAT_DTYPES):
+    def read(key, shape, dtypes=_FLOAT_DTYPES, rows=None, cols=None):
         nonlocal nbytes
-        a = rd.get(key, shape, dtypes)
+        a = rd.get(key, shape, dtypes, rows, cols)
         nbytes += a.nbytes
         return a
 
-    def vocab_matrix(keys: list[str], what: str):
-        """The first present key of ``keys`` as a [V, H] matrix, held once."""
+    def vocab_matrix(keys: list[str], what: str, rows: tuple[int, int] | None = None):
+        """The first present key of ``keys`` as a [V, H] matrix (its ``rows`` only, a vocabulary
+        shard), held once."""
         for key in keys:
             if not rd.has(key):
                 continue
-            if key in by_key:
-                return by_key[key]
-            a = read(key, (V, H))
+            if (key, rows) in by_key:
+                return by_key[key, rows]
+            a = read(key, (V, H), rows=rows)
             h = hashlib.blake2b(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), digest_size=16)
-            digest = a.dtype.name.encode() + h.digest()
+            digest = a.dtype.name.encode() + repr(a.shape).encode() + h.digest()
             prepared = by_digest.get(digest)
             if prepared is None:
                 prepared = by_digest[digest] = backend.prepare_weight(a)
-            by_key[key] = prepared
+            by_key[key, rows] = prepared
             return prepared
         raise CheckpointError(f"{what}: none of the tensors {keys} is in the checkpoint at {rd.path}")
 
@@ -537,19 +588,26 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         dt = BF16 if all(p.dtype == BF16 for p in parts) else np.float32
         return np.concatenate([p.astype(dt, copy=False) for p in parts], axis=0)
 
-    def fp8(key: str, shape: tuple[int, ...]) -> Fp8Weight:
-        """An FP8 projection and its scales, checked (Fp8Weight validates the scale shape)."""
+    def fp8(key: str, shape: tuple[int, ...], rows=None, cols=None) -> Fp8Weight:
+        """An FP8 projection and its scales, checked (Fp8Weight validates the scale shape);
+        ``rows`` / ``cols``: a shard of it, cut at whole scale blocks."""
         nonlocal nbytes
         got_shape, _ = rd.info(key)
         if got_shape != tuple(shape):
             raise CheckpointError(f"tensor {key!r} in {rd.file_of(key)}: expected shape {list(shape)}, "
                                   f"got {list(got_shape)}")
-        data = rd.get(key, shape, (_FP8,))
+        block = cfg.fp8_block if cfg.fp8_block != (0, 0) else None
         sk = scale_key(cfg, key)
         scale = rd.get(sk, rd.info(sk)[0], ("F32", "BF16"))
+        if rows is not None or cols is not None:
+            if scale.ndim != 2 and block is not None:
+                raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: expected block scales [N/bn, K/bk], "
+                                      f"got shape {list(scale.shape)}")
+            scale = _fp8_scale_slice(scale, block, rows, cols, tuple(shape), key)
+        data = rd.get(key, shape, (_FP8,), rows, cols)
         nbytes += data.nbytes + scale.nbytes
         try:
-            return Fp8Weight(data, scale, cfg.fp8_block if cfg.fp8_block != (0, 0) else None)
+            return Fp8Weight(data, scale, block)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: {e}") from None
 
@@ -557,22 +615,31 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     modules = []
     for m in range(cfg.num_modules):
         spec = _checked_module_keys(cfg, rd, m, allow_unused_tensors, notes)
-        blk = cfg.block(m)
+        blk = cfg.block(m)                           # the checkpoint's block
+        #: the rank's heads and block (its query / KV heads), or the whole module's
+        hs = None if shard is None else shard.heads(blk, f" (module {m})")
+        lblk = blk if shard is None else shard.block(blk, f" (module {m})")
 
-        def w(suffix, dtypes=_FLOAT_DTYPES, spec=spec):
-            """A dense tensor; a projection may be FP8 (an ``Fp8Weight``) when the config says so."""
+        def w(suffix, dtypes=_FLOAT_DTYPES, spec=spec, rows=None, cols=None):
+            """A dense tensor; a projection may be FP8 (an ``Fp8Weight``) when the config says so;
+            ``rows`` / ``cols``: only that range (a rank's shard)."""
             key, shape, _ = spec[suffix]
             if cfg.weight_quant == "fp8" and _is_projection(suffix) and rd.info(key)[1] == _FP8:
-                return fp8(key, shape)
-            return read(key, shape, dtypes)
+                return fp8(key, shape, rows, cols)
+            return read(key, shape, dtypes, rows, cols)
 
-        def stacked(suffixes: list[list[str]]):
+        def part(item):
+            """``w`` of a suffix, or of a (suffix, rows, cols) shard of it."""
+            return w(item) if isinstance(item, str) else w(item[0], rows=item[1], cols=item[2])
+
+        def stacked(suffixes: list[list]):
             """Experts ``[E, N, K]``: dense ones written straight into the final array, one
             expert at a time (the host peak is the result plus one expert, not twice the
-            result); FP8 ones stacked with their scales."""
-            first = [w(s) for s in suffixes[0]]
+            result); FP8 ones stacked with their scales. Items: suffixes, or (suffix, rows,
+            cols) shards."""
+            first = [part(s) for s in suffixes[0]]
             if any(isinstance(p, Fp8Weight) for p in first):
-                parts = [first] + [[w(s) for s in group] for group in suffixes[1:]]
+                parts = [first] + [[part(s) for s in group] for group in suffixes[1:]]
                 return Fp8Weight.stack([p[0] if len(p) == 1 else stack_rows(*p) for p in parts])
             row = stack_rows(*first) if len(first) > 1 else first[0]
             out = np.empty((len(suffixes),) + row.shape, row.dtype)
@@ -580,11 +647,12 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             for e, group in enumerate(suffixes[1:], start=1):
                 at = 0
                 for s_ in group:
-                    part = w(s_)
-                    if isinstance(part, Fp8Weight):
-                        raise CheckpointError(f"{rd.path}: experts mix FP8 and dense weights ({spec[s_][0]!r})")
-                    out[e, at:at + part.shape[0]] = part
-                    at += part.shape[0]
+                    a = part(s_)
+                    if isinstance(a, Fp8Weight):
+                        name = s_ if isinstance(s_, str) else s_[0]
+                        raise CheckpointError(f"{rd.path}: experts mix FP8 and dense weights ({spec[name][0]!r})")
+                    out[e, at:at + a.shape[0]] = a
+                    at += a.shape[0]
             return out
 
         def norm(suffix, scale: float = 1.0):
@@ -599,14 +667,34 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             head-wise gate ``g`` (g_proj), or the element-wise one that q_proj carries. A query
             projection that interleaves a gate per head ([q_h | g_h], Qwen3-Next) is split
             here, the gate rows going last."""
-            if blk.attn_gate != "elementwise":
+            if lblk.attn_gate != "elementwise":
                 return [q, k, v] + ([] if g is None else [g])
-            D, Hq = blk.head_dim, blk.num_attention_heads
+            D, Hq = lblk.head_dim, lblk.num_attention_heads
             if not fam.q_gate_interleaved:                       # canonical: [queries; gates]
                 return [_row_slice(q, 0, Hq * D), k, v, _row_slice(q, Hq * D, 2 * Hq * D)]
             per_head = [_row_slice(q, 2 * h * D + j * D, 2 * h * D + (j + 1) * D) for h in range(Hq) for j in (0, 1)]
             join = Fp8Weight.concat if isinstance(q, Fp8Weight) else np.concatenate
             return [join(per_head[0::2]), k, v, join(per_head[1::2])]
+
+        def join(parts):
+            """Row-concatenate the parts of one tensor (dense, FP8, or 1-D biases)."""
+            if len(parts) == 1:
+                return parts[0]
+            return Fp8Weight.concat(parts) if isinstance(parts[0], Fp8Weight) else np.concatenate(parts, axis=0)
+
+        def heads_of(suffix, per: int, kv: bool = False):
+            """A projection (or bias) of ``per`` rows a head, the rank's heads only: its query
+            heads (a q_proj that carries an element-wise gate, its gate rows too, in the
+            checkpoint's layout) or, with ``kv``, its KV heads."""
+            if hs is None:
+                return w(suffix)
+            a, b = (hs.kv0, hs.kv1) if kv else (hs.q0, hs.q1)
+            if kv or blk.attn_gate != "elementwise" or not suffix.startswith("self_attn.q_proj"):
+                return w(suffix, rows=(a * per, b * per))
+            if fam.q_gate_interleaved:                           # [q_h | g_h] per head
+                return w(suffix, rows=(2 * a * per, 2 * b * per))
+            Hq = blk.num_attention_heads                         # [queries; gates]
+            return join([w(suffix, rows=(a * per, b * per)), w(suffix, rows=((Hq + a) * per, (Hq + b) * per))])
 
         def value_scaled(v):
             """v_proj (weight or bias) times attention_value_scale, folded once: FP8 weights
@@ -648,56 +736,73 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             if blk.q_lora_rank:
                 mw.mla_q_a = backend.prepare_weight(w("self_attn.q_a_proj.weight"))
                 mw.mla_q_a_norm = norm("self_attn.q_a_layernorm.weight", cfg.q_a_norm_scale)
-            kv_b = w("self_attn.kv_b_proj.weight")
+            kv_b = heads_of("self_attn.kv_b_proj.weight", blk.qk_nope_head_dim + blk.v_dim)
             if isinstance(kv_b, Fp8Weight):
                 kv_b = kv_b.dequantize().astype(BF16)
-            uk, uv = split_kv_b_proj(kv_b, blk.num_attention_heads, blk.qk_nope_head_dim, blk.v_dim)
+            uk, uv = split_kv_b_proj(kv_b, lblk.num_attention_heads, blk.qk_nope_head_dim, blk.v_dim)
             mw.mla_uk, mw.mla_uv = backend.prepare_weight(uk), backend.prepare_weight(uv)
 
         head_keys = [spec["shared_head.head.weight"][0], fam.target_head]
         if cfg.tie_word_embeddings:
             head_keys.append(fam.target_embed)
+        D, Dv = blk.head_dim, blk.v_dim
+        hw_gate = blk.attn_gate == "headwise"
         mw = ModuleWeights(
             embed=vocab_matrix([spec["embed_tokens.weight"][0], fam.target_embed], f"module {m} embedding"),
-            head=vocab_matrix(head_keys, f"module {m} LM head"),
+            head=vocab_matrix(head_keys, f"module {m} LM head", None if shard is None else shard.vocab(V)),
             enorm=norm("enorm.weight"),
             hnorm=norm("hnorm.weight"),
             eh_proj=eh_proj(),
             input_layernorm=norm("input_layernorm.weight"),
             post_attention_layernorm=norm("post_attention_layernorm.weight"),
-            w_qkv=backend.prepare_weight(w("self_attn.q_b_proj.weight" if blk.q_lora_rank else "self_attn.q_proj.weight"))
+            w_qkv=backend.prepare_weight(heads_of("self_attn.q_b_proj.weight" if blk.q_lora_rank
+                                                  else "self_attn.q_proj.weight", D))
             if blk.mla else backend.prepare_weight(stack_rows(*qkv_rows(
-                w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), value_scaled(w("self_attn.v_proj.weight")),
-                w("self_attn.g_proj.weight") if blk.attn_gate == "headwise" else None))),
+                heads_of("self_attn.q_proj.weight", D), heads_of("self_attn.k_proj.weight", D, kv=True),
+                value_scaled(heads_of("self_attn.v_proj.weight", Dv, kv=True)),
+                heads_of("self_attn.g_proj.weight", 1) if hw_gate else None))),
             b_qkv=backend.prepare_vector(np.concatenate([p.astype(np.float32) for p in qkv_rows(
-                w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), value_scaled(w("self_attn.v_proj.bias")),
-                np.zeros(blk.num_attention_heads, np.float32) if blk.attn_gate == "headwise" else None)]))
+                heads_of("self_attn.q_proj.bias", D), heads_of("self_attn.k_proj.bias", D, kv=True),
+                value_scaled(heads_of("self_attn.v_proj.bias", Dv, kv=True)),
+                np.zeros(lblk.num_attention_heads, np.float32) if hw_gate else None)]))
             if cfg.attention_bias else None,                     # (g_proj has no bias: zeros)
-            sinks=backend.prepare_vector(w("self_attn.sinks").astype(np.float32)) if blk.attn_sinks else None,
+            sinks=backend.prepare_vector(heads_of("self_attn.sinks", 1).astype(np.float32)) if blk.attn_sinks else None,
             q_norm=norm("self_attn.q_norm.weight") if cfg.use_qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
-            w_o=backend.prepare_weight(w("self_attn.o_proj.weight")),
+            w_o=backend.prepare_weight(w("self_attn.o_proj.weight") if hs is None
+                                       else w("self_attn.o_proj.weight", cols=(hs.q0 * Dv, hs.q1 * Dv))),
             shared_head_norm=norm("shared_head.norm.weight"),
         )
         if blk.mla:
             mla(mw)
+        def swiglu(pre: str, I: int, what: str):
+            """(w13 [2I', H], w2 [H, I']) of a SwiGLU under ``pre``: gate over up rows, and the
+            down projection; a sharded head's intermediate slice I' of I."""
+            sl = None if shard is None else shard.span(I, what)
+            gate, up = (w(f"{pre}{n}_proj.weight", rows=sl) for n in ("gate", "up"))
+            return stack_rows(gate, up), w(f"{pre}down_proj.weight", cols=sl)
+
         if blk.moe:
-            E = cfg.n_routed_experts
+            E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
             mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias") if cfg.router_bias
                                                   else np.zeros(E, np.float32))     # selection without a bias
+            e0, e1 = (0, E) if shard is None else shard.expert_range(E)              # experts held whole (EP)
+            sl = None if shard is None or shard.routed_slice(I) == (0, I) else shard.routed_slice(I)   # TP
             mw.experts_w13 = backend.prepare_weight(stacked([
-                [f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight"] for e in range(E)]))
-            mw.experts_w2 = backend.prepare_weight(stacked([[f"mlp.experts.{e}.down_proj.weight"] for e in range(E)]))
+                [(f"mlp.experts.{e}.gate_proj.weight", sl, None), (f"mlp.experts.{e}.up_proj.weight", sl, None)]
+                for e in range(e0, e1)]))
+            mw.experts_w2 = backend.prepare_weight(stacked([[(f"mlp.experts.{e}.down_proj.weight", None, sl)]
+                                                            for e in range(e0, e1)]))
             if cfg.n_shared_experts:
-                mw.shared_w13 = backend.prepare_weight(stack_rows(w("mlp.shared_experts.gate_proj.weight"),
-                                                                  w("mlp.shared_experts.up_proj.weight")))
-                mw.shared_w2 = backend.prepare_weight(w("mlp.shared_experts.down_proj.weight"))
+                w13, w2 = swiglu("mlp.shared_experts.", cfg.shared_intermediate_size,
+                                 "the shared experts' intermediate size")
+                mw.shared_w13, mw.shared_w2 = backend.prepare_weight(w13), backend.prepare_weight(w2)
                 if cfg.shared_expert_gate:
                     mw.shared_gate = backend.prepare_weight(w("mlp.shared_expert_gate.weight"))
         else:
-            mw.mlp_w13 = backend.prepare_weight(stack_rows(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")))
-            mw.mlp_w2 = backend.prepare_weight(w("mlp.down_proj.weight"))
+            w13, w2 = swiglu("mlp.", cfg.intermediate_size, "intermediate_size")
+            mw.mlp_w13, mw.mlp_w2 = backend.prepare_weight(w13), backend.prepare_weight(w2)
         modules.append(mw)
 
     target_norm = None
@@ -707,7 +812,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                                   f"missing from the checkpoint at {rd.path}")
         tn = read(fam.target_norm, (H,))
         target_norm = backend.prepare_vector(tn.astype(np.float32) + 1.0 if fam.zero_centred else tn)
-    return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest), notes)
+    return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest), notes, shard)
 
 
 # -- synthetic checkpoints ---------------------------------------------------

@@ -1,0 +1,177 @@
+"""The sharded draft head (mtpkern.shard, docs/distributed.md) in a world of threads.
+
+Every rank of a 2- or 4-rank world loads its slice of a synthetic checkpoint and runs the
+same call script as a single-rank proposer; after every call the drafts, confidences,
+refusals and catch-ups are identical to the single rank's, and each rank's KV is its slice
+of the single-rank KV (tests/shard_cases.py). Covered: MoE with shared experts, experts by
+id ("ep") and by intermediate slice ("tp"), the dense MLP, MLA, GQA with fewer KV heads
+than ranks, both KV modes. tests/mpi_worker.py runs the same under ``mpirun`` on the cpu
+backend (tests/test_comm.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shard_cases
+from comm_cases import ThreadWorld
+from mtpkern import MultiModuleMtpHead
+from mtpkern.block import BlockSpec
+from mtpkern.comm import LocalComm
+from mtpkern.config import tiny_config
+from mtpkern.shard import Shard, ShardError
+from mtpkern.weights import load_weights, write_synthetic_checkpoint
+from mtpkern.backends import get_backend
+
+KW = dict(block_size=4, num_blocks=160, prefill_chunk=6)
+_SINGLE: dict = {}
+
+
+def single_log(ckpt, kv_mode, steps, conf):
+    key = (str(ckpt), kv_mode)
+    if key not in _SINGLE:
+        _SINGLE[key] = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=kv_mode, **KW)
+    return shard_cases.run_script(_SINGLE[key], steps, conf)
+
+
+def world_logs(ckpt, size, kv_mode, steps, conf, experts="ep"):
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=kv_mode, comm=comm,
+                                                  experts=experts, **KW)
+        assert prop.needs_comm() and prop.shard.rank == comm.rank
+        return prop, shard_cases.run_script(prop, steps, conf)
+
+    return ThreadWorld(size).run(rank)
+
+
+def check_world(ckpt, size, kv_mode, seed, conf=False, experts="ep"):
+    steps = shard_cases.script(seed)
+    want = single_log(ckpt, kv_mode, steps, conf)
+    for prop, log in world_logs(ckpt, size, kv_mode, steps, conf, experts):
+        shard_cases.compare(want, log, prop)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1), conf=st.booleans())
+def test_sharded_moe_matches_one_rank(tiny_ckpt, size, kv_mode, seed, conf):
+    """Experts by id, shared experts by slice, 4 query heads over 2 KV heads (at 4 ranks one
+    query head each, a KV head held by two ranks), the LM head in whole mask words."""
+    check_world(tiny_ckpt, size, kv_mode, seed, conf)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_moe_tp_experts_matches_one_rank(tiny_ckpt, size):
+    check_world(tiny_ckpt, size, "exact", 11, conf=True, experts="tp")
+
+
+def test_sharded_dense_matches_one_rank(tiny_ckpt_dense):
+    check_world(tiny_ckpt_dense, 2, "exact", 5, conf=True)
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_sharded_mla_matches_one_rank(mla_ckpt, kv_mode):
+    """MLA: query heads split, the latent rows (the pool) replicated on every rank."""
+    check_world(mla_ckpt, 2, kv_mode, 3)
+
+
+def test_sharded_weights_are_slices(tiny_ckpt, tiny_cfg):
+    """Each rank reads only its slice: the shapes of the rank's weights, and bytes read that
+    add up over the ranks to the whole checkpoint's plus the replicated tensors' copies."""
+    be = get_backend("numpy")
+    full = load_weights(tiny_ckpt, tiny_cfg, be)
+    parts = [load_weights(tiny_ckpt, tiny_cfg, be, shard=Shard(r, 2)) for r in range(2)]
+    b = tiny_cfg.block(0)
+    for r, w in enumerate(parts):
+        m, f = w.modules[0], full.modules[0]
+        lo, hi = Shard(r, 2).vocab(tiny_cfg.vocab_size)
+        np.testing.assert_array_equal(m.head, f.head[lo:hi])
+        np.testing.assert_array_equal(m.embed, f.embed)                  # replicated
+        np.testing.assert_array_equal(m.experts_w13, f.experts_w13[4 * r:4 * r + 4])
+        np.testing.assert_array_equal(m.w_o, f.w_o[:, 2 * r * b.head_dim:(2 * r + 2) * b.head_dim])
+        Is = tiny_cfg.shared_intermediate_size // 2
+        np.testing.assert_array_equal(m.shared_w2, f.shared_w2[:, r * Is:(r + 1) * Is])
+        assert m.w_qkv.shape[0] == full.modules[0].w_qkv.shape[0] // 2
+        assert w.shard == Shard(r, 2)
+    # every rank reads the replicated tensors (here mostly the [V, H] embedding) and half the rest
+    sizes = [p.nbytes for p in parts]
+    assert sum(sizes) > full.nbytes and max(sizes) < 0.65 * full.nbytes, (full.nbytes, sizes)
+
+
+def test_shard_layout_rules():
+    """Spans, heads (GQA, KV heads fewer than ranks), vocabulary words, expert maps."""
+    for size in (1, 2, 3, 4, 8):
+        for V in (32 * size, 301, 1000, 32768):
+            if (V + 31) // 32 < size:
+                continue
+            spans = [Shard(r, size).vocab(V) for r in range(size)]
+            assert spans[0][0] == 0 and spans[-1][1] == V
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert all(lo % 32 == 0 and hi > lo for lo, hi in spans)
+    b = BlockSpec(num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    hs = [Shard(r, 4).heads(b) for r in range(4)]
+    assert [(h.q0, h.q1, h.kv0, h.kv1) for h in hs] == [(0, 2, 0, 1), (2, 4, 0, 1), (4, 6, 1, 2), (6, 8, 1, 2)]
+    for h in hs:                                   # each rank's query heads read its KV head
+        assert h.q0 // (8 // 2) == h.kv0 and (h.q1 - 1) // (8 // 2) == h.kv0
+    assert Shard(1, 2).block(b).num_attention_heads == 4 and Shard(1, 2).block(b).num_key_value_heads == 1
+    np.testing.assert_array_equal(Shard(1, 2).expert_map(8), [-1, -1, -1, -1, 0, 1, 2, 3])
+    assert Shard(1, 2, "tp").expert_map(8) is None and Shard(1, 2, "tp").routed_slice(32) == (16, 32)
+    with pytest.raises(ShardError, match="num_attention_heads"):
+        Shard(0, 3).heads(b)
+    with pytest.raises(ShardError, match="num_key_value_heads"):
+        Shard(0, 4).heads(BlockSpec(num_attention_heads=12, num_key_value_heads=3, head_dim=16))
+    with pytest.raises(ShardError, match="vocab_size"):
+        Shard(0, 4).vocab(70)
+    for bad, match in (((2, 2), "rank"), ((0, 0), "size"), ((0, 2, "xx"), "experts")):
+        with pytest.raises(ValueError, match=match):
+            Shard(*bad)
+
+
+def test_sharded_head_refuses_what_it_cannot(tmp_path, tiny_ckpt, tiny_cfg):
+    """Weights and communicator must agree; an unsplittable checkpoint names its field; trees
+    and draft vocabularies over a sharded head are refused before anything changes."""
+    be = get_backend("numpy")
+    rank1 = load_weights(tiny_ckpt, tiny_cfg, be, shard=Shard(1, 2))
+    with pytest.raises(ValueError, match="comm"):
+        MultiModuleMtpHead(tiny_cfg, rank1, be, **KW)
+    with pytest.raises(ValueError, match="weights"):
+        MultiModuleMtpHead(tiny_cfg, load_weights(tiny_ckpt, tiny_cfg, be), be, comm=ThreadWorldComm(0, 2), **KW)
+    with pytest.raises(ValueError, match="rank 0 of 2"):
+        MultiModuleMtpHead(tiny_cfg, rank1, be, comm=ThreadWorldComm(0, 2), **KW)
+    one = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=LocalComm(), **KW)
+    assert not one.needs_comm() and one.shard is None
+    odd = write_synthetic_checkpoint(tmp_path / "odd", tiny_config(num_attention_heads=3, num_key_value_heads=1))
+    with pytest.raises(ShardError, match="num_attention_heads"):
+        MultiModuleMtpHead.from_pretrained(odd, backend="numpy", comm=ThreadWorldComm(0, 2), **KW)
+
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=comm, **KW)
+        st_ = prop.alloc_state()
+        H = tiny_cfg.hidden_size
+        prop.prefill_drafter([1, 2, 3], np.ones((3, H), np.float32), st_)
+        with pytest.raises(NotImplementedError, match="propose_tree"):
+            prop.propose_tree(4, np.ones(H, np.float32), 3, st_, widths=[2])
+        assert prop.drafter_rows(st_) == 2           # unchanged by the refused call
+        prop.free_state(st_)
+        prop.check_invariants()
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=comm, draft_vocab=np.arange(64),
+                                               **KW)
+
+    ThreadWorld(2).run(rank)
+
+
+class ThreadWorldComm:
+    """A communicator's rank and size only (for the checks made before any collective)."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, buf, op):
+        raise AssertionError("no collective expected")
+
+    all_gather = broadcast = all_reduce
