@@ -6,11 +6,15 @@ whole vocabulary (the NumPy reference's LM head, identity weights: the logits ar
 inputs exactly), and then the sharded proposer on the cpu backend: its slice of a
 synthetic checkpoint (rank 0 writes it), the call scripts of tests/shard_cases.py in both KV
 modes, each rank's log against a single-rank proposer's (drafts, confidences and refusals
-identical, its KV the single rank's slice). It writes ``ok`` to ``<argv[1]>/rank<r>`` and
+identical, its KV the single rank's slice), and the proposer state machine of
+mtpkern.testing (derandomized, so every rank draws the same calls and meets the others in
+the same collectives; its exact-mode oracle compares every draft with a from-scratch
+forward of the whole checkpoint). It writes ``ok`` to ``<argv[1]>/rank<r>`` and
 exits 0, or raises (the ranks' stdout would interleave)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +28,8 @@ from comm_cases import local_best, logit_case, reference  # noqa: E402
 from mtpkern import MultiModuleMtpHead  # noqa: E402
 from mtpkern.comm import MpiComm, check_comm, sharded_argmax, sharded_confidence  # noqa: E402
 from mtpkern.config import tiny_config  # noqa: E402
+from mtpkern.testing import reference_weights  # noqa: E402
+from mtpkern.testing.machine import proposer_machine  # noqa: E402
 from mtpkern.weights import write_synthetic_checkpoint  # noqa: E402
 
 
@@ -64,6 +70,7 @@ def main() -> None:
         conf = sharded_confidence(best, sums, has, got, comm)
         np.testing.assert_allclose(conf, want_conf, rtol=1e-5, equal_nan=True, err_msg=f"seed {seed}")
     proposers(comm, Path(sys.argv[1]))
+    state_machine(comm, Path(sys.argv[1]) / "ckpt")
     (Path(sys.argv[1]) / f"rank{comm.rank}").write_text("ok")
 
 
@@ -80,6 +87,31 @@ def proposers(comm: MpiComm, out: Path) -> None:
         prop = MultiModuleMtpHead.from_pretrained(ckpt, kv_mode=kv_mode, comm=comm, **kw)
         assert prop.needs_comm() and prop.shard.rank == comm.rank
         shard_cases.compare(want, shard_cases.run_script(prop, steps, conf), prop)
+
+
+
+def state_machine(comm: MpiComm, ckpt: Path) -> None:
+    """mtpkern.testing's proposer machine over this rank of a sharded head (no trees: a
+    sharded head refuses them), in both KV modes."""
+    from hypothesis import HealthCheck, settings
+
+    weights = reference_weights(ckpt)
+    for kv_mode in ("exact", "draft"):
+        def make(kv_mode=kv_mode):
+            return MultiModuleMtpHead.from_pretrained(ckpt, backend="cpu", threads=1, kv_mode=kv_mode, comm=comm,
+                                                      block_size=4, num_blocks=28, prefill_chunk=5)
+
+        machine = proposer_machine(make, weights, skip=("tree",))
+        few = comm.size > 2                  # 4 ranks on this machine's 2 cores spin against each other
+        machine.TestCase.settings = settings(max_examples=4 if few else 15, stateful_step_count=40, deadline=None,
+                                             derandomize=True,
+                                             database=None, print_blob=False,
+                                             suppress_health_check=list(HealthCheck))
+        machine.TestCase().runTest()
+        calls = sum(machine.steps.values())
+        assert calls >= (60 if few else 200) and machine.steps["propose_batch"] > 0, dict(machine.steps)
+        if os.environ.get("MTPKERN_MPI_VERBOSE"):
+            print(f"rank {comm.rank} {kv_mode}: {dict(machine.steps)}", flush=True)
 
 
 if __name__ == "__main__":
