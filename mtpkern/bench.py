@@ -304,7 +304,7 @@ def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "") -> li
 # -- propose benchmarks ---------------------------------------------------------------------
 
 def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact",
-                  head_rows: int | None = None) -> int:
+                  head_rows: int | None = None, shard: Any = None) -> int:
     """Weights one propose of k drafts must read (BF16), plus the KV it attends over, module
     by module (each its own block; an MLA block reads one latent row per token and
     kv_b_proj once): module 0 attends over ``context`` rows; modules m >= 1
@@ -313,11 +313,17 @@ def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
     drafting modules; exact mode every module, the ones past k without their LM head (they
     write the rows of the token just verified and of the drafts, and draft nothing).
     ``head_rows``: the LM head's rows read (a draft vocabulary's size; default the whole
-    vocabulary)."""
+    vocabulary). ``shard``: what one rank of a sharded head reads (mtpkern.shard): its heads,
+    KV heads and vocabulary rows, ``1 / size`` of the experts' and the MLPs' bytes (the
+    routed experts' in expectation, by id or by slice), the replicated tensors whole."""
     H, V = cfg.hidden_size, cfg.vocab_size if head_rows is None else head_rows
+    if shard is not None:
+        lo, hi = shard.vocab(cfg.vocab_size)
+        V = hi - lo
+    share = 1 if shard is None else shard.size
     total = 0
     for m in range(cfg.num_modules if kv_mode == "exact" else k):
-        b = cfg.block(m)
+        b = cfg.block(m) if shard is None else shard.block(cfg.block(m))
         per = 2 * H * H + H * b.o_size + (V * H if m < k else 0)          # eh, o, head
         if b.mla:          # q_a (or q_proj), q_b, kv_a_proj_with_mqa, kv_b_proj (w_uk and w_uv)
             Q, L = b.q_lora_rank, b.kv_lora_rank
@@ -327,10 +333,10 @@ def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
             per += b.qkv_size * H                                         # q|k|v|gate
         if b.moe:
             experts = min(cfg.n_routed_experts, B * cfg.num_experts_per_tok)
-            per += cfg.n_routed_experts * H + experts * 3 * cfg.moe_intermediate_size * H
-            per += 3 * cfg.shared_intermediate_size * H
+            per += cfg.n_routed_experts * H + experts * 3 * cfg.moe_intermediate_size * H // share
+            per += 3 * cfg.shared_intermediate_size * H // share
         else:
-            per += 3 * cfg.intermediate_size * H
+            per += 3 * cfg.intermediate_size * H // share
         rows = context if m == 0 or kv_mode == "exact" else 1
         if b.sliding_window:
             rows = min(rows, b.sliding_window)

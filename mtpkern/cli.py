@@ -1,8 +1,9 @@
-"""The command line: ``mtpkern demo | info | bench`` (also ``python -m mtpkern ...``).
+"""The command line: ``mtpkern demo | info | bench | bench-shard`` (also ``python -m mtpkern ...``).
 
 ``demo`` writes a built-in synthetic checkpoint (once, under the cache dir) and
 runs a speculative loop against a simulated verifier; ``info`` tells what a
-checkpoint holds; ``bench`` is the benchmark harness (``mtpkern.bench``).
+checkpoint holds; ``bench`` is the benchmark harness (``mtpkern.bench``); ``bench-shard``
+times a sharded head at several world sizes under ``mpirun`` (``mtpkern.bench_shard``).
 docs/cli.md describes every option.
 
 Errors: an mtpkern error, a bad value (``ValueError`` / ``TypeError`` from the
@@ -22,7 +23,7 @@ import time
 
 import numpy as np
 
-from . import argtypes, bench
+from . import argtypes, bench, bench_shard
 from .errors import MtpError
 
 DESCRIPTION = """\
@@ -147,6 +148,16 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
     bench.add_arguments(b)
     _common(b, top=False)
     b.set_defaults(run=bench.run)
+
+    s = sub.add_parser("bench-shard", formatter_class=_Formatter,
+                       help="the sharded head's per-rank bytes and propose latency at 1, 2, 4 ranks (MPI)",
+                       description="Runs mpirun -n R for each world size: every rank loads its slice of a "
+                                   "synthetic checkpoint on the cpu backend and times propose_batch beside its "
+                                   "per-rank floor (benchmarks/README.md, \"Sharded head\"). Needs "
+                                   "pip install 'mtpkern[mpi]'.")
+    bench_shard.add_arguments(s)
+    _common(s, top=False)
+    s.set_defaults(run=bench_shard.run)
     return ap
 
 

@@ -175,3 +175,40 @@ class ThreadWorldComm:
         raise AssertionError("no collective expected")
 
     all_gather = broadcast = all_reduce
+
+
+def test_propose_bytes_of_a_rank(tiny_cfg):
+    """A rank's bytes: at one rank the whole head's; over the ranks at least the whole (the
+    replicated tensors are read by every rank), each rank under the whole."""
+    from mtpkern.bench import propose_bytes
+
+    for mode in ("exact", "draft"):
+        for B in (1, 8):
+            whole = propose_bytes(tiny_cfg, 3, 500, B, 4, mode)
+            assert propose_bytes(tiny_cfg, 3, 500, B, 4, mode, shard=Shard(0, 1)) == whole
+            for size in (2, 4):
+                parts = [propose_bytes(tiny_cfg, 3, 500, B, 4, mode, shard=Shard(r, size)) for r in range(size)]
+                assert sum(parts) >= whole and max(parts) < whole, (mode, B, size, parts, whole)
+
+
+def test_bench_shard_runs_every_world(tmp_path):
+    """``mtpkern bench-shard`` on the tiny shapes at 1 and 2 ranks (mpirun): a row per world,
+    mode and batch, the bytes per rank falling with the shard."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("mpi4py", reason="MPI: pip install 'mtpkern[mpi]'")
+    out = tmp_path / "shard.json"
+    r = subprocess.run([sys.executable, "-m", "mtpkern", "bench-shard", "--shapes", "tiny", "--ranks", "1,2",
+                        "--contexts", "16", "--batches", "1,2", "--runs", "2", "--warmup", "0", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2 and {row["ranks"] for row in rows} == {1, 2}
+    for row in rows:
+        assert row["median_us"] > 0 and row["shared_floor_us"] == pytest.approx(row["ranks"] * row["floor_us"])
+        one = next(q for q in rows if q["ranks"] == 1 and q["kv_mode"] == row["kv_mode"] and q["batch"] == row["batch"])
+        assert row["ranks"] == 1 or row["bytes_per_rank"] < one["bytes_per_rank"]
+    assert "shared floor" in r.stdout
