@@ -24,7 +24,7 @@ own wraps it in an object with the four members above.
 
 ``sharded_argmax`` and ``sharded_confidence`` are the vocabulary-parallel LM head's
 reductions: one collective each, exactly the single-rank answer's rule (ties to the
-lowest id, NaN never wins).
+lowest id, NaN never wins); ``sharded_topk`` merges the shards' candidates of a draft tree.
 """
 
 from __future__ import annotations
@@ -254,3 +254,46 @@ def sharded_confidence(best_val: Any, sum_exp: Any, has: Any, ids: Any, comm: An
     comm.all_reduce(part, "sum")
     with np.errstate(divide="ignore", invalid="ignore"):
         return xp.where(ids < 0, xp.float32(np.nan), xp.float32(1.0) / part).astype(xp.float32)
+
+
+def sharded_topk(ids: np.ndarray, vals: np.ndarray, best: np.ndarray, sum_exp: np.ndarray, comm: Any,
+                 to_comm: Any = None, from_comm: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """A draft tree's candidates over a vocabulary-parallel LM head: each rank's top ``k``
+    (global ``ids`` [n, k] int32, -1 past its candidates; their logits ``vals`` [n, k]) and its
+    softmax statistics (``best`` [n], ``sum_exp`` [n], mtpkern.ops.lm_head's partial result) ->
+    the whole vocabulary's top ``k`` (ids by logit descending, ties to the lowest id, -1 past
+    the candidates) and each one's probability by the single-rank rule (``1 / sum_j t_j``,
+    ``t_j = 1`` where ``l_j`` equals the candidate's logit, else ``exp(l_j - l_c)``, summed per
+    rank as ``sum_exp_r * t(best_r)``; 0 past the candidates), host arrays. One all-gather of
+    ``[n, 2k + 2]`` FP32 values per rank (ids as exact integers below 2^24, checked);
+    ``to_comm`` / ``from_comm`` move host arrays to the communicator's buffers and back
+    (default: the identity, NumPy buffers)."""
+    to_comm = to_comm or (lambda a: a)
+    from_comm = from_comm or (lambda a: np.asarray(a))
+    n, k = ids.shape
+    if ids.size and int(ids.max()) >= 1 << 24:
+        raise ValueError(f"ids: a vocabulary of more than 2^24 tokens does not fit the merge's FP32 ids, "
+                         f"got id {int(ids.max())}")
+    send = np.concatenate([ids.astype(np.float32), vals.astype(np.float32), best[:, None].astype(np.float32),
+                           sum_exp[:, None].astype(np.float32)], axis=1)
+    dev = to_comm(np.ascontiguousarray(send))
+    recv = to_comm(np.zeros((comm.size, n, 2 * k + 2), np.float32))
+    comm.all_gather(dev, recv)
+    got = from_comm(recv)                                        # [R, n, 2k + 2]
+    all_ids = got[:, :, :k].astype(np.int64).transpose(1, 0, 2).reshape(n, -1)
+    all_vals = got[:, :, k:2 * k].transpose(1, 0, 2).reshape(n, -1)
+    tops, sums = got[:, :, 2 * k].T, got[:, :, 2 * k + 1].T.astype(np.float64)     # [n, R]
+    out_ids = np.full((n, k), -1, np.int32)
+    probs = np.zeros((n, k), np.float32)
+    for r in range(n):
+        have = all_ids[r] >= 0
+        c_ids, c_vals = all_ids[r][have], all_vals[r][have]
+        order = np.lexsort((c_ids, -c_vals.astype(np.float64)))[:k]
+        live = sums[r] > 0
+        for j, o in enumerate(order):
+            lc = np.float64(c_vals[o])
+            with np.errstate(invalid="ignore", over="ignore"):
+                t = np.where(tops[r][live] == lc, 1.0, np.exp(tops[r][live].astype(np.float64) - lc))
+            out_ids[r, j] = c_ids[o]
+            probs[r, j] = 1.0 / (sums[r][live] * t).sum()
+    return out_ids, probs

@@ -36,10 +36,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
-from .comm import sharded_argmax, sharded_confidence
+from .comm import sharded_argmax, sharded_confidence, sharded_topk
 from .config import MtpConfig
 from .errors import NoAllowedToken, StateError, no_token_reason
 from .kv import BlockPool, SeqKv, WindowRule
+from .ops.lm_head import check_topk, masked_topk_partial
 from .ops.moe import RouterSpec
 from .shard import Shard
 from .vocab import DraftVocab
@@ -416,10 +417,27 @@ class MtpHead:
         ([n, k] int32, -1 past the candidates; [n, k] FP32)."""
         be = self.backend
         if self.comm is not None:
-            raise NotImplementedError("topk: a draft tree's candidates over a sharded LM head are not supported yet "
-                                      "(propose_tree needs a single-rank head)")
+            return self._sharded_topk(normed_rows, bitmask, k)
         ids, probs = be.lm_head_topk(normed_rows, self.w.head, self._mask(bitmask), k, **self._lm_kw)
         return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(probs), np.float32)
+
+    def _sharded_topk(self, normed_rows: Any, bitmask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``topk`` of a vocabulary-parallel LM head: this rank's logits (written out, as a
+        single rank's tree does), its top ``k`` and softmax statistics, merged with the other
+        ranks' by ``comm.sharded_topk``; ``NoAllowedToken`` on every rank alike for a row
+        no rank has a candidate for."""
+        be = self.backend
+        lo = int(self.vocab.ids[0])
+        logits = np.asarray(be.to_host(be.lm_head_logits(normed_rows, self.w.head)), np.float32)
+        mask = None if bitmask is None else self.vocab.sub_mask(np.ascontiguousarray(bitmask, np.int32))
+        ids, vals, best, sums = masked_topk_partial(logits, mask, check_topk(k))
+        ids = np.where(ids >= 0, ids + lo, -1).astype(np.int32)
+        ids, probs = sharded_topk(ids, vals, best, sums, self.comm, be.from_host, be.to_host)
+        none = np.flatnonzero(ids[:, 0] < 0)
+        if none.size:
+            r = int(none[0])
+            raise NoAllowedToken(f"row {r}: {no_token_reason(bitmask is not None, self.config.vocab_size)}", row=r)
+        return ids, probs
 
     def _mask(self, bitmask: np.ndarray | None) -> Any:
         """A host [n, W] mask in target ids -> the backend mask the LM head reads."""

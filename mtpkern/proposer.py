@@ -674,9 +674,6 @@ class MultiModuleMtpHead(DraftProposer):
         is asked ``(depth, path tokens so far)`` once per node it expands. Returns the tree
         (mtpkern.tree.DraftTree: tokens, parents, depths, probabilities, path scores). Every
         row of a depth is one forward of its module; the state awaits ``after_verify_tree``."""
-        if self.comm is not None:
-            raise NotImplementedError("propose_tree: draft trees over a sharded head are not supported yet "
-                                      "(a sharded top-k is not built); use propose / propose_batch")
         cfg = self.config
         with self._use([state], "propose_tree") as (st,):
             tok = check_token("last_token", last_token, cfg.vocab_size)

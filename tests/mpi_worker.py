@@ -91,8 +91,7 @@ def proposers(comm: MpiComm, out: Path) -> None:
 
 
 def state_machine(comm: MpiComm, ckpt: Path) -> None:
-    """mtpkern.testing's proposer machine over this rank of a sharded head (no trees: a
-    sharded head refuses them), in both KV modes."""
+    """mtpkern.testing's proposer machine over this rank of a sharded head, in both KV modes."""
     from hypothesis import HealthCheck, settings
 
     weights = reference_weights(ckpt)
@@ -101,7 +100,7 @@ def state_machine(comm: MpiComm, ckpt: Path) -> None:
             return MultiModuleMtpHead.from_pretrained(ckpt, backend="cpu", threads=1, kv_mode=kv_mode, comm=comm,
                                                       block_size=4, num_blocks=28, prefill_chunk=5)
 
-        machine = proposer_machine(make, weights, skip=("tree",))
+        machine = proposer_machine(make, weights)
         few = comm.size > 2                  # 4 ranks on this machine's 2 cores spin against each other
         machine.TestCase.settings = settings(max_examples=4 if few else 15, stateful_step_count=40, deadline=None,
                                              derandomize=True,

@@ -15,8 +15,9 @@ from conftest import kv_rows
 from mtpkern.errors import NoAllowedToken
 
 #: the calls a script draws from: a batched propose round (verify, catch-up), a new
-#: sequence, a carried sequence, a freed one, and a propose that no grammar allows
-OPS = ("round", "round", "round", "new", "carry", "free", "refused")
+#: sequence, a carried sequence, a freed one, a propose that no grammar allows, and a draft
+#: tree (verified along a path, caught up)
+OPS = ("round", "round", "round", "new", "carry", "free", "refused", "tree")
 
 
 def script(seed: int, length: int = 8) -> list[tuple[str, int]]:
@@ -56,6 +57,28 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
             s = seqs[int(rng.integers(0, len(seqs)))]
             prop.install_drafter_kv(s[0], prop.take_drafter_kv(s[0]))
             snapshot("carry")
+            continue
+        if op == "tree":
+            s = seqs[int(rng.integers(0, len(seqs)))]
+            D = int(rng.integers(1, prop.num_modules + 1))
+            mask = None if rng.random() < 0.5 else rng.integers(-2**31, 2**31, W, dtype=np.int64).astype(np.int32)
+            try:
+                tree = prop.propose_tree(int(rng.integers(0, V)), s[2], s[1], s[0],
+                                         widths=[int(w) for w in rng.integers(1, 4, D)], grammar_bitmask=mask)
+            except NoAllowedToken as e:
+                log.append(("refused", type(e).__name__, e.row, e.draft))
+                snapshot("after refused")
+                continue
+            log.append(("tree", tree.tokens.tolist(), tree.parents.tolist(), tree.probs.astype(np.float64)))
+            snapshot("tree drafted")
+            path = tree.greedy_path()[:int(rng.integers(0, tree.depth + 1))]
+            prop.after_verify_tree(path, s[0])
+            toks_ = [int(tree.tokens[i]) for i in path]
+            h = rng.standard_normal((len(toks_), H)).astype(np.float32)
+            log.append(("caught up", np.asarray(prop.catchup_drafter(toks_, h, s[0])).tolist()))
+            s[1] += 1 + len(toks_)
+            s[2] = rng.standard_normal(H).astype(np.float32)
+            snapshot("tree verified")
             continue
         k = int(rng.integers(1, prop.num_modules + 1))
         toks = rng.integers(0, V, len(seqs)).tolist()
@@ -112,6 +135,9 @@ def compare(single: list, sharded: list, prop, tol: float = 2e-5) -> None:
                 np.testing.assert_allclose(np.concatenate([np.asarray(c, np.float64) for c in b[2]] or [[]]),
                                            np.concatenate([np.asarray(c, np.float64) for c in a[2]] or [[]]),
                                            rtol=1e-4, err_msg=f"entry {i}: confidences")
+        elif a[0] == "tree":
+            assert a[1:3] == b[1:3], (i, a[1:3], b[1:3])
+            np.testing.assert_allclose(b[3], a[3], rtol=1e-4, err_msg=f"entry {i}: tree probabilities")
         elif a[0] in ("refused", "caught up"):
             assert a[1:] == b[1:], (i, a, b)
         else:

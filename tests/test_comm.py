@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from comm_cases import ThreadWorld, local_best, logit_case, reference
 from mtpkern.comm import (Communicator, LocalComm, argmax_keys, check_comm, ids_of_keys, sharded_argmax,
-                          sharded_confidence)
+                          sharded_confidence, sharded_topk)
+from mtpkern.errors import NoAllowedToken
+from mtpkern.ops.lm_head import masked_topk, masked_topk_partial
 
 HERE = Path(__file__).resolve().parent
 
@@ -42,6 +44,41 @@ def test_sharded_argmax_is_the_single_rank_argmax(seed, ranks):
     for got, conf in ThreadWorld(ranks).run(rank):
         np.testing.assert_array_equal(got, want_ids)
         np.testing.assert_allclose(conf, want_conf, rtol=1e-5, equal_nan=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 5), k=st.integers(1, 6))
+def test_sharded_topk_is_the_single_rank_topk(seed, ranks, k):
+    """A draft tree's candidates over shards of whole mask words: each rank's top k and its
+    softmax statistics (``masked_topk_partial``), merged by one all-gather, give the whole
+    vocabulary's ``masked_topk`` on every rank: the same ids in the same order (ties to the
+    lowest id, NaN never taken, -1 past the candidates) and the probabilities within float32
+    rounding; a row nothing allows has id -1 in column 0."""
+    x, w, mask = logit_case(np.random.default_rng(seed))
+    V = w.shape[0]
+    with np.errstate(invalid="ignore"):
+        logits = np.where(np.isnan(w).any(axis=1)[None, :], np.float32(np.nan), x)
+    W = (V + 31) // 32
+    want = []                                                  # per row: (ids, probs), or None
+    for r in range(x.shape[0]):
+        try:
+            want.append(masked_topk(logits[r:r + 1], None if mask is None else mask[r:r + 1], k))
+        except NoAllowedToken:
+            want.append(None)
+
+    def rank(comm):
+        w0, w1 = comm.rank * W // comm.size, (comm.rank + 1) * W // comm.size
+        lo, hi = 32 * w0, min(V, 32 * w1)
+        ids, vals, best, sums = masked_topk_partial(logits[:, lo:hi], None if mask is None else mask[:, w0:w1], k)
+        return sharded_topk(np.where(ids >= 0, ids + lo, -1).astype(np.int32), vals, best, sums, comm)
+
+    for ids, probs in ThreadWorld(ranks).run(rank):
+        for r, wr in enumerate(want):
+            if wr is None:
+                assert (ids[r] == -1).all() and (probs[r] == 0).all()
+                continue
+            np.testing.assert_array_equal(ids[r], wr[0][0])
+            np.testing.assert_allclose(probs[r], wr[1][0], rtol=1e-5, atol=1e-7)
 
 
 def test_argmax_keys_order_values_then_lower_ids():

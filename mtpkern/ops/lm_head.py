@@ -214,6 +214,24 @@ def masked_topk(logits, bitmask=None, k: int = 1) -> tuple[np.ndarray, np.ndarra
     return ids, probs
 
 
+def masked_topk_partial(logits, bitmask=None, k: int = 1):
+    """A vocabulary shard's share of ``masked_topk``: (ids [n, k] int32 (-1 past the row's
+    candidates), vals [n, k] FP32 (their logits; -inf past), best [n], sum_exp [n]
+    (``masked_best``'s)); never raises: a shard may hold none of a row's candidates.
+    ``mtpkern.comm.sharded_topk`` merges the shards' into the whole vocabulary's."""
+    k = check_topk(k)
+    lg, ok = _candidates(logits, bitmask)
+    n = lg.shape[0]
+    ids = np.full((n, k), -1, np.int32)
+    vals = np.full((n, k), -np.inf, np.float32)
+    for r in range(n):
+        cand = np.flatnonzero(ok[r])
+        top = _topk_order(lg[r, cand], cand)[:k]
+        ids[r, :top.size], vals[r, :top.size] = top, lg[r, top]
+    _, best, sums = masked_best(lg, bitmask)
+    return ids, vals, best, sums
+
+
 def lm_head_topk(x, w, bitmask=None, k: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """``masked_topk(lm_head_logits(x, w), bitmask, k)``: a draft tree's candidates."""
     return masked_topk(lm_head_logits(x, w), bitmask, k)
