@@ -146,13 +146,16 @@ class MtpHead:
         self.config = config
         self.w = weights
         self.comm, self.shard = (None, None) if shard is None or shard.size == 1 else (comm, shard)
-        if self.shard is not None:
-            if vocab is not None:
-                raise ValueError("vocab: a sharded head's LM head rows are its vocabulary shard; a draft "
-                                 "vocabulary with a sharded head is not supported")
-            vocab = DraftVocab(np.arange(*shard.vocab(config.vocab_size)), config.vocab_size)
+        if self.shard is not None:          # the rank's share of the vocabulary's rows (or the draft vocabulary's)
+            ids = np.arange(config.vocab_size) if vocab is None else vocab.ids
+            lo, hi = self.shard.vocab(ids.shape[0])
+            vocab = DraftVocab(ids[lo:hi], config.vocab_size)
+            if weights.head.shape[0] != vocab.size:
+                raise ValueError(f"weights.head: expected this rank's {vocab.size} vocabulary rows, got "
+                                 f"{weights.head.shape[0]}")
         #: the token subset the LM head reads (None: the whole vocabulary; a sharded head's
-        #: rank: its vocabulary shard), and its target ids on the backend (the LM head's ``id_map``)
+        #: rank: its share of the vocabulary or of the draft vocabulary), and its target ids on the
+        #: backend (the LM head's ``id_map``)
         self.vocab = vocab
         self._lm_kw = {} if vocab is None else {"id_map": backend.from_host(vocab.ids)}
         self.backend = backend
@@ -427,11 +430,10 @@ class MtpHead:
         ranks' by ``comm.sharded_topk``; ``NoAllowedToken`` on every rank alike for a row
         no rank has a candidate for."""
         be = self.backend
-        lo = int(self.vocab.ids[0])
         logits = np.asarray(be.to_host(be.lm_head_logits(normed_rows, self.w.head)), np.float32)
         mask = None if bitmask is None else self.vocab.sub_mask(np.ascontiguousarray(bitmask, np.int32))
         ids, vals, best, sums = masked_topk_partial(logits, mask, check_topk(k))
-        ids = np.where(ids >= 0, ids + lo, -1).astype(np.int32)
+        ids = np.where(ids >= 0, self.vocab.ids[np.maximum(ids, 0)], -1).astype(np.int32)    # target ids
         ids, probs = sharded_topk(ids, vals, best, sums, self.comm, be.from_host, be.to_host)
         none = np.flatnonzero(ids[:, 0] < 0)
         if none.size:

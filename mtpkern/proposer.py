@@ -130,6 +130,17 @@ def _check_shard(weights: MtpWeights, comm: Any) -> Shard | None:
     return shard
 
 
+def _check_sharded_vocab(weights: MtpWeights, vocab: DraftVocab | None) -> None:
+    """A sharded head's LM head rows are read at load for one vocabulary (the whole, or a
+    draft vocabulary's ids: ``load_weights(..., head_ids=)``): ``draft_vocab`` must be it."""
+    have = weights.head_ids
+    if (vocab is None) != (have is None) or (vocab is not None and not np.array_equal(vocab.ids, have)):
+        what = "the whole vocabulary" if have is None else f"a draft vocabulary of {have.shape[0]} tokens"
+        got = "none" if vocab is None else f"{vocab.size} tokens"
+        raise ValueError(f"draft_vocab: a sharded head's LM heads were read for {what} (load_weights(..., "
+                         f"head_ids=), from_pretrained(..., draft_vocab=)); got {got}")
+
+
 class MultiModuleMtpHead(DraftProposer):
     """Independent MTP modules, one per draft slot, each with its own weights and paged KV.
 
@@ -173,7 +184,9 @@ class MultiModuleMtpHead(DraftProposer):
         self._check_pool_size(config, backend, num_blocks, block_size, shard)
         #: the LM heads' token subset (mtpkern.vocab.DraftVocab), or None: the whole vocabulary
         self.draft_vocab = None if draft_vocab is None else DraftVocab(draft_vocab, config.vocab_size)
-        if self.draft_vocab is not None:
+        if shard is not None:                       # a sharded head reads its vocabulary's rows at load
+            _check_sharded_vocab(weights, self.draft_vocab)
+        elif self.draft_vocab is not None:
             weights = _subset_heads(weights, backend, self.draft_vocab)
         self.config = config
         self.weights = weights
@@ -281,9 +294,12 @@ class MultiModuleMtpHead(DraftProposer):
         if comm is not None:
             check_comm(comm)
             shard = Shard.of(comm, experts) if comm.size > 1 else None
+        head_ids = None                     # a sharded head reads its draft vocabulary's rows at load
+        if shard is not None and draft_vocab is not None:
+            draft_vocab = head_ids = DraftVocab(draft_vocab, cfg.vocab_size).ids
         weights = load_weights(ckpt_dir, cfg, be, apply_target_norm=apply_target_norm,
                                allow_unused_tensors=check_bool("allow_unused_tensors", allow_unused_tensors),
-                               shard=shard)
+                               shard=shard, head_ids=head_ids)
         return cls(cfg, weights, be, kv_mode=kv_mode, chain=chain, block_size=block_size,
                    num_blocks=num_blocks, max_batch=max_batch, prefill_chunk=prefill_chunk,
                    cuda_graphs=cuda_graphs, draft_vocab=draft_vocab, module_schedule=module_schedule,

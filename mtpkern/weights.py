@@ -39,6 +39,8 @@ from .quant import Fp8Weight
 from .shard import Shard
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+#: safetensors dtypes read through a map of the file: (stored as, viewed as)
+_RAW = {"F8_E4M3": (np.uint8, ml_dtypes.float8_e4m3fn), "BF16": (np.uint16, BF16), "F32": (np.float32, np.float32)}
 _FLOAT_DTYPES = ("BF16", "F32")
 _FP8 = "F8_E4M3"
 
@@ -164,8 +166,8 @@ class CheckpointReader:
             raise CheckpointError(f"{where}: expected dtype {' or '.join(dtypes)}, got {got_dtype}")
         index = _index(got_shape, rows, cols)
         try:
-            if got_dtype == _FP8:
-                a = self._raw_fp8(key, index)
+            if got_dtype == _FP8 or isinstance(rows, np.ndarray):
+                a = self._raw(key, got_dtype, index)
             elif index is None:
                 a = self._handle(key).get_tensor(key)
             else:
@@ -179,27 +181,32 @@ class CheckpointReader:
         return a
 
     def _raw_fp8(self, key: str, index: tuple | None = None) -> np.ndarray:
-        """An ``F8_E4M3`` tensor as ``float8_e4m3fn`` (safetensors' NumPy reader has no FP8
-        dtype): its bytes read straight from the file at the header's offsets (``index``: only
-        those rows / columns, through a read-only map of the file)."""
+        return self._raw(key, _FP8, index)
+
+    def _raw(self, key: str, dtype: str, index: tuple | None = None) -> np.ndarray:
+        """A tensor's bytes read straight from the file at the header's offsets: an
+        ``F8_E4M3`` one as ``float8_e4m3fn`` (safetensors' NumPy reader has no FP8 dtype), or
+        any of ``_RAW`` with ``index`` (only those rows / columns, an array of rows included,
+        through a read-only map of the file)."""
         f = self._key_file[key]
         header, base = self._header(f)
         info = header.get(key)
         b, e = info["data_offsets"]
         shape = [int(x) for x in info["shape"]]
-        if e - b != int(np.prod(shape, dtype=np.int64)):
-            raise CheckpointError(f"tensor {key!r} in {f}: {e - b} bytes for shape {shape}")
+        store, view = _RAW[dtype]
+        if e - b != int(np.prod(shape, dtype=np.int64)) * np.dtype(store).itemsize:
+            raise CheckpointError(f"tensor {key!r} in {f}: {e - b} bytes for shape {shape} {dtype}")
         if index is not None:
             if os.path.getsize(f) < base + e:
                 raise CheckpointError(f"tensor {key!r} in {f}: truncated (the file ends before its data)")
-            mm = np.memmap(f, np.uint8, "r", offset=base + b, shape=tuple(shape))
-            return np.array(mm[index]).view(ml_dtypes.float8_e4m3fn)
+            mm = np.memmap(f, np.dtype(store).newbyteorder("<"), "r", offset=base + b, shape=tuple(shape))
+            return np.array(mm[index]).astype(store, copy=False).view(view)
         with open(f, "rb") as fh:
             fh.seek(base + b)
             buf = fh.read(e - b)
         if len(buf) != e - b:
             raise CheckpointError(f"tensor {key!r} in {f}: truncated ({len(buf)} of {e - b} bytes)")
-        return np.frombuffer(buf, np.uint8).reshape(shape).view(ml_dtypes.float8_e4m3fn)
+        return np.frombuffer(buf, np.dtype(store).newbyteorder("<")).astype(store).reshape(shape).view(view)
 
     def _header(self, f: Path) -> tuple[dict, int]:
         """(the safetensors JSON header, the offset of the data) of file ``f``, read once."""
@@ -213,13 +220,14 @@ class CheckpointReader:
         return cached
 
 
-def _index(shape: tuple[int, ...], rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> tuple | None:
-    """The NumPy index of a tensor's ``rows`` / ``cols`` ranges (None: the whole tensor)."""
+def _index(shape: tuple[int, ...], rows: Any, cols: tuple[int, int] | None) -> tuple | None:
+    """The NumPy index of a tensor's ``rows`` (a range, or an array of rows) / ``cols`` range
+    (None: the whole tensor)."""
     if rows is None and cols is None:
         return None
     if cols is not None and len(shape) < 2:
         raise ValueError(f"cols: a tensor of shape {list(shape)} has no second dimension")
-    r = slice(*rows) if rows is not None else slice(None)
+    r = rows if isinstance(rows, np.ndarray) else slice(*rows) if rows is not None else slice(None)
     return (r,) if cols is None else (r, slice(*cols))
 
 
@@ -324,6 +332,8 @@ class MtpWeights:
     notes: list[str] = field(default_factory=list)
     #: the rank's slice (mtpkern.shard) when loaded for a sharded head, else None
     shard: Shard | None = None
+    #: a sharded head's draft vocabulary (sorted target ids) its LM heads were read for, else None
+    head_ids: np.ndarray | None = None
 
     def __repr__(self) -> str:
         return (f"MtpWeights({len(self.modules)} modules, {self.nbytes} bytes read, "
@@ -528,7 +538,8 @@ def _refuse_or_note_unused(cfg: MtpConfig, rd: CheckpointReader, m: int, pre: st
 
 
 def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_norm: bool = False, *,
-                 allow_unused_tensors: bool = False, shard: Shard | None = None) -> MtpWeights:
+                 allow_unused_tensors: bool = False, shard: Shard | None = None,
+                 head_ids: np.ndarray | None = None) -> MtpWeights:
     """Read every module of the checkpoint at ``path`` onto ``backend``.
 
     Before a module's tensors are read, what ``cfg`` implies is compared with what the
@@ -541,7 +552,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
 
     ``shard``: read only rank ``shard.rank``'s slice of every tensor (mtpkern.shard): its
     attention heads, experts or intermediate slices and LM head rows; the replicated tensors
-    whole. The modules' weights then have the rank's shapes (``Shard.block``).
+    whole. The modules' weights then have the rank's shapes (``Shard.block``). ``head_ids``
+    (with ``shard``): the LM heads hold a draft vocabulary (sorted target ids, mtpkern.vocab),
+    the rank's share of its rows only (``Shard.vocab`` over its positions).
     """
     if not isinstance(allow_unused_tensors, bool):
         raise TypeError(f"allow_unused_tensors: expected a bool, got {allow_unused_tensors!r}")
@@ -558,21 +571,22 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         nbytes += a.nbytes
         return a
 
-    def vocab_matrix(keys: list[str], what: str, rows: tuple[int, int] | None = None):
-        """The first present key of ``keys`` as a [V, H] matrix (its ``rows`` only, a vocabulary
-        shard), held once."""
+    def vocab_matrix(keys: list[str], what: str, rows: Any = None):
+        """The first present key of ``keys`` as a [V, H] matrix (its ``rows`` only, a range or
+        an array: a vocabulary shard), held once."""
+        tag = rows if not isinstance(rows, np.ndarray) else ("ids", rows.tobytes())
         for key in keys:
             if not rd.has(key):
                 continue
-            if (key, rows) in by_key:
-                return by_key[key, rows]
+            if (key, tag) in by_key:
+                return by_key[key, tag]
             a = read(key, (V, H), rows=rows)
             h = hashlib.blake2b(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), digest_size=16)
             digest = a.dtype.name.encode() + repr(a.shape).encode() + h.digest()
             prepared = by_digest.get(digest)
             if prepared is None:
                 prepared = by_digest[digest] = backend.prepare_weight(a)
-            by_key[key, rows] = prepared
+            by_key[key, tag] = prepared
             return prepared
         raise CheckpointError(f"{what}: none of the tensors {keys} is in the checkpoint at {rd.path}")
 
@@ -612,6 +626,13 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: {e}") from None
 
     fam = family(cfg.family)
+    if head_ids is not None and shard is None:
+        raise ValueError("head_ids: a draft vocabulary is read at load by a sharded head only (shard=); "
+                         "an unsharded proposer cuts its heads itself (draft_vocab=)")
+    head_rows: Any = None                    # the LM heads' rows this load reads (None: all)
+    if shard is not None:
+        lo, hi = shard.vocab(V if head_ids is None else int(np.asarray(head_ids).shape[0]))
+        head_rows = (lo, hi) if head_ids is None else np.asarray(head_ids, np.int64)[lo:hi]
     modules = []
     for m in range(cfg.num_modules):
         spec = _checked_module_keys(cfg, rd, m, allow_unused_tensors, notes)
@@ -749,7 +770,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         hw_gate = blk.attn_gate == "headwise"
         mw = ModuleWeights(
             embed=vocab_matrix([spec["embed_tokens.weight"][0], fam.target_embed], f"module {m} embedding"),
-            head=vocab_matrix(head_keys, f"module {m} LM head", None if shard is None else shard.vocab(V)),
+            head=vocab_matrix(head_keys, f"module {m} LM head", head_rows),
             enorm=norm("enorm.weight"),
             hnorm=norm("hnorm.weight"),
             eh_proj=eh_proj(),
@@ -812,7 +833,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                                   f"missing from the checkpoint at {rd.path}")
         tn = read(fam.target_norm, (H,))
         target_norm = backend.prepare_vector(tn.astype(np.float32) + 1.0 if fam.zero_centred else tn)
-    return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest), notes, shard)
+    return MtpWeights(cfg, modules, target_norm, nbytes, len(by_digest), notes, shard,
+                      None if head_ids is None else np.asarray(head_ids, np.int32))
 
 
 # -- synthetic checkpoints ---------------------------------------------------
