@@ -101,6 +101,32 @@ def test_sharded_draft_vocab_matches_one_rank(tiny_ckpt, tiny_cfg, kv_mode):
         shard_cases.compare(want, log, prop)
 
 
+@pytest.mark.parametrize("block", [(8, 8), (0, 0)])
+def test_sharded_fp8_matches_one_rank(tmp_path_factory, block):
+    """FP8 projections (block scales of 8, or per-channel): each rank reads its rows /
+    columns with their scales; experts by id at 4 ranks, by slice at 2 (their 8-row scale
+    blocks cut along)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_config(), weight_quant="fp8", fp8_block=block)
+    ckpt = write_synthetic_checkpoint(tmp_path_factory.mktemp("fp8"), cfg, seed=4)
+    check_world(ckpt, 2, "exact", 8, conf=True, experts="tp")
+    check_world(ckpt, 4, "draft", 9)
+
+
+def test_sharded_fp8_refuses_a_cut_scale_block(tmp_path):
+    """A shard boundary inside an FP8 scale block cannot be read: CheckpointError naming the
+    tensor (4 ranks cut q_proj's 32-row blocks at 16 rows)."""
+    import dataclasses
+
+    from mtpkern.errors import CheckpointError
+
+    cfg = dataclasses.replace(tiny_config(), weight_quant="fp8", fp8_block=(32, 32))
+    ckpt = write_synthetic_checkpoint(tmp_path / "fp8", cfg, seed=4)
+    with pytest.raises(CheckpointError, match="q_proj.weight.*scale blocks of 32"):
+        load_weights(ckpt, cfg, get_backend("numpy"), shard=Shard(1, 4))
+
+
 def test_sharded_weights_are_slices(tiny_ckpt, tiny_cfg):
     """Each rank reads only its slice: the shapes of the rank's weights, and bytes read that
     add up over the ranks to the whole checkpoint's plus the replicated tensors' copies."""
