@@ -1860,3 +1860,42 @@ def test_draft_tree_matches_the_reference(emu, tiny_ckpt, tiny_cfg, mode):
         dev.check_invariants()
     h, t = rng.standard_normal(H).astype(np.float32), int(rng.integers(0, V))
     assert ref.propose(t, h, sr.next_position, M, sr) == dev.propose(t, h, sd.next_position, M, sd)
+
+
+# -- a sharded head on the emulated kernels ----------------------------------------------------
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_sharded_proposer_on_emulated_kernels(emu, tiny_ckpt, kv_mode, monkeypatch):
+    """Two ranks (threads) of a sharded head on the cuda backend's real kernels (FP32 KV;
+    the emulator's launches serialised, the ranks' collectives between them): every call of
+    a script as the single-rank NumPy reference's, drafts, trees and confidences identical,
+    each rank's KV its slice (tests/shard_cases.py). The expert kernels' empty slots (-1
+    ids) and the LM head's partial result (best=, sum_exp=) run here on every propose."""
+    import threading
+
+    import shard_cases
+    from comm_cases import ThreadWorld
+    from mtpkern import MultiModuleMtpHead
+
+    lock = threading.Lock()
+    launch = emu_backend.EmuKernel.__call__
+
+    def serialised(self, *a, **kw):
+        with lock:
+            return launch(self, *a, **kw)
+
+    monkeypatch.setattr(emu_backend.EmuKernel, "__call__", serialised)
+    kw = dict(kv_mode=kv_mode, block_size=4, num_blocks=160, prefill_chunk=6)
+    steps = shard_cases.script(21)
+    want = shard_cases.run_script(MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", **kw), steps, True)
+
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=emu_backend.backend("float32"), comm=comm, **kw)
+        assert prop.step_runner is None                   # a sharded head runs eagerly
+        return prop, shard_cases.run_script(prop, steps, True)
+
+    before = emu.launches.copy()
+    for prop, log in ThreadWorld(2).run(rank):
+        shard_cases.compare(want, log, prop, tol=1e-4)
+    ran = {k for k, c in (emu.launches - before).items() if c}
+    assert {"argmax_final_kernel<true>", "moe_combine_kernel"} <= ran, ran
