@@ -51,6 +51,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .comm import sharded_argmax, sharded_confidence
 from .errors import NoAllowedToken, no_token_reason, no_token_where
 from .head import ForwardBuffers, RowIndex, RowJob
 
@@ -66,6 +67,25 @@ def _cupy():
     import cupy
 
     return cupy
+
+
+class Eager:
+    """A step of the plan that runs outside the CUDA graphs (between two captured runs of
+    launches, on every replay): a sharded head's LM-head reduction."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+
+    def __call__(self) -> Any:
+        return self.fn()
+
+
+def staged_vocab(prop: Any) -> Any:
+    """The token subset the LM heads' staged masks are in: the draft vocabulary, a sharded
+    rank's share of the vocabulary (every module's head holds the same), or None."""
+    return prop.draft_vocab if prop.comm is None else prop.modules[0].vocab
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +190,7 @@ class StepPlan:
         cfg = prop.config
         B, k, M = shape.B, shape.k, prop.num_modules
         H = cfg.hidden_size
-        vocab = prop.draft_vocab               # the LM heads' token subset: masks staged in its bits
+        vocab = staged_vocab(prop)             # the LM heads' token subset: masks staged in its bits
         W = self.mask_words = cfg.bitmask_words if vocab is None else vocab.words
         self.run = [m for m in range(M) if shape.rows[m]]
         n = {m: B * shape.rows[m] for m in self.run}
@@ -218,6 +238,12 @@ class StepPlan:
         self.normed = {m: buf((n[m], H)) for m in self.run}
         self.ids = buf((k, B), np.int32)
         self.conf = buf((k, B)) if shape.conf else None           # the drafts' confidences
+        #: a sharded head: the rank's LM-head partial results (ids, best logits, confidence sums),
+        #: which the eager ``_reduce_lm`` between the captured segments turns into ids / conf
+        self.sharded = prop.comm is not None
+        if self.sharded:
+            self.local_ids, self.best = buf((k, B), np.int32), buf((k, B))
+            self.sums, self.local_conf = (buf((k, B)), buf((k, B))) if shape.conf else (None, None)
         self.last = buf((B, H)) if self.exact else None
         x, r = buf((n_max, H)), buf((n_max, H))
         blk = {m: prop.modules[m].block for m in self.run}      # each module's own sizes
@@ -233,6 +259,9 @@ class StepPlan:
         K = cfg.num_experts_per_tok
         moe = any(blk[m].moe for m in self.run)
         eids = buf((n_max, K), np.int32) if moe else None
+        # an expert-parallel rank's router ids mapped to its own experts (-1: another rank's)
+        lids = buf((n_max, K), np.int32) if moe and any(prop.modules[m]._expert_map is not None
+                                                        for m in self.run) else None
         ewts = buf((n_max, K)) if moe else None
         gated = moe and cfg.n_shared_experts and cfg.shared_expert_gate
         shared, sgate = (buf((n_max, H)), buf((n_max, 1))) if gated else (None, None)
@@ -242,15 +271,21 @@ class StepPlan:
         if self.cuda:   # the CUDA launchers' workspaces (see mtpkern.backends.cuda_launch)
             xcat = buf((n_max, 2 * H))
             ws_fixed["mtp_input"] = {"xcat": xcat}
+            def inner(name: str, axis: int) -> int:
+                """The widest intermediate size of a weight the modules run (a sharded rank's
+                slice: its weights' own shapes, not the config's)."""
+                return max(getattr(prop.modules[m].w, name).shape[axis] for m in self.run
+                           if getattr(prop.modules[m].w, name) is not None)
+
             if moe:
-                I = cfg.moe_intermediate_size
                 ws_fixed["router"] = {"logits": buf((n_max, cfg.n_routed_experts)),
                                       "ticket": buf((1,), np.uint32)}    # zero, and left zero by each launch
-                ws_fixed["experts"] = {"act": buf((n_max * K, I)), "partial": buf((n_max * K, H))}
+                ws_fixed["experts"] = {"act": buf((n_max * K, inner("experts_w2", 2))),
+                                       "partial": buf((n_max * K, H))}
                 if cfg.n_shared_experts:
-                    ws_fixed["shared"] = {"act": buf((n_max, cfg.shared_intermediate_size))}
+                    ws_fixed["shared"] = {"act": buf((n_max, inner("shared_w2", 1)))}
             if not all(blk[m].moe for m in self.run):
-                ws_fixed["mlp"] = {"act": buf((n_max, cfg.intermediate_size))}
+                ws_fixed["mlp"] = {"act": buf((n_max, inner("mlp_w2", 1)))}
             from .backends.cuda_launch._util import sm_count, smem_optin
 
             BS = prop.block_size
@@ -304,6 +339,8 @@ class StepPlan:
                                           o[:c * b.o_size].reshape(c, b.o_size), r[:c], self.y[m], self.normed[m],
                                           None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws,
                                           None if shared is None else shared[:c], None if sgate is None else sgate[:c])
+            if lids is not None:
+                self.bufs[m].local_ids = lids[:c]
             if b.mla:
                 W, Q = b.latent_width, b.q_lora_rank
                 self.bufs[m].kv_a = kv_a[:c * W].reshape(c, W)
@@ -378,11 +415,28 @@ class StepPlan:
                 if f2 > f1:
                     out.append(partial(self._segments, seg[f1:f2]))
                 src = self.last if self.exact else self.normed[m]
+                mask = None if masks is None else masks[m]
+                if self.sharded:             # the rank's partial result, then the ranks' reduction (eager)
+                    part = {} if self.conf is None else {"conf": self.local_conf[m], "sum_exp": self.sums[m]}
+                    out.append(partial(self.backend.lm_head_argmax, src, head.w.head, mask, out=self.local_ids[m],
+                                       best=self.best[m], **part, **head._lm_kw, **lm_ws))
+                    out.append(Eager(partial(self._reduce_lm, m, head.comm)))
+                    continue
                 conf = {} if self.conf is None else {"conf": self.conf[m]}
-                out.append(partial(self.backend.lm_head_argmax, src, head.w.head,
-                                   None if masks is None else masks[m], out=self.ids[m], **conf, **head._lm_kw,
-                                   **lm_ws))
+                out.append(partial(self.backend.lm_head_argmax, src, head.w.head, mask, out=self.ids[m], **conf,
+                                   **head._lm_kw, **lm_ws))
         return out
+
+    def _reduce_lm(self, m: int, comm: Any) -> None:
+        """A sharded head's draft ``m``: the ranks' partial results -> the whole vocabulary's ids
+        (and confidences) in the persistent buffers the next module and the read-back use.
+        Runs eagerly between captured segments (its packing allocates)."""
+        xp = self.backend.xp
+        ids = sharded_argmax(self.best[m], self.local_ids[m], comm, xp)
+        xp.copyto(self.ids[m], ids)
+        if self.conf is not None:
+            xp.copyto(self.conf[m], sharded_confidence(self.best[m], self.sums[m], self.local_ids[m] >= 0, ids,
+                                                       comm, xp))
 
     def _segments(self, table: Any) -> None:
         if self.cuda:
@@ -450,16 +504,37 @@ class StepPlan:
             launch()
 
     def capture(self) -> None:
-        """Record the launches into a CUDA graph (nothing runs). Call after ``execute``
-        ran once: every kernel family is compiled and loaded by then."""
+        """Record the launches into CUDA graphs (nothing runs): one graph per run of launches
+        between ``Eager`` steps (one graph for an unsharded head), the collectives a launch
+        makes on the capturing stream inside it. Call after ``execute`` ran once: every kernel
+        family is compiled and loaded by then. ``graph`` becomes the program ``replay`` runs:
+        graphs and eager steps in order."""
         cp = _cupy()
         stream = cp.cuda.Stream(non_blocking=True)
+        program: list[Any] = []
+        runs: list[list[Callable[[], Any]]] = [[]]
+        for launch in self.launches:
+            if isinstance(launch, Eager):
+                runs.append(launch)
+                runs.append([])
+            else:
+                runs[-1].append(launch)
+        for part in runs:
+            if isinstance(part, Eager):
+                program.append(part)
+            elif part:
+                program.append(self._capture_run(cp, stream, part))
+        self.graph = program
+
+    @staticmethod
+    def _capture_run(cp: Any, stream: Any, launches: list[Callable[[], Any]]) -> Any:
         err: BaseException | None = None
         graph = None
         with stream:
             stream.begin_capture()
             try:
-                self.execute()
+                for launch in launches:
+                    launch()
             except BaseException as e:     # end the capture whatever happened, then re-raise
                 err = e
             try:
@@ -470,10 +545,15 @@ class StepPlan:
             raise err
         graph.upload(stream)
         stream.synchronize()
-        self.graph = graph
+        return graph
 
     def replay(self) -> None:
-        self.graph.launch(_cupy().cuda.get_current_stream())
+        cur = _cupy().cuda.get_current_stream()
+        for part in self.graph:
+            if isinstance(part, Eager):
+                part()
+            else:
+                part.launch(cur)
 
     def read_ids(self) -> tuple[np.ndarray, np.ndarray | None]:
         """([k, B] drafts, [k, B] confidences or None) on the host: the step's device-to-host
@@ -612,8 +692,9 @@ class StepRunner:
                     mk = None if fn is None else fn(m, [])            # static forms ignore the drafts
                     if mk is not None:
                         mrows[m, i] = mk
-            if prop.draft_vocab is not None:                           # target ids -> the subset's bits
-                mrows = prop.draft_vocab.sub_mask(mrows.reshape(k * B, -1)).reshape(k, B, -1)
+            vocab = staged_vocab(prop)
+            if vocab is not None:                                      # target ids -> the subset's bits
+                mrows = vocab.sub_mask(mrows.reshape(k * B, -1)).reshape(k, B, -1)
             plan.stage_masks(mrows)
         plan.stage_sources(sources)
         plan.upload()

@@ -94,7 +94,8 @@ class ForwardBuffers:
     arguments (the CUDA launchers' ``xcat=``, ``part_o=`` ...; empty on NumPy).
     ``y`` may be read by the op that writes it (the shared experts add into it). With a
     gated shared expert (``shared_expert_gate``): ``shared`` [n, H] and ``shared_gate``
-    [n, 1]. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, L + R];
+    [n, 1]. An expert-parallel rank of a sharded head: ``local_ids`` [n, K] int32, the router's
+    ids mapped to its experts. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, L + R];
     with ``q_lora_rank``, ``q_c`` [n, q_lora_rank] (before q_a_layernorm, which is fused into q_b_proj).
     The block's sizes are the module's own (``MtpConfig.block``)."""
 
@@ -112,6 +113,7 @@ class ForwardBuffers:
     shared_gate: Any = None
     kv_a: Any = None
     q_c: Any = None
+    local_ids: Any = None
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -318,7 +320,7 @@ class MtpHead:
             ids, wts = be.moe_router(f, w.gate_w, w.gate_bias, self._router, norm=f_norm,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
             if self._expert_map is not None:          # this rank's experts; -1: an empty slot
-                ids = be.xp.take(self._expert_map, ids).astype(np.int32, copy=False)
+                ids = be.map_ids(self._expert_map, ids, out=None if bufs is None else bufs.local_ids)
             y = be.moe_experts(f, ids, wts, w.experts_w13, w.experts_w2, res, norm=f_norm,
                                **self._experts_kw, **put("experts", out="y"))                    # [n, H]
             if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row

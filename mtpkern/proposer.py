@@ -228,7 +228,7 @@ class MultiModuleMtpHead(DraftProposer):
         #: the planned propose step (mtpkern.cuda_graph): captured and replayed as a
         #: CUDA graph on the cuda backend when ``cuda_graphs``; None runs every step eagerly
         self.step_runner: Any = None
-        if cuda_graphs and backend.name == "cuda" and self.comm is None:   # a sharded head runs eagerly
+        if cuda_graphs and backend.name == "cuda":
             from .cuda_graph import StepRunner
 
             self.step_runner = StepRunner(self, capture=True)

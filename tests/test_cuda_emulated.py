@@ -1866,8 +1866,8 @@ def test_draft_tree_matches_the_reference(emu, tiny_ckpt, tiny_cfg, mode):
 
 @pytest.mark.parametrize("kv_mode", ["exact", "draft"])
 def test_sharded_proposer_on_emulated_kernels(emu, tiny_ckpt, kv_mode, monkeypatch):
-    """Two ranks (threads) of a sharded head on the cuda backend's real kernels (FP32 KV;
-    the emulator's launches serialised, the ranks' collectives between them): every call of
+    """Two ranks (threads) of a sharded head on the cuda backend's real kernels, eagerly (FP32
+    KV; the emulator's launches serialised, the ranks' collectives between them): every call of
     a script as the single-rank NumPy reference's, drafts, trees and confidences identical,
     each rank's KV its slice (tests/shard_cases.py). The expert kernels' empty slots (-1
     ids) and the LM head's partial result (best=, sum_exp=) run here on every propose."""
@@ -1890,8 +1890,8 @@ def test_sharded_proposer_on_emulated_kernels(emu, tiny_ckpt, kv_mode, monkeypat
     want = shard_cases.run_script(MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", **kw), steps, True)
 
     def rank(comm):
-        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=emu_backend.backend("float32"), comm=comm, **kw)
-        assert prop.step_runner is None                   # a sharded head runs eagerly
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=emu_backend.backend("float32"), comm=comm,
+                                                  cuda_graphs=False, **kw)
         return prop, shard_cases.run_script(prop, steps, True)
 
     before = emu.launches.copy()

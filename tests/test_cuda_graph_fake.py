@@ -146,6 +146,9 @@ class FakeCudaBackend(NumpyBackend):
     def lm_head_logits(self, x, w, *, out=None):
         return self._run("lm_head_logits", x, w, out=out)
 
+    def map_ids(self, table, ids, out=None):
+        return self.rt.launch(NumpyBackend.map_ids, self, table, ids, out=out, returns=out)
+
     def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, *, out=None, xcat=None):
         if xcat is not None:
             _expect("xcat", xcat, (tokens.shape[0], 2 * embed.shape[1]))
@@ -220,8 +223,15 @@ class FakeCudaBackend(NumpyBackend):
         return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit, norm=norm)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
-                       id_map=None, check=True):
+                       id_map=None, check=True, best=None, sum_exp=None):
         n, P = x.shape[0], lm_launch.num_partials(w.shape[0], SMS)
+        if best is not None or sum_exp is not None:      # a vocabulary shard's partial result (the reference's)
+            if sum_exp is not None and out is not None:  # planned: the launcher's workspaces all given
+                assert conf is not None and part_s is not None, "sum_exp= rides on the confidence's pass"
+            _expect("best", best, (n,))
+            self.ws_seen.add("lm shard")
+            return self.rt.launch(NumpyBackend.lm_head_argmax, x, w, bitmask, out=out, conf=conf, id_map=id_map,
+                                  best=best, sum_exp=sum_exp, returns=out)
         if part_s is not None and conf is None:
             raise ValueError("part_s: the confidence workspace is used only with conf=; got part_s without conf")
         if conf is not None:                 # the launcher's rule: conf [n] FP32, written in place
@@ -403,3 +413,67 @@ def test_captured_step_with_a_draft_vocabulary(fake_cuda, tiny_ckpt, tiny_cfg, m
     counts = run_twins(eager, graph, tiny_cfg, 9, [7, 12], [(3, [0.0], [None])] * 3 + [(3, [1.0], ["one"])] * 2,
                        conf=True)
     assert counts["replayed"] >= 2 and "lm id_map" in graph.backend.ws_seen
+
+
+class CapturedComm:
+    """A rank's communicator with NCCL's capture semantics on the fake runtime: a collective
+    made while the stream captures is recorded into the graph and runs on every replay, in
+    order with the kernels around it (a world of threads underneath)."""
+
+    def __init__(self, comm, rt):
+        self.comm, self.rt, self.rank, self.size = comm, rt, comm.rank, comm.size
+        self.recorded = 0
+
+    def _call(self, name, *args):
+        if self.rt.recording is not None:
+            self.recorded += 1
+        self.rt.launch(getattr(self.comm, name), *args)
+
+    def all_reduce(self, buf, op):
+        self._call("all_reduce", buf, op)
+
+    def all_gather(self, send, recv):
+        self._call("all_gather", send, recv)
+
+    def broadcast(self, buf, root):
+        self._call("broadcast", buf, root)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_sharded_step(monkeypatch, tiny_ckpt, mode):
+    """A sharded head's planned step captured and replayed (two ranks as threads, each with
+    its own fake runtime): the o_proj / FFN all-reduces recorded inside the graphs, each
+    draft's LM-head reduction run between them; call for call the single-rank reference's
+    drafts, confidences, trees and KV slices (tests/shard_cases.py)."""
+    import threading
+
+    import shard_cases
+    from comm_cases import ThreadWorld
+
+    rts: dict = {}
+
+    def current():
+        return rts[threading.get_ident()]
+
+    monkeypatch.setattr(cuda_graph, "_cupy", lambda: current().cupy)
+    monkeypatch.setattr(_util, "sm_count", lambda: SMS)
+    monkeypatch.setattr(_util, "smem_optin", lambda: 227 * 1024)
+    monkeypatch.setattr(step_launch, "copy_segments",
+                        lambda table: current().launch(cuda_graph.host_copy_segments, table, [(0, 2**63)]))
+    kw = dict(kv_mode=mode, block_size=4, num_blocks=160, prefill_chunk=6)
+    steps = shard_cases.script(41, length=14)
+    want = shard_cases.run_script(MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", **kw), steps, True)
+
+    def rank(comm):
+        rt = rts[threading.get_ident()] = FakeRuntime()
+        cc = CapturedComm(comm, rt)
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=FakeCudaBackend(rt), comm=cc, **kw)
+        assert prop.step_runner is not None and prop.step_runner.capture
+        log = shard_cases.run_script(prop, steps, True)
+        counts = prop.step_runner.counts
+        assert counts["captured"] > 0 and counts["replayed"] > 0, counts
+        assert cc.recorded > 0 and "lm shard" in prop.backend.ws_seen
+        return prop, log
+
+    for prop, log in ThreadWorld(2).run(rank):
+        shard_cases.compare(want, log, prop)

@@ -127,6 +127,29 @@ def test_sharded_fp8_refuses_a_cut_scale_block(tmp_path):
         load_weights(ckpt, cfg, get_backend("numpy"), shard=Shard(1, 4))
 
 
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_planned_step_matches_one_rank(tiny_ckpt, kv_mode, size):
+    """The planned propose step (mtpkern.cuda_graph, what the cuda backend captures) over a
+    sharded head, run eagerly on NumPy: its all-reduces inside the modules' launches, each
+    draft's LM-head reduction between them, the masks staged in the rank's words, the
+    expert ids mapped into a persistent buffer; call for call the single rank's."""
+    from mtpkern.cuda_graph import StepRunner
+
+    steps = shard_cases.script(31, length=12)
+    want = single_log(tiny_ckpt, kv_mode, steps, True)
+
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode=kv_mode, comm=comm, **KW)
+        prop.step_runner = StepRunner(prop, capture=False)
+        log = shard_cases.run_script(prop, steps, True)
+        assert prop.step_runner.counts["executed"] > 0, prop.step_runner.counts
+        return prop, log
+
+    for prop, log in ThreadWorld(size).run(rank):
+        shard_cases.compare(want, log, prop)
+
+
 def test_sharded_weights_are_slices(tiny_ckpt, tiny_cfg):
     """Each rank reads only its slice: the shapes of the rank's weights, and bytes read that
     add up over the ranks to the whole checkpoint's plus the replicated tensors' copies."""

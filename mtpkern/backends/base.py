@@ -142,6 +142,14 @@ class Backend(ABC):
         s, d = (self.from_host(np.asarray(a, np.int64)) for a in (src, dst))
         flat[d] = flat[s]
 
+    def map_ids(self, table: Any, ids: Any, out: Any = None) -> Any:
+        """``table[ids]`` element by element (int32 ``table`` [E], ``ids`` any shape of indices
+        into it), into ``out`` when given: an expert-parallel rank's router ids mapped to its
+        own experts (-1 for the others'). On cuda one elementwise kernel on the current stream
+        (a captured step records it)."""
+        r = self.xp.take(table, ids, out=out)
+        return r if out is not None else r.astype(np.int32, copy=False)
+
     def empty_latent_kv(self, num_blocks: int, block_size: int, row_width: int) -> Any:
         """A zeroed ``[num_blocks, block_size, row_width]`` MLA latent cache in ``kv_dtype``
         (``row_width = kv_lora_rank + qk_rope_head_dim``; mtpkern.ops.mla)."""
