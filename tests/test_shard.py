@@ -280,3 +280,25 @@ def test_bench_shard_runs_every_world(tmp_path):
         one = next(q for q in rows if q["ranks"] == 1 and q["kv_mode"] == row["kv_mode"] and q["batch"] == row["batch"])
         assert row["ranks"] == 1 or row["bytes_per_rank"] < one["bytes_per_rank"]
     assert "shared floor" in r.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_sharded_head_on_the_gpu(tiny_ckpt, kv_mode):
+    """scripts/gpu_check.sh: two ranks as threads on one GPU (CuPy buffers through the thread
+    world's collectives), eagerly, call for call the single-rank reference's: the expert
+    kernels' empty slots, the LM head's partial result and map_ids on the device."""
+    from mtpkern.backends import cuda_available
+
+    if not cuda_available():
+        pytest.skip("no usable CUDA device")
+    steps = shard_cases.script(51)
+    want = single_log(tiny_ckpt, kv_mode, steps, True)
+
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="cuda", kv_mode=kv_mode, comm=comm,
+                                                  cuda_graphs=False, **KW)
+        return prop, shard_cases.run_script(prop, steps, True)
+
+    for prop, log in ThreadWorld(2).run(rank):
+        shard_cases.compare(want, log, prop, tol=2e-2)               # BF16 KV on cuda
