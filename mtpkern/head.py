@@ -36,11 +36,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
-from .comm import sharded_argmax, sharded_confidence, sharded_topk
 from .config import MtpConfig
-from .errors import NoAllowedToken, StateError, no_token_reason
+from .errors import StateError
 from .kv import BlockPool, SeqKv, WindowRule
-from .ops.lm_head import check_topk, masked_topk_partial
+from .lm import LmHead, ShardedLmHead
 from .ops.moe import RouterSpec
 from .shard import Shard
 from .vocab import DraftVocab
@@ -155,12 +154,14 @@ class MtpHead:
             if weights.head.shape[0] != vocab.size:
                 raise ValueError(f"weights.head: expected this rank's {vocab.size} vocabulary rows, got "
                                  f"{weights.head.shape[0]}")
-        #: the token subset the LM head reads (None: the whole vocabulary; a sharded head's
-        #: rank: its share of the vocabulary or of the draft vocabulary), and its target ids on the
-        #: backend (the LM head's ``id_map``)
-        self.vocab = vocab
-        self._lm_kw = {} if vocab is None else {"id_map": backend.from_host(vocab.ids)}
         self.backend = backend
+        #: the LM head's drafts, confidences and tree candidates (mtpkern.lm): the whole
+        #: vocabulary's, a draft vocabulary's, or (sharded) this rank's share met with the others'
+        self.lm = (LmHead(backend, weights.head, vocab, config.vocab_size) if self.comm is None
+                   else ShardedLmHead(backend, weights.head, vocab, config.vocab_size, self.comm))
+        #: the token subset the LM head reads (None: the whole vocabulary), and the keyword
+        #: arguments of the backend's LM-head ops over it (a planned step's launches use both)
+        self.vocab, self._lm_kw = self.lm.vocab, self.lm.kw
         #: this module's block (sizes, attention form, MLP kind: mtpkern/block.py); a sharded
         #: head's rank: its query / KV heads only
         b = config.block(index)
@@ -376,84 +377,22 @@ class MtpHead:
         return be.mla_attention_absorbed(q, w.mla_uk, w.mla_uv, self.pool.k, tables, row_seq, row_len, self._scale,
                                          **kw, **put("mla_attention", out="o"))
 
+    # -- the LM head (mtpkern.lm) ----------------------------------------------------
     def argmax(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> np.ndarray:
-        """Drafts for ``normed_rows`` [n, H]; ``bitmask`` [n, W] int32 or None -> [n] int32 (host).
-        With a draft vocabulary: the argmax over its rows, the mask and the ids in target ids."""
-        be = self.backend
-        if self.comm is not None:
-            return self._sharded_argmax(normed_rows, bitmask, conf=False)[0]
-        ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), **self._lm_kw)
-        return np.asarray(be.to_host(ids), np.int32)
+        """Drafts for ``normed_rows`` [n, H] (``LmHead.argmax``)."""
+        return self.lm.argmax(normed_rows, bitmask)
 
     def argmax_conf(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``argmax`` and each draft's confidence (the softmax of the allowed logits at the
-        draft, mtpkern.ops.lm_head; over the draft vocabulary when there is one):
-        ([n] int32, [n] FP32), on the host."""
-        be = self.backend
-        if self.comm is not None:
-            return self._sharded_argmax(normed_rows, bitmask, conf=True)
-        conf = be.xp.empty(normed_rows.shape[0], np.float32)
-        ids = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), conf=conf, **self._lm_kw)
-        return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(conf), np.float32)
-
-    def _sharded_argmax(self, normed_rows: Any, bitmask: np.ndarray | None,
-                        conf: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """``argmax`` / ``argmax_conf`` of a vocabulary-parallel LM head: this rank's partial
-        result over its rows, then the whole vocabulary's by ``comm.sharded_argmax`` (and
-        ``sharded_confidence``): the single-rank rule exactly (ties to the lowest id, NaN never
-        wins); ``NoAllowedToken`` on every rank alike when no rank has a candidate."""
-        be, xp = self.backend, self.backend.xp
-        n = normed_rows.shape[0]
-        best, sums = xp.empty(n, np.float32), (xp.empty(n, np.float32) if conf else None)
-        local = be.lm_head_argmax(normed_rows, self.w.head, self._mask(bitmask), best=best, sum_exp=sums,
-                                  **self._lm_kw)
-        ids = sharded_argmax(best, local, self.comm, xp)
-        confs = sharded_confidence(best, sums, local >= 0, ids, self.comm, xp) if conf else None
-        host = np.asarray(be.to_host(ids), np.int32)
-        none = np.flatnonzero(host < 0)
-        if none.size:
-            r = int(none[0])
-            raise NoAllowedToken(f"row {r}: {no_token_reason(bitmask is not None, self.config.vocab_size)}", row=r)
-        return host, None if confs is None else np.asarray(be.to_host(confs), np.float32)
+        """Drafts and their confidences (``LmHead.argmax_conf``)."""
+        return self.lm.argmax_conf(normed_rows, bitmask)
 
     def topk(self, normed_rows: Any, bitmask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each row's ``k`` best allowed tokens and their probabilities (a draft tree's
-        children; mtpkern.ops.lm_head.masked_topk), target ids, on the host:
-        ([n, k] int32, -1 past the candidates; [n, k] FP32)."""
-        be = self.backend
-        if self.comm is not None:
-            return self._sharded_topk(normed_rows, bitmask, k)
-        ids, probs = be.lm_head_topk(normed_rows, self.w.head, self._mask(bitmask), k, **self._lm_kw)
-        return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(probs), np.float32)
-
-    def _sharded_topk(self, normed_rows: Any, bitmask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``topk`` of a vocabulary-parallel LM head: this rank's logits (written out, as a
-        single rank's tree does), its top ``k`` and softmax statistics, merged with the other
-        ranks' by ``comm.sharded_topk``; ``NoAllowedToken`` on every rank alike for a row
-        no rank has a candidate for."""
-        be = self.backend
-        logits = np.asarray(be.to_host(be.lm_head_logits(normed_rows, self.w.head)), np.float32)
-        mask = None if bitmask is None else self.vocab.sub_mask(np.ascontiguousarray(bitmask, np.int32))
-        ids, vals, best, sums = masked_topk_partial(logits, mask, check_topk(k))
-        ids = np.where(ids >= 0, self.vocab.ids[np.maximum(ids, 0)], -1).astype(np.int32)    # target ids
-        ids, probs = sharded_topk(ids, vals, best, sums, self.comm, be.from_host, be.to_host)
-        none = np.flatnonzero(ids[:, 0] < 0)
-        if none.size:
-            r = int(none[0])
-            raise NoAllowedToken(f"row {r}: {no_token_reason(bitmask is not None, self.config.vocab_size)}", row=r)
-        return ids, probs
-
-    def _mask(self, bitmask: np.ndarray | None) -> Any:
-        """A host [n, W] mask in target ids -> the backend mask the LM head reads."""
-        if bitmask is None:
-            return None
-        bm = np.ascontiguousarray(bitmask, np.int32)
-        return self.backend.from_host(bm if self.vocab is None else self.vocab.sub_mask(bm))
+        """A draft tree's candidates (``LmHead.topk``)."""
+        return self.lm.topk(normed_rows, bitmask, k)
 
     def logits(self, normed_rows: Any) -> np.ndarray:
-        """[n, V] FP32 logits on the host (diagnostics and tests; drafting never writes them);
-        with a draft vocabulary [n, V'], column j for target id ``vocab.ids[j]``."""
-        return np.asarray(self.backend.to_host(self.backend.lm_head_logits(normed_rows, self.w.head)))
+        """[n, V] FP32 logits on the host (``LmHead.logits``)."""
+        return self.lm.logits(normed_rows)
 
     # -- one row, for engines that drive a single module ------------------------
     def alloc_seq(self) -> SeqKv:
