@@ -101,6 +101,16 @@ def read_bandwidth(nbytes: int = 256 << 20, runs: int = 10) -> float:
 FP8_BLOCK = (128, 128)
 
 
+def fma_rate(n: int = 1024, runs: int = 5) -> float:
+    """GFMA/s (FP32 multiply-adds per second, 1e9) this machine sustains on an ``n``-cubed
+    BLAS sgemm: the compute roofline a propose's multiply-adds are held to (``propose_fmas``),
+    beside its memory floor."""
+    a = np.ones((n, n), np.float32)
+    t = measure(lambda: a @ a, 1, runs)
+    time.sleep(0.2)             # let BLAS's spinning threads park before Numba's pool runs
+    return n ** 3 / (t.median_us * 1e-6) / 1e9
+
+
 def fp8_bytes(*shape: int) -> int:
     """Bytes an FP8 weight ``[.., N, K]`` with ``FP8_BLOCK`` scales is read in: one per weight,
     4 per FP32 scale."""
@@ -344,6 +354,39 @@ def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
     return total
 
 
+def propose_fmas(cfg: MtpConfig, k: int, context: int, B: int, kv_mode: str = "exact",
+                 head_rows: int | None = None) -> int:
+    """Multiply-adds one propose of k drafts must do, module by module, for the rows each
+    module writes (``cuda_graph.step_rows``: exact mode ``min(m, k) + 1`` per sequence, draft
+    mode 1): every projection and expert the row goes through, its attention (a score and a
+    weighted value per key and query head; MLA: the latent row's dims and the absorption), and
+    the LM head once per sequence for each draft. At batch 8 in exact mode the GEMVs read each
+    weight for 8-24 rows: a propose is then bound by the multiply-adds, not the bytes."""
+    H, V = cfg.hidden_size, cfg.vocab_size if head_rows is None else head_rows
+    total = 0
+    for m in range(cfg.num_modules if kv_mode == "exact" else k):
+        b = cfg.block(m)
+        r = min(m, k) + 1 if kv_mode == "exact" else 1
+        per = 2 * H * H + H * b.o_size
+        keys = context if m == 0 or kv_mode == "exact" else 1
+        if b.sliding_window:
+            keys = min(keys, b.sliding_window)
+        if b.mla:
+            Q, L, R = b.q_lora_rank, b.kv_lora_rank, b.qk_rope_head_dim
+            per += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H
+            per += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L      # the absorption
+            per += keys * b.num_attention_heads * (2 * L + R)
+        else:
+            per += b.qkv_size * H + keys * b.num_attention_heads * (b.head_dim + b.v_dim)
+        if b.moe:
+            per += cfg.n_routed_experts * H + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * H
+            per += 3 * cfg.shared_intermediate_size * H
+        else:
+            per += 3 * cfg.intermediate_size * H
+        total += B * r * per + (B * V * H if m < k else 0)
+    return total
+
+
 @contextmanager
 def fast_fill(be) -> Iterator[None]:
     """Within: every op of ``be`` except the KV write returns zeros (into its ``out=``
@@ -525,13 +568,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llc = last_level_cache() if be.name != "cuda" else None
     copy_gbs = copy_bandwidth(stream_bytes(llc)) if be.name != "cuda" else _device_copy_bandwidth()
     read_gbs = read_bandwidth(stream_bytes(llc)) if be.name != "cuda" else copy_gbs
+    gfma = fma_rate() if be.name != "cuda" else None
     res["last_level_cache_bytes"] = llc
     res["copy_GB/s"] = copy_gbs
     res["read_GB/s"] = read_gbs
+    res["sgemm_GFMA/s"] = gfma
     print(f"mtpkern bench: {cfg.describe()}, contexts {','.join(map(str, contexts))}, backend {be.describe()}")
     print(f"machine: {res['machine']}; copy {copy_gbs:.1f} GB/s (bytes copied per second; "
           f"{2 * copy_gbs:.1f} GB/s read + write); read {read_gbs:.1f} GB/s (FP32 BLAS GEMV)"
-          + (f"; last-level cache {llc / 2**20:.0f} MiB" if llc else ""))
+          + (f"; last-level cache {llc / 2**20:.0f} MiB" if llc else "")
+          + (f"; sgemm {gfma:.0f} GFMA/s" if gfma else ""))
     if not args.no_ops:
         res["ops"] = []
         for n in batches:
@@ -541,7 +587,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         only="mla_attention" if cfg.block(0).mla else "paged_attention")
         print_ops(res["ops"])
     if not args.no_propose:
-        res["propose"] = bench_proposes(args, cfg, be, contexts, read_gbs, llc, res)
+        res["propose"] = bench_proposes(args, cfg, be, contexts, read_gbs, llc, res, gfma)
     noisy = [r for r in res.get("ops", []) + res.get("propose", []) if r["warnings"]]
     res["untrusted"] = len(noisy)
     if noisy:
@@ -558,7 +604,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: float, llc: int | None,
-                   res: dict) -> list[dict]:
+                   res: dict, gfma: float | None = None) -> list[dict]:
     """The propose table. A figure is held to its floor only when the propose reads more
     than the last-level cache: a working set that fits can stay cached from one call to
     the next and beat any memory floor."""
@@ -579,7 +625,7 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
     kvb = np.dtype(be.kv_dtype).itemsize
     rows = []
     print(f"\n{'kv_mode':<17}{'k':>3}{'B':>4}{'ctx':>7}{'median us':>12}{'p20':>10}{'p80':>10}{'floor us':>10}"
-          f"{'x floor':>9}{'torch us':>10}{'vs torch':>9}")
+          f"{'x floor':>9}{'roof us':>9}{'x roof':>8}{'torch us':>10}{'vs torch':>9}")
     for context in contexts:
         for B in args.batches:
             M = cfg.num_modules
@@ -596,6 +642,9 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                 for mode, prop in (sub if reduced else props).items():
                     nbytes = propose_bytes(cfg, k, context, B, kvb, mode, nv if reduced else None)
                     floor_us = nbytes / (read_gbs * 1e9) * 1e6
+                    fmas = propose_fmas(cfg, k, context, B, mode, nv if reduced else None)
+                    # the roofline: the memory floor, or the multiply-adds at the sgemm rate if slower
+                    roof_us = max(floor_us, fmas / (gfma * 1e9) * 1e6) if gfma else floor_us
                     # a tree's floor is its chain's (its other rows read no more weights; they cost compute)
                     judged = (llc is None or nbytes > llc) and stop is None and not width
                     if width:
@@ -609,6 +658,7 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                            "draft_vocab": nv if reduced else None, "k": k, "batch": B,
                            "context": context, **asdict(t),
                            "bytes": nbytes, "floor_us": floor_us, "x_floor": t.median_us / floor_us,
+                           "fmas": fmas, "roof_us": roof_us, "x_roof": t.median_us / roof_us,
                            "floor_judged": judged, "spread": t.spread,
                            "warnings": warnings_of(t, floor_us if judged else None)}
                     if tt is not None:
@@ -616,7 +666,7 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                         row["speedup_vs_torch"] = tt.median_us / t.median_us
                     rows.append(row)
                     print(f"{row['kv_mode']:<17}{k:>3}{B:>4}{context:>7}{t.median_us:>12.0f}{t.p20_us:>10.0f}"
-                          f"{t.p80_us:>10.0f}{floor_us:>10.0f}{row['x_floor']:>9.2f}"
+                          f"{t.p80_us:>10.0f}{floor_us:>10.0f}{row['x_floor']:>9.2f}{roof_us:>9.0f}{row['x_roof']:>8.2f}"
                           + (f"{tt.median_us:>10.0f}{row['speedup_vs_torch']:>8.2f}x" if tt else "")
                           + _marks(row))
     return rows

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -86,6 +87,14 @@ def _common(p: argparse.ArgumentParser, top: bool) -> None:
                         "'auto' chose (default: off)")
 
 
+def _harness(sub: Any, name: str, module: Any, help: str, description: str) -> None:
+    """A benchmark command: its module's ``add_arguments`` and ``run``."""
+    p = sub.add_parser(name, formatter_class=_Formatter, help=help, description=description)
+    module.add_arguments(p)
+    _common(p, top=False)
+    p.set_defaults(run=module.run)
+
+
 def _backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", choices=["auto", "numpy", "cpu", "cuda"],
                    help="numpy: the reference; cpu: Numba kernels; cuda: CuPy (pip install 'mtpkern[cuda12]'); "
@@ -140,24 +149,15 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
     _common(i, top=False)
     i.set_defaults(run=run_info)
 
-    b = sub.add_parser("bench", formatter_class=_Formatter, help="the benchmark harness (benchmarks/README.md)",
-                       description="Times every op and the propose step of a backend on a shape set, beside "
-                                   "their memory floors, and marks figures not to be trusted (runs spread "
-                                   "too widely, or a time below its floor). benchmarks/README.md explains "
-                                   "the table.")
-    bench.add_arguments(b)
-    _common(b, top=False)
-    b.set_defaults(run=bench.run)
-
-    s = sub.add_parser("bench-shard", formatter_class=_Formatter,
-                       help="the sharded head's per-rank bytes and propose latency at 1, 2, 4 ranks (MPI)",
-                       description="Runs mpirun -n R for each world size: every rank loads its slice of a "
-                                   "synthetic checkpoint on the cpu backend and times propose_batch beside its "
-                                   "per-rank floor (benchmarks/README.md, \"Sharded head\"). Needs "
-                                   "pip install 'mtpkern[mpi]'.")
-    bench_shard.add_arguments(s)
-    _common(s, top=False)
-    s.set_defaults(run=bench_shard.run)
+    _harness(sub, "bench", bench, "the benchmark harness (benchmarks/README.md)",
+             "Times every op and the propose step of a backend on a shape set, beside their memory floors, "
+             "and marks figures not to be trusted (runs spread too widely, or a time below its floor). "
+             "benchmarks/README.md explains the table.")
+    _harness(sub, "bench-shard", bench_shard,
+             "the sharded head's per-rank bytes and propose latency at 1, 2, 4 ranks (MPI)",
+             "Runs mpirun -n R for each world size: every rank loads its slice of a synthetic checkpoint on "
+             "the cpu backend and times propose_batch beside its per-rank floor (benchmarks/README.md, "
+             "\"Figures: the sharded head\"). Needs pip install 'mtpkern[mpi]'.")
     return ap
 
 

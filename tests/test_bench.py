@@ -270,3 +270,22 @@ def test_bench_draft_vocab_rows_read_fewer_head_bytes(workdir, tmp_path):
     for mode in ("draft", "exact"):               # the heads read 100 of 301 rows: 201 x 64 x 2 bytes each
         assert full[mode]["bytes"] - sub[mode + "+vocab100"]["bytes"] == 3 * 2 * 201 * 64
     assert main(TINY + ["--no-ops", "--draft-vocab", "302"]) == 2          # one line: expected 1 .. 301
+
+
+def test_propose_fmas_counts_each_row_once():
+    """The compute roofline's multiply-adds: one dense module (k = 1) by hand; exact mode's
+    modules write min(m, k) + 1 rows a sequence (more than draft mode's one), and the count
+    scales with the batch."""
+    from mtpkern.bench import propose_fmas
+    from mtpkern.config import tiny_config
+
+    cfg = tiny_config(n_routed_experts=0, intermediate_size=48, num_nextn_predict_layers=1)
+    b, H, V, ctx = cfg.block(0), cfg.hidden_size, cfg.vocab_size, 100
+    row = 2 * H * H + b.qkv_size * H + H * b.o_size + ctx * b.num_attention_heads * (b.head_dim + b.v_dim) \
+        + 3 * 48 * H
+    assert propose_fmas(cfg, 1, ctx, 1, "draft") == row + V * H
+    assert propose_fmas(cfg, 1, ctx, 3, "exact") == 3 * (row + V * H)
+    moe = tiny_config()
+    for mode in ("exact", "draft"):
+        assert propose_fmas(moe, 3, 64, 8, mode) == 8 * propose_fmas(moe, 3, 64, 1, mode)
+    assert propose_fmas(moe, 3, 64, 1, "exact") > propose_fmas(moe, 3, 64, 1, "draft")
