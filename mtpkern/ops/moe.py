@@ -114,15 +114,17 @@ def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
     expect_shape("w2", w2, (E, H, I2 // 2))
     if residual is not None:
         expect_shape("residual", residual, (n, H))
-    if isinstance(ids, np.ndarray) and ids.size and not (-1 <= ids.min() and ids.max() < E):
-        bad = ids[(ids < -1) | (ids >= E)][0]
-        raise ValueError(f"ids: expected values in [-1, {E}) (-1: an empty slot), got {int(bad)}")
+
 
 
 def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, norm=None) -> np.ndarray:
     """``norm=(g [H], eps)``: the experts of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed);
     the residual stays as given (it may be x itself)."""
     check_moe_experts(x, ids, weights, w13, w2, residual)
+    E = w13.shape[0]
+    if ids.size and not (-1 <= ids.min() and ids.max() < E):     # the reference indexes with them
+        bad = ids[(ids < -1) | (ids >= E)][0]
+        raise ValueError(f"ids: expected values in [-1, {E}) (-1: an empty slot), got {int(bad)}")
     L = swiglu_limit(limit)
     x = np.asarray(normed(x, norm), np.float32)
     n, H = x.shape
