@@ -367,7 +367,8 @@ def propose_fmas(cfg: MtpConfig, k: int, context: int, B: int, kv_mode: str = "e
     mode 1): every projection and expert the row goes through, its attention (a score and a
     weighted value per key and query head; MLA: the latent row's dims and the absorption), and
     the LM head once per sequence for each draft. At batch 8 in exact mode the GEMVs read each
-    weight for 8-24 rows: a propose is then bound by the multiply-adds, not the bytes."""
+    weight for 8-24 rows, which makes the multiply-adds the other candidate bound; on the
+    ``small`` shapes they stayed under the bytes' time (benchmarks/README.md, "The roofline")."""
     H, V = cfg.hidden_size, cfg.vocab_size if head_rows is None else head_rows
     total = 0
     for m in range(cfg.num_modules if kv_mode == "exact" else k):

@@ -47,11 +47,11 @@ import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from functools import partial
+from itertools import groupby
 from typing import Any, Callable
 
 import numpy as np
 
-from .comm import sharded_argmax, sharded_confidence
 from .errors import NoAllowedToken, no_token_reason, no_token_where
 from .head import ForwardBuffers, RowIndex, RowJob
 
@@ -420,23 +420,22 @@ class StepPlan:
                     part = {} if self.conf is None else {"conf": self.local_conf[m], "sum_exp": self.sums[m]}
                     out.append(partial(self.backend.lm_head_argmax, src, head.w.head, mask, out=self.local_ids[m],
                                        best=self.best[m], **part, **head._lm_kw, **lm_ws))
-                    out.append(Eager(partial(self._reduce_lm, m, head.comm)))
+                    out.append(Eager(partial(self._reduce_lm, m, head.lm)))
                     continue
                 conf = {} if self.conf is None else {"conf": self.conf[m]}
                 out.append(partial(self.backend.lm_head_argmax, src, head.w.head, mask, out=self.ids[m], **conf,
                                    **head._lm_kw, **lm_ws))
         return out
 
-    def _reduce_lm(self, m: int, comm: Any) -> None:
+    def _reduce_lm(self, m: int, lm: Any) -> None:
         """A sharded head's draft ``m``: the ranks' partial results -> the whole vocabulary's ids
-        (and confidences) in the persistent buffers the next module and the read-back use.
-        Runs eagerly between captured segments (its packing allocates)."""
+        (and confidences, ``ShardedLmHead.reduce``) in the persistent buffers the next module and
+        the read-back use. Runs eagerly between captured segments (its packing allocates)."""
         xp = self.backend.xp
-        ids = sharded_argmax(self.best[m], self.local_ids[m], comm, xp)
+        ids, confs = lm.reduce(self.local_ids[m], self.best[m], None if self.conf is None else self.sums[m])
         xp.copyto(self.ids[m], ids)
-        if self.conf is not None:
-            xp.copyto(self.conf[m], sharded_confidence(self.best[m], self.sums[m], self.local_ids[m] >= 0, ids,
-                                                       comm, xp))
+        if confs is not None:
+            xp.copyto(self.conf[m], confs)
 
     def _segments(self, table: Any) -> None:
         if self.cuda:
@@ -512,18 +511,11 @@ class StepPlan:
         cp = _cupy()
         stream = cp.cuda.Stream(non_blocking=True)
         program: list[Any] = []
-        runs: list[list[Callable[[], Any]]] = [[]]
-        for launch in self.launches:
-            if isinstance(launch, Eager):
-                runs.append(launch)
-                runs.append([])
+        for eager, run in groupby(self.launches, key=lambda launch: isinstance(launch, Eager)):
+            if eager:
+                program.extend(run)
             else:
-                runs[-1].append(launch)
-        for part in runs:
-            if isinstance(part, Eager):
-                program.append(part)
-            elif part:
-                program.append(self._capture_run(cp, stream, part))
+                program.append(self._capture_run(cp, stream, list(run)))
         self.graph = program
 
     @staticmethod

@@ -101,11 +101,20 @@ class ShardedLmHead(LmHead):
         n = normed_rows.shape[0]
         best, sums = xp.empty(n, np.float32), (xp.empty(n, np.float32) if conf else None)
         local = be.lm_head_argmax(normed_rows, self.w, self.mask(bitmask), best=best, sum_exp=sums, **self.kw)
-        ids = sharded_argmax(best, local, self.comm, xp)
-        confs = sharded_confidence(best, sums, local >= 0, ids, self.comm, xp) if conf else None
+        ids, confs = self.reduce(local, best, sums)
         host = np.asarray(be.to_host(ids), np.int32)
         self._no_token(host, bitmask is not None)
         return host, None if confs is None else np.asarray(be.to_host(confs), np.float32)
+
+    def reduce(self, local: Any, best: Any, sums: Any = None) -> tuple[Any, Any]:
+        """This rank's partial result (``local`` ids, ``best`` logits, ``sums`` or None: the
+        backend's ``best=`` / ``sum_exp=``) -> the whole vocabulary's ids and, with ``sums``, the
+        confidences, on the backend (-1 / NaN where no rank has a candidate); the eager path and
+        the planned step (mtpkern.cuda_graph) both reduce through it."""
+        xp = self.backend.xp
+        ids = sharded_argmax(best, local, self.comm, xp)
+        confs = None if sums is None else sharded_confidence(best, sums, local >= 0, ids, self.comm, xp)
+        return ids, confs
 
     def topk(self, normed_rows: Any, bitmask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's logits (written out, as a single rank's tree does), its top ``k`` and

@@ -694,7 +694,6 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             if not fam.q_gate_interleaved:                       # canonical: [queries; gates]
                 return [_row_slice(q, 0, Hq * D), k, v, _row_slice(q, Hq * D, 2 * Hq * D)]
             per_head = [_row_slice(q, 2 * h * D + j * D, 2 * h * D + (j + 1) * D) for h in range(Hq) for j in (0, 1)]
-            join = Fp8Weight.concat if isinstance(q, Fp8Weight) else np.concatenate
             return [join(per_head[0::2]), k, v, join(per_head[1::2])]
 
         def join(parts):
@@ -790,12 +789,13 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             sinks=backend.prepare_vector(heads_of("self_attn.sinks", 1).astype(np.float32)) if blk.attn_sinks else None,
             q_norm=norm("self_attn.q_norm.weight") if cfg.use_qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
-            w_o=backend.prepare_weight(w("self_attn.o_proj.weight") if hs is None
-                                       else w("self_attn.o_proj.weight", cols=(hs.q0 * Dv, hs.q1 * Dv))),
+            w_o=backend.prepare_weight(w("self_attn.o_proj.weight",
+                                         cols=None if hs is None else (hs.q0 * Dv, hs.q1 * Dv))),
             shared_head_norm=norm("shared_head.norm.weight"),
         )
         if blk.mla:
             mla(mw)
+
         def swiglu(pre: str, I: int, what: str):
             """(w13 [2I', H], w2 [H, I']) of a SwiGLU under ``pre``: gate over up rows, and the
             down projection; a sharded head's intermediate slice I' of I."""
@@ -809,7 +809,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias") if cfg.router_bias
                                                   else np.zeros(E, np.float32))     # selection without a bias
             e0, e1 = (0, E) if shard is None else shard.expert_range(E)              # experts held whole (EP)
-            sl = None if shard is None or shard.routed_slice(I) == (0, I) else shard.routed_slice(I)   # TP
+            part_i = (0, I) if shard is None else shard.routed_slice(I)             # each expert's slice (TP)
+            sl = None if part_i == (0, I) else part_i
             mw.experts_w13 = backend.prepare_weight(stacked([
                 [(f"mlp.experts.{e}.gate_proj.weight", sl, None), (f"mlp.experts.{e}.up_proj.weight", sl, None)]
                 for e in range(e0, e1)]))

@@ -116,7 +116,6 @@ def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
         expect_shape("residual", residual, (n, H))
 
 
-
 def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, norm=None) -> np.ndarray:
     """``norm=(g [H], eps)``: the experts of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed);
     the residual stays as given (it may be x itself)."""
