@@ -24,17 +24,14 @@ from .strategies import calls
 
 
 def proposer_machine(make_proposer: Callable[[], Any], weights: Any = None,
-                     max_states: int = 4, skip: tuple[str, ...] = ()) -> type[RuleBasedStateMachine]:
+                     max_states: int = 4) -> type[RuleBasedStateMachine]:
     """A state machine class driving ``make_proposer()``; ``weights``: host FP32 weights
-    for the exact-mode oracle (``reference_weights``), or None; ``skip``: step kinds never
-    run (a proposer without that feature: ``("tree",)`` for a sharded head)."""
+    for the exact-mode oracle (``reference_weights``), or None."""
 
     def any_in(*phases: str) -> Callable[[Any], bool]:
         return lambda self: any(s.phase in phases for _, s in self.driver.model.seqs.values())
 
     def step(kind: str, when: Callable[[Any], bool] = lambda self: True):
-        if kind in skip:
-            when = lambda self: False                               # noqa: E731
         @precondition(when)
         @rule(call=calls((kind,)))
         def run(self, call: Call) -> None:
