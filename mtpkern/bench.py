@@ -24,6 +24,7 @@ latency against context and batch with ``--plot PATH`` (matplotlib, ``mtpkern[pl
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import subprocess
@@ -88,13 +89,53 @@ def copy_bandwidth(nbytes: int = 256 << 20, runs: int = 10) -> float:
 
 
 def read_bandwidth(nbytes: int = 256 << 20, runs: int = 10) -> float:
-    """GB/s at which this machine streams a matrix it only reads: an FP32 BLAS GEMV over
-    ``nbytes`` (the memory floor of a propose, which only reads weights)."""
+    """GB/s at which this machine streams a matrix it only reads (the memory floor of a
+    propose, which only reads weights and KV): the faster of an FP32 BLAS GEMV over ``nbytes``
+    and ``stream_read``, the cpu GEMV's own pattern (8 rows a stride apart per task, every
+    core), each the median of ``runs``. A BLAS GEMV alone read 27 GB/s on the 2-core VM where
+    the cpu backend's LM head streamed 31-35: the floor was below what the kernels reached."""
     w = np.ones((nbytes // 4096, 1024), np.float32)
     x = np.ones(1024, np.float32)
     t = measure(lambda: w @ x, 2, runs)
     time.sleep(0.2)             # let BLAS's spinning threads park before Numba's pool runs
-    return nbytes / (t.median_us * 1e-6) / 1e9
+    blas = nbytes / (t.median_us * 1e-6) / 1e9
+    del w
+    return max(blas, stream_read(nbytes, runs))
+
+
+def stream_read(nbytes: int = 256 << 20, runs: int = 10) -> float:
+    """GB/s of a Numba read of ``nbytes`` on every core: a task per 8 rows of 2 KiB a stride
+    apart (``linear.group8``'s pattern: 8 streams a core keep more lines in flight than one),
+    XOR-folded so nothing is written; the median of ``runs``."""
+    import numba
+
+    kernel = _stream_kernel()
+    a = np.ones((max(64, nbytes // 2048) // 64 * 64, 512), np.uint32)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    try:
+        t = measure(lambda: kernel(a, a.shape[0] // 8), 2, runs)
+    finally:
+        numba.set_num_threads(threads)
+    return a.nbytes / (t.median_us * 1e-6) / 1e9
+
+
+@functools.lru_cache(maxsize=1)
+def _stream_kernel():
+    from numba import njit, prange
+
+    @njit(parallel=True, fastmath=True)
+    def kernel(a, q):                 # rows t, t + q, .. t + 7q of each [8q, 512] block
+        out = np.zeros(a.shape[0] // 8, np.uint32)
+        for t in prange(a.shape[0] // 8):
+            r = a[t], a[t + q], a[t + 2 * q], a[t + 3 * q], a[t + 4 * q], a[t + 5 * q], a[t + 6 * q], a[t + 7 * q]
+            acc = np.uint32(0)
+            for j in range(a.shape[1]):
+                acc += r[0][j] ^ r[1][j] ^ r[2][j] ^ r[3][j] ^ r[4][j] ^ r[5][j] ^ r[6][j] ^ r[7][j]
+            out[t] = acc
+        return out
+
+    return kernel
 
 
 # -- per-op benchmarks -------------------------------------------------------------------
@@ -319,79 +360,90 @@ def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "") -> li
 
 # -- propose benchmarks ---------------------------------------------------------------------
 
-def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact",
-                  head_rows: int | None = None, shard: Any = None) -> int:
-    """Weights one propose of k drafts must read (BF16), plus the KV it attends over, module
-    by module (each its own block; an MLA block reads one latent row per token and
-    kv_b_proj once): module 0 attends over ``context`` rows; modules m >= 1
-    too in exact mode, but in draft mode only over the row they write (after_verify(0) left
-    none of theirs); a sliding window caps the rows a module reads. Draft mode runs the k
-    drafting modules; exact mode every module, the ones past k without their LM head (they
-    write the rows of the token just verified and of the drafts, and draft nothing).
-    ``head_rows``: the LM head's rows read (a draft vocabulary's size; default the whole
-    vocabulary). ``shard``: what one rank of a sharded head reads (mtpkern.shard): its heads,
-    KV heads and vocabulary rows, ``1 / size`` of the experts' and the MLPs' bytes (the
-    routed experts' in expectation, by id or by slice), the replicated tensors whole."""
+def expected_experts(E: int, K: int, rows: int) -> float:
+    """Distinct experts ``rows`` rows route to in expectation when each picks ``K`` of ``E``
+    uniformly (each expert is missed by a row with probability 1 - K / E): what the routed
+    experts' weights cost a module that runs those rows (the synthetic checkpoint routes
+    about uniformly). 8 rows at top-4 of 32 reach 21.3 experts, not 32."""
+    return E * (1.0 - (1.0 - K / E) ** rows) if E and rows else 0.0
+
+
+def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact",
+                  head_rows: int | None = None, shard: Any = None) -> list[tuple[str, float, int]]:
+    """What one propose of k drafts must do, module by module and part by part, as
+    ``(part, bytes, multiply-adds)``: ``m<i> proj`` (eh_proj, the attention's projections and
+    o_proj), ``m<i> ffn`` (router, routed and shared experts or the dense MLP), ``m<i> attn``
+    (the KV rows read; a score and a weighted value per key and query head; MLA: the latent
+    rows and the absorption) and ``m<i> head`` (the LM head, read once a draft, once per
+    sequence). Bytes: the weights as BF16, read once a propose for all the module's rows (the
+    routed experts those rows reach in expectation, ``expected_experts``), plus the KV.
+    Multiply-adds: every row the module writes (``cuda_graph.step_rows``: exact mode
+    ``min(m, k) + 1`` a sequence, draft mode 1) through every projection and its experts.
+
+    Modules: draft mode runs the k drafting ones; exact mode all of them, the ones past k
+    without their LM head (they write the rows of the token just verified and of the drafts).
+    Module 0 attends over ``context`` rows; modules m >= 1 too in exact mode, but in draft
+    mode only over the row they write (after_verify(0) left none of theirs); a sliding
+    window caps the rows a module reads. ``head_rows``: the LM head's rows (a draft
+    vocabulary's size; default the whole vocabulary). ``shard``: one rank of a sharded head
+    (mtpkern.shard): its heads, KV heads and vocabulary rows, ``1 / size`` of the experts'
+    and the MLPs' (the routed experts' in expectation, by id or by slice), the replicated
+    tensors whole."""
     H, V = cfg.hidden_size, cfg.vocab_size if head_rows is None else head_rows
     if shard is not None:
         lo, hi = shard.vocab(cfg.vocab_size)
         V = hi - lo
     share = 1 if shard is None else shard.size
-    total = 0
+    parts: list[tuple[str, float, int]] = []
     for m in range(cfg.num_modules if kv_mode == "exact" else k):
         b = cfg.block(m) if shard is None else shard.block(cfg.block(m))
-        per = 2 * H * H + H * b.o_size + (V * H if m < k else 0)          # eh, o, head
-        if b.mla:          # q_a (or q_proj), q_b, kv_a_proj_with_mqa, kv_b_proj (w_uk and w_uv)
-            Q, L = b.q_lora_rank, b.kv_lora_rank
-            per += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H
-            per += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L
-        else:
-            per += b.qkv_size * H                                         # q|k|v|gate
-        if b.moe:
-            experts = min(cfg.n_routed_experts, B * cfg.num_experts_per_tok)
-            per += cfg.n_routed_experts * H + experts * 3 * cfg.moe_intermediate_size * H // share
-            per += 3 * cfg.shared_intermediate_size * H // share
-        else:
-            per += 3 * cfg.intermediate_size * H // share
-        rows = context if m == 0 or kv_mode == "exact" else 1
+        rows = B * (min(m, k) + 1 if kv_mode == "exact" else 1)       # the rows the module writes
+        proj = 2 * H * H + H * b.o_size                                    # eh, o
+        attn_fmas = 0
+        keys = context if m == 0 or kv_mode == "exact" else 1
         if b.sliding_window:
-            rows = min(rows, b.sliding_window)
-        total += 2 * per + B * rows * b.kv_row_values * kv_itemsize      # K and V, or the latent rows
-    return total
+            keys = min(keys, b.sliding_window)
+        if b.mla:          # q_a (or q_proj), q_b, kv_a_proj_with_mqa, kv_b_proj (w_uk and w_uv)
+            Q, L, R = b.q_lora_rank, b.kv_lora_rank, b.qk_rope_head_dim
+            proj += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H
+            proj += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L          # the absorption
+            attn_fmas = keys * b.num_attention_heads * (2 * L + R)
+        else:
+            proj += b.qkv_size * H                                        # q|k|v|gate
+            attn_fmas = keys * b.num_attention_heads * (b.head_dim + b.v_dim)
+        if b.moe:
+            E, K, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+            Is = cfg.shared_intermediate_size
+            ffn_bytes = 2 * (E * H + expected_experts(E, K, rows) * 3 * I * H / share + 3 * Is * H // share)
+            ffn_fmas = E * H + (K * 3 * I * H + 3 * Is * H) // share
+        else:
+            ffn_bytes = 2 * (3 * cfg.intermediate_size * H // share)
+            ffn_fmas = 3 * cfg.intermediate_size * H // share
+        parts += [(f"m{m} proj", 2 * proj, rows * proj), (f"m{m} ffn", ffn_bytes, rows * ffn_fmas),
+                  (f"m{m} attn", B * keys * b.kv_row_values * kv_itemsize, rows * attn_fmas)]
+        if m < k:
+            parts.append((f"m{m} head", 2 * V * H, B * V * H))
+    return parts
+
+
+def propose_bytes(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact",
+                  head_rows: int | None = None, shard: Any = None) -> int:
+    """Bytes one propose of k drafts must read: the sum of ``propose_parts`` (same arguments)."""
+    return round(sum(p[1] for p in propose_parts(cfg, k, context, B, kv_itemsize, kv_mode, head_rows, shard)))
 
 
 def propose_fmas(cfg: MtpConfig, k: int, context: int, B: int, kv_mode: str = "exact",
                  head_rows: int | None = None) -> int:
-    """Multiply-adds one propose of k drafts must do, module by module, for the rows each
-    module writes (``cuda_graph.step_rows``: exact mode ``min(m, k) + 1`` per sequence, draft
-    mode 1): every projection and expert the row goes through, its attention (a score and a
-    weighted value per key and query head; MLA: the latent row's dims and the absorption), and
-    the LM head once per sequence for each draft. At batch 8 in exact mode the GEMVs read each
-    weight for 8-24 rows, which makes the multiply-adds the other candidate bound; on the
-    ``small`` shapes they stayed under the bytes' time (benchmarks/README.md, "The roofline")."""
-    H, V = cfg.hidden_size, cfg.vocab_size if head_rows is None else head_rows
-    total = 0
-    for m in range(cfg.num_modules if kv_mode == "exact" else k):
-        b = cfg.block(m)
-        r = min(m, k) + 1 if kv_mode == "exact" else 1
-        per = 2 * H * H + H * b.o_size
-        keys = context if m == 0 or kv_mode == "exact" else 1
-        if b.sliding_window:
-            keys = min(keys, b.sliding_window)
-        if b.mla:
-            Q, L, R = b.q_lora_rank, b.kv_lora_rank, b.qk_rope_head_dim
-            per += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H
-            per += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L      # the absorption
-            per += keys * b.num_attention_heads * (2 * L + R)
-        else:
-            per += b.qkv_size * H + keys * b.num_attention_heads * (b.head_dim + b.v_dim)
-        if b.moe:
-            per += cfg.n_routed_experts * H + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * H
-            per += 3 * cfg.shared_intermediate_size * H
-        else:
-            per += 3 * cfg.intermediate_size * H
-        total += B * r * per + (B * V * H if m < k else 0)
-    return total
+    """Multiply-adds one propose of k drafts must do: the sum of ``propose_parts``."""
+    return sum(p[2] for p in propose_parts(cfg, k, context, B, 4, kv_mode, head_rows))
+
+
+def propose_roof_us(parts: list[tuple[str, float, int]], read_gbs: float, gfma: float | None) -> float:
+    """The roofline of a propose: each part at the slower of its bytes at ``read_gbs`` and its
+    multiply-adds at ``gfma`` (GFMA/s; None: bytes only), summed. Above the floor where some
+    part is bound by arithmetic: at batch 8 the LM head's 8 rows (8 x V x H multiply-adds
+    against its 2 x V x H bytes) while the experts are still bound by their bytes."""
+    return sum(max(nb / (read_gbs * 1e9), (f / (gfma * 1e9) if gfma else 0.0)) for _, nb, f in parts) * 1e6
 
 
 @contextmanager
@@ -582,7 +634,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["sgemm_GFMA/s"] = gfma
     print(f"mtpkern bench: {cfg.describe()}, contexts {','.join(map(str, contexts))}, backend {be.describe()}")
     print(f"machine: {res['machine']}; copy {copy_gbs:.1f} GB/s (bytes copied per second; "
-          f"{2 * copy_gbs:.1f} GB/s read + write); read {read_gbs:.1f} GB/s (FP32 BLAS GEMV)"
+          f"{2 * copy_gbs:.1f} GB/s read + write); read {read_gbs:.1f} GB/s (BLAS GEMV or an 8-stream read, the faster)"
           + (f"; last-level cache {llc / 2**20:.0f} MiB" if llc else "")
           + (f"; sgemm {gfma:.0f} GFMA/s" if gfma else ""))
     if not args.no_ops:
@@ -647,11 +699,11 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                 tt = torch_peer(k, B, args.warmup, args.runs, context) \
                     if torch_peer and not (conf or reduced or width) else None
                 for mode, prop in (sub if reduced else props).items():
-                    nbytes = propose_bytes(cfg, k, context, B, kvb, mode, nv if reduced else None)
+                    parts = propose_parts(cfg, k, context, B, kvb, mode, nv if reduced else None)
+                    nbytes = round(sum(p[1] for p in parts))
                     floor_us = nbytes / (read_gbs * 1e9) * 1e6
-                    fmas = propose_fmas(cfg, k, context, B, mode, nv if reduced else None)
-                    # the roofline: the memory floor, or the multiply-adds at the sgemm rate if slower
-                    roof_us = max(floor_us, fmas / (gfma * 1e9) * 1e6) if gfma else floor_us
+                    fmas = sum(p[2] for p in parts)
+                    roof_us = propose_roof_us(parts, read_gbs, gfma)   # each part at its slower bound
                     # a tree's floor is its chain's (its other rows read no more weights; they cost compute)
                     judged = (llc is None or nbytes > llc) and stop is None and not width
                     if width:

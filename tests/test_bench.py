@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from mtpkern.bench import _marks, fast_fill, propose_bytes, stream_bytes
+from mtpkern.bench import (_marks, expected_experts, fast_fill, propose_bytes, propose_fmas, propose_parts,
+                           propose_roof_us, stream_bytes)
 from mtpkern.config import small_config
 from mtpkern.cli import main
 from mtpkern.timing import MAX_SPREAD, Timing, floor_error, spread_warning, warnings_of
@@ -112,19 +113,67 @@ def test_warnings_of_and_the_table_mark():
 def test_propose_bytes_counts_the_kv_each_mode_reads():
     """Draft mode: only module 0 attends over the context (the later modules hold just the
     row they write); exact mode: every module does. Weights: every drafting module's, and in
-    exact mode the other modules' too, less their LM head."""
+    exact mode the other modules' too, less their LM head; the routed experts a module's rows
+    reach in expectation (exact mode's module m runs min(m, k) + 1 rows a sequence: at k = 2
+    module 2 runs 3, as many as at k = 3)."""
     cfg = small_config()
     assert cfg.num_modules == 3
+    H, E, K = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 4                  # K and V, FP32
-    head = 2 * cfg.vocab_size * cfg.hidden_size
-    one = propose_bytes(cfg, 1, 0, 1, 4, "draft")                            # weights of one module
-    assert propose_bytes(cfg, 1, 512, 1, 4, "draft") == one + 512 * kv_row
-    assert propose_bytes(cfg, 1, 512, 1, 4, "exact") == 3 * one - 2 * head + 3 * 512 * kv_row
-    two = propose_bytes(cfg, 1, 0, 2, 4, "draft")                            # B=2 routes to more experts
-    assert two > one
-    assert propose_bytes(cfg, 3, 512, 2, 4, "draft") == 3 * two + 2 * (512 + 2) * kv_row
-    assert propose_bytes(cfg, 3, 512, 2, 4, "exact") == 3 * two + 2 * 3 * 512 * kv_row
-    assert propose_bytes(cfg, 2, 512, 2, 4, "exact") == 3 * two - head + 2 * 3 * 512 * kv_row
+    head = 2 * cfg.vocab_size * H
+
+    def routed(rows):                                                        # BF16 gate, up, down
+        return 2 * 3 * cfg.moe_intermediate_size * H * expected_experts(E, K, rows)
+
+    base = propose_bytes(cfg, 1, 0, 1, 4, "draft") - routed(1)               # one module, no routed experts
+    assert propose_bytes(cfg, 1, 512, 1, 4, "draft") == round(base + routed(1) + 512 * kv_row)
+    assert propose_bytes(cfg, 1, 512, 1, 4, "exact") == round(3 * base - 2 * head + routed(1) + 2 * routed(2)
+                                                              + 3 * 512 * kv_row)
+    assert propose_bytes(cfg, 1, 0, 2, 4, "draft") > propose_bytes(cfg, 1, 0, 1, 4, "draft")   # more experts
+    assert propose_bytes(cfg, 3, 512, 2, 4, "draft") == round(3 * (base + routed(2)) + 2 * (512 + 2) * kv_row)
+    assert propose_bytes(cfg, 3, 512, 2, 4, "exact") == round(3 * base + routed(2) + routed(4) + routed(6)
+                                                              + 2 * 3 * 512 * kv_row)
+    assert propose_bytes(cfg, 2, 512, 2, 4, "exact") == round(3 * base - head + routed(2) + routed(4) + routed(6)
+                                                              + 2 * 3 * 512 * kv_row)
+
+
+def test_expected_experts_is_uniform_routing():
+    """The experts ``rows`` rows reach, each picking K of E at random: K for one row, E in the
+    limit, and the mean of a simulation."""
+    assert expected_experts(32, 4, 1) == pytest.approx(4)
+    assert expected_experts(32, 4, 0) == 0 and expected_experts(0, 0, 8) == 0
+    assert expected_experts(32, 4, 400) == pytest.approx(32)
+    rng = np.random.default_rng(0)
+    for rows in (2, 8, 24):
+        hit = [len({e for _ in range(rows) for e in rng.choice(32, 4, replace=False)}) for _ in range(4000)]
+        assert expected_experts(32, 4, rows) == pytest.approx(np.mean(hit), rel=0.01), rows
+
+
+def test_roof_takes_each_part_at_its_slower_bound():
+    """The roofline sums each part's slower bound: above the floor when one part is bound by its
+    multiply-adds (batch 8's LM head at 100 GFMA/s), the floor itself without a rate."""
+    cfg = small_config()
+    parts = propose_parts(cfg, 3, 512, 8, 4, "exact")
+    assert [p[0] for p in parts[:4]] == ["m0 proj", "m0 ffn", "m0 attn", "m0 head"]
+    assert round(sum(p[1] for p in parts)) == propose_bytes(cfg, 3, 512, 8, 4, "exact")
+    assert sum(p[2] for p in parts) == propose_fmas(cfg, 3, 512, 8, "exact")
+    floor = sum(p[1] for p in parts) / 30e9 * 1e6
+    assert propose_roof_us(parts, 30.0, None) == pytest.approx(floor)
+    roof = propose_roof_us(parts, 30.0, 100.0)
+    head = [p for p in parts if p[0] == "m0 head"][0]
+    assert head[2] / 100e9 > head[1] / 30e9                                   # 8 rows: arithmetic-bound
+    assert floor < roof < floor + sum(p[2] for p in parts) / 100e9 * 1e6
+
+
+def test_stream_read_is_a_rate():
+    """The floor's read probe returns a plausible rate and leaves Numba's thread count alone."""
+    import numba
+
+    from mtpkern.bench import stream_read
+
+    before = numba.get_num_threads()
+    assert 0.1 < stream_read(8 << 20, runs=2) < 10_000
+    assert numba.get_num_threads() == before
 
 
 @pytest.mark.parametrize("kv_mode", ["draft", "exact"])
@@ -276,7 +325,6 @@ def test_propose_fmas_counts_each_row_once():
     """The compute roofline's multiply-adds: one dense module (k = 1) by hand; exact mode's
     modules write min(m, k) + 1 rows a sequence (more than draft mode's one), and the count
     scales with the batch."""
-    from mtpkern.bench import propose_fmas
     from mtpkern.config import tiny_config
 
     cfg = tiny_config(n_routed_experts=0, intermediate_size=48, num_nextn_predict_layers=1)
