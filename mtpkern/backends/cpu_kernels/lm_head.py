@@ -145,6 +145,8 @@ def _offer_group(best_val, best_id, sums, c, bitmask, y, rows, count, ok):
     for i in range(y.shape[0]):
         bv = best_val[c, i]
         bi = best_id[c, i]
+        if not with_sums and bi >= 0 and _group_max(y, i, count, ok) < bv:
+            continue                      # nothing read beats the best: the usual case, one compare
         sm = sums[c, i] if with_sums else np.float32(0.0)
         for s in range(count):
             j = rows[s]
@@ -169,6 +171,18 @@ def _offer_group(best_val, best_id, sums, c, bitmask, y, rows, count, ok):
         best_id[c, i] = bi
         if with_sums:
             sums[c, i] = sm
+
+
+@njit(cache=True, fastmath=False)
+def _group_max(y, i, count, ok):
+    """The largest non-NaN y[i, s] over s < count with ok[s] (read), -inf if none: an upper
+    bound of what row i may take from the group (its mask can only remove logits)."""
+    mx = np.float32(-np.inf)
+    for s in range(count):
+        v = y[i, s]
+        if ok[s] and v > mx:
+            mx = v
+    return mx
 
 
 @njit(cache=True, fastmath=False)
