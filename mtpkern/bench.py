@@ -94,13 +94,15 @@ def read_bandwidth(nbytes: int = 256 << 20, runs: int = 10) -> float:
     and ``stream_read``, the cpu GEMV's own pattern (8 rows a stride apart per task, every
     core), each the median of ``runs``. A BLAS GEMV alone read 27 GB/s on the 2-core VM where
     the cpu backend's LM head streamed 31-35: the floor was below what the kernels reached."""
+    return max(_blas_read(nbytes, runs), stream_read(nbytes, runs))
+
+
+def _blas_read(nbytes: int, runs: int) -> float:
     w = np.ones((nbytes // 4096, 1024), np.float32)
     x = np.ones(1024, np.float32)
     t = measure(lambda: w @ x, 2, runs)
     time.sleep(0.2)             # let BLAS's spinning threads park before Numba's pool runs
-    blas = nbytes / (t.median_us * 1e-6) / 1e9
-    del w
-    return max(blas, stream_read(nbytes, runs))
+    return nbytes / (t.median_us * 1e-6) / 1e9
 
 
 def stream_read(nbytes: int = 256 << 20, runs: int = 10) -> float:
