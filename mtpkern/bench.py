@@ -401,7 +401,6 @@ def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
         b = cfg.block(m) if shard is None else shard.block(cfg.block(m))
         rows = B * (min(m, k) + 1 if kv_mode == "exact" else 1)       # the rows the module writes
         proj = 2 * H * H + H * b.o_size                                    # eh, o
-        attn_fmas = 0
         keys = context if m == 0 or kv_mode == "exact" else 1
         if b.sliding_window:
             keys = min(keys, b.sliding_window)
