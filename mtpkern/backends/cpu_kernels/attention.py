@@ -12,29 +12,42 @@ values take only the KV rows it sees. The launcher asks for ``tasks`` tasks (a f
 thread); the chunk count per unit (``splits``) is what makes that many, so one sequence
 at batch 1 keeps every thread busy.
 
-Within a task, for each block (``[BS, Hkv, D]``, read front to back) and each KV head:
+A task walks its blocks a *span* at a time: the next ``max(1, SPAN_ROWS // BS)`` blocks
+that some row of the unit sees (``[BS, Hkv, D]`` each, read front to back). For a span:
 
-- scores of the unit's R x G query vectors of that head against the block's K rows
-  (``_qk4x2``: 4 query vectors against 2 K rows, 6 loads per 8 multiply-adds; the
+- block by block and KV head by KV head, the scores of the unit's R x G query vectors of
+  that head against the block's K rows, side by side in one score row per vector
+  (``_scores``: 4 query vectors against 2 K rows, 6 loads per 8 multiply-adds; the
   queries are copied once per task by KV head, scale folded in);
-- per (row, head) an online softmax (running max m, sum l, FP32 accumulator [Dv],
-  rescaled when a block raises m: ``_above`` counts the scores over m, vectorised, and
-  only then is the block's max taken); ``p = exp(s - m)`` by ``_exp_le0``, a polynomial
-  that vectorises over the block's rows (Numba has no vector ``exp`` without SVML, and
-  ``np.exp`` is a libm call per score);
-- the values: ``_pv4x4`` adds 4 V rows, each times its p, to 4 accumulators in one pass.
+- per (row, head) one online softmax step over all the span's KV rows it sees (running
+  max m, sum l, FP32 accumulator [Dv], rescaled when the span raises m: ``_above`` counts
+  the scores over m, vectorised, and only then is the span's max taken); ``p = exp(s - m)``
+  by ``_exp_le0``, a polynomial that vectorises over the rows (Numba has no vector ``exp``
+  without SVML, and ``np.exp`` is a libm call per score). A step per span, not per block:
+  its fixed costs (the count, the sum's reduction, the loops' ends) were a quarter of an
+  exact-mode module's attention at blocks of 16 (benchmarks/README.md);
+- block by block again, the values (``_values``): ``_pv4x4`` adds 4 V rows, each times
+  its p, to 4 accumulators in one pass; a block at a time, so the passes over a block's
+  V rows find them in L1.
+
+The rows a span's block holds for row u are contiguous, and so are the span's columns row
+u sees: its KV rows are one range, so a block it sees only in part is its first or last,
+and the blocks between are whole; a block no row sees is left out of the span.
 
 While a block is computed, the next one's K and V lines are prefetched: the blocks of a
 sequence lie anywhere in the pool, and the hardware prefetcher starts cold on each (one row
-over 32768 KV rows, one thread: 14.4 -> 8.7 ms of CPU time). The tiles of ``_block_t`` ask for
-each line of the next block as they load the same line of theirs (docs/cpu.md); ``_block``
-asks for a KV head's share of them (``_prefetch``) before it computes that head.
+over 32768 KV rows, one thread: 14.4 -> 8.7 ms of CPU time). The tiles of ``simd`` ask for
+each line of the next block as they load the same line of theirs (docs/cpu.md); ``_scores``
+and ``_pv_rows`` have a KV head's share of them asked for (``_prefetch``) before they run.
 
-All of it is one helper call per (block, KV head) (``_block``), the small helpers inlined
-into it (``inline="always"``): a Numba call passing 6 arrays cost more than its 8 dots.
+The steps are helper calls per (block, KV head), the small helpers inlined into them
+(``inline="always"``): a Numba call passing 6 arrays cost more than its 8 dots. A helper
+inlined at Numba's level takes its caller's flags, so the softmax step runs in its own
+``_softmax_span`` (with the dot flags: the sum of p vectorises), not in ``_chunk_task``.
 The cpu backend's own key cache (``CpuBackend.empty_keys``, blocks of 16k rows) is
-``[NB, Hkv, D, BS]``, a block's rows innermost (``keys_t``): there ``_block_t`` computes
-the scores and values with the 16-lane tiles of ``simd`` instead, the softmax step shared.
+``[NB, Hkv, D, BS]``, a block's rows innermost (``keys_t``): there ``_scores_t`` computes
+the scores with the 16-lane tiles of ``simd`` instead. The values use ``simd``'s tiles
+wherever Dv % 16 == 0, whichever the keys' layout (MLA's latent attention included).
 
 Then one pass per (row, head) merges the chunks' (m, l, acc) states in chunk order (a
 fixed order: the result does not depend on the schedule; the chunk count comes from
@@ -63,6 +76,10 @@ from .simd import VL, emit_prefetch, pv1, pv4, pv8, qk1, qk4, qk8
 #: each reading the KV its rows see once; the unit's queries and accumulators
 #: (RMAX * Hq * (D + Dv) floats: 64 KiB at Hq = 16, D = Dv = 64) stay in L1 / L2
 RMAX = 8
+#: KV rows of a span, in whole blocks (max(1, SPAN_ROWS // BS) of them): a query vector's
+#: online softmax step takes a span at once, so its fixed costs (a count of the scores above
+#: the running max, a sum, the loops' ends) are paid once per 64 rows, not once per block
+SPAN_ROWS = 128
 
 
 @intrinsic
@@ -202,32 +219,30 @@ def _max(s):
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
-def _block(qk, kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
-    """One block of KV rows and one KV head for a unit's R x G query vectors qk [R * G, D]
-    (row u of the unit sees the block's rows jlo[u] .. jhi[u] - 1, all of them inside
-    ulo .. uhi - 1): scores into sc [R * G, BS], then each vector's online softmax step
-    (mh, lh [R * G]: running max and sum; ah [R * G, Dv]: the unnormalised output).
-    kb, vb: the block of the K and V caches ([BS, Hkv, D], [BS, Hkv, >= Dv]). The helpers it
-    inlines (``inline="always"``) are inlined at Numba's level and take its flags."""
+def _scores(qk, kb, kvh, ulo, uhi, sc, c):
+    """sc[i, c + j] = qk[i] . kb[j, kvh] for the unit's R x G query vectors qk [R * G, D] and
+    the block's K rows ulo .. uhi - 1 (kb: the block of the K cache, [BS, Hkv, D]), 2 K rows
+    x 4 query vectors at a time. The helpers it inlines (``inline="always"``) are inlined at
+    Numba's level and take its flags."""
     RG = qk.shape[0]
     j = ulo
-    while j + 2 <= uhi:                                # scores, 2 K rows x 4 query vectors at a time
+    while j + 2 <= uhi:
         k0, k1 = kb[j, kvh], kb[j + 1, kvh]
         i = 0
         while i + 4 <= RG:
             s0, s1, s2, s3, t0, t1, t2, t3 = _qk4x2(k0, k1, qk[i], qk[i + 1], qk[i + 2], qk[i + 3])
-            sc[i, j] = s0
-            sc[i + 1, j] = s1
-            sc[i + 2, j] = s2
-            sc[i + 3, j] = s3
-            sc[i, j + 1] = t0
-            sc[i + 1, j + 1] = t1
-            sc[i + 2, j + 1] = t2
-            sc[i + 3, j + 1] = t3
+            sc[i, c + j] = s0
+            sc[i + 1, c + j] = s1
+            sc[i + 2, c + j] = s2
+            sc[i + 3, c + j] = s3
+            sc[i, c + j + 1] = t0
+            sc[i + 1, c + j + 1] = t1
+            sc[i + 2, c + j + 1] = t2
+            sc[i + 3, c + j + 1] = t3
             i += 4
         while i < RG:
-            sc[i, j] = _qk1(k0, qk[i])
-            sc[i, j + 1] = _qk1(k1, qk[i])
+            sc[i, c + j] = _qk1(k0, qk[i])
+            sc[i, c + j + 1] = _qk1(k1, qk[i])
             i += 1
         j += 2
     if j < uhi:
@@ -235,50 +250,53 @@ def _block(qk, kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah):
         i = 0
         while i + 4 <= RG:
             s0, s1, s2, s3 = _qk4(kr, qk[i], qk[i + 1], qk[i + 2], qk[i + 3])
-            sc[i, j] = s0
-            sc[i + 1, j] = s1
-            sc[i + 2, j] = s2
-            sc[i + 3, j] = s3
+            sc[i, c + j] = s0
+            sc[i + 1, c + j] = s1
+            sc[i + 2, c + j] = s2
+            sc[i + 3, c + j] = s3
             i += 4
         while i < RG:
-            sc[i, j] = _qk1(kr, qk[i])
+            sc[i, c + j] = _qk1(kr, qk[i])
             i += 1
-    for u in range(RG // G):                           # the row's G vectors see the same KV rows
-        lo, hi = jlo[u], jhi[u]
-        if lo < hi:
-            _softmax_step(sc, lo, hi, u * G, u * G + G, mh, lh, ah)
-            _pv_rows(ah, sc, vb, lo, hi, kvh, u * G, u * G + G)
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
-def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah, kpf, kpo, vpf, vpo):
-    """``_block`` over a block of the transposed key cache: kt [D, BS] is the block's keys
-    of head kvh with the rows innermost (``BS % 16 == 0``), so the scores of 16 KV rows are
-    vector FMAs without a reduction (``simd.qk8`` / ``qk4``: 8 or 4 query vectors a pass); the values by
-    ``simd.pv8`` / ``pv4`` (Dv % 16 == 0; consecutive rows of the unit that see the same KV
-    rows of the block in one pass) or ``_pv_rows``. Scores are computed for the 16-row groups
-    that hold ``ulo .. uhi - 1`` (the group's other rows lie in the block and go unused)."""
+def _scores_t(qk, kt, ulo, uhi, sc, c, kpf, kpo):
+    """``_scores`` over a block of the transposed key cache: kt [D, BS] is the block's keys of
+    one head with the rows innermost (``BS % 16 == 0``), so the scores of 16 KV rows are
+    vector FMAs without a reduction (``simd.qk8`` / ``qk4`` / ``qk1``: 8, 4 or 1 query vectors
+    a pass), for the 16-row groups that hold ``ulo .. uhi - 1`` (the group's other rows lie in
+    the block and go unused). The tiles ask for kpf's lines from ``kpo`` on as they load theirs."""
     RG = qk.shape[0]
     j0 = (ulo // VL) * VL
     while j0 < uhi:
         i = 0
         while i + 8 <= RG:
-            qk8(kt, qk, sc, i, j0, kpf, kpo)
+            qk8(kt, qk, sc, i, j0, c, kpf, kpo)
             i += 8
         while i + 4 <= RG:
-            qk4(kt, qk, sc, i, j0, kpf, kpo)
+            qk4(kt, qk, sc, i, j0, c, kpf, kpo)
             i += 4
         while i < RG:
-            qk1(kt, qk, sc, i, j0, kpf, kpo)
+            qk1(kt, qk, sc, i, j0, c, kpf, kpo)
             i += 1
         j0 += VL
-    R = RG // G
-    for u in range(R):
-        if jlo[u] < jhi[u]:
-            _softmax_step(sc, jlo[u], jhi[u], u * G, u * G + G, mh, lh, ah)
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS)
+def _values(ah, sc, c, vb, kvh, jlo, jhi, G, vpf, vpo):
+    """ah[i] += sum_j sc[i, c + j] vb[j, kvh, :Dv] over the rows jlo[u] .. jhi[u] - 1 of the
+    block vb ([BS, Hkv, >= Dv]) that row u of the unit sees, for its G query vectors
+    i = u * G .. u * G + G - 1 (ah [R * G, Dv]; the block's weights are sc's columns from c
+    on). Consecutive rows of the unit that see the same rows of the block go in one pass:
+    the 16-column tiles of ``simd.pv8`` / ``pv4`` / ``pv1`` where Dv % 16 == 0 (asking for
+    vpf's lines from ``vpo`` on as they load theirs), else ``_pv_rows``. A block at a time,
+    not a span: the tiles' passes over a block's V rows (two for 8 query vectors of
+    Dv = 64, each over half the columns) find them in L1, where a span's would not."""
+    R = jlo.shape[0]
     vec = ah.shape[1] % VL == 0
     u = 0
-    while u < R:                                       # rows seeing the same KV rows: one pass
+    while u < R:
         lo, hi = jlo[u], jhi[u]
         u1 = u + 1
         while u1 < R and jlo[u1] == lo and jhi[u1] == hi:
@@ -288,17 +306,26 @@ def _block_t(qk, kt, vb, kvh, jlo, jhi, ulo, uhi, G, sc, mh, lh, ah, kpf, kpo, v
         if lo >= hi:
             continue
         if not vec:
-            _pv_rows(ah, sc, vb, lo, hi, kvh, i, i1)
+            _pv_rows(ah, sc, c, vb, lo, hi, kvh, i, i1)
             continue
         while i + 8 <= i1:
-            pv8(vb, kvh, sc, ah, i, lo, hi, vpf, vpo)
+            pv8(vb, kvh, sc, ah, i, lo, hi, c, vpf, vpo)
             i += 8
         while i + 4 <= i1:
-            pv4(vb, kvh, sc, ah, i, lo, hi, vpf, vpo)
+            pv4(vb, kvh, sc, ah, i, lo, hi, c, vpf, vpo)
             i += 4
         while i < i1:
-            pv1(vb, kvh, sc, ah, i, lo, hi, vpf, vpo)
+            pv1(vb, kvh, sc, ah, i, lo, hi, c, vpf, vpo)
             i += 1
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS)
+def _softmax_span(sc, clo, chi, G, mh, lh, ah):
+    """The online softmax step of a span for each row u of the unit (its G query vectors
+    u * G ..): over its scores sc[i, clo[u]:chi[u]] (replaced by their weights)."""
+    for u in range(clo.shape[0]):
+        if clo[u] < chi[u]:
+            _softmax_step(sc, clo[u], chi[u], u * G, u * G + G, mh, lh, ah)
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
@@ -330,15 +357,16 @@ def _softmax_step(sc, lo, hi, i0, i1, mh, lh, ah):
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
-def _pv_rows(ah, sc, vb, lo, hi, kvh, i0, i1):
-    """ah[i] += sum_j sc[i, lo + j] vb[lo + j, kvh] for query vectors i0 .. i1 - 1."""
+def _pv_rows(ah, sc, c, vb, lo, hi, kvh, i0, i1):
+    """ah[i] += sum_j sc[i, c + j] vb[j, kvh] (j = lo .. hi - 1) for query vectors i0 .. i1 - 1."""
+    a, b = c + lo, c + hi
     i = i0
     while i + 4 <= i1:                                 # 4 vectors x 4 V rows per pass
-        _pv4x4(ah[i], ah[i + 1], ah[i + 2], ah[i + 3], sc[i, lo:hi], sc[i + 1, lo:hi], sc[i + 2, lo:hi],
-               sc[i + 3, lo:hi], vb, lo, kvh)
+        _pv4x4(ah[i], ah[i + 1], ah[i + 2], ah[i + 3], sc[i, a:b], sc[i + 1, a:b], sc[i + 2, a:b],
+               sc[i + 3, a:b], vb, lo, kvh)
         i += 4
     while i < i1:
-        _pv1x4(ah[i], sc[i, lo:hi], vb, lo, kvh)
+        _pv1x4(ah[i], sc[i, a:b], vb, lo, kvh)
         i += 1
 
 
@@ -435,7 +463,7 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
     """One task: the unit of rows rows[lo_row : lo_row + R] over blocks b_lo .. b_hi - 1 of
     their sequence. Its states are per (KV head, query vector i = u * G + g: row u of the
     unit, query head kvh * G + g): m, l [Hkv, R * G] (running max, sum) and acc
-    [Hkv, R * G, Dv]. ``keys_t``: k_cache is [NB, Hkv, D, BS] (``_block_t``)."""
+    [Hkv, R * G, Dv]. ``keys_t``: k_cache is [NB, Hkv, D, BS] (``_scores_t``)."""
     Hq, D = q.shape[1], q.shape[2]
     BS, Hkv = _block_size_heads(k_cache, keys_t)
     G = Hq // Hkv
@@ -455,40 +483,73 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
     m[:] = -np.inf
     l[:] = 0.0
     acc[:] = 0.0
-    sc = np.empty((RG, BS), np.float32)
+    SB = max(1, SPAN_ROWS // BS)                       # blocks of a span
+    sc = np.empty((Hkv, RG, SB * BS), np.float32)      # a span's scores, then weights, by KV head
+    tb = np.empty(SB, np.int32)                        # the span's blocks some row sees (sequence order),
+    tbk = np.empty(SB, np.int32)                       # their table entries,
+    tpf = np.empty(SB, np.int32)                       # and those of the blocks after them (or theirs)
+    tlo = np.empty((SB, R), np.int32)                  # row u sees rows tlo[t, u] .. thi[t, u] - 1
+    thi = np.empty((SB, R), np.int32)                  # of the span's t-th block,
+    clo = np.empty(R, np.int32)                        # columns clo[u] .. chi[u] - 1 of its scores
+    chi = np.empty(R, np.int32)
     kblock = BS * Hkv * D                              # floats of one block of each cache
     vblock = BS * Hkv * v_cache.shape[3]
-    jlo = np.empty(R, np.int32)                        # each row's rows of the block
-    jhi = np.empty(R, np.int32)
-    for b in range(b_lo, b_hi):
-        base = b * BS
-        ulo = BS
-        uhi = 0
-        for u in range(R):
-            jlo[u] = max(0, first[u] - base)
-            jhi[u] = min(BS, last[u] - base)
-            if jlo[u] < jhi[u]:
-                ulo = min(ulo, jlo[u])
-                uhi = max(uhi, jhi[u])
-        if ulo >= uhi:                                 # no row of the unit sees this block
-            continue
-        blk = block_tables[s, b]
-        # the next block is most likely elsewhere in the pool, where the prefetcher is cold:
-        # its lines are asked for a KV head's share at a time, between the heads' compute
-        nxt = block_tables[s, b + 1] if b + 1 < b_hi else -1
-        kb, vb = k_cache[blk], v_cache[blk]
-        for kvh in range(Hkv):
-            if keys_t:                                 # the tiles ask for the next block's
-                pb = nxt if nxt >= 0 else blk          # lines as they load their own
-                _block_t(qs[kvh], kb[kvh], vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh],
-                         k_cache, pb * kblock + kvh * (kblock // Hkv), v_cache, pb * vblock)
-                continue
-            if nxt >= 0:
-                for off in range(kvh * kblock // Hkv, (kvh + 1) * kblock // Hkv, 16):
-                    _prefetch(k_cache, nxt * kblock + off)
-                for off in range(kvh * vblock // Hkv, (kvh + 1) * vblock // Hkv, 16):
-                    _prefetch(v_cache, nxt * vblock + off)
-            _block(qs[kvh], kb, vb, kvh, jlo, jhi, ulo, uhi, G, sc, m[kvh], l[kvh], acc[kvh])
+    vec = acc.shape[2] % VL == 0                       # the values by the tiles of simd (their own prefetch)
+    b = b_lo
+    while b < b_hi:
+        ns = 0                                         # the span: the next SB blocks some row sees
+        clo[:] = SB * BS
+        chi[:] = 0
+        while ns < SB and b < b_hi:
+            base = b * BS
+            seen = False
+            for u in range(R):
+                lo = max(0, first[u] - base)
+                hi = min(BS, last[u] - base)
+                tlo[ns, u] = lo
+                thi[ns, u] = hi
+                if lo < hi:
+                    seen = True
+                    clo[u] = min(clo[u], ns * BS + lo)
+                    chi[u] = max(chi[u], ns * BS + hi)
+            if seen:                                   # a block no row sees is not read, nor its entry
+                tb[ns] = b
+                ns += 1
+            b += 1
+        for t in range(ns):
+            # the next block is most likely elsewhere in the pool, where the prefetcher is cold:
+            # its lines are asked for a KV head's share at a time, as this block's are used
+            nxt = block_tables[s, tb[t] + 1] if tb[t] + 1 < b_hi else -1
+            tbk[t] = block_tables[s, tb[t]]
+            tpf[t] = nxt if 0 <= nxt < k_cache.shape[0] else tbk[t]
+        for t in range(ns):                            # scores, block by block
+            blk = tbk[t]
+            nxt = tpf[t]
+            ulo = BS
+            uhi = 0
+            for u in range(R):
+                if tlo[t, u] < thi[t, u]:
+                    ulo = min(ulo, tlo[t, u])
+                    uhi = max(uhi, thi[t, u])
+            kb = k_cache[blk]
+            for kvh in range(Hkv):
+                if keys_t:
+                    _scores_t(qs[kvh], kb[kvh], ulo, uhi, sc[kvh], t * BS, k_cache, nxt * kblock + kvh * (kblock // Hkv))
+                    continue
+                if nxt != blk:
+                    for off in range(kvh * kblock // Hkv, (kvh + 1) * kblock // Hkv, 16):
+                        _prefetch(k_cache, nxt * kblock + off)
+                _scores(qs[kvh], kb, kvh, ulo, uhi, sc[kvh], t * BS)
+        for kvh in range(Hkv):                         # one softmax step a span per (row, head)
+            _softmax_span(sc[kvh], clo, chi, G, m[kvh], l[kvh], acc[kvh])
+        for t in range(ns):                            # the values, block by block
+            vb = v_cache[tbk[t]]
+            for kvh in range(Hkv):
+                if not vec and tpf[t] != tbk[t]:
+                    for off in range(kvh * vblock // Hkv, (kvh + 1) * vblock // Hkv, 16):
+                        _prefetch(v_cache, tpf[t] * vblock + off)
+                _values(acc[kvh], sc[kvh], t * BS, vb, kvh, tlo[t], thi[t], G, v_cache,
+                        tpf[t] * vblock)
 
 
 @njit(cache=True, fastmath=False)

@@ -11,13 +11,15 @@ through ``llvm.fma``: one rounding each, in a fixed order, so the results do not
 depend on the thread count or the schedule). LLVM lowers the vectors to the
 machine's registers (one AVX-512 register, two AVX ones, ...).
 
-- ``qk8`` / ``qk4`` / ``qk1`` (``T`` = 8 / 4 / 1 query vectors): ``sc[i + t, j0 : j0 + 16] =
-  sum_d q[i + t, d] * kt[d, j0 : j0 + 16]``: one key vector load per d for the T queries
+- ``qk8`` / ``qk4`` / ``qk1`` (``T`` = 8 / 4 / 1 query vectors): ``sc[i + t, c + j0 : c + j0 + 16] =
+  sum_d q[i + t, d] * kt[d, j0 : j0 + 16]`` (``c``: where the block's scores begin in ``sc``'s rows,
+  which may hold several blocks' side by side): one key vector load per d for the T queries
   (their values broadcast from memory), T x S accumulators in registers (``_QK_SETS``: S
   sets over alternating steps of d, so 8 chains of FMAs are in flight), summed in a fixed
   order at the end.
-- ``pv8`` / ``pv4`` / ``pv1``: ``acc[i + t, c : c + 16] += sum_{lo <= j < hi} p[i + t, j] *
-  vb[j, kvh, c : c + 16]`` for each 16-column chunk c of ``acc`` (``Dv % 16 == 0``),
+- ``pv8`` / ``pv4`` / ``pv1``: ``acc[i + t, c : c + 16] += sum_{lo <= j < hi} p[i + t, pc + j] *
+  vb[j, kvh, c : c + 16]`` for each 16-column chunk c of ``acc`` (``Dv % 16 == 0``; ``pc``: where
+  the block's weights begin in ``p``'s rows),
   j in order: one value vector load per (j, chunk) for the T queries, the accumulators
   of ``_PV_CHUNKS`` chunks at a time held in registers over the rows.
 - both take ``pf, pfo``: with each vector they load from their tile at offset ``o`` they ask
@@ -26,7 +28,7 @@ machine's registers (one AVX-512 register, two AVX ones, ...).
   result depends on it).
 
 The callers check the shapes (``kt`` [D, BS >= j0 + 16], ``q`` [>= i + T, D], ``sc``
-[>= i + T, >= j0 + 16], ``vb`` [>= hi, Hkv, >= Dv], ``p`` [>= i + T, >= hi], ``acc``
+[>= i + T, >= c + j0 + 16], ``vb`` [>= hi, Hkv, >= Dv], ``p`` [>= i + T, >= pc + hi], ``acc``
 [>= i + T, Dv]); every array is C-contiguous FP32 (an argument typed otherwise makes the
 call fail to compile, not run wrong).
 
@@ -104,14 +106,14 @@ def _make_qk(T: int):
     S = _QK_SETS[T]
 
     @intrinsic
-    def qk(typingctx, kt, q, sc, i, j0, pf, pfo):
+    def qk(typingctx, kt, q, sc, i, j0, c, pf, pfo):
         if not (_c_f32(kt, q, sc, pf) and kt.ndim == q.ndim == sc.ndim == 2):
             return None
-        sig = types.void(kt, q, sc, i, j0, pf, pfo)
+        sig = types.void(kt, q, sc, i, j0, c, pf, pfo)
 
         def codegen(context, builder, sig, args):
-            kta, qa, sca, pfa = _arrays(context, builder, sig, args, (0, 1, 2, 5))
-            iv, j0v, pfov = _ints(context, builder, sig, args, (3, 4, 6))
+            kta, qa, sca, pfa = _arrays(context, builder, sig, args, (0, 1, 2, 6))
+            iv, j0v, cv, pfov = _ints(context, builder, sig, args, (3, 4, 5, 7))
             D, BS = cgutils.unpack_tuple(builder, kta.shape, 2)
             Dq = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
             BSs = cgutils.unpack_tuple(builder, sca.shape, 2)[1]
@@ -139,7 +141,7 @@ def _make_qk(T: int):
                 sums = [builder.load(accs[s_][t]) for s_ in range(S)]
                 while len(sums) > 1:                            # (a0 + a1) + (a2 + a3)
                     sums = [builder.fadd(sums[k], sums[k + 1]) for k in range(0, len(sums), 2)]
-                at = builder.add(builder.mul(rows[t], BSs), j0v)
+                at = builder.add(builder.mul(rows[t], BSs), builder.add(cv, j0v))
                 builder.store(sums[0], _vptr(builder, sca.data, at), align=4)
             return context.get_dummy_value()
 
@@ -152,19 +154,19 @@ def _make_pv(T: int):
     C = _PV_CHUNKS[T]
 
     @intrinsic
-    def pv(typingctx, vb, kvh, p, acc, i, lo, hi, pf, pfo):
+    def pv(typingctx, vb, kvh, p, acc, i, lo, hi, pc, pf, pfo):
         if not (_c_f32(vb, p, acc, pf) and vb.ndim == 3 and p.ndim == acc.ndim == 2):
             return None
-        sig = types.void(vb, kvh, p, acc, i, lo, hi, pf, pfo)
+        sig = types.void(vb, kvh, p, acc, i, lo, hi, pc, pf, pfo)
 
         def codegen(context, builder, sig, args):
-            va, pa, aa, pfa = _arrays(context, builder, sig, args, (0, 2, 3, 7))
-            kvhv, iv, lov, hiv, pfov = _ints(context, builder, sig, args, (1, 4, 5, 6, 8))
+            va, pa, aa, pfa = _arrays(context, builder, sig, args, (0, 2, 3, 8))
+            kvhv, iv, lov, hiv, pcv, pfov = _ints(context, builder, sig, args, (1, 4, 5, 6, 7, 9))
             _, Hkv, Dvf = cgutils.unpack_tuple(builder, va.shape, 3)
             BSp = cgutils.unpack_tuple(builder, pa.shape, 2)[1]
             Dv = cgutils.unpack_tuple(builder, aa.shape, 2)[1]
             rows = [builder.add(iv, _const(context, t)) for t in range(T)]
-            prow = [builder.mul(r, BSp) for r in rows]
+            prow = [builder.add(builder.mul(r, BSp), pcv) for r in rows]
             arow = [builder.mul(r, Dv) for r in rows]
             accs = [[cgutils.alloca_once_value(builder, _ZERO) for _ in range(T)] for _ in range(C)]
 
