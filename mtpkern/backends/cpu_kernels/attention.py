@@ -421,6 +421,15 @@ def _pv1x4(a0, p0, vb, lo, kvh):
 
 
 @njit(cache=True, fastmath=False)
+def _seen(first, last, b, BS):
+    """Whether some row u (its KV rows first[u] .. last[u] - 1) sees a row of block b."""
+    for u in range(first.shape[0]):
+        if first[u] < (b + 1) * BS and last[u] > b * BS and first[u] < last[u]:
+            return True
+    return False
+
+
+@njit(cache=True, fastmath=False)
 def _first_row(row_start, r):
     """Row r's first visible KV row: row_start[r], or 0 when row_start is empty (absent)."""
     return row_start[r] if row_start.shape[0] > 0 else 0
@@ -501,25 +510,24 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
         clo[:] = SB * BS
         chi[:] = 0
         while ns < SB and b < b_hi:
-            base = b * BS
-            seen = False
-            for u in range(R):
-                lo = max(0, first[u] - base)
-                hi = min(BS, last[u] - base)
-                tlo[ns, u] = lo
-                thi[ns, u] = hi
-                if lo < hi:
-                    seen = True
-                    clo[u] = min(clo[u], ns * BS + lo)
-                    chi[u] = max(chi[u], ns * BS + hi)
-            if seen:                                   # a block no row sees is not read, nor its entry
+            if _seen(first, last, b, BS):              # a block no row sees is not read, nor its entry
+                base = b * BS
+                for u in range(R):
+                    lo = max(0, first[u] - base)
+                    hi = min(BS, last[u] - base)
+                    tlo[ns, u] = lo
+                    thi[ns, u] = hi
+                    if lo < hi:
+                        clo[u] = min(clo[u], ns * BS + lo)
+                        chi[u] = max(chi[u], ns * BS + hi)
                 tb[ns] = b
                 ns += 1
             b += 1
         for t in range(ns):
             # the next block is most likely elsewhere in the pool, where the prefetcher is cold:
             # its lines are asked for a KV head's share at a time, as this block's are used
-            nxt = block_tables[s, tb[t] + 1] if tb[t] + 1 < b_hi else -1
+            nb = tb[t] + 1                             # (an entry no row reads may be freed)
+            nxt = block_tables[s, nb] if nb < b_hi and _seen(first, last, nb, BS) else -1
             tbk[t] = block_tables[s, tb[t]]
             tpf[t] = nxt if 0 <= nxt < k_cache.shape[0] else tbk[t]
         for t in range(ns):                            # scores, block by block
