@@ -78,7 +78,7 @@ from .simd import VL, emit_prefetch, pv1, pv4, pv8, qk1, qk4, qk8
 RMAX = 8
 #: KV rows of a span, in whole blocks (max(1, SPAN_ROWS // BS) of them): a query vector's
 #: online softmax step takes a span at once, so its fixed costs (a count of the scores above
-#: the running max, a sum, the loops' ends) are paid once per 64 rows, not once per block
+#: the running max, a sum, the loops' ends) are paid once per 128 rows, not once per block
 SPAN_ROWS = 128
 
 
@@ -494,8 +494,7 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
     acc[:] = 0.0
     SB = max(1, SPAN_ROWS // BS)                       # blocks of a span
     sc = np.empty((Hkv, RG, SB * BS), np.float32)      # a span's scores, then weights, by KV head
-    tb = np.empty(SB, np.int32)                        # the span's blocks some row sees (sequence order),
-    tbk = np.empty(SB, np.int32)                       # their table entries,
+    tbk = np.empty(SB, np.int32)                       # the table entries of the span's blocks some row sees,
     tpf = np.empty(SB, np.int32)                       # and those of the blocks after them (or theirs)
     tlo = np.empty((SB, R), np.int32)                  # row u sees rows tlo[t, u] .. thi[t, u] - 1
     thi = np.empty((SB, R), np.int32)                  # of the span's t-th block,
@@ -520,16 +519,14 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
                     if lo < hi:
                         clo[u] = min(clo[u], ns * BS + lo)
                         chi[u] = max(chi[u], ns * BS + hi)
-                tb[ns] = b
+                # the next block is most likely elsewhere in the pool, where the prefetcher is
+                # cold: its lines are asked for a KV head's share at a time, as this block's are
+                # used (its entry only if some row reads it: one no row reads may be freed)
+                nxt = block_tables[s, b + 1] if b + 1 < b_hi and _seen(first, last, b + 1, BS) else -1
+                tbk[ns] = block_tables[s, b]
+                tpf[ns] = nxt if 0 <= nxt < k_cache.shape[0] else tbk[ns]
                 ns += 1
             b += 1
-        for t in range(ns):
-            # the next block is most likely elsewhere in the pool, where the prefetcher is cold:
-            # its lines are asked for a KV head's share at a time, as this block's are used
-            nb = tb[t] + 1                             # (an entry no row reads may be freed)
-            nxt = block_tables[s, nb] if nb < b_hi and _seen(first, last, nb, BS) else -1
-            tbk[t] = block_tables[s, tb[t]]
-            tpf[t] = nxt if 0 <= nxt < k_cache.shape[0] else tbk[t]
         for t in range(ns):                            # scores, block by block
             blk = tbk[t]
             nxt = tpf[t]
