@@ -16,15 +16,12 @@ pages in flight keep more lines in flight.
 
 So the unit of work is a *task* of up to 8 weight rows, normally 8 rows a
 stride ``q`` apart (``group8``: rows t, t + q, .. t + 7q of an [8q, K] block),
-computed by ``gemv_task`` for all input rows at once: groups of 4 input rows
-go 4 weight rows x 4 input rows at a time (``_dot_4x4``: 16 accumulators, 8
-loads per 16 multiply-adds; n = 8, [1536, 1024]: 438 -> 312 us against the
-former 2 adjacent weight rows x 4), a remaining pair all 8 weight rows x 2
-(``_dot_8x2``; n = 2: 187 -> 150 us, n = 3: 273 -> 227 us against one input row
-at a time), a last single row all 8 in one pass (``_dot_8x1``). With the tasks
-split evenly over the threads, each thread reads 8 disjoint ranges side by
-side. Rows past the last full group of 8 are tasks of their own, the row in all 8 slots of
-the same code (``gemv_task``: a row's result does not depend on its group).
+computed by ``gemv_task`` for all input rows at once through the vector tiles of
+``gemv_tiles`` (8 input rows a pass, then 4, then the last 3, 2 or 1). With the
+tasks split evenly over the threads, each thread reads 8 disjoint ranges side by
+side. Rows past the last full group of 8 are tasks of their own, the row in all 8
+slots of the same code; and since every tile computes a dot alike, a row's result
+depends neither on its group nor on the input rows beside it.
 
 Large n (prefill chunks) is compute-bound and OpenBLAS sgemm is faster there,
 but only FP32 weights go to it (the ``linear`` launcher, n >= 256): widening
@@ -32,13 +29,12 @@ BF16 for BLAS ate the gain below n = 512, and every switch between the
 OpenBLAS and Numba thread pools stalls (both spin-wait; on 2 cores a
 [4096, 1024] n=8 linear went from 0.8 ms to 8 ms when alternated with a tiny sgemm).
 
-Floating-point flags: every kernel is ``fastmath=False`` except the ``_dot_*``
-helpers, which allow ``reassoc`` and ``contract`` and nothing else. Without
-``reassoc`` LLVM cannot vectorise an FP reduction (and Numba leaves the SLP
-vectoriser off), so a scalar loop with 8 manual accumulators ran a
-[4096, 1024] BF16 GEMV in 1.7 ms against 0.28 ms vectorised (2 cores). Only the
-summation order changes (and FMA rounding, which is more accurate); NaN and
-Inf keep IEEE semantics (no ``nnan`` / ``ninf``).
+Floating-point flags: every kernel is ``fastmath=False``; the tiles' FMAs are
+``llvm.fma`` calls in a fixed order. ``_DOT_FLAGS`` (``reassoc`` and ``contract``, nothing
+else) is for the other families' small reductions left to LLVM's vectoriser (a norm's sum
+of squares): without ``reassoc`` LLVM cannot vectorise an FP reduction (and Numba leaves
+the SLP vectoriser off). Only the summation order changes (and FMA rounding, which is more
+accurate); NaN and Inf keep IEEE semantics (no ``nnan`` / ``ninf``).
 """
 
 from __future__ import annotations
@@ -47,6 +43,8 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+
+from .gemv_tiles import dots1, dots2, dots3, dots4, dots8
 
 _DOT_FLAGS = {"reassoc", "contract"}
 
@@ -97,180 +95,6 @@ def widen(typingctx, v):
     return None
 
 
-# -- dot products: weight rows of w[:, k0:k0+K] against input rows of x [*, K] -----------
-# Rows are sliced to 1-D views first: indexing w[j, k0 + k] in the loop would
-# carry Numba's negative-index wraparound per element and stop vectorisation
-# (2.5 ms instead of 0.63 ms for a [4096, 1024] BF16 GEMV on one core).
-
-@njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot_8x1(w, r, k0, x, i):
-    """Weight rows r[0..7] against input row i, in one pass (8 streams)."""
-    w0, w1, w2, w3 = w[r[0], k0:], w[r[1], k0:], w[r[2], k0:], w[r[3], k0:]
-    w4, w5, w6, w7 = w[r[4], k0:], w[r[5], k0:], w[r[6], k0:], w[r[7], k0:]
-    x0 = x[i]
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    a2 = np.float32(0.0)
-    a3 = np.float32(0.0)
-    a4 = np.float32(0.0)
-    a5 = np.float32(0.0)
-    a6 = np.float32(0.0)
-    a7 = np.float32(0.0)
-    for k in range(x0.shape[0]):
-        v = x0[k]
-        a0 += widen(w0[k]) * v
-        a1 += widen(w1[k]) * v
-        a2 += widen(w2[k]) * v
-        a3 += widen(w3[k]) * v
-        a4 += widen(w4[k]) * v
-        a5 += widen(w5[k]) * v
-        a6 += widen(w6[k]) * v
-        a7 += widen(w7[k]) * v
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot_8x2(w, r, k0, x, i):
-    """Weight rows r[0..7] against input rows i, i + 1, in one pass: result [weight row][input row]."""
-    w0, w1, w2, w3 = w[r[0], k0:], w[r[1], k0:], w[r[2], k0:], w[r[3], k0:]
-    w4, w5, w6, w7 = w[r[4], k0:], w[r[5], k0:], w[r[6], k0:], w[r[7], k0:]
-    x0, x1 = x[i], x[i + 1]
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    b0 = np.float32(0.0)
-    b1 = np.float32(0.0)
-    c0 = np.float32(0.0)
-    c1 = np.float32(0.0)
-    d0 = np.float32(0.0)
-    d1 = np.float32(0.0)
-    e0 = np.float32(0.0)
-    e1 = np.float32(0.0)
-    f0 = np.float32(0.0)
-    f1 = np.float32(0.0)
-    g0 = np.float32(0.0)
-    g1 = np.float32(0.0)
-    h0 = np.float32(0.0)
-    h1 = np.float32(0.0)
-    for k in range(x0.shape[0]):
-        v0, v1 = x0[k], x1[k]
-        u = widen(w0[k])
-        a0 += u * v0
-        a1 += u * v1
-        u = widen(w1[k])
-        b0 += u * v0
-        b1 += u * v1
-        u = widen(w2[k])
-        c0 += u * v0
-        c1 += u * v1
-        u = widen(w3[k])
-        d0 += u * v0
-        d1 += u * v1
-        u = widen(w4[k])
-        e0 += u * v0
-        e1 += u * v1
-        u = widen(w5[k])
-        f0 += u * v0
-        f1 += u * v1
-        u = widen(w6[k])
-        g0 += u * v0
-        g1 += u * v1
-        u = widen(w7[k])
-        h0 += u * v0
-        h1 += u * v1
-    return a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1
-
-
-@njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot_4x4(w, j0, j1, j2, j3, k0, x, i):
-    """Weight rows j0..j3 against input rows i..i+3: 16 dots, result [weight row][input row]."""
-    wa, wb, wc, wd = w[j0, k0:], w[j1, k0:], w[j2, k0:], w[j3, k0:]
-    x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    a2 = np.float32(0.0)
-    a3 = np.float32(0.0)
-    b0 = np.float32(0.0)
-    b1 = np.float32(0.0)
-    b2 = np.float32(0.0)
-    b3 = np.float32(0.0)
-    c0 = np.float32(0.0)
-    c1 = np.float32(0.0)
-    c2 = np.float32(0.0)
-    c3 = np.float32(0.0)
-    d0 = np.float32(0.0)
-    d1 = np.float32(0.0)
-    d2 = np.float32(0.0)
-    d3 = np.float32(0.0)
-    for k in range(x0.shape[0]):
-        ua, ub, uc, ud = widen(wa[k]), widen(wb[k]), widen(wc[k]), widen(wd[k])
-        v0, v1, v2, v3 = x0[k], x1[k], x2[k], x3[k]
-        a0 += ua * v0
-        a1 += ua * v1
-        a2 += ua * v2
-        a3 += ua * v3
-        b0 += ub * v0
-        b1 += ub * v1
-        b2 += ub * v2
-        b3 += ub * v3
-        c0 += uc * v0
-        c1 += uc * v1
-        c2 += uc * v2
-        c3 += uc * v3
-        d0 += ud * v0
-        d1 += ud * v1
-        d2 += ud * v2
-        d3 += ud * v3
-    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
-
-
-@njit(cache=True, fastmath=_DOT_FLAGS)
-def _dot_2x8(w, j0, j1, k0, x, i):
-    """Weight rows j0, j1 against input rows i..i+7: 16 dots, result [weight row][input row].
-    Each weight element is widened once for 8 input rows (``_dot_4x4`` widens it once per 4):
-    for FP8 codes, whose decoding costs a third more than BF16's, n = 8 [4096, 1024] took
-    705 us against 762 us with ``_dot_4x4`` (1 thread); BF16 keeps ``_dot_4x4``. Its 16
-    accumulators are spelled out as in the other ``_dot_*`` helpers: LLVM vectorises the
-    loop over scalar locals, not over a small array."""
-    wa, wb = w[j0, k0:], w[j1, k0:]
-    x0, x1, x2, x3, x4, x5, x6, x7 = x[i], x[i + 1], x[i + 2], x[i + 3], x[i + 4], x[i + 5], x[i + 6], x[i + 7]
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    a2 = np.float32(0.0)
-    a3 = np.float32(0.0)
-    a4 = np.float32(0.0)
-    a5 = np.float32(0.0)
-    a6 = np.float32(0.0)
-    a7 = np.float32(0.0)
-    b0 = np.float32(0.0)
-    b1 = np.float32(0.0)
-    b2 = np.float32(0.0)
-    b3 = np.float32(0.0)
-    b4 = np.float32(0.0)
-    b5 = np.float32(0.0)
-    b6 = np.float32(0.0)
-    b7 = np.float32(0.0)
-    for k in range(x0.shape[0]):
-        ua, ub = widen(wa[k]), widen(wb[k])
-        v0, v1, v2, v3, v4, v5, v6, v7 = x0[k], x1[k], x2[k], x3[k], x4[k], x5[k], x6[k], x7[k]
-        a0 += ua * v0
-        a1 += ua * v1
-        a2 += ua * v2
-        a3 += ua * v3
-        a4 += ua * v4
-        a5 += ua * v5
-        a6 += ua * v6
-        a7 += ua * v7
-        b0 += ub * v0
-        b1 += ub * v1
-        b2 += ub * v2
-        b3 += ub * v3
-        b4 += ub * v4
-        b5 += ub * v5
-        b6 += ub * v6
-        b7 += ub * v7
-    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
-
-
 @njit(cache=True, fastmath=False)
 def _put(y, i, c, v, accumulate):
     if accumulate:
@@ -294,44 +118,53 @@ def group8(t, q, lo):
 
 
 @njit(cache=True, fastmath=False)
+def _put_tile(y, i, cols, count, T, r, accumulate):
+    """The dots r ([s * T + t]: weight row s, input row i + t) into y[i + t, cols[s]], for the
+    weight rows below count."""
+    for s in range(count):
+        for t in range(T):
+            _put(y, i + t, cols[s], r[s * T + t], accumulate)
+
+
+@njit(cache=True, fastmath=False)
 def gemv_task(w, rows, count, k0, x, i0, i1, y, cols, accumulate):
     """For input rows i0..i1 of x [*, K] and s < count:
     ``y[i, cols[s]] (+)= w[rows[s], k0:k0+K] . x[i]``. ``rows`` / ``cols``: 8-tuples
     of int64, every entry a valid row (a smaller count repeats its rows: ``group8``): the 8
-    weight rows are read together (``_dot_4x4``, ``_dot_8x2``, ``_dot_8x1``) whatever the
-    count, and only the first ``count`` results are stored. So every row's dot comes from the
-    same instructions wherever the row falls, in a full group or alone (the 8 accumulators of
-    each helper are reduced alike): a row's result does not depend on the grouping, hence not
-    on the matrix's row count, a vocabulary shard's bounds or a grammar mask
-    (tests/test_ops_backends.py::test_gemv_rows_do_not_depend_on_their_group). Each weight row
-    is read from memory once for all the input rows (the rest of the passes hit L1/L2).
+    weight rows are read for every input row whatever the count, and only the first ``count``
+    results are stored. Input rows go 8 at a time through 2-row tiles (``gemv_tiles.dot2x8``,
+    each tile asking for the next tile's rows), then 4 through 4-row tiles, and the last 3, 2
+    or 1 through 4- or 8-row tiles; the last tiles ask for the lines of the next group (each
+    row + 1: the next task of ``group8`` on this thread). Where K is over ``PASS_MAX``
+    columns, each group of input rows takes the columns ``PASS_COLS`` at a time, all its
+    tiles over one range before the next (the tiles keep their sums in ``acc`` between
+    ranges), so that range of the input rows stays in L1 for the 8 weight rows.
+
+    A dot's bits depend on its two rows only (``gemv_tiles``), so a row's result does not
+    depend on its group, the matrix's row count, a vocabulary shard's bounds, a grammar mask
+    or the input rows beside it (tests/test_ops_backends.py::test_gemv_rows_do_not_depend_on_their_group,
+    tests/test_cpu_gemv_tiles.py). Each weight row is read from memory once for all the input
+    rows (the other passes hit L1/L2).
 
     Numba compiles a copy of a function per argument type, and a literal
     argument (``0``, ``False``) is a type of its own: callers pass
     ``np.int64(0)`` / ``np.bool_(False)`` and int64 tuples, so each weight dtype
-    compiles one copy (left to literals, ``_dot_2x4`` was once compiled 16 times
+    compiles one copy (left to literals, a helper was once compiled 16 times
     for the ops of this backend)."""
     k0 = np.int64(k0)
     i = np.int64(i0)
-    while i + 4 <= i1:
-        for h in range(2):                           # weight rows 0..3, then 4..7
-            r = _dot_4x4(w, rows[4 * h], rows[4 * h + 1], rows[4 * h + 2], rows[4 * h + 3], k0, x, i)
-            for s in range(4):
-                if 4 * h + s < count:
-                    for d in range(4):
-                        _put(y, i + d, cols[4 * h + s], r[4 * s + d], accumulate)
+    while i + 8 <= i1:
+        _put_tile(y, i, cols, count, 8, dots8(w, rows, k0, x, i), accumulate)
+        i += 8
+    if i + 4 <= i1:
+        _put_tile(y, i, cols, count, 4, dots4(w, rows, k0, x, i), accumulate)
         i += 4
-    if i + 2 <= i1:
-        r16 = _dot_8x2(w, rows, k0, x, i)
-        for s in range(count):
-            _put(y, i, cols[s], r16[2 * s], accumulate)
-            _put(y, i + 1, cols[s], r16[2 * s + 1], accumulate)
-        i += 2
-    while i < i1:
-        r8 = _dot_8x1(w, rows, k0, x, i)
-        for s in range(count):
-            _put(y, i, cols[s], r8[s], accumulate)
-        i += 1
+    if i + 3 == i1:
+        _put_tile(y, i, cols, count, 3, dots3(w, rows, k0, x, i), accumulate)
+    elif i + 2 == i1:
+        _put_tile(y, i, cols, count, 2, dots2(w, rows, k0, x, i), accumulate)
+    elif i + 1 == i1:
+        _put_tile(y, i, cols, count, 1, dots1(w, rows, k0, x, i), accumulate)
 
 
 # -- FP8 E4M3 weights ----------------------------------------------------------------------
@@ -388,24 +221,13 @@ def fp8_chunk(w8, c, k0, x, i0, i1, y, shift, accumulate):
                 dst[kk] = src[kk] * f
             k = end
     yc = np.empty((m, R), np.float32)                # the chunk's dots
-    zero, no = np.int64(0), np.bool_(False)          # typed, not literal: see gemv_task
-    i8 = m - m % 8                                   # input rows below i8: 8 at a time, with
-    R2 = R - R % 2                                   # the weight rows below R2 two at a time
-    for i in range(0, i8, 8):
-        for r in range(0, R2, 2):
-            d = _dot_2x8(q, lo + r, lo + r + 1, k0, xp, np.int64(i))
-            for s in range(8):
-                yc[i + s, r] = d[s]
-                yc[i + s, r + 1] = d[8 + s]
+    no = np.bool_(False)                             # typed, not literal: see gemv_task
     q8 = R // 8
-    for t in range(q8 + R - 8 * q8):                 # input rows i8 .. m - 1: groups of 8 weight rows
+    for t in range(q8 + R - 8 * q8):                 # groups of 8 weight rows, all the input rows
         rows, count = group8(t, q8, lo)
         cols = (rows[0] - lo, rows[1] - lo, rows[2] - lo, rows[3] - lo,
                 rows[4] - lo, rows[5] - lo, rows[6] - lo, rows[7] - lo)
-        gemv_task(q, rows, count, k0, xp, np.int64(i8), m, yc, cols, no)
-    if R2 < R and i8 > 0:                            # the odd last row against input rows below i8
-        j, r = lo + R - 1, np.int64(R - 1)
-        gemv_task(q, (j, j, j, j, j, j, j, j), 1, k0, xp, zero, np.int64(i8), yc, (r, r, r, r, r, r, r, r), no)
+        gemv_task(q, rows, count, k0, xp, np.int64(0), m, yc, cols, no)
     for i in range(m):                               # contiguous rows of yc, post and y: vectorised
         yi, ci, pc = y[i0 + i, lo - shift: lo - shift + R], yc[i], post[lo: lo + R]
         if accumulate:

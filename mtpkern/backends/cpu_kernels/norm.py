@@ -18,7 +18,10 @@ from .linear import _DOT_FLAGS, SMALL, chunks, fp8_chunk, gemv_task, group8, wid
 @njit(cache=True, fastmath=_DOT_FLAGS)
 def sumsq(a, i, k0, K):
     """sum_k a[i, k0 + k]^2 over k < K, a BF16-bits or FP32 matrix."""
-    row = a[i, k0:k0 + K]                            # a 1-D view: see linear._dot_*
+    # a 1-D view: indexing a[i, k0 + k] in the loop would carry Numba's negative-index
+    # wraparound per element and stop vectorisation (2.5 ms instead of 0.63 ms for a
+    # [4096, 1024] BF16 GEMV on one core, when the GEMV was such a loop)
+    row = a[i, k0:k0 + K]
     s = np.float32(0.0)
     for k in range(row.shape[0]):
         v = widen(row[k])

@@ -25,7 +25,7 @@ from .norm import sumsq
 def _norm_rope_head(src, r, c0, D, w, eps, cos, sin, dst, dr, dc0, interleave):
     """dst[dr, dc0:dc0+D] = rope(rmsnorm(src[r, c0:c0+D], w)) (no norm when w is empty);
     pair k is dims (2k, 2k + 1) when ``interleave``, else (k, k + R/2)."""
-    x, o = src[r, c0:c0 + D], dst[dr, dc0:dc0 + D]  # 1-D views: see linear._dot_*
+    x, o = src[r, c0:c0 + D], dst[dr, dc0:dc0 + D]  # 1-D views: see norm.sumsq
     if w.shape[0] > 0:
         d = np.sqrt(sumsq(src, np.int64(r), np.int64(c0), np.int64(D)) / np.float32(D) + eps)
         for k in range(D):
