@@ -217,8 +217,8 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
         distinct = len(np.unique(be.to_host(ids)))
         gate8, w13_8, w2_8 = W8(gate), W8(w13), W8(w2)
         used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
-    attention = (mla_op_cases(cfg, be, context, n, W, W8, act, vec) if cfg.block(0).mla
-                 else gqa_op_cases(cfg, be, context, n, W, W8, act, vec))
+    attention = (mla_op_cases(cfg, be, context, n, W, W8, act, vec, rng) if cfg.block(0).mla
+                 else gqa_op_cases(cfg, be, context, n, W, W8, act, vec, rng))
     cases = [
         ("rmsnorm", 2 * n * H * f4 + H * f4, lambda: be.rmsnorm(x, vec(H), 1e-5)),
         ("mtp_input", 2 * H * H * b2 + n * H * b2 + 2 * n * H * f4, lambda: be.mtp_input(embed, tokens, g, vec(H), vec(H), eh, 1e-5)),
@@ -265,7 +265,19 @@ def decode_rows(be, n: int, context: int) -> tuple:
     return nb, tables, row_seq, row_len, pos, slots
 
 
-def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> list[tuple[str, int, Callable]]:
+def written(cache, rng: np.random.Generator):
+    """``cache``, a KV pool, with every row written (random values) when it is a host array:
+    ``np.zeros`` leaves the pages of a large pool mapped to the kernel's one zero page until
+    they are written, and a read of them finds that page in the cache (the cpu attention over
+    8 x 32768 never-written rows timed 59 GB/s, twice the machine's read rate). A device pool
+    is written by its allocation (``cupy.zeros`` runs a kernel)."""
+    if isinstance(cache, np.ndarray):
+        cache[...] = rng.standard_normal(cache.shape, dtype=np.float32)
+    return cache
+
+
+def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
+                 rng: np.random.Generator) -> list[tuple[str, int, Callable]]:
     """The attention ops of a GQA block at decode shape ``n`` rows: the fused projection,
     the q/k norm + RoPE + KV write, the paged attention (full, and a window of 128 with
     sinks), the head-wise gate, ``o_proj`` (BF16, then the projections in FP8)."""
@@ -276,7 +288,8 @@ def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> l
     x = act(n, H)
     wqkv, wo = W((Hq + 2 * Hkv) * D, H), W(H, Hq * D)
     nb, tables, row_seq, row_len, pos, slots = decode_rows(be, n, context)
-    kc, vc = be.empty_keys(nb * n, BENCH_BLOCK, Hkv, D), be.empty_kv(nb * n, BENCH_BLOCK, Hkv, D)
+    kc = written(be.empty_keys(nb * n, BENCH_BLOCK, Hkv, D), rng)
+    vc = written(be.empty_kv(nb * n, BENCH_BLOCK, Hkv, D), rng)
     kvb = np.dtype(be.kv_dtype).itemsize
     qkv = act(n, (Hq + 2 * Hkv) * D)
     q = act(n, Hq, D)
@@ -304,7 +317,8 @@ def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> l
     ]
 
 
-def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> list[tuple[str, int, Callable]]:
+def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
+                 rng: np.random.Generator) -> list[tuple[str, int, Callable]]:
     """The attention ops of an MLA block at decode shape ``n`` rows (mtpkern.ops.mla): the
     query and latent projections (BF16, then FP8), the latent write with the query's RoPE,
     the absorbed attention over ``context`` latent rows (w_uk / w_uv in BF16), ``o_proj``."""
@@ -316,7 +330,7 @@ def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec) -> l
     f4, b2 = 4, 2
     kvb = np.dtype(be.kv_dtype).itemsize
     nb, tables, row_seq, row_len, pos, slots = decode_rows(be, n, context)
-    cache = be.empty_latent_kv(nb * n, BENCH_BLOCK, L + R)
+    cache = written(be.empty_latent_kv(nb * n, BENCH_BLOCK, L + R), rng)
     invf = be.from_host(inv_freq(R, b.rope_theta))
     x, q_in, kv_a, xo = act(n, H), act(n, Hq, P + R), act(n, L + R), act(n, Hq * Dv)
     q_src = Q or H

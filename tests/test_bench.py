@@ -247,6 +247,24 @@ def test_op_cases_time_every_gemv_in_fp8_too():
         fn()
 
 
+@pytest.mark.parametrize("shapes", ["tiny", "mla"])
+def test_op_cases_attend_over_written_kv(shapes):
+    """The attention cases read a pool whose rows were written: a never-written host pool is
+    the kernel's zero page, which reads from the cache (and gives a zero output)."""
+    from mtpkern.backends import get_backend
+    from mtpkern.bench import SHAPES, op_cases, written
+
+    a = written(np.zeros((4, 16, 2, 8), np.float32), np.random.default_rng(0))
+    assert (a != 0).mean() > 0.99
+    cfg = SHAPES[shapes][0]()
+    be = get_backend("numpy")
+    cases = {name: fn for name, _, fn in op_cases(cfg, be, 40, 2, np.random.default_rng(0))}
+    att = [name for name in cases if "attention_ctx40" in name]
+    assert att
+    for name in att:
+        assert np.abs(be.to_host(cases[name]())).max() > 0, name
+
+
 def test_propose_bytes_read_each_modules_block_and_cap_windows():
     """Step-3.5-shaped: a window caps the KV a module reads; the gate rows count; a dense
     block reads its MLP."""
