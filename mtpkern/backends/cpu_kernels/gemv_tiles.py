@@ -41,6 +41,8 @@ of a tile asking for the same columns of other rows) made n = 1 1.3x slower.
 
 The callers check the shapes (``w`` [*, >= k0 + K], ``x`` [>= i + T, K], the rows in range);
 ``w`` and ``x`` must be C-contiguous (x FP32): an argument typed otherwise fails to compile.
+A change here reaches Numba's cached callers once their own file changes, or the cache is
+cleared (docs/cpu.md, "Compilation and cache").
 """
 
 from __future__ import annotations

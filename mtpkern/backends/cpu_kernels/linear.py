@@ -132,13 +132,10 @@ def gemv_task(w, rows, count, k0, x, i0, i1, y, cols, accumulate):
     ``y[i, cols[s]] (+)= w[rows[s], k0:k0+K] . x[i]``. ``rows`` / ``cols``: 8-tuples
     of int64, every entry a valid row (a smaller count repeats its rows: ``group8``): the 8
     weight rows are read for every input row whatever the count, and only the first ``count``
-    results are stored. Input rows go 8 at a time through 2-row tiles (``gemv_tiles.dot2x8``,
-    each tile asking for the next tile's rows), then 4 through 4-row tiles, and the last 3, 2
-    or 1 through 4- or 8-row tiles; the last tiles ask for the lines of the next group (each
-    row + 1: the next task of ``group8`` on this thread). Where K is over ``PASS_MAX``
-    columns, each group of input rows takes the columns ``PASS_COLS`` at a time, all its
-    tiles over one range before the next (the tiles keep their sums in ``acc`` between
-    ranges), so that range of the input rows stays in L1 for the 8 weight rows.
+    results are stored. Input rows go 8 at a time (``gemv_tiles.dots8``: 2 weight rows x 8
+    input rows a tile), then 4, then the last 3, 2 or 1 (``dots4`` / ``dots3``: 4 x 4 and 4 x 3
+    tiles, ``dots2`` / ``dots1``: 8 x 2 and 8 x 1); K over ``gemv_tiles.PASS_MAX`` columns is
+    taken in ranges, so those columns of the input rows stay in L1 for the 8 weight rows.
 
     A dot's bits depend on its two rows only (``gemv_tiles``), so a row's result does not
     depend on its group, the matrix's row count, a vocabulary shard's bounds, a grammar mask
