@@ -52,7 +52,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import _VEC, _ZERO, VL, _const, _fma, _vptr, emit_prefetch
+from .simd import _VEC, _ZERO, VL, _c_f32, _const, _fma, _vptr, emit_prefetch
 
 #: K is taken in ranges of PASS_COLS columns where it is over PASS_MAX: 8 input rows of 1024
 #: FP32 columns (32 KiB) and the 8 BF16 weight rows beside them (16 KiB) already fill a 48 KiB L1
@@ -67,27 +67,29 @@ _IVEC = ir.VectorType(_I32, VL)
 PREFETCH_BYTES = 512
 
 
-def _widen(builder, dtype, ptr):
-    """VL weight elements at ptr -> <VL x float> (``linear.widen`` lane by lane)."""
-    if dtype == types.float32:
-        return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-    if dtype == types.uint16:
-        v = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), VL).as_pointer()), align=2)
-        return builder.bitcast(builder.shl(builder.zext(v, _IVEC), ir.Constant(_IVEC, [16] * VL)), _VEC)
-    v = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(8), VL).as_pointer()), align=1)
-    v = builder.shl(builder.sext(v, _IVEC), ir.Constant(_IVEC, [20] * VL))
-    return builder.bitcast(builder.and_(v, ir.Constant(_IVEC, [0x87FFFFFF] * VL)), _VEC)
-
-
-def _widen1(builder, dtype, ptr):
-    """One weight element at ptr -> float."""
-    v = builder.load(ptr)
+def emit_widen(builder, dtype, v):
+    """Weight bits v of Numba dtype ``dtype`` (a value, or a vector of them) -> FP32 of the same
+    lanes, by ``linear.widen``'s rule: BF16 bits shifted into the top half of an FP32 word, FP32
+    as it is, an FP8 E4M3 code as ``(sext(b) << 20) & 0x87FFFFFF`` (its value times 2^-120)."""
     if dtype == types.float32:
         return v
+    lanes = v.type.count if isinstance(v.type, ir.VectorType) else None
+    i32 = _I32 if lanes is None else ir.VectorType(_I32, lanes)
+    f32 = _F32 if lanes is None else ir.VectorType(_F32, lanes)
+
+    def c(x):
+        return ir.Constant(i32, x if lanes is None else [x] * lanes)
+
     if dtype == types.uint16:
-        return builder.bitcast(builder.shl(builder.zext(v, _I32), ir.Constant(_I32, 16)), _F32)
-    v = builder.shl(builder.sext(v, _I32), ir.Constant(_I32, 20))
-    return builder.bitcast(builder.and_(v, ir.Constant(_I32, 0x87FFFFFF)), _F32)
+        return builder.bitcast(builder.shl(builder.zext(v, i32), c(16)), f32)
+    return builder.bitcast(builder.and_(builder.shl(builder.sext(v, i32), c(20)), c(0x87FFFFFF)), f32)
+
+
+def _widen(builder, dtype, ptr):
+    """VL weight elements at ptr -> <VL x float>."""
+    elem, size = {types.float32: (_F32, 4), types.uint16: (ir.IntType(16), 2), types.uint8: (ir.IntType(8), 1)}[dtype]
+    v = builder.load(builder.bitcast(ptr, ir.VectorType(elem, VL).as_pointer()), align=size)
+    return emit_widen(builder, dtype, v)
 
 
 def _lane_sum(builder, v):
@@ -116,10 +118,6 @@ def _rows(t, n) -> bool:
     return isinstance(t, types.UniTuple) and len(t) == n and isinstance(t.dtype, types.Integer)
 
 
-def _f32_matrix(a) -> bool:
-    return isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.float32
-
-
 def _make_dots(R: int, T: int):
     """``dots(w, rows, k0, x, i)``: the 8 weight rows ``rows`` against input rows
     i .. i + T - 1, as P = 8 / R tiles of R weight rows (see the module's docstring)."""
@@ -127,7 +125,7 @@ def _make_dots(R: int, T: int):
 
     @intrinsic
     def dots(typingctx, w, rows, k0, x, i):
-        if not (_weights(w) and _rows(rows, 8) and _f32_matrix(x)):
+        if not (_weights(w) and _rows(rows, 8) and _c_f32(x) and x.ndim == 2):
             return None
         sig = types.UniTuple(types.float32, 8 * T)(w, rows, k0, x, i)
 
@@ -185,7 +183,7 @@ def _make_dots(R: int, T: int):
                 k = builder.add(K16, loop.index)
                 xs = [builder.load(builder.gep(xa.data, [builder.add(xrow[t], k)])) for t in range(T)]
                 for s_ in range(8):
-                    u = _widen1(builder, wty, builder.gep(wa.data, [builder.add(wrow[s_], k)]))
+                    u = emit_widen(builder, wty, builder.load(builder.gep(wa.data, [builder.add(wrow[s_], k)])))
                     for t in range(T):
                         builder.store(_fma1(builder, u, xs[t], builder.load(out[s_ * T + t])), out[s_ * T + t])
             return context.make_tuple(builder, sig.return_type, [builder.load(o) for o in out])

@@ -40,11 +40,10 @@ accurate); NaN and Inf keep IEEE semantics (no ``nnan`` / ``ninf``).
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .gemv_tiles import dots1, dots2, dots3, dots4, dots8
+from .gemv_tiles import dots1, dots2, dots3, dots4, dots8, emit_widen
 
 _DOT_FLAGS = {"reassoc", "contract"}
 
@@ -73,23 +72,9 @@ def widen(typingctx, v):
     denormals (a 60x slower GEMV on this Xeon, and zeros under DAZ): the cpu
     backend stores them as zeros and adds them from a sparse list (``fp8_chunk``);
     the NaN codes decode to finite junk that the per-row factor turns into NaN."""
-    if v == types.uint8:
+    if v in (types.uint8, types.uint16, types.float32):
         def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            word = builder.shl(builder.sext(args[0], i32), ir.Constant(i32, 20))
-            return builder.bitcast(builder.and_(word, ir.Constant(i32, 0x87FFFFFF)), ir.FloatType())
-
-        return types.float32(v), codegen
-    if v == types.uint16:
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            word = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
-            return builder.bitcast(word, ir.FloatType())
-
-        return types.float32(v), codegen
-    if v == types.float32:
-        def codegen(context, builder, sig, args):
-            return args[0]
+            return emit_widen(builder, sig.args[0], args[0])
 
         return types.float32(v), codegen
     return None
