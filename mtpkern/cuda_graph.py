@@ -53,7 +53,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import NoAllowedToken, no_token_reason, no_token_where
-from .head import ForwardBuffers, RowIndex, RowJob
+from .head import ForwardBuffers, RowIndex, RowJob, RowPick
 
 _log = logging.getLogger("mtpkern")
 
@@ -195,9 +195,17 @@ class StepPlan:
         self.run = [m for m in range(M) if shape.rows[m]]
         n = {m: B * shape.rows[m] for m in self.run}
         n_max = max(n.values())
+        # exact mode's last module feeds no module: past its KV write only the last row of each
+        # sequence goes on, and only when it drafts (MtpHead.compute, RowPick); ``nout``: the
+        # rows past the KV write
+        L = M - 1
+        self.picked = self.exact and L in self.run and shape.rows[L] > 1
+        nout = dict(n)
+        if self.picked:
+            nout[L] = B if L < k else 0
 
-        # -- segment rows: feed_m = [f0, f1), pick_m = [f1, f2) ----------------------------
-        self.seg_rows: dict[int, tuple[int, int, int]] = {}
+        # -- segment rows: feed_m = [f0, f1), rows past the KV write [f1, f2), pick_m = [f2, f3)
+        self.seg_rows: dict[int, tuple[int, int, int, int]] = {}
         s = 0
         for m in self.run:
             f0 = s
@@ -206,9 +214,13 @@ class StepPlan:
             if self.exact and m >= 1:
                 s += B + B * (shape.rows[m] - 1)            # module m-1's rows, the drafts
             f1 = s
+            if self.picked and m == L and nout[m]:          # q, x, row_seq, row_len (, row_start, q|k|v|gate)
+                b = prop.modules[m].block
+                s += B * (4 + bool(b.sliding_window) + bool(b.gate_size))
+            f2 = s
             if self.exact and m < k:
                 s += B                                      # last row of each sequence -> LM head
-            self.seg_rows[m] = (f0, f1, s)
+            self.seg_rows[m] = (f0, f1, f2, s)
         self.num_segments = s
 
         # -- staging layout ---------------------------------------------------------------
@@ -234,8 +246,8 @@ class StepPlan:
             return a
 
         self.g = {m: buf((n[m], H)) for m in self.run if self.exact or m == 0}
-        self.y = {m: buf((n[m], H)) for m in self.run}
-        self.normed = {m: buf((n[m], H)) for m in self.run}
+        self.y = {m: buf((nout[m], H)) for m in self.run}
+        self.normed = {m: buf((nout[m], H)) for m in self.run}
         self.ids = buf((k, B), np.int32)
         self.conf = buf((k, B)) if shape.conf else None           # the drafts' confidences
         #: a sharded head: the rank's LM-head partial results (ids, best logits, confidence sums),
@@ -252,7 +264,8 @@ class StepPlan:
             """One buffer for every module's [n_m, size_m] rows (each a contiguous view)."""
             return buf((max(n[m] * size_of(blk[m]) for m in self.run),))
 
-        qkv, q, o = flat(lambda b: b.qkv_size), flat(lambda b: b.q_size), flat(lambda b: b.o_size)
+        qkv, q = flat(lambda b: b.qkv_size), flat(lambda b: b.q_size)
+        o = buf((max(nout[m] * blk[m].o_size for m in self.run),))
         mla = [m for m in self.run if blk[m].mla]                 # MLA: the latent projection, the q path
         kv_a = flat(lambda b: b.latent_width) if mla else None
         q_c = flat(lambda b: b.q_lora_rank) if any(blk[m].q_lora_rank for m in mla) else None
@@ -293,23 +306,26 @@ class StepPlan:
             mla_ws: dict[int, dict[str, tuple[int, ...]]] = {}    # an MLA module's workspace shapes
             for m in self.run:
                 b = blk[m]
+                if not nout[m]:                     # no row attends (only the K/V written)
+                    parts[m] = 1
+                    continue
                 if b.mla:
-                    L, R = b.kv_lora_rank, b.qk_rope_head_dim
-                    mp = mla_launch.plan(b.num_attention_heads, L, R, shape.widths[m] * BS, n[m],
+                    Lr, R = b.kv_lora_rank, b.qk_rope_head_dim
+                    mp = mla_launch.plan(b.num_attention_heads, Lr, R, shape.widths[m] * BS, nout[m],
                                          target_blocks=2 * sm_count(), smem_max=smem_optin(), kv_itemsize=kv_item)
-                    mla_ws[m] = mla_launch.workspace_shapes(n[m], b.num_attention_heads, L, R, mp.num_parts)
+                    mla_ws[m] = mla_launch.workspace_shapes(nout[m], b.num_attention_heads, Lr, R, mp.num_parts)
                     parts[m] = 1                    # (its split-KV partials are in mla_ws)
                     continue
                 parts[m] = attn_launch.plan(b.num_attention_heads // b.num_key_value_heads, b.head_dim,
-                                            shape.widths[m] * BS, work=min(n[m], B) * b.num_key_value_heads,
+                                            shape.widths[m] * BS, work=min(nout[m], B) * b.num_key_value_heads,
                                             target_blocks=2 * sm_count(), smem_max=smem_optin(),
                                             Dv=b.v_dim).num_parts
             # one flat FP32 buffer per MLA workspace kind, each MLA module a view of its own shape
             mla_flat = {key: buf((max(int(np.prod(ws_[key])) for ws_ in mla_ws.values() if key in ws_),))
                         for key in sorted({k for ws_ in mla_ws.values() for k in ws_})}   # a fixed order
             split = [m for m in self.run if parts[m] > 1]
-            po = max((n[m] * blk[m].num_attention_heads * parts[m] * blk[m].v_dim for m in split), default=0)
-            pml = max((n[m] * blk[m].num_attention_heads * parts[m] * 2 for m in split), default=0)
+            po = max((nout[m] * blk[m].num_attention_heads * parts[m] * blk[m].v_dim for m in split), default=0)
+            pml = max((nout[m] * blk[m].num_attention_heads * parts[m] * 2 for m in split), default=0)
             part_o = part_ml = None
             if split:
                 floats = po + pml
@@ -323,24 +339,30 @@ class StepPlan:
 
         self.bufs: dict[int, ForwardBuffers] = {}
         for m in self.run:
-            c, b = n[m], blk[m]
+            c, co, b = n[m], nout[m], blk[m]           # rows written; rows past the KV write
             Hq = b.num_attention_heads
-            ws = {op: {key: a[:c * K] if op == "experts" else a[:c] for key, a in d.items()}
-                  for op, d in ws_fixed.items()}
+            ws = {op: {key: a[:(c if op == "mtp_input" else co) * (K if op == "experts" else 1)]
+                       for key, a in d.items()} for op, d in ws_fixed.items()}
             if self.cuda and parts[m] > 1:
                 p_ = parts[m]
-                ws["attention"] = {"part_o": part_o[:c * Hq * p_ * b.v_dim].reshape(c, Hq, p_, b.v_dim),
-                                   "part_ml": part_ml[:c * Hq * p_ * 2].reshape(c, Hq, p_, 2)}
+                ws["attention"] = {"part_o": part_o[:co * Hq * p_ * b.v_dim].reshape(co, Hq, p_, b.v_dim),
+                                   "part_ml": part_ml[:co * Hq * p_ * 2].reshape(co, Hq, p_, 2)}
             if self.cuda and m in mla_ws:
                 ws["mla_attention"] = {key: mla_flat[key][:int(np.prod(shp))].reshape(shp)
                                        for key, shp in mla_ws[m].items()}
             self.bufs[m] = ForwardBuffers(x[:c], qkv[:c * b.qkv_size].reshape(c, b.qkv_size),
                                           q[:c * b.q_size].reshape(c, Hq, b.head_dim),
-                                          o[:c * b.o_size].reshape(c, b.o_size), r[:c], self.y[m], self.normed[m],
-                                          None if eids is None else eids[:c], None if ewts is None else ewts[:c], ws,
-                                          None if shared is None else shared[:c], None if sgate is None else sgate[:c])
+                                          o[:co * b.o_size].reshape(co, b.o_size), r[:co], self.y[m], self.normed[m],
+                                          None if eids is None else eids[:co], None if ewts is None else ewts[:co],
+                                          ws, None if shared is None else shared[:co],
+                                          None if sgate is None else sgate[:co])
             if lids is not None:
-                self.bufs[m].local_ids = lids[:c]
+                self.bufs[m].local_ids = lids[:co]
+            if self.picked and m == L:
+                self.bufs[m].pick = RowPick(shape.rows[m]) if not co else RowPick(
+                    shape.rows[m], buf((co, Hq, b.head_dim)), buf((co, H)), buf((co,), np.int32), buf((co,), np.int32),
+                    buf((co,), np.int32) if b.sliding_window else None,
+                    buf((co, b.qkv_size)) if b.gate_size else None)
             if b.mla:
                 W, Q = b.latent_width, b.q_lora_rank
                 self.bufs[m].kv_a = kv_a[:c * W].reshape(c, W)
@@ -368,7 +390,7 @@ class StepPlan:
         T = self.stage.h("seg").reshape(-1, SEG_FIELDS)
         ids = address(self.ids)
         for m in self.run:
-            f0, f1, f2 = self.seg_rows[m]
+            f0, f1, f2, f3 = self.seg_rows[m]
             nm = self.shape.rows[m]
             s = f0
             if m == 0 or self.exact:
@@ -388,13 +410,30 @@ class StepPlan:
                         s += 1
             if s != f1:
                 raise AssertionError(f"module {m}: {s - f0} feed segments written, {f1 - f0} planned")
+            pick = self.bufs[m].pick
+            if pick is not None and pick.q is not None:     # the last row of each sequence goes on
+                bf, stg = self.bufs[m], self.stage
+                moves = [(bf.q, pick.q), (bf.x, pick.x), (stg.d(f"rseq{m}"), pick.row_seq),
+                         (stg.d(f"rlen{m}"), pick.row_len)]
+                if pick.row_start is not None:
+                    moves.append((stg.d(f"rst{m}"), pick.row_start))
+                if pick.qkv is not None:
+                    moves.append((bf.qkv, pick.qkv))
+                for src, dst in moves:
+                    words = dst[0].size                      # a row's 4-byte words
+                    for i in range(B):
+                        T[s] = (address(src) + 4 * (i * nm + nm - 1) * words, address(dst) + 4 * i * words, words)
+                        s += 1
+            if s != f2:
+                raise AssertionError(f"module {m}: {s - f1} row segments written, {f2 - f1} planned")
             if self.exact and m < k:
                 src, last = address(self.normed[m]), address(self.last)
+                picked = pick is not None                            # normed holds the last rows only
                 for i in range(B):                                   # key P-1 of sequence i -> LM head row i
-                    T[s] = (src + 4 * (i * nm + nm - 1) * H, last + 4 * i * H, H)
+                    T[s] = (src + 4 * (i if picked else i * nm + nm - 1) * H, last + 4 * i * H, H)
                     s += 1
-            if s != f2:
-                raise AssertionError(f"module {m}: {s - f1} pick segments written, {f2 - f1} planned")
+            if s != f3:
+                raise AssertionError(f"module {m}: {s - f2} pick segments written, {f3 - f2} planned")
 
     def _launches(self, lm_ws: dict) -> list[Callable[[], Any]]:
         out: list[Callable[[], Any]] = []
@@ -404,16 +443,23 @@ class StepPlan:
         masks = stg.d("mask").reshape(k, B, W) if self.shape.masked else None
         for m in self.run:
             head = self.prop.modules[m]
-            f0, f1, f2 = self.seg_rows[m]
+            f0, f1, f2, f3 = self.seg_rows[m]
             if f1 > f0:
                 out.append(partial(self._segments, seg[f0:f1]))
-            out.append(partial(head.compute, self._tokens(m), self._g(m), stg.d(f"pos{m}"), stg.d(f"slot{m}"),
-                               stg.d(f"tab{m}").reshape(B, self.shape.widths[m]), stg.d(f"rseq{m}"),
-                               stg.d(f"rlen{m}"), self.bufs[m],
-                               stg.d(f"rst{m}") if head.block.sliding_window else None))
-            if m < k:
-                if f2 > f1:
+            compute = partial(head.compute, self._tokens(m), self._g(m), stg.d(f"pos{m}"), stg.d(f"slot{m}"),
+                              stg.d(f"tab{m}").reshape(B, self.shape.widths[m]), stg.d(f"rseq{m}"),
+                              stg.d(f"rlen{m}"), self.bufs[m], stg.d(f"rst{m}") if head.block.sliding_window else None)
+            pick = self.bufs[m].pick
+            if pick is None:
+                out.append(compute)
+            else:                            # its K/V; the rows that go on; those rows (none: done)
+                out.append(partial(compute, part="kv"))
+                if pick.q is not None:
                     out.append(partial(self._segments, seg[f1:f2]))
+                    out.append(partial(compute, part="rest"))
+            if m < k:
+                if f3 > f2:
+                    out.append(partial(self._segments, seg[f2:f3]))
                 src = self.last if self.exact else self.normed[m]
                 mask = None if masks is None else masks[m]
                 if self.sharded:             # the rank's partial result, then the ranks' reduction (eager)

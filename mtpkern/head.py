@@ -83,6 +83,25 @@ class RowIndex(NamedTuple):
 
 
 @dataclass(slots=True)
+class RowPick:
+    """The rows of a planned step's module that go on past the KV write (``MtpHead.compute``):
+    the last of each sequence's ``rows`` rows (``[B * rows]`` in sequence order), which the
+    plan's segment copies (``cuda_graph.StepPlan``) move between ``compute(part="kv")`` and
+    ``compute(part="rest")`` into these buffers of ``B`` rows: ``q`` (the attention's
+    queries), ``x`` (o_proj's residual), ``row_seq`` / ``row_len`` (int32), ``row_start`` (a
+    sliding window) and ``qkv`` (an element-wise attention gate, read after the attention)
+    when the block has them. ``q`` None: no row goes on (the module only writes its K/V)."""
+
+    rows: int
+    q: Any = None
+    x: Any = None
+    row_seq: Any = None
+    row_len: Any = None
+    row_start: Any = None
+    qkv: Any = None
+
+
+@dataclass(slots=True)
 class ForwardBuffers:
     """Preallocated outputs of ``MtpHead.compute`` over ``n`` rows (backend arrays,
     contiguous): ``x``, ``r``, ``y``, ``normed`` [n, H] (the block's RMSNorms are fused into the
@@ -96,7 +115,9 @@ class ForwardBuffers:
     [n, 1]. An expert-parallel rank of a sharded head: ``local_ids`` [n, K] int32, the router's
     ids mapped to its experts. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, L + R];
     with ``q_lora_rank``, ``q_c`` [n, q_lora_rank] (before q_a_layernorm, which is fused into q_b_proj).
-    The block's sizes are the module's own (``MtpConfig.block``)."""
+    The block's sizes are the module's own (``MtpConfig.block``). ``pick``: only the rows it
+    names go on past the KV write (``compute``); the buffers from ``o`` on, ``expert_*``,
+    ``shared*`` and ``local_ids`` then hold those rows."""
 
     x: Any
     qkv: Any
@@ -113,6 +134,7 @@ class ForwardBuffers:
     kv_a: Any = None
     q_c: Any = None
     local_ids: Any = None
+    pick: RowPick | None = None
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -225,20 +247,22 @@ class MtpHead:
             self.pool.release_window(j.seq, self)
         return out
 
-    def _forward(self, jobs: list[RowJob], g: Any, pad_tables: bool = False) -> tuple[Any, Any]:
+    def _forward(self, jobs: list[RowJob], g: Any, pad_tables: bool = False,
+                 out_rows: np.ndarray | None = None) -> tuple[Any, Any]:
         """``forward`` for the proposer: ``jobs`` already checked, ``g`` [n, H] backend FP32.
 
         Blocks the rows need are taken here when the caller has not taken them ahead
         (``pool.grow_all``: ``KvCacheFull`` before any row is appended); the caller rolls
         the sequences back if this raises. ``pad_tables``: widen the block table to
         ``table_width`` (what a planned propose step uses, so that eager and captured
-        steps launch the same shapes).
+        steps launch the same shapes). ``out_rows``: the rows whose outputs are read (``compute``).
         """
         rows = self.append_rows(jobs, pad_tables)
         be = self.backend
         return self.compute(be.from_host(rows.tokens), g, be.from_host(rows.positions), be.from_host(rows.slots),
                             be.from_host(rows.tables), be.from_host(rows.row_seq), be.from_host(rows.row_len),
-                            row_start=None if rows.row_start is None else be.from_host(rows.row_start))
+                            row_start=None if rows.row_start is None else be.from_host(rows.row_start),
+                            out_rows=out_rows)
 
     def append_rows(self, jobs: list[RowJob], pad_tables: bool = False) -> "RowIndex":
         """Grow each job's sequence by its rows (keys recorded) and return the host
@@ -275,16 +299,32 @@ class MtpHead:
 
     def compute(self, tokens: Any, g: Any, positions: Any, slots: Any, tables: Any, row_seq: Any,
                 row_len: Any, bufs: "ForwardBuffers | None" = None, row_start: Any = None,
-                kv_copy: tuple[Any, Any] | None = None) -> tuple[Any, Any]:
+                kv_copy: tuple[Any, Any] | None = None, out_rows: np.ndarray | None = None,
+                part: str = "all") -> tuple[Any, Any]:
         """The module's ops over rows whose KV slots and tables are known (backend arrays:
         ``tokens`` [n], ``g`` [n, H], ``positions`` / ``slots`` / ``row_seq`` / ``row_len``
         [n], ``tables`` [S, width]; ``row_start`` [n] the first KV row each row sees, for a
         sliding-window block). ``bufs``: every output and workspace preallocated (a planned
         step: nothing is allocated); None allocates as it goes. ``kv_copy``: (src, dst) slot
         arrays: once the rows' K/V are written, the cache rows ``dst`` take rows ``src``'s
-        values, before any row attends (a draft tree's copy-on-write blocks, mtpkern.tree)."""
-        be, cfg, w, b = self.backend, self.config, self.w, self.block
-        eps = cfg.rms_norm_eps
+        values, before any row attends (a draft tree's copy-on-write blocks, mtpkern.tree).
+
+        ``out_rows``: host indices of the rows whose outputs the caller reads (None: all).
+        Every row's K/V is still written; only these rows then attend and go through o_proj,
+        the FFN and the final norm, and ``(y, normed)`` hold them in this order; ``(None,
+        None)`` when none is read. Each op computes a row from that row, its KV and the
+        weights, so the rows read get a full forward's values, to rounding: NumPy's BLAS sums
+        and the cpu attention's score tiles depend on how many rows a call holds
+        (tests/test_exact_last_module.py). A planned step with ``bufs.pick`` runs the two
+        halves as two launches, its segment copies between them moving the rows read into
+        the pick's buffers: ``part="kv"`` up to the KV write (returns ``(None, None)``),
+        ``part="rest"`` from the attention on, over those rows."""
+        be = self.backend
+        pick = None if bufs is None else bufs.pick
+        if out_rows is not None and bufs is not None:
+            raise ValueError("out_rows: not with bufs (a planned step names its rows in bufs.pick)")
+        if (part != "all") != (pick is not None) or part not in ("all", "kv", "rest"):
+            raise ValueError(f"part: expected 'kv' or 'rest' with bufs.pick, else 'all', got {part!r}")
 
         def put(op: str, **outs: str) -> dict:
             """Keyword arguments of one op: its output buffers (kwarg -> field of bufs)
@@ -295,22 +335,58 @@ class MtpHead:
             kw.update(bufs.ws.get(op, {}))
             return kw
 
+        if part == "rest":
+            if pick.q is None:
+                raise ValueError("part: 'rest' of a module whose rows all stop at their K/V")
+            x, q, qkv = pick.x, pick.q, pick.qkv
+            row_seq, row_len, row_start = pick.row_seq, pick.row_len, pick.row_start
+        else:
+            x, q, qkv = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None)
+            if part == "kv" or (out_rows is not None and not len(out_rows)):
+                return None, None
+            if out_rows is not None:         # the K/V of every row is in: the rows read go on
+                sel = be.from_host(np.asarray(out_rows, np.int64))
+                x, q, row_seq, row_len = x[sel], q[sel], row_seq[sel], row_len[sel]
+                qkv = None if qkv is None else qkv[sel]
+                row_start = None if row_start is None else row_start[sel]
+        return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs)
+
+    def _write_kv(self, tokens: Any, g: Any, positions: Any, slots: Any, put: Any, kv_copy: Any,
+                  planned: bool) -> tuple[Any, Any, Any]:
+        """mtp_input, input_layernorm and the projections that write the rows' K/V (MLA: the
+        latent rows) -> ``(x, q, qkv)``: the rows' o_proj residual [n, H], the attention's
+        queries [n, Hq, D] (RoPE applied) and, for an element-wise output gate, q|k|v|gate
+        (else None)."""
+        be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
         x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
                          **put("mtp_input", out="x"))                                            # [n, H]
-        xa, a_norm = self._normed_input(x, w.input_layernorm, bufs is not None)  # input_layernorm(x)
+        xa, a_norm = self._normed_input(x, w.input_layernorm, planned)          # input_layernorm(x)
         if b.mla:
-            o = self._mla(xa, a_norm, positions, slots, tables, row_seq, row_len, row_start, put, kv_copy)  # [n, Hq Dv]
+            q = self._mla_write(xa, a_norm, positions, slots, put)                              # [n, Hq, P + R]
+            qkv = None
         else:
             qkv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))       # [n, (Hq+2Hkv)D]
             q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                          w.q_norm, w.k_norm, eps, self._inv_freq, positions,
                                          self.pool.k, self.pool.v, slots, **self._rope_kw,
                                          **put("rope_kv", out="q"))                               # [n, Hq, D]
-            if kv_copy is not None:
-                self.pool.copy_rows(*kv_copy)
-            attn_kw = self._attn_kw if row_start is None else dict(self._attn_kw, row_start=row_start)
+        if kv_copy is not None:
+            self.pool.copy_rows(*kv_copy)
+        return x, q, (qkv if b.gate_size else None)
+
+    def _after_kv(self, x: Any, q: Any, qkv: Any, tables: Any, row_seq: Any, row_len: Any, row_start: Any,
+                  put: Any, bufs: "ForwardBuffers | None") -> tuple[Any, Any]:
+        """The attention (and its output gate), o_proj with the residual ``x``, the FFN and the
+        final norm of the rows ``q`` holds -> ``(y, normed)``."""
+        be, cfg, w, b = self.backend, self.config, self.w, self.block
+        eps = cfg.rms_norm_eps
+        kw = {} if row_start is None else {"row_start": row_start}
+        if b.mla:
+            o = be.mla_attention_absorbed(q, w.mla_uk, w.mla_uv, self.pool.k, tables, row_seq, row_len, self._scale,
+                                          **kw, **put("mla_attention", out="o"))                # [n, Hq Dv]
+        else:
             o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
-                                   **attn_kw, **put("attention", out="o"))                      # [n, Hq Dv]
+                                   **self._attn_kw, **kw, **put("attention", out="o"))           # [n, Hq Dv]
             if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
                 o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         r = be.linear(o, w.w_o, None, x if self._owner else None, **put("linear", out="r"))   # [n, H]
@@ -353,13 +429,12 @@ class MtpHead:
             return x, (g, eps)
         return self.backend.rmsnorm(x, g, eps), None
 
-    def _mla(self, x: Any, a_norm: "tuple[Any, float] | None", positions: Any, slots: Any, tables: Any,
-             row_seq: Any, row_len: Any, row_start: Any, put: Any, kv_copy: Any = None) -> Any:
-        """MLA attention of ``input_layernorm(x)`` (x [n, H] and ``a_norm`` as ``_normed_input``
-        gives them: the norm fused into the GEMVs that read it, or already applied) -> [n, Hq Dv]
-        (before o_proj), the latent rows written (mtpkern.ops.mla): the query through q_a_proj,
-        q_a_layernorm and q_b_proj (or q_proj), the latent row from kv_a_proj_with_mqa, then
-        the absorbed attention."""
+    def _mla_write(self, x: Any, a_norm: "tuple[Any, float] | None", positions: Any, slots: Any, put: Any) -> Any:
+        """MLA's rows up to the attention, from ``input_layernorm(x)`` (x [n, H] and ``a_norm`` as
+        ``_normed_input`` gives them: the norm fused into the GEMVs that read it, or already
+        applied): the query through q_a_proj, q_a_layernorm and q_b_proj (or q_proj), the latent
+        row from kv_a_proj_with_mqa, written (mtpkern.ops.mla) -> the roped queries [n, Hq, P + R]
+        for the absorbed attention (``_after_kv``)."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
         n = x.shape[0]
         kv_a = be.linear(x, w.mla_kv_a, norm=a_norm, **put("linear", out="kv_a"))                # [n, L + R]
@@ -368,14 +443,9 @@ class MtpHead:
             qf = be.linear(qc, w.w_qkv, norm=(w.mla_q_a_norm, eps), **put("linear", out="qkv"))   # [n, Hq (P + R)]
         else:
             qf = be.linear(x, w.w_qkv, norm=a_norm, **put("linear", out="qkv"))                   # [n, Hq (P + R)]
-        q = be.mla_latent_write(kv_a, w.mla_kv_a_norm, eps, self._inv_freq, positions, self.pool.k, slots,
-                                q=qf.reshape(n, b.num_attention_heads, b.head_dim), **self._rope_kw,
-                                **put("mla_write", out="q"))                                      # [n, Hq, P + R]
-        if kv_copy is not None:
-            self.pool.copy_rows(*kv_copy)
-        kw = {} if row_start is None else {"row_start": row_start}
-        return be.mla_attention_absorbed(q, w.mla_uk, w.mla_uv, self.pool.k, tables, row_seq, row_len, self._scale,
-                                         **kw, **put("mla_attention", out="o"))
+        return be.mla_latent_write(kv_a, w.mla_kv_a_norm, eps, self._inv_freq, positions, self.pool.k, slots,
+                                   q=qf.reshape(n, b.num_attention_heads, b.head_dim), **self._rope_kw,
+                                   **put("mla_write", out="q"))                                   # [n, Hq, P + R]
 
     # -- the LM head (mtpkern.lm) ----------------------------------------------------
     def argmax(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> np.ndarray:
