@@ -398,6 +398,9 @@ def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
 
     Modules: draft mode runs the k drafting ones; exact mode all of them, the ones past k
     without their LM head (they write the rows of the token just verified and of the drafts).
+    Exact mode's last module feeds no module (``ExactChain.run``): its rows stop after their
+    K/V (eh_proj and the q|k|v projection), and only one row a sequence goes on through the
+    attention, o_proj and the FFN when it drafts (M - 1 < k), none when it does not.
     Module 0 attends over ``context`` rows; modules m >= 1 too in exact mode, but in draft
     mode only over the row they write (after_verify(0) left none of theirs); a sliding
     window caps the rows a module reads. ``head_rows``: the LM head's rows (a draft
@@ -411,31 +414,38 @@ def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
         V = hi - lo
     share = 1 if shard is None else shard.size
     parts: list[tuple[str, float, int]] = []
-    for m in range(cfg.num_modules if kv_mode == "exact" else k):
+    M = cfg.num_modules
+    for m in range(M if kv_mode == "exact" else k):
         b = cfg.block(m) if shard is None else shard.block(cfg.block(m))
         rows = B * (min(m, k) + 1 if kv_mode == "exact" else 1)       # the rows the module writes
-        proj = 2 * H * H + H * b.o_size                                    # eh, o
+        # the rows that go on past their K/V: exact mode's last module, the drafting rows only
+        on = rows if kv_mode != "exact" or m < M - 1 else (B if m < k else 0)
+        kv_proj = H * H * 2                                               # eh (its K/V's rows)
+        on_proj = H * b.o_size if on else 0                                # o
         keys = context if m == 0 or kv_mode == "exact" else 1
         if b.sliding_window:
             keys = min(keys, b.sliding_window)
         if b.mla:          # q_a (or q_proj), q_b, kv_a_proj_with_mqa, kv_b_proj (w_uk and w_uv)
             Q, L, R = b.q_lora_rank, b.kv_lora_rank, b.qk_rope_head_dim
-            proj += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H
-            proj += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L          # the absorption
+            kv_proj += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H
+            on_proj += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L if on else 0   # the absorption
             attn_fmas = keys * b.num_attention_heads * (2 * L + R)
         else:
-            proj += b.qkv_size * H                                        # q|k|v|gate
+            kv_proj += b.qkv_size * H                                     # q|k|v|gate
             attn_fmas = keys * b.num_attention_heads * (b.head_dim + b.v_dim)
-        if b.moe:
+        if not on:
+            ffn_bytes, ffn_fmas = 0, 0
+        elif b.moe:
             E, K, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
             Is = cfg.shared_intermediate_size
-            ffn_bytes = 2 * (E * H + expected_experts(E, K, rows) * 3 * I * H / share + 3 * Is * H // share)
+            ffn_bytes = 2 * (E * H + expected_experts(E, K, on) * 3 * I * H / share + 3 * Is * H // share)
             ffn_fmas = E * H + (K * 3 * I * H + 3 * Is * H) // share
         else:
             ffn_bytes = 2 * (3 * cfg.intermediate_size * H // share)
             ffn_fmas = 3 * cfg.intermediate_size * H // share
-        parts += [(f"m{m} proj", 2 * proj, rows * proj), (f"m{m} ffn", ffn_bytes, rows * ffn_fmas),
-                  (f"m{m} attn", B * keys * b.kv_row_values * kv_itemsize, rows * attn_fmas)]
+        parts += [(f"m{m} proj", 2 * (kv_proj + on_proj), rows * kv_proj + on * on_proj),
+                  (f"m{m} ffn", ffn_bytes, on * ffn_fmas),
+                  (f"m{m} attn", B * keys * b.kv_row_values * kv_itemsize if on else 0, on * attn_fmas)]
         if m < k:
             parts.append((f"m{m} head", 2 * V * H, B * V * H))
     return parts

@@ -112,29 +112,32 @@ def test_warnings_of_and_the_table_mark():
 
 def test_propose_bytes_counts_the_kv_each_mode_reads():
     """Draft mode: only module 0 attends over the context (the later modules hold just the
-    row they write); exact mode: every module does. Weights: every drafting module's, and in
-    exact mode the other modules' too, less their LM head; the routed experts a module's rows
-    reach in expectation (exact mode's module m runs min(m, k) + 1 rows a sequence: at k = 2
-    module 2 runs 3, as many as at k = 3)."""
+    row they write); exact mode: every module but the last does, and the last when it drafts
+    (its other rows stop after their K/V: ExactChain.run). Weights: every drafting module's,
+    and in exact mode the other modules' too, less their LM head, and of a last module that
+    does not draft only eh_proj and q|k|v; the routed experts a module's rows reach in
+    expectation (exact mode's module m runs min(m, k) + 1 rows a sequence; the last one
+    takes one a sequence past its K/V when it drafts)."""
     cfg = small_config()
     assert cfg.num_modules == 3
     H, E, K = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 4                  # K and V, FP32
     head = 2 * cfg.vocab_size * H
+    kv_only = 2 * (2 * H * H + cfg.block(2).qkv_size * H)                    # eh_proj, q|k|v: BF16
 
     def routed(rows):                                                        # BF16 gate, up, down
         return 2 * 3 * cfg.moe_intermediate_size * H * expected_experts(E, K, rows)
 
     base = propose_bytes(cfg, 1, 0, 1, 4, "draft") - routed(1)               # one module, no routed experts
     assert propose_bytes(cfg, 1, 512, 1, 4, "draft") == round(base + routed(1) + 512 * kv_row)
-    assert propose_bytes(cfg, 1, 512, 1, 4, "exact") == round(3 * base - 2 * head + routed(1) + 2 * routed(2)
-                                                              + 3 * 512 * kv_row)
+    assert propose_bytes(cfg, 1, 512, 1, 4, "exact") == round(2 * base - head + routed(1) + routed(2) + kv_only
+                                                              + 2 * 512 * kv_row)
     assert propose_bytes(cfg, 1, 0, 2, 4, "draft") > propose_bytes(cfg, 1, 0, 1, 4, "draft")   # more experts
     assert propose_bytes(cfg, 3, 512, 2, 4, "draft") == round(3 * (base + routed(2)) + 2 * (512 + 2) * kv_row)
-    assert propose_bytes(cfg, 3, 512, 2, 4, "exact") == round(3 * base + routed(2) + routed(4) + routed(6)
+    assert propose_bytes(cfg, 3, 512, 2, 4, "exact") == round(3 * base + routed(2) + routed(4) + routed(2)
                                                               + 2 * 3 * 512 * kv_row)
-    assert propose_bytes(cfg, 2, 512, 2, 4, "exact") == round(3 * base - head + routed(2) + routed(4) + routed(6)
-                                                              + 2 * 3 * 512 * kv_row)
+    assert propose_bytes(cfg, 2, 512, 2, 4, "exact") == round(2 * base + routed(2) + routed(4) + kv_only
+                                                              + 2 * 2 * 512 * kv_row)
 
 
 def test_expected_experts_is_uniform_routing():
