@@ -421,14 +421,14 @@ def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
         # the rows that go on past their K/V: exact mode's last module, the drafting rows only
         on = rows if kv_mode != "exact" or m < M - 1 else (B if m < k else 0)
         kv_proj = H * H * 2                                               # eh (its K/V's rows)
-        on_proj = H * b.o_size if on else 0                                # o
+        on_proj = H * b.o_size                                             # o
         keys = context if m == 0 or kv_mode == "exact" else 1
         if b.sliding_window:
             keys = min(keys, b.sliding_window)
         if b.mla:          # q_a (or q_proj), q_b, kv_a_proj_with_mqa, kv_b_proj (w_uk and w_uv)
             Q, L, R = b.q_lora_rank, b.kv_lora_rank, b.qk_rope_head_dim
             kv_proj += (Q * H + b.q_size * Q if Q else b.q_size * H) + b.latent_width * H
-            on_proj += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L if on else 0   # the absorption
+            on_proj += b.num_attention_heads * (b.qk_nope_head_dim + b.v_dim) * L          # the absorption
             attn_fmas = keys * b.num_attention_heads * (2 * L + R)
         else:
             kv_proj += b.qkv_size * H                                     # q|k|v|gate
@@ -443,7 +443,7 @@ def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
         else:
             ffn_bytes = 2 * (3 * cfg.intermediate_size * H // share)
             ffn_fmas = 3 * cfg.intermediate_size * H // share
-        parts += [(f"m{m} proj", 2 * (kv_proj + on_proj), rows * kv_proj + on * on_proj),
+        parts += [(f"m{m} proj", 2 * (kv_proj + (on_proj if on else 0)), rows * kv_proj + on * on_proj),
                   (f"m{m} ffn", ffn_bytes, on * ffn_fmas),
                   (f"m{m} attn", B * keys * b.kv_row_values * kv_itemsize if on else 0, on * attn_fmas)]
         if m < k:

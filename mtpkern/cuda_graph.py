@@ -199,9 +199,9 @@ class StepPlan:
         # sequence goes on, and only when it drafts (MtpHead.compute, RowPick); ``nout``: the
         # rows past the KV write
         L = M - 1
-        self.picked = self.exact and L in self.run and shape.rows[L] > 1
+        picked = self.exact and L in self.run and shape.rows[L] > 1
         nout = dict(n)
-        if self.picked:
+        if picked:
             nout[L] = B if L < k else 0
 
         # -- segment rows: feed_m = [f0, f1), rows past the KV write [f1, f2), pick_m = [f2, f3)
@@ -214,7 +214,7 @@ class StepPlan:
             if self.exact and m >= 1:
                 s += B + B * (shape.rows[m] - 1)            # module m-1's rows, the drafts
             f1 = s
-            if self.picked and m == L and nout[m]:          # q, x, row_seq, row_len (, row_start, q|k|v|gate)
+            if picked and m == L and nout[m]:          # q, x, row_seq, row_len (, row_start, q|k|v|gate)
                 b = prop.modules[m].block
                 s += B * (4 + bool(b.sliding_window) + bool(b.gate_size))
             f2 = s
@@ -358,9 +358,9 @@ class StepPlan:
                                           None if sgate is None else sgate[:co])
             if lids is not None:
                 self.bufs[m].local_ids = lids[:co]
-            if self.picked and m == L:
-                self.bufs[m].pick = RowPick(shape.rows[m]) if not co else RowPick(
-                    shape.rows[m], buf((co, Hq, b.head_dim)), buf((co, H)), buf((co,), np.int32), buf((co,), np.int32),
+            if picked and m == L:
+                self.bufs[m].pick = RowPick() if not co else RowPick(
+                    buf((co, Hq, b.head_dim)), buf((co, H)), buf((co,), np.int32), buf((co,), np.int32),
                     buf((co,), np.int32) if b.sliding_window else None,
                     buf((co, b.qkv_size)) if b.gate_size else None)
             if b.mla:

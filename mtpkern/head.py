@@ -85,14 +85,13 @@ class RowIndex(NamedTuple):
 @dataclass(slots=True)
 class RowPick:
     """The rows of a planned step's module that go on past the KV write (``MtpHead.compute``):
-    the last of each sequence's ``rows`` rows (``[B * rows]`` in sequence order), which the
-    plan's segment copies (``cuda_graph.StepPlan``) move between ``compute(part="kv")`` and
-    ``compute(part="rest")`` into these buffers of ``B`` rows: ``q`` (the attention's
-    queries), ``x`` (o_proj's residual), ``row_seq`` / ``row_len`` (int32), ``row_start`` (a
-    sliding window) and ``qkv`` (an element-wise attention gate, read after the attention)
-    when the block has them. ``q`` None: no row goes on (the module only writes its K/V)."""
+    the last row of each sequence, which the plan's segment copies (``cuda_graph.StepPlan``)
+    move between ``compute(part="kv")`` and ``compute(part="rest")`` into these buffers of
+    ``B`` rows: ``q`` (the attention's queries), ``x`` (o_proj's residual), ``row_seq`` /
+    ``row_len`` (int32), ``row_start`` (a sliding window) and ``qkv`` (an element-wise
+    attention gate, read after the attention) when the block has them. ``q`` None: no row
+    goes on (the module only writes its K/V)."""
 
-    rows: int
     q: Any = None
     x: Any = None
     row_seq: Any = None
