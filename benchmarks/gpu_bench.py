@@ -298,7 +298,7 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
     distinct = int(np.unique(ids.get()).size)
     act_e, partial = empty(n * K, I), empty(n * K, H)
     act_s = empty(n, Is)
-    P = -(-V // lm_launch.ROWS_PER_BLOCK)
+    P = lm_launch.num_partials(V, sm_count())
     part_v, part_i, lm_ids = empty(n, P), empty(n, P, dtype=cp.int32), empty(n, dtype=cp.int32)
 
     cases = [
@@ -450,7 +450,7 @@ def mla_kernel_cases(cfg: MtpConfig, be, n: int, contexts: list[int], seed: int 
     be.moe_router(x, gate_w, gate_bias, spec, ids=ids, weights=wts, logits=logits)
     distinct = int(np.unique(ids.get()).size)
     act_e, partial, act_s = empty(n * K, I), empty(n * K, H), empty(n, Is)
-    PB = -(-V // lm_launch.ROWS_PER_BLOCK)
+    PB = lm_launch.num_partials(V, sm_count())
     part_v, part_i, lm_ids = empty(n, PB), empty(n, PB, dtype=cp.int32), empty(n, dtype=cp.int32)
     cases = [
         ("dsv3 linear_kv_a", 0, (L + R) * H * b2 + n * (H + L + R) * f4, lambda: be.linear(x, w_kva, out=kv_a)),

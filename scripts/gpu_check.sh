@@ -4,10 +4,10 @@
 #
 #   bash scripts/gpu_check.sh [OPTIONS] [OUT_DIR]          OUT_DIR: default $OUT, else ./out
 #
-#   --steps LIST          which of tests,bench to run, in the order given (default tests,bench);
-#                         the probe always runs first
-#   --limit STEP=SECONDS  a step's time limit (probe 20, tests 200, bench 220 by default); the
-#                         limits plus 5 s of grace each must add up to at most 470 s
+#   --steps LIST          which of smoke,tests,bench to run, in the order given (default
+#                         smoke,tests,bench); the probe always runs first
+#   --limit STEP=SECONDS  a step's time limit (probe 20, smoke 60, tests 180, bench 190 by
+#                         default); the limits plus 5 s of grace each must add up to at most 470 s
 #   --test-timeout S      pytest-timeout's per-test limit in the tests step (default 90)
 #   --tests PATHS         what the tests step collects (default tests/; comma or space separated)
 #   --bench-args ARGS     extra arguments for benchmarks/gpu_bench.py (e.g. "--no-mla")
@@ -15,18 +15,23 @@
 # Steps, each under its own limit (timeout: SIGTERM, then SIGKILL 5 s later), each run whatever
 # the previous one did:
 #   probe   versions, the device, whether pytest-timeout is there (python + nvidia-smi)
+#   smoke   scripts/gpu_smoke.py: each kernel family built and loaded, timed; a tiny proposer
+#           on the device against the NumPy reference, phase by phase, under a watchdog that
+#           prints every thread's stack every 20 s (a hung kernel or a slow build shows where)
 #   tests   ONE pytest process: every gpu-marked test (tests/test_gpu.py, the cuda cases of
-#           tests/test_ops_backends.py, the rest), --timeout per test when pytest-timeout is there
+#           tests/test_ops_backends.py, the rest), --timeout per test when pytest-timeout is there,
+#           and faulthandler's stacks of a test still running 10 s before that (pytest-timeout's
+#           signal cannot stop a test waiting inside a CUDA call; the stacks still show where)
 #   bench   benchmarks/gpu_bench.py: kernels, proposes and the PyTorch eager peer, each row on
 #           disk as soon as it is measured
-# One python process per step, three in all: CuPy's disk cache cannot keep the kernels built
+# One python process per step, four in all: CuPy's disk cache cannot keep the kernels built
 # with name_expressions, so each process that launches kernels (tests, bench) compiles every
 # family it uses once with NVRTC.
 #
-# OUT_DIR gets six plain files, nothing in subfolders (the device tool returns at most 8 files,
+# OUT_DIR gets seven plain files, nothing in subfolders (the device tool returns at most 8 files,
 # at most 2 folders down): summary.txt (rewritten at every step's start and end: which steps ran,
 # passed, failed, timed out; test counts; the propose table), gpu_check.log (the timeline and
-# the probe), tests.log, bench.log, gpu_bench.md and gpu_bench.jsonl (the benchmark's rows). A
+# the probe), smoke.log, tests.log, bench.log, gpu_bench.md and gpu_bench.jsonl (the benchmark's rows). A
 # file over 15 MiB (the tool's per-file limit is 16) is gzipped in place at the end. The exit
 # status is 1 if a step failed or timed out, 2 on a bad option.
 set -u
@@ -36,8 +41,8 @@ ROOT="$PWD"
 
 usage() { sed -n '5,13p' "$0" | sed 's/^# \{0,1\}//'; }
 
-STEPS="tests,bench"
-declare -A LIMIT=([probe]=20 [tests]=200 [bench]=220)
+STEPS="smoke,tests,bench"
+declare -A LIMIT=([probe]=20 [smoke]=60 [tests]=180 [bench]=190)
 KILL_AFTER=5
 TOTAL_MAX=470
 TEST_TIMEOUT=90
@@ -51,11 +56,11 @@ is_int() { [[ "$1" =~ ^[0-9]+$ ]] && [ "$1" -ge 1 ]; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
-    --steps) [ $# -ge 2 ] || die "--steps: expected a list of tests,bench, got nothing"; STEPS="$2"; shift 2 ;;
+    --steps) [ $# -ge 2 ] || die "--steps: expected a list of smoke,tests,bench, got nothing"; STEPS="$2"; shift 2 ;;
     --limit)
       [ $# -ge 2 ] || die "--limit: expected STEP=SECONDS, got nothing"
       name="${2%%=*}"; secs="${2#*=}"
-      [[ -n "$name" && -n "${LIMIT[$name]+x}" ]] || die "--limit: expected a step of probe, tests, bench, got '$name'"
+      [[ -n "$name" && -n "${LIMIT[$name]+x}" ]] || die "--limit: expected a step of probe, smoke, tests, bench, got '$name'"
       is_int "$secs" || die "--limit: expected a whole number of seconds >= 1 for $name, got '$secs'"
       LIMIT[$name]="$secs"; shift 2 ;;
     --test-timeout)
@@ -72,9 +77,9 @@ done
 RUN_STEPS=(probe)
 for s in ${STEPS//,/ }; do
   case "$s" in
-    tests|bench) [[ " ${RUN_STEPS[*]} " == *" $s "* ]] || RUN_STEPS+=("$s") ;;
+    smoke|tests|bench) [[ " ${RUN_STEPS[*]} " == *" $s "* ]] || RUN_STEPS+=("$s") ;;
     probe) ;;                                   # always first
-    *) die "--steps: expected names among tests, bench, got '$s'" ;;
+    *) die "--steps: expected names among smoke, tests, bench, got '$s'" ;;
   esac
 done
 TOTAL=0
@@ -86,7 +91,7 @@ command -v timeout > /dev/null || die "coreutils' timeout is not on PATH: every 
 OUT_DIR="${OUT_ARG:-${OUT:-./out}}"
 mkdir -p "$OUT_DIR" || die "OUT_DIR: cannot create '$OUT_DIR'"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-FILES=(summary.txt gpu_check.log tests.log bench.log gpu_bench.md gpu_bench.jsonl)
+FILES=(summary.txt gpu_check.log smoke.log tests.log bench.log gpu_bench.md gpu_bench.jsonl)
 for f in "${FILES[@]}"; do rm -f "$OUT_DIR/$f" "$OUT_DIR/$f.gz"; done
 SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/mtpkern-gpu.XXXXXX")" || die "cannot make a scratch directory"
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -102,7 +107,7 @@ START=$(date +%s)
 STATUS=0
 PY_STARTS=0
 declare -A STATE ELAPSED
-for s in probe tests bench; do STATE[$s]="left out (--steps)"; ELAPSED[$s]="-"; done
+for s in probe smoke tests bench; do STATE[$s]="left out (--steps)"; ELAPSED[$s]="-"; done
 for s in "${RUN_STEPS[@]}"; do STATE[$s]="not reached"; done
 TIMEOUT_NOTE="not known yet (the probe decides)"
 COMMIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -139,6 +144,15 @@ tests_report() {
   [ "$nf" -le 20 ] || echo "  ... and $((nf - 20)) more in tests.log"
 }
 
+smoke_report() {
+  local f="$OUT_DIR/smoke.log"
+  [ -f "$f" ] || { echo "smoke: no log (the step did not run)"; return; }
+  echo "smoke:"
+  grep -E '^\[gpu_smoke ' "$f" | sed -E 's/^\[gpu_smoke +\+ *([0-9.]+)s\] /  +\1s /' | cut -c1-200 | tail -n 40
+  local dumps; dumps=$(count '^Timeout \(' "$f")
+  [ "$dumps" = 0 ] || echo "  the watchdog printed the stacks $dumps time(s) (smoke.log): a phase ran past 20 s"
+}
+
 bench_report() {
   local j="$OUT_DIR/gpu_bench.jsonl" md="$OUT_DIR/gpu_bench.md"
   [ -f "$j" ] || { echo "bench: no gpu_bench.jsonl (the step did not run, or stopped before its first record)"; return; }
@@ -164,7 +178,7 @@ summary_text() {
   echo
   printf '%-6s %6s %8s  %s\n' step limit elapsed result
   local s
-  for s in probe tests bench; do
+  for s in probe smoke tests bench; do
     if [[ " ${RUN_STEPS[*]} " == *" $s "* ]]; then
       printf '%-6s %5ss %8s  %s\n' "$s" "${LIMIT[$s]}" "${ELAPSED[$s]}" "${STATE[$s]}"
     else
@@ -173,6 +187,7 @@ summary_text() {
   done
   printf '%-6s %5ss %7ss  %s\n' all "$TOTAL" "$(( $(date +%s) - START ))" "(limits with ${KILL_AFTER} s grace each; the script's own time)"
   echo
+  [[ " ${RUN_STEPS[*]} " == *" smoke "* ]] && smoke_report && echo
   [[ " ${RUN_STEPS[*]} " == *" tests "* ]] && tests_report && echo
   [[ " ${RUN_STEPS[*]} " == *" bench "* ]] && bench_report && echo
   echo "files in OUT_DIR: $(cd "$OUT_DIR" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')"
@@ -260,7 +275,7 @@ step probe "$SCRATCH/probe.txt" "$PY" -c "$PROBE_PY"
 { echo "nvidia-smi: $(timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 | head -n 2 | tr '\n' ' ')"; } >> "$SCRATCH/probe.txt"
 cat "$SCRATCH/probe.txt" | tee -a "$OUT_DIR/gpu_check.log"
 if grep -q '^pytest-timeout: ' "$SCRATCH/probe.txt" && ! grep -q '^pytest-timeout: absent' "$SCRATCH/probe.txt"; then
-  TIMEOUT_ARGS=(--timeout="$TEST_TIMEOUT")
+  TIMEOUT_ARGS=(--timeout="$TEST_TIMEOUT" -o "faulthandler_timeout=$(( TEST_TIMEOUT > 20 ? TEST_TIMEOUT - 10 : TEST_TIMEOUT ))")
   TIMEOUT_NOTE="${TEST_TIMEOUT} s a test (pytest-timeout $(sed -n 's/^pytest-timeout: //p' "$SCRATCH/probe.txt")), then the step's limit"
 else
   # without the plugin: faulthandler dumps the stacks of a test slower than the limit (it does not stop it)
@@ -268,6 +283,11 @@ else
   TIMEOUT_NOTE="none: pytest-timeout is not importable, so the tests run without per-test limits (stacks dumped after ${TEST_TIMEOUT} s; the step's limit stops them)"
 fi
 log "per-test timeout: $TIMEOUT_NOTE"
+
+run_smoke() {
+  step smoke "$OUT_DIR/smoke.log" "$PY" scripts/gpu_smoke.py --watchdog-s 20
+  [ "${STATE[smoke]}" = passed ] || tail -n 12 "$OUT_DIR/smoke.log"
+}
 
 run_tests() {
   # shellcheck disable=SC2086  # TEST_PATHS: the paths, split

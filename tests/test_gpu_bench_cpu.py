@@ -217,3 +217,47 @@ def test_a_torch_peer_that_cannot_start_is_a_note(bench, tiny_cfg, tmp_path):
     rec = bench.Recorder(tmp_path)
     assert bench.torch_peer(tiny_cfg, None, types.SimpleNamespace(flush=lambda: None), rec, device="metal") is None
     assert rec.res["torch"].startswith("not run (")
+
+
+def _calls_on(tree, names: set[str]):
+    """(object name, attribute, call node) of every ``name.attr(...)`` call in ``tree``."""
+    import ast
+
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in names):
+            yield node.func.value.id, node.func.attr, node
+
+
+def test_the_benchmarks_calls_into_the_package_still_bind():
+    """Every call gpu_bench.py makes on a launcher module or on the backend names something that
+    exists and binds to its signature (positional count, keyword names). The kernel section runs
+    only on a GPU, so without this a renamed launcher constant or argument surfaces first on the
+    device machine, as lm_head's ROWS_PER_BLOCK once did."""
+    import ast
+    import inspect
+
+    from mtpkern.backends.cuda import CudaBackend
+    from mtpkern.backends.cuda_launch import attention, lm_head, mla
+
+    owners = {"attn_launch": attention, "lm_launch": lm_head, "mla_launch": mla, "be": CudaBackend}
+    tree = ast.parse(_PATH.read_text())
+    seen = 0
+    for owner, attr, call in _calls_on(tree, set(owners)):
+        target = getattr(owners[owner], attr, None)
+        assert target is not None, f"gpu_bench.py line {call.lineno}: {owner}.{attr} does not exist"
+        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            continue
+        sig = inspect.signature(target)
+        args = ([None] if owner == "be" else []) + [None] * len(call.args)    # self for the backend's methods
+        try:
+            sig.bind(*args, **{k.arg: None for k in call.keywords})
+        except TypeError as e:
+            raise AssertionError(f"gpu_bench.py line {call.lineno}: {owner}.{attr}{sig}: {e}") from None
+        seen += 1
+    for node in ast.walk(tree):       # plain attribute reads (constants) on the launcher modules
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in owners and node.value.id != "be"):
+            assert hasattr(owners[node.value.id], node.attr), (
+                f"gpu_bench.py line {node.lineno}: {node.value.id}.{node.attr} does not exist")
+    assert seen >= 15, f"only {seen} calls checked: the names the benchmark imports the launchers under changed?"

@@ -33,6 +33,11 @@ printf '%s\n' "$(printf '%s %s' "${1:-}" "${2:-}" | head -n 1)" >> "$FAKE_CALLS"
 if [ "${1:-}" = "-c" ] && [ -n "${FAKE_PROBE:-}" ]; then printf '%s\n' "$FAKE_PROBE"; exit "${FAKE_PROBE_RC:-0}"; fi
 if [ "${1:-} ${2:-}" = "-m pytest" ] && [ -n "${FAKE_PYTEST:-}" ]; then shift 2; exec "$REAL_PY" "$FAKE_PYTEST" "$@"; fi
 if [ "${1:-}" = "benchmarks/gpu_bench.py" ] && [ -n "${FAKE_BENCH:-}" ]; then shift; exec "$REAL_PY" "$FAKE_BENCH" "$@"; fi
+if [ "${1:-}" = "scripts/gpu_smoke.py" ] && [ -n "${FAKE_SMOKE_RC:-}" ]; then
+  echo "[gpu_smoke +   1.5s] family norm: 3 kernels built and loaded in 1.2 s"
+  echo "[gpu_smoke +   2.0s] exact: propose 0 in 3.1 ms: cuda [[1, 2, 3]], numpy [[1, 2, 3]]"
+  exit "$FAKE_SMOKE_RC"
+fi
 exec "$REAL_PY" "$@"
 """
 
@@ -136,12 +141,15 @@ def _step(summary: str, name: str) -> str:
 
 def test_a_full_run_keeps_the_contract_and_says_what_ran(fake):
     cp, out = fake(FAKE_PROBE=_PROBE_WITH_TIMEOUT, FAKE_PYTEST=fake.dir / "pytest_standin.py",
-                   FAKE_BENCH=fake.dir / "bench_standin.py", FAKE_BENCH_ROWS=3)
+                   FAKE_BENCH=fake.dir / "bench_standin.py", FAKE_BENCH_ROWS=3, FAKE_SMOKE_RC=0)
     assert cp.returncode == 1, cp.stdout + cp.stderr            # a test failed
-    assert _contract(out) == ["bench.log", "gpu_bench.jsonl", "gpu_bench.md", "gpu_check.log", "summary.txt",
-                              "tests.log"]
+    assert _contract(out) == ["bench.log", "gpu_bench.jsonl", "gpu_bench.md", "gpu_check.log", "smoke.log",
+                              "summary.txt", "tests.log"]
     s = (out / "summary.txt").read_text()
-    assert _step(s, "probe") == "passed" and _step(s, "tests") == "failed (rc 1)" and _step(s, "bench") == "passed"
+    assert _step(s, "probe") == "passed" and _step(s, "smoke") == "passed"
+    assert _step(s, "tests") == "failed (rc 1)" and _step(s, "bench") == "passed"
+    assert "  +1.5s family norm: 3 kernels built and loaded in 1.2 s" in s       # the smoke's lines
+    assert "  +2.0s exact: propose 0 in 3.1 ms: cuda [[1, 2, 3]], numpy [[1, 2, 3]]" in s
     assert "tests: 3 passed, 1 failed, 0 errors, 1 skipped (pytest: 1 failed, 3 passed, 1 skipped in 12.34s)" in s
     assert "op tests (tests/test_ops_backends.py, cuda cases): 2 passed, 0 failed; other gpu-marked tests: " \
            "1 passed, 1 failed" in s
@@ -149,11 +157,12 @@ def test_a_full_run_keeps_the_contract_and_says_what_ran(fake):
     assert "bench: 3 kernel rows, 1 propose rows (1 beside the torch peer), 0 error(s); end record: rc 0" in s
     assert "| draft | 512 | 1 | 3 | 2000 | 1000 | 2.00x | 700 | 1.43 | 9000 | 9.00x |" in s   # the propose table
     assert "pytest-timeout: 2.4.0" in s and "per-test timeout: 90 s a test (pytest-timeout 2.4.0)" in s
-    # one python process per step: the probe, one pytest for every gpu-marked test, the benchmark
-    assert fake.calls.read_text().splitlines() == ["-c import importlib", "-m pytest", "benchmarks/gpu_bench.py --out"]
-    assert "python processes started: 3" in s
+    # one python process per step: the probe, the smoke, one pytest for every gpu-marked test, the benchmark
+    assert fake.calls.read_text().splitlines() == ["-c import importlib", "scripts/gpu_smoke.py --watchdog-s",
+                                                   "-m pytest", "benchmarks/gpu_bench.py --out"]
+    assert "python processes started: 4" in s
     argv = (fake.dir / "pytest_argv.txt").read_text().splitlines()
-    assert "--timeout=90" in argv and argv[-1] == "tests/" and argv[argv.index("-m") + 1] == "gpu"
+    assert "--timeout=90" in argv and "faulthandler_timeout=80" in argv and argv[-1] == "tests/" and argv[argv.index("-m") + 1] == "gpu"
     assert "--continue-on-collection-errors" in argv
     assert cp.stdout.rstrip().endswith(s.rstrip())               # the summary closes the output
 
@@ -173,8 +182,8 @@ def test_without_pytest_timeout_the_tests_run_without_it_and_say_so(fake):
 def test_a_step_past_its_limit_is_stopped_and_named(fake):
     """A test that hangs: the step stops at its limit, the summary names the test that was
     running, and the benchmark after it still runs."""
-    cp, out = fake(["--limit", "tests=3"], FAKE_PROBE=_PROBE_WITH_TIMEOUT, FAKE_PYTEST=fake.dir / "pytest_standin.py",
-                   FAKE_PYTEST_HANG=1, FAKE_BENCH=fake.dir / "bench_standin.py", FAKE_BENCH_ROWS=1)
+    cp, out = fake(["--steps", "tests,bench", "--limit", "tests=3"], FAKE_PROBE=_PROBE_WITH_TIMEOUT,
+                   FAKE_PYTEST=fake.dir / "pytest_standin.py", FAKE_PYTEST_HANG=1, FAKE_BENCH=fake.dir / "bench_standin.py", FAKE_BENCH_ROWS=1)
     s = (out / "summary.txt").read_text()
     assert _step(s, "tests").startswith("timed out (stopped at its 3s limit, rc 124)")
     assert "pytest: no final line: the run was cut short" in s
@@ -220,11 +229,11 @@ def test_files_over_the_size_limit_are_gzipped_in_place(fake):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--limit", "tests=400"], "add up to 655 s, over the 470 s"),
-    (["--limit", "lint=3"], "--limit: expected a step of probe, tests, bench, got 'lint'"),
-    (["--limit", "=3"], "--limit: expected a step of probe, tests, bench, got ''"),
+    (["--limit", "tests=400"], "add up to 690 s, over the 470 s"),
+    (["--limit", "lint=3"], "--limit: expected a step of probe, smoke, tests, bench, got 'lint'"),
+    (["--limit", "=3"], "--limit: expected a step of probe, smoke, tests, bench, got ''"),
     (["--limit", "bench=0"], "--limit: expected a whole number of seconds >= 1 for bench, got '0'"),
-    (["--steps", "tests,docs"], "--steps: expected names among tests, bench, got 'docs'"),
+    (["--steps", "tests,docs"], "--steps: expected names among smoke, tests, bench, got 'docs'"),
     (["--test-timeout", "x"], "--test-timeout: expected a whole number of seconds"),
     (["--frobnicate"], "unknown option '--frobnicate'"),
 ])
@@ -236,15 +245,17 @@ def test_bad_options_are_refused_before_anything_runs(fake, args, message):
 
 def test_the_default_limits_add_up_under_eight_minutes():
     text = SCRIPT.read_text()
-    limits = dict(re.findall(r"\[(probe|tests|bench)\]=(\d+)", text.split("declare -A LIMIT=", 1)[1].split("\n")[0]))
+    limits = dict(re.findall(r"\[(probe|smoke|tests|bench)\]=(\d+)",
+                             text.split("declare -A LIMIT=", 1)[1].split("\n")[0]))
     grace = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
-    assert set(limits) == {"probe", "tests", "bench"}
+    assert set(limits) == {"probe", "smoke", "tests", "bench"}
     assert sum(int(v) + grace for v in limits.values()) <= 470 < 480
 
 
 def test_the_real_steps_on_this_machine(fake, tmp_path):
-    """The real probe, pytest (every gpu-marked test of tests/test_gpu.py skips without a
-    device) and benchmark (it stops at ``import cupy``, or at the missing device)."""
+    """The real probe, smoke (it fails at ``import cupy``, or at the missing device), pytest
+    (every gpu-marked test of tests/test_gpu.py skips without a device) and benchmark (it stops
+    at ``import cupy``, or at the missing device)."""
     cp, out = fake(["--tests", "tests/test_gpu.py"], timeout=300)
     s = (out / "summary.txt").read_text()
     assert re.search(r"^  python: \d+\.\d+", s, re.M) and re.search(r"^  pytest-timeout: ", s, re.M)
@@ -252,6 +263,8 @@ def test_the_real_steps_on_this_machine(fake, tmp_path):
     m = re.search(r"^tests: (\d+) passed, 0 failed, 0 errors, (\d+) skipped \(pytest: .* in [\d.]+s\)$", s, re.M)
     assert m and int(m.group(2)) >= 10, s
     assert _step(s, "bench") == "failed (rc 1)" and "bench: 0 kernel rows" in s and "  error: " in s
-    assert "python processes started: 3" in s
-    assert fake.calls.read_text().splitlines() == ["-c import importlib", "-m pytest", "benchmarks/gpu_bench.py --out"]
+    assert _step(s, "smoke") == "failed (rc 1)" and "phase build FAILED" in (out / "smoke.log").read_text()
+    assert "python processes started: 4" in s
+    assert fake.calls.read_text().splitlines() == ["-c import importlib", "scripts/gpu_smoke.py --watchdog-s",
+                                                   "-m pytest", "benchmarks/gpu_bench.py --out"]
     _contract(out)
