@@ -140,6 +140,11 @@ tests_report() {
     [ -z "$running" ] || echo "  running when the step ended: $running"
   fi
   grep -E '^(FAILED|ERROR) [^ ]' "$f" | head -n 20 | sed 's/^/  /'
+  if [ -z "$final" ]; then   # cut short: no summary; the failures printed as they happened, each with its first E line
+    awk '/^-+ failure of .* printed as it happened -+$/ { sub(/^-+ failure of /, ""); sub(/, printed as it happened -+$/, "");
+           name = $0; want = 1; next }
+         want && /^E / { print "  failed: " name ": " substr($0, 1, 160); want = 0 }' "$f" | head -n 20
+  fi
   local nf; nf=$(count '^(FAILED|ERROR) [^ ]' "$f")
   [ "$nf" -le 20 ] || echo "  ... and $((nf - 20)) more in tests.log"
 }
@@ -293,7 +298,10 @@ run_tests() {
   # shellcheck disable=SC2086  # TEST_PATHS: the paths, split
   # --continue-on-collection-errors: a test module that cannot import there (a package's version)
   # is one error, not the end of every gpu test
-  COLUMNS=200 step tests "$OUT_DIR/tests.log" "$PY" -m pytest -v -m gpu -p no:cacheprovider --tb=short -rfE \
+  # MTPKERN_PRINT_FAILURES (tests/conftest.py): each failure printed when its test ends, so a step cut
+  # short still shows why; the "device" hypothesis profile reports a failing example unshrunk
+  MTPKERN_PRINT_FAILURES=1 COLUMNS=200 step tests "$OUT_DIR/tests.log" "$PY" -m pytest -v -m gpu -p no:cacheprovider \
+    --tb=short -rfE --hypothesis-profile=device \
     --durations=15 -o console_output_style=classic --continue-on-collection-errors "${TIMEOUT_ARGS[@]}" $TEST_PATHS
   [ "${STATE[tests]}" = passed ] || tail -n 12 "$OUT_DIR/tests.log"
 }

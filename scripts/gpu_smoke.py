@@ -46,7 +46,7 @@ def sync(backend: str) -> None:
     if backend == "cuda":
         import cupy as cp
 
-        sync(backend)
+        cp.cuda.Device().synchronize()
 
 
 def tiny_proposers(mode: str, backend: str = "cuda") -> None:

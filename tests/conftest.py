@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import Phase, settings
 
 from mtpkern import MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.backends import cuda_available, get_backend
@@ -13,6 +15,34 @@ from mtpkern.config import tiny_config
 from mtpkern.weights import load_weights
 
 BACKENDS = ["numpy", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+#: ``pytest --hypothesis-profile=device`` (scripts/gpu_check.sh): a failing example is reported
+#: as found, not shrunk first. On a lent device the shrinking of one failure (each try a
+#: proposer run) outlasted the whole tests step, and the failure was never printed.
+settings.register_profile("device", phases=[Phase.explicit, Phase.reuse, Phase.generate], print_blob=True)
+
+#: ``MTPKERN_PRINT_FAILURES=1``: each failure's report is written as soon as its test ends
+#: (pytest prints them at the end of the session, which a run cut short at its time limit
+#: never reaches)
+_PRINT_FAILURES = os.environ.get("MTPKERN_PRINT_FAILURES", "0") not in ("", "0")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    if _PRINT_FAILURES and report.failed and _CONFIG:
+        tr = _CONFIG[0].pluginmanager.getplugin("terminalreporter")
+        if tr is not None:
+            tr.write_line("")
+            tr.write_sep("-", f"failure of {report.nodeid} ({report.when}), printed as it happened")
+            tr.write_line(report.longreprtext[-6000:])
+
+
+_CONFIG: list = []
+
+
+def pytest_configure(config):
+    _CONFIG[:] = [config]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -94,6 +124,38 @@ def make_prop(tiny_ckpt):
 
 def rand_hiddens(rng, n, H):
     return rng.standard_normal((n, H)).astype(np.float32)
+
+
+def record_margins(prop) -> dict:
+    """Wrap each module's argmax on ``prop`` (the reference): ``log[module] = (margin, |top|)``,
+    per row of its latest call, the gap between the two best logits among the tokens its
+    grammar mask allows (inf where fewer than two are allowed) and the best one's magnitude."""
+    log: dict = {}
+    for h in prop.modules:
+        def argmax(normed_rows, bitmask=None, h=h, orig=h.argmax):
+            logits = np.array(h.logits(normed_rows), np.float64)
+            if bitmask is not None:
+                words = np.asarray(bitmask).reshape(len(logits), -1).view(np.uint32)
+                bits = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+                allowed = bits.reshape(len(logits), -1)[:, :logits.shape[1]].astype(bool)
+                logits = np.where(allowed, logits, -np.inf)
+            top = np.sort(logits, axis=1)[:, -2:]
+            with np.errstate(invalid="ignore"):
+                margin = np.where(np.isfinite(top[:, 0]), top[:, 1] - top[:, 0], np.inf)
+            log[h.index] = (margin, np.abs(top[:, 1]))
+            return orig(normed_rows, bitmask)
+        h.argmax = argmax
+    return log
+
+
+def near_tie(margins: dict, m: int, i: int, tol: str) -> bool:
+    """Whether module ``m``'s best two logits for row ``i`` (``record_margins``) are within the
+    tolerance of ``tol`` (mtpkern.tolerance): a draft another backend may fairly flip."""
+    from mtpkern.tolerance import TOLERANCE
+
+    t = TOLERANCE[tol]
+    margin, top = margins[m]
+    return bool(margin[i] <= t.atol + t.rtol * top[i])
 
 
 def kv_rows(prop, st, m):

@@ -27,10 +27,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import kv_rows
+from conftest import kv_rows, near_tie, record_margins
 from mtpkern import MultiModuleMtpHead, NoAllowedToken, write_synthetic_checkpoint
 from mtpkern.config import tiny_config
-from mtpkern.tolerance import TOLERANCE, assert_close
+from mtpkern.tolerance import assert_close
 
 pytestmark = pytest.mark.gpu
 
@@ -75,24 +75,6 @@ def _device_backend(kv: str):
     return CudaBackend(kv_dtype=kv)
 
 
-def _record_margins(prop) -> dict:
-    """Wrap the reference's argmax: per module, the top-2 logit margin and |top logit| of each row."""
-    log: dict = {}
-    for h in prop.modules:
-        def argmax(normed_rows, bitmask=None, h=h, orig=h.argmax):
-            top = np.sort(h.logits(normed_rows), axis=1)[:, -2:]
-            log[h.index] = (top[:, 1] - top[:, 0], np.abs(top[:, 1]))
-            return orig(normed_rows, bitmask)
-        h.argmax = argmax
-    return log
-
-
-def _near_tie(margins: dict, m: int, i: int) -> bool:
-    tol = TOLERANCE["bfloat16"]
-    margin, top = margins[m]
-    return margin[i] <= tol.atol + tol.rtol * top[i]
-
-
 def _same_kv(ref, sr, dev, sd, what, tol="bfloat16"):
     for m in range(ref.num_modules):
         assert sr.rows_per_module() == sd.rows_per_module()
@@ -120,7 +102,7 @@ def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_back
     ckpt, cfg = ckpt_cfg
     ref, dev = _make(ckpt, _reference_backend(kv), mode, **make_kw), _make(ckpt, device_backend, mode, **make_kw)
     tol = kv
-    margins = _record_margins(ref)
+    margins = record_margins(ref)
     rng = np.random.default_rng(5)
     H, V = cfg.hidden_size, cfg.vocab_size
     lens = list(lens)
@@ -144,7 +126,7 @@ def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_back
             if agree < len(want[i]):
                 # A different draft is fine only where the reference itself was nearly tied; later
                 # drafts of this sequence are built from it, so only the agreed prefix is accepted.
-                assert _near_tie(margins, agree, i), (
+                assert near_tie(margins, agree, i, "bfloat16"), (
                     f"round {rnd}, sequence {i}, draft {agree}: cuda {got[i]}, numpy {want[i]}, "
                     f"reference margin {margins[agree][0][i]:.4g} is not a near-tie")
                 ties += 1

@@ -45,7 +45,8 @@ exec "$REAL_PY" "$@"
 #: test running (no result on its line) until the step's limit stops it
 _PYTEST = r"""
 import os, sys, time
-open(os.environ["FAKE_PYTEST_ARGV"], "w").write("\n".join(sys.argv[1:]))
+open(os.environ["FAKE_PYTEST_ARGV"], "w").write("\n".join(sys.argv[1:] + ["ENV MTPKERN_PRINT_FAILURES="
+                                                 + os.environ.get("MTPKERN_PRINT_FAILURES", "")]))
 print("============================= test session starts ==============================", flush=True)
 for line in ("tests/test_backend_parity.py::test_fast_backend_matches_reference[exact-prenorm-cuda] PASSED",
              "tests/test_gpu.py::test_cuda_matches_numpy_reference[mid-exact-bfloat16] FAILED",
@@ -54,6 +55,12 @@ for line in ("tests/test_backend_parity.py::test_fast_backend_matches_reference[
              "tests/test_ops_backends.py::test_fp8_refusals[cuda] SKIPPED (no fp8 here)"):
     print(line, flush=True)
 if os.environ.get("FAKE_PYTEST_HANG"):
+    print("tests/test_backend_parity.py::test_fast_backend_matches_reference[exact-prenorm-cuda] FAILED")
+    print("---- failure of tests/test_backend_parity.py::test_fast_backend_matches_reference[exact-prenorm-cuda] "
+          "(call), printed as it happened ----")
+    print("    assert d_fast == d_ref")
+    print("E   assert [[300, 238, 239]] == [[300, 238, 81]]")
+    print("E     At index 0 diff")
     print("tests/test_gpu.py::test_graph_replay_equals_eager[1-draft] ", end="", flush=True)
     time.sleep(600)
 print("=========================== short test summary info ============================")
@@ -162,8 +169,9 @@ def test_a_full_run_keeps_the_contract_and_says_what_ran(fake):
                                                    "-m pytest", "benchmarks/gpu_bench.py --out"]
     assert "python processes started: 4" in s
     argv = (fake.dir / "pytest_argv.txt").read_text().splitlines()
-    assert "--timeout=90" in argv and "faulthandler_timeout=80" in argv and argv[-1] == "tests/" and argv[argv.index("-m") + 1] == "gpu"
-    assert "--continue-on-collection-errors" in argv
+    assert "--timeout=90" in argv and "faulthandler_timeout=80" in argv and argv[-2] == "tests/" and argv[argv.index("-m") + 1] == "gpu"
+    assert "--continue-on-collection-errors" in argv and "--hypothesis-profile=device" in argv
+    assert "ENV MTPKERN_PRINT_FAILURES=1" in argv
     assert cp.stdout.rstrip().endswith(s.rstrip())               # the summary closes the output
 
 
@@ -188,6 +196,9 @@ def test_a_step_past_its_limit_is_stopped_and_named(fake):
     assert _step(s, "tests").startswith("timed out (stopped at its 3s limit, rc 124)")
     assert "pytest: no final line: the run was cut short" in s
     assert "running when the step ended: tests/test_gpu.py::test_graph_replay_equals_eager[1-draft]" in s
+    # the failure printed when its test ended, though the run never reached its summary
+    assert "  failed: tests/test_backend_parity.py::test_fast_backend_matches_reference[exact-prenorm-cuda] (call): " \
+           "E   assert [[300, 238, 239]] == [[300, 238, 81]]" in s
     assert _step(s, "bench") == "passed" and cp.returncode == 1
     assert "TIMEOUT: tests stopped at its 3s limit" in (out / "tests.log").read_text()
 
@@ -268,3 +279,20 @@ def test_the_real_steps_on_this_machine(fake, tmp_path):
     assert fake.calls.read_text().splitlines() == ["-c import importlib", "scripts/gpu_smoke.py --watchdog-s",
                                                    "-m pytest", "benchmarks/gpu_bench.py --out"]
     _contract(out)
+
+
+def test_the_smoke_synchronises_the_device(monkeypatch):
+    """scripts/gpu_smoke.py's sync on cuda is one device synchronise (a stand-in cupy here)."""
+    import importlib.util
+    import types
+
+    calls = []
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(synchronize=lambda: calls.append(1)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "scripts" / "gpu_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    smoke.sync("cuda")
+    smoke.sync("cpu")
+    assert calls == [1]

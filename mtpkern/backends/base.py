@@ -134,12 +134,13 @@ class Backend(ABC):
     def copy_kv_rows(self, cache: Any, src: Any, dst: Any) -> None:
         """``cache`` [NB, BS, ...] (from ``empty_kv`` / ``empty_latent_kv``): the rows at slots
         ``dst`` (block * BS + offset) take the values of the rows at slots ``src`` (all read
-        before any is written)."""
+        before any is written). ``src`` / ``dst``: host or device integer arrays."""
         xp = self.xp
         flat = cache.reshape((cache.shape[0] * cache.shape[1],) + tuple(cache.shape[2:]))
         if not xp.shares_memory(flat, cache):
             raise ValueError("cache: expected a contiguous KV cache (from empty_kv)")
-        s, d = (self.from_host(np.asarray(a, np.int64)) for a in (src, dst))
+        # xp.asarray, not np.asarray: CuPy refuses to turn a device array into a host one implicitly
+        s, d = (xp.asarray(a).astype(np.int64, copy=False) for a in (src, dst))
         flat[d] = flat[s]
 
     def map_ids(self, table: Any, ids: Any, out: Any = None) -> Any:
