@@ -261,3 +261,18 @@ def test_the_benchmarks_calls_into_the_package_still_bind():
             assert hasattr(owners[node.value.id], node.attr), (
                 f"gpu_bench.py line {node.lineno}: {node.value.id}.{node.attr} does not exist")
     assert seen >= 15, f"only {seen} calls checked: the names the benchmark imports the launchers under changed?"
+
+
+def test_the_ceilings_read_kernel_compiles(bench):
+    """The streaming-read kernel of the bandwidth ceiling builds with NVRTC for sm_90 (every
+    toolkit installed here), without spills: it runs first on a device, before any row."""
+    from mtpkern import nvrtc_check as nc
+
+    toolkits, missing = nc.find_toolkits()
+    if not toolkits:
+        pytest.skip(f"no CUDA toolkit: {'; '.join(missing.values())}")
+    for tk in toolkits.values():
+        ok, log, _ = nc._nvrtc(tk).compile(bench.READ_KERNEL, "read.cu", ("-arch=sm_90", "-Xptxas=-v"), ())
+        assert ok, log
+        info = nc.parse_ptxas_log(log)["read_stream_kernel"]
+        assert info.spill_stores == info.spill_loads == 0 and info.registers <= 64, info
