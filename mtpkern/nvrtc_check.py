@@ -24,23 +24,20 @@ requested toolkit is installed.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
-import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from .backends.cuda_launch import loader
+from .backends.cuda_launch.nvrtc import NVRTC_WHEEL_DIRS, CompileError, Nvrtc, find_nvrtc  # noqa: F401 (re-exported)
 
 ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
 #: the CUDA majors checked: 12 (CI's first table) and 13 (the GPU machine's CuPy)
 TOOLKITS: tuple[int, ...] = (12, 13)
-#: where each major's libnvrtc sits in a site-packages directory (the nvidia-cuda-nvrtc wheels)
-NVRTC_WHEEL_DIRS: dict[int, tuple[str, ...]] = {12: ("nvidia/cuda_nvrtc/lib",), 13: ("nvidia/cu13/lib",)}
 #: what installs each toolkit (for the message when one is missing); setup.cfg's nvrtc extra
 INSTALL_HINT: dict[int, str] = {
     12: "pip install 'nvidia-cuda-nvrtc-cu12==12.9.*' 'nvidia-cuda-runtime-cu12==12.9.*'",
@@ -49,10 +46,6 @@ INSTALL_HINT: dict[int, str] = {
 #: where the recorded register counts live (shipped with the kernels)
 REGISTERS_FILE = "registers.json"
 REFRESH = "python -m mtpkern.nvrtc_check --write kernels/registers.json"
-
-
-class CompileError(RuntimeError):
-    """NVRTC rejected a family; the message holds the compiler log."""
 
 
 class ToolkitMissing(LookupError):
@@ -74,34 +67,6 @@ class Toolkit:
     major: int
     nvrtc: str    # path of libnvrtc.so.<major>
     include: str  # directory holding cuda_bf16.h
-
-
-def _site_dirs() -> list[Path]:
-    return [Path(p) for p in sys.path if p and Path(p).is_dir()]
-
-
-def find_nvrtc(major: int) -> str | None:
-    """``libnvrtc.so.<major>``: the wheel's on ``sys.path``, else ``$CUDA_PATH`` /
-    ``$CUDA_HOME``'s, else one on ``$LD_LIBRARY_PATH`` or in ldconfig's cache
-    (looked up, not loaded: this process loads no libnvrtc)."""
-    soname = f"libnvrtc.so.{major}"
-    candidates = [p / sub / soname for p in _site_dirs() for sub in NVRTC_WHEEL_DIRS.get(major, ())]
-    for v in ("CUDA_PATH", "CUDA_HOME"):
-        if os.environ.get(v):
-            candidates += [Path(os.environ[v]) / lib / soname for lib in ("lib64", "lib")]
-    candidates += [Path(d) / soname for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    for c in candidates:
-        if c.is_file():
-            return str(c)
-    try:
-        cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in cache.splitlines():  # "\tlibnvrtc.so.13 (libc6,x86-64) => /usr/local/cuda/lib64/libnvrtc.so.13"
-        name, _, path = line.strip().partition(" => ")
-        if name.split(" ")[0] == soname and Path(path).is_file():
-            return path
-    return None
 
 
 def find_toolkit(major: int) -> Toolkit:
@@ -127,77 +92,12 @@ def find_toolkits(majors=TOOLKITS) -> tuple[dict[int, Toolkit], dict[int, str]]:
     return found, missing
 
 
-# --------------------------------------------------------------------------
-# NVRTC's C API through ctypes (the same calls for every toolkit)
-
-class _Nvrtc:
-    """The few nvrtc* entry points a compile check needs, from one libnvrtc."""
-
-    def __init__(self, path: str):
-        # libnvrtc dlopens its builtins by soname at the first compile: load the ones beside
-        # it first (a wheel's lib directory is on no search path), so that this name is found
-        for b in sorted(Path(path).parent.glob("libnvrtc-builtins.so.*")):
-            ctypes.CDLL(str(b))
-        lib = ctypes.CDLL(path)
-        P, S, I = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int  # noqa: E741
-        sigs = {
-            "nvrtcVersion": [ctypes.POINTER(I), ctypes.POINTER(I)],
-            "nvrtcCreateProgram": [ctypes.POINTER(P), S, S, I, ctypes.POINTER(S), ctypes.POINTER(S)],
-            "nvrtcAddNameExpression": [P, S],
-            "nvrtcCompileProgram": [P, I, ctypes.POINTER(S)],
-            "nvrtcGetProgramLogSize": [P, ctypes.POINTER(ctypes.c_size_t)],
-            "nvrtcGetProgramLog": [P, ctypes.c_char_p],
-            "nvrtcGetLoweredName": [P, S, ctypes.POINTER(S)],
-            "nvrtcDestroyProgram": [ctypes.POINTER(P)],
-        }
-        for name, args in sigs.items():
-            f = getattr(lib, name)
-            f.argtypes, f.restype = args, I
-        lib.nvrtcGetErrorString.argtypes, lib.nvrtcGetErrorString.restype = [I], S
-        self.lib, self.path = lib, path
-
-    def check(self, status: int, what: str) -> None:
-        if status != 0:  # NVRTC_SUCCESS
-            raise CompileError(f"{what} failed: {self.lib.nvrtcGetErrorString(status).decode()} ({self.path})")
-
-    def version(self) -> str:
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self.check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-        return f"{major.value}.{minor.value}"
-
-    def compile(self, src: str, name: str, options, name_expressions) -> tuple[bool, str, dict[str, str]]:
-        """-> (compiled, log, {name expression: lowered (mangled) name}); the names only when compiled."""
-        prog = ctypes.c_void_p()
-        self.check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None),
-                   "nvrtcCreateProgram")
-        try:
-            for n in name_expressions:
-                self.check(self.lib.nvrtcAddNameExpression(prog, n.encode()), f"nvrtcAddNameExpression({n})")
-            opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
-            status = self.lib.nvrtcCompileProgram(prog, len(options), opts)
-            size = ctypes.c_size_t()
-            self.check(self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
-            buf = ctypes.create_string_buffer(size.value + 1)
-            self.check(self.lib.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
-            log = buf.value.decode(errors="replace").rstrip()
-            if status != 0:
-                return False, log, {}
-            lowered = {}
-            for n in name_expressions:
-                out = ctypes.c_char_p()
-                self.check(self.lib.nvrtcGetLoweredName(prog, n.encode(), ctypes.byref(out)), f"nvrtcGetLoweredName({n})")
-                lowered[n] = out.value.decode()
-            return True, log, lowered
-        finally:
-            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+_LOADED: dict[str, Nvrtc] = {}
 
 
-_LOADED: dict[str, _Nvrtc] = {}
-
-
-def _nvrtc(tk: Toolkit) -> _Nvrtc:
+def _nvrtc(tk: Toolkit) -> Nvrtc:
     if tk.nvrtc not in _LOADED:
-        _LOADED[tk.nvrtc] = _Nvrtc(tk.nvrtc)
+        _LOADED[tk.nvrtc] = Nvrtc(tk.nvrtc)
     return _LOADED[tk.nvrtc]
 
 

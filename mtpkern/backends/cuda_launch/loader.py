@@ -4,7 +4,11 @@ Every family is one source file ``kernels/<family>.cu`` (plus the shared
 ``common.cuh``) compiled into one ``cupy.RawModule`` with the template
 instantiations listed in :data:`NAME_EXPRESSIONS`. Nothing compiles at import:
 a module is built on the first :func:`get_kernel` of its family, then kept
-for the life of the process (CuPy also caches the binary on disk).
+for the life of the process. The binary is also kept on disk (``kernel_cache``):
+a later process loads it instead of compiling, and :func:`prebuild` builds every
+family at once in worker processes (``python -m mtpkern kernels``). Where that path
+cannot run (no ``libnvrtc`` of CuPy's major found, the cache turned off) the family
+compiles through CuPy's ``RawModule(code=...)`` instead, as it always did.
 
 This module imports without CuPy; ``mtpkern.nvrtc_check`` uses the same table
 and options to compile every family with NVRTC where there is no GPU.
@@ -17,9 +21,14 @@ import hashlib
 import os
 import re
 import sys
+import warnings
+from concurrent.futures import ProcessPoolExecutor
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from . import kernel_cache
+from .nvrtc import find_nvrtc
 
 #: C++ type of a stored weight / KV element, keyed by the NumPy dtype name of the
 #: array holding it (CuPy has no bfloat16: BF16 lives as its uint16 bits; FP8 E4M3
@@ -190,19 +199,103 @@ def compile_options(cuda_major: int | None = None) -> tuple[str, ...]:
     )
 
 
+#: what the binary path adds to :func:`compile_options`: CuPy adds -ftz=true to every NVRTC
+#: compile, so the cached binaries flush denormals as the ones CuPy builds do
+BINARY_OPTIONS = ("-ftz=true",)
+
+
+def _cupy_nvrtc_major(cupy) -> int | None:
+    try:  # the headers of the toolkit whose NVRTC CuPy compiles with
+        return int(cupy.cuda.nvrtc.getVersion()[0])
+    except Exception:
+        return None
+
+
+def device_arch(cupy) -> str:
+    """``sm_XY`` of the current CuPy device."""
+    return f"sm_{cupy.cuda.Device().compute_capability}"
+
+
+class _Binary:
+    """A family loaded from its cached CUBIN: ``get_function`` by name expression."""
+
+    def __init__(self, module: Any, lowered: dict[str, str]):
+        self.module, self.lowered = module, lowered
+
+    def get_function(self, name: str) -> Any:
+        return self.module.get_function(self.lowered[name])
+
+
+_WARNED: set[str] = set()
+
+
+def _from_cache(cupy, family: str, major: int | None) -> Any:
+    """The family from the kernel cache (built into it on a miss), or None (then CuPy compiles):
+    the cache turned off, no libnvrtc of CuPy's major, or any failure on the way (warned once)."""
+    directory = kernel_cache.cache_dir()
+    if directory is None:
+        return None
+    try:
+        lib = find_nvrtc(major) if major else None
+        if lib is None:
+            raise FileNotFoundError(f"no libnvrtc.so.{major} (the NVRTC major CuPy uses) was found")
+        path, lowered, _ = kernel_cache.build(family, source(family), compile_options(major) + BINARY_OPTIONS,
+                                              NAME_EXPRESSIONS[family], device_arch(cupy), lib, directory)
+        return _Binary(cupy.RawModule(path=str(path)), lowered)
+    except Exception as e:  # noqa: BLE001: any failure leaves CuPy's own compile, which always worked
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if why not in _WARNED:
+            _WARNED.add(why)
+            warnings.warn(f"mtpkern: the kernel cache ({directory}) is not used for {family} ({why}); "
+                          f"compiling through CuPy instead", RuntimeWarning, stacklevel=3)
+        return None
+
+
 @functools.cache
 def _module(family: str) -> Any:
     import cupy
 
-    try:  # the headers of the toolkit whose NVRTC CuPy compiles with
-        major: int | None = cupy.cuda.nvrtc.getVersion()[0]
-    except Exception:
-        major = None
+    major = _cupy_nvrtc_major(cupy)
+    cached = _from_cache(cupy, family, major)
+    if cached is not None:
+        return cached
     return cupy.RawModule(
         code=source(family),
         options=compile_options(major),
         name_expressions=NAME_EXPRESSIONS[family],
     )
+
+
+def prebuild(families=None, *, arch: str | None = None, nvrtc_major: int | None = None, jobs: int | None = None,
+             directory: Path | None = None) -> dict[str, float]:
+    """Build every family (or ``families``) into the kernel cache, ``jobs`` worker processes
+    at once (default: one per CPU), the largest families first; -> {family: seconds of its
+    compile, 0.0 when it was cached already}. ``arch`` ("sm_90") and ``nvrtc_major`` (12, 13)
+    default to the CuPy device's and CuPy's NVRTC; without CuPy both must be given. Raises
+    when the cache is off, no libnvrtc of that major is found, or a family fails to compile."""
+    families = tuple(families or FAMILIES)
+    for f in families:
+        source(f)                                       # an unknown family: ValueError, naming it
+    if arch is None or nvrtc_major is None:
+        import cupy
+
+        arch = arch or device_arch(cupy)
+        nvrtc_major = nvrtc_major or _cupy_nvrtc_major(cupy)
+    directory = directory or kernel_cache.cache_dir()
+    if directory is None:
+        raise ValueError(f"the kernel cache is off ({kernel_cache.ENV}={os.environ.get(kernel_cache.ENV)!r})")
+    lib = find_nvrtc(nvrtc_major) if nvrtc_major else None
+    if lib is None:
+        raise FileNotFoundError(f"nvrtc_major: no libnvrtc.so.{nvrtc_major} found to build with")
+    options = compile_options(nvrtc_major) + BINARY_OPTIONS
+    order = sorted(families, key=lambda f: -len(NAME_EXPRESSIONS[f]))
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=max(1, min(len(order), jobs or os.cpu_count() or 1)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {f: pool.submit(kernel_cache.build, f, source(f), options, NAME_EXPRESSIONS[f], arch, lib,
+                                  directory) for f in order}
+        return {f: futures[f].result()[2] for f in families}
 
 
 @functools.cache
