@@ -149,6 +149,22 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
     _common(i, top=False)
     i.set_defaults(run=run_info)
 
+    k = sub.add_parser("kernels", formatter_class=_Formatter, help="build the CUDA kernels into the on-disk cache",
+                       description="Builds every CUDA kernel family (NVRTC, no GPU needed when --arch and "
+                                   "--nvrtc are given) into the kernel cache, in parallel worker processes, so "
+                                   "that the cuda backend loads them instead of compiling at first use "
+                                   "(docs/cuda.md, \"The kernel cache\"). Prints each family's compile time.")
+    k.add_argument("--arch", default=None, metavar="SM",
+                   help="the target, e.g. sm_90 (default: the CuPy device's)")
+    k.add_argument("--nvrtc", type=int, default=None, choices=[12, 13], metavar="MAJOR",
+                   help="the NVRTC major to build with, 12 or 13 (default: the one CuPy uses)")
+    k.add_argument("--jobs", type=argtypes.positive_int, default=None, metavar="N",
+                   help="worker processes (default: one per CPU)")
+    k.add_argument("--families", default=None, metavar="LIST",
+                   help="comma-separated families (default: all)")
+    _common(k, top=False)
+    k.set_defaults(run=run_kernels)
+
     _harness(sub, "bench", bench, "the benchmark harness (benchmarks/README.md)",
              "Times every op and the propose step of a backend on a shape set, beside their memory floors, "
              "and marks figures not to be trusted (runs spread too widely, or a time below its floor). "
@@ -300,6 +316,20 @@ def run_demo(args: argparse.Namespace) -> dict:
 
 #: bytes per element of the safetensors dtypes a checkpoint holds
 _DTYPE_BYTES = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I32": 4, "I64": 8}
+
+
+def run_kernels(args: argparse.Namespace) -> dict:
+    from .backends.cuda_launch import kernel_cache, loader
+
+    families = [f for f in (args.families or "").split(",") if f] or None
+    t0 = time.perf_counter()
+    built = loader.prebuild(families, arch=args.arch, nvrtc_major=args.nvrtc, jobs=args.jobs)
+    for fam, secs in built.items():
+        print(f"  {fam:10s} {'cached' if secs == 0 else f'{secs:6.1f} s'}")
+    wall = time.perf_counter() - t0
+    print(f"{len(built)} families in {kernel_cache.cache_dir()} ({wall:.1f} s wall, "
+          f"{sum(built.values()):.1f} s of compiles)")
+    return {"families": built, "wall_s": wall, "directory": str(kernel_cache.cache_dir())}
 
 
 def run_info(args: argparse.Namespace) -> dict:

@@ -99,6 +99,7 @@ trap 'rm -rf "$SCRATCH"' EXIT
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # the checkout, installed or not
 export NUMBA_CACHE_DIR="$SCRATCH/numba"
 export CUPY_CACHE_DIR="$SCRATCH/cupy"     # keeps ElementwiseKernels; name_expressions builds recompile per process
+export MTPKERN_KERNEL_CACHE="$SCRATCH/kernels"  # the families' CUBINs: the smoke builds them, later steps load them
 export PYTHONDONTWRITEBYTECODE=1
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"

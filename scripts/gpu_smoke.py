@@ -1,5 +1,6 @@
-"""The first look at a GPU (run by scripts/gpu_check.sh before the tests): how long each kernel
-family takes to build and load, then a tiny proposer on the cuda backend against the NumPy
+"""The first look at a GPU (run by scripts/gpu_check.sh before the tests): every kernel family
+built into the kernel cache in parallel (so that the tests and the benchmark after it load
+instead of compiling), each load timed, then a tiny proposer on the cuda backend against the NumPy
 reference, phase by phase, under a watchdog.
 
     python3 scripts/gpu_smoke.py [--watchdog-s 20]
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import sys
 import tempfile
 import time
@@ -31,15 +33,26 @@ def say(msg: str) -> None:
 
 
 def build_families() -> None:
-    """Build every family (every instantiation) once, each timed; the launch-time loads too."""
-    from mtpkern.backends.cuda_launch import loader
+    """Build every family into the kernel cache in parallel (``loader.prebuild``: one worker
+    per CPU), each family's compile timed; then load every instantiation of each, timed. Where
+    the cache cannot build, each family compiles through CuPy at its load (also timed)."""
+    from mtpkern.backends.cuda_launch import kernel_cache, loader
 
+    t = time.perf_counter()
+    try:
+        built = loader.prebuild(jobs=os.cpu_count())
+    except Exception as e:  # noqa: BLE001: the loads below still compile, through CuPy
+        say(f"prebuild into {kernel_cache.cache_dir()} FAILED ({type(e).__name__}: {str(e)[:300]}): "
+            f"each family compiles through CuPy at its load below")
+    else:
+        say(f"prebuild: {len(built)} families into {kernel_cache.cache_dir()} in {time.perf_counter() - t:.1f} s "
+            f"with {os.cpu_count()} workers ({sum(built.values()):.1f} s of compiles: "
+            + ", ".join(f"{f} {s:.1f}" for f, s in sorted(built.items(), key=lambda kv: -kv[1])) + ")")
     for fam in loader.FAMILIES:
         t = time.perf_counter()
         for name in loader.NAME_EXPRESSIONS[fam]:
             loader.get_kernel(fam, name)
-        say(f"family {fam}: {len(loader.NAME_EXPRESSIONS[fam])} kernels built and loaded in "
-            f"{time.perf_counter() - t:.1f} s")
+        say(f"family {fam}: {len(loader.NAME_EXPRESSIONS[fam])} kernels loaded in {time.perf_counter() - t:.1f} s")
 
 
 def sync(backend: str) -> None:

@@ -160,3 +160,38 @@ def test_prebuild_refuses_what_it_cannot_do(monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "find_nvrtc", lambda major: None)
     with pytest.raises(FileNotFoundError, match="no libnvrtc.so.11"):
         loader.prebuild(["norm"], arch="sm_90", nvrtc_major=11, directory=tmp_path)
+
+
+def test_a_binary_that_does_not_load_falls_back_to_cupy(fake_cupy, monkeypatch, tmp_path):
+    """CuPy loads a RawModule(path=) file at its first get_function: a CUBIN the driver refuses
+    must fail inside the loader's fallback, not at a launcher's get_kernel."""
+    calls = []
+    monkeypatch.setattr(loader.kernel_cache, "build",
+                        lambda *a, **k: (tmp_path / "x.cubin", {n: "_Zx" for n in loader.NAME_EXPRESSIONS["gate"]}, 0.0))
+    real = fake_cupy.RawModule
+
+    class Refusing(real):
+        def get_function(self, name):
+            if "path" in self.kw:
+                calls.append(name)
+                raise RuntimeError("CUDA_ERROR_INVALID_SOURCE")
+            return super().get_function(name)
+
+    fake_cupy.RawModule = Refusing
+    with pytest.warns(RuntimeWarning, match="CUDA_ERROR_INVALID_SOURCE"):
+        fn = loader.get_kernel("gate", "sigmoid_gate_kernel<true>")
+    assert calls and fn[2] == ("code", "name_expressions", "options")
+
+
+@needs_nvrtc
+def test_the_kernels_command(tmp_path, monkeypatch, capsys):
+    from mtpkern.cli import main
+
+    monkeypatch.setenv(kernel_cache.ENV, str(tmp_path / "k"))
+    assert main(["kernels", "--arch", "sm_90", "--nvrtc", str(MAJOR), "--families", "gate,step", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "gate" in out and "step" in out and f"2 families in {tmp_path / 'k'}" in out
+    assert main(["kernels", "--arch", "sm_90", "--nvrtc", str(MAJOR), "--families", "gate"]) == 0
+    assert "cached" in capsys.readouterr().out
+    assert main(["kernels", "--arch", "sm_90", "--nvrtc", str(MAJOR), "--families", "nope"]) == 2
+    assert "family: expected one of" in capsys.readouterr().err

@@ -241,7 +241,9 @@ def _from_cache(cupy, family: str, major: int | None) -> Any:
             raise FileNotFoundError(f"no libnvrtc.so.{major} (the NVRTC major CuPy uses) was found")
         path, lowered, _ = kernel_cache.build(family, source(family), compile_options(major) + BINARY_OPTIONS,
                                               NAME_EXPRESSIONS[family], device_arch(cupy), lib, directory)
-        return _Binary(cupy.RawModule(path=str(path)), lowered)
+        binary = _Binary(cupy.RawModule(path=str(path)), lowered)
+        binary.get_function(NAME_EXPRESSIONS[family][0])    # CuPy loads a file lazily: load it here, in the try
+        return binary
     except Exception as e:  # noqa: BLE001: any failure leaves CuPy's own compile, which always worked
         why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         if why not in _WARNED:
