@@ -832,6 +832,69 @@ class Recorder:
         self._md.close()
 
 
+def attention_sweep_cases(cfg: MtpConfig, n: int, ctx: int, rec: "Recorder") -> list[tuple[str, int, int, Callable]]:
+    """Paged attention at ``n`` sequences of ``ctx`` rows under other launch plans than the
+    launcher's: part sizes from 64 to the whole context (one partition: no merge), 2 and 3
+    stages, and one query head per KV head (group 1: a twelfth of the FMAs on the same bytes).
+    The first H200 run put this op at 3-19 % of the read rate with a ~30 us fixed cost; these
+    rows say whether the time follows the blocks, the partitions, the ring or the arithmetic.
+    Each variant's output is checked against the default plan's (a note when it differs)."""
+    import dataclasses
+
+    import cupy as cp
+
+    from mtpkern.backends.cuda_launch import attention as attn_launch
+    from mtpkern.backends.cuda_launch._util import cdiv, sm_count, smem_optin
+
+    D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    BS, b2, f4 = 16, 2, 4
+    nb = -(-ctx // BS)
+    kc = bf16_uniform((n * nb, BS, Hkv, D), 3, 300 + ctx)
+    vc = bf16_uniform((n * nb, BS, Hkv, D), 3, 400 + ctx)
+    tables = cp.arange(n * nb, dtype=cp.int32).reshape(n, nb)
+    row_seq, row_len = cp.arange(n, dtype=cp.int32), cp.full(n, ctx, cp.int32)
+    rs = cp.random.RandomState(7)
+    cases, ref = [], {}
+    for hq in (Hq, Hkv):                                    # the model's group, then group 1
+        qa = rs.standard_normal((n, hq, D), dtype=cp.float32)
+        base = attn_launch.plan(hq // Hkv, D, nb * BS, work=n * Hkv, target_blocks=2 * sm_count(),
+                                smem_max=smem_optin(), kv_itemsize=2, rows=n)
+        variants = [("", base)]
+        if hq == Hq:
+            for ps in (64, 256, 512, 1024, nb * BS):
+                if ps != base.part_size:
+                    variants.append((f" part {ps}", dataclasses.replace(base, part_size=ps,
+                                                                          num_parts=max(1, cdiv(nb * BS, ps)))))
+            other = 5 - base.stages                          # 2 <-> 3
+            smem = attn_launch.smem_bytes(D, D, base.dc, base.heads, base.rows, other, 2)
+            if smem <= max(attn_launch.SMEM_LIMIT, smem_optin()):
+                variants.append((f" stages {other}", dataclasses.replace(base, stages=other, smem_bytes=smem)))
+        for label, p in variants:
+            o = cp.empty((n, hq * D), cp.float32)
+            ws = {} if p.num_parts == 1 else {"part_o": cp.empty((n, hq, p.num_parts, D), cp.float32),
+                                              "part_ml": cp.empty((n, hq, p.num_parts, 2), cp.float32)}
+            part_bytes = 0 if p.num_parts == 1 else 2 * n * hq * p.num_parts * (D + 2) * f4
+            name = (f"attn sweep g{hq // Hkv} part {p.part_size} x{p.num_parts} st {p.stages}"
+                    + (" (default)" if not label else ""))
+
+            def fn(qa=qa, p=p, o=o, ws=ws):
+                return attn_launch.paged_attention(qa, kc, vc, tables, row_seq, row_len, D ** -0.5, out=o,
+                                                   attention_plan=p, **ws)
+            try:
+                fn()
+                got = o.get()
+                if hq not in ref:
+                    ref[hq] = got
+                elif not np.allclose(got, ref[hq], rtol=1e-3, atol=1e-4):
+                    rec.note("attention_sweep", f"{name}: differs from the default plan's output by "
+                                                f"{float(np.max(np.abs(got - ref[hq]))):.3g}")
+            except Exception as e:
+                rec.error(f"{name}: {type(e).__name__}: {e}")
+                continue
+            cases.append((name, ctx, 2 * n * ctx * Hkv * D * b2 + 2 * n * hq * D * f4 + part_bytes, fn))
+    return cases
+
+
 def run_cases(gpu: Gpu, rec: Recorder, cases, n: int, runs: int,
               peers: dict[tuple[str, int], Callable] | None = None) -> None:
     """Time each (op, context, bytes, thunk) and record its row, beside its PyTorch eager
@@ -884,6 +947,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modules", type=int, default=3)
     ap.add_argument("--no-mla", dest="mla", action="store_false",
                     help="leave out DeepSeek-V3's module (MLA kernels, its experts and LM head)")
+    ap.add_argument("--no-attention-sweep", dest="attention_sweep", action="store_false",
+                    help="leave out paged attention under other launch plans (part sizes, stages, group 1)")
     ap.add_argument("--no-torch", dest="torch", action="store_false",
                     help="leave out the PyTorch eager peer of the propose rows")
     args = ap.parse_args(argv)
@@ -891,6 +956,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.kv_modes = args.kv_modes.split(",")
     out = Path(args.out)
+    sweep_until = T0 + 0.42 * args.budget_s
     kernels_until, mla_until, propose_until = T0 + 0.35 * args.budget_s, T0 + 0.5 * args.budget_s, \
         T0 + 0.9 * args.budget_s
     rec = Recorder(out)
@@ -939,6 +1005,18 @@ def main(argv: list[str] | None = None) -> int:
             run_cases(gpu, rec, kernel_cases(cfg, be, weights.modules[0], n, args.contexts), n, args.runs, peers)
             del peers
             cp.get_default_memory_pool().free_all_blocks()
+
+        if args.attention_sweep:                           # where paged attention's time goes
+            for n in args.batches:
+                if time.perf_counter() > sweep_until:
+                    rec.note("attention_sweep_skipped", f"time budget: from {n} rows on")
+                    break
+                try:
+                    run_cases(gpu, rec, attention_sweep_cases(cfg, n, max(args.contexts), rec), n, args.runs)
+                except Exception as e:
+                    rec.error(f"attention sweep rows {n}: {type(e).__name__}: {e}")
+                    traceback.print_exc()
+                cp.get_default_memory_pool().free_all_blocks()
 
         if args.mla and time.perf_counter() < mla_until:     # DeepSeek-V3's module (MLA), its own weights
             dsv3 = deepseek_v3()

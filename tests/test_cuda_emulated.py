@@ -334,6 +334,40 @@ def test_attention_shapes(be, Hq, Hkv, D, BS, max_blocks):
     assert_close(got, want, "float32", "paged_attention")
 
 
+def test_attention_under_other_plans(be):
+    """The launcher's ``attention_plan=`` (benchmarks/gpu_bench.py's sweep): part sizes from 64
+    to the whole context (one partition, no merge), the other ring depth, all equal to the
+    reference; a plan whose partitions miss rows is refused."""
+    import dataclasses
+
+    from mtpkern.backends.cuda_launch import attention as attn_launch
+
+    rng = np.random.default_rng(21)
+    Hq, Hkv, D, BS, S, max_blocks = 12, 2, 32, 16, 2, 20
+    NB = S * max_blocks
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D)
+    tables = rng.permutation(NB).reshape(S, max_blocks).astype(np.int32)
+    cap = max_blocks * BS
+    row_seq, row_len = np.array([0, 1], np.int32), np.array([cap, cap - 37], np.int32)
+    q = rnd(rng, 2, Hq, D)
+    want = REF.paged_attention(q, be.kv_to_host(k), be.kv_to_host(v), tables, row_seq, row_len, D ** -0.5)
+    isz = np.dtype(be.kv_dtype).itemsize                   # 2: BF16 stored as uint16; 4: FP32
+    base = attn_launch.plan(Hq // Hkv, D, cap, work=2 * Hkv, target_blocks=264, rows=2, kv_itemsize=isz)
+    plans = [dataclasses.replace(base, part_size=ps, num_parts=-(-cap // ps)) for ps in (64, 128, 512, cap)]
+    other = 5 - base.stages
+    plans.append(dataclasses.replace(base, stages=other,
+                                     smem_bytes=attn_launch.smem_bytes(D, D, base.dc, base.heads, base.rows, other, isz)))
+    for p in plans:
+        got = attn_launch.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, attention_plan=p)
+        assert_close(be.to_host(got), want, "float32", f"paged_attention under {p}")
+    bad = dataclasses.replace(base, part_size=64, num_parts=-(-cap // 64) - 1)
+    with pytest.raises(ValueError, match=r"attention_plan: expected num_parts = ceil\(320 / 64\) = 5"):
+        attn_launch.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, attention_plan=bad)
+    small = dataclasses.replace(base, smem_bytes=base.smem_bytes - 16)
+    with pytest.raises(ValueError, match=r"attention_plan: expected smem_bytes >= \d+"):
+        attn_launch.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, attention_plan=small)
+
+
 @pytest.mark.parametrize("budget_rows", [1, 3, 7])
 def test_attention_rows_in_workspace_groups(be, sm_count, monkeypatch, budget_rows):
     """Without caller workspaces the launcher bounds part_o / part_ml to WORKSPACE_BYTES

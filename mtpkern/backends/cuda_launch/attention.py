@@ -135,9 +135,29 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
     )
 
 
+def _check_plan(p: AttentionPlan, group: int, D: int, Dv: int, cap: int, kv_itemsize: int) -> None:
+    """A caller's plan: the kernel trusts it for shared memory and its per-lane arrays."""
+    if p.dc not in ATTENTION_DC or Dv > 32 * p.dc:
+        raise ValueError(f"attention_plan: expected dc in {ATTENTION_DC} with value head dim {Dv} <= 32 * dc, "
+                         f"got dc {p.dc}")
+    if not (1 <= p.heads <= group and p.rows >= 1 and p.heads * p.rows <= query_capacity(p.dc)
+            and p.stages in (2, 3) and p.part_size >= 1):
+        raise ValueError(f"attention_plan: expected 1 <= heads <= {group}, rows >= 1, heads * rows <= "
+                         f"{query_capacity(p.dc)}, stages 2 or 3, part_size >= 1; got {p}")
+    if p.num_parts != max(1, cdiv(cap, p.part_size)):
+        raise ValueError(f"attention_plan: expected num_parts = ceil({cap} / {p.part_size}) = "
+                         f"{max(1, cdiv(cap, p.part_size))} to cover the table's rows, got {p.num_parts}")
+    need = smem_bytes(D, Dv, p.dc, p.heads, p.rows, p.stages, kv_itemsize)
+    if p.smem_bytes < need:
+        raise ValueError(f"attention_plan: expected smem_bytes >= {need} (these shapes, {kv_itemsize}-byte KV), "
+                         f"got {p.smem_bytes}")
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
-                    row_start=None, sinks=None, out=None, part_o=None, part_ml=None):
-    """-> out [n, Hq * Dv] FP32; ``part_o`` / ``part_ml``: split-KV workspaces (see module doc)."""
+                    row_start=None, sinks=None, out=None, part_o=None, part_ml=None, attention_plan=None):
+    """-> out [n, Hq * Dv] FP32; ``part_o`` / ``part_ml``: split-KV workspaces (see module doc).
+    ``attention_plan``: an :class:`AttentionPlan` to launch instead of :func:`plan`'s (the
+    benchmark's sweep of part sizes and stages); its partitions must cover the table's rows."""
     check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, row_start, sinks)
     expect_dtype("k_cache", k_cache, "uint16", "float32")
     expect_dtype("v_cache", v_cache, k_cache.dtype.name)
@@ -149,9 +169,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     cap = max_blocks * BS
     # blocks that work: one per run of a sequence's rows (and KV head), so the sequences count,
     # not the rows: block_tables has a row per sequence (a shape, never data read on the host)
-    p = plan(Hq // Hkv, D, cap, work=min(n, block_tables.shape[0]) * Hkv, target_blocks=2 * sm_count(),
-             smem_max=smem_optin(), Dv=Dv,
-             kv_itemsize=k_cache.dtype.itemsize, rows=max(1, n))
+    p = attention_plan or plan(Hq // Hkv, D, cap, work=min(n, block_tables.shape[0]) * Hkv,
+                               target_blocks=2 * sm_count(), smem_max=smem_optin(), Dv=Dv,
+                               kv_itemsize=k_cache.dtype.itemsize, rows=max(1, n))
+    if attention_plan is not None:
+        _check_plan(p, Hq // Hkv, D, Dv, cap, k_cache.dtype.itemsize)
     expect_grid_yz("KV partitions", p.num_parts)
     q = device(q, "q")
     k_cache, v_cache = device(k_cache, "k_cache"), device(v_cache, "v_cache")
