@@ -4,9 +4,9 @@
 #
 #   bash scripts/gpu_check.sh [OPTIONS] [OUT_DIR]          OUT_DIR: default $OUT, else ./out
 #
-#   --steps LIST          which of smoke,tests,bench to run, in the order given (default
-#                         smoke,tests,bench); the probe always runs first
-#   --limit STEP=SECONDS  a step's time limit (probe 20, smoke 60, tests 180, bench 190 by
+#   --steps LIST          which of smoke,profile,tests,bench to run, in the order given (default
+#                         smoke,profile,tests,bench); the probe always runs first
+#   --limit STEP=SECONDS  a step's time limit (probe 20, smoke 60, profile 45, tests 150, bench 170 by
 #                         default); the limits plus 5 s of grace each must add up to at most 470 s
 #   --test-timeout S      pytest-timeout's per-test limit in the tests step (default 90)
 #   --tests PATHS         what the tests step collects (default tests/; comma or space separated)
@@ -18,20 +18,24 @@
 #   smoke   scripts/gpu_smoke.py: each kernel family built and loaded, timed; a tiny proposer
 #           on the device against the NumPy reference, phase by phase, under a watchdog that
 #           prints every thread's stack every 20 s (a hung kernel or a slow build shows where)
+#   profile Nsight Compute (ncu, --clock-control none) over scripts/gpu_attention_probe.py: paged
+#           attention at GLM-4.5-Air's shapes, context 8192, one row; speed of light, occupancy,
+#           warp states and scheduler statistics of the kernel and its merge ("ncu not found"
+#           is a failed step, nothing more)
 #   tests   ONE pytest process: every gpu-marked test (tests/test_gpu.py, the cuda cases of
 #           tests/test_ops_backends.py, the rest), --timeout per test when pytest-timeout is there,
 #           and faulthandler's stacks of a test still running 10 s before that (pytest-timeout's
 #           signal cannot stop a test waiting inside a CUDA call; the stacks still show where)
 #   bench   benchmarks/gpu_bench.py: kernels, proposes and the PyTorch eager peer, each row on
 #           disk as soon as it is measured
-# One python process per step, four in all: CuPy's disk cache cannot keep the kernels built
+# One python process per step (profile's under ncu), five in all: CuPy's disk cache cannot keep the kernels built
 # with name_expressions, so each process that launches kernels (tests, bench) compiles every
 # family it uses once with NVRTC.
 #
-# OUT_DIR gets seven plain files, nothing in subfolders (the device tool returns at most 8 files,
+# OUT_DIR gets eight plain files, nothing in subfolders (the device tool returns at most 8 files,
 # at most 2 folders down): summary.txt (rewritten at every step's start and end: which steps ran,
 # passed, failed, timed out; test counts; the propose table), gpu_check.log (the timeline and
-# the probe), smoke.log, tests.log, bench.log, gpu_bench.md and gpu_bench.jsonl (the benchmark's rows). A
+# the probe), smoke.log, profile.log, tests.log, bench.log, gpu_bench.md and gpu_bench.jsonl (the benchmark's rows). A
 # file over 15 MiB (the tool's per-file limit is 16) is gzipped in place at the end. The exit
 # status is 1 if a step failed or timed out, 2 on a bad option.
 set -u
@@ -41,8 +45,8 @@ ROOT="$PWD"
 
 usage() { sed -n '5,13p' "$0" | sed 's/^# \{0,1\}//'; }
 
-STEPS="smoke,tests,bench"
-declare -A LIMIT=([probe]=20 [smoke]=60 [tests]=180 [bench]=190)
+STEPS="smoke,profile,tests,bench"
+declare -A LIMIT=([probe]=20 [smoke]=60 [profile]=45 [tests]=150 [bench]=170)
 KILL_AFTER=5
 TOTAL_MAX=470
 TEST_TIMEOUT=90
@@ -56,11 +60,11 @@ is_int() { [[ "$1" =~ ^[0-9]+$ ]] && [ "$1" -ge 1 ]; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
-    --steps) [ $# -ge 2 ] || die "--steps: expected a list of smoke,tests,bench, got nothing"; STEPS="$2"; shift 2 ;;
+    --steps) [ $# -ge 2 ] || die "--steps: expected a list of smoke,profile,tests,bench, got nothing"; STEPS="$2"; shift 2 ;;
     --limit)
       [ $# -ge 2 ] || die "--limit: expected STEP=SECONDS, got nothing"
       name="${2%%=*}"; secs="${2#*=}"
-      [[ -n "$name" && -n "${LIMIT[$name]+x}" ]] || die "--limit: expected a step of probe, smoke, tests, bench, got '$name'"
+      [[ -n "$name" && -n "${LIMIT[$name]+x}" ]] || die "--limit: expected a step of probe, smoke, profile, tests, bench, got '$name'"
       is_int "$secs" || die "--limit: expected a whole number of seconds >= 1 for $name, got '$secs'"
       LIMIT[$name]="$secs"; shift 2 ;;
     --test-timeout)
@@ -77,9 +81,9 @@ done
 RUN_STEPS=(probe)
 for s in ${STEPS//,/ }; do
   case "$s" in
-    smoke|tests|bench) [[ " ${RUN_STEPS[*]} " == *" $s "* ]] || RUN_STEPS+=("$s") ;;
+    smoke|profile|tests|bench) [[ " ${RUN_STEPS[*]} " == *" $s "* ]] || RUN_STEPS+=("$s") ;;
     probe) ;;                                   # always first
-    *) die "--steps: expected names among smoke, tests, bench, got '$s'" ;;
+    *) die "--steps: expected names among smoke, profile, tests, bench, got '$s'" ;;
   esac
 done
 TOTAL=0
@@ -91,7 +95,7 @@ command -v timeout > /dev/null || die "coreutils' timeout is not on PATH: every 
 OUT_DIR="${OUT_ARG:-${OUT:-./out}}"
 mkdir -p "$OUT_DIR" || die "OUT_DIR: cannot create '$OUT_DIR'"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-FILES=(summary.txt gpu_check.log smoke.log tests.log bench.log gpu_bench.md gpu_bench.jsonl)
+FILES=(summary.txt gpu_check.log smoke.log profile.log tests.log bench.log gpu_bench.md gpu_bench.jsonl)
 for f in "${FILES[@]}"; do rm -f "$OUT_DIR/$f" "$OUT_DIR/$f.gz"; done
 SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/mtpkern-gpu.XXXXXX")" || die "cannot make a scratch directory"
 trap 'rm -rf "$SCRATCH"' EXIT
@@ -108,7 +112,7 @@ START=$(date +%s)
 STATUS=0
 PY_STARTS=0
 declare -A STATE ELAPSED
-for s in probe smoke tests bench; do STATE[$s]="left out (--steps)"; ELAPSED[$s]="-"; done
+for s in probe smoke profile tests bench; do STATE[$s]="left out (--steps)"; ELAPSED[$s]="-"; done
 for s in "${RUN_STEPS[@]}"; do STATE[$s]="not reached"; done
 TIMEOUT_NOTE="not known yet (the probe decides)"
 COMMIT="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -159,6 +163,14 @@ smoke_report() {
   [ "$dumps" = 0 ] || echo "  the watchdog printed the stacks $dumps time(s) (smoke.log): a phase ran past 20 s"
 }
 
+profile_report() {
+  local f="$OUT_DIR/profile.log"
+  [ -f "$f" ] || { echo "profile: no log (the step did not run)"; return; }
+  echo "profile (profile.log; the lines naming a kernel, its duration, throughput, occupancy and stalls):"
+  grep -E '^ *(paged_attention|  *(Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued Instruction|Issued Warp Per Scheduler|No Eligible|Registers Per Thread|Dynamic Shared Memory Per Block|Grid Size|Waves Per SM))|^plan: |^launch |ncu not found|==ERROR==|==PROF==' "$f" \
+    | cut -c1-160 | head -n 60 | sed 's/^/  /'
+}
+
 bench_report() {
   local j="$OUT_DIR/gpu_bench.jsonl" md="$OUT_DIR/gpu_bench.md"
   [ -f "$j" ] || { echo "bench: no gpu_bench.jsonl (the step did not run, or stopped before its first record)"; return; }
@@ -184,7 +196,7 @@ summary_text() {
   echo
   printf '%-6s %6s %8s  %s\n' step limit elapsed result
   local s
-  for s in probe smoke tests bench; do
+  for s in probe smoke profile tests bench; do
     if [[ " ${RUN_STEPS[*]} " == *" $s "* ]]; then
       printf '%-6s %5ss %8s  %s\n' "$s" "${LIMIT[$s]}" "${ELAPSED[$s]}" "${STATE[$s]}"
     else
@@ -194,6 +206,7 @@ summary_text() {
   printf '%-6s %5ss %7ss  %s\n' all "$TOTAL" "$(( $(date +%s) - START ))" "(limits with ${KILL_AFTER} s grace each; the script's own time)"
   echo
   [[ " ${RUN_STEPS[*]} " == *" smoke "* ]] && smoke_report && echo
+  [[ " ${RUN_STEPS[*]} " == *" profile "* ]] && profile_report && echo
   [[ " ${RUN_STEPS[*]} " == *" tests "* ]] && tests_report && echo
   [[ " ${RUN_STEPS[*]} " == *" bench "* ]] && bench_report && echo
   echo "files in OUT_DIR: $(cd "$OUT_DIR" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')"
@@ -293,6 +306,22 @@ log "per-test timeout: $TIMEOUT_NOTE"
 run_smoke() {
   step smoke "$OUT_DIR/smoke.log" "$PY" scripts/gpu_smoke.py --watchdog-s 20
   [ "${STATE[smoke]}" = passed ] || tail -n 12 "$OUT_DIR/smoke.log"
+}
+
+run_profile() {
+  local ncu
+  ncu="$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)"
+  if [ -z "$ncu" ]; then
+    echo "ncu not found (PATH, /opt/nvidia/nsight-compute/*/ncu, /usr/local/cuda/bin/ncu)" > "$OUT_DIR/profile.log"
+    STATE[profile]="failed (ncu not found)"; ELAPSED[profile]="0s"; STATUS=1
+    log "profile: ncu not found"
+    return
+  fi
+  # the kernel and its merge, the third and fourth launches (the first two load and warm)
+  step profile "$OUT_DIR/profile.log" "$ncu" --clock-control none -k regex:paged_attention --launch-skip 4 \
+    --launch-count 2 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis "$PY" scripts/gpu_attention_probe.py --launches 4
+  [ "${STATE[profile]}" = passed ] || tail -n 12 "$OUT_DIR/profile.log"
 }
 
 run_tests() {

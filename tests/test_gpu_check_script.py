@@ -95,6 +95,16 @@ rec.note("torch", "torch 2.11 eager on cuda:0")
 rec.close(0)
 """
 
+#: an ncu stand-in: records its arguments, prints a few lines of a profile report
+_NCU = r"""#!/usr/bin/env bash
+printf '%s\n' "$@" > "$FAKE_NCU_ARGV"
+echo "==PROF== Connected to process 1"
+echo "  paged_attention_kernel<__nv_bfloat16, 4>(...) (8, 1, 64)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0"
+echo "    Duration                         us        97.31"
+echo "    Achieved Occupancy                %        21.40"
+echo "    No Eligible                       %        91.02"
+"""
+
 _PROBE_WITH_TIMEOUT = "python: 3.12.3 /opt/torch/bin/python3\ncupy: 14.2.0; 1 device(s): NVIDIA H200\npytest-timeout: 2.4.0"
 _PROBE_WITHOUT = "python: 3.12.3 /opt/torch/bin/python3\ncupy: 14.2.0; 1 device(s): NVIDIA H200\n" \
                  "pytest-timeout: absent (ModuleNotFoundError: No module named 'pytest_timeout')"
@@ -112,11 +122,17 @@ def fake(tmp_path):
     (d / "pytest_standin.py").write_text(_PYTEST)
     (d / "bench_standin.py").write_text(_BENCH)
     calls = d / "calls.txt"
+    (d / "ncu_bin").mkdir()
+    (d / "ncu_bin" / "ncu").write_text(_NCU)
+    (d / "ncu_bin" / "ncu").chmod(0o755)
 
-    def run(args=(), timeout=120, **env):
+    def run(args=(), timeout=120, ncu=True, **env):
         out = tmp_path / "out"
         e = {**os.environ, "PYTHON": str(py), "REAL_PY": sys.executable, "FAKE_CALLS": str(calls),
-             "BENCH_PATH": str(BENCH), "FAKE_PYTEST_ARGV": str(d / "pytest_argv.txt"), "TMPDIR": str(tmp_path)}
+             "BENCH_PATH": str(BENCH), "FAKE_PYTEST_ARGV": str(d / "pytest_argv.txt"), "TMPDIR": str(tmp_path),
+             "FAKE_NCU_ARGV": str(d / "ncu_argv.txt")}
+        if ncu:
+            e["PATH"] = f"{d / 'ncu_bin'}:{e['PATH']}"
         e.pop("OUT", None)
         e.update({k: str(v) for k, v in env.items()})
         cp = subprocess.run(["bash", str(SCRIPT), *args, str(out)], env=e, capture_output=True, text=True,
@@ -150,10 +166,14 @@ def test_a_full_run_keeps_the_contract_and_says_what_ran(fake):
     cp, out = fake(FAKE_PROBE=_PROBE_WITH_TIMEOUT, FAKE_PYTEST=fake.dir / "pytest_standin.py",
                    FAKE_BENCH=fake.dir / "bench_standin.py", FAKE_BENCH_ROWS=3, FAKE_SMOKE_RC=0)
     assert cp.returncode == 1, cp.stdout + cp.stderr            # a test failed
-    assert _contract(out) == ["bench.log", "gpu_bench.jsonl", "gpu_bench.md", "gpu_check.log", "smoke.log",
-                              "summary.txt", "tests.log"]
+    assert _contract(out) == ["bench.log", "gpu_bench.jsonl", "gpu_bench.md", "gpu_check.log", "profile.log",
+                              "smoke.log", "summary.txt", "tests.log"]
     s = (out / "summary.txt").read_text()
-    assert _step(s, "probe") == "passed" and _step(s, "smoke") == "passed"
+    assert _step(s, "probe") == "passed" and _step(s, "smoke") == "passed" and _step(s, "profile") == "passed"
+    assert "    Duration                         us        97.31" in s and "No Eligible" in s   # the profile's lines
+    ncu_argv = (fake.dir / "ncu_argv.txt").read_text().splitlines()
+    assert ncu_argv[:2] == ["--clock-control", "none"] and "scripts/gpu_attention_probe.py" in ncu_argv
+    assert "WarpStateStats" in ncu_argv and ncu_argv[ncu_argv.index("-k") + 1] == "regex:paged_attention"
     assert _step(s, "tests") == "failed (rc 1)" and _step(s, "bench") == "passed"
     assert "  +1.5s family norm: 3 kernels built and loaded in 1.2 s" in s       # the smoke's lines
     assert "  +2.0s exact: propose 0 in 3.1 ms: cuda [[1, 2, 3]], numpy [[1, 2, 3]]" in s
@@ -167,7 +187,7 @@ def test_a_full_run_keeps_the_contract_and_says_what_ran(fake):
     # one python process per step: the probe, the smoke, one pytest for every gpu-marked test, the benchmark
     assert fake.calls.read_text().splitlines() == ["-c import importlib", "scripts/gpu_smoke.py --watchdog-s",
                                                    "-m pytest", "benchmarks/gpu_bench.py --out"]
-    assert "python processes started: 4" in s
+    assert "python processes started: 5" in s
     argv = (fake.dir / "pytest_argv.txt").read_text().splitlines()
     assert "--timeout=90" in argv and "faulthandler_timeout=80" in argv and argv[-2] == "tests/" and argv[argv.index("-m") + 1] == "gpu"
     assert "--continue-on-collection-errors" in argv and "--hypothesis-profile=device" in argv
@@ -240,11 +260,11 @@ def test_files_over_the_size_limit_are_gzipped_in_place(fake):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--limit", "tests=400"], "add up to 690 s, over the 470 s"),
-    (["--limit", "lint=3"], "--limit: expected a step of probe, smoke, tests, bench, got 'lint'"),
-    (["--limit", "=3"], "--limit: expected a step of probe, smoke, tests, bench, got ''"),
+    (["--limit", "tests=400"], "add up to 720 s, over the 470 s"),
+    (["--limit", "lint=3"], "--limit: expected a step of probe, smoke, profile, tests, bench, got 'lint'"),
+    (["--limit", "=3"], "--limit: expected a step of probe, smoke, profile, tests, bench, got ''"),
     (["--limit", "bench=0"], "--limit: expected a whole number of seconds >= 1 for bench, got '0'"),
-    (["--steps", "tests,docs"], "--steps: expected names among smoke, tests, bench, got 'docs'"),
+    (["--steps", "tests,docs"], "--steps: expected names among smoke, profile, tests, bench, got 'docs'"),
     (["--test-timeout", "x"], "--test-timeout: expected a whole number of seconds"),
     (["--frobnicate"], "unknown option '--frobnicate'"),
 ])
@@ -256,10 +276,10 @@ def test_bad_options_are_refused_before_anything_runs(fake, args, message):
 
 def test_the_default_limits_add_up_under_eight_minutes():
     text = SCRIPT.read_text()
-    limits = dict(re.findall(r"\[(probe|smoke|tests|bench)\]=(\d+)",
+    limits = dict(re.findall(r"\[(probe|smoke|profile|tests|bench)\]=(\d+)",
                              text.split("declare -A LIMIT=", 1)[1].split("\n")[0]))
     grace = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
-    assert set(limits) == {"probe", "smoke", "tests", "bench"}
+    assert set(limits) == {"probe", "smoke", "profile", "tests", "bench"}
     assert sum(int(v) + grace for v in limits.values()) <= 470 < 480
 
 
@@ -275,7 +295,8 @@ def test_the_real_steps_on_this_machine(fake, tmp_path):
     assert m and int(m.group(2)) >= 10, s
     assert _step(s, "bench") == "failed (rc 1)" and "bench: 0 kernel rows" in s and "  error: " in s
     assert _step(s, "smoke") == "failed (rc 1)" and "phase build FAILED" in (out / "smoke.log").read_text()
-    assert "python processes started: 4" in s
+    assert _step(s, "profile") == "passed"                       # the ncu stand-in
+    assert "python processes started: 5" in s
     assert fake.calls.read_text().splitlines() == ["-c import importlib", "scripts/gpu_smoke.py --watchdog-s",
                                                    "-m pytest", "benchmarks/gpu_bench.py --out"]
     _contract(out)
@@ -296,3 +317,12 @@ def test_the_smoke_synchronises_the_device(monkeypatch):
     smoke.sync("cuda")
     smoke.sync("cpu")
     assert calls == [1]
+
+
+def test_without_ncu_the_profile_step_fails_and_the_rest_runs(fake):
+    cp, out = fake(["--steps", "profile,bench"], ncu=False, FAKE_PROBE=_PROBE_WITH_TIMEOUT,
+                   FAKE_BENCH=fake.dir / "bench_standin.py", FAKE_BENCH_ROWS=1,
+                   PATH="/usr/bin:/bin")
+    s = (out / "summary.txt").read_text()
+    assert _step(s, "profile") == "failed (ncu not found)" and _step(s, "bench") == "passed"
+    assert "ncu not found" in (out / "profile.log").read_text() and cp.returncode == 1
