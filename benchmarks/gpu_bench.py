@@ -198,8 +198,29 @@ class Gpu:
         self.props = cp.cuda.runtime.getDeviceProperties(dev.id)
         self.l2 = int(dev.attributes.get("L2CacheSize", 50 << 20))
         self.sms = int(self.props["multiProcessorCount"])
+        self.last_sm_mhz: int | None = None
+        try:                                   # NVML (nvidia-ml-py): the SM clock right after a timed op
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(dev.id))
+        except Exception:
+            self._nvml = None
         self.flush_buf = cp.empty(max(4 * self.l2, 256 << 20), cp.uint8)
         self.start, self.end = cp.cuda.Event(), cp.cuda.Event()
+
+    def sm_clock(self) -> int | None:
+        """The SM clock now, MHz (NVML), or None without NVML. The first H200 run's compute-heavy
+        ops (attention, 8-row GEMVs) ran several times slower than their instruction counts
+        predict at 1980 MHz while the streaming ones read at 3.8 TB/s: a low SM clock would do
+        that, so every timed op records the clock it ran at."""
+        if self._nvml is None:
+            return None
+        try:
+            nv, h = self._nvml
+            return int(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+        except Exception:
+            return None
 
     def name(self) -> str:
         n = self.props["name"]
@@ -246,6 +267,7 @@ class Gpu:
             self.end.record()
             self.end.synchronize()
             out.append(cp.cuda.get_elapsed_time(self.start, self.end) * 1e3)
+        self.last_sm_mhz = self.sm_clock()
         return out, how
 
     def time_torch(self, fn: Callable[[], Any], runs: int) -> list[float]:
@@ -693,7 +715,7 @@ def bench_propose(gpu: Gpu, cfg, weights, be, rec: "Recorder", args, deadline: f
 JSONL, MD = "gpu_bench.jsonl", "gpu_bench.md"
 
 _KERNEL_HEAD = ("| op | rows | context | MB moved | median us | p20 | p80 | GB/s | of copy | timed | torch us "
-                "| torch / ours |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|\n")
+                "| torch / ours | SM MHz |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|\n")
 _PROPOSE_HEAD = ("| kv_mode | context | B | k | eager us | graph us | graph speedup | floor us | graph / floor "
                  "| torch us | torch / graph |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 #: table -> (its title, its header)
@@ -721,7 +743,7 @@ def row_md(table: str, r: dict) -> str:
                   else " | ")
     return (f"| {r['op']} | {r['rows']} | {r['context'] or ''} | {r['bytes'] / 1e6:.1f} | "
             f"{r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} | {r['GB/s']:.0f} | "
-            f"{r['of_copy']:.0%} | {r['timed']} | {torch_cols} |\n")
+            f"{r['of_copy']:.0%} | {r['timed']} | {torch_cols} | {r.get('sm_MHz') or ''} |\n")
 
 
 def header_md(res: dict) -> str:
@@ -909,7 +931,7 @@ def run_cases(gpu: Gpu, rec: Recorder, cases, n: int, runs: int,
         s = stats(ts)
         gbs = nbytes / (s["median_us"] * 1e-6) / 1e9
         row = {"op": name, "rows": n, "context": ctx, "bytes": nbytes, **s, "GB/s": gbs, "of_copy": gbs / copy,
-               "timed": how}
+               "timed": how, "sm_MHz": gpu.last_sm_mhz}
         peer = (peers or {}).get((name, ctx))
         if peer is not None:
             try:
@@ -982,6 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
             rec.note("read_bandwidth", f"the streaming-read kernel failed: {type(e).__name__}: {e}")
             read_gbs, read_us = float("nan"), float("nan")
         ceiling = max(memcpy_gbs, read_gbs) if read_gbs == read_gbs else memcpy_gbs
+        rec.meta(sm_MHz_after_copy=gpu.sm_clock())
         rec.meta(**{"copy_GB/s": ceiling, "memcpy_GB/s": memcpy_gbs, "memcpy_us": memcpy_us, "read_GB/s": read_gbs,
                     "read_us": read_us})
         say(f"ceiling {ceiling:.0f} GB/s: memcpy {memcpy_gbs:.0f} GB/s (1 GiB device-to-device, read + write), "

@@ -167,7 +167,7 @@ profile_report() {
   local f="$OUT_DIR/profile.log"
   [ -f "$f" ] || { echo "profile: no log (the step did not run)"; return; }
   echo "profile (profile.log; the lines naming a kernel, its duration, throughput, occupancy and stalls):"
-  grep -E '^ *(paged_attention|  *(Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued Instruction|Issued Warp Per Scheduler|No Eligible|Registers Per Thread|Dynamic Shared Memory Per Block|Grid Size|Waves Per SM))|^plan: |^launch |ncu not found|==ERROR==|==PROF==' "$f" \
+  grep -E '^ *(paged_attention|  *(Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued Instruction|Issued Warp Per Scheduler|No Eligible|Registers Per Thread|Dynamic Shared Memory Per Block|Grid Size|Waves Per SM|SM Frequency|DRAM Frequency))|^plan: |^launch |ncu not found|==ERROR==|==PROF==' "$f" \
     | cut -c1-160 | head -n 60 | sed 's/^/  /'
 }
 
