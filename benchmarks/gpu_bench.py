@@ -693,6 +693,7 @@ def bench_propose(gpu: Gpu, cfg, weights, be, rec: "Recorder", args, deadline: f
                         row[f"{path}_p20_us"], row[f"{path}_p80_us"] = s["p20_us"], s["p80_us"]
                         row[f"{path}_x_floor"] = s["median_us"] / row["floor_us"]
                     row["graph_speedup"] = row["eager_median_us"] / row["graph_median_us"]
+                    row["sm_MHz"] = gpu.sm_clock()                  # right after the graph runs
                     prop.step_runner = runner
                     tt = peer_time(ctx, B, k)
                     if tt is not None:
