@@ -292,6 +292,11 @@ log "mtpkern gpu_check, commit $COMMIT; out $OUT_DIR; steps ${RUN_STEPS[*]} (lim
 # -- probe ---------------------------------------------------------------------------------------
 step probe "$SCRATCH/probe.txt" "$PY" -c "$PROBE_PY"
 { echo "nvidia-smi: $(timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 | head -n 2 | tr '\n' ' ')"; } >> "$SCRATCH/probe.txt"
+# the clocks now, and why they are held down (each its own query: an unknown field fails the whole query)
+clocks_now() {
+  echo "clocks $1: $(timeout 10 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | head -n 1); reasons: $(timeout 10 nvidia-smi --query-gpu=clocks_throttle_reasons.active --format=csv,noheader 2>&1 | head -n 1)"
+}
+clocks_now "at the probe (idle)" >> "$SCRATCH/probe.txt"
 cat "$SCRATCH/probe.txt" | tee -a "$OUT_DIR/gpu_check.log"
 if grep -q '^pytest-timeout: ' "$SCRATCH/probe.txt" && ! grep -q '^pytest-timeout: absent' "$SCRATCH/probe.txt"; then
   TIMEOUT_ARGS=(--timeout="$TEST_TIMEOUT" -o "faulthandler_timeout=$(( TEST_TIMEOUT > 20 ? TEST_TIMEOUT - 10 : TEST_TIMEOUT ))")
@@ -346,6 +351,7 @@ run_bench() {
 for s in "${RUN_STEPS[@]:1}"; do "run_$s"; done
 
 # -- the files' contract: flat, at most 8, each under the tool's 16 MiB ---------------------------
+log "$(clocks_now "after the last step")"
 log "done: status $STATUS after $(( $(date +%s) - START ))s; results in $OUT_DIR"
 write_summary                               # read from the plain logs, before any is gzipped
 GZIPPED=""

@@ -184,6 +184,9 @@ def test_a_full_run_keeps_the_contract_and_says_what_ran(fake):
     assert "bench: 3 kernel rows, 1 propose rows (1 beside the torch peer), 0 error(s); end record: rc 0" in s
     assert "| draft | 512 | 1 | 3 | 2000 | 1000 | 2.00x | 700 | 1.43 | 9000 | 9.00x |" in s   # the propose table
     assert "pytest-timeout: 2.4.0" in s and "per-test timeout: 90 s a test (pytest-timeout 2.4.0)" in s
+    # the clocks, idle and after the last step (nvidia-smi's answer, or why there is none)
+    assert re.search(r"^  clocks at the probe \(idle\): .*; reasons: ", s, re.M)
+    assert re.search(r"clocks after the last step: .*; reasons: ", (out / "gpu_check.log").read_text())
     # one python process per step: the probe, the smoke, one pytest for every gpu-marked test, the benchmark
     assert fake.calls.read_text().splitlines() == ["-c import importlib", "scripts/gpu_smoke.py --watchdog-s",
                                                    "-m pytest", "benchmarks/gpu_bench.py --out"]
