@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backends.cuda_launch import loader
-from .backends.cuda_launch.nvrtc import NVRTC_WHEEL_DIRS, CompileError, Nvrtc, find_nvrtc  # noqa: F401 (re-exported)
+from .backends.cuda_launch.nvrtc import NVRTC_WHEEL_DIRS, CompileError, Nvrtc, find_nvrtc, load  # noqa: F401 (re-exported)
 
 ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
 #: the CUDA majors checked: 12 (CI's first table) and 13 (the GPU machine's CuPy)
@@ -92,13 +92,8 @@ def find_toolkits(majors=TOOLKITS) -> tuple[dict[int, Toolkit], dict[int, str]]:
     return found, missing
 
 
-_LOADED: dict[str, Nvrtc] = {}
-
-
 def _nvrtc(tk: Toolkit) -> Nvrtc:
-    if tk.nvrtc not in _LOADED:
-        _LOADED[tk.nvrtc] = Nvrtc(tk.nvrtc)
-    return _LOADED[tk.nvrtc]
+    return load(tk.nvrtc)
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")

@@ -21,6 +21,7 @@ import hashlib
 import os
 import re
 import sys
+import multiprocessing
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from importlib import resources
@@ -204,6 +205,15 @@ def compile_options(cuda_major: int | None = None) -> tuple[str, ...]:
 BINARY_OPTIONS = ("-ftz=true",)
 
 
+def _binary_inputs(major: int | None) -> tuple[str, tuple[str, ...]]:
+    """(the libnvrtc.so.<major> to build cached binaries with, their options); FileNotFoundError
+    when no libnvrtc of that major is found."""
+    lib = find_nvrtc(major) if major else None
+    if lib is None:
+        raise FileNotFoundError(f"no libnvrtc.so.{major} (NVRTC major {major}) was found to build with")
+    return lib, compile_options(major) + BINARY_OPTIONS
+
+
 def _cupy_nvrtc_major(cupy) -> int | None:
     try:  # the headers of the toolkit whose NVRTC CuPy compiles with
         return int(cupy.cuda.nvrtc.getVersion()[0])
@@ -236,11 +246,9 @@ def _from_cache(cupy, family: str, major: int | None) -> Any:
     if directory is None:
         return None
     try:
-        lib = find_nvrtc(major) if major else None
-        if lib is None:
-            raise FileNotFoundError(f"no libnvrtc.so.{major} (the NVRTC major CuPy uses) was found")
-        path, lowered, _ = kernel_cache.build(family, source(family), compile_options(major) + BINARY_OPTIONS,
-                                              NAME_EXPRESSIONS[family], device_arch(cupy), lib, directory)
+        lib, options = _binary_inputs(major)
+        path, lowered, _ = kernel_cache.build(family, source(family), options, NAME_EXPRESSIONS[family],
+                                              device_arch(cupy), lib, directory)
         binary = _Binary(cupy.RawModule(path=str(path)), lowered)
         binary.get_function(NAME_EXPRESSIONS[family][0])    # CuPy loads a file lazily: load it here, in the try
         return binary
@@ -286,13 +294,8 @@ def prebuild(families=None, *, arch: str | None = None, nvrtc_major: int | None 
     directory = directory or kernel_cache.cache_dir()
     if directory is None:
         raise ValueError(f"the kernel cache is off ({kernel_cache.ENV}={os.environ.get(kernel_cache.ENV)!r})")
-    lib = find_nvrtc(nvrtc_major) if nvrtc_major else None
-    if lib is None:
-        raise FileNotFoundError(f"nvrtc_major: no libnvrtc.so.{nvrtc_major} found to build with")
-    options = compile_options(nvrtc_major) + BINARY_OPTIONS
+    lib, options = _binary_inputs(nvrtc_major)
     order = sorted(families, key=lambda f: -len(NAME_EXPRESSIONS[f]))
-    import multiprocessing
-
     with ProcessPoolExecutor(max_workers=max(1, min(len(order), jobs or os.cpu_count() or 1)),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {f: pool.submit(kernel_cache.build, f, source(f), options, NAME_EXPRESSIONS[f], arch, lib,
