@@ -94,6 +94,17 @@ extern "C" __global__ void read_stream_kernel(const uint4* __restrict__ src, lon
 """
 
 
+def decode_tables(n: int, ctx: int, BS: int = 16):
+    """``n`` sequences of ``ctx`` cached rows each, in consecutive blocks of ``BS``: (blocks per
+    sequence, block tables [n, nb], row_seq, row_len), int32 device arrays, one decode row a
+    sequence."""
+    import cupy as cp
+
+    nb = -(-ctx // BS)
+    return (nb, cp.arange(n * nb, dtype=cp.int32).reshape(n, nb), cp.arange(n, dtype=cp.int32),
+            cp.full(n, ctx, cp.int32))
+
+
 def glm45_air(M: int = 3) -> "MtpConfig":
     from mtpkern.config import small_config
 
@@ -376,12 +387,9 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
     # KV for attention: n sequences of `ctx` rows each, blocks of 16, random BF16 values.
     BS = 16
     for ctx in contexts:
-        nb = -(-ctx // BS)
+        nb, tables, row_seq, row_len = decode_tables(n, ctx, BS)
         kc = bf16_uniform((n * nb, BS, Hkv, D), 3, 100 + ctx)
         vc = bf16_uniform((n * nb, BS, Hkv, D), 3, 200 + ctx)
-        tables = cp.arange(n * nb, dtype=cp.int32).reshape(n, nb)
-        row_seq = cp.arange(n, dtype=cp.int32)
-        row_len = cp.full(n, ctx, cp.int32)
         pos = cp.full(n, ctx - 1, cp.int32)
         slots = cp.asarray(np.arange(n, dtype=np.int32) * nb * BS + ctx - 1)
         if ctx == contexts[0]:
@@ -525,10 +533,8 @@ def mla_kernel_cases(cfg: MtpConfig, be, n: int, contexts: list[int], seed: int 
     ]
     BS = 64
     for ctx in contexts:
-        nb = -(-ctx // BS)
+        nb, tables, row_seq, row_len = decode_tables(n, ctx, BS)
         cache = bf16_uniform((n * nb, BS, L + R), 3, 300 + ctx)
-        tables = cp.arange(n * nb, dtype=cp.int32).reshape(n, nb)
-        row_seq, row_len = cp.arange(n, dtype=cp.int32), cp.full(n, ctx, cp.int32)
         pos = cp.full(n, ctx - 1, cp.int32)
         slots = cp.asarray(np.arange(n, dtype=np.int32) * nb * BS + ctx - 1)
         if ctx == contexts[0]:
@@ -871,11 +877,9 @@ def attention_sweep_cases(cfg: MtpConfig, n: int, ctx: int, rec: "Recorder") -> 
 
     D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     BS, b2, f4 = 16, 2, 4
-    nb = -(-ctx // BS)
+    nb, tables, row_seq, row_len = decode_tables(n, ctx, BS)
     kc = bf16_uniform((n * nb, BS, Hkv, D), 3, 300 + ctx)
     vc = bf16_uniform((n * nb, BS, Hkv, D), 3, 400 + ctx)
-    tables = cp.arange(n * nb, dtype=cp.int32).reshape(n, nb)
-    row_seq, row_len = cp.arange(n, dtype=cp.int32), cp.full(n, ctx, cp.int32)
     rs = cp.random.RandomState(7)
     cases, ref = [], {}
     for hq in (Hq, Hkv):                                    # the model's group, then group 1

@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))                   # run from a checkout without installing
 
 
 def main(argv=None) -> int:
@@ -26,21 +27,22 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", type=int, default=4)
     args = ap.parse_args(argv)
 
+    import importlib.util
+
     import cupy as cp
 
     from mtpkern.backends.cuda_launch import attention as attn_launch
     from mtpkern.backends.cuda_launch._util import sm_count, smem_optin
 
-    Hq, Hkv, D, BS, n, ctx = 96, 8, 128, 16, args.rows, args.context
-    nb = -(-ctx // BS)
-    rs = cp.random.RandomState(0)
-    def bf16(shape):                               # normal values, truncated to BF16 bits
-        return (rs.standard_normal(shape, dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
-
-    kc, vc = bf16((n * nb, BS, Hkv, D)), bf16((n * nb, BS, Hkv, D))
-    tables = cp.arange(n * nb, dtype=cp.int32).reshape(n, nb)
-    row_seq, row_len = cp.arange(n, dtype=cp.int32), cp.full(n, ctx, cp.int32)
-    q = rs.standard_normal((n, Hq, D), dtype=cp.float32)
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)                 # its shapes, KV fill and block tables
+    cfg = bench.glm45_air()
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    BS, n, ctx = 16, args.rows, args.context
+    nb, tables, row_seq, row_len = bench.decode_tables(n, ctx, BS)
+    kc, vc = bench.bf16_uniform((n * nb, BS, Hkv, D), 3, 1), bench.bf16_uniform((n * nb, BS, Hkv, D), 3, 2)
+    q = cp.random.RandomState(0).standard_normal((n, Hq, D), dtype=cp.float32)
     p = attn_launch.plan(Hq // Hkv, D, nb * BS, work=n * Hkv, target_blocks=2 * sm_count(),
                          smem_max=smem_optin(), kv_itemsize=2, rows=n)
     print(f"plan: {p}; grid ({Hkv * -(-(Hq // Hkv) // p.heads)}, {n}, {p.num_parts}) x 128 threads", flush=True)

@@ -276,3 +276,15 @@ def test_the_ceilings_read_kernel_compiles(bench):
         assert ok, log
         info = nc.parse_ptxas_log(log)["read_stream_kernel"]
         assert info.spill_stores == info.spill_loads == 0 and info.registers <= 64, info
+
+
+def test_the_attention_probe_uses_what_the_benchmark_has(bench):
+    """scripts/gpu_attention_probe.py takes its shapes, KV fill and block tables from the
+    benchmark module (``bench.X``): each name it reads exists there."""
+    import ast
+
+    tree = ast.parse((_PATH.parents[1] / "scripts" / "gpu_attention_probe.py").read_text())
+    used = {n.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "bench"}
+    assert used >= {"glm45_air", "decode_tables", "bf16_uniform"}, used
+    assert all(hasattr(bench, a) for a in used), used - {a for a in used if hasattr(bench, a)}
