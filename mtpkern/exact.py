@@ -54,6 +54,11 @@ class ExactChain:
         of ``k`` drafts drops ``min(m, k) - a`` keys at most when ``a < m``, so ``m``."""
         return m
 
+    def pending_trim(self, st: MtpState, m: int) -> int:
+        """Rows of module ``m`` the verify of ``st``'s last propose may trim: ``trim_margin``
+        (every module runs in a propose)."""
+        return self.trim_margin(m)
+
     # -- rows a call will add (for the room check), and position rules --------------
     def prefill_rows(self, n: int) -> list[list[int]]:
         return [[max(0, n - 1 - m)] for m in range(self.M)]

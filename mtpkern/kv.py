@@ -672,11 +672,12 @@ class BlockPool:
                 raise AssertionError(f"module {self.module}: {self.reserved} blocks reserved in the pool, "
                                      f"{reservations} by the sequences, {self.num_free} free")
 
-    def check_seq(self, seq: SeqKv, may_trim: bool = True) -> None:
+    def check_seq(self, seq: SeqKv, margin: int | None = None) -> None:
         """The rules of a sequence between calls: its table covers its rows exactly; a
-        sliding-window sequence released no row a later forward may read (``may_trim``:
-        up to ``margin`` rows may still be trimmed first, as while a propose awaits its
-        verify) and holds at most ``WindowRule.idle_blocks`` blocks."""
+        sliding-window sequence released no row a later forward may read (``margin``: the
+        rows a pending call may still trim from its end first, as while a propose awaits
+        its verify, 0 when none may; None: the window's ``margin``, the most any may) and
+        holds at most ``WindowRule.idle_blocks`` blocks."""
         BS = self.block_size
         if HOLE in seq._blocks:
             raise AssertionError(f"module {self.module}: a hole left in the block table between calls: {seq._blocks}")
@@ -687,7 +688,7 @@ class BlockPool:
         if w is None and seq._base:
             raise AssertionError(f"module {self.module}: {seq._base} blocks released without a sliding window")
         if w is not None:
-            visible = w.first_visible_row(seq._keys, None if may_trim else 0)
+            visible = w.first_visible_row(seq._keys, margin)
             if seq._base * BS > visible:
                 raise AssertionError(f"module {self.module}: rows from {visible} may still be read, but blocks "
                                      f"before row {seq._base * BS} were released")

@@ -922,6 +922,18 @@ class MultiModuleMtpHead(DraftProposer):
                 except StateError:            # taken by a call, or freed, since the snapshot
                     pass
 
+    def _pending_trim(self, st: MtpState, m: int) -> int:
+        """Rows of module ``m`` that the pending verify of ``st`` may still trim: none between
+        calls; after a propose, the KV mode's count for the modules it ran (``pending_trim``:
+        a draft-mode propose of k' drafts leaves modules m >= k' untouched, and their last
+        row, verified before, stays); after a draft tree, the mode's margin for the modules
+        the tree ran."""
+        if not st._drafted:
+            return 0
+        if st._tree is not None:
+            return self.mode.trim_margin(m) if st._tree.modules[m] is not None else 0
+        return self.mode.pending_trim(st, m)
+
     def check_state(self, st: MtpState) -> None:
         """The rules of the KV mode for one state (``AssertionError`` when broken)."""
         if st._freed:
@@ -930,7 +942,7 @@ class MultiModuleMtpHead(DraftProposer):
             return
         with exclusive([st], "check_invariants", ["state"]):
             for m, (p, seq) in enumerate(zip(self.pools, st._kv)):
-                p.check_seq(seq, may_trim=st._drafted)
+                p.check_seq(seq, margin=self._pending_trim(st, m))
                 keys = seq.keys.to_list()
                 if any(b <= a for a, b in zip(keys, keys[1:])):
                     raise AssertionError(f"module {m}: keys not increasing: {keys}")
