@@ -28,6 +28,7 @@ thread: an engine calling from its own worker threads gets it too.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import numba
@@ -47,6 +48,7 @@ from ..ops.rope_kv import check_qk_norm_rope_kv_write
 from ..quant import Fp8Weight
 from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
 from .cpu_fp8 import CpuFp8
+from .cpu_kernels import amx as amx_k
 from .cpu_kernels import attention as attention_k
 from .cpu_kernels import bounds as bounds_k
 from .cpu_kernels import gate as gate_k
@@ -68,6 +70,11 @@ _BLAS_MIN_ROWS = 256
 #: here; the result does not depend on it.
 _ARGMAX_CHUNKS = 64
 
+
+#: input rows from which a BF16 LM head argmax screens the vocabulary on AMX tiles where the
+#: machine has them (``cpu_kernels/amx.py``, docs/cpu.md "The LM head's AMX screen"); below
+#: it the FMA tiles alone are as fast (the head streams its weights at 1-3 rows)
+AMX_MIN_ROWS = 4
 
 _U16, _F32 = np.dtype(np.uint16), np.dtype(np.float32)
 
@@ -198,6 +205,8 @@ class CpuBackend(Backend):
         #: check: the checks read nothing else, and NumPy's ``dtype.name`` alone costs
         #: ~5 us a call (the checks of one module's ops took ~100 us at n = 1)
         self._passed: set = set()
+        #: id(w) -> (a weak reference to w, its rows' norms): the BF16 LM heads the AMX screen read
+        self._norms: dict = {}
 
     def _use_threads(self) -> None:
         """Apply ``threads`` to the calling thread (Numba's count is thread-local; ~0.5 us to read)."""
@@ -539,8 +548,10 @@ class CpuBackend(Backend):
         self._use_threads()
         if isinstance(w, CpuFp8):
             none = lm_head_k.lm_head_argmax_fp8_kernel(_act(x), w.kernel_args(), bitmask, ids, cf, stats)
-        else:
-            none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids, cf, stats)
+        else:                  # the AMX screen for the ids alone, where it serves; else the FMA kernel
+            none = self._screened_argmax(_act(x), w, bitmask, chunks, ids) if conf is None and not partial else None
+            if none is None:
+                none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids, cf, stats)
         if none >= 0 and not partial:                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         if best is not None:
@@ -550,6 +561,32 @@ class CpuBackend(Backend):
         if id_map is not None:
             ids[:] = map_ids(ids, id_map)
         return ids
+
+    def _screened_argmax(self, x, w, bitmask, chunks: int, ids) -> int | None:
+        """``lm_head_argmax_screened_kernel`` where it serves (``_screens``): the first row
+        without a token, or -1; None where it does not (the caller takes the FMA kernel)."""
+        n, K = x.shape
+        if not _screens(w, n):
+            return None
+        xb = np.empty((K // 2, n, 2), np.uint16)
+        err = np.empty((n, 2), np.float64)
+        if not amx_k.pack_bf16(x, xb, err):                 # a value that is not finite
+            return None
+        return lm_head_k.lm_head_argmax_screened_kernel(x, xb, err, w, self._row_norms(w), bitmask, chunks,
+                                                        amx_k.config(n), ids)
+
+    def _row_norms(self, w: np.ndarray) -> np.ndarray:
+        """||w[j]||_2 of a BF16 head, computed once per weight array (held while it lives)."""
+        key = id(w)
+        hit = self._norms.get(key)
+        if hit is not None and hit[0]() is w:
+            return hit[1]
+        norms = np.empty(w.shape[0], np.float64)
+        lm_head_k.row_norms_kernel(w, norms)
+        for k in [k for k, (ref, _) in self._norms.items() if ref() is None]:
+            del self._norms[k]                            # the weights of dropped heads
+        self._norms[key] = (weakref.ref(w), norms)
+        return norms
 
     def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
         """-> (ids [n, k] int32, probs [n, k] FP32): the logits (``lm_head_logits``), then each
@@ -569,6 +606,15 @@ class CpuBackend(Backend):
         if id_map is not None:
             ids = map_id_rows(ids, id_map)
         return ids, probs
+
+
+def _screens(w, n: int) -> bool:
+    """Whether an LM head argmax of ``n`` input rows goes through the AMX screen
+    (``lm_head_argmax_screened_kernel``): ``AMX_MIN_ROWS`` to ``amx.MAX_ROWS`` rows, BF16
+    weights whose rows are a whole number of 32-column steps, on a machine and process that
+    allow the tiles (``amx.available``; ``MTPKERN_CPU_AMX=0`` says no)."""
+    return (AMX_MIN_ROWS <= n <= amx_k.MAX_ROWS and isinstance(w, np.ndarray) and w.dtype == _U16
+            and w.shape[1] % amx_k.COLS_PER_STEP == 0 and amx_k.available())
 
 
 def _bitmask_arg(bitmask, n: int, V: int) -> np.ndarray:

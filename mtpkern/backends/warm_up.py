@@ -26,6 +26,9 @@ from .base import Backend
 H, HQ, HKV, D, V, E, I = 16, 2, 1, 8, 40, 4, 8
 #: rows per call and blocks of the paged KV (block size BS)
 N, NB, BS = 2, 4, 4
+#: the LM head again at NA rows of HA columns: where the cpu backend screens a BF16 head's
+#: vocabulary on AMX tiles at that many rows (``backends/cpu.py``, ``AMX_MIN_ROWS``), that kernel
+NA, HA = 4, 32
 
 
 def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], object]]]:
@@ -120,6 +123,9 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
             be.lm_head_argmax(x, w)
             be.lm_head_argmax(x, w, bitmask)
             be.lm_head_logits(x, w)
+        xa, wa = act(NA, HA), dense(V, HA)[0]
+        be.lm_head_argmax(xa, wa)
+        be.lm_head_argmax(xa, wa, idx(np.full((NA, -(-V // 32)), -1)))
 
     return [("rmsnorm", lambda: be.rmsnorm(x, vec(H), 1e-5)), ("moe_router", router),
             ("qk_norm_rope_kv_write", rope_kv), ("paged_attention", attention), ("mla", mla), ("sigmoid_gate", gate),

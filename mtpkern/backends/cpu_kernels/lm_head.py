@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import chunks, fp8_chunk, gemv_task, group8
+from . import amx
+from .linear import chunks, fp8_chunk, gemv_task, group8, widen
 
 
 @njit(cache=True, fastmath=False)
@@ -85,6 +86,105 @@ def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf, stats):
                                   (col, col, col, col, col, col, col, col), no)
             _offer_group(best_val, best_id, sums, c, bitmask, y, rows, count, ok)
     return _reduce(best_val, best_id, sums, ids, conf, stats)
+
+
+@njit(cache=True, fastmath=False)
+def _task_allowed(bitmask, n, rows, count):
+    """Some input row allows some of a task's ``count`` rows (always, without a mask)."""
+    if bitmask.shape[0] == 0:
+        return True
+    for s in range(count):
+        if _any_allowed(bitmask, n, rows[s]):
+            return True
+    return False
+
+
+#: a bound's slack for its own float64 rounding (relative)
+_SLACK = 1.0 + 2.0 ** -40
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def row_norms_kernel(w, out):
+    """out [V] float64 = ||w[j]||_2 of BF16 bits w [V, K] (exact values, float64 sums)."""
+    V, K = w.shape
+    for j in prange(V):
+        s = 0.0
+        for k in range(K):
+            v = np.float64(widen(w[j, k]))
+            s += v * v
+        out[j] = np.sqrt(s)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def lm_head_argmax_screened_kernel(x, xb, err, w, wnorm, bitmask, nchunks, cfg, ids):
+    """``lm_head_argmax_kernel``'s ids (no confidences or shard stats), bit for bit, through an
+    AMX screen: x [n, H] FP32, xb / err its ``amx.pack_bf16``, w [V, H] BF16 bits (H a multiple
+    of 32), wnorm [V] its ``row_norms_kernel``, cfg ``amx.config(n)``.
+
+    1. Per chunk (``group8``'s tasks, as the FMA kernel walks them; a task no input row allows
+       is not read): the tile sums a[j, i] of every row with the inputs rounded to BF16; each
+       is within b_ij = ||w_j|| err[i, 0] + err[i, 1] of the FMA tiles' logit f_ij
+       (``amx.pack_bf16``), so the largest allowed a[j, i] - b_ij is a lower bound L_i of row
+       i's best f.
+    2. Per chunk again: every allowed token with a[j, i] + b_ij >= L_i (or a value or bound
+       that is not finite) may be row i's best; its f_ij is computed on the FMA tiles (a dot's
+       bits depend on its two rows only, ``linear.gemv_task``) and offered as in the FMA kernel
+       (larger, or equal with a lower id; NaN never). Every other token has f below the best,
+       so the result is the FMA kernel's. Returns the first row left with -1, or -1."""
+    n = x.shape[0]
+    V, K = w.shape
+    a = np.empty((V, n), np.float32)
+    low = np.full((nchunks, n), -np.inf)
+    best_val = np.empty((nchunks, n), np.float32)
+    best_id = np.empty((nchunks, n), np.int64)
+    per = (V + nchunks - 1) // nchunks
+    zero, no = np.int64(0), np.bool_(False)
+    for c in prange(nchunks):
+        lo = min(V, c * per)
+        m = min(V, lo + per) - lo
+        q = m // 8
+        amx.tile_config(cfg)
+        for t in range(q + m - 8 * q):
+            rows, count = group8(t, q, lo)
+            if _task_allowed(bitmask, n, rows, count):
+                d = rows[1] - rows[0]
+                amx.task_dots(w, rows[0] * K, d * K * 2, xb, a, rows[0] * n, d * n * 4)
+        amx.tile_release()
+        for j in range(lo, lo + m):
+            for i in range(n):
+                if _allowed(bitmask, i, j):
+                    v = np.float64(a[j, i]) - (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
+                    if v - v == 0.0 and v > low[c, i]:           # finite values only
+                        low[c, i] = v
+    floor = np.full(n, -np.inf)
+    for c in range(nchunks):
+        for i in range(n):
+            floor[i] = max(floor[i], low[c, i])
+    for c in prange(nchunks):
+        _clear(best_val, best_id, c)
+        lo = min(V, c * per)
+        hi = min(V, lo + per)
+        y = np.empty((n, 8), np.float32)
+        cols = (zero, zero, zero, zero, zero, zero, zero, zero)
+        for j in range(lo, hi):
+            one = (j, j, j, j, j, j, j, j)
+            for i in range(n):
+                if not _allowed(bitmask, i, j):
+                    continue
+                b = (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
+                av = np.float64(a[j, i])
+                up = av + b
+                if up >= floor[i] or not (up - up == 0.0):     # a candidate, or a value that is not finite
+                    gemv_task(w, one, 1, zero, x, np.int64(i), np.int64(i + 1), y, cols, no)
+                    f = y[i, 0]
+                    if f != f:
+                        continue
+                    bv, bi = best_val[c, i], best_id[c, i]
+                    if bi < 0 or f > bv or (f == bv and j < bi):
+                        best_val[c, i] = f
+                        best_id[c, i] = j
+    return _reduce(best_val, best_id, np.zeros((0, n), np.float32), ids, np.empty(0, np.float32),
+                   np.empty((0, n), np.float32))
 
 
 @njit(cache=True, fastmath=False, parallel=True)
