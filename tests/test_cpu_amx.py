@@ -1,8 +1,8 @@
 """The cpu backend's AMX screen for the LM head (``cpu_kernels/amx.py``,
 ``lm_head.lm_head_argmax_screened_kernel``): the inputs' rounding to BF16 and the bounds it
-returns, and the screened argmax against the FMA kernel's, id for id, where near-ties,
-masks, NaN and infinite logits, and chunk and group edges make the screen keep more than one
-candidate. The tests that run the tiles skip on a CPU or kernel without AMX."""
+returns, and the screened argmax against the FMA kernel's, id for id, where near-ties, a
+reversed order, NaN and infinite logits, and chunk and group edges make the screen keep more
+than one candidate. The tests that run the tiles skip on a CPU or kernel without AMX."""
 
 import os
 import subprocess
@@ -158,37 +158,29 @@ def test_the_screen_keeps_a_best_that_rounding_puts_second(monkeypatch):
 
 
 @needs_amx
-def test_screened_ids_under_masks_nan_and_infinite_logits(monkeypatch):
-    """A grammar mask (tight, and one that allows nothing for a row: NoAllowedToken naming it
-    on both paths), a NaN weight row (never chosen), a row of huge weights (infinite logits:
-    the FMA kernel's choice), and groups the mask leaves unread."""
+def test_screened_ids_with_nan_and_infinite_logits(monkeypatch):
+    """A NaN weight row (never chosen, on both paths), a row of huge weights (infinite logits,
+    which the bounds cannot cover: always computed on the FMA tiles), and a row whose best is
+    that infinite logit."""
     be = get_backend("cpu")
     rng = np.random.default_rng(4)
     V, K, n = 2048, 128, 6
     wf = rng.standard_normal((V, K)).astype(np.float32)
     wf[9] = np.nan
-    wf[300] = 3e38                                            # its logits overflow to +-inf
+    wf[300] = 3e38 * np.sign(rng.standard_normal(K))         # its logits overflow to +-inf
     w = be.prepare_weight(wf.astype(ml_dtypes.bfloat16))
     x = rng.standard_normal((n, K)).astype(np.float32)
-    allowed = rng.random((n, V)) < 0.02
-    allowed[:, 9] = True
-    allowed[2, 300] = True
-    bits = np.zeros((n, V // 32), np.uint32)
-    for i, j in zip(*np.nonzero(allowed)):
-        bits[i, j >> 5] |= np.uint32(1) << np.uint32(j & 31)
-    mask = bits.view(np.int32)
-    screened, fma = _both(be, x, w, mask, monkeypatch=monkeypatch)
-    assert screened == fma and 9 not in screened
-    mask[3] = 0
-    screened, fma = _both(be, x, w, mask, monkeypatch=monkeypatch)
-    assert screened == fma == ("none", 3)
+    x[2] = np.sign(wf[300]) * 0.5                            # row 2: +inf at token 300
+    screened, fma = _both(be, x, w, monkeypatch=monkeypatch)
+    assert screened == fma and 9 not in screened and screened[2] == 300
 
 
 @needs_amx
 def test_the_screen_serves_only_the_ids(monkeypatch):
-    """Confidences, a shard's partial result, FP32 and FP8 heads, K not a multiple of 32 and
-    rows outside AMX_MIN_ROWS .. MAX_ROWS take the FMA kernel (the screen would not give their
-    bits); ``MTPKERN_CPU_AMX=0`` turns it off."""
+    """Confidences, a shard's partial result and a grammar mask take the FMA kernel (the
+    screen would not give the confidences' bits; the FMA kernel reads only the rows a mask
+    allows), as do FP32 and FP8 heads, K not a multiple of 32 and rows outside AMX_MIN_ROWS ..
+    MAX_ROWS; ``MTPKERN_CPU_AMX=0`` turns it off."""
     be = get_backend("cpu")
     rng = np.random.default_rng(5)
     w = _heads(be, rng, 256, 64)
@@ -202,6 +194,7 @@ def test_the_screen_serves_only_the_ids(monkeypatch):
     x = rng.standard_normal((8, 64)).astype(np.float32)
     be.lm_head_argmax(x, w, conf=np.empty(8, np.float32))
     be.lm_head_argmax(x, w, best=np.empty(8, np.float32))
+    be.lm_head_argmax(x, w, np.full((8, 256 // 32), -1, np.int32))
     with pytest.raises(AssertionError, match="screened"):
         be.lm_head_argmax(x, w)
     env = dict(os.environ, **{amx.ENV: "0"})

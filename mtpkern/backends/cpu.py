@@ -563,16 +563,21 @@ class CpuBackend(Backend):
         return ids
 
     def _screened_argmax(self, x, w, bitmask, chunks: int, ids) -> int | None:
-        """``lm_head_argmax_screened_kernel`` where it serves (``_screens``): the first row
-        without a token, or -1; None where it does not (the caller takes the FMA kernel)."""
+        """``lm_head_argmax_screened_kernel`` where it serves (``_screens``, no grammar mask):
+        the first row without a token, or -1; None where it does not (the caller takes the FMA
+        kernel). Masked calls take the FMA kernel: it reads only the rows a mask allows (8
+        rows of [32768, 1024] with 1 % of the tokens allowed at random: 0.77-0.95 ms against
+        0.98-1.08 screened), and at 50 % the two ran within this VM's noise."""
         n, K = x.shape
         if not _screens(w, n):
+            return None
+        if bitmask.size:                # a mask: the FMA kernel (it reads only the rows a mask allows)
             return None
         xb = np.empty((K // 2, n, 2), np.uint16)
         err = np.empty((n, 2), np.float64)
         if not amx_k.pack_bf16(x, xb, err):                 # a value that is not finite
             return None
-        return lm_head_k.lm_head_argmax_screened_kernel(x, xb, err, w, self._row_norms(w), bitmask, chunks,
+        return lm_head_k.lm_head_argmax_screened_kernel(x, xb, err, w, self._row_norms(w), chunks,
                                                         amx_k.config(n), ids)
 
     def _row_norms(self, w: np.ndarray) -> np.ndarray:

@@ -88,17 +88,6 @@ def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf, stats):
     return _reduce(best_val, best_id, sums, ids, conf, stats)
 
 
-@njit(cache=True, fastmath=False)
-def _task_allowed(bitmask, n, rows, count):
-    """Some input row allows some of a task's ``count`` rows (always, without a mask)."""
-    if bitmask.shape[0] == 0:
-        return True
-    for s in range(count):
-        if _any_allowed(bitmask, n, rows[s]):
-            return True
-    return False
-
-
 #: a bound's slack for its own float64 rounding (relative)
 _SLACK = 1.0 + 2.0 ** -40
 
@@ -116,18 +105,17 @@ def row_norms_kernel(w, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def lm_head_argmax_screened_kernel(x, xb, err, w, wnorm, bitmask, nchunks, cfg, ids):
-    """``lm_head_argmax_kernel``'s ids (no confidences or shard stats), bit for bit, through an
-    AMX screen: x [n, H] FP32, xb / err its ``amx.pack_bf16``, w [V, H] BF16 bits (H a multiple
+def lm_head_argmax_screened_kernel(x, xb, err, w, wnorm, nchunks, cfg, ids):
+    """``lm_head_argmax_kernel``'s ids without a mask (no confidences or shard stats), bit for
+    bit, through an AMX screen: x [n, H] FP32, xb / err its ``amx.pack_bf16``, w [V, H] BF16 bits (H a multiple
     of 32), wnorm [V] its ``row_norms_kernel``, cfg ``amx.config(n)``.
 
-    1. Per chunk (``group8``'s tasks, as the FMA kernel walks them; a task no input row allows
-       is not read): the tile sums a[j, i] of every row with the inputs rounded to BF16; each
-       is within b_ij = ||w_j|| err[i, 0] + err[i, 1] of the FMA tiles' logit f_ij
-       (``amx.pack_bf16``), so the largest allowed a[j, i] - b_ij is a lower bound L_i of row
-       i's best f.
-    2. Per chunk again: every allowed token with a[j, i] + b_ij >= L_i (or a value or bound
-       that is not finite) may be row i's best; its f_ij is computed on the FMA tiles (a dot's
+    1. Per chunk (``group8``'s tasks, as the FMA kernel walks them): the tile sums a[j, i] of
+       every row with the inputs rounded to BF16; each is within b_ij = ||w_j|| err[i, 0] +
+       err[i, 1] of the FMA tiles' logit f_ij (``amx.pack_bf16``), so the largest finite
+       a[j, i] - b_ij is a lower bound L_i of row i's best f.
+    2. Per chunk again: every token with a[j, i] + b_ij >= L_i (or a value or bound that is
+       not finite) may be row i's best; its f_ij is computed on the FMA tiles (a dot's
        bits depend on its two rows only, ``linear.gemv_task``) and offered as in the FMA kernel
        (larger, or equal with a lower id; NaN never). Every other token has f below the best,
        so the result is the FMA kernel's. Returns the first row left with -1, or -1."""
@@ -145,17 +133,15 @@ def lm_head_argmax_screened_kernel(x, xb, err, w, wnorm, bitmask, nchunks, cfg, 
         q = m // 8
         amx.tile_config(cfg)
         for t in range(q + m - 8 * q):
-            rows, count = group8(t, q, lo)
-            if _task_allowed(bitmask, n, rows, count):
-                d = rows[1] - rows[0]
-                amx.task_dots(w, rows[0] * K, d * K * 2, xb, a, rows[0] * n, d * n * 4)
+            rows, _ = group8(t, q, lo)
+            d = rows[1] - rows[0]
+            amx.task_dots(w, rows[0] * K, d * K * 2, xb, a, rows[0] * n, d * n * 4)
         amx.tile_release()
         for j in range(lo, lo + m):
             for i in range(n):
-                if _allowed(bitmask, i, j):
-                    v = np.float64(a[j, i]) - (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
-                    if v - v == 0.0 and v > low[c, i]:           # finite values only
-                        low[c, i] = v
+                v = np.float64(a[j, i]) - (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
+                if v - v == 0.0 and v > low[c, i]:               # finite values only
+                    low[c, i] = v
     floor = np.full(n, -np.inf)
     for c in range(nchunks):
         for i in range(n):
@@ -169,8 +155,6 @@ def lm_head_argmax_screened_kernel(x, xb, err, w, wnorm, bitmask, nchunks, cfg, 
         for j in range(lo, hi):
             one = (j, j, j, j, j, j, j, j)
             for i in range(n):
-                if not _allowed(bitmask, i, j):
-                    continue
                 b = (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
                 av = np.float64(a[j, i])
                 up = av + b
