@@ -581,15 +581,18 @@ class CpuBackend(Backend):
                                                         amx_k.config(n), ids)
 
     def _row_norms(self, w: np.ndarray) -> np.ndarray:
-        """||w[j]||_2 of a BF16 head, computed once per weight array (held while it lives)."""
+        """||w[j]||_2 of a BF16 head, computed once per weight array (held while it lives). A
+        head rewritten in place keeps the norms of its first call here: give the backend a new
+        array for new weights (the proposer's heads never change)."""
         key = id(w)
         hit = self._norms.get(key)
         if hit is not None and hit[0]() is w:
             return hit[1]
         norms = np.empty(w.shape[0], np.float64)
         lm_head_k.row_norms_kernel(w, norms)
-        for k in [k for k, (ref, _) in self._norms.items() if ref() is None]:
-            del self._norms[k]                            # the weights of dropped heads
+        for k, (ref, _) in list(self._norms.items()):     # the norms of dropped heads (a copy:
+            if ref() is None:                             # other threads may call in meanwhile)
+                self._norms.pop(k, None)
         self._norms[key] = (weakref.ref(w), norms)
         return norms
 
