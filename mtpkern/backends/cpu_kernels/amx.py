@@ -37,6 +37,9 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .gemv_tiles import PREFETCH_BYTES
+from .simd import emit_prefetch
+
 #: ``MTPKERN_CPU_AMX=0`` keeps the cpu backend on its FMA tiles
 ENV = "MTPKERN_CPU_AMX"
 
@@ -208,6 +211,21 @@ def _make_dot(c: int, a: int, b: int):
     return dot
 
 
+@intrinsic
+def prefetch(typingctx, arr, off):
+    """Ask for the cache line of ``arr``'s flat element ``off`` (into L2: ``simd.emit_prefetch``).
+    A hint: an address past the array is never read, and no result depends on it."""
+    if not (isinstance(arr, types.Array) and isinstance(off, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        emit_prefetch(builder, a.data, context.cast(builder, args[1], sig.args[1], types.intp))
+        return context.get_dummy_value()
+
+    return types.void(arr, off), codegen
+
+
 zero_c = _make_zero(0)
 load_a, load_b = _make_load(1), _make_load(2)
 store_c = _make_store(0)
@@ -219,13 +237,20 @@ def task_dots(w, a_off, a_stride, xb, c, c_off, c_stride):
     """One task: the 8 weight rows at flat element a_off of w (BF16 bits [*, K]), ``a_stride``
     bytes apart, against the n packed input rows xb (``pack_bf16``), over K = 2 xb.shape[0]
     columns (a multiple of 32), one ``tdpbf16ps`` a step of 32 columns in order; the [8, n]
-    sums stored into c from flat element c_off, a row every ``c_stride`` bytes. The caller has
-    configured this thread's tiles with ``config(n)``."""
+    sums stored into c from flat element c_off, a row every ``c_stride`` bytes. Each step asks
+    for the line ``PREFETCH_BYTES`` ahead in each weight row, as the FMA tiles do: a row's
+    stream continues into the next task's row across a 4 KiB page, where the hardware
+    prefetcher stops (the head from DRAM, 8 rows: 2.30-2.57 ms against 2.54-2.76 without; from
+    L3 the same). The caller has configured this thread's tiles with ``config(n)``."""
     n = xb.shape[1]
     K = xb.shape[0] * 2
     bstride = n * 4
+    row = a_stride // 2                              # elements from one weight row to the next
+    ahead = PREFETCH_BYTES // 2
     zero_c()
     for j in range(K // COLS_PER_STEP):
+        for s in range(8):                           # each row's line PREFETCH_BYTES ahead
+            prefetch(w, a_off + s * row + j * COLS_PER_STEP + ahead)
         load_b(xb, j * 16 * n * 2, bstride)
         load_a(w, a_off + j * COLS_PER_STEP, a_stride)
         dot_c()
