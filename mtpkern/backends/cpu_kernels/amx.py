@@ -160,10 +160,11 @@ def _make_zero(t: int):
     return zero
 
 
-def _make_load(t: int):
+def _make_rows(text: str):
+    """An intrinsic ``(arr, off, stride)`` running the tile load or store ``text`` (``$0``: the
+    address of ``arr``'s flat element ``off``, ``$1``: ``stride``, the bytes between rows)."""
     @intrinsic
-    def load(typingctx, arr, off, stride):
-        """Tile t <- the rows of ``arr``'s data from flat element ``off``, ``stride`` bytes apart."""
+    def rows(typingctx, arr, off, stride):
         if not (isinstance(arr, types.Array) and arr.layout == "C" and isinstance(off, types.Integer)
                 and isinstance(stride, types.Integer)):
             return None
@@ -171,31 +172,12 @@ def _make_load(t: int):
         def codegen(context, builder, sig, args):
             p = _addr(context, builder, sig.args[0], args[0], (args[1], sig.args[1]))
             s = context.cast(builder, args[2], sig.args[2], types.int64)
-            _asm(builder, f"tileloadd ($0,$1,1), %tmm{t}", "r,r,~{memory}", [p, s])
+            _asm(builder, text, "r,r,~{memory}", [p, s])
             return context.get_dummy_value()
 
         return types.void(arr, off, stride), codegen
 
-    return load
-
-
-def _make_store(t: int):
-    @intrinsic
-    def store(typingctx, arr, off, stride):
-        """Tile t -> the rows of ``arr``'s data from flat element ``off``, ``stride`` bytes apart."""
-        if not (isinstance(arr, types.Array) and arr.layout == "C" and isinstance(off, types.Integer)
-                and isinstance(stride, types.Integer)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            p = _addr(context, builder, sig.args[0], args[0], (args[1], sig.args[1]))
-            s = context.cast(builder, args[2], sig.args[2], types.int64)
-            _asm(builder, f"tilestored %tmm{t}, ($0,$1,1)", "r,r,~{memory}", [p, s])
-            return context.get_dummy_value()
-
-        return types.void(arr, off, stride), codegen
-
-    return store
+    return rows
 
 
 def _make_dot(c: int, a: int, b: int):
@@ -227,8 +209,9 @@ def prefetch(typingctx, arr, off):
 
 
 zero_c = _make_zero(0)
-load_a, load_b = _make_load(1), _make_load(2)
-store_c = _make_store(0)
+# tile 1 / 2 <- rows of memory; tile 0 -> rows of memory
+load_a, load_b = _make_rows("tileloadd ($0,$1,1), %tmm1"), _make_rows("tileloadd ($0,$1,1), %tmm2")
+store_c = _make_rows("tilestored %tmm0, ($0,$1,1)")
 dot_c = _make_dot(0, 1, 2)
 
 
