@@ -37,11 +37,10 @@ class DraftChain:
         """Rows of module ``m`` a later call may trim: its row of the last propose, for ``m >= 1``."""
         return min(m, 1)
 
-    @staticmethod
-    def pending_trim(st: MtpState, m: int) -> int:
-        """Rows of module ``m`` the verify of ``st``'s last propose may trim: its row of that
-        propose, for 1 <= m < k' (``after_verify``); none of the modules it did not run."""
-        return min(m, 1) if m < st._last_k else 0
+    def pending_trim(self, st: MtpState, m: int) -> int:
+        """Rows of module ``m`` the verify of ``st``'s last propose may trim: ``trim_margin``
+        for the modules it ran (m < k', ``after_verify``); none of the others."""
+        return self.trim_margin(m) if m < st._last_k else 0
 
     def prefill_rows(self, n: int) -> list[list[int]]:
         return [[n - 1]] + [[0]] * (self.M - 1)

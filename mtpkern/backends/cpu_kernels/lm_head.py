@@ -92,6 +92,13 @@ def lm_head_argmax_kernel(x, w, bitmask, nchunks, ids, conf, stats):
 _SLACK = 1.0 + 2.0 ** -40
 
 
+@njit(cache=True, fastmath=False)
+def _screen_bound(wnorm, err, j, i):
+    """b_ij of ``lm_head_argmax_screened_kernel``: how far token j's tile sum for input row i
+    may lie from its FMA logit (``amx.pack_bf16``), with ``_SLACK`` for this sum's rounding."""
+    return (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
+
+
 @njit(cache=True, fastmath=False, parallel=True)
 def row_norms_kernel(w, out):
     """out [V] float64 = ||w[j]||_2 of BF16 bits w [V, K] (exact values, float64 sums)."""
@@ -139,7 +146,7 @@ def lm_head_argmax_screened_kernel(x, xb, err, w, wnorm, nchunks, cfg, ids):
         amx.tile_release()
         for j in range(lo, lo + m):
             for i in range(n):
-                v = np.float64(a[j, i]) - (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
+                v = np.float64(a[j, i]) - _screen_bound(wnorm, err, j, i)
                 if v - v == 0.0 and v > low[c, i]:               # finite values only
                     low[c, i] = v
     floor = np.full(n, -np.inf)
@@ -155,9 +162,7 @@ def lm_head_argmax_screened_kernel(x, xb, err, w, wnorm, nchunks, cfg, ids):
         for j in range(lo, hi):
             one = (j, j, j, j, j, j, j, j)
             for i in range(n):
-                b = (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
-                av = np.float64(a[j, i])
-                up = av + b
+                up = np.float64(a[j, i]) + _screen_bound(wnorm, err, j, i)
                 if up >= floor[i] or not (up - up == 0.0):     # a candidate, or a value that is not finite
                     gemv_task(w, one, 1, zero, x, np.int64(i), np.int64(i + 1), y, cols, no)
                     f = y[i, 0]
