@@ -49,6 +49,7 @@ from ..quant import Fp8Weight
 from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
 from .cpu_fp8 import CpuFp8
 from .cpu_kernels import amx as amx_k
+from .cpu_kernels import amx_linear as amx_linear_k
 from .cpu_kernels import attention as attention_k
 from .cpu_kernels import bounds as bounds_k
 from .cpu_kernels import gate as gate_k
@@ -207,6 +208,8 @@ class CpuBackend(Backend):
         self._passed: set = set()
         #: id(w) -> (a weak reference to w, its rows' norms): the BF16 LM heads the AMX screen read
         self._norms: dict = {}
+        #: id(w) -> (a weak reference to w, its AMX tile copy): the BF16 weights of ``_tiled_gemv``
+        self._tiles: dict = {}
 
     def _use_threads(self) -> None:
         """Apply ``threads`` to the calling thread (Numba's count is thread-local; ~0.5 us to read)."""
@@ -316,6 +319,12 @@ class CpuBackend(Backend):
         if isinstance(embed, CpuFp8):
             raise fp8_embedding_refused("embed")
         eh_w = _any_weight("eh_w", eh_w)
+        wt = self._weight_tiles(eh_w)
+        if wt is not None:          # the two norms, then [e | h] @ eh_w.T on the AMX tiles
+            self._use_threads()
+            norm_k.input_norms(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
+                               np.float32(eps), e, h)
+            return self._tiled_gemv(np.concatenate([e, h], axis=1), wt, None, None, out)
         self._use_threads()
         kernel = norm_k.mtp_input_fp8_kernel if isinstance(eh_w, CpuFp8) else norm_k.mtp_input_kernel
         kernel(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
@@ -343,6 +352,14 @@ class CpuBackend(Backend):
             if residual is not None:
                 out += residual
             return out
+        return self._gemv(x, w, bias, residual, out, tiles=True)
+
+    def _gemv(self, x, w, bias, residual, out, *, tiles: bool) -> np.ndarray:
+        """A BF16 or FP32 GEMV (``linear``'s checked arguments): on the AMX tiles where they serve
+        and ``tiles`` (``_tiled_gemv``), else on the FMA tiles."""
+        wt = self._weight_tiles(w) if tiles else None
+        if wt is not None:
+            return self._tiled_gemv(x, wt, bias, residual, out)
         self._use_threads()
         linear_k.linear_kernel(x, w, _opt_vec(bias), _opt_mat(residual), out)
         return out
@@ -510,6 +527,11 @@ class CpuBackend(Backend):
         w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
         if all_fp8_or_none("w13, w2", isinstance(w13, CpuFp8), isinstance(w2, CpuFp8)):
             kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.as_experts(), w2.as_experts()
+        elif (t13 := self._weight_tiles(w13)) is not None and (t2 := self._weight_tiles(w2)) is not None:
+            gu = self._tiled_gemv(_act(x), t13, None, None, np.empty((n, w13.shape[0]), np.float32))
+            act = np.empty((n, w2.shape[1]), np.float32)
+            amx_linear_k.swiglu_rows(gu, L, act)
+            return self._tiled_gemv(act, t2, None, _apart(_opt_mat(residual), out, same_ok=True), out)
         else:
             kernel, w13, w2 = mlp_k.grouped_swiglu_kernel, w13[None], w2[None]
         self._use_threads()
@@ -519,9 +541,16 @@ class CpuBackend(Backend):
 
     # -- lm head ------------------------------------------------------------
     def lm_head_logits(self, x, w, *, out=None):
+        """The logits [n, V], on the FMA tiles: ``lm_head_argmax``'s ids are their argmax, bit
+        for bit (the AMX GEMV's logits differ from them by FP32 rounding)."""
         expect_ndim("x", x, 2)
         expect_shape("w", w, (None, x.shape[1]))
-        return self.linear(x, w, out=out)
+        w = _any_weight("w", w)
+        if isinstance(w, CpuFp8) or (w.dtype == np.float32 and x.shape[0] >= _BLAS_MIN_ROWS):
+            return self.linear(x, w, out=out)
+        self._check(check_linear, x, w, None, None)
+        out = _out("out", out, (x.shape[0], w.shape[0]))
+        return self._gemv(_apart(_act(x), out), w, None, None, out, tiles=False)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None, id_map=None, best=None, sum_exp=None):
         """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head); ``conf``: an FP32 [n]
@@ -579,20 +608,44 @@ class CpuBackend(Backend):
                                                         amx_k.config(n), ids)
 
     def _row_norms(self, w: np.ndarray) -> np.ndarray:
-        """||w[j]||_2 of a BF16 head, computed once per weight array (held while it lives). A
-        head rewritten in place keeps the norms of its first call here: give the backend a new
-        array for new weights (the proposer's heads never change)."""
-        key = id(w)
-        hit = self._norms.get(key)
-        if hit is not None and hit[0]() is w:
-            return hit[1]
-        norms = np.empty(w.shape[0], np.float64)
-        lm_head_k.row_norms_kernel(w, norms)
-        for k, (ref, _) in list(self._norms.items()):     # the norms of dropped heads (a copy:
-            if ref() is None:                             # other threads may call in meanwhile)
-                self._norms.pop(k, None)
-        self._norms[key] = (weakref.ref(w), norms)
-        return norms
+        """||w[j]||_2 of a BF16 head, computed once per weight array (``_derived``)."""
+        def norms(w):
+            out = np.empty(w.shape[0], np.float64)
+            lm_head_k.row_norms_kernel(w, out)
+            return out
+
+        return _derived(self._norms, w, norms)
+
+    def _weight_tiles(self, w) -> np.ndarray | None:
+        """The AMX tile copy of a BF16 weight [N, K] (``amx_linear.repack``), made on its first
+        GEMV and held while the weight lives (``_derived``); None where the tiles do not
+        serve: not BF16 bits, or a machine or process without them (``amx.available``)."""
+        if not (isinstance(w, np.ndarray) and w.dtype == _U16 and w.ndim == 2 and amx_k.available()):
+            return None
+
+        def tiles(w):
+            N, K = w.shape
+            wp = np.empty((-(-N // amx_linear_k.COLS), -(-K // amx_linear_k.STEP), 16, 32), np.uint16)
+            amx_linear_k.repack(w, wp)
+            return wp
+
+        return _derived(self._tiles, w, tiles)
+
+    def _tiled_gemv(self, x: np.ndarray, wt: np.ndarray, bias, residual, out: np.ndarray) -> np.ndarray:
+        """out [n, N] = x [n, K] @ w.T (+ bias) (+ residual, which may be ``out`` itself) on the
+        AMX tiles, wt = ``_weight_tiles(w)``: every input value split into three BF16 parts
+        that sum to it (``amx_linear``), so the dots are FP32-accurate; a row's result depends
+        on its own input row and the weights only."""
+        n = x.shape[0]
+        if n == 0:
+            return out
+        G, g = amx_linear_k.groups(n)
+        xa = np.empty((G, wt.shape[1], 3 * g, amx_linear_k.STEP), np.uint16)
+        amx_linear_k.pack_parts(x, g, xa)
+        self._use_threads()
+        amx_linear_k.amx_linear_kernel(xa, n, wt, _opt_vec(bias), _opt_mat(residual), self.threads,
+                                       amx_linear_k.config(g), out)
+        return out
 
     def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
         """-> (ids [n, k] int32, probs [n, k] FP32): the logits (``lm_head_logits``), then each
@@ -612,6 +665,23 @@ class CpuBackend(Backend):
         if id_map is not None:
             ids = map_id_rows(ids, id_map)
         return ids, probs
+
+
+def _derived(cache: dict, w: np.ndarray, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """``make(w)``, computed once per weight array and kept in ``cache`` (id -> (a weak
+    reference to w, the result)) while w lives. A weight rewritten in place keeps what was
+    derived from its first values: give the backend a new array for new weights (the
+    proposer's never change)."""
+    key = id(w)
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    value = make(w)
+    for k, (ref, _) in list(cache.items()):          # entries of dropped weights (a copy: other
+        if ref() is None:                             # threads may call in meanwhile)
+            cache.pop(k, None)
+    cache[key] = (weakref.ref(w), value)
+    return value
 
 
 def _screens(w, n: int) -> bool:

@@ -68,8 +68,9 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
     bitmask = idx(np.full((N, -(-V // 32)), -1))
 
     def mtp_input():
-        for embed, eh in zip(dense(V, H) * 2, weights(H, 2 * H)):   # FP8 eh_proj beside a BF16 table
-            be.mtp_input(embed, idx([1, 2]), x, vec(H), vec(H), eh, 1e-5)
+        for embed in dense(V, H):                                   # every eh_proj beside either table
+            for eh in weights(H, 2 * H):
+                be.mtp_input(embed, idx([1, 2]), x, vec(H), vec(H), eh, 1e-5)
 
     def linear():
         for w in qkv_w:

@@ -148,7 +148,7 @@ def tile_release(typingctx):
     return types.void(), codegen
 
 
-def _make_zero(t: int):
+def make_zero(t: int):
     @intrinsic
     def zero(typingctx):
         def codegen(context, builder, sig, args):
@@ -160,7 +160,7 @@ def _make_zero(t: int):
     return zero
 
 
-def _make_rows(text: str):
+def make_rows(text: str):
     """An intrinsic ``(arr, off, stride)`` running the tile load or store ``text`` (``$0``: the
     address of ``arr``'s flat element ``off``, ``$1``: ``stride``, the bytes between rows)."""
     @intrinsic
@@ -180,7 +180,7 @@ def _make_rows(text: str):
     return rows
 
 
-def _make_dot(c: int, a: int, b: int):
+def make_dot(c: int, a: int, b: int):
     @intrinsic
     def dot(typingctx):
         """Tile c += tile a (BF16) x tile b (BF16 pairs), in FP32."""
@@ -208,11 +208,11 @@ def prefetch(typingctx, arr, off):
     return types.void(arr, off), codegen
 
 
-zero_c = _make_zero(0)
+zero_c = make_zero(0)
 # tile 1 / 2 <- rows of memory; tile 0 -> rows of memory
-load_a, load_b = _make_rows("tileloadd ($0,$1,1), %tmm1"), _make_rows("tileloadd ($0,$1,1), %tmm2")
-store_c = _make_rows("tilestored %tmm0, ($0,$1,1)")
-dot_c = _make_dot(0, 1, 2)
+load_a, load_b = make_rows("tileloadd ($0,$1,1), %tmm1"), make_rows("tileloadd ($0,$1,1), %tmm2")
+store_c = make_rows("tilestored %tmm0, ($0,$1,1)")
+dot_c = make_dot(0, 1, 2)
 
 
 @njit(cache=True, fastmath=False)

@@ -218,10 +218,10 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
         fp8_chunk(expert(w13, experts[u]), t % T1, zero, xg, starts[u], starts[u + 1], gu, zero, no)
     if P * I <= SMALL:
         for p in range(P):
-            _silu_mul_row(gu, p, limit, act)
+            silu_mul_row(gu, p, limit, act)
     else:
         for p in prange(P):
-            _silu_mul_row(gu, p, limit, act)
+            silu_mul_row(gu, p, limit, act)
     for t in prange(U * T2):
         u = t // T2
         fp8_chunk(expert(w2, experts[u]), t % T2, zero, act, starts[u], starts[u + 1], y2, zero, no)
@@ -229,7 +229,7 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
 
 
 @njit(cache=True, fastmath=False)
-def _silu_mul_row(gu, p, limit, act):
+def silu_mul_row(gu, p, limit, act):
     """act[p, j] = swiglu(gate, up, limit) with gu[p] = gate | up."""
     I = act.shape[1]
     for j in range(I):

@@ -61,7 +61,7 @@ def _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def _input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h):
+def input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h):
     """Phase 1 of mtp_input: every row's two norms (serial up to ``SMALL`` elements)."""
     n, H = g.shape
     if n * H <= SMALL:
@@ -78,7 +78,7 @@ def mtp_input_kernel(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, e, h, out):
     scratch e, h [n, H]; out [n, H] = eh_w[:, :H] @ e + eh_w[:, H:] @ h."""
     n, H = g.shape
     zero = np.int64(0)                               # typed, not literal: see gemv_task
-    _input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
+    input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
     q = H // 8
     for t in prange(q + H - 8 * q):
         rows, count = group8(t, q, zero)
@@ -94,7 +94,7 @@ def mtp_input_fp8_kernel(embed, tokens, g, enorm_w, hnorm_w, eh8, eps, e, h, out
     embeddings, its right half against the normed hiddens."""
     n, H = g.shape
     zero, no, yes = np.int64(0), np.bool_(False), np.bool_(True)
-    _input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
+    input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
     for c in prange(chunks(eh8)):
         fp8_chunk(eh8, c, zero, e, zero, n, out, zero, no)
         fp8_chunk(eh8, c, np.int64(H), h, zero, n, out, zero, yes)
