@@ -639,11 +639,9 @@ class CpuBackend(Backend):
         n = x.shape[0]
         if n == 0:
             return out
-        G, g = amx_linear_k.groups(n)
-        xa = np.empty((G, wt.shape[1], 3 * g, amx_linear_k.STEP), np.uint16)
-        amx_linear_k.pack_parts(x, g, xa)
+        g = amx_linear_k.groups(n)[1]
         self._use_threads()
-        amx_linear_k.amx_linear_kernel(xa, n, wt, _opt_vec(bias), _opt_mat(residual), self.threads,
+        amx_linear_k.amx_linear_kernel(x, g, wt, _opt_vec(bias), _opt_mat(residual), self.threads,
                                        amx_linear_k.config(g), out)
         return out
 

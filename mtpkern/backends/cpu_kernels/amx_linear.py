@@ -217,14 +217,18 @@ def _task(wp, jb, nj, xa, gi, T, cs):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def amx_linear_kernel(xa, n, wp, bias, residual, nchunks, cfg, out):
-    """out [n, N] = x @ w.T (+ bias [N] unless empty) (+ residual [n, N] unless empty: it may
-    be ``out`` itself), x as ``pack_parts`` packed it into xa, w [N, K] as ``repack`` packed it
-    into wp; ``cfg``: ``config(g)``. Tasks (J weight tile rows of 16 output columns) split into
-    ``nchunks`` contiguous ranges, one configuration of the tiles each."""
-    G, M = xa.shape[0], xa.shape[2]
+def amx_linear_kernel(x, g, wp, bias, residual, nchunks, cfg, out):
+    """out [n, N] = x [n, K] @ w.T (+ bias [N] unless empty) (+ residual [n, N] unless empty:
+    it may be ``out`` itself), w [N, K] as ``repack`` packed it into wp; x packed by
+    ``pack_parts`` in groups of g rows first (in this call: one dispatch less); ``cfg``:
+    ``config(g)``. Tasks (J weight tile rows of 16 output columns) split into ``nchunks``
+    contiguous ranges, one configuration of the tiles each."""
+    n = x.shape[0]
+    G = (n + g - 1) // g
+    M = 3 * g
+    xa = np.empty((G, wp.shape[1], M, STEP), np.uint16)
+    pack_parts(x, g, xa)
     N = out.shape[1]
-    g = M // 3
     T = (M + 15) // 16
     J = 4 if T == 1 else 2
     NB = wp.shape[0]
