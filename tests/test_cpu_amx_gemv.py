@@ -197,3 +197,104 @@ def test_the_tile_copy_follows_the_weight_array():
         del w, wt
     assert len(be._tiles) <= 2
     assert be._weight_tiles(np.zeros((4, 4), np.float32)) is None
+
+
+# -- the LM head's confidences from the tiles' logits ---------------------------------------
+
+#: the backend's method, kept before any test replaces it
+TILED_ARGMAX = cpu_mod.CpuBackend._tiled_argmax
+
+
+def _head_both(be, x, w, monkeypatch, **kw):
+    """(ids, conf, best, sum_exp) through the tiled logits, then through the FMA kernel alone."""
+    out = []
+    n = x.shape[0]
+    for tiled in (True, False):
+        monkeypatch.setattr(cpu_mod.CpuBackend, "_tiled_argmax", TILED_ARGMAX if tiled else (lambda *a: None))
+        conf, best, sums = (np.full(n, -7.0, np.float32) for _ in range(3))
+        ids = be.lm_head_argmax(x, w, conf=conf, **({"best": best, "sum_exp": sums} if kw.get("partial") else {}))
+        out.append((ids.tolist(), conf, best, sums))
+    return out
+
+
+@pytest.mark.parametrize("V,K", [(32768, 1024), (1001, 64), (37, 32), (4099, 256)])
+@pytest.mark.parametrize("n", [1, 4, 8, 13])
+def test_confidences_on_the_tiles_match_the_fma_kernel(V, K, n, monkeypatch):
+    """Random heads: the ids are the FMA kernel's, the confidences (and a shard's best and
+    sum) within FP32 rounding of its."""
+    be = get_backend("cpu")
+    rng = np.random.default_rng(V + K + n)
+    w = be.prepare_weight((rng.standard_normal((V, K)) * 3 / np.sqrt(K)).astype(ml_dtypes.bfloat16))
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    (ti, tc, tb, ts), (fi, fc, fb, fs) = _head_both(be, x, w, monkeypatch, partial=True)
+    assert ti == fi
+    np.testing.assert_array_equal(tb, fb)                     # the best: the FMA logit itself
+    np.testing.assert_allclose(tc, fc, rtol=1e-5)
+    np.testing.assert_allclose(ts, fs, rtol=1e-5)
+
+
+def test_confidences_at_ties_nan_and_infinite_logits(monkeypatch):
+    """Copies of a row's best (an exact tie: the lowest id, counted 1 each in the sum), a copy
+    one BF16 step below it, a NaN weight row (never chosen, never counted) and a row of huge weights
+    (infinite logits: a row whose best is +inf has confidence 1 / (its count of +inf))."""
+    be = get_backend("cpu")
+    rng = np.random.default_rng(9)
+    V, K, n = 4099, 128, 6
+    wf = (rng.standard_normal((V, K)) * 0.2).astype(np.float32)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    best = int(np.argmax(x[0] @ wf.T))
+    for j in (5, 1030, 4098):
+        wf[j] = wf[best]
+    nudged = wf[best].copy()
+    k = int(np.argmax(np.abs(x[0])))
+    nudged[k] *= 1 - 2.0 ** -7 if nudged[k] * x[0, k] > 0 else 1 + 2.0 ** -7      # just below the best
+    wf[2050] = nudged
+    wf[9] = np.nan
+    wf[300] = 3e38 * np.sign(rng.standard_normal(K))
+    x[2] = np.sign(wf[300]) * 0.5                             # row 2: +inf at token 300
+    w = be.prepare_weight(wf.astype(ml_dtypes.bfloat16))
+    (ti, tc, _, _), (fi, fc, _, _) = _head_both(be, x, w, monkeypatch)
+    assert ti == fi and ti[0] == min(best, 5) and ti[2] == 300 and 9 not in ti
+    np.testing.assert_allclose(tc, fc, rtol=1e-5)
+    assert tc[2] == 1.0
+
+
+def test_a_rows_confidence_does_not_depend_on_its_batch():
+    """The tiles' logits of a row depend on that row only, at every row count: its id and
+    confidence are the same bits alone and in a batch."""
+    be = get_backend("cpu")
+    rng = np.random.default_rng(10)
+    V, K = 3000, 96
+    w = be.prepare_weight((rng.standard_normal((V, K)) * 0.3).astype(ml_dtypes.bfloat16))
+    x = rng.standard_normal((11, K)).astype(np.float32)
+    conf = np.empty(11, np.float32)
+    ids = be.lm_head_argmax(x, w, conf=conf)
+    for r in (0, 4, 10):
+        c1 = np.empty(1, np.float32)
+        assert be.lm_head_argmax(x[r:r + 1], w, conf=c1)[0] == ids[r] and c1[0] == conf[r]
+
+
+def test_what_takes_the_tiled_confidences(monkeypatch):
+    """Confidences or a shard's sums of a BF16 head without a mask take the tiles; a masked
+    call (the FMA kernel reads only the allowed rows), an FP32 head and the ids alone (the
+    screen, which needs no copy of the head) do not."""
+    be = get_backend("cpu")
+    rng = np.random.default_rng(11)
+    V, K, n = 500, 64, 5
+    calls = []
+    kernel = cpu_mod.lm_head_k.lm_head_argmax_tiled_kernel
+
+    def counted(*a):
+        calls.append(1)
+        return kernel(*a)
+    monkeypatch.setattr(cpu_mod.lm_head_k, "lm_head_argmax_tiled_kernel", counted)
+    w = be.prepare_weight((rng.standard_normal((V, K)) * 0.3).astype(ml_dtypes.bfloat16))
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    conf = np.empty(n, np.float32)
+    be.lm_head_argmax(x, w, conf=conf)
+    be.lm_head_argmax(x, w, best=np.empty(n, np.float32), sum_exp=np.empty(n, np.float32))
+    assert len(calls) == 2
+    be.lm_head_argmax(x, w)
+    be.lm_head_argmax(x, w, np.full((n, -(-V // 32)), -1, np.int32), conf=conf)
+    be.lm_head_argmax(x, be.prepare_weight(rng.standard_normal((V, K)).astype(np.float32)), conf=conf)
+    assert len(calls) == 2

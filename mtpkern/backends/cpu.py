@@ -577,10 +577,14 @@ class CpuBackend(Backend):
         self._use_threads()
         if isinstance(w, CpuFp8):
             none = lm_head_k.lm_head_argmax_fp8_kernel(_act(x), w.kernel_args(), bitmask, ids, cf, stats)
-        else:                  # the AMX screen for the ids alone, where it serves; else the FMA kernel
-            none = self._screened_argmax(_act(x), w, bitmask, chunks, ids) if conf is None and not partial else None
+        else:       # on AMX: the screen for the ids alone, the tiled logits for the rest; else the FMA kernel
+            x = _act(x)
+            if conf is None and not partial:
+                none = self._screened_argmax(x, w, bitmask, chunks, ids)
+            else:
+                none = self._tiled_argmax(x, w, bitmask, chunks, ids, cf, stats)
             if none is None:
-                none = lm_head_k.lm_head_argmax_kernel(_act(x), w, bitmask, chunks, ids, cf, stats)
+                none = lm_head_k.lm_head_argmax_kernel(x, w, bitmask, chunks, ids, cf, stats)
         if none >= 0 and not partial:                                        # the first row left with -1
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         if best is not None:
@@ -606,6 +610,23 @@ class CpuBackend(Backend):
             return None
         return lm_head_k.lm_head_argmax_screened_kernel(x, xb, err, w, self._row_norms(w), chunks,
                                                         amx_k.config(n), ids)
+
+    def _tiled_argmax(self, x, w, bitmask, chunks: int, ids, conf, stats) -> int | None:
+        """``lm_head_argmax_tiled_kernel`` for a call with confidences or a shard's sums (the
+        screen's logits are too rough for them), without a grammar mask, where the AMX GEMV
+        serves (``_weight_tiles``: a tile copy of the head is made on its first such call):
+        the head's logits on the tiles at any row count (so a row's confidence does not depend
+        on its batch), the ids the FMA kernel's bit for bit. None where it does not serve."""
+        if bitmask.size:
+            return None
+        wt = self._weight_tiles(w)
+        if wt is None:
+            return None
+        n, V = x.shape[0], w.shape[0]
+        a = self._tiled_gemv(x, wt, None, None, np.empty((n, V), np.float32))
+        err = np.empty((n, 2), np.float64)
+        amx_linear_k.logit_bounds(x, err)
+        return lm_head_k.lm_head_argmax_tiled_kernel(x, a, err, w, self._row_norms(w), chunks, ids, conf, stats)
 
     def _row_norms(self, w: np.ndarray) -> np.ndarray:
         """||w[j]||_2 of a BF16 head, computed once per weight array (``_derived``)."""

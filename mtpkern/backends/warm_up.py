@@ -123,6 +123,7 @@ def family_calls(be: Backend, fp8: bool = True) -> list[tuple[str, Callable[[], 
         for w in weights(V, H):
             be.lm_head_argmax(x, w)
             be.lm_head_argmax(x, w, bitmask)
+            be.lm_head_argmax(x, w, conf=act(N))               # the confidences' own path
             be.lm_head_logits(x, w)
         be.lm_head_argmax(act(NA, HA), dense(V, HA)[0])
 

@@ -262,3 +262,31 @@ def swiglu_rows(gu, limit, act):
     """act [n, I] = swiglu(gate, up) of gu [n, 2I] = gate | up (``mlp.swiglu``)."""
     for p in range(act.shape[0]):
         silu_mul_row(gu, p, limit, act)
+
+
+@njit(cache=True, fastmath=False)
+def logit_bounds(x, err):
+    """err [n, 2] float64 for x [n, K]: the tiles' dot a of a BF16 weight row w and x_i is
+    within ||w||_2 err[i, 0] + err[i, 1] of the FMA tiles' f (``gemv_tiles``; an upper bound
+    ``lm_head.lm_head_argmax_tiled_kernel`` screens with). With S = sum_k |w_k x_k| <=
+    ||w|| ||x_i|| (Cauchy-Schwarz): each part's tile sum carries at most gamma_K of its own
+    sum |w p| (exact products, K roundings deep in any order), the two sums joining the parts
+    2u, and |h| + |m| + |l| <= (1 + 2^-7) |x|, so |a - w.x| <= 1.01 gamma_(K+2) S; the FMA
+    tiles' |f - w.x| <= gamma_K S; so err[i, 0] = 2.1 gamma_(K+2) ||x_i|| (+ 2^-126 sqrt(K) for
+    the parts the tiles read as zero, sum 2^-126 |w_k| <= 2^-126 sqrt(K) ||w||) and err[i, 1] =
+    2^-126 (2 ||x_i||_1 + 4 K + 2) (the denormal weights read as zero and the denormal sums
+    flushed, at most 3 K + 2 of them). Non-finite x gives a non-finite bound: every token of
+    that row is then recomputed."""
+    n, K = x.shape
+    u = 2.0 ** -24
+    g = (K + 2) * u / (1.0 - (K + 2) * u)
+    tiny = 2.0 ** -126
+    for i in range(n):
+        s2, s1 = 0.0, 0.0
+        for k in range(K):
+            v = np.float64(x[i, k])
+            s2 += v * v
+            s1 += abs(v)
+        err[i, 0] = 2.1 * g * np.sqrt(s2) + tiny * np.sqrt(K)
+        err[i, 1] = tiny * (2.0 * s1 + 4.0 * K + 2.0)
+

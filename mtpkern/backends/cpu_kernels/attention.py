@@ -22,7 +22,7 @@ that some row of the unit sees (``[BS, Hkv, D]`` each, read front to back). For 
 - per (row, head) one online softmax step over all the span's KV rows it sees (running
   max m, sum l, FP32 accumulator [Dv], rescaled when the span raises m: ``_above`` counts
   the scores over m, vectorised, and only then is the span's max taken); ``p = exp(s - m)``
-  by ``_exp_le0``, a polynomial that vectorises over the rows (Numba has no vector ``exp``
+  by ``exp_le0``, a polynomial that vectorises over the rows (Numba has no vector ``exp``
   without SVML, and ``np.exp`` is a libm call per score). A step per span, not per block:
   its fixed costs (the count, the sum's reduction, the loops' ends) were a quarter of an
   exact-mode module's attention at blocks of 16 (benchmarks/README.md);
@@ -65,12 +65,11 @@ takes from a block only the rows from its ``row_start`` on.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from .linear import _DOT_FLAGS, SMALL
-from .simd import VL, emit_prefetch, pv1, pv4, pv8, qk1, qk4, qk8
+from .simd import VL, emit_prefetch, exp_le0, pv1, pv4, pv8, qk1, qk4, qk8
 
 #: rows of one sequence per unit: a prefill chunk of n rows becomes ceil(n / RMAX) units,
 #: each reading the KV its rows see once; the unit's queries and accumulators
@@ -80,18 +79,6 @@ RMAX = 8
 #: online softmax step takes a span at once, so its fixed costs (a count of the scores above
 #: the running max, a sum, the loops' ends) are paid once per 128 rows, not once per block
 SPAN_ROWS = 128
-
-
-@intrinsic
-def _bits_to_f32(typingctx, v):
-    """The FP32 whose bits are the low 32 bits of the integer ``v``."""
-    if isinstance(v, types.Integer):
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(builder.trunc(args[0], ir.IntType(32)) if v.bitwidth > 32 else args[0],
-                                   ir.FloatType())
-
-        return types.float32(v), codegen
-    return None
 
 
 @intrinsic
@@ -106,33 +93,6 @@ def _prefetch(typingctx, a, i):
 
         return types.none(a, i), codegen
     return None
-
-
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)                  # 8 significant bits: kf * _LN2_HI is exact
-_LN2_LO = np.float32(-2.12194440e-4)               # ln 2 - _LN2_HI
-_EXP_MIN = np.float32(-87.0)                       # exp(-87) = 1.6e-38, just above FP32's normals
-
-
-@njit(cache=True, fastmath={"contract"})
-def _exp_le0(x):
-    """exp(x) for x <= 0, in FP32, within ~2 ulp; NaN stays NaN; x below -87 gives
-    exp(-87) (1.6e-38: below every tolerance, and never a denormal, whose arithmetic
-    is 60x slower on this Xeon). Cody-Waite: x = k ln 2 + r, |r| <= ln 2 / 2, then
-    2^k times a degree-6 Taylor polynomial of exp(r) (truncation 1.2e-7 relative).
-    Straight-line code, so a loop over it vectorises (np.exp is a libm call per value)."""
-    x = _EXP_MIN if x < _EXP_MIN else x            # NaN passes (the comparison is false)
-    kf = np.floor(x * _LOG2E + np.float32(0.5))
-    kf = kf if kf >= np.float32(-126.0) else np.float32(-126.0)   # NaN: any k (r is NaN)
-    r = (x - kf * _LN2_HI) - kf * _LN2_LO
-    p = np.float32(1.0 / 720.0)
-    p = p * r + np.float32(1.0 / 120.0)
-    p = p * r + np.float32(1.0 / 24.0)
-    p = p * r + np.float32(1.0 / 6.0)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
-    return p * _bits_to_f32((np.int32(kf) + np.int32(127)) << 23)
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS, inline="always")
@@ -350,7 +310,7 @@ def _softmax_step(sc, lo, hi, i0, i1, mh, lh, ah):
             # be NaN); a NaN score stays NaN. si is a view indexed from 0: si[lo + j]
             # would carry Numba's negative-index wraparound, which kept the loop scalar
             sj = si[j]
-            p = np.float32(0.0) if sj == -np.inf else _exp_le0(sj - m)
+            p = np.float32(0.0) if sj == -np.inf else exp_le0(sj - m)
             si[j] = p
             tot += p
         lh[i] += tot

@@ -27,7 +27,8 @@ import numpy as np
 from numba import njit, prange
 
 from . import amx
-from .linear import chunks, fp8_chunk, gemv_task, group8, widen
+from .linear import _DOT_FLAGS, chunks, fp8_chunk, gemv_task, group8, widen
+from .simd import EXP_MIN, exp_le0
 
 
 @njit(cache=True, fastmath=False)
@@ -174,6 +175,108 @@ def lm_head_argmax_screened_kernel(x, xb, err, w, wnorm, nchunks, cfg, ids):
                         best_id[c, i] = j
     return _reduce(best_val, best_id, np.zeros((0, n), np.float32), ids, np.empty(0, np.float32),
                    np.empty((0, n), np.float32))
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def lm_head_argmax_tiled_kernel(x, a, err, w, wnorm, nchunks, ids, conf, stats):
+    """``lm_head_argmax_kernel`` without a mask, from the logits a [n, V] the AMX tiles computed
+    (``amx_linear``: FP32-accurate, not the FMA tiles' bits): the ids bit for bit the FMA
+    kernel's, the confidences (conf not empty) and a shard's stats from the same logits, within
+    FP32 rounding of the FMA kernel's. x [n, H] FP32, err its ``amx_linear.logit_bounds``, w
+    [V, H] BF16 bits, wnorm [V] its ``row_norms_kernel``; a is overwritten.
+
+    1. a[i, j] is within b_ij = (||w_j|| err[i, 0] + err[i, 1]) of the FMA tiles' f_ij, so
+       L_i = max_j a[i, j] - max_j b_ij (over the finite a) is a lower bound of row i's best f.
+    2. Per chunk: a token with a[i, j] + b_ij >= L_i (or a value or bound that is not finite)
+       may be row i's best: its f_ij is computed on the FMA tiles (a dot's bits depend on its
+       two rows only) and written over a[i, j]; the chunk's best is the largest of those, the
+       lowest id on a tie (NaN never); the chunks' bests reduce as in the FMA kernel
+       (``_reduce``). Every other token's f is below the best: the ids are the FMA kernel's.
+    3. With conf: per chunk, sum_j exp(a[i, j] - best) in one vectorised pass (``_exp_sum``:
+       a logit equal to the best counts 1), the chunks' sums added in order; conf = 1 / sum
+       and, with stats, stats[1] = the sum. Returns the first row left with -1, or -1."""
+    n, V = a.shape
+    low = np.full((nchunks, n), -np.inf)
+    best_val = np.empty((nchunks, n), np.float32)
+    best_id = np.empty((nchunks, n), np.int64)
+    sums = np.zeros((nchunks if conf.shape[0] else 0, n), np.float32)
+    per = (V + nchunks - 1) // nchunks
+    zero, no = np.int64(0), np.bool_(False)
+    wmax = 0.0
+    for j in range(V):
+        if not wnorm[j] <= wmax:                                 # NaN too: then every token a candidate
+            wmax = wnorm[j] if wnorm[j] == wnorm[j] else np.inf
+    for c in prange(nchunks):
+        lo, hi = min(V, c * per), min(V, (c + 1) * per)
+        for i in range(n):
+            low[c, i] = _finite_max(a[i], lo, hi)
+    floor = np.full(n, -np.inf)                                  # max_j a - b_max <= best f
+    for i in range(n):
+        top = -np.inf
+        for c in range(nchunks):
+            top = max(top, low[c, i])
+        floor[i] = top - (wmax * err[i, 0] + err[i, 1]) * _SLACK
+    for c in prange(nchunks):                  # the candidates' f, over their a, and each chunk's best
+        _clear(best_val, best_id, c)
+        y = np.empty((n, 1), np.float32)
+        zeros = (zero, zero, zero, zero, zero, zero, zero, zero)
+        for i in range(n):
+            ai, e0, e1, fl = a[i], err[i, 0], err[i, 1], floor[i]
+            th = fl - (wmax * e0 + e1) * _SLACK                  # below it no bound reaches the floor
+            for j in range(min(V, c * per), min(V, (c + 1) * per)):
+                if ai[j] < th and ai[j] != -np.inf:              # the usual case: one compare
+                    continue
+                up = (np.float64(ai[j]) + (wnorm[j] * e0 + e1) * _SLACK)
+                if up >= fl or not (up - up == 0.0):             # a candidate, or not finite
+                    one = (j, j, j, j, j, j, j, j)
+                    gemv_task(w, one, 1, zero, x, np.int64(i), np.int64(i + 1), y, zeros, no)
+                    f = y[i, 0]
+                    ai[j] = f
+                    if f == f and (best_id[c, i] < 0 or f > best_val[c, i]):    # ids rise: a tie keeps the lower
+                        best_val[c, i] = f
+                        best_id[c, i] = j
+    first_none = _reduce(best_val, best_id, np.zeros((0, n), np.float32), ids, conf, stats)
+    if conf.shape[0]:                          # sum_j exp(l_j - best) over the logits a now holds
+        for c in prange(nchunks):
+            lo, hi = min(V, c * per), min(V, (c + 1) * per)
+            for i in range(n):
+                sums[c, i] = _exp_sum(a[i], lo, hi, a[i, ids[i]]) if ids[i] >= 0 else np.float32(0.0)
+        for i in range(n):
+            tot = np.float32(0.0)
+            for c in range(nchunks):
+                tot += sums[c, i]
+            if conf.shape[0]:
+                conf[i] = np.float32(1.0) / tot if ids[i] >= 0 else np.float32(np.nan)
+            if stats.shape[0]:
+                stats[1, i] = tot
+    return first_none
+
+
+@njit(cache=True, fastmath=False)
+def _finite_max(row, lo, hi):
+    """max of the finite row[lo .. hi - 1] (float64), -inf if none."""
+    top = np.float32(-np.inf)
+    for j in range(lo, hi):
+        v = row[j]
+        v = v if v - v == np.float32(0.0) else np.float32(-np.inf)
+        top = v if v > top else top
+    return np.float64(top)
+
+
+@njit(cache=True, fastmath=_DOT_FLAGS)
+def _exp_sum(row, lo, hi, b):
+    """sum over j in lo .. hi - 1 of exp(row[j] - b), b the row's best: a logit equal to b
+    counts exactly 1 (never exp(inf - inf)), a NaN nothing, one under b - 87 nothing (its
+    term, under 1.6e-38, is below every tolerance); one vectorised pass (``simd.exp_le0``)."""
+    s = np.float32(0.0)
+    for j in range(lo, hi):
+        v = row[j]
+        d = v - b
+        t = exp_le0(d)
+        t = np.float32(0.0) if (d < EXP_MIN or v != v) else t
+        t = np.float32(1.0) if v == b else t
+        s += t
+    return s
 
 
 @njit(cache=True, fastmath=False, parallel=True)
