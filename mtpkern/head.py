@@ -266,35 +266,31 @@ class MtpHead:
     def append_rows(self, jobs: list[RowJob], pad_tables: bool = False) -> "RowIndex":
         """Grow each job's sequence by its rows (keys recorded) and return the host
         index arrays of the forward: one entry per row, sequences in job order."""
-        n = sum(j.count for j in jobs)
-        tokens = np.empty(n, np.int32)
-        positions = np.empty(n, np.int32)
-        slots = np.empty(n, np.int32)
-        row_seq = np.empty(n, np.int32)
-        row_len = np.empty(n, np.int32)
         W = self.block.sliding_window
-        row_start = np.empty(n, np.int32) if W else None   # a window's first visible row, per row
-        max_blocks = 1
-        tabs = []
-        at = 0
-        for s, job in enumerate(jobs):
+        positions: list[int] = []
+        row_seq: list[int] = []
+        row_len: list[int] = []
+        row_start: list[int] = []                  # a window's first visible row, per row
+        slots, tabs = [], []
+        for s, job in enumerate(jobs):             # a few rows a job: Python lists, one array each at the end
             c = job.count
             first_row = self.pool.append(job.seq, job.first_key, c, job.holder)
-            tokens[at:at + c] = job.tokens
-            positions[at:at + c] = np.arange(job.first_key, job.first_key + c) + job.key_to_pos
-            slots[at:at + c] = self.pool.slots(job.seq, first_row, c)
-            row_seq[at:at + c] = s
-            row_len[at:at + c] = np.arange(first_row + 1, first_row + c + 1)
+            positions.extend(range(job.first_key + job.key_to_pos, job.first_key + job.key_to_pos + c))
+            slots.append(self.pool.slots(job.seq, first_row, c))
+            row_seq.extend([s] * c)
+            row_len.extend(range(first_row + 1, first_row + c + 1))
             tabs.append(self.pool.table(job.seq))    # released entries as 0: never read (outside the window)
-            max_blocks = max(max_blocks, tabs[-1].shape[0])
             if W:     # the first row whose key is > key - W (positions are keys + a constant)
-                for i in range(c):
-                    row_start[at + i] = job.seq._keys.rows_before(job.first_key + i - W + 1)
-            at += c
+                row_start.extend(job.seq._keys.rows_before(job.first_key + i - W + 1) for i in range(c))
+        max_blocks = max([1] + [t.shape[0] for t in tabs])
         tables = np.zeros((len(jobs), table_width(max_blocks) if pad_tables else max_blocks), np.int32)
         for s, t in enumerate(tabs):
             tables[s, :t.shape[0]] = t
-        return RowIndex(tokens, positions, slots, row_seq, row_len, tables, row_start)
+        i32 = np.int32
+        return RowIndex(np.concatenate([j.tokens for j in jobs]).astype(i32, copy=False) if jobs else np.empty(0, i32),
+                        np.array(positions, i32), np.concatenate(slots) if slots else np.empty(0, i32),
+                        np.array(row_seq, i32), np.array(row_len, i32), tables,
+                        np.array(row_start, i32) if W else None)
 
     def compute(self, tokens: Any, g: Any, positions: Any, slots: Any, tables: Any, row_seq: Any,
                 row_len: Any, bufs: "ForwardBuffers | None" = None, row_start: Any = None,

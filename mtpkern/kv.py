@@ -382,13 +382,15 @@ class BlockPool:
 
     def slots(self, seq: SeqKv, first_row: int, count: int) -> np.ndarray:
         """``[count]`` int32 cache slots of rows ``first_row ..`` (rows in live blocks)."""
-        r = np.arange(first_row, first_row + count)
-        idx = r // self.block_size - seq._base
-        table = np.asarray(seq._blocks, np.int64)
-        if count and (idx.min() < 0 or idx.max() >= table.size or (table[idx] < 0).any()):
-            raise StateError(f"module {self.module}: rows {first_row} .. {first_row + count - 1} are not in live "
-                             f"blocks (entries {seq._base} .. {seq._base + table.size - 1}, released ones included)")
-        return (table[idx] * self.block_size + r % self.block_size).astype(np.int32)
+        bs, base, blocks = self.block_size, seq._base, seq._blocks
+        out = []                                   # a few rows a call: Python ints beat NumPy's per-call cost
+        for r in range(first_row, first_row + count):
+            i = r // bs - base
+            if i < 0 or i >= len(blocks) or blocks[i] < 0:
+                raise StateError(f"module {self.module}: rows {first_row} .. {first_row + count - 1} are not in "
+                                 f"live blocks (entries {base} .. {base + len(blocks) - 1}, released ones included)")
+            out.append(blocks[i] * bs + r % bs)
+        return np.array(out, np.int32)
 
     def table(self, seq: SeqKv) -> np.ndarray:
         """``seq``'s block table as the kernels read it, ``[base + len(blocks)]`` int32:
