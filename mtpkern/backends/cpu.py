@@ -687,19 +687,27 @@ class CpuBackend(Backend):
 
 
 def _derived(cache: dict, w: np.ndarray, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """``make(w)``, computed once per weight array and kept in ``cache`` (id -> (a weak
-    reference to w, the result)) while w lives. A weight rewritten in place keeps what was
+    """``make(w)``, computed once per weight and kept in ``cache`` while the array owning w's
+    memory lives, then dropped with it (a weak reference's callback: a tile copy is as large as
+    its weight). The key is that owner and w's place in it (address, shape, strides), so a
+    view made afresh on each call (a raw ``bfloat16`` array viewed as its bits) still hits, and
+    slices of one weight get their own entries. A weight rewritten in place keeps what was
     derived from its first values: give the backend a new array for new weights (the
     proposer's never change)."""
-    key = id(w)
+    owner = w
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    key = (id(owner), w.__array_interface__["data"][0], w.shape, w.strides, w.dtype.str)
     hit = cache.get(key)
-    if hit is not None and hit[0]() is w:
+    if hit is not None and hit[0]() is owner:
         return hit[1]
     value = make(w)
-    for k, (ref, _) in list(cache.items()):          # entries of dropped weights (a copy: other
-        if ref() is None:                             # threads may call in meanwhile)
-            cache.pop(k, None)
-    cache[key] = (weakref.ref(w), value)
+
+    def drop(ref, key=key):
+        if (entry := cache.get(key)) is not None and entry[0] is ref:
+            cache.pop(key, None)
+
+    cache[key] = (weakref.ref(owner, drop), value)
     return value
 
 
