@@ -5,7 +5,10 @@ its 16-bit pattern (a contiguous ``uint16`` view, widened to FP32 inside the
 kernels), FP32 as FP32, and an ``Fp8Weight`` as its bytes with factors derived
 from its scales (``CpuFp8``, ``backends/cpu_fp8.py``), dequantized inside every
 GEMV kernel (the ``*_fp8_kernel`` variants; docs/fp8.md). FP8 embedding tables
-are refused (``mtp_input``): released checkpoints keep them BF16. Activations are FP32 NumPy arrays, indices int32,
+are refused (``mtp_input``): released checkpoints keep them BF16. On a CPU with AMX the BF16
+GEMVs of ``linear``, ``mtp_input`` and the dense MLP, and an LM head asked for confidences, run
+on the tiles from a copy of the weight in their layout, made on its first use
+(``_weight_tiles``, ``cpu_kernels/amx_linear.py``). Activations are FP32 NumPy arrays, indices int32,
 the KV cache FP32. Every launcher validates with the family's ``check_*``
 (mtpkern.ops; once per argument signature, ``CpuBackend._check``), checks index
 values in one Numba pass (``cpu_kernels/bounds.py``), brings its inputs to
