@@ -209,9 +209,10 @@ class CpuBackend(Backend):
         #: check: the checks read nothing else, and NumPy's ``dtype.name`` alone costs
         #: ~5 us a call (the checks of one module's ops took ~100 us at n = 1)
         self._passed: set = set()
-        #: id(w) -> (a weak reference to w, its rows' norms): the BF16 LM heads the AMX screen read
+        #: the BF16 LM heads' row norms (the AMX screen's and the tiled confidences' bounds) and
+        #: the BF16 weights' AMX tile copies (``_tiled_gemv``), each kept while its weight lives
+        #: (``_derived``: keyed on the array owning the weight, dropped with it)
         self._norms: dict = {}
-        #: id(w) -> (a weak reference to w, its AMX tile copy): the BF16 weights of ``_tiled_gemv``
         self._tiles: dict = {}
 
     def _use_threads(self) -> None:
@@ -336,6 +337,11 @@ class CpuBackend(Backend):
 
     # -- linear -------------------------------------------------------------
     def linear(self, x, w, bias=None, residual=None, *, out=None, norm=None):
+        return self._linear(x, w, bias, residual, out, norm, tiles=True)
+
+    def _linear(self, x, w, bias, residual, out, norm, *, tiles: bool) -> np.ndarray:
+        """``linear``; ``tiles``: a BF16 GEMV may run on the AMX tiles (``_tiled_gemv``) where
+        they serve, else it runs on the FMA tiles."""
         self._check(check_linear, x, w, bias, residual)
         if norm is not None:        # the definition: the rmsnorm kernel, then the GEMV
             x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
@@ -355,11 +361,6 @@ class CpuBackend(Backend):
             if residual is not None:
                 out += residual
             return out
-        return self._gemv(x, w, bias, residual, out, tiles=True)
-
-    def _gemv(self, x, w, bias, residual, out, *, tiles: bool) -> np.ndarray:
-        """A BF16 or FP32 GEMV (``linear``'s checked arguments): on the AMX tiles where they serve
-        and ``tiles`` (``_tiled_gemv``), else on the FMA tiles."""
         wt = self._weight_tiles(w) if tiles else None
         if wt is not None:
             return self._tiled_gemv(x, wt, bias, residual, out)
@@ -548,12 +549,7 @@ class CpuBackend(Backend):
         for bit (the AMX GEMV's logits differ from them by FP32 rounding)."""
         expect_ndim("x", x, 2)
         expect_shape("w", w, (None, x.shape[1]))
-        w = _any_weight("w", w)
-        if isinstance(w, CpuFp8) or (w.dtype == np.float32 and x.shape[0] >= _BLAS_MIN_ROWS):
-            return self.linear(x, w, out=out)
-        self._check(check_linear, x, w, None, None)
-        out = _out("out", out, (x.shape[0], w.shape[0]))
-        return self._gemv(_apart(_act(x), out), w, None, None, out, tiles=False)
+        return self._linear(x, w, None, None, out, None, tiles=False)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, conf=None, id_map=None, best=None, sum_exp=None):
         """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head); ``conf``: an FP32 [n]

@@ -138,26 +138,26 @@ def tile_config(typingctx, cfg):
     return types.void(cfg), codegen
 
 
-@intrinsic
-def tile_release(typingctx):
-    """``tilerelease``: this thread's tile state back to its initial (unused) state."""
-    def codegen(context, builder, sig, args):
-        _asm(builder, "tilerelease", "~{memory}")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-def make_zero(t: int):
+def _make_op(text: str, constraint: str = ""):
+    """An intrinsic of no arguments running the instruction ``text``."""
     @intrinsic
-    def zero(typingctx):
+    def op(typingctx):
         def codegen(context, builder, sig, args):
-            _asm(builder, f"tilezero %tmm{t}")
+            _asm(builder, text, constraint)
             return context.get_dummy_value()
 
         return types.void(), codegen
 
-    return zero
+    return op
+
+
+#: ``tilerelease``: this thread's tile state back to its initial (unused) state
+tile_release = _make_op("tilerelease", "~{memory}")
+
+
+def make_zero(t: int):
+    """``tilezero``: tile t <- 0."""
+    return _make_op(f"tilezero %tmm{t}")
 
 
 def make_rows(text: str):
@@ -181,16 +181,8 @@ def make_rows(text: str):
 
 
 def make_dot(c: int, a: int, b: int):
-    @intrinsic
-    def dot(typingctx):
-        """Tile c += tile a (BF16) x tile b (BF16 pairs), in FP32."""
-        def codegen(context, builder, sig, args):
-            _asm(builder, f"tdpbf16ps %tmm{b}, %tmm{a}, %tmm{c}")
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return dot
+    """``tdpbf16ps``: tile c += tile a (BF16) x tile b (BF16 pairs), in FP32."""
+    return _make_op(f"tdpbf16ps %tmm{b}, %tmm{a}, %tmm{c}")
 
 
 @intrinsic

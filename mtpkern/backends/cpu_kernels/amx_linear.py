@@ -70,12 +70,13 @@ def groups(n: int) -> tuple[int, int]:
     return G, -(-n // G)
 
 
-def tiles(g: int) -> tuple[int, int, int]:
+@njit(cache=True)
+def tiles(g):
     """(T, J, last) for groups of g input rows: T A tiles of the 3 g part rows (the last one
-    ``last`` rows), J weight tiles a task."""
+    ``last`` rows), J weight tiles a task (``config`` and the kernel)."""
     M = 3 * g
-    T = -(-M // 16)
-    return T, (4, 2)[T - 1], M - 16 * (T - 1)
+    T = (M + 15) // 16
+    return T, 4 if T == 1 else 2, M - 16 * (T - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,8 +230,7 @@ def amx_linear_kernel(x, g, wp, bias, residual, nchunks, cfg, out):
     xa = np.empty((G, wp.shape[1], M, STEP), np.uint16)
     pack_parts(x, g, xa)
     N = out.shape[1]
-    T = (M + 15) // 16
-    J = 4 if T == 1 else 2
+    T, J, _ = tiles(g)
     NB = wp.shape[0]
     tasks = (NB + J - 1) // J
     per = (tasks + nchunks - 1) // nchunks

@@ -94,10 +94,17 @@ _SLACK = 1.0 + 2.0 ** -40
 
 
 @njit(cache=True, fastmath=False)
+def _bound(wn, e0, e1):
+    """How far a tile sum of a weight row of norm wn may lie from its FMA logit, for an input
+    row of bounds (e0, e1) (``amx.pack_bf16`` / ``amx_linear.logit_bounds``), with ``_SLACK``
+    for this sum's rounding."""
+    return (wn * e0 + e1) * _SLACK
+
+
+@njit(cache=True, fastmath=False)
 def _screen_bound(wnorm, err, j, i):
-    """b_ij of ``lm_head_argmax_screened_kernel``: how far token j's tile sum for input row i
-    may lie from its FMA logit (``amx.pack_bf16``), with ``_SLACK`` for this sum's rounding."""
-    return (wnorm[j] * err[i, 0] + err[i, 1]) * _SLACK
+    """b_ij of the screened and tiled kernels: token j's bound for input row i (``_bound``)."""
+    return _bound(wnorm[j], err[i, 0], err[i, 1])
 
 
 @njit(cache=True, fastmath=False, parallel=True)
@@ -215,18 +222,18 @@ def lm_head_argmax_tiled_kernel(x, a, err, w, wnorm, nchunks, ids, conf, stats):
         top = -np.inf
         for c in range(nchunks):
             top = max(top, low[c, i])
-        floor[i] = top - (wmax * err[i, 0] + err[i, 1]) * _SLACK
+        floor[i] = top - _bound(wmax, err[i, 0], err[i, 1])
     for c in prange(nchunks):                  # the candidates' f, over their a, and each chunk's best
         _clear(best_val, best_id, c)
         y = np.empty((n, 1), np.float32)
         zeros = (zero, zero, zero, zero, zero, zero, zero, zero)
         for i in range(n):
             ai, e0, e1, fl = a[i], err[i, 0], err[i, 1], floor[i]
-            th = fl - (wmax * e0 + e1) * _SLACK                  # below it no bound reaches the floor
+            th = fl - _bound(wmax, e0, e1)                       # below it no bound reaches the floor
             for j in range(min(V, c * per), min(V, (c + 1) * per)):
                 if ai[j] < th and ai[j] != -np.inf:              # the usual case: one compare
                     continue
-                up = (np.float64(ai[j]) + (wnorm[j] * e0 + e1) * _SLACK)
+                up = np.float64(ai[j]) + _bound(wnorm[j], e0, e1)
                 if up >= fl or not (up - up == 0.0):             # a candidate, or not finite
                     one = (j, j, j, j, j, j, j, j)
                     gemv_task(w, one, 1, zero, x, np.int64(i), np.int64(i + 1), y, zeros, no)
@@ -245,8 +252,7 @@ def lm_head_argmax_tiled_kernel(x, a, err, w, wnorm, nchunks, ids, conf, stats):
             tot = np.float32(0.0)
             for c in range(nchunks):
                 tot += sums[c, i]
-            if conf.shape[0]:
-                conf[i] = np.float32(1.0) / tot if ids[i] >= 0 else np.float32(np.nan)
+            conf[i] = np.float32(1.0) / tot if ids[i] >= 0 else np.float32(np.nan)
             if stats.shape[0]:
                 stats[1, i] = tot
     return first_none
