@@ -864,7 +864,8 @@ class Recorder:
 def attention_sweep_cases(cfg: MtpConfig, n: int, ctx: int, rec: "Recorder") -> list[tuple[str, int, int, Callable]]:
     """Paged attention at ``n`` sequences of ``ctx`` rows under other launch plans than the
     launcher's: part sizes from 64 to the whole context (one partition: no merge), 2 and 3
-    stages, and one query head per KV head (group 1: a twelfth of the FMAs on the same bytes).
+    stages, the FP32-FMA kernel where the launcher takes the tensor-core one (the two side by
+    side), and one query head per KV head (group 1: a twelfth of the FMAs on the same bytes).
     The first H200 run put this op at 3-19 % of the read rate with a ~30 us fixed cost; these
     rows say whether the time follows the blocks, the partitions, the ring or the arithmetic.
     Each variant's output is checked against the default plan's (a note when it differs)."""
@@ -893,15 +894,18 @@ def attention_sweep_cases(cfg: MtpConfig, n: int, ctx: int, rec: "Recorder") -> 
                     variants.append((f" part {ps}", dataclasses.replace(base, part_size=ps,
                                                                           num_parts=max(1, cdiv(nb * BS, ps)))))
             other = 5 - base.stages                          # 2 <-> 3
-            smem = attn_launch.smem_bytes(D, D, base.dc, base.heads, base.rows, other, 2)
+            smem = attn_launch.smem_bytes(D, D, base.dc, base.heads, base.rows, other, 2, base.variant)
             if smem <= max(attn_launch.SMEM_LIMIT, smem_optin()):
                 variants.append((f" stages {other}", dataclasses.replace(base, stages=other, smem_bytes=smem)))
+        if base.variant == "tc":                             # the FP32-FMA kernel on the same plan
+            smem = attn_launch.smem_bytes(D, D, base.dc, base.heads, base.rows, base.stages, 2, "scalar")
+            variants.append((" scalar", dataclasses.replace(base, variant="scalar", smem_bytes=smem)))
         for label, p in variants:
             o = cp.empty((n, hq * D), cp.float32)
             ws = {} if p.num_parts == 1 else {"part_o": cp.empty((n, hq, p.num_parts, D), cp.float32),
                                               "part_ml": cp.empty((n, hq, p.num_parts, 2), cp.float32)}
             part_bytes = 0 if p.num_parts == 1 else 2 * n * hq * p.num_parts * (D + 2) * f4
-            name = (f"attn sweep g{hq // Hkv} part {p.part_size} x{p.num_parts} st {p.stages}"
+            name = (f"attn sweep g{hq // Hkv} {p.variant} part {p.part_size} x{p.num_parts} st {p.stages}"
                     + (" (default)" if not label else ""))
 
             def fn(qa=qa, p=p, o=o, ws=ws):

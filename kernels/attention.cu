@@ -54,6 +54,10 @@
 //   + 4 * (rows * heads * Dp + 4 * 32 * MW + 16 * MW + stages * 32 + 2 * rows), Dp / Dvp = D / Dv
 //   rounded up to 8, MW = 8 (DC 2, 4) or 4 (DC 8); the launcher computes the same sum.
 //
+// paged_attention_tc_kernel<MT, DC>: the same outputs and partials from the same arguments and
+//   grid over a BF16 cache, the scores and P V on tensor cores (mma.sync m16n8k16) with q in
+//   three BF16 parts and P in two (FP32-level results); its comment below has the design.
+//
 // paged_attention_merge_kernel: grid (Hq, n), block 128 over Dv:
 //   out = sum_p e^(m_p - M) o_p / (e^(s - M) + sum_p e^(m_p - M) l_p) over the row's valid
 //   partitions p < ceil((L - first) / part_size) (M = max(s, m_p); no sink: no s). The
@@ -69,11 +73,11 @@
 // Summation order: fixed by the launch (tile order, then rows of a tile in order), so the
 // same launch gives the same bits; a different `rows` or `part_size` rounds differently.
 // Cost per tile of 32 KV rows and M query vectors: 32 M (D + Dv) FMAs on CUDA cores and
-// ~5x the tile's bytes of shared-memory traffic (each warp reads the whole K and V tile),
-// so M = 4 is memory-bound and M = 12 near the SM's share of bandwidth; tensor cores for
-// QK / PV would be the next step at M >= 16 (docs/cuda.md, "Paged attention: design and
-// model").
+// ~5x the tile's bytes of shared-memory traffic (each warp reads the whole K and V tile).
+// paged_attention_tc_kernel<MT, DC> (below) computes the same over a BF16 cache on tensor
+// cores, the launcher's choice there (docs/cuda.md, "Paged attention: design and model").
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace mtp {
 constexpr int kAttnWarps = 4;
@@ -143,6 +147,155 @@ __device__ __forceinline__ void lds(const __nv_bfloat16* p, float (&f)[N]) {
 // Query vectors per warp: o[MW][DC] = 32 registers (16 for DC 2).
 template <int DC>
 __host__ __device__ constexpr int attn_mw() { return DC == 8 ? 4 : 8; }
+
+// -- what both attention kernels share: the run, the rows' ranges, the tiles' slots and copies
+
+// The run of block row r0 (every lane computes the same, so an exit on it is uniform): its row
+// count, or 0 when r0 does not start a run (its offset in the stretch of consecutive rows of
+// `seq` that holds it is not a multiple of `rows`).
+__device__ __forceinline__ int attn_run(const int* __restrict__ row_seq, int n, int r0, int seq, int rows,
+                                        int lane) {
+  int begin = r0;  // first row of the stretch of rows of `seq` that holds r0
+  while (begin > 0) {
+    const int i = begin - 1 - lane;
+    const unsigned other = __ballot_sync(kFullMask, i < 0 || row_seq[i] != seq);
+    if (other) {
+      begin -= __ffs(other) - 1;
+      break;
+    }
+    begin -= kWarp;
+  }
+  if ((r0 - begin) % rows != 0) return 0;
+  int nr = 0;  // rows r0 .. r0 + nr - 1
+  for (;;) {
+    const int i = r0 + nr + lane;
+    const unsigned same = __ballot_sync(kFullMask, nr + lane < rows && i < n && row_seq[i] == seq);
+    const int c = same == kFullMask ? kWarp : __ffs(~same) - 1;
+    nr += c;
+    if (c < kWarp) break;
+  }
+  return nr;
+}
+
+// The KV rows a run streams in partition p, and the ring that stages them.
+struct AttnRing {
+  const int* ra;  // [nr] shared: a_i, the first KV row of row i in the partition
+  const int* rb;  // [nr] shared: b_i, one past its last
+  int* slots;     // [stages][T] shared: the slots of the tiles in the ring, -1: not read
+  int nr, lo, hi, ntiles, stages;
+  bool contig;    // the rows' ranges share a point: every row of [lo, hi) is read
+  bool vec;       // 16-byte copies (D % 8, Dv % 8 and the caches aligned)
+};
+
+// Partition p's range [a_i, b_i) of each run row into ra / rb (relative to the row's own first
+// row, as paged_attention_merge_kernel expects).
+__device__ __forceinline__ void attn_ranges(int* ra, int* rb, int nr, int r0, const int* __restrict__ row_start,
+                                            const int* __restrict__ row_len, int cap, int p, int part_size) {
+  for (int i = threadIdx.x; i < nr; i += blockDim.x) {
+    const int L = min(row_len[r0 + i], cap);
+    const int first = row_start ? min(max(row_start[r0 + i], 0), max(L, 0)) : 0;
+    const int a = first + p * part_size;
+    ra[i] = a;
+    rb[i] = min(L, a + part_size);
+  }
+}
+
+// After a barrier past attn_ranges: the union [lo, hi) of the rows' ranges (lo >= hi: none).
+__device__ __forceinline__ AttnRing attn_ring(const int* ra, const int* rb, int* slots, int nr, int stages,
+                                              bool vec) {
+  int lo = 0x7fffffff, hi = -0x7fffffff, amax = -0x7fffffff, bmin = 0x7fffffff;
+  for (int i = 0; i < nr; ++i) {
+    const int a = ra[i], b = rb[i];
+    if (a < b) { lo = min(lo, a); hi = max(hi, b); amax = max(amax, a); bmin = min(bmin, b); }
+  }
+  const int ntiles = lo < hi ? (hi - lo + kAttnTile - 1) / kAttnTile : 0;
+  return AttnRing{ra, rb, slots, nr, lo, hi, ntiles, stages, amax <= bmin, vec};
+}
+
+// Warp 0: the slots of tile k into ring stage k % stages (-1: a row no query row of the block sees).
+__device__ __forceinline__ void attn_tile_slots(const AttnRing& R, int k, const int* __restrict__ block_tables,
+                                                int seq, int max_blocks, int BS, int warp, int lane) {
+  if (warp != 0 || k >= R.ntiles) return;
+  const int pos = R.lo + k * kAttnTile + lane;
+  bool need = pos < R.hi;
+  if (need && !R.contig) {
+    need = false;
+    for (int i = 0; i < R.nr; ++i) need = need || (R.ra[i] <= pos && pos < R.rb[i]);
+  }
+  R.slots[(k % R.stages) * kAttnTile + lane] =
+      need ? block_tables[static_cast<long long>(seq) * max_blocks + pos / BS] * BS + pos % BS : -1;
+}
+
+// Every thread: its share of tile k's K and V rows of KV head h into ring stage k % stages,
+// K [T][Dks] and V [T][Dvs] (row strides in elements); rows not read and the columns from D / Dv
+// to Dp / Dvp (rounded up to 8) are zeros. One cp.async group per call, an empty one past the
+// last tile (so the wait count stays fixed).
+template <typename KV>
+__device__ __forceinline__ void attn_issue(const AttnRing& R, int k, KV* k_s, KV* v_s, int Dks, int Dvs,
+                                           const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
+                                           int Hkv, int h, int D, int Dv, int warp, int lane) {
+  constexpr int T = kAttnTile;
+  constexpr int E = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte copy
+  if (k < R.ntiles) {
+    KV* kd = k_s + (k % R.stages) * T * Dks;
+    KV* vd = v_s + (k % R.stages) * T * Dvs;
+    const int* sl = R.slots + (k % R.stages) * T;
+    if (R.vec) {  // a warp per tile row, a lane per 16-byte piece of its K | V
+      const int ck = D / E, per = (D + Dv) / E;
+      for (int t = warp; t < T; t += kAttnWarps) {
+        const int slot = sl[t];
+        const long long s = slot >= 0 ? slot : 0;
+        const KV* kg = k_cache + (s * Hkv + h) * D;
+        const KV* vg = v_cache + (s * Hkv + h) * Dv - D;  // piece e >= ck: v element e * E - D
+        for (int e = lane; e < per; e += kWarp) {
+          if (e < ck) cp_async16(kd + t * Dks + e * E, kg + e * E, slot >= 0);
+          else cp_async16(vd + t * Dvs + e * E - D, vg + e * E, slot >= 0);
+        }
+      }
+    } else {  // scalar copies, a warp per tile row; zeros past D / Dv and for rows not read
+      const int Dp = (D + 7) & ~7, Dvp = (Dv + 7) & ~7;
+      for (int t = warp; t < T; t += kAttnWarps) {
+        const int slot = sl[t];
+        const long long s = slot >= 0 ? slot : 0;
+        const KV* kg = k_cache + (s * Hkv + h) * D;
+        const KV* vg = v_cache + (s * Hkv + h) * Dv;
+        for (int e = lane; e < Dp; e += kWarp) {
+          if (slot >= 0 && e < D) kd[t * Dks + e] = kg[e];
+          else set_zero(kd[t * Dks + e]);
+        }
+        for (int e = lane; e < Dvp; e += kWarp) {
+          if (slot >= 0 && e < Dv) vd[t * Dvs + e] = vg[e];
+          else set_zero(vd[t * Dvs + e]);
+        }
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+// A row of the run with nothing in partition p: zeros into out when there is one partition.
+__device__ __forceinline__ void attn_zero_out(float* __restrict__ out, int M, int gc, int r0, int Hq, int hq0,
+                                              int Dv) {
+  for (int t = threadIdx.x; t < M * Dv; t += blockDim.x) {
+    const int m = t / Dv;
+    out[(static_cast<long long>(r0 + m / gc) * Hq + hq0 + m % gc) * Dv + t % Dv] = 0.0f;
+  }
+}
+
+// The three BF16 parts of x, x = hi + mid + lo exactly for finite x that is not tiny (each part
+// keeps the next 8 significant bits, by truncation: no part rounds up to an infinity). A
+// non-finite x is its own hi part (the products keep its kind). Parts under 2^-126 may be
+// denormal: the tensor cores may read them as zeros (an absolute 2^-126 |k| per product).
+__device__ __forceinline__ void split_bf16x3(float x, __nv_bfloat16& hi, __nv_bfloat16& mid, __nv_bfloat16& lo) {
+  const unsigned b = __float_as_uint(x);
+  const bool finite = (b & 0x7f800000u) != 0x7f800000u;
+  const float h = finite ? __uint_as_float(b & 0xffff0000u) : x;  // BF16 values: rounding keeps them
+  const float r = finite ? x - h : 0.0f;                          // exact
+  const float m = __uint_as_float(__float_as_uint(r) & 0xffff0000u);
+  hi = __float2bfloat16_rn(h);
+  mid = __float2bfloat16_rn(m);
+  lo = __float2bfloat16_rn(r - m);  // r - m: exact, at most 8 significant bits left
+}
 }  // namespace mtp
 
 // At most 128 registers (4 blocks of 128 threads per SM): without the minimum-blocks hint
@@ -172,27 +325,8 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   const int r0 = blockIdx.y;
   const int seq = row_seq[r0];
 
-  // -- the run: does row r0 start one, and how many rows has it (every warp computes the
-  // same, so the exit is uniform without a barrier)
-  int begin = r0;  // first row of the stretch of rows of `seq` that holds r0
-  while (begin > 0) {
-    const int i = begin - 1 - lane;
-    const unsigned other = __ballot_sync(kFullMask, i < 0 || row_seq[i] != seq);
-    if (other) {
-      begin -= __ffs(other) - 1;
-      break;
-    }
-    begin -= kWarp;
-  }
-  if ((r0 - begin) % rows != 0) return;
-  int nr = 0;  // rows r0 .. r0 + nr - 1
-  for (;;) {
-    const int i = r0 + nr + lane;
-    const unsigned same = __ballot_sync(kFullMask, nr + lane < rows && i < n && row_seq[i] == seq);
-    const int c = same == kFullMask ? kWarp : __ffs(~same) - 1;
-    nr += c;
-    if (c < kWarp) break;
-  }
+  const int nr = attn_run(row_seq, n, r0, seq, rows, lane);
+  if (nr == 0) return;
   const int M = nr * gc;  // query vectors of the block, m = row * gc + head
 
   const int Dp = (D + 7) & ~7, Dks = Dp + E, Dvs = (Dv + 7) & ~7;
@@ -205,86 +339,23 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   int* ra_s = slot_s + stages * T;                                 // [rows] a_i
   int* rb_s = ra_s + rows;                                         // [rows] b_i
 
-  const int cap = max_blocks * BS;
-  for (int i = threadIdx.x; i < nr; i += blockDim.x) {
-    const int L = min(row_len[r0 + i], cap);
-    const int first = row_start ? min(max(row_start[r0 + i], 0), max(L, 0)) : 0;
-    const int a = first + p * part_size;
-    ra_s[i] = a;
-    rb_s[i] = min(L, a + part_size);
-  }
+  attn_ranges(ra_s, rb_s, nr, r0, row_start, row_len, max_blocks * BS, p, part_size);
   for (int t = threadIdx.x; t < M * Dp; t += blockDim.x) {
     const int m = t / Dp, d = t % Dp;
     const long long hq = static_cast<long long>(r0 + m / gc) * Hq + h * group + g0 + m % gc;
     q_s[t] = d < D ? q[hq * D + d] * scale : 0.0f;
   }
   __syncthreads();
-  int lo = 0x7fffffff, hi = -0x7fffffff, amax = -0x7fffffff, bmin = 0x7fffffff;
-  for (int i = 0; i < nr; ++i) {
-    const int a = ra_s[i], b = rb_s[i];
-    if (a < b) { lo = min(lo, a); hi = max(hi, b); amax = max(amax, a); bmin = min(bmin, b); }
-  }
-  if (lo >= hi) {  // uniform: no row of the run has a KV row in this partition
-    if (num_parts == 1)
-      for (int t = threadIdx.x; t < M * Dv; t += blockDim.x) {
-        const int m = t / Dv;
-        out[(static_cast<long long>(r0 + m / gc) * Hq + h * group + g0 + m % gc) * Dv + t % Dv] = 0.0f;
-      }
+  const bool vec = D % 8 == 0 && Dv % 8 == 0 && aligned16(k_cache) && aligned16(v_cache);
+  const AttnRing R = attn_ring(ra_s, rb_s, slot_s, nr, stages, vec);
+  if (R.ntiles == 0) {  // uniform: no row of the run has a KV row in this partition
+    if (num_parts == 1) attn_zero_out(out, M, gc, r0, Hq, h * group + g0, Dv);
     return;
   }
-  const bool contig = amax <= bmin;  // the ranges share a point: every row of [lo, hi) is read
-  const bool vec = D % 8 == 0 && Dv % 8 == 0 && aligned16(k_cache) && aligned16(v_cache);
-  const int ntiles = (hi - lo + T - 1) / T;
+  const int ntiles = R.ntiles, hi = R.hi, lo = R.lo;
+  auto tile_slots = [&](int k) { attn_tile_slots(R, k, block_tables, seq, max_blocks, BS, warp, lane); };
+  auto issue = [&](int k) { attn_issue(R, k, k_s, v_s, Dks, Dvs, k_cache, v_cache, Hkv, h, D, Dv, warp, lane); };
 
-  // warp 0: the slots of tile k (-1: a row no query row of the block sees)
-  auto tile_slots = [&](int k) {
-    if (warp != 0 || k >= ntiles) return;
-    const int pos = lo + k * T + lane;
-    bool need = pos < hi;
-    if (need && !contig) {
-      need = false;
-      for (int i = 0; i < nr; ++i) need = need || (ra_s[i] <= pos && pos < rb_s[i]);
-    }
-    slot_s[(k % stages) * T + lane] =
-        need ? block_tables[static_cast<long long>(seq) * max_blocks + pos / BS] * BS + pos % BS : -1;
-  };
-  // every thread: its share of tile k's K and V rows into ring stage k % stages
-  auto issue = [&](int k) {
-    if (k < ntiles) {
-      KV* kd = k_s + (k % stages) * T * Dks;
-      KV* vd = v_s + (k % stages) * T * Dvs;
-      const int* sl = slot_s + (k % stages) * T;
-      if (vec) {  // a warp per tile row, a lane per 16-byte piece of its K | V
-        const int ck = D / E, per = (D + Dv) / E;
-        for (int t = warp; t < T; t += kAttnWarps) {
-          const int slot = sl[t];
-          const long long s = slot >= 0 ? slot : 0;
-          const KV* kg = k_cache + (s * Hkv + h) * D;
-          const KV* vg = v_cache + (s * Hkv + h) * Dv - D;  // piece e >= ck: v element e * E - D
-          for (int e = lane; e < per; e += kWarp) {
-            if (e < ck) cp_async16(kd + t * Dks + e * E, kg + e * E, slot >= 0);
-            else cp_async16(vd + t * Dvs + e * E - D, vg + e * E, slot >= 0);
-          }
-        }
-      } else {  // scalar copies, a warp per tile row; zeros past D / Dv and for rows not read
-        for (int t = warp; t < T; t += kAttnWarps) {
-          const int slot = sl[t];
-          const long long s = slot >= 0 ? slot : 0;
-          const KV* kg = k_cache + (s * Hkv + h) * D;
-          const KV* vg = v_cache + (s * Hkv + h) * Dv;
-          for (int e = lane; e < Dp; e += kWarp) {
-            if (slot >= 0 && e < D) kd[t * Dks + e] = kg[e];
-            else set_zero(kd[t * Dks + e]);
-          }
-          for (int e = lane; e < Dvs; e += kWarp) {
-            if (slot >= 0 && e < Dv) vd[t * Dvs + e] = vg[e];
-            else set_zero(vd[t * Dvs + e]);
-          }
-        }
-      }
-    }
-    cp_async_commit();  // an empty group past the last tile keeps the wait count fixed
-  };
 
   // o in registers; the running max and sum of the warp's query vectors in shared memory,
   // double-buffered by tile parity: every lane reads buffer k & 1 and computes the same new
@@ -407,6 +478,252 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
           if (dl + c < Dv) part_o[at * Dv + dl + c] = o[j][c];
         if (lane == 0) { part_ml[2 * at] = mxj; part_ml[2 * at + 1] = lj; }
       }
+    }
+  }
+}
+
+
+// Tensor-core variant over a BF16 cache: the same outputs and partials from the same arguments
+// and grid (runs, ranges, ring and tiles as above), with both products on mma.sync m16n8k16.
+// The block's M query vectors are the mma's rows, MT tiles of 16 (m >= M: zero rows, weight 0).
+// Per tile of 32 KV rows:
+//   1. S [16 MT x 32] = (q * scale) K^T: warp w the 8 KV rows 8 w .. 8 w + 7 (one n-tile), D / 16
+//      k-steps; q is held as three BF16 parts per value, q = hi + mid + lo exactly (split_bf16x3),
+//      so every product with a BF16 key is exact and a score carries FP32 accumulation only; the
+//      fragments go to s_s [16 MT][T + 4] FP32.
+//   2. online softmax: 128 / (16 MT) threads per query vector (a group of adjacent lanes), each
+//      32 / that many of the tile's rows; the group's max and sum by xor shuffles inside it; the
+//      running max and sum in the group's registers; p = e^(s - m) (0 outside the vector's range)
+//      into p_s as two BF16 parts, p = hi + lo within 2^-17 p; the rescale factor into a_s.
+//   3. O [16 MT x Dv] = alpha O + P V: warp w owns the n-tiles of 8 value dims w, w + 4, .. (DC of
+//      them: O is 4 DC MT floats a thread), 2 k-steps of 16 KV rows, both parts of P.
+// V rows are staged with a 16-byte pad (Dv + 8) so the k-major B fragments hit distinct banks.
+// A KV row outside a vector's range still enters its PV product, with weight exactly 0: a
+// non-finite V there (a row another row of the run sees) would show in the output, where the
+// scalar kernel never touches it; KV rows no row of the run sees are zero-filled as above.
+// Preconditions (besides the scalar kernel's): D % 16 == 0, Dv % 8 == 0, Dv <= 32 DC,
+// heads * rows <= 16 MT.
+template <int MT, int DC>
+__global__ void __launch_bounds__(mtp::kAttnThreads, 3)
+paged_attention_tc_kernel(const float* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+                          const __nv_bfloat16* __restrict__ v_cache, const int* __restrict__ block_tables,
+                          int max_blocks, const int* __restrict__ row_seq, const int* __restrict__ row_start,
+                          const int* __restrict__ row_len, const float* __restrict__ sinks,
+                          float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+                          int Hq, int Hkv, int D, int Dv, int BS, int heads, int rows, int stages, int part_size,
+                          int num_parts, float scale) {
+  using namespace mtp;
+  using bf16 = __nv_bfloat16;
+  constexpr int T = kAttnTile;
+  constexpr int MR = 16 * MT;             // the mma's rows: query vectors, padded
+  constexpr int TPR = kAttnThreads / MR;  // softmax threads per query vector (8 or 4)
+  constexpr int KPT = T / TPR;            // tile rows per softmax thread (4 or 8)
+  constexpr int SS = T + 4;               // s_s row stride (floats)
+  constexpr int PS = T + 8;               // p_s row stride (BF16: 80-byte rows, distinct banks)
+  extern __shared__ float4 smem_raw[];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int group = Hq / Hkv;
+  const int chunks = (group + heads - 1) / heads;
+  const int h = blockIdx.x / chunks;
+  const int g0 = (blockIdx.x % chunks) * heads;
+  const int gc = min(heads, group - g0);
+  const int hq0 = h * group + g0;  // the block's first query head
+  const int p = blockIdx.z;
+  const int n = gridDim.y;
+  const int r0 = blockIdx.y;
+  const int seq = row_seq[r0];
+
+  const int nr = attn_run(row_seq, n, r0, seq, rows, lane);
+  if (nr == 0) return;
+  const int M = nr * gc;
+
+  const int Dks = D + 8, Dvs = Dv + 8, Dq = D + 8;
+  bf16* k_s = reinterpret_cast<bf16*>(smem_raw);          // [stages][T][Dks]
+  bf16* v_s = k_s + stages * T * Dks;                     // [stages][T][Dvs]
+  bf16* q_s = v_s + stages * T * Dvs;                     // [3][MR][Dq]: q * scale, hi | mid | lo
+  bf16* p_s = q_s + 3 * MR * Dq;                          // [2][MR][PS]: p, hi | lo
+  float* s_s = reinterpret_cast<float*>(p_s + 2 * MR * PS);  // [MR][SS] scores
+  float* a_s = s_s + MR * SS;                             // [MR] rescale factors of the tile
+  float* ml_s = a_s + MR;                                 // [MR][2] final max, sum
+  int* slot_s = reinterpret_cast<int*>(ml_s + 2 * MR);    // [stages][T]
+  int* ra_s = slot_s + stages * T;                        // [rows]
+  int* rb_s = ra_s + rows;                                // [rows]
+
+  attn_ranges(ra_s, rb_s, nr, r0, row_start, row_len, max_blocks * BS, p, part_size);
+  for (int t = threadIdx.x; t < MR * D; t += blockDim.x) {
+    const int m = t / D, d = t % D;
+    float x = 0.0f;
+    if (m < M) x = q[(static_cast<long long>(r0 + m / gc) * Hq + hq0 + m % gc) * D + d] * scale;
+    split_bf16x3(x, q_s[m * Dq + d], q_s[(MR + m) * Dq + d], q_s[(2 * MR + m) * Dq + d]);
+  }
+  __syncthreads();
+  const bool vec = aligned16(k_cache) && aligned16(v_cache);
+  const AttnRing R = attn_ring(ra_s, rb_s, slot_s, nr, stages, vec);
+  if (R.ntiles == 0) {
+    if (num_parts == 1) attn_zero_out(out, M, gc, r0, Hq, hq0, Dv);
+    return;
+  }
+
+  // the softmax thread's query vector and its range (m >= M: an empty range)
+  const int sm = threadIdx.x / TPR, sc0 = (threadIdx.x % TPR) * KPT;
+  const int sa = sm < M ? ra_s[sm / gc] : 0, sb = sm < M ? rb_s[sm / gc] : 0;
+  float m_run = neg_inf(), l_run = 0.0f;
+
+  float o[MT][DC][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < DC; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[mt][j][i] = 0.0f;
+  const int mts = (M + 15) / 16;  // m-tiles with a query vector (warp-uniform)
+
+  for (int k = 0; k < stages - 1; ++k) attn_tile_slots(R, k, block_tables, seq, max_blocks, BS, warp, lane);
+  __syncthreads();
+  for (int k = 0; k < stages - 1; ++k)
+    attn_issue(R, k, k_s, v_s, Dks, Dvs, k_cache, v_cache, Hkv, h, D, Dv, warp, lane);
+  attn_tile_slots(R, stages - 1, block_tables, seq, max_blocks, BS, warp, lane);
+
+  for (int k = 0; k < R.ntiles; ++k) {
+    if (stages == 3) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncthreads();  // tile k is in shared memory; the slots of tile k + stages - 1 are written
+    attn_issue(R, k + stages - 1, k_s, v_s, Dks, Dvs, k_cache, v_cache, Hkv, h, D, Dv, warp, lane);
+    const bf16* kt = k_s + (k % stages) * T * Dks;
+    const bf16* vt = v_s + (k % stages) * T * Dvs;
+
+    // 1. S = Q K^T, warp w: tile rows 8 w ..; each part of q in an accumulator of its own (three
+    // independent mma chains), S = (lo + mid) + hi
+    {
+      float sc[MT][3][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int part = 0; part < 3; ++part)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sc[mt][part][i] = 0.0f;
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        unsigned b[2];
+        mma_load_b_nk(b, kt + 8 * warp * Dks + d0, Dks, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (mt < mts) {
+#pragma unroll
+            for (int part = 0; part < 3; ++part) {
+              unsigned a[4];
+              mma_load_a(a, q_s + (part * MR + 16 * mt) * Dq + d0, Dq, lane);
+              mma_m16n8k16_bf16(sc[mt][part], a, b);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          s_s[(16 * mt + mma_c_row(lane, i)) * SS + 8 * warp + mma_c_col(lane, i)] =
+              (sc[mt][2][i] + sc[mt][1][i]) + sc[mt][0][i];
+    }
+    attn_tile_slots(R, k + stages, block_tables, seq, max_blocks, BS, warp, lane);  // stage k's slots are read
+    __syncthreads();  // S of the whole tile is written
+
+    // 2. online softmax of query vector sm over tile rows sc0 .. sc0 + KPT - 1
+    {
+      const int pos0 = R.lo + k * T + sc0;
+      float s[KPT];
+      float tmax = neg_inf();
+#pragma unroll
+      for (int j = 0; j < KPT; ++j) {
+        const bool in = sa <= pos0 + j && pos0 + j < sb;
+        s[j] = in ? s_s[sm * SS + sc0 + j] : neg_inf();
+        tmax = fmaxf(tmax, s[j]);
+      }
+#pragma unroll
+      for (int o2 = TPR / 2; o2 > 0; o2 >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(kFullMask, tmax, o2));
+      const float mn = fmaxf(m_run, tmax);
+      const float mo = mn == neg_inf() ? 0.0f : mn;  // all -inf so far: every weight 0, no NaN
+      const float alpha = expf(m_run - mo);
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < KPT; j += 2) {
+        const bool in0 = sa <= pos0 + j && pos0 + j < sb, in1 = sa <= pos0 + j + 1 && pos0 + j + 1 < sb;
+        const float e0 = in0 ? expf(s[j] - mo) : 0.0f, e1 = in1 ? expf(s[j + 1] - mo) : 0.0f;
+        sum += e0;
+        sum += e1;
+        const float h0 = __bfloat162float(__float2bfloat16_rn(e0)), h1 = __bfloat162float(__float2bfloat16_rn(e1));
+        *reinterpret_cast<unsigned*>(p_s + sm * PS + sc0 + j) = pack_bf16x2(h0, h1);
+        *reinterpret_cast<unsigned*>(p_s + (MR + sm) * PS + sc0 + j) = pack_bf16x2(e0 - h0, e1 - h1);
+      }
+#pragma unroll
+      for (int o2 = TPR / 2; o2 > 0; o2 >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o2);
+      l_run = l_run * alpha + sum;
+      m_run = mn;
+      if (threadIdx.x % TPR == 0) a_s[sm] = alpha;
+    }
+    __syncthreads();  // P and the rescale factors of the whole tile are written
+
+    // 3. O = alpha O + P V, warp w: n-tiles w, w + 4, ..
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (mt < mts) {
+        const float a0 = a_s[16 * mt + mma_c_row(lane, 0)], a1 = a_s[16 * mt + mma_c_row(lane, 2)];
+#pragma unroll
+        for (int j = 0; j < DC; ++j) { o[mt][j][0] *= a0; o[mt][j][1] *= a0; o[mt][j][2] *= a1; o[mt][j][3] *= a1; }
+      }
+    }
+#pragma unroll
+    for (int k0 = 0; k0 < T; k0 += 16) {
+      unsigned a[MT][2][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int part = 0; part < 2; ++part)
+          if (mt < mts) mma_load_a(a[mt][part], p_s + (part * MR + 16 * mt) * PS + k0, PS, lane);
+#pragma unroll
+      for (int j = 0; j < DC; ++j) {
+        const int nt = warp + kAttnWarps * j;  // n-tile: value dims 8 nt ..
+        if (8 * nt < Dv) {
+          unsigned b[2];
+          mma_load_b_kn(b, vt + k0 * Dvs + 8 * nt, Dvs, lane);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            if (mt < mts) {
+              mma_m16n8k16_bf16(o[mt][j], a[mt][0], b);
+              mma_m16n8k16_bf16(o[mt][j], a[mt][1], b);
+            }
+        }
+      }
+    }
+  }
+
+  if (threadIdx.x % TPR == 0) { ml_s[2 * sm] = m_run; ml_s[2 * sm + 1] = l_run; }
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = 16 * mt + mma_c_row(lane, 2 * half);
+      if (m >= M) continue;
+      const int i = m / gc, hk = hq0 + m % gc;
+      const long long hq = static_cast<long long>(r0 + i) * Hq + hk;
+      const bool active = ra_s[i] < rb_s[i];
+      const float mx = ml_s[2 * m], l = ml_s[2 * m + 1];
+      const float den = num_parts == 1 && sinks != nullptr ? l + expf(sinks[hk] - mx) : l;
+      const long long at = hq * num_parts + p;  // [n, Hq, num_parts]
+#pragma unroll
+      for (int j = 0; j < DC; ++j) {
+        const int dv = 8 * (warp + kAttnWarps * j) + mma_c_col(lane, 0);
+        if (dv >= Dv) continue;
+        const float v0 = o[mt][j][2 * half], v1 = o[mt][j][2 * half + 1];
+        if (num_parts == 1) {
+          out[hq * Dv + dv] = active ? v0 / den : 0.0f;
+          out[hq * Dv + dv + 1] = active ? v1 / den : 0.0f;
+        } else if (active) {
+          part_o[at * Dv + dv] = v0;
+          part_o[at * Dv + dv + 1] = v1;
+        }
+      }
+      if (num_parts > 1 && active && lane % 4 == 0 && warp == 0) { part_ml[2 * at] = mx; part_ml[2 * at + 1] = l; }
     }
   }
 }

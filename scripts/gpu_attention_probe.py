@@ -1,7 +1,7 @@
 """Paged attention at GLM-4.5-Air's shapes, launched a few times eagerly, for a profiler to look
 at (scripts/gpu_check.sh's ``profile`` step runs it under Nsight Compute).
 
-    python3 scripts/gpu_attention_probe.py [--context 8192] [--rows 1] [--launches 4]
+    python3 scripts/gpu_attention_probe.py [--context 8192] [--rows 1] [--launches 4] [--variant scalar]
 
 The first H200 run measured this op at 3-19 % of the read rate with ~11 us a tile of 32 KV
 rows per block (benchmarks/README.md, "Figures: cuda backend"); a profile's warp-state and
@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--rows", type=int, default=1, help="sequences, one decode row each")
     ap.add_argument("--launches", type=int, default=4)
+    ap.add_argument("--variant", choices=("launcher", "scalar", "tc"), default="launcher",
+                    help="the kernel: the launcher's choice (tensor cores over BF16), or either one")
     args = ap.parse_args(argv)
 
     import importlib.util
@@ -45,11 +47,15 @@ def main(argv=None) -> int:
     q = cp.random.RandomState(0).standard_normal((n, Hq, D), dtype=cp.float32)
     p = attn_launch.plan(Hq // Hkv, D, nb * BS, work=n * Hkv, target_blocks=2 * sm_count(),
                          smem_max=smem_optin(), kv_itemsize=2, rows=n)
+    if args.variant != "launcher" and args.variant != p.variant:
+        import dataclasses
+        p = dataclasses.replace(p, variant=args.variant, smem_bytes=attn_launch.smem_bytes(
+            D, D, p.dc, p.heads, p.rows, p.stages, 2, args.variant))
     print(f"plan: {p}; grid ({Hkv * -(-(Hq // Hkv) // p.heads)}, {n}, {p.num_parts}) x 128 threads", flush=True)
     out = cp.empty((n, Hq * D), cp.float32)
     for i in range(args.launches):
         t = time.perf_counter()
-        attn_launch.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, out=out)
+        attn_launch.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, out=out, attention_plan=p)
         cp.cuda.Device().synchronize()
         print(f"launch {i}: {1e6 * (time.perf_counter() - t):.1f} us wall", flush=True)
     assert bool(cp.isfinite(out).all()), "non-finite attention output"

@@ -142,24 +142,31 @@ def test_gemv_dot_covers_k_once(K, nt, V):
 @pytest.mark.parametrize("D", [1, 19, 64, 80, 128, 192, 256])
 @pytest.mark.parametrize("kv_itemsize", [2, 4])
 def test_attention_plan(group, D, kv_itemsize):
-    """Within an H200's opt-in limit every shape plans: 3 stages, as many rows as the block's
-    query capacity allows; within 48 KiB, fewer stages and rows, or a ValueError when not even
-    one row in 2 stages fits."""
+    """Within an H200's opt-in limit every shape plans: the tc kernel over BF16 with D % 16 == 0,
+    3 stages, as many rows as the block's query capacity allows; within 48 KiB, fewer stages and
+    rows, the scalar kernel where the tc one fits in none of those, or a ValueError when not
+    even one row in 2 stages fits."""
     for smem_max in (227 * 1024, attention.SMEM_LIMIT):
-        least = attention.smem_bytes(D, D, next(c for c in loader.ATTENTION_DC if D <= 32 * c),
-                                     min(group, 32), 1, 2, kv_itemsize)
+        preferred = attention.attention_variant(D, D, kv_itemsize)
+        assert preferred == ("tc" if kv_itemsize == 2 and D % 16 == 0 else "scalar")
+        dc = next(c for c in loader.ATTENTION_DC if D <= 32 * c)
+        least = {v: attention.smem_bytes(D, D, dc, min(group, 32), 1, 2, kv_itemsize, v) for v in attention.VARIANTS}
         try:
             p = attention.plan(group, D, max_len=40_000, smem_max=smem_max, kv_itemsize=kv_itemsize)
         except ValueError:
-            assert smem_max == attention.SMEM_LIMIT and least > smem_max
+            assert smem_max == attention.SMEM_LIMIT and least["scalar"] > smem_max and least[preferred] > smem_max
             continue
         assert p.dc in loader.ATTENTION_DC and D <= 32 * p.dc
         assert p.heads == min(group, attention.query_capacity(p.dc)) and p.heads * p.rows <= attention.query_capacity(p.dc)
-        assert p.smem_bytes == attention.smem_bytes(D, D, p.dc, p.heads, p.rows, p.stages, kv_itemsize) <= smem_max
+        assert p.variant == (preferred if least[preferred] <= smem_max else "scalar")
+        assert p.smem_bytes == attention.smem_bytes(D, D, p.dc, p.heads, p.rows, p.stages, kv_itemsize,
+                                                    p.variant) <= smem_max
         if smem_max > attention.SMEM_LIMIT:
-            assert p.stages == 3 and p.rows == attention.query_capacity(p.dc) // p.heads
+            assert p.stages == 3 and p.rows == attention.query_capacity(p.dc) // p.heads and p.variant == preferred
         assert p.part_size == attention.PART_SIZE and p.num_parts == math.ceil(40_000 / p.part_size)
         assert f"paged_attention_kernel<__nv_bfloat16, {p.dc}>" in loader.NAME_EXPRESSIONS["attention"]
+        if p.variant == "tc":
+            assert f"paged_attention_tc_kernel<{p.mt}, {p.dc}>" in loader.NAME_EXPRESSIONS["attention"]
 
 
 def test_attention_plan_spreads_short_decode_over_the_gpu():
@@ -181,7 +188,7 @@ def test_attention_partitions_count_sequences_not_rows(recorder):
         attention.paged_attention(np.zeros((n, 8, 32), F32), cache, cache, np.zeros((S, 256), np.int32),
                                   np.zeros(n, np.int32), np.full(n, 4096, np.int32), 0.1)
         (_, name, grid, *_), *_ = recorder.launches
-        assert name.startswith("paged_attention_kernel")
+        assert name.startswith(("paged_attention_kernel", "paged_attention_tc_kernel"))
         return grid[2]
 
     one = grid_z(1, 1)
@@ -713,6 +720,8 @@ def test_launch_abi(recorder, wdtype):
     attention.paged_attention(f(n, 4, 8), cache, cache, tables, i(n), i(n), 0.3)   # split-KV + merge
     big = FakeDev((64, 128, 8, 128), dense)
     attention.paged_attention(f(1, 96, 128), big, big, i(1, 4), i(1), i(1), 0.1)   # one partition
+    mid = FakeDev((64, 16, 8, 64), dense)
+    attention.paged_attention(f(2, 32, 64), mid, mid, i(1, 4), i(2), i(2), 0.1)     # BF16: the tc kernel
     moe.moe_router(f(n, H), wt(8, H), f(8), moe_ref.RouterSpec(2, 2, 1, 1.0, True))
     moe.moe_experts(f(n, H), i(n, 2), f(n, 2), wt(4, 12, H), wt(4, H, 6), f(n, H))   # by expert
     moe.moe_experts(f(1, H), i(1, 2), f(1, 2), wt(4, 12, H), wt(4, H, 6))            # by pair
@@ -737,7 +746,11 @@ def test_launch_abi(recorder, wdtype):
     assert ("gemm_tc_kernel<1, false>" in launched) == (wdtype is np.uint16)
     assert ("swiglu_tc_kernel<1, false>" in launched) == (wdtype is np.uint16)
     ct, kv = (loader.CTYPE[np.dtype(t).name] for t in (np.uint8 if wdtype == "fp8" else wdtype, dense))
-    assert f"paged_attention_kernel<{kv}, 2>" in launched and f"paged_attention_kernel<{kv}, 4>" in launched
+    assert f"paged_attention_kernel<{kv}, 2>" in launched                      # D = 8: FP32 FMAs
+    if kv == "__nv_bfloat16":                                                 # D % 16 == 0: tensor cores
+        assert {"paged_attention_tc_kernel<1, 4>", "paged_attention_tc_kernel<1, 2>"} <= launched
+    else:
+        assert f"paged_attention_kernel<{kv}, 4>" in launched
     assert {f"moe_expert_kernel<{ct}, true, 4, false>", f"moe_expert_kernel<{ct}, false, 4, false>",
             f"linear_kernel<{ct}, 4, false>", f"swiglu_gate_up_kernel<{ct}, 4, false>",
             f"lm_head_argmax_partial_kernel<{ct}, false, 4>", f"lm_head_argmax_partial_kernel<{ct}, true, 4>",

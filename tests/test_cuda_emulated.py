@@ -27,6 +27,7 @@ FMAs as NVRTC does (no test here depends on it: docs/cuda.md, "Floating-point co
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import ml_dtypes
@@ -334,10 +335,57 @@ def test_attention_shapes(be, Hq, Hkv, D, BS, max_blocks):
     assert_close(got, want, "float32", "paged_attention")
 
 
+@pytest.mark.parametrize("Hq,Hkv,D,Dv,rows", [(12, 1, 128, 128, 1), (8, 1, 64, 64, 3), (16, 2, 32, 48, 2)])
+def test_attention_tc_keeps_fp32_accuracy(Hq, Hkv, D, Dv, rows):
+    """The tensor-core kernel (BF16 cache) splits q into three BF16 parts and P into two, so it
+    holds the float32 tolerance where rounding either operand to BF16 would not: peaked
+    softmaxes (|q| ~ 40, scores in the hundreds), checked against float64. The same data with
+    q or P rounded to BF16 (computed here in float64) is shown to miss that tolerance, so the
+    test can tell a kernel that drops a part."""
+    from mtpkern.backends.cuda_launch import attention as attn_launch
+
+    be = emu_backend.backend("bfloat16")
+    rng = np.random.default_rng(D + Dv + rows)
+    BS, max_blocks = 16, 6
+    NB = max_blocks
+    k, v = _filled_caches(be, rng, NB, BS, Hkv, D, Dv)
+    tables = rng.permutation(NB).reshape(1, max_blocks).astype(np.int32)
+    row_seq = np.zeros(rows, np.int32)
+    row_len = (max_blocks * BS - np.arange(rows)[::-1] * 7).astype(np.int32)
+    q = rnd(rng, rows, Hq, D, scale=40.0)
+    scale = D ** -0.5
+    p = attn_launch.plan(Hq // Hkv, D, max_blocks * BS, work=Hkv, target_blocks=2, rows=rows, Dv=Dv,
+                         smem_max=227 * 1024)
+    assert p.variant == "tc", p
+    got = be.to_host(be.paged_attention(q, k, v, tables, row_seq, row_len, scale))
+    K, V = be.kv_to_host(k), be.kv_to_host(v)
+    want = REF.paged_attention(q, K, V, tables, row_seq, row_len, scale)
+    assert_close(got, want, "float32", "paged_attention, tensor cores")
+
+    def brute(qq, round_p):                       # float64 attention, P optionally rounded to BF16
+        out = np.zeros((rows, Hq * Dv))
+        for r in range(rows):
+            slots = (tables[0, np.arange(row_len[r]) // BS] * BS + np.arange(row_len[r]) % BS)
+            for hq in range(Hq):
+                kk = K.reshape(-1, Hkv, D)[slots, hq // (Hq // Hkv)].astype(np.float64)
+                vv = V.reshape(-1, Hkv, Dv)[slots, hq // (Hq // Hkv)].astype(np.float64)
+                s = kk @ np.asarray(qq[r, hq], np.float64) * scale
+                e = np.exp(s - s.max())
+                pe = e.astype(np.float32).astype(BF16).astype(np.float64) if round_p else e
+                out[r, hq * Dv:(hq + 1) * Dv] = pe @ vv / e.sum()
+        return out
+
+    q_bf16 = (q * np.float32(scale)).astype(BF16).astype(np.float32) / np.float32(scale)
+    for what, other in (("q", brute(q_bf16, False)), ("P", brute(q, True))):
+        with pytest.raises(AssertionError):
+            assert_close(other, want, "float32", f"{what} rounded to BF16")
+
+
 def test_attention_under_other_plans(be):
     """The launcher's ``attention_plan=`` (benchmarks/gpu_bench.py's sweep): part sizes from 64
-    to the whole context (one partition, no merge), the other ring depth, all equal to the
-    reference; a plan whose partitions miss rows is refused."""
+    to the whole context (one partition, no merge), the other ring depth and, over a BF16
+    cache, the scalar kernel instead of the tensor-core one, all equal to the reference; a
+    plan whose partitions miss rows, or too little shared memory, is refused."""
     import dataclasses
 
     from mtpkern.backends.cuda_launch import attention as attn_launch
@@ -355,8 +403,12 @@ def test_attention_under_other_plans(be):
     base = attn_launch.plan(Hq // Hkv, D, cap, work=2 * Hkv, target_blocks=264, rows=2, kv_itemsize=isz)
     plans = [dataclasses.replace(base, part_size=ps, num_parts=-(-cap // ps)) for ps in (64, 128, 512, cap)]
     other = 5 - base.stages
-    plans.append(dataclasses.replace(base, stages=other,
-                                     smem_bytes=attn_launch.smem_bytes(D, D, base.dc, base.heads, base.rows, other, isz)))
+    plans.append(dataclasses.replace(base, stages=other, smem_bytes=attn_launch.smem_bytes(
+        D, D, base.dc, base.heads, base.rows, other, isz, base.variant)))
+    assert base.variant == ("tc" if isz == 2 else "scalar"), base
+    if base.variant == "tc":                               # the FP32-FMA kernel over the same BF16 cache
+        plans.append(dataclasses.replace(base, variant="scalar", smem_bytes=attn_launch.smem_bytes(
+            D, D, base.dc, base.heads, base.rows, base.stages, isz, "scalar")))
     for p in plans:
         got = attn_launch.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, attention_plan=p)
         assert_close(be.to_host(got), want, "float32", f"paged_attention under {p}")
@@ -1534,6 +1586,20 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             out[f"attention window sinks {kv} {D}"] = be.paged_attention(
                 q[:4], k, v, tables, np.array([0, 1, 1, 0], np.int32), np.array([192, 1, 100, 17], np.int32),
                 D ** -0.5, row_start=np.array([60, 0, 99, 3], np.int32), sinks=rnd(rng, Hq))
+            if kv == "bfloat16":                 # the FP32-FMA kernel over BF16 (the launcher takes the tc one)
+                from mtpkern.backends.cuda_launch import attention as attn_launch
+                base = attn_launch.plan(Hq // Hkv, D, 12 * BS, work=2 * Hkv, target_blocks=2, rows=4,
+                                        smem_max=227 * 1024)
+                scalar = dataclasses.replace(base, variant="scalar", smem_bytes=attn_launch.smem_bytes(
+                    D, D, base.dc, base.heads, base.rows, base.stages, 2, "scalar"))
+                out[f"attention scalar {kv} {D}"] = be.to_host(attn_launch.paged_attention(
+                    q[:4], k, v, tables, np.array([0, 1, 1, 0], np.int32), np.array([192, 1, 100, 17], np.int32),
+                    D ** -0.5, attention_plan=scalar))
+                if D < 256:                      # 16 query heads x 2 rows: the tc kernel's two m-tiles
+                    q16 = rnd(rng, 4, 16 * Hkv, D)
+                    out[f"attention tc m-tiles 2 {D}"] = be.paged_attention(
+                        q16, k, v, tables, np.array([0, 0, 1, 1], np.int32), np.array([150, 151, 99, 100], np.int32),
+                        D ** -0.5)
             out[f"kv {kv} {D}"] = np.concatenate([k.view(np.uint8).ravel(), v.view(np.uint8).ravel()])
         k, v = be.empty_kv(3, 4, 1, 14), be.empty_kv(3, 4, 1, 14)                     # interleaved pairs
         out[f"rope interleave {kv}"] = be.qk_norm_rope_kv_write(

@@ -1,4 +1,5 @@
-"""Launcher of ``paged_attention_kernel`` (+ ``paged_attention_merge_kernel``), kernels/attention.cu.
+"""Launcher of ``paged_attention_kernel`` / ``paged_attention_tc_kernel`` (+ ``paged_attention_merge_kernel``),
+kernels/attention.cu.
 
 ``paged_attention(q [n, Hq, D], k_cache [NB, BS, Hkv, D], v_cache [NB, BS, Hkv, Dv],
 block_tables [S, max_blocks] int32, row_seq [n] int32, row_len [n] int32, scale, *,
@@ -16,6 +17,11 @@ runs on the device from ``row_seq``, so a captured step stays capturable), and
 streams the run's KV once through a cp.async ring of ``stages`` tiles of 32 KV rows
 (:func:`plan`). Grid ``(Hkv * ceil(group / heads), n, num_parts)``: the blocks of
 rows that do not start a run exit at once.
+
+Over a BF16 cache with D % 16 == 0 and Dv % 8 == 0 the kernel is
+``paged_attention_tc_kernel`` (:func:`attention_variant`: the scores and P V on tensor
+cores, q and P split into BF16 parts so the results keep FP32's accuracy), with the same
+grid, runs and partitions; otherwise ``paged_attention_kernel`` (FP32 FMAs).
 
 Split-KV: a row's visible KV rows (from ``row_start``) are cut into partitions of
 ``part_size`` (512, halved down to 64 while the GPU would be short of blocks; see
@@ -48,7 +54,7 @@ from ...ops._check import expect_dtype
 from ...ops.attention import check_paged_attention
 from ._util import (MAX_GRID_YZ, NULL, cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_same_or_disjoint,
                     f32, i32, opt_in_smem, optional, output, ptr, sm_count, smem_optin)
-from .loader import ATTENTION_DC, get_kernel
+from .loader import ATTENTION_DC, ATTENTION_TC, get_kernel
 
 #: kAttnThreads in attention.cu
 ATTN_THREADS = 128
@@ -65,15 +71,27 @@ SMEM_LIMIT = 48 * 1024
 WORKSPACE_BYTES = 64 << 20
 
 
+#: the two kernels: FP32 FMAs on CUDA cores (paged_attention_kernel) or BF16 tensor cores with
+#: split operands (paged_attention_tc_kernel)
+VARIANTS = ("scalar", "tc")
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    dc: int            # value dims per lane in the PV pass (template parameter DC)
+    dc: int            # value dims per lane in the PV pass (template parameter DC); the tc kernel's
+                       # n-tiles of 8 value dims per warp
     heads: int         # query heads of one KV head per block
     rows: int          # most query rows of one sequence per block (a run)
     stages: int        # KV tiles in the cp.async ring (2 or 3)
     part_size: int     # KV rows per partition (per block)
     num_parts: int     # partitions of the longest possible row
     smem_bytes: int    # dynamic shared memory per block
+    variant: str = "scalar"   # which kernel (attention_variant)
+
+    @property
+    def mt(self) -> int:
+        """The tc kernel's m-tiles of 16 query vectors (template parameter MT)."""
+        return cdiv(self.heads * self.rows, 16)
 
 
 def query_capacity(dc: int) -> int:
@@ -81,10 +99,26 @@ def query_capacity(dc: int) -> int:
     return 4 * (4 if dc == 8 else 8)
 
 
-def smem_bytes(D: int, Dv: int, dc: int, heads: int, rows: int, stages: int, kv_itemsize: int) -> int:
-    """The kernel's layout: K [stages][32][Dp + 16 B], V [stages][32][Dvp] in the cache's dtype,
-    then FP32 q [rows * heads][Dp], p [4][32][MW], (max, sum) [4][2][2][MW] and int slots
-    [stages][32], a / b [rows]."""
+def attention_variant(D: int, Dv: int, kv_itemsize: int) -> str:
+    """``"tc"`` (paged_attention_tc_kernel: scores and P V on BF16 tensor cores, mma.sync m16n8k16,
+    q split into three BF16 parts and P into two, so FP32's accuracy is kept) over a BF16 cache
+    when D is a multiple of the mma's k-step (16) and Dv of its n-tile (8); else ``"scalar"``
+    (FP32 FMAs on CUDA cores; an FP32 cache, or odd head dims)."""
+    return "tc" if kv_itemsize == 2 and D % 16 == 0 and Dv % 8 == 0 else "scalar"
+
+
+def smem_bytes(D: int, Dv: int, dc: int, heads: int, rows: int, stages: int, kv_itemsize: int,
+               variant: str = "scalar") -> int:
+    """The scalar kernel's layout: K [stages][32][Dp + 16 B], V [stages][32][Dvp] in the cache's
+    dtype, then FP32 q [rows * heads][Dp], p [4][32][MW], (max, sum) [4][2][2][MW] and int slots
+    [stages][32], a / b [rows]. The tc kernel's (MR = 16 * mt query vectors, mt = ceil(heads *
+    rows / 16)): BF16 K [stages][32][D + 8], V [stages][32][Dv + 8], q [3][MR][D + 8], p
+    [2][MR][40], then FP32 scores [MR][36], rescale factors [MR], (max, sum) [MR][2], the same
+    int slots and a / b."""
+    if variant == "tc":
+        mr = 16 * cdiv(heads * rows, 16)
+        bf16 = stages * TILE * (D + 8 + Dv + 8) + 3 * mr * (D + 8) + 2 * mr * (TILE + 8)
+        return 2 * bf16 + 4 * (mr * (TILE + 4) + 3 * mr + stages * TILE + 2 * rows)
     Dp, Dvp = cdiv(D, 8) * 8, cdiv(Dv, 8) * 8
     mw = query_capacity(dc) // 4
     kv = stages * TILE * (Dp + 16 // kv_itemsize + Dvp) * kv_itemsize
@@ -111,7 +145,10 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
     Shared memory: 3 stages when they fit ``max(48 KiB, smem_max)`` (the device's
     opt-in limit, ``_util.smem_optin``; over 48 KiB the launcher raises the kernel's
     max-dynamic-shared-size attribute), else 2, else fewer rows per run; beyond
-    that, ValueError."""
+    that, ValueError. The kernel is :func:`attention_variant`'s, or the scalar one
+    where the tc kernel's shared memory does not fit in any of those ways (its
+    three-part q: a 48 KiB device at D = 128); both take the same heads and
+    partitions (so the workspaces do not depend on the variant)."""
     Dv = D if Dv is None else Dv
     for what, d in (("head dim", D), ("value head dim", Dv)):
         if not 1 <= d <= 32 * ATTENTION_DC[-1]:
@@ -125,10 +162,13 @@ def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0
     while part > MIN_PART and work * chunks * cdiv(max_len, part) < target_blocks:
         part //= 2
     limit = max(SMEM_LIMIT, smem_max)
-    for stages, r in [(3, most_rows), (2, most_rows)] + [(2, r) for r in range(most_rows - 1, 0, -1)]:
-        smem = smem_bytes(D, Dv, dc, heads, r, stages, kv_itemsize)
-        if smem <= limit:
-            return AttentionPlan(dc, heads, r, stages, part, max(1, cdiv(max_len, part)), smem)
+    tries = [(3, most_rows), (2, most_rows)] + [(2, r) for r in range(most_rows - 1, 0, -1)]
+    variants = dict.fromkeys((attention_variant(D, Dv, kv_itemsize), "scalar"))
+    for variant in variants:
+        for stages, r in tries:
+            smem = smem_bytes(D, Dv, dc, heads, r, stages, kv_itemsize, variant)
+            if smem <= limit:
+                return AttentionPlan(dc, heads, r, stages, part, max(1, cdiv(max_len, part)), smem, variant)
     raise ValueError(
         f"paged_attention: {group} query heads per KV head x head dim {D} need {smem} B of "
         f"shared memory, over this device's {limit}"
@@ -144,10 +184,17 @@ def _check_plan(p: AttentionPlan, group: int, D: int, Dv: int, cap: int, kv_item
             and p.stages in (2, 3) and p.part_size >= 1):
         raise ValueError(f"attention_plan: expected 1 <= heads <= {group}, rows >= 1, heads * rows <= "
                          f"{query_capacity(p.dc)}, stages 2 or 3, part_size >= 1; got {p}")
+    if p.variant not in VARIANTS:
+        raise ValueError(f"attention_plan: expected variant in {VARIANTS}, got {p.variant!r}")
+    if p.variant == "tc" and not (kv_itemsize == 2 and D % 16 == 0 and Dv % 8 == 0
+                                  and (p.mt, p.dc) in ATTENTION_TC):
+        raise ValueError(f"attention_plan: the tc variant needs a BF16 cache, D % 16 == 0, Dv % 8 == 0 and "
+                         f"(m-tiles, dc) in {ATTENTION_TC}; got {kv_itemsize}-byte KV, D {D}, Dv {Dv}, "
+                         f"({p.mt}, {p.dc})")
     if p.num_parts != max(1, cdiv(cap, p.part_size)):
         raise ValueError(f"attention_plan: expected num_parts = ceil({cap} / {p.part_size}) = "
                          f"{max(1, cdiv(cap, p.part_size))} to cover the table's rows, got {p.num_parts}")
-    need = smem_bytes(D, Dv, p.dc, p.heads, p.rows, p.stages, kv_itemsize)
+    need = smem_bytes(D, Dv, p.dc, p.heads, p.rows, p.stages, kv_itemsize, p.variant)
     if p.smem_bytes < need:
         raise ValueError(f"attention_plan: expected smem_bytes >= {need} (these shapes, {kv_itemsize}-byte KV), "
                          f"got {p.smem_bytes}")
@@ -198,7 +245,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
             expect_disjoint("part_ml", part_ml, nm, a)
         expect_disjoint("part_o", part_o, "part_ml", part_ml)
     expect_grid_yz("q rows per launch", group)
-    kernel = get_kernel("attention", f"paged_attention_kernel<{ctype(k_cache)}, {p.dc}>")
+    kernel = get_kernel("attention", f"paged_attention_tc_kernel<{p.mt}, {p.dc}>" if p.variant == "tc"
+                        else f"paged_attention_kernel<{ctype(k_cache)}, {p.dc}>")
     opt_in_smem(kernel, p.smem_bytes)
     merge = None if direct else get_kernel("attention", "paged_attention_merge_kernel")
     sk = ptr(sinks)

@@ -42,6 +42,9 @@ _WEIGHT_CTYPES = _CTYPES + ("__nv_fp8_e4m3",)
 
 #: Head-dim elements per lane in the PV pass of paged_attention (D <= 32 * DC).
 ATTENTION_DC = (2, 4, 8)
+#: (m-tiles of 16 query vectors, DC) of paged_attention_tc_kernel: 32 query vectors a block as
+#: the scalar kernel's for DC <= 4, 16 for DC 8 (attn_mw: 4 warps x MW)
+ATTENTION_TC = tuple((mt, dc) for dc in ATTENTION_DC for mt in (1, 2) if 16 * mt <= 4 * (4 if dc == 8 else 8))
 #: Latent dims per thread in the PV pass of mla_attention_kernel (L <= 256 * LPT); the same for
 #: mla_attention_tc_kernel (a warp's 4 LPT n-tiles of 8 dims: 16 LPT accumulators per thread).
 MLA_LPT = (1, 2)
@@ -67,6 +70,7 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
                      for nm in ("false", "true")),
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true")),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
+    + tuple(f"paged_attention_tc_kernel<{mt}, {dc}>" for mt, dc in ATTENTION_TC)
     + ("paged_attention_merge_kernel",),
     "mla": tuple(f"mla_latent_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true"))
     + tuple(f"mla_q_absorb_kernel<{t}>" for t in _CTYPES)
