@@ -926,6 +926,31 @@ def attention_sweep_cases(cfg: MtpConfig, n: int, ctx: int, rec: "Recorder") -> 
     return cases
 
 
+def tc_sweep_cases(cfg: MtpConfig, w, n: int) -> list[tuple[str, int, int, Callable]]:
+    """The tensor-core GEMM at ``n`` rows under each k-warp count (qkv's weights), and the LM
+    head's logits on it beside the kernel table's ``lm_head_argmax`` (the GEMV core at NR = 8).
+    The first H200 run had 8 rows of qkv on gemm_tc at 1943 GB/s (half its one-row GEMV rate)
+    and 8 rows of the head's GEMV at 1814 GB/s; these rows say whether the grid's k-warps
+    (224 blocks at qkv's shapes) are the cause, and whether the head would gain from the
+    tensor cores (its GEMV reads ~8 bytes of x from L1 per weight byte at NR = 8)."""
+    import cupy as cp
+
+    from mtpkern.backends.cuda_launch import gemm_tc as tc_launch
+
+    H, D, Hq, Hkv, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
+    QKV = (Hq + 2 * Hkv) * D
+    f4, b2 = 4, 2
+    x = cp.random.RandomState(n + 11).standard_normal((n, H), dtype=cp.float32)
+    y, logits = cp.empty((n, QKV), cp.float32), cp.empty((n, V), cp.float32)
+    cases = []
+    for kw in tc_launch.KW:
+        cases.append((f"tc sweep qkv kw {kw}", 0, QKV * H * b2 + n * H * f4 + n * QKV * f4,
+                      lambda kw=kw: tc_launch.gemm_tc(x, w.w_qkv, out=y, kw=kw)))
+    cases.append(("tc sweep lm_head logits", 0, V * H * b2 + n * H * f4 + n * V * f4,
+                  lambda: tc_launch.gemm_tc(x, w.head, out=logits)))
+    return cases
+
+
 def run_cases(gpu: Gpu, rec: Recorder, cases, n: int, runs: int,
               peers: dict[tuple[str, int], Callable] | None = None) -> None:
     """Time each (op, context, bytes, thunk) and record its row, beside its PyTorch eager
@@ -980,6 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave out DeepSeek-V3's module (MLA kernels, its experts and LM head)")
     ap.add_argument("--no-attention-sweep", dest="attention_sweep", action="store_false",
                     help="leave out paged attention under other launch plans (part sizes, stages, group 1)")
+    ap.add_argument("--no-tc-sweep", dest="tc_sweep", action="store_false",
+                    help="leave out gemm_tc under each k-warp count and the LM head's logits on it")
     ap.add_argument("--no-torch", dest="torch", action="store_false",
                     help="leave out the PyTorch eager peer of the propose rows")
     args = ap.parse_args(argv)
@@ -1047,6 +1074,18 @@ def main(argv: list[str] | None = None) -> int:
                     run_cases(gpu, rec, attention_sweep_cases(cfg, n, max(args.contexts), rec), n, args.runs)
                 except Exception as e:
                     rec.error(f"attention sweep rows {n}: {type(e).__name__}: {e}")
+                    traceback.print_exc()
+                cp.get_default_memory_pool().free_all_blocks()
+
+        if args.tc_sweep:                                  # where the 8-row GEMMs' time goes
+            for n in (b for b in args.batches if b >= 4):
+                if time.perf_counter() > sweep_until:
+                    rec.note("tc_sweep_skipped", f"time budget: from {n} rows on")
+                    break
+                try:
+                    run_cases(gpu, rec, tc_sweep_cases(cfg, weights.modules[0], n), n, args.runs)
+                except Exception as e:
+                    rec.error(f"tc sweep rows {n}: {type(e).__name__}: {e}")
                     traceback.print_exc()
                 cp.get_default_memory_pool().free_all_blocks()
 

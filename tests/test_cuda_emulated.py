@@ -957,6 +957,27 @@ def test_gemm_tc_k_warps_misaligned_and_in_place(emu, be, sm_count):
     assert seen == {1, 2, 4, 8}, seen
 
 
+def test_gemm_tc_k_warps_forced(emu, be):
+    """gemm_tc(kw=) (benchmarks/gpu_bench.py's sweep) takes the k-warps it is given: each within
+    the float64 bound, not all with the same bits (the k-warps' sums are added in another order);
+    a count the kernel has no layout for is refused."""
+    rng = np.random.default_rng(8)
+    K, N = 1040, 48                                                   # three chunks, 3 tiles
+    x, w = rnd(rng, 8, K), rnd(rng, N, K, scale=K ** -0.5)
+    wq, wf = stored(w, "bf16")
+    wp = be.prepare_weight(wq)
+    want, bound = _tc_ref64(x, wf, None, None, None)
+    bits = set()
+    for kw in gemm_tc_launch.KW:
+        got = gemm_tc_launch.gemm_tc(x, wp, kw=kw)
+        assert (np.abs(got - want) <= bound).all(), kw
+        bits.add(got.tobytes())
+    assert len(bits) > 1                      # the k-warps' partial sums: other orders, other bits
+    for bad in (3, 0, 16):
+        with pytest.raises(ValueError, match=r"kw: expected one of \(1, 2, 4, 8\), got " + str(bad)):
+            gemm_tc_launch.gemm_tc(x, wp, kw=bad)
+
+
 def _swiglu_ref(x, w13, L, norm):
     """act = swiglu_act of the float64 gate | up (rounded to FP32 once), the kernel's inputs."""
     gu, _ = _tc_ref64(x, w13, None, None, norm)

@@ -69,14 +69,25 @@ def tc_smem_bytes(nt: int) -> int:
     return TC_TERMS * 8 * nt * TC_LD * 2
 
 
-def _launch(name: str, tiles: int, x, norm, args) -> None:
+#: k-warps per tile the kernels take (kw)
+KW = (1, 2, 4, 8)
+
+
+def _launch(name: str, tiles: int, x, norm, args, kw: int | None = None) -> None:
     """One launch of ``name<NT, NORM>`` per TC_ROWS rows of x [n, K]; ``args(sl, xs, g, eps, m,
     kw)`` -> the kernel's arguments for the rows ``sl`` (a slice; None: all rows, no view taken)
-    given x's rows ``xs``, the norm's pointer and eps, the row count and the k-warps."""
+    given x's rows ``xs``, the norm's pointer and eps, the row count and the k-warps; ``kw``:
+    the k-warps to take instead of tc_config's (the benchmark's sweep)."""
     n, K = shape_of(x)
     if K % 8:
         raise ValueError(f"x: {name} needs K % 8 == 0, got K = {K}")
-    grid, kw = tc_config(tiles)
+    grid, kw_auto = tc_config(tiles)
+    if kw is None:
+        kw = kw_auto
+    elif kw not in KW:
+        raise ValueError(f"kw: expected one of {KW}, got {kw!r}")
+    else:
+        grid = (cdiv(tiles, TC_WARPS // kw),)
     g, eps = (None, 0.0) if norm is None else norm
     for r0 in range(0, n, TC_ROWS):
         m = min(TC_ROWS, n - r0)
@@ -92,15 +103,15 @@ def _rows(a, sl):
     return a if a is None or sl is None else a[sl]
 
 
-def launch_gemm_tc(x, w, bias, residual, y, norm=None) -> None:
+def launch_gemm_tc(x, w, bias, residual, y, norm=None, kw: int | None = None) -> None:
     """Validated, contiguous device arrays: x [n, K], w [N, K] uint16 (K % 8 == 0), y [n, N];
-    ``norm``: (g [K] FP32 device array, eps) or None."""
+    ``norm``: (g [K] FP32 device array, eps) or None; ``kw``: as _launch."""
     n, K = shape_of(x)
     N = shape_of(w)[0]
     if n == 0 or N == 0:
         return
     _launch("gemm_tc_kernel", cdiv(N, 16), x, norm, lambda sl, xs, g, eps, m, kw: (
-        xs, w, ptr(bias), ptr(_rows(residual, sl)), g, eps, _rows(y, sl), m, i32(N), i32(K), kw))
+        xs, w, ptr(bias), ptr(_rows(residual, sl)), g, eps, _rows(y, sl), m, i32(N), i32(K), kw), kw=kw)
 
 
 def launch_swiglu_tc(x, w13, act, L, norm=None) -> None:
@@ -134,9 +145,13 @@ def _expect_k8(K: int) -> None:
         raise ValueError(f"x: expected K % 8 == 0 (the kernels' 16-byte weight groups), got K = {K}")
 
 
-def gemm_tc(x, w, bias=None, residual=None, *, norm=None, out=None):
+def gemm_tc(x, w, bias=None, residual=None, *, norm=None, out=None, kw: int | None = None):
     """y [n, N] = (inv_rms *) (x (* g)) @ w [N, K]^T (+ bias [N]) (+ residual [n, N]) on tensor
-    cores; ``w`` BF16 bits (uint16), K % 8 == 0; ``norm``: ``(g [K] FP32, eps > 0)``."""
+    cores; ``w`` BF16 bits (uint16), K % 8 == 0; ``norm``: ``(g [K] FP32, eps > 0)``; ``kw``:
+    k-warps per tile (one of KW) instead of tc_config's choice (benchmarks/gpu_bench.py's
+    sweep: the same result in another summation order)."""
+    if kw is not None and kw not in KW:
+        raise ValueError(f"kw: expected one of {KW}, got {kw!r}")
     check_linear(x, w, bias, residual)
     x = device(x, "x", "float32")
     w = _bf16_weight(w, "w")
@@ -151,7 +166,7 @@ def gemm_tc(x, w, bias=None, residual=None, *, norm=None, out=None):
         expect_disjoint("out", y, "bias", bias)
     if norm is not None:
         expect_disjoint("out", y, "norm g", norm[0])
-    launch_gemm_tc(x, w, bias, residual, y, norm)
+    launch_gemm_tc(x, w, bias, residual, y, norm, kw)
     return y
 
 
