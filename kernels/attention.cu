@@ -489,12 +489,13 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
 // Per tile of 32 KV rows:
 //   1. S [16 MT x 32] = (q * scale) K^T: warp w the 8 KV rows 8 w .. 8 w + 7 (one n-tile), D / 16
 //      k-steps; q is held as three BF16 parts per value, q = hi + mid + lo exactly (split_bf16x3),
-//      so every product with a BF16 key is exact and a score carries FP32 accumulation only; the
-//      fragments go to s_s [16 MT][T + 4] FP32.
+//      so every product with a BF16 key is exact and a score carries FP32 accumulation only; each
+//      part has an accumulator of its own (three independent mma chains), S = (lo + mid) + hi
+//      into s_s [16 MT][T + 4] FP32.
 //   2. online softmax: 128 / (16 MT) threads per query vector (a group of adjacent lanes), each
 //      32 / that many of the tile's rows; the group's max and sum by xor shuffles inside it; the
 //      running max and sum in the group's registers; p = e^(s - m) (0 outside the vector's range)
-//      into p_s as two BF16 parts, p = hi + lo within 2^-17 p; the rescale factor into a_s.
+//      into p_s as two BF16 parts, p = hi + lo within 2^-16 p; the rescale factor into a_s.
 //   3. O [16 MT x Dv] = alpha O + P V: warp w owns the n-tiles of 8 value dims w, w + 4, .. (DC of
 //      them: O is 4 DC MT floats a thread), 2 k-steps of 16 KV rows, both parts of P.
 // V rows are staged with a 16-byte pad (Dv + 8) so the k-major B fragments hit distinct banks.
