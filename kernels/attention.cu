@@ -340,11 +340,6 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   int* rb_s = ra_s + rows;                                         // [rows] b_i
 
   attn_ranges(ra_s, rb_s, nr, r0, row_start, row_len, max_blocks * BS, p, part_size);
-  for (int t = threadIdx.x; t < M * Dp; t += blockDim.x) {
-    const int m = t / Dp, d = t % Dp;
-    const long long hq = static_cast<long long>(r0 + m / gc) * Hq + h * group + g0 + m % gc;
-    q_s[t] = d < D ? q[hq * D + d] * scale : 0.0f;
-  }
   __syncthreads();
   const bool vec = D % 8 == 0 && Dv % 8 == 0 && aligned16(k_cache) && aligned16(v_cache);
   const AttnRing R = attn_ring(ra_s, rb_s, slot_s, nr, stages, vec);
@@ -352,10 +347,16 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
     if (num_parts == 1) attn_zero_out(out, M, gc, r0, Hq, h * group + g0, Dv);
     return;
   }
+  // q only for blocks with work (past a row's length, or outside a window, most blocks exit
+  // above); read after the barrier below
+  for (int t = threadIdx.x; t < M * Dp; t += blockDim.x) {
+    const int m = t / Dp, d = t % Dp;
+    const long long hq = static_cast<long long>(r0 + m / gc) * Hq + h * group + g0 + m % gc;
+    q_s[t] = d < D ? q[hq * D + d] * scale : 0.0f;
+  }
   const int ntiles = R.ntiles, hi = R.hi, lo = R.lo;
   auto tile_slots = [&](int k) { attn_tile_slots(R, k, block_tables, seq, max_blocks, BS, warp, lane); };
   auto issue = [&](int k) { attn_issue(R, k, k_s, v_s, Dks, Dvs, k_cache, v_cache, Hkv, h, D, Dv, warp, lane); };
-
 
   // o in registers; the running max and sum of the warp's query vectors in shared memory,
   // double-buffered by tile parity: every lane reads buffer k & 1 and computes the same new
@@ -551,18 +552,19 @@ paged_attention_tc_kernel(const float* __restrict__ q, const __nv_bfloat16* __re
   int* rb_s = ra_s + rows;                                // [rows]
 
   attn_ranges(ra_s, rb_s, nr, r0, row_start, row_len, max_blocks * BS, p, part_size);
-  for (int t = threadIdx.x; t < MR * D; t += blockDim.x) {
-    const int m = t / D, d = t % D;
-    float x = 0.0f;
-    if (m < M) x = q[(static_cast<long long>(r0 + m / gc) * Hq + hq0 + m % gc) * D + d] * scale;
-    split_bf16x3(x, q_s[m * Dq + d], q_s[(MR + m) * Dq + d], q_s[(2 * MR + m) * Dq + d]);
-  }
   __syncthreads();
   const bool vec = aligned16(k_cache) && aligned16(v_cache);
   const AttnRing R = attn_ring(ra_s, rb_s, slot_s, nr, stages, vec);
   if (R.ntiles == 0) {
     if (num_parts == 1) attn_zero_out(out, M, gc, r0, Hq, hq0, Dv);
     return;
+  }
+  // q's parts only for blocks with work; read after the barrier below
+  for (int t = threadIdx.x; t < MR * D; t += blockDim.x) {
+    const int m = t / D, d = t % D;
+    float x = 0.0f;
+    if (m < M) x = q[(static_cast<long long>(r0 + m / gc) * Hq + hq0 + m % gc) * D + d] * scale;
+    split_bf16x3(x, q_s[m * Dq + d], q_s[(MR + m) * Dq + d], q_s[(2 * MR + m) * Dq + d]);
   }
 
   // the softmax thread's query vector and its range (m >= M: an empty range)
