@@ -150,6 +150,28 @@ __host__ __device__ constexpr int attn_mw() { return DC == 8 ? 4 : 8; }
 
 // -- what both attention kernels share: the run, the rows' ranges, the tiles' slots and copies
 
+// The block's place in the grid (Hkv * chunks, n, num_parts), chunks = ceil(group / heads):
+// KV head h, its query heads hq0 .. hq0 + gc - 1 (g0 .. g0 + gc - 1 of the group), block row r0
+// (of sequence seq) and partition p.
+struct AttnBlock {
+  int warp, lane, group, h, g0, gc, hq0, p, r0, seq;
+};
+__device__ __forceinline__ AttnBlock attn_block(const int* __restrict__ row_seq, int Hq, int Hkv, int heads) {
+  AttnBlock b;
+  b.warp = threadIdx.x / kWarp;
+  b.lane = threadIdx.x % kWarp;
+  b.group = Hq / Hkv;
+  const int chunks = (b.group + heads - 1) / heads;
+  b.h = blockIdx.x / chunks;
+  b.g0 = (blockIdx.x % chunks) * heads;
+  b.gc = min(heads, b.group - b.g0);
+  b.hq0 = b.h * b.group + b.g0;
+  b.p = blockIdx.z;
+  b.r0 = blockIdx.y;
+  b.seq = row_seq[b.r0];
+  return b;
+}
+
 // The run of block row r0 (every lane computes the same, so an exit on it is uniform): its row
 // count, or 0 when r0 does not start a run (its offset in the stretch of consecutive rows of
 // `seq` that holds it is not a multiple of `rows`).
@@ -314,18 +336,11 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   constexpr int T = kAttnTile;
   constexpr int E = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte copy
   extern __shared__ float4 smem_raw[];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int group = Hq / Hkv;
-  const int chunks = (group + heads - 1) / heads;
-  const int h = blockIdx.x / chunks;
-  const int g0 = (blockIdx.x % chunks) * heads;
-  const int gc = min(heads, group - g0);  // query heads of this block
-  const int p = blockIdx.z;
-  const int n = gridDim.y;
-  const int r0 = blockIdx.y;
-  const int seq = row_seq[r0];
+  const AttnBlock B = attn_block(row_seq, Hq, Hkv, heads);
+  const int warp = B.warp, lane = B.lane, group = B.group, h = B.h, g0 = B.g0, gc = B.gc, p = B.p, r0 = B.r0;
+  const int seq = B.seq;
 
-  const int nr = attn_run(row_seq, n, r0, seq, rows, lane);
+  const int nr = attn_run(row_seq, gridDim.y, r0, seq, rows, lane);
   if (nr == 0) return;
   const int M = nr * gc;  // query vectors of the block, m = row * gc + head
 
@@ -523,19 +538,10 @@ paged_attention_tc_kernel(const float* __restrict__ q, const __nv_bfloat16* __re
   constexpr int SS = T + 4;               // s_s row stride (floats)
   constexpr int PS = T + 8;               // p_s row stride (BF16: 80-byte rows, distinct banks)
   extern __shared__ float4 smem_raw[];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int group = Hq / Hkv;
-  const int chunks = (group + heads - 1) / heads;
-  const int h = blockIdx.x / chunks;
-  const int g0 = (blockIdx.x % chunks) * heads;
-  const int gc = min(heads, group - g0);
-  const int hq0 = h * group + g0;  // the block's first query head
-  const int p = blockIdx.z;
-  const int n = gridDim.y;
-  const int r0 = blockIdx.y;
-  const int seq = row_seq[r0];
+  const AttnBlock B = attn_block(row_seq, Hq, Hkv, heads);
+  const int warp = B.warp, lane = B.lane, h = B.h, gc = B.gc, hq0 = B.hq0, p = B.p, r0 = B.r0, seq = B.seq;
 
-  const int nr = attn_run(row_seq, n, r0, seq, rows, lane);
+  const int nr = attn_run(row_seq, gridDim.y, r0, seq, rows, lane);
   if (nr == 0) return;
   const int M = nr * gc;
 
