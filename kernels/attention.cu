@@ -154,18 +154,18 @@ __host__ __device__ constexpr int attn_mw() { return DC == 8 ? 4 : 8; }
 // KV head h, its query heads hq0 .. hq0 + gc - 1 (g0 .. g0 + gc - 1 of the group), block row r0
 // (of sequence seq) and partition p.
 struct AttnBlock {
-  int warp, lane, group, h, g0, gc, hq0, p, r0, seq;
+  int warp, lane, h, gc, hq0, p, r0, seq;
 };
 __device__ __forceinline__ AttnBlock attn_block(const int* __restrict__ row_seq, int Hq, int Hkv, int heads) {
   AttnBlock b;
   b.warp = threadIdx.x / kWarp;
   b.lane = threadIdx.x % kWarp;
-  b.group = Hq / Hkv;
-  const int chunks = (b.group + heads - 1) / heads;
+  const int group = Hq / Hkv;
+  const int chunks = (group + heads - 1) / heads;
+  const int g0 = (blockIdx.x % chunks) * heads;
   b.h = blockIdx.x / chunks;
-  b.g0 = (blockIdx.x % chunks) * heads;
-  b.gc = min(heads, b.group - b.g0);
-  b.hq0 = b.h * b.group + b.g0;
+  b.gc = min(heads, group - g0);
+  b.hq0 = b.h * group + g0;
   b.p = blockIdx.z;
   b.r0 = blockIdx.y;
   b.seq = row_seq[b.r0];
@@ -304,20 +304,6 @@ __device__ __forceinline__ void attn_zero_out(float* __restrict__ out, int M, in
   }
 }
 
-// The three BF16 parts of x, x = hi + mid + lo exactly for finite x that is not tiny (each part
-// keeps the next 8 significant bits, by truncation: no part rounds up to an infinity). A
-// non-finite x is its own hi part (the products keep its kind). Parts under 2^-126 may be
-// denormal: the tensor cores may read them as zeros (an absolute 2^-126 |k| per product).
-__device__ __forceinline__ void split_bf16x3(float x, __nv_bfloat16& hi, __nv_bfloat16& mid, __nv_bfloat16& lo) {
-  const unsigned b = __float_as_uint(x);
-  const bool finite = (b & 0x7f800000u) != 0x7f800000u;
-  const float h = finite ? __uint_as_float(b & 0xffff0000u) : x;  // BF16 values: rounding keeps them
-  const float r = finite ? x - h : 0.0f;                          // exact
-  const float m = __uint_as_float(__float_as_uint(r) & 0xffff0000u);
-  hi = __float2bfloat16_rn(h);
-  mid = __float2bfloat16_rn(m);
-  lo = __float2bfloat16_rn(r - m);  // r - m: exact, at most 8 significant bits left
-}
 }  // namespace mtp
 
 // At most 128 registers (4 blocks of 128 threads per SM): without the minimum-blocks hint
@@ -337,8 +323,7 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   constexpr int E = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte copy
   extern __shared__ float4 smem_raw[];
   const AttnBlock B = attn_block(row_seq, Hq, Hkv, heads);
-  const int warp = B.warp, lane = B.lane, group = B.group, h = B.h, g0 = B.g0, gc = B.gc, p = B.p, r0 = B.r0;
-  const int seq = B.seq;
+  const int warp = B.warp, lane = B.lane, h = B.h, gc = B.gc, hq0 = B.hq0, p = B.p, r0 = B.r0, seq = B.seq;
 
   const int nr = attn_run(row_seq, gridDim.y, r0, seq, rows, lane);
   if (nr == 0) return;
@@ -359,14 +344,14 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   const bool vec = D % 8 == 0 && Dv % 8 == 0 && aligned16(k_cache) && aligned16(v_cache);
   const AttnRing R = attn_ring(ra_s, rb_s, slot_s, nr, stages, vec);
   if (R.ntiles == 0) {  // uniform: no row of the run has a KV row in this partition
-    if (num_parts == 1) attn_zero_out(out, M, gc, r0, Hq, h * group + g0, Dv);
+    if (num_parts == 1) attn_zero_out(out, M, gc, r0, Hq, hq0, Dv);
     return;
   }
   // q only for blocks with work (past a row's length, or outside a window, most blocks exit
   // above); read after the barrier below
   for (int t = threadIdx.x; t < M * Dp; t += blockDim.x) {
     const int m = t / Dp, d = t % Dp;
-    const long long hq = static_cast<long long>(r0 + m / gc) * Hq + h * group + g0 + m % gc;
+    const long long hq = static_cast<long long>(r0 + m / gc) * Hq + hq0 + m % gc;
     q_s[t] = d < D ? q[hq * D + d] * scale : 0.0f;
   }
   const int ntiles = R.ntiles, hi = R.hi, lo = R.lo;
@@ -477,7 +462,7 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
     const int m = warp + kAttnWarps * j;
     if (m < M) {
       const int i = m / gc;
-      const int hk = h * group + g0 + m % gc;  // query head
+      const int hk = hq0 + m % gc;  // query head
       const long long hq = static_cast<long long>(r0 + i) * Hq + hk;
       const bool active = ra_s[i] < rb_s[i];
       const float mxj = ml_w[(ntiles & 1) * 2 * MW + j], lj = ml_w[(ntiles & 1) * 2 * MW + MW + j];
@@ -504,10 +489,10 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
 // The block's M query vectors are the mma's rows, MT tiles of 16 (m >= M: zero rows, weight 0).
 // Per tile of 32 KV rows:
 //   1. S [16 MT x 32] = (q * scale) K^T: warp w the 8 KV rows 8 w .. 8 w + 7 (one n-tile), D / 16
-//      k-steps; q is held as three BF16 parts per value, q = hi + mid + lo exactly (split_bf16x3),
-//      so every product with a BF16 key is exact and a score carries FP32 accumulation only; each
-//      part has an accumulator of its own (three independent mma chains), S = (lo + mid) + hi
-//      into s_s [16 MT][T + 4] FP32.
+//      k-steps; q is held as three BF16 terms per value (mma.cuh's split_pair, as gemm_tc's x:
+//      24 significant bits, within 2^-26 |q|), so each product with a BF16 key is exact and a
+//      score carries FP32 accumulation only; each term has an accumulator of its own (three
+//      independent mma chains), S = (lo + mid) + hi into s_s [16 MT][T + 4] FP32.
 //   2. online softmax: 128 / (16 MT) threads per query vector (a group of adjacent lanes), each
 //      32 / that many of the tile's rows; the group's max and sum by xor shuffles inside it; the
 //      running max and sum in the group's registers; p = e^(s - m) (0 outside the vector's range)
@@ -565,12 +550,19 @@ paged_attention_tc_kernel(const float* __restrict__ q, const __nv_bfloat16* __re
     if (num_parts == 1) attn_zero_out(out, M, gc, r0, Hq, hq0, Dv);
     return;
   }
-  // q's parts only for blocks with work; read after the barrier below
-  for (int t = threadIdx.x; t < MR * D; t += blockDim.x) {
-    const int m = t / D, d = t % D;
-    float x = 0.0f;
-    if (m < M) x = q[(static_cast<long long>(r0 + m / gc) * Hq + hq0 + m % gc) * D + d] * scale;
-    split_bf16x3(x, q_s[m * Dq + d], q_s[(MR + m) * Dq + d], q_s[(2 * MR + m) * Dq + d]);
+  // q's parts only for blocks with work, two values a thread (D even); read after the barrier below
+  for (int t = threadIdx.x; t < MR * D / 2; t += blockDim.x) {
+    const int m = t / (D / 2), d = 2 * (t % (D / 2));
+    float x0 = 0.0f, x1 = 0.0f;
+    if (m < M) {
+      const float* qr = q + (static_cast<long long>(r0 + m / gc) * Hq + hq0 + m % gc) * D + d;
+      x0 = qr[0] * scale;
+      x1 = qr[1] * scale;
+    }
+    unsigned parts[3];
+    split_pair<3>(x0, x1, parts);
+#pragma unroll
+    for (int e = 0; e < 3; ++e) *reinterpret_cast<unsigned*>(q_s + (e * MR + m) * Dq + d) = parts[e];
   }
 
   // the softmax thread's query vector and its range (m >= M: an empty range)
@@ -587,17 +579,18 @@ paged_attention_tc_kernel(const float* __restrict__ q, const __nv_bfloat16* __re
       for (int i = 0; i < 4; ++i) o[mt][j][i] = 0.0f;
   const int mts = (M + 15) / 16;  // m-tiles with a query vector (warp-uniform)
 
-  for (int k = 0; k < stages - 1; ++k) attn_tile_slots(R, k, block_tables, seq, max_blocks, BS, warp, lane);
+  auto tile_slots = [&](int k) { attn_tile_slots(R, k, block_tables, seq, max_blocks, BS, warp, lane); };
+  auto issue = [&](int k) { attn_issue(R, k, k_s, v_s, Dks, Dvs, k_cache, v_cache, Hkv, h, D, Dv, warp, lane); };
+  for (int k = 0; k < stages - 1; ++k) tile_slots(k);
   __syncthreads();
-  for (int k = 0; k < stages - 1; ++k)
-    attn_issue(R, k, k_s, v_s, Dks, Dvs, k_cache, v_cache, Hkv, h, D, Dv, warp, lane);
-  attn_tile_slots(R, stages - 1, block_tables, seq, max_blocks, BS, warp, lane);
+  for (int k = 0; k < stages - 1; ++k) issue(k);
+  tile_slots(stages - 1);
 
   for (int k = 0; k < R.ntiles; ++k) {
     if (stages == 3) cp_async_wait<1>();
     else cp_async_wait<0>();
     __syncthreads();  // tile k is in shared memory; the slots of tile k + stages - 1 are written
-    attn_issue(R, k + stages - 1, k_s, v_s, Dks, Dvs, k_cache, v_cache, Hkv, h, D, Dv, warp, lane);
+    issue(k + stages - 1);
     const bf16* kt = k_s + (k % stages) * T * Dks;
     const bf16* vt = v_s + (k % stages) * T * Dvs;
 
@@ -633,7 +626,7 @@ paged_attention_tc_kernel(const float* __restrict__ q, const __nv_bfloat16* __re
           s_s[(16 * mt + mma_c_row(lane, i)) * SS + 8 * warp + mma_c_col(lane, i)] =
               (sc[mt][2][i] + sc[mt][1][i]) + sc[mt][0][i];
     }
-    attn_tile_slots(R, k + stages, block_tables, seq, max_blocks, BS, warp, lane);  // stage k's slots are read
+    tile_slots(k + stages);  // ring stage k % stages: its slots (tile k's) are no longer read
     __syncthreads();  // S of the whole tile is written
 
     // 2. online softmax of query vector sm over tile rows sc0 .. sc0 + KPT - 1

@@ -79,21 +79,6 @@ __device__ __forceinline__ uint4 load_w16(const __nv_bfloat16* p, bool vec) {
   return ld_stream16(p);  // common.cuh: ld.global.nc.L1::no_allocate (a plain load on the emulator)
 }
 
-// Two values of x as TERMS BF16 pairs (mma.cuh's packing) that add up to them: part 0 =
-// bf16(v), part e = bf16(v - parts 0 .. e - 1) (each difference exact in FP32). An infinite or
-// NaN part leaves 0 to the next ones (inf - inf would make a NaN of an infinite x).
-template <int TERMS>
-__device__ __forceinline__ void split_pair(float v0, float v1, unsigned (&parts)[TERMS]) {
-#pragma unroll
-  for (int e = 0; e < TERMS; ++e) {
-    const __nv_bfloat16 h0 = __float2bfloat16_rn(v0), h1 = __float2bfloat16_rn(v1);
-    parts[e] = pack_bf16x2(h0, h1);
-    const float f0 = __bfloat162float(h0), f1 = __bfloat162float(h1);
-    v0 = fabsf(f0) < __int_as_float(0x7f800000) ? v0 - f0 : 0.0f;
-    v1 = fabsf(f1) < __int_as_float(0x7f800000) ? v1 - f1 : 0.0f;
-  }
-}
-
 // ---------------------------------------------------------------------------
 // Epilogues. rows(tile, gq, a, b): the weight rows of the tile's fragment rows gq and gq + 8
 // (clamped into the matrix), false when the tile is past the end; store<NT, NORM>(tile,

@@ -1,4 +1,6 @@
-// mma.cuh -- one warp-wide tensor-core product and the fragment layout of its operands.
+// mma.cuh -- one warp-wide tensor-core product and the fragment layout of its operands, and
+// split_pair: FP32 values as BF16 terms that add up to them (the FP32-level operands of
+// gemm_tc.cu's x and attention.cu's q).
 //
 // mma_m16n8k16_bf16(c, a, b): D[16 x 8] = A[16 x 16] B[16 x 8] + C, A and B BF16, C and D FP32
 // (PTX mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, sm_80+). All 32 lanes of the warp
@@ -40,6 +42,21 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 }
 __device__ __forceinline__ unsigned pack_bf16x2(__nv_bfloat16 lo, __nv_bfloat16 hi) {
   return static_cast<unsigned>(__bfloat16_as_ushort(lo)) | static_cast<unsigned>(__bfloat16_as_ushort(hi)) << 16;
+}
+
+// Two values of x as TERMS BF16 pairs (pack_bf16x2's packing) that add up to them: part 0 =
+// bf16(v), part e = bf16(v - parts 0 .. e - 1) (each difference exact in FP32). An infinite or
+// NaN part leaves 0 to the next ones (inf - inf would make a NaN of an infinite x).
+template <int TERMS>
+__device__ __forceinline__ void split_pair(float v0, float v1, unsigned (&parts)[TERMS]) {
+#pragma unroll
+  for (int e = 0; e < TERMS; ++e) {
+    const __nv_bfloat16 h0 = __float2bfloat16_rn(v0), h1 = __float2bfloat16_rn(v1);
+    parts[e] = pack_bf16x2(h0, h1);
+    const float f0 = __bfloat162float(h0), f1 = __bfloat162float(h1);
+    v0 = fabsf(f0) < __int_as_float(0x7f800000) ? v0 - f0 : 0.0f;
+    v1 = fabsf(f1) < __int_as_float(0x7f800000) ? v1 - f1 : 0.0f;
+  }
 }
 
 // A [16][lda] row-major from shared or global memory (lda even, A 4-byte aligned).

@@ -186,8 +186,7 @@ def _check_plan(p: AttentionPlan, group: int, D: int, Dv: int, cap: int, kv_item
                          f"{query_capacity(p.dc)}, stages 2 or 3, part_size >= 1; got {p}")
     if p.variant not in VARIANTS:
         raise ValueError(f"attention_plan: expected variant in {VARIANTS}, got {p.variant!r}")
-    if p.variant == "tc" and not (kv_itemsize == 2 and D % 16 == 0 and Dv % 8 == 0
-                                  and (p.mt, p.dc) in ATTENTION_TC):
+    if p.variant == "tc" and not (attention_variant(D, Dv, kv_itemsize) == "tc" and (p.mt, p.dc) in ATTENTION_TC):
         raise ValueError(f"attention_plan: the tc variant needs a BF16 cache, D % 16 == 0, Dv % 8 == 0 and "
                          f"(m-tiles, dc) in {ATTENTION_TC}; got {kv_itemsize}-byte KV, D {D}, Dv {Dv}, "
                          f"({p.mt}, {p.dc})")

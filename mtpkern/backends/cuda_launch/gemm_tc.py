@@ -42,6 +42,8 @@ TC_ROWS = 8 * max(GEMM_TC_NT)
 #: fewest input rows for which the tensor cores are taken: below, the scalar kernels' weight
 #: stream (read once for up to 8 rows) costs the same
 MIN_ROWS = 4
+#: k-warps per tile the kernels take (kw)
+KW = (1, 2, 4, 8)
 
 
 def selected(n: int, K: int, w: Any) -> bool:
@@ -51,14 +53,18 @@ def selected(n: int, K: int, w: Any) -> bool:
             and K > 0 and K % 8 == 0)
 
 
-def tc_config(tiles: int) -> tuple[tuple[int], int]:
+def tc_config(tiles: int, kw: int | None = None) -> tuple[tuple[int], int]:
     """-> (grid, kw) for ``tiles`` tiles of 16 weight rows (linear: ceil(N / 16); SwiGLU:
     ceil(I / 8)): kw k-warps per tile, the smallest of (1, 2, 4, 8) that puts TC_WARPS_PER_SM
     warps (each keeping 4 KB of weights in flight: 40 KB per SM) on every SM, else 8; grid
     ``ceil(tiles / (8 / kw))`` blocks. Fewer k-warps mean more tiles per block, so fewer
-    blocks stage the same x (x is read from L2 kw n / 64 times the weight bytes)."""
-    want = TC_WARPS_PER_SM * sm_count()
-    kw = next((k for k in (1, 2, 4) if tiles * k >= want), 8)
+    blocks stage the same x (x is read from L2 kw n / 64 times the weight bytes). ``kw``
+    given (one of KW; the benchmark's sweep): that many instead."""
+    if kw is None:
+        want = TC_WARPS_PER_SM * sm_count()
+        kw = next((k for k in (1, 2, 4) if tiles * k >= want), 8)
+    elif kw not in KW:
+        raise ValueError(f"kw: expected one of {KW}, got {kw!r}")
     return (cdiv(tiles, TC_WARPS // kw),), kw
 
 
@@ -69,10 +75,6 @@ def tc_smem_bytes(nt: int) -> int:
     return TC_TERMS * 8 * nt * TC_LD * 2
 
 
-#: k-warps per tile the kernels take (kw)
-KW = (1, 2, 4, 8)
-
-
 def _launch(name: str, tiles: int, x, norm, args, kw: int | None = None) -> None:
     """One launch of ``name<NT, NORM>`` per TC_ROWS rows of x [n, K]; ``args(sl, xs, g, eps, m,
     kw)`` -> the kernel's arguments for the rows ``sl`` (a slice; None: all rows, no view taken)
@@ -81,13 +83,7 @@ def _launch(name: str, tiles: int, x, norm, args, kw: int | None = None) -> None
     n, K = shape_of(x)
     if K % 8:
         raise ValueError(f"x: {name} needs K % 8 == 0, got K = {K}")
-    grid, kw_auto = tc_config(tiles)
-    if kw is None:
-        kw = kw_auto
-    elif kw not in KW:
-        raise ValueError(f"kw: expected one of {KW}, got {kw!r}")
-    else:
-        grid = (cdiv(tiles, TC_WARPS // kw),)
+    grid, kw = tc_config(tiles, kw)
     g, eps = (None, 0.0) if norm is None else norm
     for r0 in range(0, n, TC_ROWS):
         m = min(TC_ROWS, n - r0)
@@ -150,8 +146,6 @@ def gemm_tc(x, w, bias=None, residual=None, *, norm=None, out=None, kw: int | No
     cores; ``w`` BF16 bits (uint16), K % 8 == 0; ``norm``: ``(g [K] FP32, eps > 0)``; ``kw``:
     k-warps per tile (one of KW) instead of tc_config's choice (benchmarks/gpu_bench.py's
     sweep: the same result in another summation order)."""
-    if kw is not None and kw not in KW:
-        raise ValueError(f"kw: expected one of {KW}, got {kw!r}")
     check_linear(x, w, bias, residual)
     x = device(x, "x", "float32")
     w = _bf16_weight(w, "w")
