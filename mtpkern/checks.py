@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .backends import dlpack
 from .backends.base import on_cuda_device
 
 #: the kernels index RoPE positions (and KV rows) in int32
@@ -99,7 +100,7 @@ def check_tokens(name: str, tokens: Any, vocab_size: int) -> np.ndarray:
     """A sequence of token ids -> [n] int32, each checked against the vocabulary."""
     if hasattr(tokens, "get") and not isinstance(tokens, (np.ndarray, list, tuple, dict)):   # a device array
         tokens = tokens.get()
-    a = np.asarray(tokens)
+    a = dlpack.host_array(name, tokens, "token ids are read on the host")
     if a.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {list(a.shape)}")
     if a.size and a.dtype.kind not in "iu":
@@ -126,7 +127,8 @@ def check_positions(name: str, highest: int, limit: int) -> None:
 
 
 def shape_of(x: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in getattr(x, "shape", np.shape(x)))
+    """Any array argument's shape, read without a copy (DLPack-only objects too)."""
+    return dlpack.shape(x)
 
 
 def hidden_shape(name: str, x: Any, H: int, rows: int | None = None, want: str | None = None) -> tuple[int, int]:
@@ -161,8 +163,8 @@ def ingest_hidden(backend: Any, name: str, x: Any, H: int, rows: int | None = No
         expect_finite(name, a)
     elif not on_cuda_device(x):                          # host input to a device backend
         try:
-            host = np.asarray(x)
-        except Exception:                                # e.g. a host BF16 tensor NumPy cannot read
+            host = dlpack.host_array(name, x)
+        except Exception:                                # refused by ingest_float already
             host = None
         if host is not None and host.dtype.name in ("float32", "bfloat16"):
             expect_finite(name, np.asarray(host, np.float32))

@@ -22,13 +22,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .backends import dlpack
+
 MaskFn = Callable[[int, list], "np.ndarray | None"]
 
 
 def _as_words(name: str, mask: Any) -> np.ndarray:
     if hasattr(mask, "__cuda_array_interface__") and not isinstance(mask, np.ndarray):
-        mask = mask.get() if hasattr(mask, "get") else np.asarray(mask)
-    a = np.asarray(mask)
+        mask = mask.get() if hasattr(mask, "get") else mask
+    a = dlpack.host_array(name, mask, "grammar masks are read on the host")
     if a.dtype == np.uint32:
         a = a.view(np.int32)
     if a.dtype != np.int32:

@@ -90,26 +90,21 @@ class Backend(ABC):
 
         Host backends take NumPy arrays and anything NumPy reads through
         ``__array__`` / DLPack (host BF16 DLPack tensors too, e.g. CPU
-        ``torch.bfloat16``); a CUDA device array is refused with a clear error.
+        ``torch.bfloat16``); an array on a device (DLPack CUDA, ROCm, ...,
+        ``__cuda_array_interface__``) is refused with a clear error
+        (``dlpack.host_array``).
         """
         was_python = isinstance(x, (list, tuple, float))
-        if not isinstance(x, np.ndarray) and on_cuda_device(x):
-            raise TypeError(f"{name}: got a CUDA device array, but the {self.name} backend "
-                            f"computes on the host; pass a NumPy array")
         if not isinstance(x, np.ndarray):
-            try:
-                x = np.from_dlpack(x) if hasattr(x, "__dlpack__") else np.asarray(x)
-            except Exception as e:
-                from .dlpack import host_bfloat16   # a host BF16 tensor NumPy cannot import
+            from .dlpack import host_array      # host DLPack (BF16 too); any other device refused
 
-                try:
-                    widened = host_bfloat16(x)
-                except Exception:
-                    widened = None
-                if widened is None:
-                    raise TypeError(f"{name}: expected an array of BF16 or FP32 values, got "
-                                    f"{type(x).__name__} ({e})") from None
-                x = widened
+            try:
+                x = host_array(name, x, f"the {self.name} backend computes on the host")
+            except TypeError:
+                raise
+            except Exception as e:
+                raise TypeError(f"{name}: expected an array of BF16 or FP32 values, got "
+                                f"{type(x).__name__} ({e})") from None
         if x.dtype.name not in ("float32", "bfloat16"):
             raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype.name}"
                             + (" (NumPy reads Python floats as float64: pass np.asarray(values, np.float32))"

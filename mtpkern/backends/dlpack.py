@@ -10,6 +10,15 @@ return when no ``max_version`` is asked for). ``uint16_view(info)`` exposes a
 capsule, whose destructor calls the producer's deleter once the last array
 using the memory is gone. Widening the bits to FP32 is the caller's
 (``bits << 16``).
+
+Every array argument a host reads (hiddens on the numpy and cpu backends, token ids,
+grammar masks on any backend) goes through ``host_array``: NumPy arrays as they are,
+host DLPack tensors through ``np.from_dlpack`` (zero-copy; host BF16 through the reader
+above, widened to FP32), anything else through ``np.asarray``; an array on a device
+(DLPack CUDA / ROCm / ..., or ``__cuda_array_interface__``) is refused with a
+``TypeError`` that says so, instead of becoming a 0-d object array. ``shape(x)`` reads
+the shape of any of them without copying (an object with only ``__dlpack__`` has no
+``.shape``).
 """
 
 from __future__ import annotations
@@ -26,6 +35,10 @@ KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED = 1, 2, 3, 13
 KDL_INT, KDL_UINT, KDL_FLOAT, KDL_BFLOAT = 0, 1, 2, 4
 HOST_DEVICES = (KDL_CPU, KDL_CUDA_HOST)
 CUDA_DEVICES = (KDL_CUDA, KDL_CUDA_MANAGED)
+#: DLDeviceType names, for messages
+DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDA host", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
+                10: "ROCm", 11: "ROCm host", 12: "ExtDev", 13: "CUDA managed", 14: "oneAPI", 15: "WebGPU",
+                16: "Hexagon", 17: "MAIA"}
 
 
 class _Device(ctypes.Structure):
@@ -130,3 +143,71 @@ def host_bfloat16(x: Any) -> np.ndarray | None:
         return None
     bits = np.asarray(uint16_view(info))
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def device_description(x: Any) -> str | None:
+    """Where ``x`` lives when that is not host memory NumPy can read: ``"CUDA device 0"``,
+    ``"ROCm device 1"``, ``"a CUDA device (__cuda_array_interface__)"``; None for host arrays
+    and plain Python objects. Reads only ``__dlpack_device__`` / ``__cuda_array_interface__``
+    (guarded: PyTorch raises TypeError, not AttributeError, for a BF16 CUDA tensor's)."""
+    if isinstance(x, np.ndarray):
+        return None
+    try:
+        dev = device_of(x)
+    except Exception:
+        dev = None
+    if dev is not None:
+        if dev[0] in HOST_DEVICES:
+            return None
+        return f"{DEVICE_NAMES.get(dev[0], f'DLPack device type {dev[0]}')} device {dev[1]}"
+    try:
+        cai = getattr(x, "__cuda_array_interface__", None)
+    except Exception:
+        return "a CUDA device (an unreadable __cuda_array_interface__)"
+    return None if cai is None else "a CUDA device (__cuda_array_interface__)"
+
+
+def host_array(name: str, x: Any, where: str = "mtpkern reads it on the host") -> np.ndarray:
+    """``x`` as a NumPy array (module docstring): zero-copy for NumPy and host DLPack
+    tensors; a device array raises ``TypeError`` naming ``name``, the device and ``where``
+    (why the host is needed)."""
+    if isinstance(x, np.ndarray):
+        return x
+    dev = device_description(x)
+    if dev is not None:
+        raise TypeError(f"{name}: got a {type(x).__name__} on {dev}, but {where}; "
+                        f"copy it to the host first (e.g. .cpu() / .get() / np.asarray)")
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except Exception as e:
+            try:
+                widened = host_bfloat16(x)        # a host BF16 tensor NumPy cannot import
+            except Exception:
+                widened = None
+            if widened is None:
+                raise TypeError(f"{name}: could not read the {type(x).__name__} host tensor through "
+                                f"DLPack ({type(e).__name__}: {e})") from None
+            return widened
+    return np.asarray(x)
+
+
+def shape(x: Any) -> tuple[int, ...]:
+    """The shape of an array-like without copying it: ``.shape``, else the
+    ``__cuda_array_interface__``'s, else the DLPack header's, else ``np.shape``."""
+    s = getattr(x, "shape", None)
+    if s is None:
+        try:
+            cai = getattr(x, "__cuda_array_interface__", None)
+        except Exception:
+            cai = None
+        if isinstance(cai, dict) and "shape" in cai:
+            s = cai["shape"]
+        elif hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+            try:
+                s = export(x).shape
+            except Exception:
+                s = None
+        if s is None:
+            s = np.shape(x)
+    return tuple(int(v) for v in s)
