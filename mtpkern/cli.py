@@ -336,7 +336,8 @@ def run_info(args: argparse.Namespace) -> dict:
     from .config import MtpConfig
     from .kv import BlockPool
     from .models import family
-    from .weights import CheckpointReader, module_key
+    from .errors import CheckpointError
+    from .weights import CheckpointReader, check_headers, module_key
 
     path = args.checkpoint
     cfg = MtpConfig.from_json(path / "config.json")
@@ -375,6 +376,17 @@ def run_info(args: argparse.Namespace) -> dict:
         if rd.has(key):
             shape, dt = rd.info(key)
             print(f"  target {key}: {list(shape)} {dt}")
+    # every tensor the loader reads, against the config, from the headers alone (no data read)
+    problems, _ = check_headers(path, cfg)
+    report["problems"] = problems
+    if problems:
+        print(f"  {len(problems)} problem(s): the checkpoint would not load")
+        for p in problems:
+            print(f"    {p}")
+        raise CheckpointError(f"{path}: {len(problems)} problem(s) with the checkpoint's tensors "
+                              f"(listed above); the first: {problems[0]}")
+    print("  tensors: every tensor the modules read is present, with the expected shape and dtype "
+          "(headers checked; values are checked at load)")
     return report
 
 

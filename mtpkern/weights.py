@@ -537,6 +537,82 @@ def _refuse_or_note_unused(cfg: MtpConfig, rd: CheckpointReader, m: int, pre: st
                           f"pass allow_unused_tensors=True to load without it")
 
 
+def check_headers(path: str | os.PathLike, cfg: MtpConfig, apply_target_norm: bool = False
+                  ) -> tuple[list[str], list[str]]:
+    """What ``load_weights`` would refuse that the safetensors headers already show, read
+    without any tensor's data: every tensor each module reads present (its own or the
+    target's embedding and LM head, the target's norm with ``apply_target_norm``), with the
+    shape and dtype the loader expects (``_module_keys``: the same table), an FP8 weight's
+    scales present, no unused tensor under a module's prefix. Returns ``(problems, notes)``,
+    one line each, every problem found (not only the first); values (NaN, corrupt data) are
+    the loader's to find. ``mtpkern info`` reports these."""
+    rd = CheckpointReader(path)
+    fam = family(cfg.family)
+    problems: list[str] = []
+    notes: list[str] = []
+    V, H = cfg.vocab_size, cfg.hidden_size
+
+    def attempt(fn: Any) -> Any:
+        try:
+            return fn()
+        except CheckpointError as e:
+            if str(e) not in problems:
+                problems.append(str(e))
+            return None
+
+    def header(key: str, shape: tuple[int, ...], dtypes: tuple[str, ...], why: str = "") -> None:
+        got_shape, got_dtype = rd.info(key)
+        where = f"tensor {key!r} in {rd.file_of(key)}"
+        if got_shape != tuple(shape):
+            problems.append(f"{where}: expected shape {list(shape)}{why}, got {list(got_shape)}")
+        if got_dtype not in dtypes:
+            problems.append(f"{where}: expected dtype {' or '.join(dtypes)}, got {got_dtype}")
+
+    def one(m: int, layer: int, suffix: str, shape: tuple[int, ...], required: bool) -> None:
+        key = module_key(fam, rd, layer, m, suffix)
+        if not rd.has(key):
+            if required:
+                why = _deciding_field(cfg, suffix)
+                problems.append(f"tensor {key!r} is missing from the checkpoint at {rd.path} (module {m} of "
+                                f"{cfg.num_modules}){'; ' + why if why else ''}")
+            return
+        fp8 = cfg.weight_quant == "fp8" and _is_projection(suffix) and rd.info(key)[1] == _FP8
+        header(key, shape, (_FP8,) if fp8 else _FLOAT_DTYPES)
+        if fp8:
+            sk = scale_key(cfg, key)
+            if not rd.has(sk):
+                problems.append(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
+                                f"of the FP8 weight {key!r} (quantization_config)")
+            else:
+                header(sk, rd.info(sk)[0], ("F32", "BF16"))
+
+    for m in range(cfg.num_modules):
+        layer = cfg.layer_index(m)
+        attempt(lambda: _checked_module_keys(cfg, rd, m, False, notes))      # the first missing / unused one
+        keys = _module_keys(cfg, m)
+        for suffix, (shape, required) in keys.items():
+            attempt(lambda: one(m, layer, suffix, shape, required))
+        own = {s: attempt(lambda s=s: module_key(fam, rd, layer, m, s))
+               for s in ("embed_tokens.weight", "shared_head.head.weight")}
+        head_keys = [own["shared_head.head.weight"], fam.target_head] + \
+            ([fam.target_embed] if cfg.tie_word_embeddings else [])
+        for keys_, what in (([own["embed_tokens.weight"], fam.target_embed], f"module {m} embedding"),
+                            (head_keys, f"module {m} LM head")):
+            held = [k for k in keys_ if k is not None and rd.has(k)]
+            if not held:
+                problems.append(f"{what}: none of the tensors {[k for k in keys_ if k]} is in the checkpoint "
+                                f"at {rd.path}")
+            elif held[0] not in (own["embed_tokens.weight"], own["shared_head.head.weight"]):
+                attempt(lambda: header(held[0], (V, H), _FLOAT_DTYPES, f" ([vocab_size, hidden_size], {what})"))
+    if apply_target_norm:
+        if not rd.has(fam.target_norm):
+            problems.append(f"apply_target_norm=True needs the target's {fam.target_norm!r}, "
+                            f"missing from the checkpoint at {rd.path}")
+        else:
+            attempt(lambda: header(fam.target_norm, (H,), _FLOAT_DTYPES))
+    return list(dict.fromkeys(problems)), notes
+
+
 def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_norm: bool = False, *,
                  allow_unused_tensors: bool = False, shard: Shard | None = None,
                  head_ids: np.ndarray | None = None) -> MtpWeights:

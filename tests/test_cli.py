@@ -283,3 +283,52 @@ def test_a_closed_pipe_is_not_an_error(tmp_path):
     r = subprocess.run(f"{sys.executable} -m mtpkern demo --steps 30 --backend numpy | head -1", shell=True,
                        capture_output=True, text=True, timeout=300)
     assert "Broken pipe" not in r.stderr and "Traceback" not in r.stderr
+
+
+# -- info checks every tensor's header against the config ------------------------------------------
+
+def _edited_copy(src: Path, dst: Path, edit) -> Path:
+    """A copy of the checkpoint ``src`` whose tensors went through ``edit(dict)``."""
+    from safetensors.numpy import save_file
+
+    from mtpkern.weights import read_tensors
+
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    assert len(files) == 1
+    tensors = read_tensors(dst)
+    edit(tensors)
+    save_file(tensors, str(files[0]))
+    return dst
+
+
+def test_info_refuses_a_checkpoint_missing_a_tensor(tiny_ckpt, tmp_path, capsys):
+    """Exit 2 naming every tensor the loader would refuse, read from the headers alone."""
+    import numpy as np
+
+    def edit(t):
+        del t["model.layers.3.mlp.experts.1.up_proj.weight"]                     # missing
+        t["model.layers.2.eh_proj.weight"] = t["model.layers.2.eh_proj.weight"][:, :100]   # wrong shape
+        t["model.layers.4.enorm.weight"] = t["model.layers.4.enorm.weight"].astype(np.float16)  # wrong dtype
+    bad = _edited_copy(tiny_ckpt, tmp_path / "bad", edit)
+    assert main(["info", str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert "3 problem(s)" in out
+    assert "'model.layers.3.mlp.experts.1.up_proj.weight' is missing" in out
+    assert "'model.layers.2.eh_proj.weight'" in out and "expected shape [64, 128], got [64, 100]" in out
+    assert "'model.layers.4.enorm.weight'" in out and "expected dtype BF16 or F32, got F16" in out
+    assert err.startswith("mtpkern: error: ") and err.count("\n") == 1 and "3 problem(s)" in err
+
+
+def test_info_refuses_a_missing_target_head(tiny_ckpt, tmp_path, capsys):
+    def edit(t):
+        del t["lm_head.weight"]
+    bad = _edited_copy(tiny_ckpt, tmp_path / "nohead", edit)
+    assert main(["info", str(bad)]) == 2
+    out = capsys.readouterr().out
+    assert "module 0 LM head: none of the tensors" in out and "'lm_head.weight'" in out
+
+
+def test_info_passes_a_whole_checkpoint(tiny_ckpt, capsys):
+    assert main(["info", str(tiny_ckpt)]) == 0
+    assert "every tensor the modules read is present" in capsys.readouterr().out
