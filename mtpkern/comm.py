@@ -29,9 +29,12 @@ lowest id, NaN never wins); ``sharded_topk`` merges the shards' candidates of a 
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import hashlib
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllowedToken, StateError
 
 #: the reductions every communicator provides
 OPS = ("sum", "max")
@@ -52,16 +55,25 @@ class Communicator(Protocol):
 
 
 def check_comm(comm: Any, name: str = "comm") -> Any:
-    """``comm`` if it has what a communicator must (module docstring), else a TypeError
-    naming what it lacks; a ValueError for a rank outside 0 .. size - 1."""
+    """``comm`` if it is a communicator (module docstring), else an error naming what is wrong:
+    a TypeError for a missing member, a collective that is not callable, or a rank / size
+    that is not an int (a bool is refused); a ValueError for a size below 1 or a rank
+    outside 0 .. size - 1."""
     missing = [m for m in ("rank", "size", "all_reduce", "all_gather", "broadcast") if not hasattr(comm, m)]
     if missing:
         raise TypeError(f"{name}: expected a communicator (rank, size, all_reduce, all_gather, broadcast), "
                         f"got {type(comm).__name__} without {', '.join(missing)}")
+    for m in ("all_reduce", "all_gather", "broadcast"):
+        f = getattr(comm, m)
+        if not callable(f):
+            raise TypeError(f"{name}.{m}: expected a callable (the collective), got {type(f).__name__} {f!r:.40}")
     size, rank = comm.size, comm.rank
-    if not (isinstance(size, (int, np.integer)) and size >= 1):
+    for what, v in (("size", size), ("rank", rank)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name}.{what}: expected an int, got {type(v).__name__} {v!r:.40}")
+    if size < 1:
         raise ValueError(f"{name}.size: expected an int >= 1, got {size!r}")
-    if not (isinstance(rank, (int, np.integer)) and 0 <= rank < size):
+    if not 0 <= rank < size:
         raise ValueError(f"{name}.rank: expected an int in 0 .. {size - 1}, got {rank!r}")
     return comm
 
@@ -297,3 +309,133 @@ def sharded_topk(ids: np.ndarray, vals: np.ndarray, best: np.ndarray, sum_exp: n
             out_ids[r, j] = c_ids[o]
             probs[r, j] = 1.0 / (sums[r][live] * t).sum()
     return out_ids, probs
+
+
+# -- agreement: a call refused, failing or different on one rank fails on every rank ---------
+
+#: the argument fields one agreement compares (a call names at most this many)
+AGREE_FIELDS = 12
+_TEXT_WORDS = 256                       # a failure's text: 1024 UTF-8 bytes, as int32 words
+
+
+class RankMismatch(MtpError, ValueError):
+    """The ranks of a sharded head were given different calls, or arguments that would make
+    them run different collectives (docs/distributed.md, "Agreement")."""
+
+
+#: the error types an agreed failure keeps (the first in a failing error's MRO), most specific first
+_ERROR_TYPES: tuple[type, ...] = (RankMismatch, NoAllowedToken, KvCacheFull, StateError, CheckpointError, ConfigError,
+                                  MtpError, ValueError, TypeError, IndexError, KeyError, OverflowError,
+                                  ArithmeticError, MemoryError, RuntimeError, OSError, Exception)
+
+
+def field_digest(value: Any) -> int:
+    """A 62-bit digest of one argument field (arrays by dtype, shape and bytes; anything else
+    by its ``repr``), the same on every rank for equal values."""
+    h = hashlib.blake2b(digest_size=8)
+    if isinstance(value, np.ndarray):
+        h.update(f"{value.dtype.str}{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    else:
+        h.update(repr(value).encode())
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def _error_code(e: BaseException) -> int:
+    for cls in type(e).__mro__:
+        if cls in _ERROR_TYPES:
+            return _ERROR_TYPES.index(cls)
+    return len(_ERROR_TYPES)              # not an Exception (an interrupt): RuntimeError on the others
+
+
+def _make_error(code: int, message: str) -> BaseException:
+    cls = _ERROR_TYPES[code] if code < len(_ERROR_TYPES) else RuntimeError
+    try:
+        return cls(message)
+    except TypeError:                     # a constructor of its own (KvCacheFull): the message alone
+        e = cls.__new__(cls)
+        BaseException.__init__(e, message)
+        return e
+
+
+def _text_words(text: str) -> np.ndarray:
+    raw = text.encode("utf-8")[:4 * _TEXT_WORDS]
+    return np.frombuffer(raw.ljust(4 * _TEXT_WORDS, b"\0"), np.int32).copy()
+
+
+def _words_text(words: np.ndarray) -> str:
+    return np.ascontiguousarray(words, np.int32).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
+
+def _gather_texts(comm: Any, code: int, text: str, to_comm: Callable, from_comm: Callable) -> list[tuple[int, str]]:
+    """Every rank's (code, text): one all-gather of ``1 + _TEXT_WORDS`` int32 (only on a failure)."""
+    send = np.concatenate([np.int32([code]), _text_words(text)])
+    recv = to_comm(np.zeros((comm.size, send.shape[0]), np.int32))
+    comm.all_gather(to_comm(send), recv)
+    got = np.asarray(from_comm(recv))
+    return [(int(row[0]), _words_text(row[1:])) for row in got]
+
+
+def _short(v: Any) -> str:
+    r = f"array {list(v.shape)} {v.dtype}" if isinstance(v, np.ndarray) else repr(v)
+    return r if len(r) <= 120 else r[:117] + "..."
+
+
+def agree(comm: Any, call: str, fields: Sequence[tuple[str, Any]] | None, error: BaseException | None = None,
+          to_comm: Callable | None = None, from_comm: Callable | None = None, during: bool = False) -> None:
+    """The ranks of a sharded call agree before going on (docs/distributed.md, "Agreement").
+
+    Every rank calls this at the same point of the same call with ``fields`` (the arguments
+    that shape the call, ``[(name, value)]``; at most ``AGREE_FIELDS``) or with ``error`` (what
+    this rank raised instead). One all-reduce (max) of ``2 + 2 * AGREE_FIELDS`` int64: a failed
+    flag, the lowest failing rank, each field's digest and its negation (so that the max of
+    both says whether every rank had the same). On success it returns on every rank. If any
+    rank failed, every rank raises the error type of the lowest failing rank (``StateError``,
+    ``ValueError``, ``NoAllowedToken``, ...; a foreign type as its nearest built-in base) with
+    one message naming the rank and its error (the failing rank's chained to the original);
+    if the fields differ, every rank raises ``RankMismatch`` naming each differing field with
+    each rank's value. Either raise costs one more collective (an all-gather of the texts).
+    ``to_comm`` / ``from_comm``: host arrays to the communicator's buffers and back.
+    ``during``: the agreement closes a call whose collectives ran (its message says so)."""
+    to_comm = to_comm or (lambda a: a)
+    from_comm = from_comm or (lambda a: np.asarray(a))
+    R, r = comm.size, comm.rank
+    fields = list(fields or ())
+    if len(fields) > AGREE_FIELDS:
+        raise ValueError(f"fields: expected at most {AGREE_FIELDS}, got {len(fields)}")
+    buf = np.zeros(2 + 2 * AGREE_FIELDS, np.int64)
+    if error is not None:
+        buf[0], buf[1] = 1, R - r
+    else:
+        d = np.array([field_digest(f) for f in fields] + [0] * (AGREE_FIELDS - len(fields)), np.int64)
+        buf[2::2], buf[3::2] = d, -d
+    dev = to_comm(buf)
+    comm.all_reduce(dev, "max")
+    got = np.asarray(from_comm(dev))
+    if got[0]:
+        first = R - int(got[1])
+        mine = "" if error is None else f"{type(error).__name__}: {error}"
+        texts = _gather_texts(comm, _error_code(error) if error is not None else -1, mine, to_comm, from_comm)
+        failed = [q for q, (code, _) in enumerate(texts) if code >= 0]
+        code, text = texts[first]
+        others = [q for q in failed if q != first]
+        also = f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too" if others else ""
+        when = "failed during the call" if during else "refused the call"
+        out = _make_error(code, f"{call}: rank {first} of {R} {when} ({text}){also}; every rank raised this "
+                                f"and left its states unchanged")
+        out._mtpkern_agreed = True
+        raise out from error
+    differ = [i for i in range(AGREE_FIELDS) if got[2 + 2 * i] != -got[3 + 2 * i]]
+    if differ and differ[0] == 0:          # different calls: their other fields do not compare
+        differ, call = [0], "a sharded call"
+    if differ:
+        mine = "; ".join(f"{fields[i][0]}={_short(fields[i][1])}" if i < len(fields) else f"field {i} absent"
+                         for i in differ)
+        texts = _gather_texts(comm, -1, mine, to_comm, from_comm)
+        names = ", ".join(fields[i][0] if i < len(fields) else f"field {i}" for i in differ)
+        each = " | ".join(f"rank {q}: {t}" for q, (_, t) in enumerate(texts))
+        out = RankMismatch(f"{call}: the ranks were given different arguments ({names}): {each}; every rank of a "
+                           f"sharded head must make the same calls with the same arguments (docs/distributed.md); "
+                           f"every rank raised this and left its states unchanged")
+        out._mtpkern_agreed = True
+        raise out

@@ -54,7 +54,7 @@ from .grammar import MaskFn, resolve
 from .head import MtpHead
 from .kv import BlockPool
 from .models import family
-from .shard import Shard
+from .shard import Shard, agreement, check_experts, sharded_call
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
 from .trait import DraftProposer, ProposerState
 from .tree import DraftTree, TreeRunner, check_shape
@@ -202,6 +202,8 @@ class MultiModuleMtpHead(DraftProposer):
         rules = ExactChain if kv_mode == "exact" else DraftChain
         #: the communicator and this rank's slice of a sharded head (None, None: one rank)
         self.comm, self.shard = (comm, shard) if shard is not None else (None, None)
+        #: a sharded head's ranks agree on every call before running it (docs/distributed.md, "Agreement")
+        self.agree_calls = True
         self.modules = [MtpHead(m, config, mw, backend, num_blocks, block_size, trim_margin=rules.trim_margin(m),
                                 max_forward_rows=self.prefill_chunk + config.num_modules, vocab=self.draft_vocab,
                                 comm=self.comm, shard=self.shard)
@@ -291,6 +293,7 @@ class MultiModuleMtpHead(DraftProposer):
         cfg = MtpConfig.from_json(os.path.join(os.fspath(ckpt_dir), "config.json"))
         be = get_backend(backend, threads=threads)
         shard = None
+        experts = check_experts(experts)
         if comm is not None:
             check_comm(comm)
             shard = Shard.of(comm, experts) if comm.size > 1 else None
@@ -488,6 +491,7 @@ class MultiModuleMtpHead(DraftProposer):
         self.close()
 
     # -- prefill --------------------------------------------------------------------
+    @sharded_call("prefill_drafter")
     def prefill_drafter(self, prompt_tokens: Sequence[int], hiddens: Any, state: ProposerState) -> int:
         """Fill the drafter KV over the prompt; returns the rows written (all modules).
 
@@ -509,9 +513,12 @@ class MultiModuleMtpHead(DraftProposer):
                 raise StateError(f"state: prefill_drafter needs a fresh state, this one holds "
                                  f"{st._num_verified} tokens; continue a sequence with catchup_drafter")
             hid = self._target_norm(hid[: n - 1])
-            return guarded(self.pools, [st], self.mode.prefill_rows(n), lambda: self.mode.prefill(st, toks, hid))
+            rows = self.mode.prefill_rows(n)
+            agreement(self, [st], {"prompt_tokens": toks, "rows": rows})
+            return guarded(self.pools, [st], rows, lambda: self.mode.prefill(st, toks, hid))
 
     # -- propose ------------------------------------------------------------------------
+    @sharded_call("propose")
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int,
                 state: ProposerState, grammar_bitmask: Any = None, out_conf: list | None = None,
                 min_confidence: float | None = None) -> list[int]:
@@ -536,6 +543,7 @@ class MultiModuleMtpHead(DraftProposer):
             out_conf[:] = confs[0]
         return drafts
 
+    @sharded_call("propose_batch")
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
                       num_drafts: int, states: Sequence[ProposerState],
                       grammar_bitmasks: Sequence[Any] | None = None,
@@ -598,13 +606,17 @@ class MultiModuleMtpHead(DraftProposer):
                 planned = True
             rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
             want_conf = out_conf is not None or min_confidence is not None
+            ag = agreement(self, sts, {"last_tokens": toks, "positions": poss, "num_drafts": k, "grammar_bitmasks": [
+                "none" if g is None else "callable" if callable(g) else "mask" for g in grammar_bitmasks or [None] * B],
+                "out_conf": out_conf is not None, "min_confidence": min_confidence, "rows": rows, "planned": planned})
+            masks = ag.masks(masks, grammar_bitmasks or [None] * B)
             if planned:
                 drafts, device, confs = guarded(self.pools, sts, rows,
                                                 lambda: runner.propose(sts, toks, poss, hid, k, masks, want_conf))
                 confs = None if confs is None else [[float(c) for c in confs[:, i]] for i in range(B)]
             else:
-                drafts, device, confs = guarded(self.pools, sts, rows, lambda: self._propose_eager(
-                    sts, toks, poss, hid, k, masks, want_conf, min_confidence))
+                drafts, device, confs = guarded(self.pools, sts, rows, ag.body(lambda: self._propose_eager(
+                    sts, toks, poss, hid, k, masks, want_conf, min_confidence)))
             for st, p, d in zip(sts, poss, drafts):
                 st._drafted = True
                 st._last_position = p
@@ -678,6 +690,7 @@ class MultiModuleMtpHead(DraftProposer):
         return rows
 
     # -- draft trees (mtpkern.tree) -----------------------------------------------------------
+    @sharded_call("propose_tree")
     def propose_tree(self, last_token: int, target_hidden: Any, position: int, state: ProposerState,
                      widths: Sequence[int] | None = None, shape: Sequence[Sequence[int]] | None = None,
                      grammar_bitmask: Any = None) -> DraftTree:
@@ -712,8 +725,13 @@ class MultiModuleMtpHead(DraftProposer):
                                          f"{no_token_reason(masked, cfg.vocab_size)}", row=0, draft=m) from None
 
             rows = [[self.mode.propose_rows(st, m, P, D)] for m in range(self.num_modules)]
+            ag = agreement(self, [st], {"last_token": tok, "position": P, "widths / shape": (ws, counts, D),
+                                        "grammar_bitmask": "none" if grammar_bitmask is None else
+                                        "callable" if callable(grammar_bitmask) else "mask", "rows": rows})
+            mask = ag.masks([mask], [grammar_bitmask])[0]
             tree = guarded(self.pools, [st], rows,
-                           lambda: self.trees.propose(st, tok, P, hid, D, ws, counts, mask_rows, topk))
+                           ag.body(lambda: self.trees.propose(st, tok, P, hid, D, ws, counts, mask_rows, topk),
+                                   undo=lambda: self.trees.drop(st, st._tree)))
             st._drafted = True
             st._last_position, st._last_k = P, D
             st._last_drafts = [int(tree.tokens[i]) for i in tree.greedy_path()]
@@ -769,6 +787,7 @@ class MultiModuleMtpHead(DraftProposer):
             st._drafted = False
         self.stats.record(k, a)
 
+    @sharded_call("catchup_drafter")
     def catchup_drafter(self, tokens: Sequence[int], hiddens: Any, state: ProposerState) -> int:
         """Exact mode: give the target hiddens of verified tokens; returns rows written (all modules).
 
@@ -781,6 +800,7 @@ class MultiModuleMtpHead(DraftProposer):
         """
         return self._catchup([tokens], [hiddens], [state], single=True)
 
+    @sharded_call("catchup_batch")
     def catchup_batch(self, tokens: Sequence[Sequence[int]], hiddens: Sequence[Any],
                       states: Sequence[ProposerState]) -> int:
         """``catchup_drafter`` for several sequences, one forward per module over all of them."""
@@ -842,6 +862,7 @@ class MultiModuleMtpHead(DraftProposer):
 
             rows = [[ExactChain.catchup_rows(st, m, hd.shape[0], len(nw)) for st, hd, nw in zip(todo, hids, news)]
                     for m in range(self.num_modules)]
+            agreement(self, todo, {"tokens": [tk.tolist() for tk in checked], "rows": rows})
             return guarded(self.pools, todo, rows, run)
 
     # -- multi-turn carry (mtpkern.carry) ---------------------------------------------------

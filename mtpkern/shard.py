@@ -29,12 +29,16 @@ The residual of a partial sum is added on rank 0 alone, before the all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .block import BlockSpec
+from .comm import agree
+from .errors import KvCacheFull, NoAllowedToken, StateError
 
 #: how routed experts are split: by expert id, or by intermediate slice of every expert
 EXPERT_MODES = ("ep", "tp")
@@ -78,8 +82,7 @@ class Shard:
                 raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
         if self.rank >= self.size:
             raise ValueError(f"rank: expected an int in 0 .. {self.size - 1}, got {self.rank}")
-        if self.experts not in EXPERT_MODES:
-            raise ValueError(f"experts: expected one of {', '.join(EXPERT_MODES)}, got {self.experts!r}")
+        check_experts(self.experts)
 
     @classmethod
     def of(cls, comm: Any, experts: str = "ep") -> "Shard":
@@ -151,3 +154,155 @@ class Shard:
         w0 = self.rank * per + min(self.rank, extra)
         w1 = w0 + per + (self.rank < extra)
         return 32 * w0, min(V, 32 * w1)
+
+
+def check_experts(experts: Any) -> str:
+    """``experts``: "ep" or "tp" (checked with or without a communicator)."""
+    if not isinstance(experts, str) or experts not in EXPERT_MODES:
+        raise ValueError(f"experts: expected one of {', '.join(EXPERT_MODES)}, got {experts!r}")
+    return experts
+
+
+# -- the sharded call's agreement (docs/distributed.md, "Agreement") ------------------------
+
+_CALLS = threading.local()              # the sharded calls running on this thread, innermost last
+
+
+class _Unsharded:
+    """``agreement`` of a proposer that is not sharded (or does not agree): nothing to do."""
+
+    @staticmethod
+    def masks(masks: list, given: Any) -> list:
+        return masks
+
+    @staticmethod
+    def body(fn: Callable[[], Any], undo: Callable[[], Any] | None = None) -> Callable[[], Any]:
+        return fn
+
+
+_UNSHARDED = _Unsharded()
+
+
+class _Call:
+    """One running sharded call: whether its ranks agreed yet, and an error deferred from a
+    grammar callable (raised on every rank at the call's closing agreement)."""
+
+    def __init__(self, prop: Any, name: str):
+        self.prop, self.name = prop, name
+        self.agreed = False
+        self.settles = False
+        self.deferred: Exception | None = None
+
+    def agree(self, fields: list, error: BaseException | None = None, during: bool = False) -> None:
+        be = self.prop.backend
+        try:
+            agree(self.prop.comm, self.name, fields, error, be.from_host, be.to_host, during=during)
+        except BaseException as e:
+            if not getattr(e, "_mtpkern_agreed", False):     # the transport failed: the ranks may be out of step
+                _broken(self.prop, self.name, e)
+            raise
+
+    def masks(self, masks: list, given: Any) -> list:
+        """``masks`` (resolved) with the user's callables among ``given`` wrapped: an error
+        they raise is kept and the draft goes on unconstrained on this rank, so that it still
+        meets the others in every collective; the call's closing agreement raises it on every
+        rank (``body``)."""
+        out = list(masks)
+        for i, (fn, g) in enumerate(zip(masks, given)):
+            if fn is not None and callable(g):
+                out[i] = self._deferring(fn)
+                self.settles = True
+        return out
+
+    def _deferring(self, fn: Callable) -> Callable:
+        def call(i: int, drafts: list) -> Any:
+            if self.deferred is not None:
+                return None
+            try:
+                return fn(i, drafts)
+            except Exception as e:                            # noqa: BLE001 - raised at the closing agreement
+                self.deferred = e
+                return None
+        return call
+
+    def body(self, fn: Callable[[], Any], undo: Callable[[], Any] | None = None) -> Callable[[], Any]:
+        """``fn`` (a call's guarded body) followed, where a grammar callable may have failed on
+        some rank, by the closing agreement (still inside the guarded section: a failure rolls
+        every rank back; ``undo`` first undoes what ``fn`` did beyond the guarded section's
+        snapshot, e.g. a drafted tree's scratch sequences). A ``NoAllowedToken`` is raised on
+        every rank at the same point (after the sharded argmax), so it closes the same way."""
+        if not self.settles:
+            return fn
+
+        def run() -> Any:
+            try:
+                out = fn()
+            except NoAllowedToken:
+                self.agree([], self.deferred, during=True)
+                raise
+            try:
+                self.agree([], self.deferred, during=True)
+            except BaseException:
+                if undo is not None:
+                    undo()
+                raise
+            return out
+        return run
+
+
+def _broken(prop: Any, call: str, e: BaseException) -> None:
+    prop._comm_failure = f"{call}: {type(e).__name__}: {e}"
+
+
+def agreement(prop: Any, states: Sequence[Any], fields: dict[str, Any]) -> Any:
+    """The agreement point of the sharded call running on this thread (before its guarded
+    section: nothing computed, no state changed): every rank's ``fields`` (with the call's name,
+    its states' KV rows and the pools' free and reserved blocks) must be the same, or every rank
+    raises (mtpkern.comm.agree). Returns the call (``masks`` / ``body``); for a proposer that is
+    not sharded, an object whose ``masks`` / ``body`` change nothing."""
+    stack = getattr(_CALLS, "stack", None)
+    call = stack[-1] if stack else None
+    if call is None or call.prop is not prop:
+        return _UNSHARDED
+    kv = [[int(st._num_verified)] + [int(seq.rows) for seq in st._kv] for st in states]
+    pools = [(int(p.num_free), int(p.reserved)) for p in prop.pools]
+    call.agreed = True                     # tried: a failure here is agreed (or the transport's), not agreed again
+    call.agree([("call", call.name), *fields.items(), ("states' KV rows", kv), ("pools' free blocks", pools)])
+    return call
+
+
+def sharded_call(name: str) -> Callable:
+    """Decorates a proposer method that runs collectives: on a sharded head (``needs_comm()``,
+    ``agree_calls``) the ranks agree once per call (``agreement``, at its agreement point, or at
+    its end if it returns or raises before: a refusal on one rank is a refusal on every rank);
+    an error that escapes after the agreement and was not agreed (a transport's) marks the
+    proposer broken: its later sharded calls raise ``StateError`` at once (not through the
+    transport: a peer may still be waiting in a collective of the failed call)."""
+
+    def deco(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(prop: Any, *args: Any, **kwargs: Any) -> Any:
+            if prop.comm is None or not getattr(prop, "agree_calls", True):
+                return fn(prop, *args, **kwargs)
+            failed = getattr(prop, "_comm_failure", None)
+            if failed is not None:        # not through the transport: a peer may still wait in that call's collective
+                raise StateError(f"{name}: the communicator failed in an earlier call ({failed}); the ranks may be "
+                                 f"out of step: rebuild the sharded head on every rank")
+            call = _Call(prop, name)
+            stack = _CALLS.__dict__.setdefault("stack", [])
+            stack.append(call)
+            try:
+                out = fn(prop, *args, **kwargs)
+            except BaseException as e:
+                stack.pop()
+                if not call.agreed:
+                    call.agree([], e)                         # raises the agreed error on every rank
+                elif not (getattr(e, "_mtpkern_agreed", False) or isinstance(e, (NoAllowedToken, KvCacheFull))):
+                    _broken(prop, name, e)
+                raise
+            stack.pop()
+            if not call.agreed:                               # returned before its agreement point
+                call.agree([("call", name), ("returned", "before its collectives")])
+            return out
+        return run
+    return deco

@@ -70,12 +70,13 @@ def local_best(x, w, mask, lo: int, hi: int):
 
 class ThreadWorld:
     """A world of ``size`` ranks as threads of one process (``run``), each with a
-    communicator whose collectives meet at a barrier; sums in rank order."""
+    communicator whose collectives meet at a barrier (a rank left waiting more than
+    ``timeout`` seconds raises ``threading.BrokenBarrierError``); sums in rank order."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, timeout: float = 30):
         self.size = size
         self.slots: list[Any] = [None] * size
-        self.barrier = threading.Barrier(size, timeout=30)
+        self.barrier = threading.Barrier(size, timeout=timeout)
 
     def run(self, fn: Callable[[Any], Any]) -> list[Any]:
         out, errors = [None] * self.size, []

@@ -10,7 +10,8 @@ identical, its KV the single rank's slice), and the proposer state machine of
 mtpkern.testing (derandomized, so every rank draws the same calls and meets the others in
 the same collectives; its exact-mode oracle compares every draft with a from-scratch
 forward of the whole checkpoint). It writes ``ok`` to ``<argv[1]>/rank<r>`` and
-exits 0, or raises (the ranks' stdout would interleave)."""
+exits 0, or raises (the ranks' stdout would interleave). ``mpi_worker.py DIR refusals`` runs
+only tests/shard_cases.py's refusal cases (``refusals``)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,29 @@ def collectives(comm: MpiComm) -> None:
         raise AssertionError("a bad collective did not raise")
 
 
+def refusals(comm: MpiComm, out: Path) -> None:
+    """tests/shard_cases.py's refusal cases on the cpu backend in both KV modes: the last rank
+    refuses, fails mid-draft or calls otherwise; this rank's log goes to ``refusals<rank>.json``
+    (tests/test_comm.py compares the ranks' logs)."""
+    import json
+
+    ckpt = out / "ckpt"
+    if comm.rank == 0:
+        write_synthetic_checkpoint(ckpt, tiny_config(), seed=7)
+    comm.comm.Barrier()
+    logs = {}
+    for kv_mode in ("exact", "draft"):
+        prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="cpu", threads=1, kv_mode=kv_mode, comm=comm,
+                                                  block_size=4, num_blocks=160, prefill_chunk=6)
+        logs[kv_mode] = shard_cases.refusal_cases(prop, comm.rank, comm.size)
+    (out / f"refusals{comm.rank}.json").write_text(json.dumps(logs))
+
+
 def main() -> None:
     comm = check_comm(MpiComm())
+    if sys.argv[2:] == ["refusals"]:
+        refusals(comm, Path(sys.argv[1]))
+        return
     collectives(comm)
     for seed in range(40):
         x, w, mask = logit_case(np.random.default_rng(seed))

@@ -149,3 +149,142 @@ def compare(single: list, sharded: list, prop, tol: float = 2e-5) -> None:
                         assert y.shape == want.shape, (i, a[0], s, m, name, y.shape, want.shape)
                         np.testing.assert_allclose(y, want, rtol=tol, atol=tol,
                                                    err_msg=f"entry {i} ({a[0]}): state {s} module {m} {name}")
+
+
+# -- refusals: a call that one rank refuses, fails or makes differently fails on every rank ---
+
+class GrammarBoom(RuntimeError):
+    """What a grammar callable raises in the refusal cases (mid-draft, on one rank)."""
+
+
+def _kv(prop, sts) -> list:
+    return [(prop.drafter_rows(s), [kv_rows(prop, s, m) for m in range(prop.num_modules)]) for s in sts]
+
+
+def _same_kv(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(ra == rb and all(np.array_equal(x, y) for (ka, va), (kb, vb) in zip(ma, mb)
+                                                     for x, y in ((ka, kb), (va, vb)))
+                                    for (ra, ma), (rb, mb) in zip(a, b))
+
+
+def refusal_cases(prop, rank: int, size: int) -> list:
+    """Every case: the last rank makes the call otherwise (a bad token, a NaN hidden, a grammar
+    callable raising mid-draft, out_conf / min_confidence / num_drafts / tree widths of its own, a
+    chain where the others draft a tree, a bad prefill token, other catch-up tokens), the others
+    make the good call. Each rank asserts that it raised, that its states' KV and rows are as
+    before and its invariants hold, then makes the good call (the same on every rank), which
+    succeeds. Returns the log: per case (name, error type, message, drafts of the good call), to
+    be compared across the ranks (identical) and against the expected types."""
+    cfg = prop.config
+    H, V, M = cfg.hidden_size, cfg.vocab_size, prop.num_modules
+    bad = rank == size - 1
+    rng = np.random.default_rng(5)
+    sts = [prop.alloc_state() for _ in range(2)]
+    pos = []
+    for s in sts:
+        n = int(rng.integers(M + 2, 10))
+        prop.prefill_drafter(rng.integers(0, V, n), rng.standard_normal((n, H)).astype(np.float32), s)
+        pos.append(n)
+    toks = [int(t) for t in rng.integers(0, V, 2)]
+    hid = rng.standard_normal((2, H)).astype(np.float32)
+    nan = hid.copy()
+    nan[1, 3] = np.nan
+
+    def grammar(raise_at):
+        def fn(m, drafts):
+            if bad and m == raise_at:
+                raise GrammarBoom(f"grammar failed at draft {m}")
+            return None
+        return fn
+
+    def batch(**kw):
+        args = dict(last_tokens=toks, target_hiddens=hid, positions=pos, num_drafts=M, states=sts)
+        args.update(kw)
+        return prop.propose_batch(**args)
+
+    def tree(widths):
+        return prop.propose_tree(toks[0], hid[0], pos[0], sts[0], widths=widths)
+
+    fresh = []
+
+    def prefill(t):
+        s = prop.alloc_state()
+        fresh.append(s)
+        return prop.prefill_drafter([1, t, 3], np.ones((3, H), np.float32), s)
+
+    good_batch = lambda: batch()                                        # noqa: E731
+    cases = [
+        ("bad token", lambda: batch(last_tokens=[toks[0], V] if bad else toks), good_batch),
+        ("NaN hidden", lambda: batch(target_hiddens=nan if bad else hid), good_batch),
+        ("grammar raises", lambda: batch(grammar_bitmasks=[grammar(1), None]), good_batch),
+        ("out_conf", lambda: batch(out_conf=[] if bad else None), good_batch),
+        ("min_confidence", lambda: batch(min_confidence=0.5 if bad else None), good_batch),
+        ("num_drafts", lambda: batch(num_drafts=1 if bad else M), good_batch),
+        ("tree widths", lambda: tree([2, 1] if bad else [2, 2]), lambda: tree([2, 2])),
+        ("tree grammar raises", lambda: prop.propose_tree(toks[0], hid[0], pos[0], sts[0], widths=[2, 2],
+                                                           grammar_bitmask=grammar(1)), lambda: tree([2, 2])),
+        ("chain or tree", lambda: (prop.propose(toks[0], hid[0], pos[0], M, sts[0]) if bad else tree([2, 2])),
+         lambda: tree([2, 2])),
+        ("prefill token", lambda: prefill(V + 5 if bad else 2), lambda: prefill(2)),
+    ]
+    if prop.kv_mode == "exact":
+        cases.append(("catch-up tokens", "catchup", None))
+    log = []
+    for name, call, good in cases:
+        if call == "catchup":                     # after a verify of one draft: other tokens on one rank
+            d = batch()
+            for s in sts:
+                prop.after_verify(1, s)
+            h1 = rng.standard_normal((1, H)).astype(np.float32)
+            h2 = rng.standard_normal((2, H)).astype(np.float32)
+            before = _kv(prop, sts)
+            call = lambda: prop.catchup_batch([d[0][:1] + [7], d[1][:1]] if bad else [d[0][:1], d[1][:1]],  # noqa
+                                              [h2 if bad else h1, h1], sts)
+            good = lambda: prop.catchup_batch([d[0][:1], d[1][:1]], [h1, h1], sts)    # noqa: E731
+            for i in range(2):
+                pos[i] += 2
+        before = _kv(prop, sts)
+        try:
+            call()
+        except Exception as e:                    # noqa: BLE001 - compared across the ranks
+            got = (type(e).__name__, str(e))
+        else:
+            raise AssertionError(f"{name}: rank {rank} did not raise")
+        assert _same_kv(before, _kv(prop, sts)), f"{name}: rank {rank}'s states changed"
+        prop.check_invariants()
+        out = good()
+        if isinstance(out, list):                 # a chain propose: verify nothing
+            for i, s in enumerate(sts):
+                prop.after_verify(0, s)
+                pos[i] += 1
+        elif out is not None and hasattr(out, "tokens"):
+            prop.after_verify_tree([], sts[0])
+            pos[0] += 1
+            out = out.tokens.tolist()
+        prop.check_invariants()
+        log.append((name, *got, out))
+    for s in sts + fresh:
+        prop.free_state(s)
+    prop.check_invariants()
+    return log
+
+
+#: the error type each refusal case raises on every rank
+REFUSED_AS = {"bad token": "ValueError", "NaN hidden": "ValueError", "grammar raises": "RuntimeError",
+              "tree grammar raises": "RuntimeError", "prefill token": "ValueError"}
+
+
+def check_refusals(logs: list[list], size: int) -> None:
+    """The ranks' refusal logs: identical (type, message and the good call's drafts), each case's
+    type the expected one (a divergent call: RankMismatch), its message naming the last rank
+    or the differing argument."""
+    for r, log in enumerate(logs[1:], 1):
+        assert log == logs[0], (r, [(a, b) for a, b in zip(logs[0], log) if a != b])
+    for name, typ, msg, _ in logs[0]:
+        want = REFUSED_AS.get(name, "RankMismatch")
+        assert typ == want, (name, typ, want, msg)
+        if want == "RankMismatch":
+            field = {"tree widths": "widths / shape", "chain or tree": "call", "catch-up tokens": "tokens"}.get(name, name)
+            assert f"different arguments ({field}" in msg or f", {field}" in msg, (name, msg)
+        else:
+            assert f"rank {size - 1} of {size}" in msg, (name, msg)

@@ -173,6 +173,33 @@ def test_mpi_world(ranks, tmp_path):
     assert all(p.read_text() == "ok" for p in done)
 
 
+def test_mpi_refusals(tmp_path):
+    """``mpirun -n 2``: the last rank refuses a call (bad token, NaN hidden, bad prefill token),
+    fails mid-draft (a grammar callable raising, chain and tree) or calls otherwise (out_conf,
+    min_confidence, num_drafts, tree widths, a chain against a tree, catch-up tokens): both
+    ranks raise the same error, keep their states and make the next call together
+    (tests/shard_cases.py). Without the agreement the job hangs (the timeout) or MPI aborts
+    it ("Message truncated")."""
+    import json
+
+    from shard_cases import check_refusals
+
+    pytest.importorskip("mpi4py", reason="MPI: pip install 'mtpkern[mpi]' (the test extras include it)")
+    mpirun = _mpirun()
+    if mpirun is None:
+        pytest.skip("no mpirun / mpiexec (pip install mpich)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    try:
+        r = subprocess.run([mpirun, "-n", "2", sys.executable, str(HERE / "mpi_worker.py"), str(tmp_path),
+                            "refusals"], capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"mpirun -n 2 hung (a rank left waiting in a collective): {e.stdout!r} {e.stderr!r}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    logs = [json.loads((tmp_path / f"refusals{q}.json").read_text()) for q in range(2)]
+    for kv_mode in ("exact", "draft"):
+        check_refusals([log[kv_mode] for log in logs], 2)
+
+
 @pytest.mark.gpu
 def test_nccl_world_of_one():
     """NcclComm on the device (scripts/gpu_check.sh): a world of one rank, CuPy buffers on
@@ -204,3 +231,58 @@ def test_nccl_world_of_one():
     conf = sharded_confidence(cupy.asarray(best), cupy.asarray(sums), cupy.asarray(has), got, c, xp=cupy)
     np.testing.assert_allclose(cupy.asnumpy(conf), sharded_confidence(best, sums, has, want, LocalComm()),
                                rtol=1e-6, equal_nan=True)
+
+
+def test_check_comm_refuses_what_only_looks_like_a_communicator():
+    """rank / size must be ints (a bool is not), the collectives callables."""
+    def comm(**kw):
+        c = LocalComm()
+        for k, v in kw.items():
+            setattr(c, k, v)
+        return c
+
+    for kw, err, match in (({"rank": True}, TypeError, "comm.rank: expected an int, got bool True"),
+                           ({"size": True}, TypeError, "comm.size: expected an int, got bool True"),
+                           ({"rank": 0.0}, TypeError, "comm.rank: expected an int, got float"),
+                           ({"size": 0}, ValueError, "comm.size: expected an int >= 1, got 0"),
+                           ({"rank": -1}, ValueError, r"comm.rank: expected an int in 0 .. 0, got -1"),
+                           ({"all_reduce": None}, TypeError, "comm.all_reduce: expected a callable.*NoneType"),
+                           ({"all_gather": "x"}, TypeError, "comm.all_gather: expected a callable.*str 'x'"),
+                           ({"broadcast": 3}, TypeError, "comm.broadcast: expected a callable")):
+        with pytest.raises(err, match=match):
+            check_comm(comm(**kw))
+    assert check_comm(comm(rank=np.int64(0), size=np.int32(1))).rank == 0
+
+
+def test_agree_fails_every_rank_alike():
+    """mtpkern.comm.agree over 3 thread ranks: equal fields pass; a rank's error is raised on
+    every rank as the lowest failing rank's type (KvCacheFull rebuilt from its message, a
+    foreign error as its nearest built-in base), naming that rank; different fields raise
+    RankMismatch on every rank naming the field and each rank's value."""
+    from mtpkern.comm import RankMismatch, agree
+    from mtpkern.errors import KvCacheFull
+
+    class Foreign(KeyError):
+        pass
+
+    def rank(comm):
+        r = comm.rank
+        agree(comm, "call", [("a", 1), ("b", np.arange(3))])
+        out = []
+        for error in ((KvCacheFull(0, 3, 1, 8) if r == 2 else None), (Foreign("boom") if r >= 1 else None)):
+            try:
+                agree(comm, "call", [("a", 1)], error)
+            except Exception as e:           # noqa: BLE001
+                out.append((type(e), str(e)))
+        try:
+            agree(comm, "call", [("a", 1), ("b", r == 1), ("c", "same")])
+        except RankMismatch as e:
+            out.append((type(e), str(e)))
+        return out
+
+    logs = ThreadWorld(3, timeout=10).run(rank)
+    assert logs[0] == logs[1] == logs[2]
+    (t1, m1), (t2, m2), (t3, m3) = logs[0]
+    assert t1 is KvCacheFull and "rank 2 of 3 refused the call (KvCacheFull: KV pool of module 0 is full" in m1
+    assert t2 is KeyError and "rank 1 of 3 refused the call (Foreign: 'boom'); rank 2 failed too" in m2
+    assert t3 is RankMismatch and "(b): rank 0: b=False | rank 1: b=True | rank 2: b=False" in m3

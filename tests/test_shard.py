@@ -302,3 +302,131 @@ def test_sharded_head_on_the_gpu(tiny_ckpt, kv_mode):
 
     for prop, log in ThreadWorld(2).run(rank):
         shard_cases.compare(want, log, prop, tol=2e-2)               # BF16 KV on cuda
+
+
+# -- agreement: a failure on one rank is a failure on every rank -------------------------------
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(tiny_ckpt, kv_mode):
+    """The last rank of 2 gets a bad token, a NaN hidden, a grammar callable that raises
+    mid-draft (chain and tree), out_conf / min_confidence / num_drafts / tree widths of its
+    own, a chain where the other drafts a tree, a bad prefill token, other catch-up tokens:
+    every rank raises the same error (the refusing rank's type, or RankMismatch naming the
+    argument), no state changes, and the next identical call succeeds on every rank. Without
+    the agreement the other rank waits in its next collective (here a 10 s barrier timeout, a
+    hang under mpirun) or runs other collectives than its peer."""
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode=kv_mode, comm=comm, **KW)
+        return shard_cases.refusal_cases(prop, comm.rank, comm.size)
+
+    shard_cases.check_refusals(ThreadWorld(2, timeout=10).run(rank), 2)
+
+
+def test_a_refusal_on_one_rank_of_four_with_the_planned_step(tiny_ckpt):
+    """The same at 4 ranks with the planned step (mtpkern.cuda_graph, run eagerly): the
+    agreement comes before the plan runs."""
+    from mtpkern.cuda_graph import StepRunner
+
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode="draft", comm=comm, **KW)
+        prop.step_runner = StepRunner(prop, capture=False)
+        return shard_cases.refusal_cases(prop, comm.rank, comm.size)
+
+    shard_cases.check_refusals(ThreadWorld(4, timeout=10).run(rank), 4)
+
+
+class _FailingComm:
+    """A rank's communicator whose ``fail_at``-th all-reduce raises (a transport error) before
+    meeting the others."""
+
+    def __init__(self, inner, fail_at):
+        self.inner, self.rank, self.size, self.fail_at, self.n = inner, inner.rank, inner.size, fail_at, 0
+
+    def all_reduce(self, buf, op):
+        self.n += 1
+        if self.n == self.fail_at:
+            raise ConnectionError("transport: link down")
+        self.inner.all_reduce(buf, op)
+
+    def all_gather(self, send, recv):
+        self.inner.all_gather(send, recv)
+
+    def broadcast(self, buf, root):
+        self.inner.broadcast(buf, root)
+
+
+def test_a_transport_error_mid_call_marks_every_rank_broken(tiny_ckpt):
+    """A collective that raises on one rank mid-call: that rank raises, the other raises when
+    its collective times out (its transport's error), both states are unchanged, and each
+    proposer refuses its later sharded calls (StateError: the ranks may be out of step) at
+    once instead of entering collectives its peers will not match."""
+    from mtpkern.errors import StateError
+
+    H = tiny_config().hidden_size
+
+    def rank(comm):
+        c = _FailingComm(comm, 10**9)
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=c, **KW)
+        st_ = prop.alloc_state()
+        prop.prefill_drafter([1, 2, 3, 4, 5], np.ones((5, H), np.float32), st_)
+        before = shard_cases._kv(prop, [st_])
+        c.n, c.fail_at = 0, (3 if comm.rank == 1 else 10**9)     # mid-call: after the agreement, in module 0
+        with pytest.raises(Exception) as e:
+            prop.propose(7, np.ones(H, np.float32), 5, 3, st_)
+        assert shard_cases._same_kv(before, shard_cases._kv(prop, [st_]))
+        prop.check_invariants()
+        with pytest.raises(StateError, match="communicator failed in an earlier call"):
+            prop.propose(7, np.ones(H, np.float32), 5, 3, st_)
+        return type(e.value).__name__
+
+    import threading
+
+    assert ThreadWorld(2, timeout=2).run(rank) == ["BrokenBarrierError", "ConnectionError"]
+    assert threading.BrokenBarrierError.__mro__
+
+
+def test_agreement_can_be_turned_off(tiny_ckpt):
+    """``agree_calls = False``: no agreement collective (a propose makes one all-reduce fewer),
+    the same drafts."""
+    H = tiny_config().hidden_size
+
+    def rank(comm):
+        n = [0]
+
+        class Counting:
+            rank, size = comm.rank, comm.size
+
+            def all_reduce(self, buf, op):
+                n[0] += 1
+                comm.all_reduce(buf, op)
+
+            def all_gather(self, send, recv):
+                comm.all_gather(send, recv)
+
+            def broadcast(self, buf, root):
+                comm.broadcast(buf, root)
+
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=Counting(), **KW)
+        counts, out = [], []
+        for agree in (True, False):
+            prop.agree_calls = agree
+            st_ = prop.alloc_state()
+            prop.prefill_drafter([1, 2, 3, 4, 5], np.ones((5, H), np.float32), st_)
+            n[0] = 0
+            out.append(prop.propose(7, np.ones(H, np.float32), 5, 3, st_))
+            counts.append(n[0])
+            prop.free_state(st_)
+        return counts, out
+
+    for counts, out in ThreadWorld(2).run(rank):
+        assert counts[0] == counts[1] + 1 and out[0] == out[1], (counts, out)
+
+
+def test_experts_is_checked_without_a_communicator(tiny_ckpt):
+    """``experts`` is validated whether or not a communicator is given (it was ignored without)."""
+    with pytest.raises(ValueError, match="experts: expected one of ep, tp, got 'bogus'"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", experts="bogus", **KW)
+    with pytest.raises(ValueError, match="experts: expected one of ep, tp, got 1"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=LocalComm(), experts=1, **KW)
+    with pytest.raises(TypeError, match="comm.rank: expected an int, got bool"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=ThreadWorldComm(True, 2), **KW)
