@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Literal
 
 from .block import BlockError, BlockSpec, Yarn
+from .config_fields import bool_field, opt
 from .errors import ConfigError
 from .files import CONFIG_JSON_CAP, read_json
 from .models import CANONICAL, FAMILIES, Family, by_architecture, by_wrapper, supported
@@ -51,10 +52,11 @@ def _all_zero(v: Any, d: dict) -> bool:
 def _window(d: dict) -> int:
     """Every MTP module's sliding window (0: full attention): ``sliding_window``, unless
     ``use_sliding_window: false`` (Qwen2-style configs carry a size beside it)."""
-    if d.get("use_sliding_window") is False:
+    use = opt(d, "use_sliding_window", bool_field, None)
+    if use is False:
         return 0
     w = _opt(d, "sliding_window", int, 0)
-    if d.get("use_sliding_window") is True and not w:
+    if use is True and not w:
         raise ConfigError(f"config.json: field 'use_sliding_window' = true needs a sliding_window > 0, got {_show(w)}")
     return w
 
@@ -491,9 +493,14 @@ def _normalise_blocks(blocks: Any, M: int) -> tuple:
     for m, b in enumerate(blocks):
         items = b.items() if isinstance(b, dict) else b
         try:
-            pairs = tuple(sorted((str(k), v) for k, v in items))
+            pairs = tuple(sorted(((str(k), v) for k, v in items), key=lambda kv: kv[0]))
         except (TypeError, ValueError):
             raise ConfigError(f"config.json: mtp_blocks[{m}] expected an object, got {_show(b)}") from None
+        names = [k for k, _ in pairs]
+        twice = sorted({k for k in names if names.count(k) > 1})
+        if twice:                      # (field, value) pairs: which value holds would be a guess
+            raise ConfigError(f"config.json: mtp_blocks[{m}] gives field {twice[0]!r} more than once "
+                              f"({[v for k, v in pairs if k == twice[0]]}); expected each field at most once")
         out.append(pairs)
     return tuple(out) if any(out) else ()
 

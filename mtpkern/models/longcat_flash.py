@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+from ..config_fields import bool_field, int_field, opt
 from ..errors import ConfigError
 from .base import Family
 
@@ -35,25 +36,26 @@ def normalise(d: dict) -> dict:
     """The release's config -> mtpkern's fields: one dense MLA module, the LoRA norm scales."""
     out = {k: v for k, v in d.items() if k not in _TARGET_MOE + ("mla_scale_q_lora", "mla_scale_kv_lora",
                                                                  "ffn_hidden_size", "num_layers")}
-    M = d.get("num_nextn_predict_layers", 1)
+    M = opt(d, "num_nextn_predict_layers", int_field, 1)
     if M != 1:
         raise ConfigError(f"config.json: field 'num_nextn_predict_layers' = {M!r}: LongCat-Flash has one MTP layer "
                           f"(model.mtp.layers.0); expected 1")
     out["num_nextn_predict_layers"] = 1
-    if d.get("num_hidden_layers") is None and isinstance(d.get("num_layers"), int):
-        out["num_hidden_layers"] = 2 * d["num_layers"]             # transformers' num_hidden_layers
+    if d.get("num_hidden_layers") is None and d.get("num_layers") is not None:
+        out["num_hidden_layers"] = 2 * int_field("num_layers", d["num_layers"], 0, 2048)   # transformers' count
     if d.get("ffn_hidden_size") is not None:
-        if d.get("intermediate_size") not in (None, d["ffn_hidden_size"]):
+        ffn = int_field("ffn_hidden_size", d["ffn_hidden_size"])
+        if d.get("intermediate_size") not in (None, ffn) or isinstance(d.get("intermediate_size"), bool):
             raise ConfigError(f"config.json: intermediate_size {d['intermediate_size']!r} disagrees with "
-                              f"ffn_hidden_size {d['ffn_hidden_size']!r} (the MTP layer's dense MLP)")
-        out["intermediate_size"] = d["ffn_hidden_size"]
+                              f"ffn_hidden_size {ffn!r} (the MTP layer's dense MLP)")
+        out["intermediate_size"] = ffn
     H = d.get("hidden_size")
     for flag, rank, field in (("mla_scale_q_lora", "q_lora_rank", "q_a_norm_scale"),
                               ("mla_scale_kv_lora", "kv_lora_rank", "kv_a_norm_scale")):
-        if d.get(flag):
+        if opt(d, flag, bool_field, False):
             r = d.get(rank)
-            if not (isinstance(H, int) and isinstance(r, int) and H > 0 and r > 0):
-                raise ConfigError(f"config.json: {flag} needs hidden_size and {rank} > 0, got {H!r} and {r!r}")
+            if not (type(H) is int and type(r) is int and H > 0 and r > 0):
+                raise ConfigError(f"config.json: {flag} needs hidden_size and {rank} integers > 0, got {H!r} and {r!r}")
             out[field] = math.sqrt(H / r)
     return out
 

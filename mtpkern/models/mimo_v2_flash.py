@@ -28,6 +28,7 @@ the target's ``model.norm`` to pre-norm hiddens).
 
 from __future__ import annotations
 
+from ..config_fields import bool_field, int_field, opt, window_field
 from ..errors import ConfigError
 from .base import Family
 
@@ -47,18 +48,19 @@ def normalise(d: dict) -> dict:
         if d.get(theirs) is None:
             raise ConfigError(f"config.json: field {theirs!r} is missing (the MTP layers' sliding-window attention)")
         out[ours] = d[theirs]
-    windows = {d[k] for k in ("sliding_window", "sliding_window_size") if d.get(k) is not None}
-    if len(windows) != 1:
+    windows = {k: window_field(k, d[k], "every MiMo-V2-Flash MTP layer is a sliding-window layer")
+               for k in ("sliding_window", "sliding_window_size") if d.get(k) is not None}
+    if len(set(windows.values())) != 1:
         raise ConfigError(f"config.json: sliding_window and sliding_window_size expected one window, got "
-                          f"{sorted(windows, key=str)}")
-    out["sliding_window"] = windows.pop()
-    out["attn_sinks"] = bool(d.get("add_swa_attention_sink_bias", False))
-    if d.get("qk_layernorm") or d.get("use_qk_norm"):
+                          f"{sorted(set(windows.values()))} (the MTP layers are sliding-window layers: an integer "
+                          f">= 1 in one field, or the same in both)")
+    out["sliding_window"] = next(iter(windows.values()))
+    out["attn_sinks"] = opt(d, "add_swa_attention_sink_bias", bool_field, False)
+    if opt(d, "qk_layernorm", bool_field, False) or opt(d, "use_qk_norm", bool_field, False):
         raise ConfigError("config.json: q/k norms in a MiMo-V2-Flash MTP layer are not in the release; refused")
-    M = d.get("num_nextn_predict_layers") or 3
+    M = opt(d, "num_nextn_predict_layers", int_field, 3, 1, 64)     # absent from the release: 3
     out["num_nextn_predict_layers"] = M
-    if isinstance(M, int) and not isinstance(M, bool) and 1 <= M <= 64:
-        out["mtp_blocks"] = [{"moe": False}] * M               # dense MTP blocks in a MoE model
+    out["mtp_blocks"] = [{"moe": False}] * M                   # dense MTP blocks in a MoE model
     return out
 
 
