@@ -34,6 +34,34 @@ def e4m3_table() -> np.ndarray:
     return table
 
 
+#: the largest scale an E4M3 code may be multiplied by without the product overflowing FP32
+#: (448 * scale <= FLT_MAX): a larger one makes some weight of its block infinite
+SCALE_MAX = float(np.finfo(np.float32).max) / E4M3_MAX
+
+
+def nan_codes(data: np.ndarray, chunk: int = 1 << 24) -> tuple[int, tuple[int, ...] | None]:
+    """(how many of the E4M3 codes ``data`` are NaN (0x7F / 0xFF), the index of the first one
+    or None): one vectorised pass over the bytes, ``chunk`` at a time (no widened copy)."""
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    count, first = 0, None
+    for i in range(0, flat.size, chunk):
+        bad = (flat[i:i + chunk] & 0x7F) == 0x7F
+        n = int(np.count_nonzero(bad))
+        if n and first is None:
+            first = tuple(int(j) for j in np.unravel_index(i + int(np.argmax(bad)), data.shape))
+        count += n
+    return count, first
+
+
+def bad_scales(scale: np.ndarray) -> tuple[int, tuple[int, ...] | None]:
+    """(how many of ``scale`` are non-finite or above ``SCALE_MAX``, the index of the first one or None)."""
+    s = np.asarray(scale, np.float32)
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(s) <= SCALE_MAX)               # NaN compares False: counted
+    n = int(np.count_nonzero(bad))
+    return n, (tuple(int(j) for j in np.argwhere(bad)[0]) if n else None)
+
+
 def _fp8_dtype():
     import ml_dtypes
 
@@ -63,7 +91,9 @@ class Fp8Weight:
         compressed-tensors stores it is accepted and kept as ``[.., N]``);
         ``w[n, k] = e4m3(data[n, k]) * scale[n]``.
 
-      Scales must be finite.
+      Scales must be finite and at most ``SCALE_MAX`` in magnitude (448 times a scale must
+      stay finite in FP32). NaN codes are not looked for here (a pass over every byte):
+      ``nan_codes``, which the loader runs once on every FP8 tensor it reads.
     - ``block``: ``(bn, bk)`` positive ints, or None for per-channel scales.
 
     The dequantized weight (:meth:`dequantize`, the reference every backend follows) is
@@ -120,11 +150,11 @@ class Fp8Weight:
             raise ValueError(f"scale: expected shape {_dims(want)} for data {_dims(data.shape)} with {kind}, "
                              f"got {_dims(scale.shape)}")
         scale = np.ascontiguousarray(scale, dtype=np.float32)
-        bad = ~np.isfinite(scale)
-        if bad.any():
-            at = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"scale: expected finite values, got {int(bad.sum())} non-finite "
-                             f"(first {scale[at]!r} at {at})")
+        n, at = bad_scales(scale)
+        if n:
+            raise ValueError(f"scale: expected finite values, got {n} non-finite or above {SCALE_MAX:.4g} in "
+                             f"magnitude (448 times a scale must stay finite in FP32; first {float(scale[at])!r} "
+                             f"at {at})")
         object.__setattr__(self, "data", data)
         object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "block", block)

@@ -35,7 +35,7 @@ from .errors import CheckpointError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 from .models import Family, family
 from .ops.mla import split_kv_b_proj
-from .quant import Fp8Weight
+from .quant import Fp8Weight, nan_codes
 from .shard import Shard
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -378,7 +378,11 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
         keys["mlp.gate.weight"] = ((E, H), True)
         if cfg.router_bias:
             keys["mlp.gate.e_score_correction_bias"] = ((E,), True)
-        for e in range(E):
+        if family(cfg.family).packed_experts:            # one tensor per projection for every expert
+            keys["mlp.experts.gate_proj.weight"] = ((E, I, H), True)
+            keys["mlp.experts.up_proj.weight"] = ((E, I, H), True)
+            keys["mlp.experts.down_proj.weight"] = ((E, H, I), True)
+        for e in range(0 if family(cfg.family).packed_experts else E):
             keys[f"mlp.experts.{e}.gate_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.up_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.down_proj.weight"] = ((H, I), True)
@@ -427,6 +431,8 @@ _TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"(^|\.)self_attn\.kv_(a_proj_with_mqa|a_layernorm|b_proj)\."), "kv_lora_rank"),
     (re.compile(r"(^|\.)mlp\.shared_experts\."), "n_shared_experts"),
     (re.compile(r"(^|\.)mlp\.(gate\.|experts\.|(gate|up|down)_proj\.)"), "n_routed_experts"),  # MoE, or dense MLP
+    (re.compile(r"(^|\.)share_expert\."), "n_shared_experts"),                  # Step-3.5's names
+    (re.compile(r"(^|\.)moe\."), "n_routed_experts"),
 )
 
 
@@ -524,6 +530,22 @@ def _read_keys(cfg: MtpConfig, rd: CheckpointReader, spec: dict, check: bool = T
     return ours
 
 
+def _check_own_vocab_matrices(cfg: MtpConfig, rd: CheckpointReader, fam: Family) -> None:
+    """A module's own LM head (``shared_head.head``) or embedding (``embed_tokens``) is
+    optional, and a module without one reads the target's; but when some modules have
+    their own and another has not, that one would draft with ``lm_head`` (or embed with
+    the target's table) while its siblings keep theirs: refused, naming the missing tensor."""
+    for suffix, what in (("shared_head.head.weight", "LM head"), ("embed_tokens.weight", "embedding")):
+        keys = [module_key(fam, rd, cfg.layer_index(m), m, suffix) for m in range(cfg.num_modules)]
+        held = [rd.has(k) for k in keys]
+        if any(held) and not all(held):
+            m = held.index(False)
+            have = [i for i, h in enumerate(held) if h]
+            raise CheckpointError(f"tensor {keys[m]!r} is missing from the checkpoint at {rd.path}: module(s) {have} "
+                                  f"have their own {what} and module {m} has none; expected every module's own "
+                                  f"{what} or none (a module without one reads the target's)")
+
+
 def _refuse_or_note_unused(cfg: MtpConfig, rd: CheckpointReader, m: int, pre: str, unused: list[str],
                            allow_unused: bool, notes: list[str]) -> None:
     if allow_unused:
@@ -586,6 +608,7 @@ def check_headers(path: str | os.PathLike, cfg: MtpConfig, apply_target_norm: bo
             else:
                 header(sk, rd.info(sk)[0], ("F32", "BF16"))
 
+    attempt(lambda: _check_own_vocab_matrices(cfg, rd, fam))
     for m in range(cfg.num_modules):
         layer = cfg.layer_index(m)
         attempt(lambda: _checked_module_keys(cfg, rd, m, False, notes))      # the first missing / unused one
@@ -696,10 +719,80 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             scale = _fp8_scale_slice(scale, block, rows, cols, tuple(shape), key)
         data = rd.get(key, shape, (_FP8,), rows, cols)
         nbytes += data.nbytes + scale.nbytes
+        return checked_fp8(key, data, sk, scale)
+
+    def checked_fp8(key: str, data: np.ndarray, sk: str, scale: np.ndarray) -> Fp8Weight:
+        """The codes ``data`` of ``key`` with the scales ``sk``, refused when a code is NaN (E4M3
+        0x7F / 0xFF: one pass over the bytes, once per tensor read) or a scale is not finite or
+        so large that a weight would overflow FP32 (``Fp8Weight``): either would load, and every
+        propose would then find no allowed token."""
+        n, at = nan_codes(data)
+        if n:
+            raise CheckpointError(f"tensor {key!r} in {rd.file_of(key)}: {n} FP8 E4M3 code(s) are NaN (0x7F / 0xFF; "
+                                  f"first at {list(at)}); expected finite weights")
         try:
-            return Fp8Weight(data, scale, block)
+            return Fp8Weight(data, scale, cfg.fp8_block if cfg.fp8_block != (0, 0) else None)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: {e}") from None
+
+    def packed(suffix: str, e0: int, e1: int, part_i: tuple[int, int] | None, axis: int):
+        """Experts ``e0:e1`` of a packed tensor (``Family.packed_experts``: [E, N, K]), and only
+        ``part_i`` of each expert's intermediate dim ``axis`` (1: rows of gate / up, 2: columns
+        of down; a sharded head's TP slice): the experts' range is read from the file, the
+        slice is a view of it. FP8 codes keep their scales (whole scale blocks only)."""
+        nonlocal nbytes
+        key, shape, _ = spec[suffix]
+        got_shape, dt = rd.info(key)
+        if got_shape != tuple(shape):
+            raise CheckpointError(f"tensor {key!r} in {rd.file_of(key)}: expected shape {list(shape)} (experts "
+                                  f"packed: [n_routed_experts, ...]), got {list(got_shape)}")
+        rows = None if (e0, e1) == (0, shape[0]) else (e0, e1)
+        if not (cfg.weight_quant == "fp8" and dt == _FP8):
+            a = read(key, shape, rows=rows)
+            return a if part_i is None else (a[:, part_i[0]:part_i[1]] if axis == 1 else a[:, :, part_i[0]:part_i[1]])
+        sk = scale_key(cfg, key)
+        scale = rd.get(sk, rd.info(sk)[0], ("F32", "BF16"))
+        data = rd.get(key, shape, (_FP8,), rows)
+        scale = scale if rows is None else scale[e0:e1]
+        nbytes += data.nbytes + scale.nbytes
+        q = checked_fp8(key, data, sk, scale)
+        if part_i is None:
+            return q
+        i0, i1 = part_i
+        if axis == 1:
+            return Fp8Weight.stack([_row_slice(Fp8Weight(q.data[e], q.scale[e], q.block), i0, i1)
+                                    for e in range(q.data.shape[0])])
+        if q.block is None:                      # per output row: the columns move, the scales stay
+            return Fp8Weight(q.data[:, :, i0:i1], q.scale, None)
+        bk = q.block[1]
+        if i0 % bk or (i1 % bk and i1 != shape[2]):
+            raise CheckpointError(f"tensor {key!r}: a shard of columns {i0}:{i1} cuts its FP8 scale blocks of {bk}; "
+                                  f"shard where the blocks allow (docs/distributed.md)")
+        return Fp8Weight(q.data[:, :, i0:i1], q.scale[:, :, i0 // bk: -(-i1 // bk)], q.block)
+
+    def packed_w13(e0: int, e1: int, part_i: tuple[int, int] | None):
+        """[E', 2I', H]: each expert's gate rows over its up rows, from the packed gate and up
+        tensors: dense ones written into the result one tensor at a time (the host peak is the
+        result plus one packed tensor); FP8 ones fused per expert with their scales."""
+        gate = packed("mlp.experts.gate_proj.weight", e0, e1, part_i, 1)
+        if isinstance(gate, Fp8Weight):
+            up = packed("mlp.experts.up_proj.weight", e0, e1, part_i, 1)
+            if not isinstance(up, Fp8Weight):
+                raise CheckpointError(f"{rd.path}: experts mix FP8 and dense weights "
+                                      f"({spec['mlp.experts.up_proj.weight'][0]!r})")
+            return Fp8Weight.stack([Fp8Weight.concat([Fp8Weight(gate.data[e], gate.scale[e], gate.block),
+                                                      Fp8Weight(up.data[e], up.scale[e], up.block)])
+                                    for e in range(gate.data.shape[0])])
+        n, I_ = gate.shape[0], gate.shape[1]
+        out = np.empty((n, 2 * I_, gate.shape[2]), gate.dtype)
+        out[:, :I_] = gate
+        del gate
+        up = packed("mlp.experts.up_proj.weight", e0, e1, part_i, 1)
+        if isinstance(up, Fp8Weight):
+            raise CheckpointError(f"{rd.path}: experts mix FP8 and dense weights "
+                                  f"({spec['mlp.experts.up_proj.weight'][0]!r})")
+        out[:, I_:] = up
+        return out
 
     fam = family(cfg.family)
     if head_ids is not None and shard is None:
@@ -709,6 +802,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     if shard is not None:
         lo, hi = shard.vocab(V if head_ids is None else int(np.asarray(head_ids).shape[0]))
         head_rows = (lo, hi) if head_ids is None else np.asarray(head_ids, np.int64)[lo:hi]
+    _check_own_vocab_matrices(cfg, rd, fam)
     modules = []
     for m in range(cfg.num_modules):
         spec = _checked_module_keys(cfg, rd, m, allow_unused_tensors, notes)
@@ -887,11 +981,16 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             e0, e1 = (0, E) if shard is None else shard.expert_range(E)              # experts held whole (EP)
             part_i = (0, I) if shard is None else shard.routed_slice(I)             # each expert's slice (TP)
             sl = None if part_i == (0, I) else part_i
-            mw.experts_w13 = backend.prepare_weight(stacked([
-                [(f"mlp.experts.{e}.gate_proj.weight", sl, None), (f"mlp.experts.{e}.up_proj.weight", sl, None)]
-                for e in range(e0, e1)]))
-            mw.experts_w2 = backend.prepare_weight(stacked([[(f"mlp.experts.{e}.down_proj.weight", None, sl)]
-                                                            for e in range(e0, e1)]))
+            if fam.packed_experts:
+                mw.experts_w13 = backend.prepare_weight(packed_w13(e0, e1, sl))
+                w2 = packed("mlp.experts.down_proj.weight", e0, e1, sl, 2)
+                mw.experts_w2 = backend.prepare_weight(w2 if isinstance(w2, Fp8Weight) else np.ascontiguousarray(w2))
+            else:
+                mw.experts_w13 = backend.prepare_weight(stacked([
+                    [(f"mlp.experts.{e}.gate_proj.weight", sl, None), (f"mlp.experts.{e}.up_proj.weight", sl, None)]
+                    for e in range(e0, e1)]))
+                mw.experts_w2 = backend.prepare_weight(stacked([[(f"mlp.experts.{e}.down_proj.weight", None, sl)]
+                                                                for e in range(e0, e1)]))
             if cfg.n_shared_experts:
                 w13, w2 = swiglu("mlp.shared_experts.", cfg.shared_intermediate_size,
                                  "the shared experts' intermediate size")
@@ -1041,6 +1140,7 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
     fam = family(cfg.family)
     H = cfg.hidden_size
     out = {}
+    packs: dict[str, dict[int, np.ndarray]] = {}     # a packed-experts family: key -> expert -> tensor
     for key, a in tensors.items():
         for m in range(cfg.num_modules):
             canon = f"model.layers.{cfg.layer_index(m)}."
@@ -1050,6 +1150,12 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
                 for t in ("_scale_inv", "_scale"):             # an FP8 scale follows its weight's name
                     if suffix.endswith(".weight" + t):
                         base, tail = suffix[:-len(t)], t
+                expert = _EXPERT.match(base) if fam.packed_experts else None
+                if expert is not None:                         # one tensor [E, ...] per projection
+                    packed = fam.key(cfg.layer_index(m), m, f"mlp.experts.{expert.group(2)}_proj.weight") + tail
+                    packs.setdefault(packed, {})[int(expert.group(1))] = a
+                    key = None
+                    break
                 if base == "eh_proj.weight" and fam.concat == "hidden_embed" and tail != "_scale":
                     half = H if not tail else H // cfg.fp8_block[1]      # block scales move with their columns
                     a = np.concatenate([a[:, half:], a[:, :half]], axis=1)
@@ -1074,11 +1180,19 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
         else:
             key = {"model.embed_tokens.weight": fam.target_embed, "lm_head.weight": fam.target_head,
                    "model.norm.weight": fam.target_norm}.get(key, key)
+        if key is None:
+            continue
         if key in out and not np.array_equal(out[key], a):
             raise ValueError(f"tensors: two tensors become {key!r} in the {fam.title} layout (a tensor its "
                              f"modules share) with different values")
         out[key] = a
+    for key, experts in packs.items():
+        out[key] = np.stack([experts[e] for e in range(len(experts))])
     return out
+
+
+#: a canonical per-expert projection: ``mlp.experts.{e}.{gate,up,down}_proj.weight``
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: int = 0,

@@ -208,7 +208,8 @@ def test_transformers_form_module_by_module():
      r"rope_parameters.sliding_attention has \['factor'\]"),
     (dict(mtp_per_layer_config={"3": {"num_attention_heads": 8}}), r"mtp_per_layer_config\['3'\] expected an MTP"),
     (dict(mtp_per_layer_config={"0": {"head_dim": 32}}), r"mtp_per_layer_config\['0'\] overrides \['head_dim'\]"),
-    (dict(swiglu_limits_shared=[0.0, 0.0]), r"'swiglu_limits_shared' expected a list of at least 3 entries"),
+    (dict(swiglu_limits_shared=[0.0, 0.0]), r"'swiglu_limits_shared' expected a list of 3 entries .* got 2 entries"),
+    (dict(swiglu_limits_shared=[0.0] * 4), r"'swiglu_limits_shared' expected a list of 3 entries .* got 4 entries"),
     (dict(query_pre_attn_scalar=32), r"'query_pre_attn_scalar' = 32 disagrees with head_dim = 16"),
     (dict(mlp_bias=True), r"'mlp_bias' = True is not supported yet"),
     (dict(model_type="qwen3_next"), r"text_config.model_type expected 'step3p5'"),
@@ -348,9 +349,38 @@ def step3p5_mtp_rows(raw: dict, d: dict, m: int, toks, g):
         att[:, h] = gate[:, h:h + 1] * ((e / e.sum(1, keepdims=True)) @ v[:, h // (Hq // Hkv)])
     u2 = u + att.reshape(n, Hq * D) @ W[p + "self_attn.o_proj.weight"].T
     b = _zrms(u2, W[p + "post_attention_layernorm.weight"], eps)
-    gt, up = b @ W[p + "mlp.gate_proj.weight"].T, b @ W[p + "mlp.up_proj.weight"].T
-    y = u2 + (gt / (1 + np.exp(-gt)) * up) @ W[p + "mlp.down_proj.weight"].T
+    limits = [(d.get(f) or [0.0] * (i + 1))[i] or 0.0 for f in ("swiglu_limits", "swiglu_limits_shared")]
+    if p + "moe.gate.weight" in W:                    # an MoE MTP layer: the trunk's Step3p5MoEMLP + share_expert
+        y = u2 + _moe(W, p, b, d, limits[0]) + _swiglu(b, *(W[p + f"share_expert.{x}_proj.weight"]
+                                                            for x in ("gate", "up", "down")), limits[1])
+    else:
+        y = u2 + _swiglu(b, *(W[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up", "down")), limits[1])
     return y, _zrms(y, W[p + "transformer.shared_head.norm.weight"], eps)
+
+
+def _swiglu(b, wg, wu, wd, limit):
+    """Step3p5MLP: down(clamp(silu(gate), max=limit) * clamp(up, -limit, limit)); no clamp for 0."""
+    g, u = b @ wg.T, b @ wu.T
+    a = g / (1 + np.exp(-g))
+    if limit:
+        a, u = np.minimum(a, limit), np.clip(u, -limit, limit)
+    return (a * u) @ wd.T
+
+
+def _moe(W, p, b, d, limit):
+    """Step3p5MoEMLP with the router bias: sigmoid scores, the top-k of score + router_bias,
+    their unbiased scores renormalised times moe_router_scaling_factor; experts packed
+    [E, I, H] (gate, up) and [E, H, I] (down)."""
+    prob = 1.0 / (1.0 + np.exp(-(b @ W[p + "moe.gate.weight"].T)))          # [n, E]
+    k = d["moe_top_k"]
+    out = np.zeros_like(b)
+    for r in range(b.shape[0]):
+        sel = np.argsort(-(prob[r] + W[p + "moe.router_bias"]))[:k]
+        wt = prob[r, sel] / prob[r, sel].sum() * d["moe_router_scaling_factor"]
+        for e, we in zip(sel, wt):
+            out[r] += we * _swiglu(b[r:r + 1], W[p + "moe.gate_proj.weight"][e], W[p + "moe.up_proj.weight"][e],
+                                   W[p + "moe.down_proj.weight"][e], limit)[0]
+    return out
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
@@ -402,3 +432,120 @@ def test_step3p7_release_wraps_the_release_form_and_is_refused_where_its_text_co
     assert MtpConfig.from_dict(outer) == MtpConfig.from_dict(release_config())
     with pytest.raises(ConfigError, match=r"'index_topk' = 2048 is not supported yet"):
         MtpConfig.from_dict(dict(outer, text_config=dict(text, index_topk=2048)))
+
+
+# -- MoE MTP layers (moe_layers_enum covering MTP layer indices) --------------------------------
+
+def moe_config(**over) -> dict:
+    """Modules 0 and 2 (layers 1 and 3) MoE, module 1 dense; module 2 with SwiGLU clamps that
+    bind on the synthetic weights (routed 0.4, shared 0.6)."""
+    return release_config(moe_layers_enum="1,3", swiglu_limits=[0.0, 0.0, 0.0, 0.4],
+                          swiglu_limits_shared=[0.0, 0.0, 0.0, 0.6], **over)
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    return _ckpt(tmp_path_factory.mktemp("step3p5-moe"), moe_config(), seed=11)
+
+
+def test_moe_mtp_layers_have_the_trunks_tensor_names(moe_ckpt):
+    """The MoE MTP layers as Step3p5MoEMLP names them: router ``moe.gate``, ``moe.router_bias``,
+    the experts packed per projection, the shared expert ``share_expert.*``; no ``mlp.*``."""
+    cfg = MtpConfig.from_dict(moe_config())
+    assert [cfg.block(m).moe for m in range(3)] == [True, False, True]
+    assert (cfg.block(2).swiglu_clamp, cfg.block(2).swiglu_clamp_shared) == (0.4, 0.6)
+    raw = load_file(str(moe_ckpt / "model.safetensors"))
+    E, I, H = 8, 32, 64
+    for layer in (1, 3):
+        p = f"model.layers.{layer}."
+        assert raw[p + "moe.gate.weight"].shape == (E, H) and raw[p + "moe.router_bias"].shape == (E,)
+        assert raw[p + "moe.gate_proj.weight"].shape == raw[p + "moe.up_proj.weight"].shape == (E, I, H)
+        assert raw[p + "moe.down_proj.weight"].shape == (E, H, I)
+        assert raw[p + "share_expert.gate_proj.weight"].shape == (I, H)
+        assert not any(k.startswith(p + "mlp.") for k in raw)
+    assert "model.layers.2.mlp.gate_proj.weight" in raw and not any(k.startswith("model.layers.2.moe.") for k in raw)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_moe_mtp_layers_compute_the_reference_forward(moe_ckpt, backend):
+    """Each module against a float64 model of Step3p5's decoder layer from the raw packed
+    tensors: sigmoid router, top-2 of score + router_bias, renormalised times 3.0, the
+    routed and shared clamps of module 2."""
+    raw = load_file(str(moe_ckpt / "model.safetensors"))
+    d = moe_config()
+    prop = MultiModuleMtpHead.from_pretrained(moe_ckpt, backend=backend)
+    rng = np.random.default_rng(8)
+    for m in range(3):
+        toks = rng.integers(0, 301, 10).astype(np.int32)
+        g = rand_hiddens(rng, 10, 64)
+        want_y, want_n = step3p5_mtp_rows(raw, d, m, toks, g)
+        head = prop.modules[m]
+        seq = head.alloc_seq()
+        y, normed = head.forward([RowJob(seq, toks, 0, 1)], g)
+        np.testing.assert_allclose(prop.backend.to_host(y), want_y, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(prop.backend.to_host(normed), want_n, rtol=2e-4, atol=2e-4)
+        head.free_seq(seq)
+
+
+def test_the_clamps_bind_in_the_moe_reference(moe_ckpt):
+    """A negative control: without its clamps module 2's float64 model differs (so the
+    forward test above checks them)."""
+    raw = load_file(str(moe_ckpt / "model.safetensors"))
+    rng = np.random.default_rng(8)
+    toks, g = rng.integers(0, 301, 10).astype(np.int32), rand_hiddens(rng, 10, 64)
+    clamped = step3p5_mtp_rows(raw, moe_config(), 2, toks, g)[0]
+    free = step3p5_mtp_rows(raw, release_config(moe_layers_enum="1,3"), 2, toks, g)[0]
+    assert np.abs(clamped - free).max() > 1e-2
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_moe_mtp_layers_draft_as_the_canonical_layout(tmp_path, backend, fp8):
+    """The packed release layout (FP8 codes and block scales packed too) drafts as the same
+    weights with one tensor per expert in the canonical layout."""
+    q = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}} if fp8 else {}
+    d = moe_config(**q)
+    rel = _ckpt(tmp_path / "rel", d, seed=3)
+    if fp8:
+        assert load_file_fp8_keys(rel) >= {"model.layers.1.moe.gate_proj.weight", "model.layers.1.moe.down_proj.weight"}
+    cfg = dataclasses.replace(MtpConfig.from_dict(d), family="")
+    canon = write_synthetic_checkpoint(tmp_path / "canon", cfg, seed=3, dtype="float32", own_head=True)
+    for mode in ("exact", "draft"):
+        want = run_rounds(canon, backend=backend, mode=mode, n=14, rounds=6)[1]
+        assert run_rounds(rel, backend=backend, mode=mode, n=14, rounds=6)[1] == want
+
+
+def load_file_fp8_keys(path) -> set[str]:
+    """The keys of the FP8 tensors of a checkpoint (from its safetensors header)."""
+    with open(path / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {k for k, v in header.items() if isinstance(v, dict) and v.get("dtype") == "F8_E4M3"}
+
+
+def test_moe_mtp_layers_without_the_router_bias(tmp_path):
+    """``use_moe_router_bias: false``: no ``moe.router_bias`` tensor, selection by the scores alone."""
+    d = moe_config(use_moe_router_bias=False)
+    cfg = MtpConfig.from_dict(d)
+    assert not cfg.router_bias
+    path = _ckpt(tmp_path, d, seed=2)
+    assert "model.layers.1.moe.router_bias" not in load_file(str(path / "model.safetensors"))
+    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+    assert not np.any(prop.modules[0].w.gate_bias)
+
+
+def test_a_per_expert_tensor_in_a_packed_layer_is_refused(moe_ckpt, tmp_path):
+    """A packed layer read as packed: a stray per-expert tensor would not be used (refused by
+    name), and a packed tensor of the wrong expert count is refused by its shape."""
+    raw = load_file(str(moe_ckpt / "model.safetensors"))
+    (tmp_path / "a").mkdir()
+    extra = dict(raw, **{"model.layers.1.moe.experts.0.gate_proj.weight": raw["model.layers.1.moe.gate_proj.weight"][0]})
+    save_file(extra, str(tmp_path / "a" / "model.safetensors"))
+    (tmp_path / "a" / "config.json").write_text(json.dumps(moe_config()))
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.moe.experts.0.gate_proj.weight' .* would not be used"):
+        MultiModuleMtpHead.from_pretrained(tmp_path / "a", backend="numpy")
+    (tmp_path / "b").mkdir()
+    short = dict(raw, **{"model.layers.3.moe.up_proj.weight": raw["model.layers.3.moe.up_proj.weight"][:7].copy()})
+    save_file(short, str(tmp_path / "b" / "model.safetensors"))
+    (tmp_path / "b" / "config.json").write_text(json.dumps(moe_config()))
+    with pytest.raises(CheckpointError, match=r"'model.layers.3.moe.up_proj.weight'.*expected shape \[8, 32, 64\]"):
+        MultiModuleMtpHead.from_pretrained(tmp_path / "b", backend="numpy")

@@ -73,6 +73,12 @@ class Family:
     #: q_proj rows per head [query (D) | gate (D)] (Qwen3-Next), de-interleaved at load into
     #: the query rows and the gate rows stacked after q|k|v
     q_gate_interleaved: bool = False
+    #: routed experts stored packed, one tensor per projection for all experts (Step-3.5's
+    #: ``moe.gate_proj.weight`` [E, I, H], ``moe.up_proj.weight`` [E, I, H],
+    #: ``moe.down_proj.weight`` [E, H, I]) under the canonical suffixes
+    #: ``mlp.experts.{gate,up,down}_proj.weight`` (renamed like any other), instead of one per
+    #: expert (``mlp.experts.{e}.gate_proj.weight``)
+    packed_experts: bool = False
     #: the hidden a module hands on (to the next module, or to itself for the next draft)
     #: in the reference implementation: "prenorm" (y, DeepSeek-V3 / vLLM) or "postnorm"
     #: (the normed y that the LM head reads: vLLM's Qwen3-Next MTP); the proposer's

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config_fields import bool_field, float_field, int_field, opt, show, window_field
 from ..errors import ConfigError
 from .base import Family
 
@@ -49,22 +50,33 @@ _TYPES = ("full_attention", "sliding_attention")
 
 def _at(d: dict, name: str, i: int, n: int) -> Any:
     v = d[name]
-    if not isinstance(v, list) or len(v) < n:
-        got = f"{len(v)} entries" if isinstance(v, list) else repr(v)[:60]
+    if not isinstance(v, list) or len(v) != n:
+        got = f"{len(v)} entries" if isinstance(v, list) else show(v)
         raise ConfigError(f"config.json: field {name!r} expected a list of {n} entries (num_hidden_layers + "
                           f"num_nextn_predict_layers, one per layer), got {got}")
     return v[i]
 
 
+def _limit(name: str, v: Any) -> float:
+    """A SwiGLU clamp entry: a number >= 0, or null (0 and null: no clamp)."""
+    return 0.0 if v is None else float_field(name, v, 0.0, 1e6)
+
+
 def _moe_layers(d: dict) -> set[int] | None:
+    """``moe_layers_enum``: "1,2,..." (the release) or a list of layer indices."""
     v = d.get("moe_layers_enum")
     if v is None:
         return None
-    try:
-        return {int(x) for x in (v.split(",") if isinstance(v, str) else v) if str(x).strip() != ""}
-    except (TypeError, ValueError):
-        raise ConfigError(f"config.json: field 'moe_layers_enum' expected layer indices ('3,4,...'), "
-                          f"got {str(v)[:60]!r}") from None
+    if isinstance(v, str):
+        parts = [x.strip() for x in v.split(",") if x.strip() != ""]
+        if not all(x.isdigit() and x.isascii() for x in parts):
+            raise ConfigError(f"config.json: field 'moe_layers_enum' expected layer indices ('3,4,...'), "
+                              f"got {show(v)}")
+        return {int(x) for x in parts}
+    if not isinstance(v, list):
+        raise ConfigError(f"config.json: field 'moe_layers_enum' expected layer indices ('3,4,...' or a list), "
+                          f"got {show(v)}")
+    return {int_field(f"moe_layers_enum[{j}]", x, 0) for j, x in enumerate(v)}
 
 
 def _counts(d: dict) -> tuple[int, int]:
@@ -109,6 +121,9 @@ def normalise(d: dict) -> dict:
 def _release_blocks(d: dict, L: int, M: int) -> list[dict]:
     """The release's form: every per-layer list read at ``num_hidden_layers + m``."""
     n = L + M
+    for name in _LISTS:                     # every per-layer list: one entry per layer, MTP layers included
+        if d.get(name) is not None and (name != "rope_theta" or isinstance(d[name], list)):
+            _at(d, name, 0, n)
     other = d.get("attention_other_setting") or {}
     if not isinstance(other, dict):
         raise ConfigError(f"config.json: field 'attention_other_setting' expected an object, got {other!r}"[:200])
@@ -127,10 +142,11 @@ def _release_blocks(d: dict, L: int, M: int) -> list[dict]:
             raise ConfigError(f"config.json: MTP module {m} (layer {i}) is {kind} with a scaled RoPE "
                               f"(rope_scaling {d['rope_scaling'].get('rope_type')!r}): not supported yet; the "
                               f"released modules are sliding-window layers with a plain RoPE")
-        theta = _at(d, "rope_theta", i, n) if isinstance(d.get("rope_theta"), list) else d.get("rope_theta", 10000.0)
-        prf = (_at(d, "partial_rotary_factors", i, n) if d.get("partial_rotary_factors") is not None
-               else d.get("partial_rotary_factor", 1.0))
-        limits = [(_at(d, f, i, n) if d.get(f) is not None else None) or 0.0
+        theta = (float_field(f"rope_theta[{i}]", _at(d, "rope_theta", i, n)) if isinstance(d.get("rope_theta"), list)
+                 else d.get("rope_theta", 10000.0))
+        prf = (float_field(f"partial_rotary_factors[{i}]", _at(d, "partial_rotary_factors", i, n))
+               if d.get("partial_rotary_factors") is not None else d.get("partial_rotary_factor", 1.0))
+        limits = [_limit(f"{f}[{i}]", _at(d, f, i, n)) if d.get(f) is not None else 0.0
                   for f in ("swiglu_limits", "swiglu_limits_shared")]
         blocks.append({
             "num_attention_heads": own.get("num_attention_heads", d.get("num_attention_heads")),
@@ -138,8 +154,10 @@ def _release_blocks(d: dict, L: int, M: int) -> list[dict]:
                                                                           d.get("num_key_value_heads"))),
             "head_dim": own.get("head_dim", d.get("head_dim")),
             "rope_theta": theta, "partial_rotary_factor": prf,
-            "sliding_window": d.get("sliding_window", 0) if kind == "sliding_attention" else 0,
-            "attn_gate": "headwise" if d.get("use_head_wise_attn_gate") else "",
+            "sliding_window": window_field("sliding_window", d.get("sliding_window"),
+                                           f"layer_types[{i}] (MTP module {m}) is sliding_attention")
+            if kind == "sliding_attention" else 0,
+            "attn_gate": "headwise" if opt(d, "use_head_wise_attn_gate", bool_field, False) else "",
             "swiglu_clamp": float(limits[0]), "swiglu_clamp_shared": float(limits[1]),
             "moe": moe is not None and i in moe,
         })
@@ -191,7 +209,7 @@ def _tf_rope(d: dict, kind: str, m: int) -> tuple[float, float]:
     one object per layer type (what Step3p7TextConfig writes), or one for every layer."""
     rp = d.get("rope_parameters")
     if rp is None:
-        return float(d.get("rope_theta", 10000.0)), float(d.get("partial_rotary_factor", 1.0))
+        return (opt(d, "rope_theta", float_field, 10000.0), opt(d, "partial_rotary_factor", float_field, 1.0))
     if not isinstance(rp, dict):
         raise ConfigError(f"config.json: field 'rope_parameters' expected an object, got {str(rp)[:60]}")
     if any(isinstance(v, dict) for v in rp.values()):
@@ -210,7 +228,8 @@ def _tf_rope(d: dict, kind: str, m: int) -> tuple[float, float]:
     if extra:
         raise ConfigError(f"config.json: {where} has {extra}: not read by the default RoPE; expected only "
                           f"rope_type, rope_theta, partial_rotary_factor")
-    return rp.get("rope_theta", 10000.0), rp.get("partial_rotary_factor", 1.0)
+    return (opt(rp, "rope_theta", lambda n, v: float_field(f"{where}.{n}", v), 10000.0),
+            opt(rp, "partial_rotary_factor", lambda n, v: float_field(f"{where}.{n}", v), 1.0))
 
 
 def _tf_blocks(d: dict, L: int, M: int) -> list[dict]:
@@ -250,18 +269,21 @@ def _tf_blocks(d: dict, L: int, M: int) -> list[dict]:
         limits = []
         for f in ("swiglu_limits", "swiglu_limits_shared"):
             v = d.get(f)
-            if v is not None and (not isinstance(v, list) or len(v) <= m):
-                got = f"{len(v)} entries" if isinstance(v, list) else repr(v)[:60]
-                raise ConfigError(f"config.json: field {f!r} expected a list of at least {M} entries (transformers "
-                                  f"reads MTP layer m's clamp at entry m), got {got}")
-            limits.append((v[m] if v else None) or 0.0)
+            if v is not None and (not isinstance(v, list) or len(v) != L or L < M):
+                got = f"{len(v)} entries" if isinstance(v, list) else show(v)
+                raise ConfigError(f"config.json: field {f!r} expected a list of {L} entries (num_hidden_layers: "
+                                  f"transformers' form trims the per-layer lists to the target's layers) and at "
+                                  f"least {M} (transformers reads MTP layer m's clamp at entry m), got {got}")
+            limits.append(_limit(f"{f}[{m}]", v[m]) if v else 0.0)
         heads = sliding_heads if kind == "sliding_attention" and sliding_heads is not None else Hq
         blocks.append({
             "num_attention_heads": over.get(m, {}).get("num_attention_heads", heads),
             "num_key_value_heads": over.get(m, {}).get("num_key_value_heads", Hkv),
             "head_dim": d.get("head_dim"),
             "rope_theta": theta, "partial_rotary_factor": prf,
-            "sliding_window": d.get("sliding_window") or 0 if kind == "sliding_attention" else 0,
+            "sliding_window": window_field("sliding_window", d.get("sliding_window"),
+                                           f"mtp_layer_types[{m}] is sliding_attention")
+            if kind == "sliding_attention" else 0,
             "attn_gate": "headwise",
             "swiglu_clamp": float(limits[0]), "swiglu_clamp_shared": float(limits[1]),
             "moe": mlp == "sparse",
@@ -276,14 +298,20 @@ FAMILY = Family(
     defaults={"use_qk_norm": True, "n_shared_experts": 1, "norm_topk_prob": True},
     aliases={"num_attention_groups": "num_key_value_heads", "moe_num_experts": "n_routed_experts",
              "moe_top_k": "num_experts_per_tok", "moe_router_scaling_factor": "routed_scaling_factor",
-             "moe_router_activation": "scoring_func", "norm_expert_weight": "norm_topk_prob"},
+             "moe_router_activation": "scoring_func", "norm_expert_weight": "norm_topk_prob",
+             "use_moe_router_bias": "router_bias"},
     fixed={"zero_centered": True, "att_impl_type": "GQA", "sink": False},
     implements=frozenset(_LISTS + _TF_FIELDS + ("attention_other_setting", "use_head_wise_attn_gate",
                                                  "sliding_window")),
-    target_only=frozenset({"moe_layers_enum", "use_moe", "moe_every_n_layer", "moe_layer_offset", "use_moe_router_bias",
-                           "need_fp32_gate", "yarn_only_types", "max_seq_len", "use_rope_layers"}),
+    target_only=frozenset({"moe_layers_enum", "use_moe", "moe_every_n_layer", "moe_layer_offset", "need_fp32_gate",
+                           "yarn_only_types", "max_seq_len", "use_rope_layers"}),
     renames={"shared_head.norm.weight": "transformer.shared_head.norm.weight",
-             "shared_head.head.weight": "transformer.shared_head.output.weight"},
+             "shared_head.head.weight": "transformer.shared_head.output.weight",
+             # an MoE MTP layer (moe_layers_enum / mtp_mlp_layer_types "sparse") has the trunk's names:
+             # the router, its selection bias, the routed experts packed [E, I, H] / [E, H, I]
+             "mlp.gate.weight": "moe.gate.weight", "mlp.gate.e_score_correction_bias": "moe.router_bias",
+             "mlp.experts.": "moe.", "mlp.shared_experts.": "share_expert."},
+    packed_experts=True,
     # the name transformers' MtpModel loads as the layer's post_norm (conversion_mapping.py:
     # ".shared_head.norm." -> ".post_norm."; it does not strip the release's "transformer.")
     alternatives={"shared_head.norm.weight": ("shared_head.norm.weight",)},
