@@ -69,8 +69,8 @@ def test_step_sliding_layers_need_a_window(window):
         del d["sliding_window"]
     else:
         d["sliding_window"] = window
-    with pytest.raises(ConfigError, match=r"field 'sliding_window' expected a sliding window, an integer in "
-                                          r"\[1, 2\^31 - 1\] \(layer_types\[1\] \(MTP module 0\) is sliding_attention\)"):
+    with pytest.raises(ConfigError, match=r"field 'sliding_window' expected a sliding window, an integer in \[1, "
+                                          r"2\^31 - 1\] \(layer_types\[1\] \(MTP module 0\) is sliding_attention\)"):
         MtpConfig.from_dict(d)
 
 

@@ -1834,6 +1834,31 @@ def test_step3p5_matches_numpy_reference_and_replays(fake_runtime, tmp_path, mod
     test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2)
 
 
+def test_step3p5_moe_mtp_layers_on_the_kernels(fake_runtime, tmp_path):
+    """Step-3.5 MTP layers built as MoE (moe_layers_enum covering them; the trunk's packed
+    expert tensors, router bias, shared expert, routed and shared clamps): the module's float64
+    model, and the NumPy reference's drafts."""
+    from safetensors.numpy import load_file
+
+    from mtpkern import MtpConfig
+
+    d = step3p5.moe_config()
+    ckpt = step3p5._ckpt(tmp_path, d, seed=9)
+    prop = test_gpu._make(ckpt, emu_backend.backend("float32"), "exact")
+    raw = load_file(str(ckpt / "model.safetensors"))
+    rng = np.random.default_rng(2)
+    for m in (0, 2):                                          # the MoE modules
+        toks, g = rng.integers(0, 301, 6).astype(np.int32), rng.standard_normal((6, 64)).astype(np.float32)
+        want = step3p5.step3p5_mtp_rows(raw, d, m, toks, g)[0]
+        head = prop.modules[m]
+        seq = head.alloc_seq()
+        y, _ = head.forward([step3p5.RowJob(seq, toks, 0, 1)], g)
+        np.testing.assert_allclose(prop.backend.to_host(y), want, rtol=2e-4, atol=2e-4)
+        head.free_seq(seq)
+    test_gpu.check_cuda_matches_numpy_reference((ckpt, MtpConfig.from_dict(d)), "draft", "float32",
+                                                emu_backend.backend("float32"))
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_mimo_v2_flash_on_the_kernels(fake_runtime, tmp_path, fp8):
     """MiMo-V2-Flash's release layout: sinks, v_head_dim 16 beside 24, RoPE on 8 dims, the

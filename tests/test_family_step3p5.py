@@ -538,7 +538,8 @@ def test_a_per_expert_tensor_in_a_packed_layer_is_refused(moe_ckpt, tmp_path):
     name), and a packed tensor of the wrong expert count is refused by its shape."""
     raw = load_file(str(moe_ckpt / "model.safetensors"))
     (tmp_path / "a").mkdir()
-    extra = dict(raw, **{"model.layers.1.moe.experts.0.gate_proj.weight": raw["model.layers.1.moe.gate_proj.weight"][0]})
+    stray = raw["model.layers.1.moe.gate_proj.weight"][0]
+    extra = dict(raw, **{"model.layers.1.moe.experts.0.gate_proj.weight": stray})
     save_file(extra, str(tmp_path / "a" / "model.safetensors"))
     (tmp_path / "a" / "config.json").write_text(json.dumps(moe_config()))
     with pytest.raises(CheckpointError, match=r"'model.layers.1.moe.experts.0.gate_proj.weight' .* would not be used"):
@@ -549,3 +550,31 @@ def test_a_per_expert_tensor_in_a_packed_layer_is_refused(moe_ckpt, tmp_path):
     (tmp_path / "b" / "config.json").write_text(json.dumps(moe_config()))
     with pytest.raises(CheckpointError, match=r"'model.layers.3.moe.up_proj.weight'.*expected shape \[8, 32, 64\]"):
         MultiModuleMtpHead.from_pretrained(tmp_path / "b", backend="numpy")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+@pytest.mark.parametrize("experts", ["ep", "tp"])
+def test_packed_experts_shard_as_the_whole(tmp_path, experts, fp8):
+    """A sharded head reads its experts' range (ep) or each expert's intermediate slice (tp)
+    of the packed tensors: the same values as those parts of the whole module's."""
+    from mtpkern.backends import get_backend
+    from mtpkern.shard import Shard
+    from mtpkern.weights import load_weights
+
+    # 4 x 4 blocks: a rank's 4 g_proj heads and 20 dense MLP columns are whole blocks
+    q = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [4, 4]}} if fp8 else {}
+    d = moe_config(**q)
+    path, cfg, be = _ckpt(tmp_path, d, seed=4), MtpConfig.from_dict(d), get_backend("numpy")
+    whole = load_weights(path, cfg, be).modules[2]
+    I = cfg.moe_intermediate_size
+    for r in range(2):
+        part = load_weights(path, cfg, be, shard=Shard(r, 2, experts)).modules[2]
+        if experts == "ep":
+            e0, e1 = 4 * r, 4 * r + 4
+            want13, want2 = whole.experts_w13[e0:e1], whole.experts_w2[e0:e1]
+        else:
+            i0, i1 = I // 2 * r, I // 2 * (r + 1)
+            want13 = np.concatenate([whole.experts_w13[:, i0:i1], whole.experts_w13[:, I + i0:I + i1]], axis=1)
+            want2 = whole.experts_w2[:, :, i0:i1]
+        np.testing.assert_array_equal(part.experts_w13, want13)
+        np.testing.assert_array_equal(part.experts_w2, want2)
