@@ -149,11 +149,12 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
     _common(i, top=False)
     i.set_defaults(run=run_info)
 
-    k = sub.add_parser("kernels", formatter_class=_Formatter, help="build the CUDA kernels into the on-disk cache",
+    k = sub.add_parser("kernels", formatter_class=_Formatter, help="build the CUDA (or, --cpu, the Numba) kernels into the on-disk cache",
                        description="Builds every CUDA kernel family (NVRTC, no GPU needed when --arch and "
                                    "--nvrtc are given) into the kernel cache, in parallel worker processes, so "
                                    "that the cuda backend loads them instead of compiling at first use "
-                                   "(docs/cuda.md, \"The kernel cache\"). Prints each family's compile time.")
+                                   "(docs/cuda.md, \"The kernel cache\"). Prints each family's compile time. With --cpu, "
+                                   "compiles the cpu backend's Numba kernels into Numba's cache instead.")
     k.add_argument("--arch", default=None, metavar="SM",
                    help="the target, e.g. sm_90 (default: the CuPy device's)")
     k.add_argument("--nvrtc", type=int, default=None, choices=[12, 13], metavar="MAJOR",
@@ -162,6 +163,12 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
                    help="worker processes (default: one per CPU)")
     k.add_argument("--families", default=None, metavar="LIST",
                    help="comma-separated families (default: all)")
+    k.add_argument("--cpu", action="store_true",
+                   help="instead, compile the cpu backend's Numba kernels into Numba's cache (NUMBA_CACHE_DIR): "
+                        "every family and weight kind, or those --ckpt runs (docs/cli.md, \"The first run compiles "
+                        "kernels\") (default: the CUDA kernels)")
+    k.add_argument("--ckpt", type=argtypes.checkpoint_dir, default=None, metavar="DIR",
+                   help="with --cpu: only the kernels this checkpoint runs (it is loaded) (default: all)")
     _common(k, top=False)
     k.set_defaults(run=run_kernels)
 
@@ -222,14 +229,15 @@ def main(argv: list[str] | None = None, prog: str = "mtpkern") -> int:
 
 def run_demo(args: argparse.Namespace) -> dict:
     from .backends import get_backend
+    from .backends.warm_up import KernelNeeds
     from .progress import Progress, warm_up
     from .proposer import MultiModuleMtpHead
     from .synthetic import synthetic_checkpoint
 
     be = get_backend(args.backend, threads=args.threads)
     ckpt = args.ckpt if args.ckpt else synthetic_checkpoint(args.config, say=print)
-    warm_up(be)
     prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=args.kv_mode, chain=args.chain)
+    warm_up(be, needs=KernelNeeds.of(prop))          # only the kernels this checkpoint runs
     cfg = prop.config
     rng = np.random.default_rng(args.seed)
     H, V, M = cfg.hidden_size, cfg.vocab_size, prop.num_modules
@@ -321,6 +329,11 @@ _DTYPE_BYTES = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I32": 4,
 def run_kernels(args: argparse.Namespace) -> dict:
     from .backends.cuda_launch import kernel_cache, loader
 
+    if args.cpu:
+        return _cpu_kernels(args)
+    if args.ckpt is not None:
+        raise ValueError("--ckpt: expected with --cpu only (the CUDA build covers every family), got "
+                         f"{str(args.ckpt)!r} without --cpu")
     families = [f for f in (args.families or "").split(",") if f] or None
     t0 = time.perf_counter()
     built = loader.prebuild(families, arch=args.arch, nvrtc_major=args.nvrtc, jobs=args.jobs)
@@ -330,6 +343,34 @@ def run_kernels(args: argparse.Namespace) -> dict:
     print(f"{len(built)} families in {kernel_cache.cache_dir()} ({wall:.1f} s wall, "
           f"{sum(built.values()):.1f} s of compiles)")
     return {"families": built, "wall_s": wall, "directory": str(kernel_cache.cache_dir())}
+
+
+def _cpu_kernels(args: argparse.Namespace) -> dict:
+    """``mtpkern kernels --cpu``: the cpu backend's warm-up (all of it, or what --ckpt runs)."""
+    import numba
+
+    from .backends import get_backend
+    from .backends.warm_up import KernelNeeds
+    from .progress import warm_up
+    from .proposer import MultiModuleMtpHead
+
+    cuda_only = [f"--{name}" for name in ("arch", "nvrtc", "jobs", "families") if getattr(args, name) is not None]
+    if cuda_only:
+        raise ValueError("--cpu builds the Numba kernels: expected none of --arch, --nvrtc, --jobs, --families "
+                         f"(the CUDA build's options), got {', '.join(cuda_only)}")
+    be = get_backend("cpu")
+    needs = None
+    if args.ckpt is not None:
+        needs = KernelNeeds.of(MultiModuleMtpHead.from_pretrained(args.ckpt, backend=be))
+    t0 = time.perf_counter()
+    compiled = warm_up(be, needs=needs)
+    wall = time.perf_counter() - t0
+    where = numba.config.CACHE_DIR or "Numba's default cache (beside the sources, else ~/.cache/numba)"
+    what = "every kernel family" if needs is None else f"the kernels {args.ckpt} runs ({needs.describe()})"
+    print(f"{what}: {compiled} functions compiled, {'nothing' if not compiled else 'written'} "
+          f"{'new in' if not compiled else 'to'} {where} ({wall:.1f} s)")
+    return {"compiled": compiled, "wall_s": wall, "directory": where,
+            "needs": None if needs is None else needs.describe()}
 
 
 def run_info(args: argparse.Namespace) -> dict:

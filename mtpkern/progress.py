@@ -7,9 +7,10 @@ bar writes plain lines, or nothing.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from typing import TextIO
+from typing import Callable, Iterator, TextIO
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -59,35 +60,43 @@ class Progress:
 class WarmUpReport:
     """The ``progress`` callback of ``Backend.warm_up`` for the command line.
 
-    Silent while the kernels load from the disk cache (about 0.5 s for all of them).
-    Once the first family has taken more than ``threshold`` seconds it is compiling
-    (rmsnorm alone compiles in 1.6 s on 2 cores), so it says so and shows a bar
-    (plain lines when stderr is not a terminal). ``close`` says how long it took.
+    Silent while the kernels load from the disk cache. ``compiling()`` says that a kernel
+    compiles (``warm_up`` below calls it on the warm-up's first Numba compile event: a load
+    from the cache is none): from then on it shows a bar (plain lines when the stream is not
+    a terminal), and ``close`` says how long it took.
     """
 
     MESSAGE = "compiling kernels (first run only; later runs load them from the cache)"
 
-    def __init__(self, stream: TextIO | None = None, threshold: float = 0.5):
+    def __init__(self, stream: TextIO | None = None):
         self.stream = sys.stderr if stream is None else stream
-        self.threshold = threshold
         self.t0 = time.perf_counter()
         self.bar: Progress | None = None
+        self.done, self.total, self.name = 0, 0, ""
 
     def __call__(self, done: int, total: int, name: str) -> None:
+        self.done, self.total, self.name = done, total, name
         if self.bar is None:
-            if done == 0 or time.perf_counter() - self.t0 < self.threshold:
-                return
-            self.stream.write(self.MESSAGE + "\n")
-            self.bar = Progress(total, "kernels", stream=self.stream, after=0.0, lines=True)
-            self.bar.t0 = self.t0
+            return
         if done < total:
             self.bar.update(done, f"next: {name}")
         elif self.bar.tty:                  # a full bar; close() says the rest
             self.bar.update(done)
 
+    def compiling(self) -> None:
+        """Something compiles: say so once, and show the bar from here on."""
+        if self.bar is not None:
+            return
+        self.stream.write(self.MESSAGE + "\n")
+        self.stream.flush()
+        self.bar = Progress(max(self.total, 1), "kernels", stream=self.stream, after=0.0, lines=True)
+        self.bar.t0 = self.t0
+        if self.done < self.total:
+            self.bar.update(self.done, self.name)
+
     @property
     def compiled(self) -> bool:
-        """True once the report decided the kernels were compiling."""
+        """True once something compiled (``compiling`` was called)."""
         return self.bar is not None
 
     def close(self) -> None:
@@ -97,10 +106,33 @@ class WarmUpReport:
             self.stream.flush()
 
 
-def warm_up(backend, stream: TextIO | None = None) -> int:
-    """``backend.warm_up`` with a ``WarmUpReport`` on ``stream`` (stderr): silent when the
-    kernels come from the cache. Returns what ``warm_up`` does."""
+@contextlib.contextmanager
+def on_compile(callback: Callable[[], None]) -> Iterator[None]:
+    """``callback()`` at the start of every Numba compile inside the block (none when a
+    kernel loads from the disk cache); nothing to watch when Numba is not imported (the
+    numpy and cuda backends)."""
+    if "numba" not in sys.modules:
+        yield
+        return
+    from numba.core import event
+
+    class Listener(event.Listener):
+        def on_start(self, ev: event.Event) -> None:
+            callback()
+
+        def on_end(self, ev: event.Event) -> None:
+            pass
+
+    with event.install_listener("numba:compile", Listener()):
+        yield
+
+
+def warm_up(backend, stream: TextIO | None = None, needs=None) -> int:
+    """``backend.warm_up`` (only what ``needs`` names, when given: a ``KernelNeeds``) with a
+    ``WarmUpReport`` on ``stream`` (stderr): silent unless a kernel compiles. Returns what
+    ``warm_up`` does."""
     report = WarmUpReport(stream)
-    compiled = backend.warm_up(report)
+    with on_compile(report.compiling):
+        compiled = backend.warm_up(report) if needs is None else backend.warm_up(report, needs=needs)
     report.close()
     return compiled

@@ -169,10 +169,13 @@ class Backend(ABC):
     def describe(self) -> str:
         return self.name
 
-    def warm_up(self, progress: Callable[[int, int, str], None] | None = None, *, fp8: bool = True) -> int:
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None, *, fp8: bool = True,
+                needs: Any = None) -> int:
         """Compile (or load from a disk cache) the backend's kernels before the first call
         needs them, calling ``progress(done, total, name)`` per kernel family; returns how
-        many functions were compiled. ``fp8=False`` leaves out the FP8 weight kernels. The numpy backend has nothing to compile; the cuda
+        many functions were compiled. ``fp8=False`` leaves out the FP8 weight kernels;
+        ``needs`` (``backends.warm_up.KernelNeeds``, e.g. ``KernelNeeds.of(proposer)``) keeps
+        only the families and weight kinds a loaded checkpoint runs. The numpy backend has nothing to compile; the cuda
         backend compiles each family on its first launch (NVRTC, then CuPy's disk cache);
         both return 0 at once. The cpu backend overrides this."""
         return 0

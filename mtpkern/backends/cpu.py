@@ -15,12 +15,13 @@ values in one Numba pass (``cpu_kernels/bounds.py``), brings its inputs to
 C-contiguous FP32, allocates the outputs
 (or takes them, as the other backends do, from keyword-only ``out=`` buffers:
 ``ids=`` / ``weights=`` for ``moe_router``) and calls one njit kernel from
-``cpu_kernels``. Kernels compile on first use
-(~40 s for all of them on 2 cores) and are cached on disk; nothing compiles
-at import. Numba's cache is keyed per source file: a kernel that inlines the
+``cpu_kernels``. Kernels compile on first use (a few seconds to half a minute
+each on 2 cores; docs/cpu.md, "Compilation and cache") and are cached on disk;
+nothing compiles at import. Numba's cache is keyed per source file: a kernel that inlines the
 GEMV core of ``cpu_kernels/linear.py`` keeps its old copy when only that file
 changes, so clear ``cpu_kernels/__pycache__/*.nb[ic]`` after editing it.
-``warm_up`` compiles (or loads) every family up front.
+``warm_up`` compiles (or loads) every family up front, or only those a loaded
+checkpoint runs (``needs``).
 
 Threads: ``CpuBackend(threads=n)``; the default is ``default_threads()``
 (docs/cpu.md has the measurements behind it). ``numba.set_num_threads`` is
@@ -220,17 +221,19 @@ class CpuBackend(Backend):
         if numba.get_num_threads() != self.threads:
             numba.set_num_threads(self.threads)
 
-    def warm_up(self, progress: Callable[[int, int, str], None] | None = None, *, fp8: bool = True) -> int:
-        """Compile, or load from Numba's disk cache, every kernel family for the argument
-        types a propose uses, on tiny inputs (``backends/warm_up.py``; FP8 weights too unless
-        ``fp8=False``). ``progress(done, total, name)`` is called before each family and once
-        at the end (``done == total``, ``name == ""``). Returns how many functions Numba
-        compiled (0: everything came from the cache or was loaded already)."""
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None, *, fp8: bool = True,
+                needs=None) -> int:
+        """Compile, or load from Numba's disk cache, the kernels a propose uses, on tiny inputs
+        (``backends/warm_up.py``): every family and weight kind (FP8 too unless ``fp8=False``),
+        or only what ``needs`` names (a ``KernelNeeds``; ``KernelNeeds.of(proposer)``: what a
+        loaded checkpoint runs). ``progress(done, total, name)`` is called before each family
+        and once at the end (``done == total``, ``name == ""``). Returns how many functions
+        Numba compiled (0: everything came from the cache or was loaded already)."""
         from numba.core import event
 
         from .warm_up import family_calls
 
-        calls = family_calls(self, fp8=fp8)
+        calls = family_calls(self, fp8=fp8, needs=needs)
         with event.install_recorder("numba:compile") as rec:
             for i, (name, call) in enumerate(calls):
                 if progress is not None:

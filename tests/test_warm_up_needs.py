@@ -1,0 +1,218 @@
+"""The cpu backend's warm-up compiles only what a loaded checkpoint runs (``KernelNeeds``),
+and the command line says "compiling kernels" only when a kernel compiles."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mtpkern import write_synthetic_checkpoint
+from mtpkern.backends.base import Backend
+from mtpkern.backends.numpy_backend import NumpyBackend
+from mtpkern.backends.warm_up import FAMILIES, KernelNeeds, family_calls, weight_kind
+from mtpkern.config import tiny_config
+from mtpkern.progress import WarmUpReport, warm_up
+from mtpkern.quant import Fp8Weight
+
+GQA = {"qk_norm_rope_kv_write", "paged_attention"}
+
+
+def dense_config():
+    """tiny's shapes with a dense SwiGLU MLP in place of the experts."""
+    return tiny_config(n_routed_experts=0, num_experts_per_tok=0, n_shared_experts=0, n_group=1, topk_group=1,
+                       intermediate_size=48)
+
+
+def _load(path, backend="cpu"):
+    from mtpkern import MultiModuleMtpHead
+
+    return MultiModuleMtpHead.from_pretrained(path, backend=backend)
+
+
+def test_needs_of_a_dense_bf16_checkpoint(tmp_path):
+    prop = _load(write_synthetic_checkpoint(tmp_path / "d", dense_config(), dtype="bfloat16"))
+    assert KernelNeeds.of(prop) == KernelNeeds({
+        "rmsnorm": (), "qk_norm_rope_kv_write": (), "paged_attention": (), "linear": ["bfloat16"],
+        "mtp_input": [("bfloat16", "bfloat16")], "swiglu_mlp": ["bfloat16"], "lm_head": ["bfloat16"]})
+
+
+def test_needs_of_an_moe_fp32_checkpoint(tmp_path, tiny_cfg):
+    prop = _load(write_synthetic_checkpoint(tmp_path / "m", tiny_cfg, dtype="float32"))
+    needs = KernelNeeds.of(prop)
+    assert set(needs.kinds) == {"rmsnorm", "linear", "mtp_input", "moe_router", "moe_experts", "swiglu_mlp",
+                                "lm_head"} | GQA
+    assert needs.kinds["mtp_input"] == {("float32", "float32")}
+    assert all(k == {"float32"} for f, k in needs.kinds.items() if f not in GQA | {"rmsnorm", "mtp_input"})
+
+
+class Recording(NumpyBackend):
+    """The numpy backend, recording each op ``family_calls`` runs and the kind of each weight
+    it is given to prepare (the numpy backend widens them all to FP32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.prepared = set(), set()
+
+    def prepare_weight(self, w):
+        self.prepared.add("fp8" if isinstance(w, Fp8Weight) else np.asarray(w).dtype.name)
+        return super().prepare_weight(w)
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if callable(attr) and name in Backend.__abstractmethods__ and not name.startswith(("prepare", "empty")):
+            super().__getattribute__("ops").add(name)
+        return attr
+
+
+def test_a_dense_bf16_warm_up_runs_no_moe_mla_gate_fp8_or_fp32_weight(tmp_path):
+    prop = _load(write_synthetic_checkpoint(tmp_path / "d", dense_config(), dtype="bfloat16"))
+    be = Recording()
+    calls = family_calls(be, needs=KernelNeeds.of(prop))
+    assert [name for name, _ in calls] == [f for f in FAMILIES if f in KernelNeeds.of(prop)]
+    for _, call in calls:
+        call()
+    assert be.prepared == {"bfloat16"}
+    assert not be.ops & {"moe_router", "moe_experts", "mla_latent_write", "mla_attention_absorbed", "sigmoid_gate"}
+    assert {"mtp_input", "linear", "swiglu_mlp", "paged_attention", "lm_head_argmax"} <= be.ops
+    every = Recording()
+    for _, call in family_calls(every):          # the default: every family and weight kind, as before
+        call()
+    assert every.prepared == {"bfloat16", "float32", "fp8"} and every.ops > be.ops
+
+
+def test_needs_refuse_what_they_do_not_know():
+    with pytest.raises(ValueError, match="families among"):
+        KernelNeeds({"moe": ["bfloat16"]})
+    with pytest.raises(ValueError, match=r"needs\['linear'\]: expected kinds among"):
+        KernelNeeds({"linear": ["bf16"]})
+    with pytest.raises(ValueError, match=r"needs\['mtp_input'\]"):
+        KernelNeeds({"mtp_input": [("fp8", "bfloat16")]})          # an FP8 embedding table
+    with pytest.raises(TypeError, match="model: expected a MultiModuleMtpHead or MtpWeights"):
+        KernelNeeds.of(object())
+    with pytest.raises(TypeError, match="needs: expected a KernelNeeds"):
+        family_calls(NumpyBackend(), needs={"rmsnorm": ()})
+    with pytest.raises(TypeError, match="w: expected a prepared weight"):
+        weight_kind(np.zeros(3, np.int8))
+    assert KernelNeeds.everything().without_fp8() == KernelNeeds.everything(fp8=False)
+
+
+# In a fresh process (Numba's dispatchers are per process; the disk cache may be warm or
+# cold): which kernels the warm-up put in place, and what a propose adds after it.
+_PROBE = r"""
+import json, sys
+import numba, numpy as np
+from mtpkern import MultiModuleMtpHead
+from mtpkern.backends.cpu import CpuBackend
+from mtpkern.backends.cpu_kernels import (amx, amx_linear, attention, bounds, gate, gemv_tiles, linear, lm_head,
+                                          mla, mlp, moe, norm, rope_kv, simd)
+from mtpkern.backends.warm_up import KernelNeeds
+
+def loaded():
+    out = {}
+    for mod in (amx, amx_linear, attention, bounds, gate, gemv_tiles, linear, lm_head, mla, mlp, moe, norm,
+                rope_kv, simd):
+        for name, f in vars(mod).items():
+            if isinstance(f, numba.core.dispatcher.Dispatcher) and f.overloads:
+                out[f"{mod.__name__.rsplit('.', 1)[1]}.{name}"] = sorted(str(s) for s in f.overloads)
+    return out
+
+be = CpuBackend()
+prop = MultiModuleMtpHead.from_pretrained(sys.argv[1], backend=be, block_size=4, num_blocks=64)
+be.warm_up(needs=KernelNeeds.of(prop))
+after_warm_up = loaded()
+rng = np.random.default_rng(0)
+H, V = prop.config.hidden_size, prop.config.vocab_size
+sts = [prop.alloc_state() for _ in range(3)]
+for st in sts:
+    prop.prefill_drafter(rng.integers(0, V, 9), rng.standard_normal((9, H)).astype(np.float32), st)
+d = prop.propose(5, rng.standard_normal(H).astype(np.float32), 9, 3, sts[0])
+prop.after_verify(2, sts[0])
+prop.catchup_drafter(d[:2], rng.standard_normal((2, H)).astype(np.float32), sts[0])
+mask = np.full(-(-V // 32), -1, np.int32)
+prop.propose_batch([1, 2], rng.standard_normal((2, H)).astype(np.float32), [9, 9], 3, sts[1:],
+                   grammar_bitmasks=[mask, None])
+after = loaded()
+print(json.dumps({"warm_up": after_warm_up,
+                  "added": {k: sorted(set(v) - set(after_warm_up.get(k, ()))) for k, v in after.items()
+                            if set(v) - set(after_warm_up.get(k, ()))}}))
+"""
+
+
+def _probe(ckpt) -> dict:
+    r = subprocess.run([sys.executable, "-c", _PROBE, str(ckpt)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_dense_checkpoint_loads_only_its_kernels_and_they_suffice(tmp_path):
+    """A dense BF16 checkpoint's warm-up puts no MoE, MLA, gate or FP8 kernel in place, and no
+    FP32-weight variant; and a prefill, propose, catch-up and a masked batch after it add no
+    kernel (loaded or compiled)."""
+    got = _probe(write_synthetic_checkpoint(tmp_path / "d", dense_config(), dtype="bfloat16"))
+    names = set(got["warm_up"])
+    assert {"norm.mtp_input_kernel", "linear.linear_kernel", "mlp.grouped_swiglu_kernel",
+            "attention.paged_attention_kernel", "lm_head.lm_head_argmax_kernel"} <= names
+    assert not [n for n in names if n.split(".")[0] in ("moe", "mla", "gate") or "fp8" in n]
+    for kernel in ("linear.linear_kernel", "mlp.grouped_swiglu_kernel", "lm_head.lm_head_argmax_kernel"):
+        [sig] = got["warm_up"][kernel]                 # one signature: BF16 weights (their bits), no FP32 variant
+        assert "Array(uint16" in sig, sig
+    assert got["added"] == {}
+
+
+def test_an_moe_checkpoint_warm_up_suffices(tmp_path, tiny_cfg):
+    got = _probe(write_synthetic_checkpoint(tmp_path / "m", tiny_cfg, dtype="bfloat16"))
+    assert "moe.moe_router_kernel" in got["warm_up"] and "mla.mla_absorb_kernel" not in got["warm_up"]
+    assert got["added"] == {}
+
+
+class _SlowBackend(NumpyBackend):
+    """A warm-up that takes its time but compiles nothing (a slow load from a cache)."""
+
+    def warm_up(self, progress=None, *, fp8=True, needs=None):
+        for i in range(3):
+            progress(i, 3, f"f{i}")
+            time.sleep(0.4)
+        progress(3, 3, "")
+        return 0
+
+
+class _CompilingBackend(NumpyBackend):
+    """A warm-up whose second family compiles a Numba function."""
+
+    def warm_up(self, progress=None, *, fp8=True, needs=None):
+        import numba
+
+        progress(0, 2, "loaded")
+        progress(1, 2, "compiled")
+        numba.njit(lambda a: a + 1)(np.float32(1.0) + np.float32(time.time() % 1))
+        progress(2, 2, "")
+        return 1
+
+
+def test_a_slow_warm_up_that_compiles_nothing_says_nothing():
+    stream = io.StringIO()
+    assert warm_up(_SlowBackend(), stream) == 0
+    assert stream.getvalue() == ""
+
+
+def test_a_compile_is_announced_once_with_its_family():
+    stream = io.StringIO()
+    warm_up(_CompilingBackend(), stream)
+    text = stream.getvalue()
+    assert text.startswith(WarmUpReport.MESSAGE + "\n") and text.count("compiling kernels") == 1
+    assert "kernels: 1/2 compiled" in text and "kernels ready in" in text and "\r" not in text
+
+
+def test_the_demo_is_silent_on_a_warm_cache(tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "mtpkern", "demo", "--config", "tiny", "--steps", "2"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)     # warms the cache, if not yet
+    r = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    assert "compiling kernels" not in r.stderr and "kernels ready" not in r.stderr, r.stderr
