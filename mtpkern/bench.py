@@ -39,7 +39,7 @@ import numpy as np
 
 from . import argtypes
 from .config import MtpConfig
-from .errors import MissingExtra
+from .errors import MissingExtra, install_hint
 from .synthetic import CONFIGS, synthetic_checkpoint
 from .timing import MAX_SPREAD, Timing, floor_error, measure, warnings_of
 
@@ -614,7 +614,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="write every figure as JSON to PATH (default: not written)")
     ap.add_argument("--plot", type=argtypes.output_file, default=None, metavar="PATH",
                     help="draw propose latency against context and batch, with the floor, as a PNG "
-                         "(needs matplotlib: pip install 'mtpkern[plot]') (default: not drawn)")
+                         f"(needs matplotlib: {install_hint('plot')}) (default: not drawn)")
 
 
 def require_matplotlib():
@@ -622,7 +622,7 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise MissingExtra("--plot needs matplotlib, which is not installed: pip install 'mtpkern[plot]'",
+        raise MissingExtra(f"--plot needs matplotlib, which is not installed: {install_hint('plot')}",
                            extra="plot") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -772,17 +772,43 @@ def _marks(row: dict) -> str:
     return "  ! " + ", ".join(w for w in why if w)
 
 
-def plot(plt, res: dict, path: Path) -> None:
+def _plain_log_label(ax, minor: bool):
+    """Tick labels of a log y axis as plain numbers (``0.2``, ``20``; matplotlib's default
+    writes ``2x10^1``): every decade; on an axis spanning less than two decades the minor
+    ticks at 2 and 5 times a decade as well, and on one spanning less than one decade every
+    minor tick (else few or no ticks in view would be labelled)."""
+    def label(v: float, _pos) -> str:
+        if v <= 0:
+            return ""
+        if minor:
+            lo, hi = sorted(ax.get_ylim())
+            span = hi / lo if lo > 0 else np.inf
+            mant = v / 10.0 ** np.floor(np.log10(v) + 1e-9)
+            if span > 100 or (span > 10 and min(abs(mant - 2), abs(mant - 5)) > 1e-6):
+                return ""
+        return f"{v:g}"
+    return label
+
+
+def plot(plt, res: dict, path: Path):
     """Propose latency (median, p20-p80 bars) with k = M against context (left) and against
-    batch (right): one colour per batch / context, solid draft, dotted exact, the floor dashed."""
+    batch (right): one colour per batch / context, solid draft, dotted exact, and each mode's
+    memory floor as a line of its own (dashed draft, dash-dotted exact: the two modes read
+    different bytes, so one line through both would zig-zag). Plain-number ticks on both log
+    axes; the legends sit below the plots, off the data. Returns the (closed) figure."""
+    from matplotlib.ticker import FuncFormatter
+
     k = max(r["k"] for r in res["propose"])
-    rows = [r for r in res["propose"] if r["k"] == k]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    rows = [r for r in res["propose"] if r["k"] == k and r["kv_mode"] in ("draft", "exact")]
+    modes = (("draft", "-o", "--"), ("exact", ":s", "-."))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.2))
+    legends = []
     for ax, x, series in ((axes[0], "context", "batch"), (axes[1], "batch", "context")):
         for i, s in enumerate(sorted({r[series] for r in rows})):
             colour = f"C{i % 10}"
-            for mode, style in (("draft", "-o"), ("exact", ":s")):
-                pts = sorted((r[x], r) for r in rows if r[series] == s and r["kv_mode"] == mode)
+            for mode, style, floor_style in modes:
+                pts = sorted(((r[x], r) for r in rows if r[series] == s and r["kv_mode"] == mode),
+                             key=lambda p: p[0])
                 if not pts:
                     continue
                 med = np.array([r["median_us"] for _, r in pts]) / 1e3                      # ms
@@ -790,22 +816,25 @@ def plot(plt, res: dict, path: Path) -> None:
                                 for _, r in pts]).T / 1e3
                 ax.errorbar([p for p, _ in pts], med, yerr=err, fmt=style, color=colour, capsize=3,
                             label=f"{mode}, {series} {s}")
-            floor = sorted({(r[x], r["floor_us"]) for r in rows if r[series] == s})
-            ax.plot([p for p, _ in floor], [f / 1e3 for _, f in floor], "--", color=colour, linewidth=0.8,
-                    label=f"floor, {series} {s}")
+                ax.plot([p for p, _ in pts], [r["floor_us"] / 1e3 for _, r in pts], floor_style, color=colour,
+                        linewidth=0.8, label=f"{mode} floor, {series} {s}")
         values = sorted({r[x] for r in rows})
         ax.set_xscale("log", base=2)
         ax.set_xticks(values, [str(v) for v in values])
         ax.minorticks_off()
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(_plain_log_label(ax, minor=False)))   # 20, not 2x10^1
+        ax.yaxis.set_minor_formatter(FuncFormatter(_plain_log_label(ax, minor=True)))
         ax.set_xlabel("context (rows of KV per sequence)" if x == "context" else "batch (sequences)")
         ax.set_ylabel("propose latency, ms")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        legends.append(ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2,
+                                 frameon=False))
     fig.suptitle(f"mtpkern propose, k={k}: {res['config']}\n{res['backend']}; {res['machine']}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight", bbox_extra_artists=legends)
     plt.close(fig)
+    return fig
 
 
 def _cpu_model() -> str:

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import argtypes
 from .bench import SHAPES, _filled_states, propose_bytes, read_bandwidth, stream_bytes, last_level_cache
+from .errors import install_hint
 from .synthetic import synthetic_checkpoint
 from .timing import Timing
 
@@ -61,7 +62,7 @@ def _mpirun() -> str:
             return cand
     found = shutil.which("mpirun") or shutil.which("mpiexec")
     if found is None:
-        raise RuntimeError("bench-shard needs mpirun: pip install 'mtpkern[mpi]' (MPICH and mpi4py)")
+        raise RuntimeError(f"bench-shard needs mpirun (MPICH and mpi4py): {install_hint('mpi')}")
     return found
 
 

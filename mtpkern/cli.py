@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import argtypes, bench, bench_shard
-from .errors import MtpError
+from .errors import MtpError, install_hint
 
 DESCRIPTION = """\
 mtpkern drafts tokens for LLM speculative decoding with multi-module MTP heads
@@ -97,7 +97,7 @@ def _harness(sub: Any, name: str, module: Any, help: str, description: str) -> N
 
 def _backend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="cpu", choices=["auto", "numpy", "cpu", "cuda"],
-                   help="numpy: the reference; cpu: Numba kernels; cuda: CuPy (pip install 'mtpkern[cuda12]'); "
+                   help=f"numpy: the reference; cpu: Numba kernels; cuda: CuPy ({install_hint('cuda12')}); "
                         "auto: cuda when a GPU is usable, else cpu")
     p.add_argument("--threads", type=argtypes.positive_int, default=None, metavar="N",
                    help="Numba threads of the cpu backend (default: the backend's, half the cores; docs/cpu.md)")
@@ -180,7 +180,7 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
              "the sharded head's per-rank bytes and propose latency at 1, 2, 4 ranks (MPI)",
              "Runs mpirun -n R for each world size: every rank loads its slice of a synthetic checkpoint on "
              "the cpu backend and times propose_batch beside its per-rank floor (benchmarks/README.md, "
-             "\"Figures: the sharded head\"). Needs pip install 'mtpkern[mpi]'.")
+             f"\"Figures: the sharded head\"). Needs {install_hint('mpi')}.")
     return ap
 
 

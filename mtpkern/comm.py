@@ -18,7 +18,8 @@ call that raises on one rank raises on all (the checks below depend only on what
 rank agrees on: shapes, dtypes, op names).
 
 Three implementations: ``LocalComm`` (a world of one: every collective is the identity),
-``MpiComm`` (``mpi4py``, NumPy buffers; ``pip install 'mtpkern[mpi]'``) and ``NcclComm``
+``MpiComm`` (``mpi4py``, NumPy buffers; ``pip install 'mtpkern[mpi]'``, from a source checkout
+``pip install -e '.[mpi]'``) and ``NcclComm``
 (NCCL through ``cupy.cuda.nccl``, CuPy buffers). An engine that has a communicator of its
 own wraps it in an object with the four members above.
 
@@ -34,7 +35,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllowedToken, StateError
+from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllowedToken, StateError, install_hint
 
 #: the reductions every communicator provides
 OPS = ("sum", "max")
@@ -135,7 +136,7 @@ class MpiComm:
         try:
             from mpi4py import MPI
         except ImportError as e:
-            raise ImportError("MpiComm needs mpi4py: pip install 'mtpkern[mpi]'") from e
+            raise ImportError(f"MpiComm needs mpi4py: {install_hint('mpi')}") from e
         self._MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank = int(self.comm.Get_rank())

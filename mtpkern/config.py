@@ -30,7 +30,7 @@ ScoringFunc = Literal["sigmoid", "softmax"]
 
 # -- what loads today: the families of mtpkern/models/ (one file each) ---------------
 # A config with neither model_type nor architectures (hand-written, or
-# MtpConfig.to_dict) is read in the SPEC layout with MtpConfig's defaults.
+# MtpConfig.to_dict) is read in the canonical layout (docs/model.md) with MtpConfig's defaults.
 
 
 def _off(v: Any, d: dict) -> bool:
@@ -538,7 +538,7 @@ class MtpConfig:
     first_k_dense_replace: int = 0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
-    #: the checkpoint's family (mtpkern/models/: names, folds, block features); "" = SPEC layout
+    #: the checkpoint's family (mtpkern/models/: names, folds, block features); "" = the canonical layout
     family: str = ""
     #: "fp8": the modules' projections are FP8 E4M3 with scales (quantization_config);
     #: ``fp8_block`` (rows, columns) of a block scale, (0, 0) for per-channel scales

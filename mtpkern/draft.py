@@ -1,4 +1,4 @@
-"""Draft mode (SPEC section 3, ``draft``): one row per drafting module per propose.
+"""Draft mode (docs/semantics.md, ``kv_mode="draft"``): one row per drafting module per propose.
 
 A propose at ``P`` with ``k'`` drafts writes module ``m < k'``'s row at key
 ``P - 1`` (RoPE position ``P + m``), built from ``(t_P, h_{P-1})`` for module 0

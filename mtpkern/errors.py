@@ -27,9 +27,15 @@ class BackendUnavailable(MtpError, RuntimeError):
     The message says what is missing and, for a missing package, which extra installs it."""
 
 
+def install_hint(extra: str) -> str:
+    """How to install the extra ``extra``, in both forms: from a wheel (PyPI) and from a
+    source checkout (where ``mtpkern[extra]`` would look the package up on PyPI instead)."""
+    return f"pip install 'mtpkern[{extra}]' (from a source checkout: pip install -e '.[{extra}]')"
+
+
 class MissingExtra(MtpError, ImportError):
     """An optional feature needs a package that is not installed; ``extra`` names the
-    ``pip install 'mtpkern[extra]'`` that brings it."""
+    extra that brings it (``install_hint(extra)``)."""
 
     def __init__(self, message: str, extra: str):
         super().__init__(message)

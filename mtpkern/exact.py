@@ -1,4 +1,4 @@
-"""The exact-mode row rule and the forwards that keep it (SPEC section 3, ``exact``).
+"""The exact-mode row rule and the forwards that keep it (docs/semantics.md, ``kv_mode="exact"``).
 
 After every call module ``m`` of a state holds exactly keys ``0 .. rows_m - 1``
 with ``rows_m = max(0, min(Hn, T - m - 1))``: every key whose token and hidden

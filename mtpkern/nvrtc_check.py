@@ -14,7 +14,8 @@ A toolkit is one CUDA major (:data:`TOOLKITS`): its ``libnvrtc.so.<major>``
 the runtime headers of the same major (``nvidia-cuda-runtime-cu12`` /
 ``nvidia-cuda-runtime`` 13). NVRTC is called through ctypes, the same code for
 every toolkit, each toolkit's compiles in worker processes of their own (one
-libnvrtc per process). Both come with ``pip install mtpkern[nvrtc]``; no CUDA
+libnvrtc per process). Both come with ``pip install 'mtpkern[nvrtc]'`` (``pip install -e '.[nvrtc]'`` from a source
+checkout); no CUDA
 driver or device.
 
 Exit status 1 when a family fails to compile or a kernel spills, 2 when no

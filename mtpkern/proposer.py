@@ -1,4 +1,4 @@
-"""``MultiModuleMtpHead``: the multi-module MTP draft proposer (SPEC sections 2-4).
+"""``MultiModuleMtpHead``: the multi-module MTP draft proposer (docs/semantics.md, docs/api.md).
 
 The public calls, each in the same four steps:
 

@@ -1,6 +1,6 @@
 """Per-sequence state of ``MultiModuleMtpHead``, carried entries, acceptance counters.
 
-Vocabulary (SPEC section 2). The target at position ``j`` yields ``h_j``.
+Vocabulary (docs/semantics.md). The target at position ``j`` yields ``h_j``.
 Module ``m``'s KV row with **key** ``j`` is built from ``(t_{j+m+1}, g^m_j)``
 at RoPE position ``j+m+1``; ``g^0_j = h_j`` and ``g^m_j`` is module ``m-1``'s
 chained output at key ``j``. Per-sequence counters (``MtpState``):

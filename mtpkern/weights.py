@@ -1,7 +1,7 @@
 """Safetensors loading of MTP modules, and synthetic checkpoints.
 
 Module ``m`` is stored like a decoder layer appended after the target's
-layers, under ``model.layers.{num_hidden_layers + m}.`` (SPEC section 1).
+layers, under ``model.layers.{num_hidden_layers + m}.`` (docs/model.md).
 Loading reads only the keys the drafter needs (lazily, through the shard
 index when the checkpoint is sharded), checks every shape and dtype, and
 hands each tensor to the backend's ``prepare_weight`` / ``prepare_vector``.
@@ -1017,7 +1017,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
 
 def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
                       own_head: bool = False) -> dict[str, np.ndarray]:
-    """FP32 tensors of a complete checkpoint in the SPEC layout (no target layers).
+    """FP32 tensors of a complete checkpoint in the canonical layout (docs/model.md; no target layers).
 
     Scales keep activations O(1) and make the LM head decisive (logit spreads of
     several units), so argmax ties are improbable in tests.

@@ -7,7 +7,7 @@ greedy generation, and replay the same calls through ``mtpkern``.
 Needs torch and transformers >= 5.24 (not project dependencies); import it only
 after ``conftest.require_hf_mtp()``. See docs/hf_reference.md.
 
-Index conventions (SPEC section 2): the target's hidden at position ``j`` is ``h_j``.
+Index conventions (docs/semantics.md): the target's hidden at position ``j`` is ``h_j``.
 HF drafts from ``MTPCandidateGenerator.get_candidates``; each call we record is a
 *step*:
 
@@ -224,7 +224,7 @@ def step3p7_config(case: str, window: int = STEP_WINDOW) -> Step3p7Config:
 def step_mtp_tensors(cfg: Step3p7Config, seed: int) -> dict[str, torch.Tensor]:
     """Random dense MTP modules under the names transformers' MTP loader reads: module m
     at ``model.layers.{L + m}.`` (``MtpModel.get_weight_conversions`` moves them to
-    ``layers.{m}.mtp_block.``), the SPEC's canonical block names plus ``self_attn.g_proj``,
+    ``layers.{m}.mtp_block.``), the canonical block names (docs/model.md) plus ``self_attn.g_proj``,
     zero-centred norms stored as ``w`` (applied as ``1 + w``), and the final norm as
     ``shared_head.norm.weight``, which conversion_mapping.py's "MtpModel" entry renames to
     the layer's ``post_norm``. The release's ``transformer.shared_head.norm.weight`` is not

@@ -65,6 +65,59 @@ def test_bench_plot(workdir, tmp_path):
     assert list(workdir.iterdir()) == []
 
 
+
+def _bench_result(floor_exact: float = 1.6) -> dict:
+    """Propose rows as ``run_bench`` writes them: two batches, three contexts, both modes
+    (each mode's floor its own: exact reads more), and +conf rows that the plot leaves out."""
+    rows = []
+    for c in (64, 512, 4096):
+        for b in (1, 4):
+            for mode, f in (("draft", 1.0), ("exact", floor_exact)):
+                for kv in (mode, mode + "+conf"):
+                    med = (120 + c * 0.05 * f) * b ** 0.5 * f
+                    rows.append(dict(context=c, batch=b, k=3, kv_mode=kv, median_us=med, p20_us=med * 0.95,
+                                     p80_us=med * 1.05, floor_us=(60 + c * 0.02) * f * b ** 0.5))
+    return dict(propose=rows, config="M=3 H=64", backend="numpy", machine="a test")
+
+
+def test_bench_plot_draws_one_floor_per_mode_plain_ticks_legend_off_the_data(tmp_path, monkeypatch):
+    """The floor is one line per mode and series, rising with context as the rows say (one
+    line through both modes' floors zig-zagged); the log axis labels read as plain numbers
+    (not 2x10^1); the legends do not cover the plots."""
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'mtpkern[plot]')")
+    from mtpkern.bench import plot, require_matplotlib
+
+    plt = require_matplotlib()
+    figures = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), real_close(fig)))
+    res = _bench_result()
+    plot(plt, res, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = figures[-1]
+    canvas = FigureCanvasAgg(fig)                    # pyplot let go of the closed figure's own
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    rows = [r for r in res["propose"] if r["kv_mode"] in ("draft", "exact")]
+    for ax, x, series in zip(fig.axes, ("context", "batch"), ("batch", "context")):
+        floors = {ln.get_label(): ln for ln in ax.get_lines() if "floor" in ln.get_label()}
+        want = {f"{m} floor, {series} {s}" for m in ("draft", "exact") for s in sorted({r[series] for r in rows})}
+        assert set(floors) == want
+        for label, ln in floors.items():
+            mode, s = label.split(" floor")[0], int(label.rsplit(" ", 1)[1])
+            pts = sorted((r[x], r["floor_us"] / 1e3) for r in rows if r["kv_mode"] == mode and r[series] == s)
+            assert list(ln.get_xdata()) == [p for p, _ in pts]
+            np.testing.assert_allclose(ln.get_ydata(), [f for _, f in pts])
+        labels = [t.get_text() for t in ax.get_yticklabels(minor=False) + ax.get_yticklabels(minor=True)
+                  if t.get_text()]
+        assert len(labels) >= 2 and all(float(t) > 0 for t in labels), labels       # plain numbers only
+        data = ax.get_window_extent(renderer)
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert not data.overlaps(legend), (data, legend)
+
+
 def test_bench_plot_without_matplotlib_is_one_line(workdir, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
     rc = main(TINY + ["--backend", "numpy", "--plot", str(tmp_path / "x.png"), "--json", str(tmp_path / "x.json")])

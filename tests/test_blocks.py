@@ -1,7 +1,7 @@
 """Per-module blocks (mtpkern/block.py): sliding windows, attention sinks, a value head
 dim of its own, head-wise output gates, SwiGLU clamps, the RoPE variants (interleaved
 pairs, YaRN), and modules that differ from each other (heads, RoPE, dense or MoE), in
-the SPEC layout.
+the canonical layout.
 
 Each feature runs through the proposer under random call sequences with every call
 checked against the float64 oracle (mtpkern.testing: exact mode recomputes the

@@ -47,7 +47,7 @@ def mimo_release_config(cfg: MtpConfig) -> dict:
 
 
 def _canonical(cfg: MtpConfig) -> MtpConfig:
-    """The same config read in the SPEC layout."""
+    """The same config read in the canonical layout."""
     return dataclasses.replace(cfg, family="")
 
 

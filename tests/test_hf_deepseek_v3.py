@@ -1,4 +1,4 @@
-"""External standard for DeepSeek-V3 (SPEC section 3, MLA): with the family's default chain
+"""External standard for DeepSeek-V3 (docs/semantics.md, MLA): with the family's default chain
 (``postnorm``), exact mode drafts the same tokens as Hugging Face transformers'
 ``generate(..., use_mtp=True)`` (5.24+, ``DeepseekV3ForCausalLM`` with the generic
 ``MtpLayer`` / ``MtpModel`` of ``modeling_layers.py``) on the same checkpoint and target hiddens.

@@ -1,4 +1,4 @@
-"""External standard (SPEC section 3): with ``chain="postnorm"``, exact mode drafts the
+"""External standard (docs/semantics.md): with ``chain="postnorm"``, exact mode drafts the
 same tokens as Hugging Face transformers' ``generate(..., use_mtp=True)`` (5.24+) on the
 same checkpoint and target hiddens.
 

@@ -1,4 +1,4 @@
-"""External standard for Step-3.5 (SPEC section 3): with ``chain="postnorm"``, exact mode
+"""External standard for Step-3.5 (docs/semantics.md): with ``chain="postnorm"``, exact mode
 drafts the same tokens as Hugging Face transformers' ``generate(..., use_mtp=True)``
 (5.24+, the ``step3p7`` port: ``Step3p7ForConditionalGeneration``, text model
 ``Step3p7TextConfig``, ``model_type`` "step3p5") on the same checkpoint and target hiddens.

@@ -436,7 +436,7 @@ def test_the_same_fields_switched_off_or_agreeing_load(name, value):
 
 
 def test_block_fields_of_the_spec_layout_are_read(tmp_path):
-    """v_head_dim and sliding_window are SPEC-layout fields now (mtpkern/block.py): a value
+    """v_head_dim and sliding_window are canonical-layout fields now (mtpkern/block.py): a value
     the tensors disagree with is refused naming the tensor and both shapes."""
     assert MtpConfig.from_dict(dict(CFG.to_dict(), sliding_window=64)).block(1).sliding_window == 64
     assert MtpConfig.from_dict(dict(CFG.to_dict(), sliding_window=64, use_sliding_window=True)).sliding_window == 64
@@ -492,7 +492,7 @@ def test_rope_other_than_the_default_is_refused(rope, msg):
 
 def test_a_config_without_model_type_is_read_with_mtpkerns_defaults(tmp_path):
     """The documented decision (docs/checkpoints.md): hand-written and synthetic configs name no
-    family; they are read in the SPEC layout with MtpConfig's defaults."""
+    family; they are read in the canonical layout with MtpConfig's defaults."""
     path = _ckpt(tmp_path)
     assert "model_type" not in json.loads((path / "config.json").read_text())
     assert len(_load(path).modules) == CFG.num_modules

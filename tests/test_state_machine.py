@@ -3,7 +3,7 @@
 The machine is mtpkern.testing's (the kit engines use): every rule is a Driver
 step run through the checked proposer, so after every call the pools'
 accounting, the registries, every state's rules, the rows each module must hold
-(SPEC section 2 in draft mode, the exact-mode rule otherwise) and, in exact mode,
+(docs/semantics.md's draft-mode rule in draft mode, the exact-mode rule otherwise) and, in exact mode,
 the drafts against the from-scratch oracle are checked; a failed call (full
 pool, bad input, a copied state or carried entry, a grammar that allows nothing,
 a callback re-entering with the state in use) must leave everything as it was.

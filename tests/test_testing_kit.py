@@ -1,7 +1,7 @@
 """mtpkern.testing: the kit engines use to property-test an integration.
 
-Its checks must be able to fail: a proposer with a planted bug (the seed design's
-draft-mode trim, a call that changes state before raising, a wrong draft) is
+Its checks must be able to fail: a proposer with a planted bug (the draft-mode trim of
+the design mtpkern comes from, `m < a`, a call that changes state before raising, a wrong draft) is
 caught at the first call that shows it. The examples in docs/testing.md run
 as written.
 """

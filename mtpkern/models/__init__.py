@@ -2,7 +2,7 @@
 
 ``family_of(config_dict)`` finds a config's family by ``model_type`` or
 ``architectures``; a config naming neither is read in the canonical layout
-(``CANONICAL``, the SPEC table: hand-written and synthetic checkpoints). A config
+(``CANONICAL``, the canonical tensor table of docs/model.md: hand-written and synthetic checkpoints). A config
 whose model_type or architecture is a family's wrapper (``Family.wrappers``: a
 vision-language model around the family's text model) is read as its ``text_config``.
 """
@@ -26,8 +26,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO, MIMO_V2
                                                          DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE,
                                                          LONGCAT_FLASH)}
 
-#: the SPEC layout with MtpConfig's defaults (no model_type, no architectures)
-CANONICAL = Family(model_type="", architectures=(), title="SPEC layout (no model_type)")
+#: the canonical layout (docs/model.md) with MtpConfig's defaults (no model_type, no architectures)
+CANONICAL = Family(model_type="", architectures=(), title="canonical layout (no model_type)")
 
 
 def by_architecture() -> dict[str, Family]:

@@ -1,6 +1,6 @@
 """``Family``: how one released MTP family maps onto mtpkern's config and tensors.
 
-mtpkern computes one block (SPEC section 1) from a canonical set of tensors, named
+mtpkern computes one block (docs/model.md) from a canonical set of tensors, named
 as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
 ``self_attn.q_proj.weight``, ``mlp.experts.{e}.gate_proj.weight``, ...), and one
 ``MtpConfig``. A family says only how it differs, as data:

@@ -11,7 +11,7 @@ vLLM's ``mimo_mtp.py``; transformers has no MiMo MTP generation):
   MLP of ``intermediate_size``.
 
 vLLM zeroes the token embedding at position 0; module 0's rows sit at positions
-``>= 1`` (SPEC section 2), so that never applies here.
+``>= 1`` (docs/semantics.md), so that never applies here.
 """
 
 from .base import Family

@@ -13,7 +13,8 @@ tests use.
 - ``strategies.calls`` / ``strategies.call_sequences``: hypothesis strategies.
 - ``machine.proposer_machine(make_proposer)``: the rule-based state machine.
 
-``strategies`` and ``machine`` need ``hypothesis`` (``pip install mtpkern[testing]``);
+``strategies`` and ``machine`` need ``hypothesis`` (``pip install 'mtpkern[testing]'``, from a source
+checkout ``pip install -e '.[testing]'``);
 the rest needs nothing beyond mtpkern.
 """
 

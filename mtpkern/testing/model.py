@@ -5,7 +5,7 @@
 ``free_carried``) and ``check()`` compares the proposer with it:
 
 - the proposer's own invariants (pool accounting, registries, each state's rules);
-- every module's rows: draft mode, the keys SPEC section 2 says each module keeps
+- every module's rows: draft mode, the keys docs/semantics.md says each module keeps
   (module ``m``'s row of a propose survives ``after_verify(a)`` iff ``m <= a``);
   exact mode, ``max(0, min(Hn, T - m - 1))`` rows, keys ``0 ..`` (``Hn`` hiddens
   consumed, ``T`` tokens known: verified, plus the drafts awaiting a verify);
@@ -327,7 +327,7 @@ class ProposerModel:
 
     # -- expectations ------------------------------------------------------------------
     def trim_margin(self, m: int) -> int:
-        """Rows of module ``m`` a verify may still remove (SPEC sections 2-3): exact mode
+        """Rows of module ``m`` a verify may still remove (docs/semantics.md): exact mode
         drops at most ``m`` keys, draft mode at most the one row of the last propose, of
         modules ``m >= 1``."""
         return m if self.mode == "exact" else min(m, 1)

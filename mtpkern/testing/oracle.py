@@ -212,7 +212,7 @@ def chain_state(cfg, weights, tokens, hiddens, chain: str, target_norm=None) -> 
 
 class DraftRows:
     """The draft-mode rows of one sequence, as plain data: per module, the (token, hidden,
-    RoPE position) each of its KV rows was built from (SPEC sections 2-3, ``draft``).
+    RoPE position) each of its KV rows was built from (docs/semantics.md, ``kv_mode="draft"``).
 
     ``prefill`` gives module 0 rows for keys ``0 .. n-2``; ``propose`` adds row ``P-1`` to
     modules ``0 .. k'-1`` (module 0 from ``(t_P, h_{P-1})``, module ``m`` from ``d_{m-1}``
