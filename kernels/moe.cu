@@ -6,10 +6,12 @@
 //
 // moe_router_select_kernel: grid (n), block = E rounded up to 32 (<= 1024); thread e
 //   owns expert e of row r (router_select_row: any block size, thread t owning experts
-//   t, t + blockDim.x, ..), exactly as Hugging Face Glm4MoeTopkRouter in FP32:
+//   t, t + blockDim.x, ..), exactly as transformers' DeepseekV3 / Glm4Moe router in FP32
+//   (mtpkern.ops.moe):
 //   s = sigmoid(logit) (or softmax over the row); c = s + bias (selection only);
 //   group score = sum of the group's top-2 c; the topk_group best groups are kept
-//   (rank by score, lowest group id on ties); c outside them becomes 0.0 (not -inf);
+//   (rank by score, lowest group id on ties); c outside them becomes -inf (an expert of a
+//   dropped group never outranks a kept one, even where s + bias is negative);
 //   expert e is chosen when its rank by c (ties: lowest id) is < K, and its rank is
 //   its output column; weight = s / (sum of the chosen s + 1e-20) when norm, times
 //   the scaling factor. Ranks are counted against all E (O(E) shared-memory reads
@@ -137,7 +139,7 @@ __device__ __forceinline__ void router_select_row(const float* logits, const flo
   }
   __syncthreads();
   for (int e = t; e < E; e += nt) {
-    if (!sm.keep[e / EG]) sm.c[e] = 0.0f;  // Hugging Face's masked_fill(.., 0.0)
+    if (!sm.keep[e / EG]) sm.c[e] = neg_inf();  // the references' masked_fill(.., -inf)
   }
   __syncthreads();
   for (int e = t; e < E; e += nt) {

@@ -159,7 +159,7 @@ class TorchMtp:
             E, G = cfg.n_routed_experts, cfg.n_group
             gs = c.view(B, G, E // G).topk(min(2, E // G), -1).values.sum(-1)
             keep = torch.zeros_like(gs).scatter_(1, gs.topk(cfg.topk_group, -1).indices, 1)
-            c = c.masked_fill(~keep.repeat_interleave(E // G, 1).bool(), 0.0)
+            c = c.masked_fill(~keep.repeat_interleave(E // G, 1).bool(), float("-inf"))
             ids = c.topk(cfg.num_experts_per_tok, -1).indices
             wts = s.gather(1, ids)
             wts = wts / (wts.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor

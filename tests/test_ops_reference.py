@@ -260,7 +260,7 @@ def brute_router(x, W, bias, spec):
         gscore = [sum(sorted(c[g * gsz:(g + 1) * gsz], reverse=True)[:min(2, gsz)]) for g in range(G)]
         best = max(itertools.combinations(range(G), spec.topk_group),
                    key=lambda comb: (sorted((gscore[g] for g in comb), reverse=True), [-g for g in comb]))
-        masked = [c[e] if e // gsz in best else 0.0 for e in range(E)]
+        masked = [c[e] if e // gsz in best else -np.inf for e in range(E)]
         ids = sorted(range(E), key=lambda e: (-masked[e], e))[:spec.top_k]
         w = np.array([s[e] for e in ids])
         if spec.norm_topk_prob:
@@ -289,14 +289,15 @@ def test_router_matches_brute_force(seed, G, per, tg, k, scoring, norm_p):
     np.testing.assert_allclose(w, bw, rtol=1e-5)
 
 
-def test_router_masks_with_zero_not_minus_inf():
-    """A kept group's negative-biased expert loses to a dropped group's masked 0.0 (Hugging Face)."""
+def test_router_masks_with_minus_inf_not_zero():
+    """A kept group's negative-biased expert beats every expert of a dropped group (-inf: DeepSeek,
+    vLLM, transformers since #45441); the 0.0 fill of older transformers picked expert 2 here."""
     spec = moe.RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False)
     x = np.zeros((1, 1), np.float32)                  # every score sigmoid(0) = 0.5
     W = np.zeros((4, 1), np.float32)
     bias = np.array([0.0, -0.9, -2.0, -2.0], np.float32)   # group 0 wins; expert 1 has c = -0.4 < 0
     ids, w = moe.moe_router(x, W, bias, spec)
-    assert ids.tolist() == [[0, 2]]                  # the masked 0.0 of expert 2 beats c = -0.4
+    assert ids.tolist() == [[0, 1]]                  # c = -0.4 of expert 1 beats the dropped group's -inf
     np.testing.assert_allclose(w, [[0.5, 0.5]])
 
 

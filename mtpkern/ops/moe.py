@@ -1,17 +1,29 @@
 """Mixture of experts: the router and the routed experts.
 
 ``moe_router(x [n, H], gate_w [E, H], bias [E], spec) -> (ids [n, K] int32,
-weights [n, K] float32)``, exactly Hugging Face ``Glm4MoeTopkRouter`` in FP32:
+weights [n, K] float32)``, exactly transformers' ``DeepseekV3`` / ``Glm4Moe`` router in FP32
+(the -inf of step 3: below):
 
 1. ``s = sigmoid(x @ gate_w.T)`` (or ``softmax`` over the E logits);
 2. ``c = s + bias`` is used for selection only;
 3. each of ``n_group`` groups scores the sum of its top-2 ``c``; the best
-   ``topk_group`` groups are kept; ``c`` outside them is set to 0.0 (not
-   -inf: Hugging Face's ``masked_fill(..., 0.0)``);
-4. the top-``K`` experts by ``c`` are chosen (ties: lowest id first); ids are
-   returned in that order;
+   ``topk_group`` groups are kept; ``c`` outside them is set to -inf, so an expert
+   of a dropped group is never chosen over one of a kept group, even where a kept
+   ``c`` is negative (a correction bias below ``-s``: GLM-4.5's go down to about -0.5);
+4. the top-``K`` experts by ``c`` are chosen (ties: lowest id first; NaN after
+   every number, -inf included); ids are returned in that order;
 5. weights are the unbiased ``s`` of the chosen experts, divided by
    ``(sum + 1e-20)`` when ``norm_topk_prob``, then times ``routed_scaling_factor``.
+
+The -inf of step 3 is every grouped family's reference: DeepSeek's inference code
+(``Gate.forward``, V3 and V3.2: ``masked_fill_(mask, float("-inf"))``), vLLM's
+``grouped_topk``, and transformers' ``DeepseekV3`` router with everything that inherits
+it (``Glm4Moe``, ``Glm4MoeLite``, ``GlmMoeDsa``) since transformers fixed it from 0.0 to
+-inf (huggingface/transformers#45441; the 0.0 of older releases picks an expert of a
+dropped group when the kept ``c`` are negative). No family here routes with a reference
+that fills 0.0: Qwen3-Next and Step-3.5 route over one group (nothing is dropped, the fill
+is never read), MiMo-V2-Flash and LongCat-Flash draft with dense MTP layers (their
+configs' MoE fields describe the target).
 
 ``moe_experts(x [n, H], ids [n, K], weights [n, K], w13 [E, 2I, H], w2 [E, H, I],
 residual [n, H] | None, *, limit=None) -> [n, H] = residual + sum_k weights[:, k] *
@@ -90,7 +102,7 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, norm=None) -> tuple[np.ndar
     keep = _top(group_score, spec.topk_group)                                    # [n, topk_group]
     mask = np.zeros((n, G), bool)
     np.put_along_axis(mask, keep, True, axis=1)
-    c = np.where(np.repeat(mask, E // G, axis=1), c, np.float32(0.0))
+    c = np.where(np.repeat(mask, E // G, axis=1), c, np.float32(-np.inf))   # dropped groups: -inf
     ids = _top(c, spec.top_k)                                                    # [n, K]
     w = np.take_along_axis(s, ids, axis=1)                                       # [n, K]
     if spec.norm_topk_prob:

@@ -55,7 +55,7 @@ def _route_row(s, c, bias, n_group, topk_group, top_k, ids, weights, r):
         keep[best] = True
     for e in range(E):
         if not keep[e // gsz]:
-            c[e] = np.float32(0.0)                 # Hugging Face masks with 0.0, not -inf
+            c[e] = np.float32(-np.inf)             # never chosen over a kept expert (mtpkern.ops.moe, 3.)
     chosen = np.zeros(E, np.bool_)
     for k in range(top_k):
         best = -1
