@@ -163,14 +163,31 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 #: Ranges (low, high] of the float fields; every one must also be finite.
 FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "rms_norm_eps": (0.0, 1.0),
-    # 1e4 .. 1e7 in releases; below 1 the "frequencies" grow with the dimension (and
-    # 5e-324 made every RoPE angle infinite), past 1e12 every angle rounds to 0
     "rope_theta": (1.0, 1e12),
     "partial_rotary_factor": (0.0, 1.0),
-    "routed_scaling_factor": (0.0, 1e3),            # 1 .. 16 in releases; 1e308 overflowed to inf
+    "routed_scaling_factor": (0.0, 1e3),
     "attention_value_scale": (0.0, 1e3),            # 0.707 (MiMo-V2-Flash)
     "q_a_norm_scale": (0.0, 1e3),                   # sqrt(6144 / 1536) = 2 (LongCat-Flash's mla_scale_q_lora)
     "kv_a_norm_scale": (0.0, 1e3),                  # sqrt(6144 / 512)
+}
+
+#: Why each float range is what it is: the error messages and docs/checkpoints.md say it.
+FLOAT_RANGE_REASONS: dict[str, str] = {
+    "rms_norm_eps": "added to the mean square: 0 divides by zero on a zero hidden, past 1 it outweighs the "
+                    "hidden itself (releases: 1e-6 .. 1e-5)",
+    "rope_theta": "the RoPE base: at 1 or below the frequencies theta^(-2i/d) no longer fall with the dimension "
+                  "(5e-324 made every angle infinite); past 1e12 it is 1e5 times the largest release (1e4 .. 1e7)",
+    "partial_rotary_factor": "the share of each head's dimensions rotated: 0 rotates none, past 1 more than the "
+                             "head has",
+    "routed_scaling_factor": "multiplies the routed experts' weights: 0 drops them, past 1e3 (60 times the "
+                             "largest release, 1 .. 16) the FP32 expert sum heads for overflow (1e308 made every "
+                             "weight inf)",
+    "attention_value_scale": "multiplies v, folded into v_proj's weights: 0 zeroes attention, past 1e3 the "
+                             "folded BF16 weights head for overflow",
+    "q_a_norm_scale": "sqrt(hidden_size / q_lora_rank), folded into a norm's weight: at most 256 for any size "
+                      "allowed here",
+    "kv_a_norm_scale": "sqrt(hidden_size / kv_lora_rank), folded into a norm's weight: at most 256 for any size "
+                       "allowed here",
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
@@ -474,7 +491,7 @@ def _check_ranges(cfg: "MtpConfig") -> None:
             raise ConfigError(f"config.json: field {name!r} expected float, got {type(v).__name__} {_show(v)}")
         if not (math.isfinite(v) and lo < v <= hi):
             want = f"finite and > {lo:g}" if hi == math.inf else f"in ({lo:g}, {hi:g}]"
-            raise ConfigError(f"config.json: field {name!r} must be {want}, got {v}")
+            raise ConfigError(f"config.json: field {name!r} must be {want}, got {v} ({FLOAT_RANGE_REASONS[name]})")
     for name in _BOOL_FIELDS:
         v = getattr(cfg, name)
         if not isinstance(v, bool):
@@ -622,7 +639,8 @@ class MtpConfig:
             lo, hi = FLOAT_RANGES.get(name, (None, None))
             if lo is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                    or not (math.isfinite(v) and lo < v <= hi)):
-                raise ConfigError(f"config.json: field {name!r} must be in ({lo:g}, {hi:g}], got {_show(v)}{where}")
+                raise ConfigError(f"config.json: field {name!r} must be in ({lo:g}, {hi:g}], got {_show(v)}{where} "
+                                  f"({FLOAT_RANGE_REASONS[name]})")
         try:
             return self.block(m)
         except BlockError as e:

@@ -1,0 +1,234 @@
+"""Numerics where mtpkern once differed from its references, on every backend.
+
+- the MoE router: a dropped group's experts are never chosen (the references fill them
+  with -inf; 0.0 picked one whenever a kept expert's ``s + bias`` was negative): the
+  issue's example, and hypothesis cases with negative biases against a float64 router
+  written here, on numpy, cpu and the CUDA kernels in the emulator (tests/cuda_emu);
+  against transformers' own router where torch and transformers are installed;
+- the float config ranges: docs/checkpoints.md states the ranges the code enforces, and
+  every refusal gives the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from cuda_emu import emu_backend
+from mtpkern import ConfigError, MtpConfig
+from mtpkern.backends import get_backend
+from mtpkern.config import FLOAT_RANGE_REASONS, FLOAT_RANGES, tiny_config
+from mtpkern.ops.moe import RouterSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def emu():
+    yield from emu_backend.installed_emulator()
+
+
+@pytest.fixture(scope="module", params=["numpy", "cpu", "cuda_emulated"])
+def be(request):
+    if request.param == "cuda_emulated":
+        request.getfixturevalue("emu")
+        return emu_backend.backend()
+    return get_backend(request.param)
+
+
+def route(be, logits, bias, spec):
+    """The backend's router on exact logits (an identity gate): (ids, weights) on the host."""
+    E = logits.shape[1]
+    ids, w = be.moe_router(be.from_host(np.ascontiguousarray(logits, np.float32)),
+                           be.prepare_weight(np.eye(E, dtype=np.float32)),
+                           be.prepare_vector(np.asarray(bias, np.float32)), spec)
+    return be.to_host(ids), be.to_host(w)
+
+
+# -- 1. the router's dropped groups -----------------------------------------------------------------
+
+def router64(logits, bias, spec):
+    """The router as DeepSeek's inference code defines it, in float64: experts of dropped groups
+    are not candidates at all (what -inf amounts to with finite scores). Ties: lowest group, lowest
+    expert id. Independent of mtpkern's own router."""
+    n, E = logits.shape
+    G, gsz = spec.n_group, E // spec.n_group
+    ids_out, w_out = [], []
+    for row in np.asarray(logits, np.float64):
+        if spec.scoring == "sigmoid":
+            s = 1.0 / (1.0 + np.exp(-row))
+        else:
+            z = np.exp(row - row.max())
+            s = z / z.sum()
+        c = s + np.asarray(bias, np.float64)
+        gscore = [sum(sorted(c[g * gsz:(g + 1) * gsz], reverse=True)[:min(2, gsz)]) for g in range(G)]
+        kept = sorted(range(G), key=lambda g: (-gscore[g], g))[:spec.topk_group]
+        cand = [e for e in range(E) if e // gsz in kept]
+        ids = sorted(cand, key=lambda e: (-c[e], e))[:spec.top_k]
+        w = s[ids]
+        if spec.norm_topk_prob:
+            w = w / (w.sum() + 1e-20)
+        ids_out.append(ids)
+        w_out.append(w * spec.routed_scaling_factor)
+    return np.array(ids_out, np.int32), np.array(w_out)
+
+
+def test_router_issue_example(be):
+    """4 experts in 2 groups, 1 kept, top-2, every score sigmoid(0) = 0.5: group 0 wins (c = 0.3, -0.4)
+    and both its experts are chosen; the 0.0 fill chose expert 2 of the dropped group."""
+    spec = RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False)
+    ids, w = route(be, np.zeros((1, 4), np.float32), [-0.2, -0.9, -0.8, -0.85], spec)
+    assert ids.tolist() == [[0, 1]]
+    np.testing.assert_allclose(w, [[0.5, 0.5]], rtol=1e-6)
+
+
+# exact logits and dyadic biases, mostly negative (a kept c below 0 is what told the rules apart)
+_LOGITS = [-3.0, -2.25, -1.5, -0.75, 0.0, 0.5, 1.0, 1.25, 2.0, 2.5]
+_BIASES = [-2.0, -1.25, -1.0, -0.875, -0.75, -0.5, -0.3125, -0.125, 0.0, 0.25]
+
+
+def _near_ties(logits, bias, spec, gap=1e-5) -> bool:
+    """Values the ranking compares that differ by less than FP32 rounding can decide, unless they
+    come from the same (logit, bias), which every backend computes to the same bits."""
+    E, G = logits.shape[0], spec.n_group
+    gsz = E // G
+    l64 = logits.astype(np.float64)
+    s = 1 / (1 + np.exp(-l64)) if spec.scoring == "sigmoid" else np.exp(l64 - l64.max()) / np.exp(l64 - l64.max()).sum()
+    c = s + bias.astype(np.float64)
+    key = list(zip(logits.tolist(), bias.tolist()))
+    if any(key[a] != key[b] and abs(c[a] - c[b]) < gap for a in range(E) for b in range(a + 1, E)):
+        return True
+    tops = [sorted(range(g * gsz, (g + 1) * gsz), key=lambda e: -c[e])[:min(2, gsz)] for g in range(G)]
+    gkey = [sorted(key[e] for e in t) for t in tops]
+    gs = [sum(c[e] for e in t) for t in tops]
+    return any(gkey[a] != gkey[b] and abs(gs[a] - gs[b]) < 10 * gap for a in range(G) for b in range(a + 1, G))
+
+
+@st.composite
+def router_cases(draw):
+    G = draw(st.sampled_from([2, 3, 4, 8]))
+    gsz = draw(st.sampled_from([1, 2, 3, 4]))
+    E = G * gsz
+    topk_group = draw(st.integers(1, G - 1))            # some group is always dropped
+    spec = RouterSpec(top_k=draw(st.integers(1, topk_group * gsz)), n_group=G, topk_group=topk_group,
+                      routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), norm_topk_prob=draw(st.booleans()),
+                      scoring=draw(st.sampled_from(["sigmoid", "softmax"])))
+    n = draw(st.integers(1, 6))
+    logits = np.array(draw(st.lists(st.sampled_from(_LOGITS), min_size=n * E, max_size=n * E)),
+                      np.float32).reshape(n, E)
+    bias = np.array(draw(st.lists(st.sampled_from(_BIASES), min_size=E, max_size=E)), np.float32)
+    return spec, logits, bias
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=router_cases())
+def test_router_against_float64_reference(be, case):
+    spec, logits, bias = case
+    assume(not any(_near_ties(row, bias, spec) for row in logits))
+    ids, w = route(be, logits, bias, spec)
+    ids64, w64 = router64(logits, bias, spec)
+    np.testing.assert_array_equal(ids, ids64)
+    np.testing.assert_allclose(w, w64, rtol=2e-6, atol=1e-7)
+    G, gsz = spec.n_group, logits.shape[1] // spec.n_group
+    for row in ids:                                      # never more groups than kept
+        assert len({int(e) // gsz for e in row}) <= spec.topk_group
+
+
+def test_router_against_transformers():
+    """transformers' DeepSeek-V3 router (the class Glm4Moe, Glm4MoeLite and GlmMoeDsa inherit)
+    on random weights with negative correction biases; skipped without torch and transformers, and
+    for a transformers older than its -inf fix (huggingface/transformers#45441)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    def hf_route(x, gate_w, bias, spec):
+        cfg = DeepseekV3Config(hidden_size=x.shape[1], n_routed_experts=gate_w.shape[0],
+                               num_experts_per_tok=spec.top_k, n_group=spec.n_group, topk_group=spec.topk_group,
+                               routed_scaling_factor=spec.routed_scaling_factor,
+                               norm_topk_prob=spec.norm_topk_prob, moe_intermediate_size=4, n_shared_experts=1,
+                               num_local_experts=gate_w.shape[0])
+        moe = m.DeepseekV3MoE(cfg)
+        with torch.no_grad():
+            moe.gate.weight.copy_(torch.from_numpy(gate_w))
+            moe.gate.e_score_correction_bias.copy_(torch.from_numpy(bias))
+            out = moe.gate(torch.from_numpy(x))
+            if isinstance(out, torch.Tensor):                # 5.x: the gate gives logits, the MoE routes
+                ids, w = moe.route_tokens_to_experts(out)
+            elif len(out) == 3:
+                _, w, ids = out
+            else:
+                ids, w = out
+        ids, w = ids.numpy(), w.float().numpy()
+        order = np.argsort(ids, axis=1)                  # torch.topk(sorted=False): compare as sets
+        return np.take_along_axis(ids, order, 1), np.take_along_axis(w, order, 1)
+
+    spec = RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False)
+    ids, _ = hf_route(np.zeros((1, 4), np.float32), np.zeros((4, 4), np.float32),
+                      np.array([-0.2, -0.9, -0.8, -0.85], np.float32), spec)
+    if ids.tolist() == [[0, 2]]:
+        pytest.skip("this transformers fills dropped groups with 0.0 (before huggingface/transformers#45441)")
+    ref = get_backend("numpy")
+    rng = np.random.default_rng(0)
+    for G, tg, K, E in [(2, 1, 2, 8), (4, 2, 4, 16), (8, 4, 8, 64)]:
+        spec = RouterSpec(top_k=K, n_group=G, topk_group=tg, routed_scaling_factor=2.5, norm_topk_prob=True)
+        x = rng.standard_normal((16, 32)).astype(np.float32)
+        gate_w = (rng.standard_normal((E, 32)) * 0.2).astype(np.float32)
+        bias = (-rng.random(E) * 1.5).astype(np.float32)    # down to -1.5: many kept c below 0
+        ids, w = ref.moe_router(x, gate_w, bias, spec)
+        order = np.argsort(ids, axis=1)
+        hf_ids, hf_w = hf_route(x, gate_w, bias, spec)
+        np.testing.assert_array_equal(np.take_along_axis(ids, order, 1), hf_ids)
+        np.testing.assert_allclose(np.take_along_axis(w, order, 1), hf_w, rtol=1e-5)
+
+
+# -- 4. the float config ranges -------------------------------------------------------------------
+
+def _config_with(name, value) -> dict:
+    d = tiny_config().to_dict()
+    if name == "rope_theta":
+        d["rope_parameters"]["rope_theta"] = value
+    else:
+        d[name] = value
+    return d
+
+
+@pytest.mark.parametrize("name,value,shown", [("rope_theta", 0.5, "(1, 1e+12]"),
+                                              ("routed_scaling_factor", 2000.0, "(0, 1000]")])
+def test_float_range_refusal_names_range_and_reason(name, value, shown):
+    with pytest.raises(ConfigError) as e:
+        MtpConfig.from_dict(_config_with(name, value))
+    msg = str(e.value)
+    assert f"field {name!r} must be in {shown}, got {value:g}" in msg
+    assert FLOAT_RANGE_REASONS[name] in msg
+
+
+def test_float_ranges_each_have_a_reason():
+    assert set(FLOAT_RANGE_REASONS) == set(FLOAT_RANGES)
+
+
+@pytest.mark.parametrize("name", ["rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor",
+                                  "attention_value_scale"])
+def test_checkpoints_doc_states_the_enforced_range(name):
+    """docs/checkpoints.md gives each range as the code enforces it (it once said ``> 0`` for
+    rope_theta and routed_scaling_factor, which the code refuses at 0.5 and 2000)."""
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    lo, hi = FLOAT_RANGES[name]
+    found = re.findall(rf"`{name}` in \(([^,]+), ([^\]]+)\]", text)
+    assert found, f"docs/checkpoints.md states no range for {name}"
+    for a, b in found:
+        assert (float(a), float(b)) == (lo, hi), f"docs/checkpoints.md: {name} in ({a}, {b}], code: ({lo}, {hi}]"
+    if name in ("rope_theta", "routed_scaling_factor"):
+        assert not re.search(rf"`{name}`[^.]*> 0", text)
+    # in range: loads
+    ok = {"rms_norm_eps": 1e-6, "rope_theta": 2.0, "partial_rotary_factor": 1.0, "routed_scaling_factor": 1000.0,
+          "attention_value_scale": 0.5}[name]
+    MtpConfig.from_dict(_config_with(name, ok))
+    assert math.isfinite(ok)
