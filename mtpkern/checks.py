@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .argtypes import int_sequence, kind, scalar_int
 from .backends import dlpack
 from .backends.base import on_cuda_device
 
@@ -24,32 +25,19 @@ from .backends.base import on_cuda_device
 INT32_MAX = 2**31 - 1
 
 
-def _scalar_int(v: Any) -> int | None:
-    """``v`` as an int when it is an integer scalar (not a bool), else None."""
-    if isinstance(v, (bool, np.bool_)):
-        return None
-    if isinstance(v, (int, np.integer)):
-        return int(v)
-    if isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "iu":
-        return int(v)
-    return None
-
-
-def _kind(v: Any) -> str:
-    if isinstance(v, np.ndarray):
-        return f"{v.ndim}-d array of {v.dtype}"
-    if isinstance(v, np.bool_):
-        return "bool"
-    return type(v).__name__
+#: the integer rule of every public call lives in mtpkern.argtypes (one rule, one place)
+_scalar_int, _kind = scalar_int, kind
 
 
 def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
-    """An integer count or position in ``[lo, hi]`` (either bound optional)."""
+    """An integer count or position in ``[lo, hi]`` (either bound optional; a count passes
+    ``hi=INT32_MAX``, the kernels' index type, a position is bounded by ``check_positions``)."""
     i = _scalar_int(v)
     if i is None:
         raise TypeError(f"{name}: expected an int, got {_kind(v)} {v!r}")
     if (lo is not None and i < lo) or (hi is not None and i > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
+        ceiling = hi == INT32_MAX and lo is not None and i < lo       # a count below its floor: say the floor
+        rng = f">= {lo}" if hi is None or ceiling else f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
         raise ValueError(f"{name}: expected {rng}, got {i}")
     return i
 
@@ -100,21 +88,11 @@ def check_tokens(name: str, tokens: Any, vocab_size: int) -> np.ndarray:
     """A sequence of token ids -> [n] int32, each checked against the vocabulary."""
     if hasattr(tokens, "get") and not isinstance(tokens, (np.ndarray, list, tuple, dict)):   # a device array
         tokens = tokens.get()
-    a = dlpack.host_array(name, tokens, "token ids are read on the host")
-    if a.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {list(a.shape)}")
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected integer token ids, got dtype {a.dtype}")
-    if isinstance(tokens, (list, tuple)) and a.size:
-        # np.asarray([True, 1]) is an int64 array: look at the elements themselves.
-        for i, t in enumerate(tokens):
-            if _scalar_int(t) is None:
-                raise TypeError(f"{name}[{i}]: expected an int token id, got {_kind(t)} {t!r}")
-    bad = np.flatnonzero((a < 0) | (a >= vocab_size)) if a.size else []
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(f"{name}[{i}]: token id {int(a[i])} is outside the vocabulary [0, {vocab_size})")
-    return a.astype(np.int32)
+    if not isinstance(tokens, (list, tuple, range, str, bytes, dict)):   # a list: entry by entry, ints as they are
+        tokens = dlpack.host_array(name, tokens, "token ids are read on the host")
+    return int_sequence(name, tokens, 0, vocab_size - 1, noun="token id", nouns="token ids",
+                        out_of_range=lambda i, t: f"{name}[{i}]: token id {t} is outside the vocabulary "
+                                                  f"[0, {vocab_size})").astype(np.int32)
 
 
 def check_positions(name: str, highest: int, limit: int) -> None:

@@ -53,6 +53,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .argtypes import kind, scalar_int
 from .config import ceil_div
 from .errors import KvCacheFull, StateError
 
@@ -181,8 +182,12 @@ class WindowRule:
     def __post_init__(self) -> None:
         for name, lo in (("window", 1), ("margin", 0), ("max_forward_rows", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+            i = scalar_int(v)                    # the integer rule (mtpkern.argtypes)
+            if i is None:
+                raise TypeError(f"{name}: expected an int >= {lo}, got {kind(v)} {v!r}")
+            if i < lo:
+                raise ValueError(f"{name}: expected an int >= {lo}, got {i}")
+            object.__setattr__(self, name, i)
 
     def first_visible_row(self, keys: KeyRuns, margin: int | None = None) -> int:
         """The first row that a later forward of this sequence may read, when at most
@@ -323,6 +328,9 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._owner = np.zeros(num_blocks, np.int64)       # serial of the owning sequence; 0 = free
         self._seqs: dict[int, tuple[SeqKv, Any]] = {}       # serial -> (sequence, its holder)
+        #: serials of the scratch sequences among them: a draft tree's other lines (mtpkern.tree),
+        #: held by the state beside its own sequence, registered as such in the same locked step
+        self._scratch: set[int] = set()
         self._serials = iter(range(1, 2**62))
         self.reserved = 0    # blocks promised to sequences and not yet taken by them
         self.closed = False
@@ -417,12 +425,17 @@ class BlockPool:
                 self._backend.copy_kv_rows(cache, src, dst)
 
     # -- registry -------------------------------------------------------------
-    def new_seq(self, holder: Any) -> SeqKv:
-        """A new, empty sequence of this pool, held by ``holder``."""
+    def new_seq(self, holder: Any, scratch: bool = False) -> SeqKv:
+        """A new, empty sequence of this pool, held by ``holder``. ``scratch``: a sequence a
+        state holds beside its own one (a draft tree's other lines), counted apart by
+        ``holders`` / ``scratch_seqs``, so that an invariant check running while a tree is
+        drafted sees it as what it is from the moment it exists."""
         with self._lock:
             self._check_open()
             seq = SeqKv(serial=next(self._serials))
             self._seqs[seq._serial] = (seq, holder)
+            if scratch:
+                self._scratch.add(seq._serial)
             return seq
 
     def check_holder(self, seq: Any, holder: Any, name: str = "seq") -> SeqKv:
@@ -445,6 +458,7 @@ class BlockPool:
             self.check_holder(seq, holder)
             self._release_all(seq)
             del self._seqs[seq._serial]
+            self._scratch.discard(seq._serial)
 
     # -- mutation (each names the sequence's holder) -------------------------
     def grow(self, seq: SeqKv, new_rows: int, holder: Any) -> None:
@@ -637,6 +651,7 @@ class BlockPool:
             for seq, _ in self._seqs.values():
                 seq._blocks, seq._base, seq._keys, seq._budget, seq._reserved = _entries(), 0, KeyRuns(), 0, 0
             self._seqs.clear()
+            self._scratch.clear()
             self._free = list(range(self.num_blocks - 1, -1, -1))
             self._owner[:] = 0
             self.reserved = 0
@@ -649,9 +664,20 @@ class BlockPool:
 
     # -- invariants ---------------------------------------------------------
     def holders(self) -> list[Any]:
-        """The holder of every registered sequence (with repetition)."""
+        """The holder of every registered sequence but the scratch ones (with repetition)."""
         with self._lock:
-            return [h for _, h in self._seqs.values()]
+            return [h for serial, (_, h) in self._seqs.items() if serial not in self._scratch]
+
+    def scratch_seqs(self) -> list[tuple[SeqKv, Any]]:
+        """(sequence, holder) of every registered scratch sequence (``new_seq(scratch=True)``)."""
+        with self._lock:
+            return [self._seqs[serial] for serial in self._scratch]
+
+    def is_registered(self, seq: SeqKv) -> bool:
+        """Whether ``seq`` itself is still registered in this pool."""
+        with self._lock:
+            entry = self._seqs.get(seq._serial)
+            return entry is not None and entry[0] is seq
 
     def check_invariants(self) -> None:
         """The free list, the owner record and the registered sequences agree: every block

@@ -40,9 +40,9 @@ from .backends import BackendName, get_backend
 from .backends.base import Backend
 from .carry import CarryRegistry
 from .comm import check_comm
-from .checks import (check_bool, check_hidden_dtype, check_int, check_list, check_out_conf, check_positions,
-                     check_probability, check_token, check_tokens, expect_finite, hidden_shape, ingest_hidden,
-                     shape_of)
+from .checks import (INT32_MAX, check_bool, check_hidden_dtype, check_int, check_list, check_out_conf,
+                     check_positions, check_probability, check_token, check_tokens, expect_finite, hidden_shape,
+                     ingest_hidden, shape_of)
 from .config import MtpConfig, ceil_div
 from .schedule import expand as expand_schedule
 from .schedule import resolve as resolve_schedule
@@ -58,7 +58,7 @@ from .shard import Shard, agreement, check_experts, sharded_call
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
 from .trait import DraftProposer, ProposerState
 from .tree import DraftTree, TreeRunner, check_shape
-from .txn import guarded
+from .txn import fill_list, guarded
 from .weights import MtpWeights, load_weights
 
 KvMode = Literal["draft", "exact"]
@@ -173,8 +173,8 @@ class MultiModuleMtpHead(DraftProposer):
         if num_blocks is None:
             num_blocks = ceil_div(self.DEFAULT_KV_TOKENS, block_size)
         num_blocks = check_int("num_blocks", num_blocks, 1)
-        self.max_batch = check_int("max_batch", max_batch, 1)
-        self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, 1)
+        self.max_batch = check_int("max_batch", max_batch, 1, INT32_MAX)
+        self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, 1, INT32_MAX)
         cuda_graphs = check_bool("cuda_graphs", cuda_graphs)
         if len(weights.modules) != config.num_modules:
             raise ValueError(f"weights: expected {config.num_modules} modules, got {len(weights.modules)}")
@@ -367,7 +367,7 @@ class MultiModuleMtpHead(DraftProposer):
 
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
         """Every prompt row is used (prefill runs in chunks of ``prefill_chunk``)."""
-        return check_int("max_seq_len", max_seq_len, 0)
+        return check_int("max_seq_len", max_seq_len, 0, INT32_MAX)
 
     def read_deferred_draft_token(self, state: ProposerState | None = None) -> int:
         """The last draft the last propose produced (of ``state``, or of any sequence on
@@ -398,7 +398,7 @@ class MultiModuleMtpHead(DraftProposer):
         (allocating nothing) when the pools cannot promise it."""
         if budget_tokens is None:
             return self.alloc_state()
-        budget_tokens = check_int("budget_tokens", budget_tokens, 1)
+        budget_tokens = check_int("budget_tokens", budget_tokens, 1, INT32_MAX)
         st = self.alloc_state()
         try:
             for p, seq in zip(self.pools, st._kv):
@@ -534,14 +534,10 @@ class MultiModuleMtpHead(DraftProposer):
         below it (that draft is returned; no later module drafts), leaving the state a
         propose of that many drafts leaves (docs/api.md).
         """
-        confs = None if out_conf is None else []
-        drafts = self._propose([last_token], [target_hidden], [position], num_drafts, [state],
-                               None if grammar_bitmask is None else [grammar_bitmask], single=True,
-                               out_conf=check_out_conf("out_conf", out_conf, confs),
-                               min_confidence=min_confidence)[0]
-        if out_conf is not None:
-            out_conf[:] = confs[0]
-        return drafts
+        return self._propose([last_token], [target_hidden], [position], num_drafts, [state],
+                             None if grammar_bitmask is None else [grammar_bitmask], single=True,
+                             out_conf=check_out_conf("out_conf", out_conf, out_conf),
+                             min_confidence=min_confidence)[0]
 
     @sharded_call("propose_batch")
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
@@ -556,17 +552,15 @@ class MultiModuleMtpHead(DraftProposer):
         ``out_conf``: a list, replaced on success by one list of confidences per sequence;
         ``min_confidence``: early stop per sequence (its list of drafts may be shorter).
         """
-        confs = None if out_conf is None else []
-        drafts = self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
-                               single=False, out_conf=check_out_conf("out_conf", out_conf, confs),
-                               min_confidence=min_confidence)
-        if out_conf is not None:
-            out_conf[:] = confs
-        return drafts
+        return self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
+                             single=False, out_conf=check_out_conf("out_conf", out_conf, out_conf),
+                             min_confidence=min_confidence)
 
     def _propose(self, last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
                  single: bool, out_conf: list | None = None, min_confidence: float | None = None) -> list[list[int]]:
-        """``out_conf``: None, or an empty list that gets one list of confidences per sequence."""
+        """``out_conf``: None, or the caller's list: it gets the confidences (``propose``: its
+        sequence's list; ``propose_batch``: one list per sequence) inside the guarded section,
+        so that a write that raises fails the call and changes nothing (mtpkern.txn)."""
         cfg = self.config
         if min_confidence is not None:
             min_confidence = check_probability("min_confidence", min_confidence)
@@ -586,7 +580,7 @@ class MultiModuleMtpHead(DraftProposer):
             toks = [check_token(name("last_token", "last_tokens", i), t, cfg.vocab_size)
                     for i, t in enumerate(last_tokens)]
             poss = [check_int(name("position", "positions", i), p, 1) for i, p in enumerate(positions)]
-            num_drafts = check_int("num_drafts", num_drafts, 1)
+            num_drafts = check_int("num_drafts", num_drafts, 1, INT32_MAX)
             k = min(num_drafts, self.num_modules)
             hid = self._batch_hiddens(name("target_hidden", "target_hiddens"), target_hiddens, B, single)
             masks: list[MaskFn | None] = [None] * B
@@ -610,13 +604,27 @@ class MultiModuleMtpHead(DraftProposer):
                 "none" if g is None else "callable" if callable(g) else "mask" for g in grammar_bitmasks or [None] * B],
                 "out_conf": out_conf is not None, "min_confidence": min_confidence, "rows": rows, "planned": planned})
             masks = ag.masks(masks, grammar_bitmasks or [None] * B)
+
+            def outputs(res: tuple) -> tuple:
+                """The call's results, written into the caller's objects inside the guarded section."""
+                drafts, device, confs = res
+                if confs is not None and not isinstance(confs, list):        # the planned step's [k, B]
+                    confs = [[float(c) for c in confs[:, i]] for i in range(B)]
+                if device is None:                                            # [B, k], -1 past an early stop
+                    padded = np.full((B, k), -1, np.int32)
+                    for i, d in enumerate(drafts):
+                        padded[i, :len(d)] = d
+                    device = self.backend.from_host(padded)
+                if out_conf is not None:
+                    fill_list(out_conf, confs[0] if single else confs)
+                return drafts, device
+
             if planned:
-                drafts, device, confs = guarded(self.pools, sts, rows,
-                                                lambda: runner.propose(sts, toks, poss, hid, k, masks, want_conf))
-                confs = None if confs is None else [[float(c) for c in confs[:, i]] for i in range(B)]
+                drafts, device = guarded(self.pools, sts, rows,
+                                         lambda: outputs(runner.propose(sts, toks, poss, hid, k, masks, want_conf)))
             else:
-                drafts, device, confs = guarded(self.pools, sts, rows, ag.body(lambda: self._propose_eager(
-                    sts, toks, poss, hid, k, masks, want_conf, min_confidence)))
+                drafts, device = guarded(self.pools, sts, rows, ag.body(lambda: outputs(self._propose_eager(
+                    sts, toks, poss, hid, k, masks, want_conf, min_confidence))))
             for st, p, d in zip(sts, poss, drafts):
                 st._drafted = True
                 st._last_position = p
@@ -628,15 +636,8 @@ class MultiModuleMtpHead(DraftProposer):
                     _log.warning("mtpkern: num_drafts=%d exceeds the %d MTP modules; drafting %d "
                                  "(counted in clamped_calls)", num_drafts, self.num_modules, k)
                 self.clamped_calls += 1
-            if device is None:                                    # [B, k], -1 past an early stop
-                padded = np.full((B, k), -1, np.int32)
-                for i, d in enumerate(drafts):
-                    padded[i, :len(d)] = d
-                device = self.backend.from_host(padded)
             self.last_drafts_device = device
             self._last_drafts = drafts[-1]
-        if out_conf is not None:
-            out_conf.extend(confs)
         return drafts
 
     def _check_position(self, st: MtpState, p: int, k: int, name: str) -> None:
@@ -919,15 +920,11 @@ class MultiModuleMtpHead(DraftProposer):
             carried = self.carry.live()
             for m, p in enumerate(self.pools):
                 p.check_invariants()
-                holders = p.holders()
+                holders = p.holders()               # every sequence but the draft trees' scratch ones
                 ours = [h for h in holders if h is not self.modules[m]]
                 want = {id(st) for st in sts} | {id(kv) for kv in carried}
-                scratch = [st._tree.modules[m].scratch for st in sts if st._tree is not None
-                           and st._tree.modules[m] is not None and st._tree.modules[m].scratch is not None]
-                for sq in scratch:                  # a pending tree's other lines (mtpkern.tree)
-                    if p._seqs.get(sq._serial, (None, None))[0] is not sq:
-                        raise AssertionError(f"module {m}: a tree's scratch sequence is not held by its state")
-                if len(ours) != len(want) + len(scratch) or {id(h) for h in ours} != want:
+                self._check_scratch(m, p, sts)
+                if len(ours) != len(want) or {id(h) for h in ours} != want:
                     raise AssertionError(f"module {m}: {len(ours)} sequences held in the pool, expected one for "
                                          f"each of {len(sts)} states and {len(carried)} carried entries")
                 for st in sts:
@@ -942,6 +939,34 @@ class MultiModuleMtpHead(DraftProposer):
                     self.check_state(st)
                 except StateError:            # taken by a call, or freed, since the snapshot
                     pass
+
+    @staticmethod
+    def _check_scratch(m: int, pool: BlockPool, sts: list[MtpState]) -> None:
+        """A draft tree's scratch sequences (its other lines, mtpkern.tree): each is held by a
+        live state, and an idle state's are exactly its pending tree's. A state in use may
+        hold scratch its call has not recorded yet (a tree drafted now, seen from its grammar
+        callable or another thread); the pool registered them as scratch when it made them."""
+        live = {id(st): st for st in sts}
+        for sq, holder in pool.scratch_seqs():
+            st = live.get(id(holder))
+            if st is None:
+                raise AssertionError(f"module {m}: a tree's scratch sequence is held by "
+                                     f"{type(holder).__name__}, not by a live state")
+            mt = None if st._tree is None else st._tree.modules[m]
+            if is_busy(st) or (mt is not None and mt.scratch is sq):
+                continue
+            if pool.is_registered(sq) and not is_busy(st):       # not retired or taken since the snapshot
+                raise AssertionError(f"module {m}: a scratch sequence is held by an idle state whose pending "
+                                     f"tree does not use it")
+        for st in sts:
+            mt = None if st._tree is None else st._tree.modules[m]
+            if mt is not None and mt.scratch is not None and not is_busy(st):
+                try:
+                    pool.check_holder(mt.scratch, st)
+                except StateError:
+                    if st._tree is not None and not is_busy(st):
+                        raise AssertionError(f"module {m}: a tree's scratch sequence is not held by its "
+                                             f"state") from None
 
     def _pending_trim(self, st: MtpState, m: int) -> int:
         """Rows of module ``m`` that the pending verify of ``st`` may still trim: none between

@@ -24,38 +24,47 @@ expanded config, ``expand``). The cost: one KV pool per step, not per distinct m
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
+from .argtypes import int_sequence, kind, scalar_int
 from .config import MtpConfig
 
 
-def resolve(spec: Any, M: int, max_drafts: int | None) -> list[int]:
-    """The schedule ``spec`` (module docstring) for ``M`` modules -> one module index per step."""
-    if spec is None or spec == "clamp":
+def resolve(spec: Any, M: int, max_drafts: Any) -> list[int]:
+    """The schedule ``spec`` (module docstring) for ``M`` modules -> one module index per step.
+
+    ``max_drafts`` and the entries of a list schedule follow the integer rule of every
+    public call (mtpkern.argtypes: Python or NumPy integers, never a bool or a float); a
+    list schedule may be a list, tuple or 1-D integer array."""
+    if spec is None or (isinstance(spec, str) and spec == "clamp"):
         if max_drafts is not None:
             raise ValueError(f"max_drafts: the clamp schedule drafts at most M = {M}; got max_drafts = "
-                             f"{max_drafts} (pass module_schedule='last' or 'cycle' to draft more)")
+                             f"{max_drafts!r} (pass module_schedule='last' or 'cycle' to draft more)")
         return list(range(M))
     if isinstance(spec, str):
         if spec not in ("last", "cycle"):
             raise ValueError(f"module_schedule: expected None, 'clamp', 'last', 'cycle' or a list of module "
                              f"indices, got {spec!r}")
-        if isinstance(max_drafts, bool) or not isinstance(max_drafts, int) or not 1 <= max_drafts <= 64:
-            raise ValueError(f"max_drafts: expected an int in [1, 64] with module_schedule={spec!r}, got "
-                             f"{max_drafts!r}")
+        if max_drafts is None:
+            raise ValueError(f"max_drafts: expected an int in [1, 64] with module_schedule={spec!r}, got None")
+        n = scalar_int(max_drafts)
+        if n is None:
+            raise TypeError(f"max_drafts: expected an int in [1, 64] with module_schedule={spec!r}, got "
+                            f"{kind(max_drafts)} {max_drafts!r}")
+        if not 1 <= n <= 64:
+            raise ValueError(f"max_drafts: expected an int in [1, 64] with module_schedule={spec!r}, got {n}")
         if spec == "last":
-            return [min(s, M - 1) for s in range(max_drafts)]
-        return [s % M for s in range(max_drafts)]
+            return [min(s, M - 1) for s in range(n)]
+        return [s % M for s in range(n)]
     if max_drafts is not None:
         raise ValueError("max_drafts: a list schedule has as many steps as entries; pass one or the other")
-    if isinstance(spec, (bytes, dict)) or not isinstance(spec, Sequence) or not 1 <= len(spec) <= 64:
-        raise ValueError(f"module_schedule: expected a list of 1 .. 64 module indices, got {spec!r}")
-    out = []
-    for s, m in enumerate(spec):
-        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < M:
-            raise ValueError(f"module_schedule[{s}]: expected a module index in [0, {M}), got {m!r}")
-        out.append(m)
-    return out
+    what = "a list of 1 .. 64 module indices"
+    steps = int_sequence("module_schedule", spec, 0, M - 1, noun="module index", nouns="module indices", what=what,
+                         out_of_range=lambda s, m: f"module_schedule[{s}]: expected a module index in [0, {M}), "
+                                                   f"got {m}")
+    if not 1 <= steps.size <= 64:
+        raise ValueError(f"module_schedule: expected {what}, got {steps.size} entries")
+    return [int(m) for m in steps]
 
 
 def expand(config: MtpConfig, weights: Any, schedule: list[int]) -> tuple[MtpConfig, Any]:

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from .argtypes import int_sequence
 from .exact import ExactChain, exact_rows
 from .head import MtpHead
 from .ops.lm_head import MAX_TOPK
@@ -123,29 +124,32 @@ def check_shape(widths: Any, shape: Any, depth_max: int) -> tuple[list[int] | No
     if (widths is None) == (shape is None):
         raise ValueError("widths, shape: expected exactly one of them (children per depth, or a static tree)")
     if widths is not None:
-        if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or not widths:
-            raise ValueError(f"widths: expected a non-empty list of ints (children per node at each depth), "
-                             f"got {widths!r}")
-        ws = []
-        for d, w in enumerate(widths):
-            if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or not 1 <= w <= MAX_TOPK:
-                raise ValueError(f"widths[{d}]: expected an int in [1, {MAX_TOPK}], got {w!r}")
-            ws.append(int(w))
+        what = "a non-empty list of ints (children per node at each depth)"
+        ws = [int(w) for w in int_sequence(
+            "widths", widths, 1, MAX_TOPK, noun="width", nouns="widths", what=what,
+            out_of_range=lambda d, w: f"widths[{d}]: expected an int in [1, {MAX_TOPK}], got {w}")]
+        if not ws:
+            raise ValueError(f"widths: expected {what}, got none")
         if len(ws) > depth_max:
             raise ValueError(f"widths: expected at most {depth_max} depths (the draft steps: num_modules), "
                              f"got {len(ws)}")
         if sum(math.prod(ws[:d + 1]) for d in range(len(ws))) > MAX_TREE_NODES:
             raise ValueError(f"widths: a tree of {ws} holds more than {MAX_TREE_NODES} nodes")
         return ws, None, len(ws)
-    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not shape:
-        raise ValueError(f"shape: expected a non-empty list of paths of child ranks, e.g. [[0], [1], [0, 0]], "
-                         f"got {shape!r}")
+    if isinstance(shape, np.ndarray) and shape.ndim == 2:
+        shape = list(shape)                     # equal-length paths as the rows of an integer array
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (list, tuple)) or not shape:
+        raise (ValueError if isinstance(shape, (list, tuple)) else TypeError)(
+            f"shape: expected a non-empty list of paths of child ranks, e.g. [[0], [1], [0, 0]], got {shape!r}")
     paths = set()
     for i, p in enumerate(shape):
-        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p or any(
-                isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < MAX_TOPK for r in p):
-            raise ValueError(f"shape[{i}]: expected a non-empty list of child ranks in [0, {MAX_TOPK}), got {p!r}")
-        t = tuple(int(r) for r in p)
+        ranks = int_sequence(f"shape[{i}]", p, 0, MAX_TOPK - 1, noun="child rank", nouns="child ranks",
+                             what=f"a non-empty list of child ranks in [0, {MAX_TOPK})",
+                             out_of_range=lambda j, r, i=i: f"shape[{i}][{j}]: expected a child rank in "
+                                                            f"[0, {MAX_TOPK}), got {r}")
+        if not ranks.size:
+            raise ValueError(f"shape[{i}]: expected a non-empty list of child ranks in [0, {MAX_TOPK}), got none")
+        t = tuple(int(r) for r in ranks)
         if t in paths:
             raise ValueError(f"shape[{i}]: {list(t)} appears twice")
         paths.add(t)
@@ -339,7 +343,7 @@ class TreeRunner:
         mt = ModuleTree(list(elems), logical, [0] * n, main, keys, row_of, None, None, R)
         mods[m] = mt                                # before any block is taken: a failure retires its scratch
         if len(lines) > 1:
-            mt.scratch = pool.new_seq(st)
+            mt.scratch = pool.new_seq(st, scratch=True)
         seq_table = pool.table(seq).tolist()
         scratch, next_key = mt.scratch, [0]
 

@@ -9,7 +9,9 @@
    allocation together, so two threads cannot both count one free block); if a
    later pool is full, the blocks taken in the earlier ones go back and
    ``KvCacheFull`` is raised, nothing changed;
-2. snapshots every state and runs ``body()``;
+2. snapshots every state and runs ``body()``, which also writes the call's results into
+   any output the caller handed in (``out_conf``: ``fill_list``), so that a write that
+   raises is a failure of the call like any other;
 3. if ``body`` raises (a grammar that allows nothing, a callback that raises,
    an interrupt), restores every state: rows truncated, blocks returned,
    counters put back; then re-raises;
@@ -44,3 +46,16 @@ def guarded(pools: list[Any], states: list[MtpState], new_rows: list[list[int]],
         for pool, seq in zip(pools, st._kv):
             pool.settle(seq, st)
     return out
+
+
+def fill_list(out: list, values: list) -> None:
+    """Replace the contents of ``out``, a caller's list (``out_conf``), by ``values``; called
+    inside ``guarded``'s body, so that a write that raises (a list subclass's ``__setitem__``)
+    rolls the call back. The list itself is then put back as it was (through ``list``'s own
+    methods: the subclass's may be what failed) before the error goes on."""
+    before = list.__getitem__(out, slice(None))
+    try:
+        out[:] = values
+    except BaseException:
+        list.__setitem__(out, slice(None), before)
+        raise

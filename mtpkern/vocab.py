@@ -14,10 +14,13 @@ module's): ``head_bytes_saved``. A draft's confidence is then the softmax over t
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .argtypes import int_sequence
 
 
 class DraftVocab:
@@ -25,17 +28,15 @@ class DraftVocab:
 
     def __init__(self, ids: Any, vocab_size: int, name: str = "draft_vocab"):
         if isinstance(ids, (str, os.PathLike)):
-            ids = read_ids(Path(ids), name)
-        a = np.asarray(ids)
-        if a.ndim != 1 or a.size == 0 or not (np.issubdtype(a.dtype, np.integer) or a.dtype == bool):
-            raise ValueError(f"{name}: expected a non-empty 1-D array of token ids, got shape {list(a.shape)} "
-                             f"{a.dtype}")
-        if a.dtype == bool:
-            raise TypeError(f"{name}: expected integer token ids, got bool")
-        a = a.astype(np.int64)
-        bad = np.flatnonzero((a < 0) | (a >= vocab_size))
-        if bad.size:
-            raise ValueError(f"{name}: expected token ids in [0, {vocab_size}), got {int(a[bad[0]])}")
+            path = Path(ids)
+            ids = read_ids(path, name)
+            name = f"{name} (file {os.fspath(path)!r})"          # errors name the file too
+        a = int_sequence(name, ids, 0, vocab_size - 1, noun="token id", nouns="token ids",
+                         what="a non-empty 1-D array of token ids",
+                         out_of_range=lambda i, x: f"{name}: expected token ids in [0, {vocab_size}), got {x} "
+                                                   f"(entry {i})")
+        if a.size == 0:
+            raise ValueError(f"{name}: expected a non-empty 1-D array of token ids, got none")
         s = np.sort(a)
         dup = np.flatnonzero(s[1:] == s[:-1])
         if dup.size:
@@ -73,14 +74,34 @@ class DraftVocab:
         return (self.vocab_size - self.size) * hidden_size * itemsize
 
 
-def read_ids(path: Path, name: str) -> np.ndarray:
-    """Token ids from a ``.npy`` file or a text file of whitespace-separated integers."""
+def read_ids(path: Path, name: str) -> Any:
+    """Token ids from a ``.npy`` file (an integer array, read without pickles) or a text file of
+    whitespace-separated decimal integers; a file that cannot be read as such raises
+    ``ValueError`` naming ``name`` and the file. The ids are not range-checked here: the
+    text form gives Python ints (a huge one keeps its value), ``DraftVocab`` checks them."""
+    where = f"{name}: {os.fspath(path)!r}"
     if not path.is_file():
-        raise FileNotFoundError(f"{name}: {os.fspath(path)!r} is not a file")
+        raise FileNotFoundError(f"{where} is not a file")
     if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False)
-    text = path.read_text()
+        try:
+            a = np.load(path, allow_pickle=False)
+        except (ValueError, OSError, EOFError, TypeError, SyntaxError) as e:
+            raise ValueError(f"{where}: expected a .npy file of integer token ids, could not read it "
+                             f"({type(e).__name__}: {e})") from None
+        if not isinstance(a, np.ndarray):
+            raise ValueError(f"{where}: expected a .npy file of integer token ids, got {type(a).__name__}")
+        return a
     try:
-        return np.array([int(t) for t in text.split()], np.int64)
-    except ValueError as e:
-        raise ValueError(f"{name}: {os.fspath(path)!r}: expected whitespace-separated token ids ({e})") from None
+        text = path.read_text(encoding="ascii")
+    except (UnicodeDecodeError, OSError) as e:
+        raise ValueError(f"{where}: expected an ASCII text file of whitespace-separated token ids ({e})") from None
+    out = []
+    for j, t in enumerate(text.split()):
+        if not _DECIMAL.fullmatch(t):
+            raise ValueError(f"{where}: expected whitespace-separated decimal token ids, got {t[:40]!r} "
+                             f"(entry {j})")
+        out.append(int(t))
+    return out
+
+
+_DECIMAL = re.compile(r"[+-]?[0-9]+")

@@ -140,7 +140,7 @@ def test_prefill_bad_input(make_prop):
             (([], np.zeros((0, H), np.float32)), ValueError, "prompt_tokens: expected at least 1 token, got 0"),
             (([1, 2, V], rand_hiddens(rng, 3, H)), ValueError, "prompt_tokens[2]: token id 301 is outside"),
             (([1, 2, 3], rand_hiddens(rng, 2, H)), ValueError, "hiddens: expected shape [3, 64], got [2, 64]"),
-            (([1.5, 2.0], rand_hiddens(rng, 2, H)), TypeError, "prompt_tokens: expected integer token ids"),
+            (([1.5, 2.0], rand_hiddens(rng, 2, H)), TypeError, "prompt_tokens[0]: expected an int token id, got float"),
             (([[1, 2]], rand_hiddens(rng, 1, H)), ValueError, "prompt_tokens: expected a 1-D sequence"),
         ]
         for (toks, hid), exc, msg in cases:

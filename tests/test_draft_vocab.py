@@ -99,7 +99,7 @@ def test_a_mask_outside_the_subset_allows_no_draft(tiny_ckpt):
     ([3, 5, 3], ValueError, "draft_vocab: token id 3 appears twice"),
     ([0, 301], ValueError, r"draft_vocab: expected token ids in \[0, 301\), got 301"),
     ([-1, 2], ValueError, r"draft_vocab: expected token ids in \[0, 301\), got -1"),
-    ([0.5, 1.5], ValueError, "draft_vocab: expected a non-empty 1-D array of token ids"),
+    ([0.5, 1.5], TypeError, r"draft_vocab\[0\]: expected an int token id, got float 0.5"),
 ])
 def test_bad_subsets_are_refused_by_name(ids, exc, match):
     with pytest.raises(exc, match=match):

@@ -36,7 +36,11 @@ from .model import SeqModel
 KINDS = ("alloc", "prefill", "propose", "propose_batch", "verify", "catchup", "round", "take", "install",
          "free_carried", "free", "bad_input", "reenter", "tree")
 MASKS = ("none", "one", "per_position", "callable", "none_allowed")
-BAD = ("token", "hidden", "dtype", "nan", "accepted", "position", "drafts", "foreign", "copy_state", "copy_carried")
+BAD = ("token", "hidden", "dtype", "nan", "accepted", "position", "drafts", "foreign", "copy_state", "copy_carried",
+       "bool", "huge")
+#: the integer forms a count, position or id may take (docs/api.md, "Integers"): the driver
+#: passes each argument in one of them at random
+INT_FORMS = (int, np.int64, np.int32, np.uint32, lambda v: np.array(v, np.int64))
 REENTER = ("free_state", "take_drafter_kv", "propose", "after_verify", "catchup_drafter")
 
 
@@ -102,6 +106,11 @@ class Driver:
             return None
         return cands[call.pick % len(cands)]
 
+    @staticmethod
+    def _int(rng: np.random.Generator, v: int) -> Any:
+        """``v`` in one of ``INT_FORMS``, drawn from ``rng``."""
+        return INT_FORMS[int(rng.integers(0, len(INT_FORMS)))](v)
+
     def _h(self, rng: np.random.Generator, n: int = 1) -> np.ndarray:
         return rng.standard_normal((n, self.cfg.hidden_size)).astype(np.float32)
 
@@ -162,7 +171,8 @@ class Driver:
         conf = [] if rng.random() < 0.5 else None               # half the calls ask for confidences,
         stop = float(rng.uniform(0.05, 0.9)) if rng.random() < 0.3 else None   # some stop early
         try:
-            d = self.p.propose(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], P, k, st,
+            d = self.p.propose(self._int(rng, int(rng.integers(0, self.cfg.vocab_size))), self._h(rng)[0],
+                               self._int(rng, P), self._int(rng, k), st,
                                grammar_bitmask=mask, out_conf=conf, min_confidence=stop)
         except NoAllowedToken:
             # a mask may allow tokens outside a draft vocabulary only
@@ -204,7 +214,8 @@ class Driver:
         if s.tree is not None:
             return self._verify_tree(st, s, frac)
         self._count("verify")
-        self.p.after_verify(int(round(min(max(frac, 0.0), 1.0) * s.k)), st)
+        a = int(round(min(max(frac, 0.0), 1.0) * s.k))
+        self.p.after_verify(INT_FORMS[int(frac * 997) % len(INT_FORMS)](a), st)
 
     def _verify_tree(self, st: Any, s: SeqModel, frac: float) -> None:
         """A random path: ``frac`` of the depth, each step a child picked by ``frac``'s digits."""
@@ -228,7 +239,7 @@ class Driver:
         D = int(rng.integers(1, self.M + 1))
         widths = shape = None
         if rng.random() < 0.75:
-            widths = [int(w) for w in rng.integers(1, 3, D)]
+            widths = [self._int(rng, int(w)) for w in rng.integers(1, 3, D)]
         else:                                   # a static tree: the rank-0 path, and a sibling at random depths
             shape = [[0] * d for d in range(1, D + 1)]
             shape += [[0] * d + [1] for d in range(D) if rng.random() < 0.6]
@@ -359,6 +370,10 @@ class Driver:
                     self.p.propose(0, h, P, 1, st)                           # a verify is pending
             elif what == "token":
                 self.p.propose(V, h, P, 1, st)
+            elif what == "bool":                                     # True is an int to Python, not a count
+                self.p.propose(0, h, P, True, st)
+            elif what == "huge":                                     # uint64's max: out of range, never -1
+                self.p.propose(np.uint64(2**64 - 1), h, P, 1, st)
             elif what == "hidden":
                 self.p.propose(0, np.zeros(H + 1, np.float32), P, 1, st)
             elif what == "dtype":
