@@ -18,7 +18,9 @@
 //   NaN row, visible downstream, never an out-of-bounds read). The 16-byte path
 //   needs H % (16 / sizeof(T)) == 0 and 16-byte aligned rows; otherwise the
 //   kernel takes the scalar path (same results). out may alias x (every element
-//   is read, then written, by the same thread).
+//   is read, then written, by the same thread). A row of finite |x| >= 2^56 is
+//   scaled by a power of two before its squares are summed again (rmsnorm_row: pass 1
+//   also finds the row's largest |x|; one block_max more per row).
 #include "common.cuh"
 
 namespace mtp {
@@ -31,23 +33,47 @@ __device__ __forceinline__ void rmsnorm_row(const T* src, const float* w, float*
                                             float eps, float* red) {
   constexpr int V = 16 / sizeof(T);  // 8 bf16 or 4 fp32 per load
   const bool vec = H % V == 0 && aligned16(src) && aligned16(w) && aligned16(dst);
-  float ss = 0.0f;
+  float ss = 0.0f, m = 0.0f;  // m: the largest finite |x| (NaN and infinities not counted)
   if (vec) {
     for (int k = threadIdx.x * V; k < H; k += blockDim.x * V) {
       float f[V];
       load_vec<V>(src + k, f);
 #pragma unroll
-      for (int v = 0; v < V; ++v) ss = fmaf(f[v], f[v], ss);
+      for (int v = 0; v < V; ++v) {
+        ss = fmaf(f[v], f[v], ss);
+        if (fabsf(f[v]) > m && fabsf(f[v]) <= 3.40282347e+38f) m = fabsf(f[v]);  // FLT_MAX
+      }
     }
   } else {
     for (int k = threadIdx.x; k < H; k += blockDim.x) {
       const float f = to_f32(src[k]);
       ss = fmaf(f, f, ss);
+      if (fabsf(f) > m && fabsf(f) <= 3.40282347e+38f) m = fabsf(f);
     }
   }
   ss = block_sum(ss, red);
+  // A row whose largest finite |x|, m, is >= 2^56 (its sum of squares could overflow) is
+  // scaled first by sc = 2^(32 - floor(log2(m))), eps by sc^2: exact, as mtpkern.ops.norm.
+  // Uniform over the block (m is the block's); rows below 2^56 keep the plain path.
+  float sc = 1.0f;
+  {
+    m = block_max(m, red);
+    if (m >= 72057594037927936.0f) {  // 2^56
+      const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127;  // m normal: in [2^e, 2^(e + 1))
+      sc = __int_as_float((127 + 32 - e) << 23);
+      ss = 0.0f;
+      for (int k = threadIdx.x; k < H; k += blockDim.x) {
+        const float f = to_f32(src[k]) * sc;
+        ss = fmaf(f, f, ss);
+      }
+      ss = block_sum(ss, red);
+      eps = eps * sc * sc;
+    }
+  }
   const float denom = sqrtf(ss / static_cast<float>(H) + eps);  // as the reference: x / sqrt(var + eps) * w
-  if (vec) {
+  if (sc != 1.0f) {
+    for (int k = threadIdx.x; k < H; k += blockDim.x) dst[k] = to_f32(src[k]) * sc / denom * w[k];
+  } else if (vec) {
     for (int k = threadIdx.x * V; k < H; k += blockDim.x * V) {
       float f[V], g[V];
       load_vec<V>(src + k, f);

@@ -5,6 +5,9 @@
   issue's example, and hypothesis cases with negative biases against a float64 router
   written here, on numpy, cpu and the CUDA kernels in the emulator (tests/cuda_emu);
   against transformers' own router where torch and transformers are installed;
+- RMSNorm of a hidden past FP32's sum-of-squares range (|x| from about 1.8e19): every
+  backend's ``rmsnorm`` and ``mtp_input`` give the same normalized result at scale 1e20
+  (and 3e38) as at scale 1, as the definition does (eps aside);
 - the float config ranges: docs/checkpoints.md states the ranges the code enforces, and
   every refusal gives the reason.
 """
@@ -23,8 +26,10 @@ from hypothesis import strategies as st
 from cuda_emu import emu_backend
 from mtpkern import ConfigError, MtpConfig
 from mtpkern.backends import get_backend
+from mtpkern.errors import NoAllowedToken
 from mtpkern.config import FLOAT_RANGE_REASONS, FLOAT_RANGES, tiny_config
 from mtpkern.ops.moe import RouterSpec
+from mtpkern.tolerance import assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,6 +192,90 @@ def test_router_against_transformers():
         hf_ids, hf_w = hf_route(x, gate_w, bias, spec)
         np.testing.assert_array_equal(np.take_along_axis(ids, order, 1), hf_ids)
         np.testing.assert_allclose(np.take_along_axis(w, order, 1), hf_w, rtol=1e-5)
+
+
+# -- 2. the argmax of rows with infinite and NaN logits ----------------------------------------------
+
+_SPECIAL = [1.0, -1.0, 2.0, np.inf, -np.inf, np.nan]
+
+
+def test_lm_head_argmax_rule_for_special_logits(be):
+    """Every row of 4 logits drawn from {1, -1, 2, +inf, -inf, NaN} (exact: H = 1, x = 1), with
+    confidences: +inf wins, -inf is a candidate that loses to any number, NaN never wins, ties go
+    to the lowest id, a row of NaN only raises NoAllowedToken naming it; the same on every backend
+    (the rule of mtpkern.ops.lm_head, checked here against its statement, not the reference)."""
+    import itertools
+    rows = np.array(list(itertools.product(_SPECIAL, repeat=4)), np.float32)      # [1296, 4]
+    w = rows.T.copy()[:, :, None]                                                # per row: w [4, 1]
+    nan_only = np.isnan(rows).all(axis=1)
+    x = np.ones((1, 1), np.float32)
+    for r in range(rows.shape[0]):
+        logits = rows[r]
+        conf = np.zeros(1, np.float32)
+        if nan_only[r]:
+            with pytest.raises(NoAllowedToken):
+                be.lm_head_argmax(be.from_host(x), be.prepare_weight(w[:, r]), None, conf=conf)
+            continue
+        ids = be.to_host(be.lm_head_argmax(be.from_host(x), be.prepare_weight(w[:, r]), None, conf=conf))
+        cand = [j for j in range(4) if not np.isnan(logits[j])]
+        best = max(cand, key=lambda j: (logits[j], -j))
+        assert ids.tolist() == [best], (logits, ids)
+        top = logits[best]
+        terms = [1.0 if logits[j] == top else float(np.exp(np.float64(logits[j]) - top)) for j in cand]
+        np.testing.assert_allclose(be.to_host(conf), [1.0 / sum(terms)], rtol=1e-6, err_msg=str(logits))
+
+
+# -- 3. RMSNorm of huge hiddens ------------------------------------------------------------------
+
+_SCALES = [1e20, 2.0 ** 100, 3e38 / 8]          # the last: |x| up to about 3e38 with these rows
+
+
+@pytest.mark.parametrize("scale", _SCALES)
+@pytest.mark.parametrize("H", [64, 200])          # 200: not a multiple of the kernels' vector width
+def test_rmsnorm_is_scale_invariant(be, H, scale):
+    rng = np.random.default_rng(H)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    x[1] *= 1e-3                                     # rows of different sizes in one call
+    w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
+    base = be.to_host(be.rmsnorm(be.from_host(x), be.prepare_vector(w), 1e-6))
+    big = be.to_host(be.rmsnorm(be.from_host((x * scale).astype(np.float32)), be.prepare_vector(w), 1e-6))
+    assert np.isfinite(big).all()
+    # eps (1e-6) weighs on the unscaled rows only: relative 1e-6 / mean(x^2) (1 for row 1)
+    assert_close(big[[0, 2]], base[[0, 2]], "float32", "rmsnorm of x * scale against x")
+    np.testing.assert_allclose(big[1], base[1] * np.sqrt((np.mean(x[1].astype(np.float64) ** 2) + 1e-6)
+                                                         / np.mean(x[1].astype(np.float64) ** 2)), rtol=1e-4)
+
+
+def test_rmsnorm_below_the_bound_is_unchanged(be):
+    """Rows below 2^56 take the plain path: the result of the reference's formula, bit for bit on
+    numpy; NaN and infinities behave as before (a NaN row stays NaN, an infinity makes NaN)."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((4, 96)) * 1e16).astype(np.float32)
+    x[2, 5], x[3, 7] = np.nan, np.inf
+    w = np.ones(96, np.float32)
+    got = be.to_host(be.rmsnorm(be.from_host(x), be.prepare_vector(w), 1e-5))
+    with np.errstate(invalid="ignore"):
+        want = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(1e-5))
+    assert_close(got[:2], want[:2], "float32", "rmsnorm below 2^56")
+    assert np.isnan(got[2]).all() and np.isnan(got[3, 7])
+
+
+@pytest.mark.parametrize("scale", _SCALES[:2])
+def test_mtp_input_is_scale_invariant_in_the_hidden(be, scale):
+    rng = np.random.default_rng(3)
+    V, H, n = 20, 64, 2
+    embed = rng.standard_normal((V, H)).astype(np.float32)
+    eh = (rng.standard_normal((H, 2 * H)) * H ** -0.5).astype(np.float32)
+    ew, hw = (1 + 0.1 * rng.standard_normal((2, H))).astype(np.float32)
+    tokens = np.array([3, 11], np.int32)
+    g = rng.standard_normal((n, H)).astype(np.float32)
+
+    def run(hidden):
+        return be.to_host(be.mtp_input(be.prepare_weight(embed), be.from_host(tokens), be.from_host(hidden),
+                                       be.prepare_vector(ew), be.prepare_vector(hw), be.prepare_weight(eh), 1e-6))
+    big = run((g * scale).astype(np.float32))
+    assert np.isfinite(big).all()
+    assert_close(big, run(g), "float32", "mtp_input with the hidden times scale")
 
 
 # -- 4. the float config ranges -------------------------------------------------------------------

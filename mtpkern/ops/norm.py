@@ -1,7 +1,16 @@
 """RMSNorm and the MTP input block.
 
 ``rmsnorm(x [n, H], w [H], eps) -> [n, H]``: ``x / sqrt(mean(x^2) + eps) * w``
-in FP32, as Hugging Face ``Glm4MoeRMSNorm`` computes it.
+in FP32, as Hugging Face ``Glm4MoeRMSNorm`` computes it. A row whose largest finite
+``|x|`` is ``2^56`` or more (``BIG``: its FP32 sum of squares could overflow, and from about
+``1.8e19`` did, so the result changed with the hidden's scale) is first multiplied by the
+power of two ``2^(32 - e)``, ``e = floor(log2(max |x|))``, and eps by its square: exact
+scalings, so the result is the norm of the scaled row, as scale-invariant as the
+definition (eps aside). Rows below ``BIG`` are computed as written above, bit for bit.
+Every backend's ``rmsnorm`` and ``mtp_input`` norms do this (the CPU backend's ``norm=``
+too, through its ``rmsnorm``); the CUDA kernels that fuse a norm into a GEMV (``norm=`` of
+``linear`` / ``swiglu_mlp`` / ``moe_*``, the q/k and latent norms) sum unscaled squares:
+exact below ``BIG``, where the block's own activations are.
 
 ``mtp_input(embed [V, H], tokens [n], g [n, H], enorm_w [H], hnorm_w [H],
 eh_w [H, 2H], eps) -> x [n, H]``::
@@ -26,8 +35,26 @@ def _f32(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float32)
 
 
+#: a row's largest finite |x| from which rmsnorm scales it first (module docstring)
+BIG = np.float32(2.0 ** 56)
+
+
+def norm_scale(x: np.ndarray) -> np.ndarray:
+    """[..., 1] FP32: ``2^(32 - floor(log2(m)))`` for rows whose largest finite ``|x|``, m, is
+    >= ``BIG``, else 1 (NaN and infinities are not counted)."""
+    a = np.abs(x)
+    m = np.max(np.where(np.isfinite(a), a, np.float32(0.0)), axis=-1, keepdims=True) if a.size else \
+        np.zeros(a.shape[:-1] + (1,), np.float32)
+    e = np.frexp(m)[1] - 1                                   # m in [2^e, 2^(e + 1))
+    return np.where(m >= BIG, np.ldexp(np.float32(1.0), 32 - e), np.float32(1.0)).astype(np.float32)
+
+
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x = _f32(x)
+    sc = norm_scale(x)                                       # [n, 1]: 1 but for rows >= BIG
+    if np.any(sc != 1):
+        x = x * sc                                           # exact: a power of two
+        eps = np.float32(eps) * sc * sc
     var = np.mean(x * x, axis=-1, keepdims=True)             # [n, 1]
     return (x / np.sqrt(var + np.float32(eps))) * _f32(w)     # [n, H]
 

@@ -9,6 +9,8 @@ right half with the hidden part, so the [n, 2H] concat is never built.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -30,12 +32,39 @@ def sumsq(a, i, k0, K):
 
 
 @njit(cache=True, fastmath=False)
+def row_scale(src, i, k0, K):
+    """``mtpkern.ops.norm.norm_scale`` of src[i, k0:k0+K]: 2^(32 - floor(log2(m))) where the
+    largest finite |value|, m, is >= 2^56 (its FP32 sum of squares could overflow), else 1."""
+    row = src[i, k0:k0 + K]
+    m = np.float32(0.0)
+    for k in range(row.shape[0]):
+        a = abs(widen(row[k]))
+        if a > m and a != np.inf:
+            m = a
+    if m < np.float32(2.0 ** 56):
+        return np.float32(1.0)
+    e = math.frexp(float(m))[1] - 1                     # m in [2^e, 2^(e + 1))
+    return np.float32(math.ldexp(1.0, 32 - e))
+
+
+@njit(cache=True, fastmath=False)
 def rms_row(src, i, k0, K, w, eps, dst, di, dk0):
     """dst[di, dk0:dk0+K] = src[i, k0:k0+K] / sqrt(mean(src^2) + eps) * w, as the
-    reference orders it (divide, then scale)."""
+    reference orders it (divide, then scale); a row of |values| >= 2^56 scaled first by an
+    exact power of two, eps by its square (``row_scale``; mtpkern.ops.norm)."""
+    s, o = src[i, k0:k0 + K], dst[di, dk0:dk0 + K]
+    sc = row_scale(src, np.int64(i), np.int64(k0), np.int64(K))
+    if sc != np.float32(1.0):
+        ss = np.float32(0.0)
+        for k in range(K):
+            v = widen(s[k]) * sc
+            ss += v * v
+        d = np.sqrt(ss / np.float32(K) + np.float32(eps) * sc * sc)
+        for k in range(K):
+            o[k] = widen(s[k]) * sc / d * w[k]
+        return
     var = sumsq(src, np.int64(i), np.int64(k0), np.int64(K)) / np.float32(K)
     d = np.sqrt(var + eps)
-    s, o = src[i, k0:k0 + K], dst[di, dk0:dk0 + K]
     for k in range(K):
         o[k] = widen(s[k]) / d * w[k]
 
