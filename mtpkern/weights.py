@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class CheckpointReader:
         self._key_file = self._index_map(index) if os.path.lexists(index) else self._scan_files()
         self._handles: dict[Path, Any] = {}
         self._headers: dict[Path, tuple[dict, int]] = {}
+        self._abs_max: dict[str, float] = {}
 
     def _index_map(self, index: Path) -> dict[str, Path]:
         body = read_json(index, INDEX_JSON_CAP, CheckpointError)
@@ -180,6 +182,26 @@ class CheckpointReader:
             raise CheckpointError(f"{where}: holds NaN or infinite values")
         return a
 
+    def abs_max(self, key: str) -> float:
+        """max |w| over the whole of the dense tensor ``key`` as stored (inf or NaN when it holds
+        one): read through a map of the file whatever rows a load takes, so every rank of a
+        sharded head gets the same value; once per key (``abs_max_bits``)."""
+        if key not in self._abs_max:
+            shape, dt = self.info(key)
+            f = self._key_file[key]
+            header, base = self._header(f)
+            b, e = header[key]["data_offsets"]
+            if dt not in _MAGNITUDE:
+                raise CheckpointError(f"tensor {key!r} in {f}: expected dtype {' or '.join(_MAGNITUDE)}, got {dt}")
+            store = np.dtype(_MAGNITUDE[dt][0]).newbyteorder("<")
+            n = int(np.prod(shape, dtype=np.int64))
+            if e - b != n * store.itemsize or os.path.getsize(f) < base + e:
+                raise CheckpointError(f"tensor {key!r} in {f}: truncated ({e - b} bytes for shape {list(shape)} {dt}, "
+                                      f"or the file ends before its data)")
+            mm = np.memmap(f, store, "r", offset=base + b, shape=(n,)) if n else np.zeros(0, store)
+            self._abs_max[key] = abs_max_bits(mm, dt)
+        return self._abs_max[key]
+
     def _raw_fp8(self, key: str, index: tuple | None = None) -> np.ndarray:
         return self._raw(key, _FP8, index)
 
@@ -272,6 +294,33 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         shape, dt = rd.info(key)
         out[key] = rd._raw_fp8(key) if dt == _FP8 else rd._handle(key).get_tensor(key)
     return out
+
+
+#: a BF16 / FP32 value's bits as an unsigned integer, the mask that clears its sign, the bits of +inf
+_MAGNITUDE = {"BF16": (np.uint16, 0x7FFF, 0x7F80), "F32": (np.uint32, 0x7FFFFFFF, 0x7F800000)}
+
+
+def abs_max_bits(bits: np.ndarray, dtype: str, chunk: int = 1 << 24) -> float:
+    """max |w| of BF16 / FP32 values held as their raw bits (uint16 / uint32, any shape): with
+    the sign bit cleared, the bits of non-negative floats order as their values (inf above
+    every finite one, NaN above inf), so the largest masked integer is the largest magnitude:
+    one vectorised integer pass, ``chunk`` elements at a time, nothing widened. 0.0 for no
+    values; inf or NaN when one is there."""
+    store, mask, inf_bits = _MAGNITUDE[dtype]
+    flat = bits.reshape(-1).view(store)
+    top = 0
+    for i in range(0, flat.size, chunk):
+        top = max(top, int((flat[i:i + chunk] & mask).max()))
+    if top > inf_bits:
+        return math.nan
+    if dtype == "BF16":
+        return float(np.array([top], np.uint16).view(BF16)[0])
+    return float(np.array([top], np.uint32).view(np.float32)[0])
+
+
+#: ``hidden_size * max|g| * max|W|`` (g a module's final norm as applied, W its LM head) must stay
+#: below this, FLT_MAX / 4 (2^126), for every FP32 logit to be finite (docs/checkpoints.md)
+LOGIT_BOUND = 2.0 ** 126
 
 
 def _all_finite(a: np.ndarray, chunk: int = 1 << 24) -> bool:
@@ -636,6 +685,36 @@ def check_headers(path: str | os.PathLike, cfg: MtpConfig, apply_target_norm: bo
     return list(dict.fromkeys(problems)), notes
 
 
+def _check_logit_bound(rd: CheckpointReader, m: int, H: int, norm_key: str, g: np.ndarray,
+                       head_key: str | None, folded: bool) -> None:
+    """Refuse module ``m`` when its final norm ``g`` (as applied) and LM head ``head_key`` could
+    give a logit that is not finite in FP32: the LM head reads ``y = rmsnorm(h) * g``, and
+    ``sum_i |y_i| |W_vi| <= max|W| max|g| sum_i |h_i| / rms(h) <= H max|g| max|W|`` (Cauchy-
+    Schwarz: ``sum_i |h_i| <= sqrt(H) ||h||``, ``rms(h) >= ||h|| / sqrt(H)``), so no partial sum
+    of any order can overflow while that is below ``LOGIT_BOUND`` (its factor 4 below FLT_MAX
+    covers the FP32 rounding of the norm and of the sums). Then every logit of a finite hidden
+    is finite on every backend, and the backends' argmax and confidences agree within FP32
+    rounding. ``max|W|`` is over the whole tensor as stored (``CheckpointReader.abs_max``): a
+    vocabulary shard or a draft vocabulary holds a subset of its rows, and every rank of a
+    sharded head computes the same value and refuses alike."""
+    if head_key is None:                     # no LM head at all: vocab_matrix names what is missing
+        return
+    wmax = rd.abs_max(head_key)
+    where = f"tensor {head_key!r} in {rd.file_of(head_key)}"
+    if not math.isfinite(wmax):
+        raise CheckpointError(f"{where}: holds NaN or infinite values")
+    with np.errstate(over="ignore", invalid="ignore"):
+        gmax = float(np.max(np.abs(np.asarray(g, np.float32)))) if g.size else 0.0
+    bound = H * gmax * wmax
+    if not bound < LOGIT_BOUND:
+        how = " (zero-centred: applied as 1 + w)" if folded else ""
+        raise CheckpointError(
+            f"module {m}: its final norm {norm_key!r}{how} and LM head {head_key!r} could give logits that "
+            f"overflow FP32: hidden_size * max|g| * max|W| = {H} * {gmax:.6g} * {wmax:.6g} = {bound:.6g}, "
+            f"expected below {LOGIT_BOUND:.6g} (2^126, FLT_MAX / 4), the bound under which every logit of a "
+            f"finite hidden is finite in any summation order (docs/checkpoints.md)")
+
+
 def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_norm: bool = False, *,
                  allow_unused_tensors: bool = False, shard: Shard | None = None,
                  head_ids: np.ndarray | None = None) -> MtpWeights:
@@ -846,12 +925,15 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                     at += a.shape[0]
             return out
 
-        def norm(suffix, scale: float = 1.0):
-            """A norm weight, zero-centred ones folded (stored w, applied as 1 + w), times
-            ``scale`` (an output scale of the norm, folded in FP32)."""
+        def norm_host(suffix, scale: float = 1.0):
+            """A norm weight on the host as the backends apply it: zero-centred ones folded
+            (stored w, applied as 1 + w), times ``scale`` (an output scale of the norm, in FP32)."""
             v = w(suffix)
             v = v.astype(np.float32) + 1.0 if fam.folds_norm(suffix) else v
-            return backend.prepare_vector(v if scale == 1.0 else v.astype(np.float32) * np.float32(scale))
+            return v if scale == 1.0 else v.astype(np.float32) * np.float32(scale)
+
+        def norm(suffix, scale: float = 1.0):
+            return backend.prepare_vector(norm_host(suffix, scale))
 
         def qkv_rows(q, k, v, g=None):
             """The parts of the fused projection in its row order: q | k | v (| gate): the
@@ -935,6 +1017,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         head_keys = [spec["shared_head.head.weight"][0], fam.target_head]
         if cfg.tie_word_embeddings:
             head_keys.append(fam.target_embed)
+        final_norm = norm_host("shared_head.norm.weight")
+        _check_logit_bound(rd, m, H, spec["shared_head.norm.weight"][0], final_norm,
+                           next((k for k in head_keys if rd.has(k)), None), fam.folds_norm("shared_head.norm.weight"))
         D, Dv = blk.head_dim, blk.v_dim
         hw_gate = blk.attn_gate == "headwise"
         mw = ModuleWeights(
@@ -961,7 +1046,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             k_norm=norm("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
             w_o=backend.prepare_weight(w("self_attn.o_proj.weight",
                                          cols=None if hs is None else (hs.q0 * Dv, hs.q1 * Dv))),
-            shared_head_norm=norm("shared_head.norm.weight"),
+            shared_head_norm=backend.prepare_vector(final_norm),
         )
         if blk.mla:
             mla(mw)

@@ -9,7 +9,11 @@
   backend's ``rmsnorm`` and ``mtp_input`` give the same normalized result at scale 1e20
   (and 3e38) as at scale 1, as the definition does (eps aside);
 - the float config ranges: docs/checkpoints.md states the ranges the code enforces, and
-  every refusal gives the reason.
+  every refusal gives the reason;
+- LM heads whose logits could overflow FP32 (the reference drafted where the cpu backend, its
+  FP32 sums meeting +inf and -inf, raised NoAllowedToken): refused at load by the bound
+  ``hidden_size * max|g| * max|W| < 2^126``, alike on every rank of a sharded head; a hidden
+  that overflows inside a module raises NoAllowedToken on every backend.
 """
 
 from __future__ import annotations
@@ -321,3 +325,200 @@ def test_checkpoints_doc_states_the_enforced_range(name):
           "attention_value_scale": 0.5}[name]
     MtpConfig.from_dict(_config_with(name, ok))
     assert math.isfinite(ok)
+
+
+# -- 5. logits that could overflow FP32: refused at load -------------------------------------------
+
+def _scaled_checkpoint(path, factor, rows=slice(None), key="lm_head.weight", cfg=None, **kw):
+    """The tiny checkpoint (FP32) at ``path`` with ``key``'s ``rows`` times ``factor`` (clipped to
+    FP32's range)."""
+    from safetensors.numpy import load_file, save_file
+
+    from mtpkern import write_synthetic_checkpoint
+
+    write_synthetic_checkpoint(path, cfg or tiny_config(), seed=7, dtype="float32", **kw)
+    t = load_file(path / "model.safetensors")
+    a = t[key].astype(np.float64)
+    a[rows] *= factor
+    t[key] = np.clip(a, -3.4e38, 3.4e38).astype(np.float32)
+    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _one_token_mask(k, V):
+    mask = np.zeros((V + 31) // 32, np.uint32)
+    mask[k >> 5] = np.uint32(1) << np.uint32(k & 31)
+    return mask.view(np.int32)
+
+
+@pytest.fixture(scope="module")
+def overflowing_head(tmp_path_factory):
+    """An LM head x 1.5e38: in FP32 some of its logits' partial sums overflow, in orders that
+    differ between the backends."""
+    return _scaled_checkpoint(tmp_path_factory.mktemp("overflowing_head"), 1.5e38)
+
+
+def _draft_or_error(be, path, k):
+    """The one draft a mask allowing only token ``k`` gives on ``be`` (or the error's name)."""
+    from mtpkern import MultiModuleMtpHead
+
+    cfg = tiny_config()
+    try:
+        prop = MultiModuleMtpHead.from_pretrained(path, backend=be, kv_mode="exact", block_size=4, num_blocks=64)
+        prop.step_runner = None
+        rng = np.random.default_rng(0)
+        st = prop.alloc_state()
+        prop.prefill_drafter(rng.integers(0, cfg.vocab_size, 5).tolist(),
+                             rng.standard_normal((5, cfg.hidden_size)).astype(np.float32), st)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return prop.propose(3, rng.standard_normal(cfg.hidden_size).astype(np.float32), 5, 1, st,
+                                grammar_bitmask=_one_token_mask(k, cfg.vocab_size))
+    except Exception as e:
+        return type(e).__name__
+
+
+def test_overflowing_head_gives_one_answer_on_every_backend(be, overflowing_head):
+    """The issue's case: with the LM head of ``overflowing_head`` and a mask allowing token 1
+    only, the reference (exact sums) drafted 1 where the cpu backend (FP32 sums, one of which
+    met +inf and -inf: NaN) raised NoAllowedToken. Now no backend loads it, so all agree."""
+    got = {name: _draft_or_error(b, overflowing_head, 1) for name, b in (("numpy", "numpy"), ("this", be))}
+    assert got == {"numpy": "CheckpointError", "this": "CheckpointError"}, got
+
+
+def test_overflowing_head_refusal_names_tensors_bound_and_value(overflowing_head):
+    from mtpkern import MultiModuleMtpHead
+    from mtpkern.weights import LOGIT_BOUND
+
+    with pytest.raises(ValueError) as e:
+        MultiModuleMtpHead.from_pretrained(overflowing_head, backend="numpy")
+    msg = str(e.value)
+    assert "module 0: its final norm 'model.layers.2.shared_head.norm.weight'" in msg, msg
+    assert "LM head 'lm_head.weight'" in msg
+    from safetensors.numpy import load_file
+
+    w = np.abs(load_file(overflowing_head / "model.safetensors")["lm_head.weight"]).max()
+    assert f"max|W| = 64 * " in msg and f"{float(w):.6g}" in msg, msg
+    assert f"expected below {LOGIT_BOUND:.6g} (2^126" in msg
+
+
+def test_logit_bound_is_the_checkpoints_own(tmp_path):
+    """The refusal is the bound itself: a head scaled to just below ``LOGIT_BOUND`` loads, 2%
+    more is refused."""
+    from safetensors.numpy import load_file
+
+    from mtpkern.weights import LOGIT_BOUND, load_weights
+
+    cfg = tiny_config()
+    base = load_file(_scaled_checkpoint(tmp_path / "base", 1.0) / "model.safetensors")
+    gmax = max(np.abs(base[f"model.layers.{cfg.layer_index(m)}.shared_head.norm.weight"]).max()
+               for m in range(cfg.num_modules))
+    wmax = np.abs(base["lm_head.weight"]).max()
+    edge = LOGIT_BOUND / (cfg.hidden_size * float(gmax) * float(wmax))
+    below = _scaled_checkpoint(tmp_path / "below", edge * 0.99)
+    load_weights(below, cfg, get_backend("numpy"))
+    above = _scaled_checkpoint(tmp_path / "above", edge * 1.01)
+    with pytest.raises(ValueError, match="could give logits that overflow FP32"):
+        load_weights(above, cfg, get_backend("numpy"))
+
+
+def test_logit_bound_worst_case_is_finite(be):
+    """The bound is reached: ``y = rmsnorm(h) * g`` with every |h_i| equal, ``g`` = max|g|
+    everywhere and a head row ``max|W| * sign(h)`` gives ``H * max|g| * max|W|``; just below
+    ``LOGIT_BOUND`` that logit is finite (the largest) on every backend, and so is every
+    partial sum of the row."""
+    from mtpkern.weights import LOGIT_BOUND
+
+    H = 64
+    rng = np.random.default_rng(3)
+    sign = np.where(rng.random(H) < 0.5, -1.0, 1.0).astype(np.float32)
+    gmax = np.float32(3.0)
+    wmax = np.float32(LOGIT_BOUND / (H * 3.0) * (1 - 2.0 ** -20))
+    h = (sign * np.float32(5.0))[None, :]
+    w = np.stack([wmax * sign, -wmax * sign, wmax * np.ones(H, np.float32)]).astype(np.float32)
+    y = be.rmsnorm(be.from_host(h), be.prepare_vector(np.full(H, gmax, np.float32)), 1e-6)
+    conf = np.zeros(1, np.float32)
+    ids = be.to_host(be.lm_head_argmax(y, be.prepare_weight(w), None, conf=conf))
+    assert ids.tolist() == [0]
+    assert be.to_host(conf)[0] == 1.0                # the others are far below: exp(-inf-ish) = 0
+    top = float(np.dot(be.to_host(y)[0].astype(np.float64), w[0].astype(np.float64)))
+    assert math.isfinite(top) and abs(top) < LOGIT_BOUND
+
+
+def test_own_heads_are_bounded_each(tmp_path):
+    """Modules with their own heads: the module whose head overflows is the one named."""
+    from mtpkern.weights import load_weights
+
+    cfg = tiny_config()
+    key = f"model.layers.{cfg.layer_index(1)}.shared_head.head.weight"
+    path = _scaled_checkpoint(tmp_path, 1.5e38, key=key, own_head=True)
+    with pytest.raises(ValueError) as e:
+        load_weights(path, cfg, get_backend("numpy"))
+    assert f"module 1: its final norm 'model.layers.{cfg.layer_index(1)}.shared_head.norm.weight'" in str(e.value)
+    assert f"LM head {key!r}" in str(e.value)
+
+
+@pytest.mark.parametrize("factor", [1.5e38, np.nan])
+def test_sharded_heads_refuse_alike(tmp_path, factor):
+    """A vocabulary shard: rows only rank 1 holds overflow (or are NaN); both ranks refuse, with
+    the same message: the bound is taken over the whole tensor as stored, not the rank's rows
+    (before, rank 0 loaded and rank 1 loaded (overflow) or refused alone (NaN))."""
+    from mtpkern.shard import Shard
+    from mtpkern.weights import load_weights
+
+    cfg = tiny_config()
+    lo, _ = Shard(1, 2).vocab(cfg.vocab_size)
+    path = _scaled_checkpoint(tmp_path, factor, rows=slice(lo + 8, lo + 9))
+    msgs = []
+    for r in range(2):
+        with pytest.raises(ValueError) as e:
+            load_weights(path, cfg, get_backend("numpy"), shard=Shard(r, 2))
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1] and "'lm_head.weight'" in msgs[0], msgs
+
+
+@pytest.mark.parametrize("dtype,store", [("BF16", np.uint16), ("F32", np.uint32)])
+def test_abs_max_bits(dtype, store):
+    """max |w| from the raw bits, chunked: signs, subnormals, infinities and NaN."""
+    import ml_dtypes
+
+    from mtpkern.weights import abs_max_bits
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "BF16" else np.float32
+    rng = np.random.default_rng(0)
+    vals = (rng.standard_normal(1000) * 1e30).astype(np_dtype)
+    vals[17] = np_dtype(-3e38)
+    bits = vals.view(store)
+    assert abs_max_bits(bits, dtype, chunk=7) == float(np.abs(vals.astype(np.float64)).max()) == float(np_dtype(3e38))
+    assert abs_max_bits(np.array([1e-40, -2e-41], np_dtype).view(store), dtype) == float(np_dtype(1e-40))
+    assert abs_max_bits(np.zeros(0, store), dtype) == 0.0
+    vals[500] = -np.inf
+    assert abs_max_bits(vals.view(store), dtype, chunk=64) == math.inf
+    vals[3] = np.nan
+    assert math.isnan(abs_max_bits(vals.view(store), dtype, chunk=64))
+
+
+def test_non_finite_hidden_inside_a_module_raises_on_every_backend(be, tmp_path):
+    """A hidden that overflows inside a module (down_proj x 3e38: the MLP's output is +-inf):
+    its final norm gives NaN on every element the infinity reaches, every logit is NaN, and every
+    backend raises NoAllowedToken, at the same draft position as the reference (docs/api.md)."""
+    from mtpkern import MultiModuleMtpHead
+
+    cfg = tiny_config(n_routed_experts=0, intermediate_size=48, attention_bias=False, use_qk_norm=False,
+                      partial_rotary_factor=1.0, num_nextn_predict_layers=2)
+    key = f"model.layers.{cfg.layer_index(0)}.mlp.down_proj.weight"
+    path = _scaled_checkpoint(tmp_path, 3e38, key=key, cfg=cfg)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    props = [MultiModuleMtpHead.from_pretrained(path, backend=b, kv_mode="exact", block_size=4, num_blocks=64)
+             for b in ("numpy", be)]
+    for seed in range(3):
+        got = []
+        for prop in props:
+            prop.step_runner = None
+            rng = np.random.default_rng(seed)
+            st = prop.alloc_state()
+            with np.errstate(over="ignore", invalid="ignore"):
+                prop.prefill_drafter(rng.integers(0, V, 5).tolist(), rng.standard_normal((5, H)).astype(np.float32), st)
+                with pytest.raises(NoAllowedToken, match="every logit is NaN") as e:
+                    prop.propose(3, rng.standard_normal(H).astype(np.float32), 5, 2, st)
+            got.append(e.value.draft)
+        assert got[0] == got[1], (seed, got)
