@@ -376,7 +376,7 @@ def simulate_router_select(logits, bias, spec):
                     b = v
             gs[g] = F32(a) + F32(b) if EG >= 2 else a
         keep = [sum(ranks_before(gs[h], h, gs[g], g) for h in range(G)) < spec.topk_group for g in range(G)]
-        cm = np.array([c[e] if keep[e // EG] else F32(0) for e in range(E)], F32)
+        cm = np.array([c[e] if keep[e // EG] else F32(-np.inf) for e in range(E)], F32)
         sel = np.empty(K, F32)
         for e in range(E):
             rank = sum(ranks_before(cm[f], f, cm[e], e) for f in range(E))

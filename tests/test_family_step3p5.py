@@ -386,17 +386,21 @@ def _moe(W, p, b, d, limit):
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_modules_compute_the_reference_forward(step_ckpt, backend):
     """10 rows through a window of 6: the window, the 8 sliding heads, the gate per head."""
-    raw = load_file(str(step_ckpt / "model.safetensors"))
-    d = release_config()
-    prop = MultiModuleMtpHead.from_pretrained(step_ckpt, backend=backend)
-    rng = np.random.default_rng(4)
+    check_modules_against_reference(step_ckpt, release_config(), backend, seed=4)
+
+
+def check_modules_against_reference(ckpt, d: dict, backend: str, seed: int) -> None:
+    """Each module's forward of 10 rows (positions 1..10) equals ``step3p5_mtp_rows``."""
+    raw = load_file(str(ckpt / "model.safetensors"))
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=backend)
+    rng = np.random.default_rng(seed)
     for m in range(3):
         toks = rng.integers(0, 301, 10).astype(np.int32)
         g = rand_hiddens(rng, 10, 64)
         want_y, want_n = step3p5_mtp_rows(raw, d, m, toks, g)
         head = prop.modules[m]
         seq = head.alloc_seq()
-        y, normed = head.forward([RowJob(seq, toks, 0, 1)], g)          # positions 1..10
+        y, normed = head.forward([RowJob(seq, toks, 0, 1)], g)
         np.testing.assert_allclose(prop.backend.to_host(y), want_y, rtol=2e-4, atol=2e-4)
         np.testing.assert_allclose(prop.backend.to_host(normed), want_n, rtol=2e-4, atol=2e-4)
         head.free_seq(seq)
@@ -471,20 +475,7 @@ def test_moe_mtp_layers_compute_the_reference_forward(moe_ckpt, backend):
     """Each module against a float64 model of Step3p5's decoder layer from the raw packed
     tensors: sigmoid router, top-2 of score + router_bias, renormalised times 3.0, the
     routed and shared clamps of module 2."""
-    raw = load_file(str(moe_ckpt / "model.safetensors"))
-    d = moe_config()
-    prop = MultiModuleMtpHead.from_pretrained(moe_ckpt, backend=backend)
-    rng = np.random.default_rng(8)
-    for m in range(3):
-        toks = rng.integers(0, 301, 10).astype(np.int32)
-        g = rand_hiddens(rng, 10, 64)
-        want_y, want_n = step3p5_mtp_rows(raw, d, m, toks, g)
-        head = prop.modules[m]
-        seq = head.alloc_seq()
-        y, normed = head.forward([RowJob(seq, toks, 0, 1)], g)
-        np.testing.assert_allclose(prop.backend.to_host(y), want_y, rtol=2e-4, atol=2e-4)
-        np.testing.assert_allclose(prop.backend.to_host(normed), want_n, rtol=2e-4, atol=2e-4)
-        head.free_seq(seq)
+    check_modules_against_reference(moe_ckpt, moe_config(), backend, seed=8)
 
 
 def test_the_clamps_bind_in_the_moe_reference(moe_ckpt):
