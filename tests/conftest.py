@@ -45,7 +45,41 @@ def pytest_configure(config):
     _CONFIG[:] = [config]
 
 
+#: Sweeps of which the default run keeps a few cases, the rest marked slow (the default run
+#: on 2 cores stays near 8 min; .ci/run runs ``-m slow`` after it, so CI still runs them all).
+#: test -> the parameter ids kept in the default run (an empty tuple: the whole test is slow).
+#: Chosen from ``pytest --durations=0`` (2 idle cores, 2026-12-05): together ~290 s.
+SLOW_SWEEPS: dict[str, tuple[str, ...]] = {
+    # NVRTC compiles every kernel for sm_80 and sm_90 under both toolkits: ~170 s
+    "test_cuda_compile.py::test_every_instantiation_compiles": (),
+    "test_cuda_compile.py::test_no_register_spills": (),
+    "test_cuda_compile.py::test_registers_match_recorded": (),
+    # the emulated kernels over many rows: the FP32-cache pair keeps the row loop covered
+    "test_cuda_emulated.py::test_many_rows": ("kv_float32-float32", "kv_float32-fp8_block"),
+    # one state machine per mode and checkpoint kind (numpy / cpu both kept)
+    "test_state_machine.py::test_proposer_state_machine": ("cpu-exact-sm_ckpt", "cpu-draft-window_ckpt",
+                                                           "numpy-draft-qwen_ckpt"),
+    # every block in draft mode, and the two mixed ones in exact mode
+    "test_cuda_emulated.py::test_blocks_match_numpy_reference_and_replay": (
+        "draft-", "exact-mixed", "exact-mla_mixed"),
+    "test_cuda_emulated.py::test_windows_release_blocks_on_the_kernels": ("draft",),
+}
+
+
+def _slow_sweep(item) -> bool:
+    name = item.nodeid.split("/")[-1]
+    base, _, params = name.partition("[")
+    keep = SLOW_SWEEPS.get(base)
+    if keep is None:
+        return False
+    return not any(params.startswith(k) for k in keep)
+
+
+@pytest.hookimpl(tryfirst=True)                 # before -m "not slow" deselects
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _slow_sweep(item):
+            item.add_marker(pytest.mark.slow)
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device")
