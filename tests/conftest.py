@@ -48,7 +48,7 @@ def pytest_configure(config):
 #: Sweeps of which the default run keeps a few cases, the rest marked slow (the default run
 #: on 2 cores stays near 8 min; .ci/run runs ``-m slow`` after it, so CI still runs them all).
 #: test -> the parameter ids kept in the default run (an empty tuple: the whole test is slow).
-#: Chosen from ``pytest --durations=0`` (2 idle cores, 2026-12-05): together ~290 s.
+#: Chosen from ``pytest --durations=0`` (2 idle cores, 2026-12-05): together ~350 s.
 SLOW_SWEEPS: dict[str, tuple[str, ...]] = {
     # NVRTC compiles every kernel for sm_80 and sm_90 under both toolkits: ~170 s
     "test_cuda_compile.py::test_every_instantiation_compiles": (),
@@ -63,6 +63,17 @@ SLOW_SWEEPS: dict[str, tuple[str, ...]] = {
     "test_cuda_emulated.py::test_blocks_match_numpy_reference_and_replay": (
         "draft-", "exact-mixed", "exact-mla_mixed"),
     "test_cuda_emulated.py::test_windows_release_blocks_on_the_kernels": ("draft",),
+    "test_cuda_emulated.py::test_proposer_matches_numpy_reference": ("tiny-",),
+    "test_cuda_emulated.py::test_step3p5_matches_numpy_reference_and_replays": ("draft",),
+    "test_cuda_emulated.py::test_mimo_v2_flash_on_the_kernels": ("bf16",),
+    # attention sweeps on the emulator: every FP32-cache shape, one BF16 shape
+    "test_cuda_emulated.py::test_paged_attention_rows_of_one_sequence": (
+        "kv_float32", "kv_bfloat16-16-2-48-200-8-interleaved"),
+    "test_cuda_emulated.py::test_attention_window_sinks_shapes": ("kv_float32", "kv_bfloat16-132-24-4-128-64-7-33"),
+    "test_window_memory.py::test_long_run_holds_the_window_not_the_sequence": (
+        "windowed-exact-cpu", "windowed_mla-exact-cpu", "windowed-draft", "windowed_mla-draft"),
+    # the value tiles' 144 shapes: the 48 with no leading offset
+    "test_cpu_simd.py::test_value_tiles_match_float64": ("0-",),
 }
 
 
