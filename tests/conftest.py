@@ -45,8 +45,9 @@ def pytest_configure(config):
     _CONFIG[:] = [config]
 
 
-#: Sweeps of which the default run keeps a few cases, the rest marked slow (the default run
-#: on 2 cores stays near 8 min; .ci/run runs ``-m slow`` after it, so CI still runs them all).
+#: Sweeps of which the default run keeps a few cases, the rest marked slow and sweep (the
+#: default run stays near 8 min on 2 cores; .ci/run runs ``-m sweep`` after it, so CI still
+#: runs every case it ran before; ``-m slow`` runs these and the older long runs).
 #: test -> the parameter ids kept in the default run (an empty tuple: the whole test is slow).
 #: Chosen from ``pytest --durations=0`` (2 idle cores, 2026-12-05): together ~350 s.
 SLOW_SWEEPS: dict[str, tuple[str, ...]] = {
@@ -89,8 +90,9 @@ def _slow_sweep(item) -> bool:
 @pytest.hookimpl(tryfirst=True)                 # before -m "not slow" deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _slow_sweep(item):
+        if _slow_sweep(item) and item.get_closest_marker("slow") is None:    # a long run stays one
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.sweep)
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device")
