@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,17 +128,9 @@ be = CpuBackend()
 prop = MultiModuleMtpHead.from_pretrained(sys.argv[1], backend=be, block_size=4, num_blocks=64)
 be.warm_up(needs=KernelNeeds.of(prop))
 after_warm_up = loaded()
-rng = np.random.default_rng(0)
-H, V = prop.config.hidden_size, prop.config.vocab_size
-sts = [prop.alloc_state() for _ in range(3)]
-for st in sts:
-    prop.prefill_drafter(rng.integers(0, V, 9), rng.standard_normal((9, H)).astype(np.float32), st)
-d = prop.propose(5, rng.standard_normal(H).astype(np.float32), 9, 3, sts[0])
-prop.after_verify(2, sts[0])
-prop.catchup_drafter(d[:2], rng.standard_normal((2, H)).astype(np.float32), sts[0])
-mask = np.full(-(-V // 32), -1, np.int32)
-prop.propose_batch([1, 2], rng.standard_normal((2, H)).astype(np.float32), [9, 9], 3, sts[1:],
-                   grammar_bitmasks=[mask, None])
+sys.path.insert(0, sys.argv[2])
+from warm_up_calls import every_call
+every_call(prop, np.random.default_rng(0))
 after = loaded()
 print(json.dumps({"warm_up": after_warm_up,
                   "added": {k: sorted(set(v) - set(after_warm_up.get(k, ()))) for k, v in after.items()
@@ -146,7 +139,7 @@ print(json.dumps({"warm_up": after_warm_up,
 
 
 def _probe(ckpt) -> dict:
-    r = subprocess.run([sys.executable, "-c", _PROBE, str(ckpt)], capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", _PROBE, str(ckpt), str(Path(__file__).parent)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

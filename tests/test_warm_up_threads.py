@@ -14,6 +14,7 @@ from mtpkern import MultiModuleMtpHead
 from mtpkern.backends import get_backend
 from mtpkern.backends.cpu import CpuBackend, default_threads
 from mtpkern.backends.warm_up import family_calls
+from warm_up_calls import every_call
 
 POOL = numba.config.NUMBA_NUM_THREADS
 
@@ -37,19 +38,10 @@ def test_after_warm_up_a_propose_compiles_nothing(tmp_path, tiny_cfg, dtype):
     be = CpuBackend()
     be.warm_up()
     rng = np.random.default_rng(0)
-    H, V = tiny_cfg.hidden_size, tiny_cfg.vocab_size
     with event.install_recorder("numba:compile") as rec:
         for mode in ("exact", "draft"):
-            prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=mode, block_size=4, num_blocks=64)
-            sts = [prop.alloc_state() for _ in range(3)]
-            for st in sts:
-                prop.prefill_drafter(rng.integers(0, V, 9), rng.standard_normal((9, H)).astype(np.float32), st)
-            d = prop.propose(5, rng.standard_normal(H).astype(np.float32), 9, 3, sts[0])
-            prop.after_verify(2, sts[0])
-            prop.catchup_drafter(d[:2], rng.standard_normal((2, H)).astype(np.float32), sts[0])
-            mask = np.full(-(-V // 32), -1, np.int32)
-            prop.propose_batch([1, 2], rng.standard_normal((2, H)).astype(np.float32), [9, 9], 3, sts[1:],
-                               grammar_bitmasks=[mask, None])
+            every_call(MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=mode, block_size=4, num_blocks=64),
+                       rng)
     compiled = sorted({ev.data["dispatcher"].py_func.__name__ for _, ev in rec.buffer if ev.is_start})
     assert compiled == []
 
