@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..ops import attention, gate, linear, lm_head, mla, mlp, moe, norm, rope_kv
+from ..ops import attention, dsa, gate, linear, lm_head, mla, mlp, moe, norm, rope_kv
 from ..quant import Fp8Weight
 from .base import Backend
 
@@ -85,6 +85,8 @@ class NumpyBackend(Backend):
     paged_attention = with_out(attention.paged_attention)
     mla_latent_write = with_out(mla.mla_latent_write)
     mla_attention_absorbed = with_out(mla.mla_attention_absorbed)
+    dsa_key_write = with_out(dsa.dsa_key_write)
+    dsa_select = with_out(dsa.dsa_select)
     sigmoid_gate = with_out(gate.sigmoid_gate)
     moe_router = with_out(moe.moe_router, "ids", "weights")
     moe_experts = with_out(moe.moe_experts)

@@ -28,7 +28,7 @@ latent_cache [NB, BS, L + R], slots [n], *, q=None, interleave=False, rope_scale
 
 ``mla_attention_absorbed(q [n, Hq, P + R], w_uk [Hq, P, L], w_uv [Hq, Dv, L],
 latent_cache [NB, BS, L + R], block_tables [S, max_blocks], row_seq [n], row_len [n], scale,
-*, row_start [n] | None = None) -> [n, Hq * Dv]``
+*, row_start [n] | None = None, index [n, T] | None = None) -> [n, Hq * Dv]``
 
 Rows, sequences, block tables and ``row_start`` mean what they mean in
 ``mtpkern.ops.attention.paged_attention``. ``q`` per head is ``[q_nope (P) | q_pe (R)]``
@@ -46,6 +46,13 @@ The absorbed form never does:
 so each latent row is read once per head and never widened to ``Hq * (P + R + Dv)``.
 ``scale`` is the caller's: DeepSeek-V3's ``(P + R)^-0.5``, times YaRN's
 ``mscale(factor, mscale_all_dim)^2`` when set. Results are FP32.
+
+``index`` (DSA's sparse attention, ``mtpkern.ops.dsa.dsa_select``'s result): row ``r``
+attends only to the rows ``index[r, :c]``, ``c`` its entries before the first ``-1``: row
+numbers of its sequence, strictly ascending, each visible to the row (``row_start[r] <= j <
+row_len[r]``; ``check_index`` refuses others). The rows are read in list order, as the
+dense form reads the visible rows: a list of every visible row is the dense attention, bit
+for bit, in every backend.
 
 ``mla_attention_naive(q, kv_b_proj [Hq * (P + Dv), L], latent_cache, block_tables,
 row_seq, row_len, scale, *, row_start=None)`` (reference only) is the specification the
@@ -140,7 +147,29 @@ def mla_latent_write(kv_a, kv_a_norm_w, eps: float, inv_freq_, positions, latent
     return q
 
 
-def check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start=None) -> None:
+def check_index(index, n: int, row_len, row_start=None) -> None:
+    """``index`` [n, T] int32 (host): per row, rows it may see, strictly ascending, then -1s."""
+    expect_ndim("index", index, 2)
+    expect_shape("index", index, (n, None))
+    expect_dtype("index", index, "int32")
+    if index.shape[1] < 1:
+        raise ValueError(f"index: expected [{n}, T >= 1], got shape {list(index.shape)}")
+    ix = np.asarray(index, np.int64)
+    valid = ix >= 0
+    lo = np.zeros(n, np.int64) if row_start is None else np.asarray(row_start, np.int64)
+    hi = np.asarray(row_len, np.int64)
+    bad = (ix < -1) | (valid & ((ix < lo[:, None]) | (ix >= hi[:, None])))
+    bad[:, 1:] |= valid[:, 1:] & ~valid[:, :-1]                     # an entry after a -1
+    bad[:, 1:] |= valid[:, 1:] & valid[:, :-1] & (ix[:, 1:] <= ix[:, :-1])
+    bad[:, 0] |= ~valid[:, 0]                                        # every row attends to one row at least
+    if bad.any():
+        r, i = (int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"index[{r}, {i}]: expected a row in [{int(lo[r])}, {int(hi[r])}) above the entry before "
+                         f"it, then -1s (row {r}'s list starts with a row), got {int(ix[r, i])}")
+
+
+def check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start=None,
+                        index=None) -> None:
     expect_ndim("latent_cache", latent_cache, 3)
     NB, BS, W = latent_cache.shape
     expect_ndim("w_uk", w_uk, 3)
@@ -157,11 +186,13 @@ def check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_
     if w_uv.shape[1] < 1:
         raise ValueError(f"w_uv: expected a value head dim >= 1, got shape {list(w_uv.shape)}")
     check_row_index(n, block_tables, row_seq, row_len, row_start)
+    if index is not None:
+        check_index(index, n, row_len, row_start)
 
 
 def mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
-                           scale: float, *, row_start=None) -> np.ndarray:
-    check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start)
+                           scale: float, *, row_start=None, index=None) -> np.ndarray:
+    check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start, index)
     NB, BS, W = latent_cache.shape
     Hq, P, L = w_uk.shape
     n = q.shape[0]
@@ -172,6 +203,9 @@ def mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, r
     out = np.zeros((n, Hq, Dv), np.float32)
     for r in range(n):
         blk, off = visible_rows(r, block_tables, row_seq, row_len, row_start, BS)
+        if index is not None:                # DSA: the listed rows only
+            j = index[r][index[r] >= 0].astype(np.int64)
+            blk, off = block_tables[int(row_seq[r]), j // BS], j % BS
         rows = np.asarray(latent_cache[blk, off], np.float32)                  # [L', L + R]
         c, k_pe = rows[:, :L], rows[:, L:]                                     # [L', L], [L', R]
         q_lat = np.einsum("hp,hpl->hl", q[r, :, :P], w_uk)                     # [Hq, L]
