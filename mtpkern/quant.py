@@ -82,7 +82,8 @@ class Fp8Weight:
       bits with bias 7, 3 mantissa bits; 0x7F / 0xFF are NaN, no infinity, 0x7E = 448,
       0x80 = -0, 0x01..0x07 subnormal: m * 2^-9). A ``float8_e4m3fn`` array is accepted
       and viewed as its bits.
-    - ``scale``: float32 (BF16 / FP16 scales are widened exactly):
+    - ``scale``: float32 (BF16 / FP16 scales, and the E8M0 ones of DeepSeek-V4's
+      ``scale_fmt: "ue8m0"``, are widened exactly; an E8M0 NaN code becomes NaN and is refused):
 
       * ``block = (bn, bk)``: ``[.., ceil(N / bn), ceil(K / bk)]``, the checkpoint's
         ``weight_scale_inv``; ``w[n, k] = e4m3(data[n, k]) * scale[n // bn, k // bk]``.
@@ -134,9 +135,9 @@ class Fp8Weight:
         scale = self.scale
         if not isinstance(scale, np.ndarray):
             raise TypeError(f"scale: expected a NumPy array, got {type(scale).__name__}")
-        if scale.dtype.name not in ("float32", "bfloat16", "float16"):
-            raise TypeError(f"scale: expected dtype float32 (bfloat16 / float16 widen exactly), "
-                            f"got {scale.dtype.name}")
+        if scale.dtype.name not in ("float32", "bfloat16", "float16", "float8_e8m0fnu"):
+            raise TypeError(f"scale: expected dtype float32 (bfloat16 / float16 / float8_e8m0fnu widen "
+                            f"exactly), got {scale.dtype.name}")
         *lead, N, K = data.shape
         if block is None:
             want = (*lead, N)
@@ -256,14 +257,246 @@ class Fp8Weight:
         return cls(np.stack([p.data for p in parts]), np.stack([p.scale for p in parts]), parts[0].block)
 
 
-def _matrices(parts: Sequence[Fp8Weight]) -> list[Fp8Weight]:
-    """``parts`` as a list of at least one 2-D Fp8Weight (for concat and stack)."""
+def _matrices(parts: Sequence, cls: type | None = None) -> list:
+    """``parts`` as a list of at least one 2-D ``cls`` (Fp8Weight unless given; for concat and stack)."""
+    cls = cls or Fp8Weight
     parts = list(parts)
     if not parts:
-        raise ValueError("parts: expected at least one Fp8Weight, got none")
+        raise ValueError(f"parts: expected at least one {cls.__name__}, got none")
     for i, p in enumerate(parts):
-        if not isinstance(p, Fp8Weight):
-            raise TypeError(f"parts[{i}]: expected an Fp8Weight, got {type(p).__name__}")
+        if not isinstance(p, cls):
+            raise TypeError(f"parts[{i}]: expected an {cls.__name__}, got {type(p).__name__}")
         if p.ndim != 2:
             raise ValueError(f"parts[{i}]: expected a weight [N, K], got {_dims(p.shape)}")
     return parts
+
+
+# -- FP4 E2M1 weights with E8M0 block scales (DeepSeek-V4's routed experts; docs/fp4.md) -----
+
+#: weights per E8M0 scale, along the input dim K (the OCP microscaling block)
+FP4_BLOCK = 32
+#: the largest E2M1 value (0x7 / 0xF); E2M1 has no infinity and no NaN
+E2M1_MAX = 6.0
+#: the E8M0 code that is NaN (``float8_e8m0fnu``: 0xFF); every other code c is 2^(c - 127)
+E8M0_NAN = 0xFF
+#: the largest E8M0 code whose scale keeps every weight of its block finite in FP32:
+#: 6 * 2^(252 - 127) = 1.5 * 2^127 < FLT_MAX, while 6 * 2^126 overflows
+E8M0_MAX_CODE = 252
+
+
+@functools.cache
+def e2m1_table() -> np.ndarray:
+    """[16] float32: the exact value of every E2M1 code (``float4_e2m1fn``: sign bit 3, two
+    exponent bits with bias 1, one mantissa bit): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
+    (0x8 is -0)."""
+    mag = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+    table = np.concatenate([mag, -mag]).astype(np.float32)
+    table.flags.writeable = False
+    return table
+
+
+@functools.cache
+def e8m0_table() -> np.ndarray:
+    """[256] float32: 2^(c - 127) for every E8M0 code c (code 0 is 2^-127, an FP32 subnormal,
+    exact); NaN at 0xFF."""
+    bits = np.arange(256, dtype=np.uint32) << 23               # 2^(c - 127) for c >= 1: the exponent field
+    bits[0] = 0x00400000                                         # 2^-127: FP32's subnormal with the top mantissa bit
+    bits[E8M0_NAN] = 0x7FC00000
+    table = bits.view(np.float32)
+    table.flags.writeable = False
+    return table
+
+
+def pack_e2m1(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes ``[.., K]`` (each < 16, K even) -> uint8 ``[.., K / 2]``: column 2j in the low
+    nibble of byte j, column 2j + 1 in its high nibble (DeepSeek-V4's packing: docs/fp4.md)."""
+    codes = np.asarray(codes, np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_e2m1(data: np.ndarray) -> np.ndarray:
+    """uint8 ``[.., K / 2]`` packed codes -> uint8 ``[.., K]``, one code per weight (``pack_e2m1``'s inverse)."""
+    data = np.asarray(data, np.uint8)
+    out = np.empty((*data.shape[:-1], 2 * data.shape[-1]), np.uint8)
+    out[..., 0::2] = data & 0x0F
+    out[..., 1::2] = data >> 4
+    return out
+
+
+def _fp4_dtypes():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.float8_e8m0fnu)
+
+
+def bad_e8m0(scale: np.ndarray) -> tuple[int, int, tuple[int, ...] | None]:
+    """(how many E8M0 codes of ``scale`` are NaN (0xFF), how many are above ``E8M0_MAX_CODE``
+    but not NaN, the index of the first of either or None)."""
+    s = np.asarray(scale).view(np.uint8)
+    nan = s == E8M0_NAN
+    big = (s > E8M0_MAX_CODE) & ~nan
+    bad = nan | big
+    n = int(np.count_nonzero(bad))
+    return (int(np.count_nonzero(nan)), int(np.count_nonzero(big)),
+            tuple(int(j) for j in np.argwhere(bad)[0]) if n else None)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Fp4Weight:
+    """A weight ``[N, K]`` (or stacked experts ``[E, N, K]``) in FP4 E2M1, two codes a byte,
+    with one E8M0 scale per block of 32 weights along K, as DeepSeek-V4 releases its routed
+    experts (docs/fp4.md).
+
+    Fields:
+
+    - ``data``: uint8 ``[.., N, K / 2]``: byte j of a row holds column 2j in its low nibble and
+      column 2j + 1 in its high nibble. An int8 array (safetensors ``I8``, as released) is
+      viewed as its bytes.
+    - ``scale``: uint8 ``[.., N, ceil(K / 32)]``, the E8M0 codes unchanged (a
+      ``float8_e8m0fnu`` array is viewed as its bytes): ``w[n, k] = e2m1(code[n, k]) *
+      2^(scale[n, k // 32] - 127)``. The last block of a row may be partial. Code 0xFF (NaN)
+      and codes above ``E8M0_MAX_CODE`` (252: a weight of 6 times the scale would overflow
+      FP32) are refused.
+
+    K is even (two codes a byte): ``K = 2 * data.shape[-1]``. The dequantized weight
+    (:meth:`dequantize`, the reference every backend follows) is exact in FP32: an E2M1 value
+    has two significant bits and its scale is a power of two (2^-128 .. 1.5 * 2^127).
+
+    Invalid fields raise ``TypeError`` (dtype) or ``ValueError`` (shape, values) naming the
+    field, what was expected and what was given.
+    """
+
+    data: np.ndarray
+    scale: np.ndarray
+
+    def __post_init__(self) -> None:
+        data, scale = self.data, self.scale
+        if not isinstance(data, np.ndarray):
+            raise TypeError(f"data: expected a NumPy array of packed E2M1 codes (uint8 or int8), "
+                            f"got {type(data).__name__}")
+        if data.dtype == np.int8:
+            data = data.view(np.uint8)
+        elif data.dtype != np.uint8:
+            raise TypeError(f"data: expected dtype uint8 or int8 (two E2M1 codes a byte), got {data.dtype.name}")
+        if data.ndim not in _NDIMS:
+            raise ValueError(f"data: expected [N, K / 2] or stacked experts [E, N, K / 2], "
+                             f"got shape {_dims(data.shape)}")
+        if not isinstance(scale, np.ndarray):
+            raise TypeError(f"scale: expected a NumPy array of E8M0 codes, got {type(scale).__name__}")
+        if scale.dtype == _fp4_dtypes():
+            scale = scale.view(np.uint8)
+        elif scale.dtype != np.uint8:
+            raise TypeError(f"scale: expected dtype uint8 or float8_e8m0fnu (E8M0 codes), got {scale.dtype.name}")
+        *lead, N, half = data.shape
+        K = 2 * half
+        want = (*lead, N, -(-K // FP4_BLOCK))
+        if scale.shape != want:
+            raise ValueError(f"scale: expected shape {_dims(want)} (one per {FP4_BLOCK} weights along K) for "
+                             f"data {_dims(data.shape)} (K = {K}), got {_dims(scale.shape)}")
+        scale = np.ascontiguousarray(scale)
+        nan, big, at = bad_e8m0(scale)
+        if nan:
+            raise ValueError(f"scale: expected E8M0 codes 0..{E8M0_MAX_CODE}, got {nan} NaN code(s) 0xFF "
+                             f"(first at {at})")
+        if big:
+            raise ValueError(f"scale: expected E8M0 codes 0..{E8M0_MAX_CODE}, got {big} above (6 times "
+                             f"2^(code - 127) must stay finite in FP32; first {int(scale[at])} at {at})")
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "scale", scale)
+
+    # -- what it is ----------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape, ``[N, K]`` or ``[E, N, K]`` (K = 2 * data.shape[-1])."""
+        *lead, N, half = self.data.shape
+        return tuple(int(s) for s in lead) + (int(N), 2 * int(half))
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: half a byte per weight plus one per 32-weight scale."""
+        return int(self.data.nbytes + self.scale.nbytes)
+
+    def __repr__(self) -> str:
+        return f"Fp4Weight({_dims(self.shape)}, E8M0 per {FP4_BLOCK}, {self.nbytes} bytes)"
+
+    def scale_values(self) -> np.ndarray:
+        """float32 ``[.., N, ceil(K / 32)]``: 2^(code - 127) per block."""
+        return e8m0_table()[self.scale]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[.., N, K]``: ``e2m1(code) * 2^(scale - 127)``, exact (the reference)."""
+        K = self.shape[-1]
+        per = np.repeat(self.scale_values(), FP4_BLOCK, axis=-1)[..., :K]
+        return e2m1_table()[unpack_e2m1(self.data)] * per
+
+    # -- building ------------------------------------------------------------------------
+    @classmethod
+    def quantize(cls, w) -> "Fp4Weight":
+        """Quantize float weights ``[.., N, K]`` (K even) as DeepSeek-V4's are: per block of 32
+        along K the scale is the power of two 2^ceil(log2(amax / 6)) (2^0 for an all-zero block),
+        codes rounded to the nearest E2M1 value of ``w / scale`` (ties to even, through
+        ml_dtypes). For tests and synthetic checkpoints."""
+        import ml_dtypes
+
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim not in _NDIMS:
+            raise ValueError(f"w: expected [N, K] or [E, N, K], got shape {_dims(w.shape)}")
+        if w.shape[-1] % 2:
+            raise ValueError(f"w: expected an even K (two codes a byte), got shape {_dims(w.shape)}")
+        if not np.isfinite(w).all():
+            raise ValueError("w: expected finite values")
+        *lead, N, K = w.shape
+        kb = -(-K // FP4_BLOCK)
+        padded = np.zeros((*lead, N, kb * FP4_BLOCK), np.float32)
+        padded[..., :K] = np.abs(w)
+        amax = padded.reshape(*lead, N, kb, FP4_BLOCK).max(axis=-1)                     # [.., N, kb]
+        with np.errstate(divide="ignore"):
+            e = np.where(amax > 0, np.ceil(np.log2(amax / np.float32(E2M1_MAX))), 0.0)
+        code = np.clip(e + 127, 0, E8M0_MAX_CODE).astype(np.uint8)
+        per = np.repeat(e8m0_table()[code], FP4_BLOCK, axis=-1)[..., :K]
+        q = (w / per).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
+        return cls(pack_e2m1(q), code)
+
+    @classmethod
+    def concat(cls, parts: Sequence["Fp4Weight"]) -> "Fp4Weight":
+        """Weights ``[N_i, K]`` joined along N (gate/up): the scales are per row, so rows and
+        scales concatenate as they are."""
+        parts = _matrices(parts, cls)
+        for i, p in enumerate(parts):
+            if p.shape[1] != parts[0].shape[1]:
+                raise ValueError(f"parts[{i}]: expected [*, {parts[0].shape[1]}], got {_dims(p.shape)}")
+        return cls(np.concatenate([p.data for p in parts]), np.concatenate([p.scale for p in parts]))
+
+    @classmethod
+    def stack(cls, parts: Sequence["Fp4Weight"]) -> "Fp4Weight":
+        """Experts ``[N, K]`` of one shape -> ``[E, N, K]``."""
+        parts = _matrices(parts, cls)
+        for i, p in enumerate(parts):
+            if p.shape != parts[0].shape:
+                raise ValueError(f"parts[{i}]: expected {_dims(parts[0].shape)}, got {_dims(p.shape)}")
+        return cls(np.stack([p.data for p in parts]), np.stack([p.scale for p in parts]))
+
+    def expert(self, e: int) -> "Fp4Weight":
+        """Expert ``e`` of a stacked weight ``[E, N, K]`` -> ``[N, K]``."""
+        return Fp4Weight(self.data[e], self.scale[e])
+
+    def rows(self, a: int, b: int) -> "Fp4Weight":
+        """Rows ``a:b`` (of each expert, for ``[E, N, K]``); the scales are per row."""
+        return Fp4Weight(self.data[..., a:b, :], self.scale[..., a:b, :])
+
+    def cols(self, a: int, b: int) -> "Fp4Weight":
+        """Columns ``a:b`` of K: whole scale blocks only (a must be a multiple of 32, b too
+        unless it is K)."""
+        K = self.shape[-1]
+        if a % FP4_BLOCK or (b % FP4_BLOCK and b != K) or not 0 <= a < b <= K:
+            raise ValueError(f"cols: expected a range of whole {FP4_BLOCK}-weight scale blocks of K = {K}, "
+                             f"got {a}:{b}")
+        return Fp4Weight(self.data[..., a // 2: b // 2], self.scale[..., a // FP4_BLOCK: -(-b // FP4_BLOCK)])
+
+
+#: the quantized weight types a backend's ``prepare_weight`` takes
+QUANTIZED = (Fp8Weight, Fp4Weight)
