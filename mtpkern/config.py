@@ -289,6 +289,27 @@ def _quant(d: dict) -> tuple[str, tuple[int, int]]:
                       f"expected 'fp8' or 'compressed-tensors' (FP8 E4M3 weights)")
 
 
+def _expert_quant(d: dict) -> str:
+    """DeepSeek-V4's ``expert_dtype`` -> ``expert_quant``: "fp4" (projections stored packed FP4
+    with E8M0 scales load as FP4: docs/fp4.md) or "" ("fp8" or absent: as ``quantization_config``
+    says). V4 writes it at the top level, V4.1 (and transformers, which moves V4's there) inside
+    ``quantization_config``; both are read and must agree."""
+    q = d.get("quantization_config")
+    found = {}
+    if "expert_dtype" in d:
+        found["expert_dtype"] = d["expert_dtype"]
+    if isinstance(q, dict) and "expert_dtype" in q:
+        found["quantization_config.expert_dtype"] = q["expert_dtype"]
+    for name, v in found.items():
+        if v not in ("fp4", "fp8"):
+            raise ConfigError(f"config.json: field {name!r} expected 'fp4' or 'fp8', got {_show(v)}")
+    if len(set(found.values())) > 1:
+        raise ConfigError(f"config.json: fields 'expert_dtype' ({_show(found['expert_dtype'])}) and "
+                          f"'quantization_config.expert_dtype' "
+                          f"({_show(found['quantization_config.expert_dtype'])}) disagree")
+    return "fp4" if "fp4" in found.values() else ""
+
+
 def _block(v: Any, name: str) -> tuple[int, int]:
     if (not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool)
                                                            and 1 <= x <= 4096 for x in v)):
@@ -561,6 +582,10 @@ class MtpConfig:
     #: ``fp8_block`` (rows, columns) of a block scale, (0, 0) for per-channel scales
     weight_quant: str = ""
     fp8_block: tuple[int, int] = (0, 0)
+    #: "fp4": projections stored in the packed FP4 form (int8 [N, K / 2], E2M1 codes, with E8M0
+    #: scales per 32 weights: DeepSeek-V4's routed experts, ``expert_dtype: "fp4"``) load as
+    #: FP4 (docs/fp4.md); the others stay as ``weight_quant`` says. Needs weight_quant "fp8".
+    expert_quant: str = ""
     # -- block features (a family switches them on; mtpkern/models/) --------------
     #: the attention output gated by sigmoid: "" none; "elementwise": q_proj carries a
     #: gate per query dim (Qwen3-Next), stacked after q|k|v in the fused projection
@@ -604,6 +629,11 @@ class MtpConfig:
             raise ConfigError(f"config.json: family {self.family!r} is not supported; supported: {supported()}")
         if self.weight_quant not in ("", "fp8"):
             raise ConfigError(f"config.json: weight_quant expected '' or 'fp8', got {self.weight_quant!r}")
+        if self.expert_quant not in ("", "fp4"):
+            raise ConfigError(f"config.json: expert_quant expected '' or 'fp4', got {self.expert_quant!r}")
+        if self.expert_quant and self.weight_quant != "fp8":
+            raise ConfigError("config.json: expert_dtype 'fp4' needs quantization_config.quant_method 'fp8' "
+                              "(DeepSeek-V4's layout), got no FP8 quantization_config")
         _check_ranges(self)
         if isinstance(self.rope_scaling, dict):
             try:
@@ -717,6 +747,7 @@ class MtpConfig:
         fam = _family(d)
         _refuse_unimplemented(d, fam)
         quant = _quant(d)
+        expert_quant = _expert_quant(d)
         d = _with_family(d, fam)
         act = d.get("hidden_act", "silu")
         if act != "silu":
@@ -755,6 +786,7 @@ class MtpConfig:
             family=fam.model_type,
             weight_quant=quant[0],
             fp8_block=quant[1],
+            expert_quant=expert_quant,
             attn_gate=_opt(d, "attn_gate", str, ""),
             shared_expert_gate=_opt(d, "shared_expert_gate", bool, False),
             router_bias=_opt(d, "router_bias", bool, True),
@@ -789,10 +821,12 @@ class MtpConfig:
         family's ``model_type`` and first architecture when it has one."""
         d = asdict(self)
         fam = d.pop("family")
-        quant, block = d.pop("weight_quant"), d.pop("fp8_block")
+        quant, block, experts = d.pop("weight_quant"), d.pop("fp8_block"), d.pop("expert_quant")
         if quant == "fp8" and block != (0, 0):
             d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                         "weight_block_size": list(block)}
+            if experts == "fp4":            # DeepSeek-V4.1's form (V4 writes expert_dtype at the top level)
+                d["quantization_config"].update(scale_fmt="ue8m0", expert_dtype="fp4")
         elif quant == "fp8":
             d["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
                                         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
@@ -831,6 +865,8 @@ class MtpConfig:
         if self.weight_quant == "fp8":
             b = self.fp8_block
             fam += f"FP8 E4M3 ({f'{b[0]}x{b[1]} block' if b != (0, 0) else 'per-channel'} scales) "
+        if self.expert_quant == "fp4":
+            fam += "FP4 E2M1 (E8M0 per 32) experts "
         blocks = [self.block(m) for m in range(self.num_modules)]
         if not any(b.moe for b in blocks):
             kind = f"dense I={self.intermediate_size} (MoE target: E={self.n_routed_experts})" if self.is_moe \

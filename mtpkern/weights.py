@@ -36,20 +36,40 @@ from .errors import CheckpointError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 from .models import Family, family
 from .ops.mla import split_kv_b_proj
-from .quant import Fp8Weight, nan_codes
+from .quant import FP4_BLOCK, Fp4Weight, Fp8Weight, nan_codes
 from .shard import Shard
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 #: safetensors dtypes read through a map of the file: (stored as, viewed as)
-_RAW = {"F8_E4M3": (np.uint8, ml_dtypes.float8_e4m3fn), "BF16": (np.uint16, BF16), "F32": (np.float32, np.float32)}
+_RAW = {"F8_E4M3": (np.uint8, ml_dtypes.float8_e4m3fn), "BF16": (np.uint16, BF16), "F32": (np.float32, np.float32),
+        "F8_E8M0": (np.uint8, ml_dtypes.float8_e8m0fnu), "I8": (np.int8, np.int8), "U8": (np.uint8, np.uint8)}
 _FLOAT_DTYPES = ("BF16", "F32")
 _FP8 = "F8_E4M3"
+#: safetensors dtypes its NumPy reader has no type for: read through ``_raw``
+_RAW_ONLY = (_FP8, "F8_E8M0")
+#: an FP8 weight's scales: FP32 / BF16, or E8M0 (DeepSeek-V4's ``scale_fmt: "ue8m0"``)
+_FP8_SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")
+#: the packed FP4 form of a projection (two E2M1 codes a byte; DeepSeek-V4 stores I8) and its scales
+_FP4 = ("I8", "U8")
+_FP4_SCALE_DTYPES = ("F8_E8M0", "U8")
 
 
 def _is_projection(suffix: str) -> bool:
     """A module's projection weights: the GEMV operands an FP8 release quantizes
     (never the norms, the router's correction bias, the embedding or the LM head)."""
     return suffix.endswith(("_proj.weight", "_proj_with_mqa.weight")) or suffix == "mlp.gate.weight"
+
+
+def is_fp4(cfg: MtpConfig, suffix: str, dtype: str) -> bool:
+    """A projection stored in the packed FP4 form under a config that announces it
+    (``expert_quant == "fp4"``, DeepSeek-V4's ``expert_dtype: "fp4"``): loaded as an Fp4Weight."""
+    return cfg.expert_quant == "fp4" and _is_projection(suffix) and dtype in _FP4
+
+
+def fp4_scale_key(rd: "CheckpointReader", key: str) -> str:
+    """The checkpoint key of an FP4 weight's E8M0 scales: ``weight_scale_inv`` (transformers'
+    name for DeepSeek-V4's ``.scale``), else ``weight_scale`` (vLLM's name for the experts')."""
+    return key + "_scale" if rd.has(key + "_scale") and not rd.has(key + "_scale_inv") else key + "_scale_inv"
 
 
 def scale_key(cfg: MtpConfig, key: str) -> str:
@@ -162,13 +182,16 @@ class CheckpointReader:
         ``cols``: only that range of its first / second dimension is read (a rank's shard)."""
         got_shape, got_dtype = self.info(key)
         where = f"tensor {key!r} in {self.file_of(key)}"
+        if got_dtype in _FP4 and got_dtype not in dtypes:        # checked first: its shape is half the weight's
+            raise CheckpointError(f"{where}: expected dtype {' or '.join(dtypes)}, got {got_dtype} (packed FP4 "
+                                  f"reads as such only under expert_dtype 'fp4': docs/fp4.md)")
         if got_shape != tuple(shape):
             raise CheckpointError(f"{where}: expected shape {list(shape)}, got {list(got_shape)}")
         if got_dtype not in dtypes:
             raise CheckpointError(f"{where}: expected dtype {' or '.join(dtypes)}, got {got_dtype}")
         index = _index(got_shape, rows, cols)
         try:
-            if got_dtype == _FP8 or isinstance(rows, np.ndarray):
+            if got_dtype in _RAW_ONLY or isinstance(rows, np.ndarray):
                 a = self._raw(key, got_dtype, index)
             elif index is None:
                 a = self._handle(key).get_tensor(key)
@@ -178,7 +201,7 @@ class CheckpointReader:
             raise
         except Exception as e:
             raise CheckpointError(f"{where}: corrupt or truncated ({e})") from None
-        if got_dtype != _FP8 and not _all_finite(a):
+        if got_dtype in _FLOAT_DTYPES and not _all_finite(a):
             raise CheckpointError(f"{where}: holds NaN or infinite values")
         return a
 
@@ -275,6 +298,8 @@ def _fp8_scale_slice(scale: np.ndarray, block: tuple[int, int] | None, rows: tup
 def _row_slice(w: Any, a: int, b: int) -> Any:
     """Rows ``a:b`` of a projection (dense, or FP8 with its scales: block scales only
     at block boundaries, since a block cannot be cut)."""
+    if isinstance(w, Fp4Weight):                     # per-row scales: any rows
+        return w.rows(a, b)
     if not isinstance(w, Fp8Weight):
         return w[a:b]
     if w.block is None:
@@ -285,14 +310,20 @@ def _row_slice(w: Any, a: int, b: int) -> Any:
     return Fp8Weight(w.data[a:b], w.scale[a // bn: -(-b // bn)], w.block)
 
 
+def _kind(w: Any) -> str:
+    """A projection's storage kind for messages: FP8, FP4 or dense."""
+    return "FP8" if isinstance(w, Fp8Weight) else "FP4" if isinstance(w, Fp4Weight) else "dense"
+
+
 def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint at ``path`` (FP8 ones as ``float8_e4m3fn``): for
+    """Every tensor of the checkpoint at ``path`` (FP8 ones as ``float8_e4m3fn``, E8M0 scales as
+    ``float8_e8m0fnu``, packed FP4 ones as int8): for
     tests and tools; loading reads only what the modules need."""
     rd = CheckpointReader(path)
     out = {}
     for key in rd.keys():
         shape, dt = rd.info(key)
-        out[key] = rd._raw_fp8(key) if dt == _FP8 else rd._handle(key).get_tensor(key)
+        out[key] = rd._raw(key, dt) if dt in _RAW_ONLY else rd._handle(key).get_tensor(key)
     return out
 
 
@@ -490,7 +521,9 @@ def _deciding_field(cfg: MtpConfig, suffix: str) -> str | None:
     for pattern, name in _TENSOR_FIELDS:
         if pattern.search(suffix):
             if name == "quantization_config":
-                return "it is an FP8 scale, and quantized checkpoints are not supported yet"
+                return (f"it is a quantized weight's scale, and the config reads no weight of it as quantized "
+                        f"(quantization_config: {cfg.weight_quant or 'none'}; expert_dtype: "
+                        f"{cfg.expert_quant or 'not fp4'}: docs/fp8.md, docs/fp4.md)")
             return f"config.json has {name} = {getattr(cfg, name)!r}"
     return None
 
@@ -570,11 +603,14 @@ def _read_keys(cfg: MtpConfig, rd: CheckpointReader, spec: dict, check: bool = T
     ours = {key for key, _, _ in spec.values()}
     if cfg.weight_quant == "fp8":
         for suffix, (key, _, _) in spec.items():
-            if _is_projection(suffix) and rd.has(key) and rd.info(key)[1] == _FP8:
-                sk = scale_key(cfg, key)
+            if not (_is_projection(suffix) and rd.has(key)):
+                continue
+            dt = rd.info(key)[1]
+            if dt == _FP8 or is_fp4(cfg, suffix, dt):
+                sk, kind = (scale_key(cfg, key), "FP8") if dt == _FP8 else (fp4_scale_key(rd, key), "FP4")
                 if check and not rd.has(sk):
                     raise CheckpointError(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
-                                          f"of the FP8 weight {key!r} (quantization_config)")
+                                          f"of the {kind} weight {key!r} (quantization_config)")
                 ours.add(sk)
     return ours
 
@@ -648,14 +684,20 @@ def check_headers(path: str | os.PathLike, cfg: MtpConfig, apply_target_norm: bo
                                 f"{cfg.num_modules}){'; ' + why if why else ''}")
             return
         fp8 = cfg.weight_quant == "fp8" and _is_projection(suffix) and rd.info(key)[1] == _FP8
-        header(key, shape, (_FP8,) if fp8 else _FLOAT_DTYPES)
-        if fp8:
-            sk = scale_key(cfg, key)
+        fp4 = is_fp4(cfg, suffix, rd.info(key)[1])
+        if fp4:                                        # [.., N, K / 2] as stored
+            header(key, tuple(shape[:-1]) + (shape[-1] // 2,), _FP4, f" (FP4: two codes a byte of {list(shape)})")
+        else:
+            header(key, shape, (_FP8,) if fp8 else _FLOAT_DTYPES)
+        if fp8 or fp4:
+            sk = scale_key(cfg, key) if fp8 else fp4_scale_key(rd, key)
             if not rd.has(sk):
                 problems.append(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
-                                f"of the FP8 weight {key!r} (quantization_config)")
+                                f"of the {'FP8' if fp8 else 'FP4'} weight {key!r} (quantization_config)")
+            elif fp8:
+                header(sk, rd.info(sk)[0], _FP8_SCALE_DTYPES)
             else:
-                header(sk, rd.info(sk)[0], ("F32", "BF16"))
+                header(sk, tuple(shape[:-1]) + (-(-shape[-1] // FP4_BLOCK),), _FP4_SCALE_DTYPES)
 
     attempt(lambda: _check_own_vocab_matrices(cfg, rd, fam))
     for m in range(cfg.num_modules):
@@ -771,11 +813,12 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     def stack_rows(*parts):
         """Row-stack projections (q/k/v, gate/up): dense ones as BF16 when all are, else
         FP32; FP8 ones with their scales (``Fp8Weight.concat``); never a mix."""
-        fp8 = [isinstance(p, Fp8Weight) for p in parts]
-        if all(fp8):
-            return Fp8Weight.concat(parts)
-        if any(fp8):
-            raise CheckpointError(f"{rd.path}: projections fused into one GEMV mix FP8 and dense weights; "
+        kinds = {type(p) for p in parts}
+        if len(kinds) == 1 and kinds <= {Fp8Weight, Fp4Weight}:
+            return kinds.pop().concat(parts)
+        if kinds & {Fp8Weight, Fp4Weight}:
+            raise CheckpointError(f"{rd.path}: projections fused into one GEMV mix "
+                                  f"{' and '.join(sorted(_kind(p) for p in parts))} weights; "
                                   f"expected all of q/k/v (or gate/up) in one dtype")
         dt = BF16 if all(p.dtype == BF16 for p in parts) else np.float32
         return np.concatenate([p.astype(dt, copy=False) for p in parts], axis=0)
@@ -790,7 +833,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                                   f"got {list(got_shape)}")
         block = cfg.fp8_block if cfg.fp8_block != (0, 0) else None
         sk = scale_key(cfg, key)
-        scale = rd.get(sk, rd.info(sk)[0], ("F32", "BF16"))
+        scale = rd.get(sk, rd.info(sk)[0], _FP8_SCALE_DTYPES)
         if rows is not None or cols is not None:
             if scale.ndim != 2 and block is not None:
                 raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: expected block scales [N/bn, K/bk], "
@@ -799,6 +842,33 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         data = rd.get(key, shape, (_FP8,), rows, cols)
         nbytes += data.nbytes + scale.nbytes
         return checked_fp8(key, data, sk, scale)
+
+    def fp4(key: str, shape: tuple[int, ...], rows=None, cols=None) -> Fp4Weight:
+        """An FP4 projection ([N, K / 2] packed codes) and its E8M0 scales ([N, ceil(K / 32)]),
+        checked (Fp4Weight refuses NaN and overflowing scale codes, naming the scale tensor);
+        ``rows`` / ``cols``: a shard of it, columns cut at whole 32-weight scale blocks."""
+        nonlocal nbytes
+        stored = tuple(shape[:-1]) + (shape[-1] // 2,)
+        got_shape, _ = rd.info(key)
+        if shape[-1] % 2 or got_shape != stored:
+            raise CheckpointError(f"tensor {key!r} in {rd.file_of(key)}: expected shape {list(stored)} (FP4: two "
+                                  f"codes a byte of a [{', '.join(map(str, shape))}] weight), got {list(got_shape)}")
+        sk = fp4_scale_key(rd, key)
+        want = tuple(shape[:-1]) + (-(-shape[-1] // FP4_BLOCK),)
+        scale = rd.get(sk, want, _FP4_SCALE_DTYPES)
+        if cols is not None and (cols[0] % FP4_BLOCK or (cols[1] % FP4_BLOCK and cols[1] != shape[-1])):
+            raise CheckpointError(f"tensor {key!r}: a shard of columns {cols[0]}:{cols[1]} cuts its FP4 scale "
+                                  f"blocks of {FP4_BLOCK}; shard where the blocks allow (docs/distributed.md)")
+        data = rd.get(key, stored, _FP4, rows, None if cols is None else (cols[0] // 2, -(-cols[1] // 2)))
+        if rows is not None:
+            scale = scale[rows[0]:rows[1]]
+        if cols is not None:
+            scale = scale[:, cols[0] // FP4_BLOCK: -(-cols[1] // FP4_BLOCK)]
+        nbytes += data.nbytes + scale.nbytes
+        try:
+            return Fp4Weight(data, scale)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: {e}") from None
 
     def checked_fp8(key: str, data: np.ndarray, sk: str, scale: np.ndarray) -> Fp8Weight:
         """The codes ``data`` of ``key`` with the scales ``sk``, refused when a code is NaN (E4M3
@@ -822,15 +892,20 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         nonlocal nbytes
         key, shape, _ = spec[suffix]
         got_shape, dt = rd.info(key)
-        if got_shape != tuple(shape):
+        if got_shape != tuple(shape) and not is_fp4(cfg, suffix, dt):
             raise CheckpointError(f"tensor {key!r} in {rd.file_of(key)}: expected shape {list(shape)} (experts "
                                   f"packed: [n_routed_experts, ...]), got {list(got_shape)}")
         rows = None if (e0, e1) == (0, shape[0]) else (e0, e1)
+        if is_fp4(cfg, suffix, dt):
+            q4 = fp4(key, shape, rows)
+            if part_i is None:
+                return q4
+            return q4.rows(*part_i) if axis == 1 else q4.cols(*part_i)
         if not (cfg.weight_quant == "fp8" and dt == _FP8):
             a = read(key, shape, rows=rows)
             return a if part_i is None else (a[:, part_i[0]:part_i[1]] if axis == 1 else a[:, :, part_i[0]:part_i[1]])
         sk = scale_key(cfg, key)
-        scale = rd.get(sk, rd.info(sk)[0], ("F32", "BF16"))
+        scale = rd.get(sk, rd.info(sk)[0], _FP8_SCALE_DTYPES)
         data = rd.get(key, shape, (_FP8,), rows)
         scale = scale if rows is None else scale[e0:e1]
         nbytes += data.nbytes + scale.nbytes
@@ -854,6 +929,12 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         tensors: dense ones written into the result one tensor at a time (the host peak is the
         result plus one packed tensor); FP8 ones fused per expert with their scales."""
         gate = packed("mlp.experts.gate_proj.weight", e0, e1, part_i, 1)
+        if isinstance(gate, Fp4Weight):
+            up = packed("mlp.experts.up_proj.weight", e0, e1, part_i, 1)
+            if not isinstance(up, Fp4Weight):
+                raise CheckpointError(f"{rd.path}: experts mix FP4 and {_kind(up)} weights "
+                                      f"({spec['mlp.experts.up_proj.weight'][0]!r})")
+            return Fp4Weight(np.concatenate([gate.data, up.data], axis=1), np.concatenate([gate.scale, up.scale], axis=1))
         if isinstance(gate, Fp8Weight):
             up = packed("mlp.experts.up_proj.weight", e0, e1, part_i, 1)
             if not isinstance(up, Fp8Weight):
@@ -867,8 +948,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         out[:, :I_] = gate
         del gate
         up = packed("mlp.experts.up_proj.weight", e0, e1, part_i, 1)
-        if isinstance(up, Fp8Weight):
-            raise CheckpointError(f"{rd.path}: experts mix FP8 and dense weights "
+        if isinstance(up, (Fp8Weight, Fp4Weight)):
+            raise CheckpointError(f"{rd.path}: experts mix {_kind(up)} and dense weights "
                                   f"({spec['mlp.experts.up_proj.weight'][0]!r})")
         out[:, I_:] = up
         return out
@@ -896,6 +977,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             key, shape, _ = spec[suffix]
             if cfg.weight_quant == "fp8" and _is_projection(suffix) and rd.info(key)[1] == _FP8:
                 return fp8(key, shape, rows, cols)
+            if is_fp4(cfg, suffix, rd.info(key)[1]):
+                return fp4(key, shape, rows, cols)
             return read(key, shape, dtypes, rows, cols)
 
         def part(item):
@@ -908,9 +991,15 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             result); FP8 ones stacked with their scales. Items: suffixes, or (suffix, rows,
             cols) shards."""
             first = [part(s) for s in suffixes[0]]
-            if any(isinstance(p, Fp8Weight) for p in first):
+            quant = next((type(p) for p in first if isinstance(p, (Fp8Weight, Fp4Weight))), None)
+            if quant is not None:
                 parts = [first] + [[part(s) for s in group] for group in suffixes[1:]]
-                return Fp8Weight.stack([p[0] if len(p) == 1 else stack_rows(*p) for p in parts])
+                fused = [p[0] if len(p) == 1 else stack_rows(*p) for p in parts]
+                for e, f in enumerate(fused):
+                    if not isinstance(f, quant):
+                        raise CheckpointError(f"{rd.path}: experts mix {_kind(first[0])} and {_kind(f)} weights "
+                                              f"(expert {e})")
+                return quant.stack(fused)
             row = stack_rows(*first) if len(first) > 1 else first[0]
             out = np.empty((len(suffixes),) + row.shape, row.dtype)
             out[0] = row
@@ -918,9 +1007,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 at = 0
                 for s_ in group:
                     a = part(s_)
-                    if isinstance(a, Fp8Weight):
+                    if isinstance(a, (Fp8Weight, Fp4Weight)):
                         name = s_ if isinstance(s_, str) else s_[0]
-                        raise CheckpointError(f"{rd.path}: experts mix FP8 and dense weights ({spec[name][0]!r})")
+                        raise CheckpointError(f"{rd.path}: experts mix {_kind(a)} and dense weights ({spec[name][0]!r})")
                     out[e, at:at + a.shape[0]] = a
                     at += a.shape[0]
             return out
@@ -952,7 +1041,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             """Row-concatenate the parts of one tensor (dense, FP8, or 1-D biases)."""
             if len(parts) == 1:
                 return parts[0]
-            return Fp8Weight.concat(parts) if isinstance(parts[0], Fp8Weight) else np.concatenate(parts, axis=0)
+            if isinstance(parts[0], (Fp8Weight, Fp4Weight)):
+                return type(parts[0]).concat(parts)
+            return np.concatenate(parts, axis=0)
 
         def heads_of(suffix, per: int, kv: bool = False):
             """A projection (or bias) of ``per`` rows a head, the rank's heads only: its query
@@ -976,6 +1067,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 return v
             if isinstance(v, Fp8Weight):
                 return Fp8Weight(v.data, (v.scale.astype(np.float32) * np.float32(sv)), v.block)
+            if isinstance(v, Fp4Weight):                          # E8M0 holds powers of two only: widened
+                return v.dequantize() * np.float32(sv)
             return v.astype(np.float32) * np.float32(sv)
 
         def eh_proj():
@@ -984,6 +1077,13 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             v = w("eh_proj.weight")
             if fam.concat != "hidden_embed":
                 return backend.prepare_weight(v)
+            if isinstance(v, Fp4Weight):                          # whole 32-weight scale blocks move
+                if H % FP4_BLOCK:
+                    raise CheckpointError(f"{spec['eh_proj.weight'][0]!r}: its [hidden, embed] halves cannot be "
+                                          f"swapped at load: hidden_size {H} is not a multiple of {FP4_BLOCK}")
+                hb = H // FP4_BLOCK
+                return backend.prepare_weight(Fp4Weight(np.concatenate([v.data[:, H // 2:], v.data[:, :H // 2]], axis=1),
+                                                        np.concatenate([v.scale[:, hb:], v.scale[:, :hb]], axis=1)))
             if not isinstance(v, Fp8Weight):
                 return backend.prepare_weight(np.concatenate([v[:, H:], v[:, :H]], axis=1))
             if v.block is None:                                   # per-row scales: the codes move
@@ -1069,7 +1169,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             if fam.packed_experts:
                 mw.experts_w13 = backend.prepare_weight(packed_w13(e0, e1, sl))
                 w2 = packed("mlp.experts.down_proj.weight", e0, e1, sl, 2)
-                mw.experts_w2 = backend.prepare_weight(w2 if isinstance(w2, Fp8Weight) else np.ascontiguousarray(w2))
+                mw.experts_w2 = backend.prepare_weight(w2 if isinstance(w2, (Fp8Weight, Fp4Weight))
+                                                       else np.ascontiguousarray(w2))
             else:
                 mw.experts_w13 = backend.prepare_weight(stacked([
                     [(f"mlp.experts.{e}.gate_proj.weight", sl, None), (f"mlp.experts.{e}.up_proj.weight", sl, None)]
@@ -1200,21 +1301,33 @@ def quantize_projections(cfg: MtpConfig, tensors: dict[str, np.ndarray],
     scale tensor beside it, as ``cfg``'s ``quantization_config`` describes (block or
     per-channel). ``pow2_scales``: scales rounded up to powers of two, so that the
     dequantized weights are exact in FP32 and an FP8 run can equal an FP32 one bit
-    for bit (a test's wish; releases use amax / 448)."""
+    for bit (a test's wish; releases use amax / 448).
+
+    With ``cfg.expert_quant == "fp4"`` (DeepSeek-V4's layout) the routed experts' projections
+    are FP4 instead (``Fp4Weight.quantize``: int8 [N, K / 2] packed codes and a
+    ``weight_scale_inv`` of E8M0 codes [N, K / 32]), and the FP8 ones get power-of-two scales
+    stored as E8M0 (``scale_fmt: "ue8m0"``)."""
     block = cfg.fp8_block if cfg.fp8_block != (0, 0) else None
+    v4 = cfg.expert_quant == "fp4"
     out = {}
     for key, a in tensors.items():
         suffix = key.split(".", 3)[-1] if key.startswith("model.layers.") else ""
         if not (_is_projection(suffix) and key.startswith("model.layers.")):
             out[key] = a
             continue
+        if v4 and _EXPERT.match(suffix):
+            q4 = Fp4Weight.quantize(a)
+            out[key] = q4.data.view(np.int8)
+            out[key + "_scale_inv"] = q4.scale.view(ml_dtypes.float8_e8m0fnu)
+            continue
         q = Fp8Weight.quantize(a, block)
-        if pow2_scales:
+        if pow2_scales or v4:
             scale = np.exp2(np.ceil(np.log2(q.scale))).astype(np.float32)
             codes = np.clip(a / Fp8Weight(q.data, scale, block).scale_per_element(), -448.0, 448.0)
             q = Fp8Weight(codes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale, block)
         out[key] = q.data.view(ml_dtypes.float8_e4m3fn)
-        out[scale_key(cfg, key)] = q.scale
+        out[scale_key(cfg, key)] = q.scale if not v4 else \
+            (np.log2(q.scale).astype(np.int32) + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
     return out
 
 

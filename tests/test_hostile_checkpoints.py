@@ -273,8 +273,8 @@ def test_a_config_field_switching_off_present_tensors_is_refused(tmp_path, chang
 
 
 @pytest.mark.parametrize("extra,why", [
-    (P0 + "self_attn.q_proj.weight_scale_inv", "FP8 scale"),
-    (P0 + "mlp.experts.3.down_proj.weight_scale_inv", "FP8 scale"),
+    (P0 + "self_attn.q_proj.weight_scale_inv", "quantized weight's scale"),
+    (P0 + "mlp.experts.3.down_proj.weight_scale_inv", "quantized weight's scale"),
     (P0 + "self_attn.sinks", "config.json has attn_sinks = False"),
     (P0 + "self_attn.sink_bias", "no config field reads it"),
     (P0 + "mlp.gate_proj.weight", "n_routed_experts = 8"),

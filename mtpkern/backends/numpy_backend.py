@@ -1,7 +1,8 @@
 """The NumPy reference backend: every op is the specification in ``mtpkern.ops``.
 
-Weights are widened to FP32 once at load time (FP8 ones dequantized:
-``Fp8Weight.dequantize``, each code's value times its scale); clarity before speed.
+Weights are widened to FP32 once at load time (FP8 / FP4 ones dequantized:
+``Fp8Weight.dequantize`` / ``Fp4Weight.dequantize``, each code's value times its scale);
+clarity before speed.
 
 Like the CUDA backend, every op takes its output(s) as optional keyword-only
 buffers (``out=``; ``ids=`` / ``weights=`` for ``moe_router``), so a planned
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..ops import attention, dsa, gate, linear, lm_head, mla, mlp, moe, norm, rope_kv
-from ..quant import Fp8Weight
+from ..quant import QUANTIZED
 from .base import Backend
 
 
@@ -65,7 +66,7 @@ class NumpyBackend(Backend):
     kv_dtype = np.float32
 
     def prepare_weight(self, w):
-        if isinstance(w, Fp8Weight):
+        if isinstance(w, QUANTIZED):                 # Fp8Weight / Fp4Weight: dequantized once
             return np.ascontiguousarray(w.dequantize())
         return np.ascontiguousarray(w, dtype=np.float32)
 
