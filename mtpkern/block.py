@@ -152,13 +152,24 @@ class BlockSpec:
     q_lora_rank: int = 0
     #: R: the rotated dims at the end of each MLA query head, and of the shared key
     qk_rope_head_dim: int = 0
+    #: DSA (DeepSeek-V3.2, GLM-5): T = index_topk > 0 runs the module's own lightning indexer
+    #: (``self_attn.indexer.*``, mtpkern.ops.dsa) and the MLA attention reads each row's T
+    #: best keys only; it needs MLA with a q_lora_rank (the indexer's query reads the query
+    #: latent). ``index_n_heads`` Hi, ``index_head_dim`` Di (the indexer key: Di values per
+    #: token in a plane of the KV pool); the indexer's RoPE (the first R of its Di dims) in
+    #: pairs (2i, 2i + 1) with ``indexer_rope_interleave`` (GLM-5), else halves (DeepSeek-V3.2)
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    indexer_rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise BlockError(f"{name} expected an int >= 1, got {v!r}")
-        for name in ("v_head_dim", "sliding_window", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim"):
+        for name in ("v_head_dim", "sliding_window", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+                     "index_topk", "index_n_heads", "index_head_dim"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise BlockError(f"{name} expected an int >= 0, got {v!r}")
@@ -186,9 +197,11 @@ class BlockSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 1e6):
                 raise BlockError(f"{name} expected a number in [0, 1e6] (0: no clamp), got {v!r}")
-        for name in ("attn_sinks", "moe", "rope_interleave"):
+        for name in ("attn_sinks", "moe", "rope_interleave", "indexer_rope_interleave"):
             if not isinstance(getattr(self, name), bool):
                 raise BlockError(f"{name} expected a bool, got {getattr(self, name)!r}")
+        if self.index_topk:
+            self._check_dsa()
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", Yarn.from_mapping(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Yarn):
@@ -208,6 +221,20 @@ class BlockSpec:
             if getattr(self, name) != off:
                 raise BlockError(f"{name} expected {off!r} in MLA (no released MLA block has it), "
                                  f"got {getattr(self, name)!r}")
+
+    def _check_dsa(self) -> None:
+        if not (self.mla and self.q_lora_rank):
+            raise BlockError(f"field 'index_topk' = {self.index_topk} (the DSA indexer) needs MLA with a query latent "
+                             f"(kv_lora_rank > 0 and q_lora_rank > 0: the indexer's query reads it), got "
+                             f"kv_lora_rank {self.kv_lora_rank} and q_lora_rank {self.q_lora_rank}")
+        if self.index_topk > 1 << 20:
+            raise BlockError(f"index_topk expected an int in [0, 2^20], got {self.index_topk}")
+        if not 1 <= self.index_n_heads <= 1024:
+            raise BlockError(f"index_n_heads expected an int in [1, 1024] with index_topk > 0, got {self.index_n_heads}")
+        R = self.qk_rope_head_dim
+        if not R <= self.index_head_dim <= 1024:
+            raise BlockError(f"index_head_dim expected an int in [qk_rope_head_dim = {R}, 1024] with index_topk > 0 "
+                             f"(the indexer rotates its first {R} dims), got {self.index_head_dim}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -243,9 +270,27 @@ class BlockSpec:
         return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else 0
 
     @property
+    def dsa(self) -> bool:
+        """The DSA indexer runs (``index_topk > 0``)."""
+        return self.index_topk > 0
+
+    @property
+    def index_width(self) -> int:
+        """Di: the indexer key's values per token, its plane of the KV pool (0 without DSA)."""
+        return self.index_head_dim if self.dsa else 0
+
+    @property
+    def index_scale(self) -> float:
+        """The indexer weights' factor ``Hi^-0.5 * Di^-0.5`` (the releases' softmax scale and head mean)."""
+        return float(self.index_n_heads) ** -0.5 * float(self.index_head_dim) ** -0.5
+
+    @property
     def kv_row_values(self) -> int:
-        """Values one token adds to this module's KV: K and V of every KV head, or one latent row."""
-        return self.latent_width if self.mla else self.num_key_value_heads * (self.head_dim + self.v_dim)
+        """Values one token adds to this module's KV: K and V of every KV head, or one latent
+        row (and with DSA the indexer key beside it)."""
+        if self.mla:
+            return self.latent_width + self.index_width
+        return self.num_key_value_heads * (self.head_dim + self.v_dim)
 
     @property
     def rotary_dim(self) -> int:
@@ -310,6 +355,9 @@ class BlockSpec:
             parts = [f"Hq={self.num_attention_heads} Hkv={self.num_key_value_heads} D={self.head_dim}"]
         if self.v_head_dim and self.v_head_dim != self.head_dim:
             parts.append(f"Dv={self.v_head_dim}")
+        if self.dsa:
+            parts.append(f"DSA top-{self.index_topk} Hi={self.index_n_heads} Di={self.index_head_dim}"
+                         + (" interleaved" if self.indexer_rope_interleave else ""))
         parts.append(f"rotary={self.rotary_dim} theta={self.rope_theta:g}")
         if self.rope_interleave:
             parts.append("interleaved")

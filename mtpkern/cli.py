@@ -395,9 +395,15 @@ def run_info(args: argparse.Namespace) -> dict:
              if any(windows) else "")
     what = "K and V" if not any(b.mla for b in blocks) else \
         ("one latent row" if all(b.mla for b in blocks) else "K and V, or one latent row (MLA)")
+    if any(b.dsa for b in blocks):
+        ib = [BlockPool.bytes_per_block(1, b.index_width, 2) for b in blocks]
+        idx = f"{ib[0]}" if len(set(ib)) == 1 else "/".join(map(str, ib))
+        what += f", with DSA's indexer key ({idx} B of them)"
     print(f"  KV per token and module: {each} B ({what}, BF16 on cuda; twice that in FP32 on numpy/cpu){bound}")
     report = {"config": cfg.describe(), "family": cfg.family or "", "features": fam.describe(),
-              "kv_bytes_per_token_module_bf16": kv_row, "modules": []}
+              "kv_bytes_per_token_module_bf16": kv_row,
+              "index_bytes_per_token_module_bf16": [BlockPool.bytes_per_block(1, b.index_width, 2) for b in blocks],
+              "modules": []}
     for m in range(cfg.num_modules):
         pre = fam.module_prefix(cfg.layer_index(m), m)
         keys = sorted(rd.keys_under(pre))

@@ -89,7 +89,6 @@ _SWA = "sliding-window attention (Step-3.5, MiMo)"
 #: Field -> why it is refused. Taken from the published config.json files of the
 #: families planned next (DeepSeek-V3, Step-3.5, MiMo, Qwen3-Next) and of FP8 releases.
 UNIMPLEMENTED_FIELDS: dict[str, Unimplemented] = {
-    **_group("index_topk index_n_heads index_head_dim", "DSA sparse-attention indexer (GLM-5, DeepSeek-V3.2)"),
     **_group("sliding_window_size num_sliding_attention_heads attention_other_setting "
              "swa_num_attention_heads swa_num_key_value_heads swa_head_dim swa_v_head_dim swa_rope_theta", _SWA),
     **_group("layer_types mtp_layer_types", "attention other than full (sliding-window, linear)",
@@ -158,6 +157,9 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "kv_lora_rank": (0, 1 << 14),              # 512 (DeepSeek-V3, GLM-5); 0: not MLA
     "q_lora_rank": (0, 1 << 15),               # 1536 (DeepSeek-V3), 2048 (GLM-5); 0: a plain q_proj
     "qk_rope_head_dim": (0, 1024),             # 64
+    "index_topk": (0, 1 << 20),                # 2048 (DeepSeek-V3.2, GLM-5); 0: no DSA indexer
+    "index_n_heads": (0, 1024),                # 64 (DeepSeek-V3.2), 32 (GLM-5)
+    "index_head_dim": (0, 1024),               # 128
 }
 
 #: Ranges (low, high] of the float fields; every one must also be finite.
@@ -191,7 +193,7 @@ FLOAT_RANGE_REASONS: dict[str, str] = {
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
-                "router_bias", "attn_sinks", "rope_interleave")
+                "router_bias", "attn_sinks", "rope_interleave", "indexer_rope_interleave")
 #: Keys of rope_parameters / rope_scaling that the default RoPE reads.
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 #: The keys YaRN reads besides them (Hugging Face's names) -> (type, Yarn's field)
@@ -619,6 +621,12 @@ class MtpConfig:
     #: mla_scale_q_lora / mla_scale_kv_lora): folded into the norm weights at load
     q_a_norm_scale: float = 1.0
     kv_a_norm_scale: float = 1.0
+    #: DSA (mtpkern/block.py, mtpkern.ops.dsa): index_topk T > 0 runs each MLA module's own
+    #: indexer of index_n_heads heads of index_head_dim; its RoPE pairs with indexer_rope_interleave
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    indexer_rope_interleave: bool = False
     #: per module, the BlockSpec fields that differ from the default block (a family's
     #: layer_types, per-layer RoPE, dense MTP blocks in a MoE model ...): a tuple of
     #: ((field, value), ...) per module, or () when every module is the default block
@@ -691,7 +699,10 @@ class MtpConfig:
             attn_gate=self.attn_gate, moe=self.is_moe, swiglu_clamp=self.swiglu_clamp,
             swiglu_clamp_shared=self.swiglu_clamp_shared, rope_interleave=self.rope_interleave,
             rope_scaling=self.rope_scaling, kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim)
+            qk_rope_head_dim=self.qk_rope_head_dim, index_topk=self.index_topk,
+            index_n_heads=self.index_n_heads if self.index_topk else 0,
+            index_head_dim=self.index_head_dim if self.index_topk else 0,
+            indexer_rope_interleave=self.indexer_rope_interleave and self.index_topk > 0)
 
     def _check_moe(self) -> None:
         for name in ("num_experts_per_tok", "moe_intermediate_size"):
@@ -802,6 +813,10 @@ class MtpConfig:
             qk_rope_head_dim=_opt(d, "qk_rope_head_dim", int, 0),
             q_a_norm_scale=_opt(d, "q_a_norm_scale", float, 1.0),
             kv_a_norm_scale=_opt(d, "kv_a_norm_scale", float, 1.0),
+            index_topk=_opt(d, "index_topk", int, 0),
+            index_n_heads=_opt(d, "index_n_heads", int, 0),
+            index_head_dim=_opt(d, "index_head_dim", int, 0),
+            indexer_rope_interleave=_opt(d, "indexer_rope_interleave", bool, False),
         )
         _check_same_as(d, cfg)
         return cfg
@@ -835,7 +850,8 @@ class MtpConfig:
         for name, off in (("v_head_dim", 0), ("sliding_window", 0), ("attn_sinks", False), ("swiglu_clamp", 0.0),
                           ("swiglu_clamp_shared", 0.0), ("attention_value_scale", 1.0), ("kv_lora_rank", 0),
                           ("q_lora_rank", 0), ("qk_rope_head_dim", 0), ("q_a_norm_scale", 1.0),
-                          ("kv_a_norm_scale", 1.0)):
+                          ("kv_a_norm_scale", 1.0), ("index_topk", 0), ("index_n_heads", 0), ("index_head_dim", 0),
+                          ("indexer_rope_interleave", False)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
         if self.kv_lora_rank:                   # MLA: the query / key head dim as its config gives it

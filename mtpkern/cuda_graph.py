@@ -650,6 +650,9 @@ class StepRunner:
     def applies(self, sts: list, poss: list[int], k: int) -> bool:
         """True when every module's row count is the steady-state one (``step_rows``)."""
         prop = self.prop
+        if any(h.block.dsa for h in prop.modules):      # not planned yet: the eager step runs
+            self.counts["fallback_dsa"] += 1
+            return False
         if prop.kv_mode == "draft":
             return True
         M = prop.num_modules

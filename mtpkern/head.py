@@ -40,6 +40,7 @@ from .config import MtpConfig
 from .errors import StateError
 from .kv import BlockPool, SeqKv, WindowRule
 from .lm import LmHead, ShardedLmHead
+from .ops.dsa import DSA_NORM_EPS
 from .ops.moe import RouterSpec
 from .shard import Shard
 from .vocab import DraftVocab
@@ -194,7 +195,8 @@ class MtpHead:
         self._expert_map = None if em is None else backend.from_host(em)
         window = WindowRule(b.sliding_window, trim_margin, max_forward_rows) if b.sliding_window else None
         self.pool = BlockPool(index, num_blocks, block_size, b.num_key_value_heads, b.head_dim, backend,
-                              v_head_dim=b.v_dim, window=window, latent_width=b.latent_width)
+                              v_head_dim=b.v_dim, window=window, latent_width=b.latent_width,
+                              index_width=b.index_width)
         self._inv_freq = backend.from_host(b.inv_freq())          # [R/2]: the default frequencies or YaRN's
         self._router = RouterSpec.from_config(config) if b.moe else None
         self._scale = b.scale
@@ -204,6 +206,9 @@ class MtpHead:
         #: RoPE pairs (2i, 2i + 1); YaRN's attention factor on cos / sin (its softmax factor is in b.scale)
         self._rope_kw = {k: v for k, v, on in (("interleave", True, b.rope_interleave),
                                                ("rope_scale", b.rope_scale, b.rope_scale != 1.0)) if on}
+        #: the DSA indexer's RoPE: the MLA's frequencies and factor, its own pair order
+        self._index_rope_kw = {k: v for k, v, on in (("interleave", True, b.indexer_rope_interleave),
+                                                     ("rope_scale", b.rope_scale, b.rope_scale != 1.0)) if on}
         self._experts_kw = {"limit": b.swiglu_clamp} if b.swiglu_clamp else {}
         self._mlp_kw = {"limit": b.swiglu_clamp_shared} if b.swiglu_clamp_shared else {}
         self._one_lock = threading.Lock()
@@ -330,34 +335,42 @@ class MtpHead:
             kw.update(bufs.ws.get(op, {}))
             return kw
 
+        index = None
         if part == "rest":
             if pick.q is None:
                 raise ValueError("part: 'rest' of a module whose rows all stop at their K/V")
             x, q, qkv = pick.x, pick.q, pick.qkv
             row_seq, row_len, row_start = pick.row_seq, pick.row_len, pick.row_start
         else:
-            x, q, qkv = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None)
+            x, q, qkv, ix = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None)
             if part == "kv" or (out_rows is not None and not len(out_rows)):
                 return None, None
             if out_rows is not None:         # the K/V of every row is in: the rows read go on
                 sel = be.from_host(np.asarray(out_rows, np.int64))
                 x, q, row_seq, row_len = x[sel], q[sel], row_seq[sel], row_len[sel]
                 qkv = None if qkv is None else qkv[sel]
+                ix = None if ix is None else (ix[0][sel], ix[1][sel])
                 row_start = None if row_start is None else row_start[sel]
-        return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs)
+            if ix is not None:               # DSA: each row's keys, picked once every row's key is in
+                index = be.dsa_select(ix[0], ix[1], self.pool.index_k, tables, row_seq, row_len,
+                                            self.block.index_topk, self.block.index_scale,
+                                            **({} if row_start is None else {"row_start": row_start}))
+        return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs, index)
 
     def _write_kv(self, tokens: Any, g: Any, positions: Any, slots: Any, put: Any, kv_copy: Any,
-                  planned: bool) -> tuple[Any, Any, Any]:
+                  planned: bool) -> tuple[Any, Any, Any, Any]:
         """mtp_input, input_layernorm and the projections that write the rows' K/V (MLA: the
-        latent rows) -> ``(x, q, qkv)``: the rows' o_proj residual [n, H], the attention's
-        queries [n, Hq, D] (RoPE applied) and, for an element-wise output gate, q|k|v|gate
-        (else None)."""
+        latent rows; DSA: the indexer keys too) -> ``(x, q, qkv, ix)``: the rows' o_proj
+        residual [n, H], the attention's queries [n, Hq, D] (RoPE applied), for an
+        element-wise output gate q|k|v|gate (else None), and with DSA the indexer's roped
+        queries [n, Hi, Di] and head weights [n, Hi] (else None)."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
         x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
                          **put("mtp_input", out="x"))                                            # [n, H]
         xa, a_norm = self._normed_input(x, w.input_layernorm, planned)          # input_layernorm(x)
+        ix = None
         if b.mla:
-            q = self._mla_write(xa, a_norm, positions, slots, put)                              # [n, Hq, P + R]
+            q, ix = self._mla_write(xa, a_norm, positions, slots, put)                          # [n, Hq, P + R]
             qkv = None
         else:
             qkv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))       # [n, (Hq+2Hkv)D]
@@ -367,16 +380,18 @@ class MtpHead:
                                          **put("rope_kv", out="q"))                               # [n, Hq, D]
         if kv_copy is not None:
             self.pool.copy_rows(*kv_copy)
-        return x, q, (qkv if b.gate_size else None)
+        return x, q, (qkv if b.gate_size else None), ix
 
     def _after_kv(self, x: Any, q: Any, qkv: Any, tables: Any, row_seq: Any, row_len: Any, row_start: Any,
-                  put: Any, bufs: "ForwardBuffers | None") -> tuple[Any, Any]:
-        """The attention (and its output gate), o_proj with the residual ``x``, the FFN and the
+                  put: Any, bufs: "ForwardBuffers | None", index: Any = None) -> tuple[Any, Any]:
+        """The attention (and its output gate, or DSA's ``index`` of the rows each row reads), o_proj with the residual ``x``, the FFN and the
         final norm of the rows ``q`` holds -> ``(y, normed)``."""
         be, cfg, w, b = self.backend, self.config, self.w, self.block
         eps = cfg.rms_norm_eps
         kw = {} if row_start is None else {"row_start": row_start}
         if b.mla:
+            if index is not None:            # DSA: the rows the indexer picked (compute)
+                kw["index"] = index
             o = be.mla_attention_absorbed(q, w.mla_uk, w.mla_uv, self.pool.k, tables, row_seq, row_len, self._scale,
                                           **kw, **put("mla_attention", out="o"))                # [n, Hq Dv]
         else:
@@ -428,8 +443,11 @@ class MtpHead:
         """MLA's rows up to the attention, from ``input_layernorm(x)`` (x [n, H] and ``a_norm`` as
         ``_normed_input`` gives them: the norm fused into the GEMVs that read it, or already
         applied): the query through q_a_proj, q_a_layernorm and q_b_proj (or q_proj), the latent
-        row from kv_a_proj_with_mqa, written (mtpkern.ops.mla) -> the roped queries [n, Hq, P + R]
-        for the absorbed attention (``_after_kv``)."""
+        row from kv_a_proj_with_mqa, written (mtpkern.ops.mla) -> (the roped queries [n, Hq, P + R]
+        for the absorbed attention (``_after_kv``), the DSA indexer's (roped queries [n, Hi, Di],
+        head weights [n, Hi]) or None). The indexer (mtpkern.ops.dsa) reads the normed query
+        latent (q_a_layernorm, fused into its wq_b as into q_b_proj) and the normed hidden, and
+        writes its key to the pool's indexer plane at the same slots."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
         n = x.shape[0]
         kv_a = be.linear(x, w.mla_kv_a, norm=a_norm, **put("linear", out="kv_a"))                # [n, L + R]
@@ -438,9 +456,18 @@ class MtpHead:
             qf = be.linear(qc, w.w_qkv, norm=(w.mla_q_a_norm, eps), **put("linear", out="qkv"))   # [n, Hq (P + R)]
         else:
             qf = be.linear(x, w.w_qkv, norm=a_norm, **put("linear", out="qkv"))                   # [n, Hq (P + R)]
-        return be.mla_latent_write(kv_a, w.mla_kv_a_norm, eps, self._inv_freq, positions, self.pool.k, slots,
-                                   q=qf.reshape(n, b.num_attention_heads, b.head_dim), **self._rope_kw,
-                                   **put("mla_write", out="q"))                                   # [n, Hq, P + R]
+        q = be.mla_latent_write(kv_a, w.mla_kv_a_norm, eps, self._inv_freq, positions, self.pool.k, slots,
+                                q=qf.reshape(n, b.num_attention_heads, b.head_dim), **self._rope_kw,
+                                **put("mla_write", out="q"))                                      # [n, Hq, P + R]
+        if not b.dsa:
+            return q, None
+        Hi, Di = b.index_n_heads, b.index_head_dim
+        iq = be.linear(qc, w.idx_wq_b, norm=(w.mla_q_a_norm, eps))                               # [n, Hi Di]
+        ik = be.linear(x, w.idx_wk, norm=a_norm)                                                 # [n, Di]
+        iw = be.linear(x, w.idx_weights, norm=a_norm)                                            # [n, Hi]
+        iq = be.dsa_key_write(ik, w.idx_k_norm_w, w.idx_k_norm_b, DSA_NORM_EPS, self._inv_freq, positions,
+                              self.pool.index_k, slots, q=iq.reshape(n, Hi, Di), **self._index_rope_kw)
+        return q, (iq, iw)
 
     # -- the LM head (mtpkern.lm) ----------------------------------------------------
     def argmax(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> np.ndarray:

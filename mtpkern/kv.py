@@ -297,10 +297,13 @@ class BlockPool:
 
     def __init__(self, module: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, backend: Any, v_head_dim: int | None = None, window: WindowRule | None = None,
-                 latent_width: int = 0):
+                 latent_width: int = 0, index_width: int = 0):
         """``latent_width`` > 0: an MLA pool, one latent row of that many values per token
         (``k`` is the ``[num_blocks, block_size, latent_width]`` cache, ``v`` None); else
-        K ``[.., num_kv_heads, head_dim]`` and V ``[.., num_kv_heads, v_head_dim]`` caches."""
+        K ``[.., num_kv_heads, head_dim]`` and V ``[.., num_kv_heads, v_head_dim]`` caches.
+        ``index_width`` > 0 (DSA, mtpkern.ops.dsa): a plane ``index_k`` ``[num_blocks,
+        block_size, index_width]`` of indexer keys beside the latent rows, one per token under
+        the same block tables (written, trimmed, windowed, copied and counted with them)."""
         if not 1 <= num_blocks <= self.MAX_BLOCKS:
             raise ValueError(f"num_blocks: expected 1 .. {self.MAX_BLOCKS}, got {num_blocks}")
         if not 1 <= block_size <= self.MAX_BLOCKS // num_blocks:
@@ -319,6 +322,10 @@ class BlockPool:
         #: an MLA pool's latent row width (0: K and V caches)
         self.latent_width = int(latent_width)
         self._backend = backend
+        if index_width and not latent_width:
+            raise ValueError(f"index_width: an indexer plane needs an MLA pool (latent_width > 0), got {index_width}")
+        #: the DSA indexer keys' plane (None without an indexer)
+        self.index_k = backend.empty_latent_kv(num_blocks, block_size, index_width) if index_width else None
         if latent_width:
             self.k, self.v = backend.empty_latent_kv(num_blocks, block_size, latent_width), None
         else:
@@ -356,8 +363,13 @@ class BlockPool:
         return block_size * row_values * itemsize
 
     def block_bytes(self) -> int:
-        """Bytes of one block: K and V (or the latent rows), ``block_size`` rows each."""
-        return (int(self.k.nbytes) + (0 if self.v is None else int(self.v.nbytes))) // self.num_blocks
+        """Bytes of one block: K and V (or the latent rows, and the indexer keys), ``block_size`` rows each."""
+        return sum(int(c.nbytes) for c in self.planes()) // self.num_blocks
+
+    def planes(self) -> tuple[Any, ...]:
+        """The caches of this pool, each ``[num_blocks, block_size, ...]``: K and V, or the
+        latent rows (and the indexer keys)."""
+        return tuple(c for c in (self.k, self.v, self.index_k) if c is not None)
 
     def available_to(self, seq: SeqKv) -> int:
         """Blocks ``seq`` may still take: the unpromised free ones plus its own reservation."""
@@ -420,9 +432,8 @@ class BlockPool:
         """Cache slots ``dst`` take the K/V (or latent) rows of slots ``src`` (int32 arrays of
         equal length, on the host or the backend): a draft tree's copy-on-write of a partial
         block (mtpkern.tree). The caller owns the blocks of ``dst``."""
-        for cache in (self.k, self.v):
-            if cache is not None:
-                self._backend.copy_kv_rows(cache, src, dst)
+        for cache in self.planes():
+            self._backend.copy_kv_rows(cache, src, dst)
 
     # -- registry -------------------------------------------------------------
     def new_seq(self, holder: Any, scratch: bool = False) -> SeqKv:
@@ -656,7 +667,7 @@ class BlockPool:
             self._owner[:] = 0
             self.reserved = 0
             self.closed = True
-            self.k = self.v = None
+            self.k = self.v = self.index_k = None
 
     def _check_open(self) -> None:
         if self.closed:

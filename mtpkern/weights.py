@@ -57,7 +57,8 @@ _FP4_SCALE_DTYPES = ("F8_E8M0", "U8")
 def _is_projection(suffix: str) -> bool:
     """A module's projection weights: the GEMV operands an FP8 release quantizes
     (never the norms, the router's correction bias, the embedding or the LM head)."""
-    return suffix.endswith(("_proj.weight", "_proj_with_mqa.weight")) or suffix == "mlp.gate.weight"
+    return (suffix.endswith(("_proj.weight", "_proj_with_mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight"))
+            or suffix == "mlp.gate.weight")
 
 
 def is_fp4(cfg: MtpConfig, suffix: str, dtype: str) -> bool:
@@ -396,6 +397,12 @@ class ModuleWeights:
     mla_q_a_norm: Any | None = None  # [q_lora_rank] q_a_layernorm
     mla_uk: Any | None = None        # [Hq, P, L] kv_b_proj's key rows per head
     mla_uv: Any | None = None        # [Hq, Dv, L] kv_b_proj's value rows per head
+    # DSA (when the block runs the indexer: mtpkern.ops.dsa; Hi index_n_heads, Di index_head_dim)
+    idx_wq_b: Any | None = None      # [Hi Di, q_lora_rank] indexer.wq_b
+    idx_wk: Any | None = None        # [Di, H] indexer.wk
+    idx_k_norm_w: Any | None = None  # [Di] FP32 indexer.k_norm.weight (a LayerNorm)
+    idx_k_norm_b: Any | None = None  # [Di] FP32 indexer.k_norm.bias
+    idx_weights: Any | None = None   # [Hi, H] indexer.weights_proj
 
     def __repr__(self) -> str:
         kind = "moe" if self.gate_w is not None else "dense"
@@ -495,6 +502,13 @@ def _mla_keys(b, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
                      "self_attn.q_b_proj.weight": ((b.q_size, Q), True)})
     else:
         keys["self_attn.q_proj.weight"] = ((b.q_size, H), True)
+    if b.dsa:
+        Hi, Di = b.index_n_heads, b.index_head_dim
+        keys.update({"self_attn.indexer.wq_b.weight": ((Hi * Di, b.q_lora_rank), True),
+                     "self_attn.indexer.wk.weight": ((Di, H), True),
+                     "self_attn.indexer.k_norm.weight": ((Di,), True),
+                     "self_attn.indexer.k_norm.bias": ((Di,), True),
+                     "self_attn.indexer.weights_proj.weight": ((Hi, H), True)})
     return keys
 
 
@@ -507,6 +521,7 @@ _TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"(^|\.)self_attn\.[qk]_norm\.weight$"), "use_qk_norm"),
     (re.compile(r"(^|\.)self_attn\.g_proj\."), "attn_gate"),
     (re.compile(r"(^|\.)self_attn\.sinks$"), "attn_sinks"),
+    (re.compile(r"(^|\.)self_attn\.indexer\."), "index_topk"),
     (re.compile(r"(^|\.)self_attn\.q_(a_proj|a_layernorm|b_proj)\."), "q_lora_rank"),
     (re.compile(r"(^|\.)self_attn\.kv_(a_proj_with_mqa|a_layernorm|b_proj)\."), "kv_lora_rank"),
     (re.compile(r"(^|\.)mlp\.shared_experts\."), "n_shared_experts"),
@@ -1109,10 +1124,16 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 mw.mla_q_a = backend.prepare_weight(w("self_attn.q_a_proj.weight"))
                 mw.mla_q_a_norm = norm("self_attn.q_a_layernorm.weight", cfg.q_a_norm_scale)
             kv_b = heads_of("self_attn.kv_b_proj.weight", blk.qk_nope_head_dim + blk.v_dim)
-            if isinstance(kv_b, Fp8Weight):
+            if isinstance(kv_b, (Fp8Weight, Fp4Weight)):          # exact in BF16 (FP4: 2 significant bits)
                 kv_b = kv_b.dequantize().astype(BF16)
             uk, uv = split_kv_b_proj(kv_b, lblk.num_attention_heads, blk.qk_nope_head_dim, blk.v_dim)
             mw.mla_uk, mw.mla_uv = backend.prepare_weight(uk), backend.prepare_weight(uv)
+            if blk.dsa:                      # the indexer: replicated on every rank of a sharded head
+                mw.idx_wq_b = backend.prepare_weight(w("self_attn.indexer.wq_b.weight"))
+                mw.idx_wk = backend.prepare_weight(w("self_attn.indexer.wk.weight"))
+                mw.idx_k_norm_w = backend.prepare_vector(w("self_attn.indexer.k_norm.weight").astype(np.float32))
+                mw.idx_k_norm_b = backend.prepare_vector(w("self_attn.indexer.k_norm.bias").astype(np.float32))
+                mw.idx_weights = backend.prepare_weight(w("self_attn.indexer.weights_proj.weight"))
 
         head_keys = [spec["shared_head.head.weight"][0], fam.target_head]
         if cfg.tie_word_embeddings:
@@ -1243,6 +1264,13 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
                 t[p + "self_attn.q_b_proj.weight"] = mat(b.q_size, Q, gain=2.0)
             else:
                 t[p + "self_attn.q_proj.weight"] = mat(b.q_size, H, gain=2.0)
+            if b.dsa:
+                Hi, Di = b.index_n_heads, b.index_head_dim
+                t[p + "self_attn.indexer.wq_b.weight"] = mat(Hi * Di, Q, gain=2.0)
+                t[p + "self_attn.indexer.wk.weight"] = mat(Di, H, gain=2.0)
+                t[p + "self_attn.indexer.k_norm.weight"] = norm_w(Di)
+                t[p + "self_attn.indexer.k_norm.bias"] = (rng.standard_normal(Di) * 0.1).astype(np.float32)
+                t[p + "self_attn.indexer.weights_proj.weight"] = mat(Hi, H, gain=2.0)
         else:
             t[p + "self_attn.q_proj.weight"] = mat(q_rows, H, gain=2.0)
             t[p + "self_attn.k_proj.weight"] = mat(b.k_size, H, gain=2.0)

@@ -207,13 +207,15 @@ def near_tie(margins: dict, m: int, i: int, tol: str) -> bool:
 
 def kv_rows(prop, st, m):
     """Module m's K and V rows of ``st`` in row order, FP32 on the host: [rows, Hkv, D] each
-    (MLA: the latent rows [rows, 1, L + R] and an empty V);
+    (MLA: the latent rows [rows, 1, L + R], with DSA the indexer key after them, and an empty V);
     a sliding-window module's from its first live block on (``base * block_size``: the
     rows before were released with their blocks)."""
     pool = prop.modules[m].pool
     seq = st.kv[m]
     be = prop.backend
     k = be.kv_to_host(pool.k)
+    if pool.index_k is not None:  # DSA: each row's indexer key after its latent row
+        k = np.concatenate([k, be.kv_to_host(pool.index_k)], axis=2)
     if pool.latent_width:        # MLA: the latent rows as [rows, 1, L + R], an empty V
         k = k[:, :, None, :]
     v = np.zeros(k.shape[:3] + (0,), np.float32) if pool.v is None else be.kv_to_host(pool.v)

@@ -5,8 +5,8 @@ Their configs as released are read into MLA blocks (YaRN, interleaved RoPE, the 
 path, the family's chain); small synthetic checkpoints in their layouts (BF16, and FP8
 block scales as the DeepSeek-V3 release stores them) load unchanged and draft as the
 float64 oracle (mtpkern.testing, the naive MLA form) on the NumPy reference and the cpu
-backend, in both KV modes; GLM-5's and V3.2's DSA indexer tensors are not read, and
-loading and ``mtpkern info`` say so. Drafts against Hugging Face's DeepSeek-V3 MTP:
+backend, in both KV modes; GLM-5's and V3.2's DSA indexer runs (a small ``index_topk``, so
+that it picks keys at test sizes) and ``mtpkern info`` counts its key's bytes. Drafts against Hugging Face's DeepSeek-V3 MTP:
 tests/test_hf_deepseek_v3.py (optional).
 """
 
@@ -24,6 +24,7 @@ import test_fp8_checkpoints
 import test_oracle
 from conftest import MLA_FIELDS, run_rounds
 from mtpkern import CheckpointError, ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
+from mtpkern.backends import get_backend
 from mtpkern.config import tiny_config
 from mtpkern.testing import reference_weights
 
@@ -44,7 +45,7 @@ DEEPSEEK_V3 = {
     "tie_word_embeddings": False, "vocab_size": 129280, "ep_size": 1, "use_cache": True,
 }
 
-#: GLM-5's (GlmMoeDsaConfig's fields; the indexer's are accepted, not read)
+#: GLM-5's (GlmMoeDsaConfig's fields, the indexer's with them)
 GLM5 = {
     "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": 6144,
     "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 78,
@@ -92,8 +93,18 @@ def test_glm5_release_config_and_the_dsa_fields():
     assert (b.head_dim, b.v_dim, b.q_lora_rank, b.rope_theta) == (256, 256, 2048, 1e6)
     with pytest.raises(ConfigError, match=r"rope_interleave.*every GLM-5 module has rope_interleave = True"):
         MtpConfig.from_dict(dict(GLM5, rope_interleave=False))
-    with pytest.raises(ConfigError, match=r"field 'index_topk' = 2048 is not supported yet \(DSA"):
-        MtpConfig.from_dict(dict(tiny_config().to_dict(), index_topk=2048))   # another family: refused
+    assert (b.index_topk, b.index_n_heads, b.index_head_dim, b.indexer_rope_interleave) == (2048, 32, 128, True)
+    assert b.kv_row_values == 512 + 64 + 128                                # the indexer key beside the latent row
+    v32 = MtpConfig.from_dict(dict(GLM5, model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+                                   index_n_heads=64))
+    assert v32.block(0).dsa and not v32.block(0).indexer_rope_interleave     # V3.2 rotates halves
+    assert MtpConfig.from_dict(dict(GLM5, indexer_rope_interleave=False)).block(0).indexer_rope_interleave is False
+    with pytest.raises(ConfigError, match=r"field 'index_topk' = 2048 \(the DSA indexer\) needs MLA with a query latent"):
+        MtpConfig.from_dict(dict(tiny_config().to_dict(), index_topk=2048))   # not MLA: refused
+    with pytest.raises(ConfigError, match=r"index_head_dim expected an int in \[qk_rope_head_dim = 64, 1024\]"):
+        MtpConfig.from_dict(dict(GLM5, index_head_dim=32))
+    with pytest.raises(ConfigError, match=r"index_n_heads expected an int in \[1, 1024\]"):
+        MtpConfig.from_dict(dict(GLM5, index_n_heads=0))
     lite = MtpConfig.from_dict(dict({k: v for k, v in GLM5.items() if not k.startswith("index_")},
                                     model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"]))
     assert lite.block(0).rope_interleave and lite.family == "glm4_moe_lite"
@@ -101,27 +112,17 @@ def test_glm5_release_config_and_the_dsa_fields():
 
 # -- synthetic checkpoints in the families' layouts ------------------------------------------------
 
+#: the DSA indexer of the test configs: 5 keys of 4 x 16 heads (the releases: 2048 of 64 or 32 x 128)
+DSA_TEST = dict(index_topk=5, index_n_heads=4, index_head_dim=16)
+
+
 def _mla(family: str = "deepseek_v3", **kw) -> MtpConfig:
     fields = dict(MLA_FIELDS, **kw)
     if family == "glm_moe_dsa":
-        fields["rope_interleave"] = True
+        fields.update(rope_interleave=True, indexer_rope_interleave=True)
+    if family in ("glm_moe_dsa", "deepseek_v32"):
+        fields = dict(DSA_TEST, **fields)
     return tiny_config(family=family, **fields)
-
-
-def _with_indexer(path, cfg: MtpConfig, seed: int = 0):
-    """GLM-5's / V3.2's MTP layer holds a DSA indexer: add its tensors to the checkpoint."""
-    t = load_file(str(path / "model.safetensors"))
-    rng = np.random.default_rng(seed)
-    Q, H = cfg.q_lora_rank, cfg.hidden_size
-    for m in range(cfg.num_modules):
-        p = f"model.layers.{cfg.layer_index(m)}.self_attn.indexer."
-        for name, shape in (("wq_b.weight", (4 * 16, Q)), ("wk.weight", (16, H)), ("k_norm.weight", (16,)),
-                            ("k_norm.bias", (16,)), ("weights_proj.weight", (4, H))):
-            t[p + name] = rng.standard_normal(shape).astype(np.float32)
-    save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
-    d = json.loads((path / "config.json").read_text())
-    d.update(index_topk=2048, index_head_dim=16, index_n_heads=4)
-    (path / "config.json").write_text(json.dumps(d))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa", "deepseek_v32", "glm4_moe_lite"])
@@ -131,8 +132,6 @@ def test_family_checkpoint_drafts_as_the_oracle(tmp_path, family, backend):
     latent rows against the oracle's after each call."""
     cfg = _mla(family)
     path = write_synthetic_checkpoint(tmp_path, cfg, seed=11, dtype="float32")
-    if family in ("glm_moe_dsa", "deepseek_v32"):
-        _with_indexer(path, cfg)
     prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
                                               num_blocks=96, prefill_chunk=7)
     chain = {"glm4_moe_lite": "prenorm"}.get(family, "postnorm")
@@ -141,28 +140,44 @@ def test_family_checkpoint_drafts_as_the_oracle(tmp_path, family, backend):
     test_oracle.run_scenario(prop, prop.config, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], chain, None)
 
 
-def test_dsa_indexer_is_not_read_and_loading_says_so(tmp_path, capsys):
+def test_dsa_indexer_is_read_and_info_counts_its_key(tmp_path, capsys):
     from mtpkern.cli import main
 
     cfg = _mla("glm_moe_dsa")
     path = write_synthetic_checkpoint(tmp_path, cfg, seed=2, dtype="float32")
-    _with_indexer(path, cfg)
     prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy")
-    notes = prop.weights.notes
-    assert len(notes) == 3 and all("5 tensor(s) not read (the DSA indexer: dense attention instead" in n
-                                   for n in notes), notes
-    assert "self_attn.indexer.k_norm.bias" in notes[0]
+    assert prop.weights.notes == [] and prop.modules[0].w.idx_k_norm_b.shape == (16,)
+    pool = prop.modules[0].pool
+    assert pool.index_k.shape[2] == 16 and pool.block_bytes() == pool.block_size * (48 + 16) * 4
     main(["info", str(path)])
     out = capsys.readouterr().out
-    assert "self_attn.indexer.* not read" in out and "KV per token and module: 96 B (one latent row" in out
+    assert "DSA top-5 Hi=4 Di=16 interleaved" in out
+    assert "KV per token and module: 128 B (one latent row, with DSA's indexer key (32 B of them)" in out
     # another family's checkpoint with the same tensors: refused by name, as any unread tensor
     d = json.loads((path / "config.json").read_text())
-    for k in ("index_topk", "index_head_dim", "index_n_heads"):
+    for k in ("index_topk", "index_head_dim", "index_n_heads", "indexer_rope_interleave"):
         d.pop(k)
     d.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])
     (path / "config.json").write_text(json.dumps(d))
     with pytest.raises(CheckpointError, match=r"self_attn\.indexer\.k_norm\.bias' .* would not be used"):
         MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_negative_controls(tmp_path, family):
+    """The oracle draft test fails with the indexer off (dense), with its RoPE's pair order
+    flipped, and with a larger index_topk: each is another model past 5 keys."""
+    cfg = _mla(family)
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=11, dtype="float32")
+    weights = reference_weights(path)
+    for wrong in (dict(index_topk=0), dict(indexer_rope_interleave=not cfg.indexer_rope_interleave),
+                  dict(index_topk=9)):
+        other = dataclasses.replace(cfg, **wrong)
+        prop = MultiModuleMtpHead(other, weights, get_backend("numpy"), kv_mode="exact", block_size=4,
+                                  num_blocks=96)
+        with pytest.raises(AssertionError):
+            test_oracle.run_scenario(prop, cfg, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)],
+                                     "postnorm", None)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])

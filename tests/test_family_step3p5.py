@@ -434,7 +434,7 @@ def test_step3p7_release_wraps_the_release_form_and_is_refused_where_its_text_co
     outer = {"architectures": ["Step3p7ForConditionalGeneration"], "model_type": "step3p7", "text_config": text,
              "vision_config": {"hidden_size": 32}}
     assert MtpConfig.from_dict(outer) == MtpConfig.from_dict(release_config())
-    with pytest.raises(ConfigError, match=r"'index_topk' = 2048 is not supported yet"):
+    with pytest.raises(ConfigError, match=r"field 'index_topk' = 2048 \(the DSA indexer\) needs MLA"):
         MtpConfig.from_dict(dict(outer, text_config=dict(text, index_topk=2048)))
 
 

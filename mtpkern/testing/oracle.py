@@ -89,7 +89,7 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     if R == 0:
         z = np.zeros((0, H))
         if b.mla:
-            return ModuleRows(np.zeros((0, 1, b.latent_width)), np.zeros((0, 1, 0)), z, z)
+            return ModuleRows(np.zeros((0, 1, b.latent_width + b.index_width)), np.zeros((0, 1, 0)), z, z)
         return ModuleRows(np.zeros((0, Hkv, D)), np.zeros((0, Hkv, Dv)), z, z)
     pos = np.arange(R) + m + 1 if pos is None else np.asarray(pos)
     keys = np.arange(R) if keys is None else np.asarray(keys)
@@ -153,6 +153,10 @@ def _mla(b, w, a, pos, keys, eps):
     seen = keys[:, None] >= keys[None, :]
     if b.sliding_window:
         seen &= keys[:, None] - keys[None, :] < b.sliding_window
+    rows = np.concatenate([c, k_pe], axis=1)[:, None, :]
+    if b.dsa:
+        seen, ik = _dsa_pick(b, w, a, qc, pos, seen)
+        rows = np.concatenate([rows, ik[:, None, :]], axis=2)       # the indexer key after the latent row
     att = np.zeros((R_, Hq, Dv))
     for hh in range(Hq):
         k_nope = c @ f(w.mla_uk[hh]).T                                # [R, P]
@@ -161,7 +165,32 @@ def _mla(b, w, a, pos, keys, eps):
         s = np.where(seen, s, -np.inf)
         p = np.exp(s - s.max(1, keepdims=True))
         att[:, hh] = (p / p.sum(1, keepdims=True)) @ v
-    return att, np.concatenate([c, k_pe], axis=1)[:, None, :], np.zeros((R_, 1, 0))
+    return att, rows, np.zeros((R_, 1, 0))
+
+
+def _dsa_pick(b, w, a, qc, pos, seen):
+    """DSA's lightning indexer (DeepSeek-V3.2 / GLM-5), float64: each row keeps the
+    ``index_topk`` keys it sees with the highest ``sum_h w_h relu(q_h . k_j)`` (ties: the
+    earlier key) -> (the narrowed ``seen`` [R, R], the indexer keys [R, Di])."""
+    f = lambda t: np.asarray(t, np.float64)  # noqa: E731
+    R_, Hi, Di, Rr = len(a), b.index_n_heads, b.index_head_dim, b.qk_rope_head_dim
+    rope = dict(interleave=b.indexer_rope_interleave, yarn=b.rope_scaling)
+    iq = (qc @ f(w.idx_wq_b).T).reshape(R_, Hi, Di)
+    iq[:, :, :Rr] = _rope(np.ascontiguousarray(iq[:, :, :Rr]), pos, Rr, b.rope_theta, **rope)
+    k = a @ f(w.idx_wk).T                                             # [R, Di]: LayerNorm with a bias
+    d = k - k.mean(1, keepdims=True)
+    k = d / np.sqrt((d * d).mean(1, keepdims=True) + 1e-6) * f(w.idx_k_norm_w) + f(w.idx_k_norm_b)
+    k[:, :Rr] = _rope(np.ascontiguousarray(k[:, None, :Rr]), pos, Rr, b.rope_theta, **rope)[:, 0]
+    hw = (a @ f(w.idx_weights).T) * (Hi ** -0.5 * Di ** -0.5)         # [R, Hi]
+    score = np.einsum("ih,ihj->ij", hw, np.maximum(np.einsum("ihd,jd->ihj", iq, k), 0.0))
+    keep = seen.copy()
+    for i in range(R_):
+        js = np.flatnonzero(seen[i])
+        if js.size > b.index_topk:
+            best = sorted(js.tolist(), key=lambda j: (-score[i, j], j))[:b.index_topk]
+            keep[i] = False
+            keep[i, best] = True
+    return keep, k
 
 
 def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
