@@ -59,7 +59,7 @@ SLOW_SWEEPS: dict[str, tuple[str, ...]] = {
     "test_cuda_emulated.py::test_many_rows": ("kv_float32-float32", "kv_float32-fp8_block"),
     # one state machine per mode and checkpoint kind (numpy / cpu both kept)
     "test_state_machine.py::test_proposer_state_machine": ("cpu-exact-sm_ckpt", "cpu-draft-window_ckpt",
-                                                           "numpy-draft-qwen_ckpt"),
+                                                           "numpy-draft-qwen_ckpt", "cpu-draft-dsa_ckpt"),
     # every block in draft mode, and the two mixed ones in exact mode
     "test_cuda_emulated.py::test_blocks_match_numpy_reference_and_replay": (
         "draft-", "exact-mixed", "exact-mla_mixed"),
@@ -145,6 +145,20 @@ def mla_cfg():
 @pytest.fixture(scope="session")
 def mla_ckpt(tmp_path_factory, mla_cfg):
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("mla"), mla_cfg, seed=7)
+
+
+#: an MLA block with DSA's indexer: 4 keys of 2 heads x 16 (sparse past 4 keys at test sizes)
+DSA_FIELDS = dict(MLA_FIELDS, index_topk=4, index_n_heads=2, index_head_dim=16)
+
+
+@pytest.fixture(scope="session")
+def dsa_cfg():
+    return tiny_config(**DSA_FIELDS)
+
+
+@pytest.fixture(scope="session")
+def dsa_ckpt(tmp_path_factory, dsa_cfg):
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("dsa"), dsa_cfg, seed=8)
 
 
 @pytest.fixture(scope="session")

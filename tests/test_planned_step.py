@@ -74,9 +74,10 @@ def _random_mask(rng, V, kind, k):
     return lambda i, drafts: rows[i]          # callable: the planned path must not take it
 
 
-def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False):
+def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False, plannable: bool = True):
     """Drive both proposers through the same calls; compare after every one. ``conf``: every
-    propose also asks for the drafts' confidences (out_conf), compared too."""
+    propose also asks for the drafts' confidences (out_conf), compared too. ``plannable``:
+    in draft mode, every propose without a callable mask must take the planned step."""
     rng = np.random.default_rng(seed)
     H, V, B = cfg.hidden_size, cfg.vocab_size, len(lens)
     exact = eager.kv_mode == "exact"
@@ -130,7 +131,7 @@ def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False):
             for a, b in zip(s0, s1):
                 _same_state(eager, a, planned, b)
             planned.check_invariants()
-        if not exact:                       # draft mode: every propose without a callable is planned
+        if not exact and plannable:         # draft mode: every propose without a callable is planned
             static = sum(1 for _, _, kinds in rounds if "callable" not in kinds[:B])
             assert planned_calls >= static - sum(1 for _, _, kinds in rounds if "none_allowed" in kinds[:B])
     finally:
@@ -168,6 +169,18 @@ def test_planned_step_equals_eager_mla(mla_ckpt, mla_cfg, mode, seed, lens, roun
     with out= buffers) in the planned step."""
     eager, planned = _pair(mla_ckpt, mode, "postnorm")
     run_twins(eager, planned, mla_cfg, seed, lens, rounds)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**scenario)
+def test_dsa_modules_fall_back_to_the_eager_step(dsa_ckpt, dsa_cfg, mode, seed, lens, rounds):
+    """The planned step does not cover DSA's indexer yet: a proposer with a step runner runs
+    the eager step for DSA modules (counted), with the eager proposer's drafts and state."""
+    eager, planned = _pair(dsa_ckpt, mode, "postnorm")
+    run_twins(eager, planned, dsa_cfg, seed, lens, rounds, plannable=False)
+    counts = planned.step_runner.counts
+    assert counts["fallback_dsa"] > 0 and counts["plans"] == 0, dict(counts)
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

@@ -95,11 +95,13 @@ def test_the_clamp_schedule_is_the_default(two_modules):
     assert a.module_schedule == b.module_schedule == [0, 1] and a.config == b.config
 
 
-@pytest.mark.parametrize("backend,mode", [("cpu", "exact"), ("cpu", "draft"), ("numpy", "exact")])
-def test_every_drafting_option_at_once_agrees_with_the_oracle(mla_ckpt, backend, mode):
-    """An MLA checkpoint with its modules cycled to four steps, a draft vocabulary of 150
-    tokens, and the machine's confidences and early stops: the oracle of the expanded chain
-    over the same subset."""
+@pytest.mark.parametrize("backend,mode,ckpt", [("cpu", "exact", "mla_ckpt"), ("cpu", "draft", "mla_ckpt"),
+                                               ("numpy", "exact", "mla_ckpt"), ("cpu", "exact", "dsa_ckpt")])
+def test_every_drafting_option_at_once_agrees_with_the_oracle(request, backend, mode, ckpt):
+    """An MLA checkpoint (and one with DSA's indexer: each step picks keys from its own pool)
+    with its modules cycled to four steps, a draft vocabulary of 150 tokens, and the machine's
+    confidences and early stops: the oracle of the expanded chain over the same subset."""
+    mla_ckpt = request.getfixturevalue(ckpt)
     weights = reference_weights(mla_ckpt)
     sched = resolve("cycle", weights.config.num_modules, 4)
     vocab = np.random.default_rng(9).permutation(301)[:150]

@@ -80,6 +80,13 @@ def test_sharded_mla_matches_one_rank(mla_ckpt, kv_mode):
 
 
 @pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_sharded_dsa_matches_one_rank(dsa_ckpt, kv_mode):
+    """DSA: the indexer (its weights, its key plane, the selection) replicated on every rank,
+    so every rank picks the same keys; the query heads split as MLA's."""
+    check_world(dsa_ckpt, 2, kv_mode, 3)
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
 def test_sharded_draft_vocab_matches_one_rank(tiny_ckpt, tiny_cfg, kv_mode):
     """A draft vocabulary over a sharded head: each rank reads the rows of its share of the
     subset's tokens only, and drafts, confidences, trees and KV are the single-rank proposer's
