@@ -263,3 +263,26 @@ def test_longcat_layout_loads_folds_the_lora_norm_scales_and_drafts_as_the_canon
     test_oracle.run_scenario(MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
                                                                 num_blocks=64),
                              cfg, reference_weights(path), 2, 9, [(1, 1.0), (1, 0.0), (1, 1.0)], "postnorm", None)
+
+
+def test_a_family_s_ignored_tensors_load_unread_and_loading_says_so(tmp_path, monkeypatch, capsys):
+    """``Family.ignored`` (no released family needs it today): a family that lists the
+    indexer's tensors as not read loads a checkpoint holding them with index_topk 0, one note
+    per module, and ``mtpkern info`` prints the reason; without the entry they are refused."""
+    from mtpkern.cli import main
+    from mtpkern.models import FAMILIES
+
+    cfg = _mla("glm_moe_dsa")
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=2, dtype="float32")
+    d = json.loads((path / "config.json").read_text())
+    d["index_topk"] = 0
+    (path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError, match=r"self_attn\.indexer\..*would not be used"):
+        MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+    fam = dataclasses.replace(FAMILIES["glm_moe_dsa"], ignored=(("self_attn.indexer.", "kept for a test"),))
+    monkeypatch.setitem(FAMILIES, "glm_moe_dsa", fam)
+    prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+    notes = prop.weights.notes
+    assert len(notes) == 3 and all("5 tensor(s) not read (kept for a test" in n for n in notes), notes
+    main(["info", str(path)])
+    assert "self_attn.indexer.* not read (kept for a test)" in capsys.readouterr().out

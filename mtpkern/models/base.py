@@ -18,7 +18,7 @@ as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
   (``alternatives``: e.g. the name transformers loads), one of which is read;
 - **ignored tensors**: prefixes (under a module's prefix) of tensors the release holds and
   mtpkern reads not, each with the reason, stated at load (``MtpWeights.notes``) and by
-  ``mtpkern info`` (e.g. the DSA indexer of GLM-5 / DeepSeek-V3.2: mtpkern/models/glm_moe_dsa.py);
+  ``mtpkern info`` (no released family needs it today; tests/test_weights.py exercises it);
 - **wrappers**: the model types (and their architectures) whose config holds this
   family's config under ``text_config`` (a vision-language release of the same
   text model);
