@@ -55,6 +55,8 @@ SHAPES: dict[str, tuple[Callable[[], MtpConfig], int]] = {
     "step35": (CONFIGS["step35"], 2048),
     # DeepSeek-V3's MLA block at H=1024 (16 heads, L 512, R 64, q_lora 384), MoE as small
     "mla": (CONFIGS["mla"], 2048),
+    # the mla block with DeepSeek-V3.2's DSA indexer: its cost at 4096 keys against the attention it saves
+    "dsa": (CONFIGS["dsa"], 4096),
 }
 
 
@@ -357,7 +359,42 @@ def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
          lambda: be.linear(q_lat, wq8)),
         ("linear_o_fp8", fp8_bytes(H, Hq * Dv) + n * (Hq * Dv + 2 * H) * f4, lambda: be.linear(xo, wo8, None, x)),
     ]
+    if b.dsa:
+        cases += dsa_op_cases(b, be, context, n, W, act, vec, cache, uk, uv, q_in, (tables, row_seq, row_len, pos,
+                                                                                  slots, nb))
     return cases
+
+
+def dsa_op_cases(b, be, context: int, n: int, W, act, vec, cache, uk, uv, q_in, rows) -> list:
+    """DSA's indexer at decode shape (mtpkern.ops.dsa): its query projection, the key write,
+    the selection over ``context`` keys, and the MLA attention over the ``index_topk`` keys
+    it picks (``mla_attention_ctx{context}``, the dense row, is what that one replaces)."""
+    from .ops.rope_kv import inv_freq
+
+    tables, row_seq, row_len, pos, slots, nb = rows
+    Hi, Di, T, Q, R, P = (b.index_n_heads, b.index_head_dim, b.index_topk, b.q_lora_rank, b.qk_rope_head_dim,
+                          b.qk_nope_head_dim)
+    Hq, Dv, L = uk.shape[0], uv.shape[1], uk.shape[2]
+    f4, b2 = 4, 2
+    kvb = np.dtype(be.kv_dtype).itemsize
+    icache = written(be.empty_latent_kv(nb * n, BENCH_BLOCK, Di), np.random.default_rng(1))
+    invf = be.from_host(inv_freq(R, b.rope_theta))
+    wq_b = W(Hi * Di, Q)
+    q_lat, k_raw, iq, iw = act(n, Q), act(n, Di), act(n, Hi, Di), act(n, Hi)
+    picked = min(T, context)               # every row's list: T keys spread over its context
+    index = np.repeat(np.linspace(0, context - 1, picked).round().astype(np.int32)[None, :], n, axis=0)
+    index_b = be.from_host(index)
+    return [
+        ("linear_index_q", Hi * Di * Q * b2 + n * (Q + Hi * Di) * f4, lambda: be.linear(q_lat, wq_b)),
+        ("dsa_key_write", n * (Di + 2 * Hi * Di) * f4 + n * Di * kvb,
+         lambda: be.dsa_key_write(k_raw, vec(Di), vec(Di), 1e-6, invf, pos, icache, slots, q=iq)),
+        (f"dsa_select_ctx{context}_top{T}", n * context * Di * kvb + n * (Hi * Di + Hi) * f4 + n * picked * 4,
+         lambda: be.dsa_select(iq, iw, icache, tables, row_seq, row_len, T, Hi ** -0.5 * Di ** -0.5)),
+        (f"mla_attention_ctx{context}_top{T}", Hq * (P + Dv) * L * b2 + n * picked * (L + R) * kvb
+         + n * Hq * (P + R + Dv) * f4,
+         lambda: be.mla_attention_absorbed(q_in, uk, uv, cache, tables, row_seq, row_len, (P + R) ** -0.5,
+                                           index=index_b)),
+    ]
 
 
 def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "") -> list[dict]:
@@ -591,10 +628,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shapes", default="small", choices=sorted(SHAPES),
                     help="shape set: tiny (H=64, V=301), small (H=1024, V=32768), glm45air (H=4096, V=151552), "
                          "step35 (Step-3.5's MTP block at H=1024: window 512, head-wise gate, dense), "
-                         "mla (DeepSeek-V3's MLA block at H=1024: 16 heads, L 512, R 64, q_lora 384)")
+                         "mla (DeepSeek-V3's MLA block at H=1024: 16 heads, L 512, R 64, q_lora 384), "
+                         "dsa (the mla block with DeepSeek-V3.2's indexer: 64 heads of 128, top 2048)")
     ap.add_argument("--contexts", type=argtypes.positive_ints, default=None, metavar="N[,N...]",
                     help="rows of KV already in each sequence, e.g. 512,4096,32768 "
-                         "(default: the shape set's: tiny 64, small 512, glm45air 512, step35 2048, mla 2048)")
+                         "(default: the shape set's: tiny 64, small 512, glm45air 512, step35 2048, mla 2048, dsa 4096)")
     ap.add_argument("--batches", type=argtypes.positive_ints, default="1,8", metavar="B[,B...]",
                     help="sequences per propose_batch")
     ap.add_argument("--kv-modes", type=argtypes.choices_list("draft", "exact"), default="draft,exact",

@@ -50,6 +50,9 @@ CONFIGS: dict[str, Callable[[], MtpConfig]] = {
                                 rope_scaling={"factor": 40.0, "original_max_position_embeddings": 4096,
                                               "mscale": 1.0, "mscale_all_dim": 1.0},
                                 max_position_embeddings=163840, family="deepseek_v3"),
+    # the mla block with DeepSeek-V3.2's DSA indexer (64 heads of 128, 2048 keys picked)
+    "dsa": lambda: dataclasses.replace(CONFIGS["mla"](), family="deepseek_v32", index_topk=2048, index_n_heads=64,
+                                       index_head_dim=128),
 }
 
 
