@@ -24,6 +24,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mtpkern import Fp8Weight
+from mtpkern.quant import Fp4Weight
 from mtpkern.backends import cuda_available, get_backend
 from mtpkern.errors import NoAllowedToken
 from mtpkern.ops.lm_head import bitmask_allowed, masked_best
@@ -1548,6 +1549,71 @@ def test_fp8_power_of_two_scales_equal_fp32_weights(be, kind):
         assert_close(be.to_host(call(as8)), be.to_host(call(as32)), what=f"{name} FP8 vs its FP32 weights")
     got = be.to_host(be.lm_head_argmax(f(x), as8["head"]))
     np.testing.assert_array_equal(got, REF.lm_head_argmax(x, fp8["head"].dequantize()))
+
+
+# -- FP4 E2M1 weights (E8M0 scales per 32) -----------------------------------------------------
+
+def rand_fp4(rng, shape) -> Fp4Weight:
+    """Random codes (all 16, every byte) with E8M0 scales near 1 / sqrt(K): each dequantized
+    weight is exact in FP32."""
+    *lead, N, K = shape
+    data = rng.integers(0, 256, (*lead, N, K // 2), dtype=np.uint8)
+    fan_in = -round(np.log2(K) / 2) - 2
+    scale = (127 + fan_in + rng.integers(-2, 2, (*lead, N, -(-K // 32)))).astype(np.uint8)
+    return Fp4Weight(data, scale)
+
+
+@pytest.mark.parametrize("H", [64, 136, 2 * 50])
+def test_fp4_equals_its_dequantized_fp32_weights(be, H):
+    """Each GEMV family with an FP4 weight (half a byte each, decoded inside the kernel) gives
+    what the same backend gives with the dequantized FP32 weight: bit for bit on cpu (it decodes
+    a row chunk into FP32 and runs the same dot), within the float32 tolerance on cuda (its FP32
+    path reads other vector widths, so sums in another order). H = 136 and 100 end on a partial
+    32-column scale block, and mtp_input's second half starts inside one."""
+    rng = rng_for("fp4", H)
+    n, I, E, K, V = 3, 40, 5, 2, 300
+    x, g = acts(rng, n, H), acts(rng, n, H)
+    fp4 = {name: rand_fp4(rng, shape) for name, shape in
+           (("w", (37, H)), ("eh", (H, 2 * H)), ("w13", (2 * I, H)), ("w2", (H, I)), ("e13", (E, 2 * I, H)),
+            ("e2", (E, H, I)), ("gate", (16, H)), ("head", (V, H)))}
+    as4 = {k: be.prepare_weight(w) for k, w in fp4.items()}
+    as32 = {k: be.prepare_weight(w.dequantize()) for k, w in fp4.items()}
+    assert as4["e13"].nbytes <= fp4["e13"].nbytes                      # half a byte a weight, one per 32 scale
+    ids = np.array([[0, 4], [2, 1], [4, 3]], np.int32)
+    wts = rng.random((n, K)).astype(np.float32)
+    embed, tokens = be.prepare_weight(weight(rng, (7, H), "float32")), np.array([1, 6, 0], np.int32)
+    vec = be.prepare_vector
+    spec = RouterSpec(top_k=3, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True)
+    f = be.from_host
+    calls = {
+        "linear": lambda w: be.linear(f(x), w["w"], vec(acts(rng_for(1), 37)), f(acts(rng_for(2), n, 37))),
+        "mtp_input": lambda w: be.mtp_input(embed, f(tokens), f(g), vec(np.ones(H)), vec(np.ones(H)), w["eh"], 1e-5),
+        "swiglu_mlp": lambda w: be.swiglu_mlp(f(x), w["w13"], w["w2"], f(g)),
+        "moe_experts": lambda w: be.moe_experts(f(x), f(ids), f(wts), w["e13"], w["e2"]),
+        "moe_router": lambda w: be.moe_router(f(x), w["gate"], vec(np.zeros(16)), spec)[1],
+        "lm_head_logits": lambda w: be.lm_head_logits(f(x), w["head"]),
+    }
+    for name, call in calls.items():
+        got, want = be.to_host(call(as4)), be.to_host(call(as32))
+        if be.name == "cpu":
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} FP4 vs its FP32 weights")
+        else:
+            assert_close(got, want, what=f"{name} FP4 vs its FP32 weights")
+    got = be.to_host(be.lm_head_argmax(f(x), as4["head"]))
+    np.testing.assert_array_equal(got, REF.lm_head_argmax(x, fp4["head"].dequantize()))
+
+
+def test_fp4_nibble_order_reaches_the_kernels(be):
+    """Negative control: a weight whose bytes have their nibbles swapped is another weight, and
+    the kernels see the difference (each column reads its own nibble)."""
+    rng = rng_for("fp4-nibbles")
+    w = rand_fp4(rng, (16, 64))
+    swapped = Fp4Weight(((w.data >> 4) | (w.data << 4)).astype(np.uint8), w.scale)
+    x = be.from_host(acts(rng, 2, 64))
+    a = be.to_host(be.linear(x, be.prepare_weight(w)))
+    b = be.to_host(be.linear(x, be.prepare_weight(swapped)))
+    assert_close(a, be.to_host(be.linear(x, be.prepare_weight(w.dequantize()))), what="FP4 linear")
+    assert not np.allclose(a, b)
 
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 8), (3, 12), (1, 5), (4, 128)])

@@ -20,7 +20,7 @@ from mtpkern.backends.numpy_backend import NumpyBackend
 from mtpkern.backends.warm_up import FAMILIES, KernelNeeds, family_calls, weight_kind
 from mtpkern.config import tiny_config
 from mtpkern.progress import WarmUpReport, warm_up
-from mtpkern.quant import Fp8Weight
+from mtpkern.quant import Fp4Weight, Fp8Weight
 
 GQA = {"qk_norm_rope_kv_write", "paged_attention"}
 
@@ -62,7 +62,8 @@ class Recording(NumpyBackend):
         self.ops, self.prepared = set(), set()
 
     def prepare_weight(self, w):
-        self.prepared.add("fp8" if isinstance(w, Fp8Weight) else np.asarray(w).dtype.name)
+        self.prepared.add("fp8" if isinstance(w, Fp8Weight) else "fp4" if isinstance(w, Fp4Weight)
+                          else np.asarray(w).dtype.name)
         return super().prepare_weight(w)
 
     def __getattribute__(self, name):
@@ -85,7 +86,7 @@ def test_a_dense_bf16_warm_up_runs_no_moe_mla_gate_fp8_or_fp32_weight(tmp_path):
     every = Recording()
     for _, call in family_calls(every):          # the default: every family and weight kind, as before
         call()
-    assert every.prepared == {"bfloat16", "float32", "fp8"} and every.ops > be.ops
+    assert every.prepared == {"bfloat16", "float32", "fp8", "fp4"} and every.ops > be.ops
 
 
 def test_needs_refuse_what_they_do_not_know():

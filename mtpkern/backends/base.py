@@ -49,7 +49,7 @@ def fp8_embedding_refused(name: str = "embed") -> TypeError:
 
 
 def unprepared_fp8(name: str, w: Any) -> TypeError:
-    return TypeError(f"{name}: an Fp8Weight must go through prepare_weight first (got {w!r})")
+    return TypeError(f"{name}: an {type(w).__name__} must go through prepare_weight first (got {w!r})")
 
 
 def all_fp8_or_none(names: str, *fp8: bool) -> bool:

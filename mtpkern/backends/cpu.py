@@ -49,8 +49,9 @@ from ..ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input, check_norm
 from ..ops.rope_kv import check_qk_norm_rope_kv_write
-from ..quant import Fp8Weight
+from ..quant import QUANTIZED, Fp4Weight, Fp8Weight
 from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
+from .cpu_fp4 import CpuFp4
 from .cpu_fp8 import CpuFp8
 from .cpu_kernels import amx as amx_k
 from .cpu_kernels import amx_linear as amx_linear_k
@@ -65,6 +66,9 @@ from .cpu_kernels import moe as moe_k
 from .cpu_kernels import norm as norm_k
 from .cpu_kernels import rope_kv as rope_kv_k
 from .cpu_kernels import simd as simd_k
+
+#: the stored forms of quantized weights: each one's ``kernel_args`` feeds the ``*_fp8_kernel`` variants
+_QUANT = (CpuFp8, CpuFp4)
 
 #: from this many rows, FP32 weights go to OpenBLAS (x @ w.T): with the
 #: thread-pool switch counted, [4096, 1024] n=512 took 25 ms against 70 ms, and
@@ -121,10 +125,10 @@ def _weight(name: str, w) -> np.ndarray:
 
 
 def _any_weight(name: str, w):
-    """A stored weight of any kind: ``CpuFp8`` as it is, else ``_weight``."""
-    if isinstance(w, CpuFp8):
+    """A stored weight of any kind: ``CpuFp8`` / ``CpuFp4`` as it is, else ``_weight``."""
+    if isinstance(w, _QUANT):
         return w
-    if isinstance(w, Fp8Weight):
+    if isinstance(w, QUANTIZED):
         raise unprepared_fp8(name, w)
     return _weight(name, w)
 
@@ -173,8 +177,8 @@ def _in_range(name: str, a: np.ndarray, hi: int, lo: int = 0) -> None:
 def _signature(a):
     if isinstance(a, np.ndarray):
         return a.shape, a.dtype
-    if isinstance(a, CpuFp8):                      # by shape: a signature must not keep a weight alive
-        return CpuFp8, a.shape
+    if isinstance(a, _QUANT):                      # by shape: a signature must not keep a weight alive
+        return type(a), a.shape
     return a
 
 
@@ -261,9 +265,11 @@ class CpuBackend(Backend):
     def prepare_weight(self, w):
         """BF16 -> its bits as a contiguous uint16 array (still 2 bytes a value);
         FP32 -> contiguous FP32; ``Fp8Weight`` -> ``CpuFp8`` (1 byte a value; raises
-        ``ValueError`` for a scale of 2^64 or more)."""
+        ``ValueError`` for a scale of 2^64 or more); ``Fp4Weight`` -> ``CpuFp4`` (half a byte)."""
         if isinstance(w, Fp8Weight):
             return CpuFp8.from_weight(w)
+        if isinstance(w, Fp4Weight):
+            return CpuFp4.from_weight(w)
         w = np.asarray(w)
         if dtype_name(w) not in ("bfloat16", "float32"):
             raise TypeError(f"w: expected dtype bfloat16 or float32, got {dtype_name(w)}")
@@ -323,7 +329,7 @@ class CpuBackend(Backend):
         e = np.empty((n, H), np.float32)                                     # scratch: normed embeddings
         h = np.empty((n, H), np.float32)                                     # scratch: normed hidden
         out = _out("out", out, (n, H))
-        if isinstance(embed, CpuFp8):
+        if isinstance(embed, _QUANT):
             raise fp8_embedding_refused("embed")
         eh_w = _any_weight("eh_w", eh_w)
         wt = self._weight_tiles(eh_w)
@@ -333,9 +339,9 @@ class CpuBackend(Backend):
                                np.float32(eps), e, h)
             return self._tiled_gemv(np.concatenate([e, h], axis=1), wt, None, None, out)
         self._use_threads()
-        kernel = norm_k.mtp_input_fp8_kernel if isinstance(eh_w, CpuFp8) else norm_k.mtp_input_kernel
+        kernel = norm_k.mtp_input_fp8_kernel if isinstance(eh_w, _QUANT) else norm_k.mtp_input_kernel
         kernel(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
-               eh_w.kernel_args() if isinstance(eh_w, CpuFp8) else eh_w, np.float32(eps), e, h, out)
+               eh_w.kernel_args() if isinstance(eh_w, _QUANT) else eh_w, np.float32(eps), e, h, out)
         return out
 
     # -- linear -------------------------------------------------------------
@@ -353,7 +359,7 @@ class CpuBackend(Backend):
         x = _apart(_act(x), out)                                             # out is written while x is read
         bias = None if bias is None else _apart(_act(bias), out)
         residual = None if residual is None else _apart(_act(residual), out)  # out is written first
-        if isinstance(w, CpuFp8):
+        if isinstance(w, _QUANT):
             self._use_threads()
             linear_k.linear_fp8_kernel(x, w.kernel_args(), _opt_vec(bias), _opt_mat(residual), out)
             return out
@@ -497,7 +503,7 @@ class CpuBackend(Backend):
         weights = _out("weights", weights, (n, spec.top_k))
         gate_w = _any_weight("gate_w", gate_w)
         self._use_threads()
-        kernel, gate = ((moe_k.moe_router_fp8_kernel, gate_w.kernel_args()) if isinstance(gate_w, CpuFp8)
+        kernel, gate = ((moe_k.moe_router_fp8_kernel, gate_w.kernel_args()) if isinstance(gate_w, _QUANT)
                         else (moe_k.moe_router_kernel, gate_w))
         kernel(_act(x), gate, _act(bias), spec.n_group, spec.topk_group, spec.scoring == "softmax",
                spec.norm_topk_prob, np.float32(spec.routed_scaling_factor), logits, ids, weights)
@@ -513,7 +519,7 @@ class CpuBackend(Backend):
         out = _out("out", out, tuple(x.shape))
         # x is gathered before out is written; residual and weights are read row by row with it
         w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
-        if all_fp8_or_none("w13, w2", isinstance(w13, CpuFp8), isinstance(w2, CpuFp8)):
+        if all_fp8_or_none("w13, w2", isinstance(w13, _QUANT), isinstance(w2, _QUANT)):
             kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.kernel_args(), w2.kernel_args()
         else:
             kernel = mlp_k.grouped_swiglu_kernel
@@ -532,7 +538,7 @@ class CpuBackend(Backend):
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
         w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
-        if all_fp8_or_none("w13, w2", isinstance(w13, CpuFp8), isinstance(w2, CpuFp8)):
+        if all_fp8_or_none("w13, w2", isinstance(w13, _QUANT), isinstance(w2, _QUANT)):
             kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.as_experts(), w2.as_experts()
         elif (t13 := self._weight_tiles(w13)) is not None and (t2 := self._weight_tiles(w2)) is not None:
             gu = self._tiled_gemv(_act(x), t13, None, None, np.empty((n, w13.shape[0]), np.float32))
@@ -577,7 +583,7 @@ class CpuBackend(Backend):
         stats = np.empty((2 if partial else 0, n), np.float32)
         w = _any_weight("w", w)
         self._use_threads()
-        if isinstance(w, CpuFp8):
+        if isinstance(w, _QUANT):
             none = lm_head_k.lm_head_argmax_fp8_kernel(_act(x), w.kernel_args(), bitmask, ids, cf, stats)
         else:       # on AMX: the screen for the ids alone, the tiled logits for the rest; else the FMA kernel
             x = _act(x)

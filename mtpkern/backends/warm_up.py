@@ -37,17 +37,21 @@ NA, HA = 4, 32
 #: the kernel families, the cheapest to compile first (the order of ``family_calls``)
 FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "paged_attention", "mla", "sigmoid_gate",
             "linear", "mtp_input", "swiglu_mlp", "moe_experts", "lm_head")
-#: the kinds of a prepared weight (``weight_kind``); an embedding table is never FP8
-WEIGHT_KINDS = ("bfloat16", "float32", "fp8")
+#: the kinds of a prepared weight (``weight_kind``); an embedding table is never FP8 or FP4
+WEIGHT_KINDS = ("bfloat16", "float32", "fp8", "fp4")
+#: the quantized kinds (``fp8=False`` leaves them out)
+_QUANTIZED_KINDS = ("fp8", "fp4")
 #: families without weights of their own (their kinds are empty)
 _UNWEIGHTED = frozenset({"rmsnorm", "qk_norm_rope_kv_write", "paged_attention", "sigmoid_gate"})
 
 
 def weight_kind(w: Any) -> str:
-    """``bfloat16``, ``float32`` or ``fp8``: the kind of a weight as ``prepare_weight`` returns it
-    (any backend: BF16 bits as uint16 or ``bfloat16``, FP32, an FP8 weight object)."""
-    if type(w).__name__.endswith("Fp8"):                 # CpuFp8, CudaFp8, Fp8Weight
+    """``bfloat16``, ``float32``, ``fp8`` or ``fp4``: the kind of a weight as ``prepare_weight``
+    returns it (any backend: BF16 bits as uint16 or ``bfloat16``, FP32, an FP8 / FP4 weight object)."""
+    if type(w).__name__.endswith("Fp8"):                 # CpuFp8, CudaFp8
         return "fp8"
+    if type(w).__name__.endswith("Fp4"):                 # CpuFp4, CudaFp4
+        return "fp4"
     name = getattr(getattr(w, "dtype", None), "name", None)
     if name in ("uint16", "bfloat16"):
         return "bfloat16"
@@ -148,8 +152,8 @@ class KernelNeeds:
         return ", ".join(f + (f" [{', '.join(sorted(map(kind, ks)))}]" if ks else "") for f, ks in self.kinds.items())
 
     def without_fp8(self) -> "KernelNeeds":
-        """The same without the FP8 weight kinds."""
-        return KernelNeeds({f: [k for k in ks if "fp8" not in (k if isinstance(k, tuple) else (k,))]
+        """The same without the quantized (FP8, FP4) weight kinds."""
+        return KernelNeeds({f: [k for k in ks if not set(_QUANTIZED_KINDS) & set(k if isinstance(k, tuple) else (k,))]
                             for f, ks in self.kinds.items()})
 
     def __eq__(self, other: object) -> bool:
@@ -168,7 +172,7 @@ def family_calls(be: Backend, fp8: bool = True,
     ones only while ``fp8``)."""
     import ml_dtypes
 
-    from ..quant import Fp8Weight
+    from ..quant import Fp4Weight, Fp8Weight
 
     needs = KernelNeeds.everything(fp8) if needs is None else needs if fp8 else needs.without_fp8()
     if not isinstance(needs, KernelNeeds):
@@ -182,7 +186,8 @@ def family_calls(be: Backend, fp8: bool = True,
             if kind not in kinds:
                 continue
             w = rng.standard_normal(shape).astype(np.float32)
-            w = (Fp8Weight.quantize(w, (128, 128)) if kind == "fp8" else (w / np.sqrt(shape[-1])).astype(host[kind]))
+            w = (Fp8Weight.quantize(w, (128, 128)) if kind == "fp8" else Fp4Weight.quantize(w) if kind == "fp4"
+                 else (w / np.sqrt(shape[-1])).astype(host[kind]))
             out.append(be.prepare_weight(w))
         return out
 

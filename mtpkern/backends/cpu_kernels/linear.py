@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .gemv_tiles import dots1, dots2, dots3, dots4, dots8, emit_widen
 
@@ -165,17 +165,10 @@ def gemv_task(w, rows, count, k0, x, i0, i1, y, cols, accumulate):
 # sparse part: the GEMV core runs unchanged on the codes and a scaled copy of x per chunk.
 
 @njit(cache=True, fastmath=False)
-def expert(w8, e):
+def fp8_expert(w8, e):
     """Expert e of a stacked FP8 weight (q [E, N, K], xs [E, NC, KB], post [E, N], crow [E, N + 1])."""
     q, xs, post, crow, ccol, cval, C, bk = w8
     return q[e], xs[e], post[e], crow[e], ccol, cval, C, bk
-
-
-@njit(cache=True, fastmath=False)
-def chunks(w8):
-    """Row chunks of an FP8 weight [N, K] (or [E, N, K])."""
-    N = w8[0].shape[-2]
-    return (N + w8[6] - 1) // w8[6]
 
 
 @njit(cache=True, fastmath=False)
@@ -228,6 +221,127 @@ def fp8_chunk(w8, c, k0, x, i0, i1, y, shift, accumulate):
                         y[i0 + i, j - shift] += cval[e] * x[i0 + i, kk]
 
 
+# -- FP4 E2M1 weights with E8M0 block scales -------------------------------------------------
+# An FP4 weight reaches the kernels as the tuple ``w4 = (q, s, C)`` (``CpuFp4.kernel_args`` in
+# backends/cpu_fp4.py; an [E, N, K] one per expert through ``expert``):
+#   q     uint8 [N, K / 2]   E2M1 codes, column 2j in the low nibble of byte j, 2j + 1 in the high
+#   s     uint8 [N, KB]      E8M0 codes, one per 32 columns: the scale is 2^(s - 127)
+#   C     int64              rows per chunk (FP4_ROWS)
+# ``fp4_chunk`` decodes the C rows of a chunk into an FP32 scratch block (e2m1 * 2^(s - 127), exact:
+# the reference's dequantized weight, bit for bit) and runs the GEMV core on it, so a row's dot
+# has the bits the same weight in FP32 gives (``gemv_task``: a dot depends on its two rows only).
+# The weights stay half a byte each in memory; the scratch block (C x K FP32, 229 KB at K = 7168)
+# stays in L2 while every input row passes over it.
+
+#: rows per FP4 chunk: one ``group8`` task's worth, so the decoded block stays in L2
+FP4_ROWS = 8
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+#: 2^(c - 127) for every E8M0 code c (the bits c << 23; c = 0 is the subnormal 2^-127); 0xFF is
+#: refused at load (``Fp4Weight``), its entry a NaN here
+_E8M0 = np.concatenate([np.array([0x00400000], np.uint32), np.arange(1, 255, dtype=np.uint32) << 23,
+                        np.array([0x7FC00000], np.uint32)]).view(np.float32)
+
+
+@njit(cache=True, fastmath=False)
+def fp4_rows(q, s, lo, R, k0, out):
+    """out [R, K] = the FP4 weight's rows lo .. lo + R - 1, columns k0 .. k0 + K - 1, dequantized:
+    ``e2m1(code) * 2^(scale - 127)`` (exact in FP32)."""
+    K = out.shape[1]
+    for r in range(R):
+        qr, sr, o = q[lo + r], s[lo + r], out[r]
+        k = np.int64(0)
+        while k < K:
+            col = k0 + k
+            kb = col >> 5
+            end = min(K, ((kb + 1) << 5) - k0)               # the end of this 32-column scale block
+            f = _E8M0[sr[kb]]
+            if (col & 1) == 0 and ((end - k) & 1) == 0:      # whole bytes: both nibbles
+                b0 = col >> 1
+                for j in range((end - k) >> 1):
+                    b = qr[b0 + j]
+                    o[k + 2 * j] = _E2M1[b & 15] * f
+                    o[k + 2 * j + 1] = _E2M1[b >> 4] * f
+            else:
+                for kk in range(k, end):
+                    c2 = k0 + kk
+                    o[kk] = _E2M1[(qr[c2 >> 1] >> ((c2 & 1) * 4)) & 15] * f
+            k = end
+
+
+@njit(cache=True, fastmath=False)
+def fp4_chunk(w4, c, k0, x, i0, i1, y, shift, accumulate):
+    """``fp8_chunk`` for an FP4 weight (the tuple ``w4``, see above): for input rows i in i0..i1
+    of x [*, K] and the weight rows j of chunk c: ``y[i, j - shift] (+)= w[j, k0:k0+K] . x[i]``."""
+    q, s, C = w4
+    N, K = q.shape[0], x.shape[1]
+    lo = c * C
+    R = min(N, lo + C) - lo
+    wt = np.empty((R, K), np.float32)                 # the chunk's rows, dequantized
+    fp4_rows(q, s, lo, R, k0, wt)
+    zero = np.int64(0)
+    q8 = R // 8
+    for t in range(q8 + R - 8 * q8):
+        rows, count = group8(t, q8, zero)
+        d = lo - shift
+        cols = (rows[0] + d, rows[1] + d, rows[2] + d, rows[3] + d, rows[4] + d, rows[5] + d, rows[6] + d,
+                rows[7] + d)
+        gemv_task(wt, rows, count, zero, x, i0, i1, y, cols, accumulate)
+
+
+# -- one name for either quantized form: the ``*_fp8_kernel`` variants take w8 or w4 --------------
+# Numba compiles a kernel once per argument type, so an FP8 and an FP4 weight each get their own
+# specialisation of the same kernel; these pick the form's helpers at compile time.
+
+def qchunk(w, c, k0, x, i0, i1, y, shift, accumulate):
+    """``fp8_chunk`` or ``fp4_chunk``, by the weight tuple's form (inside jitted code only)."""
+    raise NotImplementedError("qchunk runs inside the cpu kernels only")
+
+
+def chunks(w):
+    """Row chunks of a quantized weight [N, K] (or [E, N, K])."""
+    raise NotImplementedError("chunks runs inside the cpu kernels only")
+
+
+def chunk_rows(w):
+    """Rows per chunk of a quantized weight."""
+    raise NotImplementedError("chunk_rows runs inside the cpu kernels only")
+
+
+def expert(w, e):
+    """Expert e of a stacked quantized weight."""
+    raise NotImplementedError("expert runs inside the cpu kernels only")
+
+
+def _is_fp4(w) -> bool:
+    return isinstance(w, types.BaseTuple) and len(w) == 3
+
+
+@overload(qchunk, jit_options={"fastmath": False})
+def _qchunk(w, c, k0, x, i0, i1, y, shift, accumulate):
+    if _is_fp4(w):
+        return lambda w, c, k0, x, i0, i1, y, shift, accumulate: fp4_chunk(w, c, k0, x, i0, i1, y, shift, accumulate)
+    return lambda w, c, k0, x, i0, i1, y, shift, accumulate: fp8_chunk(w, c, k0, x, i0, i1, y, shift, accumulate)
+
+
+@overload(chunk_rows, jit_options={"fastmath": False})
+def _chunk_rows(w):
+    if _is_fp4(w):
+        return lambda w: w[2]
+    return lambda w: w[6]
+
+
+@overload(chunks, jit_options={"fastmath": False})
+def _chunks(w):
+    return lambda w: (w[0].shape[-2] + chunk_rows(w) - 1) // chunk_rows(w)
+
+
+@overload(expert, jit_options={"fastmath": False})
+def _expert(w, e):
+    if _is_fp4(w):
+        return lambda w, e: (w[0][e], w[1][e], w[2])
+    return lambda w, e: fp8_expert(w, e)
+
+
 @njit(cache=True, fastmath=False)
 def bias_residual(out, i, j, bias, residual):
     """out[i, j] + bias[j] + residual[i, j] (each unless empty), in the reference's order."""
@@ -258,12 +372,14 @@ def linear_kernel(x, w, bias, residual, out):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def linear_fp8_kernel(x, w8, bias, residual, out):
-    """``linear_kernel`` for an FP8 weight (the tuple ``w8``, see above): one task per row chunk."""
+    """``linear_kernel`` for an FP8 or FP4 weight (the tuple ``w8`` or ``w4``, see above): one
+    task per row chunk."""
     n = x.shape[0]
     N = w8[0].shape[0]
+    C = chunk_rows(w8)
     zero, no = np.int64(0), np.bool_(False)
     for c in prange(chunks(w8)):
-        fp8_chunk(w8, c, zero, x, zero, n, out, zero, no)
-        for j in range(c * w8[6], min(N, (c + 1) * w8[6])):
+        qchunk(w8, c, zero, x, zero, n, out, zero, no)
+        for j in range(c * C, min(N, (c + 1) * C)):
             for i in range(n):
                 bias_residual(out, i, j, bias, residual)

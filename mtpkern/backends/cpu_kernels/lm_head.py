@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import amx
-from .linear import _DOT_FLAGS, chunks, fp8_chunk, gemv_task, group8, widen
+from .linear import _DOT_FLAGS, chunk_rows, chunks, gemv_task, group8, qchunk, widen
 from .simd import EXP_MIN, exp_le0
 
 
@@ -291,7 +291,7 @@ def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids, conf, stats):
     one chunk per row chunk of the weight."""
     n = x.shape[0]
     V = w8[0].shape[0]
-    C = w8[6]
+    C = chunk_rows(w8)
     nchunks = chunks(w8)
     best_val = np.empty((nchunks, n), np.float32)
     best_id = np.empty((nchunks, n), np.int64)
@@ -303,7 +303,7 @@ def lm_head_argmax_fp8_kernel(x, w8, bitmask, ids, conf, stats):
         hi = min(V, lo + C)
         if _chunk_allowed(bitmask, n, lo, hi):
             y = np.empty((n, hi - lo), np.float32)
-            fp8_chunk(w8, c, zero, x, zero, n, y, np.int64(lo), no)
+            qchunk(w8, c, zero, x, zero, n, y, np.int64(lo), no)
             ok = np.ones(8, np.bool_)
             for j in range(lo, hi, 8):                           # 8 tokens a group, in id order
                 rows = (j, j + 1, j + 2, j + 3, j + 4, j + 5, j + 6, j + 7)

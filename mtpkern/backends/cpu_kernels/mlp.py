@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import SMALL, chunks, expert, fp8_chunk, gemv_task, group8
+from .linear import SMALL, chunks, expert, gemv_task, group8, qchunk
 
 
 @njit(cache=True, fastmath=False)
@@ -204,7 +204,7 @@ def _combine(residual, weights, y2, inv, out):
 def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
     """``grouped_swiglu_kernel`` with FP8 expert weights: w13, w2 the tuples of
     ``linear.fp8_chunk`` over [E, 2I, H] and [E, H, I] codes."""
-    I = w2[0].shape[2]
+    I = w13[0].shape[1] // 2                     # w13 [E, 2I, *]: an FP4 w2 holds I / 2 bytes a row
     perm, inv, experts, starts, xg = _sorted_inputs(x, ids, w13[0].shape[0])
     P, H = xg.shape
     U = experts.shape[0]
@@ -215,7 +215,7 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
     T1, T2 = chunks(w13), chunks(w2)
     for t in prange(U * T1):
         u = t // T1
-        fp8_chunk(expert(w13, experts[u]), t % T1, zero, xg, starts[u], starts[u + 1], gu, zero, no)
+        qchunk(expert(w13, experts[u]), t % T1, zero, xg, starts[u], starts[u + 1], gu, zero, no)
     if P * I <= SMALL:
         for p in range(P):
             silu_mul_row(gu, p, limit, act)
@@ -224,7 +224,7 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
             silu_mul_row(gu, p, limit, act)
     for t in prange(U * T2):
         u = t // T2
-        fp8_chunk(expert(w2, experts[u]), t % T2, zero, act, starts[u], starts[u + 1], y2, zero, no)
+        qchunk(expert(w2, experts[u]), t % T2, zero, act, starts[u], starts[u + 1], y2, zero, no)
     _combine(residual, weights, y2, inv, out)
 
 

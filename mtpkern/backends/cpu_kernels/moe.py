@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .linear import SMALL, chunks, fp8_chunk, gemv_task, group8
+from .linear import SMALL, chunks, gemv_task, group8, qchunk
 
 
 @njit(cache=True, fastmath=False)
@@ -133,10 +133,10 @@ def moe_router_fp8_kernel(x, gate8, bias, n_group, topk_group, softmax, norm_top
     zero, no = np.int64(0), np.bool_(False)
     if n * E * H <= 2 * SMALL:
         for c in range(chunks(gate8)):
-            fp8_chunk(gate8, c, zero, x, zero, n, logits, zero, no)
+            qchunk(gate8, c, zero, x, zero, n, logits, zero, no)
     else:
         for c in prange(chunks(gate8)):
-            fp8_chunk(gate8, c, zero, x, zero, n, logits, zero, no)
+            qchunk(gate8, c, zero, x, zero, n, logits, zero, no)
     _select(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, n * E * H)
 
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .linear import _DOT_FLAGS, SMALL, chunks, fp8_chunk, gemv_task, group8, widen
+from .linear import _DOT_FLAGS, SMALL, chunks, gemv_task, group8, qchunk, widen
 
 
 @njit(cache=True, fastmath=_DOT_FLAGS)
@@ -125,5 +125,5 @@ def mtp_input_fp8_kernel(embed, tokens, g, enorm_w, hnorm_w, eh8, eps, e, h, out
     zero, no, yes = np.int64(0), np.bool_(False), np.bool_(True)
     input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
     for c in prange(chunks(eh8)):
-        fp8_chunk(eh8, c, zero, e, zero, n, out, zero, no)
-        fp8_chunk(eh8, c, np.int64(H), h, zero, n, out, zero, yes)
+        qchunk(eh8, c, zero, e, zero, n, out, zero, no)
+        qchunk(eh8, c, np.int64(H), h, zero, n, out, zero, yes)
