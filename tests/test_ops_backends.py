@@ -1553,6 +1553,14 @@ def test_fp8_power_of_two_scales_equal_fp32_weights(be, kind):
 
 # -- FP4 E2M1 weights (E8M0 scales per 32) -----------------------------------------------------
 
+def skip_fp4_on_cuda(be) -> None:
+    """The cuda backend refuses FP4 weights until its kernels decode them (docs/fp4.md)."""
+    if be.name == "cuda":
+        with pytest.raises(TypeError, match="FP4 weights are not supported by the cuda backend yet"):
+            be.prepare_weight(Fp4Weight(np.zeros((2, 32), np.uint8), np.full((2, 2), 127, np.uint8)))
+        pytest.skip("the cuda backend has no FP4 kernels yet (docs/fp4.md)")
+
+
 def rand_fp4(rng, shape) -> Fp4Weight:
     """Random codes (all 16, every byte) with E8M0 scales near 1 / sqrt(K): each dequantized
     weight is exact in FP32."""
@@ -1570,6 +1578,7 @@ def test_fp4_equals_its_dequantized_fp32_weights(be, H):
     a row chunk into FP32 and runs the same dot), within the float32 tolerance on cuda (its FP32
     path reads other vector widths, so sums in another order). H = 136 and 100 end on a partial
     32-column scale block, and mtp_input's second half starts inside one."""
+    skip_fp4_on_cuda(be)
     rng = rng_for("fp4", H)
     n, I, E, K, V = 3, 40, 5, 2, 300
     x, g = acts(rng, n, H), acts(rng, n, H)
@@ -1606,6 +1615,7 @@ def test_fp4_equals_its_dequantized_fp32_weights(be, H):
 def test_fp4_nibble_order_reaches_the_kernels(be):
     """Negative control: a weight whose bytes have their nibbles swapped is another weight, and
     the kernels see the difference (each column reads its own nibble)."""
+    skip_fp4_on_cuda(be)
     rng = rng_for("fp4-nibbles")
     w = rand_fp4(rng, (16, 64))
     swapped = Fp4Weight(((w.data >> 4) | (w.data << 4)).astype(np.uint8), w.scale)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..quant import Fp8Weight
+from ..quant import Fp4Weight, Fp8Weight
 from . import dlpack
 from .base import Backend
 from .cuda_launch import attention, linear, lm_head, mla, mlp, moe, norm, rope_kv
@@ -93,6 +93,9 @@ class CudaBackend(Backend):
         byte each, and its FP32 scales on the GPU, dequantized inside the GEMV kernels)."""
         if isinstance(w, Fp8Weight):
             return CudaFp8.from_weight(w, _cupy().asarray)
+        if isinstance(w, Fp4Weight):
+            raise TypeError(f"prepare_weight: FP4 weights are not supported by the cuda backend yet (got {w!r}); "
+                            f"pass w.dequantize() (exact in BF16) or use the cpu backend (docs/fp4.md)")
         w = np.asarray(w)
         if w.dtype == _bf16() or w.dtype == np.uint16:
             host = np.ascontiguousarray(w).view(np.uint16)
