@@ -170,13 +170,22 @@ def fp8_bytes(*shape: int) -> int:
     return int(np.prod(lead, dtype=np.int64)) * (N * K + 4 * blocks)
 
 
+def fp4_bytes(*shape: int) -> int:
+    """Bytes an FP4 weight ``[.., N, K]`` is read in: half a byte per weight, one per E8M0 scale
+    (32 weights each)."""
+    *lead, N, K = shape
+    return int(np.prod(lead, dtype=np.int64)) * (N * K // 2 + N * -(-K // 32))
+
+
 def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator) -> list[tuple[str, int, Callable]]:
     """(name, bytes moved, thunk) for every op at decode shape ``n`` rows: BF16 weights, then
-    every GEMV again with the same weights in FP8 (``FP8_BLOCK`` scales; ``<op>_fp8``)."""
+    every GEMV again with the same weights in FP8 (``FP8_BLOCK`` scales; ``<op>_fp8``), then the
+    SwiGLUs (routed experts, shared / dense MLP) in FP4 (``<op>_fp4``: E2M1 with E8M0 scales per
+    32, DeepSeek-V4's experts; on backends that take FP4 weights)."""
     import ml_dtypes
 
     from .ops.moe import RouterSpec
-    from .quant import Fp8Weight
+    from .quant import Fp4Weight, Fp8Weight
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     H, V = cfg.hidden_size, cfg.vocab_size
@@ -196,6 +205,11 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     def W8(w):                                    # the same weight in FP8 (once: its host copy goes)
         return be.prepare_weight(Fp8Weight.quantize(host.pop(id(w)), FP8_BLOCK))
 
+    fp4 = be.name != "cuda"                       # the cuda backend has no FP4 kernels yet (docs/fp4.md)
+
+    def W4(w):                                    # the same weight in FP4 (before W8 drops its host copy)
+        return be.prepare_weight(Fp4Weight.quantize(host[id(w)])) if fp4 else None
+
     def act(*shape):
         return be.from_host(rng.standard_normal(shape).astype(np.float32))
 
@@ -212,11 +226,13 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     tokens = be.from_host(rng.integers(0, V, n).astype(np.int32))
     f4, b2 = 4, 2
     eh8, head8 = W8(eh), W8(head)
+    s13_4, s2_4 = W4(s13), W4(s2)
     s13_8, s2_8 = W8(s13), W8(s2)
     if moe:
         spec = RouterSpec.from_config(cfg)
         ids, wts = be.moe_router(x, gate, vec(E), spec)
         distinct = len(np.unique(be.to_host(ids)))
+        w13_4, w2_4 = W4(w13), W4(w2)
         gate8, w13_8, w2_8 = W8(gate), W8(w13), W8(w2)
         used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
     attention = (mla_op_cases(cfg, be, context, n, W, W8, act, vec, rng) if cfg.block(0).mla
@@ -247,6 +263,12 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
          lambda: be.swiglu_mlp(x, s13_8, s2_8, x)),
         ("lm_head_argmax_fp8", fp8_bytes(V, H) + n * H * f4, lambda: be.lm_head_argmax(x, head8)),
     ]
+    if fp4 and moe:
+        cases += [("moe_experts_fp4", fp4_bytes(distinct, 2 * I, H) + fp4_bytes(distinct, H, I) + 2 * n * H * f4,
+                   lambda: be.moe_experts(x, ids, wts, w13_4, w2_4, x))]
+    if fp4:
+        cases += [(f"{mlp}_fp4", fp4_bytes(2 * Is, H) + fp4_bytes(H, Is) + 2 * n * H * f4,
+                   lambda: be.swiglu_mlp(x, s13_4, s2_4, x))]
     return cases
 
 

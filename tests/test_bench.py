@@ -303,6 +303,23 @@ def test_op_cases_time_every_gemv_in_fp8_too():
         fn()
 
 
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_op_cases_time_the_swiglus_in_fp4_too(backend):
+    """The routed experts and the shared MLP have an ``_fp4`` twin on the same weights, counted
+    at half a byte per weight plus one per 32-weight E8M0 scale (below FP8's bytes), and run."""
+    from mtpkern.backends import get_backend
+    from mtpkern.bench import SHAPES, fp4_bytes, op_cases
+
+    assert fp4_bytes(300, 1000) == 300 * 500 + 300 * 32
+    assert fp4_bytes(4, 130, 70) == 4 * (130 * 35 + 130 * 3)
+    cfg = SHAPES["tiny"][0]()
+    cases = {name: (nbytes, fn) for name, nbytes, fn in op_cases(cfg, get_backend(backend), 16, 2,
+                                                                 np.random.default_rng(0))}
+    for g in ("moe_experts", "swiglu_shared"):
+        assert cases[f"{g}_fp4"][0] < cases[f"{g}_fp8"][0] < cases[g][0]
+        cases[f"{g}_fp4"][1]()
+
+
 @pytest.mark.parametrize("shapes", ["tiny", "mla"])
 def test_op_cases_attend_over_written_kv(shapes):
     """The attention cases read a pool whose rows were written: a never-written host pool is
