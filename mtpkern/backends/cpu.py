@@ -41,10 +41,11 @@ import numpy as np
 from ..errors import NoAllowedToken, no_token_reason
 from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
+from ..ops.dsa import check_dsa_key_write, check_dsa_select
 from ..ops.gate import check_sigmoid_gate
 from ..ops.linear import check_linear
 from ..ops.lm_head import check_bitmask, check_id_map, check_topk, map_id_rows, map_ids
-from ..ops.mla import check_mla_attention, check_mla_latent_write
+from ..ops.mla import check_index, check_mla_attention, check_mla_latent_write
 from ..ops.mlp import check_swiglu_mlp, swiglu_limit
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input, check_norm
@@ -57,6 +58,7 @@ from .cpu_kernels import amx as amx_k
 from .cpu_kernels import amx_linear as amx_linear_k
 from .cpu_kernels import attention as attention_k
 from .cpu_kernels import bounds as bounds_k
+from .cpu_kernels import dsa as dsa_k
 from .cpu_kernels import gate as gate_k
 from .cpu_kernels import linear as linear_k
 from .cpu_kernels import lm_head as lm_head_k
@@ -455,7 +457,9 @@ class CpuBackend(Backend):
         return q_out
 
     def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
-                               scale: float, *, row_start=None, out=None):
+                               scale: float, *, row_start=None, index=None, out=None):
+        """``index`` [n, T] int32 (DSA): each row attends to its listed rows only (mtpkern.ops.mla;
+        ``cpu_kernels/mla.py``: their rows gathered, or the dense call where every row lists all)."""
         self._check(check_mla_attention, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start)
         NB, BS, W = latent_cache.shape
         n, Hq, _ = q.shape
@@ -463,7 +467,12 @@ class CpuBackend(Backend):
         w_uk, w_uv = _weight("w_uk", w_uk), _weight("w_uv", w_uv)
         if w_uk.dtype != w_uv.dtype:
             raise TypeError(f"w_uv: expected the dtype of w_uk ({w_uk.dtype.name}), got {w_uv.dtype.name}")
+        starts = row_start
         block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
+        counts = None
+        if index is not None:
+            check_index(index, n, row_len, starts)            # its values: every call, not once per signature
+            counts = _listed_counts(index, row_len, row_start)
         out = _out("out", out, (n, Hq * Dv))
         L = w_uk.shape[2]
         cache = _act(latent_cache).reshape(NB, BS, 1, W)
@@ -471,6 +480,9 @@ class CpuBackend(Backend):
         o_lat = np.empty((n, Hq, L), np.float32)
         self._use_threads()
         mla_k.mla_absorb_kernel(_act(q), w_uk, q_full)
+        if counts is not None:      # DSA: each row over its listed rows, gathered into a sequence of its own
+            cache, block_tables, row_seq, row_start, row_len = _gather_listed(cache, block_tables, row_seq, index,
+                                                                              counts)
         # the latent attention is paged attention with one KV head, keys the whole latent
         # rows [c | k_pe] and values their first L columns (c, o_lat's width): each latent
         # row read once per task for every head
@@ -478,6 +490,43 @@ class CpuBackend(Backend):
                                            row_len, np.empty(0, np.float32), np.float32(scale),
                                            self._attention_tasks(), o_lat, False)
         mla_k.mla_out_kernel(o_lat, w_uv, out.reshape(n, Hq, Dv))
+        return out
+
+    # -- DSA ----------------------------------------------------------------
+    def dsa_key_write(self, k, k_norm_w, k_norm_b, eps: float, inv_freq, positions, index_cache, slots, *,
+                      q=None, interleave: bool = False, rope_scale: float = 1.0, out=None):
+        self._check(check_dsa_key_write, k, k_norm_w, k_norm_b, inv_freq, positions, index_cache, slots,
+                    interleave, rope_scale, q)
+        NB, BS, Di = index_cache.shape
+        if not (isinstance(index_cache, np.ndarray) and index_cache.dtype == np.float32
+                and index_cache.flags.c_contiguous):
+            raise TypeError(f"index_cache: expected a C-contiguous float32 NumPy cache (from empty_latent_kv), "
+                            f"got {type(index_cache).__name__} {dtype_name(index_cache)}")
+        if q is None and out is not None:
+            raise TypeError("out: the roped query's buffer needs q (no q: nothing is returned)")
+        slots = np.ascontiguousarray(slots)
+        _in_range("slots", slots, NB * BS)
+        q_out = None if q is None else _out("out", out, tuple(q.shape))
+        q_in = np.empty((0, 1, 1), np.float32) if q is None else _apart(_act(q), q_out, same_ok=True)
+        self._use_threads()
+        dsa_k.dsa_key_write_kernel(_act(k), _act(k_norm_w), _act(k_norm_b), np.float32(eps), _act(inv_freq),
+                                   np.ascontiguousarray(positions), index_cache.reshape(NB * BS, Di), slots,
+                                   bool(interleave), np.float32(rope_scale), q_in, q_in if q_out is None else q_out)
+        return q_out
+
+    def dsa_select(self, q, weights, index_cache, block_tables, row_seq, row_len, topk: int, scale: float, *,
+                   row_start=None, out=None):
+        if type(topk) is not int:   # a signature check would take True for 1 and 2.0 for 2 (they hash alike)
+            check_dsa_select(q, weights, index_cache, block_tables, row_seq, row_len, topk, row_start)
+        self._check(check_dsa_select, q, weights, index_cache, block_tables, row_seq, row_len, topk, row_start)
+        NB, BS, Di = index_cache.shape
+        n = q.shape[0]
+        block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
+        out = _out("out", out, (n, int(topk)), np.int32)
+        wts = _act(weights) * np.float32(scale)                              # [n, Hi], as the reference rounds it
+        self._use_threads()
+        dsa_k.dsa_select_kernel(_act(q), wts, _act(index_cache), block_tables, row_seq, row_start, row_len,
+                                int(topk), out)
         return out
 
     # -- gate ---------------------------------------------------------------
@@ -735,6 +784,32 @@ def _bitmask_arg(bitmask, n: int, V: int) -> np.ndarray:
         return np.empty((0, 0), np.int32)
     check_bitmask(bitmask, n, V)
     return np.ascontiguousarray(bitmask)
+
+
+def _listed_counts(index: np.ndarray, row_len: np.ndarray, row_start: np.ndarray) -> np.ndarray | None:
+    """Each row's entries in a checked DSA ``index`` (before its first -1), int32; None when
+    every row lists every row it sees (then the attention is the dense call itself)."""
+    counts = np.count_nonzero(index >= 0, axis=1).astype(np.int32)
+    seen = row_len if row_start.shape[0] == 0 else row_len - row_start
+    return None if np.array_equal(counts, seen) else counts
+
+
+def _gather_listed(cache: np.ndarray, block_tables, row_seq, index, counts: np.ndarray) -> tuple:
+    """The latent rows each row lists, in list order, as a sequence of its own (blocks of
+    ``mla_k.LISTED_BS`` rows; ``cpu_kernels/mla.py``): (cache [NBv, BS', 1, W], block_tables
+    [n, max blocks], row_seq = arange(n), no row_start, row_len = counts) for the attention."""
+    NB, BS, _, W = cache.shape
+    n = counts.shape[0]
+    VBS = mla_k.LISTED_BS
+    nb = (counts + VBS - 1) // VBS                                        # [n] blocks of each row
+    vbase = np.zeros(n, np.int32)
+    np.cumsum(nb[:-1], out=vbase[1:])
+    listed = np.empty((int(nb.sum()), VBS, W), np.float32)
+    mla_k.gather_listed_kernel(cache.reshape(NB, BS, W), block_tables, row_seq, np.ascontiguousarray(index),
+                               counts, np.repeat(np.arange(n, dtype=np.int32), nb), vbase, listed)
+    b = np.arange(int(nb.max()), dtype=np.int32)
+    tables = np.where(b < nb[:, None], vbase[:, None] + b, 0).astype(np.int32)   # past a row's blocks: unread
+    return listed.reshape(-1, VBS, 1, W), tables, np.arange(n, dtype=np.int32), _NO_ROWS, counts
 
 
 def _checked_rows(block_tables, row_seq, row_len, row_start, BS: int, NB: int) -> tuple:

@@ -19,6 +19,15 @@ The absorbed attention, in three steps (the launcher: ``CpuBackend.mla_attention
   row is read once per task, not once per head, with an online softmax and a merge;
 - ``mla_out_kernel``: one task per (row, head): ``out = w_uv[h] o_lat``.
 
+DSA's sparse attention (``index``) is the same latent attention over a gathered cache:
+``gather_listed_kernel`` copies row r's listed rows, in list order, to the positions 0, 1, ..
+of a sequence of its own (blocks of ``LISTED_BS`` rows), and ``paged_attention_kernel`` runs
+over those sequences, each row a unit of its own; list position p is read where the dense
+form reads visible row p, with the same arithmetic. An index that lists every visible row of
+every row needs no copy: the launcher runs the dense call itself, so the result is the dense
+one bit for bit (a row's bits depend on the rows sharing its unit and on the chunking of its
+blocks, so only the dense call's own schedule can give them).
+
 Measured (this machine, 1 thread, 16 heads, L 512, R 64, one row over 2048 latent rows in
 blocks of 16): the attention step 1.8-2.1 ms, against 5.9 ms for one task per (row, head)
 that re-read every latent row per head, and 5.9 ms too when the values were a column
@@ -31,6 +40,10 @@ import numpy as np
 from numba import njit, prange
 
 from .linear import SMALL, widen
+
+#: rows per block of the gathered sequences of a sparse attention: 16 latent rows (37 KiB at
+#: DeepSeek-V3's 576 values) stay in L1 while the value pass reads them (cpu_kernels/attention.py)
+LISTED_BS = 16
 
 
 @njit(cache=True, fastmath=False)
@@ -144,3 +157,33 @@ def mla_out_kernel(o_lat, w_uv, out):
     else:
         for t in prange(n * Hq):
             _project_out(t // Hq, t % Hq, o_lat, w_uv, out)
+
+
+@njit(cache=True, fastmath=False)
+def _gather_block(cache, block_tables, row_seq, index, counts, owner, vbase, b, dst):
+    """Block b of dst: the listed rows of row r = owner[b] at positions (b - vbase[r]) * BS' .."""
+    BS, VBS = cache.shape[1], dst.shape[1]
+    r = owner[b]
+    s = row_seq[r]
+    p0 = (b - vbase[r]) * VBS
+    for o in range(min(VBS, counts[r] - p0)):
+        j = index[r, p0 + o]
+        src = cache[block_tables[s, j // BS], j % BS]
+        d = dst[b, o]
+        for k in range(src.shape[0]):
+            d[k] = src[k]
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def gather_listed_kernel(cache, block_tables, row_seq, index, counts, owner, vbase, dst):
+    """cache [NB, BS, W] FP32; index [n, T] int32 (checked: rows each row sees, ascending, then
+    -1s; counts [n] the entries before the first -1); owner [NBv] the row of each block of dst,
+    vbase [n] row r's first block -> dst [NBv, BS', W]: position p of row r at block
+    vbase[r] + p // BS', offset p % BS' (the rest of a row's last block is left as it is)."""
+    NBv, W = dst.shape[0], dst.shape[2]
+    if NBv * dst.shape[1] * W <= SMALL:
+        for b in range(NBv):
+            _gather_block(cache, block_tables, row_seq, index, counts, owner, vbase, b, dst)
+    else:
+        for b in prange(NBv):
+            _gather_block(cache, block_tables, row_seq, index, counts, owner, vbase, b, dst)
