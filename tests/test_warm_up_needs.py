@@ -112,13 +112,13 @@ import json, sys
 import numba, numpy as np
 from mtpkern import MultiModuleMtpHead
 from mtpkern.backends.cpu import CpuBackend
-from mtpkern.backends.cpu_kernels import (amx, amx_linear, attention, bounds, gate, gemv_tiles, linear, lm_head,
-                                          mla, mlp, moe, norm, rope_kv, simd)
+from mtpkern.backends.cpu_kernels import (amx, amx_linear, attention, bounds, dsa, gate, gemv_tiles, linear,
+                                          lm_head, mla, mlp, moe, norm, rope_kv, simd)
 from mtpkern.backends.warm_up import KernelNeeds
 
 def loaded():
     out = {}
-    for mod in (amx, amx_linear, attention, bounds, gate, gemv_tiles, linear, lm_head, mla, mlp, moe, norm,
+    for mod in (amx, amx_linear, attention, bounds, dsa, gate, gemv_tiles, linear, lm_head, mla, mlp, moe, norm,
                 rope_kv, simd):
         for name, f in vars(mod).items():
             if isinstance(f, numba.core.dispatcher.Dispatcher) and f.overloads:
@@ -163,6 +163,15 @@ def test_a_dense_checkpoint_loads_only_its_kernels_and_they_suffice(tmp_path):
 def test_an_moe_checkpoint_warm_up_suffices(tmp_path, tiny_cfg):
     got = _probe(write_synthetic_checkpoint(tmp_path / "m", tiny_cfg, dtype="bfloat16"))
     assert "moe.moe_router_kernel" in got["warm_up"] and "mla.mla_absorb_kernel" not in got["warm_up"]
+    assert not [n for n in got["warm_up"] if n.startswith("dsa.")]
+    assert got["added"] == {}
+
+
+def test_a_dsa_checkpoint_warm_up_suffices(tmp_path, dsa_cfg):
+    """MLA with DSA's indexer (index_topk 4: the calls' rows see more keys): its warm-up puts the
+    key write, the selection and the sparse attention's copy in place, and the calls add nothing."""
+    got = _probe(write_synthetic_checkpoint(tmp_path / "s", dsa_cfg, dtype="bfloat16"))
+    assert {"dsa.dsa_key_write_kernel", "dsa.dsa_select_kernel", "mla.gather_listed_kernel"} <= set(got["warm_up"])
     assert got["added"] == {}
 
 

@@ -13,7 +13,8 @@ Which families, and which weight kinds of each (``bfloat16``, ``float32``, ``fp8
 is a ``KernelNeeds``: everything by default (what ``mtpkern kernels --cpu`` and
 ``bench`` build), or what one loaded checkpoint runs (``KernelNeeds.of``): a BF16 MoE
 checkpoint without MLA or an output gate compiles neither the FP32 nor the FP8 GEMV
-variants, nor the latent attention, nor the gate (docs/cpu.md, "Compilation and cache").
+variants, nor the latent attention, nor DSA's indexer, nor the gate (docs/cpu.md,
+"Compilation and cache").
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ N, NB, BS = 2, 4, 4
 NA, HA = 4, 32
 
 #: the kernel families, the cheapest to compile first (the order of ``family_calls``)
-FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "paged_attention", "mla", "sigmoid_gate",
+FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "paged_attention", "mla", "dsa", "sigmoid_gate",
             "linear", "mtp_input", "swiglu_mlp", "moe_experts", "lm_head")
 #: the kinds of a prepared weight (``weight_kind``); an embedding table is never FP8 or FP4
 WEIGHT_KINDS = ("bfloat16", "float32", "fp8", "fp4")
 #: the quantized kinds (``fp8=False`` leaves them out)
 _QUANTIZED_KINDS = ("fp8", "fp4")
 #: families without weights of their own (their kinds are empty)
-_UNWEIGHTED = frozenset({"rmsnorm", "qk_norm_rope_kv_write", "paged_attention", "sigmoid_gate"})
+_UNWEIGHTED = frozenset({"rmsnorm", "qk_norm_rope_kv_write", "paged_attention", "dsa", "sigmoid_gate"})
 
 
 def weight_kind(w: Any) -> str:
@@ -124,6 +125,8 @@ class KernelNeeds:
             if b.mla:
                 add("linear", w.mla_kv_a, w.mla_q_a)
                 add("mla", w.mla_uk)
+                if b.dsa:
+                    add("dsa")
             else:
                 add("qk_norm_rope_kv_write")
                 add("paged_attention")
@@ -241,6 +244,23 @@ def family_calls(be: Backend, fp8: bool = True,
             be.mla_attention_absorbed(q, uk, uv, cache, idx([[0, 1], [2, 3]]), idx([0, 1]), idx([5, 7]), 0.25,
                                       row_start=idx([2, 0]))
 
+    def dsa():
+        Di, R, Hi = 16, 8, 2                                       # the indexer (mtpkern.ops.dsa)
+        icache = be.empty_latent_kv(NB, BS, Di)
+        for interleave in (False, True):
+            iq = be.dsa_key_write(act(N, Di), vec(Di), vec(Di), 1e-6, be.from_host(inv_freq(R, 10000.0)),
+                                  idx([1, 2]), icache, idx([1, 2]), q=act(N, Hi, Di), interleave=interleave)
+        tables, row_seq, row_len = idx([[0, 1], [2, 3]]), idx([0, 1]), idx([5, 7])
+        be.dsa_select(iq, act(N, Hi), icache, tables, row_seq, row_len, 3, 0.25)          # both rows scored
+        index = be.dsa_select(iq, act(N, Hi), icache, tables, row_seq, row_len, 4, 0.25, row_start=idx([2, 0]))
+        # the attention over the listed rows (the dense one when every row lists all it sees)
+        L, R, P = 16, 8, 8
+        cache = be.empty_latent_kv(NB, BS, L + R)
+        for uk, uv in zip(weights(kinds.get("mla") or {"bfloat16"}, HQ, P, L),
+                          weights(kinds.get("mla") or {"bfloat16"}, HQ, 8, L)):
+            be.mla_attention_absorbed(act(N, HQ, P + R), uk, uv, cache, tables, row_seq, row_len, 0.25,
+                                      row_start=idx([2, 0]), index=index)
+
     def gate():
         y = act(N, HQ * D)
         be.sigmoid_gate(y, act(N, HQ), y)                          # head-wise, with the residual
@@ -271,7 +291,7 @@ def family_calls(be: Backend, fp8: bool = True,
             be.lm_head_argmax(act(NA, HA), w)
 
     calls = {"rmsnorm": lambda: be.rmsnorm(x, vec(H), 1e-5), "moe_router": router, "qk_norm_rope_kv_write": rope_kv,
-             "paged_attention": attention, "mla": mla, "sigmoid_gate": gate, "linear": linear,
+             "paged_attention": attention, "mla": mla, "dsa": dsa, "sigmoid_gate": gate, "linear": linear,
              "mtp_input": mtp_input, "swiglu_mlp": mlp, "moe_experts": experts, "lm_head": lm_head}
     # a weighted family with no kinds left (FP8 only, fp8=False) has nothing to run
     return [(f, calls[f]) for f in FAMILIES if f in kinds and (f in _UNWEIGHTED or kinds[f])]
