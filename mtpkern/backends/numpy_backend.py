@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..ops import attention, dsa, gate, linear, lm_head, mla, mlp, moe, norm, rope_kv
+from ..ops import attention, dsa, gate, hc, linear, lm_head, mla, mlp, moe, norm, rope_kv
 from ..quant import QUANTIZED
 from .base import Backend
 
@@ -88,6 +88,9 @@ class NumpyBackend(Backend):
     mla_attention_absorbed = with_out(mla.mla_attention_absorbed)
     dsa_key_write = with_out(dsa.dsa_key_write)
     dsa_select = with_out(dsa.dsa_select)
+    hc_pre = with_out(hc.hc_pre, "u", "post", "comb")
+    hc_post = with_out(hc.hc_post)
+    hc_head = with_out(hc.hc_head)
     sigmoid_gate = with_out(gate.sigmoid_gate)
     moe_router = with_out(moe.moe_router, "ids", "weights")
     moe_experts = with_out(moe.moe_experts)
