@@ -181,7 +181,7 @@ def _signature(a):
         return a.shape, a.dtype
     if isinstance(a, _QUANT):                      # by shape: a signature must not keep a weight alive
         return type(a), a.shape
-    return a
+    return type(a), a                              # True == 1 and 2.0 == 2: the type keeps them apart
 
 
 def default_threads() -> int:
@@ -516,8 +516,6 @@ class CpuBackend(Backend):
 
     def dsa_select(self, q, weights, index_cache, block_tables, row_seq, row_len, topk: int, scale: float, *,
                    row_start=None, out=None):
-        if type(topk) is not int:   # a signature check would take True for 1 and 2.0 for 2 (they hash alike)
-            check_dsa_select(q, weights, index_cache, block_tables, row_seq, row_len, topk, row_start)
         self._check(check_dsa_select, q, weights, index_cache, block_tables, row_seq, row_len, topk, row_start)
         NB, BS, Di = index_cache.shape
         n = q.shape[0]

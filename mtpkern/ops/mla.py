@@ -51,8 +51,9 @@ so each latent row is read once per head and never widened to ``Hq * (P + R + Dv
 attends only to the rows ``index[r, :c]``, ``c`` its entries before the first ``-1``: row
 numbers of its sequence, strictly ascending, each visible to the row (``row_start[r] <= j <
 row_len[r]``; ``check_index`` refuses others). The rows are read in list order, as the
-dense form reads the visible rows: a list of every visible row is the dense attention, bit
-for bit, in every backend.
+dense form reads the visible rows: a call in which every row lists every row it sees is the
+dense attention, bit for bit, in every backend (a full row beside cut ones: to FP32
+rounding on the cpu backend, whose dense tasks depend on the call's shape).
 
 ``mla_attention_naive(q, kv_b_proj [Hq * (P + Dv), L], latent_cache, block_tables,
 row_seq, row_len, scale, *, row_start=None)`` (reference only) is the specification the
