@@ -160,6 +160,8 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "index_topk": (0, 1 << 20),                # 2048 (DeepSeek-V3.2, GLM-5); 0: no DSA indexer
     "index_n_heads": (0, 1024),                # 64 (DeepSeek-V3.2), 32 (GLM-5)
     "index_head_dim": (0, 1024),               # 128
+    "hc_mult": (1, 16),                        # 4 (DeepSeek-V4); 1: no hyper-connections
+    "hc_sinkhorn_iters": (1, 1000),            # 20
 }
 
 #: Ranges (low, high] of the float fields; every one must also be finite.
@@ -171,6 +173,7 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "attention_value_scale": (0.0, 1e3),            # 0.707 (MiMo-V2-Flash)
     "q_a_norm_scale": (0.0, 1e3),                   # sqrt(6144 / 1536) = 2 (LongCat-Flash's mla_scale_q_lora)
     "kv_a_norm_scale": (0.0, 1e3),                  # sqrt(6144 / 512)
+    "hc_eps": (0.0, 1.0),                           # 1e-6 (DeepSeek-V4)
 }
 
 #: Why each float range is what it is: the error messages and docs/checkpoints.md say it.
@@ -190,6 +193,8 @@ FLOAT_RANGE_REASONS: dict[str, str] = {
                       "allowed here",
     "kv_a_norm_scale": "sqrt(hidden_size / kv_lora_rank), folded into a norm's weight: at most 256 for any size "
                        "allowed here",
+    "hc_eps": "added to the hyper-connections' weights and to the comb's row and column sums: 0 may divide by "
+              "zero, past 1 it outweighs the weights themselves (sigmoids and softmaxes in [0, 1])",
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
@@ -627,6 +632,12 @@ class MtpConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     indexer_rope_interleave: bool = False
+    #: hyper-connections (DeepSeek-V4's mHC, mtpkern.ops.hc): hc_mult > 1 streams of hidden_size
+    #: per token, the hidden an engine hands over and a module hands on (``stream_size``);
+    #: hc_sinkhorn_iters and hc_eps make the streams' mixing matrix
+    hc_mult: int = 1
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
     #: per module, the BlockSpec fields that differ from the default block (a family's
     #: layer_types, per-layer RoPE, dense MTP blocks in a MoE model ...): a tuple of
     #: ((field, value), ...) per module, or () when every module is the default block
@@ -729,6 +740,12 @@ class MtpConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def stream_size(self) -> int:
+        """Values of the hidden a target hands over and a module hands on: ``hc_mult`` streams
+        of ``hidden_size`` (``hidden_size`` without hyper-connections)."""
+        return self.hc_mult * self.hidden_size
+
+    @property
     def is_moe(self) -> bool:
         """MoE iff routed experts are configured. MTP layers always lie past the target's
         dense prefix (``first_k_dense_replace``); Hugging Face builds every MTP layer as
@@ -817,6 +834,9 @@ class MtpConfig:
             index_n_heads=_opt(d, "index_n_heads", int, 0),
             index_head_dim=_opt(d, "index_head_dim", int, 0),
             indexer_rope_interleave=_opt(d, "indexer_rope_interleave", bool, False),
+            hc_mult=_opt(d, "hc_mult", int, 1),
+            hc_sinkhorn_iters=_opt(d, "hc_sinkhorn_iters", int, 20),
+            hc_eps=_opt(d, "hc_eps", float, 1e-6),
         )
         _check_same_as(d, cfg)
         return cfg
@@ -851,7 +871,8 @@ class MtpConfig:
                           ("swiglu_clamp_shared", 0.0), ("attention_value_scale", 1.0), ("kv_lora_rank", 0),
                           ("q_lora_rank", 0), ("qk_rope_head_dim", 0), ("q_a_norm_scale", 1.0),
                           ("kv_a_norm_scale", 1.0), ("index_topk", 0), ("index_n_heads", 0), ("index_head_dim", 0),
-                          ("indexer_rope_interleave", False)):
+                          ("indexer_rope_interleave", False), ("hc_mult", 1), ("hc_sinkhorn_iters", 20),
+                          ("hc_eps", 1e-6)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
         if self.kv_lora_rank:                   # MLA: the query / key head dim as its config gives it
@@ -887,7 +908,8 @@ class MtpConfig:
         if not any(b.moe for b in blocks):
             kind = f"dense I={self.intermediate_size} (MoE target: E={self.n_routed_experts})" if self.is_moe \
                 else kind
-        text = f"{fam}M={self.num_modules} H={self.hidden_size} V={self.vocab_size} {kind}; "
+        hc = f" hyper-connections x{self.hc_mult} (streams of {self.stream_size})" if self.hc_mult > 1 else ""
+        text = f"{fam}M={self.num_modules} H={self.hidden_size}{hc} V={self.vocab_size} {kind}; "
         if len(set(blocks)) == 1:
             return text + f"block {blocks[0].describe()}"
         return text + ", ".join(f"module {m}: {b.describe()}" for m, b in enumerate(blocks))

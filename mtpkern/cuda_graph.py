@@ -653,6 +653,9 @@ class StepRunner:
         if any(h.block.dsa for h in prop.modules):      # not planned yet: the eager step runs
             self.counts["fallback_dsa"] += 1
             return False
+        if prop.config.hc_mult > 1:                     # likewise
+            self.counts["fallback_hc"] += 1
+            return False
         if prop.kv_mode == "draft":
             return True
         M = prop.num_modules

@@ -238,7 +238,7 @@ class MtpHead:
             n += toks.shape[0]
         if len({id(j.seq) for j in jobs}) != len(jobs):
             raise ValueError("jobs: one sequence appears in two jobs")
-        g = ingest_hidden(self.backend, "g", g, cfg.hidden_size, rows=n)
+        g = ingest_hidden(self.backend, "g", g, cfg.stream_size, rows=n)
         before = [j.seq.rows for j in jobs]
         try:
             with self._one_lock:
@@ -335,42 +335,53 @@ class MtpHead:
             kw.update(bufs.ws.get(op, {}))
             return kw
 
-        index = None
+        index, ex = None, {}
         if part == "rest":
             if pick.q is None:
                 raise ValueError("part: 'rest' of a module whose rows all stop at their K/V")
             x, q, qkv = pick.x, pick.q, pick.qkv
             row_seq, row_len, row_start = pick.row_seq, pick.row_len, pick.row_start
         else:
-            x, q, qkv, ix = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None)
+            x, q, qkv, ex = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None)
             if part == "kv" or (out_rows is not None and not len(out_rows)):
                 return None, None
             if out_rows is not None:         # the K/V of every row is in: the rows read go on
                 sel = be.from_host(np.asarray(out_rows, np.int64))
                 x, q, row_seq, row_len = x[sel], q[sel], row_seq[sel], row_len[sel]
                 qkv = None if qkv is None else qkv[sel]
-                ix = None if ix is None else (ix[0][sel], ix[1][sel])
+                ex = {k: v[sel] for k, v in ex.items()}
                 row_start = None if row_start is None else row_start[sel]
-            if ix is not None:               # DSA: each row's keys, picked once every row's key is in
-                index = be.dsa_select(ix[0], ix[1], self.pool.index_k, tables, row_seq, row_len,
-                                            self.block.index_topk, self.block.index_scale,
-                                            **({} if row_start is None else {"row_start": row_start}))
-        return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs, index)
+            if "index_q" in ex:              # DSA: each row's keys, picked once every row's key is in
+                index = be.dsa_select(ex["index_q"], ex["index_w"], self.pool.index_k, tables, row_seq, row_len,
+                                      self.block.index_topk, self.block.index_scale,
+                                      **({} if row_start is None else {"row_start": row_start}))
+        return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs, index, ex)
 
     def _write_kv(self, tokens: Any, g: Any, positions: Any, slots: Any, put: Any, kv_copy: Any,
                   planned: bool) -> tuple[Any, Any, Any, Any]:
         """mtp_input, input_layernorm and the projections that write the rows' K/V (MLA: the
-        latent rows; DSA: the indexer keys too) -> ``(x, q, qkv, ix)``: the rows' o_proj
-        residual [n, H], the attention's queries [n, Hq, D] (RoPE applied), for an
-        element-wise output gate q|k|v|gate (else None), and with DSA the indexer's roped
-        queries [n, Hi, Di] and head weights [n, Hi] (else None)."""
-        be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
-        x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
-                         **put("mtp_input", out="x"))                                            # [n, H]
-        xa, a_norm = self._normed_input(x, w.input_layernorm, planned)          # input_layernorm(x)
-        ix = None
+        latent rows; DSA: the indexer keys too) -> ``(x, q, qkv, extra)``: the rows' o_proj
+        residual [n, H] (with hyper-connections: the streams [n, m H]), the attention's queries
+        [n, Hq, D] (RoPE applied), for an element-wise output gate q|k|v|gate (else None), and
+        the per-row arrays later ops read (sliced with the rows read): with DSA the indexer's
+        roped queries ``index_q`` [n, Hi, Di] and head weights ``index_w`` [n, Hi]; with
+        hyper-connections the attention's ``hc_post`` [n, m] and ``hc_comb`` [n, m, m]."""
+        be, w, b, cfg, eps = self.backend, self.w, self.block, self.config, self.config.rms_norm_eps
+        ex: dict[str, Any] = {}
+        m = cfg.hc_mult
+        if m > 1:                            # every stream through eh_proj with the token's embedding
+            n = tokens.shape[0]
+            x = be.mtp_input(w.embed, self._repeat(tokens, m), g.reshape(n * m, cfg.hidden_size), w.enorm,
+                             w.hnorm, w.eh_proj, eps).reshape(n, m * cfg.hidden_size)           # [n, m H]
+            u, ex["hc_post"], ex["hc_comb"] = self._hc_pre(x, w.hc_attn)                         # [n, H]
+        else:
+            u = x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
+                                 **put("mtp_input", out="x"))                                    # [n, H]
+        xa, a_norm = self._normed_input(u, w.input_layernorm, planned)          # input_layernorm(u)
         if b.mla:
             q, ix = self._mla_write(xa, a_norm, positions, slots, put)                          # [n, Hq, P + R]
+            if ix is not None:
+                ex["index_q"], ex["index_w"] = ix
             qkv = None
         else:
             qkv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))       # [n, (Hq+2Hkv)D]
@@ -380,10 +391,34 @@ class MtpHead:
                                          **put("rope_kv", out="q"))                               # [n, Hq, D]
         if kv_copy is not None:
             self.pool.copy_rows(*kv_copy)
-        return x, q, (qkv if b.gate_size else None), ix
+        return x, q, (qkv if b.gate_size else None), ex
+
+    def _repeat(self, tokens: Any, m: int) -> Any:
+        """Each token id ``m`` times in a row (a backend array, as ``tokens``)."""
+        host = np.repeat(np.asarray(self.backend.to_host(tokens)), m).astype(np.int32)
+        return self.backend.from_host(host)
+
+    def _hc_pre(self, X: Any, hc: tuple) -> tuple[Any, Any, Any]:
+        """Hyper-connections' collapse of the streams ``X`` [n, m H] before a sublayer
+        (mtpkern.ops.hc): ``(u [n, H], post [n, m], comb [n, m, m])``."""
+        be, cfg = self.backend, self.config
+        fn, base, scale = hc
+        mix = be.linear(X, fn, norm=(self.w.hc_ones, cfg.rms_norm_eps))                       # [n, (2 + m) m]
+        return be.hc_pre(X, mix, base, scale, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def head_input(self, y: Any) -> Any:
+        """What the final norm reads of a module's output ``y``: ``y``, or with hyper-connections
+        its streams collapsed by the module's ``hc_head_*`` (mtpkern.ops.hc.hc_head)."""
+        if self.config.hc_mult == 1:
+            return y
+        be, cfg = self.backend, self.config
+        fn, base, scale = self.w.hc_head
+        mix = be.linear(y, fn, norm=(self.w.hc_ones, cfg.rms_norm_eps))                        # [n, m]
+        return be.hc_head(y, mix, base, scale, cfg.hc_eps)                                      # [n, H]
 
     def _after_kv(self, x: Any, q: Any, qkv: Any, tables: Any, row_seq: Any, row_len: Any, row_start: Any,
-                  put: Any, bufs: "ForwardBuffers | None", index: Any = None) -> tuple[Any, Any]:
+                  put: Any, bufs: "ForwardBuffers | None", index: Any = None,
+                  ex: "dict | None" = None) -> tuple[Any, Any]:
         """The attention (and its output gate, or DSA's ``index`` of the rows each row reads), o_proj with the residual ``x``, the FFN and the
         final norm of the rows ``q`` holds -> ``(y, normed)``."""
         be, cfg, w, b = self.backend, self.config, self.w, self.block
@@ -399,10 +434,17 @@ class MtpHead:
                                    **self._attn_kw, **kw, **put("attention", out="o"))           # [n, Hq Dv]
             if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
                 o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
-        r = be.linear(o, w.w_o, None, x if self._owner else None, **put("linear", out="r"))   # [n, H]
+        hc = cfg.hc_mult > 1
+        res = None if hc or not self._owner else x
+        r = be.linear(o, w.w_o, None, res, **put("linear", out="r"))                           # [n, H]
         self._sum(r)                         # a sharded head: the heads' partial products
-        f, f_norm = self._normed_input(r, w.post_attention_layernorm, bufs is not None)  # f_in
-        res = r if self._owner else None
+        if hc:                               # the streams after attention; the FFN's collapse
+            r = be.hc_post(r, x, ex["hc_post"], ex["hc_comb"])                                   # [n, m H]
+            u, f_post, f_comb = self._hc_pre(r, w.hc_ffn)                                        # [n, H]
+        else:
+            u = r
+        f, f_norm = self._normed_input(u, w.post_attention_layernorm, bufs is not None)  # f_in
+        res = None if hc or not self._owner else r
         if b.moe:
             ids, wts = be.moe_router(f, w.gate_w, w.gate_bias, self._router, norm=f_norm,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
@@ -421,7 +463,10 @@ class MtpHead:
         else:                                # y = r + mlp(post_attention_layernorm(r))
             y = be.swiglu_mlp(f, w.mlp_w13, w.mlp_w2, res, norm=f_norm, **self._mlp_kw, **put("mlp", out="y"))
         self._sum(y)                         # a sharded head: the FFN slices' partial outputs
-        normed = be.rmsnorm(y, w.shared_head_norm, eps, **put("rmsnorm", out="normed"))          # [n, H]
+        if hc:                               # the streams the module hands on
+            y = be.hc_post(y, r, f_post, f_comb)                                                 # [n, m H]
+        normed = be.rmsnorm(self.head_input(y), w.shared_head_norm, eps,
+                            **put("rmsnorm", out="normed"))                                      # [n, H]
         return y, normed
 
     def _sum(self, buf: Any) -> None:
@@ -515,7 +560,7 @@ class MtpHead:
         key = position - 1 - self.index if key is None else check_int("key", key, 0)
         if key + self.index + 1 != position:
             raise ValueError(f"key: expected position - 1 - index = {position - 1 - self.index}, got {key}")
-        g = ingest_hidden(self.backend, "hidden", hidden, cfg.hidden_size, rows=1)
+        g = ingest_hidden(self.backend, "hidden", hidden, cfg.stream_size, rows=1)
         bm = None
         if grammar_bitmask is not None:
             from .grammar import one_mask

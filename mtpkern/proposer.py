@@ -195,6 +195,12 @@ class MultiModuleMtpHead(DraftProposer):
         #: None: the family's (its reference implementation's; "prenorm" but for Qwen3-Next)
         self.chain: Chain = family(config.family).chain if chain is None else chain
         chain = self.chain
+        if config.hc_mult > 1 and chain != "prenorm":
+            raise ValueError(f"chain: a module with hyper-connections (hc_mult = {config.hc_mult}) hands on its "
+                             f"streams ('prenorm'); its normed output is one collapsed hidden, got {chain!r}")
+        if config.hc_mult > 1 and weights.target_norm is not None:
+            raise ValueError("apply_target_norm: the target hands hyper-connection streams (hc_mult = "
+                             f"{config.hc_mult}), which its final norm never reads; expected False")
         self.block_size = block_size
         self.num_blocks = num_blocks
         # A sliding-window module's pool keeps what its window may read after the trims the
@@ -502,7 +508,7 @@ class MultiModuleMtpHead(DraftProposer):
         The state must be fresh (to continue a sequence, use ``catchup_drafter``).
         """
         with self._use([state], "prefill_drafter") as (st,):
-            V, H = self.config.vocab_size, self.config.hidden_size
+            V, H = self.config.vocab_size, self.config.stream_size
             toks = check_tokens("prompt_tokens", prompt_tokens, V)
             n = toks.shape[0]
             if n < 1:
@@ -818,7 +824,7 @@ class MultiModuleMtpHead(DraftProposer):
 
         call = "catchup_drafter" if single else "catchup_batch"
         with self._use(states, call, ["state" if single else f"states[{i}]" for i in range(len(states))]) as sts:
-            V, H = self.config.vocab_size, self.config.hidden_size
+            V, H = self.config.vocab_size, self.config.stream_size
             checked = []
             for i, (tk, hd) in enumerate(zip(tokens, hiddens)):
                 tk = check_tokens(name("tokens", i), tk, V)
@@ -893,7 +899,7 @@ class MultiModuleMtpHead(DraftProposer):
 
     # -- helpers ---------------------------------------------------------------------------
     def _batch_hiddens(self, name: str, hiddens: Any, B: int, single: bool = False) -> Any:
-        H = self.config.hidden_size
+        H = self.config.stream_size
         if isinstance(hiddens, (list, tuple)):
             if len(hiddens) != B:
                 raise ValueError(f"{name}: expected {B} hiddens (one per state), got {len(hiddens)}")

@@ -403,6 +403,12 @@ class ModuleWeights:
     idx_k_norm_w: Any | None = None  # [Di] FP32 indexer.k_norm.weight (a LayerNorm)
     idx_k_norm_b: Any | None = None  # [Di] FP32 indexer.k_norm.bias
     idx_weights: Any | None = None   # [Hi, H] indexer.weights_proj
+    # hyper-connections (hc_mult m > 1: mtpkern.ops.hc): (fn, base, scale) of the attention's,
+    # the FFN's and the LM head's collapse, FP32; hc_ones [m H] the unweighted norm of fn's input
+    hc_attn: tuple | None = None     # ([(2 + m) m, m H], [(2 + m) m], [3])
+    hc_ffn: tuple | None = None      # likewise
+    hc_head: tuple | None = None     # ([m, m H], [m], [1])
+    hc_ones: Any | None = None       # [m H] ones
 
     def __repr__(self) -> str:
         kind = "moe" if self.gate_w is not None else "dense"
@@ -485,9 +491,26 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
         keys["mlp.gate_proj.weight"] = ((I, H), True)
         keys["mlp.up_proj.weight"] = ((I, H), True)
         keys["mlp.down_proj.weight"] = ((H, I), True)
+    if cfg.hc_mult > 1:
+        keys.update(_hc_keys(cfg.hc_mult, H))
     keys["embed_tokens.weight"] = ((cfg.vocab_size, H), False)
     keys["shared_head.head.weight"] = ((cfg.vocab_size, H), False)
     return keys
+
+
+#: a module's hyper-connection tensors (DeepSeek-V4's names under its prefix) -> their rows
+#: ("w": (2 + m) m, "h": m) and kind; each is FP32 in the releases
+HC_TENSORS = {"hc_attn_fn": ("w", "fn"), "hc_attn_base": ("w", "base"), "hc_attn_scale": (3, "scale"),
+              "hc_ffn_fn": ("w", "fn"), "hc_ffn_base": ("w", "base"), "hc_ffn_scale": (3, "scale"),
+              "hc_head_fn": ("h", "fn"), "hc_head_base": ("h", "base"), "hc_head_scale": (1, "scale")}
+
+
+def _hc_keys(m: int, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    out = {}
+    for name, (rows, kind) in HC_TENSORS.items():
+        r = {"w": (2 + m) * m, "h": m}.get(rows, rows)
+        out[name] = (((r, m * H) if kind == "fn" else (r,)), True)
+    return out
 
 
 def _mla_keys(b, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -522,6 +545,7 @@ _TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"(^|\.)self_attn\.g_proj\."), "attn_gate"),
     (re.compile(r"(^|\.)self_attn\.sinks$"), "attn_sinks"),
     (re.compile(r"(^|\.)self_attn\.indexer\."), "index_topk"),
+    (re.compile(r"(^|\.)hc_(attn|ffn|head)_"), "hc_mult"),
     (re.compile(r"(^|\.)self_attn\.q_(a_proj|a_layernorm|b_proj)\."), "q_lora_rank"),
     (re.compile(r"(^|\.)self_attn\.kv_(a_proj_with_mqa|a_layernorm|b_proj)\."), "kv_lora_rank"),
     (re.compile(r"(^|\.)mlp\.shared_experts\."), "n_shared_experts"),
@@ -1171,6 +1195,15 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         )
         if blk.mla:
             mla(mw)
+        if cfg.hc_mult > 1:                  # replicated on every rank of a sharded head
+            def hc(part: str) -> tuple:
+                """(fn, base, scale) of one collapse, as FP32 (fn a weight, the others vectors)."""
+                host = [np.ascontiguousarray(read(*spec[f"hc_{part}_{k}"][:2]), np.float32)
+                        for k in ("fn", "base", "scale")]
+                return backend.prepare_weight(host[0]), backend.prepare_vector(host[1]), backend.prepare_vector(host[2])
+
+            mw.hc_attn, mw.hc_ffn, mw.hc_head = hc("attn"), hc("ffn"), hc("head")
+            mw.hc_ones = backend.prepare_vector(np.ones(cfg.stream_size, np.float32))
 
         def swiglu(pre: str, I: int, what: str):
             """(w13 [2I', H], w2 [H, I']) of a SwiGLU under ``pre``: gate over up rows, and the
@@ -1276,6 +1309,10 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
             t[p + "self_attn.k_proj.weight"] = mat(b.k_size, H, gain=2.0)
             t[p + "self_attn.v_proj.weight"] = mat(b.v_size, H)
         t[p + "self_attn.o_proj.weight"] = mat(H, b.o_size)
+        if cfg.hc_mult > 1:                  # hyper-connections: FP32 as released
+            for name, (shape, _) in _hc_keys(cfg.hc_mult, H).items():
+                t[p + name] = (rng.standard_normal(shape) * (shape[1] ** -0.5 if len(shape) == 2 else 1.5)
+                               + (1.0 if name.endswith("_scale") else 0.0)).astype(np.float32)
         if cfg.attention_bias:
             for name, n in (("q", q_rows), ("k", b.k_size), ("v", b.v_size)):
                 t[p + f"self_attn.{name}_proj.bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -1449,7 +1486,8 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
         tensors = quantize_projections(cfg, tensors, pow2_scales)
     tensors = release_layout(cfg, tensors)
     tensors = {k: np.ascontiguousarray(v if v.dtype.itemsize == 1 or k.endswith(("_scale", "_scale_inv"))
-                                       else v.astype(np_dtype)) for k, v in tensors.items()}
+                                       or ".hc_" in k else v.astype(np_dtype))          # hyper-connections: FP32
+               for k, v in tensors.items()}
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
     meta = {"format": "pt"}
     if shards == 1:

@@ -59,7 +59,8 @@ SLOW_SWEEPS: dict[str, tuple[str, ...]] = {
     "test_cuda_emulated.py::test_many_rows": ("kv_float32-float32", "kv_float32-fp8_block"),
     # one state machine per mode and checkpoint kind (numpy / cpu both kept)
     "test_state_machine.py::test_proposer_state_machine": ("cpu-exact-sm_ckpt", "cpu-draft-window_ckpt",
-                                                           "numpy-draft-qwen_ckpt", "cpu-draft-dsa_ckpt"),
+                                                           "numpy-draft-qwen_ckpt", "cpu-draft-dsa_ckpt",
+                                                           "numpy-draft-hc_ckpt"),
     # every block in draft mode, and the two mixed ones in exact mode
     "test_cuda_emulated.py::test_blocks_match_numpy_reference_and_replay": (
         "draft-", "exact-mixed", "exact-mla_mixed"),
@@ -159,6 +160,17 @@ def dsa_cfg():
 @pytest.fixture(scope="session")
 def dsa_ckpt(tmp_path_factory, dsa_cfg):
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("dsa"), dsa_cfg, seed=8)
+
+
+@pytest.fixture(scope="session")
+def hc_cfg():
+    """The tiny config with hyper-connections: 4 streams of H (DeepSeek-V4's mHC)."""
+    return tiny_config(hc_mult=4)
+
+
+@pytest.fixture(scope="session")
+def hc_ckpt(tmp_path_factory, hc_cfg):
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("hc"), hc_cfg, seed=9)
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
     """Drive ``prop`` through ``steps`` ([(op, seed)]); the log of every call (module doc).
     The script's random draws depend on the seeds only, so every rank draws the same."""
     cfg = prop.config
-    H, V, W = cfg.hidden_size, cfg.vocab_size, cfg.bitmask_words
+    H, V, W = cfg.stream_size, cfg.vocab_size, cfg.bitmask_words
     seqs: list[list] = []                      # [state, position, next hidden]
     log: list = []
 

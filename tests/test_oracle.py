@@ -39,7 +39,7 @@ def _check_kv(prop, st, cfg, weights, tokens, hiddens, chain, tn):
 
 def run_scenario(prop, cfg, weights, seed, n, rounds, chain, tn, check_kv=True):
     rng = np.random.default_rng(seed)
-    H, V = cfg.hidden_size, cfg.vocab_size
+    H, V = cfg.stream_size, cfg.vocab_size
     st = prop.alloc_state()
     tokens = rng.integers(0, V, n).tolist()          # verified t_0 ..
     hid = rand_hiddens(rng, n, H)

@@ -79,7 +79,7 @@ def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False, plann
     propose also asks for the drafts' confidences (out_conf), compared too. ``plannable``:
     in draft mode, every propose without a callable mask must take the planned step."""
     rng = np.random.default_rng(seed)
-    H, V, B = cfg.hidden_size, cfg.vocab_size, len(lens)
+    H, V, B = cfg.stream_size, cfg.vocab_size, len(lens)
     exact = eager.kv_mode == "exact"
     s0 = [eager.alloc_state() for _ in range(B)]
     s1 = [planned.alloc_state() for _ in range(B)]
@@ -181,6 +181,17 @@ def test_dsa_modules_fall_back_to_the_eager_step(dsa_ckpt, dsa_cfg, mode, seed, 
     run_twins(eager, planned, dsa_cfg, seed, lens, rounds, plannable=False)
     counts = planned.step_runner.counts
     assert counts["fallback_dsa"] > 0 and counts["plans"] == 0, dict(counts)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**scenario)
+def test_hyper_connections_fall_back_to_the_eager_step(hc_ckpt, hc_cfg, mode, seed, lens, rounds):
+    """Likewise for hyper-connections (counted apart)."""
+    eager, planned = _pair(hc_ckpt, mode, "prenorm")
+    run_twins(eager, planned, hc_cfg, seed, lens, rounds, plannable=False)
+    counts = planned.step_runner.counts
+    assert counts["fallback_hc"] > 0 and counts["plans"] == 0, dict(counts)
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

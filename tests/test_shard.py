@@ -80,6 +80,13 @@ def test_sharded_mla_matches_one_rank(mla_ckpt, kv_mode):
 
 
 @pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_sharded_hyper_connections_match_one_rank(hc_ckpt, kv_mode):
+    """Hyper-connections: their weights and the streams replicated on every rank; each rank
+    writes the streams back (hc_post) after the sublayer's partial sums meet."""
+    check_world(hc_ckpt, 2, kv_mode, 5, conf=True)
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
 def test_sharded_dsa_matches_one_rank(dsa_ckpt, kv_mode):
     """DSA: the indexer (its weights, its key plane, the selection) replicated on every rank,
     so every rank picks the same keys; the query heads split as MLA's."""

@@ -8,7 +8,7 @@ the drafts against the from-scratch oracle are checked; a failed call (full
 pool, bad input, a copied state or carried entry, a grammar that allows nothing,
 a callback re-entering with the state in use) must leave everything as it was.
 
-A fourth config is MLA with DSA's indexer (4 keys picked per row: sparse from the fifth
+A fifth has hyper-connections (4 streams of H per hidden). A fourth config is MLA with DSA's indexer (4 keys picked per row: sparse from the fifth
 key on). A third config has a sliding window in every module, in a pool that sequences
 holding all their rows would outgrow: after every step each windowed module of every
 state and carried entry holds at most ``ceil((W + T + BS - 2) / BS)`` blocks.
@@ -37,7 +37,9 @@ QWEN = test_family_qwen3_next.QWEN2
 #: every module with a window of 5 keys (blocks of 4: 2 or 3 blocks per sequence)
 WINDOW = tiny_config(sliding_window=5)
 DSA = tiny_config(**DSA_FIELDS)
-POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16, "dsa_ckpt": 28}
+#: hyper-connections: 4 streams of H per hidden (DeepSeek-V4's mHC)
+HC = tiny_config(hc_mult=4)
+POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16, "dsa_ckpt": 28, "hc_ckpt": 28}
 SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -66,6 +68,12 @@ def dsa_ckpt(tmp_path_factory):
     return path, reference_weights(path)
 
 
+@pytest.fixture(scope="module")
+def hc_ckpt(tmp_path_factory):
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("sm_hc"), HC, seed=25)
+    return path, reference_weights(path)
+
+
 def window_bound(prop, m: int) -> int | None:
     """docs/api.md, "Sliding-window modules: memory": T = m (exact) or min(m, 1) (draft)."""
     W, BS = prop.config.block(m).sliding_window, prop.block_size
@@ -77,7 +85,8 @@ def window_bound(prop, m: int) -> int | None:
     (b, m, "sm_ckpt") for b in ("numpy", "cpu") for m in ("exact", "draft")] + [
     ("cpu", "exact", "qwen_ckpt"), ("numpy", "draft", "qwen_ckpt"),
     ("cpu", "exact", "window_ckpt"), ("cpu", "draft", "window_ckpt"),
-    ("numpy", "exact", "dsa_ckpt"), ("cpu", "draft", "dsa_ckpt")])
+    ("numpy", "exact", "dsa_ckpt"), ("cpu", "draft", "dsa_ckpt"),
+    ("numpy", "draft", "hc_ckpt"), ("cpu", "exact", "hc_ckpt")])
 def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     path, weights = request.getfixturevalue(ckpt)
     made = []

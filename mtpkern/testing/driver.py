@@ -112,7 +112,7 @@ class Driver:
         return INT_FORMS[int(rng.integers(0, len(INT_FORMS)))](v)
 
     def _h(self, rng: np.random.Generator, n: int = 1) -> np.ndarray:
-        return rng.standard_normal((n, self.cfg.hidden_size)).astype(np.float32)
+        return rng.standard_normal((n, self.cfg.stream_size)).astype(np.float32)
 
     def _count(self, kind: str, calls: int = 1) -> None:
         self.steps[kind] += calls
@@ -351,7 +351,7 @@ class Driver:
             return False
         st, s = pick
         what = call.variant or "token"
-        P, H, V = s.next_position, self.cfg.hidden_size, self.cfg.vocab_size
+        P, H, V = s.next_position, self.cfg.stream_size, self.cfg.vocab_size
         h = self._h(rng)[0]
         self._count("bad_input")
         try:

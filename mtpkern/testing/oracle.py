@@ -94,12 +94,20 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     pos = np.arange(R) + m + 1 if pos is None else np.asarray(pos)
     keys = np.arange(R) if keys is None else np.asarray(keys)
     e = _rms(f(w.embed)[toks], w.enorm, eps)
-    h = _rms(g, w.hnorm, eps)
-    x = np.concatenate([e, h], 1) @ f(w.eh_proj).T
-    a = _rms(x, w.input_layernorm, eps)
+    m_ = cfg.hc_mult
+    if m_ > 1:                                # hyper-connections: every stream with the token's embedding
+        streams = np.asarray(g, np.float64).reshape(R, m_, H)
+        x = np.stack([np.concatenate([e, _rms(streams[:, i], w.hnorm, eps)], 1) @ f(w.eh_proj).T
+                      for i in range(m_)], axis=1).reshape(R, m_ * H)
+        xin, hc_attn = _hc_pre(cfg, w.hc_attn, x)
+    else:
+        h = _rms(g, w.hnorm, eps)
+        x = np.concatenate([e, h], 1) @ f(w.eh_proj).T
+        xin, hc_attn = x, None
+    a = _rms(xin, w.input_layernorm, eps)
     if b.mla:
         att, k, v = _mla(b, w, a, pos, keys, eps)
-        r = x + att.reshape(R, Hq * Dv) @ f(w.w_o).T
+        r = _residual(x, att.reshape(R, Hq * Dv) @ f(w.w_o).T, hc_attn)
         return _ffn(cfg, b, w, x, r, k, v, eps)
     qkv = a @ f(w.w_qkv).T + (0 if w.b_qkv is None else f(w.b_qkv))
     q = qkv[:, :b.q_size].reshape(R, Hq, D)
@@ -131,8 +139,48 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
         att[:, hh] = p @ v[:, hh // grp]
     if gate is not None:                                          # att * sigmoid(gate): per column, or per head
         att = att / (1 + np.exp(-gate.reshape(R, -1, 1 if b.attn_gate == "headwise" else Dv)))
-    r = x + att.reshape(R, Hq * Dv) @ f(w.w_o).T
+    r = _residual(x, att.reshape(R, Hq * Dv) @ f(w.w_o).T, hc_attn)
     return _ffn(cfg, b, w, x, r, k, v, eps)
+
+
+def _hc_pre(cfg, hc, X):
+    """Hyper-connections' collapse (DeepSeek-V4's mHC), float64: (the sublayer's input [R, H],
+    (post [R, m], comb [R, m, m])) of the streams X [R, m H]."""
+    fn, base, scale = (np.asarray(t, np.float64) for t in hc)
+    m, eps = cfg.hc_mult, cfg.hc_eps
+    R, H = X.shape[0], X.shape[1] // m
+    z = (X / np.sqrt((X * X).mean(1, keepdims=True) + cfg.rms_norm_eps)) @ fn.T
+    sig = lambda t: 1.0 / (1.0 + np.exp(-t))  # noqa: E731
+    pre = sig(z[:, :m] * scale[0] + base[:m]) + eps
+    post = 2.0 * sig(z[:, m:2 * m] * scale[1] + base[m:2 * m])
+    c = z[:, 2 * m:].reshape(R, m, m) * scale[2] + base[2 * m:].reshape(m, m)
+    c = np.exp(c - c.max(2, keepdims=True))
+    c = c / c.sum(2, keepdims=True) + eps
+    c = c / (c.sum(1, keepdims=True) + eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        c = c / (c.sum(2, keepdims=True) + eps)
+        c = c / (c.sum(1, keepdims=True) + eps)
+    return np.einsum("ri,rih->rh", pre, X.reshape(R, m, H)), (post, c)
+
+
+def _residual(x, out, hc):
+    """``x + out``, or with hyper-connections the streams after the sublayer: post[j] out +
+    sum_i comb[i, j] x[i]."""
+    if hc is None:
+        return x + out
+    post, c = hc
+    R, m = post.shape
+    xs = x.reshape(R, m, -1)
+    return (post[:, :, None] * out[:, None, :] + np.einsum("rij,rih->rjh", c, xs)).reshape(R, -1)
+
+
+def _hc_head(cfg, hc, Y):
+    """The LM head's collapse of the streams Y [R, m H], float64."""
+    fn, base, scale = (np.asarray(t, np.float64) for t in hc)
+    m = cfg.hc_mult
+    z = (Y / np.sqrt((Y * Y).mean(1, keepdims=True) + cfg.rms_norm_eps)) @ fn.T
+    pre = 1.0 / (1.0 + np.exp(-(z * scale[0] + base))) + cfg.hc_eps
+    return np.einsum("ri,rih->rh", pre, Y.reshape(Y.shape[0], m, -1))
 
 
 def _mla(b, w, a, pos, keys, eps):
@@ -196,11 +244,15 @@ def _dsa_pick(b, w, a, qc, pos, seen):
 def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
     """The block after attention: post_attention_layernorm, MoE or dense MLP, the head norm."""
     f = lambda t: np.asarray(t, np.float64)  # noqa: E731
-    fin = _rms(r, w.post_attention_layernorm, eps)
+    hc = None
+    rin = r
+    if cfg.hc_mult > 1:
+        rin, hc = _hc_pre(cfg, w.hc_ffn, r)
+    fin = _rms(rin, w.post_attention_layernorm, eps)
     if b.moe:
         fin32 = fin.astype(np.float32)
         ids, wts = moe_router(fin32, w.gate_w, w.gate_bias, RouterSpec.from_config(cfg))
-        y = moe_experts(fin32, ids, wts, w.experts_w13, w.experts_w2, r.astype(np.float32),
+        y = moe_experts(fin32, ids, wts, w.experts_w13, w.experts_w2, np.zeros_like(fin32),
                         limit=b.swiglu_clamp or None).astype(np.float64)
         if w.shared_w13 is not None:
             shared = _swiglu(fin, w.shared_w13, w.shared_w2, b.swiglu_clamp_shared)
@@ -208,8 +260,10 @@ def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
                 shared = shared / (1 + np.exp(-(fin @ f(w.shared_gate).T)))
             y = y + shared
     else:
-        y = r + _swiglu(fin, w.mlp_w13, w.mlp_w2, b.swiglu_clamp_shared)
-    return ModuleRows(k, v, y, _rms(y, w.shared_head_norm, eps))
+        y = _swiglu(fin, w.mlp_w13, w.mlp_w2, b.swiglu_clamp_shared)
+    y = _residual(r, y, hc)
+    head_in = y if cfg.hc_mult == 1 else _hc_head(cfg, w.hc_head, y)
+    return ModuleRows(k, v, y, _rms(head_in, w.shared_head_norm, eps))
 
 
 def _swiglu(x, w13, w2, limit: float = 0.0):
