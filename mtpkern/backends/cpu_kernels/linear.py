@@ -242,6 +242,19 @@ _E8M0 = np.concatenate([np.array([0x00400000], np.uint32), np.arange(1, 255, dty
                         np.array([0x7FC00000], np.uint32)]).view(np.float32)
 
 
+@njit(cache=True, fastmath=False, inline="always")
+def _e2m1(v, h, nh):
+    """E2M1 code v (int32, < 16) times 2 h (h = half the block's scale, nh = -h): twice the
+    magnitude is the small integer (2 [e > 0] + m) << (e - [e > 0]) (e = exponent bits, m the
+    mantissa bit: 0, 1, 2, 3, 4, 6, 8, 12), widened exactly and multiplied by h or -h (a
+    power of two: exact; -h keeps code 8's -0). Integer operations and a select, which LLVM
+    vectorises; a 16-entry table lookup is a gather it does not (2 ns a weight against 0.3)."""
+    e = (v >> 1) & 3
+    nz = np.int32(e > 0)
+    twice = ((nz << 1) + (v & 1)) << (e - nz)
+    return np.float32(twice) * (nh if (v & 8) else h)
+
+
 @njit(cache=True, fastmath=False)
 def fp4_rows(q, s, lo, R, k0, out):
     """out [R, K] = the FP4 weight's rows lo .. lo + R - 1, columns k0 .. k0 + K - 1, dequantized:
@@ -256,12 +269,15 @@ def fp4_rows(q, s, lo, R, k0, out):
             end = min(K, ((kb + 1) << 5) - k0)               # the end of this 32-column scale block
             f = _E8M0[sr[kb]]
             if (col & 1) == 0 and ((end - k) & 1) == 0:      # whole bytes: both nibbles
+                h = f * np.float32(0.5)
+                nh = -h
                 b0 = col >> 1
-                for j in range((end - k) >> 1):
-                    b = qr[b0 + j]
-                    o[k + 2 * j] = _E2M1[b & 15] * f
-                    o[k + 2 * j + 1] = _E2M1[b >> 4] * f
-            else:
+                src, dst = qr[b0: b0 + ((end - k) >> 1)], o[k:end]
+                for j in range(src.shape[0]):
+                    b = np.int32(src[j])
+                    dst[2 * j] = _e2m1(b & 15, h, nh)
+                    dst[2 * j + 1] = _e2m1(b >> 4, h, nh)
+            else:                                            # a block cut by an odd k0
                 for kk in range(k, end):
                     c2 = k0 + kk
                     o[kk] = _E2M1[(qr[c2 >> 1] >> ((c2 & 1) * 4)) & 15] * f
