@@ -139,6 +139,9 @@ class BlockSpec:
     #: expert's or the dense MLP's
     swiglu_clamp: float = 0.0
     swiglu_clamp_shared: float = 0.0
+    #: both clamps bound the gate before silu (DeepSeek-V4, GLM-5.3: ``silu(min(g, L))``)
+    #: instead of after it (Step-3.5: ``min(silu(g), L)``); up is clipped to [-L, L] either way
+    swiglu_clamp_gate: bool = False
     #: RoPE pairs (2i, 2i + 1) (GPT-J order, ``rope_interleave``) instead of neox halves (i, i + R/2)
     rope_interleave: bool = False
     #: YaRN scaling of the RoPE (a mapping of its fields is read as one), None: plain RoPE
@@ -162,6 +165,16 @@ class BlockSpec:
     index_n_heads: int = 0
     index_head_dim: int = 0
     indexer_rope_interleave: bool = False
+    #: DeepSeek-V4's attention, as features of a GQA block (with q_lora_rank: its query
+    #: through q_a_proj / q_a_layernorm / q_b_proj): ``shared_kv``: one projection
+    #: (``self_attn.kv_proj``) is both key and value (the value is the key as normed and
+    #: rotated); ``out_rope``: the attention output's rotary dims turned back by the query's
+    #: angle; ``o_groups`` g > 0: the output through ``o_a_proj`` [g r, Hq Dv / g] per group
+    #: of Hq / g heads (r = ``o_lora_rank``), then ``o_b_proj`` [H, g r], instead of o_proj
+    shared_kv: bool = False
+    out_rope: bool = False
+    o_groups: int = 0
+    o_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -169,14 +182,14 @@ class BlockSpec:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise BlockError(f"{name} expected an int >= 1, got {v!r}")
         for name in ("v_head_dim", "sliding_window", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-                     "index_topk", "index_n_heads", "index_head_dim"):
+                     "index_topk", "index_n_heads", "index_head_dim", "o_groups", "o_lora_rank"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise BlockError(f"{name} expected an int >= 0, got {v!r}")
         if self.mla:
             self._check_mla()
-        elif self.q_lora_rank or self.qk_rope_head_dim:
-            name = "q_lora_rank" if self.q_lora_rank else "qk_rope_head_dim"
+        elif self.qk_rope_head_dim:
+            name = "qk_rope_head_dim"
             raise BlockError(f"field {name!r} = {getattr(self, name)} describes multi-head latent attention, "
                              f"which needs kv_lora_rank > 0, got {self.kv_lora_rank}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -193,15 +206,18 @@ class BlockSpec:
         if self.attn_gate == "elementwise" and self.v_dim != self.head_dim:
             raise BlockError(f"an element-wise attention gate (carried by q_proj) needs v_head_dim == head_dim, "
                              f"got {self.v_dim} and {self.head_dim}")
+        if not isinstance(self.swiglu_clamp_gate, bool):
+            raise BlockError(f"swiglu_clamp_gate expected a bool, got {self.swiglu_clamp_gate!r}")
         for name in ("swiglu_clamp", "swiglu_clamp_shared"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 1e6):
                 raise BlockError(f"{name} expected a number in [0, 1e6] (0: no clamp), got {v!r}")
-        for name in ("attn_sinks", "moe", "rope_interleave", "indexer_rope_interleave"):
+        for name in ("attn_sinks", "moe", "rope_interleave", "indexer_rope_interleave", "shared_kv", "out_rope"):
             if not isinstance(getattr(self, name), bool):
                 raise BlockError(f"{name} expected a bool, got {getattr(self, name)!r}")
         if self.index_topk:
             self._check_dsa()
+        self._check_v4_attention()
         if isinstance(self.rope_scaling, Mapping):
             object.__setattr__(self, "rope_scaling", Yarn.from_mapping(self.rope_scaling))
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Yarn):
@@ -235,6 +251,25 @@ class BlockSpec:
         if not R <= self.index_head_dim <= 1024:
             raise BlockError(f"index_head_dim expected an int in [qk_rope_head_dim = {R}, 1024] with index_topk > 0 "
                              f"(the indexer rotates its first {R} dims), got {self.index_head_dim}")
+
+    def _check_v4_attention(self) -> None:
+        if self.q_lora_rank and not self.mla and self.attn_gate:
+            raise BlockError(f"q_lora_rank = {self.q_lora_rank} in a GQA block takes no attention gate, got "
+                             f"attn_gate {self.attn_gate!r}")
+        if self.shared_kv and self.attn_gate:
+            raise BlockError(f"shared_kv takes no attention gate, got attn_gate {self.attn_gate!r}")
+        if (self.shared_kv or self.out_rope or self.o_groups) and self.mla:
+            raise BlockError("shared_kv, out_rope and o_groups are GQA features (DeepSeek-V4); an MLA block "
+                             "(kv_lora_rank > 0) has none of them")
+        if self.shared_kv and self.v_dim != self.head_dim:
+            raise BlockError(f"shared_kv: the value is the key, so v_head_dim must be head_dim = {self.head_dim}, "
+                             f"got {self.v_dim}")
+        if bool(self.o_groups) != bool(self.o_lora_rank):
+            raise BlockError(f"o_groups and o_lora_rank go together (a grouped output), got {self.o_groups} and "
+                             f"{self.o_lora_rank}")
+        if self.o_groups and self.num_attention_heads % self.o_groups:
+            raise BlockError(f"o_groups = {self.o_groups} must divide num_attention_heads = "
+                             f"{self.num_attention_heads}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -322,10 +357,11 @@ class BlockSpec:
 
     @property
     def qkv_size(self) -> int:
-        """Columns of the fused projection: q | k | v | gate (MLA: the query, q_proj's or q_b_proj's)."""
+        """Columns of the fused projection: q | k | v | gate (MLA: the query, q_proj's or q_b_proj's;
+        shared_kv: no v)."""
         if self.mla:
             return self.q_size
-        return self.q_size + self.k_size + self.v_size + self.gate_size
+        return self.q_size + self.k_size + (0 if self.shared_kv else self.v_size) + self.gate_size
 
     @property
     def scale(self) -> float:
@@ -369,7 +405,16 @@ class BlockSpec:
             parts.append("sinks")
         if self.attn_gate:
             parts.append(f"{self.attn_gate} gate")
+        if self.q_lora_rank and not self.mla:
+            parts.append(f"q_lora={self.q_lora_rank}")
+        if self.shared_kv:
+            parts.append("K=V")
+        if self.out_rope:
+            parts.append("output unrotated")
+        if self.o_groups:
+            parts.append(f"o_proj {self.o_groups} groups x {self.o_lora_rank}")
         parts.append("MoE" if self.moe else "dense")
         if self.swiglu_clamp or self.swiglu_clamp_shared:
-            parts.append(f"clamp {self.swiglu_clamp:g}/{self.swiglu_clamp_shared:g}")
+            parts.append(f"clamp {self.swiglu_clamp:g}/{self.swiglu_clamp_shared:g}"
+                         + (" of the gate" if self.swiglu_clamp_gate else ""))
         return " ".join(parts)

@@ -160,6 +160,8 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "index_topk": (0, 1 << 20),                # 2048 (DeepSeek-V3.2, GLM-5); 0: no DSA indexer
     "index_n_heads": (0, 1024),                # 64 (DeepSeek-V3.2), 32 (GLM-5)
     "index_head_dim": (0, 1024),               # 128
+    "o_groups": (0, 1024),                     # 8 (DeepSeek-V4-Flash), 16 (Pro); 0: a plain o_proj
+    "o_lora_rank": (0, 1 << 15),               # 1024
     "hc_mult": (1, 16),                        # 4 (DeepSeek-V4); 1: no hyper-connections
     "hc_sinkhorn_iters": (1, 1000),            # 20
 }
@@ -198,7 +200,7 @@ FLOAT_RANGE_REASONS: dict[str, str] = {
 }
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
-                "router_bias", "attn_sinks", "rope_interleave", "indexer_rope_interleave")
+                "router_bias", "attn_sinks", "rope_interleave", "indexer_rope_interleave", "shared_kv", "out_rope")
 #: Keys of rope_parameters / rope_scaling that the default RoPE reads.
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 #: The keys YaRN reads besides them (Hugging Face's names) -> (type, Yarn's field)
@@ -635,6 +637,12 @@ class MtpConfig:
     #: hyper-connections (DeepSeek-V4's mHC, mtpkern.ops.hc): hc_mult > 1 streams of hidden_size
     #: per token, the hidden an engine hands over and a module hands on (``stream_size``);
     #: hc_sinkhorn_iters and hc_eps make the streams' mixing matrix
+    #: DeepSeek-V4's attention in a GQA block (mtpkern/block.py): K = V, the output's rotary
+    #: dims turned back, a grouped low-rank output projection
+    shared_kv: bool = False
+    out_rope: bool = False
+    o_groups: int = 0
+    o_lora_rank: int = 0
     hc_mult: int = 1
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
@@ -665,6 +673,9 @@ class MtpConfig:
             raise ConfigError(
                 f"config.json: field 'scoring_func' expected 'sigmoid' or 'softmax', got {self.scoring_func!r}"
             )
+        if self.attention_bias and any(b.shared_kv or (b.q_lora_rank and not b.mla) for b in specs):
+            raise ConfigError("config.json: attention_bias: a GQA block with q_lora_rank or shared_kv has no q/k/v "
+                              "biases (DeepSeek-V4's attention); expected false, got true")
         if any(b.mla for b in specs) and (self.use_qk_norm or self.attention_bias):
             raise ConfigError(f"config.json: an MLA module has no q/k norms or q/k/v biases; expected use_qk_norm and "
                               f"attention_bias false, got {self.use_qk_norm} and {self.attention_bias}")
@@ -713,7 +724,8 @@ class MtpConfig:
             qk_rope_head_dim=self.qk_rope_head_dim, index_topk=self.index_topk,
             index_n_heads=self.index_n_heads if self.index_topk else 0,
             index_head_dim=self.index_head_dim if self.index_topk else 0,
-            indexer_rope_interleave=self.indexer_rope_interleave and self.index_topk > 0)
+            indexer_rope_interleave=self.indexer_rope_interleave and self.index_topk > 0,
+            shared_kv=self.shared_kv, out_rope=self.out_rope, o_groups=self.o_groups, o_lora_rank=self.o_lora_rank)
 
     def _check_moe(self) -> None:
         for name in ("num_experts_per_tok", "moe_intermediate_size"):
@@ -834,6 +846,10 @@ class MtpConfig:
             index_n_heads=_opt(d, "index_n_heads", int, 0),
             index_head_dim=_opt(d, "index_head_dim", int, 0),
             indexer_rope_interleave=_opt(d, "indexer_rope_interleave", bool, False),
+            shared_kv=_opt(d, "shared_kv", bool, False),
+            out_rope=_opt(d, "out_rope", bool, False),
+            o_groups=_opt(d, "o_groups", int, 0),
+            o_lora_rank=_opt(d, "o_lora_rank", int, 0),
             hc_mult=_opt(d, "hc_mult", int, 1),
             hc_sinkhorn_iters=_opt(d, "hc_sinkhorn_iters", int, 20),
             hc_eps=_opt(d, "hc_eps", float, 1e-6),
@@ -872,6 +888,7 @@ class MtpConfig:
                           ("q_lora_rank", 0), ("qk_rope_head_dim", 0), ("q_a_norm_scale", 1.0),
                           ("kv_a_norm_scale", 1.0), ("index_topk", 0), ("index_n_heads", 0), ("index_head_dim", 0),
                           ("indexer_rope_interleave", False), ("hc_mult", 1), ("hc_sinkhorn_iters", 20),
+                          ("shared_kv", False), ("out_rope", False), ("o_groups", 0), ("o_lora_rank", 0),
                           ("hc_eps", 1e-6)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]

@@ -656,6 +656,10 @@ class StepRunner:
         if prop.config.hc_mult > 1:                     # likewise
             self.counts["fallback_hc"] += 1
             return False
+        if any(h.block.shared_kv or h.block.out_rope or h.block.o_groups or (h.block.q_lora_rank and not h.block.mla)
+               for h in prop.modules):               # DeepSeek-V4's attention: likewise
+            self.counts["fallback_v4_attention"] += 1
+            return False
         if prop.kv_mode == "draft":
             return True
         M = prop.num_modules

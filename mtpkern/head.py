@@ -209,8 +209,11 @@ class MtpHead:
         #: the DSA indexer's RoPE: the MLA's frequencies and factor, its own pair order
         self._index_rope_kw = {k: v for k, v, on in (("interleave", True, b.indexer_rope_interleave),
                                                      ("rope_scale", b.rope_scale, b.rope_scale != 1.0)) if on}
-        self._experts_kw = {"limit": b.swiglu_clamp} if b.swiglu_clamp else {}
-        self._mlp_kw = {"limit": b.swiglu_clamp_shared} if b.swiglu_clamp_shared else {}
+        self._kv_kw = {"v_is_k": True} if b.shared_kv else {}
+        #: the SwiGLU clamps; clamp_gate: of the gate before silu (DeepSeek-V4), not after
+        gate = {"clamp_gate": True} if b.swiglu_clamp_gate else {}
+        self._experts_kw = {"limit": b.swiglu_clamp, **gate} if b.swiglu_clamp else {}
+        self._mlp_kw = {"limit": b.swiglu_clamp_shared, **gate} if b.swiglu_clamp_shared else {}
         self._one_lock = threading.Lock()
 
     # -- the forward ---------------------------------------------------------
@@ -385,10 +388,16 @@ class MtpHead:
             qkv = None
         else:
             qkv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))       # [n, (Hq+2Hkv)D]
+            if b.q_lora_rank:                # the query through its latent; qkv held k | v
+                qc = be.linear(xa, w.mla_q_a, norm=a_norm)                                       # [n, q_lora]
+                qf = be.linear(qc, w.q_b, norm=(w.mla_q_a_norm, eps))                            # [n, Hq D]
+                qkv = be.xp.concatenate([qf, qkv], axis=1)
             q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                          w.q_norm, w.k_norm, eps, self._inv_freq, positions,
-                                         self.pool.k, self.pool.v, slots, **self._rope_kw,
+                                         self.pool.k, self.pool.v, slots, **self._rope_kw, **self._kv_kw,
                                          **put("rope_kv", out="q"))                               # [n, Hq, D]
+            if b.out_rope:
+                ex["positions"] = positions
         if kv_copy is not None:
             self.pool.copy_rows(*kv_copy)
         return x, q, (qkv if b.gate_size else None), ex
@@ -434,9 +443,16 @@ class MtpHead:
                                    **self._attn_kw, **kw, **put("attention", out="o"))           # [n, Hq Dv]
             if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
                 o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
+            if b.out_rope:                   # the rotary dims back to the query's frame (DeepSeek-V4)
+                n = o.shape[0]
+                o = be.rope_heads(o.reshape(n, b.num_attention_heads, b.v_dim), ex["positions"], self._inv_freq,
+                                  inverse=True, **self._rope_kw).reshape(n, b.o_size)
         hc = cfg.hc_mult > 1
         res = None if hc or not self._owner else x
-        r = be.linear(o, w.w_o, None, res, **put("linear", out="r"))                           # [n, H]
+        if b.o_groups:                       # o_a_proj per group of heads, then o_b_proj
+            r = be.linear(be.linear_grouped(o, w.w_o_a), w.w_o_b, None, res)                    # [n, H]
+        else:
+            r = be.linear(o, w.w_o, None, res, **put("linear", out="r"))                       # [n, H]
         self._sum(r)                         # a sharded head: the heads' partial products
         if hc:                               # the streams after attention; the FFN's collapse
             r = be.hc_post(r, x, ex["hc_post"], ex["hc_comb"])                                   # [n, m H]

@@ -376,7 +376,7 @@ class ModuleWeights:
     b_qkv: Any | None     # [block.qkv_size]
     q_norm: Any | None    # [D]
     k_norm: Any | None    # [D]
-    w_o: Any              # [H, Hq Dv]
+    w_o: Any              # [H, Hq Dv] (None with a grouped output: w_o_a / w_o_b)
     shared_head_norm: Any  # [H]
     # MoE (when the module's block is)
     gate_w: Any | None = None        # [E, H]
@@ -409,6 +409,10 @@ class ModuleWeights:
     hc_ffn: tuple | None = None      # likewise
     hc_head: tuple | None = None     # ([m, m H], [m], [1])
     hc_ones: Any | None = None       # [m H] ones
+    # DeepSeek-V4's attention in a GQA block (q_lora_rank: mla_q_a / mla_q_a_norm and q_b)
+    q_b: Any | None = None           # [Hq D, q_lora_rank] q_b_proj
+    w_o_a: list | None = None        # o_groups x [o_lora_rank, Hq Dv / o_groups] o_a_proj
+    w_o_b: Any | None = None         # [H, o_groups o_lora_rank] o_b_proj
 
     def __repr__(self) -> str:
         kind = "moe" if self.gate_w is not None else "dense"
@@ -448,12 +452,13 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
     if b.mla:
         keys.update(_mla_keys(b, H))
     else:
-        keys.update({
-            "self_attn.q_proj.weight": ((q_rows, H), True),
-            "self_attn.k_proj.weight": ((b.k_size, H), True),
-            "self_attn.v_proj.weight": ((b.v_size, H), True),
-        })
-    keys["self_attn.o_proj.weight"] = ((H, b.o_size), True)
+        keys.update(_gqa_keys(b, H, q_rows))
+    if b.o_groups:                       # DeepSeek-V4's grouped low-rank output
+        g, r = b.o_groups, b.o_lora_rank
+        keys["self_attn.o_a_proj.weight"] = ((g * r, b.o_size // g), True)
+        keys["self_attn.o_b_proj.weight"] = ((H, g * r), True)
+    else:
+        keys["self_attn.o_proj.weight"] = ((H, b.o_size), True)
     keys["shared_head.norm.weight"] = ((H,), True)
     if b.attn_gate == "headwise":
         keys["self_attn.g_proj.weight"] = ((Hq, H), True)
@@ -513,6 +518,23 @@ def _hc_keys(m: int, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     return out
 
 
+def _gqa_keys(b, H: int, q_rows: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """A GQA block's query / key / value projections: q_proj, or (q_lora_rank) q_a_proj /
+    q_a_layernorm / q_b_proj; k_proj and v_proj, or (shared_kv) one kv_proj."""
+    if b.q_lora_rank:
+        Q = b.q_lora_rank
+        keys = {"self_attn.q_a_proj.weight": ((Q, H), True), "self_attn.q_a_layernorm.weight": ((Q,), True),
+                "self_attn.q_b_proj.weight": ((b.q_size, Q), True)}
+    else:
+        keys = {"self_attn.q_proj.weight": ((q_rows, H), True)}
+    if b.shared_kv:
+        keys["self_attn.kv_proj.weight"] = ((b.k_size, H), True)
+    else:
+        keys.update({"self_attn.k_proj.weight": ((b.k_size, H), True),
+                     "self_attn.v_proj.weight": ((b.v_size, H), True)})
+    return keys
+
+
 def _mla_keys(b, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     """An MLA block's attention tensors as DeepSeek-V3 releases them (but ``o_proj``)."""
     L, R, Hq = b.kv_lora_rank, b.qk_rope_head_dim, b.num_attention_heads
@@ -545,6 +567,8 @@ _TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"(^|\.)self_attn\.g_proj\."), "attn_gate"),
     (re.compile(r"(^|\.)self_attn\.sinks$"), "attn_sinks"),
     (re.compile(r"(^|\.)self_attn\.indexer\."), "index_topk"),
+    (re.compile(r"(^|\.)self_attn\.o_[ab]_proj\."), "o_groups"),
+    (re.compile(r"(^|\.)self_attn\.kv_proj\."), "shared_kv"),
     (re.compile(r"(^|\.)hc_(attn|ffn|head)_"), "hc_mult"),
     (re.compile(r"(^|\.)self_attn\.q_(a_proj|a_layernorm|b_proj)\."), "q_lora_rank"),
     (re.compile(r"(^|\.)self_attn\.kv_(a_proj_with_mqa|a_layernorm|b_proj)\."), "kv_lora_rank"),
@@ -1167,6 +1191,23 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                            next((k for k in head_keys if rd.has(k)), None), fam.folds_norm("shared_head.norm.weight"))
         D, Dv = blk.head_dim, blk.v_dim
         hw_gate = blk.attn_gate == "headwise"
+        if hs is not None and blk.o_groups:
+            raise CheckpointError(f"module {m}: a grouped output projection (o_groups = {blk.o_groups}) is not "
+                                  f"sharded yet; load it on one rank")
+
+        def gqa_qkv():
+            """The fused projection's rows: q | k | v (| gate); with q_lora_rank no q (q_b_proj reads
+            the query latent); with shared_kv one kv_proj for k and v."""
+            kv = [heads_of("self_attn.kv_proj.weight" if blk.shared_kv else "self_attn.k_proj.weight", D, kv=True)]
+            if not blk.shared_kv:
+                kv.append(value_scaled(heads_of("self_attn.v_proj.weight", Dv, kv=True)))
+            if blk.q_lora_rank:
+                return stack_rows(*kv)
+            if blk.shared_kv:
+                return stack_rows(heads_of("self_attn.q_proj.weight", D), *kv)
+            return stack_rows(*qkv_rows(heads_of("self_attn.q_proj.weight", D), kv[0], kv[1],
+                                        heads_of("self_attn.g_proj.weight", 1) if hw_gate else None))
+
         mw = ModuleWeights(
             embed=vocab_matrix([spec["embed_tokens.weight"][0], fam.target_embed], f"module {m} embedding"),
             head=vocab_matrix(head_keys, f"module {m} LM head", head_rows),
@@ -1177,10 +1218,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             post_attention_layernorm=norm("post_attention_layernorm.weight"),
             w_qkv=backend.prepare_weight(heads_of("self_attn.q_b_proj.weight" if blk.q_lora_rank
                                                   else "self_attn.q_proj.weight", D))
-            if blk.mla else backend.prepare_weight(stack_rows(*qkv_rows(
-                heads_of("self_attn.q_proj.weight", D), heads_of("self_attn.k_proj.weight", D, kv=True),
-                value_scaled(heads_of("self_attn.v_proj.weight", Dv, kv=True)),
-                heads_of("self_attn.g_proj.weight", 1) if hw_gate else None))),
+            if blk.mla else backend.prepare_weight(gqa_qkv()),
             b_qkv=backend.prepare_vector(np.concatenate([p.astype(np.float32) for p in qkv_rows(
                 heads_of("self_attn.q_proj.bias", D), heads_of("self_attn.k_proj.bias", D, kv=True),
                 value_scaled(heads_of("self_attn.v_proj.bias", Dv, kv=True)),
@@ -1189,12 +1227,21 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             sinks=backend.prepare_vector(heads_of("self_attn.sinks", 1).astype(np.float32)) if blk.attn_sinks else None,
             q_norm=norm("self_attn.q_norm.weight") if cfg.use_qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
-            w_o=backend.prepare_weight(w("self_attn.o_proj.weight",
-                                         cols=None if hs is None else (hs.q0 * Dv, hs.q1 * Dv))),
+            w_o=None if blk.o_groups else backend.prepare_weight(w(
+                "self_attn.o_proj.weight", cols=None if hs is None else (hs.q0 * Dv, hs.q1 * Dv))),
             shared_head_norm=backend.prepare_vector(final_norm),
         )
         if blk.mla:
             mla(mw)
+        elif blk.q_lora_rank:                # a GQA query through its own latent (DeepSeek-V4)
+            mw.mla_q_a = backend.prepare_weight(w("self_attn.q_a_proj.weight"))
+            mw.mla_q_a_norm = norm("self_attn.q_a_layernorm.weight", cfg.q_a_norm_scale)
+            mw.q_b = backend.prepare_weight(heads_of("self_attn.q_b_proj.weight", D))
+        if blk.o_groups:                     # grouped low-rank output: o_a_proj per group, then o_b_proj
+            g, r = blk.o_groups, blk.o_lora_rank
+            o_a = w("self_attn.o_a_proj.weight")
+            mw.w_o_a = [backend.prepare_weight(_row_slice(o_a, i * r, (i + 1) * r)) for i in range(g)]
+            mw.w_o_b = backend.prepare_weight(w("self_attn.o_b_proj.weight"))
         if cfg.hc_mult > 1:                  # replicated on every rank of a sharded head
             def hc(part: str) -> tuple:
                 """(fn, base, scale) of one collapse, as FP32 (fn a weight, the others vectors)."""
@@ -1305,10 +1352,24 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
                 t[p + "self_attn.indexer.k_norm.bias"] = (rng.standard_normal(Di) * 0.1).astype(np.float32)
                 t[p + "self_attn.indexer.weights_proj.weight"] = mat(Hi, H, gain=2.0)
         else:
-            t[p + "self_attn.q_proj.weight"] = mat(q_rows, H, gain=2.0)
-            t[p + "self_attn.k_proj.weight"] = mat(b.k_size, H, gain=2.0)
-            t[p + "self_attn.v_proj.weight"] = mat(b.v_size, H)
-        t[p + "self_attn.o_proj.weight"] = mat(H, b.o_size)
+            if b.q_lora_rank:
+                Q = b.q_lora_rank
+                t[p + "self_attn.q_a_proj.weight"] = mat(Q, H)
+                t[p + "self_attn.q_a_layernorm.weight"] = norm_w(Q)
+                t[p + "self_attn.q_b_proj.weight"] = mat(b.q_size, Q, gain=2.0)
+            else:
+                t[p + "self_attn.q_proj.weight"] = mat(q_rows, H, gain=2.0)
+            if b.shared_kv:
+                t[p + "self_attn.kv_proj.weight"] = mat(b.k_size, H, gain=2.0)
+            else:
+                t[p + "self_attn.k_proj.weight"] = mat(b.k_size, H, gain=2.0)
+                t[p + "self_attn.v_proj.weight"] = mat(b.v_size, H)
+        if b.o_groups:
+            g, r = b.o_groups, b.o_lora_rank
+            t[p + "self_attn.o_a_proj.weight"] = mat(g * r, b.o_size // g)
+            t[p + "self_attn.o_b_proj.weight"] = mat(H, g * r)
+        else:
+            t[p + "self_attn.o_proj.weight"] = mat(H, b.o_size)
         if cfg.hc_mult > 1:                  # hyper-connections: FP32 as released
             for name, (shape, _) in _hc_keys(cfg.hc_mult, H).items():
                 t[p + name] = (rng.standard_normal(shape) * (shape[1] ** -0.5 if len(shape) == 2 else 1.5)

@@ -209,6 +209,19 @@ class Backend(ABC):
     def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
                                scale: float, *, row_start=None): ...
 
+    def linear_grouped(self, x, ws: list) -> Any:
+        """``x`` [n, g K] through ``g`` weights ``ws[i]`` [r, K], each on its own K columns ->
+        [n, g r] (DeepSeek-V4's grouped ``o_a_proj``): the backend's ``linear`` per group, on a
+        contiguous copy of the group's columns."""
+        g = len(ws)
+        n, gk = x.shape
+        if g < 1 or gk % g:
+            raise ValueError(f"ws: expected a number of groups dividing x's {gk} columns, got {g}")
+        k = gk // g
+        xp = self.xp
+        return xp.concatenate([self.linear(xp.ascontiguousarray(x[:, i * k:(i + 1) * k]), w)
+                               for i, w in enumerate(ws)], axis=1)
+
     @abstractmethod
     def sigmoid_gate(self, x, gate, residual=None): ...
 
@@ -217,13 +230,14 @@ class Backend(ABC):
         """``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, limit=None, norm=None):
-        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``);
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None):
+        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``), of the
+        gate before silu with ``clamp_gate`` (DeepSeek-V4), else of silu(gate) (Step-3.5);
         ``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, limit=None, norm=None):
-        """``limit``: the SwiGLU clamp (None / 0: none; ``mtpkern.ops.mlp.swiglu_limit``);
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None):
+        """``limit`` / ``clamp_gate``: the SwiGLU clamp, as ``moe_experts``;
         ``norm=(g, eps)``: of ``rmsnorm(x, g, eps)`` (``mtpkern.ops.norm.normed``)."""
 
     @abstractmethod

@@ -83,6 +83,7 @@ class NumpyBackend(Backend):
     mtp_input = with_out(norm.mtp_input)
     linear = with_out(linear.linear)
     qk_norm_rope_kv_write = with_out(rope_kv.qk_norm_rope_kv_write)
+    rope_heads = with_out(rope_kv.rope_heads)
     paged_attention = with_out(attention.paged_attention)
     mla_latent_write = with_out(mla.mla_latent_write)
     mla_attention_absorbed = with_out(mla.mla_attention_absorbed)

@@ -22,6 +22,15 @@ rope_scale=1.0) -> q [n, Hq, D]``
   ``attention_scaling``, multiplied into cos and sin: 1 for the default RoPE).
 - k (rotated) and v are written at ``slot = block * BS + offset`` of the caches,
   converted to the cache dtype; q (rotated) is returned in FP32.
+- ``v_is_k`` (DeepSeek-V4's shared-KV attention: one projection is both key and value):
+  ``qkv`` holds q and k only (``(Hq + Hkv) D`` columns read), and the value written is the
+  key as written (normed and rotated); ``Dv`` must be ``D``.
+
+``rope_heads(x [n, heads, D], positions [n], inv_freq [R/2], *, interleave=False,
+rope_scale=1.0, inverse=False) -> [n, heads, D]`` FP32: the first R dims of every head
+rotated as above; ``inverse`` rotates by the opposite angle (``x1' = x1 c + x2 s``,
+``x2' = x2 c - x1 s``): DeepSeek-V4 turns its attention output's rotary dims back to the
+query's frame this way.
 """
 
 from __future__ import annotations
@@ -93,7 +102,7 @@ def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq_: np.ndarray) -> np
 
 def check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
                                 inv_freq_, positions, k_cache, v_cache, slots, interleave=False,
-                                rope_scale=1.0) -> None:
+                                rope_scale=1.0, v_is_k=False) -> None:
     expect_ndim("k_cache", k_cache, 4)
     NB, BS, Hkv, D = k_cache.shape
     if Hkv != num_kv_heads:
@@ -105,7 +114,12 @@ def check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm
         raise ValueError(f"v_cache: expected a value head dim >= 1, got shape {list(v_cache.shape)}")
     expect_ndim("qkv", qkv, 2)
     n = qkv.shape[0]
-    need = (num_q_heads + num_kv_heads) * D + num_kv_heads * Dv
+    if not isinstance(v_is_k, (bool, np.bool_)):
+        raise TypeError(f"v_is_k: expected a bool, got {type(v_is_k).__name__} {v_is_k!r}")
+    if v_is_k and Dv != D:
+        raise ValueError(f"v_cache: expected the key's head dim {D} with v_is_k (the value is the key), got "
+                         f"shape {list(v_cache.shape)}")
+    need = (num_q_heads + num_kv_heads) * D + (0 if v_is_k else num_kv_heads * Dv)
     if qkv.shape[1] < need:
         raise ValueError(f"qkv: expected [n, at least (Hq + Hkv) * D + Hkv * Dv = {need}] "
                          f"(Hq={num_q_heads}, Hkv={num_kv_heads}, D={D}, Dv={Dv}), got {list(qkv.shape)}")
@@ -133,16 +147,17 @@ def check_rope_options(interleave, rope_scale) -> None:
 
 def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
                           eps: float, inv_freq_, positions, k_cache, v_cache, slots, *,
-                          interleave: bool = False, rope_scale: float = 1.0) -> np.ndarray:
+                          interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False) -> np.ndarray:
     check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
-                                inv_freq_, positions, k_cache, v_cache, slots, interleave, rope_scale)
+                                inv_freq_, positions, k_cache, v_cache, slots, interleave, rope_scale, v_is_k)
     NB, BS, Hkv, D = k_cache.shape
     Dv = v_cache.shape[3]
     n, Hq = qkv.shape[0], num_q_heads
     qkv = np.asarray(qkv, np.float32)
     q = qkv[:, : Hq * D].reshape(n, Hq, D)                              # [n, Hq, D]
     k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(n, Hkv, D)               # [n, Hkv, D]
-    v = qkv[:, (Hq + Hkv) * D: (Hq + Hkv) * D + Hkv * Dv].reshape(n, Hkv, Dv)   # [n, Hkv, Dv]
+    if not v_is_k:
+        v = qkv[:, (Hq + Hkv) * D: (Hq + Hkv) * D + Hkv * Dv].reshape(n, Hkv, Dv)   # [n, Hkv, Dv]
     if q_norm_w is not None:
         q = rmsnorm(q, q_norm_w, eps)
     if k_norm_w is not None:
@@ -151,5 +166,38 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
     k = rope(k, positions, inv_freq_, interleave, rope_scale)
     blk, off = np.divmod(slots.astype(np.int64), BS)
     k_cache[blk, off] = k.astype(k_cache.dtype)
-    v_cache[blk, off] = v.astype(v_cache.dtype)
+    v_cache[blk, off] = (k if v_is_k else v).astype(v_cache.dtype)
     return q
+
+
+def check_rope_heads(x, positions, inv_freq_, interleave=False, rope_scale=1.0, inverse=False) -> None:
+    expect_ndim("x", x, 3)
+    n, heads, D = x.shape
+    expect_dtype("x", x, "float32", "bfloat16")
+    expect_ndim("inv_freq", inv_freq_, 1)
+    if not 1 <= inv_freq_.shape[0] <= D // 2:
+        raise ValueError(f"inv_freq: expected 1..{D // 2} entries, got {inv_freq_.shape[0]}")
+    expect_dtype("inv_freq", inv_freq_, "float32")
+    expect_shape("positions", positions, (n,))
+    expect_dtype("positions", positions, "int32")
+    check_rope_options(interleave, rope_scale)
+    if not isinstance(inverse, (bool, np.bool_)):
+        raise TypeError(f"inverse: expected a bool, got {type(inverse).__name__} {inverse!r}")
+
+
+def rope_heads(x, positions, inv_freq_, *, interleave: bool = False, rope_scale: float = 1.0,
+               inverse: bool = False) -> np.ndarray:
+    check_rope_heads(x, positions, inv_freq_, interleave, rope_scale, inverse)
+    x = np.array(x, np.float32)
+    if not inverse:
+        return rope(x, positions, inv_freq_, interleave, rope_scale)
+    half = inv_freq_.shape[0]
+    f = positions.astype(np.float32)[:, None] * inv_freq_[None, :]
+    sc = np.float32(rope_scale)
+    cos, sin = (np.cos(f) * sc)[:, None, :], (np.sin(f) * sc)[:, None, :]
+    a, b = rope_pairs(x.shape[-1], half, interleave)
+    x1, x2 = x[..., a], x[..., b]
+    out = x.copy()
+    out[..., a] = x1 * cos + x2 * sin
+    out[..., b] = x2 * cos - x1 * sin
+    return out

@@ -110,14 +110,18 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
         r = _residual(x, att.reshape(R, Hq * Dv) @ f(w.w_o).T, hc_attn)
         return _ffn(cfg, b, w, x, r, k, v, eps)
     qkv = a @ f(w.w_qkv).T + (0 if w.b_qkv is None else f(w.b_qkv))
+    if b.q_lora_rank:                                             # the query through its latent (DeepSeek-V4)
+        qkv = np.concatenate([_rms(a @ f(w.mla_q_a).T, w.mla_q_a_norm, eps) @ f(w.q_b).T, qkv], axis=1)
     q = qkv[:, :b.q_size].reshape(R, Hq, D)
     k = qkv[:, b.q_size:b.q_size + b.k_size].reshape(R, Hkv, D)
-    v = qkv[:, b.q_size + b.k_size:b.q_size + b.k_size + b.v_size].reshape(R, Hkv, Dv)
+    v = None if b.shared_kv else qkv[:, b.q_size + b.k_size:b.q_size + b.k_size + b.v_size].reshape(R, Hkv, Dv)
     gate = qkv[:, b.q_size + b.k_size + b.v_size:] if b.attn_gate else None    # after q|k|v
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
     rope = dict(interleave=b.rope_interleave, yarn=b.rope_scaling)
     q, k = _rope(q, pos, b.rotary_dim, b.rope_theta, **rope), _rope(k, pos, b.rotary_dim, b.rope_theta, **rope)
+    if b.shared_kv:                                               # the value is the key, normed and rotated
+        v = k
     scale = D ** -0.5 * (1.0 if b.rope_scaling is None else _yarn(b.rotary_dim, b.rope_theta, b.rope_scaling)[2])
     grp = Hq // Hkv
     att = np.zeros((R, Hq, Dv))
@@ -139,8 +143,21 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
         att[:, hh] = p @ v[:, hh // grp]
     if gate is not None:                                          # att * sigmoid(gate): per column, or per head
         att = att / (1 + np.exp(-gate.reshape(R, -1, 1 if b.attn_gate == "headwise" else Dv)))
-    r = _residual(x, att.reshape(R, Hq * Dv) @ f(w.w_o).T, hc_attn)
-    return _ffn(cfg, b, w, x, r, k, v, eps)
+    if b.out_rope:                                                # back to the query's frame: the angle undone
+        att = _rope(att, -pos, b.rotary_dim, b.rope_theta, **rope)
+    return _ffn(cfg, b, w, x, _residual(x, _o_proj(b, w, att.reshape(R, Hq * Dv)), hc_attn), k, v, eps)
+
+
+def _o_proj(b, w, o):
+    """The attention output's projection: o_proj, or DeepSeek-V4's grouped o_a_proj (each group
+    of heads its own rows) then o_b_proj."""
+    f = lambda t: np.asarray(t, np.float64)  # noqa: E731
+    if not b.o_groups:
+        return o @ f(w.w_o).T
+    g = b.o_groups
+    k = o.shape[1] // g
+    z = np.concatenate([o[:, i * k:(i + 1) * k] @ f(w.w_o_a[i]).T for i in range(g)], axis=1)
+    return z @ f(w.w_o_b).T
 
 
 def _hc_pre(cfg, hc, X):
@@ -253,26 +270,32 @@ def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
         fin32 = fin.astype(np.float32)
         ids, wts = moe_router(fin32, w.gate_w, w.gate_bias, RouterSpec.from_config(cfg))
         y = moe_experts(fin32, ids, wts, w.experts_w13, w.experts_w2, np.zeros_like(fin32),
-                        limit=b.swiglu_clamp or None).astype(np.float64)
+                        limit=b.swiglu_clamp or None, clamp_gate=b.swiglu_clamp_gate).astype(np.float64)
         if w.shared_w13 is not None:
-            shared = _swiglu(fin, w.shared_w13, w.shared_w2, b.swiglu_clamp_shared)
+            shared = _swiglu(fin, w.shared_w13, w.shared_w2, b.swiglu_clamp_shared, b.swiglu_clamp_gate)
             if w.shared_gate is not None:                            # sigmoid(x . w_g) per row
                 shared = shared / (1 + np.exp(-(fin @ f(w.shared_gate).T)))
             y = y + shared
     else:
-        y = _swiglu(fin, w.mlp_w13, w.mlp_w2, b.swiglu_clamp_shared)
+        y = _swiglu(fin, w.mlp_w13, w.mlp_w2, b.swiglu_clamp_shared, b.swiglu_clamp_gate)
     y = _residual(r, y, hc)
     head_in = y if cfg.hc_mult == 1 else _hc_head(cfg, w.hc_head, y)
     return ModuleRows(k, v, y, _rms(head_in, w.shared_head_norm, eps))
 
 
-def _swiglu(x, w13, w2, limit: float = 0.0):
+def _swiglu(x, w13, w2, limit: float = 0.0, clamp_gate: bool = False):
+    """``limit``: Step-3.5's clamp (Step3p7MLP: min(silu(gate), L)), or with ``clamp_gate``
+    DeepSeek-V4's (DeepseekV4MLP: silu(min(gate, L))); up clipped to [-L, L] by both."""
     gu = x @ np.asarray(w13, np.float64).T
     I = gu.shape[1] // 2
     gate, up = gu[:, :I], gu[:, I:]
+    if limit and clamp_gate:
+        gate = np.minimum(gate, limit)
     act = gate / (1 + np.exp(-gate))
-    if limit:                                                     # Step-3.5's clamp (mtpkern.ops.mlp)
-        act, up = np.minimum(act, limit), np.clip(up, -limit, limit)
+    if limit:
+        up = np.clip(up, -limit, limit)
+        if not clamp_gate:
+            act = np.minimum(act, limit)
     return (act * up) @ np.asarray(w2, np.float64).T
 
 
