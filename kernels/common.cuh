@@ -600,15 +600,19 @@ __device__ __forceinline__ void gemv_groups(const float* x, const W* w, const Sc
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-// The SwiGLU activation with the clamp of Step-3.5 / 3.7 (mtpkern.ops.mlp, Hugging Face
-// Step3p7MLP): min(silu(g), L) * min(max(u, -L), L). L = +inf clamps nothing, bit for bit,
-// so the kernels take L always (no template, no branch). Comparisons, not fminf / fmaxf:
-// those return the other operand for a NaN, and a NaN must stay NaN as in the reference.
-// |u| > L ? copysign(L, u) : u is the same clip of u (-0 and NaN kept); written as
-// u > L ? L : (u < -L ? -L : u) it left moe_expert_kernel<float, true> spilling on sm_90.
-__device__ __forceinline__ float swiglu(float g, float u, float L) {
-  const float a = silu(g);
-  return (a > L ? L : a) * (fabsf(u) > L ? copysignf(L, u) : u);
+// The SwiGLU activation with its clamps (mtpkern.ops.mlp.swiglu_bounds): L on silu(g), the
+// clamp of Step-3.5 / 3.7 (Hugging Face Step3p7MLP), Lg on g before silu, DeepSeek-V4's
+// (DeepseekV4MLP), and u clipped by Lu = min(L, Lg), the one of them in use:
+// min(silu(min(g, Lg)), L) * min(max(u, -Lu), Lu). A bound of +inf clamps nothing, bit for
+// bit, so the kernels take both always (no template, no branch). Comparisons, not fminf /
+// fmaxf: those return the other operand for a NaN, and a NaN must stay NaN as in the
+// reference (L and Lg are never NaN: fminf is safe for Lu). |u| > Lu ? copysign(Lu, u) : u
+// is the same clip of u (-0 and NaN kept); written as u > L ? L : (u < -L ? -L : u) it left
+// moe_expert_kernel<float, true> spilling on sm_90.
+__device__ __forceinline__ float swiglu(float g, float u, float L, float Lg) {
+  const float a = silu(g > Lg ? Lg : g);
+  const float Lu = fminf(L, Lg);
+  return (a > L ? L : a) * (fabsf(u) > Lu ? copysignf(Lu, u) : u);
 }
 
 }  // namespace mtp

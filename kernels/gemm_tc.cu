@@ -4,8 +4,8 @@
 // inv_rms[r] = 1 / sqrt(mean_k(x[r, k]^2) + eps).
 //
 //   gemm_tc_kernel<NT, NORM>: linear's product (linear.cu's, for BF16 weights and n >= 4).
-//   swiglu_tc_kernel<NT, NORM>: mlp.cu's gate/up product, act[n, I] = swiglu(x Wg^T, x Wu^T, L)
-//     (mtp::swiglu, clamp L; w13 [2I, H]: gate row u, up row I + u), K = H. Its tile is 8
+//   swiglu_tc_kernel<NT, NORM>: mlp.cu's gate/up product, act[n, I] = swiglu(x Wg^T, x Wu^T, L, Lg)
+//     (mtp::swiglu, clamps L, Lg; w13 [2I, H]: gate row u, up row I + u), K = H. Its tile is 8
 //     units: fragment rows 0..7 are gate rows u0 .. u0 + 7, rows 8..15 the up rows I + u0 ..,
 //     so each lane's accumulators hold a gate and its up for the same input row.
 //   Both run one tile driver (gemm_tc_tiles) and differ in their epilogue only.
@@ -121,7 +121,8 @@ struct LinearTcEpi {
 struct SwigluTcEpi {
   float* act;  // [n, I]
   int I;
-  float limit;  // the SwiGLU clamp, +inf for none
+  float limit;       // the SwiGLU clamp of silu(gate), +inf for none
+  float gate_limit;  // the SwiGLU clamp of the gate before silu, +inf for none
 
   __device__ int tiles() const { return (I + 7) / 8; }
   __device__ bool rows(int tile, int gq, int& a, int& b) const {
@@ -144,7 +145,7 @@ struct SwigluTcEpi {
           gate *= inv[r];
           up *= inv[r];
         }
-        act[static_cast<long long>(r) * I + u] = swiglu(gate, up, limit);
+        act[static_cast<long long>(r) * I + u] = swiglu(gate, up, limit, gate_limit);
       }
   }
 };
@@ -291,7 +292,7 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
 template <int NT, bool NORM>
 __global__ void __launch_bounds__(mtp::kTcThreads, NT <= 2 ? 3 : 2)
 swiglu_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w13, const float* __restrict__ g,
-                 float eps, float* __restrict__ act, int n, int I, int H, int kw, float limit) {
-  const mtp::SwigluTcEpi epi{act, I, limit};
+                 float eps, float* __restrict__ act, int n, int I, int H, int kw, float limit, float gate_limit) {
+  const mtp::SwigluTcEpi epi{act, I, limit, gate_limit};
   mtp::gemm_tc_tiles<NT, NORM>(x, w13, g, eps, n, H, kw, epi);
 }

@@ -1,7 +1,8 @@
 // mlp.cu -- gate/up half of the SwiGLU MLP:
 //   act[n, I] = silu(x @ w13[0:I]^T) * (x @ w13[I:2I]^T)       x [n, H] fp32, w13 [2I, H] in W
-// clamped by `limit` (Step-3.5 / 3.7, mtp::swiglu: min(silu(gate), L) * clip(up, -L, L);
-// +inf: no clamp, the same bits as without).
+// clamped by `limit` (Step-3.5 / 3.7: min(silu(gate), L)) and `gate_limit` (DeepSeek-V4:
+// silu(min(gate, Lg))), up clipped by the smaller (mtp::swiglu; +inf: no clamp, the same bits
+// as without).
 //
 // swiglu_mlp(x, w13, w2, residual) = linear_kernel(act, w2, residual) after
 // this kernel (linear.cu): y = residual + act @ w2^T.
@@ -24,7 +25,8 @@ namespace mtp {
 struct SwiGluEpi {
   float* act;  // [n, I]
   int I;
-  float limit;  // the SwiGLU clamp, +inf for none
+  float limit;       // the SwiGLU clamp of silu(gate), +inf for none
+  float gate_limit;  // the SwiGLU clamp of the gate before silu, +inf for none
 
   __device__ bool rows(int u, int& a, int& b) const {
     a = u;      // gate row
@@ -37,7 +39,7 @@ struct SwiGluEpi {
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       if (r >= m) break;
-      act[static_cast<long long>(r0 + r) * I + u] = swiglu(acc[0][r], acc[1][r], limit);
+      act[static_cast<long long>(r0 + r) * I + u] = swiglu(acc[0][r], acc[1][r], limit, gate_limit);
     }
   }
 };
@@ -48,8 +50,8 @@ template <typename W, int NR, bool NORM>
 __global__ void
 swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, const float* __restrict__ scale,
                       int bn, int bk, float* __restrict__ act, int n, int I, int H, int wpr, float limit,
-                      const float* __restrict__ norm_w, float eps) {
-  const mtp::SwiGluEpi epi{act, I, limit};
+                      float gate_limit, const float* __restrict__ norm_w, float eps) {
+  const mtp::SwiGluEpi epi{act, I, limit, gate_limit};
   mtp::gemv_groups<W, NR, NORM>(x, w13, mtp::make_scales<W>(scale, bn, bk, H), n, H, wpr, epi,
                                 mtp::RowNorm{norm_w, eps});
 }

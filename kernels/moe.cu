@@ -8,7 +8,9 @@
 //   owns expert e of row r (router_select_row: any block size, thread t owning experts
 //   t, t + blockDim.x, ..), exactly as transformers' DeepseekV3 / Glm4Moe router in FP32
 //   (mtpkern.ops.moe):
-//   s = sigmoid(logit) (or softmax over the row); c = s + bias (selection only);
+//   s = score(logit): scoring 0 sigmoid, 1 softmax over the row, 2 sqrtsoftplus (DeepSeek-V4:
+//   sqrt(softplus(l)), torch's softplus: l where l > 20, else log1p(exp(l))) (the index in
+//   mtpkern.ops.moe.SCORINGS); c = s + bias (selection only);
 //   group score = sum of the group's top-2 c; the topk_group best groups are kept
 //   (rank by score, lowest group id on ties); c outside them becomes -inf (an expert of a
 //   dropped group never outranks a kept one, even where s + bias is negative);
@@ -37,11 +39,12 @@
 //   NORM (with GATED; moe_experts(..., norm=)): x rows RMS-normalised on the fly (norm_w [H],
 //     eps; common.cuh gemv_dot_impl), so the normed rows are never stored; else norm_w null.
 //   GATED (gate/up): w = w13 [E, 2I, H], unit u = (gate row u, up row I + u),
-//     x row of pair p = x[p / K], act[p, u] = swiglu(gate, up, limit)   units = I
-//     (mtp::swiglu: min(silu(gate), L) * clip(up, -L, L), Step-3.5 / 3.7; +inf: no clamp)
+//     x row of pair p = x[p / K], act[p, u] = swiglu(gate, up, limit, gate_limit)   units = I
+//     (mtp::swiglu: min(silu(gate), L) * clip(up, -L, L), Step-3.5 / 3.7, or with gate_limit
+//     silu(min(gate, L)) * clip(up, -L, L), DeepSeek-V4; +inf: no clamp)
 //   !GATED (down):   w = w2 [E, H, I], unit u = rows (2u, 2u + 1),
 //     x row of pair p = act[p], partial[p, h] = w2[e, h] . act[p].   units = ceil(H / 2)
-//     (limit unused)
+//     (limit, gate_limit unused)
 //
 // moe_down_combine_kernel<W>: the down pass and the combine in one launch for one row (n = 1,
 //   the decode step): grid (ceil(ceil(H / 2) / 4)), block 128, warp unit u = rows (2u, 2u + 1)
@@ -98,9 +101,9 @@ struct RouterSmem {
 // kernel's block of E rounded up) the sums and maxima are those of one value per thread.
 __device__ __forceinline__ void router_select_row(const float* logits, const float* __restrict__ bias, int* ids, float* weights,
                                                   int E, int K, int n_group, int topk_group, float scale, int norm_topk,
-                                                  int softmax, RouterSmem& sm) {
+                                                  int scoring, RouterSmem& sm) {
   const int t = threadIdx.x, nt = blockDim.x;
-  if (softmax) {  // uniform
+  if (scoring == 1) {  // softmax; the branch is uniform
     float mx = neg_inf();
     for (int e = t; e < E; e += nt) mx = fmaxf(mx, __ldcg(logits + e));
     mx = block_max(mx, sm.red);
@@ -112,6 +115,11 @@ __device__ __forceinline__ void router_select_row(const float* logits, const flo
     }
     z = block_sum(z, sm.red);
     for (int e = t; e < E; e += nt) sm.s[e] = sm.s[e] / z;
+  } else if (scoring == 2) {  // sqrtsoftplus; NaN stays NaN (not > 20, and log1pf(expf(NaN)))
+    for (int e = t; e < E; e += nt) {
+      const float l = __ldcg(logits + e);
+      sm.s[e] = sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+    }
   } else {
     for (int e = t; e < E; e += nt) sm.s[e] = 1.0f / (1.0f + expf(-__ldcg(logits + e)));
   }
@@ -169,11 +177,11 @@ __device__ __forceinline__ void router_select_row(const float* logits, const flo
 __global__ void __launch_bounds__(mtp::kRouterMaxExperts)
 moe_router_select_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
                          int* __restrict__ ids, float* __restrict__ weights, int E, int K,
-                         int n_group, int topk_group, float scale, int norm_topk, int softmax) {
+                         int n_group, int topk_group, float scale, int norm_topk, int scoring) {
   __shared__ mtp::RouterSmem sm;
   const long long r = blockIdx.x;
   mtp::router_select_row(logits + r * E, bias, ids + r * K, weights + r * K, E, K, n_group, topk_group, scale,
-                         norm_topk, softmax, sm);
+                         norm_topk, scoring, sm);
 }
 
 // The router in one launch for one row (n = 1, the decode step): linear.cu's GEMV of the
@@ -189,7 +197,7 @@ moe_router_kernel(const float* __restrict__ x, const W* __restrict__ w, const fl
                   int bk, const float* __restrict__ bias, float* logits, int* __restrict__ ids,
                   float* __restrict__ weights, unsigned* ticket, int E, int H, int wpr,
                   const float* __restrict__ norm_w, float eps, int K, int n_group, int topk_group, float rscale,
-                  int norm_topk, int softmax) {
+                  int norm_topk, int scoring) {
   using namespace mtp;
   const LinearEpi epi{nullptr, nullptr, logits, E};
   gemv_groups<W, 1, NORM>(x, w, make_scales<W>(scale, bn, bk, H), 1, H, wpr, epi, RowNorm{norm_w, eps});
@@ -204,7 +212,7 @@ moe_router_kernel(const float* __restrict__ x, const W* __restrict__ w, const fl
   __syncthreads();
   if (!last) return;
   __threadfence();   // the acquire side: the other blocks' logits, read through L2 (__ldcg)
-  router_select_row(logits, bias, ids, weights, E, K, n_group, topk_group, rscale, norm_topk, softmax, sm);
+  router_select_row(logits, bias, ids, weights, E, K, n_group, topk_group, rscale, norm_topk, scoring, sm);
 }
 
 namespace mtp {
@@ -214,10 +222,10 @@ namespace mtp {
 template <typename W, bool GATED, int NR, bool NORM>
 __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W* we, const Scales& se, int R,
                                              int Kd, int u, const int* pairs, int m, float* out, bool vec,
-                                             float limit, const RowNorm& nm) {
+                                             float limit, float gate_limit, const RowNorm& nm) {
   if constexpr (NR > 1) {
     if (m <= NR / 2) {  // the smallest instantiation that holds the m pairs
-      expert_chunk<W, GATED, NR / 2, NORM>(x, x_div, we, se, R, Kd, u, pairs, m, out, vec, limit, nm);
+      expert_chunk<W, GATED, NR / 2, NORM>(x, x_div, we, se, R, Kd, u, pairs, m, out, vec, limit, gate_limit, nm);
       return;
     }
   }
@@ -250,7 +258,7 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
     if (r >= m) break;
     const long long p = pairs[r];
     if constexpr (GATED) {
-      out[p * (R / 2) + u] = swiglu(acc[0][r], acc[1][r], limit);  // act [n * K, I]
+      out[p * (R / 2) + u] = swiglu(acc[0][r], acc[1][r], limit, gate_limit);  // act [n * K, I]
     } else {
       out[p * R + a] = acc[0][r];                           // partial [n * K, H]
       if (a + 1 < R) out[p * R + a + 1] = acc[1][r];
@@ -264,8 +272,8 @@ template <typename W, bool GATED, int NR, bool NORM>
 __global__ void
 moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict__ ids, int nK, int E,
                   const W* __restrict__ w, const float* __restrict__ scale, int bn, int bk, int R, int Kd,
-                  float* __restrict__ out, int by_pair, float limit, const float* __restrict__ norm_w,
-                  float eps) {
+                  float* __restrict__ out, int by_pair, float limit, float gate_limit,
+                  const float* __restrict__ norm_w, float eps) {
   static_assert(GATED || !NORM, "the norm is fused into the gate/up pass only");
   using namespace mtp;
   __shared__ int s_pairs[NR];
@@ -313,7 +321,8 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
     cursor = s_cursor;
     if (m == 0) break;
     if (u < units) {
-      expert_chunk<W, GATED, NR, NORM>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit, RowNorm{norm_w, eps});
+      expert_chunk<W, GATED, NR, NORM>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit, gate_limit,
+                                       RowNorm{norm_w, eps});
     }
     __syncthreads();  // s_pairs is rewritten by the next gather
   }

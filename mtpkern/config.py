@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, get_args
 
 from .block import BlockError, BlockSpec, Yarn
 from .config_fields import bool_field, opt
@@ -26,7 +26,7 @@ from .errors import ConfigError
 from .files import CONFIG_JSON_CAP, read_json
 from .models import CANONICAL, FAMILIES, Family, by_architecture, by_wrapper, supported
 
-ScoringFunc = Literal["sigmoid", "softmax"]
+ScoringFunc = Literal["sigmoid", "softmax", "sqrtsoftplus"]
 
 # -- what loads today: the families of mtpkern/models/ (one file each) ---------------
 # A config with neither model_type nor architectures (hand-written, or
@@ -613,6 +613,8 @@ class MtpConfig:
     #: SwiGLU clamps (0: none) of the routed experts, and of the shared expert / dense MLP
     swiglu_clamp: float = 0.0
     swiglu_clamp_shared: float = 0.0
+    #: both clamps bound the gate before silu (DeepSeek-V4, GLM-5.3), not silu(gate) (Step-3.5)
+    swiglu_clamp_gate: bool = False
     #: RoPE pairs (2i, 2i + 1) instead of neox halves (``rope_interleave``: DeepSeek-V3, GLM-4.7-Flash)
     rope_interleave: bool = False
     #: YaRN scaling (``rope_type: "yarn"`` in rope_parameters / rope_scaling), None: plain RoPE
@@ -669,10 +671,9 @@ class MtpConfig:
                 raise ConfigError(f"config.json: {e}") from None
         object.__setattr__(self, "blocks", _normalise_blocks(self.blocks, self.num_nextn_predict_layers))
         specs = [self._checked_block(m) for m in range(self.num_modules)]
-        if self.scoring_func not in ("sigmoid", "softmax"):
-            raise ConfigError(
-                f"config.json: field 'scoring_func' expected 'sigmoid' or 'softmax', got {self.scoring_func!r}"
-            )
+        if self.scoring_func not in get_args(ScoringFunc):
+            raise ConfigError(f"config.json: field 'scoring_func' expected one of {get_args(ScoringFunc)}, "
+                              f"got {self.scoring_func!r}")
         if self.attention_bias and any(b.shared_kv or (b.q_lora_rank and not b.mla) for b in specs):
             raise ConfigError("config.json: attention_bias: a GQA block with q_lora_rank or shared_kv has no q/k/v "
                               "biases (DeepSeek-V4's attention); expected false, got true")
@@ -719,7 +720,8 @@ class MtpConfig:
             head_dim=self.head_dim, v_head_dim=self.v_head_dim, partial_rotary_factor=self.partial_rotary_factor,
             rope_theta=self.rope_theta, sliding_window=self.sliding_window, attn_sinks=self.attn_sinks,
             attn_gate=self.attn_gate, moe=self.is_moe, swiglu_clamp=self.swiglu_clamp,
-            swiglu_clamp_shared=self.swiglu_clamp_shared, rope_interleave=self.rope_interleave,
+            swiglu_clamp_shared=self.swiglu_clamp_shared, swiglu_clamp_gate=self.swiglu_clamp_gate,
+            rope_interleave=self.rope_interleave,
             rope_scaling=self.rope_scaling, kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
             qk_rope_head_dim=self.qk_rope_head_dim, index_topk=self.index_topk,
             index_n_heads=self.index_n_heads if self.index_topk else 0,
@@ -835,6 +837,7 @@ class MtpConfig:
             attn_sinks=_opt(d, "attn_sinks", bool, False),
             swiglu_clamp=_opt(d, "swiglu_clamp", float, 0.0),
             swiglu_clamp_shared=_opt(d, "swiglu_clamp_shared", float, 0.0),
+            swiglu_clamp_gate=_opt(d, "swiglu_clamp_gate", bool, False),
             blocks=d.get("mtp_blocks") or (),
             attention_value_scale=_opt(d, "attention_value_scale", float, 1.0),
             kv_lora_rank=_opt(d, "kv_lora_rank", int, 0),
@@ -884,7 +887,8 @@ class MtpConfig:
                                             "num_bits": 8, "type": "float", "strategy": "channel",
                                             "symmetric": True, "dynamic": False}}}}
         for name, off in (("v_head_dim", 0), ("sliding_window", 0), ("attn_sinks", False), ("swiglu_clamp", 0.0),
-                          ("swiglu_clamp_shared", 0.0), ("attention_value_scale", 1.0), ("kv_lora_rank", 0),
+                          ("swiglu_clamp_shared", 0.0), ("swiglu_clamp_gate", False),
+                          ("attention_value_scale", 1.0), ("kv_lora_rank", 0),
                           ("q_lora_rank", 0), ("qk_rope_head_dim", 0), ("q_a_norm_scale", 1.0),
                           ("kv_a_norm_scale", 1.0), ("index_topk", 0), ("index_n_heads", 0), ("index_head_dim", 0),
                           ("indexer_rope_interleave", False), ("hc_mult", 1), ("hc_sinkhorn_iters", 20),

@@ -1,5 +1,6 @@
 """Per-module blocks (mtpkern/block.py): sliding windows, attention sinks, a value head
-dim of its own, head-wise output gates, SwiGLU clamps, the RoPE variants (interleaved
+dim of its own, head-wise output gates, SwiGLU clamps (of silu(gate), or of the gate before
+silu as DeepSeek-V4), DeepSeek-V4's sqrtsoftplus router, the RoPE variants (interleaved
 pairs, YaRN), and modules that differ from each other (heads, RoPE, dense or MoE), in
 the canonical layout.
 
@@ -48,6 +49,11 @@ FEATURES = {
     "v_head_dim": dict(v_head_dim=24),
     "headwise_gate": dict(attn_gate="headwise"),
     "clamps": dict(swiglu_clamp=0.4, swiglu_clamp_shared=0.3),
+    # DeepSeek-V4's FFN: sqrt(softplus) router scores over one group, both clamps on the gate
+    # before silu; module 1 a dense MLP (its clamp is the shared one)
+    "v4_ffn": dict(scoring_func="sqrtsoftplus", n_group=1, topk_group=1, swiglu_clamp=0.4,
+                   swiglu_clamp_shared=0.3, swiglu_clamp_gate=True, intermediate_size=40,
+                   blocks=[{}, {"moe": False}, {}]),
     # MiMo-V2-Flash's MTP block, small: a dense block in a MoE model, a window, sinks, Dv < D
     "window_sinks_dv_dense": dict(sliding_window=4, attn_sinks=True, v_head_dim=8, intermediate_size=40,
                                   blocks=[{"moe": False}] * 3),
@@ -110,6 +116,7 @@ def test_blocks_round_trip_through_config_json():
     ([{}, {}, {"attn_gate": "per_row"}], r"attn_gate expected one of .*got 'per_row' \(module 2"),
     ([{}, {"rope_theta": 0.5}, {}], r"'rope_theta' must be in \(1, 1e\+12\], got 0.5 \(module 1"),
     ([{}, {"swiglu_clamp": -1.0}, {}], r"swiglu_clamp expected a number in \[0, 1e6\]"),
+    ([{}, {"swiglu_clamp_gate": 1}, {}], r"swiglu_clamp_gate expected a bool, got 1 \(module 1"),
     ([{}, {"moe": False}, {}], r"dense MTP module needs intermediate_size > 0"),
     ([{}, {}], r"'mtp_blocks' expected a list of 3 objects \(one per module\), got 2"),
     ([{}, 5, {}], r"mtp_blocks\[1\] expected an object, got 5"),
@@ -117,6 +124,21 @@ def test_blocks_round_trip_through_config_json():
 def test_bad_blocks_are_refused_naming_the_module(blocks, match):
     with pytest.raises(ConfigError, match=match):
         MtpConfig.from_dict(dict(tiny_config().to_dict(), mtp_blocks=blocks))
+
+
+def test_v4_ffn_config_fields():
+    """scoring_func 'sqrtsoftplus' and swiglu_clamp_gate read from config.json (canonical
+    layout) into the router and every block; gpt-oss's swiglu_limit stays refused (its formula
+    differs: up + 1, sigmoid(alpha x))."""
+    cfg = feature_config("v4_ffn")
+    d = cfg.to_dict()
+    assert d["scoring_func"] == "sqrtsoftplus" and d["swiglu_clamp_gate"] is True
+    assert all(cfg.block(m).swiglu_clamp_gate for m in range(3)) and "clamp 0.4/0.3 of the gate" in cfg.describe()
+    assert "swiglu_clamp_gate" not in tiny_config().to_dict()
+    with pytest.raises(ConfigError, match=r"field 'swiglu_clamp_gate' expected bool"):
+        MtpConfig.from_dict(dict(d, swiglu_clamp_gate="true"))
+    with pytest.raises(ConfigError, match="swiglu_limit"):
+        MtpConfig.from_dict(dict(d, swiglu_limit=10.0))
 
 
 def test_mla_modules_hold_one_latent_row_per_token(ckpts):
@@ -189,6 +211,8 @@ def _module_rows(path, backend, cfg_edit=None, n=11, seed=2):
 @pytest.mark.parametrize("name,off", [("window", {"sliding_window": 0}), ("sinks", {"attn_sinks": False}),
                                       ("v_head_dim", None), ("headwise_gate", {"attn_gate": ""}),
                                       ("clamps", {"swiglu_clamp": 0.0, "swiglu_clamp_shared": 0.0}),
+                                      ("v4_ffn", {"swiglu_clamp_gate": False}),
+                                      ("v4_ffn", {"scoring_func": "sigmoid"}),
                                       ("interleave", {"rope_interleave": False}), ("yarn", {"rope_scaling": None}),
                                       ("yarn_interleave", {"rope_scaling": None}),
                                       ("yarn_interleave", {"rope_interleave": False}),
@@ -203,6 +227,8 @@ def test_each_feature_changes_the_rows(ckpts, name, off):
         return
     ref = _module_rows(path, "numpy", off)
     for m in range(3):
+        if "scoring_func" in off and not feature_config(name).block(m).moe:
+            continue                      # a dense module has no router
         if name == "window":
             np.testing.assert_allclose(on[m][:5], ref[m][:5], rtol=1e-6, atol=1e-6)
         rows = slice(5, None) if name == "window" else slice(None)

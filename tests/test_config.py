@@ -57,7 +57,7 @@ def test_round_trip(tmp_path):
     ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type 'llama3' is not supported"),
     ({"rope_parameters": {"rope_type": "yarn"}}, "rope_parameters.factor is required by rope_type 'yarn'"),
     ({"num_nextn_predict_layers": 0}, "field 'num_nextn_predict_layers' must be in [1, 64], got 0"),
-    ({"scoring_func": "relu"}, "'scoring_func' expected 'sigmoid' or 'softmax', got 'relu'"),
+    ({"scoring_func": "relu"}, "'scoring_func' expected one of ('sigmoid', 'softmax', 'sqrtsoftplus'), got 'relu'"),
     ({"n_routed_experts": 0, "intermediate_size": 0}, "a dense MTP module needs intermediate_size > 0"),
     ({"attention_bias": 1}, "field 'attention_bias' expected bool, got int 1"),
 ])

@@ -363,6 +363,8 @@ def simulate_router_select(logits, bias, spec):
             if spec.scoring == "softmax":
                 z = np.exp(l - np.fmax.reduce(l))          # block_max: fmaxf skips NaN
                 s = z / z.sum()
+            elif spec.scoring == "sqrtsoftplus":          # as the kernel: l past 20, NaN through log1pf
+                s = np.sqrt(np.where(l > F32(20), l, np.log1p(np.exp(np.minimum(l, F32(20))))))
             else:
                 s = F32(1) / (F32(1) + np.exp(-l))
         c = s + bias
@@ -402,6 +404,8 @@ def simulate_router_select(logits, bias, spec):
         (64, moe_ref.RouterSpec(8, 8, 4, 2.5, True)),
         (64, moe_ref.RouterSpec(6, 8, 3, 1.0, False)),
         (32, moe_ref.RouterSpec(3, 4, 2, 1.0, True, "softmax")),
+        (32, moe_ref.RouterSpec(6, 1, 1, 1.5, True, "sqrtsoftplus")),   # DeepSeek-V4: one group
+        (64, moe_ref.RouterSpec(6, 8, 3, 2.5, False, "sqrtsoftplus")),
         (19, moe_ref.RouterSpec(2, 1, 1, 1.0, True)),
         (8, moe_ref.RouterSpec(8, 8, 8, 1.0, True)),               # one expert per group
     ],
@@ -419,7 +423,7 @@ def test_router_scheme_matches_reference(E, spec):
     assert_close(w, w_ref, what="router weights")
 
 
-@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax", "sqrtsoftplus"])
 @pytest.mark.parametrize("nan_at", [[3], [0, 5, 6, 7], list(range(16))])
 def test_router_scheme_nan_rows_fill_every_slot(scoring, nan_at):
     """NaN logits (a NaN hidden row) rank after every number, as the reference's

@@ -978,40 +978,44 @@ def test_gemm_tc_k_warps_forced(emu, be):
             gemm_tc_launch.gemm_tc(x, wp, kw=bad)
 
 
-def _swiglu_ref(x, w13, L, norm):
+def _swiglu_ref(x, w13, L, norm, clamp_gate=False):
     """act = swiglu_act of the float64 gate | up (rounded to FP32 once), the kernel's inputs."""
     gu, _ = _tc_ref64(x, w13, None, None, norm)
-    return swiglu_act(gu.astype(np.float32), L)
+    return swiglu_act(gu.astype(np.float32), L, clamp_gate=clamp_gate)
 
 
 @pytest.mark.parametrize("n", [4, 9, 24, 33])
 @pytest.mark.parametrize("I,H", [(20, 72), (64, 520)])          # I % 8 != 0: a partial tile of units
-@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("limit,gate", [(None, False), (0.7, False), (0.7, True)])
 @pytest.mark.parametrize("norm", [False, True])
-def test_swiglu_tc_against_float64(emu, be, n, I, H, limit, norm):
+def test_swiglu_tc_against_float64(emu, be, n, I, H, limit, gate, norm):
     """swiglu_tc_kernel (mlp's gate/up product for n >= 4 rows of BF16 w13) against the float64
-    gate and up through the reference's activation and clamp; with the down projection, the
-    whole swiglu_mlp against the reference (norm off: swiglu_mlp has no norm)."""
+    gate and up through the reference's activation and clamp (``gate``: DeepSeek-V4's, before
+    silu); with the down projection, the whole swiglu_mlp against the reference (norm off:
+    swiglu_mlp has no norm)."""
     rng = np.random.default_rng(n * 100 + I + H)
     x = rnd(rng, n, H)
     (w13, f13), (w2, f2) = stored(rnd(rng, 2 * I, H, scale=H ** -0.5), "bf16"), stored(rnd(rng, H, I), "bf16")
     nrm = (rnd(rng, H) + 1.0, 1e-5) if norm else None
     L = swiglu_limit(limit)
     before = emu.launches.copy()
-    act = gemm_tc_launch.swiglu_tc(x, be.prepare_weight(w13), limit=limit, norm=nrm)
+    act = gemm_tc_launch.swiglu_tc(x, be.prepare_weight(w13), limit=limit, clamp_gate=gate, norm=nrm)
     nt = {4, 1} if n == 33 else {-(-n // 8)}
     assert set(emu.launches - before) == {f"swiglu_tc_kernel<{t}, {'true' if norm else 'false'}>" for t in nt}
-    assert_close(act, _swiglu_ref(x, f13, L, nrm), "float32", "swiglu_tc")
+    assert_close(act, _swiglu_ref(x, f13, L, nrm, gate), "float32", "swiglu_tc")
     if limit is not None:
         assert (np.abs(act) <= max(L, 0.28) * L).all()                          # silu >= -0.279
         assert (np.abs(act - _swiglu_ref(x, f13, swiglu_limit(None), nrm)) > 1e-3).any()   # the clamp bites
+        other = _swiglu_ref(x, f13, L, nrm, not gate)                           # the other clamp: other values
+        assert (np.abs(act - other) > 1e-3).any()
     if not norm:
         res = rnd(rng, n, H)
         before = emu.launches.copy()
-        y = be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2), res, limit=limit)
+        y = be.swiglu_mlp(x, be.prepare_weight(w13), be.prepare_weight(w2), res, limit=limit, clamp_gate=gate)
         down = "gemm_tc_kernel" if I % 8 == 0 else "linear_kernel"                # K = I of the down projection
         assert {k.split("<")[0] for k in emu.launches - before} == {"swiglu_tc_kernel", down}
-        assert_close(y, REF.swiglu_mlp(x, f13, f2, res, limit=limit), "float32", "swiglu_mlp on tensor cores")
+        assert_close(y, REF.swiglu_mlp(x, f13, f2, res, limit=limit, clamp_gate=gate), "float32",
+                     "swiglu_mlp on tensor cores")
 
 
 def test_swiglu_tc_selection_and_k_warps(emu, be, sm_count):
@@ -1272,7 +1276,8 @@ _BIAS = [-0.5, -0.125, 0.0, 0.25, 0.5]
 @pytest.mark.parametrize("E,spec", [
     (256, RouterSpec(8, 8, 4, 2.5, True)), (1000, RouterSpec(6, 8, 3, 1.0, True)),
     (1024, RouterSpec(16, 16, 16, 1.0, False)), (160, RouterSpec(6, 1, 1, 16.0, False, "softmax")),
-    (96, RouterSpec(8, 32, 4, 1.0, True)), (33, RouterSpec(3, 3, 2, 1.0, True, "softmax"))])
+    (96, RouterSpec(8, 32, 4, 1.0, True)), (33, RouterSpec(3, 3, 2, 1.0, True, "softmax")),
+    (256, RouterSpec(8, 1, 1, 1.5, True, "sqrtsoftplus")), (1000, RouterSpec(6, 8, 3, 1.0, True, "sqrtsoftplus"))])
 def test_router_large(be, E, spec):
     """Up to 1024 experts (a thread each), exact logits from an identity gate, many exact ties."""
     rng = np.random.default_rng(E)
@@ -1288,7 +1293,8 @@ def test_router_large(be, E, spec):
 @pytest.mark.parametrize("wd,ctype", [("bf16", "__nv_bfloat16"), ("f32", "float"), ("fp8", "__nv_fp8_e4m3")])
 @pytest.mark.parametrize("E,spec", [
     (256, RouterSpec(8, 8, 4, 2.5, True)), (1000, RouterSpec(6, 8, 3, 1.0, True)),
-    (160, RouterSpec(6, 1, 1, 16.0, False, "softmax")), (33, RouterSpec(3, 3, 2, 1.0, True, "softmax"))])
+    (160, RouterSpec(6, 1, 1, 16.0, False, "softmax")), (33, RouterSpec(3, 3, 2, 1.0, True, "softmax")),
+    (384, RouterSpec(6, 1, 1, 1.5, True, "sqrtsoftplus"))])
 def test_router_one_row_selects_in_the_last_block(emu, be, wd, ctype, E, spec):
     """One row: moe_router_kernel alone (the logits' GEMV, then the selection in the block that
     finishes last, 128 threads over up to 1000 experts), in every block order; ids as the
@@ -1326,7 +1332,7 @@ def test_router_one_row_selects_in_the_last_block(emu, be, wd, ctype, E, spec):
         be.moe_router(x[:1], gate, bias, spec, ticket=np.zeros(1, np.int32))
 
 
-@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax", "sqrtsoftplus"])
 @pytest.mark.parametrize("nan_at", [[3], [0, 5, 6, 7], list(range(16))])
 def test_router_nan_scores(be, scoring, nan_at):
     """NaN scores rank after every number (as the reference's argsort) and every id slot
@@ -1879,14 +1885,15 @@ def test_mimo_v2_flash_on_the_kernels(fake_runtime, tmp_path, fp8):
 
 
 @pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense", "yarn_interleave", "rope_per_module", "mla",
-                                  "mla_mixed"])
+                                  "mla_mixed", "v4_ffn"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, mode):
     """Modules of different sizes and attention forms (tests/test_blocks.py) on the kernels:
     each module's buffers of its own shape in the captured step, a window's first rows
     staged per call, sinks, Dv < D, interleaved RoPE and YaRN (past its original context of
     12 positions), MLA modules (latent pools, their workspaces in the captured step) beside
-    GQA ones; contexts longer than the windows."""
+    GQA ones; contexts longer than the windows; DeepSeek-V4's FFN (sqrtsoftplus routing, the
+    clamps of the gate before silu)."""
     cfg = test_blocks.feature_config(name)
     from mtpkern import write_synthetic_checkpoint
 

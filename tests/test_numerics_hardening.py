@@ -3,7 +3,8 @@
 - the MoE router: a dropped group's experts are never chosen (the references fill them
   with -inf; 0.0 picked one whenever a kept expert's ``s + bias`` was negative): the
   issue's example, and hypothesis cases with negative biases against a float64 router
-  written here, on numpy, cpu and the CUDA kernels in the emulator (tests/cuda_emu);
+  written here (sigmoid, softmax and DeepSeek-V4's sqrtsoftplus scores), on numpy, cpu and
+  the CUDA kernels in the emulator (tests/cuda_emu);
   against transformers' own router where torch and transformers are installed;
 - RMSNorm of a hidden past FP32's sum-of-squares range (|x| from about 1.8e19): every
   backend's ``rmsnorm`` and ``mtp_input`` give the same normalized result at scale 1e20
@@ -32,7 +33,7 @@ from mtpkern import ConfigError, MtpConfig
 from mtpkern.backends import get_backend
 from mtpkern.errors import NoAllowedToken
 from mtpkern.config import FLOAT_RANGE_REASONS, FLOAT_RANGES, tiny_config
-from mtpkern.ops.moe import RouterSpec
+from mtpkern.ops.moe import SCORINGS, RouterSpec
 from mtpkern.tolerance import assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +63,17 @@ def route(be, logits, bias, spec):
 
 # -- 1. the router's dropped groups -----------------------------------------------------------------
 
+def scores64(row, scoring: str) -> np.ndarray:
+    """One row's router scores in float64: sigmoid, softmax, or DeepSeek-V4's sqrtsoftplus
+    (torch's softplus: the logit itself past 20, else log1p(exp(l)))."""
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-row))
+    if scoring == "softmax":
+        z = np.exp(row - row.max())
+        return z / z.sum()
+    return np.sqrt(np.where(row > 20, row, np.log1p(np.exp(np.minimum(row, 20)))))
+
+
 def router64(logits, bias, spec):
     """The router as DeepSeek's inference code defines it, in float64: experts of dropped groups
     are not candidates at all (what -inf amounts to with finite scores). Ties: lowest group, lowest
@@ -70,11 +82,7 @@ def router64(logits, bias, spec):
     G, gsz = spec.n_group, E // spec.n_group
     ids_out, w_out = [], []
     for row in np.asarray(logits, np.float64):
-        if spec.scoring == "sigmoid":
-            s = 1.0 / (1.0 + np.exp(-row))
-        else:
-            z = np.exp(row - row.max())
-            s = z / z.sum()
+        s = scores64(row, spec.scoring)
         c = s + np.asarray(bias, np.float64)
         gscore = [sum(sorted(c[g * gsz:(g + 1) * gsz], reverse=True)[:min(2, gsz)]) for g in range(G)]
         kept = sorted(range(G), key=lambda g: (-gscore[g], g))[:spec.topk_group]
@@ -108,8 +116,7 @@ def _near_ties(logits, bias, spec, gap=1e-5) -> bool:
     E, G = logits.shape[0], spec.n_group
     gsz = E // G
     l64 = logits.astype(np.float64)
-    s = 1 / (1 + np.exp(-l64)) if spec.scoring == "sigmoid" else np.exp(l64 - l64.max()) / np.exp(l64 - l64.max()).sum()
-    c = s + bias.astype(np.float64)
+    c = scores64(l64, spec.scoring) + bias.astype(np.float64)
     key = list(zip(logits.tolist(), bias.tolist()))
     if any(key[a] != key[b] and abs(c[a] - c[b]) < gap for a in range(E) for b in range(a + 1, E)):
         return True
@@ -127,7 +134,7 @@ def router_cases(draw):
     topk_group = draw(st.integers(1, G - 1))            # some group is always dropped
     spec = RouterSpec(top_k=draw(st.integers(1, topk_group * gsz)), n_group=G, topk_group=topk_group,
                       routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), norm_topk_prob=draw(st.booleans()),
-                      scoring=draw(st.sampled_from(["sigmoid", "softmax"])))
+                      scoring=draw(st.sampled_from(SCORINGS)))
     n = draw(st.integers(1, 6))
     logits = np.array(draw(st.lists(st.sampled_from(_LOGITS), min_size=n * E, max_size=n * E)),
                       np.float32).reshape(n, E)
@@ -147,6 +154,28 @@ def test_router_against_float64_reference(be, case):
     G, gsz = spec.n_group, logits.shape[1] // spec.n_group
     for row in ids:                                      # never more groups than kept
         assert len({int(e) // gsz for e in row}) <= spec.topk_group
+
+
+def test_sqrtsoftplus_router_past_the_softplus_threshold(be):
+    """DeepSeek-V4's scores where torch's softplus switches to the logit itself (20), far past
+    it and deep in the negatives (softplus ~ exp(l)): ids as the float64 router, weights to FP32
+    rounding; a NaN row ranks its experts by id and fills every slot."""
+    spec = RouterSpec(top_k=4, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                      scoring="sqrtsoftplus")
+    logits = np.array([[19.75, 20.5, 1e4, -30.0, 3.0, -8.0, 20.0, 0.25],
+                       [-40.0, -30.0, -20.0, -12.0, -9.0, -60.0, -15.0, -25.0]], np.float32)
+    bias = [0.0, -0.5, -95.0, 0.0, 2.5, 0.0, -0.25, 0.0]
+    ids, w = route(be, logits, bias, spec)
+    ids64, w64 = router64(logits, bias, spec)
+    np.testing.assert_array_equal(ids, ids64)
+    np.testing.assert_allclose(w, w64, rtol=2e-6, atol=1e-30)
+    assert ids[0].tolist() == [2, 0, 4, 6]                   # c = 100 - 95, 4.44, 1.75 + 2.5, 4.47 - 0.25
+    nan_row = logits.copy()
+    nan_row[0, 2] = np.nan                                   # through the identity gate: every logit NaN
+    with np.errstate(invalid="ignore"):
+        ids_n, w_n = route(be, nan_row, bias, spec)
+    assert ids_n[0].tolist() == [0, 1, 2, 3] and np.isnan(w_n[0]).all()    # NaN ties: by id, every slot
+    np.testing.assert_array_equal(ids_n[1], ids[1])
 
 
 def test_router_against_transformers():

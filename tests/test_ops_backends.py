@@ -28,7 +28,7 @@ from mtpkern.quant import Fp4Weight
 from mtpkern.backends import cuda_available, get_backend
 from mtpkern.errors import NoAllowedToken
 from mtpkern.ops.lm_head import bitmask_allowed, masked_best
-from mtpkern.ops.moe import RouterSpec
+from mtpkern.ops.moe import SCORINGS, RouterSpec
 from mtpkern.ops.rope_kv import inv_freq
 from mtpkern.tolerance import TOLERANCE, assert_close
 
@@ -778,6 +778,9 @@ ROUTER_SPECS = [
     (8, RouterSpec(top_k=3, n_group=8, topk_group=4, routed_scaling_factor=1.5, norm_topk_prob=True)),  # groups of 1
     (24, RouterSpec(top_k=5, n_group=4, topk_group=2, routed_scaling_factor=1.0, norm_topk_prob=True,
                     scoring="softmax")),
+    # DeepSeek-V4: sqrt(softplus) scores over one group
+    (32, RouterSpec(top_k=6, n_group=1, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                    scoring="sqrtsoftplus")),
 ]
 
 
@@ -800,9 +803,11 @@ def _router_ref64(logits, bias, spec):
     l64, b64 = logits.astype(np.float64), bias.astype(np.float64)
     if spec.scoring == "sigmoid":
         s = 1.0 / (1.0 + np.exp(-l64))
-    else:
+    elif spec.scoring == "softmax":
         z = np.exp(l64 - l64.max())
         s = z / z.sum()
+    else:                                        # sqrt(softplus), the logits here far below 20
+        s = np.sqrt(np.log1p(np.exp(l64)))
     c = s + b64
     key = list(zip(logits.tolist(), bias.tolist()))
     return c, key
@@ -841,7 +846,7 @@ def router_cases(draw):
     topk_group = draw(st.integers(1, G))
     spec = RouterSpec(top_k=draw(st.integers(1, topk_group * gsz)), n_group=G, topk_group=topk_group,
                       routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
-                      norm_topk_prob=draw(st.booleans()), scoring=draw(st.sampled_from(["sigmoid", "softmax"])))
+                      norm_topk_prob=draw(st.booleans()), scoring=draw(st.sampled_from(SCORINGS)))
     n = draw(st.integers(1, 3))
     logits = np.array(draw(st.lists(st.sampled_from(_LOGITS), min_size=n * E, max_size=n * E)),
                       np.float32).reshape(n, E)
@@ -1013,6 +1018,79 @@ def test_moe_experts_limit(be, wdtype, n, E, K, I):
                  what="moe_experts limit, out=residual")
 
 
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("I", [7, 100])
+def test_swiglu_mlp_clamp_gate(be, wdtype, n, I):
+    """DeepSeek-V4's clamp (``clamp_gate``: the gate before silu) as the reference does, with and
+    without a residual; it differs from Step-3.5's clamp on these rows (a negative control: a
+    backend that ignored ``clamp_gate`` fails); no limit with clamp_gate gives the unclamped bits."""
+    rng = rng_for("mlp_clamp_gate", wdtype, n, I)
+    H = 40
+    x, res = acts(rng, n, H, scale=2.0), acts(rng, n, H)              # gates ~N(0, 4): many pass CLIPS
+    w13, w2 = weight(rng, (2 * I, H), wdtype), weight(rng, (H, I), wdtype)
+    p13, p2, r13, r2 = be.prepare_weight(w13), be.prepare_weight(w2), REF.prepare_weight(w13), REF.prepare_weight(w2)
+    f = be.from_host
+    for r in (None, res):
+        rb = None if r is None else f(r)
+        want = REF.swiglu_mlp(x, r13, r2, r, limit=CLIPS, clamp_gate=True)
+        got = be.to_host(be.swiglu_mlp(f(x), p13, p2, rb, limit=CLIPS, clamp_gate=True))
+        assert_close(got, want, what=f"swiglu_mlp limit={CLIPS} clamp_gate residual={r is not None}")
+        assert not np.allclose(want, REF.swiglu_mlp(x, r13, r2, r, limit=CLIPS), atol=1e-4, rtol=1e-3), \
+            "the clamps agree"
+    plain = be.to_host(be.swiglu_mlp(f(x), p13, p2, f(res)))
+    for off in (None, 0, NEVER):
+        _bits_equal(be.to_host(be.swiglu_mlp(f(x), p13, p2, f(res), limit=off, clamp_gate=True)), plain,
+                    f"limit={off} clamp_gate")
+    yb = f(res.copy())
+    assert be.swiglu_mlp(f(x), p13, p2, yb, out=yb, limit=CLIPS, clamp_gate=True) is yb
+    assert_close(be.to_host(yb), REF.swiglu_mlp(x, r13, r2, res, limit=CLIPS, clamp_gate=True),
+                 what="swiglu_mlp clamp_gate, out=residual")
+
+
+@pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
+@pytest.mark.parametrize("n,E,K,I", EXPERT_LIMIT_CASES)
+def test_moe_experts_clamp_gate(be, wdtype, n, E, K, I):
+    """Every routed expert's gate clamped before silu (DeepSeek-V4's experts), as the
+    reference; other than Step-3.5's clamp here; no limit: the unclamped bits."""
+    rng = rng_for("experts_clamp_gate", wdtype, n, E, K, I)
+    H = 40
+    x, res = acts(rng, n, H, scale=2.0), acts(rng, n, H)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    wts = rng.random((n, K)).astype(np.float32)
+    w13, w2 = weight(rng, (E, 2 * I, H), wdtype), weight(rng, (E, H, I), wdtype)
+    p13, p2, r13, r2 = be.prepare_weight(w13), be.prepare_weight(w2), REF.prepare_weight(w13), REF.prepare_weight(w2)
+    f = be.from_host
+
+    def run(r, **kw):
+        return be.moe_experts(f(x), f(ids), f(wts), p13, p2, None if r is None else f(r), **kw)
+
+    for r in (None, res):
+        want = REF.moe_experts(x, ids, wts, r13, r2, r, limit=CLIPS, clamp_gate=True)
+        assert_close(be.to_host(run(r, limit=CLIPS, clamp_gate=True)), want,
+                     what=f"moe_experts limit={CLIPS} clamp_gate residual={r is not None}")
+        assert not np.allclose(want, REF.moe_experts(x, ids, wts, r13, r2, r, limit=CLIPS), atol=1e-4,
+                               rtol=1e-3), "the clamps agree"
+    plain = be.to_host(run(res))
+    for off in (None, 0, NEVER):
+        _bits_equal(be.to_host(run(res, limit=off, clamp_gate=True)), plain, f"limit={off} clamp_gate")
+
+
+@pytest.mark.parametrize("bad", [1, 0, "true", None, 1.0])
+def test_clamp_gate_validated(be, bad):
+    """clamp_gate is a bool (np.bool_ too); anything else is refused, naming it."""
+    f = be.from_host
+    x = f(np.zeros((2, 8), np.float32))
+    w13, w2 = be.prepare_weight(np.zeros((4, 8), np.float32)), be.prepare_weight(np.zeros((8, 2), np.float32))
+    e13, e2 = be.prepare_weight(np.zeros((3, 4, 8), np.float32)), be.prepare_weight(np.zeros((3, 8, 2), np.float32))
+    with pytest.raises(TypeError, match="clamp_gate: expected a bool"):
+        be.swiglu_mlp(x, w13, w2, limit=2.0, clamp_gate=bad)
+    with pytest.raises(TypeError, match="clamp_gate: expected a bool"):
+        be.moe_experts(x, f(np.zeros((2, 1), np.int32)), f(np.ones((2, 1), np.float32)), e13, e2, limit=2.0,
+                       clamp_gate=bad)
+    be.swiglu_mlp(x, w13, w2, limit=2.0, clamp_gate=np.bool_(True))
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")   # silu(-1e3) in the reference
 @pytest.mark.parametrize("wdtype", GEMV_WDTYPES)
 def test_swiglu_limit_keeps_nan_and_bounds_large_values(be, wdtype):
@@ -1029,16 +1107,17 @@ def test_swiglu_limit_keeps_nan_and_bounds_large_values(be, wdtype):
     ids = np.array([[0, 5], [3, 1], [2, 4], [5, 0]], np.int32)
     wts = rng.random((n, K)).astype(np.float32)
     f = be.from_host
-    for limit in (None, 0.5, 7.0):
+    for limit, gate in ((None, False), (0.5, False), (7.0, False), (0.5, True), (7.0, True)):
         rows = [0, 1, 3] if limit is None else [0, 1, 2, 3]            # unclamped, row 2 is ~1e4 with cancellations
-        got = be.to_host(be.swiglu_mlp(f(x), be.prepare_weight(w13), be.prepare_weight(w2), limit=limit))
-        want = REF.swiglu_mlp(x, REF.prepare_weight(w13), REF.prepare_weight(w2), limit=limit)
+        limit_kw = dict(limit=limit, clamp_gate=gate)                  # gate: DeepSeek-V4's clamp, before silu
+        got = be.to_host(be.swiglu_mlp(f(x), be.prepare_weight(w13), be.prepare_weight(w2), **limit_kw))
+        want = REF.swiglu_mlp(x, REF.prepare_weight(w13), REF.prepare_weight(w2), **limit_kw)
         assert np.isnan(want[[1, 3]]).all() and np.isfinite(want[[0, 2]]).all()
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         assert_close(got[rows], want[rows], what=f"swiglu_mlp with NaN and huge rows, limit={limit}")
         got = be.to_host(be.moe_experts(f(x), f(ids), f(wts), be.prepare_weight(e13), be.prepare_weight(e2),
-                                        limit=limit))
-        want = REF.moe_experts(x, ids, wts, REF.prepare_weight(e13), REF.prepare_weight(e2), limit=limit)
+                                        **limit_kw))
+        want = REF.moe_experts(x, ids, wts, REF.prepare_weight(e13), REF.prepare_weight(e2), **limit_kw)
         assert np.isnan(want[[1, 3]]).all() and np.isfinite(want[[0, 2]]).all()
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         assert_close(got[rows], want[rows], what=f"moe_experts with NaN and huge rows, limit={limit}")

@@ -247,6 +247,20 @@ def test_sigmoid_gate_by_its_definition(F, G):
         gate.sigmoid_gate(x, f32(3, 5))
 
 
+def _softplus64(v: float) -> float:
+    """torch.nn.functional.softplus (beta 1, threshold 20), one float64 value at a time."""
+    return v if v > 20 else math.log1p(math.exp(v))
+
+
+def _score64(logits, scoring: str) -> np.ndarray:
+    """One row's router scores in float64, from the definitions."""
+    if scoring == "sigmoid":
+        return 1 / (1 + np.exp(-logits))
+    if scoring == "softmax":
+        return np.exp(logits) / np.exp(logits).sum()
+    return np.array([math.sqrt(_softplus64(float(v))) for v in logits])          # DeepSeek-V4's sqrtsoftplus
+
+
 def brute_router(x, W, bias, spec):
     """Enumerate every admissible group choice, as the definition reads."""
     logits = x.astype(np.float64) @ W.T.astype(np.float64)
@@ -254,7 +268,7 @@ def brute_router(x, W, bias, spec):
     G = spec.n_group
     out_ids, out_w = [], []
     for r in range(x.shape[0]):
-        s = 1 / (1 + np.exp(-logits[r])) if spec.scoring == "sigmoid" else np.exp(logits[r]) / np.exp(logits[r]).sum()
+        s = _score64(logits[r], spec.scoring)
         c = s + bias
         gsz = E // G
         gscore = [sum(sorted(c[g * gsz:(g + 1) * gsz], reverse=True)[:min(2, gsz)]) for g in range(G)]
@@ -272,7 +286,7 @@ def brute_router(x, W, bias, spec):
 
 @settings(max_examples=60, deadline=None)
 @given(seed=hs.integers(0, 2**31 - 1), G=hs.sampled_from([1, 2, 4]), per=hs.sampled_from([2, 3, 4]),
-       tg=hs.integers(1, 4), k=hs.integers(1, 4), scoring=hs.sampled_from(["sigmoid", "softmax"]),
+       tg=hs.integers(1, 4), k=hs.integers(1, 4), scoring=hs.sampled_from(moe.SCORINGS),
        norm_p=hs.booleans())
 def test_router_matches_brute_force(seed, G, per, tg, k, scoring, norm_p):
     tg = min(tg, G)
@@ -287,6 +301,39 @@ def test_router_matches_brute_force(seed, G, per, tg, k, scoring, norm_p):
     bids, bw = brute_router(x, W, bias, spec)
     np.testing.assert_array_equal(ids, bids)
     np.testing.assert_allclose(w, bw, rtol=1e-5)
+
+
+def test_sqrtsoftplus_scores_by_the_definition():
+    """sqrt(softplus(l)) in FP32 over the softplus threshold (l itself past 20), deep negatives
+    (softplus underflows toward 0: exp(-80) is still a normal FP32), the infinities and NaN."""
+    vals = np.array([-np.inf, -200.0, -80.0, -30.0, -1.5, -1e-3, 0.0, 1e-3, 0.7, 5.0, 19.99, 20.0, 20.01, 21.0,
+                     300.0, 3e38, np.inf, np.nan], np.float32)
+    got = moe.router_scores(vals[None], "sqrtsoftplus")[0]
+    assert got.dtype == np.float32
+    for v, g in zip(vals.tolist(), got.tolist()):
+        if math.isnan(v):
+            assert math.isnan(g)
+        elif v == -math.inf:
+            assert g == 0.0
+        else:
+            assert g == pytest.approx(math.sqrt(_softplus64(v)), rel=2e-7, abs=1e-37), (v, g)
+    assert got[vals == 21.0][0] == np.sqrt(np.float32(21.0))           # past the threshold: l itself, exact
+
+
+@pytest.mark.parametrize("scoring,want", [("sigmoid", [1, 2]), ("softmax", [2, 3])])
+def test_sqrtsoftplus_routes_otherwise_than_the_other_scorings(scoring, want):
+    """A negative control: on the same logits and bias, sqrtsoftplus picks other experts than
+    sigmoid (which saturates near 1 where sqrt(softplus(l)) keeps growing like sqrt(l)) and
+    softmax (whose scores sum to 1), so a backend scoring with another function fails."""
+    logits = np.array([[9.0, 4.0, 1.0, 0.0]], np.float32)             # through an identity gate
+    W = np.eye(4, dtype=np.float32)
+    bias = np.array([-1.6, -0.05, 0.0, 0.0], np.float32)
+    ids, w = moe.moe_router(logits, W, bias, moe.RouterSpec(2, 1, 1, 1.0, False, "sqrtsoftplus"))
+    s = [math.sqrt(_softplus64(v)) for v in (9.0, 4.0, 1.0, 0.0)]     # 3.00, 2.00, 1.15, 0.83
+    assert ids.tolist() == [[1, 0]]                                    # c = 1.95 > 1.40 > 1.15 > 0.83
+    np.testing.assert_allclose(w[0], [s[1], s[0]], rtol=1e-6)
+    other, _ = moe.moe_router(logits, W, bias, moe.RouterSpec(2, 1, 1, 1.0, False, scoring))
+    assert other.tolist() == [want]
 
 
 def test_router_masks_with_minus_inf_not_zero():
@@ -377,9 +424,10 @@ def _silu64(g: float) -> float:
         return -0.0
 
 
-def brute_swiglu_expert(x_row, w13, w2, L):
+def brute_swiglu_expert(x_row, w13, w2, L, clamp_gate=False):
     """One SwiGLU expert on one row, in float64, one activation at a time, as Hugging Face
-    Step3p7MLP reads: gate = silu(g).clamp(max=L), up = u.clamp(-L, L); L None: no clamp."""
+    Step3p7MLP reads: gate = silu(g).clamp(max=L), up = u.clamp(-L, L); with ``clamp_gate`` as
+    DeepseekV4MLP reads: gate = silu(g.clamp(max=L)), the same up; L None: no clamp."""
     I = w13.shape[0] // 2
     x64 = x_row.astype(np.float64)
     act = np.empty(I)
@@ -387,10 +435,16 @@ def brute_swiglu_expert(x_row, w13, w2, L):
     for j in range(I):
         g = float(w13[j].astype(np.float64) @ x64)
         u = float(w13[I + j].astype(np.float64) @ x64)
-        a = _silu64(g)
-        if L is not None:
+        if L is not None and clamp_gate:
+            clipped += (g > L) + (abs(u) > L)
+            a = _silu64(min(g, L))
+        elif L is not None:
+            a = _silu64(g)
             clipped += (a > L) + (abs(u) > L)
-            a = L if a > L else a
+            a = min(a, L)
+        else:
+            a = _silu64(g)
+        if L is not None:
             u = L if u > L else (-L if u < -L else u)
         act[j] = a * u
     return w2.astype(np.float64) @ act, clipped
@@ -427,6 +481,75 @@ def test_moe_experts_limit_matches_brute_force(n, E, K, I, limit):
         for k in range(K):
             want[r] += float(wts[r, k]) * brute_swiglu_expert(x[r], w13[ids[r, k]], w2[ids[r, k]], limit)[0]
     np.testing.assert_allclose(moe.moe_experts(x, ids, wts, w13, w2, res, limit=limit), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+@pytest.mark.parametrize("I", [7, 100])
+@pytest.mark.parametrize("limit", [0.25, 1.5])
+def test_swiglu_clamp_gate_matches_brute_force(n, I, limit):
+    """DeepSeek-V4's clamp (the gate before silu): swiglu_mlp and moe_experts against the
+    float64 definition (at 0.25 most gates and ups are clamped)."""
+    H, E, K = 24, 5, 2
+    x, res = f32(n, H), f32(n, H)
+    w13, w2 = f32(2 * I, H, scale=H ** -0.5), f32(H, I, scale=I ** -0.5)
+    rows = [brute_swiglu_expert(x[r], w13, w2, limit, clamp_gate=True) for r in range(n)]
+    if limit == 0.25:                                                 # P(g > 0.25) ~ 0.4, P(|u| > 0.25) ~ 0.8
+        assert sum(c for _, c in rows) >= 0.5 * n * I
+    want = np.array([y for y, _ in rows]) + res
+    np.testing.assert_allclose(mlp.swiglu_mlp(x, w13, w2, res, limit=limit, clamp_gate=True), want,
+                               rtol=1e-4, atol=1e-5)
+    e13, e2 = f32(E, 2 * I, H, scale=H ** -0.5), f32(E, H, I, scale=I ** -0.5)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    wts = rng.random((n, K)).astype(np.float32)
+    want = res.astype(np.float64)
+    for r in range(n):
+        for k in range(K):
+            want[r] += float(wts[r, k]) * brute_swiglu_expert(x[r], e13[ids[r, k]], e2[ids[r, k]], limit,
+                                                              clamp_gate=True)[0]
+    np.testing.assert_allclose(moe.moe_experts(x, ids, wts, e13, e2, res, limit=limit, clamp_gate=True), want,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_the_two_clamps_differ_where_the_gate_passes_the_limit():
+    """A negative control: with gates above L, clamping before silu (DeepSeek-V4) and after it
+    (Step-3.5) give other activations: silu(min(g, L)) = silu(L) < L = min(silu(g), L) once
+    silu(g) > L; below L both leave the gate alone and agree bit for bit."""
+    L = mlp.swiglu_limit(2.0)
+    g = np.array([2.5, 4.0, 50.0, 1.0, -3.0, np.nan], np.float32)
+    u = np.array([1.0, -5.0, 0.5, 1.0, 1.0, 1.0], np.float32)
+    gu = np.concatenate([g, u])[None]
+    v4 = mlp.swiglu_act(gu, L, clamp_gate=True)[0]
+    step = mlp.swiglu_act(gu, L)[0]
+    silu_L = 2.0 / (1 + math.exp(-2.0))                               # 1.7616
+    np.testing.assert_allclose(v4[:3], [silu_L * 1.0, silu_L * -2.0, silu_L * 0.5], rtol=1e-6)
+    np.testing.assert_allclose(step[:3], [2.0, 2.0 * -2.0, 2.0 * 0.5], rtol=1e-6)      # silu(2.5) = 2.31 > 2
+    assert (np.abs(v4[:3] - step[:3]) > 0.1).all()
+    assert v4[3:5].tobytes() == step[3:5].tobytes() and np.isnan(v4[5]) and np.isnan(step[5])
+    # through the ops: rows whose gates pass the limit come out otherwise
+    x, w13, w2 = f32(4, 16, scale=3.0), f32(2 * 9, 16, scale=16 ** -0.5), f32(16, 9)
+    a = mlp.swiglu_mlp(x, w13, w2, limit=0.5, clamp_gate=True)
+    b = mlp.swiglu_mlp(x, w13, w2, limit=0.5)
+    assert np.abs(a - b).max() > 1e-2
+
+
+def test_clamp_gate_without_a_limit_and_its_type():
+    """clamp_gate says where a clamp goes: with no limit (None / 0) nothing is clamped, bit for
+    bit; anything but a bool is refused, naming clamp_gate."""
+    n, H, I, E = 3, 16, 9, 4
+    x, w13, w2 = f32(n, H), f32(2 * I, H), f32(H, I)
+    plain = mlp.swiglu_mlp(x, w13, w2)
+    for off in (None, 0):
+        assert mlp.swiglu_mlp(x, w13, w2, limit=off, clamp_gate=True).tobytes() == plain.tobytes()
+    assert mlp.swiglu_bounds(None, True) == (mlp.NO_LIMIT, mlp.NO_LIMIT)
+    assert mlp.swiglu_bounds(3.0, True) == (mlp.NO_LIMIT, np.float32(3.0))
+    assert mlp.swiglu_bounds(3.0) == (np.float32(3.0), mlp.NO_LIMIT)
+    e13, e2 = f32(E, 2 * I, H), f32(E, H, I)
+    ids, wts = np.array([[0, 3]] * n, np.int32), f32(n, 2)
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match=r"clamp_gate: expected a bool .* got"):
+            mlp.swiglu_mlp(x, w13, w2, limit=1.0, clamp_gate=bad)
+        with pytest.raises(TypeError, match="clamp_gate: expected a bool"):
+            moe.moe_experts(x, ids, wts, e13, e2, limit=1.0, clamp_gate=bad)
 
 
 def test_swiglu_limit_off_is_the_unclamped_result_bit_for_bit():

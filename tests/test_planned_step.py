@@ -171,6 +171,31 @@ def test_planned_step_equals_eager_mla(mla_ckpt, mla_cfg, mode, seed, lens, roun
     run_twins(eager, planned, mla_cfg, seed, lens, rounds)
 
 
+@pytest.fixture(scope="module")
+def v4_ffn_ckpt(tmp_path_factory):
+    """DeepSeek-V4's FFN in the tiny config: sqrtsoftplus routing over one group, both SwiGLU
+    clamps on the gate before silu, module 1 a dense MLP."""
+    from mtpkern import write_synthetic_checkpoint
+    from mtpkern.config import tiny_config
+
+    cfg = tiny_config(scoring_func="sqrtsoftplus", n_group=1, topk_group=1, swiglu_clamp=0.4, swiglu_clamp_shared=0.3,
+                      swiglu_clamp_gate=True, intermediate_size=40, blocks=[{}, {"moe": False}, {}])
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("v4ffn"), cfg, seed=12), cfg
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**scenario)
+def test_planned_step_equals_eager_v4_ffn(v4_ffn_ckpt, mode, seed, lens, rounds):
+    """The router's sqrtsoftplus scores and the clamps of the gate (the ops' clamp_gate keyword)
+    in the planned step: its drafts and state are the eager path's."""
+    ckpt, cfg = v4_ffn_ckpt
+    eager, planned = _pair(ckpt, mode, "prenorm")
+    assert planned.modules[0]._experts_kw == {"limit": 0.4, "clamp_gate": True}
+    assert planned.modules[1]._mlp_kw == {"limit": 0.3, "clamp_gate": True}
+    run_twins(eager, planned, cfg, seed, lens, rounds)
+
+
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**scenario)

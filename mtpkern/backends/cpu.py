@@ -46,7 +46,7 @@ from ..ops.gate import check_sigmoid_gate
 from ..ops.linear import check_linear
 from ..ops.lm_head import check_bitmask, check_id_map, check_topk, map_id_rows, map_ids
 from ..ops.mla import check_index, check_mla_attention, check_mla_latent_write
-from ..ops.mlp import check_swiglu_mlp, swiglu_limit
+from ..ops.mlp import check_swiglu_mlp, swiglu_bounds
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input, check_norm
 from ..ops.rope_kv import check_qk_norm_rope_kv_write
@@ -552,15 +552,16 @@ class CpuBackend(Backend):
         self._use_threads()
         kernel, gate = ((moe_k.moe_router_fp8_kernel, gate_w.kernel_args()) if isinstance(gate_w, _QUANT)
                         else (moe_k.moe_router_kernel, gate_w))
-        kernel(_act(x), gate, _act(bias), spec.n_group, spec.topk_group, spec.scoring == "softmax",
+        kernel(_act(x), gate, _act(bias), spec.n_group, spec.topk_group, spec.scoring_code,
                spec.norm_topk_prob, np.float32(spec.routed_scaling_factor), logits, ids, weights)
         return ids, weights
 
-    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None, norm=None):
+    def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None, clamp_gate=False,
+                    norm=None):
         self._check(check_moe_experts, x, ids, weights, w13, w2, residual)
         if norm is not None:        # the definition: the rmsnorm kernel, then the experts
             x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
-        L = swiglu_limit(limit)
+        L, Lg = swiglu_bounds(limit, clamp_gate)
         ids = np.ascontiguousarray(ids)
         _in_range("ids", ids, w13.shape[0], lo=-1)      # -1: an empty slot (ops.moe)
         out = _out("out", out, tuple(x.shape))
@@ -572,15 +573,15 @@ class CpuBackend(Backend):
             kernel = mlp_k.grouped_swiglu_kernel
         self._use_threads()
         kernel(_act(x), ids, _apart(_act(weights), out), w13, w2, _apart(_opt_mat(residual), out, same_ok=True),
-               L, out)
+               L, Lg, out)
         return out
 
     # -- mlp ----------------------------------------------------------------
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, limit=None, norm=None):
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, limit=None, clamp_gate=False, norm=None):
         self._check(check_swiglu_mlp, x, w13, w2, residual)
         if norm is not None:        # the definition: the rmsnorm kernel, then the MLP
             x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
-        L = swiglu_limit(limit)
+        L, Lg = swiglu_bounds(limit, clamp_gate)
         n = x.shape[0]
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
@@ -590,13 +591,13 @@ class CpuBackend(Backend):
         elif (t13 := self._weight_tiles(w13)) is not None and (t2 := self._weight_tiles(w2)) is not None:
             gu = self._tiled_gemv(_act(x), t13, None, None, np.empty((n, w13.shape[0]), np.float32))
             act = np.empty((n, w2.shape[1]), np.float32)
-            amx_linear_k.swiglu_rows(gu, L, act)
+            amx_linear_k.swiglu_rows(gu, L, Lg, act)
             return self._tiled_gemv(act, t2, None, _apart(_opt_mat(residual), out, same_ok=True), out)
         else:
             kernel, w13, w2 = mlp_k.grouped_swiglu_kernel, w13[None], w2[None]
         self._use_threads()
         kernel(_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32), w13, w2,
-               _apart(_opt_mat(residual), out, same_ok=True), L, out)
+               _apart(_opt_mat(residual), out, same_ok=True), L, Lg, out)
         return out
 
     # -- lm head ------------------------------------------------------------

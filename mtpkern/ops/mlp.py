@@ -1,5 +1,5 @@
 """SwiGLU MLP: ``swiglu_mlp(x [n, H], w13 [2I, H], w2 [H, I], residual [n, H] | None, *,
-limit=None) -> [n, H] = residual + w2 @ (silu(w1 x) * (w3 x))``.
+limit=None, clamp_gate=False) -> [n, H] = residual + w2 @ (silu(w1 x) * (w3 x))``.
 
 ``w13`` stacks the gate projection (rows ``0..I``) over the up projection
 (rows ``I..2I``), so one pass over memory reads both. Used for the dense MLP
@@ -13,10 +13,24 @@ the shared expert and the dense MLP; the routed experts take ``swiglu_limits[lay
     up   = min(max(x w3^T, -L), L)
     out  = (gate * up) w2^T
 
-with ``L = float32(limit)``. ``None`` or 0 means no clamp (the checkpoints' 0.0 entries):
-the result is bit for bit the unclamped one. A NaN stays NaN (``np.minimum`` /
-``np.maximum``, as ``torch.clamp``): a clamp never turns a NaN row finite. Anything else
-but a finite value > 0 is refused, naming ``limit`` (``swiglu_limit``).
+with ``L = float32(limit)``. ``clamp_gate=True`` clamps the gate before the activation
+instead, as DeepSeek-V4 (and GLM-5.3) do (Hugging Face ``DeepseekV4MLP`` /
+``DeepseekV4Experts._apply_gate``)::
+
+    gate = min(x w1^T, L)                # clamped before the activation, from above only
+    up   = min(max(x w3^T, -L), L)
+    out  = (silu(gate) * up) w2^T
+
+The two differ wherever the gate passes L: V4's activation stops at silu(L) (< L), Step-3.5's
+grows on to L (it bites only where silu(g) > L, i.e. g > L + a little). ``None`` or 0 means no
+clamp (the checkpoints' 0.0 entries), whatever ``clamp_gate`` says: the result is bit for bit
+the unclamped one. A NaN stays NaN (``np.minimum`` / ``np.maximum``, as ``torch.clamp``): a
+clamp never turns a NaN row finite. Anything else but a finite value > 0 is refused, naming
+``limit`` (``swiglu_limit``); ``clamp_gate`` must be a bool.
+
+The kernels take both clamps as FP32 bounds (``swiglu_bounds``): ``L`` on silu(gate), ``Lg``
+on the gate before silu, the one not in use +inf (``min(v, +inf)`` is ``v``, bit for bit), and
+clip up by ``min(L, Lg)``: one code path, no flag, for none, either clamp.
 """
 
 from __future__ import annotations
@@ -59,15 +73,32 @@ def swiglu_limit(limit) -> np.float32:
     return L
 
 
-def swiglu_act(gu: np.ndarray, L: np.float32 = NO_LIMIT) -> np.ndarray:
+def check_clamp_gate(clamp_gate) -> bool:
+    if not isinstance(clamp_gate, (bool, np.bool_)):
+        raise TypeError(f"clamp_gate: expected a bool (True: clamp the gate before silu), got "
+                        f"{type(clamp_gate).__name__} {clamp_gate!r}")
+    return bool(clamp_gate)
+
+
+def swiglu_bounds(limit, clamp_gate=False) -> tuple[np.float32, np.float32]:
+    """``limit`` (as ``swiglu_limit``) and ``clamp_gate`` -> ``(L, Lg)``, the FP32 bounds the
+    kernels take: L on silu(gate) (Step-3.5), Lg on the gate before silu (DeepSeek-V4), the
+    other one ``NO_LIMIT``; both ``NO_LIMIT`` for no clamp. Up is clipped by ``min(L, Lg)``."""
+    L = swiglu_limit(limit)
+    return (NO_LIMIT, L) if check_clamp_gate(clamp_gate) else (L, NO_LIMIT)
+
+
+def swiglu_act(gu: np.ndarray, L: np.float32 = NO_LIMIT, *, clamp_gate: bool = False) -> np.ndarray:
     """gu [.., 2I] = gate | up (FP32) -> silu(gate) * up [.., I], clamped by the bound
-    ``L = swiglu_limit(limit)`` (see above)."""
+    ``L = swiglu_limit(limit)``: after silu, or before it with ``clamp_gate`` (see above)."""
     I = gu.shape[-1] // 2
-    gate, up = silu(gu[..., :I]), gu[..., I:]
-    if L != NO_LIMIT:
-        gate = np.minimum(gate, L)
-        up = np.minimum(np.maximum(up, -L), L)
-    return gate * up
+    gate, up = gu[..., :I], gu[..., I:]
+    if L == NO_LIMIT:
+        return silu(gate) * up
+    up = np.minimum(np.maximum(up, -L), L)
+    if clamp_gate:
+        return silu(np.minimum(gate, L)) * up
+    return np.minimum(silu(gate), L) * up
 
 
 def check_swiglu_mlp(x, w13, w2, residual) -> None:
@@ -81,13 +112,14 @@ def check_swiglu_mlp(x, w13, w2, residual) -> None:
         expect_shape("residual", residual, (n, H))
 
 
-def swiglu_mlp(x, w13, w2, residual=None, *, limit=None, norm=None) -> np.ndarray:
+def swiglu_mlp(x, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None) -> np.ndarray:
     """``norm=(g [H], eps)``: of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed); the
     residual stays as given (it may be x itself)."""
     check_swiglu_mlp(x, w13, w2, residual)
     L = swiglu_limit(limit)
+    clamp_gate = check_clamp_gate(clamp_gate)
     gu = np.asarray(normed(x, norm), np.float32) @ np.asarray(w13, np.float32).T     # [n, 2I]
-    act = swiglu_act(gu, L)                                            # [n, I]
+    act = swiglu_act(gu, L, clamp_gate=clamp_gate)                     # [n, I]
     y = act @ np.asarray(w2, np.float32).T                             # [n, H]
     if residual is not None:
         y = y + np.asarray(residual, np.float32)

@@ -4,7 +4,9 @@
 weights [n, K] float32)``, exactly transformers' ``DeepseekV3`` / ``Glm4Moe`` router in FP32
 (the -inf of step 3: below):
 
-1. ``s = sigmoid(x @ gate_w.T)`` (or ``softmax`` over the E logits);
+1. ``s = score(x @ gate_w.T)``: ``sigmoid``, ``softmax`` over the E logits, or
+   ``sqrtsoftplus`` (DeepSeek-V4: ``sqrt(softplus(l))`` with torch's softplus, ``l`` where
+   ``l > 20``, else ``log1p(exp(l))``; ``router_scores``);
 2. ``c = s + bias`` is used for selection only;
 3. each of ``n_group`` groups scores the sum of its top-2 ``c``; the best
    ``topk_group`` groups are kept; ``c`` outside them is set to -inf, so an expert
@@ -26,11 +28,13 @@ is never read), MiMo-V2-Flash and LongCat-Flash draft with dense MTP layers (the
 configs' MoE fields describe the target).
 
 ``moe_experts(x [n, H], ids [n, K], weights [n, K], w13 [E, 2I, H], w2 [E, H, I],
-residual [n, H] | None, *, limit=None) -> [n, H] = residual + sum_k weights[:, k] *
-expert_{ids[:, k]}(x)`` with each expert a SwiGLU (``w13[e]`` = gate rows over up rows).
-``limit`` clamps every routed expert's SwiGLU as Hugging Face ``Step3p7Experts._apply_gate``
-does (Step-3.5 / Step-3.7 ``swiglu_limits[layer]``): ``min(silu(gate), L) * clip(up, -L, L)``,
-None or 0 for none, NaN kept (``mtpkern.ops.mlp``, ``swiglu_limit``).
+residual [n, H] | None, *, limit=None, clamp_gate=False) -> [n, H] = residual + sum_k
+weights[:, k] * expert_{ids[:, k]}(x)`` with each expert a SwiGLU (``w13[e]`` = gate rows over
+up rows). ``limit`` clamps every routed expert's SwiGLU as Hugging Face
+``Step3p7Experts._apply_gate`` does (Step-3.5 / Step-3.7 ``swiglu_limits[layer]``):
+``min(silu(gate), L) * clip(up, -L, L)``; with ``clamp_gate`` as ``DeepseekV4Experts._apply_gate``
+does: ``silu(min(gate, L)) * clip(up, -L, L)``; None or 0 for none, NaN kept
+(``mtpkern.ops.mlp``, ``swiglu_limit``).
 
 An id of -1 is an empty slot: it adds nothing (its weight is not read into the sum). A
 rank of an expert-parallel head (mtpkern.shard) holds experts ``e0 .. e1 - 1`` as its
@@ -45,8 +49,14 @@ from typing import Literal
 import numpy as np
 
 from ._check import expect_dtype, expect_ndim, expect_shape
-from .mlp import swiglu_act, swiglu_limit
+from .mlp import check_clamp_gate, swiglu_act, swiglu_limit
 from .norm import normed
+
+
+#: the router's score functions; a kernel takes a scoring's index here (``scoring_code``)
+SCORINGS = ("sigmoid", "softmax", "sqrtsoftplus")
+#: torch.nn.functional.softplus's threshold (beta 1): softplus(l) is l itself above it
+SOFTPLUS_THRESHOLD = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +66,11 @@ class RouterSpec:
     topk_group: int
     routed_scaling_factor: float
     norm_topk_prob: bool
-    scoring: Literal["sigmoid", "softmax"] = "sigmoid"
+    scoring: Literal["sigmoid", "softmax", "sqrtsoftplus"] = "sigmoid"
 
     def __post_init__(self) -> None:
-        if self.scoring not in ("sigmoid", "softmax"):
-            raise ValueError(f"scoring: expected 'sigmoid' or 'softmax', got {self.scoring!r}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring: expected one of {SCORINGS}, got {self.scoring!r}")
         if min(self.top_k, self.n_group, self.topk_group) < 1:
             raise ValueError(f"top_k, n_group, topk_group: expected >= 1, got {self}")
 
@@ -68,6 +78,11 @@ class RouterSpec:
     def from_config(cls, cfg) -> "RouterSpec":
         return cls(cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                    float(cfg.routed_scaling_factor), bool(cfg.norm_topk_prob), cfg.scoring_func)
+
+    @property
+    def scoring_code(self) -> int:
+        """The kernels' number for ``scoring``: its index in ``SCORINGS``."""
+        return SCORINGS.index(self.scoring)
 
 
 def check_moe_router(x, gate_w, bias, spec: RouterSpec) -> None:
@@ -84,15 +99,24 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-values, axis=-1, kind="stable")[..., :k]
 
 
+def router_scores(logits: np.ndarray, scoring: str) -> np.ndarray:
+    """logits [n, E] FP32 -> the scores s [n, E] FP32 (step 1). A NaN logit scores NaN (a
+    softmax row with one: all NaN); sqrtsoftplus scores -inf as 0 and +inf as +inf."""
+    if scoring == "sigmoid":
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
+    if scoring == "softmax":
+        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        return z / z.sum(axis=-1, keepdims=True)
+    big = logits > np.float32(SOFTPLUS_THRESHOLD)                    # (NaN is not: it goes through log1p)
+    soft = np.log1p(np.exp(np.minimum(logits, np.float32(SOFTPLUS_THRESHOLD))))   # exp(<= 20): no overflow
+    return np.sqrt(np.where(big, logits, soft))
+
+
 def moe_router(x, gate_w, bias, spec: RouterSpec, *, norm=None) -> tuple[np.ndarray, np.ndarray]:
     """``norm=(g [H], eps)``: of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed)."""
     check_moe_router(x, gate_w, bias, spec)
     logits = np.asarray(normed(x, norm), np.float32) @ np.asarray(gate_w, np.float32).T        # [n, E]
-    if spec.scoring == "sigmoid":
-        s = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
-    else:
-        z = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        s = z / z.sum(axis=-1, keepdims=True)
+    s = router_scores(logits, spec.scoring)                                      # [n, E]
     c = s + np.asarray(bias, np.float32)                                         # [n, E]
     n, E = c.shape
     G = spec.n_group
@@ -128,7 +152,7 @@ def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
         expect_shape("residual", residual, (n, H))
 
 
-def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, norm=None) -> np.ndarray:
+def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None) -> np.ndarray:
     """``norm=(g [H], eps)``: the experts of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed);
     the residual stays as given (it may be x itself)."""
     check_moe_experts(x, ids, weights, w13, w2, residual)
@@ -137,6 +161,7 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, norm=Non
         bad = ids[(ids < -1) | (ids >= E)][0]
         raise ValueError(f"ids: expected values in [-1, {E}) (-1: an empty slot), got {int(bad)}")
     L = swiglu_limit(limit)
+    clamp_gate = check_clamp_gate(clamp_gate)
     x = np.asarray(normed(x, norm), np.float32)
     n, H = x.shape
     y = np.zeros((n, H), np.float32) if residual is None else np.array(residual, np.float32)
@@ -146,6 +171,6 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, norm=Non
             if e < 0:                                                  # an empty slot
                 continue
             gu = np.asarray(w13[e], np.float32) @ x[r]                 # [2I]
-            act = swiglu_act(gu, L)                                    # [I]
+            act = swiglu_act(gu, L, clamp_gate=clamp_gate)             # [I]
             y[r] += np.float32(weights[r, k]) * (np.asarray(w2[e], np.float32) @ act)
     return y

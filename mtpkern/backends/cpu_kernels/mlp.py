@@ -24,10 +24,11 @@ Phases 0 and 3 of a decode step run on the calling thread (``linear.SMALL``).
 
 So each selected expert's weights are read once per call, however many rows chose it.
 
-``limit`` (float32) is the SwiGLU clamp of Step-3.5 / 3.7 (``mtpkern.ops.mlp``): the
-kernels always take it, +inf when there is none, because min(v, +inf) is v bit for bit.
-Two comparisons per activation, beside its H multiply-adds, cost nothing measurable
-(docs/cpu.md): no second kernel and no branch on whether there is a limit.
+``limit`` and ``gate_limit`` (float32) are the SwiGLU clamps (``mtpkern.ops.mlp.swiglu_bounds``):
+L on silu(gate) (Step-3.5 / 3.7), Lg on the gate before silu (DeepSeek-V4), up clipped by
+min(L, Lg). The kernels always take both, +inf for a clamp not in use, because min(v, +inf)
+is v bit for bit. Four comparisons per activation, beside its H multiply-adds, cost nothing
+measurable (docs/cpu.md): no second kernel and no branch on which clamp there is.
 
 ``grouped_swiglu_fp8_kernel`` is the same with FP8 weights (``linear.fp8_chunk``): phase 1
 is one task per (expert, row chunk of w13) writing gate | up, a pass pairs them, phase 2 is
@@ -49,17 +50,20 @@ def silu(v):
 
 
 @njit(cache=True, fastmath=False)
-def swiglu(g, u, L):
-    """min(silu(g), L) * min(max(u, -L), L): the reference's clamp (``ops.mlp.swiglu_act``).
-    Written as comparisons, which keep a NaN as ``np.minimum`` / ``np.maximum`` do; with
-    L = +inf nothing changes, bit for bit."""
+def swiglu(g, u, L, Lg):
+    """min(silu(min(g, Lg)), L) * min(max(u, -Lu), Lu) with Lu = min(L, Lg): the reference's
+    clamps (``ops.mlp.swiglu_act``; one of L, Lg is +inf). Written as comparisons, which keep
+    a NaN as ``np.minimum`` / ``np.maximum`` do; with L = Lg = +inf nothing changes, bit for bit."""
+    if g > Lg:
+        g = Lg
     a = silu(g)
     if a > L:
         a = L
-    if u > L:
-        u = L
-    elif u < -L:
-        u = -L
+    Lu = L if L < Lg else Lg
+    if u > Lu:
+        u = Lu
+    elif u < -Lu:
+        u = -Lu
     return a * u
 
 
@@ -136,13 +140,13 @@ def _combine_row(residual, weights, y2, inv, r, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, limit, out):
+def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, limit, gate_limit, out):
     """out [n, H] = residual + sum_k weights[:, k] * swiglu_{ids[:, k]}(x).
 
     x [n, H]; ids [n, K] (checked in -1..E-1 by the launcher; -1 an empty slot), weights [n, K];
     w13 [E, 2I, H]; w2 [E, H, I]; residual [n, H] or empty (it may be ``out``
-    itself: each element is read before it is written); limit float32, the SwiGLU
-    clamp (+inf: none)."""
+    itself: each element is read before it is written); limit, gate_limit float32, the SwiGLU
+    clamps (``swiglu``; +inf: none)."""
     n, H = x.shape
     I = w2.shape[2]
     perm, inv, experts, starts, xg = _sorted_inputs(x, ids, w13.shape[0])
@@ -161,7 +165,7 @@ def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, limit, out):
         half = count // 2
         for s in range(half):                        # gate column rows[s], up column rows[s + half]
             for p in range(starts[u], starts[u + 1]):
-                act[p, rows[s]] = swiglu(gu[p, rows[s]], gu[p, rows[s + half]], limit)
+                act[p, rows[s]] = swiglu(gu[p, rows[s]], gu[p, rows[s + half]], limit, gate_limit)
     q2 = H // 8
     T2 = q2 + H - 8 * q2                             # tasks per expert, phase 2
     for t in prange(U * T2):
@@ -201,7 +205,7 @@ def _combine(residual, weights, y2, inv, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
+def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, gate_limit, out):
     """``grouped_swiglu_kernel`` with FP8 expert weights: w13, w2 the tuples of
     ``linear.fp8_chunk`` over [E, 2I, H] and [E, H, I] codes."""
     I = w13[0].shape[1] // 2                     # w13 [E, 2I, *]: an FP4 w2 holds I / 2 bytes a row
@@ -218,10 +222,10 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
         qchunk(expert(w13, experts[u]), t % T1, zero, xg, starts[u], starts[u + 1], gu, zero, no)
     if P * I <= SMALL:
         for p in range(P):
-            silu_mul_row(gu, p, limit, act)
+            silu_mul_row(gu, p, limit, gate_limit, act)
     else:
         for p in prange(P):
-            silu_mul_row(gu, p, limit, act)
+            silu_mul_row(gu, p, limit, gate_limit, act)
     for t in prange(U * T2):
         u = t // T2
         qchunk(expert(w2, experts[u]), t % T2, zero, act, starts[u], starts[u + 1], y2, zero, no)
@@ -229,8 +233,8 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, out):
 
 
 @njit(cache=True, fastmath=False)
-def silu_mul_row(gu, p, limit, act):
-    """act[p, j] = swiglu(gate, up, limit) with gu[p] = gate | up."""
+def silu_mul_row(gu, p, limit, gate_limit, act):
+    """act[p, j] = swiglu(gate, up, limit, gate_limit) with gu[p] = gate | up."""
     I = act.shape[1]
     for j in range(I):
-        act[p, j] = swiglu(gu[p, j], gu[p, I + j], limit)
+        act[p, j] = swiglu(gu[p, j], gu[p, I + j], limit, gate_limit)

@@ -7,6 +7,8 @@ selection of one row in one task, in the reference's order and with its tie
 rules (larger value first, lowest index on ties, NaN last). A decode step's
 router is small enough to run on the calling thread (``linear.SMALL``).
 ``moe_router_fp8_kernel`` takes an FP8 gate (phase 1 by row chunks, ``linear.fp8_chunk``).
+``scoring``: the score function's index in ``mtpkern.ops.moe.SCORINGS`` (0 sigmoid, 1 softmax,
+2 sqrtsoftplus), an int64; one branch per row, outside every loop over the logits.
 """
 
 from __future__ import annotations
@@ -75,13 +77,21 @@ def _gate_task(gate_w, x, t, q, logits):
     gemv_task(gate_w, rows, count, zero, x, zero, x.shape[0], logits, rows, no)
 
 
+#: SCORINGS' indices (mtpkern.ops.moe)
+SOFTMAX, SQRTSOFTPLUS = 1, 2
+
+
 @njit(cache=True, fastmath=False)
-def _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r):
+def _select_row(logits, bias, n_group, topk_group, scoring, norm_topk_prob, scale, ids, weights, r):
     """Row r's scores (in place of its logits), selection and weights."""
     E = logits.shape[1]
     top_k = ids.shape[1]
     s = logits[r]
-    if softmax:
+    if scoring == SQRTSOFTPLUS:                    # torch's softplus: l itself past 20; NaN stays NaN
+        for e in range(E):
+            v = s[e]
+            s[e] = np.sqrt(v if v > np.float32(20.0) else np.log1p(np.exp(v)))
+    elif scoring == SOFTMAX:
         mx = s[0]
         for e in range(1, E):
             if s[e] > mx or s[e] != s[e]:
@@ -108,7 +118,7 @@ def _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scal
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def moe_router_kernel(x, gate_w, bias, n_group, topk_group, softmax, norm_topk_prob, scale,
+def moe_router_kernel(x, gate_w, bias, n_group, topk_group, scoring, norm_topk_prob, scale,
                       logits, ids, weights):
     """x [n, H], gate_w [E, H], bias [E]; scratch logits [n, E]; out ids [n, K] int32,
     weights [n, K] float32; scale float32 (routed_scaling_factor)."""
@@ -121,11 +131,11 @@ def moe_router_kernel(x, gate_w, bias, n_group, topk_group, softmax, norm_topk_p
     else:
         for t in prange(q + E - 8 * q):
             _gate_task(gate_w, x, t, q, logits)
-    _select(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, n * E * H)
+    _select(logits, bias, n_group, topk_group, scoring, norm_topk_prob, scale, ids, weights, n * E * H)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def moe_router_fp8_kernel(x, gate8, bias, n_group, topk_group, softmax, norm_topk_prob, scale,
+def moe_router_fp8_kernel(x, gate8, bias, n_group, topk_group, scoring, norm_topk_prob, scale,
                           logits, ids, weights):
     """``moe_router_kernel`` with the gate in FP8 (gate8: the tuple of ``linear.fp8_chunk``)."""
     n, H = x.shape
@@ -137,16 +147,16 @@ def moe_router_fp8_kernel(x, gate8, bias, n_group, topk_group, softmax, norm_top
     else:
         for c in prange(chunks(gate8)):
             qchunk(gate8, c, zero, x, zero, n, logits, zero, no)
-    _select(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, n * E * H)
+    _select(logits, bias, n_group, topk_group, scoring, norm_topk_prob, scale, ids, weights, n * E * H)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def _select(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, work):
+def _select(logits, bias, n_group, topk_group, scoring, norm_topk_prob, scale, ids, weights, work):
     """Phase 2 for every row, on the calling thread when the gate was ``work`` <= 2 SMALL multiply-adds."""
     n = logits.shape[0]
     if work <= 2 * SMALL:
         for r in range(n):
-            _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r)
+            _select_row(logits, bias, n_group, topk_group, scoring, norm_topk_prob, scale, ids, weights, r)
     else:
         for r in prange(n):
-            _select_row(logits, bias, n_group, topk_group, softmax, norm_topk_prob, scale, ids, weights, r)
+            _select_row(logits, bias, n_group, topk_group, scoring, norm_topk_prob, scale, ids, weights, r)

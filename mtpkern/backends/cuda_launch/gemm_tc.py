@@ -6,8 +6,8 @@ norm=(g [K], eps) | None) -> y [n, N]`` FP32:
 ``y = inv_rms(x) * (x * g) @ w^T + bias + residual`` with the norm (inv_rms = 1 / sqrt(mean(x^2)
 + eps) per row), ``x @ w^T + bias + residual`` without. ``out`` may be ``residual``.
 
-``swiglu_tc(x [n, H], w13 [2I, H] BF16 bits, *, limit=None, norm=None) -> act [n, I]``:
-``mtp::swiglu(x Wg^T, x Wu^T, L)`` (gate rows ``w13[:I]``, up rows ``w13[I:]``; the norm as
+``swiglu_tc(x [n, H], w13 [2I, H] BF16 bits, *, limit=None, clamp_gate=False, norm=None) -> act [n, I]``:
+``mtp::swiglu(x Wg^T, x Wu^T, L, Lg)`` (``mtpkern.ops.mlp.swiglu_bounds``; gate rows ``w13[:I]``, up rows ``w13[I:]``; the norm as
 above), the gate/up half of ``swiglu_mlp``.
 
 :func:`selected` is the rule ``linear`` and ``swiglu_mlp`` use to hand a product to these
@@ -23,7 +23,7 @@ import numpy as np
 
 from ...ops._check import dtype_name, expect_ndim, expect_shape, shape_of
 from ...ops.linear import check_linear
-from ...ops.mlp import swiglu_limit
+from ...ops.mlp import swiglu_bounds
 from ._util import (CudaFp8, cdiv, device, device_norm, device_weight, expect_disjoint, expect_same_or_disjoint,
                     f32, i32, opt_in_smem, optional, output, ptr, sm_count)
 from .loader import GEMM_TC_NT, get_kernel
@@ -110,15 +110,16 @@ def launch_gemm_tc(x, w, bias, residual, y, norm=None, kw: int | None = None) ->
         xs, w, ptr(bias), ptr(_rows(residual, sl)), g, eps, _rows(y, sl), m, i32(N), i32(K), kw), kw=kw)
 
 
-def launch_swiglu_tc(x, w13, act, L, norm=None) -> None:
+def launch_swiglu_tc(x, w13, act, L, Lg, norm=None) -> None:
     """Validated, contiguous device arrays: x [n, H], w13 [2I, H] uint16 (H % 8 == 0),
-    act [n, I]; L the clamp (np.float32, +inf for none); ``norm`` as launch_gemm_tc."""
+    act [n, I]; L, Lg the clamps of silu(gate) and of the gate (np.float32, +inf for none:
+    ``swiglu_bounds``); ``norm`` as launch_gemm_tc."""
     n, H = shape_of(x)
     I = shape_of(w13)[0] // 2
     if n == 0 or I == 0:
         return
     _launch("swiglu_tc_kernel", cdiv(I, 8), x, norm, lambda sl, xs, g, eps, m, kw: (
-        xs, w13, g, eps, _rows(act, sl), m, i32(I), i32(H), kw, L))
+        xs, w13, g, eps, _rows(act, sl), m, i32(I), i32(H), kw, L, Lg))
 
 
 def _bf16_weight(w, name: str):
@@ -164,7 +165,7 @@ def gemm_tc(x, w, bias=None, residual=None, *, norm=None, out=None, kw: int | No
     return y
 
 
-def swiglu_tc(x, w13, *, limit=None, norm=None, out=None):
+def swiglu_tc(x, w13, *, limit=None, clamp_gate=False, norm=None, out=None):
     """act [n, I] = swiglu((inv_rms *) (x (* g)) @ w13[:I]^T, .. @ w13[I:]^T, limit) on tensor
     cores; ``w13`` [2I, H] BF16 bits, H % 8 == 0; ``norm`` as gemm_tc."""
     expect_ndim("x", x, 2)
@@ -172,12 +173,12 @@ def swiglu_tc(x, w13, *, limit=None, norm=None, out=None):
     expect_shape("w13", w13, (None, H))
     if shape_of(w13)[0] % 2:
         raise ValueError(f"w13: expected an even number of rows [2I, {H}], got {list(shape_of(w13))}")
-    L = swiglu_limit(limit)
+    L, Lg = swiglu_bounds(limit, clamp_gate)
     x = device(x, "x", "float32")
     w13 = _bf16_weight(w13, "w13")
     _expect_k8(H)
     norm = _norm(norm, H)
     act = output(out, "out", (n, shape_of(w13)[0] // 2), np.float32)
     expect_disjoint("out", act, "x", x)
-    launch_swiglu_tc(x, w13, act, L, norm)
+    launch_swiglu_tc(x, w13, act, L, Lg, norm)
     return act

@@ -9,11 +9,12 @@ one uint32, zero before the launch and zero again after it; a new zeroed one per
 when none is given).
 
 ``moe_experts(x [n, H], ids [n, K], weights [n, K], w13 [E, 2I, H], w2 [E, H, I],
-residual [n, H] | None, *, limit=None) -> [n, H]``: three launches, workspaces
+residual [n, H] | None, *, limit=None, clamp_gate=False) -> [n, H]``: three launches, workspaces
 ``act [n * K, I]`` and ``partial [n * K, H]`` FP32:
 
 1. ``moe_expert_kernel<W, true>``: act[p] = silu(gate) * up of pair p's expert, clamped
-   by ``limit`` (``mtpkern.ops.mlp``; the kernel takes +inf for none);
+   by ``limit``, of the gate before silu with ``clamp_gate`` (``mtpkern.ops.mlp``; the kernel
+   takes both bounds of ``swiglu_bounds``, +inf for none);
 2. ``moe_expert_kernel<W, false>``: partial[p] = w2[e] @ act[p];
 3. ``moe_combine_kernel``: y = residual + sum_k weights[:, k] * partial[:, k] in k order.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops._check import expect_dtype
-from ...ops.mlp import NO_LIMIT, swiglu_limit
+from ...ops.mlp import NO_LIMIT, swiglu_bounds
 from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..base import all_fp8_or_none
 from ._util import (NULL, CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
@@ -67,7 +68,7 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
     if n == 0:
         return ids, weights
     rule = (i32(spec.n_group), i32(spec.topk_group), f32(spec.routed_scaling_factor), i32(spec.norm_topk_prob),
-            i32(spec.scoring == "softmax"))                      # router_select_row's arguments
+            i32(spec.scoring_code))                              # router_select_row's arguments
     if n == 1:
         H = x.shape[1]
         nm, nargs = norm_args(norm, H)
@@ -85,13 +86,14 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
 
 
 def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None, limit=None,
-                norm=None):
+                clamp_gate=False, norm=None):
     """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces (one row
     uses no ``partial``: none is allocated, a given one is checked and left as it is);
-    ``limit``: the SwiGLU clamp of every expert (None / 0: none); ``norm=(g, eps)``: x
+    ``limit``: the SwiGLU clamp of every expert (None / 0: none), of the gate before silu with
+    ``clamp_gate`` (DeepSeek-V4), else of silu(gate) (Step-3.5); ``norm=(g, eps)``: x
     RMS-normalised first, fused into the gate/up pass (residual may be x itself)."""
     check_moe_experts(x, ids, weights, w13, w2, residual)
-    L = swiglu_limit(limit)
+    L, Lg = swiglu_bounds(limit, clamp_gate)
     expect_weight("w13", w13)
     expect_weight("w2", w2)
     expect_dtype("weights", weights, "float32")
@@ -128,7 +130,7 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
         if I:
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
                     (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair),
-                     L, *nargs))
+                     L, Lg, *nargs))
         if one_row:
             get_kernel("moe", f"moe_down_combine_kernel<{ctype(w2)}>")(
                 (cdiv(cdiv(H, 2), GEMV_WARPS),), (GEMV_THREADS,),
@@ -137,7 +139,7 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
         down = get_kernel("moe", f"moe_expert_kernel<{ctype(w2)}, false, {nr}, false>")
         down((cdiv(cdiv(H, 2), GEMV_WARPS), slots), (GEMV_THREADS,),
              (act, i32(1), ids, i32(nK), i32(E), *weight_args(w2), i32(H), i32(I), partial, i32(by_pair),
-              NO_LIMIT, NULL, f32(0.0)))
+              NO_LIMIT, NO_LIMIT, NULL, f32(0.0)))
     if H:
         get_kernel("moe", "moe_combine_kernel")(
             (cdiv(H, COMBINE_THREADS), n), (COMBINE_THREADS,),
