@@ -175,6 +175,20 @@ def test_a_dsa_checkpoint_warm_up_suffices(tmp_path, dsa_cfg):
     assert got["added"] == {}
 
 
+def test_a_v4_attention_checkpoint_warm_up_suffices(tmp_path):
+    """DeepSeek-V4's attention (out_rope, shared_kv; tests/test_v4_attention.py's V4_ATTN):
+    KernelNeeds.of names the rope_heads family (the dense and MoE checkpoints above, whose needs
+    are compared whole, do not); its warm-up puts rope_heads_kernel in place beside the rope_kv
+    write (shared_kv's v_is_k is an argument of that kernel), and the calls add nothing."""
+    from test_v4_attention import V4_ATTN
+
+    path = write_synthetic_checkpoint(tmp_path / "v4", tiny_config(**V4_ATTN), dtype="bfloat16")
+    assert "rope_heads" in KernelNeeds.of(_load(path))
+    got = _probe(path)
+    assert {"rope_kv.rope_heads_kernel", "rope_kv.qk_norm_rope_kv_write_kernel"} <= set(got["warm_up"])
+    assert got["added"] == {}
+
+
 class _SlowBackend(NumpyBackend):
     """A warm-up that takes its time but compiles nothing (a slow load from a cache)."""
 

@@ -49,7 +49,7 @@ from ..ops.mla import check_index, check_mla_attention, check_mla_latent_write
 from ..ops.mlp import check_swiglu_mlp, swiglu_bounds
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input, check_norm
-from ..ops.rope_kv import check_qk_norm_rope_kv_write
+from ..ops.rope_kv import check_qk_norm_rope_kv_write, check_rope_heads
 from ..quant import QUANTIZED, Fp4Weight, Fp8Weight
 from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
 from .cpu_fp4 import CpuFp4
@@ -382,9 +382,9 @@ class CpuBackend(Backend):
     # -- rope + kv write ----------------------------------------------------
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
                               eps: float, inv_freq, positions, k_cache, v_cache, slots, *,
-                              interleave: bool = False, rope_scale: float = 1.0, out=None):
+                              interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False, out=None):
         self._check(check_qk_norm_rope_kv_write, qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
-                    inv_freq, positions, k_cache, v_cache, slots, interleave, rope_scale)
+                    inv_freq, positions, k_cache, v_cache, slots, interleave, rope_scale, v_is_k)
         NB, BS, Hkv, D = k_cache.shape
         Dv = v_cache.shape[3]
         tiles = _key_tiles(k_cache)
@@ -405,11 +405,23 @@ class CpuBackend(Backend):
         rope_kv_k.qk_norm_rope_kv_write_kernel(
             _apart(_act(qkv), q), num_q_heads, num_kv_heads, D, Dv, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
             np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions), k_rows, v_rows, rows,
-            q.reshape(n, num_q_heads * D), bool(interleave), np.float32(rope_scale))
+            q.reshape(n, num_q_heads * D), bool(interleave), np.float32(rope_scale), bool(v_is_k))
         if tiles is not None:
             tiles[slots // BS, :, :, slots % BS] = k_rows.reshape(n, Hkv, D)
             v_cache.reshape(NB * BS, Hkv * Dv)[slots] = v_rows
         return q
+
+    def rope_heads(self, x, positions, inv_freq, *, interleave: bool = False, rope_scale: float = 1.0,
+                   inverse: bool = False, out=None):
+        """-> [n, heads, D] FP32; x FP32 or BF16 (widened first)."""
+        self._check(check_rope_heads, x, positions, inv_freq, interleave, rope_scale, inverse)
+        n, heads, D = x.shape
+        out = _out("out", out, (n, heads, D))
+        self._use_threads()
+        rope_kv_k.rope_heads_kernel(_apart(_act(x), out).reshape(n, heads * D), heads, D, _act(inv_freq),
+                                    np.ascontiguousarray(positions), out.reshape(n, heads * D), bool(interleave),
+                                    np.float32(rope_scale), bool(inverse))
+        return out
 
     # -- attention ----------------------------------------------------------
     def _attention_tasks(self) -> int:

@@ -36,14 +36,15 @@ N, NB, BS = 2, 4, 4
 NA, HA = 4, 32
 
 #: the kernel families, the cheapest to compile first (the order of ``family_calls``)
-FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "paged_attention", "mla", "dsa", "sigmoid_gate",
-            "linear", "mtp_input", "swiglu_mlp", "moe_experts", "lm_head")
+FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "rope_heads", "paged_attention", "mla", "dsa",
+            "sigmoid_gate", "linear", "mtp_input", "swiglu_mlp", "moe_experts", "lm_head")
 #: the kinds of a prepared weight (``weight_kind``); an embedding table is never FP8 or FP4
 WEIGHT_KINDS = ("bfloat16", "float32", "fp8", "fp4")
 #: the quantized kinds (``fp8=False`` leaves them out)
 _QUANTIZED_KINDS = ("fp8", "fp4")
 #: families without weights of their own (their kinds are empty)
-_UNWEIGHTED = frozenset({"rmsnorm", "qk_norm_rope_kv_write", "paged_attention", "dsa", "sigmoid_gate"})
+_UNWEIGHTED = frozenset({"rmsnorm", "qk_norm_rope_kv_write", "rope_heads", "paged_attention",
+                         "dsa", "sigmoid_gate"})
 
 
 def weight_kind(w: Any) -> str:
@@ -128,8 +129,10 @@ class KernelNeeds:
                 if b.dsa:
                     add("dsa")
             else:
-                add("qk_norm_rope_kv_write")
+                add("qk_norm_rope_kv_write")     # shared_kv: v_is_k, an argument of the same kernel
                 add("paged_attention")
+                if b.out_rope:               # the output's rotary dims turned back (DeepSeek-V4)
+                    add("rope_heads")
                 if b.gate_size:
                     add("sigmoid_gate")
             if b.moe and w.gate_w is not None:
@@ -226,6 +229,10 @@ def family_calls(be: Backend, fp8: bool = True,
         be.qk_norm_rope_kv_write(act(N, (HQ + 2 * HKV) * D), HQ, HKV, None, None, 1e-5,
                                  be.from_host(inv_freq(D, 10000.0)), idx([5, 6]), kc, vc, idx([5, 6]))
 
+    def rotate_heads():                                        # out_rope: the inverse rotation
+        be.rope_heads(act(N, HQ, D), idx([3, 4]), be.from_host(inv_freq(D // 2, 10000.0)), interleave=True,
+                      inverse=True)
+
     def attention():
         tables = idx([[0, 1], [2, 3]])
         be.paged_attention(act(N, HQ, D), kc, vc, tables, idx([0, 1]), idx([5, 7]), D ** -0.5)
@@ -292,6 +299,7 @@ def family_calls(be: Backend, fp8: bool = True,
 
     calls = {"rmsnorm": lambda: be.rmsnorm(x, vec(H), 1e-5), "moe_router": router, "qk_norm_rope_kv_write": rope_kv,
              "paged_attention": attention, "mla": mla, "dsa": dsa, "sigmoid_gate": gate, "linear": linear,
-             "mtp_input": mtp_input, "swiglu_mlp": mlp, "moe_experts": experts, "lm_head": lm_head}
+             "mtp_input": mtp_input, "swiglu_mlp": mlp, "moe_experts": experts, "lm_head": lm_head,
+             "rope_heads": rotate_heads}
     # a weighted family with no kinds left (FP8 only, fp8=False) has nothing to run
     return [(f, calls[f]) for f in FAMILIES if f in kinds and (f in _UNWEIGHTED or kinds[f])]

@@ -1,5 +1,6 @@
 """Per-head q/k RMSNorm + partial RoPE (neox halves or interleaved pairs) + paged KV
-write, in one call (spec: mtpkern.ops.rope_kv).
+write, in one call; and the rotation alone of every head (``rope_heads``, forward or
+inverse) (spec: mtpkern.ops.rope_kv).
 
 A serial pass first fills the per-row cos/sin tables [n, R/2], both multiplied by
 ``rope_scale`` (YaRN's attention factor; 1 otherwise) (a second
@@ -9,7 +10,13 @@ value head) and walks the rows in order: each head is normed and rotated
 straight into its destination (q_out, or the k cache at the row's slot), so
 the data is read once and written once. Rows in order means a slot given twice
 ends with the last row's values, as the reference's fancy assignment does.
+With ``v_is_k`` (DeepSeek-V4's shared KV) a key head's task copies the key as it wrote it
+(normed, rotated) into the value cache: qkv holds no value columns.
 A decode step's few rows run on the calling thread (``linear.SMALL``).
+
+``rope_heads_kernel`` fills the same tables (sin negated for the inverse rotation:
+``x1 c - x2 (-s) = x1 c + x2 s`` bit for bit as the reference's) and runs the same head
+routine without a norm, one task per head over the rows.
 """
 
 from __future__ import annotations
@@ -46,9 +53,26 @@ def _norm_rope_head(src, r, c0, D, w, eps, cos, sin, dst, dr, dc0, interleave):
 
 
 @njit(cache=True, fastmath=False)
+def _cos_sin(positions, inv_freq, rope_scale, sin_sign):
+    """-> cos, sin [n, R/2] FP32: ``rope_scale cos f``, ``sin_sign rope_scale sin f``,
+    ``f = float32(pos) * inv_freq[k]``. Serial: n * R/2 pairs, ~15 ns each."""
+    n, half = positions.shape[0], inv_freq.shape[0]
+    cos = np.empty((n, half), np.float32)
+    sin = np.empty((n, half), np.float32)
+    for r in range(n):
+        p = np.float32(positions[r])
+        for k in range(half):
+            f = p * inv_freq[k]
+            cos[r, k] = np.cos(f) * rope_scale
+            sin[r, k] = np.sin(f) * rope_scale * sin_sign
+    return cos, sin
+
+
+@njit(cache=True, fastmath=False)
 def _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots,
-               interleave):
-    """Head h (a query head, or KV head h - Hq with its value head) of every row, rows in order."""
+               interleave, v_is_k):
+    """Head h (a query head, or KV head h - Hq with its value head) of every row, rows in order;
+    ``v_is_k``: the value head is the key head as written (Dv = D)."""
     for r in range(qkv.shape[0]):
         if h < Hq:
             _norm_rope_head(qkv, r, h * D, D, q_norm_w, eps, cos, sin, q_out, r, h * D, interleave)
@@ -56,32 +80,46 @@ def _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out,
             kv = h - Hq
             slot = slots[r]
             _norm_rope_head(qkv, r, h * D, D, k_norm_w, eps, cos, sin, k_rows, slot, kv * D, interleave)
-            v0 = (Hq + Hkv) * D + kv * Dv
-            for k in range(Dv):
-                v_rows[slot, kv * Dv + k] = qkv[r, v0 + k]
+            if v_is_k:
+                for k in range(D):
+                    v_rows[slot, kv * D + k] = k_rows[slot, kv * D + k]
+            else:
+                v0 = (Hq + Hkv) * D + kv * Dv
+                for k in range(Dv):
+                    v_rows[slot, kv * Dv + k] = qkv[r, v0 + k]
 
 
 @njit(cache=True, fastmath=False, parallel=True)
 def qk_norm_rope_kv_write_kernel(qkv, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, inv_freq, positions,
-                                 k_rows, v_rows, slots, q_out, interleave, rope_scale):
-    """qkv [n, W >= (Hq + Hkv) D + Hkv Dv] (columns past that unread); k_rows [NB * BS, Hkv * D],
-    v_rows [NB * BS, Hkv * Dv] (the caches, one row per slot); q_out [n, Hq * D]; eps and
-    rope_scale float32; interleave bool (pairs (2k, 2k + 1), else (k, k + R/2))."""
-    n = qkv.shape[0]
-    half = inv_freq.shape[0]
-    cos = np.empty((n, half), np.float32)
-    sin = np.empty((n, half), np.float32)
-    for r in range(n):                               # serial: n * R/2 cos/sin pairs, ~15 ns each
-        p = np.float32(positions[r])
-        for k in range(half):
-            f = p * inv_freq[k]
-            cos[r, k] = np.cos(f) * rope_scale
-            sin[r, k] = np.sin(f) * rope_scale
-    if n * qkv.shape[1] <= SMALL:
+                                 k_rows, v_rows, slots, q_out, interleave, rope_scale, v_is_k):
+    """qkv [n, W >= (Hq + Hkv) D + Hkv Dv] (``v_is_k``: (Hq + Hkv) D; columns past that unread);
+    k_rows [NB * BS, Hkv * D], v_rows [NB * BS, Hkv * Dv] (the caches, one row per slot);
+    q_out [n, Hq * D]; eps and rope_scale float32; interleave bool (pairs (2k, 2k + 1), else
+    (k, k + R/2)); v_is_k bool (the value written is the key as written; Dv = D)."""
+    cos, sin = _cos_sin(positions, inv_freq, rope_scale, np.float32(1.0))
+    if qkv.shape[0] * qkv.shape[1] <= SMALL:
         for h in range(Hq + Hkv):
             _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots,
-                       interleave)
+                       interleave, v_is_k)
     else:
         for h in prange(Hq + Hkv):
             _head_rows(qkv, h, Hq, Hkv, D, Dv, q_norm_w, k_norm_w, eps, cos, sin, q_out, k_rows, v_rows, slots,
-                       interleave)
+                       interleave, v_is_k)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def rope_heads_kernel(x, heads, D, inv_freq, positions, out, interleave, rope_scale, inverse):
+    """x, out [n, heads * D] FP32 (apart); the first R = 2 len(inv_freq) dims of every head
+    rotated by ``positions[r] * inv_freq`` (``inverse``: by the opposite angle), the rest copied;
+    rope_scale float32, interleave / inverse bool. One task per head, rows in order."""
+    cos, sin = _cos_sin(positions, inv_freq, rope_scale, np.float32(-1.0 if inverse else 1.0))
+    no_norm = np.empty(0, np.float32)
+    eps = np.float32(0.0)
+    if x.shape[0] * x.shape[1] <= SMALL:
+        for h in range(heads):
+            for r in range(x.shape[0]):
+                _norm_rope_head(x, r, h * D, D, no_norm, eps, cos, sin, out, r, h * D, interleave)
+    else:
+        for h in prange(heads):
+            for r in range(x.shape[0]):
+                _norm_rope_head(x, r, h * D, D, no_norm, eps, cos, sin, out, r, h * D, interleave)
