@@ -19,6 +19,9 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    cost is not in the number; "eager" where the op could not be captured).
    Bytes are counted explicitly per op (weights, activations, KV, workspaces
    written and read back); GB/s = bytes / median, "of copy" = GB/s / copy GB/s.
+   Then ``dsv4 ...``: the ops DeepSeek-V4's attention adds to a GQA block at its shape (64
+   heads x 512, 64 rotary dims) at 1 and 64 rows: ``rope_heads`` (the output's rotary dims
+   turned back) and the shared-KV write (``qk_norm_rope_kv_write(v_is_k=True)``).
 3. ``propose``: one ``propose_batch`` (host included: validation, staging, the
    drafts' device-to-host copy) for k = 1..3 at batch 1 and 8, exact and draft
    KV modes, eager vs CUDA-graph replay, L2 flushed before each. "floor" is
@@ -434,6 +437,31 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
          lambda: be.lm_head_argmax(x, w.head, None, out=lm_ids, part_v=part_v, part_i=part_i, check=False)),
     ]
     return cases
+
+
+def deepseek_v4_rope_cases(be, n: int) -> list[tuple[str, int, int, Callable]]:
+    """DeepSeek-V4's attention ops at ``n`` rows: its output's rotary dims turned back
+    (``rope_heads``, inverse, 64 heads x 512, R = 64) and its shared-KV write (64 query heads and
+    one K = V head of 512 into a BF16 cache); every output preallocated. (op, context, bytes, thunk)."""
+    import cupy as cp
+
+    from mtpkern.ops.rope_kv import inv_freq
+
+    Hq, D, R = 64, 512, 64
+    f4, b2 = 4, 2
+    rs = cp.random.RandomState(n)
+    o, qk = rs.standard_normal((n, Hq, D), dtype=cp.float32), rs.standard_normal((n, (Hq + 1) * D), dtype=cp.float32)
+    out, q = cp.empty((n, Hq, D), cp.float32), cp.empty((n, Hq, D), cp.float32)
+    kc, vc = cp.zeros((n, 1, 1, D), cp.uint16), cp.zeros((n, 1, 1, D), cp.uint16)      # a block of one row each
+    invf, ones = cp.asarray(inv_freq(R, 10000.0)), cp.ones(D, cp.float32)
+    pos, slots = cp.arange(4096, 4096 + n, dtype=cp.int32), cp.arange(n, dtype=cp.int32)
+    return [
+        ("dsv4 rope_heads inverse", 0, 2 * n * Hq * D * f4 + R // 2 * f4 + n * 4,
+         lambda: be.rope_heads(o, pos, invf, interleave=True, inverse=True, out=out)),
+        ("dsv4 qk_norm_rope_kv_write v_is_k", 0, n * (2 * Hq + 1) * D * f4 + 2 * D * f4 + 2 * n * D * b2,
+         lambda: be.qk_norm_rope_kv_write(qk, Hq, 1, ones, ones, 1e-6, invf, pos, kc, vc, slots, interleave=True,
+                                          v_is_k=True, out=q)),
+    ]
 
 
 def torch_kernel_peers(cfg: MtpConfig, w, n: int, contexts: list[int], device: str | None = None
@@ -1064,6 +1092,15 @@ def main(argv: list[str] | None = None) -> int:
             run_cases(gpu, rec, kernel_cases(cfg, be, weights.modules[0], n, args.contexts), n, args.runs, peers)
             del peers
             cp.get_default_memory_pool().free_all_blocks()
+        for n in (1, 64):                                  # DeepSeek-V4's attention ops, at its shape
+            if time.perf_counter() > kernels_until:
+                rec.note("dsv4_skipped", f"time budget: from {n} rows on")
+                break
+            try:
+                run_cases(gpu, rec, deepseek_v4_rope_cases(be, n), n, args.runs)
+            except Exception as e:
+                rec.error(f"dsv4 rows {n}: {type(e).__name__}: {e}")
+                traceback.print_exc()
 
         if args.attention_sweep:                           # where paged attention's time goes
             for n in args.batches:

@@ -1,11 +1,14 @@
-// rope_kv.cu -- per-head q/k RMSNorm, partial RoPE (neox or interleaved), paged KV write, in one pass.
+// rope_kv.cu -- per-head q/k RMSNorm, partial RoPE (neox or interleaved), paged KV write, in one pass;
+// and the rotation alone of every head of an [n, heads, D] array (rope_heads_kernel).
 //
+// qk_norm_rope_kv_write_kernel<KV, Interleave, VIsK>:
 //   qkv [n, ld] fp32, ld >= (Hq + Hkv) * D + Hkv * Dv: Hq query heads and Hkv key heads
 //   of D, then Hkv value heads of Dv; columns past them (a gate projection stacked after
-//   q | k | v) are not read
+//   q | k | v) are not read. VIsK (DeepSeek-V4's shared KV): no value heads, ld >= (Hq + Hkv) * D
 //   q_out [n, Hq, D] fp32 = rope(rmsnorm(q, q_norm_w))
 //   k_cache[slot, hk, :] = KV(rope(rmsnorm(k, k_norm_w)))     k_cache [NB, BS, Hkv, D] in KV
 //   v_cache[slot, hk, :] = KV(v)                               v_cache [NB, BS, Hkv, Dv] in KV
+//                          (VIsK: the same KV(rope(rmsnorm(k))) as k_cache, Dv == D)
 //                                                              (slot = block * BS + offset)
 //
 // RoPE (first R = 2 * half dims): pair i is (x1, x2) = (x[i], x[i + half]) (neox halves) or,
@@ -14,23 +17,32 @@
 // x1' = x1 c - x2 s, x2' = x2 c + x1 s; dims R..D pass through unscaled. rope_scale is YaRN's
 // attention factor (1 for the default RoPE). sincosf is the accurate one (no fast math).
 //
-// Mapping: one warp per (row, head) over all Hq + 2 Hkv heads of the row.
-//   grid (ceil((Hq + 2 Hkv) / 4), n), block 128 = 4 warps.
+// Mapping: one warp per (row, head) over all Hq + 2 Hkv heads of the row (VIsK: Hq + Hkv, the
+//   key's warp writing both caches).
+//   grid (ceil(heads / 4), n), block 128 = 4 warps.
 //   Lanes stride over the head's D (value heads: Dv) elements: a warp-sum of squares gives the
-//   norm, then lane i rotates pair i, i = lane, lane + 32, ... (Interleave: a template
-//   parameter, so the neox kernel is the one it was)
+//   norm, then lane i rotates pair i, i = lane, lane + 32, ... (Interleave, VIsK: template
+//   parameters, so the neox kernel is the one it was)
 //   The head (D * 4 B) is re-read from L1 for the second pass.
 //
 // Preconditions: blockDim.x == 128; 1 <= half <= D / 2; q_norm_w / k_norm_w
 // may be null (no norm). A slot outside [0, num_slots) (e.g. -1 padding) skips
 // that row's K/V write; q is still produced.
+//
+// rope_heads_kernel<Interleave, Inverse>:
+//   x, out [n, heads, D] fp32 (disjoint): the first R = 2 * half dims of every head rotated as
+//   above (Inverse: by the opposite angle, x1' = x1 c + x2 s, x2' = x2 c - x1 s: DeepSeek-V4
+//   turns its attention output's rotary dims back to the query's frame), dims R..D copied.
+//   Mapping as above: one warp per (row, head), grid (ceil(heads / 4), n), block 128; lane i
+//   rotates pair i, i + 32, ...; the copy is coalesced over lanes.
+//   Preconditions: blockDim.x == 128; 1 <= half <= D / 2.
 #include "common.cuh"
 
 namespace mtp {
 constexpr int kRopeWarps = 4;
 }
 
-template <typename KV, bool Interleave>
+template <typename KV, bool Interleave, bool VIsK>
 __global__ void __launch_bounds__(mtp::kRopeWarps * mtp::kWarp)
 qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float* __restrict__ q_norm_w,
                              const float* __restrict__ k_norm_w, float eps,
@@ -42,7 +54,7 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
   const int warp = threadIdx.x / mtp::kWarp, lane = threadIdx.x % mtp::kWarp;
   const int h = blockIdx.x * mtp::kRopeWarps + warp;  // head of the row: q, then k, then v
   const long long r = blockIdx.y;
-  const int heads = Hq + 2 * Hkv;
+  const int heads = Hq + (VIsK ? 1 : 2) * Hkv;
   if (h >= heads) return;  // no barriers in this kernel
   // q and k heads are D wide, the value heads after them Dv
   const float* src = qkv + r * ld + (h < Hq + Hkv ? h * D : (Hq + Hkv) * D + (h - Hq - Hkv) * Dv);
@@ -51,6 +63,7 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
   const bool is_q = h < Hq, is_k = !is_q && h < Hq + Hkv;
   float* qdst = nullptr;
   KV* kvdst = nullptr;
+  KV* vdst = nullptr;  // VIsK: the key's value row
   if (is_q) {
     qdst = q_out + (r * Hq + h) * D;
   } else {
@@ -58,6 +71,7 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
     if (slot < 0 || slot >= num_slots) return;
     const int hk = is_k ? h - Hq : h - Hq - Hkv;
     kvdst = is_k ? k_cache + (slot * Hkv + hk) * D : v_cache + (slot * Hkv + hk) * Dv;
+    if (VIsK) vdst = v_cache + (slot * Hkv + hk) * D;
   }
 
   if (!is_q && !is_k) {  // v: convert and store
@@ -76,8 +90,13 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
   }
   auto normed = [&](int d) { return nw ? src[d] / denom * nw[d] : src[d]; };
   auto put = [&](int d, float v) {
-    if (is_q) qdst[d] = v;
-    else kvdst[d] = mtp::from_f32<KV>(v);
+    if (is_q) {
+      qdst[d] = v;
+    } else {
+      const KV kv = mtp::from_f32<KV>(v);
+      kvdst[d] = kv;
+      if (VIsK) vdst[d] = kv;
+    }
   };
 
   const float pos = static_cast<float>(positions[r]);
@@ -92,4 +111,29 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
     put(b, x2 * c + x1 * s);
   }
   for (int d = 2 * half + lane; d < D; d += mtp::kWarp) put(d, normed(d));
+}
+
+template <bool Interleave, bool Inverse>
+__global__ void __launch_bounds__(mtp::kRopeWarps * mtp::kWarp)
+rope_heads_kernel(const float* __restrict__ x, const float* __restrict__ inv_freq, int half, float rope_scale,
+                  const int* __restrict__ positions, float* __restrict__ out, int heads, int D) {
+  const int warp = threadIdx.x / mtp::kWarp, lane = threadIdx.x % mtp::kWarp;
+  const int h = blockIdx.x * mtp::kRopeWarps + warp;
+  const long long r = blockIdx.y;
+  if (h >= heads) return;  // no barriers in this kernel
+  const float* src = x + (r * heads + h) * D;
+  float* dst = out + (r * heads + h) * D;
+  const float pos = static_cast<float>(positions[r]);
+  for (int i = lane; i < half; i += mtp::kWarp) {
+    const int a = Interleave ? 2 * i : i, b = Interleave ? 2 * i + 1 : i + half;  // the pair's dims
+    const float x1 = src[a], x2 = src[b];
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    c *= rope_scale;
+    s *= rope_scale;
+    if (Inverse) s = -s;  // x1 c - x2 (-s) == x1 c + x2 s, bit for bit
+    dst[a] = x1 * c - x2 * s;
+    dst[b] = x2 * c + x1 * s;
+  }
+  for (int d = 2 * half + lane; d < D; d += mtp::kWarp) dst[d] = src[d];
 }

@@ -42,6 +42,7 @@ import test_family_step3p5 as step3p5
 import test_gpu
 import test_ops_backends
 import test_ops_mla
+import test_v4_attention
 from cuda_emu import emu_backend
 from test_cuda_graph_fake import FakeRuntime
 from conftest import kv_rows
@@ -1598,6 +1599,11 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
     fused = rnd(rng, 5, 80)
     out["sigmoid_gate"] = emu_backend.backend().sigmoid_gate(x, fused[:, 8:16])
     out["sigmoid_gate residual"] = emu_backend.backend().sigmoid_gate(x, fused[:, 70:71], x)
+    for il in (False, True):                                 # rope_heads_kernel<INTERLEAVE, INVERSE>
+        for inv in (False, True):
+            out[f"rope_heads {il} {inv}"] = emu_backend.backend().rope_heads(
+                rnd(rng, 3, 5, 40), np.array([0, 9, 7000], np.int32), inv_freq(12, 1e4), interleave=il,
+                rope_scale=1.25, inverse=inv)
     for kv in KV_DTYPES:
         be = emu_backend.backend(kv)
         for D in (48, 128, 256):                                                        # DC = 2, 4, 8
@@ -1633,6 +1639,13 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             rnd(rng, 5, 4 * 14), 2, 1, rnd(rng, 14), None, 1e-6, inv_freq(10, 1e4),
             np.array([0, 7, 90, 3, 4000], np.int32), k, v, np.array([0, 11, 5, 2, 7], np.int32),
             interleave=True, rope_scale=1.25)
+        for il in (False, True):                                               # VIsK: the key is the value
+            k, v = be.empty_kv(3, 4, 1, 14), be.empty_kv(3, 4, 1, 14)
+            out[f"rope v_is_k {kv} {il}"] = be.qk_norm_rope_kv_write(
+                rnd(rng, 5, 3 * 14), 2, 1, rnd(rng, 14), rnd(rng, 14), 1e-6, inv_freq(10, 1e4),
+                np.array([0, 7, 90, 3, 4000], np.int32), k, v, np.array([0, 11, 5, 2, 7], np.int32),
+                interleave=il, v_is_k=True)
+            out[f"rope v_is_k caches {kv} {il}"] = np.concatenate([c.view(np.uint8).ravel() for c in (k, v)])
         for il, (L, R, Hq, P, Dv) in zip((False, True), ((72, 16, 3, 24, 20), (300, 32, 17, 16, 24))):   # LPT 1, 2
             NB, BS = 12, 16
             n = NB * BS
@@ -1900,6 +1913,21 @@ def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, m
     ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=13)
     test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
     test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_v4_attention_matches_numpy_reference(fake_runtime, tmp_path, window, mode):
+    """DeepSeek-V4's attention (tests/test_v4_attention.py's V4_ATTN: the query's latent, K = V
+    through qk_norm_rope_kv_write(v_is_k), sinks, the output unrotated by rope_heads(inverse),
+    the grouped low-rank output), with and without a window, on the kernels against the NumPy
+    reference; the planned step falls back to the eager one for it (counted)."""
+    from mtpkern import write_synthetic_checkpoint
+
+    cfg = tiny_config(**test_v4_attention.V4_ATTN, sliding_window=window)
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=17, dtype="float32")
+    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"),
+                                                fallback="fallback_v4_attention")
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

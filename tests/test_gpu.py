@@ -15,6 +15,8 @@
   launches on the same shapes), grammar masks and NoAllowedToken included;
 - device inputs: CuPy, Numba and (when importable with CUDA) PyTorch arrays are
   used in place; BF16 device tensors are widened on the device;
+- DeepSeek-V4's attention (K = V, the output unrotated, sinks, the grouped output) in a
+  proposer against the reference, and ``rope_heads`` at V4's shape (64 heads x 512, R 64);
 - the tensor cores' fragment layout (kernels/mma.cu's probe of kernels/mma.cuh) against a
   NumPy matmul, each deliberately wrong layout caught (the emulator runs the same check
   against its emulated mma: test_cuda_emulated.py::test_mma_fragment_layout).
@@ -95,10 +97,12 @@ def test_cuda_matches_numpy_reference(ckpt_cfg, mode, kv):
 
 
 def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_backend, lens=(5, 19, 40),
-                                       **make_kw) -> None:
+                                       fallback: str | None = None, **make_kw) -> None:
     """The body of test_cuda_matches_numpy_reference, for any cuda backend with KV dtype
     ``kv`` (tests/test_cuda_emulated.py runs it on the emulated kernels); ``lens``: the
-    prompts' lengths; ``make_kw``: the proposers' pool and chunk sizes."""
+    prompts' lengths; ``fallback``: the planned step's counter of a config it does not cover
+    (every propose then runs eager; None: some must take the planned step); ``make_kw``: the
+    proposers' pool and chunk sizes."""
     ckpt, cfg = ckpt_cfg
     ref, dev = _make(ckpt, _reference_backend(kv), mode, **make_kw), _make(ckpt, device_backend, mode, **make_kw)
     tol = kv
@@ -141,8 +145,46 @@ def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_back
             _same_kv(ref, sr[i], dev, sd[i], f"round {rnd}, sequence {i}", tol)
         dev.check_invariants()
     assert compared >= 2 * ties, f"{ties} near-ties in {compared} compared drafts"
-    assert dev.step_runner is not None and dev.step_runner.counts["executed"] + dev.step_runner.counts["replayed"]
+    assert dev.step_runner is not None
+    planned = dev.step_runner.counts["executed"] + dev.step_runner.counts["replayed"]
+    assert (not planned and dev.step_runner.counts[fallback]) if fallback else planned, dict(dev.step_runner.counts)
     return ref, dev
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float32"])
+def test_v4_attention_matches_numpy_reference(tmp_path, kv):
+    """DeepSeek-V4's attention (tests/test_v4_attention.py's V4_ATTN: K = V through
+    qk_norm_rope_kv_write_kernel's VIsK instantiations, the output unrotated by
+    rope_heads_kernel, sinks, the grouped low-rank output) in a proposer, against the
+    reference; every propose eager (the planned step falls back for it)."""
+    from test_v4_attention import V4_ATTN
+
+    cfg = tiny_config(**V4_ATTN)
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=17, dtype="float32")
+    check_cuda_matches_numpy_reference((ckpt, cfg), "draft", kv, _device_backend(kv),
+                                       fallback="fallback_v4_attention")
+
+
+@pytest.mark.parametrize("n", [1, 64])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_rope_heads_at_deepseek_v4_shape(n, interleave):
+    """rope_heads_kernel over 64 heads x 512 with 64 rotary dims, forward and inverse, against
+    the NumPy reference; the dims past 64 copied bit for bit, inverse(forward(x)) = x."""
+    from mtpkern.backends.numpy_backend import NumpyBackend
+    from mtpkern.ops.rope_kv import inv_freq
+
+    be, ref = _device_backend("bfloat16"), NumpyBackend()
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, 64, 512)).astype(np.float32)
+    pos, f = rng.integers(0, 160_000, n).astype(np.int32), inv_freq(64, 1e4)
+    for inverse in (False, True):
+        got = be.to_host(be.rope_heads(be.from_host(x), pos, f, interleave=interleave, inverse=inverse))
+        want = ref.rope_heads(x, pos, f, interleave=interleave, inverse=inverse)
+        assert_close(got[..., :64], want[..., :64], "float32", f"inverse={inverse}")
+        assert np.array_equal(got[..., 64:], x[..., 64:])
+    fwd = be.rope_heads(be.from_host(x), pos, f, interleave=interleave)
+    assert_close(be.to_host(be.rope_heads(fwd, pos, f, interleave=interleave, inverse=True)), x, "float32",
+                 "inverse of forward")
 
 
 def _allowed(V, ids):

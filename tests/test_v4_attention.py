@@ -25,7 +25,7 @@ from mtpkern.head import RowJob
 from mtpkern.ops.rope_kv import inv_freq
 from mtpkern.testing import oracle, reference_weights
 from mtpkern.tolerance import assert_close
-from test_ops_mla import BACKENDS, backend, emulator, rng_for, rope64  # noqa: F401
+from test_ops_mla import BACKENDS, OTHER_BACKENDS, REF, backend, emulator, kv_tol, rng_for, rope64  # noqa: F401
 
 #: V4's MTP attention at test size: one K = V head of 32, 8 rotary dims in pairs, q latent 24,
 #: two output groups of rank 16, sinks
@@ -77,6 +77,110 @@ def test_v_is_k_writes_the_written_key_as_the_value(backend, name):
     with pytest.raises(ValueError, match="v_is_k"):
         be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, None, None, 1e-6, inv_freq(8, 1e4), pos, kc,
                                  be.empty_kv(NB, BS, Hkv, 16), slots, v_is_k=True)
+
+
+#: (n, heads, D, R): DeepSeek-V4's 64 heads x 512 with 64 rotary dims at one row and at three (the
+#: cpu kernel's threads past 2^16 elements); odd heads, dims and pairs; R = D; one pair
+ROPE_HEADS_SHAPES = [(1, 64, 512, 64), (3, 64, 512, 64), (19, 3, 7, 6), (4, 5, 80, 80), (2, 1, 33, 2)]
+
+
+@pytest.mark.parametrize("name", OTHER_BACKENDS)
+@pytest.mark.parametrize("n,heads,D,R", ROPE_HEADS_SHAPES)
+@pytest.mark.parametrize("interleave,rope_scale,inverse", [(False, 1.0, False), (True, 1.0, True),
+                                                           (True, 0.7, False), (False, 1.3, True)])
+def test_rope_heads_against_the_reference(backend, name, n, heads, D, R, interleave, rope_scale, inverse):
+    be = backend(name)
+    rng = rng_for("rope_heads_shapes", n, heads, D, R, interleave, rope_scale, inverse)
+    x = rng.standard_normal((n, heads, D)).astype(np.float32) * 3
+    pos = rng.integers(0, 200_000, n).astype(np.int32)
+    f = inv_freq(R, 1e6)
+    kw = dict(interleave=interleave, rope_scale=rope_scale, inverse=inverse)
+    xd = be.from_host(x)
+    got = be.to_host(be.rope_heads(xd, pos, f, **kw))
+    want = REF.rope_heads(x, pos, f, **kw)
+    assert got.shape == (n, heads, D) and got.dtype == np.float32
+    assert_close(got[..., :R], want[..., :R], "float32", f"{name}: rotated dims")
+    assert np.array_equal(got[..., R:], x[..., R:]), f"{name}: dims past R copied"
+    assert np.array_equal(be.to_host(xd), x), f"{name}: x left as it was"
+    if R > 2 or rope_scale != 1.0:           # negative control: the other rotation is far off
+        other = REF.rope_heads(x, pos, f, **{**kw, "inverse": not inverse})
+        with pytest.raises(AssertionError):
+            assert_close(got[..., :R], other[..., :R], "float32", "the other direction")
+
+
+@pytest.mark.parametrize("name", OTHER_BACKENDS)
+def test_rope_heads_inputs_and_out(backend, name):
+    """BF16 x (widened: exact), a strided x, ``out=``: the same bits as the plain FP32 call."""
+    import ml_dtypes
+
+    be = backend(name)
+    rng = rng_for("rope_heads_inputs")
+    n, heads, D, R = 5, 6, 40, 16
+    wide = rng.standard_normal((n, 2 * heads, D)).astype(np.float32)
+    x = np.ascontiguousarray(wide[:, ::2])
+    pos, f = rng.integers(0, 9000, n).astype(np.int32), inv_freq(R, 1e4)
+    plain = be.to_host(be.rope_heads(be.from_host(x), pos, f, interleave=True, inverse=True))
+    if name == "cpu":                         # host arrays in any layout (the emulated cuda copies its inputs)
+        assert np.array_equal(be.to_host(be.rope_heads(wide[:, ::2], pos, f, interleave=True, inverse=True)), plain)
+    xb = x.astype(ml_dtypes.bfloat16)
+    got = be.to_host(be.rope_heads(xb, pos, f, interleave=True, inverse=True))
+    want = be.to_host(be.rope_heads(be.from_host(xb.astype(np.float32)), pos, f, interleave=True, inverse=True))
+    assert np.array_equal(got, want), f"{name}: BF16 x"
+    out = be.from_host(np.full((n, heads, D), np.nan, np.float32))
+    be.rope_heads(be.from_host(x), pos, f, interleave=True, inverse=True, out=out)
+    assert np.array_equal(be.to_host(out), plain), f"{name}: out="
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_rope_heads_refuses_bad_input(backend, name):
+    be = backend(name)
+    x, pos, f = np.zeros((3, 2, 16), np.float32), np.arange(3, dtype=np.int32), inv_freq(8, 1e4)
+    for match, args, kw in [
+        ("x: expected 3", (x[0], pos, f), {}),
+        ("x: expected dtype", (x.astype(np.float16), pos, f), {}),
+        ("inv_freq: expected 1..8 entries", (x, pos, inv_freq(18, 1e4)), {}),
+        ("positions: expected shape", (x, pos[:2], f), {}),
+        ("positions: expected dtype", (x, pos.astype(np.int64), f), {}),
+        ("inverse: expected a bool", (x, pos, f), {"inverse": 1}),
+        ("rope_scale", (x, pos, f), {"rope_scale": 0.0}),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            be.rope_heads(*args, **kw)
+
+
+@pytest.mark.parametrize("name", OTHER_BACKENDS)
+@pytest.mark.parametrize("n,Hq,Hkv,D,R,extra,norms,interleave,BS", [
+    (130, 8, 2, 64, 32, 0, True, True, 16),  # the cpu kernel's threads (n * W past 2^16), its key tiles (BS 16)
+    (5, 3, 1, 80, 2, 7, True, False, 4),     # columns past q | k ignored
+    (7, 4, 4, 24, 24, 0, False, True, 3),    # no norms, R = D
+])
+def test_v_is_k_against_the_reference(backend, name, n, Hq, Hkv, D, R, extra, norms, interleave, BS):
+    be = backend(name)
+    rng = rng_for("v_is_k_shapes", n, Hq, Hkv, D, R, extra, norms, interleave)
+    NB = -(-n // BS) + 2
+    qkv = rng.standard_normal((n, (Hq + Hkv) * D + extra)).astype(np.float32) * 2
+    qn, kn = ((1 + 0.2 * rng.standard_normal(D)).astype(np.float32) for _ in range(2))
+    norm_w = (qn, kn) if norms else (None, None)
+    slots = rng.permutation(NB * BS)[:n].astype(np.int32)
+    pos = rng.integers(0, 50_000, n).astype(np.int32)
+    f, kw = inv_freq(R, 1e4), dict(interleave=interleave, rope_scale=1.1, v_is_k=True)
+    kc, vc = be.empty_keys(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+    q = be.to_host(be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv,
+                                            *(None if w is None else be.prepare_vector(w) for w in norm_w), 1e-6, f,
+                                            pos, kc, vc, slots, **kw))
+    kr, vr = REF.empty_kv(NB, BS, Hkv, D), REF.empty_kv(NB, BS, Hkv, D)
+    qr = REF.qk_norm_rope_kv_write(qkv, Hq, Hkv, *norm_w, 1e-6, f, pos, kr, vr, slots, **kw)
+    assert_close(q, qr, "float32", f"{name}: q")
+    k, v = (be.kv_to_host(c).reshape(NB * BS, Hkv, D) for c in (kc, vc))
+    assert_close(k[slots], kr.reshape(NB * BS, Hkv, D)[slots], kv_tol(be), f"{name}: k")
+    assert np.array_equal(k, v), f"{name}: v is k as written (and nothing else written)"
+    unused = np.setdiff1d(np.arange(NB * BS), slots)
+    assert not np.abs(k[unused]).any()
+    with pytest.raises(ValueError, match="qkv: expected"):        # without v_is_k, qkv lacks the value heads
+        be.qk_norm_rope_kv_write(be.from_host(qkv[:, :(Hq + Hkv) * D]), Hq, Hkv, None, None, 1e-6, f, pos, kc, vc,
+                                 slots)
+    with pytest.raises(TypeError, match="v_is_k: expected a bool"):
+        be.qk_norm_rope_kv_write(be.from_host(qkv), Hq, Hkv, None, None, 1e-6, f, pos, kc, vc, slots, v_is_k=1)
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -194,7 +194,15 @@ class Backend(ABC):
     @abstractmethod
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
                               eps: float, inv_freq, positions, k_cache, v_cache, slots, *,
-                              interleave: bool = False, rope_scale: float = 1.0): ...
+                              interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False):
+        """``v_is_k``: qkv holds q | k only and the value written is the key as written
+        (DeepSeek-V4's shared KV; ``mtpkern.ops.rope_kv``)."""
+
+    @abstractmethod
+    def rope_heads(self, x, positions, inv_freq, *, interleave: bool = False, rope_scale: float = 1.0,
+                   inverse: bool = False):
+        """x [n, heads, D] -> [n, heads, D] FP32, the first R dims of every head rotated
+        (``inverse``: by the opposite angle; ``mtpkern.ops.rope_kv``)."""
 
     @abstractmethod
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,

@@ -222,10 +222,15 @@ class CudaBackend(Backend):
 
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
                               eps: float, inv_freq, positions, k_cache, v_cache, slots, *,
-                              interleave: bool = False, rope_scale: float = 1.0, out=None):
+                              interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False, out=None):
         return rope_kv.qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, eps,
                                              inv_freq, positions, k_cache, v_cache, slots,
-                                             interleave=interleave, rope_scale=rope_scale, out=out)
+                                             interleave=interleave, rope_scale=rope_scale, v_is_k=v_is_k, out=out)
+
+    def rope_heads(self, x, positions, inv_freq, *, interleave: bool = False, rope_scale: float = 1.0,
+                   inverse: bool = False, out=None):
+        return rope_kv.rope_heads(x, positions, inv_freq, interleave=interleave, rope_scale=rope_scale,
+                                  inverse=inverse, out=out)
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
                         row_start=None, sinks=None, out=None, part_o=None, part_ml=None):

@@ -68,7 +68,10 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     # RMSNorm prologue
     "gemm_tc": tuple(f"{k}<{nt}, {nm}>" for k in ("gemm_tc_kernel", "swiglu_tc_kernel") for nt in GEMM_TC_NT
                      for nm in ("false", "true")),
-    "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true")),
+    # VIS_K (the last parameter): the value is the key as written (DeepSeek-V4's shared KV)
+    "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}, {vk}>" for t in _CTYPES for il in ("false", "true")
+                     for vk in ("false", "true"))
+    + tuple(f"rope_heads_kernel<{il}, {inv}>" for il in ("false", "true") for inv in ("false", "true")),
     "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
     + tuple(f"paged_attention_tc_kernel<{mt}, {dc}>" for mt, dc in ATTENTION_TC)
     + ("paged_attention_merge_kernel",),
