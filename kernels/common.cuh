@@ -2,7 +2,8 @@
 //
 // - element conversion: BF16 storage (__nv_bfloat16, carried by CuPy as uint16
 //   bits), FP32 storage, or FP8 E4M3 weights (__nv_fp8_e4m3, uint8 bytes, with FP32
-//   scales: Scales), always widened to FP32 for arithmetic;
+//   scales: Scales), or FP4 E2M1 weights (fp4x2_e2m1: two codes a byte, with E8M0 scale
+//   codes per 32 weights), always widened to FP32 for arithmetic;
 // - vector loads: N consecutive elements -> float[N] with the widest aligned
 //   access (16 bytes for 8 bf16 or 4 floats);
 // - warp / block reductions with a fixed summation order (results do not
@@ -20,6 +21,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+// Two FP4 E2M1 weights in one byte, as DeepSeek-V4 releases its routed experts (docs/fp4.md):
+// column 2j of a row in the low nibble of byte j, column 2j + 1 in the high nibble. A row of K
+// weights is K / 2 bytes (K even); its E8M0 scales are one code per 32 columns (Scales).
+struct fp4x2_e2m1 {
+  unsigned char bits;
+};
+
 namespace mtp {
 
 constexpr int kWarp = 32;
@@ -35,38 +43,67 @@ __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162flo
 __device__ __forceinline__ float to_f32(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
 
 // Storage traits of a weight element type: elements per vector load of the GEMV core
-// (16 bytes of BF16 / FP32; 8 bytes of FP8, so that a vector is 8 values as for BF16)
-// and whether it carries scales.
+// (16 bytes of BF16 / FP32; 8 bytes of FP8 and 4 of FP4, so that a vector is 8 values as
+// for BF16), whether it carries scales, their type (FP32, or E8M0 codes for FP4) and the
+// weights per stored element (2 for FP4: a row of K weights is K / per elements).
 template <typename W>
 struct Elem {
   static constexpr int V = 16 / sizeof(W);
   static constexpr bool scaled = false;
+  static constexpr int per = 1;
+  using Scale = float;
 };
 template <>
 struct Elem<__nv_fp8_e4m3> {
   static constexpr int V = 8;
   static constexpr bool scaled = true;
+  static constexpr int per = 1;
+  using Scale = float;
 };
+template <>
+struct Elem<fp4x2_e2m1> {
+  static constexpr int V = 8;
+  static constexpr bool scaled = true;
+  static constexpr int per = 2;
+  using Scale = unsigned char;  // E8M0: code c is 2^(c - 127)
+};
+// The type of W's scales (the kernels' `scale` parameter).
+template <typename W>
+using ScaleT = typename Elem<W>::Scale;
 
-// Dequantization scales of an FP8 weight [R, K] (one matrix; Scales::expert selects
-// matrix e of [E, R, K]): w[r][k] = e4m3(q[r][k]) * s[r / bn][k / bk], ks = ceil(K / bk)
-// scales per block row. Per-channel scales are bn = 1, bk = K. Unused (s null) for
-// BF16 / FP32 weights.
+// Row r of a weight [*, K] of element type W.
+template <typename W>
+__device__ __forceinline__ const W* weight_row(const W* w, long long r, int K) {
+  return w + r * (K / Elem<W>::per);
+}
+
+// Dequantization scales of a quantized weight [R, K] (one matrix; Scales::expert selects
+// matrix e of [E, R, K]): FP8: w[r][k] = e4m3(q[r][k]) * s[r / bn][k / bk], FP32 scales;
+// FP4: w[r][k] = e2m1(q[r][k]) * 2^(s[r][k / 32] - 127), E8M0 codes (bn = 1, bk = 32).
+// ks = ceil(K / bk) scales per block row. Per-channel FP8 scales are bn = 1, bk = K. Unused
+// (s null) for BF16 / FP32 weights. `item`: bytes per scale (4, or 1 for E8M0).
 struct Scales {
-  const float* s;
-  int bn, bk, ks;
+  const void* s;
+  int bn, bk, ks, item;
 
-  __device__ __forceinline__ const float* row(long long r) const { return s + (r / bn) * ks; }
   __device__ __forceinline__ Scales expert(long long e, int R) const {
-    return Scales{s + e * ((R + bn - 1) / bn) * ks, bn, bk, ks};
+    return Scales{static_cast<const char*>(s) + e * ((R + bn - 1) / bn) * ks * item, bn, bk, ks, item};
   }
 };
 // The Scales of a weight [*, K] of element type W (for dense W: none, whatever is passed).
 template <typename W>
-__device__ __forceinline__ Scales make_scales(const float* s, int bn, int bk, int K) {
-  if constexpr (Elem<W>::scaled) return Scales{s, bn, bk, (K + bk - 1) / bk};
-  else return Scales{nullptr, 1, 1, 0};
+__device__ __forceinline__ Scales make_scales(const ScaleT<W>* s, int bn, int bk, int K) {
+  if constexpr (Elem<W>::scaled) return Scales{s, bn, bk, (K + bk - 1) / bk, static_cast<int>(sizeof(ScaleT<W>))};
+  else return Scales{nullptr, 1, 1, 0, 0};
 }
+
+// An E8M0 scale code -> 2^(c - 127), exact (code 0: 2^-127, an FP32 subnormal). The loader
+// refuses the NaN code 0xFF and codes over 252 (mtpkern.quant.Fp4Weight).
+__device__ __forceinline__ float e8m0(unsigned char c) {
+  return __uint_as_float(c ? static_cast<unsigned>(c) << 23 : 0x00400000u);
+}
+__device__ __forceinline__ float scale_value(float s) { return s; }
+__device__ __forceinline__ float scale_value(unsigned char c) { return e8m0(c); }
 
 template <typename T>
 __device__ __forceinline__ T from_f32(float v);
@@ -153,6 +190,15 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   return v;
 #endif
 }
+__device__ __forceinline__ unsigned ld_stream4(const void* p) {
+#if defined(MTPKERN_CUDA_EMU)
+  return __ldg(reinterpret_cast<const unsigned*>(p));
+#else
+  unsigned v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+#endif
+}
 __device__ __forceinline__ uint2 ld_stream8(const void* p) {
 #if defined(MTPKERN_CUDA_EMU)
   return __ldg(reinterpret_cast<const uint2*>(p));
@@ -164,7 +210,8 @@ __device__ __forceinline__ uint2 ld_stream8(const void* p) {
 }
 
 // One weight vector of the GEMV core as loaded (its raw bits), then widened to FP32:
-// 16 bytes (4 floats or 8 bf16) or, for FP8, 8 bytes (8 codes, times the block's scale).
+// 16 bytes (4 floats or 8 bf16) or, for FP8, 8 bytes (8 codes, times the block's scale), or
+// for FP4 4 bytes (8 codes, times the block's scale).
 // The loads of an iteration are all issued before the first is widened, so the raw form
 // is what stays in registers while they are in flight (4 or 2 registers per vector).
 template <typename W>
@@ -176,6 +223,11 @@ template <>
 struct WVec<__nv_fp8_e4m3> {
   using Raw = uint2;
   __device__ __forceinline__ static Raw load(const __nv_fp8_e4m3* p) { return ld_stream8(p); }
+};
+template <>
+struct WVec<fp4x2_e2m1> {
+  using Raw = unsigned;
+  __device__ __forceinline__ static Raw load(const fp4x2_e2m1* p) { return ld_stream4(p); }
 };
 
 __device__ __forceinline__ void widen(const uint4& u, float /*scale*/, float (&f)[4]) {
@@ -195,10 +247,37 @@ __device__ __forceinline__ void widen(const uint2& u, float scale, float (&f)[8]
   f[4] = b.x * scale; f[5] = b.y * scale; f[6] = b.z * scale; f[7] = b.w * scale;
 }
 
+// E2M1 decode. |value| of magnitude code m = 0..7 is 0, 0.5, 1, 1.5, 2, 3, 4, 6: 2|value| =
+// 0, 1, 2, 3, 4, 6, 8, 12 is one byte of an 8-byte table, looked up for 4 codes at once
+// (__byte_perm: prmt, code i of `mag` in bits 4i .. 4i + 2). Byte j of such a lookup put under
+// the bits of 2^22 (0x4A800000, whose float spacing is 0.5) reads as 2^22 + |value|, exactly;
+// minus 2^22 is |value|, the code's sign bit (bit 3) is ORed in. No subnormal is formed (the
+// device flushes them), every step is exact: e2m1(c) * 2^(s - 127) is the dequantized weight.
+constexpr unsigned kE2m1Lo = 0x03020100u, kE2m1Hi = 0x0C080604u;  // 2|value| of codes 0..3, 4..7
+
+__device__ __forceinline__ float e2m1_at(unsigned twice, int j, unsigned sign_bit) {
+  const float a = __uint_as_float(__byte_perm(twice, 0x4A800000u, 0x7650u | j)) - 4194304.0f;  // 2^22
+  return __uint_as_float(__float_as_uint(a) | sign_bit);
+}
+
+// 8 E2M1 codes (a 32-bit word of a packed row, code i in bits 4i .. 4i + 3: the low nibble of
+// byte j is column 2j) -> e2m1 * scale, each product exact (the reference's FP32 weight).
+__device__ __forceinline__ void widen(const unsigned& u, float scale, float (&f)[8]) {
+  const unsigned mag = u & 0x77777777u;
+  const unsigned t[2] = {__byte_perm(kE2m1Lo, kE2m1Hi, mag), __byte_perm(kE2m1Lo, kE2m1Hi, mag >> 16)};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = e2m1_at(t[i / 4], i % 4, (u << (28 - 4 * i)) & 0x80000000u) * scale;
+}
+
+// The scalar path's weight k of a row (with its scales srow).
 template <typename W>
-__device__ __forceinline__ float weight_at(const W* w, const float* srow, int k, int bk) {
+__device__ __forceinline__ float weight_at(const W* w, const ScaleT<W>* srow, int k, int bk) {
   if constexpr (Elem<W>::scaled) return to_f32(w[k]) * srow[k / bk];
   else return to_f32(w[k]);
+}
+__device__ __forceinline__ float weight_at(const fp4x2_e2m1* w, const unsigned char* srow, int k, int bk) {
+  const unsigned b = w[k / 2].bits, c = k % 2 ? b >> 4 : b & 15u;
+  return e2m1_at(__byte_perm(kE2m1Lo, kE2m1Hi, c & 7u), 0, (c & 8u) << 28) * e8m0(srow[k / bk]);
 }
 
 // Scalar fallback of load_vec: elements at or past `valid` read as 0.
@@ -287,13 +366,13 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 // ascending k, within a vector its elements in order, one fmaf chain per (j, r). It does
 // not depend on NR, so a row's dot product is the same whatever rows share its launch.
 //
-// FP8 weights: s[j] is row j's scales (Scales::row), bk the columns per scale; every
-// weight is dequantized (code * scale, rounded once: the reference's FP32 weight) before
-// its fmaf. Dense weights ignore s and bk.
+// FP8 / FP4 weights: s[j] is row j's scales (scale_row), bk the columns per scale; every
+// weight is dequantized (code * scale, rounded once: the reference's FP32 weight; exact for
+// FP4) before its fmaf. Dense weights ignore s and bk. FP4's w[j] + k / 2 is column k.
 //
 // vec: the vector path is legal: K % Elem<W>::V == 0, every w/x row start is 16-byte
-// aligned (8-byte for FP8) and, for FP8, bk % 8 == 0 (the caller checks base pointers,
-// K and bk).
+// aligned (8-byte for FP8, 4-byte for FP4) and, for FP8 / FP4, bk % 8 == 0 (the caller
+// checks base pointers, K and bk).
 template <int NR>
 constexpr int kGemvUnroll = NR >= 4 ? 2 : 4;
 
@@ -339,10 +418,11 @@ __device__ __forceinline__ void gemv_dot_vector(const float (&wf)[ROWS][V], cons
 // share beside the dot products (x is read anyway: no extra bytes but g's, which L1 holds).
 // The caller sums ss over the team and scales the dot products by 1 / sqrt(ss / K + eps).
 template <typename W, int NR, int ROWS, bool NORM>
-__device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
+__device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const ScaleT<W>* const (&s)[ROWS], int bk,
                                               const float* const (&x)[NR], int K, int t, int nt, bool vec,
                                               float (&acc)[ROWS][NR], const float* g, float (&ss)[NR]) {
-  constexpr int V = Elem<W>::V;  // elements per vector: 8 bf16, 4 fp32 (16 bytes) or 8 fp8 (8 bytes)
+  constexpr int V = Elem<W>::V;  // elements per vector: 8 bf16, 4 fp32 (16 bytes), 8 fp8 (8 bytes) or 8 fp4 (4)
+  constexpr int P = Elem<W>::per;  // weights per stored element: column k is at w[j] + k / P
   constexpr int U = kGemvUnroll<NR>;
   using Raw = typename WVec<W>::Raw;
   if (vec) {
@@ -353,9 +433,9 @@ __device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const f
       Raw raw[ROWS][U];
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
-        const W* p = w[j] + k;  // pointer steps (see below), not w[j] + (k + u * step)
+        const W* p = w[j] + k / P;  // pointer steps (see below), not w[j] + (k + u * step) / P
 #pragma unroll
-        for (int u = 0; u < U; ++u, p += step) raw[j][u] = WVec<W>::load(p);
+        for (int u = 0; u < U; ++u, p += step / P) raw[j][u] = WVec<W>::load(p);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -363,7 +443,7 @@ __device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const f
 #pragma unroll
         for (int j = 0; j < ROWS; ++j) {
           float sc = 1.0f;
-          if constexpr (Elem<W>::scaled) sc = s[j][(k + u * step) / bk];
+          if constexpr (Elem<W>::scaled) sc = scale_value(s[j][(k + u * step) / bk]);
           widen(raw[j][u], sc, wf[j]);
         }
         gemv_dot_vector<NR, ROWS, V, NORM>(wf, x, k, u * step, g, acc, ss);
@@ -374,8 +454,8 @@ __device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const f
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
         float sc = 1.0f;
-        if constexpr (Elem<W>::scaled) sc = s[j][k / bk];
-        widen(WVec<W>::load(w[j] + k), sc, wf[j]);
+        if constexpr (Elem<W>::scaled) sc = scale_value(s[j][k / bk]);
+        widen(WVec<W>::load(w[j] + k / P), sc, wf[j]);
       }
       gemv_dot_vector<NR, ROWS, V, NORM>(wf, x, k, 0, g, acc, ss);
     }
@@ -396,7 +476,7 @@ __device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const f
 }
 
 template <typename W, int NR, int ROWS>
-__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const float* const (&s)[ROWS], int bk,
+__device__ __forceinline__ void gemv_dot(const W* const (&w)[ROWS], const ScaleT<W>* const (&s)[ROWS], int bk,
                                          const float* const (&x)[NR], int K, int t, int nt, bool vec,
                                          float (&acc)[ROWS][NR]) {
   float unused[NR];
@@ -424,8 +504,9 @@ __device__ __forceinline__ void zero(float (&acc)[ROWS][NR]) {
 template <typename W>
 __device__ __forceinline__ bool gemv_vec_ok(const W* w, const float* x, int K, const Scales& sc) {
   constexpr int V = Elem<W>::V;
-  if constexpr (Elem<W>::scaled) {
-    return K % V == 0 && sc.bk % V == 0 && (reinterpret_cast<unsigned long long>(w) & 7ull) == 0 && aligned16(x);
+  if constexpr (Elem<W>::scaled) {  // 8 (FP8) or 4 (FP4) bytes a vector
+    constexpr unsigned long long align = V * sizeof(W) / Elem<W>::per - 1;
+    return K % V == 0 && sc.bk % V == 0 && (reinterpret_cast<unsigned long long>(w) & align) == 0 && aligned16(x);
   } else {
     return K % V == 0 && aligned16(w) && aligned16(x);
   }
@@ -433,8 +514,8 @@ __device__ __forceinline__ bool gemv_vec_ok(const W* w, const float* x, int K, c
 
 // Row j's scales for gemv_dot (null for dense weights).
 template <typename W>
-__device__ __forceinline__ const float* scale_row(const Scales& sc, long long j) {
-  if constexpr (Elem<W>::scaled) return sc.row(j);
+__device__ __forceinline__ const ScaleT<W>* scale_row(const Scales& sc, long long j) {
+  if constexpr (Elem<W>::scaled) return static_cast<const ScaleT<W>*>(sc.s) + (j / sc.bn) * sc.ks;
   else return nullptr;
 }
 
@@ -534,8 +615,8 @@ __device__ __forceinline__ void gemv_groups_chunk(const float* x, const W* w, co
 #pragma unroll
   for (int r = 0; r < NR; ++r) ss[r] = 0.0f;
   if (active) {
-    const W* const wr[2] = {w + static_cast<long long>(a) * K, w + static_cast<long long>(b) * K};
-    const float* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
+    const W* const wr[2] = {weight_row(w, a, K), weight_row(w, b, K)};
+    const ScaleT<W>* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
     const float* xr[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * K;

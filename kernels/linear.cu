@@ -22,21 +22,23 @@
 // Also used for lm_head_logits (no bias / residual), the router logits of
 // moe_router, the eh_proj of mtp_input and the down projection of swiglu_mlp.
 //
-// W: float, __nv_bfloat16 or __nv_fp8_e4m3; for FP8, scale/bn/bk are its scales
-// (common.cuh Scales: [ceil(N / bn), ceil(K / bk)], per-channel bn = 1, bk = K) and each
-// weight is dequantized in the inner loop; dense weights pass scale = null.
+// W: float, __nv_bfloat16, __nv_fp8_e4m3 or fp4x2_e2m1; for FP8, scale/bn/bk are its scales
+// (common.cuh Scales: [ceil(N / bn), ceil(K / bk)], per-channel bn = 1, bk = K), for FP4 its
+// E8M0 codes [N, ceil(K / 32)] (bn = 1, bk = 32), and each weight is dequantized in the inner
+// loop; dense weights pass scale = null.
 //
 // Preconditions: blockDim.x == 128; x, y, residual fp32 [n, *] contiguous;
 // bias / residual may be null; y may alias residual (each element is read and
 // then written by the same thread), not x. The 16-byte path needs
 // K % (16 / sizeof(W)) == 0 and 16-byte aligned w and x; otherwise the scalar
 // path runs (same results up to summation order). FP8's vector path (8-byte loads)
-// also needs bk % 8 == 0 and an 8-byte aligned w.
+// also needs bk % 8 == 0 and an 8-byte aligned w; FP4's (4-byte loads of 8 codes) K % 8 == 0
+// and a 4-byte aligned w.
 #include "common.cuh"
 
 template <typename W, int NR, bool NORM>
 __global__ void
-linear_kernel(const float* __restrict__ x, const W* __restrict__ w, const float* __restrict__ scale, int bn,
+linear_kernel(const float* __restrict__ x, const W* __restrict__ w, const mtp::ScaleT<W>* __restrict__ scale, int bn,
               int bk, const float* __restrict__ bias, const float* residual, float* y, int n, int N, int K,
               int wpr, const float* __restrict__ norm_w, float eps) {
   const mtp::LinearEpi epi{bias, residual, y, N};

@@ -38,7 +38,7 @@
 // the tokens tied with it share the probability; an empty partial has m = -inf,
 // s = 0 and adds 0 * (0 or 1) = 0.
 //
-// W and scale/bn/bk: as linear.cu (an FP8 head's scales, null for dense weights).
+// W and scale/bn/bk: as linear.cu (an FP8 / FP4 head's scales, null for dense weights).
 //
 // Preconditions: blockDim as stated; 16-byte path when H % (16 / sizeof(W)) == 0
 // and x, w are aligned (FP8: as linear.cu), else scalar loads (same candidates, same tie rule).
@@ -89,8 +89,8 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
   for (int q = lo + warp; q < hi; q += kGemvWarps) {  // per warp; no barrier inside the loop
     const int a = 2 * q;
     const int b = min(a + 1, V - 1);
-    const W* const wr[2] = {w + static_cast<long long>(a) * H, w + static_cast<long long>(b) * H};
-    const float* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
+    const W* const wr[2] = {weight_row(w, a, H), weight_row(w, b, H)};
+    const ScaleT<W>* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
     const float* xq[NR];  // the same rows each pair, but not loop invariants (common.cuh opaque)
 #pragma unroll
     for (int r = 0; r < NR; ++r) xq[r] = opaque(xr[r]);
@@ -147,7 +147,7 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
 template <typename W, bool CONF, int NR>
 __global__ void
 lm_head_argmax_partial_kernel(const float* __restrict__ x, const W* __restrict__ w,
-                              const float* __restrict__ scale, int bn, int bk,
+                              const mtp::ScaleT<W>* __restrict__ scale, int bn, int bk,
                               const int* __restrict__ bitmask, float* __restrict__ part_v,
                               int* __restrict__ part_i, float* __restrict__ part_s, int n, int V, int H,
                               int P, int ld) {

@@ -48,7 +48,7 @@ struct SwiGluEpi {
 
 template <typename W, int NR, bool NORM>
 __global__ void
-swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, const float* __restrict__ scale,
+swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, const mtp::ScaleT<W>* __restrict__ scale,
                       int bn, int bk, float* __restrict__ act, int n, int I, int H, int wpr, float limit,
                       float gate_limit, const float* __restrict__ norm_w, float eps) {
   const mtp::SwiGluEpi epi{act, I, limit, gate_limit};

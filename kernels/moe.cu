@@ -59,7 +59,7 @@
 //   (deterministic, no atomics); pairs whose id is outside [0, E) add nothing.
 //
 // W: as linear.cu; FP8 experts pass scale [E, ceil(R / bn), ceil(Kd / bk)] (per-channel:
-// [E, R] with bn = 1, bk = Kd), dense ones null.
+// [E, R] with bn = 1, bk = Kd), FP4 ones their E8M0 codes [E, R, ceil(Kd / 32)], dense ones null.
 //
 // Preconditions: E <= 1024 and E % n_group == 0 (router); blockDim as stated;
 // ids in [0, E) for pairs that should count; y may alias residual. The 16-byte
@@ -193,7 +193,7 @@ moe_router_select_kernel(const float* __restrict__ logits, const float* __restri
 // graph replays it as it is). ``ticket``: one unsigned, zero before the first launch.
 template <typename W, bool NORM>
 __global__ void
-moe_router_kernel(const float* __restrict__ x, const W* __restrict__ w, const float* __restrict__ scale, int bn,
+moe_router_kernel(const float* __restrict__ x, const W* __restrict__ w, const mtp::ScaleT<W>* __restrict__ scale, int bn,
                   int bk, const float* __restrict__ bias, float* logits, int* __restrict__ ids,
                   float* __restrict__ weights, unsigned* ticket, int E, int H, int wpr,
                   const float* __restrict__ norm_w, float eps, int K, int n_group, int topk_group, float rscale,
@@ -233,8 +233,8 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
   int a, b;
   if constexpr (GATED) { a = u; b = R / 2 + u; }  // gate row, up row of w13[e] [2I, H]
   else { a = 2 * u; b = min(a + 1, R - 1); }       // rows of w2[e] [H, I]
-  const W* const wr[2] = {we + static_cast<long long>(a) * Kd, we + static_cast<long long>(b) * Kd};
-  const float* const sr[2] = {scale_row<W>(se, a), scale_row<W>(se, b)};
+  const W* const wr[2] = {weight_row(we, a, Kd), weight_row(we, b, Kd)};
+  const ScaleT<W>* const sr[2] = {scale_row<W>(se, a), scale_row<W>(se, b)};
   const float* xr[NR];
 #pragma unroll
   for (int r = 0; r < NR; ++r) xr[r] = opaque(x + static_cast<long long>(pairs[min(r, m - 1)] / x_div) * Kd);
@@ -271,7 +271,7 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
 template <typename W, bool GATED, int NR, bool NORM>
 __global__ void
 moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict__ ids, int nK, int E,
-                  const W* __restrict__ w, const float* __restrict__ scale, int bn, int bk, int R, int Kd,
+                  const W* __restrict__ w, const mtp::ScaleT<W>* __restrict__ scale, int bn, int bk, int R, int Kd,
                   float* __restrict__ out, int by_pair, float limit, float gate_limit,
                   const float* __restrict__ norm_w, float eps) {
   static_assert(GATED || !NORM, "the norm is fused into the gate/up pass only");
@@ -290,7 +290,7 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
   }
   const int units = GATED ? R / 2 : (R + 1) / 2;
   const int u = blockIdx.x * kGemvWarps + warp;
-  const W* we = w + static_cast<long long>(e) * R * Kd;  // expert e: [R, Kd]
+  const W* we = weight_row(w, static_cast<long long>(e) * R, Kd);  // expert e: [R, Kd]
   const Scales sc = make_scales<W>(scale, bn, bk, Kd);
   const Scales se = Elem<W>::scaled ? sc.expert(e, R) : sc;
   const bool vec = gemv_vec_ok(w, x, Kd, sc) && (!NORM || aligned16(norm_w));
@@ -332,7 +332,7 @@ template <typename W>
 __global__ void
 moe_down_combine_kernel(const float* __restrict__ act, const int* __restrict__ ids,
                         const float* __restrict__ weights, int K, int E, const W* __restrict__ w,
-                        const float* __restrict__ scale, int bn, int bk, int H, int I, const float* residual,
+                        const mtp::ScaleT<W>* __restrict__ scale, int bn, int bk, int H, int I, const float* residual,
                         float* y) {
   using namespace mtp;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -346,10 +346,10 @@ moe_down_combine_kernel(const float* __restrict__ act, const int* __restrict__ i
   for (int k = 0; k < K; ++k) {
     const int e = ids[k];
     if (e < 0 || e >= E) continue;
-    const W* we = w + static_cast<long long>(e) * H * I;  // expert e: [H, I]
+    const W* we = weight_row(w, static_cast<long long>(e) * H, I);  // expert e: [H, I]
     const Scales se = Elem<W>::scaled ? sc.expert(e, H) : sc;
-    const W* const wr[2] = {we + static_cast<long long>(a) * I, we + static_cast<long long>(b) * I};
-    const float* const sr[2] = {scale_row<W>(se, a), scale_row<W>(se, b)};
+    const W* const wr[2] = {weight_row(we, a, I), weight_row(we, b, I)};
+    const ScaleT<W>* const sr[2] = {scale_row<W>(se, a), scale_row<W>(se, b)};
     const float* const xr[1] = {opaque(act + static_cast<long long>(k) * I)};
     float acc[2][1], ss[1] = {0.0f};
     zero(acc);

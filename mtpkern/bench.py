@@ -181,7 +181,7 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     """(name, bytes moved, thunk) for every op at decode shape ``n`` rows: BF16 weights, then
     every GEMV again with the same weights in FP8 (``FP8_BLOCK`` scales; ``<op>_fp8``), then the
     SwiGLUs (routed experts, shared / dense MLP) in FP4 (``<op>_fp4``: E2M1 with E8M0 scales per
-    32, DeepSeek-V4's experts; on backends that take FP4 weights)."""
+    32, DeepSeek-V4's experts)."""
     import ml_dtypes
 
     from .ops.moe import RouterSpec
@@ -205,10 +205,8 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     def W8(w):                                    # the same weight in FP8 (once: its host copy goes)
         return be.prepare_weight(Fp8Weight.quantize(host.pop(id(w)), FP8_BLOCK))
 
-    fp4 = be.name != "cuda"                       # the cuda backend has no FP4 kernels yet (docs/fp4.md)
-
     def W4(w):                                    # the same weight in FP4 (before W8 drops its host copy)
-        return be.prepare_weight(Fp4Weight.quantize(host[id(w)])) if fp4 else None
+        return be.prepare_weight(Fp4Weight.quantize(host[id(w)]))
 
     def act(*shape):
         return be.from_host(rng.standard_normal(shape).astype(np.float32))
@@ -263,12 +261,11 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
          lambda: be.swiglu_mlp(x, s13_8, s2_8, x)),
         ("lm_head_argmax_fp8", fp8_bytes(V, H) + n * H * f4, lambda: be.lm_head_argmax(x, head8)),
     ]
-    if fp4 and moe:
+    if moe:
         cases += [("moe_experts_fp4", fp4_bytes(distinct, 2 * I, H) + fp4_bytes(distinct, H, I) + 2 * n * H * f4,
                    lambda: be.moe_experts(x, ids, wts, w13_4, w2_4, x))]
-    if fp4:
-        cases += [(f"{mlp}_fp4", fp4_bytes(2 * Is, H) + fp4_bytes(H, Is) + 2 * n * H * f4,
-                   lambda: be.swiglu_mlp(x, s13_4, s2_4, x))]
+    cases += [(f"{mlp}_fp4", fp4_bytes(2 * Is, H) + fp4_bytes(H, Is) + 2 * n * H * f4,
+               lambda: be.swiglu_mlp(x, s13_4, s2_4, x))]
     return cases
 
 

@@ -48,6 +48,7 @@ from test_cuda_graph_fake import FakeRuntime
 from conftest import kv_rows
 
 from mtpkern import Fp8Weight, cuda_graph
+from mtpkern.quant import Fp4Weight
 from mtpkern.backends import get_backend
 from mtpkern.backends.cuda_launch import gemm_tc as gemm_tc_launch
 from mtpkern.backends.cuda_launch import linear as linear_launch
@@ -119,10 +120,13 @@ def misaligned(a):
 
 
 def stored(w, wd: str, block=(128, 128)):
-    """FP32 ``w`` as the weight kind ``wd`` (bf16, f32, fp8: block scales, fp8c: per-channel),
-    and its values as the reference sees them (FP32)."""
+    """FP32 ``w`` as the weight kind ``wd`` (bf16, f32, fp8: block scales, fp8c: per-channel,
+    fp4: E2M1 with E8M0 scales per 32), and its values as the reference sees them (FP32)."""
     if wd == "bf16":
         return w.astype(BF16), np.asarray(w.astype(BF16), np.float32)
+    if wd == "fp4":
+        q = Fp4Weight.quantize(w)
+        return q, q.dequantize()
     if wd in ("fp8", "fp8c"):
         q = Fp8Weight.quantize(w, block if wd == "fp8" else None)
         return q, q.dequantize()
@@ -1549,7 +1553,7 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     out = {}
     x = rnd(rng, 5, 64)
-    for wd in ("bf16", "f32", "fp8"):
+    for wd in ("bf16", "f32", "fp8", "fp4"):
         def w(*shape, _wd=wd):
             return stored(rnd(rng, *shape, scale=shape[-1] ** -0.5), _wd, (16, 32))[0]
         be = emu_backend.backend()

@@ -110,6 +110,47 @@ def test_fp4_drafts_as_its_dequantized_weights(tmp_path, backend, family):
         assert run_rounds(fp4, backend, mode)[1] == run_rounds(plain, backend, mode)[1]
 
 
+@pytest.fixture(scope="module")
+def emulator():
+    """The CUDA emulator (tests/cuda_emu) routing the cuda launchers; skipped where it cannot be built."""
+    from cuda_emu import emu_backend
+    yield from emu_backend.installed_emulator()
+
+
+@pytest.fixture
+def fake_runtime(emulator, monkeypatch):
+    """CUDA graphs through tests/test_cuda_graph_fake.py's runtime over the emulated launches
+    (as tests/test_cuda_emulated.py's proposer tests)."""
+    from mtpkern import cuda_graph
+    from test_cuda_graph_fake import FakeRuntime
+
+    rt = FakeRuntime()
+    monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
+    monkeypatch.setattr(emulator, "capture", lambda: rt.recording)
+    return rt
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_fp4_drafts_as_its_dequantized_weights_on_the_cuda_kernels(tmp_path, fake_runtime, kv):
+    """The cuda backend's kernels (on the CPU emulator) keep the FP4 experts packed (``CudaFp4``)
+    and decode them in the GEMVs: the proposer drafts what it drafts on the dequantized FP32
+    twin (the decode is exact; the GEMVs sum FP4 and FP32 rows in other vector widths, far
+    from moving an argmax of these models)."""
+    from cuda_emu import emu_backend
+
+    cfg = _cfg("deepseek_v3")
+    fp4 = write_synthetic_checkpoint(tmp_path / "fp4", cfg, seed=4)
+    plain = dequantized_copy(fp4, tmp_path / "fp32", cfg)
+    for mode in ("exact", "draft"):
+        prop, ours = run_rounds(fp4, emu_backend.backend(kv), mode)
+        assert ours == run_rounds(plain, emu_backend.backend(kv), mode)[1]
+        assert ours == run_rounds(fp4, "numpy", mode)[1]
+    twin = MultiModuleMtpHead.from_pretrained(plain, backend=emu_backend.backend(kv))
+    assert prop.memory().weights < twin.memory().weights    # the experts stay packed on the device
+    M, E, I, H = 3, 8, 32, 64
+    assert twin.memory().weights - prop.memory().weights >= 0.45 * M * E * 3 * I * H   # vs FP8 elsewhere: >= 3.5 B
+
+
 def test_swapped_nibbles_draft_otherwise(tmp_path):
     """Negative control: the same bytes read high nibble first are other weights, and draft
     other tokens; so the test above would see a nibble order bug."""

@@ -351,3 +351,21 @@ def test_torch_device_tensors(tiny_cfg):
     wide = be.ingest_float("h", tb)                                              # BF16: widened on the device
     assert np.array_equal(wide.get(), tb.float().cpu().numpy())
     assert np.array_equal(be.ingest_float("h", tb[:, ::2]).get(), tb[:, ::2].float().cpu().numpy())
+
+
+def test_fp4_checkpoint_drafts_as_its_dequantized_twin(tmp_path):
+    """DeepSeek-V4's layout (FP4 routed experts decoded in the GEMVs, FP8 with E8M0 scales
+    elsewhere) on the device drafts what its dequantized FP32 twin drafts there, and what the
+    NumPy reference drafts (docs/fp4.md; tests/test_fp4_checkpoints.py on the emulator)."""
+    from conftest import run_rounds
+    from test_fp4_checkpoints import _cfg, dequantized_copy
+
+    from mtpkern.backends.cuda import CudaBackend
+
+    cfg = _cfg("deepseek_v3")
+    fp4 = write_synthetic_checkpoint(tmp_path / "fp4", cfg, seed=4)
+    plain = dequantized_copy(fp4, tmp_path / "fp32", cfg)
+    for mode in ("exact", "draft"):
+        ours = run_rounds(fp4, CudaBackend(kv_dtype="float32"), mode)[1]
+        assert ours == run_rounds(plain, CudaBackend(kv_dtype="float32"), mode)[1]
+        assert ours == run_rounds(fp4, "numpy", mode)[1]

@@ -3,8 +3,9 @@ launched through CuPy ``RawModule`` (no deep-learning framework, no cuBLAS, so
 a propose step can be captured in a CUDA graph).
 
 Storage: weights stay BF16 (CuPy has no bfloat16 dtype: a weight is a uint16
-array of the BF16 bits), FP32, or FP8 E4M3 (``CudaFp8``: uint8 codes and FP32
-scales; docs/fp8.md); norm weights, biases and activations are FP32;
+array of the BF16 bits), FP32, FP8 E4M3 (``CudaFp8``: uint8 codes and FP32
+scales; docs/fp8.md) or FP4 E2M1 (``CudaFp4``: two codes a byte and E8M0 scale codes;
+docs/fp4.md); norm weights, biases and activations are FP32;
 indices int32; the paged KV cache is BF16 bits by default (``kv_dtype`` uint16;
 ``CudaBackend(kv_dtype="float32")`` keeps it FP32, e.g. for exact comparisons).
 
@@ -36,7 +37,7 @@ from . import dlpack
 from .base import Backend
 from .cuda_launch import attention, linear, lm_head, mla, mlp, moe, norm, rope_kv
 from .cuda_launch import gate as gate_launch
-from .cuda_launch._util import CudaFp8
+from .cuda_launch._util import CudaFp4, CudaFp8
 
 KvDtype = Literal["bfloat16", "float32"]
 
@@ -90,12 +91,13 @@ class CudaBackend(Backend):
     def prepare_weight(self, w):
         """BF16 (ml_dtypes) -> uint16 bits on the GPU; uint16 is taken as BF16 bits
         already; any other float -> FP32; an ``Fp8Weight`` -> ``CudaFp8`` (its codes, one
-        byte each, and its FP32 scales on the GPU, dequantized inside the GEMV kernels)."""
+        byte each, and its FP32 scales on the GPU, dequantized inside the GEMV kernels); an
+        ``Fp4Weight`` -> ``CudaFp4`` (its packed codes, two a byte, and its E8M0 scale codes,
+        decoded inside the GEMV kernels: docs/fp4.md)."""
         if isinstance(w, Fp8Weight):
             return CudaFp8.from_weight(w, _cupy().asarray)
         if isinstance(w, Fp4Weight):
-            raise TypeError(f"prepare_weight: FP4 weights are not supported by the cuda backend yet (got {w!r}); "
-                            f"pass w.dequantize() (exact in BF16) or use the cpu backend (docs/fp4.md)")
+            return CudaFp4.from_weight(w, _cupy().asarray)
         w = np.asarray(w)
         if w.dtype == _bf16() or w.dtype == np.uint16:
             host = np.ascontiguousarray(w).view(np.uint16)

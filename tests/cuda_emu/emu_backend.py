@@ -332,9 +332,10 @@ _SCALARS = {"int32": np.int32, "uint32": np.uint32, "int64": np.int64, "uint64":
             "float32": np.float32}
 _CTYPES = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
            np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float}
-#: pointer element type -> array dtype (BF16 lives in uint16 arrays, FP8 E4M3 in uint8 ones)
+#: pointer element type -> array dtype (BF16 lives in uint16 arrays, FP8 E4M3 in uint8 ones, FP4
+#: E2M1 two a byte and their E8M0 scale codes too)
 _POINTEES = {"float32": "float32", "int32": "int32", "uint32": "uint32", "int64": "int64", "uint64": "uint64",
-             "bfloat16": "uint16", "fp8e4m3": "uint8"}
+             "bfloat16": "uint16", "fp8e4m3": "uint8", "fp4x2e2m1": "uint8", "uint8": "uint8"}
 
 
 def _asan_runtime_loaded() -> bool:
@@ -579,11 +580,13 @@ def _cuda_backend_class():
             return np
 
         def prepare_weight(self, w):
-            from mtpkern.backends.cuda_launch._util import CudaFp8
-            from mtpkern.quant import Fp8Weight
+            from mtpkern.backends.cuda_launch._util import CudaFp4, CudaFp8
+            from mtpkern.quant import Fp4Weight, Fp8Weight
 
             if isinstance(w, Fp8Weight):
                 return CudaFp8.from_weight(w, lambda a: np.array(a, copy=True, order="C"))
+            if isinstance(w, Fp4Weight):
+                return CudaFp4.from_weight(w, lambda a: np.array(a, copy=True, order="C"))
             w = np.asarray(w)
             if w.dtype == _bf16() or w.dtype == np.uint16:
                 return np.ascontiguousarray(w).view(np.uint16).copy()

@@ -22,9 +22,9 @@ import numpy as np
 
 from ...ops._check import dtype_name, expect_dtype, shape_of
 from ...ops.norm import check_norm
-from ...quant import Fp8Weight
+from ...quant import FP4_BLOCK, Fp4Weight, Fp8Weight
 from ..base import fp8_embedding_refused, unprepared_fp8
-from .loader import CTYPE
+from .loader import CTYPE, FP4_CTYPE
 
 #: a null pointer argument (kernels test optional inputs such as bias against nullptr)
 NULL = np.uint64(0)
@@ -206,11 +206,34 @@ class CudaFp8:
         return cls(upload(np.ascontiguousarray(w.data)), upload(w.scale), int(bn), int(bk))
 
 
+@dataclass(slots=True, eq=False)
+class CudaFp4(CudaFp8):
+    """An FP4 weight on the device, as the GEMV kernels read it (common.cuh ``fp4x2_e2m1``):
+    ``data`` uint8 ``[.., N, K / 2]``, the E2M1 codes two a byte as the checkpoint packs them
+    (column 2j in the low nibble of byte j), ``scale`` uint8 ``[.., N, ceil(K / 32)]``, the
+    E8M0 codes (2^(c - 127)); ``bn = 1``, ``bk = 32``. Half a byte a weight plus one per 32.
+
+    A ``CudaFp8`` for the checks that ask only whether a weight is quantized (FP8 / FP4
+    pairs, the tensor-core path and the embedding table take dense weights only); ``shape``
+    is the weight's ``[.., N, K]``, and ``ctype`` / ``device_weight`` tell the two apart."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, half = shape_of(self.data)
+        return (*lead, 2 * half)
+
+    @classmethod
+    def from_weight(cls, w: Fp4Weight, upload: Callable[[np.ndarray], Any]) -> "CudaFp4":
+        """``upload``: host array -> device array (``cupy.asarray``)."""
+        return cls(upload(np.ascontiguousarray(w.data)), upload(np.ascontiguousarray(w.scale)), 1, FP4_BLOCK)
+
+
 def expect_weight(name: str, w: Any) -> None:
-    """A stored weight: FP32, BF16 bits in uint16, or ``CudaFp8`` (see CudaBackend.prepare_weight)."""
+    """A stored weight: FP32, BF16 bits in uint16, ``CudaFp8`` or ``CudaFp4`` (see
+    CudaBackend.prepare_weight)."""
     if isinstance(w, CudaFp8):
         return
-    if isinstance(w, Fp8Weight):
+    if isinstance(w, (Fp8Weight, Fp4Weight)):
         raise unprepared_fp8(name, w)
     if dtype_name(w) not in WEIGHT_DTYPES:
         raise TypeError(
@@ -221,6 +244,8 @@ def expect_weight(name: str, w: Any) -> None:
 def device_weight(w: Any, name: str) -> Any:
     """A stored weight (checked: ``expect_weight``) with its arrays as contiguous device arrays."""
     expect_weight(name, w)
+    if isinstance(w, CudaFp4):
+        return CudaFp4(device(w.data, name, "uint8"), device(w.scale, f"{name}.scale", "uint8"), w.bn, w.bk)
     if isinstance(w, CudaFp8):
         return CudaFp8(device(w.data, name, "uint8"), device(w.scale, f"{name}.scale", "float32"), w.bn, w.bk)
     return device(w, name)
@@ -241,8 +266,10 @@ def weight_args(w: Any) -> tuple:
 
 
 def ctype(a: Any) -> str:
-    """C++ element type of a weight / KV array: 'float', '__nv_bfloat16' or (a ``CudaFp8``)
-    '__nv_fp8_e4m3'."""
+    """C++ element type of a weight / KV array: 'float', '__nv_bfloat16', (a ``CudaFp8``)
+    '__nv_fp8_e4m3' or (a ``CudaFp4``) 'fp4x2_e2m1'."""
+    if isinstance(a, CudaFp4):
+        return FP4_CTYPE
     return CTYPE[dtype_name(a.data if isinstance(a, CudaFp8) else a)]
 
 

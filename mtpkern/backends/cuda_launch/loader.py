@@ -35,10 +35,12 @@ from .nvrtc import find_nvrtc
 #: array holding it (CuPy has no bfloat16: BF16 lives as its uint16 bits; FP8 E4M3
 #: weights as their uint8 bytes, beside their scales: ``CudaFp8``).
 CTYPE: dict[str, str] = {"float32": "float", "uint16": "__nv_bfloat16", "uint8": "__nv_fp8_e4m3"}
+#: C++ type of a packed FP4 weight (two E2M1 codes a byte, common.cuh; ``CudaFp4``)
+FP4_CTYPE = "fp4x2_e2m1"
 #: element types of the KV cache and of the embedding table (mtp_norms_kernel)
 _CTYPES = ("float", "__nv_bfloat16")
-#: element types of the GEMV families' weights: those and FP8 E4M3
-_WEIGHT_CTYPES = _CTYPES + ("__nv_fp8_e4m3",)
+#: element types of the GEMV families' weights: those, FP8 E4M3 and FP4 E2M1
+_WEIGHT_CTYPES = _CTYPES + ("__nv_fp8_e4m3", FP4_CTYPE)
 
 #: Head-dim elements per lane in the PV pass of paged_attention (D <= 32 * DC).
 ATTENTION_DC = (2, 4, 8)

@@ -27,7 +27,8 @@
 // - BF16 storage (__nv_bfloat16): widening is exact; narrowing rounds to nearest
 //   even, NaN stays NaN (as __float2bfloat16_rn and ml_dtypes).
 // - FP8 E4M3 weights (__nv_fp8_e4m3, __nv_fp8x4_e4m3 in cuda_fp8.h): widening to
-//   float / float4, exact (the only FP8 operations the kernels use).
+//   float / float4, exact (the only FP8 operations the kernels use). FP4 weights are decoded
+//   by common.cuh itself, with __byte_perm (prmt's default mode) emulated below.
 //
 // Not emulated (what only a GPU run checks):
 // - timing, occupancy, register pressure, launch-bounds enforcement, L1/L2 caches,
@@ -82,6 +83,7 @@ inline float4 make_float4(float a, float b, float c, float d) { return float4{a,
 
 struct __nv_bfloat16 { uint16_t bits; };
 struct __nv_fp8_e4m3;  // cuda_fp8.h
+struct fp4x2_e2m1;     // kernels/common.cuh: two FP4 E2M1 weights a byte
 
 namespace emu {
 enum Collective { kShflXor = 1, kBallot = 2, kGather = 3 };
@@ -129,6 +131,14 @@ inline unsigned __ballot_sync(unsigned mask, int pred) {
 }
 inline int __popc(unsigned u) { return __builtin_popcount(u); }
 inline int __ffs(unsigned u) { return __builtin_ffs(static_cast<int>(u)); }
+// prmt's default mode: byte n of the result is byte (s >> 4n) & 7 of the 8 bytes y:x (x's low
+// byte is byte 0).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long b = (static_cast<unsigned long long>(y) << 32) | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= static_cast<unsigned>((b >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
+  return r;
+}
 
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
@@ -211,6 +221,8 @@ inline std::string type_code() {
   else if constexpr (std::is_same_v<U, unsigned long long> || std::is_same_v<U, unsigned long>) return "uint64";
   else if constexpr (std::is_same_v<U, __nv_bfloat16>) return "bfloat16";
   else if constexpr (std::is_same_v<U, __nv_fp8_e4m3>) return "fp8e4m3";
+  else if constexpr (std::is_same_v<U, fp4x2_e2m1>) return "fp4x2e2m1";
+  else if constexpr (std::is_same_v<U, unsigned char>) return "uint8";
   else static_assert(sizeof(U) == 0, "a kernel parameter type the emulator does not know");
 }
 template <typename... A>
