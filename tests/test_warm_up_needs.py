@@ -112,14 +112,14 @@ import json, sys
 import numba, numpy as np
 from mtpkern import MultiModuleMtpHead
 from mtpkern.backends.cpu import CpuBackend
-from mtpkern.backends.cpu_kernels import (amx, amx_linear, attention, bounds, dsa, gate, gemv_tiles, linear,
+from mtpkern.backends.cpu_kernels import (amx, amx_linear, attention, bounds, dsa, gate, gemv_tiles, hc, linear,
                                           lm_head, mla, mlp, moe, norm, rope_kv, simd)
 from mtpkern.backends.warm_up import KernelNeeds
 
 def loaded():
     out = {}
-    for mod in (amx, amx_linear, attention, bounds, dsa, gate, gemv_tiles, linear, lm_head, mla, mlp, moe, norm,
-                rope_kv, simd):
+    for mod in (amx, amx_linear, attention, bounds, dsa, gate, gemv_tiles, hc, linear, lm_head, mla, mlp, moe,
+                norm, rope_kv, simd):
         for name, f in vars(mod).items():
             if isinstance(f, numba.core.dispatcher.Dispatcher) and f.overloads:
                 out[f"{mod.__name__.rsplit('.', 1)[1]}.{name}"] = sorted(str(s) for s in f.overloads)
@@ -163,7 +163,7 @@ def test_a_dense_checkpoint_loads_only_its_kernels_and_they_suffice(tmp_path):
 def test_an_moe_checkpoint_warm_up_suffices(tmp_path, tiny_cfg):
     got = _probe(write_synthetic_checkpoint(tmp_path / "m", tiny_cfg, dtype="bfloat16"))
     assert "moe.moe_router_kernel" in got["warm_up"] and "mla.mla_absorb_kernel" not in got["warm_up"]
-    assert not [n for n in got["warm_up"] if n.startswith("dsa.")]
+    assert not [n for n in got["warm_up"] if n.startswith(("dsa.", "hc."))]
     assert got["added"] == {}
 
 
@@ -172,6 +172,17 @@ def test_a_dsa_checkpoint_warm_up_suffices(tmp_path, dsa_cfg):
     key write, the selection and the sparse attention's copy in place, and the calls add nothing."""
     got = _probe(write_synthetic_checkpoint(tmp_path / "s", dsa_cfg, dtype="bfloat16"))
     assert {"dsa.dsa_key_write_kernel", "dsa.dsa_select_kernel", "mla.gather_listed_kernel"} <= set(got["warm_up"])
+    assert got["added"] == {}
+
+
+def test_a_hyper_connection_checkpoint_warm_up_suffices(tmp_path):
+    """hc_mult 4 (DeepSeek-V4's mHC): KernelNeeds.of names the hc family (and only such a
+    checkpoint: the dense and MoE ones above do not load it); its warm-up puts hc_pre, hc_post
+    and hc_head in place, and the calls add nothing."""
+    path = write_synthetic_checkpoint(tmp_path / "h", tiny_config(hc_mult=4), dtype="bfloat16")
+    assert "hc" in KernelNeeds.of(_load(path))
+    got = _probe(path)
+    assert {"hc.hc_pre_kernel", "hc.hc_post_kernel", "hc.hc_head_kernel"} <= set(got["warm_up"])
     assert got["added"] == {}
 
 

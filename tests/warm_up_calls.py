@@ -8,7 +8,7 @@ import numpy as np
 
 
 def every_call(prop, rng) -> None:
-    H, V = prop.config.hidden_size, prop.config.vocab_size
+    H, V = prop.config.stream_size, prop.config.vocab_size     # the hidden a target hands over
     sts = [prop.alloc_state() for _ in range(3)]
     for st in sts:
         prop.prefill_drafter(rng.integers(0, V, 9), rng.standard_normal((9, H)).astype(np.float32), st)

@@ -43,6 +43,7 @@ from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
 from ..ops.dsa import check_dsa_key_write, check_dsa_select
 from ..ops.gate import check_sigmoid_gate
+from ..ops.hc import check_hc_head, check_hc_post, check_hc_pre
 from ..ops.linear import check_linear
 from ..ops.lm_head import check_bitmask, check_id_map, check_topk, map_id_rows, map_ids
 from ..ops.mla import check_index, check_mla_attention, check_mla_latent_write
@@ -60,6 +61,7 @@ from .cpu_kernels import attention as attention_k
 from .cpu_kernels import bounds as bounds_k
 from .cpu_kernels import dsa as dsa_k
 from .cpu_kernels import gate as gate_k
+from .cpu_kernels import hc as hc_k
 from .cpu_kernels import linear as linear_k
 from .cpu_kernels import lm_head as lm_head_k
 from .cpu_kernels import mla as mla_k
@@ -753,6 +755,37 @@ class CpuBackend(Backend):
             ids = map_id_rows(ids, id_map)
         return ids, probs
 
+    # -- hyper-connections (mtpkern.ops.hc; cpu_kernels/hc.py) ----------------
+    def hc_pre(self, X, mix, base, scale, hc_eps: float, iters: int, *, u=None, post=None, comb=None):
+        """-> (u [n, H], post [n, m], comb [n, m, m]) FP32; X FP32 or BF16 (its bits read in place)."""
+        self._check(check_hc_pre, X, mix, base, scale, hc_eps, iters)
+        n, w = mix.shape
+        m = round((w + 1) ** 0.5) - 1                                        # w = (2 + m) m
+        outs = (_out("u", u, (n, X.shape[1] // m)), _out("post", post, (n, m)), _out("comb", comb, (n, m, m)))
+        X, mix, base, scale = (_apart_all(a, outs) for a in (_streams(X), _act(mix), _act(base), _act(scale)))
+        self._use_threads()
+        hc_k.hc_pre_kernel(X, mix, base, scale, np.float32(hc_eps), int(iters), *outs)
+        return outs
+
+    def hc_post(self, f, X, post, comb, *, out=None):
+        """-> [n, m H] FP32; f and X FP32 or BF16."""
+        self._check(check_hc_post, f, X, post, comb)
+        out = _out("out", out, tuple(X.shape))
+        f, X, post, comb = (_apart_all(a, (out,)) for a in (_streams(f), _streams(X), _act(post), _act(comb)))
+        self._use_threads()
+        hc_k.hc_post_kernel(f, X, post, comb, out)
+        return out
+
+    def hc_head(self, X, mix, base, scale, hc_eps: float, *, out=None):
+        """-> [n, H] FP32; X FP32 or BF16."""
+        self._check(check_hc_head, X, mix, base, scale, hc_eps)
+        n, m = mix.shape
+        out = _out("out", out, (n, X.shape[1] // m))
+        X, mix, base, scale = (_apart_all(a, (out,)) for a in (_streams(X), _act(mix), _act(base), _act(scale)))
+        self._use_threads()
+        hc_k.hc_head_kernel(X, mix, base, scale, np.float32(hc_eps), out)
+        return out
+
 
 def _derived(cache: dict, w: np.ndarray, make: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
     """``make(w)``, computed once per weight and kept in ``cache`` while the array owning w's
@@ -850,3 +883,18 @@ def _checked_rows(block_tables, row_seq, row_len, row_start, BS: int, NB: int) -
         raise ValueError(f"block_tables (entries in use): expected values in [0, {NB}), "
                          f"got {int(block_tables[row_seq[r], b])}")
     return block_tables, row_seq, row_len, row_start
+
+
+def _streams(a) -> np.ndarray:
+    """Hyper-connection streams or a block output: BF16 (``ml_dtypes.bfloat16``) as its bits,
+    which the kernels widen as they read them; any other float dtype as C-contiguous FP32."""
+    if dtype_name(a) == "bfloat16":
+        return np.ascontiguousarray(a).view(np.uint16)
+    return _act(a)
+
+
+def _apart_all(a: np.ndarray, outs: tuple) -> np.ndarray:
+    """``a``, or a copy of it when it may overlap any of ``outs`` (``_apart``)."""
+    for o in outs:
+        a = _apart(a, o)
+    return a

@@ -13,8 +13,8 @@ Which families, and which weight kinds of each (``bfloat16``, ``float32``, ``fp8
 is a ``KernelNeeds``: everything by default (what ``mtpkern kernels --cpu`` and
 ``bench`` build), or what one loaded checkpoint runs (``KernelNeeds.of``): a BF16 MoE
 checkpoint without MLA or an output gate compiles neither the FP32 nor the FP8 GEMV
-variants, nor the latent attention, nor DSA's indexer, nor the gate (docs/cpu.md,
-"Compilation and cache").
+variants, nor the latent attention, nor DSA's indexer, nor the gate, nor the
+hyper-connections' ops (docs/cpu.md, "Compilation and cache").
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ N, NB, BS = 2, 4, 4
 NA, HA = 4, 32
 
 #: the kernel families, the cheapest to compile first (the order of ``family_calls``)
-FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "rope_heads", "paged_attention", "mla", "dsa",
+FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "rope_heads", "paged_attention", "mla", "dsa", "hc",
             "sigmoid_gate", "linear", "mtp_input", "swiglu_mlp", "moe_experts", "lm_head")
 #: the kinds of a prepared weight (``weight_kind``); an embedding table is never FP8 or FP4
 WEIGHT_KINDS = ("bfloat16", "float32", "fp8", "fp4")
@@ -44,7 +44,7 @@ WEIGHT_KINDS = ("bfloat16", "float32", "fp8", "fp4")
 _QUANTIZED_KINDS = ("fp8", "fp4")
 #: families without weights of their own (their kinds are empty)
 _UNWEIGHTED = frozenset({"rmsnorm", "qk_norm_rope_kv_write", "rope_heads", "paged_attention",
-                         "dsa", "sigmoid_gate"})
+                         "dsa", "hc", "sigmoid_gate"})
 
 
 def weight_kind(w: Any) -> str:
@@ -105,8 +105,9 @@ class KernelNeeds:
     @classmethod
     def of(cls, model: Any) -> "KernelNeeds":
         """What a loaded model runs: ``model`` a ``MultiModuleMtpHead`` (its ``weights``) or
-        ``MtpWeights``. Read from each module's block (MLA or GQA, output gate, MoE) and the
-        kinds of its prepared weights, as ``MtpHead``'s forward calls them."""
+        ``MtpWeights``. Read from each module's block (MLA or GQA, output gate, MoE), the
+        config's hyper-connections (``hc_mult`` > 1) and the kinds of its prepared weights, as
+        ``MtpHead``'s forward calls them."""
         from ..weights import MtpWeights
 
         weights = model if isinstance(model, MtpWeights) else getattr(model, "weights", None)
@@ -123,6 +124,9 @@ class KernelNeeds:
             b = cfg.block(m)
             need.setdefault("mtp_input", set()).add((weight_kind(w.embed), weight_kind(w.eh_proj)))
             add("linear", w.w_qkv, w.w_o)
+            if cfg.hc_mult > 1:              # the streams' collapses: their fn (FP32) through linear, then hc
+                add("hc")
+                add("linear", *(hc[0] for hc in (w.hc_attn, w.hc_ffn, w.hc_head)))
             if b.mla:
                 add("linear", w.mla_kv_a, w.mla_q_a)
                 add("mla", w.mla_uk)
@@ -268,6 +272,13 @@ def family_calls(be: Backend, fp8: bool = True,
             be.mla_attention_absorbed(act(N, HQ, P + R), uk, uv, cache, tables, row_seq, row_len, 0.25,
                                       row_start=idx([2, 0]), index=index)
 
+    def hyper_connections():
+        m = 2                                                      # streams (mtpkern.ops.hc)
+        X = act(N, m * H)
+        u, post, comb = be.hc_pre(X, act(N, (2 + m) * m), vec((2 + m) * m), vec(3), 1e-6, 20)
+        be.hc_post(u, X, post, comb)
+        be.hc_head(X, act(N, m), vec(m), vec(1), 1e-6)
+
     def gate():
         y = act(N, HQ * D)
         be.sigmoid_gate(y, act(N, HQ), y)                          # head-wise, with the residual
@@ -298,7 +309,8 @@ def family_calls(be: Backend, fp8: bool = True,
             be.lm_head_argmax(act(NA, HA), w)
 
     calls = {"rmsnorm": lambda: be.rmsnorm(x, vec(H), 1e-5), "moe_router": router, "qk_norm_rope_kv_write": rope_kv,
-             "paged_attention": attention, "mla": mla, "dsa": dsa, "sigmoid_gate": gate, "linear": linear,
+             "paged_attention": attention, "mla": mla, "dsa": dsa, "hc": hyper_connections,
+             "sigmoid_gate": gate, "linear": linear,
              "mtp_input": mtp_input, "swiglu_mlp": mlp, "moe_experts": experts, "lm_head": lm_head,
              "rope_heads": rotate_heads}
     # a weighted family with no kinds left (FP8 only, fp8=False) has nothing to run
