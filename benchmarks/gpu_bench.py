@@ -19,6 +19,9 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    cost is not in the number; "eager" where the op could not be captured).
    Bytes are counted explicitly per op (weights, activations, KV, workspaces
    written and read back); GB/s = bytes / median, "of copy" = GB/s / copy GB/s.
+   Then ``dsv4 hc_*``: DeepSeek-V4-Flash's hyper-connections (m 4 streams of H 4096, 20
+   Sinkhorn iterations, FP32 streams) at 1 and 64 rows: ``hc_pre`` (coefficients and the
+   collapse), ``hc_post`` (the write-back), ``hc_head``.
    Then ``dsv4 ...``: the ops DeepSeek-V4's attention adds to a GQA block at its shape (64
    heads x 512, 64 rotary dims) at 1 and 64 rows: ``rope_heads`` (the output's rotary dims
    turned back) and the shared-KV write (``qk_norm_rope_kv_write(v_is_k=True)``).
@@ -461,6 +464,29 @@ def deepseek_v4_rope_cases(be, n: int) -> list[tuple[str, int, int, Callable]]:
         ("dsv4 qk_norm_rope_kv_write v_is_k", 0, n * (2 * Hq + 1) * D * f4 + 2 * D * f4 + 2 * n * D * b2,
          lambda: be.qk_norm_rope_kv_write(qk, Hq, 1, ones, ones, 1e-6, invf, pos, kc, vc, slots, interleave=True,
                                           v_is_k=True, out=q)),
+    ]
+
+
+def hc_cases(be, n: int) -> list[tuple[str, int, int, Callable]]:
+    """DeepSeek-V4-Flash's hyper-connections at ``n`` rows: m 4 streams of H 4096, 20 Sinkhorn
+    iterations, FP32 streams; every output preallocated. (op, context, bytes, thunk)."""
+    import cupy as cp
+
+    m, H, f4 = 4, 4096, 4
+    w = (2 + m) * m
+    rs = cp.random.RandomState(n)
+    X, f = rs.standard_normal((n, m * H), dtype=cp.float32), rs.standard_normal((n, H), dtype=cp.float32)
+    mix, mh = rs.standard_normal((n, w), dtype=cp.float32), rs.standard_normal((n, m), dtype=cp.float32)
+    base, scale = cp.zeros(w, cp.float32), cp.ones(3, cp.float32)
+    u, post, comb = cp.empty((n, H), cp.float32), cp.empty((n, m), cp.float32), cp.empty((n, m, m), cp.float32)
+    y, h = cp.empty((n, m * H), cp.float32), cp.empty((n, H), cp.float32)
+    be.hc_pre(X, mix, base, scale, 1e-6, 20, u=u, post=post, comb=comb)     # a doubly stochastic comb for hc_post
+    return [
+        ("dsv4 hc_pre", 0, n * (m * H + w + H + m + m * m) * f4 + (w + 3) * f4,
+         lambda: be.hc_pre(X, mix, base, scale, 1e-6, 20, u=u, post=post, comb=comb)),
+        ("dsv4 hc_post", 0, n * (H + 2 * m * H + m + m * m) * f4, lambda: be.hc_post(f, X, post, comb, out=y)),
+        ("dsv4 hc_head", 0, n * (m * H + m + H) * f4 + (m + 1) * f4,
+         lambda: be.hc_head(X, mh, base[:m], scale[:1], 1e-6, out=h)),
     ]
 
 
@@ -1100,6 +1126,16 @@ def main(argv: list[str] | None = None) -> int:
                 run_cases(gpu, rec, deepseek_v4_rope_cases(be, n), n, args.runs)
             except Exception as e:
                 rec.error(f"dsv4 rows {n}: {type(e).__name__}: {e}")
+                traceback.print_exc()
+
+        for n in (1, 64):                                  # DeepSeek-V4-Flash's hyper-connections
+            if time.perf_counter() > kernels_until:
+                rec.note("hc_skipped", f"time budget: from {n} rows on")
+                break
+            try:
+                run_cases(gpu, rec, hc_cases(be, n), n, args.runs)
+            except Exception as e:
+                rec.error(f"hc rows {n}: {type(e).__name__}: {e}")
                 traceback.print_exc()
 
         if args.attention_sweep:                           # where paged attention's time goes

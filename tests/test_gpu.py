@@ -369,3 +369,38 @@ def test_fp4_checkpoint_drafts_as_its_dequantized_twin(tmp_path):
         ours = run_rounds(fp4, CudaBackend(kv_dtype="float32"), mode)[1]
         assert ours == run_rounds(plain, CudaBackend(kv_dtype="float32"), mode)[1]
         assert ours == run_rounds(fp4, "numpy", mode)[1]
+
+
+@pytest.mark.parametrize("n", [1, 64])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hyper_connections_on_the_device(n, dtype):
+    """kernels/hc.cu at DeepSeek-V4-Flash's shape (m 4 streams of H 4096, 20 Sinkhorn
+    iterations) and at m 16 (hc_post's 16-stream registers) with H off the 4-column vectors,
+    X in ``dtype`` (BF16: its bits in uint16), against the NumPy reference on the same values;
+    comb doubly stochastic (tests/test_ops_hc.py runs the same kernels on the emulator)."""
+    import cupy as cp
+    import ml_dtypes
+
+    from mtpkern.backends.cuda import CudaBackend
+    from mtpkern.ops import hc
+
+    be = CudaBackend()
+    rng = np.random.default_rng(n)
+    for m, H in ((4, 4096), (16, 1001)):
+        w = (2 + m) * m
+        X32 = rng.standard_normal((n, m * H)).astype(np.float32)
+        Xh = X32 if dtype == "float32" else X32.astype(ml_dtypes.bfloat16)
+        X = cp.asarray(Xh if dtype == "float32" else Xh.view(np.uint16))
+        mix = (rng.standard_normal((n, w)) * 2).astype(np.float32)
+        base, scale = rng.standard_normal(w).astype(np.float32), (rng.random(3) + 0.5).astype(np.float32)
+        f = rng.standard_normal((n, H)).astype(np.float32)
+        u, post, comb = (a.get() for a in be.hc_pre(X, cp.asarray(mix), cp.asarray(base), cp.asarray(scale), 1e-6, 20))
+        want = hc.hc_pre(Xh, mix, base, scale, 1e-6, 20)
+        for k, got, ref in zip(("u", "post", "comb"), (u, post, comb), want):
+            assert_close(got, ref, "float32", f"m {m} {dtype}: {k}")
+        assert np.allclose(comb.sum(1), 1, atol=1e-4) and np.allclose(comb.sum(2), 1, atol=1e-4)
+        y = be.hc_post(cp.asarray(f), X, cp.asarray(post), cp.asarray(comb)).get()
+        assert_close(y, hc.hc_post(f, Xh, post, comb), "float32", f"m {m} {dtype}: hc_post")
+        h = be.hc_head(X, cp.asarray(mix[:, :m]), cp.asarray(base[:m]), cp.asarray(scale[:1]), 1e-6).get()
+        assert_close(h, hc.hc_head(Xh, mix[:, :m].copy(), base[:m], scale[:1], 1e-6), "float32",
+                     f"m {m} {dtype}: hc_head")

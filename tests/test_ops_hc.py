@@ -3,17 +3,22 @@ written here from the model's formulas (the normed flattened streams through ``f
 pre / post, a softmax comb made doubly stochastic by Sinkhorn's iterations, the collapse, the
 write-back with comb transposed, the head's collapse), on the numpy reference, the cpu
 backend and the CUDA kernels on the emulator; negative controls (comb read untransposed, the
-post factor's 2 dropped) must differ; bad shapes refused by name.
+post factor's 2 dropped) must differ; bad shapes refused by name. Then the cpu and cuda
+backends against the numpy reference on the same inputs: FP32 and BF16 streams, 1 to 16
+streams, widths off the kernels' 4-column vectors, 1 and 3 Sinkhorn iterations, no rows,
+given output buffers; the write-back onto its own streams; the cuda limit of 16 streams.
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
+from mtpkern.backends.cuda import CudaBackend
 from mtpkern.ops import hc
 from mtpkern.tolerance import assert_close
-from test_ops_mla import BACKENDS, backend, emulator, rng_for  # noqa: F401
+from test_ops_mla import BACKENDS, EMU_BACKENDS, OTHER_BACKENDS, backend, emulator, rng_for  # noqa: F401
 
 
 def mix64(X, fn, eps):
@@ -128,3 +133,94 @@ def test_one_sinkhorn_iteration_is_not_twenty():
     a = hc.hc_pre(X, mix, base, scale, 1e-6, 1)[2]
     b = hc.hc_pre(X, mix, base, scale, 1e-6, 20)[2]
     assert not np.allclose(a, b, atol=1e-4)
+
+
+def streams_in(be, a32: np.ndarray, dtype: str):
+    """``a32`` as ``be`` takes an activation of ``dtype``: FP32, or rounded to BF16 (its bits in
+    uint16 on the cuda backend, as it stores BF16; ``ml_dtypes.bfloat16`` elsewhere). ->
+    (the backend's array, the host values the reference reads)."""
+    if dtype == "float32":
+        return be.from_host(a32), a32
+    b = a32.astype(ml_dtypes.bfloat16)
+    return be.from_host(b.view(np.uint16) if isinstance(be, CudaBackend) else b), b
+
+
+#: (m, H, n, iters): m 16 (the cuda kernels' most: hc_post's 16-stream registers) and 5 (a
+#: register set partly used), H not a multiple of 4 (the kernels' scalar path), 1 and 3
+#: Sinkhorn iterations, no rows
+ODD = [(16, 24, 3, 20), (5, 37, 4, 3), (3, 33, 2, 1), (2, 8, 0, 20), (4, 4096, 2, 20)]
+
+
+@pytest.mark.parametrize("name", OTHER_BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("m,H,n,iters", ODD)
+def test_backends_equal_the_reference(backend, name, dtype, m, H, n, iters):
+    """Each backend against the numpy reference on the same inputs (X and f in ``dtype``, f's
+    own dtype the other one for hc_post, so mixed kinds run too), into given output buffers."""
+    be = backend(name)
+    rng = rng_for("hc-ref", m, H, n, iters, dtype)
+    X32 = rng.standard_normal((n, m * H)).astype(np.float32)
+    mix = (rng.standard_normal((n, (2 + m) * m)) * 2).astype(np.float32)
+    base = rng.standard_normal((2 + m) * m).astype(np.float32)
+    scale = (rng.random(3) + 0.5).astype(np.float32)
+    X, Xh = streams_in(be, X32, dtype)
+    f, fh = streams_in(be, rng.standard_normal((n, H)).astype(np.float32),
+                       "float32" if dtype == "bfloat16" else "bfloat16")
+    bufs = {k: be.from_host(np.full(s, np.nan, np.float32)) for k, s in
+            (("u", (n, H)), ("post", (n, m)), ("comb", (n, m, m)))}
+    got = be.hc_pre(X, be.from_host(mix), be.prepare_vector(base), be.prepare_vector(scale), 1e-6, iters, **bufs)
+    want = hc.hc_pre(Xh, mix, base, scale, 1e-6, iters)
+    for k, g, w in zip(bufs, got, want):
+        assert g is bufs[k], f"{name}: {k} not written into its buffer"
+        assert_close(be.to_host(g), w, "float32", f"{name}: {k}")
+    post, comb = got[1], got[2]
+    out = be.from_host(np.full((n, m * H), np.nan, np.float32))
+    assert be.hc_post(f, X, post, comb, out=out) is out
+    want = hc.hc_post(fh, Xh, be.to_host(post), be.to_host(comb))
+    assert_close(be.to_host(out), want, "float32", f"{name}: hc_post")
+    if name == "cpu":                # rounded as the reference: no contraction, sums in order
+        assert np.array_equal(be.to_host(out), want)
+    mh = mix[:, :m].copy()
+    out = be.from_host(np.full((n, H), np.nan, np.float32))
+    assert be.hc_head(X, be.from_host(mh), be.prepare_vector(base[:m]), be.prepare_vector(scale[:1]), 1e-6,
+                      out=out) is out
+    assert_close(be.to_host(out), hc.hc_head(Xh, mh, base[:m], scale[:1], 1e-6), "float32", f"{name}: hc_head")
+
+
+@pytest.mark.parametrize("name", OTHER_BACKENDS)
+def test_write_back_onto_its_streams(backend, name):
+    """hc_post's out on top of X: the cpu backend reads a copy (the reference's result), the
+    cuda launcher refuses the overlap by name (its kernel would read streams another block
+    already wrote)."""
+    be = backend(name)
+    X, _, _, _, f = case(3, 40, 4, 4)
+    post = np.full((4, 3), 0.5, np.float32)
+    comb = np.tile(np.float32([[0.1, 0.2, 0.7], [0.3, 0.5, 0.2], [0.6, 0.3, 0.1]]), (4, 1, 1))
+    want = hc.hc_post(f, X, post, comb)
+    Xd = be.from_host(X)
+    if isinstance(be, CudaBackend):
+        with pytest.raises(ValueError, match="out must not overlap X"):
+            be.hc_post(be.from_host(f), Xd, be.from_host(post), be.from_host(comb), out=Xd)
+    else:
+        be.hc_post(be.from_host(f), Xd, be.from_host(post), be.from_host(comb), out=Xd)
+        assert_close(be.to_host(Xd), want, "float32", f"{name}: hc_post in place")
+
+
+@pytest.mark.parametrize("name", EMU_BACKENDS)
+def test_cuda_takes_at_most_16_streams(backend, name):
+    """m 17 passes the shared check (hc_mult up to 64 there) and is refused by the cuda launchers
+    by name; host BF16 (ml_dtypes) streams are taken as their bits."""
+    be = backend(name)
+    m, H, n = 17, 8, 2
+    X = np.ones((n, m * H), np.float32)
+    with pytest.raises(ValueError, match="m: expected at most 16"):
+        be.hc_pre(X, np.zeros((n, (2 + m) * m), np.float32), np.zeros((2 + m) * m, np.float32),
+                  np.ones(3, np.float32), 1e-6, 20)
+    with pytest.raises(ValueError, match="m: expected at most 16"):
+        be.hc_post(np.ones((n, H), np.float32), X, np.ones((n, m), np.float32), np.ones((n, m, m), np.float32))
+    with pytest.raises(ValueError, match="m: expected at most 16"):
+        be.hc_head(X, np.zeros((n, m), np.float32), np.zeros(m, np.float32), np.ones(1, np.float32), 1e-6)
+    Xb = X[:, :4 * H].astype(ml_dtypes.bfloat16) * 3
+    got = be.to_host(be.hc_head(Xb, np.zeros((n, 4), np.float32), np.zeros(4, np.float32), np.ones(1, np.float32),
+                                0.0))
+    assert_close(got, np.full((n, H), 6.0), "float32", "hc_head of host BF16 streams")

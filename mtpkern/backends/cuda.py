@@ -36,6 +36,7 @@ from ..quant import Fp4Weight, Fp8Weight
 from . import dlpack
 from .base import Backend
 from .cuda_launch import attention, linear, lm_head, mla, mlp, moe, norm, rope_kv
+from .cuda_launch import hc as hc_launch
 from .cuda_launch import gate as gate_launch
 from .cuda_launch._util import CudaFp4, CudaFp8
 
@@ -286,3 +287,13 @@ class CudaBackend(Backend):
         partial result (mtpkern.ops.lm_head)."""
         return lm_head.lm_head_argmax(x, w, bitmask, out=out, part_v=part_v, part_i=part_i, part_s=part_s,
                                       conf=conf, id_map=id_map, check=check, best=best, sum_exp=sum_exp)
+
+    # hyper-connections (mtpkern.ops.hc; kernels/hc.cu): X / f FP32 or BF16 bits, m <= 16
+    def hc_pre(self, X, mix, base, scale, hc_eps: float, iters: int, *, u=None, post=None, comb=None):
+        return hc_launch.hc_pre(X, mix, base, scale, hc_eps, iters, u=u, post=post, comb=comb)
+
+    def hc_post(self, f, X, post, comb, *, out=None):
+        return hc_launch.hc_post(f, X, post, comb, out=out)
+
+    def hc_head(self, X, mix, base, scale, hc_eps: float, *, out=None):
+        return hc_launch.hc_head(X, mix, base, scale, hc_eps, out=out)

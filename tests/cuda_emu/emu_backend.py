@@ -465,6 +465,7 @@ class Emulator:
             attention,
             gate,
             gemm_tc,
+            hc,
             linear,
             lm_head,
             mla,
@@ -482,7 +483,7 @@ class Emulator:
                  "sm_count": lambda: self.sm_count, "smem_optin": lambda: self.smem_optin}
         saved = []
         try:
-            for mod in (_util, attention, gate, gemm_tc, linear, lm_head, mla, mlp, moe, norm, rope_kv, step):
+            for mod in (_util, attention, gate, gemm_tc, hc, linear, lm_head, mla, mlp, moe, norm, rope_kv, step):
                 for attr, fake in fakes.items():
                     if hasattr(mod, attr):
                         saved.append((mod, attr, getattr(mod, attr)))

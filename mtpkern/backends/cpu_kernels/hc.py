@@ -12,8 +12,9 @@ read as FP32 or as BF16 bits (uint16, widened in the loops: ``linear.widen``).
 - ``hc_head_kernel``: as hc_pre's collapse with the head's sigmoid weights.
 
 Every product and sum is rounded as the reference rounds it (FP32, no contraction, sums in
-index order), so the results equal numpy's but for ``exp`` (LLVM's ``expf`` against NumPy's:
-the last bit of a coefficient). A call of at most ``linear.SMALL`` multiply-adds (one row of
+index order): hc_post equals numpy's bit for bit; hc_pre's and hc_head's coefficients differ
+in the last bits of ``exp`` (LLVM's ``expf`` against NumPy's) and, from m = 8, of NumPy's
+pairwise row sums. A call of at most ``linear.SMALL`` multiply-adds (one row of
 DeepSeek-V4's m 4 x H 4096: 16384 for the collapse, 65536 for the write-back) runs on the
 calling thread; larger ones split their tasks across threads.
 """

@@ -51,6 +51,9 @@ ATTENTION_TC = tuple((mt, dc) for dc in ATTENTION_DC for mt in (1, 2) if 16 * mt
 #: mla_attention_tc_kernel (a warp's 4 LPT n-tiles of 8 dims: 16 LPT accumulators per thread).
 MLA_LPT = (1, 2)
 
+#: Streams hc_post_kernel holds in registers (MR): a launch over m streams takes the smaller that holds m
+HC_MR = (4, 16)
+
 #: n-tiles of 8 input rows of gemm_tc_kernel (n <= 8 * NT rows per launch)
 GEMM_TC_NT = (1, 2, 3, 4)
 #: Input rows per pass of the GEMV kernels (their NR template parameter, common.cuh): a launch
@@ -83,6 +86,9 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"mla_attention_tc_kernel<{lpt}>" for lpt in MLA_LPT)
     + tuple(f"mla_out_kernel<{t}>" for t in _CTYPES),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
+    # hyper-connections: the streams' (and hc_post's f's) element type, hc_post's MR
+    "hc": tuple(f"{k}<{t}>" for k in ("hc_pre_kernel", "hc_head_kernel") for t in _CTYPES)
+    + tuple(f"hc_post_kernel<{tf}, {tx}, {mr}>" for tf in _CTYPES for tx in _CTYPES for mr in HC_MR),
     # one row's down pass is moe_down_combine_kernel (the combine fused in): no <W, false, 1, false>
     "moe": ("moe_router_select_kernel", "moe_combine_kernel")
     + tuple(f"moe_expert_kernel<{t}, true, {nr}, false>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
