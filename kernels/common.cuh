@@ -296,6 +296,47 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
+// 8 values of a shared-memory row (16-byte aligned) as floats (plain loads: __ldg is global only).
+__device__ __forceinline__ void smem8(const float* p, float (&f)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void smem8(const __nv_bfloat16* p, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  f[0] = bf16_lo(u.x); f[1] = bf16_hi(u.x); f[2] = bf16_lo(u.y); f[3] = bf16_hi(u.y);
+  f[4] = bf16_lo(u.z); f[5] = bf16_hi(u.z); f[6] = bf16_lo(u.w); f[7] = bf16_hi(u.w);
+}
+
+// 8 stored values global -> shared, bit for bit (both 16-byte aligned).
+template <typename KV>
+__device__ __forceinline__ void copy8(KV* dst, const KV* src) {
+  constexpr int N = 8 * sizeof(KV) / 16;  // 16-byte words: 1 for bf16, 2 for fp32
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+}
+
+// 8 zero values (16-byte aligned): a staged row that is not read from global memory.
+template <typename KV>
+__device__ __forceinline__ void zero8(KV* dst) {
+  constexpr int N = 8 * sizeof(KV) / 16;
+  const uint4 z = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int i = 0; i < N; ++i) reinterpret_cast<uint4*>(dst)[i] = z;
+}
+
+// The RoPE rotation of pair i at position pos (rope_kv.cu's formula; mla.cu and dsa.cu):
+// (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), c and s of pos * inv_freq times rope_scale.
+__device__ __forceinline__ void rope_rotate(float pos, float inv_freq, float rope_scale, float x1, float x2,
+                                            float& y1, float& y2) {
+  float s, c;
+  sincosf(pos * inv_freq, &s, &c);
+  c *= rope_scale;
+  s *= rope_scale;
+  y1 = x1 * c - x2 * s;
+  y2 = x2 * c + x1 * s;
+}
+
 // ---------------------------------------------------------------------------
 // Reductions. warp_*: xor butterfly, every lane ends with the same bits.
 
@@ -345,6 +386,61 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   const float total = red[32];
   __syncthreads();
   return total;
+}
+
+// Integer sums and scans over a warp (xor butterfly: every lane takes part) and a block.
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+// Inclusive prefix sum over the lanes: at step k a lane holds the total of its aligned group
+// of k lanes and adds the lower sibling group's total when it sits in the upper one.
+__device__ __forceinline__ int warp_scan_int(int v) {
+  const int lane = threadIdx.x % kWarp;
+  int sum = v;
+#pragma unroll
+  for (int k = 1; k < kWarp; k <<= 1) {
+    const int other = __shfl_xor_sync(kFullMask, sum, k);
+    if (lane & k) v += other;
+    sum += other;
+  }
+  return v;
+}
+
+// Block-wide integer sum; every thread gets it. `red` holds >= 33 ints of shared memory;
+// the call ends with a barrier, so `red` may be reused.
+__device__ __forceinline__ int block_sum_int(int v, int* red) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = warp_sum_int(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int t = warp_sum_int(lane < static_cast<int>(blockDim.x / kWarp) ? red[lane] : 0);
+    if (lane == 0) red[32] = t;
+  }
+  __syncthreads();
+  const int total = red[32];
+  __syncthreads();
+  return total;
+}
+
+// Block-wide exclusive prefix sum in thread order (the sum of v over threads < threadIdx.x);
+// `red` as block_sum_int's, reusable after the call.
+__device__ __forceinline__ int block_scan_int(int v, int* red) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int incl = warp_scan_int(v);
+  if (lane == kWarp - 1) red[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < static_cast<int>(blockDim.x / kWarp) ? red[lane] : 0;
+    red[lane] = warp_scan_int(w) - w;  // warps before this one
+  }
+  __syncthreads();
+  const int before = red[warp] + incl - v;
+  __syncthreads();
+  return before;
 }
 
 // ---------------------------------------------------------------------------

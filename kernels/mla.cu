@@ -69,6 +69,19 @@
 //   + 4 * (tile * 20 + 48 + tile) + 2 * tile * Ws (mla.smem_bytes(..., "tc")): 97 KB at
 //   DeepSeek-V3's shapes, two blocks per SM (__launch_bounds__(256, 2): <= 128 registers).
 //
+// DSA's sparse attention (index [n, T] not null; mla_attention_absorbed(index=)): both attention
+//   kernels walk a row's list instead of its rows: position i of the walk is row index[r][i], not
+//   row_start[r] + i, partition p holds list positions p * part_size .. (the launcher plans for
+//   min(T, max_blocks * BS) rows), and its count Lp is the entries >= 0 among them (a block-wide
+//   __syncthreads_count; a list is its rows, ascending, then -1s). Step 0 turns an entry outside
+//   row_start .. row_len - 1 into slot -1 (device lists are not checked on the host): such a row is
+//   never read from the cache nor its block table, is staged as zeros and scores -inf, so it weighs
+//   nothing. Split, a partition past the list's end writes neutral partials (o = 0, m = -inf, l = 0)
+//   and the merge runs with row_start null and max_len = min(T, cap), so it reads partitions up to
+//   min(row_len, T) / part_size, which add exactly nothing past the list. A list of every visible
+//   row walks the dense form's tiles and partitions when the two plans agree (T >= cap, or one
+//   partition each): the same bits.
+//
 // mla_out_kernel<W>: out [n, Hq * Dv] fp32, out[r, h * Dv + v] = w_uv[h, v, :] . o_lat[r, h].
 //   grid (ceil(Dv / 8), Hq, ceil(n / 8)), block 128: warp w computes weight rows
 //   v = blockIdx.x * 8 + 2 w, + 1 with common.cuh's GEMV core (each weight vector loaded
@@ -99,32 +112,68 @@ constexpr int kAbsorbCols = 4;                        // adjacent columns of w_u
 constexpr int kAbsorbSpan = kWarp * kAbsorbCols;      // 128 columns per block
 constexpr int kOutRowsPerBlock = 2 * kGemvWarps;      // 8 rows of w_uv per block
 
-// 8 values of a shared-memory row (16-byte aligned) as floats (plain loads: __ldg is global only).
-__device__ __forceinline__ void smem8(const float* p, float (&f)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-}
-__device__ __forceinline__ void smem8(const __nv_bfloat16* p, float (&f)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  f[0] = bf16_lo(u.x); f[1] = bf16_hi(u.x); f[2] = bf16_lo(u.y); f[3] = bf16_hi(u.y);
-  f[4] = bf16_lo(u.z); f[5] = bf16_hi(u.z); f[6] = bf16_lo(u.w); f[7] = bf16_hi(u.w);
+// The latent rows partition p of query row r walks. Dense (index null): rows start .. start + Lp - 1,
+// start = first + p * part_size. DSA (index [n, T], mla_attention_absorbed(index=)): list positions
+// start .. start + Lp - 1 of the row's list, start = p * part_size, each naming the row list[i];
+// Lp counts the entries >= 0 among the partition's positions (a list is its rows, then -1s), a
+// block-wide count, so every thread of the block calls this.
+struct MlaWalk {
+  const int* list;  // the row's list (index + r * T), or null
+  int start, Lp;    // the partition's first row (dense) or list position (DSA); how many it walks
+  int first, Lr;    // the rows the query row sees: first .. Lr - 1
+};
+
+__device__ __forceinline__ MlaWalk mla_walk(const int* index, int T, long long r, int p, int part_size, int first,
+                                            int Lr) {
+  MlaWalk w{nullptr, first + p * part_size, 0, first, Lr};
+  if (index == nullptr) {
+    w.Lp = min(Lr - w.start, part_size);
+    return w;
+  }
+  w.list = index + r * T;
+  w.start = p * part_size;
+  const int end = min(T, w.start + part_size);
+  for (int i0 = w.start; i0 < end; i0 += blockDim.x) {
+    const int i = i0 + threadIdx.x;
+    w.Lp += __syncthreads_count(i < end && w.list[i] >= 0);
+  }
+  return w;
 }
 
-// 8 stored values global -> shared, bit for bit (both 16-byte aligned).
-template <typename KV>
-__device__ __forceinline__ void copy8(KV* dst, const KV* src) {
-  constexpr int N = 8 * sizeof(KV) / 16;  // 16-byte words: 1 for bf16, 2 for fp32
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    reinterpret_cast<uint4*>(dst)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
-}
-
-// Step 0 of an attention tile: the cache slots of latent rows start + j0 .. + Lt - 1.
+// Step 0 of an attention tile: the cache slots of the walk's rows j0 .. j0 + Lt - 1. A listed row
+// outside first .. Lr - 1 (device lists are not checked on the host) gets slot -1: it is never
+// read, staged as zeros, and scores -inf (weighs nothing). Dense rows are always in range.
 __device__ __forceinline__ void mla_tile_slots(int* slot_s, const int* block_tables, int seq, int max_blocks, int BS,
-                                               int j, int Lt) {
+                                               const MlaWalk& w, int j0, int Lt) {
   for (int i = threadIdx.x; i < Lt; i += blockDim.x) {
-    const int jj = j + i;
+    int jj = w.start + j0 + i;
+    if (w.list != nullptr) {
+      jj = w.list[jj];
+      if (jj < w.first || jj >= w.Lr) {
+        slot_s[i] = -1;
+        continue;
+      }
+    }
     slot_s[i] = block_tables[static_cast<long long>(seq) * max_blocks + jj / BS] * BS + jj % BS;
+  }
+}
+
+// A block with nothing to walk: one partition, zeros (a row with nothing to see); split, a DSA
+// list's partitions past its end write the merge's neutral partials (o = 0, m = -inf, l = 0: the
+// merge reads every partition up to min(row_len, T) / part_size, and these add exactly nothing),
+// dense ones nothing (the merge reads none past the row's rows).
+__device__ __forceinline__ void mla_store_empty(const MlaWalk& w, int hc, long long head0, int L, int p,
+                                                int num_parts, float* o_lat, float* part_o, float* part_ml) {
+  if (num_parts == 1) {
+    for (int e = threadIdx.x; e < hc * L; e += blockDim.x) o_lat[head0 * L + e] = 0.0f;
+  } else if (w.list != nullptr) {
+    for (int e = threadIdx.x; e < hc * L; e += blockDim.x)
+      part_o[((head0 + e / L) * num_parts + p) * L + e % L] = 0.0f;
+    for (int g = threadIdx.x; g < hc; g += blockDim.x) {
+      const long long at = (head0 + g) * num_parts + p;
+      part_ml[2 * at] = neg_inf();
+      part_ml[2 * at + 1] = 0.0f;
+    }
   }
 }
 
@@ -176,16 +225,6 @@ __device__ __forceinline__ void mla_store_ml(int t, int hc, long long head0, int
   }
 }
 
-// The rotation of pair i at position pos (rope_kv.cu's formula): (x1, x2) -> (x1', x2').
-__device__ __forceinline__ void rotate(float pos, float inv_freq, float rope_scale, float x1, float x2,
-                                       float& y1, float& y2) {
-  float s, c;
-  sincosf(pos * inv_freq, &s, &c);
-  c *= rope_scale;
-  s *= rope_scale;
-  y1 = x1 * c - x2 * s;
-  y2 = x2 * c + x1 * s;
-}
 }  // namespace mtp
 
 template <typename KV, bool Interleave>
@@ -213,7 +252,7 @@ mla_latent_write_kernel(const float* __restrict__ kv_a, const float* __restrict_
       } else {
         const int i = k - P;
         const int a = P + (Interleave ? 2 * i : i), b = P + (Interleave ? 2 * i + 1 : i + half);
-        mtp::rotate(pos, inv_freq[i], rope_scale, x[a], x[b], y[a], y[b]);
+        mtp::rope_rotate(pos, inv_freq[i], rope_scale, x[a], x[b], y[a], y[b]);
       }
     }
     return;
@@ -237,7 +276,7 @@ mla_latent_write_kernel(const float* __restrict__ kv_a, const float* __restrict_
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     const int a = L + (Interleave ? 2 * i : i), b = L + (Interleave ? 2 * i + 1 : i + half);
     float y1, y2;
-    mtp::rotate(pos, inv_freq[i], rope_scale, x[a], x[b], y1, y2);
+    mtp::rope_rotate(pos, inv_freq[i], rope_scale, x[a], x[b], y1, y2);
     row[a] = mtp::from_f32<KV>(y1);
     row[b] = mtp::from_f32<KV>(y2);
   }
@@ -316,7 +355,8 @@ mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ ca
                      const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
                      const int* __restrict__ row_start, const int* __restrict__ row_len,
                      float* __restrict__ o_lat, float* __restrict__ part_o, float* __restrict__ part_ml, int Hq,
-                     int heads, int L, int R, int BS, int tile, int part_size, int num_parts, float scale) {
+                     int heads, int L, int R, int BS, int tile, int part_size, int num_parts, float scale,
+                     const int* __restrict__ index, int T) {
   using namespace mtp;
   constexpr int HM = kMlaHeads;
   extern __shared__ float4 smem_raw[];
@@ -334,12 +374,11 @@ mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ ca
   const int seq = row_seq[r];
   const int Lr = min(row_len[r], max_blocks * BS);
   const int first = row_start ? max(row_start[r], 0) : 0;  // the window's first latent row
-  const int start = first + p * part_size;
-  const int Lp = min(Lr - start, part_size);  // latent rows of this partition
+  const MlaWalk walk = mla_walk(index, T, r, p, part_size, first, Lr);
+  const int Lp = walk.Lp;                     // latent rows of this partition
   const long long head0 = r * Hq + h0;        // [n, Hq]: the block's first head
   if (Lp <= 0) {  // uniform: nothing to attend to in this partition
-    if (num_parts == 1)
-      for (int e = t; e < hc * L; e += blockDim.x) o_lat[head0 * L + e] = 0.0f;
+    mla_store_empty(walk, hc, head0, L, p, num_parts, o_lat, part_o, part_ml);
     return;
   }
 
@@ -365,19 +404,22 @@ mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ ca
 
   for (int j0 = 0; j0 < Lp; j0 += tile) {
     const int Lt = min(tile, Lp - j0);
-    mla_tile_slots(slot_s, block_tables, seq, max_blocks, BS, start + j0, Lt);  // 0. slots
+    mla_tile_slots(slot_s, block_tables, seq, max_blocks, BS, walk, j0, Lt);  // 0. slots
     __syncthreads();
     // 1. the rows, once, into shared memory
     if (vec) {
       const int nch = Wq / 8;
       for (int e = t; e < Lt * nch; e += blockDim.x) {
         const int i = e / nch, c = e % nch;
-        copy8<KV>(c_s + i * Wc + 8 * c, cache + static_cast<long long>(slot_s[i]) * W + 8 * c);
+        const long long slot = slot_s[i];
+        if (slot >= 0) copy8<KV>(c_s + i * Wc + 8 * c, cache + slot * W + 8 * c);
+        else zero8<KV>(c_s + i * Wc + 8 * c);
       }
     } else {
       for (int e = t; e < Lt * Wq; e += blockDim.x) {
         const int i = e / Wq, d = e % Wq;
-        c_s[i * Wc + d] = d < W ? cache[static_cast<long long>(slot_s[i]) * W + d] : from_f32<KV>(0.0f);
+        const long long slot = slot_s[i];
+        c_s[i * Wc + d] = d < W && slot >= 0 ? cache[slot * W + d] : from_f32<KV>(0.0f);
       }
     }
     __syncthreads();
@@ -406,7 +448,7 @@ mla_attention_kernel(const float* __restrict__ q_full, const KV* __restrict__ ca
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int g = ga + k * groups;
-        if (g < hc) p_s[ja * kMlaPStride + g] = ja < Lt ? acc[k] : neg_inf();
+        if (g < hc) p_s[ja * kMlaPStride + g] = ja < Lt && slot_s[ja] >= 0 ? acc[k] : neg_inf();
       }
     }
     __syncthreads();
@@ -461,7 +503,8 @@ mla_attention_tc_kernel(const float* __restrict__ q_full, const __nv_bfloat16* _
                         const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
                         const int* __restrict__ row_start, const int* __restrict__ row_len,
                         float* __restrict__ o_lat, float* __restrict__ part_o, float* __restrict__ part_ml, int Hq,
-                        int heads, int L, int R, int BS, int tile, int part_size, int num_parts, float scale) {
+                        int heads, int L, int R, int BS, int tile, int part_size, int num_parts, float scale,
+                        const int* __restrict__ index, int T) {
   using namespace mtp;
   using bf16 = __nv_bfloat16;
   constexpr int HM = kMlaHeads;  // the mma's M: 16 head rows, those past hc zero
@@ -481,12 +524,11 @@ mla_attention_tc_kernel(const float* __restrict__ q_full, const __nv_bfloat16* _
   const int seq = row_seq[r];
   const int Lr = min(row_len[r], max_blocks * BS);
   const int first = row_start ? max(row_start[r], 0) : 0;
-  const int start = first + p * part_size;
-  const int Lp = min(Lr - start, part_size);
+  const MlaWalk walk = mla_walk(index, T, r, p, part_size, first, Lr);
+  const int Lp = walk.Lp;
   const long long head0 = r * Hq + h0;
   if (Lp <= 0) {
-    if (num_parts == 1)
-      for (int e = t; e < hc * L; e += blockDim.x) o_lat[head0 * L + e] = 0.0f;
+    mla_store_empty(walk, hc, head0, L, p, num_parts, o_lat, part_o, part_ml);
     return;
   }
 
@@ -510,7 +552,7 @@ mla_attention_tc_kernel(const float* __restrict__ q_full, const __nv_bfloat16* _
   for (int j0 = 0; j0 < Lp; j0 += tile) {
     const int Lt = min(tile, Lp - j0);
     const int Lz = (Lt + 15) & ~15;  // rows the PV product reads: those past Lt are zeros
-    mla_tile_slots(slot_s, block_tables, seq, max_blocks, BS, start + j0, Lt);  // 0. slots
+    mla_tile_slots(slot_s, block_tables, seq, max_blocks, BS, walk, j0, Lt);  // 0. slots
     __syncthreads();
     // 1. the rows, once, into shared memory (BF16 as stored); columns W .. Wk and rows Lt .. Lz zero
     if (vec) {  // kMlaStageBatch 16-byte loads issued before their stores (bytes in flight)
@@ -521,7 +563,7 @@ mla_attention_tc_kernel(const float* __restrict__ q_full, const __nv_bfloat16* _
         for (int u = 0; u < kMlaStageBatch; ++u) {
           const int e = e0 + u * kMlaThreads, i = e / nch, c = e % nch;
           const uint4 z = {0u, 0u, 0u, 0u};
-          v[u] = e < total && i < Lt && 8 * c < W
+          v[u] = e < total && i < Lt && 8 * c < W && slot_s[i] >= 0
                      ? __ldg(reinterpret_cast<const uint4*>(cache + static_cast<long long>(slot_s[i]) * W + 8 * c))
                      : z;
         }
@@ -534,7 +576,8 @@ mla_attention_tc_kernel(const float* __restrict__ q_full, const __nv_bfloat16* _
     } else {
       for (int e = t; e < Lz * Wk; e += blockDim.x) {
         const int i = e / Wk, d = e % Wk;
-        c_s[i * Ws + d] = i < Lt && d < W ? cache[static_cast<long long>(slot_s[i]) * W + d] : from_f32<bf16>(0.0f);
+        c_s[i * Ws + d] = i < Lt && d < W && slot_s[i] >= 0 ? cache[static_cast<long long>(slot_s[i]) * W + d]
+                                                            : from_f32<bf16>(0.0f);
       }
     }
     __syncthreads();
@@ -553,7 +596,7 @@ mla_attention_tc_kernel(const float* __restrict__ q_full, const __nv_bfloat16* _
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // rows past Lt and heads past hc: p = 0 for step 4
         const int g = mma_c_row(lane, i), j = 8 * nt + mma_c_col(lane, i);
-        p_s[j * kMlaPStride + g] = j < Lt && g < hc ? sc[i] : 0.0f;
+        p_s[j * kMlaPStride + g] = j < Lt && g < hc ? (slot_s[j] >= 0 ? sc[i] : neg_inf()) : 0.0f;
       }
     }
     __syncthreads();

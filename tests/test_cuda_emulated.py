@@ -1674,6 +1674,21 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
                 out[f"mla attention tc {L}"] = be.mla_attention_absorbed(
                     rnd(rng, 4, Htc, P + R), w_uk, w_uv, lc, tables, np.array([0, 1, 1, 0], np.int32),
                     np.array([96, 1, 70, 17], np.int32), 0.2, row_start=np.array([0, 0, 9, 16], np.int32))
+        for il in (False, True):                                               # DSA's indexer (dsa.cu)
+            NB, BS, Di, Hi = 40, 64, 24, 3
+            ic = be.empty_latent_kv(NB, BS, Di)
+            n = NB * BS
+            qi = be.dsa_key_write(rnd(rng, n, Di), rnd(rng, Di), rnd(rng, Di), 1e-6, inv_freq(8, 1e4),
+                                  np.arange(n, dtype=np.int32), ic, rng.permutation(n).astype(np.int32),
+                                  q=rnd(rng, n, Hi, Di), interleave=il, rope_scale=1.1)
+            out[f"dsa q {kv} {il}"] = qi
+            out[f"dsa cache {kv} {il}"] = ic.view(np.uint8).ravel()
+            tables = rng.permutation(NB).astype(np.int32)[None]
+            for cap, rows in ((1024, [1000, 700]), (5120, [5000, 2600]), (2560 * 4, [2560, 2400])):  # KPT 4, 16, 64
+                tab = np.resize(tables, (1, cap // BS)) if cap > NB * BS else np.ascontiguousarray(tables[:, :cap // BS])
+                out[f"dsa select {kv} {il} {cap}"] = be.dsa_select(
+                    qi[:2], rnd(rng, 2, Hi), ic, tab, np.zeros(2, np.int32), np.array(rows, np.int32), 300, 0.2,
+                    row_start=np.array([0, 17], np.int32))
     mma_args, _ = test_gpu.mma_probe_case(seed)
     out["mma probe"] = np.zeros((2, 16, 8), np.float32)
     step_launch.get_kernel("mma", "mma_bf16_probe_kernel")(          # (the emulator's get_kernel)

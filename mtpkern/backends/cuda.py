@@ -35,7 +35,7 @@ import numpy as np
 from ..quant import Fp4Weight, Fp8Weight
 from . import dlpack
 from .base import Backend
-from .cuda_launch import attention, linear, lm_head, mla, mlp, moe, norm, rope_kv
+from .cuda_launch import attention, dsa, linear, lm_head, mla, mlp, moe, norm, rope_kv
 from .cuda_launch import hc as hc_launch
 from .cuda_launch import gate as gate_launch
 from .cuda_launch._util import CudaFp4, CudaFp8
@@ -248,13 +248,26 @@ class CudaBackend(Backend):
                                     interleave=interleave, rope_scale=rope_scale, out=out)
 
     def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
-                               scale: float, *, row_start=None, out=None, q_full=None, o_lat=None, part_o=None,
-                               part_ml=None):
+                               scale: float, *, row_start=None, index=None, out=None, q_full=None, o_lat=None,
+                               part_o=None, part_ml=None):
         """Workspaces ``q_full`` / ``o_lat`` / ``part_o`` / ``part_ml``: ``cuda_launch.mla``
-        (sizes: ``mla.plan`` + ``mla.workspace_shapes``)."""
+        (sizes: ``mla.plan`` over ``mla.max_rows(max_blocks * BS, index)`` + ``mla.workspace_shapes``);
+        ``index [n, T]`` int32: DSA's lists (``dsa_select``), each row attending to its listed rows."""
         return mla.mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, scale,
-                                          row_start=row_start, out=out, q_full=q_full, o_lat=o_lat, part_o=part_o,
-                                          part_ml=part_ml)
+                                          row_start=row_start, index=index, out=out, q_full=q_full, o_lat=o_lat,
+                                          part_o=part_o, part_ml=part_ml)
+
+    # DSA's indexer (mtpkern.ops.dsa; kernels/dsa.cu)
+    def dsa_key_write(self, k, k_norm_w, k_norm_b, eps: float, inv_freq, positions, index_cache, slots, *, q=None,
+                      interleave: bool = False, rope_scale: float = 1.0, out=None):
+        return dsa.dsa_key_write(k, k_norm_w, k_norm_b, eps, inv_freq, positions, index_cache, slots, q=q,
+                                 interleave=interleave, rope_scale=rope_scale, out=out)
+
+    def dsa_select(self, q, weights, index_cache, block_tables, row_seq, row_len, topk: int, scale: float, *,
+                   row_start=None, out=None, scores=None):
+        """Workspace ``scores [n, max_blocks * BS]`` FP32 (``dsa.workspace_shapes``)."""
+        return dsa.dsa_select(q, weights, index_cache, block_tables, row_seq, row_len, topk, scale,
+                              row_start=row_start, out=out, scores=scores)
 
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return gate_launch.sigmoid_gate(x, gate, residual, out=out)

@@ -463,6 +463,7 @@ class Emulator:
         from mtpkern.backends.cuda_launch import (
             _util,
             attention,
+            dsa,
             gate,
             gemm_tc,
             hc,
@@ -483,7 +484,8 @@ class Emulator:
                  "sm_count": lambda: self.sm_count, "smem_optin": lambda: self.smem_optin}
         saved = []
         try:
-            for mod in (_util, attention, gate, gemm_tc, hc, linear, lm_head, mla, mlp, moe, norm, rope_kv, step):
+            for mod in (_util, attention, dsa, gate, gemm_tc, hc, linear, lm_head, mla, mlp, moe, norm, rope_kv,
+                        step):
                 for attr, fake in fakes.items():
                     if hasattr(mod, attr):
                         saved.append((mod, attr, getattr(mod, attr)))

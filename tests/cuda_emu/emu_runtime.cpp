@@ -110,7 +110,7 @@ std::vector<unsigned> g_seq;           // this round's thread order
 long g_pos = -1;                       // index in g_seq of the running thread
 std::vector<int> g_arrived;            // per warp: lanes waiting at a collective
 unsigned g_live = 0, g_at_barrier = 0;
-int g_barrier_any = 0;
+int g_barrier_count = 0;
 void* g_sched_sp = nullptr;            // the launching thread's context
 const void* g_sched_stack = nullptr;   // and its stack, for ASan
 size_t g_sched_stack_size = 0;
@@ -269,7 +269,7 @@ void run_block(unsigned nthreads) {
   g_arrived.assign(nthreads / 32, 0);
   g_live = nthreads;
   g_at_barrier = 0;
-  g_barrier_any = 0;
+  g_barrier_count = 0;
   order(g_seq);
   for (;;) {
     if (g_order == 2) order(g_seq);
@@ -282,9 +282,9 @@ void run_block(unsigned nthreads) {
     if (g_live == 0) return;
     if (g_at_barrier == g_live) {
       for (Fiber& f : g_fibers)
-        if (f.state == kAtBarrier) { f.bar_result = g_barrier_any; f.state = kReady; }
+        if (f.state == kAtBarrier) { f.bar_result = g_barrier_count; f.state = kReady; }
       g_at_barrier = 0;
-      g_barrier_any = 0;
+      g_barrier_count = 0;
       continue;
     }
     std::string msg;  // per warp, runs of lanes in the same state
@@ -386,7 +386,7 @@ int block_barrier(int predicate) {
   if (!me) fail("__syncthreads outside a thread");
   me->state = kAtBarrier;
   ++g_at_barrier;
-  g_barrier_any |= predicate;
+  g_barrier_count += predicate;  // 0 or 1: __syncthreads_count returns the sum, __syncthreads_or its != 0
   yield_thread();
   return me->bar_result;
 }

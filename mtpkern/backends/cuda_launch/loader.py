@@ -54,6 +54,10 @@ MLA_LPT = (1, 2)
 #: Streams hc_post_kernel holds in registers (MR): a launch over m streams takes the smaller that holds m
 HC_MR = (4, 16)
 
+#: Keys per thread of dsa_topk_kernel held in registers (512 threads: rows up to 2048, 8192, 32768;
+#: a longer row's other keys are read again at each pass)
+DSA_KPT = (4, 16, 64)
+
 #: n-tiles of 8 input rows of gemm_tc_kernel (n <= 8 * NT rows per launch)
 GEMM_TC_NT = (1, 2, 3, 4)
 #: Input rows per pass of the GEMV kernels (their NR template parameter, common.cuh): a launch
@@ -85,6 +89,10 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"mla_attention_kernel<{t}, {lpt}>" for t in _CTYPES for lpt in MLA_LPT)
     + tuple(f"mla_attention_tc_kernel<{lpt}>" for lpt in MLA_LPT)
     + tuple(f"mla_out_kernel<{t}>" for t in _CTYPES),
+    # DSA's indexer: the key write, the scores, the top-k selection (KPT keys per thread)
+    "dsa": tuple(f"dsa_key_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true"))
+    + tuple(f"dsa_score_kernel<{t}>" for t in _CTYPES)
+    + tuple(f"dsa_topk_kernel<{k}>" for k in DSA_KPT),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
     # hyper-connections: the streams' (and hc_post's f's) element type, hc_post's MR
     "hc": tuple(f"{k}<{t}>" for k in ("hc_pre_kernel", "hc_head_kernel") for t in _CTYPES)

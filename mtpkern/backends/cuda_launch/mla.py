@@ -44,8 +44,8 @@ from typing import Literal
 import ml_dtypes
 import numpy as np
 
-from ...ops._check import dtype_name, expect_dtype
-from ...ops.mla import check_mla_attention, check_mla_latent_write, slots_refused
+from ...ops._check import dtype_name, expect_dtype, expect_ndim, expect_shape
+from ...ops.mla import check_index, check_mla_attention, check_mla_latent_write, slots_refused
 from ._util import (NULL, CudaFp8, cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_weight, f32, i32,
                     inplace, is_device_array, opt_in_smem, optional, output, ptr, sm_count, smem_optin)
 from .loader import MLA_LPT, get_kernel
@@ -225,10 +225,32 @@ def mla_latent_write(kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_
     return q_out
 
 
+def _check_index(index, n: int, row_len, row_start) -> None:
+    """``index [n, T]`` int32: its shape and dtype always; its entries (``check_index``: rows the
+    row sees, strictly ascending, then -1s) when it, ``row_len`` and ``row_start`` are host arrays
+    (device arrays are not read back: the kernels skip an entry outside the row's rows)."""
+    expect_ndim("index", index, 2)
+    expect_shape("index", index, (n, None))
+    expect_dtype("index", index, "int32")
+    if index.shape[1] < 1:
+        raise ValueError(f"index: expected [{n}, T >= 1], got shape {list(index.shape)}")
+    if not any(a is not None and is_device_array(a) for a in (index, row_len, row_start)):
+        check_index(index, n, row_len, row_start)
+
+
+def max_rows(cap: int, index=None) -> int:
+    """The most latent rows a query row walks: ``cap = max_blocks * BS``, or with a DSA list
+    ``min(cap, T)`` (``plan``'s ``max_len``: the partitions are sized for it)."""
+    return cap if index is None else min(cap, int(index.shape[1]))
+
+
 def mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, scale: float, *,
-                           row_start=None, out=None, q_full=None, o_lat=None, part_o=None, part_ml=None):
+                           row_start=None, index=None, out=None, q_full=None, o_lat=None, part_o=None,
+                           part_ml=None):
     """-> out [n, Hq * Dv] FP32 (workspaces: see the module doc)."""
     check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, row_start)
+    if index is not None:
+        _check_index(index, q.shape[0], row_len, row_start)
     expect_dtype("latent_cache", latent_cache, "uint16", "float32")
     w_uk, w_uv = _dense(w_uk, "w_uk"), _dense(w_uv, "w_uv")
     if w_uk.dtype != w_uv.dtype:
@@ -242,7 +264,8 @@ def mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, r
     max_blocks = block_tables.shape[1]
     cap = max_blocks * BS
     kv_itemsize = np.dtype(latent_cache.dtype).itemsize
-    p = plan(Hq, L, R, cap, n, target_blocks=2 * sm_count(), smem_max=smem_optin(), kv_itemsize=kv_itemsize)
+    walk = max_rows(cap, index)
+    p = plan(Hq, L, R, walk, n, target_blocks=2 * sm_count(), smem_max=smem_optin(), kv_itemsize=kv_itemsize)
     expect_grid_yz("q rows", n)
     expect_grid_yz("latent partitions", p.num_parts)
     expect_grid_yz("query row chunks", cdiv(n, ROWS))
@@ -251,6 +274,8 @@ def mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, r
     block_tables = device(block_tables, "block_tables")
     row_seq, row_len = device(row_seq, "row_seq"), device(row_len, "row_len")
     row_start = optional(row_start, "row_start", "int32")
+    index = optional(index, "index", "int32")
+    T = 0 if index is None else index.shape[1]
     y = output(out, "out", (n, Hq * Dv), np.float32)
     shapes = workspace_shapes(n, Hq, L, R, p.num_parts)
     given = {"q_full": q_full, "o_lat": o_lat, "part_o": part_o, "part_ml": part_ml}
@@ -271,13 +296,15 @@ def mla_attention_absorbed(q, w_uk, w_uv, latent_cache, block_tables, row_seq, r
     attn((cdiv(Hq, p.heads), n, p.num_parts), (ATTN_THREADS,),
          (ws["q_full"], cache, block_tables, i32(max_blocks), row_seq, ptr(row_start), row_len, ws["o_lat"],
           NULL if direct else ws["part_o"], NULL if direct else ws["part_ml"], i32(Hq), i32(p.heads), i32(L),
-          i32(R), i32(BS), i32(p.tile), i32(p.part_size), i32(p.num_parts), f32(scale)),
+          i32(R), i32(BS), i32(p.tile), i32(p.part_size), i32(p.num_parts), f32(scale), ptr(index), i32(T)),
          shared_mem=p.smem_bytes)
     if not direct:
+        # a DSA list: the merge takes partitions 0 .. ceil(min(row_len, walk) / part_size) - 1, those
+        # past the list's end holding neutral partials (mla.cu's mla_store_empty)
         merge = get_kernel("attention", "paged_attention_merge_kernel")
         merge((Hq, n), (MERGE_THREADS,),
-              (ws["part_o"], ws["part_ml"], ptr(row_start), row_len, NULL, i32(cap), ws["o_lat"], i32(Hq), i32(L),
-               i32(p.part_size), i32(p.num_parts)))
+              (ws["part_o"], ws["part_ml"], ptr(row_start) if index is None else NULL, row_len, NULL, i32(walk),
+               ws["o_lat"], i32(Hq), i32(L), i32(p.part_size), i32(p.num_parts)))
     get_kernel("mla", f"mla_out_kernel<{wt}>")(
         (cdiv(Dv, OUT_ROWS_PER_BLOCK), Hq, cdiv(n, ROWS)), (OUT_THREADS,),
         (ws["o_lat"], w_uv, y, i32(n), i32(Hq), i32(Dv), i32(L)))

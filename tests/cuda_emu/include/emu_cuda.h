@@ -7,7 +7,7 @@
 //   (1-D blocks, 3-D grids). Every thread of a block is a fiber with its own stack;
 //   blocks run one after another, in grid order or reversed / shuffled
 //   (emu_set_order), and so do the threads between two synchronisation points.
-// - __syncthreads / __syncthreads_or: wait for every thread of the block that has
+// - __syncthreads / __syncthreads_or / __syncthreads_count: wait for every thread of the block that has
 //   not exited. A thread left waiting forever (a barrier some threads skip while
 //   others wait at a warp collective) is reported as a deadlock.
 // - __shfl_xor_sync / __ballot_sync: all 32 lanes of the warp must reach a
@@ -112,7 +112,8 @@ inline void check_align(const void* p, size_t a, const char* what) {
 #define gridDim (emu::g_grid_dim)
 
 inline void __syncthreads() { emu::block_barrier(0); }
-inline int __syncthreads_or(int p) { return emu::block_barrier(p != 0); }
+inline int __syncthreads_or(int p) { return emu::block_barrier(p != 0) != 0; }
+inline int __syncthreads_count(int p) { return emu::block_barrier(p != 0); }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
