@@ -37,7 +37,10 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    heads, kv_lora 512, rope 64, q_lora 1536; 256 experts top-8, moe_intermediate 2048;
    V = 129280) op by op at 1 and 8 rows, its own random BF16 weights (~27 GB, freed after):
    the MLA projections, the latent write, the absorbed attention at each context, o_proj,
-   router, experts, shared expert, LM head.
+   router, experts, shared expert, LM head. Then ``dsv32 ...``: DeepSeek-V3.2's sparse attention
+   at contexts 4096 and 32768 (one sequence a row): ``dsa_select`` (64 indexer heads of 128,
+   topk 2048, the scores included) and the MLA attention it saves, over the 2048 listed rows
+   (``index=``) beside the dense one over the whole context.
 
 5. ``torch`` (``--no-torch`` leaves it out): beside each propose row, the PyTorch eager peer
    (``mtpkern/bench_torch.py``) at the same context, batch and k on the same device weights
@@ -619,6 +622,59 @@ def mla_kernel_cases(cfg: MtpConfig, be, n: int, contexts: list[int], seed: int 
     return cases
 
 
+#: contexts of the DSA rows (``dsv32 ...``) and the releases' top-k
+DSA_CONTEXTS = (4096, 32768)
+DSA_TOPK = 2048
+
+
+def dsa_kernel_cases(be, n: int, contexts=DSA_CONTEXTS, topk: int = DSA_TOPK, seed: int = 9
+                     ) -> list[tuple[str, int, int, Callable]]:
+    """DeepSeek-V3.2's sparse attention at ``n`` decode rows, one sequence each: ``dsa_select``
+    (Hi 64, Di 128, a BF16 index cache, the releases' scale) over each context, then the MLA
+    attention it feeds (Hq 128, P 128, R 64, L 512, Dv 128, BF16) over the selected rows
+    (``index=``) and, beside it, dense over the whole context. Random data made on the device,
+    outputs and workspaces preallocated. (op, context, bytes, thunk)."""
+    import cupy as cp
+
+    from mtpkern.backends.cuda_launch import dsa as dsa_launch
+    from mtpkern.backends.cuda_launch import mla as mla_launch
+    from mtpkern.backends.cuda_launch._util import sm_count, smem_optin
+
+    Hi, Di, Hq, P, R, L, Dv, BS = 64, 128, 128, 128, 64, 512, 128, 64
+    f4, b2 = 4, 2
+    rs = cp.random.RandomState(seed + n)
+    w_uk, w_uv = bf16_uniform((Hq, P, L), L, seed), bf16_uniform((Hq, Dv, L), L, seed + 1)
+    q_rot = rs.standard_normal((n, Hq, P + R), dtype=cp.float32)
+    qi, wi = rs.standard_normal((n, Hi, Di), dtype=cp.float32), rs.standard_normal((n, Hi), dtype=cp.float32)
+    o = cp.empty((n, Hq * Dv), cp.float32)
+    scale = Hi ** -0.5 * Di ** -0.5
+    cases = []
+    for ctx in contexts:
+        nb, tables, row_seq, row_len = decode_tables(n, ctx, BS)
+        cap = nb * BS
+        icache = bf16_uniform((n * nb, BS, Di), 3, 400 + ctx)
+        lcache = bf16_uniform((n * nb, BS, L + R), 3, 500 + ctx)
+        sel = cp.empty((n, topk), cp.int32)
+        ws = {k: cp.empty(s, cp.float32) for k, s in dsa_launch.workspace_shapes(n, cap, topk).items()}
+        be.dsa_select(qi, wi, icache, tables, row_seq, row_len, topk, scale, out=sel, **ws)   # the lists read below
+        cases.append(("dsv32 dsa_select", ctx, n * ctx * Di * b2 + n * (Hi * Di + Hi) * f4 + 2 * n * cap * f4
+                      + n * topk * 4,
+                      lambda icache=icache, tables=tables, row_seq=row_seq, row_len=row_len, sel=sel, ws=ws:
+                      be.dsa_select(qi, wi, icache, tables, row_seq, row_len, topk, scale, out=sel, **ws)))
+        for name, index, rows in (("dsv32 mla_attention sparse", sel, min(topk, ctx)),
+                                  ("dsv32 mla_attention dense", None, ctx)):
+            mp = mla_launch.plan(Hq, L, R, mla_launch.max_rows(cap, index), n, target_blocks=2 * sm_count(),
+                                 smem_max=smem_optin())
+            mws = {k: cp.empty(s, cp.float32) for k, s in mla_launch.workspace_shapes(n, Hq, L, R, mp.num_parts).items()}
+            nbytes = (Hq * (P + Dv) * L * b2 + n * rows * (L + R) * b2 + n * Hq * (P + R + Dv) * f4
+                      + 2 * sum(int(a.nbytes) for a in mws.values()) + (0 if index is None else n * topk * 4))
+            cases.append((name, ctx, nbytes,
+                          lambda lcache=lcache, tables=tables, row_seq=row_seq, row_len=row_len, index=index, mws=mws:
+                          be.mla_attention_absorbed(q_rot, w_uk, w_uv, lcache, tables, row_seq, row_len,
+                                                    (P + R) ** -0.5, index=index, out=o, **mws)))
+    return cases
+
+
 # -- propose -------------------------------------------------------------------------------------
 
 def fake_context(prop, st, n: int, rng) -> None:
@@ -784,7 +840,7 @@ TABLES = {"kernels": ("GLM-4.5-Air-sized kernels", _KERNEL_HEAD),
           "dsv3": ("DeepSeek-V3's MTP module, kernels (`dsv3 ...`)", _KERNEL_HEAD),
           "propose": ("propose_batch (host included)", _PROPOSE_HEAD)}
 #: notes shown under the tables, in this order
-NOTES = ("torch", "torch_kernels", "errors", "kernels_skipped", "mla_skipped", "propose_skipped")
+NOTES = ("torch", "torch_kernels", "errors", "kernels_skipped", "mla_skipped", "dsa_skipped", "propose_skipped")
 
 
 def table_of(kind: str, row: dict) -> str:
@@ -1178,6 +1234,20 @@ def main(argv: list[str] | None = None) -> int:
             cp.get_default_memory_pool().free_all_blocks()
         elif args.mla:
             rec.note("mla_skipped", "time budget")
+
+        if args.mla and time.perf_counter() < mla_until:     # DeepSeek-V3.2's indexer and the MLA it saves
+            try:
+                for n in args.batches:
+                    if time.perf_counter() > mla_until:
+                        rec.note("dsa_skipped", f"time budget: from {n} rows on")
+                        break
+                    run_cases(gpu, rec, dsa_kernel_cases(be, n), n, args.runs)
+            except Exception as e:
+                rec.error(f"dsa kernels: {type(e).__name__}: {e}")
+                traceback.print_exc()
+            cp.get_default_memory_pool().free_all_blocks()
+        elif args.mla:
+            rec.note("dsa_skipped", "time budget")
 
         try:
             bench_propose(gpu, cfg, weights, be, rec, args, propose_until)

@@ -17,6 +17,8 @@
   used in place; BF16 device tensors are widened on the device;
 - DeepSeek-V4's attention (K = V, the output unrotated, sinks, the grouped output) in a
   proposer against the reference, and ``rope_heads`` at V4's shape (64 heads x 512, R 64);
+- DSA's kernels (kernels/dsa.cu, the sparse walk of kernels/mla.cu): the checks of
+  test_cuda_emulated_dsa.py on the device, DeepSeek-V3.2's indexer shapes among them;
 - the tensor cores' fragment layout (kernels/mma.cu's probe of kernels/mma.cuh) against a
   NumPy matmul, each deliberately wrong layout caught (the emulator runs the same check
   against its emulated mma: test_cuda_emulated.py::test_mma_fragment_layout).
@@ -369,6 +371,45 @@ def test_fp4_checkpoint_drafts_as_its_dequantized_twin(tmp_path):
         ours = run_rounds(fp4, CudaBackend(kv_dtype="float32"), mode)[1]
         assert ours == run_rounds(plain, CudaBackend(kv_dtype="float32"), mode)[1]
         assert ours == run_rounds(fp4, "numpy", mode)[1]
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float32"])
+def test_dsa_kernels_on_the_device(kv):
+    """kernels/dsa.cu and mla.cu's listed walk on the device, the checks
+    tests/test_cuda_emulated_dsa.py runs on the emulator: the key write against the reference
+    (the cache's tolerance), selections with exact scores over 5000 and 40000 rows (the sort's
+    rows bit for bit: ties, NaN, every keys-per-thread kernel and the pass beyond them), all scores
+    tied, DeepSeek-V3.2's indexer shapes (Hi 64, Di 128, topk 2048) at 5000 rows against float64
+    (near ties allowed), the sparse attention against the reference and a full list against the
+    dense attention bit for bit."""
+    import test_cuda_emulated_dsa as dsa_checks
+
+    from mtpkern.backends import get_backend
+    from mtpkern.backends.cuda import CudaBackend
+    from mtpkern.ops.rope_kv import inv_freq
+
+    be = CudaBackend(kv)
+    rng = np.random.default_rng(1)
+    n, Hi, Di, R, NB, BS = 19, 8, 128, 64, 4, 16
+    k, q = rng.standard_normal((n, Di)).astype(np.float32) * 3, rng.standard_normal((n, Hi, Di)).astype(np.float32)
+    w, b = rng.standard_normal(Di).astype(np.float32), rng.standard_normal(Di).astype(np.float32)
+    pos, slots = rng.integers(0, 9000, n).astype(np.int32), rng.permutation(NB * BS)[:n].astype(np.int32)
+    cache = be.empty_latent_kv(NB, BS, Di)
+    got_q = be.dsa_key_write(be.from_host(k), w, b, 1e-6, inv_freq(R, 1e4), pos, cache, slots, q=be.from_host(q),
+                             interleave=True)
+    ref = np.zeros((NB, BS, Di), np.float32)
+    want_q = get_backend("numpy").dsa_key_write(k, w, b, 1e-6, inv_freq(R, 1e4), pos, ref, slots, q=q,
+                                                interleave=True)
+    assert_close(be.kv_to_host(cache), ref, kv, "index cache rows")
+    assert_close(be.to_host(got_q), want_q, "float32", "roped query")
+    for rows, topk in ((5000, 2048), (5000, 7), (40000, 2048), (1500, 1)):
+        dsa_checks.check_select_exact(be, rows, topk)
+    dsa_checks.check_select_all_tied(be)
+    dsa_checks.check_select_v32(be, 80, (5000, 4100, 2048))
+    for Hq in (5, 16):
+        dsa_checks.check_sparse_split(be, Hq)
+    for window in (False, True):
+        dsa_checks.check_full_list_dense(be, window)
 
 
 @pytest.mark.parametrize("n", [1, 64])

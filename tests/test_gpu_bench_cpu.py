@@ -238,10 +238,10 @@ def test_the_benchmarks_calls_into_the_package_still_bind():
     import inspect
 
     from mtpkern.backends.cuda import CudaBackend
-    from mtpkern.backends.cuda_launch import attention, gemm_tc, lm_head, mla
+    from mtpkern.backends.cuda_launch import attention, dsa, gemm_tc, lm_head, mla
 
     owners = {"attn_launch": attention, "lm_launch": lm_head, "mla_launch": mla, "tc_launch": gemm_tc,
-              "be": CudaBackend}
+              "dsa_launch": dsa, "be": CudaBackend}
     tree = ast.parse(_PATH.read_text())
     seen = 0
     for owner, attr, call in _calls_on(tree, set(owners)):
