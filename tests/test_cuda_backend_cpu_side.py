@@ -593,6 +593,7 @@ _KERNEL = re.compile(
     r"(?:template\s*<([^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)"
 )
 _ELEM_DTYPE = {"float": "float32", "__nv_bfloat16": "uint16", "__nv_fp8_e4m3": "uint8", "int": "int32",
+               "unsigned char": "uint8",
                "long long": "int64"}
 _ADDR = itertools.count(1 << 20, 1 << 20)
 
@@ -679,6 +680,9 @@ def check_launch(family, name, grid, block, args, shared_mem, smem_attr):
                 assert arg == _util.NULL, where
                 continue
             assert isinstance(arg, FakeDev), f"{where}: got {type(arg).__name__}"
+            if ctype.startswith("mtp::ScaleT<"):      # a weight's scales: FP32 (FP8), E8M0 bytes (FP4)
+                w = bind.get(ctype[len("mtp::ScaleT<"):-1], "")
+                ctype = "unsigned char" if "fp4" in w else "float"
             assert arg.dtype.name == _ELEM_DTYPE[bind.get(ctype, ctype)], f"{where}: got {arg.dtype}"
         else:
             want = {"int": np.int32, "float": np.float32, "long long": np.int64}[ctype]
