@@ -33,7 +33,7 @@ thread: an engine calling from its own worker threads gets it too.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import numba
 import numpy as np
@@ -184,6 +184,20 @@ def _signature(a):
     if isinstance(a, _QUANT):                      # by shape: a signature must not keep a weight alive
         return type(a), a.shape
     return type(a), a                              # True == 1 and 2.0 == 2: the type keeps them apart
+
+
+def _row_write_args(name: str, cache: Any, q: Any, out: Any, slots: Any) -> np.ndarray:
+    """The checks a paged row write of one row per token shares (MLA's latent write, DSA's key
+    write): ``cache`` a C-contiguous FP32 NumPy cache, ``out`` only beside ``q``, ``slots``
+    in range -> the slots, contiguous."""
+    if not (isinstance(cache, np.ndarray) and cache.dtype == np.float32 and cache.flags.c_contiguous):
+        raise TypeError(f"{name}: expected a C-contiguous float32 NumPy cache (from empty_latent_kv), "
+                        f"got {type(cache).__name__} {dtype_name(cache)}")
+    if q is None and out is not None:
+        raise TypeError("out: the roped query's buffer needs q (no q: nothing is returned)")
+    slots = np.ascontiguousarray(slots)
+    _in_range("slots", slots, cache.shape[0] * cache.shape[1])
+    return slots
 
 
 def default_threads() -> int:
@@ -453,14 +467,7 @@ class CpuBackend(Backend):
         self._check(check_mla_latent_write, kv_a, kv_a_norm_w, inv_freq, positions, latent_cache, slots,
                     interleave, rope_scale, q)
         NB, BS, W = latent_cache.shape
-        if not (isinstance(latent_cache, np.ndarray) and latent_cache.dtype == np.float32
-                and latent_cache.flags.c_contiguous):
-            raise TypeError(f"latent_cache: expected a C-contiguous float32 NumPy cache (from empty_latent_kv), "
-                            f"got {type(latent_cache).__name__} {dtype_name(latent_cache)}")
-        if q is None and out is not None:
-            raise TypeError("out: the roped query's buffer needs q (no q: nothing is returned)")
-        slots = np.ascontiguousarray(slots)
-        _in_range("slots", slots, NB * BS)
+        slots = _row_write_args("latent_cache", latent_cache, q, out, slots)
         q_in = np.empty((0, 1, 1), np.float32) if q is None else _act(q)
         q_out = None if q is None else _out("out", out, tuple(q.shape))
         self._use_threads()
@@ -512,14 +519,7 @@ class CpuBackend(Backend):
         self._check(check_dsa_key_write, k, k_norm_w, k_norm_b, inv_freq, positions, index_cache, slots,
                     interleave, rope_scale, q)
         NB, BS, Di = index_cache.shape
-        if not (isinstance(index_cache, np.ndarray) and index_cache.dtype == np.float32
-                and index_cache.flags.c_contiguous):
-            raise TypeError(f"index_cache: expected a C-contiguous float32 NumPy cache (from empty_latent_kv), "
-                            f"got {type(index_cache).__name__} {dtype_name(index_cache)}")
-        if q is None and out is not None:
-            raise TypeError("out: the roped query's buffer needs q (no q: nothing is returned)")
-        slots = np.ascontiguousarray(slots)
-        _in_range("slots", slots, NB * BS)
+        slots = _row_write_args("index_cache", index_cache, q, out, slots)
         q_out = None if q is None else _out("out", out, tuple(q.shape))
         q_in = np.empty((0, 1, 1), np.float32) if q is None else _apart(_act(q), q_out, same_ok=True)
         self._use_threads()
