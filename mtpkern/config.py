@@ -674,9 +674,12 @@ class MtpConfig:
         if self.scoring_func not in get_args(ScoringFunc):
             raise ConfigError(f"config.json: field 'scoring_func' expected one of {get_args(ScoringFunc)}, "
                               f"got {self.scoring_func!r}")
-        if self.attention_bias and any(b.shared_kv or (b.q_lora_rank and not b.mla) for b in specs):
-            raise ConfigError("config.json: attention_bias: a GQA block with q_lora_rank or shared_kv has no q/k/v "
-                              "biases (DeepSeek-V4's attention); expected false, got true")
+        v4 = [b for b in specs if b.shared_kv or (b.q_lora_rank and not b.mla)]
+        if self.attention_bias and v4:
+            name = "q_lora_rank" if v4[0].q_lora_rank else "shared_kv"
+            raise ConfigError(f"config.json: field {name!r} = {getattr(v4[0], name)!r}: a GQA block with q_lora_rank "
+                              "or shared_kv has no q/k/v biases (DeepSeek-V4's attention); expected attention_bias "
+                              "false, got true")
         if any(b.mla for b in specs) and (self.use_qk_norm or self.attention_bias):
             raise ConfigError(f"config.json: an MLA module has no q/k norms or q/k/v biases; expected use_qk_norm and "
                               f"attention_bias false, got {self.use_qk_norm} and {self.attention_bias}")

@@ -165,7 +165,7 @@ def test_mla_modules_hold_one_latent_row_per_token(ckpts):
     (dict(MLA, use_qk_norm=True), r"an MLA module has no q/k norms"),
     (dict(qk_rope_head_dim=8), r"field 'qk_rope_head_dim' = 8 describes multi-head latent attention"),
     (dict(MLA, shared_kv=True), r"shared_kv, out_rope and o_groups are GQA features"),
-    (dict(q_lora_rank=24), r"attention_bias: a GQA block with q_lora_rank or shared_kv has no q/k/v biases"),
+    (dict(q_lora_rank=24), r"field 'q_lora_rank' = 24: a GQA block with q_lora_rank or shared_kv has no q/k/v biases.*expected attention_bias false"),
     (dict(shared_kv=True, attention_bias=False, v_head_dim=8), r"shared_kv: the value is the key"),
     (dict(o_groups=2, attention_bias=False), r"o_groups and o_lora_rank go together"),
     (dict(o_groups=3, o_lora_rank=8, attention_bias=False), r"o_groups = 3 must divide num_attention_heads = 4"),

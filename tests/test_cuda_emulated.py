@@ -1608,6 +1608,21 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             out[f"rope_heads {il} {inv}"] = emu_backend.backend().rope_heads(
                 rnd(rng, 3, 5, 40), np.array([0, 9, 7000], np.int32), inv_freq(12, 1e4), interleave=il,
                 rope_scale=1.25, inverse=inv)
+    be = emu_backend.backend()
+    for td in ("f32", "bf16"):                  # hc.cu: streams FP32 / BF16 bits; hc_post's MR = 4, 16
+        def act(*shape, _td=td):
+            a = rnd(rng, *shape)
+            return a if _td == "f32" else a.astype(ml_dtypes.bfloat16).view(np.uint16)
+        for m in (4, 6):
+            H = 40
+            X = act(3, m * H)
+            u, post, comb = be.hc_pre(X, rnd(rng, 3, (2 + m) * m), rnd(rng, (2 + m) * m), rnd(rng, 3) + 1,
+                                      1e-6, 3)
+            out[f"hc_pre {td} {m}"] = u
+            out[f"hc_head {td} {m}"] = be.hc_head(X, rnd(rng, 3, m), rnd(rng, m), rnd(rng, 1) + 1, 1e-6)
+            for fd in ("f32", "bf16"):
+                f = rnd(rng, 3, H) if fd == "f32" else rnd(rng, 3, H).astype(ml_dtypes.bfloat16).view(np.uint16)
+                out[f"hc_post {td} {fd} {m}"] = be.hc_post(f, X, post, comb)
     for kv in KV_DTYPES:
         be = emu_backend.backend(kv)
         for D in (48, 128, 256):                                                        # DC = 2, 4, 8

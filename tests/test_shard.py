@@ -130,14 +130,15 @@ def test_sharded_fp8_matches_one_rank(tmp_path_factory, block):
 
 def test_sharded_fp8_refuses_a_cut_scale_block(tmp_path):
     """A shard boundary inside an FP8 scale block cannot be read: CheckpointError naming the
-    tensor (4 ranks cut q_proj's 32-row blocks at 16 rows)."""
+    tensor (4 ranks cut the attention projections' 32-row blocks at 16 rows; the first one read
+    is named)."""
     import dataclasses
 
     from mtpkern.errors import CheckpointError
 
     cfg = dataclasses.replace(tiny_config(), weight_quant="fp8", fp8_block=(32, 32))
     ckpt = write_synthetic_checkpoint(tmp_path / "fp8", cfg, seed=4)
-    with pytest.raises(CheckpointError, match="q_proj.weight.*scale blocks of 32"):
+    with pytest.raises(CheckpointError, match=r"self_attn\.[qk]_proj\.weight'.*scale blocks of 32"):
         load_weights(ckpt, cfg, get_backend("numpy"), shard=Shard(1, 4))
 
 
