@@ -792,8 +792,8 @@ class MtpConfig:
         fam = _family(d)
         _refuse_unimplemented(d, fam)
         quant = _quant(d)
-        expert_quant = _expert_quant(d)
         d = _with_family(d, fam)
+        expert_quant = _expert_quant(d)          # (DeepSeek-V4's normalise supplies the release's default)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"config.json: hidden_act expected 'silu', got {_show(act)}")

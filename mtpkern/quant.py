@@ -246,6 +246,31 @@ class Fp8Weight:
                                 for p in parts], axis=0)
         return cls(data, scale, (bn, block[1]))
 
+    def take_units(self, axis: int, order: np.ndarray, unit: int) -> "Fp8Weight":
+        """The weight ``[N, K]`` with its rows (``axis`` 0) or columns (1) rearranged in units of
+        ``unit``: unit ``i`` of the result is unit ``order[i]`` of this one (the length a
+        multiple of ``unit``). Block scales are refined to ``gcd(b, unit)`` along the axis, each
+        keeping its scale, so every weight keeps its value; per-channel scales follow their rows."""
+        if self.ndim != 2 or axis not in (0, 1):
+            raise ValueError(f"take_units: expected an [N, K] weight and axis 0 or 1, got {_dims(self.shape)}, {axis}")
+        n = self.shape[axis]
+        order = np.asarray(order, np.int64)
+        if n % unit or sorted(order.tolist()) != list(range(n // unit)):
+            raise ValueError(f"order: expected a permutation of the {n // unit} units of {unit} along axis {axis} "
+                             f"(length {n}), got {len(order)} units")
+        idx = (order[:, None] * unit + np.arange(unit)).ravel()
+        data = np.take(self.data, idx, axis=axis)
+        if self.block is None:
+            return Fp8Weight(data, self.scale[idx] if axis == 0 else self.scale, None)
+        b = self.block[axis]
+        g = math.gcd(b, unit)
+        fine = np.repeat(self.scale, b // g, axis=axis)
+        fine = fine[: -(-n // g)] if axis == 0 else fine[:, : -(-n // g)]
+        per = unit // g
+        sidx = (order[:, None] * per + np.arange(per)).ravel()
+        block = (g, self.block[1]) if axis == 0 else (self.block[0], g)
+        return Fp8Weight(data, np.take(fine, sidx, axis=axis), block)
+
     @classmethod
     def stack(cls, parts: Sequence["Fp8Weight"]) -> "Fp8Weight":
         """Experts ``[N, K]`` of one shape, scale kind and block -> ``[E, N, K]``."""
@@ -496,6 +521,27 @@ class Fp4Weight:
             raise ValueError(f"cols: expected a range of whole {FP4_BLOCK}-weight scale blocks of K = {K}, "
                              f"got {a}:{b}")
         return Fp4Weight(self.data[..., a // 2: b // 2], self.scale[..., a // FP4_BLOCK: -(-b // FP4_BLOCK)])
+
+
+def rope_first_order(heads: int, D: int, R: int) -> tuple[np.ndarray, int]:
+    """(order, unit) that moves the last ``R`` of each head's ``D`` dims first: the units of
+    ``gcd(D, R)`` dims of ``heads`` heads of ``D`` (``take_units``' arguments)."""
+    u = math.gcd(D, R)
+    n, r = D // u, R // u
+    per_head = np.concatenate([np.arange(n - r, n), np.arange(n - r)])
+    return (np.arange(heads)[:, None] * n + per_head).ravel(), u
+
+
+def take_units(w, axis: int, order: np.ndarray, unit: int):
+    """``w`` (a dense ``[N, K]`` or ``[N]`` array, or an ``Fp8Weight``) with its rows
+    (``axis`` 0) or columns (1) rearranged in units of ``unit`` (``Fp8Weight.take_units``)."""
+    if isinstance(w, Fp8Weight):
+        return w.take_units(axis, order, unit)
+    if isinstance(w, Fp4Weight):
+        raise TypeError("take_units: an FP4 weight's dims cannot be reordered at load (its scale blocks of 32 "
+                        "hold packed pairs); expected FP8 or dense attention projections")
+    idx = (np.asarray(order, np.int64)[:, None] * unit + np.arange(unit)).ravel()
+    return np.take(w, idx, axis=axis)
 
 
 #: the quantized weight types a backend's ``prepare_weight`` takes

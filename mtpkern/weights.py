@@ -36,7 +36,7 @@ from .errors import CheckpointError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 from .models import Family, family
 from .ops.mla import split_kv_b_proj
-from .quant import FP4_BLOCK, Fp4Weight, Fp8Weight, nan_codes
+from .quant import FP4_BLOCK, Fp4Weight, Fp8Weight, nan_codes, rope_first_order, take_units
 from .shard import Shard
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -67,15 +67,24 @@ def is_fp4(cfg: MtpConfig, suffix: str, dtype: str) -> bool:
     return cfg.expert_quant == "fp4" and _is_projection(suffix) and dtype in _FP4
 
 
-def fp4_scale_key(rd: "CheckpointReader", key: str) -> str:
-    """The checkpoint key of an FP4 weight's E8M0 scales: ``weight_scale_inv`` (transformers'
-    name for DeepSeek-V4's ``.scale``), else ``weight_scale`` (vLLM's name for the experts')."""
+def fp4_scale_key(cfg: MtpConfig, rd: "CheckpointReader", key: str) -> str:
+    """The checkpoint key of an FP4 weight's E8M0 scales: DeepSeek-V4's ``X.scale`` in its own
+    layout (``Family.scale_dot_scale``), else ``weight_scale_inv`` (transformers' name for
+    it), else ``weight_scale`` (vLLM's name for the experts')."""
+    if family(cfg.family).scale_dot_scale:
+        return family(cfg.family).scale_key(key, True)
     return key + "_scale" if rd.has(key + "_scale") and not rd.has(key + "_scale_inv") else key + "_scale_inv"
 
 
 def scale_key(cfg: MtpConfig, key: str) -> str:
     """The checkpoint key of an FP8 weight's scales: ``weight_scale_inv`` (block scales,
-    DeepSeek-V3 / GLM FP8) or ``weight_scale`` (per-channel, compressed-tensors)."""
+    DeepSeek-V3 / GLM FP8) or ``weight_scale`` (per-channel, compressed-tensors); DeepSeek-V4's
+    ``X.scale`` in its family's layout (``Family.scale_key``)."""
+    return family(cfg.family).scale_key(key, cfg.fp8_block != (0, 0))
+
+
+def _canonical_scale_key(cfg: MtpConfig, key: str) -> str:
+    """A scale's name in the canonical layout (what ``release_layout`` renames)."""
     return key + ("_scale_inv" if cfg.fp8_block != (0, 0) else "_scale")
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -311,6 +320,22 @@ def _row_slice(w: Any, a: int, b: int) -> Any:
     return Fp8Weight(w.data[a:b], w.scale[a // bn: -(-b // bn)], w.block)
 
 
+def join_cols(a: Any, b: Any, what: str) -> Any:
+    """Projections ``[N, Ka]`` and ``[N, Kb]`` joined along K (DeepSeek-V4's e_proj | h_proj):
+    dense ones (BF16 when both are, else FP32), or FP8 ones with block scales of one block
+    whose ``bk`` divides ``Ka`` (the scale blocks stay whole); anything else is refused,
+    naming ``what``."""
+    kinds = {_kind(a), _kind(b)}
+    if kinds == {"dense"}:
+        dt = BF16 if a.dtype == BF16 and b.dtype == BF16 else np.float32
+        return np.concatenate([a.astype(dt, copy=False), b.astype(dt, copy=False)], axis=1)
+    if kinds == {"FP8"} and a.block is not None and a.block == b.block and a.shape[-1] % a.block[1] == 0:
+        return Fp8Weight(np.concatenate([a.data, b.data], axis=1), np.concatenate([a.scale, b.scale], axis=1), a.block)
+    raise CheckpointError(f"{what}: cannot be joined into one projection: expected two dense weights, or two FP8 "
+                          f"ones with one block whose columns divide the first's {a.shape[-1]}; got "
+                          f"{_kind(a)} {getattr(a, 'block', '')} and {_kind(b)} {getattr(b, 'block', '')}")
+
+
 def _kind(w: Any) -> str:
     """A projection's storage kind for messages: FP8, FP4 or dense."""
     return "FP8" if isinstance(w, Fp8Weight) else "FP4" if isinstance(w, Fp4Weight) else "dense"
@@ -498,6 +523,12 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
         keys["mlp.down_proj.weight"] = ((H, I), True)
     if cfg.hc_mult > 1:
         keys.update(_hc_keys(cfg.hc_mult, H))
+    fam = family(cfg.family)
+    if fam.split_eh_proj:                # eh_proj's column halves as two projections (DeepSeek-V4)
+        del keys["eh_proj.weight"]
+        keys["e_proj.weight"] = keys["h_proj.weight"] = ((H, H), True)
+    for suffix in fam.unit_norms:        # no weight in the release: ones
+        keys.pop(suffix, None)
     keys["embed_tokens.weight"] = ((cfg.vocab_size, H), False)
     keys["shared_head.head.weight"] = ((cfg.vocab_size, H), False)
     return keys
@@ -561,7 +592,7 @@ def _mla_keys(b, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
 #: (pattern on the key under the prefix, field). First match wins; FP8 scales come
 #: first because they sit beside every quantized weight.
 _TENSOR_FIELDS: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r".*\.(weight_scale_inv|weight_scale|input_scale)$"), "quantization_config"),
+    (re.compile(r".*\.(weight_scale_inv|weight_scale|input_scale|scale)$"), "quantization_config"),
     (re.compile(r"(^|\.)self_attn\.[qkv]_proj\.bias$"), "attention_bias"),
     (re.compile(r"(^|\.)self_attn\.[qk]_norm\.weight$"), "use_qk_norm"),
     (re.compile(r"(^|\.)self_attn\.g_proj\."), "attn_gate"),
@@ -670,7 +701,7 @@ def _read_keys(cfg: MtpConfig, rd: CheckpointReader, spec: dict, check: bool = T
                 continue
             dt = rd.info(key)[1]
             if dt == _FP8 or is_fp4(cfg, suffix, dt):
-                sk, kind = (scale_key(cfg, key), "FP8") if dt == _FP8 else (fp4_scale_key(rd, key), "FP4")
+                sk, kind = (scale_key(cfg, key), "FP8") if dt == _FP8 else (fp4_scale_key(cfg, rd, key), "FP4")
                 if check and not rd.has(sk):
                     raise CheckpointError(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
                                           f"of the {kind} weight {key!r} (quantization_config)")
@@ -753,7 +784,7 @@ def check_headers(path: str | os.PathLike, cfg: MtpConfig, apply_target_norm: bo
         else:
             header(key, shape, (_FP8,) if fp8 else _FLOAT_DTYPES)
         if fp8 or fp4:
-            sk = scale_key(cfg, key) if fp8 else fp4_scale_key(rd, key)
+            sk = scale_key(cfg, key) if fp8 else fp4_scale_key(cfg, rd, key)
             if not rd.has(sk):
                 problems.append(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
                                 f"of the {'FP8' if fp8 else 'FP4'} weight {key!r} (quantization_config)")
@@ -916,7 +947,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         if shape[-1] % 2 or got_shape != stored:
             raise CheckpointError(f"tensor {key!r} in {rd.file_of(key)}: expected shape {list(stored)} (FP4: two "
                                   f"codes a byte of a [{', '.join(map(str, shape))}] weight), got {list(got_shape)}")
-        sk = fp4_scale_key(rd, key)
+        sk = fp4_scale_key(cfg, rd, key)
         want = tuple(shape[:-1]) + (-(-shape[-1] // FP4_BLOCK),)
         scale = rd.get(sk, want, _FP4_SCALE_DTYPES)
         if cols is not None and (cols[0] % FP4_BLOCK or (cols[1] % FP4_BLOCK and cols[1] != shape[-1])):
@@ -1079,8 +1110,16 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
 
         def norm_host(suffix, scale: float = 1.0):
             """A norm weight on the host as the backends apply it: zero-centred ones folded
-            (stored w, applied as 1 + w), times ``scale`` (an output scale of the norm, in FP32)."""
-            v = w(suffix)
+            (stored w, applied as 1 + w), ones for a norm the release has no weight for
+            (``Family.unit_norms``), times ``scale`` (an output scale of the norm, in FP32);
+            a q / k norm reordered as its head's dims (``rope_last``)."""
+            if suffix in fam.unit_norms:
+                n = blk.head_dim if suffix in ("self_attn.q_norm.weight", "self_attn.k_norm.weight") else H
+                v = np.ones(n, np.float32)
+            else:
+                v = w(suffix)
+            if suffix in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                v = rope_first(v, 1)
             v = v.astype(np.float32) + 1.0 if fam.folds_norm(suffix) else v
             return v if scale == 1.0 else v.astype(np.float32) * np.float32(scale)
 
@@ -1134,9 +1173,21 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 return v.dequantize() * np.float32(sv)
             return v.astype(np.float32) * np.float32(sv)
 
+        def rope_first(v, heads: int, axis: int = 0):
+            """A projection's rows (``axis`` 0) or columns (1) of ``heads`` heads, or a q / k norm
+            weight (one head), with each head's last R dims moved first (``Family.rope_last``:
+            where mtpkern's RoPE rotates); unchanged for other families."""
+            if not fam.rope_last:
+                return v
+            order, unit = rope_first_order(heads, blk.head_dim, blk.rotary_dim)
+            return take_units(v, axis, order, unit)
+
         def eh_proj():
             """[H, 2H] over [embed, hidden]: a family that concatenates [hidden, embed]
-            has its column halves swapped here, once."""
+            has its column halves swapped here, once; one that releases e_proj / h_proj
+            (``split_eh_proj``) has them joined."""
+            if fam.split_eh_proj:
+                return backend.prepare_weight(join_cols(w("e_proj.weight"), w("h_proj.weight"), "e_proj / h_proj"))
             v = w("eh_proj.weight")
             if fam.concat != "hidden_embed":
                 return backend.prepare_weight(v)
@@ -1191,21 +1242,32 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                            next((k for k in head_keys if rd.has(k)), None), fam.folds_norm("shared_head.norm.weight"))
         D, Dv = blk.head_dim, blk.v_dim
         hw_gate = blk.attn_gate == "headwise"
+        if fam.rope_last and (blk.mla or blk.attn_gate or cfg.attention_bias):
+            raise CheckpointError(f"module {m}: {fam.title}'s RoPE on each head's last dims is reordered at load for "
+                                  f"a GQA block without an output gate or q/k/v biases; got mla={blk.mla}, "
+                                  f"attn_gate={blk.attn_gate!r}, attention_bias={cfg.attention_bias}")
         if hs is not None and blk.o_groups:
             raise CheckpointError(f"module {m}: a grouped output projection (o_groups = {blk.o_groups}) is not "
                                   f"sharded yet; load it on one rank")
 
+        def o_proj():
+            """o_proj's columns (a rank's heads); with shared_kv, each head's in the keys' order."""
+            o = w("self_attn.o_proj.weight", cols=None if hs is None else (hs.q0 * Dv, hs.q1 * Dv))
+            return rope_first(o, lblk.num_attention_heads, axis=1) if blk.shared_kv else o
+
         def gqa_qkv():
             """The fused projection's rows: q | k | v (| gate); with q_lora_rank no q (q_b_proj reads
             the query latent); with shared_kv one kv_proj for k and v."""
-            kv = [heads_of("self_attn.kv_proj.weight" if blk.shared_kv else "self_attn.k_proj.weight", D, kv=True)]
+            kv = [rope_first(heads_of("self_attn.kv_proj.weight" if blk.shared_kv else "self_attn.k_proj.weight",
+                                      D, kv=True), lblk.num_key_value_heads)]
             if not blk.shared_kv:
                 kv.append(value_scaled(heads_of("self_attn.v_proj.weight", Dv, kv=True)))
             if blk.q_lora_rank:
                 return stack_rows(*kv)
             if blk.shared_kv:
-                return stack_rows(heads_of("self_attn.q_proj.weight", D), *kv)
-            return stack_rows(*qkv_rows(heads_of("self_attn.q_proj.weight", D), kv[0], kv[1],
+                return stack_rows(rope_first(heads_of("self_attn.q_proj.weight", D), lblk.num_attention_heads), *kv)
+            return stack_rows(*qkv_rows(rope_first(heads_of("self_attn.q_proj.weight", D), lblk.num_attention_heads),
+                                        kv[0], kv[1],
                                         heads_of("self_attn.g_proj.weight", 1) if hw_gate else None))
 
         mw = ModuleWeights(
@@ -1227,8 +1289,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             sinks=backend.prepare_vector(heads_of("self_attn.sinks", 1).astype(np.float32)) if blk.attn_sinks else None,
             q_norm=norm("self_attn.q_norm.weight") if cfg.use_qk_norm else None,
             k_norm=norm("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
-            w_o=None if blk.o_groups else backend.prepare_weight(w(
-                "self_attn.o_proj.weight", cols=None if hs is None else (hs.q0 * Dv, hs.q1 * Dv))),
+            w_o=None if blk.o_groups else backend.prepare_weight(o_proj()),
             shared_head_norm=backend.prepare_vector(final_norm),
         )
         if blk.mla:
@@ -1236,10 +1297,13 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         elif blk.q_lora_rank:                # a GQA query through its own latent (DeepSeek-V4)
             mw.mla_q_a = backend.prepare_weight(w("self_attn.q_a_proj.weight"))
             mw.mla_q_a_norm = norm("self_attn.q_a_layernorm.weight", cfg.q_a_norm_scale)
-            mw.q_b = backend.prepare_weight(heads_of("self_attn.q_b_proj.weight", D))
+            mw.q_b = backend.prepare_weight(rope_first(heads_of("self_attn.q_b_proj.weight", D),
+                                                       lblk.num_attention_heads))
         if blk.o_groups:                     # grouped low-rank output: o_a_proj per group, then o_b_proj
             g, r = blk.o_groups, blk.o_lora_rank
             o_a = w("self_attn.o_a_proj.weight")
+            if blk.shared_kv:                # the values are keys: their dims in the keys' order
+                o_a = rope_first(o_a, blk.num_attention_heads // g, axis=1)
             mw.w_o_a = [backend.prepare_weight(_row_slice(o_a, i * r, (i + 1) * r)) for i in range(g)]
             mw.w_o_b = backend.prepare_weight(w("self_attn.o_b_proj.weight"))
         if cfg.hc_mult > 1:                  # replicated on every rank of a sharded head
@@ -1411,6 +1475,11 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
         if own_head:
             t[p + "shared_head.head.weight"] = t["lm_head.weight"].copy()
     fam = family(cfg.family)
+    for m in range(cfg.num_modules):          # norms the family's release has no weight for: ones
+        for suffix in fam.unit_norms:
+            key = f"model.layers.{cfg.layer_index(m)}.{suffix}"
+            if key in t:
+                t[key] = np.ones_like(t[key])
     first = f"model.layers.{cfg.layer_index(0)}."
     for m in range(1, cfg.num_modules):       # what the family's modules share (one tensor in its
         p = f"model.layers.{cfg.layer_index(m)}."        # release, Qwen3-Next's mtp.fc) is one value
@@ -1444,7 +1513,7 @@ def quantize_projections(cfg: MtpConfig, tensors: dict[str, np.ndarray],
         if v4 and _EXPERT.match(suffix):
             q4 = Fp4Weight.quantize(a)
             out[key] = q4.data.view(np.int8)
-            out[key + "_scale_inv"] = q4.scale.view(ml_dtypes.float8_e8m0fnu)
+            out[_canonical_scale_key(cfg, key)] = q4.scale.view(ml_dtypes.float8_e8m0fnu)
             continue
         q = Fp8Weight.quantize(a, block)
         if pow2_scales or v4:
@@ -1452,15 +1521,54 @@ def quantize_projections(cfg: MtpConfig, tensors: dict[str, np.ndarray],
             codes = np.clip(a / Fp8Weight(q.data, scale, block).scale_per_element(), -448.0, 448.0)
             q = Fp8Weight(codes.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scale, block)
         out[key] = q.data.view(ml_dtypes.float8_e4m3fn)
-        out[scale_key(cfg, key)] = q.scale if not v4 else \
+        out[_canonical_scale_key(cfg, key)] = q.scale if not v4 else \
             (np.log2(q.scale).astype(np.int32) + 127).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu)
     return out
 
 
-def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+#: the attention tensors whose head dims a ``rope_last`` family stores rotary-last: suffix ->
+#: (axis, query heads or key heads), the output projections only where the value is the key
+_ROPE_LAST = {"self_attn.q_proj.weight": (0, "q"), "self_attn.q_b_proj.weight": (0, "q"),
+              "self_attn.k_proj.weight": (0, "k"), "self_attn.kv_proj.weight": (0, "k"),
+              "self_attn.k_norm.weight": (0, 1), "self_attn.q_norm.weight": (0, 1),
+              "self_attn.o_proj.weight": (1, "o"), "self_attn.o_a_proj.weight": (1, "o")}
+
+
+def _rope_last_order(cfg: MtpConfig, m: int, base: str, a: np.ndarray) -> np.ndarray:
+    """Module ``m``'s dense tensor ``base`` with each head's first R dims moved last: the
+    release order of a ``rope_last`` family (the inverse of the loader's ``rope_first``)."""
+    b = cfg.block(m)
+    axis, heads = _ROPE_LAST.get(base, (None, None))
+    if axis is None or (heads == "o" and not b.shared_kv):
+        return a
+    heads = {"q": b.num_attention_heads, "k": b.num_key_value_heads,
+             "o": b.num_attention_heads // max(b.o_groups, 1)}.get(heads, heads)
+    order, unit = rope_first_order(heads, b.head_dim, b.rotary_dim)
+    return take_units(a, axis, np.argsort(order), unit)
+
+
+def rope_release_order(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Dense canonical ``tensors`` with the head dims of a ``rope_last`` family in its release
+    order (rotary dims last), before any quantization (``write_synthetic_checkpoint``)."""
+    if not family(cfg.family).rope_last:
+        return tensors
+    out = dict(tensors)
+    for m in range(cfg.num_modules):
+        p = f"model.layers.{cfg.layer_index(m)}."
+        for base in _ROPE_LAST:
+            if p + base in out:
+                out[p + base] = _rope_last_order(cfg, m, base, out[p + base])
+    return out
+
+
+def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered: bool = False
+                   ) -> dict[str, np.ndarray]:
     """``tensors`` (canonical names, as ``synthetic_tensors`` makes them) renamed and
     unfolded into ``cfg.family``'s release layout: the checkpoint a family's own
-    release would be, which ``load_weights`` folds back to the same module."""
+    release would be, which ``load_weights`` folds back to the same module.
+    ``rope_ordered``: a ``rope_last`` family's head dims are already in the release's order
+    (``rope_release_order``, as quantized tensors must be); else dense ones are reordered
+    here and quantized ones refused."""
     fam = family(cfg.family)
     H = cfg.hidden_size
     out = {}
@@ -1478,6 +1586,24 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
                 if expert is not None:                         # one tensor [E, ...] per projection
                     packed = fam.key(cfg.layer_index(m), m, f"mlp.experts.{expert.group(2)}_proj.weight") + tail
                     packs.setdefault(packed, {})[int(expert.group(1))] = a
+                    key = None
+                    break
+                if fam.rope_last and not rope_ordered and base in _ROPE_LAST:
+                    if tail or a.dtype.itemsize == 1:
+                        raise ValueError(f"tensors: {key!r} is quantized; a {fam.title} checkpoint's head dims "
+                                         f"are reordered before quantization (rope_release_order)")
+                    a = _rope_last_order(cfg, m, base, a)
+                if base in fam.unit_norms:                     # no such tensor in the release
+                    key = None
+                    break
+                if base == "eh_proj.weight" and fam.split_eh_proj:       # two [H, H] projections
+                    half = H if not tail else H // cfg.fp8_block[1]
+                    if tail and H % cfg.fp8_block[1]:
+                        raise ValueError(f"tensors: {key!r}: hidden_size {H} is not a multiple of the scale "
+                                         f"block {cfg.fp8_block[1]}; e_proj / h_proj cannot be split")
+                    for name, part in (("e_proj.weight", a[:, :half]), ("h_proj.weight", a[:, half:])):
+                        k2 = fam.key(cfg.layer_index(m), m, name)
+                        out[fam.scale_key(k2, tail == "_scale_inv") if tail else k2] = np.ascontiguousarray(part)
                     key = None
                     break
                 if base == "eh_proj.weight" and fam.concat == "hidden_embed" and tail != "_scale":
@@ -1499,7 +1625,8 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[str, 
                     rows = blk.head_dim // (cfg.fp8_block[0] if tail == "_scale_inv" else 1)   # block scale rows
                     q, g = a[:Hq * rows].reshape(Hq, rows, -1), a[Hq * rows:].reshape(Hq, rows, -1)
                     a = np.concatenate([q, g], axis=1).reshape(a.shape)
-                key = fam.key(cfg.layer_index(m), m, base) + tail
+                key = fam.key(cfg.layer_index(m), m, base)
+                key = fam.scale_key(key, tail == "_scale_inv") if tail else key
                 break
         else:
             key = {"model.embed_tokens.weight": fam.target_embed, "lm_head.weight": fam.target_head,
@@ -1543,10 +1670,11 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
     tensors = synthetic_tensors(cfg, seed, own_embed, own_head)
     np_dtype = BF16 if dtype == "bfloat16" else np.float32
     tensors = {k: v.astype(np_dtype).astype(np.float32) for k, v in tensors.items()}    # the dense values
+    tensors = rope_release_order(cfg, tensors)
     if cfg.weight_quant == "fp8":
         tensors = quantize_projections(cfg, tensors, pow2_scales)
-    tensors = release_layout(cfg, tensors)
-    tensors = {k: np.ascontiguousarray(v if v.dtype.itemsize == 1 or k.endswith(("_scale", "_scale_inv"))
+    tensors = release_layout(cfg, tensors, rope_ordered=True)
+    tensors = {k: np.ascontiguousarray(v if v.dtype.itemsize == 1 or k.endswith(("_scale", "_scale_inv", ".scale"))
                                        or ".hc_" in k else v.astype(np_dtype))          # hyper-connections: FP32
                for k, v in tensors.items()}
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")

@@ -23,10 +23,13 @@ as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
   family's config under ``text_config`` (a vision-language release of the same
   text model);
 - **folds**, applied once at load so that kernels never see them: the input order
-  of ``eh_proj`` (``hidden_embed`` swaps its column halves), zero-centred RMSNorm
+  of ``eh_proj`` (``hidden_embed`` swaps its column halves; ``split_eh_proj``: two
+  projections ``e_proj`` / ``h_proj`` joined into one), zero-centred RMSNorm
   weights (stored ``w``, applied as ``1 + w``: 1 is added; the target's final norm
-  too), and a query projection that interleaves an output gate per head
-  (``q_gate_interleaved``: the gate rows move after q|k|v).
+  too), a query projection that interleaves an output gate per head
+  (``q_gate_interleaved``: the gate rows move after q|k|v), norms the release has no
+  weight for (``unit_norms``: ones), and RoPE on the last dims of each head
+  (``rope_last``: each head's dims reordered so that they come first).
 
 A new family is a new file in this package with one ``Family`` in it, registered
 in ``mtpkern/models/__init__.py``.
@@ -68,7 +71,24 @@ class Family:
     #: an outer model_type -> its architectures, whose config.json nests this family's
     #: config under ``text_config`` (read as that text config: mtpkern/config.py)
     wrappers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: component renames: after ``renames``, every dotted part of a name found here is
+    #: replaced (DeepSeek-V4: ``self_attn`` -> ``attn``, ``gate_proj`` -> ``w1``, ...)
+    parts: Mapping[str, str] = field(default_factory=dict)
+    #: an FP8 / FP4 weight ``X.weight``'s scales are ``X.scale`` (DeepSeek-V4) instead of
+    #: ``X.weight_scale_inv`` (``X.weight_scale`` for per-channel FP8)
+    scale_dot_scale: bool = False
     concat: Concat = "embed_hidden"
+    #: ``eh_proj`` released as two [H, H] projections, ``e_proj.weight`` (of the normed
+    #: embedding) and ``h_proj.weight`` (of the normed hidden), whose sum is eh_proj over
+    #: [embed, hidden]: joined column-wise at load (DeepSeek-V4)
+    split_eh_proj: bool = False
+    #: canonical RMSNorm weights the release has not (an unweighted norm): applied as ones
+    unit_norms: frozenset[str] = frozenset()
+    #: RoPE rotates the LAST ``R`` dims of each head in the release (DeepSeek-V4) where
+    #: mtpkern rotates the first: each head's dims are reordered at load (the last R first)
+    #: in the query and key rows, the q / k norm weights and, where the value is the key
+    #: (``shared_kv``), the output projection's columns; scores and outputs are unchanged
+    rope_last: bool = False
     zero_centred: bool = False
     #: q_proj rows per head [query (D) | gate (D)] (Qwen3-Next), de-interleaved at load into
     #: the query rows and the gate rows stacked after q|k|v
@@ -107,6 +127,8 @@ class Family:
         if new is None:
             best = max((p for p in self.renames if p.endswith(".") and suffix.startswith(p)), key=len, default=None)
             new = suffix if best is None else self.renames[best] + suffix[len(best):]
+        if self.parts:
+            new = ".".join(self.parts.get(p, p) for p in new.split("."))
         return self.module_prefix(layer, m) + new.format(m=m)
 
     def keys(self, layer: int, m: int, suffix: str) -> tuple[str, ...]:
@@ -122,14 +144,28 @@ class Family:
     def folds_norm(self, suffix: str) -> bool:
         return self.zero_centred and suffix in NORMS
 
+    def scale_key(self, key: str, block: bool) -> str:
+        """The scale tensor of the quantized weight ``key`` (``block``: block scales, else
+        per-channel): ``X.scale`` (``scale_dot_scale``), ``X.weight_scale_inv`` or
+        ``X.weight_scale``."""
+        if self.scale_dot_scale and key.endswith(".weight"):
+            return key[:-len("weight")] + "scale"
+        return key + ("_scale_inv" if block else "_scale")
+
     def describe(self) -> str:
         parts = [self.title]
         if self.concat == "hidden_embed":
             parts.append("eh_proj input [hidden, embed] (folded)")
         if self.zero_centred:
             parts.append("zero-centred norms (folded)")
+        if self.split_eh_proj:
+            parts.append("e_proj | h_proj joined into eh_proj")
         if self.q_gate_interleaved:
             parts.append("q_proj gate rows per head (regrouped)")
+        if self.unit_norms:
+            parts.append(f"unweighted {', '.join(sorted(self.unit_norms))} (ones)")
+        if self.rope_last:
+            parts.append("RoPE on each head's last dims (dims reordered)")
         if self.chain != "prenorm":
             parts.append(f"{self.chain} chain")
         for pre, why in self.ignored:
