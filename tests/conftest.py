@@ -258,7 +258,7 @@ def run_rounds(path, backend="numpy", mode="exact", seed=0, rounds=4, n=9, **kw)
     kw.setdefault("num_blocks", 64)
     prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode=mode, **kw)
     rng = np.random.default_rng(seed)
-    H, V = prop.config.hidden_size, prop.config.vocab_size
+    H, V = prop.config.stream_size, prop.config.vocab_size      # (hyper-connections: the streams' width)
     st = prop.alloc_state()
     prop.prefill_drafter(rng.integers(0, V, n).tolist(), rand_hiddens(rng, n, H), st)
     out, P = [], n
