@@ -57,6 +57,9 @@ SHAPES: dict[str, tuple[Callable[[], MtpConfig], int]] = {
     "mla": (CONFIGS["mla"], 2048),
     # the mla block with DeepSeek-V3.2's DSA indexer: its cost at 4096 keys against the attention it saves
     "dsa": (CONFIGS["dsa"], 4096),
+    # DeepSeek-V4-Flash's MTP block at a quarter of its width (streams, V4's attention, FP4
+    # experts): a window of 128 inside 2048 rows of context
+    "dsv4": (CONFIGS["dsv4"], 2048),
 }
 
 
@@ -488,7 +491,15 @@ def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
             attn_fmas = keys * b.num_attention_heads * (2 * L + R)
         else:
             kv_proj += b.qkv_size * H                                     # q|k|v|gate
+            if b.q_lora_rank:                                             # q_a, then q_b from the latent
+                kv_proj += b.q_lora_rank * H + b.q_size * b.q_lora_rank - b.q_size * H
+            if b.o_groups:                                                # o_a per group, then o_b
+                on_proj += b.o_lora_rank * b.o_size + H * b.o_groups * b.o_lora_rank - H * b.o_size
             attn_fmas = keys * b.num_attention_heads * (b.head_dim + b.v_dim)
+        if cfg.hc_mult > 1:              # the FP32 hyper-connection mixes: hc_attn_fn; hc_ffn_fn and hc_head_fn
+            s_, w_ = cfg.hc_mult * H, (2 + cfg.hc_mult) * cfg.hc_mult
+            parts.append((f"m{m} hc", 4 * s_ * (w_ + (w_ + cfg.hc_mult if on else 0)),
+                          rows * w_ * s_ + on * (w_ + cfg.hc_mult) * s_))
         if not on:
             ffn_bytes, ffn_fmas = 0, 0
         elif b.moe:
@@ -582,7 +593,7 @@ def _filled_states(prop, B: int, context: int) -> tuple[list, list[int], np.ndar
     """``B`` states prefilled with ``context`` rows (``fast_fill``), and a token and a hidden
     for each one's propose."""
     rng = np.random.default_rng(1)
-    H, V = prop.config.hidden_size, prop.config.vocab_size
+    H, V = prop.config.stream_size, prop.config.vocab_size          # (hyper-connections: the streams)
     sts = []
     with fast_fill(prop.backend):
         for _ in range(B):
@@ -648,10 +659,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="shape set: tiny (H=64, V=301), small (H=1024, V=32768), glm45air (H=4096, V=151552), "
                          "step35 (Step-3.5's MTP block at H=1024: window 512, head-wise gate, dense), "
                          "mla (DeepSeek-V3's MLA block at H=1024: 16 heads, L 512, R 64, q_lora 384), "
-                         "dsa (the mla block with DeepSeek-V3.2's indexer: 64 heads of 128, top 2048)")
+                         "dsa (the mla block with DeepSeek-V3.2's indexer: 64 heads of 128, top 2048), "
+                         "dsv4 (DeepSeek-V4-Flash's MTP block at H=1024: 4 streams, 16 heads of 512 over one "
+                         "K = V head, window 128, FP8 + FP4 experts)")
     ap.add_argument("--contexts", type=argtypes.positive_ints, default=None, metavar="N[,N...]",
                     help="rows of KV already in each sequence, e.g. 512,4096,32768 "
-                         "(default: the shape set's: tiny 64, small 512, glm45air 512, step35 2048, mla 2048, dsa 4096)")
+                         "(default: the shape set's: tiny 64, small 512, glm45air 512, step35 2048, mla 2048, dsa 4096, "
+                         "dsv4 2048)")
     ap.add_argument("--batches", type=argtypes.positive_ints, default="1,8", metavar="B[,B...]",
                     help="sequences per propose_batch")
     ap.add_argument("--kv-modes", type=argtypes.choices_list("draft", "exact"), default="draft,exact",

@@ -53,6 +53,20 @@ CONFIGS: dict[str, Callable[[], MtpConfig]] = {
     # the mla block with DeepSeek-V3.2's DSA indexer (64 heads of 128, 2048 keys picked)
     "dsa": lambda: dataclasses.replace(CONFIGS["mla"](), family="deepseek_v32", index_topk=2048, index_n_heads=64,
                                        index_head_dim=128),
+    # DeepSeek-V4-Flash's MTP block at a quarter of its width: 4 streams of H=1024 (hyper-
+    # connections, 20 Sinkhorn iterations), 16 query heads of 512 over one shared K = V head
+    # (64 rotary dims last, in pairs), q latent 256, 2 output groups of rank 256, sinks, a window
+    # of 128; E=64 top-6 sqrtsoftplus (no groups), I=512, 1 shared, clamps of 10 of the gate;
+    # FP8 projections (E8M0 block-128 scales), FP4 routed experts, V=32768, M=1 (as released)
+    "dsv4": lambda: small_config(family="deepseek_v4", num_nextn_predict_layers=1, num_attention_heads=16,
+                                 num_key_value_heads=1, head_dim=512, partial_rotary_factor=0.125,
+                                 rope_interleave=True, rope_theta=1e4, q_lora_rank=256, shared_kv=True,
+                                 out_rope=True, o_groups=2, o_lora_rank=256, attn_sinks=True, sliding_window=128,
+                                 attention_bias=False, hc_mult=4, n_routed_experts=64, num_experts_per_tok=6,
+                                 n_group=1, topk_group=1, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus",
+                                 swiglu_clamp=10.0, swiglu_clamp_shared=10.0, swiglu_clamp_gate=True,
+                                 rms_norm_eps=1e-6, weight_quant="fp8", fp8_block=(128, 128), expert_quant="fp4",
+                                 max_position_embeddings=65536),
 }
 
 
