@@ -8,7 +8,10 @@
 //
 // mtp_norms_kernel<W>:  the first of the two kernels of mtp_input
 //   xcat[r, 0:H]  = rmsnorm(embed[tokens[r], :], enorm_w)          blockIdx.y == 0, embed [V, H] in W
+//                   or 0 where zero_embed[r] != 0 (no embedding row read: vLLM's position-0 mask)
 //   xcat[r, H:2H] = rmsnorm(g[r, :], hnorm_w)                       blockIdx.y == 1, g [n, H] fp32
+//   zero_embed: [n] one byte a flag, or nullptr (no row flagged); tested once per block,
+//   before any loop.
 //   grid (n, 2), block 256. The second kernel is linear_kernel (linear.cu):
 //   x = xcat @ eh_w^T with eh_w [H, 2H]. Writing the concat costs 2 * n * 2H * 4 B
 //   (64 KB per token at H = 4096) against 32 MB of bf16 eh_w, so the simpler
@@ -99,13 +102,18 @@ rmsnorm_kernel(const float* x, const float* __restrict__ w, float* out, int H, f
 
 template <typename W>
 __global__ void __launch_bounds__(mtp::kNormThreads)
-mtp_norms_kernel(const W* __restrict__ embed, const int* __restrict__ tokens, const float* __restrict__ g,
+mtp_norms_kernel(const W* __restrict__ embed, const int* __restrict__ tokens,
+                 const unsigned char* __restrict__ zero_embed, const float* __restrict__ g,
                  const float* __restrict__ enorm_w, const float* __restrict__ hnorm_w,
                  float* __restrict__ xcat, int V, int H, float eps) {
   __shared__ float red[33];
   const long long r = blockIdx.x;
   float* dst = xcat + r * 2 * H + static_cast<long long>(blockIdx.y) * H;   // [n, 2H]
   if (blockIdx.y == 0) {
+    if (zero_embed != nullptr && zero_embed[r] != 0) {   // uniform over the block
+      for (int k = threadIdx.x; k < H; k += blockDim.x) dst[k] = 0.0f;
+      return;
+    }
     const int t = tokens[r];
     if (t < 0 || t >= V) {
       for (int k = threadIdx.x; k < H; k += blockDim.x) dst[k] = mtp::quiet_nan();

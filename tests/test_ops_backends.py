@@ -117,6 +117,41 @@ def test_mtp_input(be, wdtype, n, H):
     assert_close(got, want, what="mtp_input")
 
 
+@pytest.mark.parametrize("wdtype", ["bfloat16", "float32", "fp8_block"])
+@pytest.mark.parametrize("n,H,fdtype", [(1, 64, "bool"), (5, 17, "int8"), (17, 200, "uint8"), (3, 64, "bool")])
+def test_mtp_input_zero_embed(be, wdtype, n, H, fdtype):
+    """Flagged rows (vLLM's position-0 mask) equal float64 with a zero embedding half;
+    unflagged rows keep the bits of the call without flags; bad flags are refused by name."""
+    rng = rng_for("mtp_input_zero_embed", wdtype, n, H, fdtype)
+    V = 50
+    embed, eh = weight(rng, (V, H), dense(wdtype)), weight(rng, (H, 2 * H), wdtype)
+    tokens = rng.integers(0, V, n).astype(np.int32)
+    g, ew, hw = acts(rng, n, H, scale=2.0), acts(rng, H), acts(rng, H)
+    flags = rng.random(n) < 0.5
+    flags[0] = True                                              # one flagged row, one not (n > 1)
+    flags[1:2] = False
+    z = (flags * (3 if fdtype == "uint8" else 1)).astype(fdtype)    # any nonzero byte flags
+    pe, peh, pew, phw = be.prepare_weight(embed), be.prepare_weight(eh), be.prepare_vector(ew), be.prepare_vector(hw)
+
+    def run(**kw):
+        return be.to_host(be.mtp_input(pe, be.from_host(tokens), be.from_host(g), pew, phw, peh, 1e-5, **kw))
+
+    got, plain = run(zero_embed=be.from_host(z)), run()
+    np.testing.assert_array_equal(got[~flags], plain[~flags])
+    ehf = np.asarray(REF.prepare_weight(eh), np.float64)
+    g64 = g.astype(np.float64)
+    h = g64 / np.sqrt((g64 * g64).mean(1, keepdims=True) + 1e-5) * hw                # hnorm(g), float64
+    assert_close(got[flags], h[flags] @ ehf[:, H:].T, what="mtp_input (flagged rows)")
+    assert_close(got, REF.mtp_input(REF.prepare_weight(embed), tokens, g, ew, hw, REF.prepare_weight(eh), 1e-5,
+                                    zero_embed=z), what="mtp_input (zero_embed)")
+    assert not np.allclose(got[flags], plain[flags], atol=1e-2), "the flags changed nothing"
+    f = be.from_host
+    for bad, msg in ((np.zeros(n + 1, bool), r"zero_embed: expected shape \[%d\], got \[%d\]" % (n, n + 1)),
+                     (np.zeros(n, np.int32), "zero_embed: expected dtype bool or int8 or uint8, got int32")):
+        with pytest.raises((TypeError, ValueError), match=msg):
+            run(zero_embed=f(bad))
+
+
 # -- linear -------------------------------------------------------------------
 
 @pytest.mark.parametrize("wdtype", GEMV_WDTYPES)

@@ -39,6 +39,50 @@ def test_mtp_input_concat_order():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint8"])
+def test_mtp_input_zero_embed(dtype):
+    """Flagged rows: the embedding half zero (vLLM's position-0 mask: zeros before enorm, whose
+    norm is zeros), so x = eh[:, H:] @ hnorm(g), against float64; a flagged row's token is never
+    read (V itself, past the table, gives no IndexError). Unflagged rows: the unflagged call's
+    bits."""
+    V, H, n = 11, 6, 5
+    E, g, we, wh, eh = f32(V, H), f32(n, H), f32(H), f32(H), f32(H, 2 * H)
+    t = np.array([4, V, 10, 0, V], np.int32)
+    z = np.array([0, 1, 0, 0, 2 if dtype != "bool" else 1]).astype(dtype)
+    flagged = z != 0
+    got = norm.mtp_input(E, t, g, we, wh, eh, 1e-5, zero_embed=z)
+    keep = ~flagged
+
+    def rms(x, w):                                                 # float64, row by row
+        x = np.asarray(x, np.float64)
+        return x / np.sqrt((x * x).mean(1, keepdims=True) + 1e-5) * np.asarray(w, np.float64)
+
+    e = np.zeros((n, H))                                           # enorm(0) = 0 on flagged rows
+    e[keep] = rms(E[t[keep]], we)
+    want = np.concatenate([e, rms(g, wh)], 1) @ eh.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[flagged], rms(g[flagged], wh) @ eh[:, H:].T.astype(np.float64),
+                               rtol=1e-5, atol=1e-5)
+    t_ok = np.where(flagged, 3, t)
+    np.testing.assert_array_equal(got[keep], norm.mtp_input(E, t_ok, g, we, wh, eh, 1e-5)[keep])
+    # the negative control: the same rows unflagged differ
+    assert not np.allclose(norm.mtp_input(E, t_ok, g, we, wh, eh, 1e-5)[flagged], got[flagged], atol=1e-3)
+
+
+@pytest.mark.parametrize("bad,err,msg", [
+    (np.zeros(4, bool), ValueError, r"zero_embed: expected shape \[3\], got \[4\]"),
+    (np.zeros((3, 1), bool), ValueError, r"zero_embed: expected shape \[3\], got \[3, 1\]"),
+    (np.zeros(3, np.int32), TypeError, "zero_embed: expected dtype bool or int8 or uint8, got int32"),
+    (np.zeros(3, np.float32), TypeError, "zero_embed: expected dtype bool or int8 or uint8, got float32"),
+    ([0, 1, 0], TypeError, r"zero_embed: expected None or a \[3\] bool / int8 / uint8 array, got list"),
+])
+def test_mtp_input_refuses_bad_zero_embed(bad, err, msg):
+    V, H = 11, 6
+    with pytest.raises(err, match=msg):
+        norm.mtp_input(f32(V, H), np.array([1, 2, 3], np.int32), f32(3, H), f32(H), f32(H), f32(H, 2 * H), 1e-5,
+                       zero_embed=bad)
+
+
 def test_linear_bias_residual():
     x, w, b, r = f32(3, 7), f32(5, 7), f32(5), f32(3, 5)
     want = np.array([[sum(x[i, k] * w[j, k] for k in range(7)) + b[j] + r[i, j] for j in range(5)] for i in range(3)])

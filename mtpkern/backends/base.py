@@ -185,7 +185,9 @@ class Backend(ABC):
     def rmsnorm(self, x, w, eps: float): ...
 
     @abstractmethod
-    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float): ...
+    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, zero_embed=None):
+        """``zero_embed``: None or [n] bool / int8 / uint8 flags; a flagged row's embedding
+        half is zero (``mtpkern.ops.norm.mtp_input``)."""
 
     @abstractmethod
     def linear(self, x, w, bias=None, residual=None, *, norm=None):

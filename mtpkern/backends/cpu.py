@@ -73,6 +73,8 @@ from .cpu_kernels import simd as simd_k
 
 #: the stored forms of quantized weights: each one's ``kernel_args`` feeds the ``*_fp8_kernel`` variants
 _QUANT = (CpuFp8, CpuFp4)
+#: mtp_input's flags when no row is flagged (the kernels test the length: one compiled form)
+_NO_FLAGS = np.zeros(0, np.uint8)
 
 #: from this many rows, FP32 weights go to OpenBLAS (x @ w.T): with the
 #: thread-pool switch counted, [4096, 1024] n=512 took 25 ms against 70 ms, and
@@ -336,14 +338,16 @@ class CpuBackend(Backend):
                               np.float32(eps), o)
         return out
 
-    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None):
-        self._check(check_mtp_input, embed, tokens, g, enorm_w, hnorm_w, eh_w)
+    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None, zero_embed=None):
+        """``zero_embed``: None or [n] bool / int8 / uint8 flags (mtpkern.ops.norm.mtp_input)."""
+        self._check(check_mtp_input, embed, tokens, g, enorm_w, hnorm_w, eh_w, zero_embed)
         V, H = embed.shape
         if tokens.dtype.kind not in "iu":
             raise TypeError(f"tokens: expected an integer dtype, got {dtype_name(tokens)}")
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         _in_range("tokens", tokens, V)
         n = tokens.shape[0]
+        flags = _NO_FLAGS if zero_embed is None else np.ascontiguousarray(zero_embed).view(np.uint8)
         e = np.empty((n, H), np.float32)                                     # scratch: normed embeddings
         h = np.empty((n, H), np.float32)                                     # scratch: normed hidden
         out = _out("out", out, (n, H))
@@ -354,12 +358,12 @@ class CpuBackend(Backend):
         if wt is not None:          # the two norms, then [e | h] @ eh_w.T on the AMX tiles
             self._use_threads()
             norm_k.input_norms(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
-                               np.float32(eps), e, h)
+                               np.float32(eps), e, h, flags)
             return self._tiled_gemv(np.concatenate([e, h], axis=1), wt, None, None, out)
         self._use_threads()
         kernel = norm_k.mtp_input_fp8_kernel if isinstance(eh_w, _QUANT) else norm_k.mtp_input_kernel
         kernel(_weight("embed", embed), tokens, _act(g), _act(enorm_w), _act(hnorm_w),
-               eh_w.kernel_args() if isinstance(eh_w, _QUANT) else eh_w, np.float32(eps), e, h, out)
+               eh_w.kernel_args() if isinstance(eh_w, _QUANT) else eh_w, np.float32(eps), e, h, out, flags)
         return out
 
     # -- linear -------------------------------------------------------------

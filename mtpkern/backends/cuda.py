@@ -217,8 +217,10 @@ class CudaBackend(Backend):
     def rmsnorm(self, x, w, eps: float, *, out=None):
         return norm.rmsnorm(x, w, eps, out=out)
 
-    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None, xcat=None):
-        return norm.mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, out=out, xcat=xcat)
+    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None, xcat=None,
+                  zero_embed=None):
+        return norm.mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, out=out, xcat=xcat,
+                              zero_embed=zero_embed)
 
     def linear(self, x, w, bias=None, residual=None, *, out=None, norm=None):
         return linear.linear(x, w, bias, residual, out=out, norm=norm)

@@ -13,11 +13,16 @@ too, through its ``rmsnorm``); the CUDA kernels that fuse a norm into a GEMV (``
 exact below ``BIG``, where the block's own activations are.
 
 ``mtp_input(embed [V, H], tokens [n], g [n, H], enorm_w [H], hnorm_w [H],
-eh_w [H, 2H], eps) -> x [n, H]``::
+eh_w [H, 2H], eps, *, zero_embed=None) -> x [n, H]``::
 
     x = eh_w @ concat(rmsnorm(embed[t], enorm_w), rmsnorm(g, hnorm_w))
 
-The concat order (embedding first) is DeepSeek-V3's and vLLM's.
+The concat order (embedding first) is DeepSeek-V3's and vLLM's. ``zero_embed``: None, or
+[n] bool / int8 / uint8 flags; a flagged (nonzero) row reads no embedding row and its
+embedding half is exactly zero, so only ``eh_w[:, H:] @ rmsnorm(g, hnorm_w)`` is left. That is
+vLLM's mask of the row at its position 0 (``inputs_embeds = 0`` before ``enorm``: the norm of
+a zero row is zero for any eps > 0; ``MtpConfig.embed_mask_pos0``). Unflagged rows are
+computed as without flags, bit for bit.
 
 ``norm=(w [H], eps)`` on ``linear`` and ``swiglu_mlp`` (``check_norm``, ``normed``): the op of
 ``rmsnorm(x, w, eps)`` instead of ``x``, the definition; the cuda backend fuses the norm into
@@ -28,7 +33,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._check import expect_ndim, expect_shape
+from ._check import expect_dtype, expect_ndim, expect_shape
+
+#: the dtypes ``zero_embed`` may have (one byte a flag: nonzero is set)
+ZERO_EMBED_DTYPES = ("bool", "int8", "uint8")
 
 
 def _f32(a) -> np.ndarray:
@@ -81,7 +89,7 @@ def normed(x, norm) -> np.ndarray:
     return rmsnorm(x, *check_norm(norm, np.shape(x)[-1]))
 
 
-def check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w) -> None:
+def check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, zero_embed=None) -> None:
     expect_ndim("embed", embed, 2)
     V, H = embed.shape
     expect_ndim("tokens", tokens, 1)
@@ -90,10 +98,28 @@ def check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w) -> None:
     expect_shape("enorm_w", enorm_w, (H,))
     expect_shape("hnorm_w", hnorm_w, (H,))
     expect_shape("eh_w", eh_w, (H, 2 * H))
+    check_zero_embed(zero_embed, n)
 
 
-def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float) -> np.ndarray:
-    check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w)
-    e = rmsnorm(_f32(embed[np.asarray(tokens, dtype=np.int64)]), enorm_w, eps)   # [n, H]
+def check_zero_embed(zero_embed, n: int) -> None:
+    """``zero_embed`` of ``mtp_input``: None, or a [n] bool / int8 / uint8 array."""
+    if zero_embed is None:
+        return
+    if not (hasattr(zero_embed, "shape") and hasattr(zero_embed, "dtype")):
+        raise TypeError(f"zero_embed: expected None or a [{n}] {' / '.join(ZERO_EMBED_DTYPES)} array, "
+                        f"got {type(zero_embed).__name__}")
+    expect_dtype("zero_embed", zero_embed, *ZERO_EMBED_DTYPES)
+    expect_shape("zero_embed", zero_embed, (n,))
+
+
+def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, zero_embed=None) -> np.ndarray:
+    check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, zero_embed)
+    t = np.asarray(tokens, dtype=np.int64)
+    if zero_embed is None:
+        e = rmsnorm(_f32(embed[t]), enorm_w, eps)                              # [n, H]
+    else:                                        # flagged rows: no embedding row read, zeros
+        keep = np.asarray(zero_embed) == 0                                     # [n]
+        e = np.zeros((t.shape[0], embed.shape[1]), np.float32)
+        e[keep] = rmsnorm(_f32(embed[t[keep]]), enorm_w, eps)
     h = rmsnorm(g, hnorm_w, eps)                                               # [n, H]
     return np.concatenate([e, h], axis=1) @ _f32(eh_w).T                        # [n, H]

@@ -5,6 +5,8 @@ the embedding row and normalises it and the hidden row into two [n, H]
 scratch rows; phase 2 (one task per group of 8 eh_proj rows, ``linear.group8``)
 reads each eh_w row once and dots its left half with the embedding part and its
 right half with the hidden part, so the [n, 2H] concat is never built.
+``zero`` (uint8 [n], or [0]: no flags): a row with a nonzero flag reads no embedding row and
+gets a zero embedding part (``mtpkern.ops.norm.mtp_input``'s ``zero_embed``).
 """
 
 from __future__ import annotations
@@ -82,32 +84,36 @@ def rmsnorm_kernel(x, w, eps, out):
 
 
 @njit(cache=True, fastmath=False)
-def _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i):
-    """Row i: e[i] = enorm(embed[tokens[i]]), h[i] = hnorm(g[i])."""
+def _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i, flags):
+    """Row i: e[i] = enorm(embed[tokens[i]]) (zeros where flags[i] is set), h[i] = hnorm(g[i])."""
     H = g.shape[1]
-    rms_row(embed, tokens[i], 0, H, enorm_w, eps, e, i, 0)
+    if flags.shape[0] and flags[i]:
+        e[i, :] = np.float32(0.0)
+    else:
+        rms_row(embed, tokens[i], 0, H, enorm_w, eps, e, i, 0)
     rms_row(g, i, 0, H, hnorm_w, eps, h, i, 0)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h):
+def input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, flags):
     """Phase 1 of mtp_input: every row's two norms (serial up to ``SMALL`` elements)."""
     n, H = g.shape
     if n * H <= SMALL:
         for i in range(n):
-            _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i)
+            _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i, flags)
     else:
         for i in prange(n):
-            _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i)
+            _input_rows(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, i, flags)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def mtp_input_kernel(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, e, h, out):
+def mtp_input_kernel(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, e, h, out, flags):
     """embed [V, H], tokens [n] int64 (checked in range), g [n, H], eh_w [H, 2H];
-    scratch e, h [n, H]; out [n, H] = eh_w[:, :H] @ e + eh_w[:, H:] @ h."""
+    scratch e, h [n, H]; out [n, H] = eh_w[:, :H] @ e + eh_w[:, H:] @ h; flags uint8 [n]
+    or [0] (the module docstring)."""
     n, H = g.shape
     zero = np.int64(0)                               # typed, not literal: see gemv_task
-    input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
+    input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, flags)
     q = H // 8
     for t in prange(q + H - 8 * q):
         rows, count = group8(t, q, zero)
@@ -117,13 +123,13 @@ def mtp_input_kernel(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, e, h, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def mtp_input_fp8_kernel(embed, tokens, g, enorm_w, hnorm_w, eh8, eps, e, h, out):
+def mtp_input_fp8_kernel(embed, tokens, g, enorm_w, hnorm_w, eh8, eps, e, h, out, flags):
     """``mtp_input_kernel`` with eh_proj in FP8 (``linear.fp8_chunk``; the embedding stays
     BF16 or FP32): one task per row chunk of eh_w, its left half against the normed
     embeddings, its right half against the normed hiddens."""
     n, H = g.shape
     zero, no, yes = np.int64(0), np.bool_(False), np.bool_(True)
-    input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h)
+    input_norms(embed, tokens, g, enorm_w, hnorm_w, eps, e, h, flags)
     for c in prange(chunks(eh8)):
         qchunk(eh8, c, zero, e, zero, n, out, zero, no)
         qchunk(eh8, c, np.int64(H), h, zero, n, out, zero, yes)

@@ -6,7 +6,9 @@
 eh_w [H, 2H], eps) -> [n, H]`` = ``mtp_norms_kernel`` (gather + both RMSNorms
 into the workspace ``xcat [n, 2H]`` FP32) then ``linear_kernel`` (eh_proj).
 ``embed`` and ``eh_w`` are stored weights (FP32 or BF16 bits; ``eh_w`` may be FP8,
-an FP8 ``embed`` is refused); a token outside [0, V) yields a NaN row.
+an FP8 ``embed`` is refused); a token outside [0, V) yields a NaN row. ``zero_embed``:
+None (a null pointer) or [n] bool / int8 / uint8 flags, passed as their bytes: a flagged
+row's embedding half of ``xcat`` is zeros, its token never read.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops._check import expect_dtype, expect_shape
-from ...ops.norm import check_mtp_input
-from ._util import (ctype, dense_weight, device, device_weight, expect_disjoint, expect_same_or_disjoint,
+from ...ops.norm import ZERO_EMBED_DTYPES, check_mtp_input
+from ._util import (NULL, ctype, dense_weight, device, device_weight, expect_disjoint, expect_same_or_disjoint,
                     expect_weight, f32, i32, output)
 from .linear import launch_linear
 from .loader import get_kernel
@@ -41,9 +43,9 @@ def rmsnorm(x, w, eps: float, *, out=None):
     return y
 
 
-def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None, xcat=None):
+def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None, xcat=None, zero_embed=None):
     """-> x [n, H] FP32. ``xcat``: workspace [n, 2H] FP32 (the normalised concat)."""
-    check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w)
+    check_mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, zero_embed)
     expect_weight("embed", embed)
     expect_weight("eh_w", eh_w)
     expect_dtype("tokens", tokens, "int32")
@@ -54,6 +56,7 @@ def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None,
     g = device(g, "g", "float32")
     enorm_w = device(enorm_w, "enorm_w", "float32")
     hnorm_w = device(hnorm_w, "hnorm_w", "float32")
+    flags = NULL if zero_embed is None else device(zero_embed, "zero_embed", *ZERO_EMBED_DTYPES).view(np.uint8)
     xcat = output(xcat, "xcat", (n, 2 * H), np.float32)
     y = output(out, "out", (n, H), np.float32)
     expect_disjoint("out", y, "xcat", xcat)
@@ -61,6 +64,6 @@ def mtp_input(embed, tokens, g, enorm_w, hnorm_w, eh_w, eps: float, *, out=None,
     if n == 0:
         return y
     kernel = get_kernel("norm", f"mtp_norms_kernel<{ctype(embed)}>")
-    kernel((n, 2), (NORM_THREADS,), (embed, tokens, g, enorm_w, hnorm_w, xcat, i32(V), i32(H), f32(eps)))
+    kernel((n, 2), (NORM_THREADS,), (embed, tokens, flags, g, enorm_w, hnorm_w, xcat, i32(V), i32(H), f32(eps)))
     launch_linear(xcat, eh_w, None, None, y)
     return y
