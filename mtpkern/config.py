@@ -199,8 +199,14 @@ FLOAT_RANGE_REASONS: dict[str, str] = {
               "zero, past 1 it outweighs the weights themselves (sigmoids and softmaxes in [0, 1])",
 }
 
+#: the RoPE position of the row whose token embedding ``embed_mask_pos0`` zeroes: vLLM masks its
+#: position 0, and vLLM's MTP row (t_{j+1}, h_j) sits at j where mtpkern's sits at j + 1
+#: (docs/semantics.md: module m's key j at j + m + 1); only module 0's key 0 is there
+EMBED_MASK_POSITION = 1
+
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
-                "router_bias", "attn_sinks", "rope_interleave", "indexer_rope_interleave", "shared_kv", "out_rope")
+                "router_bias", "attn_sinks", "rope_interleave", "indexer_rope_interleave", "shared_kv", "out_rope",
+                "embed_mask_pos0")
 #: Keys of rope_parameters / rope_scaling that the default RoPE reads.
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 #: The keys YaRN reads besides them (Hugging Face's names) -> (type, Yarn's field)
@@ -648,6 +654,11 @@ class MtpConfig:
     hc_mult: int = 1
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
+    #: vLLM's position-0 mask: the token embedding of the row vLLM numbers position 0 is zeroed
+    #: before enorm (its embedding half of eh_proj's input is then zero). vLLM gives an MTP row
+    #: its hidden's position; mtpkern's RoPE position is the token's, one more: the row is
+    #: module 0's key 0, (t_1, h_0), at RoPE position 1 (``EMBED_MASK_POSITION``, docs/model.md)
+    embed_mask_pos0: bool = False
     #: per module, the BlockSpec fields that differ from the default block (a family's
     #: layer_types, per-layer RoPE, dense MTP blocks in a MoE model ...): a tuple of
     #: ((field, value), ...) per module, or () when every module is the default block
@@ -859,6 +870,7 @@ class MtpConfig:
             hc_mult=_opt(d, "hc_mult", int, 1),
             hc_sinkhorn_iters=_opt(d, "hc_sinkhorn_iters", int, 20),
             hc_eps=_opt(d, "hc_eps", float, 1e-6),
+            embed_mask_pos0=_opt(d, "embed_mask_pos0", bool, False),
         )
         _check_same_as(d, cfg)
         return cfg
@@ -899,6 +911,8 @@ class MtpConfig:
                           ("hc_eps", 1e-6)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
+        if not d["embed_mask_pos0"] and not (fam and FAMILIES[fam].defaults.get("embed_mask_pos0")):
+            del d["embed_mask_pos0"]            # written where it is on, or off against the family's default
         if self.kv_lora_rank:                   # MLA: the query / key head dim as its config gives it
             d["qk_nope_head_dim"] = self.head_dim - self.qk_rope_head_dim
         blocks = d.pop("blocks")
@@ -933,6 +947,7 @@ class MtpConfig:
             kind = f"dense I={self.intermediate_size} (MoE target: E={self.n_routed_experts})" if self.is_moe \
                 else kind
         hc = f" hyper-connections x{self.hc_mult} (streams of {self.stream_size})" if self.hc_mult > 1 else ""
+        hc += " position-0 embedding mask" if self.embed_mask_pos0 else ""
         text = f"{fam}M={self.num_modules} H={self.hidden_size}{hc} V={self.vocab_size} {kind}; "
         if len(set(blocks)) == 1:
             return text + f"block {blocks[0].describe()}"

@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .config import EMBED_MASK_POSITION
 from .errors import NoAllowedToken, no_token_reason, no_token_where
 from .head import ForwardBuffers, RowIndex, RowJob, RowPick
 
@@ -231,6 +232,8 @@ class StepPlan:
                 stg.add(f"tok{m}", n[m], np.int32)
             for f in ("pos", "slot", "rseq", "rlen") + (("rst",) if prop.modules[m].block.sliding_window else ()):
                 stg.add(f"{f}{m}", n[m], np.int32)
+            if cfg.embed_mask_pos0:                         # the rows' position-0 flags (MtpHead.compute)
+                stg.add(f"zero{m}", n[m], np.uint8)
             stg.add(f"tab{m}", B * shape.widths[m], np.int32)
         if shape.masked:
             stg.add("mask", k * B * W, np.int32)
@@ -448,7 +451,8 @@ class StepPlan:
                 out.append(partial(self._segments, seg[f0:f1]))
             compute = partial(head.compute, self._tokens(m), self._g(m), stg.d(f"pos{m}"), stg.d(f"slot{m}"),
                               stg.d(f"tab{m}").reshape(B, self.shape.widths[m]), stg.d(f"rseq{m}"),
-                              stg.d(f"rlen{m}"), self.bufs[m], stg.d(f"rst{m}") if head.block.sliding_window else None)
+                              stg.d(f"rlen{m}"), self.bufs[m], stg.d(f"rst{m}") if head.block.sliding_window else None,
+                              zero_embed=stg.d(f"zero{m}") if head.config.embed_mask_pos0 else None)
             pick = self.bufs[m].pick
             if pick is None:
                 out.append(compute)
@@ -507,6 +511,8 @@ class StepPlan:
         stg.h(f"rlen{m}")[:] = ri.row_len
         if ri.row_start is not None:
             stg.h(f"rst{m}")[:] = ri.row_start
+        if self.prop.config.embed_mask_pos0:
+            stg.h(f"zero{m}")[:] = ri.positions == EMBED_MASK_POSITION
         stg.h(f"tab{m}")[:] = ri.tables.reshape(-1)
 
     def stage_masks(self, rows: np.ndarray) -> None:

@@ -20,7 +20,9 @@ the gate columns computed by the fused q|k|v projection), a gated shared expert,
 SwiGLU clamps, a dense MLP in an MoE checkpoint, the RoPE variants (interleaved
 pairs; YaRN's frequencies, its attention factor on cos / sin, its softmax factor on the
 scores' scale), and MLA (multi-head latent attention: one latent row per token in the pool,
-the absorbed attention of mtpkern.ops.mla).
+the absorbed attention of mtpkern.ops.mla). With ``embed_mask_pos0`` (vLLM's position-0 mask,
+``MtpConfig``) a row at RoPE position ``EMBED_MASK_POSITION`` (module 0's key 0) reads a zero
+embedding: ``x = eh_proj[:, H:] @ hnorm(g)``.
 
 A sliding-window module's pool releases the leading blocks of a sequence that no
 later row can see (``kv.WindowRule``): after each successful ``forward`` /
@@ -36,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
-from .config import MtpConfig
+from .config import EMBED_MASK_POSITION, MtpConfig
 from .errors import StateError
 from .kv import BlockPool, SeqKv, WindowRule
 from .lm import LmHead, ShardedLmHead
@@ -303,7 +305,7 @@ class MtpHead:
     def compute(self, tokens: Any, g: Any, positions: Any, slots: Any, tables: Any, row_seq: Any,
                 row_len: Any, bufs: "ForwardBuffers | None" = None, row_start: Any = None,
                 kv_copy: tuple[Any, Any] | None = None, out_rows: np.ndarray | None = None,
-                part: str = "all") -> tuple[Any, Any]:
+                part: str = "all", zero_embed: Any = None) -> tuple[Any, Any]:
         """The module's ops over rows whose KV slots and tables are known (backend arrays:
         ``tokens`` [n], ``g`` [n, H], ``positions`` / ``slots`` / ``row_seq`` / ``row_len``
         [n], ``tables`` [S, width]; ``row_start`` [n] the first KV row each row sees, for a
@@ -321,7 +323,11 @@ class MtpHead:
         (tests/test_exact_last_module.py). A planned step with ``bufs.pick`` runs the two
         halves as two launches, its segment copies between them moving the rows read into
         the pick's buffers: ``part="kv"`` up to the KV write (returns ``(None, None)``),
-        ``part="rest"`` from the attention on, over those rows."""
+        ``part="rest"`` from the attention on, over those rows.
+
+        ``zero_embed``: with ``embed_mask_pos0``, the rows' flags [n] (bool / int8 / uint8)
+        of ``mtp_input`` (a planned step stages them: nothing is allocated); None computes
+        them, ``positions == EMBED_MASK_POSITION``. Without it, unused."""
         be = self.backend
         pick = None if bufs is None else bufs.pick
         if out_rows is not None and bufs is not None:
@@ -345,7 +351,7 @@ class MtpHead:
             x, q, qkv = pick.x, pick.q, pick.qkv
             row_seq, row_len, row_start = pick.row_seq, pick.row_len, pick.row_start
         else:
-            x, q, qkv, ex = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None)
+            x, q, qkv, ex = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None, zero_embed)
             if part == "kv" or (out_rows is not None and not len(out_rows)):
                 return None, None
             if out_rows is not None:         # the K/V of every row is in: the rows read go on
@@ -361,7 +367,7 @@ class MtpHead:
         return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs, index, ex)
 
     def _write_kv(self, tokens: Any, g: Any, positions: Any, slots: Any, put: Any, kv_copy: Any,
-                  planned: bool) -> tuple[Any, Any, Any, Any]:
+                  planned: bool, zero_embed: Any = None) -> tuple[Any, Any, Any, Any]:
         """mtp_input, input_layernorm and the projections that write the rows' K/V (MLA: the
         latent rows; DSA: the indexer keys too) -> ``(x, q, qkv, extra)``: the rows' o_proj
         residual [n, H] (with hyper-connections: the streams [n, m H]), the attention's queries
@@ -372,13 +378,18 @@ class MtpHead:
         be, w, b, cfg, eps = self.backend, self.w, self.block, self.config, self.config.rms_norm_eps
         ex: dict[str, Any] = {}
         m = cfg.hc_mult
+        mask: dict[str, Any] = {}
+        if cfg.embed_mask_pos0:              # vLLM's position-0 mask: the embedding half zero there
+            mask["zero_embed"] = positions == EMBED_MASK_POSITION if zero_embed is None else zero_embed   # [n]
         if m > 1:                            # every stream through eh_proj with the token's embedding
             n = tokens.shape[0]
+            if mask:
+                mask["zero_embed"] = be.xp.repeat(mask["zero_embed"], m)                          # [n m]
             x = be.mtp_input(w.embed, self._repeat(tokens, m), g.reshape(n * m, cfg.hidden_size), w.enorm,
-                             w.hnorm, w.eh_proj, eps).reshape(n, m * cfg.hidden_size)           # [n, m H]
+                             w.hnorm, w.eh_proj, eps, **mask).reshape(n, m * cfg.hidden_size)   # [n, m H]
             u, ex["hc_post"], ex["hc_comb"] = self._hc_pre(x, w.hc_attn)                         # [n, H]
         else:
-            u = x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps,
+            u = x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps, **mask,
                                  **put("mtp_input", out="x"))                                    # [n, H]
         xa, a_norm = self._normed_input(u, w.input_layernorm, planned)          # input_layernorm(u)
         if b.mla:

@@ -149,11 +149,11 @@ class FakeCudaBackend(NumpyBackend):
     def map_ids(self, table, ids, out=None):
         return self.rt.launch(NumpyBackend.map_ids, self, table, ids, out=out, returns=out)
 
-    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, *, out=None, xcat=None):
+    def mtp_input(self, embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, *, out=None, xcat=None, zero_embed=None):
         if xcat is not None:
             _expect("xcat", xcat, (tokens.shape[0], 2 * embed.shape[1]))
             self.ws_seen.add("xcat")
-        return self._run("mtp_input", embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, out=out)
+        return self._run("mtp_input", embed, tokens, g, enorm_w, hnorm_w, eh_w, eps, out=out, zero_embed=zero_embed)
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale, *, row_start=None,
                         sinks=None, out=None, part_o=None, part_ml=None):

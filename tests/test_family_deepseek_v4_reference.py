@@ -15,7 +15,9 @@ sqrtsoftplus routing and the clamped SwiGLU.
 
 Negative controls (the reference with RoPE on the first dims, with e_proj / h_proj swapped,
 without the output's inverse RoPE; without the window, the sinks or the SwiGLU clamp, which
-shows the rows reach them) must disagree with mtpkern.
+shows the rows reach them) must disagree with mtpkern. The release's config.json has no
+``embed_mask_pos0``: the family's default, vLLM's position-0 mask, holds, and the model here
+masks as vLLM does (without the mask, module 0's first row disagrees).
 """
 
 from __future__ import annotations
@@ -247,7 +249,13 @@ class Module:
         eps, mult, H = c["rms_norm_eps"], c["hc_mult"], c["hidden_size"]
         n = len(toks)
         pos = np.arange(n) + self.m + 1
-        e = rms(self.embed[toks], V("enorm.weight"), eps)                             # [n, H]
+        emb = self.embed[toks]                                                        # [n, H]
+        if c.get("embed_mask_pos0", True) and wrong != "no_pos0_mask":
+            # vLLM (deepseek_v4_mtp.py) zeroes the embedding of the row at its position 0 before
+            # enorm: the pair (t_1, h_0), which sits here at position 1 (vLLM numbers a row by its
+            # hidden, these rows by their token); the release's config is read with it on
+            emb = np.where((pos == 1)[:, None], 0.0, emb)
+        e = rms(emb, V("enorm.weight"), eps)                                          # [n, H]
         X = rms(g.astype(np.float64).reshape(n, mult, H), V("hnorm.weight"), eps)     # [n, mult, H]
         pe, ph = W("e_proj"), W("h_proj")
         if wrong == "eh_swapped":
@@ -339,6 +347,20 @@ def test_modules_equal_the_float64_release_model(ckpts, runs, which, backend):
         assert np.abs(want_y).max() > 0.1 and np.abs(want_n).max() > 0.1
         assert_close(y, want_y, "float32", f"{which} {backend} module {m}: y")
         assert_close(normed, want_n, "float32", f"{which} {backend} module {m}: normed")
+
+
+@pytest.mark.parametrize("which", ["dense", "fp8_fp4"])
+def test_the_position_0_mask_reaches_module_0(ckpts, runs, which):
+    """The reference without vLLM's position-0 mask disagrees with module 0 on its first row
+    (key 0, position 1: no embedding in it) and agrees with the later modules, whose rows sit
+    at positions 2 and up."""
+    _, c, t, toks, g = ckpts[which]
+    for m, (y, normed) in enumerate(runs(which, "numpy")):
+        want_y, _ = Module(t, c, m).forward(toks, g, "no_pos0_mask")
+        if m == 0:
+            assert not np.allclose(y[0], want_y[0], atol=1e-3), "module 0's first row"
+        else:
+            assert_close(y, want_y, "float32", f"{which} module {m} without the mask")
 
 
 @pytest.mark.parametrize("which", ["dense", "fp8_fp4"])

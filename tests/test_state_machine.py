@@ -8,6 +8,8 @@ the drafts against the from-scratch oracle are checked; a failed call (full
 pool, bad input, a copied state or carried entry, a grammar that allows nothing,
 a callback re-entering with the state in use) must leave everything as it was.
 
+A sixth has vLLM's position-0 mask (``embed_mask_pos0``: each prompt's module-0 key 0 reads
+no embedding; exact mode checks its drafts against the oracle, which masks by its own code).
 A fifth has hyper-connections (4 streams of H per hidden). A fourth config is MLA with DSA's indexer (4 keys picked per row: sparse from the fifth
 key on). A third config has a sliding window in every module, in a pool that sequences
 holding all their rows would outgrow: after every step each windowed module of every
@@ -39,7 +41,9 @@ WINDOW = tiny_config(sliding_window=5)
 DSA = tiny_config(**DSA_FIELDS)
 #: hyper-connections: 4 streams of H per hidden (DeepSeek-V4's mHC)
 HC = tiny_config(hc_mult=4)
-POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16, "dsa_ckpt": 28, "hc_ckpt": 28}
+#: vLLM's position-0 mask: every prompt's module-0 key 0 reads no embedding (embed_mask_pos0)
+MASK = tiny_config(embed_mask_pos0=True)
+POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16, "dsa_ckpt": 28, "hc_ckpt": 28, "mask_ckpt": 28}
 SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -74,6 +78,12 @@ def hc_ckpt(tmp_path_factory):
     return path, reference_weights(path)
 
 
+@pytest.fixture(scope="module")
+def mask_ckpt(tmp_path_factory):
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("sm_mask"), MASK, seed=26)
+    return path, reference_weights(path)
+
+
 def window_bound(prop, m: int) -> int | None:
     """docs/api.md, "Sliding-window modules: memory": T = m (exact) or min(m, 1) (draft)."""
     W, BS = prop.config.block(m).sliding_window, prop.block_size
@@ -86,7 +96,8 @@ def window_bound(prop, m: int) -> int | None:
     ("cpu", "exact", "qwen_ckpt"), ("numpy", "draft", "qwen_ckpt"),
     ("cpu", "exact", "window_ckpt"), ("cpu", "draft", "window_ckpt"),
     ("numpy", "exact", "dsa_ckpt"), ("cpu", "draft", "dsa_ckpt"),
-    ("numpy", "draft", "hc_ckpt"), ("cpu", "exact", "hc_ckpt")])
+    ("numpy", "draft", "hc_ckpt"), ("cpu", "exact", "hc_ckpt"),
+    ("numpy", "exact", "mask_ckpt"), ("cpu", "draft", "mask_ckpt")])
 def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     path, weights = request.getfixturevalue(ckpt)
     made = []

@@ -9,6 +9,11 @@ MTP layers agree but for the position-0 mask below (docs/hf_reference.md, "DeepS
   ``attn_norm``, ``norm``: ``renames`` / ``parts`` below); FP8 and FP4 scales in ``X.scale``;
 - ``enorm`` / ``hnorm``, then ``e_proj(e) + h_proj(X_i)`` for each of the ``hc_mult`` streams:
   ``eh_proj`` over [embed, hidden] in two halves (joined at load);
+- the position-0 mask: vLLM zeroes the token embedding of the row at its position 0 before
+  ``enorm`` (``(t_1, h_0)``: module 0's key 0, mtpkern's RoPE position 1), so that row's
+  ``e_proj`` term is zero and only its streams count; SGLang and TensorRT-LLM do not mask.
+  mtpkern follows vLLM, the serving engine: ``embed_mask_pos0`` defaults to true here (a
+  default, not a fixed feature: a converted config may say ``false``);
 - hyper-connections (``hc_attn_*``, ``hc_ffn_*``, ``hc_head_*``): the hidden an engine hands
   over and a module hands on is the ``hc_mult`` streams before ``hc_head`` (``[n, 4 H]``),
   which the module also chains (docs/architecture.md, "Hyper-connections");
@@ -82,7 +87,7 @@ FAMILY = Family(
     model_type="deepseek_v4",
     architectures=("DeepseekV4ForCausalLM",),
     title="DeepSeek-V4",
-    defaults={"rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1, "rope_interleave": True},
+    defaults={"rms_norm_eps": 1e-6, "num_nextn_predict_layers": 1, "rope_interleave": True, "embed_mask_pos0": True},
     fixed={"shared_kv": True, "out_rope": True, "attn_sinks": True, "use_qk_norm": True, "attention_bias": False},
     implements=frozenset({"swiglu_limit", "qk_rope_head_dim"}),
     target_only=frozenset(_TARGET),

@@ -10,8 +10,9 @@ vLLM's ``mimo_mtp.py``; transformers has no MiMo MTP generation):
 - the block is Qwen2's: biased q/k/v, no q/k norm, whole-head RoPE, a dense SwiGLU
   MLP of ``intermediate_size``.
 
-vLLM zeroes the token embedding at position 0; module 0's rows sit at positions
-``>= 1`` (docs/semantics.md), so that never applies here.
+vLLM zeroes the token embedding of the row at its position 0, ``(t_1, h_0)``: module 0's
+key 0, at mtpkern's RoPE position 1 (docs/model.md, "The position-0 mask"). This family
+leaves ``embed_mask_pos0`` off; a config may switch it on.
 """
 
 from .base import Family

@@ -93,7 +93,10 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
         return ModuleRows(np.zeros((0, Hkv, D)), np.zeros((0, Hkv, Dv)), z, z)
     pos = np.arange(R) + m + 1 if pos is None else np.asarray(pos)
     keys = np.arange(R) if keys is None else np.asarray(keys)
-    e = _rms(f(w.embed)[toks], w.enorm, eps)
+    emb = f(w.embed)[toks]                                        # [R, H]
+    if cfg.embed_mask_pos0:     # vLLM's position-0 mask: its MTP row (t_{j+1}, h_j) sits at j, ours at j + 1
+        emb[pos == 1] = 0.0     # zeros before enorm (their norm is zeros)
+    e = _rms(emb, w.enorm, eps)
     m_ = cfg.hc_mult
     if m_ > 1:                                # hyper-connections: every stream with the token's embedding
         streams = np.asarray(g, np.float64).reshape(R, m_, H)
