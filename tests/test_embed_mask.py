@@ -9,7 +9,7 @@ row is module 0's key 0 at RoPE position 1 (``EMBED_MASK_POSITION``, docs/model.
 - the config field: read, typed, round-tripped; DeepSeek-V4's default (the release's
   config.json reads it on, a converted config may turn it off);
 - module outputs against the float64 oracle (mtpkern.testing.oracle, which masks by its own
-  code) on numpy and cpu; negative control: the same checkpoint with the mask off differs
+  code) on numpy, cpu and the emulated cuda kernels (tests/cuda_emu); negative control: the same checkpoint with the mask off differs
   on module 0's first row and gives the later modules (no row at position 1) the same bits;
 - exact-mode drafts and KV against the oracle, prompts of one token included (the first
   propose's module-0 row is the masked one), and draft-mode drafts against ``DraftRows``;
@@ -220,3 +220,30 @@ def test_a_replayed_graph_reads_each_calls_flags(fake_cuda, ckpts1, mode):
     first = test_planned_step.run_twins(eager, graph, cfg, 3, [1, 3], [(1, [1.0], [None])])
     again = test_planned_step.run_twins(eager, graph, cfg, 4, [3, 1], [(1, [0.0], [None])])
     assert first["captured"] == 1 and again["replayed"] == 1 and not again.get("executed"), (first, again)
+
+
+@pytest.fixture
+def emu():
+    """The CUDA kernels on the CPU (tests/cuda_emu), routing the cuda launchers for one test."""
+    from cuda_emu import emu_backend
+
+    yield from emu_backend.installed_emulator()
+
+
+def test_module_outputs_on_the_emulated_kernels(ckpts, emu):
+    """The cuda backend (FP32 KV, its kernels emulated): every module equals the oracle, and the
+    mask off moves module 0's first row."""
+    from cuda_emu import emu_backend
+
+    on, off, w = ckpts
+    toks, g = _rows(R=5, seed=4)
+    ran = sum(c for name, c in emu.launches.items() if name.startswith("mtp_norms_kernel"))
+    for m in range(CFG.num_modules):
+        y, normed = module_rows(on, emu_backend.backend("float32"), m, toks, g)
+        want = oracle.module_forward(CFG, w.modules[m], m, toks, g)
+        assert_close(y, want.y, "float32", f"emulated module {m}: y")
+        assert_close(normed, want.normed, "float32", f"emulated module {m}: normed")
+    assert sum(c for name, c in emu.launches.items() if name.startswith("mtp_norms_kernel")) >= ran + CFG.num_modules
+    y_on, _ = module_rows(on, emu_backend.backend("float32"), 0, toks, g)
+    y_off, _ = module_rows(off, emu_backend.backend("float32"), 0, toks, g)
+    assert not np.allclose(y_on[0], y_off[0], atol=1e-3)
