@@ -11,7 +11,12 @@ read one rule:
   one KV head the rank's query heads read, held by ``size / Hkv`` ranks alike; ``o_proj``'s
   input columns of the rank's heads, whose partial products meet in an all-reduce (sum).
   MLA: the query heads likewise (q_b_proj / q_proj rows, kv_b_proj's per-head parts), the
-  latent row (kv_a_proj, its norm, the KV pool) replicated.
+  latent row (kv_a_proj, its norm, the KV pool) replicated. DeepSeek-V4's attention: the
+  query latent (q_a_proj, its norm) replicated, q_b_proj's rows of the rank's heads, kv_proj
+  as the KV heads; a grouped output (``o_groups`` g) by whole groups: the rank's heads are
+  groups ``g0 .. g1 - 1`` (``g / size`` each; a split that cuts a group is refused), with
+  their ``o_lora_rank`` r rows of o_a_proj each and o_b_proj's columns ``g0 r .. g1 r - 1``,
+  whose partial products meet in o_proj's all-reduce.
 - routed experts: by expert id (``"ep"``: experts ``e0 .. e1 - 1`` whole, the router's ids
   of the others mapped to -1, an empty slot: mtpkern.ops.moe) or by intermediate slice
   (``"tp"``: every expert's gate / up rows and down columns ``i0 .. i1 - 1``); shared
@@ -103,6 +108,11 @@ class Shard:
     # -- attention -------------------------------------------------------------------------
     def heads(self, b: BlockSpec, where: str = "") -> HeadSlice:
         q0, q1 = self.span(b.num_attention_heads, f"num_attention_heads{where}")
+        if b.o_groups and b.o_groups % self.size:    # g / size groups a rank: its heads whole groups
+            raise ShardError(f"o_groups{where}: a grouped output's {b.o_groups} groups of "
+                             f"{b.num_attention_heads // b.o_groups} query heads cannot be split over {self.size} "
+                             f"ranks: a rank's {q1 - q0} query heads would cut a group (expected o_groups a "
+                             f"multiple of the world size {self.size}, got {b.o_groups})")
         if b.mla:
             return HeadSlice(q0, q1, 0, 1)
         Hkv = b.num_key_value_heads
@@ -116,12 +126,22 @@ class Shard:
                              f"(expected a multiple or a divisor of the world size)")
         return HeadSlice(q0, q1, kv0, kv1)
 
+    def groups(self, b: BlockSpec, where: str = "") -> tuple[int, int]:
+        """The output groups ``g0 .. g1 - 1`` of a grouped output (``o_groups``) whose heads
+        this rank holds, whole (``heads`` refuses a split that cuts one); (0, 0) without one."""
+        h = self.heads(b, where)
+        if not b.o_groups:
+            return 0, 0
+        per = b.num_attention_heads // b.o_groups                # query heads a group
+        return h.q0 // per, h.q1 // per
+
     def block(self, b: BlockSpec, where: str = "") -> BlockSpec:
-        """The block as this rank computes it: its query and KV heads."""
+        """The block as this rank computes it: its query and KV heads (and output groups)."""
         h = self.heads(b, where)
         if b.mla:      # the latent row has no KV heads to split (the field only must divide Hq)
             return dataclasses.replace(b, num_attention_heads=h.q, num_key_value_heads=1)
-        return dataclasses.replace(b, num_attention_heads=h.q, num_key_value_heads=h.kv)
+        return dataclasses.replace(b, num_attention_heads=h.q, num_key_value_heads=h.kv,
+                                   o_groups=b.o_groups // self.size)
 
     # -- FFN and LM head -------------------------------------------------------------------
     def expert_range(self, E: int) -> tuple[int, int]:

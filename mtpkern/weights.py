@@ -1057,6 +1057,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         lo, hi = shard.vocab(V if head_ids is None else int(np.asarray(head_ids).shape[0]))
         head_rows = (lo, hi) if head_ids is None else np.asarray(head_ids, np.int64)[lo:hi]
     _check_own_vocab_matrices(cfg, rd, fam)
+    if shard is not None:                    # every module's split checked before any tensor is read
+        for m in range(cfg.num_modules):
+            shard.block(cfg.block(m), f" (module {m})")
     modules = []
     for m in range(cfg.num_modules):
         spec = _checked_module_keys(cfg, rd, m, allow_unused_tensors, notes)
@@ -1246,9 +1249,6 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             raise CheckpointError(f"module {m}: {fam.title}'s RoPE on each head's last dims is reordered at load for "
                                   f"a GQA block without an output gate or q/k/v biases; got mla={blk.mla}, "
                                   f"attn_gate={blk.attn_gate!r}, attention_bias={cfg.attention_bias}")
-        if hs is not None and blk.o_groups:
-            raise CheckpointError(f"module {m}: a grouped output projection (o_groups = {blk.o_groups}) is not "
-                                  f"sharded yet; load it on one rank")
 
         def o_proj():
             """o_proj's columns (a rank's heads); with shared_kv, each head's in the keys' order."""
@@ -1301,11 +1301,15 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                                                        lblk.num_attention_heads))
         if blk.o_groups:                     # grouped low-rank output: o_a_proj per group, then o_b_proj
             g, r = blk.o_groups, blk.o_lora_rank
-            o_a = w("self_attn.o_a_proj.weight")
+            # a rank's groups g0 .. g1 - 1 (its heads): their r rows of o_a_proj each and
+            # o_b_proj's columns g0 r .. g1 r - 1; its [n, H] partial product meets o_proj's all-reduce
+            g0, g1 = (0, g) if shard is None else shard.groups(blk, f" (module {m})")
+            sl = None if shard is None else (g0 * r, g1 * r)
+            o_a = w("self_attn.o_a_proj.weight", rows=sl)                          # [(g1 - g0) r, Hq Dv / g]
             if blk.shared_kv:                # the values are keys: their dims in the keys' order
                 o_a = rope_first(o_a, blk.num_attention_heads // g, axis=1)
-            mw.w_o_a = [backend.prepare_weight(_row_slice(o_a, i * r, (i + 1) * r)) for i in range(g)]
-            mw.w_o_b = backend.prepare_weight(w("self_attn.o_b_proj.weight"))
+            mw.w_o_a = [backend.prepare_weight(_row_slice(o_a, i * r, (i + 1) * r)) for i in range(g1 - g0)]
+            mw.w_o_b = backend.prepare_weight(w("self_attn.o_b_proj.weight", cols=sl))   # [H, (g1 - g0) r]
         if cfg.hc_mult > 1:                  # replicated on every rank of a sharded head
             def hc(part: str) -> tuple:
                 """(fn, base, scale) of one collapse, as FP32 (fn a weight, the others vectors)."""
