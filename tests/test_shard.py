@@ -5,7 +5,7 @@ same call script as a single-rank proposer; after every call the drafts, confide
 refusals and catch-ups are identical to the single rank's, and each rank's KV is its slice
 of the single-rank KV (tests/shard_cases.py). Covered: MoE with shared experts, experts by
 id ("ep") and by intermediate slice ("tp"), the dense MLP, MLA, GQA with fewer KV heads
-than ranks, both KV modes. tests/mpi_worker.py runs the same under ``mpirun`` on the cpu
+than ranks, DeepSeek-V4's attention (a grouped output split by whole groups), both KV modes. tests/mpi_worker.py runs the same under ``mpirun`` on the cpu
 backend (tests/test_comm.py).
 """
 
@@ -163,6 +163,155 @@ def test_sharded_planned_step_matches_one_rank(tiny_ckpt, kv_mode, size):
 
     for prop, log in ThreadWorld(size).run(rank):
         shard_cases.compare(want, log, prop)
+
+
+#: DeepSeek-V4's attention at test size (tests/test_v4_attention.py): one K = V head of 32 that
+#: every rank replicates, 8 rotary dims in pairs, a query latent of 24, a grouped output of rank
+#: 16, sinks, a window of 6
+V4_ATTN = dict(num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, rope_interleave=True,
+               q_lora_rank=24, shared_kv=True, out_rope=True, o_groups=2, o_lora_rank=16, attn_sinks=True,
+               attention_bias=False, sliding_window=6)
+#: 8 heads in 4 groups of 2: 2 ranks hold 2 groups each, 4 ranks one each
+V4_GROUPS4 = dict(V4_ATTN, num_attention_heads=8, o_groups=4)
+_V4_CKPTS: dict = {}
+
+
+def v4_ckpt(tmp_path_factory, name):
+    """A synthetic checkpoint of one of the V4 shapes below, written once per session."""
+    from test_family_deepseek_v4 import V4 as V4_FAMILY      # the release's features (4 streams, ...)
+
+    shapes = {"groups2": V4_ATTN, "groups4": V4_GROUPS4, "groups4_hc": dict(V4_GROUPS4, hc_mult=4),
+              "family": dict(V4_FAMILY, num_attention_heads=8, o_groups=4)}
+    if name not in _V4_CKPTS:
+        _V4_CKPTS[name] = write_synthetic_checkpoint(tmp_path_factory.mktemp(f"v4_{name}"),
+                                                     tiny_config(**shapes[name]), seed=3)
+    return _V4_CKPTS[name]
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+@pytest.mark.parametrize("name,size", [("groups2", 2), ("groups4", 2), ("groups4", 4), ("groups4_hc", 2),
+                                       ("groups4_hc", 4), ("family", 2), ("family", 4)])
+def test_sharded_v4_attention_matches_one_rank(tmp_path_factory, name, size, kv_mode):
+    """DeepSeek-V4's attention by whole output groups: each rank's query heads (q_b_proj rows,
+    sinks, the inverse RoPE of their outputs) cover its groups, whose o_a_proj rows and
+    o_b_proj columns it holds; the one K = V head (kv_proj), the query latent (q_a_proj and its
+    norm) and the streams replicated; the [n, H] partial products meet in o_proj's all-reduce.
+    With 4 streams, and in the release layout (``family``: each head's dims reordered at load,
+    e_proj / h_proj joined)."""
+    check_world(v4_ckpt(tmp_path_factory, name), size, kv_mode, 17, conf=True)
+
+
+def test_sharded_v4_attention_with_the_wrong_groups_differs(tmp_path_factory, monkeypatch):
+    """Negative control: each rank reading another rank's output groups (o_a_proj rows and
+    o_b_proj columns alike) drafts otherwise than one rank."""
+    ckpt = v4_ckpt(tmp_path_factory, "groups4")
+    swap = Shard.groups
+
+    def other(self, b, where=""):
+        return swap(Shard((self.rank + 1) % self.size, self.size, self.experts), b, where)
+
+    monkeypatch.setattr(Shard, "groups", other)
+    with pytest.raises(AssertionError):
+        check_world(ckpt, 2, "exact", 17, conf=True)
+
+
+def test_sharded_v4_planned_step_falls_back_and_matches_one_rank(tmp_path_factory):
+    """The planned step over a sharded V4 head runs its blocks eagerly (``fallback_v4_attention``),
+    call for call the single rank's."""
+    from mtpkern.cuda_graph import StepRunner
+
+    ckpt = v4_ckpt(tmp_path_factory, "groups4")
+    steps = shard_cases.script(31, length=10)
+    want = single_log(ckpt, "draft", steps, True)
+
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="draft", comm=comm, **KW)
+        prop.step_runner = StepRunner(prop, capture=False)
+        log = shard_cases.run_script(prop, steps, True)
+        assert prop.step_runner.counts["fallback_v4_attention"] > 0, prop.step_runner.counts
+        return prop, log
+
+    for prop, log in ThreadWorld(2).run(rank):
+        shard_cases.compare(want, log, prop)
+
+
+@pytest.mark.parametrize("name,size", [("groups4", 4), ("family", 2)])
+def test_sharded_v4_weights_are_slices(tmp_path_factory, name, size):
+    """A rank's V4 attention tensors: its groups' o_a_proj rows (one prepared weight a group,
+    the whole head's reordered columns in the family layout), o_b_proj's columns of its groups,
+    q_b_proj's rows and the sinks of its heads; kv_proj, q_a_proj and its norm whole."""
+    from mtpkern.config import MtpConfig
+
+    ckpt = v4_ckpt(tmp_path_factory, name)
+    cfg = MtpConfig.from_json(ckpt / "config.json")
+    be = get_backend("numpy")
+    full = load_weights(ckpt, cfg, be)
+    b = cfg.block(0)
+    g, r, D = b.o_groups, b.o_lora_rank, b.head_dim
+    gl, hq = g // size, b.num_attention_heads // size            # a rank's groups and heads
+    for rank in range(size):
+        sh = Shard(rank, size)
+        assert sh.groups(b) == (rank * gl, (rank + 1) * gl)
+        lb = sh.block(b)
+        assert (lb.num_attention_heads, lb.num_key_value_heads, lb.o_groups, lb.o_lora_rank) == (hq, 1, gl, r)
+        part = load_weights(ckpt, cfg, be, shard=sh)
+        for m, f in zip(part.modules, full.modules):
+            assert len(m.w_o_a) == gl
+            for i in range(gl):
+                np.testing.assert_array_equal(m.w_o_a[i], f.w_o_a[rank * gl + i])
+            np.testing.assert_array_equal(m.w_o_b, f.w_o_b[:, rank * gl * r:(rank + 1) * gl * r])
+            np.testing.assert_array_equal(m.q_b, f.q_b[rank * hq * D:(rank + 1) * hq * D])
+            np.testing.assert_array_equal(m.sinks, f.sinks[rank * hq:(rank + 1) * hq])
+            for k in ("w_qkv", "mla_q_a", "mla_q_a_norm", "k_norm"):
+                np.testing.assert_array_equal(getattr(m, k), getattr(f, k), err_msg=k)
+
+
+class _CountingBackend:
+    """A backend that counts the weights and vectors prepared on it (a load that builds anything)."""
+
+    def __init__(self, inner):
+        self.inner, self.prepared = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def prepare_weight(self, a):
+        self.prepared += 1
+        return self.inner.prepare_weight(a)
+
+    def prepare_vector(self, a):
+        self.prepared += 1
+        return self.inner.prepare_vector(a)
+
+
+def test_a_split_that_cuts_an_output_group_is_refused(tmp_path_factory):
+    """4 ranks of 4 heads in 2 groups would give each rank one head of a 2-head group:
+    ShardError naming o_groups with the expected and actual values, from Shard, load_weights
+    and from_pretrained alike, before any tensor is prepared; a later module whose groups a
+    split cuts is refused before the earlier modules are built."""
+    from mtpkern.config import MtpConfig
+
+    ckpt = v4_ckpt(tmp_path_factory, "groups2")
+    cfg = MtpConfig.from_json(ckpt / "config.json")
+    msg = (r"o_groups \(module 0\): a grouped output's 2 groups of 2 query heads cannot be split over 4 ranks: "
+           r"a rank's 1 query heads would cut a group \(expected o_groups a multiple of the world size 4, got 2\)")
+    for rank in range(4):
+        with pytest.raises(ShardError, match=msg):
+            Shard(rank, 4).block(cfg.block(0), " (module 0)")
+    be = _CountingBackend(get_backend("numpy"))
+    with pytest.raises(ShardError, match=msg):
+        load_weights(ckpt, cfg, be, shard=Shard(2, 4))
+    assert be.prepared == 0
+    with pytest.raises(ShardError, match=msg):
+        MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", comm=ThreadWorldComm(3, 4), **KW)
+    # module 2 alone in 2 groups of 4 heads: 4 ranks cut it, though modules 0 and 1 split
+    cut = tiny_config(**dict(V4_GROUPS4, blocks=[{}, {}, {"o_groups": 2}]))
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("v4_cut"), cut, seed=3)
+    be = _CountingBackend(get_backend("numpy"))
+    with pytest.raises(ShardError, match=r"o_groups \(module 2\): .* 2 groups of 4 query heads .* got 2\)"):
+        load_weights(path, cut, be, shard=Shard(0, 4))
+    assert be.prepared == 0
+    assert len(load_weights(path, cut, be, shard=Shard(0, 2)).modules[2].w_o_a) == 1     # 2 ranks: whole groups
 
 
 def test_sharded_weights_are_slices(tiny_ckpt, tiny_cfg):
