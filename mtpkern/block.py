@@ -153,7 +153,8 @@ class BlockSpec:
     kv_lora_rank: int = 0
     #: 0: a plain ``q_proj``; else ``q_a_proj`` [q_lora_rank, H] -> ``q_a_layernorm`` -> ``q_b_proj``
     q_lora_rank: int = 0
-    #: R: the rotated dims at the end of each MLA query head, and of the shared key
+    #: R: the rotated dims at the end of each MLA query head, and of the shared key (0: NoPE,
+    #: no dim rotated, the latent row L values; the DSA indexer then rotates none either)
     qk_rope_head_dim: int = 0
     #: DSA (DeepSeek-V3.2, GLM-5): T = index_topk > 0 runs the module's own lightning indexer
     #: (``self_attn.indexer.*``, mtpkern.ops.dsa) and the MLA attention reads each row's T
@@ -196,7 +197,7 @@ class BlockSpec:
             raise BlockError(f"num_attention_heads must be a multiple of num_key_value_heads, got "
                              f"{self.num_attention_heads} and {self.num_key_value_heads}")
         rd = self.rotary_dim
-        if rd < 2 or rd % 2 or rd > self.head_dim:
+        if not self.mla and (rd < 2 or rd % 2 or rd > self.head_dim):   # MLA's R: _check_mla
             raise BlockError(f"head_dim * partial_rotary_factor must be an even number in [2, head_dim], "
                              f"got {self.head_dim} * {self.partial_rotary_factor} = {rd}")
         if not (isinstance(self.rope_theta, (int, float)) and 1.0 < self.rope_theta <= 1e12):
@@ -225,8 +226,8 @@ class BlockSpec:
 
     def _check_mla(self) -> None:
         R, D = self.qk_rope_head_dim, self.head_dim
-        if R < 2 or R % 2 or R >= D:
-            raise BlockError(f"qk_rope_head_dim expected an even number in [2, head_dim) (head_dim = "
+        if R % 2 or R >= D:     # R = 0: NoPE (GLM-5.3's MTP layer), no dim rotated
+            raise BlockError(f"qk_rope_head_dim expected an even number in [0, head_dim) (head_dim = "
                              f"qk_nope_head_dim + qk_rope_head_dim = {D} in MLA), got {R}")
         if not self.v_head_dim:
             raise BlockError("v_head_dim expected > 0 in MLA (kv_b_proj's value rows per head), got 0")
@@ -248,8 +249,9 @@ class BlockSpec:
         if not 1 <= self.index_n_heads <= 1024:
             raise BlockError(f"index_n_heads expected an int in [1, 1024] with index_topk > 0, got {self.index_n_heads}")
         R = self.qk_rope_head_dim
-        if not R <= self.index_head_dim <= 1024:
-            raise BlockError(f"index_head_dim expected an int in [qk_rope_head_dim = {R}, 1024] with index_topk > 0 "
+        if not max(R, 1) <= self.index_head_dim <= 1024:
+            lo = f"qk_rope_head_dim = {R}" if R else "1"
+            raise BlockError(f"index_head_dim expected an int in [{lo}, 1024] with index_topk > 0 "
                              f"(the indexer rotates its first {R} dims), got {self.index_head_dim}")
 
     def _check_v4_attention(self) -> None:

@@ -158,7 +158,10 @@ def test_mla_modules_hold_one_latent_row_per_token(ckpts):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (dict(MLA, qk_rope_head_dim=7), r"qk_rope_head_dim expected an even number in \[2, head_dim\)"),
+    (dict(MLA, qk_rope_head_dim=7), r"qk_rope_head_dim expected an even number in \[0, head_dim\)"),
+    (dict(MLA, qk_rope_head_dim=20), r"qk_rope_head_dim expected an even number in \[0, head_dim\) .* = 20 in MLA\), got 20"),
+    (dict(MLA, qk_rope_head_dim=0, head_dim=12, index_topk=4, index_n_heads=2, index_head_dim=0),
+     r"index_head_dim expected an int in \[1, 1024\]"),
     (dict(MLA, v_head_dim=0), r"v_head_dim expected > 0 in MLA"),
     (dict(MLA, partial_rotary_factor=0.5), r"partial_rotary_factor expected 1 in MLA"),
     (dict(MLA, attn_sinks=True), r"attn_sinks expected False in MLA"),

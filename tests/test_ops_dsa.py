@@ -1,5 +1,6 @@
 """DSA ops (mtpkern.ops.dsa, and ``mla_attention_absorbed(index=)``): the indexer key write
-against a float64 LayerNorm + RoPE of the first R dims, the selection against a float64
+against a float64 LayerNorm + RoPE of the first R dims (R = 0 too: GLM-5.3's NoPE MLA, whose
+indexer rotates nothing), the selection against a float64
 scorer and a sort written here (its tie rule and NaN rule constructed), the sparse attention
 against float64 attention over the listed rows, a full list equal to the dense attention bit
 for bit, and bad input refused by name with the caches unchanged. Every test runs on the
@@ -43,7 +44,8 @@ def key64(k_row, w, b, eps, f, pos, interleave, a):
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("Di,R,Hi,BS,n,yarn", [(16, 8, 1, 1, 5, False), (40, 16, 3, 3, 7, True),
-                                               (128, 64, 8, 16, 19, True), (24, 24, 2, 5, 4, False)])
+                                               (128, 64, 8, 16, 19, True), (24, 24, 2, 5, 4, False),
+                                               (16, 0, 2, 3, 5, False), (40, 0, 3, 4, 7, True)])
 def test_key_write_norm_rope_slots_and_query(backend, name, interleave, Di, R, Hi, BS, n, yarn):
     be = backend(name)
     rng = rng_for("dsa-key", Di, R, BS, n, yarn)
@@ -85,6 +87,11 @@ def test_key_write_refuses_bad_slots_and_leaves_the_cache(backend, name):
     assert not to_f32(be, cache).any()
     with pytest.raises(ValueError, match="k_norm_b"):
         be.dsa_key_write(be.from_host(k), w, b[:8], 1e-6, inv_freq(8, 1e4), np.zeros(2, np.int32), cache,
+                         np.array([0, 1], np.int32))
+    assert not to_f32(be, cache).any()
+    with pytest.raises(ValueError, match=r"inv_freq: expected 0\.\.8 entries \(R/2, with R <= 16 the indexer head "
+                                         r"dim\), got 9"):
+        be.dsa_key_write(be.from_host(k), w, b, 1e-6, inv_freq(18, 1e4), np.zeros(2, np.int32), cache,
                          np.array([0, 1], np.int32))
     assert not to_f32(be, cache).any()
 
@@ -216,7 +223,8 @@ def attention64_listed(q_nope, q_pe, kv_b, cache, tables, row_seq, row_len, scal
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("Hq,P,R,L,Dv,BS,topk", [(1, 16, 8, 40, 24, 1, 4), (3, 24, 16, 72, 20, 3, 7),
-                                                 (16, 48, 64, 127, 32, 16, 9), (7, 32, 32, 100, 48, 5, 30)])
+                                                 (16, 48, 64, 127, 32, 16, 9), (7, 32, 32, 100, 48, 5, 30),
+                                                 (3, 24, 0, 71, 20, 3, 7), (16, 32, 0, 64, 24, 4, 9)])
 def test_sparse_attention_equals_float64_over_the_listed_rows(backend, name, window, Hq, P, R, L, Dv, BS, topk):
     be = backend(name)
     cache, tables, row_seq, row_len, row_start, q_nope, q_pe, kv_b, index = sparse_case(

@@ -3,8 +3,9 @@ and against a float64 computation written here, the cpu backend against the NumP
 reference, the latent write against float64 norm + rope, and bad input refused by name
 with the cache unchanged.
 
-Shapes are odd on purpose: Hq 1..16, kv_lora_rank L 33..127 (never a multiple of 32),
-rope dims R 8..64, v_head_dim != qk_nope_head_dim, block sizes 1..16, ragged rows of
+Shapes are odd on purpose: Hq 1..16, kv_lora_rank L 33..127 (never a multiple of 32 but one),
+rope dims R 8..64 and 0 (NoPE: GLM-5.3's MTP layer; no dim rotated, the latent row is c alone),
+v_head_dim != qk_nope_head_dim, block sizes 1..16, ragged rows of
 several sequences (a decode row, a causal prefill chunk, a window), tables permuted.
 Every backend test also runs on the CUDA backend's kernels (kernels/mla.cu) through the
 emulator of tests/cuda_emu (``cuda_emu_bf16`` / ``cuda_emu_f32``: BF16 and FP32 latent
@@ -94,6 +95,8 @@ SHAPES = [
     (16, 48, 64, 127, 32, 16),
     (2, 8, 8, 33, 12, 7),
     (11, 64, 24, 90, 16, 4),
+    (3, 24, 0, 71, 20, 3),        # R = 0 (NoPE, GLM-5.3): latent rows of L alone, W = 71 (scalar staging)
+    (16, 32, 0, 64, 24, 4),       # R = 0, 16 heads: the tensor-core kernel over a BF16 cache, W = 64 (16-byte loads)
 ]
 
 
@@ -319,7 +322,8 @@ def test_attention_out_buffer(backend, name):
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("L,R,BS,n,yarn", [(33, 8, 1, 5, False), (72, 16, 3, 7, True), (127, 64, 16, 19, True),
-                                           (40, 24, 5, 1, False), (90, 32, 4, 30, False)])
+                                           (40, 24, 5, 1, False), (90, 32, 4, 30, False), (41, 0, 3, 7, False),
+                                           (64, 0, 4, 9, True)])
 def test_latent_write_norm_rope_slots(backend, name, interleave, L, R, BS, n, yarn):
     be = backend(name)
     rng = rng_for("lw", L, R, BS, n, yarn)
@@ -343,7 +347,8 @@ def test_latent_write_norm_rope_slots(backend, name, interleave, L, R, BS, n, ya
 
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("interleave", [True, False])
-@pytest.mark.parametrize("Hq,P,L,R,yarn", [(1, 16, 33, 8, False), (3, 24, 72, 16, True), (16, 48, 127, 64, True)])
+@pytest.mark.parametrize("Hq,P,L,R,yarn", [(1, 16, 33, 8, False), (3, 24, 72, 16, True), (16, 48, 127, 64, True),
+                                          (3, 24, 41, 0, True)])
 def test_latent_write_ropes_the_query_as_the_key(backend, name, interleave, Hq, P, L, R, yarn):
     """q's rope dims (last R of each head) turn by the key's angles, its first P pass
     unchanged; the cache gets exactly what it gets without q; out= is filled."""
@@ -438,7 +443,7 @@ WRITE_BAD = [
     ("kv_a", lambda a: a["kv_a"][:, :-1], ValueError, r"kv_a: expected shape \[3, 48\]"),
     ("kv_a", lambda a: a["kv_a"].astype(np.float64), TypeError, "kv_a: expected dtype float32 or bfloat16"),
     ("kv_a_norm_w", lambda a: a["kv_a_norm_w"][:-1], ValueError, r"kv_a_norm_w: expected shape \[40\]"),
-    ("inv_freq", lambda a: inv_freq(48, 1e4), ValueError, "inv_freq: expected 1..23 entries"),
+    ("inv_freq", lambda a: inv_freq(48, 1e4), ValueError, "inv_freq: expected 0..23 entries"),
     ("positions", lambda a: a["positions"].astype(np.int64), TypeError, "positions: expected dtype int32"),
     ("slots", lambda a: a["slots"][:2], ValueError, r"slots: expected shape \[3\]"),
     ("slots", lambda a: np.array([0, 12, 1], np.int32), ValueError, r"slots: expected values in \[0, 12\), got 12"),
@@ -489,7 +494,9 @@ def _attn_args():
 ATTN_BAD = [
     ("q", lambda a: a["q"][:, :2], ValueError, r"q: expected shape \[8, 3, 16\]"),
     ("q", lambda a: np.zeros((8, 3, 41), np.float32), ValueError, r"q: expected shape \[8, 3, 16\]"),
-    ("w_uk", lambda a: np.zeros((3, 8, 41), np.float32), ValueError, r"w_uk: expected \[Hq, P, L\] with L < 41"),
+    ("w_uk", lambda a: np.zeros((3, 8, 42), np.float32), ValueError,
+     r"w_uk: expected \[Hq, P, L\] with 1 <= L <= 41"),
+    ("w_uk", lambda a: np.zeros((3, 8, 41), np.float32), ValueError, r"q: expected shape \[8, 3, 8\]"),  # L = W: R = 0
     ("w_uk", lambda a: a["w_uk"][0], ValueError, r"w_uk: expected 3 dimensions"),
     ("w_uk", lambda a: a["w_uk"][:, :, :-1], ValueError, r"q: expected shape \[8, 3, 17\]"),   # L sets R = W - L
     ("w_uv", lambda a: a["w_uv"][:2], ValueError, r"w_uv: expected shape \[3, \*, 33\]"),

@@ -14,7 +14,8 @@ index_cache [NB, BS, Di], slots [n], *, q=None, interleave=False, rope_scale=1.0
   is 1e-6 whatever ``rms_norm_eps`` is), then its first ``R`` dims rotated at
   ``positions`` as ``mtpkern.ops.rope_kv`` rotates (pairs ``(2i, 2i + 1)`` with
   ``interleave``, GLM-5's ``indexer_rope_interleave``; else ``(i, i + R/2)``, DeepSeek-V3.2's;
-  cos and sin times ``rope_scale``, the MLA's YaRN factor).
+  cos and sin times ``rope_scale``, the MLA's YaRN factor). With the MLA's ``R = 0`` (NoPE,
+  GLM-5.3) ``inv_freq`` is empty and neither the key nor the query is rotated.
 - ``k_n`` goes to row ``slot = block * BS + offset`` of ``index_cache`` (cache dtype): the
   indexer's plane of the module's KV pool, beside the latent rows and under the same
   block tables. A slot given twice ends with the later row.
@@ -62,8 +63,8 @@ def check_dsa_key_write(k, k_norm_w, k_norm_b, inv_freq_, positions, index_cache
     expect_dtype("index_cache", index_cache, "float32", "bfloat16")
     expect_ndim("inv_freq", inv_freq_, 1)
     R = 2 * inv_freq_.shape[0]
-    if not 2 <= R <= Di:
-        raise ValueError(f"inv_freq: expected 1..{Di // 2} entries (R/2, with R <= {Di} the indexer head dim), "
+    if not R <= Di:             # R = 0 (an MLA without RoPE, GLM-5.3): an empty inv_freq, nothing rotated
+        raise ValueError(f"inv_freq: expected 0..{Di // 2} entries (R/2, with R <= {Di} the indexer head dim), "
                          f"got {inv_freq_.shape[0]}")
     expect_dtype("inv_freq", inv_freq_, "float32")
     expect_ndim("k", k, 2)

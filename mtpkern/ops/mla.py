@@ -10,6 +10,10 @@ layout: ``[NB, BS, 1, L + R]``, here without the unit head axis).
 latent_cache [NB, BS, L + R], slots [n], *, q=None, interleave=False, rope_scale=1.0)
 -> None, or q roped [n, Hq, P + R] when q is given``
 
+``R`` may be 0 (NoPE: GLM-5.3's MTP layer, ``qk_rope_head_dim = 0``): ``inv_freq`` is empty,
+the latent row is ``c`` alone (``kv_a_proj_with_mqa`` has ``L`` rows), nothing is rotated and
+the query comes back as it was given (in FP32); every score is ``q_lat . c``.
+
 - ``kv_a`` is ``kv_a_proj_with_mqa``'s output as released: ``L`` compressed values, then
   the ``R`` rope-key values. ``c = rmsnorm(kv_a[:, :L], kv_a_norm_w, eps)``
   (``kv_a_layernorm``); ``k_pe`` = ``kv_a[:, L:]`` rotated at ``positions`` as
@@ -93,9 +97,9 @@ def check_mla_latent_write(kv_a, kv_a_norm_w, inv_freq_, positions, latent_cache
     expect_dtype("latent_cache", latent_cache, "float32", "bfloat16")
     expect_ndim("inv_freq", inv_freq_, 1)
     R = 2 * inv_freq_.shape[0]
-    if not 2 <= R < W:
-        raise ValueError(f"inv_freq: expected 1..{(W - 1) // 2} entries (R/2, with L + R = {W} the "
-                         f"latent row), got {inv_freq_.shape[0]}")
+    if not R < W:               # R = 0 (NoPE): an empty inv_freq, no dim rotated
+        raise ValueError(f"inv_freq: expected 0..{(W - 1) // 2} entries (R/2, with L + R = {W} the "
+                         f"latent row and L >= 1), got {inv_freq_.shape[0]}")
     expect_dtype("inv_freq", inv_freq_, "float32")
     L = W - R
     expect_ndim("kv_a", kv_a, 2)
@@ -175,8 +179,8 @@ def check_mla_attention(q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_
     NB, BS, W = latent_cache.shape
     expect_ndim("w_uk", w_uk, 3)
     Hq, P, L = w_uk.shape
-    if not 1 <= L < W:
-        raise ValueError(f"w_uk: expected [Hq, P, L] with L < {W} (L + R = {W} the latent row), "
+    if not 1 <= L <= W:        # L = W: R = 0 (NoPE)
+        raise ValueError(f"w_uk: expected [Hq, P, L] with 1 <= L <= {W} (L + R = {W} the latent row), "
                          f"got shape {list(w_uk.shape)}")
     R = W - L
     expect_ndim("q", q, 3)
