@@ -396,9 +396,12 @@ class BlockSpec:
         if self.dsa:
             parts.append(f"DSA top-{self.index_topk} Hi={self.index_n_heads} Di={self.index_head_dim}"
                          + (" interleaved" if self.indexer_rope_interleave else ""))
-        parts.append(f"rotary={self.rotary_dim} theta={self.rope_theta:g}")
-        if self.rope_interleave:
-            parts.append("interleaved")
+        if self.mla and not self.qk_rope_head_dim:
+            parts.append("NoPE")                 # nothing rotated (YaRN still scales the scores)
+        else:
+            parts.append(f"rotary={self.rotary_dim} theta={self.rope_theta:g}")
+            if self.rope_interleave:
+                parts.append("interleaved")
         if self.rope_scaling is not None:
             parts.append(self.rope_scaling.describe())
         if self.sliding_window:

@@ -915,6 +915,7 @@ class MtpConfig:
             del d["embed_mask_pos0"]            # written where it is on, or off against the family's default
         if self.kv_lora_rank:                   # MLA: the query / key head dim as its config gives it
             d["qk_nope_head_dim"] = self.head_dim - self.qk_rope_head_dim
+            d["qk_rope_head_dim"] = self.qk_rope_head_dim   # written at 0 too (NoPE): MLA needs the field
         blocks = d.pop("blocks")
         if blocks:
             d["mtp_blocks"] = [{k: (v.to_hf() if isinstance(v, Yarn) else v) for k, v in b} for b in self.blocks]

@@ -66,6 +66,12 @@ FEATURES = {
     "rope_per_module": dict(blocks=[{}, {"rope_interleave": True}, {"rope_scaling": YARN}]),
     # DeepSeek-V3's MLA (q_lora_rank, interleaved RoPE, YaRN past the original context), small
     "mla": dict(MLA, rope_interleave=True, rope_scaling=YARN),
+    # GLM-5.3's MTP attention, small: MLA without RoPE (qk_rope_head_dim 0: latent rows of L alone,
+    # scores scaled by P^-0.5 times YaRN's mscale), alone and under DSA's indexer (5 keys), which
+    # then rotates nothing either
+    "mla_nope": dict(MLA, qk_rope_head_dim=0, head_dim=16, rope_interleave=True, rope_scaling=YARN),
+    "mla_nope_dsa": dict(MLA, qk_rope_head_dim=0, head_dim=16, rope_interleave=True, rope_scaling=YARN,
+                         index_topk=5, index_n_heads=4, index_head_dim=16, indexer_rope_interleave=True),
     # MLA with a plain q_proj, a sliding window, neox RoPE; module 1 a GQA block, module 2 dense
     "mla_mixed": dict(MLA, q_lora_rank=0, sliding_window=6, intermediate_size=40,
                       blocks=[{}, {"kv_lora_rank": 0, "qk_rope_head_dim": 0, "head_dim": 16, "v_head_dim": 0,

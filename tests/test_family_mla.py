@@ -180,6 +180,66 @@ def test_dsa_negative_controls(tmp_path, family):
                                      "postnorm", None)
 
 
+# -- MLA without RoPE (GLM-5.3's MTP layer) ------------------------------------------------------
+
+#: GLM-5.3's MTP attention, small: qk_rope_head_dim 0 (NoPE), so head_dim = P = 16 and the latent row
+#: is c alone (L 40); YaRN's fields kept from MLA_FIELDS: the scores' mscale^2 applies with no rotation
+NOPE = dict(qk_rope_head_dim=0, head_dim=16)
+
+
+def _nope_scenario(prop, cfg, weights):
+    test_oracle.run_scenario(prop, cfg, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], "postnorm", None)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_nope_mla_drafts_as_the_oracle(tmp_path, family, backend):
+    """qk_rope_head_dim 0, without and with DSA's indexer (5 keys, rotating nothing): the
+    checkpoint's kv_a_proj_with_mqa has L rows and loads; the config round-trips with its R of 0;
+    drafts and every module's latent rows equal the float64 oracle's in exact mode past YaRN's
+    original 12 positions."""
+    cfg = _mla(family, **NOPE)
+    b = cfg.block(0)
+    assert (b.qk_nope_head_dim, b.qk_rope_head_dim, b.latent_width, b.rotary_dim) == (16, 0, 40, 0)
+    assert b.inv_freq().shape == (0,) and math.isclose(b.scale, 16 ** -0.5 * b.rope_scaling.softmax_factor)
+    assert "R=0" in cfg.describe() and "NoPE" in cfg.describe()
+    assert MtpConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=11, dtype="float32")
+    raw = load_file(str(path / "model.safetensors"))
+    assert raw["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"].shape == (40, 64)
+    prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
+                                              num_blocks=96, prefill_chunk=7)
+    assert prop.modules[0].pool.k.shape[2] == 40 and prop.modules[0].block.dsa == (family == "glm_moe_dsa")
+    _nope_scenario(prop, prop.config, reference_weights(path))
+
+
+def test_nope_mla_negative_controls(tmp_path):
+    """The oracle test fails when the module scales its scores for another head dim (GLM-5's
+    P + R = 256 + 64 shape, here (16 + 8)^-0.5) or without YaRN's mscale^2, and with the
+    indexer off: each is another model. A kv_a_proj_with_mqa of L + 8 rows (a rotated key's
+    values) is refused by name."""
+    cfg = _mla("glm_moe_dsa", **NOPE)
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=11, dtype="float32")
+    weights = reference_weights(path)
+    b = cfg.block(0)
+    for wrong in (24 ** -0.5 * b.rope_scaling.softmax_factor, 16 ** -0.5):
+        prop = MultiModuleMtpHead(cfg, weights, get_backend("numpy"), kv_mode="exact", block_size=4, num_blocks=96)
+        for head in prop.modules:
+            head._scale = wrong
+        with pytest.raises(AssertionError):
+            _nope_scenario(prop, cfg, weights)
+    dense = MultiModuleMtpHead(dataclasses.replace(cfg, index_topk=0), weights, get_backend("numpy"),
+                               kv_mode="exact", block_size=4, num_blocks=96)
+    with pytest.raises(AssertionError):
+        _nope_scenario(dense, cfg, weights)
+    t = load_file(str(path / "model.safetensors"))
+    name = "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"
+    t[name] = np.concatenate([t[name], t[name][:8]])
+    save_file(t, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"kv_a_proj_with_mqa.*40, 64"):
+        MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+
+
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_no_q_lora_rank_reads_q_proj(tmp_path, backend):
     cfg = _mla(q_lora_rank=0, rope_interleave=False, rope_scaling=None)

@@ -206,7 +206,9 @@ def _hc_head(cfg, hc, Y):
 def _mla(b, w, a, pos, keys, eps):
     """MLA in its naive form (every latent row decompressed per head through kv_b_proj's
     parts, DeepSeek-V3's formulas), float64: (attention [R, Hq, Dv], the latent rows
-    [R, 1, L + R] as the KV, an empty V)."""
+    [R, 1, L + R] as the KV, an empty V). qk_rope_head_dim 0 (NoPE, GLM-5.3): k_pe and q_pe
+    are empty, nothing is rotated (the indexer's first 0 dims neither), the scale stays
+    (P + 0)^-0.5 times YaRN's scores' factor."""
     f = lambda t: np.asarray(t, np.float64)  # noqa: E731
     R_, Hq, L, Rr, P, Dv = len(a), b.num_attention_heads, b.kv_lora_rank, b.qk_rope_head_dim, \
         b.qk_nope_head_dim, b.v_dim
