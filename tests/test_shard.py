@@ -93,6 +93,16 @@ def test_sharded_dsa_matches_one_rank(dsa_ckpt, kv_mode):
     check_world(dsa_ckpt, 2, kv_mode, 3)
 
 
+@pytest.mark.parametrize("name", ["mla_nope", "mla_nope_dsa"])
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_sharded_nope_mla_matches_one_rank(tmp_path, name, kv_mode):
+    """MLA without RoPE (qk_rope_head_dim 0, GLM-5.3's; tests/test_blocks.py's configs), alone
+    and under DSA's indexer: latent rows of L values, the query heads split as any MLA's."""
+    import test_blocks
+
+    check_world(write_synthetic_checkpoint(tmp_path, test_blocks.feature_config(name), seed=8), 2, kv_mode, 3)
+
+
 @pytest.mark.parametrize("kv_mode", ["exact", "draft"])
 def test_sharded_draft_vocab_matches_one_rank(tiny_ckpt, tiny_cfg, kv_mode):
     """A draft vocabulary over a sharded head: each rank reads the rows of its share of the
