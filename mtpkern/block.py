@@ -166,6 +166,13 @@ class BlockSpec:
     index_n_heads: int = 0
     index_head_dim: int = 0
     indexer_rope_interleave: bool = False
+    #: GLM-5.3's pooled indexer: ``index_kpool`` P > 1 scores pools of P consecutive rows
+    #: (each a softmax-weighted key of its rows: ``self_attn.indexer.index_kpool_compress_gate``
+    #: and ``_ape``), picks the T / P best complete pools and, with ``index_kpool_tail``, the
+    #: rows of the incomplete pool after them (mtpkern.ops.dsa); the pool's plane holds each
+    #: row's key and its gate scores (2 Di values). 0 or 1: one key per row
+    index_kpool: int = 0
+    index_kpool_tail: bool = True
     #: DeepSeek-V4's attention, as features of a GQA block (with q_lora_rank: its query
     #: through q_a_proj / q_a_layernorm / q_b_proj): ``shared_kv``: one projection
     #: (``self_attn.kv_proj``) is both key and value (the value is the key as normed and
@@ -183,7 +190,7 @@ class BlockSpec:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise BlockError(f"{name} expected an int >= 1, got {v!r}")
         for name in ("v_head_dim", "sliding_window", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
-                     "index_topk", "index_n_heads", "index_head_dim", "o_groups", "o_lora_rank"):
+                     "index_topk", "index_n_heads", "index_head_dim", "o_groups", "o_lora_rank", "index_kpool"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise BlockError(f"{name} expected an int >= 0, got {v!r}")
@@ -213,7 +220,8 @@ class BlockSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 1e6):
                 raise BlockError(f"{name} expected a number in [0, 1e6] (0: no clamp), got {v!r}")
-        for name in ("attn_sinks", "moe", "rope_interleave", "indexer_rope_interleave", "shared_kv", "out_rope"):
+        for name in ("attn_sinks", "moe", "rope_interleave", "indexer_rope_interleave", "shared_kv", "out_rope",
+                     "index_kpool_tail"):
             if not isinstance(getattr(self, name), bool):
                 raise BlockError(f"{name} expected a bool, got {getattr(self, name)!r}")
         if self.index_topk:
@@ -253,6 +261,13 @@ class BlockSpec:
             lo = f"qk_rope_head_dim = {R}" if R else "1"
             raise BlockError(f"index_head_dim expected an int in [{lo}, 1024] with index_topk > 0 "
                              f"(the indexer rotates its first {R} dims), got {self.index_head_dim}")
+        P = self.index_kpool
+        if P > 1 and (P > 1024 or self.index_topk % P):
+            raise BlockError(f"index_kpool expected an int in [2, 1024] dividing index_topk = {self.index_topk} (the "
+                             f"pools picked are index_topk / index_kpool), got {P}")
+        if P > 1 and not self.index_kpool_tail:
+            raise BlockError("index_kpool_always_select_tail expected true with index_kpool > 1 (the releases' value: "
+                             "without the tail a row before its first complete pool attends to no row), got false")
 
     def _check_v4_attention(self) -> None:
         if self.q_lora_rank and not self.mla and self.attn_gate:
@@ -312,9 +327,20 @@ class BlockSpec:
         return self.index_topk > 0
 
     @property
+    def kpool(self) -> int:
+        """P: the rows of one pool of the pooled indexer (``index_kpool`` > 1), else 0."""
+        return self.index_kpool if self.dsa and self.index_kpool > 1 else 0
+
+    @property
     def index_width(self) -> int:
-        """Di: the indexer key's values per token, its plane of the KV pool (0 without DSA)."""
-        return self.index_head_dim if self.dsa else 0
+        """The indexer's values per token, its plane of the KV pool (0 without DSA): the key (Di),
+        and with a pooled indexer its gate scores after it (2 Di)."""
+        return self.index_head_dim * (2 if self.kpool else 1) if self.dsa else 0
+
+    @property
+    def index_list_width(self) -> int:
+        """The rows one query row's list holds: T, and with a pooled indexer's tail P - 1 more."""
+        return self.index_topk + (self.kpool - 1 if self.kpool and self.index_kpool_tail else 0)
 
     @property
     def index_scale(self) -> float:
@@ -395,7 +421,8 @@ class BlockSpec:
             parts.append(f"Dv={self.v_head_dim}")
         if self.dsa:
             parts.append(f"DSA top-{self.index_topk} Hi={self.index_n_heads} Di={self.index_head_dim}"
-                         + (" interleaved" if self.indexer_rope_interleave else ""))
+                         + (" interleaved" if self.indexer_rope_interleave else "")
+                         + (f" pools of {self.kpool}{' + tail' if self.index_kpool_tail else ''}" if self.kpool else ""))
         if self.mla and not self.qk_rope_head_dim:
             parts.append("NoPE")                 # nothing rotated (YaRN still scales the scores)
         else:

@@ -159,6 +159,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "qk_rope_head_dim": (0, 1024),             # 64
     "index_topk": (0, 1 << 20),                # 2048 (DeepSeek-V3.2, GLM-5); 0: no DSA indexer
     "index_n_heads": (0, 1024),                # 64 (DeepSeek-V3.2), 32 (GLM-5)
+    "index_kpool": (0, 1024),                  # 16 (GLM-5.3's pooled indexer); 0 / 1: a key per row
     "index_head_dim": (0, 1024),               # 128
     "o_groups": (0, 1024),                     # 8 (DeepSeek-V4-Flash), 16 (Pro); 0: a plain o_proj
     "o_lora_rank": (0, 1 << 15),               # 1024
@@ -206,7 +207,7 @@ EMBED_MASK_POSITION = 1
 
 _BOOL_FIELDS = ("attention_bias", "use_qk_norm", "norm_topk_prob", "tie_word_embeddings", "shared_expert_gate",
                 "router_bias", "attn_sinks", "rope_interleave", "indexer_rope_interleave", "shared_kv", "out_rope",
-                "embed_mask_pos0")
+                "embed_mask_pos0", "index_kpool_always_select_tail")
 #: Keys of rope_parameters / rope_scaling that the default RoPE reads.
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 #: The keys YaRN reads besides them (Hugging Face's names) -> (type, Yarn's field)
@@ -642,6 +643,9 @@ class MtpConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     indexer_rope_interleave: bool = False
+    #: GLM-5.3's pooled indexer (index_kpool > 1: pools of that many rows) and its tail
+    index_kpool: int = 0
+    index_kpool_always_select_tail: bool = True
     #: hyper-connections (DeepSeek-V4's mHC, mtpkern.ops.hc): hc_mult > 1 streams of hidden_size
     #: per token, the hidden an engine hands over and a module hands on (``stream_size``);
     #: hc_sinkhorn_iters and hc_eps make the streams' mixing matrix
@@ -741,6 +745,8 @@ class MtpConfig:
             index_n_heads=self.index_n_heads if self.index_topk else 0,
             index_head_dim=self.index_head_dim if self.index_topk else 0,
             indexer_rope_interleave=self.indexer_rope_interleave and self.index_topk > 0,
+            index_kpool=self.index_kpool if self.index_topk else 0,
+            index_kpool_tail=self.index_kpool_always_select_tail,
             shared_kv=self.shared_kv, out_rope=self.out_rope, o_groups=self.o_groups, o_lora_rank=self.o_lora_rank)
 
     def _check_moe(self) -> None:
@@ -863,6 +869,8 @@ class MtpConfig:
             index_n_heads=_opt(d, "index_n_heads", int, 0),
             index_head_dim=_opt(d, "index_head_dim", int, 0),
             indexer_rope_interleave=_opt(d, "indexer_rope_interleave", bool, False),
+            index_kpool=_opt(d, "index_kpool", int, 0),
+            index_kpool_always_select_tail=_opt(d, "index_kpool_always_select_tail", bool, True),
             shared_kv=_opt(d, "shared_kv", bool, False),
             out_rope=_opt(d, "out_rope", bool, False),
             o_groups=_opt(d, "o_groups", int, 0),
@@ -908,7 +916,7 @@ class MtpConfig:
                           ("kv_a_norm_scale", 1.0), ("index_topk", 0), ("index_n_heads", 0), ("index_head_dim", 0),
                           ("indexer_rope_interleave", False), ("hc_mult", 1), ("hc_sinkhorn_iters", 20),
                           ("shared_kv", False), ("out_rope", False), ("o_groups", 0), ("o_lora_rank", 0),
-                          ("hc_eps", 1e-6)):
+                          ("hc_eps", 1e-6), ("index_kpool", 0), ("index_kpool_always_select_tail", True)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
         if not d["embed_mask_pos0"] and not (fam and FAMILIES[fam].defaults.get("embed_mask_pos0")):

@@ -42,7 +42,7 @@ from .config import EMBED_MASK_POSITION, MtpConfig
 from .errors import StateError
 from .kv import BlockPool, SeqKv, WindowRule
 from .lm import LmHead, ShardedLmHead
-from .ops.dsa import DSA_NORM_EPS
+from .ops.dsa import DSA_NORM_EPS, POOLED_INDEXER_NOT_ON_CUDA
 from .ops.moe import RouterSpec
 from .shard import Shard
 from .vocab import DraftVocab
@@ -190,6 +190,8 @@ class MtpHead:
         #: head's rank: its query / KV heads only
         b = config.block(index)
         self.block = b = b if self.shard is None else self.shard.block(b, f" (module {index})")
+        if b.kpool and getattr(backend, "name", "") == "cuda":
+            raise ValueError(f"module {index}: {POOLED_INDEXER_NOT_ON_CUDA}")
         #: whether this rank adds the residual of a partial sum (every unsharded head does)
         self._owner = self.shard is None or self.shard.owns_residual
         em = None if self.shard is None or not b.moe else self.shard.expert_map(config.n_routed_experts)
@@ -361,9 +363,11 @@ class MtpHead:
                 ex = {k: v[sel] for k, v in ex.items()}
                 row_start = None if row_start is None else row_start[sel]
             if "index_q" in ex:              # DSA: each row's keys, picked once every row's key is in
+                pools = {} if not self.block.kpool else {"kpool": self.block.kpool, "ape": self.w.idx_ape,
+                                                         "tail": self.block.index_kpool_tail}
                 index = be.dsa_select(ex["index_q"], ex["index_w"], self.pool.index_k, tables, row_seq, row_len,
                                       self.block.index_topk, self.block.index_scale,
-                                      **({} if row_start is None else {"row_start": row_start}))
+                                      **({} if row_start is None else {"row_start": row_start}), **pools)
         return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs, index, ex)
 
     def _write_kv(self, tokens: Any, g: Any, positions: Any, slots: Any, put: Any, kv_copy: Any,
@@ -537,8 +541,9 @@ class MtpHead:
         iq = be.linear(qc, w.idx_wq_b, norm=(w.mla_q_a_norm, eps))                               # [n, Hi Di]
         ik = be.linear(x, w.idx_wk, norm=a_norm)                                                 # [n, Di]
         iw = be.linear(x, w.idx_weights, norm=a_norm)                                            # [n, Hi]
+        pooled = {} if not b.kpool else {"gate": be.linear(x, w.idx_gate, norm=a_norm)}          # [n, Di]
         iq = be.dsa_key_write(ik, w.idx_k_norm_w, w.idx_k_norm_b, DSA_NORM_EPS, self._inv_freq, positions,
-                              self.pool.index_k, slots, q=iq.reshape(n, Hi, Di), **self._index_rope_kw)
+                              self.pool.index_k, slots, q=iq.reshape(n, Hi, Di), **self._index_rope_kw, **pooled)
         return q, (iq, iw)
 
     # -- the LM head (mtpkern.lm) ----------------------------------------------------

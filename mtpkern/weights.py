@@ -428,6 +428,8 @@ class ModuleWeights:
     idx_k_norm_w: Any | None = None  # [Di] FP32 indexer.k_norm.weight (a LayerNorm)
     idx_k_norm_b: Any | None = None  # [Di] FP32 indexer.k_norm.bias
     idx_weights: Any | None = None   # [Hi, H] indexer.weights_proj
+    idx_gate: Any | None = None      # [Di, H] indexer.index_kpool_compress_gate (a pooled indexer)
+    idx_ape: Any | None = None       # [P, Di] FP32 indexer.index_kpool_compress_ape
     # hyper-connections (hc_mult m > 1: mtpkern.ops.hc): (fn, base, scale) of the attention's,
     # the FFN's and the LM head's collapse, FP32; hc_ones [m H] the unweighted norm of fn's input
     hc_attn: tuple | None = None     # ([(2 + m) m, m H], [(2 + m) m], [3])
@@ -585,6 +587,9 @@ def _mla_keys(b, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
                      "self_attn.indexer.k_norm.weight": ((Di,), True),
                      "self_attn.indexer.k_norm.bias": ((Di,), True),
                      "self_attn.indexer.weights_proj.weight": ((Hi, H), True)})
+        if b.kpool:                      # GLM-5.3's pooled indexer: the rows' gate scores, the pools' bias
+            keys.update({"self_attn.indexer.index_kpool_compress_gate": ((Di, H), True),
+                         "self_attn.indexer.index_kpool_compress_ape": ((b.kpool, Di), True)})
     return keys
 
 
@@ -1236,6 +1241,10 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 mw.idx_k_norm_w = backend.prepare_vector(w("self_attn.indexer.k_norm.weight").astype(np.float32))
                 mw.idx_k_norm_b = backend.prepare_vector(w("self_attn.indexer.k_norm.bias").astype(np.float32))
                 mw.idx_weights = backend.prepare_weight(w("self_attn.indexer.weights_proj.weight"))
+                if blk.kpool:
+                    mw.idx_gate = backend.prepare_weight(w("self_attn.indexer.index_kpool_compress_gate"))
+                    mw.idx_ape = backend.from_host(np.ascontiguousarray(
+                        w("self_attn.indexer.index_kpool_compress_ape"), np.float32))
 
         head_keys = [spec["shared_head.head.weight"][0], fam.target_head]
         if cfg.tie_word_embeddings:
@@ -1419,6 +1428,10 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
                 t[p + "self_attn.indexer.k_norm.weight"] = norm_w(Di)
                 t[p + "self_attn.indexer.k_norm.bias"] = (rng.standard_normal(Di) * 0.1).astype(np.float32)
                 t[p + "self_attn.indexer.weights_proj.weight"] = mat(Hi, H, gain=2.0)
+                if b.kpool:
+                    t[p + "self_attn.indexer.index_kpool_compress_gate"] = mat(Di, H, gain=2.0)
+                    t[p + "self_attn.indexer.index_kpool_compress_ape"] = \
+                        rng.standard_normal((b.kpool, Di)).astype(np.float32)
         else:
             if b.q_lora_rank:
                 Q = b.q_lora_rank

@@ -41,7 +41,8 @@ import numpy as np
 from ..errors import NoAllowedToken, no_token_reason
 from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
-from ..ops.dsa import check_dsa_key_write, check_dsa_select
+from ..ops import dsa as dsa_ref
+from ..ops.dsa import check_dsa_key_write, check_dsa_select, list_width
 from ..ops.gate import check_sigmoid_gate
 from ..ops.hc import check_hc_head, check_hc_post, check_hc_pre
 from ..ops.linear import check_linear
@@ -519,26 +520,36 @@ class CpuBackend(Backend):
 
     # -- DSA ----------------------------------------------------------------
     def dsa_key_write(self, k, k_norm_w, k_norm_b, eps: float, inv_freq, positions, index_cache, slots, *,
-                      q=None, interleave: bool = False, rope_scale: float = 1.0, out=None):
+                      q=None, interleave: bool = False, rope_scale: float = 1.0, out=None, gate=None):
         self._check(check_dsa_key_write, k, k_norm_w, k_norm_b, inv_freq, positions, index_cache, slots,
-                    interleave, rope_scale, q)
-        NB, BS, Di = index_cache.shape
+                    interleave, rope_scale, q, gate)
+        NB, BS, W = index_cache.shape
+        Di = k.shape[1]
         slots = _row_write_args("index_cache", index_cache, q, out, slots)
         q_out = None if q is None else _out("out", out, tuple(q.shape))
         q_in = np.empty((0, 1, 1), np.float32) if q is None else _apart(_act(q), q_out, same_ok=True)
+        rows = index_cache.reshape(NB * BS, W)
         self._use_threads()
         dsa_k.dsa_key_write_kernel(_act(k), _act(k_norm_w), _act(k_norm_b), np.float32(eps), _act(inv_freq),
-                                   np.ascontiguousarray(positions), index_cache.reshape(NB * BS, Di), slots,
+                                   np.ascontiguousarray(positions), rows[:, :Di], slots,
                                    bool(interleave), np.float32(rope_scale), q_in, q_in if q_out is None else q_out)
+        if gate is not None:             # a pooled indexer's gate scores after the key; a later duplicate wins
+            last = len(slots) - 1 - np.unique(slots[::-1], return_index=True)[1]
+            rows[slots[last], Di:] = _act(gate)[last].astype(index_cache.dtype)
         return q_out
 
     def dsa_select(self, q, weights, index_cache, block_tables, row_seq, row_len, topk: int, scale: float, *,
-                   row_start=None, out=None):
-        self._check(check_dsa_select, q, weights, index_cache, block_tables, row_seq, row_len, topk, row_start)
+                   row_start=None, out=None, kpool: int = 0, ape=None, tail: bool = True):
+        self._check(check_dsa_select, q, weights, index_cache, block_tables, row_seq, row_len, topk, row_start,
+                    kpool, ape, tail)
         NB, BS, Di = index_cache.shape
         n = q.shape[0]
         block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
-        out = _out("out", out, (n, int(topk)), np.int32)
+        out = _out("out", out, (n, list_width(topk, kpool, tail)), np.int32)
+        if kpool:                        # pools: the reference's vectorised steps, row by row
+            out[...] = dsa_ref.dsa_select(_act(q), _act(weights), index_cache, block_tables, row_seq, row_len,
+                                          int(topk), scale, kpool=int(kpool), ape=_act(ape), tail=bool(tail))
+            return out
         wts = _act(weights) * np.float32(scale)                              # [n, Hi], as the reference rounds it
         self._use_threads()
         dsa_k.dsa_select_kernel(_act(q), wts, _act(index_cache), block_tables, row_seq, row_start, row_len,

@@ -252,6 +252,8 @@ def _dsa_pick(b, w, a, qc, pos, seen):
     k = d / np.sqrt((d * d).mean(1, keepdims=True) + 1e-6) * f(w.idx_k_norm_w) + f(w.idx_k_norm_b)
     k[:, :Rr] = _rope(np.ascontiguousarray(k[:, None, :Rr]), pos, Rr, b.rope_theta, **rope)[:, 0]
     hw = (a @ f(w.idx_weights).T) * (Hi ** -0.5 * Di ** -0.5)         # [R, Hi]
+    if b.kpool:
+        return _kpool_pick(b, w, a, iq, hw, k, seen)
     score = np.einsum("ih,ihj->ij", hw, np.maximum(np.einsum("ihd,jd->ihj", iq, k), 0.0))
     keep = seen.copy()
     for i in range(R_):
@@ -261,6 +263,34 @@ def _dsa_pick(b, w, a, qc, pos, seen):
             keep[i] = False
             keep[i, best] = True
     return keep, k
+
+
+def _kpool_pick(b, w, a, iq, hw, k, seen):
+    """GLM-5.3's pooled indexer, float64: pools of P consecutive rows from the first, each a
+    per-dim softmax of ``gate + ape`` over its rows weighing their keys; each row keeps the
+    rows of its ``index_topk / P`` best complete pools (ties: the earlier pool) and, with the
+    tail, the rows after its last complete pool -> (``seen`` narrowed, the plane's rows [key |
+    gate scores])."""
+    f = lambda t: np.asarray(t, np.float64)  # noqa: E731
+    P, T = b.kpool, b.index_topk
+    gate = a @ f(w.idx_gate).T                                        # [R, Di]
+    keep = np.zeros_like(seen)
+    for i in range(len(a)):
+        L = int(seen[i].sum())
+        assert seen[i, :L].all(), "a pooled indexer's rows are a sequence's first L"
+        n_pools = L // P
+        pools = list(range(n_pools))
+        if n_pools * P > T:
+            g = (gate[:n_pools * P] + np.tile(f(w.idx_ape), (n_pools, 1))).reshape(n_pools, P, -1)
+            e = np.exp(g - g.max(1, keepdims=True))
+            pk = ((e / e.sum(1, keepdims=True)) * k[:n_pools * P].reshape(n_pools, P, -1)).sum(1)   # [n_pools, Di]
+            score = hw[i] @ np.maximum(np.einsum("hd,jd->hj", iq[i], pk), 0.0)
+            pools = sorted(pools, key=lambda j: (-score[j], j))[:T // P]
+        for j in pools:
+            keep[i, j * P:(j + 1) * P] = True
+        if b.index_kpool_tail:
+            keep[i, n_pools * P:L] = True
+    return keep, np.concatenate([k, gate], axis=1)
 
 
 def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
