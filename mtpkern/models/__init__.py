@@ -15,6 +15,7 @@ from .deepseek_v32 import FAMILY as DEEPSEEK_V32
 from .deepseek_v4 import FAMILY as DEEPSEEK_V4
 from .glm4_moe import FAMILY as GLM4_MOE
 from .glm4_moe_lite import FAMILY as GLM4_MOE_LITE
+from .glm5_next import FAMILY as GLM5_NEXT
 from .glm_moe_dsa import FAMILY as GLM_MOE_DSA
 from .longcat_flash import FAMILY as LONGCAT_FLASH
 from .mimo import FAMILY as MIMO
@@ -25,7 +26,7 @@ from .step3p5 import FAMILY as STEP3P5
 #: model_type -> family
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO, MIMO_V2_FLASH, QWEN3_NEXT, STEP3P5,
                                                          DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE,
-                                                         LONGCAT_FLASH, DEEPSEEK_V4)}
+                                                         LONGCAT_FLASH, DEEPSEEK_V4, GLM5_NEXT)}
 
 #: the canonical layout (docs/model.md) with MtpConfig's defaults (no model_type, no architectures)
 CANONICAL = Family(model_type="", architectures=(), title="canonical layout (no model_type)")
