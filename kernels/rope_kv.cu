@@ -62,8 +62,7 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
   // destination
   const bool is_q = h < Hq, is_k = !is_q && h < Hq + Hkv;
   float* qdst = nullptr;
-  KV* kvdst = nullptr;
-  KV* vdst = nullptr;  // VIsK: the key's value row
+  KV* kvdst = nullptr;  // VIsK: the key's value row is at the same offset of v_cache
   if (is_q) {
     qdst = q_out + (r * Hq + h) * D;
   } else {
@@ -71,7 +70,6 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
     if (slot < 0 || slot >= num_slots) return;
     const int hk = is_k ? h - Hq : h - Hq - Hkv;
     kvdst = is_k ? k_cache + (slot * Hkv + hk) * D : v_cache + (slot * Hkv + hk) * Dv;
-    if (VIsK) vdst = v_cache + (slot * Hkv + hk) * D;
   }
 
   if (!is_q && !is_k) {  // v: convert and store
@@ -95,7 +93,7 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
     } else {
       const KV kv = mtp::from_f32<KV>(v);
       kvdst[d] = kv;
-      if (VIsK) vdst[d] = kv;
+      if (VIsK) v_cache[(kvdst - k_cache) + d] = kv;
     }
   };
 
