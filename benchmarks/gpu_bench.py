@@ -19,6 +19,9 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    cost is not in the number; "eager" where the op could not be captured).
    Bytes are counted explicitly per op (weights, activations, KV, workspaces
    written and read back); GB/s = bytes / median, "of copy" = GB/s / copy GB/s.
+   Then ``linear_o`` / ``moe_experts`` / ``lm_head_argmax`` with their weights stored ``fp8``
+   (E4M3, FP32 scales per 128 x 128) and ``fp4`` (E2M1 two a byte, an E8M0 scale per 32) at
+   the same shapes and rows: random codes, bytes counted as stored (docs/fp8.md, docs/fp4.md).
    Then ``dsv4 hc_*``: DeepSeek-V4-Flash's hyper-connections (m 4 streams of H 4096, 20
    Sinkhorn iterations, FP32 streams) at 1 and 64 rows: ``hc_pre`` (coefficients and the
    collapse), ``hc_post`` (the write-back), ``hc_head``.
@@ -491,6 +494,85 @@ def hc_cases(be, n: int) -> list[tuple[str, int, int, Callable]]:
         ("dsv4 hc_head", 0, n * (m * H + m + H) * f4 + (m + 1) * f4,
          lambda: be.hc_head(X, mh, base[:m], scale[:1], 1e-6, out=h)),
     ]
+
+
+def quant_weight(kind: str, shape: tuple[int, ...], seed: int, xp: Any = None):
+    """A random device weight of ``shape`` [.., N, K] stored as ``kind``: ``fp8`` (E4M3 codes,
+    FP32 scales per 128 x 128 block, as the DeepSeek / GLM FP8 releases) or ``fp4`` (E2M1 codes
+    two a byte, an E8M0 scale code per 32, as DeepSeek-V4's experts); codes drawn on the device
+    (no NaN code: FP8's bit 3 cleared), scales near 1 / 448 and 2^-7. The values only have to be
+    finite: the kernels read the same bytes whatever they hold. ``xp``: CuPy (None) or NumPy
+    (the emulated kernels' arrays, tests/test_gpu_bench_cpu.py)."""
+    from mtpkern.backends.cuda_launch._util import CudaFp4, CudaFp8
+
+    if xp is None:
+        import cupy as xp
+
+    *lead, N, K = shape
+    rs = xp.random.RandomState(seed)
+    if kind == "fp8":
+        data = (rs.randint(0, 256, size=shape, dtype=np.int32).astype(np.uint8) & np.uint8(0xF7))
+        scale = xp.full((*lead, -(-N // 128), -(-K // 128)), 1.0 / 448, np.float32)
+        return CudaFp8(data, scale, 128, 128)
+    if kind == "fp4":
+        data = rs.randint(0, 256, size=(*lead, N, K // 2), dtype=np.int32).astype(np.uint8)
+        return CudaFp4(data, xp.full((*lead, N, -(-K // 32)), 120, np.uint8), 1, 32)
+    raise ValueError(f"kind: expected 'fp8' or 'fp4', got {kind!r}")
+
+
+def quant_bytes(kind: str, shape: tuple[int, ...]) -> int:
+    """Bytes a ``quant_weight`` of ``shape`` holds (codes and scales): what its GEMV reads."""
+    *lead, N, K = shape
+    m = int(np.prod(lead)) if lead else 1
+    if kind == "fp8":
+        return m * (N * K + 4 * -(-N // 128) * -(-K // 128))
+    if kind == "fp4":
+        return m * (N * K // 2 + N * -(-K // 32))
+    raise ValueError(f"kind: expected 'fp8' or 'fp4', got {kind!r}")
+
+
+def quant_cases(cfg: MtpConfig, be, w, n: int) -> list[tuple[str, int, int, Callable]]:
+    """The weight-bound ops of ``kernel_cases`` (o_proj, the routed experts, the LM head) with
+    their weights stored FP8 and FP4 instead of BF16, at the same shapes and rows, beside the
+    BF16 rows: what half and a quarter of the bytes buy. The experts' ids are the BF16 rows'
+    router's, so each row reads the same experts. (op, context, bytes, thunk)."""
+    import cupy as cp
+
+    from mtpkern.backends.cuda_launch import lm_head as lm_launch
+    from mtpkern.backends.cuda_launch._util import sm_count
+    from mtpkern.ops.moe import RouterSpec
+
+    H, D, Hq, V = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.vocab_size
+    E, K, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    f4 = 4
+    rs = cp.random.RandomState(1000 + n)
+    x, r, o = (rs.standard_normal(s, dtype=cp.float32) for s in ((n, H), (n, H), (n, Hq * D)))
+    y, out_h = cp.empty((n, H), cp.float32), cp.empty((n, H), cp.float32)
+    ids, wts = cp.empty((n, K), cp.int32), cp.empty((n, K), cp.float32)
+    be.moe_router(x, w.gate_w, w.gate_bias, RouterSpec.from_config(cfg), ids=ids, weights=wts,
+                  logits=cp.empty((n, E), cp.float32))
+    distinct = int(np.unique(ids.get()).size)
+    act_e, partial = cp.empty((n * K, I), cp.float32), cp.empty((n * K, H), cp.float32)
+    P = lm_launch.num_partials(V, sm_count())
+    part_v, part_i, lm_ids = (cp.empty((n, P), cp.float32), cp.empty((n, P), cp.int32),
+                              cp.empty(n, cp.int32))
+    cases = []
+    for i, kind in enumerate(("fp8", "fp4")):
+        wo = quant_weight(kind, (H, Hq * D), 10 * i + 1)
+        w13, w2 = quant_weight(kind, (E, 2 * I, H), 10 * i + 2), quant_weight(kind, (E, H, I), 10 * i + 3)
+        head = quant_weight(kind, (V, H), 10 * i + 4)
+        per_expert = (quant_bytes(kind, (2 * I, H)) + quant_bytes(kind, (H, I)))
+        cases += [
+            (f"linear_o {kind}", 0, quant_bytes(kind, (H, Hq * D)) + n * Hq * D * f4 + 2 * n * H * f4,
+             lambda wo=wo: be.linear(o, wo, None, x, out=out_h)),
+            (f"moe_experts {kind} ({distinct} experts)", 0,
+             distinct * per_expert + n * H * f4 + 2 * n * K * I * f4 + 2 * n * K * H * f4 + 2 * n * H * f4,
+             lambda w13=w13, w2=w2: be.moe_experts(x, ids, wts, w13, w2, r, out=y, act=act_e, partial=partial)),
+            (f"lm_head_argmax {kind}", 0, quant_bytes(kind, (V, H)) + n * H * f4 + 2 * n * P * 8 + n * 4,
+             lambda head=head: be.lm_head_argmax(x, head, None, out=lm_ids, part_v=part_v, part_i=part_i,
+                                                 check=False)),
+        ]
+    return cases
 
 
 def torch_kernel_peers(cfg: MtpConfig, w, n: int, contexts: list[int], device: str | None = None
@@ -1173,6 +1255,16 @@ def main(argv: list[str] | None = None) -> int:
                     rec.note("torch_kernels", f"no peers at {n} rows ({type(e).__name__}: {e})")
             run_cases(gpu, rec, kernel_cases(cfg, be, weights.modules[0], n, args.contexts), n, args.runs, peers)
             del peers
+            cp.get_default_memory_pool().free_all_blocks()
+        for n in args.batches:                             # o_proj, experts, LM head stored FP8 / FP4
+            if time.perf_counter() > kernels_until:
+                rec.note("quant_skipped", f"time budget: from {n} rows on")
+                break
+            try:
+                run_cases(gpu, rec, quant_cases(cfg, be, weights.modules[0], n), n, args.runs)
+            except Exception as e:
+                rec.error(f"quantized rows {n}: {type(e).__name__}: {e}")
+                traceback.print_exc()
             cp.get_default_memory_pool().free_all_blocks()
         for n in (1, 64):                                  # DeepSeek-V4's attention ops, at its shape
             if time.perf_counter() > kernels_until:

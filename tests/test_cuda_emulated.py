@@ -2128,3 +2128,36 @@ def test_sharded_proposer_on_emulated_kernels(emu, tiny_ckpt, kv_mode, monkeypat
         shard_cases.compare(want, log, prop, tol=1e-4)
     ran = {k for k, c in (emu.launches - before).items() if c}
     assert {"argmax_final_kernel<true>", "moe_combine_kernel"} <= ran, ran
+
+
+# -- the benchmark's quantized weights ----------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
+    """benchmarks/gpu_bench.py's FP8 / FP4 rows (``quant_weight``) hold weights in the layout
+    the kernels read: the bytes it counts (``quant_bytes``) are the weight's, and the emulated
+    GEMV over it equals the NumPy reference over the host twin of the same codes and scales;
+    its FP8 codes hold no NaN (a NaN would make every row's timing meaningless)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench_quant", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    N, K = 40, 256
+    w = bench.quant_weight(kind, (N, K), 3, xp=np)
+    assert w.nbytes == bench.quant_bytes(kind, (N, K)) and tuple(w.shape) == (N, K)
+    twin = (Fp8Weight(w.data, w.scale, (w.bn, w.bk)) if kind == "fp8" else Fp4Weight(w.data, w.scale))
+    if kind == "fp8":
+        assert not np.isin(w.data & 0x7F, [0x7F]).any()
+    wd = twin.dequantize()
+    assert np.isfinite(wd).all() and np.abs(wd).max() > 0
+    rng = np.random.default_rng(0)
+    x = rnd(rng, 3, K)
+    got = emu_backend.backend().linear(x, w)
+    assert_close(got, REF.linear(x, REF.prepare_weight(twin)), "float32",
+                 f"{kind} linear over the benchmark's weight")
+    assert bench.quant_bytes(kind, (4, N, K)) == 4 * bench.quant_bytes(kind, (N, K))
+    with pytest.raises(ValueError, match="kind: expected 'fp8' or 'fp4'"):
+        bench.quant_bytes("int4", (N, K))
