@@ -398,7 +398,8 @@ def run_info(args: argparse.Namespace) -> dict:
     if any(b.dsa for b in blocks):
         ib = [BlockPool.bytes_per_block(1, b.index_width, 2) for b in blocks]
         idx = f"{ib[0]}" if len(set(ib)) == 1 else "/".join(map(str, ib))
-        what += f", with DSA's indexer key ({idx} B of them)"
+        gates = " and its gate scores" if any(b.kpool for b in blocks if b.dsa) else ""
+        what += f", with DSA's indexer key{gates} ({idx} B of them)"
     print(f"  KV per token and module: {each} B ({what}, BF16 on cuda; twice that in FP32 on numpy/cpu){bound}")
     report = {"config": cfg.describe(), "family": cfg.family or "", "features": fam.describe(),
               "kv_bytes_per_token_module_bf16": kv_row,

@@ -118,6 +118,21 @@ def test_the_release_layout_names_its_tensors_as_v4_does(v4_paths):
     assert main(["info", str(rel)]) == 0
 
 
+def test_info_names_the_family_the_block_and_the_kv_bytes(v4_paths, capsys):
+    """``mtpkern info`` of the release layout: the family, each module's block (streams, the
+    shared-KV windowed attention with sinks, grouped output), each module's tensors under
+    ``mtp.{i}.``, the KV bytes per token (K and V rows of one 32-wide head, BF16)."""
+    rel, _, cfg = v4_paths
+    assert main(["info", str(rel)]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSeek-V4: M=3" in out and "hyper-connections x4 (streams of 256)" in out
+    assert "Hkv=1 D=32" in out and "window=6 sinks" in out and "K=V" in out and "o_proj 2 groups x 16" in out
+    assert "KV per token and module: 128 B (K and V, BF16 on cuda" in out
+    assert "window (6/6/6 tokens)" in out
+    for m in range(cfg.num_modules):
+        assert f"module {m}: mtp.{m}.*  53 tensors" in out
+
+
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_drafts_as_the_same_weights_in_the_canonical_layout(v4_paths, backend, mode):

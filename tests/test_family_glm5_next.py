@@ -78,6 +78,22 @@ def test_the_layout_is_the_text_tower_s(g53_ckpt):
     assert "model.language_model.embed_tokens.weight" in keys and not any(k.startswith("model.layers.") for k in keys)
 
 
+def test_info_names_the_family_the_block_and_the_cache_bytes(g53_ckpt, capsys):
+    """``mtpkern info`` of the release layout: the family, the block (NoPE MLA, the pooled
+    indexer with its tail), each module under the text tower's prefix, and the bytes per token:
+    the latent row (40 values) and the indexer plane's key and gate scores (2 x 16 values)."""
+    from mtpkern.cli import main
+
+    path, cfg, _ = g53_ckpt
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "GLM-5.3: M=3" in out and "position-0 embedding mask" in out
+    assert "MLA Hq=4 L=40 P=12 R=0" in out and "DSA top-4 Hi=2 Di=16 pools of 2 + tail NoPE" in out
+    assert "KV per token and module: 144 B (one latent row, with DSA's indexer key and its gate scores (64 B" in out
+    for m in range(cfg.num_modules):
+        assert f"module {m}: model.language_model.layers.{cfg.layer_index(m)}.*" in out
+
+
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_drafts_and_kv_equal_the_oracle(g53_ckpt, backend):
     path, cfg, weights = g53_ckpt
