@@ -41,7 +41,6 @@ import numpy as np
 from ..errors import NoAllowedToken, no_token_reason
 from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
-from ..ops import dsa as dsa_ref
 from ..ops.dsa import check_dsa_key_write, check_dsa_select, list_width
 from ..ops.gate import check_sigmoid_gate
 from ..ops.hc import check_hc_head, check_hc_post, check_hc_pre
@@ -546,12 +545,12 @@ class CpuBackend(Backend):
         n = q.shape[0]
         block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
         out = _out("out", out, (n, list_width(topk, kpool, tail)), np.int32)
-        if kpool:                        # pools: the reference's vectorised steps, row by row
-            out[...] = dsa_ref.dsa_select(_act(q), _act(weights), index_cache, block_tables, row_seq, row_len,
-                                          int(topk), scale, kpool=int(kpool), ape=_act(ape), tail=bool(tail))
-            return out
         wts = _act(weights) * np.float32(scale)                              # [n, Hi], as the reference rounds it
         self._use_threads()
+        if kpool:                        # pools of kpool rows: their pooled keys, then the best pools
+            dsa_k.dsa_select_pools_kernel(_act(q), wts, _act(index_cache), block_tables, row_seq, row_len,
+                                          int(topk), _act(ape), bool(tail), out)
+            return out
         dsa_k.dsa_select_kernel(_act(q), wts, _act(index_cache), block_tables, row_seq, row_start, row_len,
                                 int(topk), out)
         return out

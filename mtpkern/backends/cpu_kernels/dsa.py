@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit, prange
 
 from .linear import SMALL
-from .simd import VL, qk8
+from .simd import VL, exp_le0, qk8
 
 #: visible rows per scoring task: 512 keys of Di = 128 are 256 KiB read (L2-sized), 64
 #: heads x 128 x 512 = 4M multiply-adds (~0.12 ms on one core), enough to pay for the task
@@ -256,3 +256,155 @@ def dsa_select_kernel(q, wts, cache, block_tables, row_seq, row_start, row_len, 
         for r in prange(n):
             if count[r] > topk:
                 _select_row(scores, bits, base[r], count[r], first[r], topk, out[r])
+
+
+@njit(cache=True, fastmath=False)
+def _pool_task(cache, table, ape, j0, j1, pk):
+    """pk[j - j0] [Di] = pool j's pooled key for j0 <= j < j1 (module docstring, "Pools"): per
+    dim d, m = max_t (gate[t, d] + ape[t, d]) (a NaN kept), e_t = exp(g_t - m), then the rows'
+    keys weighed by e_t / sum_t e_t added in row order; FP32, d innermost (vector loops)."""
+    BS = cache.shape[1]
+    P, Di = ape.shape[0], ape.shape[1]
+    e = np.empty((P, Di), np.float32)                  # gate + ape, then its exp
+    m = np.empty(Di, np.float32)
+    s = np.empty(Di, np.float32)
+    for j in range(j0, j1):
+        for d in range(Di):
+            m[d] = -np.inf
+            s[d] = np.float32(0.0)
+        for t in range(P):
+            row = j * P + t
+            kg = cache[table[row // BS], row % BS]    # [2 Di]: key | gate scores
+            for d in range(Di):
+                g = kg[Di + d] + ape[t, d]
+                e[t, d] = g
+                if g > m[d] or g != g:                 # a NaN, once there, stays
+                    m[d] = g
+        for t in range(P):
+            for d in range(Di):
+                x = exp_le0(e[t, d] - m[d])            # <= 0, or NaN
+                e[t, d] = x
+                s[d] += x
+        o = pk[j - j0]
+        for d in range(Di):
+            o[d] = np.float32(0.0)
+        for t in range(P):
+            row = j * P + t
+            kg = cache[table[row // BS], row % BS]
+            for d in range(Di):
+                o[d] += (e[t, d] / s[d]) * kg[d]
+
+
+@njit(cache=True, fastmath=False)
+def _pool_score_task(q, wts, pk, r, j0, j1, scores, at):
+    """scores[at + j - j0] for pools j0 .. j1 - 1 of row r (pk: their pooled keys from row 0,
+    padded with zero rows to a multiple of 8 past j1): 8 pooled keys a tile by ``simd.qk8``
+    (16 heads a vector, as ``_score_task``), then ``_head_sums``. Every pooled key goes through
+    the same tile and sums, so equal pooled keys score equal (the tie rule)."""
+    Hi, Di = q.shape[1], q.shape[2]
+    Hp = (Hi + VL - 1) // VL * VL
+    qt = np.zeros((Di, Hp), np.float32)               # [Di, Hp]
+    for h in range(Hi):
+        for d in range(Di):
+            qt[d, h] = q[r, h, d]
+    m8 = (j1 - j0 + 7) // 8 * 8
+    kb = pk[j0:j0 + m8]                               # [m8, Di]
+    sc = np.empty((m8, Hp), np.float32)
+    for h0 in range(0, Hp, VL):
+        for i in range(0, m8, 8):
+            qk8(qt, kb, sc, i, h0, 0, qt, 0)
+    _head_sums(sc, wts[r], 0, j1 - j0, scores, at)
+
+
+@njit(cache=True, fastmath=False)
+def _pool_list(scores, bits, base, n_pools, P, kp, L, tail, dst):
+    """dst = row r's list: the rows of its kp best pools of n_pools (scored at ``base``;
+    every complete pool when n_pools <= kp), ascending, then with ``tail`` rows n_pools P ..
+    L - 1, then -1."""
+    o = 0
+    if n_pools <= kp:
+        for i in range(n_pools * P):
+            dst[i] = i
+        o = n_pools * P
+    else:
+        best = np.empty(kp, np.int32)
+        _select_row(scores, bits, base, n_pools, 0, kp, best)    # ascending pools
+        for b in range(kp):
+            for t in range(P):
+                dst[o] = best[b] * P + t
+                o += 1
+    if tail:
+        for i in range(n_pools * P, L):
+            dst[o] = i
+            o += 1
+    for i in range(o, dst.shape[0]):
+        dst[i] = -1
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def dsa_select_pools_kernel(q, wts, cache, block_tables, row_seq, row_len, topk, ape, tail, out):
+    """The pooled indexer's selection (module docstring, "Pools"). q [n, Hi, Di] FP32, wts [n, Hi]
+    FP32 (times scale), cache [NB, BS, 2 Di] FP32 (key | gate scores), ape [P, Di] FP32, topk a
+    multiple of P; rows checked in range by the launcher -> out [n, topk (+ P - 1 with tail)]
+    int32."""
+    n = q.shape[0]
+    S = block_tables.shape[0]
+    Hi, Di = q.shape[1], q.shape[2]
+    P = ape.shape[0]
+    kp = topk // P
+    pch = max(1, CHUNK // P)                         # pools per pooled-key task: CHUNK rows read
+    need = np.zeros(S, np.int64)                     # pools a sequence's scored rows see, at most
+    base = np.zeros(n + 1, np.int64)                 # the scored rows' scores, one after another
+    tptr = np.zeros(n + 1, np.int64)                 # and their scoring tasks
+    for r in range(n):
+        npl = row_len[r] // P
+        scored = npl > kp
+        if scored:
+            need[row_seq[r]] = max(need[row_seq[r]], npl)
+        base[r + 1] = base[r] + (npl if scored else 0)
+        tptr[r + 1] = tptr[r] + ((npl + CHUNK - 1) // CHUNK if scored else 0)
+    pbase = np.zeros(S + 1, np.int64)                # a sequence's pooled keys, 8-row padded
+    aptr = np.zeros(S + 1, np.int64)                 # and their tasks
+    for s in range(S):
+        pbase[s + 1] = pbase[s] + (need[s] + 7) // 8 * 8
+        aptr[s + 1] = aptr[s] + (need[s] + pch - 1) // pch
+    T, A = tptr[n], aptr[S]
+    pk = np.zeros((pbase[S], Di), np.float32)
+    scores = np.empty(base[n], np.float32)
+    bits = scores.view(np.int32)
+    aown = np.empty(A, np.int64)
+    for s in range(S):
+        for a in range(aptr[s], aptr[s + 1]):
+            aown[a] = s
+    town = np.empty(T, np.int64)
+    for r in range(n):
+        for t in range(tptr[r], tptr[r + 1]):
+            town[t] = r
+    if pbase[S] * P * Di + base[n] * Hi * Di <= SMALL:
+        for a in range(A):
+            s = aown[a]
+            j0 = (a - aptr[s]) * pch
+            j1 = min(j0 + pch, need[s])
+            _pool_task(cache, block_tables[s], ape, j0, j1, pk[pbase[s] + j0:pbase[s] + j1])
+        for t in range(T):
+            r = town[t]
+            j0 = (t - tptr[r]) * CHUNK
+            s = row_seq[r]
+            _pool_score_task(q, wts, pk[pbase[s]:pbase[s + 1]], r, j0, min(j0 + CHUNK, row_len[r] // P), scores,
+                             base[r] + j0)
+        for r in range(n):
+            _pool_list(scores, bits, base[r], row_len[r] // P, P, kp, row_len[r], tail, out[r])
+    else:
+        for a in prange(A):
+            s = aown[a]
+            j0 = (a - aptr[s]) * pch
+            j1 = min(j0 + pch, need[s])
+            _pool_task(cache, block_tables[s], ape, j0, j1, pk[pbase[s] + j0:pbase[s] + j1])
+        for t in prange(T):
+            r = town[t]
+            j0 = (t - tptr[r]) * CHUNK
+            s = row_seq[r]
+            _pool_score_task(q, wts, pk[pbase[s]:pbase[s + 1]], r, j0, min(j0 + CHUNK, row_len[r] // P), scores,
+                             base[r] + j0)
+        for r in prange(n):
+            _pool_list(scores, bits, base[r], row_len[r] // P, P, kp, row_len[r], tail, out[r])
