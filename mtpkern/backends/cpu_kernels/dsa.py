@@ -26,6 +26,27 @@ would cost more to start than the whole write (``linear.SMALL``), as for MLA's l
   out ascending, the ties go to the earlier row, as the rule says.
 
 A row that sees at most ``topk`` rows lists them all (no scores: the dense attention).
+
+``dsa_select_pools_kernel``, GLM-5.3's pooled indexer (``kpool`` P; the cache's rows
+``[key | gate scores]``, 2 Di), in three parallel steps over the rows that see more than
+``topk / P`` complete pools:
+
+- the pooled keys, once per sequence and call (the rows of one sequence, a prefill chunk's
+  or a draft's, share them), up to the most pools one of its rows sees: one task per
+  (sequence, ``CHUNK / P`` pools, i.e. CHUNK cache rows read); per pool and dim the max of
+  ``gate + ape`` over its P rows, their ``exp`` (``simd.exp_le0``, vectorised: P Di of them a
+  pool), the keys weighed by exp / sum added in row order, FP32 (about 4 P Di operations and
+  P Di exps a pool, against the Hi Di multiply-adds of its score in every row);
+- the scores, one task per (query row, ``CHUNK`` of its pools), as the per-row scores with the
+  pooled keys as keys: 8 pooled keys a ``simd.qk8`` tile (padded to a multiple of 8 with zero
+  rows), ``_head_sums``; every pooled key takes the same tile and sums, so equal pooled keys
+  score equal (the tie rule over pools);
+- the lists, one task per query row: ``_select_row`` picks the ``topk / P`` best pools
+  (ascending, ties to the earlier pool, NaN lowest), each gives its P rows, then, with
+  ``tail``, the rows past the last complete pool, then -1.
+
+A row with at most ``topk / P`` complete pools lists their rows (and its tail) unscored.
+One row over 32768 rows of GLM-5.3's indexer (P 16, 32 heads x 128): see docs/cpu.md, "DSA".
 """
 
 from __future__ import annotations
@@ -261,8 +282,9 @@ def dsa_select_kernel(q, wts, cache, block_tables, row_seq, row_start, row_len, 
 @njit(cache=True, fastmath=False)
 def _pool_task(cache, table, ape, j0, j1, pk):
     """pk[j - j0] [Di] = pool j's pooled key for j0 <= j < j1 (module docstring, "Pools"): per
-    dim d, m = max_t (gate[t, d] + ape[t, d]) (a NaN kept), e_t = exp(g_t - m), then the rows'
-    keys weighed by e_t / sum_t e_t added in row order; FP32, d innermost (vector loops)."""
+    dim d, m = max_t (gate[t, d] + ape[t, d]), e_t = exp(g_t - m) (``exp_le0``: g_t - m <= 0),
+    then the rows' keys weighed by e_t / sum_t e_t added in row order; FP32, d innermost (loops
+    that vectorise)."""
     BS = cache.shape[1]
     P, Di = ape.shape[0], ape.shape[1]
     e = np.empty((P, Di), np.float32)                  # gate + ape, then its exp
@@ -278,7 +300,7 @@ def _pool_task(cache, table, ape, j0, j1, pk):
             for d in range(Di):
                 g = kg[Di + d] + ape[t, d]
                 e[t, d] = g
-                if g > m[d] or g != g:                 # a NaN, once there, stays
+                if g > m[d]:                           # a NaN g: its exp, the sum, every weight NaN
                     m[d] = g
         for t in range(P):
             for d in range(Di):
