@@ -300,8 +300,8 @@ def _pool_task(cache, table, ape, j0, j1, pk):
             for d in range(Di):
                 g = kg[Di + d] + ape[t, d]
                 e[t, d] = g
-                if g > m[d]:                           # a NaN g: its exp, the sum, every weight NaN
-                    m[d] = g
+                mv = m[d]
+                m[d] = g if g > mv else mv             # a NaN g: its exp, the sum, every weight NaN
         for t in range(P):
             for d in range(Di):
                 x = exp_le0(e[t, d] - m[d])            # <= 0, or NaN
