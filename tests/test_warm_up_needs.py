@@ -172,6 +172,20 @@ def test_a_dsa_checkpoint_warm_up_suffices(tmp_path, dsa_cfg):
     key write, the selection and the sparse attention's copy in place, and the calls add nothing."""
     got = _probe(write_synthetic_checkpoint(tmp_path / "s", dsa_cfg, dtype="bfloat16"))
     assert {"dsa.dsa_key_write_kernel", "dsa.dsa_select_kernel", "mla.gather_listed_kernel"} <= set(got["warm_up"])
+    assert "dsa.dsa_select_pools_kernel" not in got["warm_up"]
+    assert got["added"] == {}
+
+
+def test_a_pooled_dsa_checkpoint_warm_up_suffices(tmp_path):
+    """GLM-5.3's pooled indexer (index_kpool 2, index_topk 4): KernelNeeds.of names dsa_pools (a
+    plain DSA checkpoint does not); its warm-up puts the pooled selection in place, and the
+    calls add nothing."""
+    from conftest import MLA_FIELDS
+    cfg = tiny_config(**dict(MLA_FIELDS, index_topk=4, index_n_heads=2, index_head_dim=16, index_kpool=2))
+    path = write_synthetic_checkpoint(tmp_path / "p", cfg, dtype="bfloat16")
+    assert {"dsa", "dsa_pools"} <= set(KernelNeeds.of(_load(path)).kinds)
+    got = _probe(path)
+    assert {"dsa.dsa_key_write_kernel", "dsa.dsa_select_pools_kernel"} <= set(got["warm_up"])
     assert got["added"] == {}
 
 

@@ -36,15 +36,15 @@ N, NB, BS = 2, 4, 4
 NA, HA = 4, 32
 
 #: the kernel families, the cheapest to compile first (the order of ``family_calls``)
-FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "rope_heads", "paged_attention", "mla", "dsa", "hc",
-            "sigmoid_gate", "linear", "mtp_input", "swiglu_mlp", "moe_experts", "lm_head")
+FAMILIES = ("rmsnorm", "moe_router", "qk_norm_rope_kv_write", "rope_heads", "paged_attention", "mla", "dsa",
+            "dsa_pools", "hc", "sigmoid_gate", "linear", "mtp_input", "swiglu_mlp", "moe_experts", "lm_head")
 #: the kinds of a prepared weight (``weight_kind``); an embedding table is never FP8 or FP4
 WEIGHT_KINDS = ("bfloat16", "float32", "fp8", "fp4")
 #: the quantized kinds (``fp8=False`` leaves them out)
 _QUANTIZED_KINDS = ("fp8", "fp4")
 #: families without weights of their own (their kinds are empty)
 _UNWEIGHTED = frozenset({"rmsnorm", "qk_norm_rope_kv_write", "rope_heads", "paged_attention",
-                         "dsa", "hc", "sigmoid_gate"})
+                         "dsa", "dsa_pools", "hc", "sigmoid_gate"})
 
 
 def weight_kind(w: Any) -> str:
@@ -132,6 +132,8 @@ class KernelNeeds:
                 add("mla", w.mla_uk)
                 if b.dsa:
                     add("dsa")
+                if b.kpool:                  # GLM-5.3's pooled indexer: a selection kernel of its own
+                    add("dsa_pools")
             else:
                 add("qk_norm_rope_kv_write")     # shared_kv: v_is_k, an argument of the same kernel
                 add("paged_attention")
@@ -272,6 +274,14 @@ def family_calls(be: Backend, fp8: bool = True,
             be.mla_attention_absorbed(act(N, HQ, P + R), uk, uv, cache, tables, row_seq, row_len, 0.25,
                                       row_start=idx([2, 0]), index=index)
 
+    def dsa_pools():
+        Di, P = 8, 2                                               # pools of 2 rows (mtpkern.ops.dsa, "Pools")
+        icache = be.empty_latent_kv(NB, BS, 2 * Di)                # [key | gate scores]
+        iq = be.dsa_key_write(act(N, Di), vec(Di), vec(Di), 1e-6, be.from_host(inv_freq(0, 10000.0)), idx([1, 2]),
+                              icache, idx([1, 2]), q=act(N, 2, Di), gate=act(N, Di))
+        be.dsa_select(iq, act(N, 2), icache, idx([[0, 1], [2, 3]]), idx([0, 1]), idx([5, 7]), P, 0.25, kpool=P,
+                      ape=act(P, Di), tail=True)                   # 2 and 3 pools, 1 picked: both rows scored
+
     def hyper_connections():
         m = 2                                                      # streams (mtpkern.ops.hc)
         X = act(N, m * H)
@@ -309,7 +319,8 @@ def family_calls(be: Backend, fp8: bool = True,
             be.lm_head_argmax(act(NA, HA), w)
 
     calls = {"rmsnorm": lambda: be.rmsnorm(x, vec(H), 1e-5), "moe_router": router, "qk_norm_rope_kv_write": rope_kv,
-             "paged_attention": attention, "mla": mla, "dsa": dsa, "hc": hyper_connections,
+             "paged_attention": attention, "mla": mla, "dsa": dsa, "dsa_pools": dsa_pools,
+             "hc": hyper_connections,
              "sigmoid_gate": gate, "linear": linear,
              "mtp_input": mtp_input, "swiglu_mlp": mlp, "moe_experts": experts, "lm_head": lm_head,
              "rope_heads": rotate_heads}
