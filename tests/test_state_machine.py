@@ -8,6 +8,9 @@ the drafts against the from-scratch oracle are checked; a failed call (full
 pool, bad input, a copied state or carried entry, a grammar that allows nothing,
 a callback re-entering with the state in use) must leave everything as it was.
 
+An eighth is GLM-5.3's block (NoPE MLA, the pooled indexer: pools of 2 keys, 4 keys picked, and
+its tail; the position-0 mask). A seventh is DeepSeek-V4's (4 streams, the shared-KV attention
+with sinks and a window of 6, grouped output, the sqrtsoftplus router, clamps).
 A sixth has vLLM's position-0 mask (``embed_mask_pos0``: each prompt's module-0 key 0 reads
 no embedding; exact mode checks its drafts against the oracle, which masks by its own code).
 A fifth has hyper-connections (4 streams of H per hidden). A fourth config is MLA with DSA's indexer (4 keys picked per row: sparse from the fifth
@@ -24,6 +27,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
 
+import test_family_deepseek_v4
+import test_family_glm5_next
 import test_family_qwen3_next
 from conftest import DSA_FIELDS
 from mtpkern import MultiModuleMtpHead
@@ -43,7 +48,11 @@ DSA = tiny_config(**DSA_FIELDS)
 HC = tiny_config(hc_mult=4)
 #: vLLM's position-0 mask: every prompt's module-0 key 0 reads no embedding (embed_mask_pos0)
 MASK = tiny_config(embed_mask_pos0=True)
-POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16, "dsa_ckpt": 28, "hc_ckpt": 28, "mask_ckpt": 28}
+#: DeepSeek-V4's and GLM-5.3's blocks as their families read them
+V4 = tiny_config(**test_family_deepseek_v4.V4)
+G53 = tiny_config(**test_family_glm5_next.G53)
+POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16, "dsa_ckpt": 28, "hc_ckpt": 28, "mask_ckpt": 28,
+        "v4_ckpt": 28, "g53_ckpt": 28}
 SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -84,6 +93,18 @@ def mask_ckpt(tmp_path_factory):
     return path, reference_weights(path)
 
 
+@pytest.fixture(scope="module")
+def v4_ckpt(tmp_path_factory):
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("sm_v4"), V4, seed=27, dtype="float32")
+    return path, reference_weights(path)
+
+
+@pytest.fixture(scope="module")
+def g53_ckpt(tmp_path_factory):
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("sm_g53"), G53, seed=28, dtype="float32")
+    return path, reference_weights(path)
+
+
 def window_bound(prop, m: int) -> int | None:
     """docs/api.md, "Sliding-window modules: memory": T = m (exact) or min(m, 1) (draft)."""
     W, BS = prop.config.block(m).sliding_window, prop.block_size
@@ -97,7 +118,9 @@ def window_bound(prop, m: int) -> int | None:
     ("cpu", "exact", "window_ckpt"), ("cpu", "draft", "window_ckpt"),
     ("numpy", "exact", "dsa_ckpt"), ("cpu", "draft", "dsa_ckpt"),
     ("numpy", "draft", "hc_ckpt"), ("cpu", "exact", "hc_ckpt"),
-    ("numpy", "exact", "mask_ckpt"), ("cpu", "draft", "mask_ckpt")])
+    ("numpy", "exact", "mask_ckpt"), ("cpu", "draft", "mask_ckpt"),
+    ("numpy", "exact", "v4_ckpt"), ("cpu", "draft", "v4_ckpt"),
+    ("cpu", "exact", "g53_ckpt"), ("numpy", "draft", "g53_ckpt")])
 def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     path, weights = request.getfixturevalue(ckpt)
     made = []

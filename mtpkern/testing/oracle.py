@@ -91,7 +91,7 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
         if b.mla:
             return ModuleRows(np.zeros((0, 1, b.latent_width + b.index_width)), np.zeros((0, 1, 0)), z, z)
         return ModuleRows(np.zeros((0, Hkv, D)), np.zeros((0, Hkv, Dv)), z, z)
-    pos = np.arange(R) + m + 1 if pos is None else np.asarray(pos)
+    pos = np.arange(R) + m + 1 if pos is None else np.asarray(pos, np.int64)   # signed: out_rope turns by -pos
     keys = np.arange(R) if keys is None else np.asarray(keys)
     emb = f(w.embed)[toks]                                        # [R, H]
     if cfg.embed_mask_pos0:     # vLLM's position-0 mask: its MTP row (t_{j+1}, h_j) sits at j, ours at j + 1
@@ -380,7 +380,7 @@ class DraftRows:
     def propose(self, last_token: int, hidden, P: int, k: int, masks=None, confs: list | None = None) -> list[int]:
         """``confs``: a list the drafts' confidences are appended to."""
         cfg, w = self.cfg, self.weights
-        tok, g = int(last_token), self._g(hidden)[0]
+        tok, g, P = int(last_token), self._g(hidden)[0], int(P)   # P may be any integer type (uint32: -P wraps)
         drafts: list[int] = []
         for m in range(min(k, cfg.num_modules)):
             self.rows[m].append((tok, g, P + m))
@@ -405,7 +405,7 @@ class DraftRows:
         ``path`` (draft ``m`` = ``path[m]``), float64, nothing recorded: what a draft tree's
         node at the end of ``path`` (the root when empty) is expanded from."""
         cfg, w = self.cfg, self.weights
-        tok, g = int(last_token), self._g(hidden)[0]
+        tok, g, P = int(last_token), self._g(hidden)[0], int(P)
         for m in range(len(path) + 1):
             rows = self.rows[m] + [(tok, g, P + m)]
             toks = np.array([r[0] for r in rows], np.int64)
