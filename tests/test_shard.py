@@ -104,6 +104,17 @@ def test_sharded_nope_mla_matches_one_rank(tmp_path, name, kv_mode):
 
 
 @pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_sharded_glm5_3_pooled_indexer_matches_one_rank(tmp_path, kv_mode):
+    """GLM-5.3's block (NoPE MLA, the pooled indexer: pools of 2 keys, their gate scores in the
+    indexer's plane, the tail; the position-0 mask; postnorm) at 2 ranks: the indexer's weights,
+    its plane and the pools' selection replicated on every rank, the query heads split."""
+    import test_family_glm5_next
+
+    cfg = tiny_config(**test_family_glm5_next.G53)
+    check_world(write_synthetic_checkpoint(tmp_path, cfg, seed=9, dtype="float32"), 2, kv_mode, 3)
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
 def test_sharded_draft_vocab_matches_one_rank(tiny_ckpt, tiny_cfg, kv_mode):
     """A draft vocabulary over a sharded head: each rank reads the rows of its share of the
     subset's tokens only, and drafts, confidences, trees and KV are the single-rank proposer's
