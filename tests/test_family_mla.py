@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -266,6 +267,38 @@ def test_fp8_block_checkpoint_drafts_as_its_dequantized_weights(tmp_path, backen
     plain = test_fp8_checkpoints._dequantized_copy(fp8, tmp_path / "fp32", cfg)
     for mode in ("exact", "draft"):
         assert run_rounds(fp8, backend, mode)[1] == run_rounds(plain, backend, mode)[1]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "glm5_next_text"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_fp8_dsa_checkpoint_drafts_as_its_dequantized_weights(tmp_path, family, backend):
+    """The DSA releases' FP8 layout (DeepSeek-V3.2, GLM-5, GLM-5.3): the MLA projections, the
+    experts and the indexer's ``wq_b`` / ``wk`` in FP8 with block scales, its
+    ``weights_proj`` kept BF16 with no scale (a tensor's own dtype decides, whatever the config
+    says); contexts past index_topk (16 prompt tokens, 4-5 keys picked), both KV modes. Power-of-
+    two scales make the dequantized weights exact, so the drafts are the same."""
+    import test_family_glm5_next
+
+    base = tiny_config(**test_family_glm5_next.G53) if family == "glm5_next_text" else _mla(family)
+    cfg = dataclasses.replace(base, weight_quant="fp8", fp8_block=(16, 16))
+    fp8 = write_synthetic_checkpoint(tmp_path / "fp8", cfg, seed=4, pow2_scales=True)
+    from mtpkern.quant import Fp8Weight
+    from mtpkern.weights import read_tensors
+
+    raw = read_tensors(fp8)
+    pre = "model.language_model.layers.2." if family == "glm5_next_text" else "model.layers.2."
+    for name in ("indexer.wq_b", "indexer.wk", "kv_a_proj_with_mqa", "o_proj"):
+        assert raw[f"{pre}self_attn.{name}.weight"].dtype.itemsize == 1, name
+    for m in range(cfg.num_modules):                # weights_proj as a BF16 tensor among the FP8 ones
+        k = f"{pre.replace('.2.', f'.{cfg.layer_index(m)}.')}self_attn.indexer.weights_proj.weight"
+        w = Fp8Weight(raw[k].view(np.uint8), raw.pop(k + "_scale_inv"), (16, 16)).dequantize()
+        raw[k] = w.astype(ml_dtypes.bfloat16)
+    save_file({k: np.ascontiguousarray(a) for k, a in raw.items()}, str(fp8 / "model.safetensors"))
+    plain = test_fp8_checkpoints._dequantized_copy(fp8, tmp_path / "fp32", cfg)
+    for mode in ("exact", "draft"):
+        got = run_rounds(fp8, backend, mode, n=16, rounds=5)
+        assert got[0].modules[0].pool.index_k is not None
+        assert got[1] == run_rounds(plain, backend, mode, n=16, rounds=5)[1]
 
 
 # -- LongCat-Flash ------------------------------------------------------------------------------
