@@ -87,6 +87,83 @@ __device__ __forceinline__ unsigned dsa_key(float s) {
   if ((u << 1) == 0u) return 0x80000000u;          // +-0
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+
+// Step 2 of the score kernels: sum over heads h_lo .. h_hi - 1 in order of w_s[h] * relu(q_h . k)
+// for one staged key row k (Dq values, zero padded; as stored or FP32), q_s [Hi][Dq] FP32: 16
+// heads' dot products at a time in registers, the row read 8 values at a time.
+template <typename CT>
+__device__ __forceinline__ float dsa_heads_part(const CT* krow, const float* q_s, const float* w_s, int Dq, int h_lo,
+                                                int h_hi) {
+  constexpr int HG = kDsaHeadGroup;
+  float part = 0.0f;
+  for (int h0 = h_lo; h0 < h_hi; h0 += HG) {
+    float acc[HG];
+#pragma unroll
+    for (int u = 0; u < HG; ++u) acc[u] = 0.0f;
+    for (int d0 = 0; d0 < Dq; d0 += 8) {
+      float kf[8];
+      smem8(krow + d0, kf);
+#pragma unroll
+      for (int u = 0; u < HG; ++u) {
+        if (h0 + u < h_hi) {
+          const float4* qh = reinterpret_cast<const float4*>(q_s + (h0 + u) * Dq + d0);
+          const float4 qa = qh[0], qb = qh[1];
+          float a = acc[u];
+          a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a); a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
+          a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a); a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
+          acc[u] = a;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < HG; ++u)
+      if (h0 + u < h_hi) part = fmaf(w_s[h0 + u], dsa_relu(acc[u]), part);
+  }
+  return part;
+}
+
+// Pool j's key at dim d (rows j0 .. j0 + P - 1 of the sequence whose block table row is bt; the
+// plane's rows are [key | gate scores], 2 Di wide): sum_u softmax_u(gate[u, d] + ape[u, d]) *
+// key[u, d], the softmax max-subtracted (a NaN gate or bias gives NaN, as numpy's max), its
+// weights e_u / den as ops/dsa.pooled_keys, summed in row order.
+template <typename KV>
+__device__ __forceinline__ float dsa_pooled_key(const KV* cache, const int* bt, int BS, int j0, int P,
+                                                const float* ape, int Di, int d) {
+  const long long W = 2LL * Di;
+  float mx = neg_inf();
+  for (int u = 0; u < P; ++u) {
+    const long long slot = static_cast<long long>(bt[(j0 + u) / BS]) * BS + (j0 + u) % BS;
+    const float g = to_f32(cache[slot * W + Di + d]) + ape[u * Di + d];
+    mx = (g != g || g > mx) ? g : mx;  // once NaN, NaN
+  }
+  float den = 0.0f;
+  for (int u = 0; u < P; ++u) {
+    const long long slot = static_cast<long long>(bt[(j0 + u) / BS]) * BS + (j0 + u) % BS;
+    den += expf(to_f32(cache[slot * W + Di + d]) + ape[u * Di + d] - mx);
+  }
+  float acc = 0.0f;
+  for (int u = 0; u < P; ++u) {
+    const long long slot = static_cast<long long>(bt[(j0 + u) / BS]) * BS + (j0 + u) % BS;
+    const float e = expf(to_f32(cache[slot * W + Di + d]) + ape[u * Di + d] - mx);
+    acc = fmaf(e / den, to_f32(cache[slot * W + d]), acc);
+  }
+  return acc;
+}
+
+// Pool numbers at o[0 .. T) (ascending) -> their rows at o[0 .. T pool), in place: chunks of
+// blockDim.x numbers from the last, each read before any of its rows is written (a chunk's rows
+// land on its own numbers' places and later ones, never on an earlier chunk's). Uniform.
+__device__ __forceinline__ void dsa_expand_pools(int* o, int T, int pool) {
+  __syncthreads();  // every pick written
+  for (int c0 = (T - 1) / static_cast<int>(blockDim.x) * blockDim.x; c0 >= 0; c0 -= blockDim.x) {
+    const int e = c0 + threadIdx.x;
+    const int j = e < T ? o[e] : 0;
+    __syncthreads();
+    if (e < T)
+      for (int u = 0; u < pool; ++u) o[e * pool + u] = j * pool + u;
+    __syncthreads();
+  }
+}
 }  // namespace mtp
 
 template <typename KV, bool Interleave>
@@ -95,7 +172,7 @@ dsa_key_write_kernel(const float* __restrict__ k, const float* __restrict__ norm
                      float eps, const float* __restrict__ inv_freq, int half, float rope_scale,
                      const int* __restrict__ positions, const int* __restrict__ slots, int n, long long num_slots,
                      KV* __restrict__ cache, int Di, const float* __restrict__ q, float* __restrict__ q_out,
-                     int Hi) {
+                     int Hi, const float* __restrict__ gate) {
   __shared__ float red[33];
   const long long r = blockIdx.x;
   const float pos = static_cast<float>(positions[r]);
@@ -137,7 +214,10 @@ dsa_key_write_kernel(const float* __restrict__ k, const float* __restrict__ norm
     ss = fmaf(c, c, ss);
   }
   const float denom = sqrtf(mtp::block_sum(ss, red) / static_cast<float>(Di) + eps);
-  KV* row = cache + slot * Di;
+  const int W = gate ? 2 * Di : Di;  // the plane's row: [key] or [key | gate scores]
+  KV* row = cache + slot * W;
+  if (gate)
+    for (int d = threadIdx.x; d < Di; d += blockDim.x) row[Di + d] = mtp::from_f32<KV>(gate[r * Di + d]);
   for (int d = 2 * half + threadIdx.x; d < Di; d += blockDim.x)
     row[d] = mtp::from_f32<KV>(mtp::dsa_layernorm(x, norm_w, norm_b, mean, denom, d));
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -157,7 +237,6 @@ dsa_score_kernel(const float* __restrict__ q, const float* __restrict__ weights,
                  const int* __restrict__ row_start, const int* __restrict__ row_len, float* __restrict__ scores,
                  int Hi, int Di, int BS, int tile, int chunk, int topk, float scale) {
   using namespace mtp;
-  constexpr int HG = kDsaHeadGroup;
   extern __shared__ float4 smem_raw[];
   const int Dq = (Di + 7) & ~7, Dc = Dq + 8, Hi4 = (Hi + 3) & ~3;
   const int cap = max_blocks * BS;
@@ -207,33 +286,8 @@ dsa_score_kernel(const float* __restrict__ q, const float* __restrict__ weights,
       }
     }
     __syncthreads();
-    float part = 0.0f;  // 2. sum over this thread's heads of w_h relu(q_h . k_i)
-    if (i < Lt) {
-      const KV* krow = c_s + i * Dc;
-      for (int h0 = h_lo; h0 < h_hi; h0 += HG) {
-        float acc[HG];
-#pragma unroll
-        for (int u = 0; u < HG; ++u) acc[u] = 0.0f;
-        for (int d0 = 0; d0 < Dq; d0 += 8) {
-          float kf[8];
-          smem8(krow + d0, kf);
-#pragma unroll
-          for (int u = 0; u < HG; ++u) {
-            if (h0 + u < h_hi) {
-              const float4* qh = reinterpret_cast<const float4*>(q_s + (h0 + u) * Dq + d0);
-              const float4 qa = qh[0], qb = qh[1];
-              float a = acc[u];
-              a = fmaf(qa.x, kf[0], a); a = fmaf(qa.y, kf[1], a); a = fmaf(qa.z, kf[2], a); a = fmaf(qa.w, kf[3], a);
-              a = fmaf(qb.x, kf[4], a); a = fmaf(qb.y, kf[5], a); a = fmaf(qb.z, kf[6], a); a = fmaf(qb.w, kf[7], a);
-              acc[u] = a;
-            }
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < HG; ++u)
-          if (h0 + u < h_hi) part = fmaf(w_s[h0 + u], dsa_relu(acc[u]), part);
-      }
-    }
+    // 2. sum over this thread's heads of w_h relu(q_h . k_i)
+    const float part = i < Lt ? dsa_heads_part(c_s + i * Dc, q_s, w_s, Dq, h_lo, h_hi) : 0.0f;
     part_s[g * tile + i] = part;
     __syncthreads();
     if (t < Lt) {  // 3. the groups' parts in group order
@@ -245,25 +299,82 @@ dsa_score_kernel(const float* __restrict__ q, const float* __restrict__ weights,
   }
 }
 
+template <typename KV>
+__global__ void __launch_bounds__(mtp::kDsaScoreThreads, 2)
+dsa_pool_score_kernel(const float* __restrict__ q, const float* __restrict__ weights, const KV* __restrict__ cache,
+                      const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ row_seq,
+                      const int* __restrict__ row_len, const float* __restrict__ ape, int P,
+                      float* __restrict__ scores, int Hi, int Di, int BS, int tile, int chunk, int topk,
+                      float scale) {
+  using namespace mtp;
+  extern __shared__ float4 smem_raw[];
+  const int Dq = (Di + 7) & ~7, Dc = Dq + 8, Hi4 = (Hi + 3) & ~3;
+  const int cap_pools = max_blocks * BS / P;
+  const long long r = blockIdx.y;
+  const int pools = min(row_len[r], max_blocks * BS) / P;  // the row's complete pools
+  if (pools <= topk / P) return;  // uniform: the selection lists every pool, no score is read
+  const int j0 = blockIdx.x * chunk;  // the block's first pool
+  const int Lc = min(pools - j0, chunk);
+  if (Lc <= 0) return;
+
+  const int t = threadIdx.x, groups = kDsaScoreThreads / tile;
+  float* q_s = reinterpret_cast<float*>(smem_raw);  // [Hi][Dq]: q[r], zero padded
+  float* w_s = q_s + Hi * Dq;                       // [Hi4]: weights[r] * scale
+  float* part_s = w_s + Hi4;                        // [groups][tile] = [256]: the groups' parts
+  float* c_s = part_s + kDsaScoreThreads;           // [tile][Dc]: the tile's pooled keys, FP32
+
+  const int* bt = block_tables + static_cast<long long>(row_seq[r]) * max_blocks;
+  for (int e = t; e < Hi * Dq; e += blockDim.x) {
+    const int h = e / Dq, d = e % Dq;
+    q_s[e] = d < Di ? q[(r * Hi + h) * Di + d] : 0.0f;
+  }
+  for (int h = t; h < Hi; h += blockDim.x) w_s[h] = weights[r * Hi + h] * scale;
+
+  const int i = t % tile, g = t / tile;  // step 2: pool, head group
+  const int hg = (Hi + groups - 1) / groups;
+  const int h_lo = min(Hi, g * hg), h_hi = min(Hi, h_lo + hg);
+  for (int jt = 0; jt < Lc; jt += tile) {
+    const int Lt = min(tile, Lc - jt);
+    for (int e = t; e < Lt * Dq; e += blockDim.x) {  // 1. the pooled keys (coalesced over d)
+      const int ii = e / Dq, d = e % Dq;
+      c_s[ii * Dc + d] = d < Di ? dsa_pooled_key(cache, bt, BS, (j0 + jt + ii) * P, P, ape, Di, d) : 0.0f;
+    }
+    __syncthreads();
+    // 2. sum over this thread's heads of w_h relu(q_h . k_pool)
+    const float part = i < Lt ? dsa_heads_part(c_s + i * Dc, q_s, w_s, Dq, h_lo, h_hi) : 0.0f;
+    part_s[g * tile + i] = part;
+    __syncthreads();
+    if (t < Lt) {  // 3. the groups' parts in group order
+      float s = part_s[t];
+      for (int gg = 1; gg < groups; ++gg) s += part_s[gg * tile + t];
+      scores[r * cap_pools + j0 + jt + t] = s;
+    }
+    __syncthreads();  // c_s and part_s are rewritten by the next tile
+  }
+}
+
 template <int KPT>
 __global__ void __launch_bounds__(mtp::kDsaTopkThreads)
 dsa_topk_kernel(const float* __restrict__ scores, const int* __restrict__ row_start, const int* __restrict__ row_len,
-                int cap, int* __restrict__ out, int topk) {
+                int cap, int* __restrict__ out, int topk, int pool, int width) {
   using namespace mtp;
   __shared__ int red[33];
   const long long r = blockIdx.x;
   const int t = threadIdx.x;
   const int Lr = min(row_len[r], cap);
   const int first = row_start ? max(row_start[r], 0) : 0;
-  const int m = max(Lr - first, 0);  // visible rows
-  int* o = out + r * topk;
-  if (m <= topk) {  // uniform: every visible row, then -1s
-    for (int e = t; e < topk; e += blockDim.x) o[e] = e < m ? first + e : -1;
+  const int m = max(Lr / pool - first, 0);  // visible rows, or complete pools
+  const int tail = width > topk * pool ? Lr - m * pool : 0;  // the incomplete pool's rows, listed last
+  int* o = out + r * width;
+  if (m <= topk) {  // uniform: every visible row (every complete pool's, the tail's), then -1s
+    for (int e = t; e < width; e += blockDim.x) o[e] = e < m * pool + tail ? first + e : -1;
     return;
   }
+  for (int e = t; e < width - topk * pool; e += blockDim.x)  // after the picked pools' rows: the tail
+    o[topk * pool + e] = e < tail ? m * pool + e : -1;
   const int per = (m + blockDim.x - 1) / blockDim.x;
   const int lo = min(t * per, m), cnt = min(lo + per, m) - lo;  // this thread's rows: first + lo ..
-  const float* s = scores + r * cap + first + lo;
+  const float* s = scores + r * (cap / pool) + first + lo;
   unsigned key[KPT];
 #pragma unroll
   for (int i = 0; i < KPT; ++i) key[i] = i < cnt ? dsa_key(s[i]) : 0u;
@@ -321,4 +432,5 @@ dsa_topk_kernel(const float* __restrict__ scores, const int* __restrict__ row_st
     if (kk > v || (kk == v && eq_seen < need)) o[at++] = first + lo + i;
     eq_seen += kk == v;
   }
+  if (pool > 1) dsa_expand_pools(o, topk, pool);  // uniform
 }

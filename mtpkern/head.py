@@ -42,7 +42,7 @@ from .config import EMBED_MASK_POSITION, MtpConfig
 from .errors import StateError
 from .kv import BlockPool, SeqKv, WindowRule
 from .lm import LmHead, ShardedLmHead
-from .ops.dsa import DSA_NORM_EPS, POOLED_INDEXER_NOT_ON_CUDA
+from .ops.dsa import DSA_NORM_EPS
 from .ops.moe import RouterSpec
 from .shard import Shard
 from .vocab import DraftVocab
@@ -190,8 +190,6 @@ class MtpHead:
         #: head's rank: its query / KV heads only
         b = config.block(index)
         self.block = b = b if self.shard is None else self.shard.block(b, f" (module {index})")
-        if b.kpool and getattr(backend, "name", "") == "cuda":
-            raise ValueError(f"module {index}: {POOLED_INDEXER_NOT_ON_CUDA}")
         #: whether this rank adds the residual of a partial sum (every unsharded head does)
         self._owner = self.shard is None or self.shard.owns_residual
         em = None if self.shard is None or not b.moe else self.shard.expert_map(config.n_routed_experts)

@@ -32,7 +32,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..ops.dsa import POOLED_INDEXER_NOT_ON_CUDA
 from ..quant import Fp4Weight, Fp8Weight
 from . import dlpack
 from .base import Backend
@@ -263,18 +262,15 @@ class CudaBackend(Backend):
     # DSA's indexer (mtpkern.ops.dsa; kernels/dsa.cu)
     def dsa_key_write(self, k, k_norm_w, k_norm_b, eps: float, inv_freq, positions, index_cache, slots, *, q=None,
                       interleave: bool = False, rope_scale: float = 1.0, out=None, gate=None):
-        if gate is not None:
-            raise ValueError(POOLED_INDEXER_NOT_ON_CUDA)
         return dsa.dsa_key_write(k, k_norm_w, k_norm_b, eps, inv_freq, positions, index_cache, slots, q=q,
-                                 interleave=interleave, rope_scale=rope_scale, out=out)
+                                 interleave=interleave, rope_scale=rope_scale, out=out, gate=gate)
 
     def dsa_select(self, q, weights, index_cache, block_tables, row_seq, row_len, topk: int, scale: float, *,
                    row_start=None, out=None, scores=None, kpool: int = 0, ape=None, tail: bool = True):
-        """Workspace ``scores [n, max_blocks * BS]`` FP32 (``dsa.workspace_shapes``)."""
-        if kpool:
-            raise ValueError(POOLED_INDEXER_NOT_ON_CUDA)
+        """Workspace ``scores [n, max_blocks * BS]`` FP32, with ``kpool`` P ``[n, max_blocks * BS // P]``
+        (``dsa.workspace_shapes``)."""
         return dsa.dsa_select(q, weights, index_cache, block_tables, row_seq, row_len, topk, scale,
-                              row_start=row_start, out=out, scores=scores)
+                              row_start=row_start, out=out, scores=scores, kpool=kpool, ape=ape, tail=tail)
 
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return gate_launch.sigmoid_gate(x, gate, residual, out=out)

@@ -67,10 +67,6 @@ from .rope_kv import check_rope_options, rope
 #: the indexer key's LayerNorm epsilon in every release (not the config's rms_norm_eps)
 DSA_NORM_EPS = 1e-6
 
-#: GLM-5.3's pooled indexer (``index_kpool``) runs on the numpy and cpu backends only so far
-POOLED_INDEXER_NOT_ON_CUDA = ("kpool / gate: the pooled DSA indexer (index_kpool > 1, GLM-5.3) has no CUDA kernels "
-                              "yet; expected a key per row (index_kpool 0 or 1) on the cuda backend, or the cpu backend")
-
 
 def check_dsa_key_write(k, k_norm_w, k_norm_b, inv_freq_, positions, index_cache, slots, interleave=False,
                         rope_scale=1.0, q=None, gate=None) -> None:

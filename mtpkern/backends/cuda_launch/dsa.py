@@ -1,10 +1,11 @@
 """Launchers of kernels/dsa.cu: ``dsa_key_write`` and ``dsa_select`` (spec: mtpkern/ops/dsa.py).
 
 ``dsa_key_write(k [n, Di], k_norm_w [Di], k_norm_b [Di], eps, inv_freq [R/2], positions [n] int32,
-index_cache [NB, BS, Di], slots [n] int32, *, q [n, Hi, Di] | None, interleave, rope_scale, out)
+index_cache [NB, BS, Di], slots [n] int32, *, q [n, Hi, Di] | None, interleave, rope_scale, out, gate)
 -> None | q roped [n, Hi, Di]`` FP32: ``dsa_key_write_kernel``, one launch. The index cache
 (BF16 bits in uint16, or FP32: the backend's KV dtype, as ``empty_latent_kv`` makes it) is
-written in place. Host slots are checked (``slots_refused``) before the launch; device slots
+written in place; with ``gate [n, Di]`` (a pooled indexer's gate scores, FP32 or BF16) its rows
+are ``[NB, BS, 2 Di]``: the key in columns ``[0, Di)``, the gate scores in ``[Di, 2 Di)``. Host slots are checked (``slots_refused``) before the launch; device slots
 are not read back, and the kernel then writes no row at all when one is outside ``[0, NB * BS)``.
 
 ``dsa_select(q [n, Hi, Di] FP32, weights [n, Hi], index_cache, block_tables [S, max_blocks],
@@ -16,6 +17,15 @@ launches on one stream,
   lists all it sees and no score is needed: ``workspace_shapes`` is empty);
 - ``dsa_topk_kernel<KPT>`` (the smallest KPT of ``loader.DSA_KPT`` with ``512 KPT >= cap``, from
   the shapes only) writes ``out``.
+
+With ``kpool`` P >= 2 (GLM-5.3's pooled indexer; ``index_cache [NB, BS, 2 Di]``, ``ape [P, Di]``
+FP32, ``tail``) ``out`` is ``[n, list_width(topk, P, tail)]`` and the launches are
+
+- ``dsa_pool_score_kernel`` into ``scores [n, cap // P]`` FP32: row ``r``'s score of each of its
+  ``row_len // P`` complete pools, each pool's key pooled from its P rows as it is read; skipped
+  when ``(cap // P) * P <= topk`` (every row lists every complete pool);
+- ``dsa_topk_kernel<KPT>`` over the pools (``topk / P`` of them, KPT from ``cap // P``), each
+  pick written as its P rows, then the tail's rows (with ``tail``) and -1s.
 
 Given ``out`` and ``scores`` as contiguous device arrays, nothing allocates (CUDA-graph capture).
 Host ``row_len`` / ``row_start`` are checked as the reference checks them (``0 <= row_start <
@@ -31,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...ops._check import expect_dtype
-from ...ops.dsa import check_dsa_key_write, check_dsa_select
+from ...ops.dsa import check_dsa_key_write, check_dsa_select, list_width
 from ...ops.mla import slots_refused
 from ._util import (NULL, cdiv, ctype, device, expect_disjoint, expect_grid_yz, f32, i32, inplace, is_device_array,
                     opt_in_smem, optional, output, ptr, sm_count, smem_optin)
@@ -57,27 +67,31 @@ class ScorePlan:
     smem_bytes: int  # dynamic shared memory of a score block
 
 
-def score_smem_bytes(Hi: int, Di: int, tile: int, kv_itemsize: int) -> int:
+def score_smem_bytes(Hi: int, Di: int, tile: int, kv_itemsize: int, pooled: bool = False) -> int:
     """Dynamic shared memory of a ``dsa_score_kernel`` block: q [Hi][Dq] FP32, the scaled weights
     [Hi rounded up to 4], the head groups' parts [256], slots [tile], key rows [tile][Dq + 8] in
-    the cache's element type (``Dq`` = Di rounded up to 8)."""
+    the cache's element type (``Dq`` = Di rounded up to 8). ``pooled``: a ``dsa_pool_score_kernel``
+    block's, the same without the slots and with FP32 pooled keys (``kv_itemsize`` unused)."""
     Dq = cdiv(Di, 8) * 8
+    if pooled:
+        return 4 * (Hi * Dq + cdiv(Hi, 4) * 4 + SCORE_THREADS) + tile * (Dq + 8) * 4
     return 4 * (Hi * Dq + cdiv(Hi, 4) * 4 + SCORE_THREADS + tile) + tile * (Dq + 8) * kv_itemsize
 
 
 def score_plan(Hi: int, Di: int, n: int, cap: int, kv_itemsize: int = 2, target_blocks: int = 0,
-               smem_max: int = SMEM_LIMIT) -> ScorePlan:
+               smem_max: int = SMEM_LIMIT, pooled: bool = False) -> ScorePlan:
     """The score kernel's tile: 64 rows, halved (to 16 at least) while the block's shared memory
     is over ``max(48 KiB, smem_max)``; past that ValueError (q [Hi, Di] alone too large).
     DeepSeek-V3.2's Hi 64, Di 128: 51 KB with a BF16 cache, 69 KB with FP32 (opt-in). A block
     takes ``CHUNK_TILES`` tiles (q staged once for 256 rows) when ``n * ceil(cap / chunk)`` blocks
     are at least ``target_blocks`` (the launcher: 2 per SM), else one tile: one decode row at
-    32768 rows gets 512 blocks of 64 rows, not 128 of 256 (from the shapes only)."""
+    32768 rows gets 512 blocks of 64 rows, not 128 of 256 (from the shapes only). ``pooled``: the
+    pool score kernel's plan, ``cap`` then counting pools (GLM-5.3's Hi 32, Di 128: 52 KB, opt-in)."""
     limit = max(SMEM_LIMIT, smem_max)
     tile = TILE
-    while tile > 16 and score_smem_bytes(Hi, Di, tile, kv_itemsize) > limit:
+    while tile > 16 and score_smem_bytes(Hi, Di, tile, kv_itemsize, pooled) > limit:
         tile //= 2
-    smem = score_smem_bytes(Hi, Di, tile, kv_itemsize)
+    smem = score_smem_bytes(Hi, Di, tile, kv_itemsize, pooled)
     if smem > limit:
         raise ValueError(f"dsa_select: q of {Hi} heads x {Di} dims needs {smem} B of shared memory on cuda, "
                          f"over this device's {limit}")
@@ -91,21 +105,24 @@ def topk_kpt(cap: int) -> int:
     return next((k for k in DSA_KPT if TOPK_THREADS * k >= cap), DSA_KPT[-1])
 
 
-def workspace_shapes(n: int, cap: int, topk: int) -> dict[str, tuple[int, ...]]:
+def workspace_shapes(n: int, cap: int, topk: int, kpool: int = 0) -> dict[str, tuple[int, ...]]:
     """The FP32 workspace of ``dsa_select`` (keyword -> shape): ``scores [n, cap]``, none when
-    ``cap <= topk`` (no row can see more than ``topk`` rows)."""
-    return {"scores": (n, cap)} if cap > topk else {}
+    ``cap <= topk`` (no row can see more than ``topk`` rows). With ``kpool`` P: ``scores [n, cap //
+    P]`` (a score per complete pool), none when ``(cap // P) * P <= topk``."""
+    units = cap // kpool if kpool else cap
+    return {"scores": (n, units)} if units * (kpool or 1) > topk else {}
 
 
 def dsa_key_write(k, k_norm_w, k_norm_b, eps: float, inv_freq, positions, index_cache, slots, *, q=None,
-                  interleave: bool = False, rope_scale: float = 1.0, out=None):
+                  interleave: bool = False, rope_scale: float = 1.0, out=None, gate=None):
     """-> None, or q [n, Hi, Di] FP32 with its first R dims rotated (``out``: its buffer)."""
     check_dsa_key_write(k, k_norm_w, k_norm_b, inv_freq, positions, _as_checked(index_cache), slots, interleave,
-                        rope_scale, q)
+                        rope_scale, q, gate)
     if q is None and out is not None:
         raise TypeError("out: the roped query's buffer needs q (no q: nothing is returned)")
     cache = inplace(index_cache, "index_cache", "uint16", "float32")
-    NB, BS, Di = cache.shape
+    NB, BS, W = cache.shape
+    Di = W if gate is None else W // 2
     if not is_device_array(slots):              # free on the host; a device array is not read back
         err = slots_refused(np.asarray(slots), NB * BS)
         if err is not None:
@@ -117,6 +134,7 @@ def dsa_key_write(k, k_norm_w, k_norm_b, eps: float, inv_freq, positions, index_
     inv_freq = device(inv_freq, "inv_freq", "float32")
     positions = device(positions, "positions", "int32")
     slots = device(slots, "slots", "int32")
+    gate = None if gate is None else _f32(gate, "gate")
     q_out = Hi = None
     if q is not None:
         q = _f32(q, "q")
@@ -129,7 +147,7 @@ def dsa_key_write(k, k_norm_w, k_norm_b, eps: float, inv_freq, positions, index_
     kernel = get_kernel("dsa", f"dsa_key_write_kernel<{ctype(cache)}, {il}>")
     kernel((n, 1 if q is None else 2), (WRITE_THREADS,),
            (k, norm_w, norm_b, f32(eps), inv_freq, i32(half), f32(rope_scale), positions, slots, i32(n),
-            np.int64(NB * BS), cache, i32(Di), ptr(q), ptr(q_out), i32(Hi or 0)))
+            np.int64(NB * BS), cache, i32(Di), ptr(q), ptr(q_out), i32(Hi or 0), ptr(gate)))
     return q_out
 
 
@@ -147,36 +165,48 @@ def _check_rows(row_len, row_start) -> None:
 
 
 def dsa_select(q, weights, index_cache, block_tables, row_seq, row_len, topk: int, scale: float, *,
-               row_start=None, out=None, scores=None):
-    """-> out [n, topk] int32: each row's best ``topk`` visible rows, ascending, -1 padded."""
-    check_dsa_select(q, weights, _as_checked(index_cache), block_tables, row_seq, row_len, topk, row_start)
+               row_start=None, out=None, scores=None, kpool: int = 0, ape=None, tail: bool = True):
+    """-> out [n, list_width(topk, kpool, tail)] int32: each row's best ``topk`` visible rows (with
+    ``kpool``: the rows of its best ``topk / kpool`` complete pools, then the tail's), ascending,
+    -1 padded."""
+    check_dsa_select(q, weights, _as_checked(index_cache), block_tables, row_seq, row_len, topk, row_start, kpool,
+                     ape, tail)
     expect_dtype("index_cache", index_cache, "uint16", "float32")
-    _check_rows(row_len, row_start)
-    NB, BS, Di = index_cache.shape
-    n, Hi = q.shape[0], q.shape[1]
-    topk = int(topk)
+    _check_rows(row_len, None if kpool else row_start)
+    NB, BS, W = index_cache.shape
+    n, Hi, Di = q.shape
+    topk, P = int(topk), int(kpool) or 1
     max_blocks = block_tables.shape[1]
     cap = max_blocks * BS
+    units = cap // P                                          # rows, or complete pools, a table holds
     kv_itemsize = np.dtype(index_cache.dtype).itemsize
     expect_grid_yz("q rows", n)
-    y = output(out, "out", (n, topk), np.int32)
-    need = cap > topk                                         # else no row has rows to rank
-    ws = output(scores, "scores", (n, cap), np.float32) if need or scores is not None else None
+    width = list_width(topk, kpool, tail)
+    y = output(out, "out", (n, width), np.int32)
+    need = units * P > topk                                   # else no row has rows (pools) to rank
+    ws = output(scores, "scores", (n, units), np.float32) if need or scores is not None else None
     row_len = device(row_len, "row_len", "int32")
-    row_start = optional(row_start, "row_start", "int32")
+    row_start = None if kpool else optional(row_start, "row_start", "int32")   # pools: no window
+    ape = None if not kpool else device(ape, "ape", "float32")
     if n == 0:
         return y
     if need:
-        plan = score_plan(Hi, Di, n, cap, kv_itemsize, 2 * sm_count(), smem_optin())
+        plan = score_plan(Hi, Di, n, units, kv_itemsize, 2 * sm_count(), smem_optin(), pooled=bool(kpool))
         q, weights = _f32(q, "q"), _f32(weights, "weights")
         expect_disjoint("scores", ws, "q", q)
         cache = device(index_cache, "index_cache")
-        kernel = get_kernel("dsa", f"dsa_score_kernel<{ctype(cache)}>")
+        tables, seqs = device(block_tables, "block_tables"), device(row_seq, "row_seq")
+        grid, common = (cdiv(units, plan.chunk), n), (i32(Hi), i32(Di), i32(BS), i32(plan.tile), i32(plan.chunk),
+                                                      i32(topk), f32(scale))
+        if kpool:
+            kernel = get_kernel("dsa", f"dsa_pool_score_kernel<{ctype(cache)}>")
+            args = (q, weights, cache, tables, i32(max_blocks), seqs, row_len, ape, i32(P), ws) + common
+        else:
+            kernel = get_kernel("dsa", f"dsa_score_kernel<{ctype(cache)}>")
+            args = (q, weights, cache, tables, i32(max_blocks), seqs, ptr(row_start), row_len, ws) + common
         opt_in_smem(kernel, plan.smem_bytes)
-        kernel((cdiv(cap, plan.chunk), n), (SCORE_THREADS,),
-               (q, weights, cache, device(block_tables, "block_tables"), i32(max_blocks),
-                device(row_seq, "row_seq"), ptr(row_start), row_len, ws, i32(Hi), i32(Di), i32(BS), i32(plan.tile),
-                i32(plan.chunk), i32(topk), f32(scale)), shared_mem=plan.smem_bytes)
-    get_kernel("dsa", f"dsa_topk_kernel<{topk_kpt(cap)}>")(
-        (n,), (TOPK_THREADS,), (ws if need else NULL, ptr(row_start), row_len, i32(cap), y, i32(topk)))
+        kernel(grid, (SCORE_THREADS,), args, shared_mem=plan.smem_bytes)
+    get_kernel("dsa", f"dsa_topk_kernel<{topk_kpt(units)}>")(
+        (n,), (TOPK_THREADS,), (ws if need else NULL, ptr(row_start), row_len, i32(cap), y, i32(topk // P), i32(P),
+                                i32(width)))
     return y

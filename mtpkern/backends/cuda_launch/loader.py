@@ -89,9 +89,10 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"mla_attention_kernel<{t}, {lpt}>" for t in _CTYPES for lpt in MLA_LPT)
     + tuple(f"mla_attention_tc_kernel<{lpt}>" for lpt in MLA_LPT)
     + tuple(f"mla_out_kernel<{t}>" for t in _CTYPES),
-    # DSA's indexer: the key write, the scores, the top-k selection (KPT keys per thread)
+    # DSA's indexer: the key write, the scores (of rows; of pools), the top-k selection (KPT keys per thread)
     "dsa": tuple(f"dsa_key_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true"))
     + tuple(f"dsa_score_kernel<{t}>" for t in _CTYPES)
+    + tuple(f"dsa_pool_score_kernel<{t}>" for t in _CTYPES)
     + tuple(f"dsa_topk_kernel<{k}>" for k in DSA_KPT),
     "gate": ("sigmoid_gate_kernel<false>", "sigmoid_gate_kernel<true>"),
     # hyper-connections: the streams' (and hc_post's f's) element type, hc_post's MR
