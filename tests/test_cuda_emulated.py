@@ -1704,6 +1704,16 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
                 out[f"dsa select {kv} {il} {cap}"] = be.dsa_select(
                     qi[:2], rnd(rng, 2, Hi), ic, tab, np.zeros(2, np.int32), np.array(rows, np.int32), 300, 0.2,
                     row_start=np.array([0, 17], np.int32))
+        NB, BS, Di, Hi, P = 24, 16, 16, 2, 4                                  # the pooled indexer (GLM-5.3)
+        pc = be.empty_latent_kv(NB, BS, 2 * Di)
+        n = NB * BS
+        qp = be.dsa_key_write(rnd(rng, n, Di), rnd(rng, Di), rnd(rng, Di), 1e-6, np.zeros(0, np.float32),
+                              np.arange(n, dtype=np.int32), pc, rng.permutation(n).astype(np.int32),
+                              q=rnd(rng, n, Hi, Di), gate=rnd(rng, n, Di))
+        out[f"dsa pooled cache {kv}"] = pc.view(np.uint8).ravel()
+        out[f"dsa pooled select {kv}"] = be.dsa_select(
+            qp[:2], rnd(rng, 2, Hi), pc, rng.permutation(NB).astype(np.int32)[None], np.zeros(2, np.int32),
+            np.array([n, 201], np.int32), 32, 0.2, kpool=P, ape=rnd(rng, P, Di))
     mma_args, _ = test_gpu.mma_probe_case(seed)
     out["mma probe"] = np.zeros((2, 16, 8), np.float32)
     step_launch.get_kernel("mma", "mma_bf16_probe_kernel")(          # (the emulator's get_kernel)

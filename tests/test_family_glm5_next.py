@@ -2,8 +2,8 @@
 ``text_config`` holds the text model) reads as an MLA block without RoPE with the pooled
 DSA indexer, no hyper-connections, clamps of the gate and vLLM's position-0 mask; a small
 checkpoint in its layout (``model.language_model.layers.{L}.``) drafts and keeps the KV the
-float64 oracle does on numpy and cpu, and the cuda backend refuses the pooled indexer by
-name (no kernels yet)."""
+float64 oracle does on numpy, cpu and the CUDA kernels on the emulator (the pooled indexer:
+kernels/dsa.cu)."""
 
 from __future__ import annotations
 
@@ -110,8 +110,12 @@ def emulator():
     yield from emu_backend.installed_emulator()
 
 
-def test_the_cuda_backend_refuses_the_pooled_indexer_by_name(g53_ckpt, emulator):
+def test_cuda_drafts_and_kv_equal_the_oracle(g53_ckpt, emulator):
+    """The pooled indexer's key write and selection on the kernels (the emulator, an FP32 KV):
+    the drafts and KV the float64 oracle has."""
     from cuda_emu import emu_backend
-    path, _, _ = g53_ckpt
-    with pytest.raises(ValueError, match=r"module 0: kpool / gate: the pooled DSA indexer"):
-        MultiModuleMtpHead.from_pretrained(path, backend=emu_backend.backend("float32"))
+    path, cfg, weights = g53_ckpt
+    prop = MultiModuleMtpHead.from_pretrained(path, backend=emu_backend.backend("float32"), kv_mode="exact", block_size=4,
+                                              num_blocks=96, prefill_chunk=7)
+    assert prop.modules[0].pool.index_k.shape[2] == 2 * 16
+    test_oracle.run_scenario(prop, cfg, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], "postnorm", None)

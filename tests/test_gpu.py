@@ -18,7 +18,8 @@
 - DeepSeek-V4's attention (K = V, the output unrotated, sinks, the grouped output) in a
   proposer against the reference, and ``rope_heads`` at V4's shape (64 heads x 512, R 64);
 - DSA's kernels (kernels/dsa.cu, the sparse walk of kernels/mla.cu): the checks of
-  test_cuda_emulated_dsa.py on the device, DeepSeek-V3.2's indexer shapes among them;
+  test_cuda_emulated_dsa.py on the device, DeepSeek-V3.2's indexer shapes among them, and
+  test_cuda_emulated_dsa_kpool.py's of GLM-5.3's pooled indexer;
 - the tensor cores' fragment layout (kernels/mma.cu's probe of kernels/mma.cuh) against a
   NumPy matmul, each deliberately wrong layout caught (the emulator runs the same check
   against its emulated mma: test_cuda_emulated.py::test_mma_fragment_layout).
@@ -410,6 +411,25 @@ def test_dsa_kernels_on_the_device(kv):
         dsa_checks.check_sparse_split(be, Hq)
     for window in (False, True):
         dsa_checks.check_full_list_dense(be, window)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "float32"])
+def test_dsa_kpool_kernels_on_the_device(kv):
+    """GLM-5.3's pooled indexer on the device, the checks tests/test_cuda_emulated_dsa_kpool.py
+    runs on the emulator: the key write with its gate scores (FP32 and BF16 gates), the selection
+    against the reference and float64 with and without the tail, exact pool scores (ties, NaN,
+    +-inf) over 2200 and 700 pools against a sort."""
+    import test_cuda_emulated_dsa_kpool as kpool_checks
+
+    from mtpkern.backends.cuda import CudaBackend
+
+    be = CudaBackend(kv)
+    for gate_dtype in ("float32", "bfloat16"):
+        kpool_checks.check_key_write_gate(be, gate_dtype)
+    for tail in (True, False):
+        kpool_checks.check_select_kpool(be, tail)
+    for pools, P, topk in ((2200, 2, 1200), (700, 4, 64), (3000, 16, 2048)):
+        kpool_checks.check_select_exact_pools(be, pools, P, topk)
 
 
 @pytest.mark.parametrize("n", [1, 64])
