@@ -43,7 +43,8 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    router, experts, shared expert, LM head. Then ``dsv32 ...``: DeepSeek-V3.2's sparse attention
    at contexts 4096 and 32768 (one sequence a row): ``dsa_select`` (64 indexer heads of 128,
    topk 2048, the scores included) and the MLA attention it saves, over the 2048 listed rows
-   (``index=``) beside the dense one over the whole context.
+   (``index=``) beside the dense one over the whole context; ``glm5.3 dsa_select kpool``: GLM-5.3's
+   pooled indexer at the same contexts (32 heads of 128, pools of 16 rows, topk 2048 and the tail).
 
 5. ``torch`` (``--no-torch`` leaves it out): beside each propose row, the PyTorch eager peer
    (``mtpkern/bench_torch.py``) at the same context, batch and k on the same device weights
@@ -714,8 +715,10 @@ def dsa_kernel_cases(be, n: int, contexts=DSA_CONTEXTS, topk: int = DSA_TOPK, se
     """DeepSeek-V3.2's sparse attention at ``n`` decode rows, one sequence each: ``dsa_select``
     (Hi 64, Di 128, a BF16 index cache, the releases' scale) over each context, then the MLA
     attention it feeds (Hq 128, P 128, R 64, L 512, Dv 128, BF16) over the selected rows
-    (``index=``) and, beside it, dense over the whole context. Random data made on the device,
-    outputs and workspaces preallocated. (op, context, bytes, thunk)."""
+    (``index=``) and, beside it, dense over the whole context; GLM-5.3's pooled ``dsa_select``
+    (Hi 32, Di 128, pools of 16, the tail; a BF16 plane of key and gate scores, 2 Di a row) over
+    each context. Random data made on the device, outputs and workspaces preallocated. (op,
+    context, bytes, thunk)."""
     import cupy as cp
 
     from mtpkern.backends.cuda_launch import dsa as dsa_launch
@@ -754,6 +757,21 @@ def dsa_kernel_cases(be, n: int, contexts=DSA_CONTEXTS, topk: int = DSA_TOPK, se
                           lambda lcache=lcache, tables=tables, row_seq=row_seq, row_len=row_len, index=index, mws=mws:
                           be.mla_attention_absorbed(q_rot, w_uk, w_uv, lcache, tables, row_seq, row_len,
                                                     (P + R) ** -0.5, index=index, out=o, **mws)))
+    Hp, Kp = 32, 16                                  # GLM-5.3: index_n_heads, index_kpool
+    qp, wp = rs.standard_normal((n, Hp, Di), dtype=cp.float32), rs.standard_normal((n, Hp), dtype=cp.float32)
+    ape = rs.standard_normal((Kp, Di), dtype=cp.float32)
+    pscale = Hp ** -0.5 * Di ** -0.5
+    for ctx in contexts:
+        nb, tables, row_seq, row_len = decode_tables(n, ctx, BS)
+        cap = nb * BS
+        pcache = bf16_uniform((n * nb, BS, 2 * Di), 3, 600 + ctx)          # [key | gate scores]
+        psel = cp.empty((n, topk + Kp - 1), cp.int32)
+        pws = {k: cp.empty(s, cp.float32) for k, s in dsa_launch.workspace_shapes(n, cap, topk, Kp).items()}
+        cases.append(("glm5.3 dsa_select kpool", ctx, n * ctx * 2 * Di * b2 + n * (Hp * Di + Hp) * f4
+                      + Kp * Di * f4 + 2 * n * (cap // Kp) * f4 + n * (topk + Kp - 1) * 4,
+                      lambda pcache=pcache, tables=tables, row_seq=row_seq, row_len=row_len, psel=psel, pws=pws:
+                      be.dsa_select(qp, wp, pcache, tables, row_seq, row_len, topk, pscale, out=psel, kpool=Kp,
+                                    ape=ape, tail=True, **pws)))
     return cases
 
 
