@@ -1,5 +1,6 @@
-// dsa.cu -- DSA (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5): the lightning indexer's key
-// write and its top-k selection of the latent rows each query row's MLA attention reads.
+// dsa.cu -- DSA (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5, GLM-5.3's pools): the lightning
+// indexer's key write and its top-k selection of the latent rows each query row's MLA attention
+// reads.
 //
 // Letters as mtpkern/ops/dsa.py: Hi indexer heads, Di the indexer head dim, R the rotated dims
 // (the FIRST R of a head; half = R / 2 pairs), T = topk, cap = max_blocks * BS (the most rows a
@@ -12,6 +13,8 @@
 //   with Interleave; cos and sin times rope_scale: common.cuh's rope_rotate). As mla.cu's latent
 //   write, every block first scans all n slots: one outside [0, num_slots) and no block writes (the
 //   launcher refuses host slots before launching), a slot a later row also names is left to it.
+//   With gate (not null: a pooled indexer's gate scores [n, Di] fp32) the cache rows are 2 Di wide,
+//   [key | gate scores]: the key in columns [0, Di), gate[r] stored in KV in [Di, 2 Di).
 //   blockIdx.y == 1 (q not null): q_out [n, Hi, Di] fp32 = q with each head's first R dims rotated
 //   by the same angles, the rest copied.
 //
@@ -36,6 +39,20 @@
 //   Shared memory (bytes) = 4 * (Hi * Dq + Hi4 + 256 + tile) + tile * (Dq + 8) * sizeof(KV),
 //   Hi4 = Hi rounded up to 4 (dsa.score_smem_bytes computes the same sum).
 //
+// dsa_pool_score_kernel<KV> (GLM-5.3's pooled indexer, P = kpool >= 2 rows a pool, ape [P, Di]
+//   fp32): scores [n, cap / P] fp32, scores[r, j] = the score above of pool j's key, for the
+//   row_len[r] / P complete pools of row r's sequence (pool j = rows jP .. jP + P - 1; no window),
+//   only when there are more than T / P of them. Pool j's key at dim d (dsa_pooled_key) =
+//   sum_u softmax_u(gate[u, d] + ape[u, d]) * key[u, d] over its rows u (the cache's [key | gate]
+//   rows, 2 Di wide), the softmax max-subtracted, its weights e_u / den, summed in row order
+//   (ops/dsa.pooled_keys; a NaN gate or bias gives a NaN key and score).
+//   grid (ceil((cap / P) / chunk), n), block 256, the plan of dsa_score_kernel (chunk pools a
+//   block, tiles of `tile` pools) with: step 0 gone; step 1 = thread (pool, dim) walking the pool's
+//   P rows through the block table three times (the max, the denominator, the weighted keys:
+//   coalesced over dims), the pooled keys FP32 into c_s [tile][Dq + 8]; steps 2 and 3 as there
+//   (dsa_heads_part: the same dot products and head order). Shared memory (bytes) = 4 * (Hi * Dq
+//   + Hi4 + 256) + tile * (Dq + 8) * 4 (dsa.score_smem_bytes(pooled=True)).
+//
 // dsa_topk_kernel<KPT>: out [n, T] int32: the T best rows of row r (higher score first; of equal
 //   scores the earlier row; NaN below every number), in ascending row order; a row that sees at
 //   most T rows lists all of them, then -1s. grid (n), block 512: one block per query row.
@@ -52,6 +69,13 @@
 //     the threads' selected counts gives each selected row its output position: ascending rows.
 //   Integer counts and scans only (common.cuh's block_sum_int / block_scan_int, xor shuffles):
 //   no atomics, the same result in any thread order.
+//   - Pools (pool = P > 1, scores of dsa_pool_score_kernel, row_start null): the units ranked are
+//     row r's m = min(row_len, cap) / P complete pools (score row stride cap / P) and T is
+//     topk / P; the picks' pool numbers, written at out[r, 0 .. T), are then rewritten in place as
+//     their P rows (dsa_expand_pools: chunks of 512 from the last, each read before any of its rows
+//     is written). out has `width` columns: after the T P picked rows the tail's rows (the
+//     incomplete pool's min(row_len, cap) - m P, when width > T P: the tail is on), then -1s. A row
+//     with at most T complete pools lists their rows and the tail's. pool = 1: rows, width = topk.
 //
 // Preconditions: block sizes as above; Hi * Dq * 4 plus the rest of the score block's shared
 // memory within the device's opt-in limit (the launcher refuses more); block_tables entries of
@@ -60,8 +84,10 @@
 // see gets only -1s. Vector copies need Di % 8 == 0 and a 16-byte aligned cache (else scalar
 // loads, the same results).
 // Cost (scores, FP32 FMAs): Hi * Di per (query row, visible row): 268 M FMAs for one query row
-// at 32768 rows with DeepSeek-V3.2's Hi 64, Di 128; the selection ~32 block-wide sums per row
-// (docs/cuda.md, "DSA kernels").
+// at 32768 rows with DeepSeek-V3.2's Hi 64, Di 128; the selection ~32 block-wide sums per row.
+// Pools: 2 P Di expf and Hi * Di FMAs per (query row, pool): 8 M of each for one query row at
+// 32768 rows with GLM-5.3's P 16, Hi 32, Di 128, reading its 16 MiB plane (docs/cuda.md, "DSA
+// kernels"). Every query row pools its sequence's keys itself.
 #include "common.cuh"
 
 namespace mtp {
