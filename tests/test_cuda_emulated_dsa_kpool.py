@@ -241,3 +241,25 @@ def test_select_workspace_and_dense_tables(emu, monkeypatch):
                         tail=False)
     assert not any(k.startswith("dsa_pool_score_kernel") for k in (emu.launches - before))
     assert got.tolist() == [list(range(8)), [0, 1, 2, 3] + [-1] * 4, [-1] * 8]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(kpool=3, ape="short"), r"topk: expected a multiple of kpool = 3"),
+    (dict(kpool=1), r"kpool: expected 0 \(a key per row\) or an int in \[2, 1024\]"),
+    (dict(ape="short"), r"ape: expected shape"),
+    (dict(ape=None), r"ape: expected the pools' position bias"),
+    (dict(row_start=np.array([1, 0, 0], np.int32)), r"row_start: a pooled indexer's pools start"),
+    (dict(row_len=np.array([20, 0, 20], np.int32)), r"row_len\[1\]"),
+])
+def test_bad_arguments_are_refused_by_name(emu, kw, match):
+    """As tests/test_dsa_kpool.py's refusals on numpy and cpu, on the cuda launcher; ``out`` untouched."""
+    be = emu_backend.backend("float32")
+    cache, tables, q, w, ape = test_dsa_kpool.case(4)
+    kw = dict(dict(kpool=4, ape=ape), **kw)
+    if isinstance(kw.get("ape"), str):
+        kw["ape"] = ape[:3]
+    row_len = kw.pop("row_len", np.full(3, 20, np.int32))
+    out = np.full((3, 11), 7, np.int32)
+    with pytest.raises((ValueError, TypeError), match=match):
+        be.dsa_select(q, w, cache, tables, np.zeros(3, np.int32), row_len, 8, 1.0, out=out, **kw)
+    assert (out == 7).all()
