@@ -115,7 +115,7 @@ def test_cuda_drafts_and_kv_equal_the_oracle(g53_ckpt, emulator):
     the drafts and KV the float64 oracle has."""
     from cuda_emu import emu_backend
     path, cfg, weights = g53_ckpt
-    prop = MultiModuleMtpHead.from_pretrained(path, backend=emu_backend.backend("float32"), kv_mode="exact", block_size=4,
-                                              num_blocks=96, prefill_chunk=7)
+    prop = MultiModuleMtpHead.from_pretrained(path, backend=emu_backend.backend("float32"), kv_mode="exact",
+                                              block_size=4, num_blocks=96, prefill_chunk=7)
     assert prop.modules[0].pool.index_k.shape[2] == 2 * 16
     test_oracle.run_scenario(prop, cfg, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], "postnorm", None)

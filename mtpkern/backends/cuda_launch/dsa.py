@@ -5,12 +5,13 @@ index_cache [NB, BS, Di], slots [n] int32, *, q [n, Hi, Di] | None, interleave, 
 -> None | q roped [n, Hi, Di]`` FP32: ``dsa_key_write_kernel``, one launch. The index cache
 (BF16 bits in uint16, or FP32: the backend's KV dtype, as ``empty_latent_kv`` makes it) is
 written in place; with ``gate [n, Di]`` (a pooled indexer's gate scores, FP32 or BF16) its rows
-are ``[NB, BS, 2 Di]``: the key in columns ``[0, Di)``, the gate scores in ``[Di, 2 Di)``. Host slots are checked (``slots_refused``) before the launch; device slots
-are not read back, and the kernel then writes no row at all when one is outside ``[0, NB * BS)``.
+are ``[NB, BS, 2 Di]``: the key in columns ``[0, Di)``, the gate scores in ``[Di, 2 Di)``.
+Host slots are checked (``slots_refused``) before the launch; device slots are not read back,
+and the kernel then writes no row at all when one is outside ``[0, NB * BS)``.
 
 ``dsa_select(q [n, Hi, Di] FP32, weights [n, Hi], index_cache, block_tables [S, max_blocks],
-row_seq [n], row_len [n], topk, scale, *, row_start, out, scores) -> out [n, topk]`` int32: two
-launches on one stream,
+row_seq [n], row_len [n], topk, scale, *, row_start, out, scores, kpool, ape, tail) -> out [n, topk]``
+int32: two launches on one stream,
 
 - ``dsa_score_kernel`` into the workspace ``scores [n, cap]`` FP32 (``cap = max_blocks * BS``;
   row ``r``'s visible rows at their row numbers), skipped when ``cap <= topk`` (then every row
