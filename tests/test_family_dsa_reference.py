@@ -51,8 +51,8 @@ after every call every module's KV rows (the latent row, the indexer's key, GLM-
 scores) must equal the model's at the FP32 tolerance. Negative controls (each must fail,
 with the indexer's plane left out of the comparison, so that the selection shows):
 the indexer off (dense attention), a larger ``index_topk``, the indexer's RoPE pairs
-flipped (V3.2, GLM-5), pools of 1 (a key per row), no tail, no ``ape``, the position-0 mask
-off, the pre-norm chain.
+flipped and equal scores going to the later key (V3.2, GLM-5), pools of 1 (a key per row),
+no tail, no ``ape`` (GLM-5.3), the position-0 mask off, the pre-norm chain.
 """
 
 from __future__ import annotations
@@ -187,11 +187,12 @@ def rope(x, pos, inv, att, pairs: bool):
     return out
 
 
-def top(scores: np.ndarray, k: int) -> np.ndarray:
-    """The ``k`` best of ``scores`` (ties: the earlier), ascending. Equal scores are exact ties
-    (an index score is 0 wherever relu cuts every head); scores apart by less than float
-    rounding at the cut raise."""
-    order = np.lexsort((np.arange(len(scores)), -scores))
+def top(scores: np.ndarray, k: int, later: bool = False) -> np.ndarray:
+    """The ``k`` best of ``scores`` (ties: the earlier; ``later``: the later), ascending. Equal
+    scores are exact ties (an index score is 0 wherever relu cuts every head, which the runs
+    here meet at the cut); scores apart by less than float rounding at the cut raise."""
+    idx = np.arange(len(scores))
+    order = np.lexsort((-idx if later else idx, -scores))
     s = np.sort(scores)[::-1]
     if len(s) > k and 0 < s[k - 1] - s[k] < 1e-6 * max(1.0, abs(s[k - 1])):
         raise NearTie(f"top-{k}: {s[k - 1]} vs {s[k]}")
@@ -199,7 +200,7 @@ def top(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 #: the reference with one thing wrong, for the negative controls
-WRONG = ("dense", "topk_larger", "rope_flipped", "pools_of_1", "no_tail", "no_ape", "no_pos0_mask", "prenorm")
+WRONG = ("dense", "topk_larger", "rope_flipped", "ties_later", "pools_of_1", "no_tail", "no_ape", "no_pos0_mask", "prenorm")
 
 
 @dataclasses.dataclass
@@ -290,7 +291,7 @@ class Module:
                     seen[i, :i + 1] = True
                     continue
                 score = w[i] @ np.maximum(q[i] @ k[:i + 1].T, 0.0)                 # [i + 1]
-                seen[i, top(score, T)] = True
+                seen[i, top(score, T, wrong == "ties_later")] = True
             return seen, rows
         ape = 0.0 if wrong == "no_ape" else W("self_attn.indexer.index_kpool_compress_ape")   # [P, Di]
         for i in range(n):
@@ -472,7 +473,7 @@ def test_drafts_and_kv_equal_the_float64_release_model(releases, traces, fam, ba
 
 @pytest.mark.parametrize("fam, wrong", [
     *[(f, w) for f in ("deepseek_v32", "glm_moe_dsa") for w in ("dense", "topk_larger", "rope_flipped",
-                                                                  "no_pos0_mask", "prenorm")],
+                                                                  "ties_later", "no_pos0_mask", "prenorm")],
     *[("glm5_next", w) for w in ("dense", "topk_larger", "pools_of_1", "no_tail", "no_ape", "no_pos0_mask",
                                  "prenorm")],
 ])
