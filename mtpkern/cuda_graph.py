@@ -36,6 +36,12 @@ table per call. Per call, ``StepRunner.propose``:
 5. host bookkeeping after: drafts into the token tails, the chained outputs
    copied out of the persistent buffers into the exact-mode windows.
 
+Blocks: GQA and MLA attention, DSA's indexer (its rows and lists in plan buffers; in exact
+mode the last module's picked rows carry their indexer queries and weights, ``RowPick.ex``),
+windows, sinks, gates, MoE and dense FFNs. Not yet planned (``StepRunner.applies`` counts
+them and the eager step runs): hyper-connections (``fallback_hc``) and DeepSeek-V4's
+attention (``fallback_v4_attention``).
+
 Nothing here imports CuPy or touches a GPU at import time.
 """
 
@@ -176,6 +182,7 @@ class StepPlan:
         so they can share it; a plan keeps a reference to the array its graph uses).
         None: the plan allocates its own."""
         from .backends.cuda_launch import attention as attn_launch
+        from .backends.cuda_launch import dsa as dsa_launch
         from .backends.cuda_launch import lm_head as lm_launch
         from .backends.cuda_launch import mla as mla_launch
 
@@ -215,9 +222,9 @@ class StepPlan:
             if self.exact and m >= 1:
                 s += B + B * (shape.rows[m] - 1)            # module m-1's rows, the drafts
             f1 = s
-            if picked and m == L and nout[m]:          # q, x, row_seq, row_len (, row_start, q|k|v|gate)
+            if picked and m == L and nout[m]:          # q, x, row_seq, row_len (, row_start, q|k|v|gate, extras)
                 b = prop.modules[m].block
-                s += B * (4 + bool(b.sliding_window) + bool(b.gate_size))
+                s += B * (4 + bool(b.sliding_window) + bool(b.gate_size) + len(self._pick_extras(b)))
             f2 = s
             if self.exact and m < k:
                 s += B                                      # last row of each sequence -> LM head
@@ -272,6 +279,14 @@ class StepPlan:
         mla = [m for m in self.run if blk[m].mla]                 # MLA: the latent projection, the q path
         kv_a = flat(lambda b: b.latent_width) if mla else None
         q_c = flat(lambda b: b.q_lora_rank) if any(blk[m].q_lora_rank for m in mla) else None
+        dsa = [m for m in self.run if blk[m].dsa]               # DSA: the indexer's rows and lists
+        if dsa:
+            i_qr = flat(lambda b: b.index_n_heads * b.index_head_dim)
+            i_q = flat(lambda b: b.index_n_heads * b.index_head_dim)
+            i_k = flat(lambda b: b.index_head_dim)
+            i_w = flat(lambda b: b.index_n_heads)
+            i_gate = flat(lambda b: b.index_head_dim) if any(blk[m].kpool for m in dsa) else None
+            i_list = buf((max(nout[m] * blk[m].index_list_width for m in dsa),), np.int32)
         K = cfg.num_experts_per_tok
         moe = any(blk[m].moe for m in self.run)
         eids = buf((n_max, K), np.int32) if moe else None
@@ -307,6 +322,7 @@ class StepPlan:
             BS = prop.block_size
             kv_item = np.dtype(be.kv_dtype).itemsize
             mla_ws: dict[int, dict[str, tuple[int, ...]]] = {}    # an MLA module's workspace shapes
+            dsa_ws: dict[int, dict[str, tuple[int, ...]]] = {}    # a DSA module's dsa_select workspace
             for m in self.run:
                 b = blk[m]
                 if not nout[m]:                     # no row attends (only the K/V written)
@@ -314,7 +330,11 @@ class StepPlan:
                     continue
                 if b.mla:
                     Lr, R = b.kv_lora_rank, b.qk_rope_head_dim
-                    mp = mla_launch.plan(b.num_attention_heads, Lr, R, shape.widths[m] * BS, nout[m],
+                    cap = shape.widths[m] * BS              # a DSA list: each row walks its listed rows only
+                    if b.dsa:
+                        dsa_ws[m] = dsa_launch.workspace_shapes(nout[m], cap, b.index_topk)
+                    walk = min(cap, b.index_list_width) if b.dsa else cap
+                    mp = mla_launch.plan(b.num_attention_heads, Lr, R, walk, nout[m],
                                          target_blocks=2 * sm_count(), smem_max=smem_optin(), kv_itemsize=kv_item)
                     mla_ws[m] = mla_launch.workspace_shapes(nout[m], b.num_attention_heads, Lr, R, mp.num_parts)
                     parts[m] = 1                    # (its split-KV partials are in mla_ws)
@@ -326,6 +346,8 @@ class StepPlan:
             # one flat FP32 buffer per MLA workspace kind, each MLA module a view of its own shape
             mla_flat = {key: buf((max(int(np.prod(ws_[key])) for ws_ in mla_ws.values() if key in ws_),))
                         for key in sorted({k for ws_ in mla_ws.values() for k in ws_})}   # a fixed order
+            dsa_flat = {key: buf((max(int(np.prod(ws_[key])) for ws_ in dsa_ws.values() if key in ws_),))
+                        for key in sorted({k for ws_ in dsa_ws.values() for k in ws_})}
             split = [m for m in self.run if parts[m] > 1]
             po = max((nout[m] * blk[m].num_attention_heads * parts[m] * blk[m].v_dim for m in split), default=0)
             pml = max((nout[m] * blk[m].num_attention_heads * parts[m] * 2 for m in split), default=0)
@@ -353,6 +375,9 @@ class StepPlan:
             if self.cuda and m in mla_ws:
                 ws["mla_attention"] = {key: mla_flat[key][:int(np.prod(shp))].reshape(shp)
                                        for key, shp in mla_ws[m].items()}
+            if self.cuda and dsa_ws.get(m):
+                ws["dsa_select"] = {key: dsa_flat[key][:int(np.prod(shp))].reshape(shp)
+                                    for key, shp in dsa_ws[m].items()}
             self.bufs[m] = ForwardBuffers(x[:c], qkv[:c * b.qkv_size].reshape(c, b.qkv_size),
                                           q[:c * b.q_size].reshape(c, Hq, b.head_dim),
                                           o[:co * b.o_size].reshape(co, b.o_size), r[:co], self.y[m], self.normed[m],
@@ -361,11 +386,21 @@ class StepPlan:
                                           None if sgate is None else sgate[:co])
             if lids is not None:
                 self.bufs[m].local_ids = lids[:co]
+            if b.dsa:
+                bf, Hi, Di, T = self.bufs[m], b.index_n_heads, b.index_head_dim, b.index_list_width
+                bf.index_qr = i_qr[:c * Hi * Di].reshape(c, Hi * Di)
+                bf.index_q = i_q[:c * Hi * Di].reshape(c, Hi, Di)
+                bf.index_k = i_k[:c * Di].reshape(c, Di)
+                bf.index_w = i_w[:c * Hi].reshape(c, Hi)
+                bf.index_gate = i_gate[:c * Di].reshape(c, Di) if b.kpool else None
+                bf.index = i_list[:co * T].reshape(co, T)
             if picked and m == L:
                 self.bufs[m].pick = RowPick() if not co else RowPick(
                     buf((co, Hq, b.head_dim)), buf((co, H)), buf((co,), np.int32), buf((co,), np.int32),
                     buf((co,), np.int32) if b.sliding_window else None,
-                    buf((co, b.qkv_size)) if b.gate_size else None)
+                    buf((co, b.qkv_size)) if b.gate_size else None,
+                    {name: buf((co,) + src.shape[1:], src.dtype)
+                     for name, src in self._pick_extras(b, m).items()})
             if b.mla:
                 W, Q = b.latent_width, b.q_lora_rank
                 self.bufs[m].kv_a = kv_a[:c * W].reshape(c, W)
@@ -377,6 +412,17 @@ class StepPlan:
         self.launches = self._launches(lm_ws)
 
     # -- building ---------------------------------------------------------------------------
+    def _pick_extras(self, b: Any, m: int | None = None) -> dict[str, Any]:
+        """The per-row extras of ``MtpHead.compute``'s KV write that the rows going on read after
+        it (``RowPick.ex``), by name -> their source over all of module ``m``'s rows (None: the
+        names only): DSA's indexer queries and head weights."""
+        bf = None if m is None else self.bufs[m]
+        out: dict[str, Any] = {}
+        if b.dsa:
+            out["index_q"] = bf and bf.index_q
+            out["index_w"] = bf and bf.index_w
+        return out
+
     def chain(self, m: int) -> Any:
         """Module ``m``'s chained outputs [B * rows_m, H] (what module m+1 reads)."""
         return self.normed[m] if self.prop.chain == "postnorm" else self.y[m]
@@ -422,6 +468,8 @@ class StepPlan:
                     moves.append((stg.d(f"rst{m}"), pick.row_start))
                 if pick.qkv is not None:
                     moves.append((bf.qkv, pick.qkv))
+                src_ex = self._pick_extras(self.prop.modules[m].block, m)
+                moves.extend((src_ex[name], dst) for name, dst in pick.ex.items())
                 for src, dst in moves:
                     words = dst[0].size                      # a row's 4-byte words
                     for i in range(B):
@@ -656,10 +704,7 @@ class StepRunner:
     def applies(self, sts: list, poss: list[int], k: int) -> bool:
         """True when every module's row count is the steady-state one (``step_rows``)."""
         prop = self.prop
-        if any(h.block.dsa for h in prop.modules):      # not planned yet: the eager step runs
-            self.counts["fallback_dsa"] += 1
-            return False
-        if prop.config.hc_mult > 1:                     # likewise
+        if prop.config.hc_mult > 1:                     # not planned yet: the eager step runs
             self.counts["fallback_hc"] += 1
             return False
         if any(h.block.shared_kv or h.block.out_rope or h.block.o_groups or (h.block.q_lora_rank and not h.block.mla)

@@ -92,8 +92,9 @@ class RowPick:
     move between ``compute(part="kv")`` and ``compute(part="rest")`` into these buffers of
     ``B`` rows: ``q`` (the attention's queries), ``x`` (o_proj's residual), ``row_seq`` /
     ``row_len`` (int32), ``row_start`` (a sliding window) and ``qkv`` (an element-wise
-    attention gate, read after the attention) when the block has them. ``q`` None: no row
-    goes on (the module only writes its K/V)."""
+    attention gate, read after the attention) when the block has them; ``ex``: the per-row
+    extras of the KV write that the rest reads, by ``compute``'s names (DSA's ``index_q`` /
+    ``index_w``). ``q`` None: no row goes on (the module only writes its K/V)."""
 
     q: Any = None
     x: Any = None
@@ -101,6 +102,7 @@ class RowPick:
     row_len: Any = None
     row_start: Any = None
     qkv: Any = None
+    ex: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -117,8 +119,12 @@ class ForwardBuffers:
     [n, 1]. An expert-parallel rank of a sharded head: ``local_ids`` [n, K] int32, the router's
     ids mapped to its experts. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, L + R];
     with ``q_lora_rank``, ``q_c`` [n, q_lora_rank] (before q_a_layernorm, which is fused into q_b_proj).
+    DSA's indexer (``block.dsa``): ``index_qr`` [n, Hi Di] (wq_b's output), ``index_q`` [n, Hi, Di]
+    (roped), ``index_k`` [n, Di], ``index_w`` [n, Hi], with a pooled indexer ``index_gate`` [n, Di],
+    and ``index`` [n, block.index_list_width] int32 (``dsa_select``'s lists; its workspace in
+    ``ws["dsa_select"]``).
     The block's sizes are the module's own (``MtpConfig.block``). ``pick``: only the rows it
-    names go on past the KV write (``compute``); the buffers from ``o`` on, ``expert_*``,
+    names go on past the KV write (``compute``); the buffers from ``o`` on, ``index``, ``expert_*``,
     ``shared*`` and ``local_ids`` then hold those rows."""
 
     x: Any
@@ -137,6 +143,12 @@ class ForwardBuffers:
     q_c: Any = None
     local_ids: Any = None
     pick: RowPick | None = None
+    index_qr: Any = None
+    index_q: Any = None
+    index_k: Any = None
+    index_w: Any = None
+    index_gate: Any = None
+    index: Any = None
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -348,7 +360,7 @@ class MtpHead:
         if part == "rest":
             if pick.q is None:
                 raise ValueError("part: 'rest' of a module whose rows all stop at their K/V")
-            x, q, qkv = pick.x, pick.q, pick.qkv
+            x, q, qkv, ex = pick.x, pick.q, pick.qkv, pick.ex
             row_seq, row_len, row_start = pick.row_seq, pick.row_len, pick.row_start
         else:
             x, q, qkv, ex = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None, zero_embed)
@@ -360,12 +372,13 @@ class MtpHead:
                 qkv = None if qkv is None else qkv[sel]
                 ex = {k: v[sel] for k, v in ex.items()}
                 row_start = None if row_start is None else row_start[sel]
-            if "index_q" in ex:              # DSA: each row's keys, picked once every row's key is in
-                pools = {} if not self.block.kpool else {"kpool": self.block.kpool, "ape": self.w.idx_ape,
-                                                         "tail": self.block.index_kpool_tail}
-                index = be.dsa_select(ex["index_q"], ex["index_w"], self.pool.index_k, tables, row_seq, row_len,
-                                      self.block.index_topk, self.block.index_scale,
-                                      **({} if row_start is None else {"row_start": row_start}), **pools)
+        if "index_q" in ex:                  # DSA: each row's keys, picked once every row's key is in
+            pools = {} if not self.block.kpool else {"kpool": self.block.kpool, "ape": self.w.idx_ape,
+                                                     "tail": self.block.index_kpool_tail}
+            index = be.dsa_select(ex["index_q"], ex["index_w"], self.pool.index_k, tables, row_seq, row_len,
+                                  self.block.index_topk, self.block.index_scale,
+                                  **({} if row_start is None else {"row_start": row_start}), **pools,
+                                  **put("dsa_select", out="index"))                              # [n, T]
         return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs, index, ex)
 
     def _write_kv(self, tokens: Any, g: Any, positions: Any, slots: Any, put: Any, kv_copy: Any,
@@ -536,12 +549,14 @@ class MtpHead:
         if not b.dsa:
             return q, None
         Hi, Di = b.index_n_heads, b.index_head_dim
-        iq = be.linear(qc, w.idx_wq_b, norm=(w.mla_q_a_norm, eps))                               # [n, Hi Di]
-        ik = be.linear(x, w.idx_wk, norm=a_norm)                                                 # [n, Di]
-        iw = be.linear(x, w.idx_weights, norm=a_norm)                                            # [n, Hi]
-        pooled = {} if not b.kpool else {"gate": be.linear(x, w.idx_gate, norm=a_norm)}          # [n, Di]
+        iq = be.linear(qc, w.idx_wq_b, norm=(w.mla_q_a_norm, eps), **put("linear", out="index_qr"))  # [n, Hi Di]
+        ik = be.linear(x, w.idx_wk, norm=a_norm, **put("linear", out="index_k"))                  # [n, Di]
+        iw = be.linear(x, w.idx_weights, norm=a_norm, **put("linear", out="index_w"))             # [n, Hi]
+        pooled = {} if not b.kpool else {"gate": be.linear(x, w.idx_gate, norm=a_norm,
+                                                           **put("linear", out="index_gate"))}   # [n, Di]
         iq = be.dsa_key_write(ik, w.idx_k_norm_w, w.idx_k_norm_b, DSA_NORM_EPS, self._inv_freq, positions,
-                              self.pool.index_k, slots, q=iq.reshape(n, Hi, Di), **self._index_rope_kw, **pooled)
+                              self.pool.index_k, slots, q=iq.reshape(n, Hi, Di), **self._index_rope_kw, **pooled,
+                              **put("dsa_key_write", out="index_q"))                              # [n, Hi, Di]
         return q, (iq, iw)
 
     # -- the LM head (mtpkern.lm) ----------------------------------------------------

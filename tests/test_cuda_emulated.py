@@ -1964,13 +1964,15 @@ def test_nope_mla_with_dsa_matches_numpy_reference(fake_runtime, tmp_path, mode)
     """GLM-5.3's MTP attention (tests/test_blocks.py's mla_nope_dsa: MLA with qk_rope_head_dim 0
     under DSA's indexer, nothing rotated) on the kernels against the NumPy reference: the latent
     and indexer writes with an empty inv_freq, the selection, the listed attention over rows of
-    L values; a DSA module runs the eager step (counted)."""
+    L values; proposes take the planned step (the lists' scores workspace and the listed
+    attention's, sized by the plan) and none falls back."""
     from mtpkern import write_synthetic_checkpoint
 
     cfg = test_blocks.feature_config("mla_nope_dsa")
     ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=13)
-    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"),
-                                                fallback="fallback_dsa")
+    _, dev = test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32",
+                                                         emu_backend.backend("float32"))
+    assert not dev.step_runner.counts["fallback_dsa"], dict(dev.step_runner.counts)
 
 
 @pytest.mark.parametrize("window", [0, 6])

@@ -176,15 +176,35 @@ class FakeCudaBackend(NumpyBackend):
         return self._run("mla_latent_write", kv_a, kv_a_norm_w, eps, inv_freq, positions, latent_cache, slots, q=q,
                          interleave=interleave, rope_scale=rope_scale, out=out)
 
+    def dsa_key_write(self, k, k_norm_w, k_norm_b, eps, inv_freq, positions, index_cache, slots, *, q=None,
+                      interleave=False, rope_scale=1.0, out=None):
+        return self._run("dsa_key_write", k, k_norm_w, k_norm_b, eps, inv_freq, positions, index_cache, slots, q=q,
+                         interleave=interleave, rope_scale=rope_scale, out=out)
+
+    def dsa_select(self, q, weights, index_cache, block_tables, row_seq, row_len, topk, scale, *, row_start=None,
+                   out=None, scores=None):
+        from mtpkern.backends.cuda_launch import dsa as dsa_launch
+
+        if out is not None:                  # a planned step: the launcher's own workspace rule
+            want = dsa_launch.workspace_shapes(q.shape[0], block_tables.shape[1] * index_cache.shape[1], topk)
+            if want:
+                _expect("scores", scores, want["scores"])
+                self.ws_seen.add("dsa scores")
+            else:
+                assert scores is None
+        return self._run("dsa_select", q, weights, index_cache, block_tables, row_seq, row_len, topk, scale,
+                         row_start=row_start, out=out)
+
     def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len, scale, *,
-                               row_start=None, out=None, **ws):
+                               row_start=None, index=None, out=None, **ws):
         from mtpkern.backends.cuda_launch import mla as mla_launch
 
         n, Hq = q.shape[0], q.shape[1]
         NB, BS, W = latent_cache.shape
         L = w_uk.shape[2]
         if out is not None:                  # a planned step: the launcher's own workspace rule
-            p = mla_launch.plan(Hq, L, W - L, block_tables.shape[1] * BS, n, target_blocks=2 * SMS,
+            walk = mla_launch.max_rows(block_tables.shape[1] * BS, index)
+            p = mla_launch.plan(Hq, L, W - L, walk, n, target_blocks=2 * SMS,
                                 smem_max=227 * 1024, kv_itemsize=np.dtype(latent_cache.dtype).itemsize)
             want = mla_launch.workspace_shapes(n, Hq, L, W - L, p.num_parts)
             assert set(ws) == set(want), (sorted(ws), sorted(want))
@@ -192,7 +212,7 @@ class FakeCudaBackend(NumpyBackend):
                 _expect(key, ws[key], shape)
                 self.ws_seen.add(f"mla {key}")
         return self._run("mla_attention_absorbed", q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,
-                         scale, row_start=row_start, out=out)
+                         scale, row_start=row_start, index=index, out=out)
 
     def sigmoid_gate(self, x, gate, residual=None, *, out=None):
         return self._run("sigmoid_gate", x, gate, residual, out=out)
@@ -388,6 +408,17 @@ def test_captured_mla_checkpoint(fake_cuda, mla_ckpt, mla_cfg):
     counts = run_twins(eager, graph, mla_cfg, 3, [7, 300], [(3, [0.0], [None])] * 3 + [(2, [1.0], [None])])
     assert counts["replayed"] >= 2
     assert {"mla q_full", "mla o_lat", "mla part_o", "mla part_ml"} <= graph.backend.ws_seen, graph.backend.ws_seen
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_dsa_checkpoint(fake_cuda, dsa_ckpt, dsa_cfg, mode):
+    """DSA's indexer in the captured step: its key write and lists recorded and replayed (the
+    lists' scores workspace planned as dsa_select's launcher says), the absorbed attention's
+    workspaces sized for the lists' width; no propose falls back."""
+    eager, graph = _twins(dsa_ckpt, mode, fake_cuda)
+    counts = run_twins(eager, graph, dsa_cfg, 4, [9, 30], [(3, [0.0], [None])] * 3 + [(2, [1.0], [None])])
+    assert counts["replayed"] >= 2 and not counts.get("fallback_dsa"), counts
+    assert {"dsa scores", "mla q_full"} <= graph.backend.ws_seen, graph.backend.ws_seen
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

@@ -196,16 +196,41 @@ def test_planned_step_equals_eager_v4_ffn(v4_ffn_ckpt, mode, seed, lens, rounds)
     run_twins(eager, planned, cfg, seed, lens, rounds)
 
 
+def _planned_only(counts: dict) -> None:
+    """Every propose of a run the planned step could take took it: plans ran, no config fallback."""
+    assert counts.get("executed", 0) > 0, counts
+    assert not {c for c, v in counts.items() if v and c in ("fallback_dsa", "fallback_hc", "fallback_v4_attention")}, \
+        counts
+
+
 @pytest.mark.parametrize("mode", ["exact", "draft"])
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**scenario)
-def test_dsa_modules_fall_back_to_the_eager_step(dsa_ckpt, dsa_cfg, mode, seed, lens, rounds):
-    """The planned step does not cover DSA's indexer yet: a proposer with a step runner runs
-    the eager step for DSA modules (counted), with the eager proposer's drafts and state."""
+def test_planned_step_equals_eager_dsa(dsa_ckpt, dsa_cfg, mode, seed, lens, rounds):
+    """DSA's indexer in the planned step (its projections, key write and lists with out= buffers;
+    in exact mode the last module's rows that go on carry their indexer queries and weights):
+    the eager path's drafts and state. index_topk 4 at contexts of 2..40 rows: the lists are
+    sparse for most rows."""
     eager, planned = _pair(dsa_ckpt, mode, "postnorm")
-    run_twins(eager, planned, dsa_cfg, seed, lens, rounds, plannable=False)
-    counts = planned.step_runner.counts
-    assert counts["fallback_dsa"] > 0 and counts["plans"] == 0, dict(counts)
+    assert planned.modules[0].block.index_topk == 4
+    run_twins(eager, planned, dsa_cfg, seed, lens, rounds)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_dsa_planned_step_selects_sparsely(dsa_ckpt, dsa_cfg, mode):
+    """Contexts far past index_topk (the lists pick 4 of 20..40 rows), every propose planned and
+    none falling back; the plan's lists are sparse (as many entries as index_topk, with rows
+    skipped), so the sparse attention is what the comparison covers."""
+    eager, planned = _pair(dsa_ckpt, mode, "postnorm")
+    counts = run_twins(eager, planned, dsa_cfg, 11, [20, 33, 27],
+                       [(3, [1.0], [None]), (2, [0.5], ["one"]), (3, [0.0], [None]), (1, [1.0], [None])])
+    _planned_only(counts)
+    assert counts["executed"] + counts.get("replayed", 0) == 4
+    plan = next(reversed(planned.step_runner.plans.values()))
+    lists = np.concatenate([np.asarray(plan.bufs[m].index) for m in plan.run if plan.bufs[m].index.size])
+    T = dsa_cfg.block(0).index_topk
+    assert lists.shape[1] == T and (lists >= 0).all()
+    assert (lists[:, -1] - lists[:, 0] >= T).all(), "expected lists that skip rows (a sparse selection)"
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
@@ -294,7 +319,7 @@ def test_no_allowed_token_rolls_back(tiny_ckpt, tiny_cfg):
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
-@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "mla_ckpt"])
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "mla_ckpt", "dsa_ckpt"])
 def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, request):
     """What capture needs: every op of the plan gets its output buffer(s), and every
     array an op reads or writes is persistent (plan buffers, the staging area, the
@@ -316,7 +341,7 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, reque
             for plan in runner.plans.values():
                 persistent.extend(plan._own + [plan.stage.dev])
             for h in prop.modules:
-                persistent.extend(a for a in (h.pool.k, h.pool.v, h._inv_freq) if a is not None)
+                persistent.extend(a for a in (h.pool.k, h.pool.v, h.pool.index_k, h._inv_freq) if a is not None)
                 persistent.extend(v for v in (getattr(h.w, f) for f in h.w.__slots__) if isinstance(v, np.ndarray))
         return persistent
 
@@ -336,7 +361,8 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, reque
 
     def propose(*a, **kw):   # check the ops only while the plan runs
         names = ("rmsnorm", "mtp_input", "linear", "qk_norm_rope_kv_write", "paged_attention", "moe_router",
-                 "moe_experts", "swiglu_mlp", "lm_head_argmax", "mla_latent_write", "mla_attention_absorbed")
+                 "moe_experts", "swiglu_mlp", "lm_head_argmax", "mla_latent_write", "mla_attention_absorbed",
+                 "dsa_key_write", "dsa_select")
         for n in names:
             setattr(be, n, checked(n, getattr(NumpyBackend, n)))
         try:
@@ -349,6 +375,8 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, reque
     prop.propose_batch([1, 2], rng.standard_normal((2, 64)).astype(np.float32), [7, 7], 3, sts)
     attention = "mla_attention_absorbed" if prop.modules[0].block.mla else "paged_attention"
     assert calls.count("lm_head_argmax") == 3 and attention in calls
+    if prop.modules[0].block.dsa:        # every module's indexer: its key write and its lists
+        assert calls.count("dsa_key_write") == prop.num_modules and "dsa_select" in calls, calls
 
 
 def test_host_copy_segments_checks_bounds():
