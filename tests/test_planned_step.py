@@ -216,6 +216,29 @@ def test_planned_step_equals_eager_dsa(dsa_ckpt, dsa_cfg, mode, seed, lens, roun
     run_twins(eager, planned, dsa_cfg, seed, lens, rounds)
 
 
+@pytest.fixture(scope="module")
+def kpool_ckpt(tmp_path_factory):
+    """GLM-5.3's pooled indexer: pools of 2 rows, 4 keys (2 pools) and the tail: lists of 5."""
+    from mtpkern import write_synthetic_checkpoint
+    from mtpkern.config import tiny_config
+    from test_dsa_kpool import KPOOL_FIELDS
+
+    cfg = tiny_config(**KPOOL_FIELDS)
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("kpool"), cfg, seed=14), cfg
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_planned_step_equals_eager_pooled_dsa(kpool_ckpt, mode):
+    """The pooled indexer in the planned step: its plane's key and gate scores (index_gate), lists
+    of index_topk + P - 1 columns (index_list_width), at contexts past the pools picked."""
+    ckpt, cfg = kpool_ckpt
+    eager, planned = _pair(ckpt, mode, "postnorm")
+    assert planned.modules[0].block.index_list_width == 5
+    counts = run_twins(eager, planned, cfg, 12, [17, 6, 25],
+                       [(3, [1.0], [None]), (2, [0.5], ["rows"]), (3, [0.0], [None]), (1, [1.0], [None])])
+    _planned_only(counts)
+
+
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_dsa_planned_step_selects_sparsely(dsa_ckpt, dsa_cfg, mode):
     """Contexts far past index_topk (the lists pick 4 of 20..40 rows), every propose planned and
