@@ -38,9 +38,11 @@ table per call. Per call, ``StepRunner.propose``:
 
 Blocks: GQA and MLA attention, DSA's indexer (its rows and lists in plan buffers; in exact
 mode the last module's picked rows carry their indexer queries and weights, ``RowPick.ex``),
-windows, sinks, gates, MoE and dense FFNs. Not yet planned (``StepRunner.applies`` counts
-them and the eager step runs): hyper-connections (``fallback_hc``) and DeepSeek-V4's
-attention (``fallback_v4_attention``).
+DeepSeek-V4's attention (the query latent's rows joined with k | v and the grouped output's
+column groups moved by static segment copies, ``ForwardBuffers.copies``; the picked rows carry
+their positions for the output's inverse RoPE), windows, sinks, gates, MoE and dense FFNs.
+Not yet planned (``StepRunner.applies`` counts them and the eager step runs):
+hyper-connections (``fallback_hc``).
 
 Nothing here imports CuPy or touches a GPU at import time.
 """
@@ -229,6 +231,15 @@ class StepPlan:
             if self.exact and m < k:
                 s += B                                      # last row of each sequence -> LM head
             self.seg_rows[m] = (f0, f1, f2, s)
+        # -- the modules' static row moves inside compute (ForwardBuffers.copies): name -> rows
+        self.copy_rows: dict[int, dict[str, tuple[int, int]]] = {m: {} for m in self.run}
+        for m in self.run:
+            b = prop.modules[m].block
+            for name, count in (("join_q", 2 * n[m] if b.q_lora_rank and not b.mla else 0),
+                                ("o_groups_in", nout[m] * b.o_groups), ("o_groups_out", nout[m] * b.o_groups)):
+                if count:
+                    self.copy_rows[m][name] = (s, s + count)
+                    s += count
         self.num_segments = s
 
         # -- staging layout ---------------------------------------------------------------
@@ -278,7 +289,17 @@ class StepPlan:
         o = buf((max(nout[m] * blk[m].o_size for m in self.run),))
         mla = [m for m in self.run if blk[m].mla]                 # MLA: the latent projection, the q path
         kv_a = flat(lambda b: b.latent_width) if mla else None
-        q_c = flat(lambda b: b.q_lora_rank) if any(blk[m].q_lora_rank for m in mla) else None
+        q_c = flat(lambda b: b.q_lora_rank) if any(blk[m].q_lora_rank for m in self.run) else None
+        v4q = [m for m in self.run if blk[m].q_lora_rank and not blk[m].mla]     # DeepSeek-V4's query latent
+        q_lat = flat(lambda b: b.q_size) if v4q else None
+        kv_ = flat(lambda b: b.qkv_size - b.q_size) if v4q else None
+        o_rot = (buf((max(nout[m] * blk[m].o_size for m in self.run),))
+                 if any(blk[m].out_rope for m in self.run) else None)
+        grouped = [m for m in self.run if blk[m].o_groups]
+        if grouped:                          # the grouped output's column groups, parts and joined rows
+            o_in = buf((max(nout[m] * blk[m].o_size for m in grouped),))
+            o_gr = buf((max(nout[m] * blk[m].o_groups * blk[m].o_lora_rank for m in grouped),))
+            o_a = buf((max(nout[m] * blk[m].o_groups * blk[m].o_lora_rank for m in grouped),))
         dsa = [m for m in self.run if blk[m].dsa]               # DSA: the indexer's rows and lists
         if dsa:
             i_qr = flat(lambda b: b.index_n_heads * b.index_head_dim)
@@ -406,8 +427,24 @@ class StepPlan:
                 self.bufs[m].kv_a = kv_a[:c * W].reshape(c, W)
                 if Q:
                     self.bufs[m].q_c = q_c[:c * Q].reshape(c, Q)
+            bf = self.bufs[m]
+            if m in v4q:
+                Q, KV = b.q_size, b.qkv_size - b.q_size
+                bf.q_c = q_c[:c * b.q_lora_rank].reshape(c, b.q_lora_rank)
+                bf.q_lat, bf.kv = q_lat[:c * Q].reshape(c, Q), kv_[:c * KV].reshape(c, KV)
+            if b.out_rope:
+                bf.o_rot = o_rot[:co * b.o_size].reshape(co, Hq, b.v_dim)
+            if b.o_groups:
+                G, R_ = b.o_groups, b.o_lora_rank
+                bf.o_in = o_in[:co * b.o_size].reshape(G, co, b.o_size // G)
+                bf.o_part = o_gr[:co * G * R_].reshape(G, co, R_)
+                bf.o_a = o_a[:co * G * R_].reshape(co, G * R_)
 
         self._ranges = [(address(a), a.nbytes) for a in self._own] + [(address(stg.dev), stg.dev.nbytes)]
+        seg = stg.d("seg").reshape(-1, SEG_FIELDS)
+        for m in self.run:
+            self.bufs[m].copies = {name: partial(self._segments, seg[a:e])
+                                   for name, (a, e) in self.copy_rows[m].items()}
         self._fill_static_segments()
         self.launches = self._launches(lm_ws)
 
@@ -421,6 +458,8 @@ class StepPlan:
         if b.dsa:
             out["index_q"] = bf and bf.index_q
             out["index_w"] = bf and bf.index_w
+        if b.out_rope:                       # the rows' RoPE positions (the output's unrotation)
+            out["positions"] = None if m is None else self.stage.d(f"pos{m}")
         return out
 
     def chain(self, m: int) -> Any:
@@ -485,6 +524,34 @@ class StepPlan:
                     s += 1
             if s != f3:
                 raise AssertionError(f"module {m}: {s - f2} pick segments written, {f3 - f2} planned")
+        for m in self.run:
+            self._fill_copies(T, m)
+
+    def _fill_copies(self, T: np.ndarray, m: int) -> None:
+        """Module ``m``'s static row moves inside ``compute`` (``ForwardBuffers.copies``): DeepSeek-V4's
+        query rows joined with their k | v rows, a grouped output's column groups out of ``o``
+        and its parts into ``o_a``."""
+        bf, b = self.bufs[m], self.prop.modules[m].block
+        rows: list[tuple[int, int, int]] = []
+        for name, (a, e) in self.copy_rows[m].items():
+            rows.clear()
+            if name == "join_q":
+                Q, KV, S = bf.q_lat.shape[1], bf.kv.shape[1], bf.qkv.shape[1]
+                ql, kv, qkv = address(bf.q_lat), address(bf.kv), address(bf.qkv)
+                for j in range(bf.qkv.shape[0]):                    # row j: q | k | v
+                    rows += [(ql + 4 * j * Q, qkv + 4 * j * S, Q), (kv + 4 * j * KV, qkv + 4 * (j * S + Q), KV)]
+            else:
+                G, co, k = bf.o_in.shape
+                r_ = bf.o_part.shape[2]
+                o = address(bf.o if bf.o_rot is None else bf.o_rot)   # o_a_proj reads the unrotated output
+                oi, op, oa = address(bf.o_in), address(bf.o_part), address(bf.o_a)
+                for i in range(G):
+                    for j in range(co):
+                        rows.append((o + 4 * (j * G * k + i * k), oi + 4 * (i * co + j) * k, k) if name == "o_groups_in"
+                                    else (op + 4 * (i * co + j) * r_, oa + 4 * (j * G * r_ + i * r_), r_))
+            if len(rows) != e - a:
+                raise AssertionError(f"module {m}: {len(rows)} {name} segments written, {e - a} planned")
+            T[a:e] = rows
 
     def _launches(self, lm_ws: dict) -> list[Callable[[], Any]]:
         out: list[Callable[[], Any]] = []
@@ -706,10 +773,6 @@ class StepRunner:
         prop = self.prop
         if prop.config.hc_mult > 1:                     # not planned yet: the eager step runs
             self.counts["fallback_hc"] += 1
-            return False
-        if any(h.block.shared_kv or h.block.out_rope or h.block.o_groups or (h.block.q_lora_rank and not h.block.mla)
-               for h in prop.modules):               # DeepSeek-V4's attention: likewise
-            self.counts["fallback_v4_attention"] += 1
             return False
         if prop.kv_mode == "draft":
             return True

@@ -122,7 +122,12 @@ class ForwardBuffers:
     DSA's indexer (``block.dsa``): ``index_qr`` [n, Hi Di] (wq_b's output), ``index_q`` [n, Hi, Di]
     (roped), ``index_k`` [n, Di], ``index_w`` [n, Hi], with a pooled indexer ``index_gate`` [n, Di],
     and ``index`` [n, block.index_list_width] int32 (``dsa_select``'s lists; its workspace in
-    ``ws["dsa_select"]``).
+    ``ws["dsa_select"]``). DeepSeek-V4's attention: with a query latent outside MLA, ``q_c``,
+    ``q_lat`` [n, Hq D] (q_b_proj's output) and ``kv`` [n, k | v] (w_qkv's), joined into ``qkv``;
+    ``out_rope``: ``o_rot`` [n, Hq, Dv]; a grouped output (``o_groups`` g, rank r): ``o_in``
+    [g, n, Hq Dv / g] (each group's columns of ``o``), ``o_part`` [g, n, r] and ``o_a`` [n, g r].
+    ``copies``: the static row moves that join or split those (the plan's segment copies:
+    ``join_q``, ``o_groups_in``, ``o_groups_out``), each a call that runs them.
     The block's sizes are the module's own (``MtpConfig.block``). ``pick``: only the rows it
     names go on past the KV write (``compute``); the buffers from ``o`` on, ``index``, ``expert_*``,
     ``shared*`` and ``local_ids`` then hold those rows."""
@@ -149,6 +154,13 @@ class ForwardBuffers:
     index_w: Any = None
     index_gate: Any = None
     index: Any = None
+    q_lat: Any = None
+    kv: Any = None
+    o_rot: Any = None
+    o_in: Any = None
+    o_part: Any = None
+    o_a: Any = None
+    copies: dict = field(default_factory=dict)
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -363,7 +375,7 @@ class MtpHead:
             x, q, qkv, ex = pick.x, pick.q, pick.qkv, pick.ex
             row_seq, row_len, row_start = pick.row_seq, pick.row_len, pick.row_start
         else:
-            x, q, qkv, ex = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs is not None, zero_embed)
+            x, q, qkv, ex = self._write_kv(tokens, g, positions, slots, put, kv_copy, bufs, zero_embed)
             if part == "kv" or (out_rows is not None and not len(out_rows)):
                 return None, None
             if out_rows is not None:         # the K/V of every row is in: the rows read go on
@@ -382,7 +394,7 @@ class MtpHead:
         return self._after_kv(x, q, qkv, tables, row_seq, row_len, row_start, put, bufs, index, ex)
 
     def _write_kv(self, tokens: Any, g: Any, positions: Any, slots: Any, put: Any, kv_copy: Any,
-                  planned: bool, zero_embed: Any = None) -> tuple[Any, Any, Any, Any]:
+                  bufs: "ForwardBuffers | None", zero_embed: Any = None) -> tuple[Any, Any, Any, Any]:
         """mtp_input, input_layernorm and the projections that write the rows' K/V (MLA: the
         latent rows; DSA: the indexer keys too) -> ``(x, q, qkv, extra)``: the rows' o_proj
         residual [n, H] (with hyper-connections: the streams [n, m H]), the attention's queries
@@ -406,18 +418,24 @@ class MtpHead:
         else:
             u = x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps, **mask,
                                  **put("mtp_input", out="x"))                                    # [n, H]
-        xa, a_norm = self._normed_input(u, w.input_layernorm, planned)          # input_layernorm(u)
+        xa, a_norm = self._normed_input(u, w.input_layernorm, bufs is not None)  # input_layernorm(u)
         if b.mla:
             q, ix = self._mla_write(xa, a_norm, positions, slots, put)                          # [n, Hq, P + R]
             if ix is not None:
                 ex["index_q"], ex["index_w"] = ix
             qkv = None
         else:
-            qkv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))       # [n, (Hq+2Hkv)D]
-            if b.q_lora_rank:                # the query through its latent; qkv held k | v
-                qc = be.linear(xa, w.mla_q_a, norm=a_norm)                                       # [n, q_lora]
-                qf = be.linear(qc, w.q_b, norm=(w.mla_q_a_norm, eps))                            # [n, Hq D]
-                qkv = be.xp.concatenate([qf, qkv], axis=1)
+            if b.q_lora_rank:                # the query through its latent; w_qkv holds k | v
+                kv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="kv"))      # [n, (2Hkv)D]
+                qc = be.linear(xa, w.mla_q_a, norm=a_norm, **put("linear", out="q_c"))          # [n, q_lora]
+                qf = be.linear(qc, w.q_b, norm=(w.mla_q_a_norm, eps), **put("linear", out="q_lat"))  # [n, Hq D]
+                if bufs is None:
+                    qkv = be.xp.concatenate([qf, kv], axis=1)
+                else:                        # q | k | v rows in the plan's qkv (segment copies)
+                    bufs.copies["join_q"]()
+                    qkv = bufs.qkv
+            else:
+                qkv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="qkv"))   # [n, (Hq+2Hkv)D]
             q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                          w.q_norm, w.k_norm, eps, self._inv_freq, positions,
                                          self.pool.k, self.pool.v, slots, **self._rope_kw, **self._kv_kw,
@@ -472,11 +490,19 @@ class MtpHead:
             if b.out_rope:                   # the rotary dims back to the query's frame (DeepSeek-V4)
                 n = o.shape[0]
                 o = be.rope_heads(o.reshape(n, b.num_attention_heads, b.v_dim), ex["positions"], self._inv_freq,
-                                  inverse=True, **self._rope_kw).reshape(n, b.o_size)
+                                  inverse=True, **self._rope_kw, **put("rope_heads", out="o_rot")).reshape(n, b.o_size)
         hc = cfg.hc_mult > 1
         res = None if hc or not self._owner else x
         if b.o_groups:                       # o_a_proj per group of heads, then o_b_proj
-            r = be.linear(be.linear_grouped(o, w.w_o_a), w.w_o_b, None, res)                    # [n, H]
+            if bufs is None:
+                oa = be.linear_grouped(o, w.w_o_a)                                               # [n, g r]
+            else:                            # linear_grouped in the plan's buffers
+                bufs.copies["o_groups_in"]()                    # o -> o_in [g, n, Hq Dv / g]
+                for i, wi in enumerate(w.w_o_a):
+                    be.linear(bufs.o_in[i], wi, out=bufs.o_part[i])                              # [n, r]
+                bufs.copies["o_groups_out"]()                   # o_part -> o_a [n, g r]
+                oa = bufs.o_a
+            r = be.linear(oa, w.w_o_b, None, res, **put("linear", out="r"))                     # [n, H]
         else:
             r = be.linear(o, w.w_o, None, res, **put("linear", out="r"))                       # [n, H]
         self._sum(r)                         # a sharded head: the heads' partial products

@@ -1981,13 +1981,13 @@ def test_v4_attention_matches_numpy_reference(fake_runtime, tmp_path, window, mo
     """DeepSeek-V4's attention (tests/test_v4_attention.py's V4_ATTN: the query's latent, K = V
     through qk_norm_rope_kv_write(v_is_k), sinks, the output unrotated by rope_heads(inverse),
     the grouped low-rank output), with and without a window, on the kernels against the NumPy
-    reference; the planned step falls back to the eager one for it (counted)."""
+    reference; proposes take the planned step (its segment copies join the query's rows with
+    k | v and split the output's groups)."""
     from mtpkern import write_synthetic_checkpoint
 
     cfg = tiny_config(**test_v4_attention.V4_ATTN, sliding_window=window)
     ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=17, dtype="float32")
-    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"),
-                                                fallback="fallback_v4_attention")
+    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

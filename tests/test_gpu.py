@@ -159,13 +159,12 @@ def test_v4_attention_matches_numpy_reference(tmp_path, kv):
     """DeepSeek-V4's attention (tests/test_v4_attention.py's V4_ATTN: K = V through
     qk_norm_rope_kv_write_kernel's VIsK instantiations, the output unrotated by
     rope_heads_kernel, sinks, the grouped low-rank output) in a proposer, against the
-    reference; every propose eager (the planned step falls back for it)."""
+    reference; proposes take the planned step."""
     from test_v4_attention import V4_ATTN
 
     cfg = tiny_config(**V4_ATTN)
     ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=17, dtype="float32")
-    check_cuda_matches_numpy_reference((ckpt, cfg), "draft", kv, _device_backend(kv),
-                                       fallback="fallback_v4_attention")
+    check_cuda_matches_numpy_reference((ckpt, cfg), "draft", kv, _device_backend(kv))
 
 
 @pytest.mark.parametrize("n", [1, 64])
