@@ -40,9 +40,11 @@ Blocks: GQA and MLA attention, DSA's indexer (its rows and lists in plan buffers
 mode the last module's picked rows carry their indexer queries and weights, ``RowPick.ex``),
 DeepSeek-V4's attention (the query latent's rows joined with k | v and the grouped output's
 column groups moved by static segment copies, ``ForwardBuffers.copies``; the picked rows carry
-their positions for the output's inverse RoPE), windows, sinks, gates, MoE and dense FFNs.
-Not yet planned (``StepRunner.applies`` counts them and the eager step runs):
-hyper-connections (``fallback_hc``).
+their positions for the output's inverse RoPE), hyper-connections (rows of ``stream_size`` =
+``hc_mult`` H values wherever the table moves a hidden or chained row, each token copied once
+per stream, the collapses in plan buffers; the picked rows carry the attention's collapse),
+windows, sinks, gates, MoE and dense FFNs. ``StepRunner.applies`` falls back only on the row
+counts (``fallback_short`` / ``_rows`` / ``_window``).
 
 Nothing here imports CuPy or touches a GPU at import time.
 """
@@ -200,6 +202,7 @@ class StepPlan:
         cfg = prop.config
         B, k, M = shape.B, shape.k, prop.num_modules
         H = cfg.hidden_size
+        hc, S = cfg.hc_mult, cfg.stream_size      # hyper-connections: hc streams of H, S = hc H per row
         vocab = staged_vocab(prop)             # the LM heads' token subset: masks staged in its bits
         W = self.mask_words = cfg.bitmask_words if vocab is None else vocab.words
         self.run = [m for m in range(M) if shape.rows[m]]
@@ -236,6 +239,7 @@ class StepPlan:
         for m in self.run:
             b = prop.modules[m].block
             for name, count in (("join_q", 2 * n[m] if b.q_lora_rank and not b.mla else 0),
+                                ("repeat_tokens", n[m] * hc if hc > 1 else 0),
                                 ("o_groups_in", nout[m] * b.o_groups), ("o_groups_out", nout[m] * b.o_groups)):
                 if count:
                     self.copy_rows[m][name] = (s, s + count)
@@ -251,7 +255,7 @@ class StepPlan:
             for f in ("pos", "slot", "rseq", "rlen") + (("rst",) if prop.modules[m].block.sliding_window else ()):
                 stg.add(f"{f}{m}", n[m], np.int32)
             if cfg.embed_mask_pos0:                         # the rows' position-0 flags (MtpHead.compute)
-                stg.add(f"zero{m}", n[m], np.uint8)
+                stg.add(f"zero{m}", n[m] * hc, np.uint8)    # (each once per stream)
             stg.add(f"tab{m}", B * shape.widths[m], np.int32)
         if shape.masked:
             stg.add("mask", k * B * W, np.int32)
@@ -266,8 +270,8 @@ class StepPlan:
             self._own.append(a)
             return a
 
-        self.g = {m: buf((n[m], H)) for m in self.run if self.exact or m == 0}
-        self.y = {m: buf((nout[m], H)) for m in self.run}
+        self.g = {m: buf((n[m], S)) for m in self.run if self.exact or m == 0}
+        self.y = {m: buf((nout[m], S)) for m in self.run}
         self.normed = {m: buf((nout[m], H)) for m in self.run}
         self.ids = buf((k, B), np.int32)
         self.conf = buf((k, B)) if shape.conf else None           # the drafts' confidences
@@ -278,7 +282,7 @@ class StepPlan:
             self.local_ids, self.best = buf((k, B), np.int32), buf((k, B))
             self.sums, self.local_conf = (buf((k, B)), buf((k, B))) if shape.conf else (None, None)
         self.last = buf((B, H)) if self.exact else None
-        x, r = buf((n_max, H)), buf((n_max, H))
+        x, r = buf((n_max, S)), buf((n_max, H))
         blk = {m: prop.modules[m].block for m in self.run}      # each module's own sizes
 
         def flat(size_of) -> Any:
@@ -295,6 +299,13 @@ class StepPlan:
         kv_ = flat(lambda b: b.qkv_size - b.q_size) if v4q else None
         o_rot = (buf((max(nout[m] * blk[m].o_size for m in self.run),))
                  if any(blk[m].out_rope for m in self.run) else None)
+        if hc > 1:
+            tok_rep = buf((n_max * hc,), np.int32)
+            hc_streams, hc_ffn = buf((n_max, S)), buf((n_max, H))
+            hc_bufs = {"mix_attn": buf((n_max, (2 + hc) * hc)), "u_attn": buf((n_max, H)), "post": buf((n_max, hc)),
+                       "comb": buf((n_max, hc, hc)), "mix_ffn": buf((n_max, (2 + hc) * hc)), "u_ffn": buf((n_max, H)),
+                       "post_ffn": buf((n_max, hc)), "comb_ffn": buf((n_max, hc, hc)), "mix_head": buf((n_max, hc)),
+                       "head": buf((n_max, H))}
         grouped = [m for m in self.run if blk[m].o_groups]
         if grouped:                          # the grouped output's column groups, parts and joined rows
             o_in = buf((max(nout[m] * blk[m].o_size for m in grouped),))
@@ -321,7 +332,7 @@ class StepPlan:
         ws_fixed: dict[str, dict[str, Any]] = {}
         parts: dict[int, int] = {}
         if self.cuda:   # the CUDA launchers' workspaces (see mtpkern.backends.cuda_launch)
-            xcat = buf((n_max, 2 * H))
+            xcat = buf((n_max * hc, 2 * H))
             ws_fixed["mtp_input"] = {"xcat": xcat}
             def inner(name: str, axis: int) -> int:
                 """The widest intermediate size of a weight the modules run (a sharded rank's
@@ -387,7 +398,7 @@ class StepPlan:
         for m in self.run:
             c, co, b = n[m], nout[m], blk[m]           # rows written; rows past the KV write
             Hq = b.num_attention_heads
-            ws = {op: {key: a[:(c if op == "mtp_input" else co) * (K if op == "experts" else 1)]
+            ws = {op: {key: a[:(c * hc if op == "mtp_input" else co) * (K if op == "experts" else 1)]
                        for key, a in d.items()} for op, d in ws_fixed.items()}
             if self.cuda and parts[m] > 1:
                 p_ = parts[m]
@@ -415,19 +426,17 @@ class StepPlan:
                 bf.index_w = i_w[:c * Hi].reshape(c, Hi)
                 bf.index_gate = i_gate[:c * Di].reshape(c, Di) if b.kpool else None
                 bf.index = i_list[:co * T].reshape(co, T)
-            if picked and m == L:
-                self.bufs[m].pick = RowPick() if not co else RowPick(
-                    buf((co, Hq, b.head_dim)), buf((co, H)), buf((co,), np.int32), buf((co,), np.int32),
-                    buf((co,), np.int32) if b.sliding_window else None,
-                    buf((co, b.qkv_size)) if b.gate_size else None,
-                    {name: buf((co,) + src.shape[1:], src.dtype)
-                     for name, src in self._pick_extras(b, m).items()})
             if b.mla:
                 W, Q = b.latent_width, b.q_lora_rank
                 self.bufs[m].kv_a = kv_a[:c * W].reshape(c, W)
                 if Q:
                     self.bufs[m].q_c = q_c[:c * Q].reshape(c, Q)
             bf = self.bufs[m]
+            if hc > 1:                               # the streams' buffers (ForwardBuffers)
+                bf.tok_rep = tok_rep[:c * hc]
+                bf.streams, bf.ffn = hc_streams[:co], hc_ffn[:co]
+                bf.hc = {name: a[:c if name in ("mix_attn", "u_attn", "post", "comb") else co]
+                         for name, a in hc_bufs.items()}
             if m in v4q:
                 Q, KV = b.q_size, b.qkv_size - b.q_size
                 bf.q_c = q_c[:c * b.q_lora_rank].reshape(c, b.q_lora_rank)
@@ -439,6 +448,13 @@ class StepPlan:
                 bf.o_in = o_in[:co * b.o_size].reshape(G, co, b.o_size // G)
                 bf.o_part = o_gr[:co * G * R_].reshape(G, co, R_)
                 bf.o_a = o_a[:co * G * R_].reshape(co, G * R_)
+            if picked and m == L:
+                self.bufs[m].pick = RowPick() if not co else RowPick(
+                    buf((co, Hq, b.head_dim)), buf((co, S)), buf((co,), np.int32), buf((co,), np.int32),
+                    buf((co,), np.int32) if b.sliding_window else None,
+                    buf((co, b.qkv_size)) if b.gate_size else None,
+                    {name: buf((co,) + src.shape[1:], src.dtype)
+                     for name, src in self._pick_extras(b, m).items()})
 
         self._ranges = [(address(a), a.nbytes) for a in self._own] + [(address(stg.dev), stg.dev.nbytes)]
         seg = stg.d("seg").reshape(-1, SEG_FIELDS)
@@ -460,10 +476,13 @@ class StepPlan:
             out["index_w"] = bf and bf.index_w
         if b.out_rope:                       # the rows' RoPE positions (the output's unrotation)
             out["positions"] = None if m is None else self.stage.d(f"pos{m}")
+        if self.prop.config.hc_mult > 1:     # the attention's collapse: how its output joins the streams
+            out["hc_post"] = bf and bf.hc["post"]
+            out["hc_comb"] = bf and bf.hc["comb"]
         return out
 
     def chain(self, m: int) -> Any:
-        """Module ``m``'s chained outputs [B * rows_m, H] (what module m+1 reads)."""
+        """Module ``m``'s chained outputs [B * rows_m, stream_size] (what module m+1 reads)."""
         return self.normed[m] if self.prop.chain == "postnorm" else self.y[m]
 
     def _tokens(self, m: int) -> Any:
@@ -475,6 +494,7 @@ class StepPlan:
     def _fill_static_segments(self) -> None:
         """The table rows whose addresses never change (persistent buffer to buffer)."""
         B, k, H = self.shape.B, self.shape.k, self.prop.config.hidden_size
+        S = self.prop.config.stream_size                          # a chained row's values (hc_mult H)
         T = self.stage.h("seg").reshape(-1, SEG_FIELDS)
         ids = address(self.ids)
         for m in self.run:
@@ -484,13 +504,13 @@ class StepPlan:
             if m == 0 or self.exact:
                 g = address(self.g[m])
                 for i in range(B):                                   # source: per call
-                    T[s] = (0, g + 4 * i * nm * H, H)
+                    T[s] = (0, g + 4 * i * nm * S, S)
                     s += 1
             if self.exact and m >= 1:
                 prev, nprev = address(self.chain(m - 1)), self.shape.rows[m - 1]
                 g, tok = address(self.g[m]), address(self.stage.d(f"tok{m}"))
                 for i in range(B):                                   # g rows 1.. <- module m-1's rows 0..
-                    T[s] = (prev + 4 * i * nprev * H, g + 4 * (i * nm + 1) * H, (nm - 1) * H)
+                    T[s] = (prev + 4 * i * nprev * S, g + 4 * (i * nm + 1) * S, (nm - 1) * S)
                     s += 1
                 for i in range(B):                                   # token j + 1 <- draft d_j
                     for j in range(nm - 1):
@@ -535,7 +555,12 @@ class StepPlan:
         rows: list[tuple[int, int, int]] = []
         for name, (a, e) in self.copy_rows[m].items():
             rows.clear()
-            if name == "join_q":
+            if name == "repeat_tokens":                             # token j -> entries j hc .. j hc + hc - 1
+                hc = self.prop.config.hc_mult
+                src, dst = address(self._tokens(m)), address(bf.tok_rep)
+                rows += [(src + 4 * j, dst + 4 * (j * hc + i), 1) for j in range(bf.tok_rep.shape[0] // hc)
+                         for i in range(hc)]
+            elif name == "join_q":
                 Q, KV, S = bf.q_lat.shape[1], bf.kv.shape[1], bf.qkv.shape[1]
                 ql, kv, qkv = address(bf.q_lat), address(bf.kv), address(bf.qkv)
                 for j in range(bf.qkv.shape[0]):                    # row j: q | k | v
@@ -626,8 +651,8 @@ class StepPlan:
         stg.h(f"rlen{m}")[:] = ri.row_len
         if ri.row_start is not None:
             stg.h(f"rst{m}")[:] = ri.row_start
-        if self.prop.config.embed_mask_pos0:
-            stg.h(f"zero{m}")[:] = ri.positions == EMBED_MASK_POSITION
+        if self.prop.config.embed_mask_pos0:         # each row's flag once per stream (hyper-connections)
+            stg.h(f"zero{m}")[:] = np.repeat(ri.positions == EMBED_MASK_POSITION, self.prop.config.hc_mult)
         stg.h(f"tab{m}")[:] = ri.tables.reshape(-1)
 
     def stage_masks(self, rows: np.ndarray) -> None:
@@ -638,7 +663,7 @@ class StepPlan:
         """``sources[m][i]``: (array, row) whose row feeds row 0 of sequence i in module m
         (the target hidden for m = 0, the window row of key P-1-m otherwise)."""
         T = self.stage.h("seg").reshape(-1, SEG_FIELDS)
-        H = self.prop.config.hidden_size
+        H = self.prop.config.stream_size            # a chained row: hc_mult streams of hidden_size
         self._call_ranges, self._keep = [], []
         for m, srcs in sources.items():
             f0 = self.seg_rows[m][0]
@@ -771,9 +796,6 @@ class StepRunner:
     def applies(self, sts: list, poss: list[int], k: int) -> bool:
         """True when every module's row count is the steady-state one (``step_rows``)."""
         prop = self.prop
-        if prop.config.hc_mult > 1:                     # not planned yet: the eager step runs
-            self.counts["fallback_hc"] += 1
-            return False
         if prop.kv_mode == "draft":
             return True
         M = prop.num_modules
@@ -814,7 +836,7 @@ class StepRunner:
     def _propose(self, sts, toks, poss, hid, k, masks, want_conf=False):
         prop = self.prop
         be, cfg = prop.backend, prop.config
-        M, B, H = prop.num_modules, len(sts), cfg.hidden_size
+        M, B, H = prop.num_modules, len(sts), cfg.stream_size      # the hiddens: hc_mult streams each
         exact = prop.kv_mode == "exact"
         rows = step_rows(prop.kv_mode, M, k)
         if exact:

@@ -126,8 +126,13 @@ class ForwardBuffers:
     ``q_lat`` [n, Hq D] (q_b_proj's output) and ``kv`` [n, k | v] (w_qkv's), joined into ``qkv``;
     ``out_rope``: ``o_rot`` [n, Hq, Dv]; a grouped output (``o_groups`` g, rank r): ``o_in``
     [g, n, Hq Dv / g] (each group's columns of ``o``), ``o_part`` [g, n, r] and ``o_a`` [n, g r].
+    Hyper-connections (``hc_mult`` m > 1): ``x``, ``y`` and ``streams`` (the streams after the
+    attention) are [n, m H]; ``tok_rep`` [n m] int32 (each token m times); ``ffn`` [n, H] (the FFN's
+    output, before its streams); ``hc``: the collapses' buffers by name: ``mix_attn`` [n, (2 + m) m],
+    ``u_attn`` [n, H], ``post`` [n, m], ``comb`` [n, m, m] (the attention's), ``mix_ffn``, ``u_ffn``,
+    ``post_ffn``, ``comb_ffn`` (the FFN's), ``mix_head`` [n, m] and ``head`` [n, H] (``head_input``).
     ``copies``: the static row moves that join or split those (the plan's segment copies:
-    ``join_q``, ``o_groups_in``, ``o_groups_out``), each a call that runs them.
+    ``join_q``, ``o_groups_in``, ``o_groups_out``, ``repeat_tokens``), each a call that runs them.
     The block's sizes are the module's own (``MtpConfig.block``). ``pick``: only the rows it
     names go on past the KV write (``compute``); the buffers from ``o`` on, ``index``, ``expert_*``,
     ``shared*`` and ``local_ids`` then hold those rows."""
@@ -161,6 +166,10 @@ class ForwardBuffers:
     o_part: Any = None
     o_a: Any = None
     copies: dict = field(default_factory=dict)
+    streams: Any = None
+    tok_rep: Any = None
+    ffn: Any = None
+    hc: dict = field(default_factory=dict)
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -350,8 +359,9 @@ class MtpHead:
         ``part="rest"`` from the attention on, over those rows.
 
         ``zero_embed``: with ``embed_mask_pos0``, the rows' flags [n] (bool / int8 / uint8)
-        of ``mtp_input`` (a planned step stages them: nothing is allocated); None computes
-        them, ``positions == EMBED_MASK_POSITION``. Without it, unused."""
+        of ``mtp_input`` (a planned step stages them: nothing is allocated; with hyper-connections
+        and ``bufs`` [n m], each row's flag once per stream); None computes them,
+        ``positions == EMBED_MASK_POSITION``. Without it, unused."""
         be = self.backend
         pick = None if bufs is None else bufs.pick
         if out_rows is not None and bufs is not None:
@@ -410,11 +420,17 @@ class MtpHead:
             mask["zero_embed"] = positions == EMBED_MASK_POSITION if zero_embed is None else zero_embed   # [n]
         if m > 1:                            # every stream through eh_proj with the token's embedding
             n = tokens.shape[0]
-            if mask:
+            if mask and bufs is None:
                 mask["zero_embed"] = be.xp.repeat(mask["zero_embed"], m)                          # [n m]
-            x = be.mtp_input(w.embed, self._repeat(tokens, m), g.reshape(n * m, cfg.hidden_size), w.enorm,
-                             w.hnorm, w.eh_proj, eps, **mask).reshape(n, m * cfg.hidden_size)   # [n, m H]
-            u, ex["hc_post"], ex["hc_comb"] = self._hc_pre(x, w.hc_attn)                         # [n, H]
+            if bufs is None:
+                toks, kw = self._repeat(tokens, m), {}
+            else:                            # a planned step: its flags staged [n m], tokens copied m times
+                bufs.copies["repeat_tokens"]()
+                toks = bufs.tok_rep
+                kw = {**put("mtp_input"), "out": bufs.x.reshape(n * m, cfg.hidden_size)}
+            x = be.mtp_input(w.embed, toks, g.reshape(n * m, cfg.hidden_size), w.enorm,
+                             w.hnorm, w.eh_proj, eps, **mask, **kw).reshape(n, m * cfg.hidden_size)   # [n, m H]
+            u, ex["hc_post"], ex["hc_comb"] = self._hc_pre(x, w.hc_attn, bufs, "attn")             # [n, H]
         else:
             u = x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps, **mask,
                                  **put("mtp_input", out="x"))                                    # [n, H]
@@ -451,23 +467,30 @@ class MtpHead:
         host = np.repeat(np.asarray(self.backend.to_host(tokens)), m).astype(np.int32)
         return self.backend.from_host(host)
 
-    def _hc_pre(self, X: Any, hc: tuple) -> tuple[Any, Any, Any]:
+    def _hc_pre(self, X: Any, hc: tuple, bufs: "ForwardBuffers | None" = None,
+                which: str = "attn") -> tuple[Any, Any, Any]:
         """Hyper-connections' collapse of the streams ``X`` [n, m H] before a sublayer
-        (mtpkern.ops.hc): ``(u [n, H], post [n, m], comb [n, m, m])``."""
+        (mtpkern.ops.hc): ``(u [n, H], post [n, m], comb [n, m, m])``; ``bufs``: into its ``hc``
+        buffers of the sublayer ``which`` ("attn" or "ffn")."""
         be, cfg = self.backend, self.config
         fn, base, scale = hc
-        mix = be.linear(X, fn, norm=(self.w.hc_ones, cfg.rms_norm_eps))                       # [n, (2 + m) m]
-        return be.hc_pre(X, mix, base, scale, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        h = {} if bufs is None else bufs.hc
+        mix = be.linear(X, fn, norm=(self.w.hc_ones, cfg.rms_norm_eps), out=h.get(f"mix_{which}"))  # [n, (2 + m) m]
+        outs = {} if bufs is None else {"u": h[f"u_{which}"], "post": h["post" if which == "attn" else "post_ffn"],
+                                        "comb": h["comb" if which == "attn" else "comb_ffn"]}
+        return be.hc_pre(X, mix, base, scale, cfg.hc_eps, cfg.hc_sinkhorn_iters, **outs)
 
-    def head_input(self, y: Any) -> Any:
+    def head_input(self, y: Any, bufs: "ForwardBuffers | None" = None) -> Any:
         """What the final norm reads of a module's output ``y``: ``y``, or with hyper-connections
-        its streams collapsed by the module's ``hc_head_*`` (mtpkern.ops.hc.hc_head)."""
+        its streams collapsed by the module's ``hc_head_*`` (mtpkern.ops.hc.hc_head); ``bufs``:
+        into its ``hc`` buffers ``mix_head`` and ``head``."""
         if self.config.hc_mult == 1:
             return y
         be, cfg = self.backend, self.config
         fn, base, scale = self.w.hc_head
-        mix = be.linear(y, fn, norm=(self.w.hc_ones, cfg.rms_norm_eps))                        # [n, m]
-        return be.hc_head(y, mix, base, scale, cfg.hc_eps)                                      # [n, H]
+        h = {} if bufs is None else bufs.hc
+        mix = be.linear(y, fn, norm=(self.w.hc_ones, cfg.rms_norm_eps), out=h.get("mix_head"))   # [n, m]
+        return be.hc_head(y, mix, base, scale, cfg.hc_eps, out=h.get("head"))                     # [n, H]
 
     def _after_kv(self, x: Any, q: Any, qkv: Any, tables: Any, row_seq: Any, row_len: Any, row_start: Any,
                   put: Any, bufs: "ForwardBuffers | None", index: Any = None,
@@ -507,33 +530,34 @@ class MtpHead:
             r = be.linear(o, w.w_o, None, res, **put("linear", out="r"))                       # [n, H]
         self._sum(r)                         # a sharded head: the heads' partial products
         if hc:                               # the streams after attention; the FFN's collapse
-            r = be.hc_post(r, x, ex["hc_post"], ex["hc_comb"])                                   # [n, m H]
-            u, f_post, f_comb = self._hc_pre(r, w.hc_ffn)                                        # [n, H]
+            r = be.hc_post(r, x, ex["hc_post"], ex["hc_comb"], **put("hc_post", out="streams"))  # [n, m H]
+            u, f_post, f_comb = self._hc_pre(r, w.hc_ffn, bufs, "ffn")                           # [n, H]
         else:
             u = r
         f, f_norm = self._normed_input(u, w.post_attention_layernorm, bufs is not None)  # f_in
         res = None if hc or not self._owner else r
+        yf = "ffn" if hc else "y"            # the FFN's output: with streams, before hc_post
         if b.moe:
             ids, wts = be.moe_router(f, w.gate_w, w.gate_bias, self._router, norm=f_norm,
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
             if self._expert_map is not None:          # this rank's experts; -1: an empty slot
                 ids = be.map_ids(self._expert_map, ids, out=None if bufs is None else bufs.local_ids)
             y = be.moe_experts(f, ids, wts, w.experts_w13, w.experts_w2, res, norm=f_norm,
-                               **self._experts_kw, **put("experts", out="y"))                    # [n, H]
+                               **self._experts_kw, **put("experts", out=yf))                    # [n, H]
             if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row
                 sh = be.swiglu_mlp(f, w.shared_w13, w.shared_w2, norm=f_norm, **self._mlp_kw,
                                    **put("shared", out="shared"))
                 sg = be.linear(f, w.shared_gate, norm=f_norm, **put("linear", out="shared_gate"))  # [n, 1]
-                y = be.sigmoid_gate(sh, sg, y, **put("gate", out="y"))
+                y = be.sigmoid_gate(sh, sg, y, **put("gate", out=yf))
             elif w.shared_w13 is not None:
                 y = be.swiglu_mlp(f, w.shared_w13, w.shared_w2, y, norm=f_norm, **self._mlp_kw,
-                                  **put("shared", out="y"))
+                                  **put("shared", out=yf))
         else:                                # y = r + mlp(post_attention_layernorm(r))
-            y = be.swiglu_mlp(f, w.mlp_w13, w.mlp_w2, res, norm=f_norm, **self._mlp_kw, **put("mlp", out="y"))
+            y = be.swiglu_mlp(f, w.mlp_w13, w.mlp_w2, res, norm=f_norm, **self._mlp_kw, **put("mlp", out=yf))
         self._sum(y)                         # a sharded head: the FFN slices' partial outputs
         if hc:                               # the streams the module hands on
-            y = be.hc_post(y, r, f_post, f_comb)                                                 # [n, m H]
-        normed = be.rmsnorm(self.head_input(y), w.shared_head_norm, eps,
+            y = be.hc_post(y, r, f_post, f_comb, **put("hc_post", out="y"))                     # [n, m H]
+        normed = be.rmsnorm(self.head_input(y, bufs), w.shared_head_norm, eps,
                             **put("rmsnorm", out="normed"))                                      # [n, H]
         return y, normed
 

@@ -309,12 +309,24 @@ def test_dsa_planned_step_selects_sparsely(dsa_ckpt, dsa_cfg, mode):
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(**scenario)
-def test_hyper_connections_fall_back_to_the_eager_step(hc_ckpt, hc_cfg, mode, seed, lens, rounds):
-    """Likewise for hyper-connections (counted apart)."""
+def test_planned_step_equals_eager_hyper_connections(hc_ckpt, hc_cfg, mode, seed, lens, rounds):
+    """Hyper-connections in the planned step: chained rows, windows and the engine's hiddens of
+    hc_mult streams (the segment copies move stream_size values), each token copied once per
+    stream, the collapses and hc_post into plan buffers, hc_head before the final norm; in exact
+    mode the picked rows carry the attention's collapse (post, comb): the eager path's drafts
+    and state."""
     eager, planned = _pair(hc_ckpt, mode, "prenorm")
-    run_twins(eager, planned, hc_cfg, seed, lens, rounds, plannable=False)
-    counts = planned.step_runner.counts
-    assert counts["fallback_hc"] > 0 and counts["plans"] == 0, dict(counts)
+    run_twins(eager, planned, hc_cfg, seed, lens, rounds)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_hyper_connections_take_the_planned_step(hc_ckpt, hc_cfg, mode):
+    """Every propose of a steady-state run planned, none falling back."""
+    eager, planned = _pair(hc_ckpt, mode, "prenorm")
+    counts = run_twins(eager, planned, hc_cfg, 21, [7, 12], [(3, [1.0], [None]), (2, [0.5], ["rows"]),
+                                                              (3, [0.0], [None]), (1, [1.0], [None])])
+    _planned_only(counts)
+    assert counts["executed"] + counts.get("replayed", 0) == 4, counts
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
@@ -392,7 +404,7 @@ def test_no_allowed_token_rolls_back(tiny_ckpt, tiny_cfg):
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
-@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "mla_ckpt", "dsa_ckpt", "v4_window_ckpt"])
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "mla_ckpt", "dsa_ckpt", "v4_window_ckpt", "hc_ckpt"])
 def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, request):
     """What capture needs: every op of the plan gets its output buffer(s), and every
     array an op reads or writes is persistent (plan buffers, the staging area, the
@@ -402,10 +414,11 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, reque
     runner = prop.step_runner = StepRunner(prop, capture=False)
     rng = np.random.default_rng(3)
     sts = [prop.alloc_state() for _ in range(2)]
+    S = prop.config.stream_size
     for st in sts:
-        prop.prefill_drafter(rng.integers(0, 301, 7).tolist(), rng.standard_normal((7, 64)).astype(np.float32), st)
+        prop.prefill_drafter(rng.integers(0, 301, 7).tolist(), rng.standard_normal((7, S)).astype(np.float32), st)
     be = prop.backend
-    outputs = {"moe_router": ("ids", "weights")}
+    outputs = {"moe_router": ("ids", "weights"), "hc_pre": ("u", "post", "comb")}
     calls = []
     persistent: list = []
 
@@ -447,7 +460,7 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, reque
                 delattr(be, n)
 
     runner.propose = propose
-    prop.propose_batch([1, 2], rng.standard_normal((2, 64)).astype(np.float32), [7, 7], 3, sts)
+    prop.propose_batch([1, 2], rng.standard_normal((2, S)).astype(np.float32), [7, 7], 3, sts)
     attention = "mla_attention_absorbed" if prop.modules[0].block.mla else "paged_attention"
     assert calls.count("lm_head_argmax") == 3 and attention in calls
     if prop.modules[0].block.dsa:        # every module's indexer: its key write and its lists

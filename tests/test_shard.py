@@ -236,12 +236,14 @@ def test_sharded_v4_attention_with_the_wrong_groups_differs(tmp_path_factory, mo
         check_world(ckpt, 2, "exact", 17, conf=True)
 
 
-def test_sharded_v4_planned_step_matches_one_rank(tmp_path_factory):
+@pytest.mark.parametrize("shape", ["groups4", "groups4_hc"])
+def test_sharded_v4_planned_step_matches_one_rank(tmp_path_factory, shape):
     """The planned step over a sharded V4 head (each rank's query heads and output groups, K = V
-    on every rank) takes the planned step, call for call the single rank's."""
+    on every rank; with 4 streams, the hyper-connections replicated) takes the planned step,
+    call for call the single rank's."""
     from mtpkern.cuda_graph import StepRunner
 
-    ckpt = v4_ckpt(tmp_path_factory, "groups4")
+    ckpt = v4_ckpt(tmp_path_factory, shape)
     steps = shard_cases.script(31, length=10)
     want = single_log(ckpt, "draft", steps, True)
 
