@@ -1989,6 +1989,18 @@ def test_v4_attention_matches_numpy_reference(fake_runtime, tmp_path, window, mo
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_hyper_connections_planned_on_the_kernels(fake_runtime, tmp_path, mode):
+    """Hyper-connections (4 streams) on the kernels against the NumPy reference, proposes taking
+    the planned step: mtp_input's xcat workspace over a row per stream, the collapses, hc_post
+    and hc_head into the plan's buffers, segment copies of stream-wide rows."""
+    from mtpkern import write_synthetic_checkpoint
+
+    cfg = tiny_config(hc_mult=4)
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=9, dtype="float32")
+    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_windows_release_blocks_on_the_kernels(fake_runtime, tmp_path, mode):
     """Every module with a window of 5 keys over prompts of 150 tokens, in pools of 8 blocks
     of 16 (a sequence that kept its rows would need 10): released blocks' table entries

@@ -111,7 +111,7 @@ def check_cuda_matches_numpy_reference(ckpt_cfg, mode: str, kv: str, device_back
     tol = kv
     margins = record_margins(ref)
     rng = np.random.default_rng(5)
-    H, V = cfg.hidden_size, cfg.vocab_size
+    H, V = cfg.stream_size, cfg.vocab_size         # hc_mult streams of the hidden per row
     lens = list(lens)
     B = len(lens)
     sr, sd = [ref.alloc_state() for _ in lens], [dev.alloc_state() for _ in lens]
