@@ -364,7 +364,7 @@ class StepPlan:
                     Lr, R = b.kv_lora_rank, b.qk_rope_head_dim
                     cap = shape.widths[m] * BS              # a DSA list: each row walks its listed rows only
                     if b.dsa:
-                        dsa_ws[m] = dsa_launch.workspace_shapes(nout[m], cap, b.index_topk)
+                        dsa_ws[m] = dsa_launch.workspace_shapes(nout[m], cap, b.index_topk, b.kpool)
                     walk = min(cap, b.index_list_width) if b.dsa else cap
                     mp = mla_launch.plan(b.num_attention_heads, Lr, R, walk, nout[m],
                                          target_blocks=2 * sm_count(), smem_max=smem_optin(), kv_itemsize=kv_item)

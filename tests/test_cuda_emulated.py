@@ -1973,6 +1973,20 @@ def test_nope_mla_with_dsa_matches_numpy_reference(fake_runtime, tmp_path, mode)
     test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
 
 
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_pooled_dsa_planned_on_the_kernels(fake_runtime, tmp_path, mode):
+    """GLM-5.3's block (NoPE MLA under the pooled indexer: pools of 2 keys with their gate
+    scores in the plane, lists of index_topk + P - 1 with the tail) on the kernels against the
+    NumPy reference, proposes taking the planned step: the pool scores' workspace [n, cap // P]
+    and the listed attention's, sized by the plan."""
+    import test_family_glm5_next
+    from mtpkern import write_synthetic_checkpoint
+
+    cfg = tiny_config(**test_family_glm5_next.G53)
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=13, dtype="float32")
+    test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
+
+
 @pytest.mark.parametrize("window", [0, 6])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_v4_attention_matches_numpy_reference(fake_runtime, tmp_path, window, mode):
