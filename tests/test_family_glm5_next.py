@@ -104,10 +104,19 @@ def test_drafts_and_kv_equal_the_oracle(g53_ckpt, backend):
 
 
 @pytest.fixture
-def emulator():
-    """The CUDA emulator (tests/cuda_emu); skipped where it cannot be built."""
+def emulator(monkeypatch):
+    """The CUDA emulator (tests/cuda_emu; skipped where it cannot be built), with CUDA graphs
+    through tests/test_cuda_graph_fake.py's runtime (the planned step captures and replays)."""
     from cuda_emu import emu_backend
-    yield from emu_backend.installed_emulator()
+    from test_cuda_graph_fake import FakeRuntime
+
+    from mtpkern import cuda_graph
+
+    for emu in emu_backend.installed_emulator():
+        rt = FakeRuntime()
+        monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
+        monkeypatch.setattr(emu, "capture", lambda: rt.recording)
+        yield emu
 
 
 def test_cuda_drafts_and_kv_equal_the_oracle(g53_ckpt, emulator):
@@ -119,3 +128,4 @@ def test_cuda_drafts_and_kv_equal_the_oracle(g53_ckpt, emulator):
                                               block_size=4, num_blocks=96, prefill_chunk=7)
     assert prop.modules[0].pool.index_k.shape[2] == 2 * 16
     test_oracle.run_scenario(prop, cfg, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], "postnorm", None)
+    assert prop.step_runner.counts["executed"] + prop.step_runner.counts["replayed"] > 0, dict(prop.step_runner.counts)
