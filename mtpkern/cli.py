@@ -378,7 +378,7 @@ def run_info(args: argparse.Namespace) -> dict:
     from .kv import BlockPool
     from .models import family
     from .errors import CheckpointError
-    from .weights import CheckpointReader, check_headers, module_key
+    from .weights import CheckpointReader, check_headers, experts_gate_up, module_key
 
     path = args.checkpoint
     cfg = MtpConfig.from_json(path / "config.json")
@@ -415,11 +415,13 @@ def run_info(args: argparse.Namespace) -> dict:
             nbytes += int(np.prod(shape)) * _DTYPE_BYTES.get(dt, 4)
         own = [s for s in ("embed_tokens.weight", "shared_head.head.weight")
                if rd.has(module_key(fam, rd, cfg.layer_index(m), m, s))]
+        gate_up = experts_gate_up(cfg, rd, m)
         line = (f"  module {m}: {pre}*  {len(keys)} tensors, {nbytes / 2**20:.1f} MiB, dtypes {sorted(dtypes)}, "
-                f"own {', '.join(own) if own else 'no embedding/head (uses the target)'}")
+                f"own {', '.join(own) if own else 'no embedding/head (uses the target)'}"
+                f"{'; routed experts packed (gate_up_proj [E, 2I, H], down_proj [E, H, I])' if gate_up else ''}")
         print(line)
         report["modules"].append({"prefix": pre, "tensors": len(keys), "bytes": nbytes, "dtypes": sorted(dtypes),
-                                  "own": own})
+                                  "own": own, "experts_gate_up": gate_up})
     for key in (fam.target_embed, fam.target_head, fam.target_norm):
         if rd.has(key):
             shape, dt = rd.info(key)

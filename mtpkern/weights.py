@@ -464,8 +464,28 @@ class MtpWeights:
                 f"{self.distinct_vocab_matrices} [V, H] matrices held)")
 
 
-def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """Key suffix -> (shape, required) for module ``m`` (biases, norms, experts by config)."""
+#: transformers' packed experts (its ``*Experts`` modules' parameters, as Qwen3.6 releases them):
+#: ``gate_up_proj`` [E, 2I, H], each expert's gate rows over its up rows (``F.linear(x, W[e])``
+#: then ``chunk(2)``: gate first), and ``down_proj`` [E, H, I]; no ``.weight`` in the names
+GATE_UP = "mlp.experts.gate_up_proj"
+DOWN_PACKED = "mlp.experts.down_proj"
+
+
+def experts_gate_up(cfg: MtpConfig, rd: "CheckpointReader", m: int) -> bool:
+    """Whether module ``m``'s routed experts are stored as transformers' packed pair
+    (``GATE_UP`` / ``DOWN_PACKED`` under the module's prefix, renamed by the family like any
+    suffix) rather than one tensor per expert: read from the checkpoint, any family (one
+    release of a family may pack them and the next not: Qwen3.5 / Qwen3.6)."""
+    fam = family(cfg.family)
+    if not cfg.block(m).moe or fam.packed_experts:
+        return False
+    layer = cfg.layer_index(m)
+    return rd.has(module_key(fam, rd, layer, m, GATE_UP))
+
+
+def _module_keys(cfg: MtpConfig, m: int, gate_up: bool = False) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Key suffix -> (shape, required) for module ``m`` (biases, norms, experts by config);
+    ``gate_up``: its routed experts as transformers' packed pair (``experts_gate_up``)."""
     b = cfg.block(m)
     H, D, Hq = cfg.hidden_size, b.head_dim, b.num_attention_heads
     q_rows = b.q_size + (b.gate_size if b.attn_gate == "elementwise" else 0)   # + the gate q_proj carries
@@ -503,11 +523,15 @@ def _module_keys(cfg: MtpConfig, m: int) -> dict[str, tuple[tuple[int, ...], boo
         keys["mlp.gate.weight"] = ((E, H), True)
         if cfg.router_bias:
             keys["mlp.gate.e_score_correction_bias"] = ((E,), True)
-        if family(cfg.family).packed_experts:            # one tensor per projection for every expert
+        packed = family(cfg.family).packed_experts or gate_up
+        if gate_up:                                      # [E, 2I, H] gate over up, [E, H, I]
+            keys[GATE_UP] = ((E, 2 * I, H), True)
+            keys[DOWN_PACKED] = ((E, H, I), True)
+        elif packed:                                     # one tensor per projection for every expert
             keys["mlp.experts.gate_proj.weight"] = ((E, I, H), True)
             keys["mlp.experts.up_proj.weight"] = ((E, I, H), True)
             keys["mlp.experts.down_proj.weight"] = ((E, H, I), True)
-        for e in range(0 if family(cfg.family).packed_experts else E):
+        for e in range(0 if packed else E):
             keys[f"mlp.experts.{e}.gate_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.up_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.down_proj.weight"] = ((H, I), True)
@@ -657,7 +681,7 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
     pre = fam.module_prefix(layer, m)
     _check_router_rows(cfg, rd, fam.key(layer, m, "mlp.gate.weight"), m)
     spec = {suffix: (module_key(fam, rd, layer, m, suffix), shape, req)
-            for suffix, (shape, req) in _module_keys(cfg, m).items()}
+            for suffix, (shape, req) in _module_keys(cfg, m, experts_gate_up(cfg, rd, m)).items()}
     for suffix, (key, _, required) in spec.items():
         if required and not rd.has(key):
             why = _deciding_field(cfg, suffix)
@@ -667,7 +691,8 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
     for other in range(cfg.num_modules):     # a prefix the modules share (Qwen3-Next's "mtp."):
         if other != m and fam.module_prefix(cfg.layer_index(other), other).startswith(pre):   # theirs are used
             ours |= _read_keys(cfg, rd, {sx: (module_key(fam, rd, cfg.layer_index(other), other, sx), sh, rq)
-                                         for sx, (sh, rq) in _module_keys(cfg, other).items()}, check=False)
+                                         for sx, (sh, rq) in _module_keys(
+                                             cfg, other, experts_gate_up(cfg, rd, other)).items()}, check=False)
     unused = sorted(k for k in rd.keys_under(pre) if k not in ours)
     ignored: dict[str, list[str]] = {}
     for k in unused:                           # what the family says it does not read, and why
@@ -802,7 +827,7 @@ def check_headers(path: str | os.PathLike, cfg: MtpConfig, apply_target_norm: bo
     for m in range(cfg.num_modules):
         layer = cfg.layer_index(m)
         attempt(lambda: _checked_module_keys(cfg, rd, m, False, notes))      # the first missing / unused one
-        keys = _module_keys(cfg, m)
+        keys = _module_keys(cfg, m, experts_gate_up(cfg, rd, m))
         for suffix, (shape, required) in keys.items():
             attempt(lambda: one(m, layer, suffix, shape, required))
         own = {s: attempt(lambda s=s: module_key(fam, rd, layer, m, s))
@@ -1026,19 +1051,35 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     def packed_w13(e0: int, e1: int, part_i: tuple[int, int] | None):
         """[E', 2I', H]: each expert's gate rows over its up rows, from the packed gate and up
         tensors: dense ones written into the result one tensor at a time (the host peak is the
-        result plus one packed tensor); FP8 ones fused per expert with their scales."""
-        gate = packed("mlp.experts.gate_proj.weight", e0, e1, part_i, 1)
+        result plus one packed tensor); FP8 ones fused per expert with their scales.
+
+        transformers' ``gate_up_proj`` [E, 2I, H] (``GATE_UP`` in the module's spec) already is that
+        layout: the experts' range is read once and handed on as it is; only a sharded head's
+        slice of I (``part_i``) cuts the gate rows and the up rows out of it and joins them."""
+        if GATE_UP in spec:
+            I_ = spec[GATE_UP][1][1] // 2
+            if part_i is None:
+                return packed(GATE_UP, e0, e1, None, 1)
+            halves = {"gate": part_i, "up": (I_ + part_i[0], I_ + part_i[1])}
+
+            def half(name):
+                return packed(GATE_UP, e0, e1, halves[name], 1)
+        else:
+            def half(name):
+                return packed(f"mlp.experts.{name}_proj.weight", e0, e1, part_i, 1)
+        up_key = spec[GATE_UP if GATE_UP in spec else "mlp.experts.up_proj.weight"][0]
+        gate = half("gate")
         if isinstance(gate, Fp4Weight):
-            up = packed("mlp.experts.up_proj.weight", e0, e1, part_i, 1)
+            up = half("up")
             if not isinstance(up, Fp4Weight):
                 raise CheckpointError(f"{rd.path}: experts mix FP4 and {_kind(up)} weights "
-                                      f"({spec['mlp.experts.up_proj.weight'][0]!r})")
+                                      f"({up_key!r})")
             return Fp4Weight(np.concatenate([gate.data, up.data], axis=1), np.concatenate([gate.scale, up.scale], axis=1))
         if isinstance(gate, Fp8Weight):
-            up = packed("mlp.experts.up_proj.weight", e0, e1, part_i, 1)
+            up = half("up")
             if not isinstance(up, Fp8Weight):
                 raise CheckpointError(f"{rd.path}: experts mix FP8 and dense weights "
-                                      f"({spec['mlp.experts.up_proj.weight'][0]!r})")
+                                      f"({up_key!r})")
             return Fp8Weight.stack([Fp8Weight.concat([Fp8Weight(gate.data[e], gate.scale[e], gate.block),
                                                       Fp8Weight(up.data[e], up.scale[e], up.block)])
                                     for e in range(gate.data.shape[0])])
@@ -1046,10 +1087,10 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         out = np.empty((n, 2 * I_, gate.shape[2]), gate.dtype)
         out[:, :I_] = gate
         del gate
-        up = packed("mlp.experts.up_proj.weight", e0, e1, part_i, 1)
+        up = half("up")
         if isinstance(up, (Fp8Weight, Fp4Weight)):
             raise CheckpointError(f"{rd.path}: experts mix {_kind(up)} and dense weights "
-                                  f"({spec['mlp.experts.up_proj.weight'][0]!r})")
+                                  f"({up_key!r})")
         out[:, I_:] = up
         return out
 
@@ -1344,9 +1385,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             e0, e1 = (0, E) if shard is None else shard.expert_range(E)              # experts held whole (EP)
             part_i = (0, I) if shard is None else shard.routed_slice(I)             # each expert's slice (TP)
             sl = None if part_i == (0, I) else part_i
-            if fam.packed_experts:
+            if fam.packed_experts or GATE_UP in spec:
                 mw.experts_w13 = backend.prepare_weight(packed_w13(e0, e1, sl))
-                w2 = packed("mlp.experts.down_proj.weight", e0, e1, sl, 2)
+                w2 = packed(DOWN_PACKED if GATE_UP in spec else "mlp.experts.down_proj.weight", e0, e1, sl, 2)
                 mw.experts_w2 = backend.prepare_weight(w2 if isinstance(w2, (Fp8Weight, Fp4Weight))
                                                        else np.ascontiguousarray(w2))
             else:
@@ -1578,18 +1619,23 @@ def rope_release_order(cfg: MtpConfig, tensors: dict[str, np.ndarray]) -> dict[s
     return out
 
 
-def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered: bool = False
-                   ) -> dict[str, np.ndarray]:
+def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered: bool = False,
+                   packed_gate_up: bool = False) -> dict[str, np.ndarray]:
     """``tensors`` (canonical names, as ``synthetic_tensors`` makes them) renamed and
     unfolded into ``cfg.family``'s release layout: the checkpoint a family's own
     release would be, which ``load_weights`` folds back to the same module.
     ``rope_ordered``: a ``rope_last`` family's head dims are already in the release's order
     (``rope_release_order``, as quantized tensors must be); else dense ones are reordered
-    here and quantized ones refused."""
+    here and quantized ones refused. ``packed_gate_up``: the routed experts as transformers'
+    packed pair (``GATE_UP`` [E, 2I, H], each expert's gate rows over its up rows, and
+    ``DOWN_PACKED`` [E, H, I]: how Qwen3.6 releases them), dense tensors only."""
     fam = family(cfg.family)
+    if packed_gate_up and fam.packed_experts:
+        raise ValueError(f"packed_gate_up: {fam.title} packs its experts its own way (Family.packed_experts)")
     H = cfg.hidden_size
     out = {}
     packs: dict[str, dict[int, np.ndarray]] = {}     # a packed-experts family: key -> expert -> tensor
+    gate_ups: dict[tuple[int, str], dict[int, np.ndarray]] = {}     # (module, gate / up) -> expert -> rows
     for key, a in tensors.items():
         for m in range(cfg.num_modules):
             canon = f"model.layers.{cfg.layer_index(m)}."
@@ -1599,7 +1645,16 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered:
                 for t in ("_scale_inv", "_scale"):             # an FP8 scale follows its weight's name
                     if suffix.endswith(".weight" + t):
                         base, tail = suffix[:-len(t)], t
-                expert = _EXPERT.match(base) if fam.packed_experts else None
+                expert = _EXPERT.match(base) if (fam.packed_experts or packed_gate_up) else None
+                if expert is not None and packed_gate_up:      # transformers' [E, 2I, H] and [E, H, I]
+                    if tail or a.dtype.itemsize == 1:
+                        raise ValueError(f"tensors: {key!r} is quantized; packed_gate_up writes dense experts only")
+                    if expert.group(2) == "down":
+                        packs.setdefault(fam.key(cfg.layer_index(m), m, DOWN_PACKED), {})[int(expert.group(1))] = a
+                    else:
+                        gate_ups.setdefault((m, expert.group(2)), {})[int(expert.group(1))] = a
+                    key = None
+                    break
                 if expert is not None:                         # one tensor [E, ...] per projection
                     packed = fam.key(cfg.layer_index(m), m, f"mlp.experts.{expert.group(2)}_proj.weight") + tail
                     packs.setdefault(packed, {})[int(expert.group(1))] = a
@@ -1656,6 +1711,10 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered:
         out[key] = a
     for key, experts in packs.items():
         out[key] = np.stack([experts[e] for e in range(len(experts))])
+    for m in sorted({m for m, _ in gate_ups}):
+        gate, up = gate_ups[m, "gate"], gate_ups[m, "up"]
+        out[fam.key(cfg.layer_index(m), m, GATE_UP)] = np.stack(
+            [np.concatenate([gate[e], up[e]], axis=0) for e in range(len(gate))])
     return out
 
 
@@ -1665,7 +1724,8 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: int = 0,
                                dtype: str = "bfloat16", shards: int = 1, own_embed: bool = False,
-                               own_head: bool = False, pow2_scales: bool = False) -> Path:
+                               own_head: bool = False, pow2_scales: bool = False,
+                               packed_gate_up: bool = False) -> Path:
     """Write ``config.json`` and a complete synthetic checkpoint to ``path``.
 
     ``dtype``: "bfloat16" or "float32"; ``shards > 1`` writes
@@ -1675,6 +1735,7 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
     as ``cfg.family``'s release names them (``release_layout``); with
     ``cfg.weight_quant == "fp8"`` the projections are FP8 E4M3 with their scales
     (``quantize_projections``; ``pow2_scales`` as there), the rest in ``dtype``.
+    ``packed_gate_up``: the routed experts as transformers' packed pair (``release_layout``).
     """
     from safetensors.numpy import save_file
 
@@ -1690,7 +1751,7 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
     tensors = rope_release_order(cfg, tensors)
     if cfg.weight_quant == "fp8":
         tensors = quantize_projections(cfg, tensors, pow2_scales)
-    tensors = release_layout(cfg, tensors, rope_ordered=True)
+    tensors = release_layout(cfg, tensors, rope_ordered=True, packed_gate_up=packed_gate_up)
     tensors = {k: np.ascontiguousarray(v if v.dtype.itemsize == 1 or k.endswith(("_scale", "_scale_inv", ".scale"))
                                        or ".hc_" in k else v.astype(np_dtype))          # hyper-connections: FP32
                for k, v in tensors.items()}
