@@ -454,7 +454,7 @@ def test_a_window_that_is_switched_off_loads():
 
 @pytest.mark.parametrize("change,msg", [
     ({"model_type": "kimi_k2"}, "model_type 'kimi_k2' is not supported; supported: glm4_moe (Glm4MoeForCausalLM), mimo (MiMoForCausalLM), mimo_v2_flash"),
-    ({"model_type": "qwen3_5_moe"}, "model_type 'qwen3_5_moe' is not supported"),
+    ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
     ({"model_type": 4}, "model_type 4 is not supported"),
     ({"architectures": ["DeepseekV2ForCausalLM"]}, "architecture 'DeepseekV2ForCausalLM' is not supported; supported: glm4_moe"),
     ({"architectures": ["Step3p5ForCausalLM"], "model_type": "glm4_moe"},
