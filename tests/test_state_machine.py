@@ -8,7 +8,8 @@ the drafts against the from-scratch oracle are checked; a failed call (full
 pool, bad input, a copied state or carried entry, a grammar that allows nothing,
 a callback re-entering with the state in use) must leave everything as it was.
 
-An eighth is GLM-5.3's block (NoPE MLA, the pooled indexer: pools of 2 keys, 4 keys picked, and
+A ninth is Qwen3.5-MoE's (two modules, experts packed as gate_up_proj / down_proj, the
+release's names under its vision-language wrapper). An eighth is GLM-5.3's block (NoPE MLA, the pooled indexer: pools of 2 keys, 4 keys picked, and
 its tail; the position-0 mask). A seventh is DeepSeek-V4's (4 streams, the shared-KV attention
 with sinks and a window of 6, grouped output, the sqrtsoftplus router, clamps).
 A sixth has vLLM's position-0 mask (``embed_mask_pos0``: each prompt's module-0 key 0 reads
@@ -29,6 +30,7 @@ from hypothesis.stateful import invariant
 
 import test_family_deepseek_v4
 import test_family_glm5_next
+import test_family_qwen3_5
 import test_family_qwen3_next
 from conftest import DSA_FIELDS
 from mtpkern import MultiModuleMtpHead
@@ -52,7 +54,7 @@ MASK = tiny_config(embed_mask_pos0=True)
 V4 = tiny_config(**test_family_deepseek_v4.V4)
 G53 = tiny_config(**test_family_glm5_next.G53)
 POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16, "dsa_ckpt": 28, "hc_ckpt": 28, "mask_ckpt": 28,
-        "v4_ckpt": 28, "g53_ckpt": 28}
+        "v4_ckpt": 28, "g53_ckpt": 28, "qwen35_ckpt": 28}
 SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -105,6 +107,13 @@ def g53_ckpt(tmp_path_factory):
     return path, reference_weights(path)
 
 
+@pytest.fixture(scope="module")
+def qwen35_ckpt(tmp_path_factory):
+    path = test_family_qwen3_5._ckpt(tmp_path_factory.mktemp("sm_qwen35"), test_family_qwen3_5.MOE2, packed=True,
+                                     seed=29)
+    return path, reference_weights(path)
+
+
 def window_bound(prop, m: int) -> int | None:
     """docs/api.md, "Sliding-window modules: memory": T = m (exact) or min(m, 1) (draft)."""
     W, BS = prop.config.block(m).sliding_window, prop.block_size
@@ -120,7 +129,8 @@ def window_bound(prop, m: int) -> int | None:
     ("numpy", "draft", "hc_ckpt"), ("cpu", "exact", "hc_ckpt"),
     ("numpy", "exact", "mask_ckpt"), ("cpu", "draft", "mask_ckpt"),
     ("numpy", "exact", "v4_ckpt"), ("cpu", "draft", "v4_ckpt"),
-    ("cpu", "exact", "g53_ckpt"), ("numpy", "draft", "g53_ckpt")])
+    ("cpu", "exact", "g53_ckpt"), ("numpy", "draft", "g53_ckpt"),
+    ("cpu", "exact", "qwen35_ckpt")])
 def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     path, weights = request.getfixturevalue(ckpt)
     made = []
