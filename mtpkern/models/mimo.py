@@ -10,9 +10,13 @@ vLLM's ``mimo_mtp.py``; transformers has no MiMo MTP generation):
 - the block is Qwen2's: biased q/k/v, no q/k norm, whole-head RoPE, a dense SwiGLU
   MLP of ``intermediate_size``.
 
-vLLM zeroes the token embedding of the row at its position 0, ``(t_1, h_0)``: module 0's
-key 0, at mtpkern's RoPE position 1 (docs/model.md, "The position-0 mask"). This family
-leaves ``embed_mask_pos0`` off; a config may switch it on.
+vLLM's MTP layer is the reference, and mtpkern's defaults follow it:
+
+- it zeroes the token embedding of the row at its position 0 ("not needed by MTP"),
+  ``(t_1, h_0)``: module 0's key 0, at mtpkern's RoPE position 1 (docs/model.md, "The
+  position-0 mask"): ``embed_mask_pos0`` is on by default (a config may say ``false``);
+- its forward returns ``final_layernorm(y)``, which the proposer hands on and the LM head
+  reads: the ``postnorm`` chain.
 """
 
 from .base import Family
@@ -27,4 +31,6 @@ FAMILY = Family(
     renames={"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
              "eh_proj.weight": "input_proj.weight", "shared_head.norm.weight": "final_layernorm.weight"},
     concat="hidden_embed",
+    defaults={"embed_mask_pos0": True},
+    chain="postnorm",
 )
