@@ -40,7 +40,8 @@ Where the references leave a choice, the model takes mtpkern's documented one
 (docs/hf_reference.md, "DeepSeek-V3.2 and GLM-5 (DSA)", "GLM-5.3"): rows numbered by their
 token (module m's key j at position j + m + 1; vLLM numbers them by their hidden, which RoPE
 cannot tell apart, so vLLM's position-0 row is this position 1), the ``postnorm`` chain
-(``shared_head.norm(y)`` handed to the next module), rotary dims kept in place (transformers'
+(``shared_head.norm(y)`` handed to the next module: vLLM's ``deepseek_mtp.py`` since mid-2026,
+GLM-5.3's MTP layer; older vLLM releases handed on ``y``), rotary dims kept in place (transformers'
 ``apply_rotary_pos_emb_interleave`` writes the rotated evens before the odds; the dot products
 are the same), ``rms_norm_eps`` for ``q_a`` / ``kv_a_layernorm`` (vLLM's).
 
@@ -99,7 +100,8 @@ def release_config(cfg) -> dict:
     rotates halves); GLM-5: ``rope_parameters``, ``indexer_rope_interleave``; GLM-5.3: the
     vision-language wrapper with the text model in ``text_config``, the trunk's
     hyper-connections, linear attention and layer patterns beside the MTP layer's fields.
-    None of them has ``embed_mask_pos0``; the test configs write it true (below)."""
+    None of them has ``embed_mask_pos0``: the families' default (on) is what the model here
+    computes, and ``test_the_release_config_reads_as_the_test_config`` checks it is read so."""
     common = {
         "hidden_size": cfg.hidden_size, "intermediate_size": 96, "moe_intermediate_size": cfg.moe_intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_nextn_predict_layers": cfg.num_modules,
@@ -113,9 +115,8 @@ def release_config(cfg) -> dict:
         "max_position_embeddings": 4096, "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": False,
         "index_topk": cfg.index_topk, "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim,
         "vocab_size": cfg.vocab_size, "tie_word_embeddings": False,
-        # mtpkern's switch of vLLM's position-0 mask: absent from every release; vLLM's deepseek_mtp.py
-        # masks for V3.2 and GLM-5 too, where mtpkern's default is off (docs/hf_reference.md)
-        "embed_mask_pos0": True,
+        # no embed_mask_pos0 (mtpkern's switch of vLLM's position-0 mask, absent from every
+        # release): each family's default, on (vLLM's deepseek_mtp.py and GLM-5.3's MTP layer mask)
     }
     if cfg.family == "deepseek_v32":
         return dict(common, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
@@ -456,7 +457,8 @@ def test_the_release_config_reads_as_the_test_config(releases):
         assert (b.index_topk, b.index_n_heads, b.index_head_dim, b.kpool, b.qk_rope_head_dim) == \
             (want.index_topk, want.index_n_heads, want.index_head_dim, want.kpool, want.qk_rope_head_dim), fam
         assert b.indexer_rope_interleave == want.indexer_rope_interleave and prop.config.hc_mult == 1, fam
-        assert prop.config.embed_mask_pos0 and prop.chain == "postnorm", fam
+        assert prop.config.embed_mask_pos0 and prop.chain == "postnorm", fam      # the families' defaults
+        assert "embed_mask_pos0" not in json.loads((path / "config.json").read_text()), fam
         assert ("shared_head.head.weight" in " ".join(rel.t)) is False     # every module drafts with lm_head
 
 
