@@ -88,6 +88,21 @@ def test_mimo_drafts_as_the_same_weights_in_the_canonical_layout(mimo_ckpt, tmp_
     assert run_rounds(mimo_ckpt, mode=mode)[1] == run_rounds(canon, mode=mode, chain="postnorm")[1]
 
 
+def test_mimo_takes_vllms_position_0_mask_and_post_norm_chain_by_default(mimo_ckpt):
+    """vLLM's mimo_mtp.py (the reference: transformers has no MiMo MTP generation) zeroes the
+    embedding at position 0 and returns final_layernorm(y): the release config, which never
+    names the mask, reads it on, the proposer chains postnorm, and a config can say false."""
+    d = mimo_release_config(MIMO)
+    assert "embed_mask_pos0" not in d and MtpConfig.from_dict(d).embed_mask_pos0
+    prop = MultiModuleMtpHead.from_pretrained(mimo_ckpt, backend="numpy")
+    assert prop.config.embed_mask_pos0 and prop.chain == "postnorm"
+    off = MtpConfig.from_dict(dict(d, embed_mask_pos0=False))
+    assert not off.embed_mask_pos0 and off.to_dict()["embed_mask_pos0"] is False
+    # the canonical layout (no model_type) keeps MtpConfig's defaults: no mask, prenorm
+    assert not MtpConfig.from_dict({k: v for k, v in d.items() if k not in ("model_type", "architectures")}
+                                   ).embed_mask_pos0 and family("").chain == "prenorm"
+
+
 def _rms64(x, w, eps):
     x = np.asarray(x, np.float64)
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * np.asarray(w, np.float64)

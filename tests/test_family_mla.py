@@ -111,6 +111,32 @@ def test_glm5_release_config_and_the_dsa_fields():
     assert lite.block(0).rope_interleave and lite.family == "glm4_moe_lite"
 
 
+#: GLM-4.7-Flash's (GLM-5's MLA fields without the indexer)
+GLM47_FLASH = dict({k: v for k, v in GLM5.items() if not k.startswith("index_")}, model_type="glm4_moe_lite",
+                   architectures=["Glm4MoeLiteForCausalLM"])
+V32 = dict(GLM5, model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], index_n_heads=64)
+
+
+@pytest.mark.parametrize("release, family, chain", [(GLM5, "glm_moe_dsa", "postnorm"),
+                                                    (V32, "deepseek_v32", "postnorm"),
+                                                    (GLM47_FLASH, "glm4_moe_lite", "prenorm")])
+def test_vllm_referenced_releases_mask_position_0_by_default(release, family, chain):
+    """vLLM's MTP layer is these families' reference (transformers cannot draft them): its
+    position-0 mask is on when the release config (which never names it) is read, the chain
+    is what vLLM's forward returns, and a config can still switch the mask off, which its
+    to_dict writes out (off against the family's default)."""
+    from mtpkern.models import family as fam
+    assert "embed_mask_pos0" not in release
+    cfg = MtpConfig.from_dict(release)
+    assert cfg.family == family and cfg.embed_mask_pos0 and fam(family).chain == chain
+    off = MtpConfig.from_dict(dict(release, embed_mask_pos0=False))
+    assert not off.embed_mask_pos0 and off.to_dict()["embed_mask_pos0"] is False
+    assert MtpConfig.from_dict(off.to_dict()).embed_mask_pos0 is False
+    assert "embed_mask_pos0" not in cfg.to_dict() or cfg.to_dict()["embed_mask_pos0"] is True
+    # negative control: DeepSeek-V3's reference is transformers, which does not mask
+    assert not MtpConfig.from_dict(DEEPSEEK_V3).embed_mask_pos0
+
+
 # -- synthetic checkpoints in the families' layouts ------------------------------------------------
 
 #: the DSA indexer of the test configs: 5 keys of 4 x 16 heads (the releases: 2048 of 64 or 32 x 128)
