@@ -29,7 +29,7 @@ from conftest import rand_hiddens, run_rounds
 from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.config import tiny_config
 from mtpkern.testing import reference_weights
-from test_family_qwen3_next import _rms, _rope, _sigmoid, check_head_forward
+from test_family_qwen3_next import _rms, _sigmoid, check_head_forward, gated_attention_residual
 
 _ROPE = {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default", "rope_theta": 10000000,
          "partial_rotary_factor": 0.25}
@@ -200,26 +200,12 @@ def qwen3_5_mtp_rows(raw: dict, cfg: MtpConfig, toks, g, fc_order: str = "embed_
     (a negative control: vLLM concatenates ``[embedding, hidden]``)."""
     W = {k: np.asarray(v, np.float64) for k, v in raw.items()}
     p, L = "mtp.", "mtp.layers.0."
-    eps, Hq, Hkv, D = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
     n = len(toks)
     e = _rms(W["model.language_model.embed_tokens.weight"][toks], W[p + "pre_fc_norm_embedding.weight"], eps)
     h = _rms(np.asarray(g, np.float64), W[p + "pre_fc_norm_hidden.weight"], eps)
     x = np.concatenate([e, h] if fc_order == "embed_hidden" else [h, e], 1) @ W[p + "fc.weight"].T
-    a = _rms(x, W[L + "input_layernorm.weight"], eps)
-    qg = (a @ W[L + "self_attn.q_proj.weight"].T).reshape(n, Hq, 2 * D)    # per head [q | gate]
-    q, gate = qg[..., :D], qg[..., D:].reshape(n, Hq * D)
-    k = (a @ W[L + "self_attn.k_proj.weight"].T).reshape(n, Hkv, D)
-    v = (a @ W[L + "self_attn.v_proj.weight"].T).reshape(n, Hkv, D)
-    q, k = _rms(q, W[L + "self_attn.q_norm.weight"], eps), _rms(k, W[L + "self_attn.k_norm.weight"], eps)
-    pos = np.arange(1, n + 1)                  # MRoPE with a text row's three equal ids: RoPE at pos
-    q, k = _rope(q, pos, cfg.rotary_dim, cfg.rope_theta), _rope(k, pos, cfg.rotary_dim, cfg.rope_theta)
-    att = np.zeros((n, Hq, D))
-    for hh in range(Hq):
-        s = q[:, hh] @ k[:, hh // (Hq // Hkv)].T * D ** -0.5
-        s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
-        pr = np.exp(s - s.max(1, keepdims=True))
-        att[:, hh] = (pr / pr.sum(1, keepdims=True)) @ v[:, hh // (Hq // Hkv)]
-    r = x + (att.reshape(n, Hq * D) * _sigmoid(gate)) @ W[L + "self_attn.o_proj.weight"].T
+    r = gated_attention_residual(W, L, cfg, x)     # MRoPE with a text row's three equal ids: RoPE at 1..n
     f = _rms(r, W[L + "post_attention_layernorm.weight"], eps)
 
     def swiglu(x_, w_gate, w_up, w_down):

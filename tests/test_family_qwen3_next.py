@@ -153,19 +153,15 @@ def _rope(x, pos, R, theta):
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., R:]], -1)
 
 
-def qwen3_next_mtp_rows(raw: dict, cfg: MtpConfig, toks: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One module over n causal rows from a fresh KV (positions 1..n), as transformers'
-    ``Qwen3NextDecoderLayer`` under vLLM's MTP wrapper computes it, in float64 from the
-    tensors as released: -> (y, norm(y))."""
-    W = {k: np.asarray(v, np.float64) for k, v in raw.items()}
-    p, L = "mtp.", "mtp.layers.0."
-    eps, H, Hq, Hkv, D = cfg.rms_norm_eps, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    n = len(toks)
-    e = _rms(W["model.embed_tokens.weight"][toks], W[p + "pre_fc_norm_embedding.weight"], eps)
-    h = _rms(np.asarray(g, np.float64), W[p + "pre_fc_norm_hidden.weight"], eps)
-    x = np.concatenate([e, h], 1) @ W[p + "fc.weight"].T
+def gated_attention_residual(W: dict, L: str, cfg: MtpConfig, x: np.ndarray) -> np.ndarray:
+    """``x`` plus the gated attention of the decoder layer at prefix ``L`` over n causal rows
+    from a fresh KV (positions 1..n), float64 from the release tensors ``W``: q_proj's rows per
+    head ``[q | gate]`` (torch.chunk(.., 2, -1)), zero-centred q / k norms, partial RoPE in
+    halves, the output times sigmoid(gate) before o_proj (Qwen3-Next's and Qwen3.5's layer)."""
+    eps, Hq, Hkv, D = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    n = x.shape[0]
     a = _rms(x, W[L + "input_layernorm.weight"], eps)
-    qg = (a @ W[L + "self_attn.q_proj.weight"].T).reshape(n, Hq, 2 * D)    # torch.chunk(.., 2, -1) per head
+    qg = (a @ W[L + "self_attn.q_proj.weight"].T).reshape(n, Hq, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(n, Hq * D)
     k = (a @ W[L + "self_attn.k_proj.weight"].T).reshape(n, Hkv, D)
     v = (a @ W[L + "self_attn.v_proj.weight"].T).reshape(n, Hkv, D)
@@ -178,7 +174,21 @@ def qwen3_next_mtp_rows(raw: dict, cfg: MtpConfig, toks: np.ndarray, g: np.ndarr
         s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
         pr = np.exp(s - s.max(1, keepdims=True))
         att[:, hh] = (pr / pr.sum(1, keepdims=True)) @ v[:, hh // (Hq // Hkv)]
-    r = x + (att.reshape(n, Hq * D) * _sigmoid(gate)) @ W[L + "self_attn.o_proj.weight"].T
+    return x + (att.reshape(n, Hq * D) * _sigmoid(gate)) @ W[L + "self_attn.o_proj.weight"].T
+
+
+def qwen3_next_mtp_rows(raw: dict, cfg: MtpConfig, toks: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One module over n causal rows from a fresh KV (positions 1..n), as transformers'
+    ``Qwen3NextDecoderLayer`` under vLLM's MTP wrapper computes it, in float64 from the
+    tensors as released: -> (y, norm(y))."""
+    W = {k: np.asarray(v, np.float64) for k, v in raw.items()}
+    p, L = "mtp.", "mtp.layers.0."
+    eps = cfg.rms_norm_eps
+    n = len(toks)
+    e = _rms(W["model.embed_tokens.weight"][toks], W[p + "pre_fc_norm_embedding.weight"], eps)
+    h = _rms(np.asarray(g, np.float64), W[p + "pre_fc_norm_hidden.weight"], eps)
+    x = np.concatenate([e, h], 1) @ W[p + "fc.weight"].T
+    r = gated_attention_residual(W, L, cfg, x)
     f = _rms(r, W[L + "post_attention_layernorm.weight"], eps)
 
     def mlp(pre, x_):
