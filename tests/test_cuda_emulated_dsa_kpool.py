@@ -243,12 +243,7 @@ def test_select_workspace_and_dense_tables(emu, monkeypatch):
     assert got.tolist() == [list(range(8)), [0, 1, 2, 3] + [-1] * 4, [-1] * 8]
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(kpool=3, ape="short"), r"topk: expected a multiple of kpool = 3"),
-    (dict(kpool=1), r"kpool: expected 0 \(a key per row\) or an int in \[2, 1024\]"),
-    (dict(ape="short"), r"ape: expected shape"),
-    (dict(ape=None), r"ape: expected the pools' position bias"),
-    (dict(row_start=np.array([1, 0, 0], np.int32)), r"row_start: a pooled indexer's pools start"),
+@pytest.mark.parametrize("kw,match", test_dsa_kpool.POOL_REFUSALS + [
     (dict(row_len=np.array([20, 0, 20], np.int32)), r"row_len\[1\]"),
 ])
 def test_bad_arguments_are_refused_by_name(emu, kw, match):

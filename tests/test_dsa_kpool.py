@@ -113,13 +113,18 @@ def test_key_write_keeps_key_and_gate(backend):
     assert np.array_equal(rows[:, :Di], plain.reshape(16, Di))
 
 
-@pytest.mark.parametrize("kw,match", [
+#: a pooled selection's bad arguments and the refusal each gets, on every backend
+#: (tests/test_cuda_emulated_dsa_kpool.py takes them for the cuda launcher)
+POOL_REFUSALS = [
     (dict(kpool=3, ape="short"), r"topk: expected a multiple of kpool = 3"),
     (dict(kpool=1), r"kpool: expected 0 \(a key per row\) or an int in \[2, 1024\]"),
     (dict(ape="short"), r"ape: expected shape"),
     (dict(ape=None), r"ape: expected the pools' position bias"),
     (dict(row_start=np.array([1, 0, 0], np.int32)), r"row_start: a pooled indexer's pools start"),
-])
+]
+
+
+@pytest.mark.parametrize("kw,match", POOL_REFUSALS)
 def test_bad_arguments_are_refused_by_name(kw, match):
     cache, tables, q, w, ape = case(4)
     kw = dict(dict(kpool=4, ape=ape), **kw)
