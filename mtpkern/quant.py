@@ -307,6 +307,11 @@ E8M0_NAN = 0xFF
 #: the largest E8M0 code whose scale keeps every weight of its block finite in FP32:
 #: 6 * 2^(252 - 127) = 1.5 * 2^127 < FLT_MAX, while 6 * 2^126 overflows
 E8M0_MAX_CODE = 252
+#: weights per E4M3 scale of an NVFP4 weight (NVIDIA's FP4 with a second, per-tensor scale)
+NVFP4_BLOCK = 16
+#: the largest magnitude of an NVFP4 weight's FP32 row scale: 6 (E2M1) * 448 (E4M3) times it
+#: stays finite in FP32
+NVFP4_GLOBAL_MAX = float(np.finfo(np.float32).max) / (E2M1_MAX * E4M3_MAX)
 
 
 @functools.cache
@@ -368,24 +373,36 @@ def bad_e8m0(scale: np.ndarray) -> tuple[int, int, tuple[int, ...] | None]:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Fp4Weight:
-    """A weight ``[N, K]`` (or stacked experts ``[E, N, K]``) in FP4 E2M1, two codes a byte,
-    with one E8M0 scale per block of 32 weights along K, as DeepSeek-V4 releases its routed
-    experts (docs/fp4.md).
+    """A weight ``[N, K]`` (or stacked experts ``[E, N, K]``) in FP4 E2M1, two codes a byte, in
+    one of two scale kinds (docs/fp4.md):
+
+    - **MXFP4** (``global_scale`` None): one E8M0 scale per block of 32 weights along K, as
+      DeepSeek-V4 releases its routed experts and compressed-tensors' ``mxfp4-pack-quantized``
+      stores its weights: ``w[n, k] = e2m1(code[n, k]) * 2^(scale[n, k // 32] - 127)``.
+    - **NVFP4** (``global_scale`` given): one E4M3 scale per block of 16 weights along K and an
+      FP32 scale per output row (the tensor's global scale, repeated for its rows, so that fused
+      projections keep theirs): ``w[n, k] = (e2m1(code[n, k]) * e4m3(scale[n, k // 16])) *
+      global_scale[n]``.
 
     Fields:
 
     - ``data``: uint8 ``[.., N, K / 2]``: byte j of a row holds column 2j in its low nibble and
       column 2j + 1 in its high nibble. An int8 array (safetensors ``I8``, as released) is
       viewed as its bytes.
-    - ``scale``: uint8 ``[.., N, ceil(K / 32)]``, the E8M0 codes unchanged (a
-      ``float8_e8m0fnu`` array is viewed as its bytes): ``w[n, k] = e2m1(code[n, k]) *
-      2^(scale[n, k // 32] - 127)``. The last block of a row may be partial. Code 0xFF (NaN)
-      and codes above ``E8M0_MAX_CODE`` (252: a weight of 6 times the scale would overflow
-      FP32) are refused.
+    - ``scale``: uint8 ``[.., N, ceil(K / B)]`` (B = 32 or 16), the scale codes unchanged (a
+      ``float8_e8m0fnu`` / ``float8_e4m3fn`` array is viewed as its bytes). The last block of a
+      row may be partial. MXFP4: code 0xFF (NaN) and codes above ``E8M0_MAX_CODE`` (252: a
+      weight of 6 times the scale would overflow FP32) are refused; NVFP4: the NaN codes 0x7F /
+      0xFF are refused.
+    - ``global_scale``: None (MXFP4), or float32 ``[.., N]`` (NVFP4; a single value, shape
+      ``[]`` or ``[1]``, is repeated for every row of a 2-D weight), finite and at most
+      ``NVFP4_GLOBAL_MAX`` in magnitude.
 
     K is even (two codes a byte): ``K = 2 * data.shape[-1]``. The dequantized weight
-    (:meth:`dequantize`, the reference every backend follows) is exact in FP32: an E2M1 value
-    has two significant bits and its scale is a power of two (2^-128 .. 1.5 * 2^127).
+    (:meth:`dequantize`, the reference every backend follows) is exact in FP32 for MXFP4 (an
+    E2M1 value has two significant bits and its scale is a power of two, 2^-128 .. 1.5 * 2^127)
+    and, for NVFP4, the exact product ``e2m1 * e4m3`` (at most 6 significant bits) rounded once
+    by the row scale: exact when that is a power of two.
 
     Invalid fields raise ``TypeError`` (dtype) or ``ValueError`` (shape, values) naming the
     field, what was expected and what was given.
@@ -393,9 +410,10 @@ class Fp4Weight:
 
     data: np.ndarray
     scale: np.ndarray
+    global_scale: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        data, scale = self.data, self.scale
+        data, scale, g = self.data, self.scale, self.global_scale
         if not isinstance(data, np.ndarray):
             raise TypeError(f"data: expected a NumPy array of packed E2M1 codes (uint8 or int8), "
                             f"got {type(data).__name__}")
@@ -406,30 +424,67 @@ class Fp4Weight:
         if data.ndim not in _NDIMS:
             raise ValueError(f"data: expected [N, K / 2] or stacked experts [E, N, K / 2], "
                              f"got shape {_dims(data.shape)}")
+        nv = g is not None
+        code_dtype, codes = (_fp8_dtype(), "E4M3") if nv else (_fp4_dtypes(), "E8M0")
         if not isinstance(scale, np.ndarray):
-            raise TypeError(f"scale: expected a NumPy array of E8M0 codes, got {type(scale).__name__}")
-        if scale.dtype == _fp4_dtypes():
+            raise TypeError(f"scale: expected a NumPy array of {codes} codes, got {type(scale).__name__}")
+        if scale.dtype == code_dtype:
             scale = scale.view(np.uint8)
         elif scale.dtype != np.uint8:
-            raise TypeError(f"scale: expected dtype uint8 or float8_e8m0fnu (E8M0 codes), got {scale.dtype.name}")
+            raise TypeError(f"scale: expected dtype uint8 or {code_dtype.name} ({codes} codes), got {scale.dtype.name}")
         *lead, N, half = data.shape
         K = 2 * half
-        want = (*lead, N, -(-K // FP4_BLOCK))
+        B = NVFP4_BLOCK if nv else FP4_BLOCK
+        want = (*lead, N, -(-K // B))
         if scale.shape != want:
-            raise ValueError(f"scale: expected shape {_dims(want)} (one per {FP4_BLOCK} weights along K) for "
+            raise ValueError(f"scale: expected shape {_dims(want)} (one per {B} weights along K) for "
                              f"data {_dims(data.shape)} (K = {K}), got {_dims(scale.shape)}")
         scale = np.ascontiguousarray(scale)
-        nan, big, at = bad_e8m0(scale)
-        if nan:
-            raise ValueError(f"scale: expected E8M0 codes 0..{E8M0_MAX_CODE}, got {nan} NaN code(s) 0xFF "
-                             f"(first at {at})")
-        if big:
-            raise ValueError(f"scale: expected E8M0 codes 0..{E8M0_MAX_CODE}, got {big} above (6 times "
-                             f"2^(code - 127) must stay finite in FP32; first {int(scale[at])} at {at})")
+        if nv:
+            if not isinstance(g, np.ndarray):
+                raise TypeError(f"global_scale: expected a NumPy array (float32 [.., N]) or None, got {type(g).__name__}")
+            if g.dtype.name not in ("float32", "bfloat16", "float16"):
+                raise TypeError(f"global_scale: expected dtype float32, got {g.dtype.name}")
+            if g.size == 1 and not lead and g.ndim <= 1:
+                g = np.full((N,), g.reshape(()), np.float32)
+            if g.shape != (*lead, N):
+                raise ValueError(f"global_scale: expected shape {_dims((*lead, N))} (one per output row; a single "
+                                 f"value for a [N, K] weight), got {_dims(g.shape)}")
+            g = np.ascontiguousarray(g, dtype=np.float32)
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.abs(g) <= NVFP4_GLOBAL_MAX)
+            if bad.any():
+                at = tuple(int(j) for j in np.argwhere(bad)[0])
+                raise ValueError(f"global_scale: expected finite values of magnitude at most {NVFP4_GLOBAL_MAX:.4g} "
+                                 f"(6 * 448 times it must stay finite in FP32), got {float(g[at])!r} at {at}")
+            nan = (scale & 0x7F) == 0x7F
+            if nan.any():
+                at = tuple(int(j) for j in np.argwhere(nan)[0])
+                raise ValueError(f"scale: expected finite E4M3 codes, got {int(np.count_nonzero(nan))} NaN code(s) "
+                                 f"0x7F / 0xFF (first at {at})")
+        else:
+            nan, big, at = bad_e8m0(scale)
+            if nan:
+                raise ValueError(f"scale: expected E8M0 codes 0..{E8M0_MAX_CODE}, got {nan} NaN code(s) 0xFF "
+                                 f"(first at {at})")
+            if big:
+                raise ValueError(f"scale: expected E8M0 codes 0..{E8M0_MAX_CODE}, got {big} above (6 times "
+                                 f"2^(code - 127) must stay finite in FP32; first {int(scale[at])} at {at})")
         object.__setattr__(self, "data", data)
         object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "global_scale", g)
 
     # -- what it is ----------------------------------------------------------------------
+    @property
+    def fmt(self) -> str:
+        """"mxfp4" (E8M0 per 32) or "nvfp4" (E4M3 per 16 and an FP32 row scale)."""
+        return "mxfp4" if self.global_scale is None else "nvfp4"
+
+    @property
+    def block(self) -> int:
+        """Weights per scale along K: 32 (MXFP4) or 16 (NVFP4)."""
+        return FP4_BLOCK if self.global_scale is None else NVFP4_BLOCK
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The weight's shape, ``[N, K]`` or ``[E, N, K]`` (K = 2 * data.shape[-1])."""
@@ -442,31 +497,43 @@ class Fp4Weight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: half a byte per weight plus one per 32-weight scale."""
-        return int(self.data.nbytes + self.scale.nbytes)
+        """Bytes held: half a byte per weight plus one per scale block (and 4 per row for NVFP4)."""
+        return int(self.data.nbytes + self.scale.nbytes + (0 if self.global_scale is None else self.global_scale.nbytes))
 
     def __repr__(self) -> str:
-        return f"Fp4Weight({_dims(self.shape)}, E8M0 per {FP4_BLOCK}, {self.nbytes} bytes)"
+        kind = f"E8M0 per {FP4_BLOCK}" if self.global_scale is None else f"NVFP4: E4M3 per {NVFP4_BLOCK}, FP32 per row"
+        return f"Fp4Weight({_dims(self.shape)}, {kind}, {self.nbytes} bytes)"
 
     def scale_values(self) -> np.ndarray:
-        """float32 ``[.., N, ceil(K / 32)]``: 2^(code - 127) per block."""
-        return e8m0_table()[self.scale]
+        """float32 ``[.., N, ceil(K / B)]``: 2^(code - 127) per block (MXFP4), or e4m3(code) (NVFP4)."""
+        return (e8m0_table() if self.global_scale is None else e4m3_table())[self.scale]
 
     def dequantize(self) -> np.ndarray:
-        """float32 ``[.., N, K]``: ``e2m1(code) * 2^(scale - 127)``, exact (the reference)."""
+        """float32 ``[.., N, K]`` (the reference): MXFP4 ``e2m1(code) * 2^(scale - 127)``, exact;
+        NVFP4 ``(e2m1(code) * e4m3(scale)) * global_scale[n]``, the product exact, then one rounding."""
         K = self.shape[-1]
-        per = np.repeat(self.scale_values(), FP4_BLOCK, axis=-1)[..., :K]
-        return e2m1_table()[unpack_e2m1(self.data)] * per
+        per = np.repeat(self.scale_values(), self.block, axis=-1)[..., :K]
+        w = e2m1_table()[unpack_e2m1(self.data)] * per
+        if self.global_scale is not None:
+            w = w * self.global_scale[..., None]
+        return w
+
+    def _like(self, data: np.ndarray, scale: np.ndarray, g: np.ndarray | None) -> "Fp4Weight":
+        return Fp4Weight(data, scale, g if self.global_scale is not None else None)
 
     # -- building ------------------------------------------------------------------------
     @classmethod
-    def quantize(cls, w) -> "Fp4Weight":
-        """Quantize float weights ``[.., N, K]`` (K even) as DeepSeek-V4's are: per block of 32
-        along K the scale is the power of two 2^ceil(log2(amax / 6)) (2^0 for an all-zero block),
-        codes rounded to the nearest E2M1 value of ``w / scale`` (ties to even, through
-        ml_dtypes). For tests and synthetic checkpoints."""
+    def quantize(cls, w, fmt: str = "mxfp4") -> "Fp4Weight":
+        """Quantize float weights ``[.., N, K]`` (K even), for tests and synthetic checkpoints.
+        ``fmt="mxfp4"`` as DeepSeek-V4's are: per block of 32 along K the scale is the power of
+        two 2^ceil(log2(amax / 6)) (2^0 for an all-zero block). ``fmt="nvfp4"``: the row scale
+        is the matrix's power of two 2^ceil(log2(amax / (6 * 448))) (one per expert), each
+        16-weight block's E4M3 scale ``amax / 6`` over it rounded up to an E4M3 value. Codes are
+        rounded to the nearest E2M1 value of ``w / scale`` (ties to even, through ml_dtypes)."""
         import ml_dtypes
 
+        if fmt not in ("mxfp4", "nvfp4"):
+            raise ValueError(f"fmt: expected 'mxfp4' or 'nvfp4', got {fmt!r}")
         w = np.asarray(w, dtype=np.float32)
         if w.ndim not in _NDIMS:
             raise ValueError(f"w: expected [N, K] or [E, N, K], got shape {_dims(w.shape)}")
@@ -475,52 +542,82 @@ class Fp4Weight:
         if not np.isfinite(w).all():
             raise ValueError("w: expected finite values")
         *lead, N, K = w.shape
-        kb = -(-K // FP4_BLOCK)
-        padded = np.zeros((*lead, N, kb * FP4_BLOCK), np.float32)
+        B = FP4_BLOCK if fmt == "mxfp4" else NVFP4_BLOCK
+        kb = -(-K // B)
+        padded = np.zeros((*lead, N, kb * B), np.float32)
         padded[..., :K] = np.abs(w)
-        amax = padded.reshape(*lead, N, kb, FP4_BLOCK).max(axis=-1)                     # [.., N, kb]
-        with np.errstate(divide="ignore"):
-            e = np.where(amax > 0, np.ceil(np.log2(amax / np.float32(E2M1_MAX))), 0.0)
-        code = np.clip(e + 127, 0, E8M0_MAX_CODE).astype(np.uint8)
-        per = np.repeat(e8m0_table()[code], FP4_BLOCK, axis=-1)[..., :K]
-        q = (w / per).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
-        return cls(pack_e2m1(q), code)
+        amax = padded.reshape(*lead, N, kb, B).max(axis=-1)                              # [.., N, kb]
+        if fmt == "mxfp4":
+            with np.errstate(divide="ignore"):
+                e = np.where(amax > 0, np.ceil(np.log2(amax / np.float32(E2M1_MAX))), 0.0)
+            code = np.clip(e + 127, 0, E8M0_MAX_CODE).astype(np.uint8)
+            g = None
+            per = np.repeat(e8m0_table()[code], B, axis=-1)[..., :K]
+        else:
+            tmax = amax.max(axis=(-2, -1), keepdims=True)                                  # [.., 1, 1]
+            with np.errstate(divide="ignore"):
+                ge = np.where(tmax > 0, np.ceil(np.log2(tmax / np.float32(E2M1_MAX * E4M3_MAX))), 0.0)
+            gv = np.exp2(ge).astype(np.float32)
+            sv = np.where(amax > 0, amax / np.float32(E2M1_MAX) / gv, 1.0)
+            s = np.clip(sv, 2.0 ** -9, E4M3_MAX).astype(_fp8_dtype())
+            code = s.view(np.uint8)
+            g = np.broadcast_to(gv[..., 0], (*lead, N)).astype(np.float32)
+            per = np.repeat(s.astype(np.float32), B, axis=-1)[..., :K] * gv
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.clip(np.where(per > 0, w / per, 0), -E2M1_MAX, E2M1_MAX)
+        q = q.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F
+        return cls(pack_e2m1(q), code, g)
 
     @classmethod
     def concat(cls, parts: Sequence["Fp4Weight"]) -> "Fp4Weight":
-        """Weights ``[N_i, K]`` joined along N (gate/up): the scales are per row, so rows and
-        scales concatenate as they are."""
+        """Weights ``[N_i, K]`` of one scale kind joined along N (gate/up, q/k/v): the scales are
+        per row, so rows and scales concatenate as they are."""
         parts = _matrices(parts, cls)
         for i, p in enumerate(parts):
             if p.shape[1] != parts[0].shape[1]:
                 raise ValueError(f"parts[{i}]: expected [*, {parts[0].shape[1]}], got {_dims(p.shape)}")
-        return cls(np.concatenate([p.data for p in parts]), np.concatenate([p.scale for p in parts]))
+            if p.fmt != parts[0].fmt:
+                raise ValueError(f"parts[{i}]: expected {parts[0].fmt}, got {p.fmt}")
+        g = None if parts[0].global_scale is None else np.concatenate([p.global_scale for p in parts])
+        return cls(np.concatenate([p.data for p in parts]), np.concatenate([p.scale for p in parts]), g)
 
     @classmethod
     def stack(cls, parts: Sequence["Fp4Weight"]) -> "Fp4Weight":
-        """Experts ``[N, K]`` of one shape -> ``[E, N, K]``."""
+        """Experts ``[N, K]`` of one shape and scale kind -> ``[E, N, K]``."""
         parts = _matrices(parts, cls)
         for i, p in enumerate(parts):
             if p.shape != parts[0].shape:
                 raise ValueError(f"parts[{i}]: expected {_dims(parts[0].shape)}, got {_dims(p.shape)}")
-        return cls(np.stack([p.data for p in parts]), np.stack([p.scale for p in parts]))
+            if p.fmt != parts[0].fmt:
+                raise ValueError(f"parts[{i}]: expected {parts[0].fmt}, got {p.fmt}")
+        g = None if parts[0].global_scale is None else np.stack([p.global_scale for p in parts])
+        return cls(np.stack([p.data for p in parts]), np.stack([p.scale for p in parts]), g)
+
+    def join_rows(self, other: "Fp4Weight") -> "Fp4Weight":
+        """Stacked experts ``[E, N1, K]`` and ``[E, N2, K]`` -> ``[E, N1 + N2, K]`` (each expert's
+        gate rows over its up rows)."""
+        if other.fmt != self.fmt:
+            raise ValueError(f"other: expected {self.fmt}, got {other.fmt}")
+        g = None if self.global_scale is None else np.concatenate([self.global_scale, other.global_scale], axis=-1)
+        return Fp4Weight(np.concatenate([self.data, other.data], axis=-2),
+                         np.concatenate([self.scale, other.scale], axis=-2), g)
 
     def expert(self, e: int) -> "Fp4Weight":
         """Expert ``e`` of a stacked weight ``[E, N, K]`` -> ``[N, K]``."""
-        return Fp4Weight(self.data[e], self.scale[e])
+        return self._like(self.data[e], self.scale[e], None if self.global_scale is None else self.global_scale[e])
 
     def rows(self, a: int, b: int) -> "Fp4Weight":
         """Rows ``a:b`` (of each expert, for ``[E, N, K]``); the scales are per row."""
-        return Fp4Weight(self.data[..., a:b, :], self.scale[..., a:b, :])
+        g = None if self.global_scale is None else self.global_scale[..., a:b]
+        return self._like(self.data[..., a:b, :], self.scale[..., a:b, :], g)
 
     def cols(self, a: int, b: int) -> "Fp4Weight":
-        """Columns ``a:b`` of K: whole scale blocks only (a must be a multiple of 32, b too
-        unless it is K)."""
-        K = self.shape[-1]
-        if a % FP4_BLOCK or (b % FP4_BLOCK and b != K) or not 0 <= a < b <= K:
-            raise ValueError(f"cols: expected a range of whole {FP4_BLOCK}-weight scale blocks of K = {K}, "
-                             f"got {a}:{b}")
-        return Fp4Weight(self.data[..., a // 2: b // 2], self.scale[..., a // FP4_BLOCK: -(-b // FP4_BLOCK)])
+        """Columns ``a:b`` of K: whole scale blocks only (a must be a multiple of the block, 32
+        or 16, b too unless it is K)."""
+        K, B = self.shape[-1], self.block
+        if a % B or (b % B and b != K) or not 0 <= a < b <= K:
+            raise ValueError(f"cols: expected a range of whole {B}-weight scale blocks of K = {K}, got {a}:{b}")
+        return self._like(self.data[..., a // 2: b // 2], self.scale[..., a // B: -(-b // B)], self.global_scale)
 
 
 def rope_first_order(heads: int, D: int, R: int) -> tuple[np.ndarray, int]:

@@ -39,6 +39,7 @@ accurate); NaN and Inf keep IEEE semantics (no ``nnan`` / ``ninf``).
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
@@ -227,6 +228,9 @@ def fp8_chunk(w8, c, k0, x, i0, i1, y, shift, accumulate):
 #   q     uint8 [N, K / 2]   E2M1 codes, column 2j in the low nibble of byte j, 2j + 1 in the high
 #   s     uint8 [N, KB]      E8M0 codes, one per 32 columns: the scale is 2^(s - 127)
 #   C     int64              rows per chunk (FP4_ROWS)
+# or, for NVFP4, ``w4 = (q, s, C, g)``:
+#   s     uint8 [N, KB]      E4M3 codes, one per 16 columns
+#   g     float32 [N]        the row scale: w = (e2m1 * e4m3(s)) * g[n], the product exact, one rounding
 # ``fp4_chunk`` decodes the C rows of a chunk into an FP32 scratch block (e2m1 * 2^(s - 127), exact:
 # the reference's dequantized weight, bit for bit) and runs the GEMV core on it, so a row's dot
 # has the bits the same weight in FP32 gives (``gemv_task``: a dot depends on its two rows only).
@@ -284,16 +288,46 @@ def fp4_rows(q, s, lo, R, k0, out):
             k = end
 
 
+#: every E4M3 code's value (``float8_e4m3fn``; NaN codes are refused at load: ``Fp4Weight``)
+_E4M3_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+@njit(cache=True, fastmath=False)
+def nvfp4_rows(q, s, g, tab, lo, R, k0, out):
+    """out [R, K] = the NVFP4 weight's rows lo .. lo + R - 1, columns k0 .. k0 + K - 1,
+    dequantized as the reference does: ``(e2m1(code) * e4m3(scale)) * g[row]`` (the product
+    exact, one rounding). ``tab``: the 256 E4M3 values."""
+    K = out.shape[1]
+    for r in range(R):
+        qr, sr, o, gr = q[lo + r], s[lo + r], out[r], g[lo + r]
+        for kk in range(K):
+            col = k0 + kk
+            o[kk] = (_E2M1[(qr[col >> 1] >> ((col & 1) * 4)) & 15] * tab[sr[col >> 4]]) * gr
+
+
+def decode_rows(w4, lo, R, k0, out):
+    """``fp4_rows`` or ``nvfp4_rows`` by the tuple's form (inside jitted code only)."""
+    raise NotImplementedError("decode_rows runs inside the cpu kernels only")
+
+
+@overload(decode_rows, jit_options={"fastmath": False})
+def _decode_rows(w4, lo, R, k0, out):
+    if len(w4) == 4:
+        tab = _E4M3_TABLE
+        return lambda w4, lo, R, k0, out: nvfp4_rows(w4[0], w4[1], w4[3], tab, lo, R, k0, out)
+    return lambda w4, lo, R, k0, out: fp4_rows(w4[0], w4[1], lo, R, k0, out)
+
+
 @njit(cache=True, fastmath=False)
 def fp4_chunk(w4, c, k0, x, i0, i1, y, shift, accumulate):
     """``fp8_chunk`` for an FP4 weight (the tuple ``w4``, see above): for input rows i in i0..i1
     of x [*, K] and the weight rows j of chunk c: ``y[i, j - shift] (+)= w[j, k0:k0+K] . x[i]``."""
-    q, s, C = w4
-    N, K = q.shape[0], x.shape[1]
+    C = w4[2]
+    N, K = w4[0].shape[0], x.shape[1]
     lo = c * C
     R = min(N, lo + C) - lo
     wt = np.empty((R, K), np.float32)                 # the chunk's rows, dequantized
-    fp4_rows(q, s, lo, R, k0, wt)
+    decode_rows(w4, lo, R, k0, wt)
     zero = np.int64(0)
     q8 = R // 8
     for t in range(q8 + R - 8 * q8):
@@ -329,7 +363,7 @@ def expert(w, e):
 
 
 def _is_fp4(w) -> bool:
-    return isinstance(w, types.BaseTuple) and len(w) == 3
+    return isinstance(w, types.BaseTuple) and len(w) in (3, 4)
 
 
 @overload(qchunk, jit_options={"fastmath": False})
@@ -353,6 +387,8 @@ def _chunks(w):
 
 @overload(expert, jit_options={"fastmath": False})
 def _expert(w, e):
+    if _is_fp4(w) and len(w) == 4:
+        return lambda w, e: (w[0][e], w[1][e], w[2], w[3][e])
     if _is_fp4(w):
         return lambda w, e: (w[0][e], w[1][e], w[2])
     return lambda w, e: fp8_expert(w, e)

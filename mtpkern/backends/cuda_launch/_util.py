@@ -224,7 +224,12 @@ class CudaFp4(CudaFp8):
 
     @classmethod
     def from_weight(cls, w: Fp4Weight, upload: Callable[[np.ndarray], Any]) -> "CudaFp4":
-        """``upload``: host array -> device array (``cupy.asarray``)."""
+        """``upload``: host array -> device array (``cupy.asarray``). MXFP4 only: the kernels
+        decode E8M0 scales per 32; an NVFP4 weight (E4M3 per 16 and a row scale) is refused."""
+        if w.global_scale is not None:
+            raise TypeError(f"w: an NVFP4 weight {list(w.shape)} (E4M3 scales per 16 and an FP32 global scale) is "
+                            f"not supported by the cuda kernels yet; expected FP8, MXFP4 (E8M0 per 32) or a dense "
+                            f"weight (dequantize it, or load on the numpy / cpu backend: docs/fp4.md)")
         return cls(upload(np.ascontiguousarray(w.data)), upload(np.ascontiguousarray(w.scale)), 1, FP4_BLOCK)
 
 
