@@ -260,18 +260,77 @@ def _show(v: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _quant(d: dict) -> tuple[str, tuple[int, int]]:
-    """``quantization_config`` -> (``weight_quant``, ``fp8_block``): ("", (0, 0)) for none,
-    ("fp8", (bn, bk)) for block scales, ("fp8", (0, 0)) for per-channel scales.
+#: compressed-tensors' ``format`` of each weight format it packs (the names its config writes)
+CT_FORMATS = {"fp8": "float-quantized", "mxfp8": "mxfp8-quantized", "mxfp4": "mxfp4-pack-quantized",
+              "nvfp4": "nvfp4-pack-quantized"}
+#: the 4-bit and MX formats a container may announce (``MtpConfig.quant_formats``)
+QUANT_FORMATS = ("mxfp4", "mxfp8", "nvfp4")
+
+
+def _ct_group(name: str, g: Any, fmt: Any) -> tuple[str, tuple[int, int]]:
+    """One compressed-tensors config group -> (format, fp8 block): "fp8" with (bn, bk) or (0, 0)
+    (per-channel), "mxfp8", "mxfp4" or "nvfp4"; the group's own ``format`` (mixed-precision) or
+    the config's must agree with its weights. Integer weights (AWQ, GPTQ, int4 / int8 groups)
+    and any other layout are refused, naming what was found."""
+    where = f"quantization_config.config_groups.{name}.weights"
+    w = g.get("weights") if isinstance(g, dict) else None
+    if isinstance(g, dict) and isinstance(g.get("format"), str):
+        fmt = g["format"]
+    if not isinstance(w, dict):
+        raise ConfigError(f"config.json: {where} expected an object, got {_show(w)}")
+    bits, typ, strategy, gs = w.get("num_bits"), w.get("type"), w.get("strategy"), w.get("group_size")
+    if typ != "float" or bits not in (4, 8):
+        raise ConfigError(f"config.json: {where} expected float weights of 8 bits (FP8 E4M3, MXFP8) or 4 bits "
+                          f"(MXFP4, NVFP4), got num_bits {_show(bits)} type {_show(typ)} (integer formats: AWQ, "
+                          f"GPTQ, int4 groups, format {_show(fmt)}, are not supported)")
+    if bits == 8 and strategy == "channel":
+        kind = ("fp8", (0, 0))
+    elif bits == 8 and strategy == "block":
+        kind = ("fp8", _block(w.get("block_structure"), f"{where}.block_structure"))
+    elif bits == 8 and strategy in ("group", "tensor_group"):
+        if gs != 32:
+            raise ConfigError(f"config.json: {where}.group_size {_show(gs)} is not one MXFP8 allows; expected 32 "
+                              f"(an E8M0 scale per 32 weights)")
+        kind = ("mxfp8", (1, 32))
+    elif bits == 4 and strategy in ("group", "tensor_group"):
+        if gs not in (16, 32):
+            raise ConfigError(f"config.json: {where}.group_size {_show(gs)} is not one a 4-bit float format "
+                              f"allows; expected 16 (NVFP4) or 32 (MXFP4)")
+        kind = ("nvfp4" if gs == 16 else "mxfp4", (0, 0))
+    else:
+        raise ConfigError(f"config.json: {where}.strategy {_show(strategy)} is not supported for {bits}-bit "
+                          f"float weights; expected 'channel' or 'block' (FP8), 'group' / 'tensor_group' (MXFP8, "
+                          f"MXFP4, NVFP4)")
+    if fmt is not None and fmt != "mixed-precision" and fmt != CT_FORMATS[kind[0]]:
+        raise ConfigError(f"config.json: {where}: {kind[0]} weights expected format {CT_FORMATS[kind[0]]!r}, "
+                          f"got {_show(fmt)}")
+    return kind
+
+
+def _names(v: Any, name: str) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"config.json: {name} expected a list of module names, got {_show(v)}")
+    return tuple(v)
+
+
+def _quant(d: dict) -> tuple[str, tuple[int, int], str, tuple[str, ...], tuple[str, ...]]:
+    """``quantization_config`` -> (``weight_quant``, ``fp8_block``, ``quant_container``,
+    ``quant_formats``, ``quant_ignore``): ("", (0, 0), "", (), ()) for none; ("fp8", (bn, bk)) for
+    block scales, ("fp8", (0, 0)) for per-channel scales, ("fp8", (1, 32)) for MXFP8 alone.
 
     Read: FP8 E4M3 weights as DeepSeek-V3 / GLM FP8 releases store them
-    (``quant_method: "fp8"`` with ``weight_block_size``) and compressed-tensors'
-    ``float-quantized`` 8-bit float weights with ``strategy`` "channel" or "block".
-    Activations stay FP32 whatever the config says of them (mtpkern dequantizes the
-    weights; it never quantizes activations: docs/fp8.md). Anything else is refused."""
+    (``quant_method: "fp8"`` with ``weight_block_size``); compressed-tensors containers
+    (``format`` "float-quantized", "mxfp8-quantized", "mxfp4-pack-quantized",
+    "nvfp4-pack-quantized" or "mixed-precision" with a format per group; ``ignore`` lists the
+    modules left unquantized); NVIDIA ModelOpt's NVFP4 (``quant_method: "modelopt"``,
+    ``quant_algo: "NVFP4"``, ``exclude_modules``). Activations stay FP32 whatever the config says
+    of them (mtpkern dequantizes the weights; it never quantizes activations: docs/fp8.md).
+    Anything else is refused, naming it."""
     q = d.get("quantization_config")
     if q is None:
-        return "", (0, 0)
+        return "", (0, 0), "", (), ()
     if not isinstance(q, dict):
         raise ConfigError(f"config.json: field 'quantization_config' expected an object, got {_show(q)}")
     method = q.get("quant_method")
@@ -279,30 +338,40 @@ def _quant(d: dict) -> tuple[str, tuple[int, int]]:
         fmt = q.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ConfigError(f"config.json: quantization_config.fmt {_show(fmt)} is not supported; expected 'e4m3'")
-        return "fp8", _block(q.get("weight_block_size"), "quantization_config.weight_block_size")
+        return "fp8", _block(q.get("weight_block_size"), "quantization_config.weight_block_size"), "", (), ()
     if method == "compressed-tensors":
         groups = q.get("config_groups")
         if not isinstance(groups, dict) or not groups:
             raise ConfigError("config.json: quantization_config.config_groups expected a non-empty object")
-        kinds = set()
-        for name, g in groups.items():
-            w = g.get("weights") if isinstance(g, dict) else None
-            where = f"quantization_config.config_groups.{name}.weights"
-            if not isinstance(w, dict) or w.get("num_bits") != 8 or w.get("type") != "float":
-                raise ConfigError(f"config.json: {where} expected 8-bit float weights (FP8 E4M3), got {_show(w)}")
-            strategy = w.get("strategy")
-            if strategy == "channel":
-                kinds.add((0, 0))
-            elif strategy == "block":
-                kinds.add(_block(w.get("block_structure"), f"{where}.block_structure"))
-            else:
-                raise ConfigError(f"config.json: {where}.strategy {_show(strategy)} is not supported; "
-                                  f"expected 'channel' or 'block'")
-        if len(kinds) != 1:
-            raise ConfigError(f"config.json: quantization_config.config_groups mix scale layouts {sorted(kinds)}")
-        return "fp8", kinds.pop()
+        fmt = q.get("format")
+        if fmt is not None and fmt not in (*CT_FORMATS.values(), "mixed-precision"):
+            raise ConfigError(f"config.json: quantization_config.format {_show(fmt)} is not supported; expected one "
+                              f"of {sorted(CT_FORMATS.values()) + ['mixed-precision']} (integer formats such as "
+                              f"'pack-quantized': AWQ, GPTQ, int4 groups, are not)")
+        kinds = [_ct_group(name, g, fmt) for name, g in groups.items()]
+        fp8 = sorted({b for k, b in kinds if k == "fp8"})
+        if len(fp8) > 1:
+            raise ConfigError(f"config.json: quantization_config.config_groups mix scale layouts {fp8}")
+        formats = tuple(sorted({k for k, _ in kinds if k != "fp8"}))
+        ignore = _names(q.get("ignore"), "quantization_config.ignore")
+        if not formats:
+            return "fp8", fp8[0], "", (), ()
+        e4m3 = bool(fp8) or "mxfp8" in formats
+        return ("fp8" if e4m3 else "", fp8[0] if fp8 else (1, 32) if e4m3 else (0, 0), "compressed-tensors",
+                formats, ignore)
+    if method == "modelopt":
+        inner = q.get("quantization") if isinstance(q.get("quantization"), dict) else q
+        algo, gs = inner.get("quant_algo"), inner.get("group_size", 16)
+        if algo != "NVFP4":
+            raise ConfigError(f"config.json: quantization_config.quant_algo {_show(algo)} is not supported; "
+                              f"expected 'NVFP4' (ModelOpt)")
+        if gs != 16:
+            raise ConfigError(f"config.json: quantization_config.group_size {_show(gs)} is not one NVFP4 allows; "
+                              f"expected 16")
+        return "", (0, 0), "modelopt", ("nvfp4",), _names(inner.get("exclude_modules"),
+                                                           "quantization_config.exclude_modules")
     raise ConfigError(f"config.json: quantization_config.quant_method {_show(method)} is not supported; "
-                      f"expected 'fp8' or 'compressed-tensors' (FP8 E4M3 weights)")
+                      f"expected 'fp8', 'compressed-tensors' (FP8, MXFP8, MXFP4, NVFP4) or 'modelopt' (NVFP4)")
 
 
 def _expert_quant(d: dict) -> str:
@@ -602,6 +671,13 @@ class MtpConfig:
     #: scales per 32 weights: DeepSeek-V4's routed experts, ``expert_dtype: "fp4"``) load as
     #: FP4 (docs/fp4.md); the others stay as ``weight_quant`` says. Needs weight_quant "fp8".
     expert_quant: str = ""
+    #: the container of 4-bit / MX weights: "compressed-tensors" or "modelopt" ("" none); its
+    #: ``quant_formats`` (of ``QUANT_FORMATS``: what its config announces) and ``quant_ignore``
+    #: (modules it leaves unquantized: names or "re:" patterns). Each projection loads as its
+    #: tensors say (docs/fp4.md, "Containers")
+    quant_container: str = ""
+    quant_formats: tuple = ()
+    quant_ignore: tuple = ()
     # -- block features (a family switches them on; mtpkern/models/) --------------
     #: the attention output gated by sigmoid: "" none; "elementwise": q_proj carries a
     #: gate per query dim (Qwen3-Next), stacked after q|k|v in the fused projection
@@ -675,6 +751,15 @@ class MtpConfig:
             raise ConfigError(f"config.json: weight_quant expected '' or 'fp8', got {self.weight_quant!r}")
         if self.expert_quant not in ("", "fp4"):
             raise ConfigError(f"config.json: expert_quant expected '' or 'fp4', got {self.expert_quant!r}")
+        if self.quant_container not in ("", "compressed-tensors", "modelopt"):
+            raise ConfigError(f"config.json: quant_container expected '', 'compressed-tensors' or 'modelopt', "
+                              f"got {self.quant_container!r}")
+        object.__setattr__(self, "quant_formats", tuple(self.quant_formats))
+        object.__setattr__(self, "quant_ignore", tuple(self.quant_ignore))
+        if (bool(self.quant_container) != bool(self.quant_formats)
+                or not set(self.quant_formats) <= set(QUANT_FORMATS)):
+            raise ConfigError(f"config.json: quant_formats expected some of {QUANT_FORMATS} with a quant_container, "
+                              f"got {self.quant_formats!r} with {self.quant_container!r}")
         if self.expert_quant and self.weight_quant != "fp8":
             raise ConfigError("config.json: expert_dtype 'fp4' needs quantization_config.quant_method 'fp8' "
                               "(DeepSeek-V4's layout), got no FP8 quantization_config")
@@ -848,6 +933,9 @@ class MtpConfig:
             family=fam.model_type,
             weight_quant=quant[0],
             fp8_block=quant[1],
+            quant_container=quant[2],
+            quant_formats=quant[3],
+            quant_ignore=quant[4],
             expert_quant=expert_quant,
             attn_gate=_opt(d, "attn_gate", str, ""),
             shared_expert_gate=_opt(d, "shared_expert_gate", bool, False),
@@ -899,7 +987,10 @@ class MtpConfig:
         d = asdict(self)
         fam = d.pop("family")
         quant, block, experts = d.pop("weight_quant"), d.pop("fp8_block"), d.pop("expert_quant")
-        if quant == "fp8" and block != (0, 0):
+        container, formats, ignore = d.pop("quant_container"), d.pop("quant_formats"), d.pop("quant_ignore")
+        if container:
+            d["quantization_config"] = _container_config(container, formats, ignore, quant, block)
+        elif quant == "fp8" and block != (0, 0):
             d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                         "weight_block_size": list(block)}
             if experts == "fp4":            # DeepSeek-V4.1's form (V4 writes expert_dtype at the top level)
@@ -951,6 +1042,12 @@ class MtpConfig:
             fam += f"FP8 E4M3 ({f'{b[0]}x{b[1]} block' if b != (0, 0) else 'per-channel'} scales) "
         if self.expert_quant == "fp4":
             fam += "FP4 E2M1 (E8M0 per 32) experts "
+        if self.quant_container:
+            names = {"mxfp4": "MXFP4 (E2M1, E8M0 per 32)", "mxfp8": "MXFP8 (E4M3, E8M0 per 32)",
+                     "nvfp4": "NVFP4 (E2M1, E4M3 per 16, FP32 global)"}
+            fam += f"{self.quant_container}: {', '.join(names[f] for f in self.quant_formats)} "
+            if self.quant_ignore:
+                fam += f"(ignore {len(self.quant_ignore)}) "
         blocks = [self.block(m) for m in range(self.num_modules)]
         if not any(b.moe for b in blocks):
             kind = f"dense I={self.intermediate_size} (MoE target: E={self.n_routed_experts})" if self.is_moe \
@@ -961,6 +1058,25 @@ class MtpConfig:
         if len(set(blocks)) == 1:
             return text + f"block {blocks[0].describe()}"
         return text + ", ".join(f"module {m}: {b.describe()}" for m, b in enumerate(blocks))
+
+
+def _container_config(container: str, formats: tuple, ignore: tuple, quant: str, block: tuple) -> dict:
+    """The ``quantization_config`` of a container (``MtpConfig.to_dict``), one group per format."""
+    if container == "modelopt":
+        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": list(ignore)}
+    weights = {"mxfp4": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32},
+               "nvfp4": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+               "mxfp8": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32}}
+    kinds = list(formats)
+    if quant == "fp8" and not (block == (1, 32) and "mxfp8" in formats):
+        kinds.append("fp8")
+        weights["fp8"] = ({"num_bits": 8, "type": "float", "strategy": "channel"} if block == (0, 0) else
+                          {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": list(block)})
+    groups = {f"group_{i}": {"targets": ["Linear"], "format": CT_FORMATS[k],
+                             "weights": dict(weights[k], symmetric=True, dynamic=False)} for i, k in enumerate(kinds)}
+    return {"quant_method": "compressed-tensors",
+            "format": CT_FORMATS[kinds[0]] if len(kinds) == 1 else "mixed-precision",
+            "config_groups": groups, "ignore": list(ignore)}
 
 
 def _mla_head_dim(d: dict) -> int:

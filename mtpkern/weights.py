@@ -36,7 +36,7 @@ from .errors import CheckpointError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 from .models import Family, family
 from .ops.mla import split_kv_b_proj
-from .quant import FP4_BLOCK, Fp4Weight, Fp8Weight, nan_codes, rope_first_order, take_units
+from .quant import FP4_BLOCK, NVFP4_BLOCK, Fp4Weight, Fp8Weight, nan_codes, rope_first_order, take_units
 from .shard import Shard
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -86,6 +86,101 @@ def scale_key(cfg: MtpConfig, key: str) -> str:
 def _canonical_scale_key(cfg: MtpConfig, key: str) -> str:
     """A scale's name in the canonical layout (what ``release_layout`` renames)."""
     return key + ("_scale_inv" if cfg.fp8_block != (0, 0) else "_scale")
+#: tensors a container stores beside a projection that mtpkern reads and does not use: the
+#: activations' scales (activations stay FP32)
+_ACT_SCALES = ("input_global_scale", "input_scale")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """How a container (``MtpConfig.quant_container``) stores one projection ``X.weight``:
+    ``fmt`` "dense", "fp8" (E4M3 codes with FP32 / BF16 scales per channel or block, or E8M0
+    scales per 32: MXFP8), "mxfp4" or "nvfp4"; the keys of its codes (or dense weight), scales
+    and NVFP4 global scale; ``extra``: activation scales present, read by nothing."""
+
+    fmt: str
+    data: str
+    scale: str = ""
+    glob: str = ""
+    extra: tuple = ()
+
+    def keys(self) -> set[str]:
+        return {k for k in (self.data, self.scale, self.glob, *self.extra) if k}
+
+
+def present(rd: "CheckpointReader", key: str) -> bool:
+    """A projection ``X.weight`` is in the checkpoint as itself or as compressed-tensors'
+    packed ``X.weight_packed``."""
+    return rd.has(key) or (key.endswith(".weight") and rd.has(key + "_packed"))
+
+
+def ignored_by(cfg: MtpConfig, key: str) -> bool:
+    """Whether the container's ``ignore`` (``exclude_modules``) names the module of ``key``:
+    its name exactly, or a ``re:`` pattern matching it from the start (compressed-tensors' rule)."""
+    name = key[:-len(".weight")] if key.endswith(".weight") else key
+    for pat in cfg.quant_ignore:
+        if pat.startswith("re:"):
+            try:
+                if re.match(pat[3:], name):
+                    return True
+            except re.error:
+                continue
+        elif pat == name:
+            return True
+    return False
+
+
+def stored_form(cfg: MtpConfig, rd: "CheckpointReader", key: str) -> Stored | None:
+    """How the container stores projection ``key``, from its tensors (None without a container).
+    Refused, naming the tensor: a format the config does not announce, a missing scale, a scale
+    of another dtype than the format's."""
+    if not cfg.quant_container or not key.endswith(".weight"):
+        return None
+    base = key[:-len("weight")]
+    extra = tuple(base + a for a in _ACT_SCALES if rd.has(base + a))
+    where = f"tensor {key!r} in the checkpoint at {rd.path}"
+
+    def announced(fmt: str, what: str) -> None:
+        ok = fmt in cfg.quant_formats or (fmt == "fp8" and cfg.weight_quant == "fp8" and cfg.fp8_block != (1, 32))
+        if not ok:
+            raise CheckpointError(f"{where}: stored as {what}, a format its config does not announce "
+                                  f"({cfg.quant_container} formats {list(cfg.quant_formats)}"
+                                  f"{', fp8' if cfg.weight_quant == 'fp8' else ''})")
+
+    def need(k: str, what: str) -> str:
+        if not rd.has(k):
+            raise CheckpointError(f"tensor {k!r} is missing from the checkpoint at {rd.path}: the {what} of the "
+                                  f"weight {key!r} ({cfg.quant_container})")
+        return k
+
+    if cfg.quant_container == "compressed-tensors" and rd.has(key + "_packed"):
+        sk = need(key + "_scale", "scales")
+        sdt = rd.info(sk)[1]
+        if sdt == _FP8:
+            announced("nvfp4", "NVFP4 (E4M3 scales)")
+            return Stored("nvfp4", key + "_packed", sk, need(key + "_global_scale", "NVFP4 global scale"), extra)
+        if sdt in _FP4_SCALE_DTYPES:
+            announced("mxfp4", "MXFP4 (E8M0 scales)")
+            return Stored("mxfp4", key + "_packed", sk, "", extra)
+        raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: expected dtype F8_E4M3 (NVFP4) or F8_E8M0 / U8 "
+                              f"(MXFP4), got {sdt}")
+    if not rd.has(key):
+        return Stored("dense", key, "", "", extra)
+    dt = rd.info(key)[1]
+    if cfg.quant_container == "modelopt" and dt in _FP4:
+        announced("nvfp4", "NVFP4")
+        return Stored("nvfp4", key, need(key + "_scale", "scales"), need(key + "_scale_2", "NVFP4 global scale"), extra)
+    if dt == _FP8:
+        if cfg.quant_container == "modelopt":
+            raise CheckpointError(f"{where}: an FP8 weight under ModelOpt (per-tensor scales) is not supported; "
+                                  f"expected NVFP4 or a dense weight")
+        sk = need(key + "_scale", "scales")
+        announced("mxfp8" if rd.info(sk)[1] in _FP4_SCALE_DTYPES else "fp8",
+                  "MXFP8 (E8M0 scales)" if rd.info(sk)[1] in _FP4_SCALE_DTYPES else "FP8 E4M3")
+        return Stored("fp8", key, sk, "", extra)
+    return Stored("dense", key, "", "", extra)
+
+
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -658,10 +753,10 @@ def _check_router_rows(cfg: MtpConfig, rd: CheckpointReader, key: str, m: int) -
     if not cfg.block(m).moe:
         return
     E, H = cfg.n_routed_experts, cfg.hidden_size
-    if not rd.has(key):
+    if not present(rd, key):
         raise CheckpointError(f"tensor {key!r} is missing from the checkpoint at {rd.path}; "
                               f"config.json has n_routed_experts = {E} (an MoE module)")
-    shape, _ = rd.info(key)
+    shape, _ = rd.info(key if rd.has(key) else key + "_packed")      # rows as stored (packed: K halved)
     if shape[:1] != (E,):
         raise CheckpointError(f"tensor {key!r}: expected shape [{E}, {H}] (one router row per expert, "
                               f"config.json n_routed_experts = {E}), got {list(shape)}")
@@ -683,7 +778,7 @@ def _checked_module_keys(cfg: MtpConfig, rd: CheckpointReader, m: int, allow_unu
     spec = {suffix: (module_key(fam, rd, layer, m, suffix), shape, req)
             for suffix, (shape, req) in _module_keys(cfg, m, experts_gate_up(cfg, rd, m)).items()}
     for suffix, (key, _, required) in spec.items():
-        if required and not rd.has(key):
+        if required and not present(rd, key):
             why = _deciding_field(cfg, suffix)
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint at {rd.path} "
                                   f"(module {m} of {cfg.num_modules}){'; ' + why if why else ''}")
@@ -714,7 +809,7 @@ def module_key(fam: Family, rd: CheckpointReader, layer: int, m: int, suffix: st
     checkpoint holds; the release's when it holds none (reported missing as that).
     Two of them at once are refused: which one is the tensor would be a guess."""
     names = fam.keys(layer, m, suffix)
-    held = [k for k in names if rd.has(k)]
+    held = [k for k in names if present(rd, k)]
     if len(held) > 1:
         raise CheckpointError(f"tensors {held} in the checkpoint at {rd.path} are two names for one tensor of "
                               f"module {m} ({suffix!r}); expected exactly one of {list(names)}")
@@ -725,6 +820,15 @@ def _read_keys(cfg: MtpConfig, rd: CheckpointReader, spec: dict, check: bool = T
     """The checkpoint keys the loader reads for ``spec``: its keys and, with FP8 weights,
     their scales (``check``: a missing scale raises)."""
     ours = {key for key, _, _ in spec.values()}
+    if cfg.quant_container:
+        for suffix, (key, _, _) in spec.items():
+            if _is_projection(suffix) and present(rd, key):
+                try:
+                    ours |= stored_form(cfg, rd, key).keys()
+                except CheckpointError:
+                    if check:
+                        raise
+        return ours
     if cfg.weight_quant == "fp8":
         for suffix, (key, _, _) in spec.items():
             if not (_is_projection(suffix) and rd.has(key)):
@@ -801,7 +905,17 @@ def check_headers(path: str | os.PathLike, cfg: MtpConfig, apply_target_norm: bo
 
     def one(m: int, layer: int, suffix: str, shape: tuple[int, ...], required: bool) -> None:
         key = module_key(fam, rd, layer, m, suffix)
-        if not rd.has(key):
+        st = stored_form(cfg, rd, key) if _is_projection(suffix) and present(rd, key) else None
+        if st is not None and st.fmt in ("mxfp4", "nvfp4"):
+            N, K = shape[-2:]
+            B = FP4_BLOCK if st.fmt == "mxfp4" else NVFP4_BLOCK
+            header(st.data, tuple(shape[:-1]) + (K // 2,), _FP4, f" ({st.fmt}: two codes a byte of {list(shape)})")
+            header(st.scale, tuple(shape[:-1]) + (-(-K // B),), (_FP8,) if st.fmt == "nvfp4" else _FP4_SCALE_DTYPES)
+            return
+        if st is not None and st.fmt == "fp8":
+            header(st.data, shape, (_FP8,))
+            return
+        if not present(rd, key):
             if required:
                 why = _deciding_field(cfg, suffix)
                 problems.append(f"tensor {key!r} is missing from the checkpoint at {rd.path} (module {m} of "
@@ -1008,6 +1122,78 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"tensor {sk!r} in {rd.file_of(sk)}: {e}") from None
 
+    dense_under: dict[int, list[str]] = {}          # module -> its projections a container stores dense
+
+    def contained(st: Stored, key: str, shape: tuple[int, ...], rows=None, cols=None):
+        """A projection of a container, as its tensors say (``stored_form``): MXFP4 / NVFP4 as an
+        ``Fp4Weight``, FP8 / MXFP8 as an ``Fp8Weight`` (block from its scales' shape and dtype);
+        ``rows`` / ``cols``: a shard of it, at whole scale blocks."""
+        nonlocal nbytes
+        N, K = shape
+        if st.fmt in ("mxfp4", "nvfp4"):
+            B = FP4_BLOCK if st.fmt == "mxfp4" else NVFP4_BLOCK
+            stored = (N, K // 2)
+            got_shape, _ = rd.info(st.data)
+            if K % 2 or got_shape != stored:
+                raise CheckpointError(f"tensor {st.data!r} in {rd.file_of(st.data)}: expected shape {list(stored)} "
+                                      f"({st.fmt}: two codes a byte of a [{N}, {K}] weight), got {list(got_shape)}")
+            data = rd.get(st.data, stored, _FP4)
+            scale = rd.get(st.scale, (N, -(-K // B)), (_FP8,) if st.fmt == "nvfp4" else _FP4_SCALE_DTYPES)
+            g = None
+            if st.fmt == "nvfp4":
+                gshape, _ = rd.info(st.glob)
+                if int(np.prod(gshape, dtype=np.int64)) != 1:
+                    raise CheckpointError(f"tensor {st.glob!r} in {rd.file_of(st.glob)}: expected one value (shape [1] "
+                                          f"or []), got shape {list(gshape)}")
+                gv = float(np.asarray(rd.get(st.glob, gshape, ("F32",))).reshape(()))
+                if cfg.quant_container == "compressed-tensors":      # stored: the divisor (448 * 6 / amax)
+                    if not (math.isfinite(gv) and gv != 0.0):
+                        raise CheckpointError(f"tensor {st.glob!r} in {rd.file_of(st.glob)}: expected a finite, "
+                                              f"non-zero global scale (weights are divided by it), got {gv!r}")
+                    gv = 1.0 / gv
+                g = np.full((N,), gv, np.float32)
+            nbytes += data.nbytes + scale.nbytes + (0 if g is None else 4)
+            try:
+                q = Fp4Weight(data, scale, g)
+                if rows is not None:
+                    q = q.rows(*rows)
+                if cols is not None:
+                    q = q.cols(*cols)
+                return q
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"tensor {st.scale!r} in {rd.file_of(st.scale)}: {e}") from None
+        # FP8: per-channel FP32 / BF16 scales [N] / [N, 1], E8M0 per (1, 32) (MXFP8), or blocks
+        sshape, sdt = rd.info(st.scale)
+        if sdt in _FP4_SCALE_DTYPES:
+            block, want = (1, 32), (N, -(-K // 32))
+            if tuple(sshape) != want:
+                raise CheckpointError(f"tensor {st.scale!r} in {rd.file_of(st.scale)}: expected shape {list(want)} "
+                                      f"(MXFP8: an E8M0 scale per 32 weights along K), got {list(sshape)}")
+            scale = rd.get(st.scale, want, _FP4_SCALE_DTYPES).view(np.uint8).view(ml_dtypes.float8_e8m0fnu)
+        else:
+            block = None if tuple(sshape) in ((N,), (N, 1)) else cfg.fp8_block
+            scale = rd.get(st.scale, sshape, ("F32", "BF16"))
+        data = rd.get(st.data, shape, (_FP8,))
+        n, at = nan_codes(data)
+        if n:
+            raise CheckpointError(f"tensor {st.data!r} in {rd.file_of(st.data)}: {n} FP8 E4M3 code(s) are NaN "
+                                  f"(0x7F / 0xFF; first at {list(at)}); expected finite weights")
+        nbytes += data.nbytes + scale.nbytes
+        try:
+            q = Fp8Weight(data, scale, block)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"tensor {st.scale!r} in {rd.file_of(st.scale)}: {e}") from None
+        if rows is not None:
+            q = _row_slice(q, *rows)
+        if cols is not None:
+            bk = K if q.block is None else q.block[1]
+            if q.block is not None and (cols[0] % bk or (cols[1] % bk and cols[1] != K)):
+                raise CheckpointError(f"tensor {key!r}: a shard of columns {cols[0]}:{cols[1]} cuts its FP8 scale "
+                                      f"blocks of {bk}; shard where the blocks allow (docs/distributed.md)")
+            q = Fp8Weight(q.data[:, cols[0]:cols[1]],
+                          q.scale if q.block is None else q.scale[:, cols[0] // bk: -(-cols[1] // bk)], q.block)
+        return q
+
     def packed(suffix: str, e0: int, e1: int, part_i: tuple[int, int] | None, axis: int):
         """Experts ``e0:e1`` of a packed tensor (``Family.packed_experts``: [E, N, K]), and only
         ``part_i`` of each expert's intermediate dim ``axis`` (1: rows of gate / up, 2: columns
@@ -1074,7 +1260,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             if not isinstance(up, Fp4Weight):
                 raise CheckpointError(f"{rd.path}: experts mix FP4 and {_kind(up)} weights "
                                       f"({up_key!r})")
-            return Fp4Weight(np.concatenate([gate.data, up.data], axis=1), np.concatenate([gate.scale, up.scale], axis=1))
+            return gate.join_rows(up)
         if isinstance(gate, Fp8Weight):
             up = half("up")
             if not isinstance(up, Fp8Weight):
@@ -1118,6 +1304,11 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             """A dense tensor; a projection may be FP8 (an ``Fp8Weight``) when the config says so;
             ``rows`` / ``cols``: only that range (a rank's shard)."""
             key, shape, _ = spec[suffix]
+            st = stored_form(cfg, rd, key) if _is_projection(suffix) else None
+            if st is not None and st.fmt != "dense":
+                return contained(st, key, shape, rows, cols)
+            if st is not None:
+                dense_under.setdefault(m, []).append(key)
             if cfg.weight_quant == "fp8" and _is_projection(suffix) and rd.info(key)[1] == _FP8:
                 return fp8(key, shape, rows, cols)
             if is_fp4(cfg, suffix, rd.info(key)[1]):
@@ -1240,13 +1431,14 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             v = w("eh_proj.weight")
             if fam.concat != "hidden_embed":
                 return backend.prepare_weight(v)
-            if isinstance(v, Fp4Weight):                          # whole 32-weight scale blocks move
-                if H % FP4_BLOCK:
+            if isinstance(v, Fp4Weight):                          # whole scale blocks move
+                if H % v.block:
                     raise CheckpointError(f"{spec['eh_proj.weight'][0]!r}: its [hidden, embed] halves cannot be "
-                                          f"swapped at load: hidden_size {H} is not a multiple of {FP4_BLOCK}")
-                hb = H // FP4_BLOCK
+                                          f"swapped at load: hidden_size {H} is not a multiple of {v.block}")
+                hb = H // v.block
                 return backend.prepare_weight(Fp4Weight(np.concatenate([v.data[:, H // 2:], v.data[:, :H // 2]], axis=1),
-                                                        np.concatenate([v.scale[:, hb:], v.scale[:, :hb]], axis=1)))
+                                                        np.concatenate([v.scale[:, hb:], v.scale[:, :hb]], axis=1),
+                                                        v.global_scale))
             if not isinstance(v, Fp8Weight):
                 return backend.prepare_weight(np.concatenate([v[:, H:], v[:, :H]], axis=1))
             if v.block is None:                                   # per-row scales: the codes move
@@ -1406,6 +1598,15 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             w13, w2 = swiglu("mlp.", cfg.intermediate_size, "intermediate_size")
             mw.mlp_w13, mw.mlp_w2 = backend.prepare_weight(w13), backend.prepare_weight(w2)
         modules.append(mw)
+        if dense_under.get(m):
+            keys = sorted(set(dense_under[m]))
+            listed = [k for k in keys if ignored_by(cfg, k)]
+            other = [k for k in keys if not ignored_by(cfg, k)]
+            notes.append(f"module {m}: {len(keys)} projection(s) stored dense under the {cfg.quant_container} "
+                         f"container, loaded dense" + (f"; in its ignore list: {', '.join(listed[:3])}"
+                                                       f"{', ...' if len(listed) > 3 else ''}" if listed else "")
+                         + (f"; not in its ignore list (no packed or scale tensors): {', '.join(other[:3])}"
+                            f"{', ...' if len(other) > 3 else ''}" if other else ""))
 
     target_norm = None
     if apply_target_norm:

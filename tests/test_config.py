@@ -157,7 +157,7 @@ def test_fp8_releases_load(quant, block):
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2' is not supported"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size expected [block rows"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
-     "expected 8-bit float weights"),
+     "expected float weights of 8 bits (FP8 E4M3, MXFP8) or 4 bits"),
     ({"quant_method": "compressed-tensors",
       "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}},
      "strategy 'tensor' is not supported"),
