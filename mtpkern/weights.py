@@ -76,11 +76,16 @@ def fp4_scale_key(cfg: MtpConfig, rd: "CheckpointReader", key: str) -> str:
     return key + "_scale" if rd.has(key + "_scale") and not rd.has(key + "_scale_inv") else key + "_scale_inv"
 
 
-def scale_key(cfg: MtpConfig, key: str) -> str:
+def scale_key(cfg: MtpConfig, key: str, rd: "CheckpointReader | None" = None) -> str:
     """The checkpoint key of an FP8 weight's scales: ``weight_scale_inv`` (block scales,
     DeepSeek-V3 / GLM FP8) or ``weight_scale`` (per-channel, compressed-tensors); DeepSeek-V4's
-    ``X.scale`` in its family's layout (``Family.scale_key``)."""
-    return family(cfg.family).scale_key(key, cfg.fp8_block != (0, 0))
+    ``X.scale`` in its family's layout (``Family.scale_key``). With ``rd``: block scales under
+    ``weight_scale`` when the checkpoint has no ``weight_scale_inv`` (compressed-tensors'
+    ``strategy: "block"`` names them so; both are the multiplier of the codes)."""
+    k = family(cfg.family).scale_key(key, cfg.fp8_block != (0, 0))
+    if rd is not None and k == key + "_scale_inv" and not rd.has(k) and rd.has(key + "_scale"):
+        return key + "_scale"
+    return k
 
 
 def _canonical_scale_key(cfg: MtpConfig, key: str) -> str:
@@ -835,7 +840,7 @@ def _read_keys(cfg: MtpConfig, rd: CheckpointReader, spec: dict, check: bool = T
                 continue
             dt = rd.info(key)[1]
             if dt == _FP8 or is_fp4(cfg, suffix, dt):
-                sk, kind = (scale_key(cfg, key), "FP8") if dt == _FP8 else (fp4_scale_key(cfg, rd, key), "FP4")
+                sk, kind = (scale_key(cfg, key, rd), "FP8") if dt == _FP8 else (fp4_scale_key(cfg, rd, key), "FP4")
                 if check and not rd.has(sk):
                     raise CheckpointError(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
                                           f"of the {kind} weight {key!r} (quantization_config)")
@@ -928,7 +933,7 @@ def check_headers(path: str | os.PathLike, cfg: MtpConfig, apply_target_norm: bo
         else:
             header(key, shape, (_FP8,) if fp8 else _FLOAT_DTYPES)
         if fp8 or fp4:
-            sk = scale_key(cfg, key) if fp8 else fp4_scale_key(cfg, rd, key)
+            sk = scale_key(cfg, key, rd) if fp8 else fp4_scale_key(cfg, rd, key)
             if not rd.has(sk):
                 problems.append(f"tensor {sk!r} is missing from the checkpoint at {rd.path}: the scales "
                                 f"of the {'FP8' if fp8 else 'FP4'} weight {key!r} (quantization_config)")
@@ -1070,7 +1075,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             raise CheckpointError(f"tensor {key!r} in {rd.file_of(key)}: expected shape {list(shape)}, "
                                   f"got {list(got_shape)}")
         block = cfg.fp8_block if cfg.fp8_block != (0, 0) else None
-        sk = scale_key(cfg, key)
+        sk = scale_key(cfg, key, rd)
         scale = rd.get(sk, rd.info(sk)[0], _FP8_SCALE_DTYPES)
         if rows is not None or cols is not None:
             if scale.ndim != 2 and block is not None:
@@ -1214,7 +1219,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         if not (cfg.weight_quant == "fp8" and dt == _FP8):
             a = read(key, shape, rows=rows)
             return a if part_i is None else (a[:, part_i[0]:part_i[1]] if axis == 1 else a[:, :, part_i[0]:part_i[1]])
-        sk = scale_key(cfg, key)
+        sk = scale_key(cfg, key, rd)
         scale = rd.get(sk, rd.info(sk)[0], _FP8_SCALE_DTYPES)
         data = rd.get(key, shape, (_FP8,), rows)
         scale = scale if rows is None else scale[e0:e1]

@@ -109,3 +109,30 @@ def test_broken_fp8_checkpoints_are_named(tmp_path):
     save_file(bad, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=f"'{q}_scale_inv'.*scale: expected shape"):
         MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_compressed_tensors_block_scales_under_weight_scale(tmp_path, backend):
+    """compressed-tensors' FP8 with ``strategy: "block"`` names each block scale tensor
+    ``weight_scale`` (DeepSeek / GLM FP8 releases: ``weight_scale_inv``, the same multiplier):
+    the same codes and scales under that name and that config draft as the release form, and
+    ``mtpkern info`` passes its headers."""
+    from mtpkern.cli import main
+
+    cfg = _cfg("block")
+    src = write_synthetic_checkpoint(tmp_path / "release", cfg, seed=6, pow2_scales=True)
+    raw = read_tensors(src)
+    renamed = {(k[:-len("_inv")] if k.endswith("_scale_inv") else k): np.ascontiguousarray(a) for k, a in raw.items()}
+    assert any(k.endswith("weight_scale") for k in renamed) and not any(k.endswith("_scale_inv") for k in renamed)
+    dst = tmp_path / "ct"
+    dst.mkdir()
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    d = json.loads((src / "config.json").read_text())
+    d["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                    "num_bits": 8, "type": "float", "strategy": "block",
+                                    "block_structure": list(cfg.fp8_block)}}}}
+    (dst / "config.json").write_text(json.dumps(d))
+    assert main(["info", str(dst)]) == 0
+    for mode in ("exact", "draft"):
+        assert run_rounds(dst, backend, mode)[1] == run_rounds(src, backend, mode)[1]
