@@ -499,12 +499,14 @@ def hc_cases(be, n: int) -> list[tuple[str, int, int, Callable]]:
 
 def quant_weight(kind: str, shape: tuple[int, ...], seed: int, xp: Any = None):
     """A random device weight of ``shape`` [.., N, K] stored as ``kind``: ``fp8`` (E4M3 codes,
-    FP32 scales per 128 x 128 block, as the DeepSeek / GLM FP8 releases) or ``fp4`` (E2M1 codes
-    two a byte, an E8M0 scale code per 32, as DeepSeek-V4's experts); codes drawn on the device
-    (no NaN code: FP8's bit 3 cleared), scales near 1 / 448 and 2^-7. The values only have to be
+    FP32 scales per 128 x 128 block, as the DeepSeek / GLM FP8 releases), ``fp4`` (E2M1 codes
+    two a byte, an E8M0 scale code per 32, as DeepSeek-V4's experts) or ``nvfp4`` (the same
+    codes, an E4M3 scale code per 16 and an FP32 row scale, in ``CudaNvFp4``'s row records);
+    codes drawn on the device (no NaN code: FP8's bit 3 cleared), scales near 1 / 448, 2^-7 and
+    (NVFP4) 2^-4 times a row scale of 0.01. The values only have to be
     finite: the kernels read the same bytes whatever they hold. ``xp``: CuPy (None) or NumPy
     (the emulated kernels' arrays, tests/test_gpu_bench_cpu.py)."""
-    from mtpkern.backends.cuda_launch._util import CudaFp4, CudaFp8
+    from mtpkern.backends.cuda_launch._util import CudaFp4, CudaFp8, CudaNvFp4, nvfp4_record_bytes
 
     if xp is None:
         import cupy as xp
@@ -518,7 +520,13 @@ def quant_weight(kind: str, shape: tuple[int, ...], seed: int, xp: Any = None):
     if kind == "fp4":
         data = rs.randint(0, 256, size=(*lead, N, K // 2), dtype=np.int32).astype(np.uint8)
         return CudaFp4(data, xp.full((*lead, N, -(-K // 32)), 120, np.uint8), 1, 32)
-    raise ValueError(f"kind: expected 'fp8' or 'fp4', got {kind!r}")
+    if kind == "nvfp4":
+        data = rs.randint(0, 256, size=(*lead, N, K // 2), dtype=np.int32).astype(np.uint8)
+        rec = np.zeros(nvfp4_record_bytes(K), np.uint8)          # one row's record, every row the same
+        rec[:4] = np.array([0.01], "<f4").view(np.uint8)
+        rec[4:4 + -(-K // 16)] = 0x18                             # E4M3 2^-4
+        return CudaNvFp4(data, xp.asarray(np.broadcast_to(rec, (*lead, N, rec.size)).copy()), 1, 16)
+    raise ValueError(f"kind: expected 'fp8', 'fp4' or 'nvfp4', got {kind!r}")
 
 
 def quant_bytes(kind: str, shape: tuple[int, ...]) -> int:
@@ -529,13 +537,18 @@ def quant_bytes(kind: str, shape: tuple[int, ...]) -> int:
         return m * (N * K + 4 * -(-N // 128) * -(-K // 128))
     if kind == "fp4":
         return m * (N * K // 2 + N * -(-K // 32))
-    raise ValueError(f"kind: expected 'fp8' or 'fp4', got {kind!r}")
+    if kind == "nvfp4":
+        from mtpkern.backends.cuda_launch._util import nvfp4_record_bytes
+
+        return m * (N * K // 2 + N * nvfp4_record_bytes(K))
+    raise ValueError(f"kind: expected 'fp8', 'fp4' or 'nvfp4', got {kind!r}")
 
 
 def quant_cases(cfg: MtpConfig, be, w, n: int) -> list[tuple[str, int, int, Callable]]:
     """The weight-bound ops of ``kernel_cases`` (o_proj, the routed experts, the LM head) with
-    their weights stored FP8 and FP4 instead of BF16, at the same shapes and rows, beside the
-    BF16 rows: what half and a quarter of the bytes buy. The experts' ids are the BF16 rows'
+    their weights stored FP8, FP4 (MXFP4) and NVFP4 instead of BF16, at the same shapes and rows,
+    beside the BF16 rows: what half and a quarter of the bytes buy (NVFP4: a scale per 16 and a
+    row scale, against MXFP4's per 32). The experts' ids are the BF16 rows'
     router's, so each row reads the same experts. (op, context, bytes, thunk)."""
     import cupy as cp
 
@@ -558,7 +571,7 @@ def quant_cases(cfg: MtpConfig, be, w, n: int) -> list[tuple[str, int, int, Call
     part_v, part_i, lm_ids = (cp.empty((n, P), cp.float32), cp.empty((n, P), cp.int32),
                               cp.empty(n, cp.int32))
     cases = []
-    for i, kind in enumerate(("fp8", "fp4")):
+    for i, kind in enumerate(("fp8", "fp4", "nvfp4")):
         wo = quant_weight(kind, (H, Hq * D), 10 * i + 1)
         w13, w2 = quant_weight(kind, (E, 2 * I, H), 10 * i + 2), quant_weight(kind, (E, H, I), 10 * i + 3)
         head = quant_weight(kind, (V, H), 10 * i + 4)

@@ -3,7 +3,8 @@
 // - element conversion: BF16 storage (__nv_bfloat16, carried by CuPy as uint16
 //   bits), FP32 storage, or FP8 E4M3 weights (__nv_fp8_e4m3, uint8 bytes, with FP32
 //   scales: Scales), or FP4 E2M1 weights (fp4x2_e2m1: two codes a byte, with E8M0 scale
-//   codes per 32 weights), always widened to FP32 for arithmetic;
+//   codes per 32 weights; nvfp4x2_e2m1: the same codes, with E4M3 scale codes per 16 and an
+//   FP32 scale per row), always widened to FP32 for arithmetic;
 // - vector loads: N consecutive elements -> float[N] with the widest aligned
 //   access (16 bytes for 8 bf16 or 4 floats);
 // - warp / block reductions with a fixed summation order (results do not
@@ -27,6 +28,12 @@
 struct fp4x2_e2m1 {
   unsigned char bits;
 };
+// NVFP4: the same E2M1 codes packed the same way, a row's scales being one record of bytes:
+// its FP32 row scale (the per-tensor global scale, folded per row), then one E4M3 code per 16
+// columns, padded to a multiple of 4 bytes (nvfp4_record, below; CudaNvFp4 writes it).
+struct nvfp4x2_e2m1 {
+  unsigned char bits;
+};
 
 namespace mtp {
 
@@ -45,12 +52,14 @@ __device__ __forceinline__ float to_f32(__nv_fp8_e4m3 v) { return static_cast<fl
 // Storage traits of a weight element type: elements per vector load of the GEMV core
 // (16 bytes of BF16 / FP32; 8 bytes of FP8 and 4 of FP4, so that a vector is 8 values as
 // for BF16), whether it carries scales, their type (FP32, or E8M0 codes for FP4) and the
-// weights per stored element (2 for FP4: a row of K weights is K / per elements).
+// weights per stored element (2 for FP4: a row of K weights is K / per elements); row_scaled:
+// the scales are NVFP4's per-row records (E4M3 codes behind an FP32 row scale).
 template <typename W>
 struct Elem {
   static constexpr int V = 16 / sizeof(W);
   static constexpr bool scaled = false;
   static constexpr int per = 1;
+  static constexpr bool row_scaled = false;
   using Scale = float;
 };
 template <>
@@ -58,6 +67,7 @@ struct Elem<__nv_fp8_e4m3> {
   static constexpr int V = 8;
   static constexpr bool scaled = true;
   static constexpr int per = 1;
+  static constexpr bool row_scaled = false;
   using Scale = float;
 };
 template <>
@@ -65,7 +75,16 @@ struct Elem<fp4x2_e2m1> {
   static constexpr int V = 8;
   static constexpr bool scaled = true;
   static constexpr int per = 2;
+  static constexpr bool row_scaled = false;
   using Scale = unsigned char;  // E8M0: code c is 2^(c - 127)
+};
+template <>
+struct Elem<nvfp4x2_e2m1> {
+  static constexpr int V = 8;
+  static constexpr bool scaled = true;
+  static constexpr int per = 2;
+  static constexpr bool row_scaled = true;  // its records hold an FP32 row scale
+  using Scale = unsigned char;  // a row's record: FP32 row scale, then E4M3 codes per 16
 };
 // The type of W's scales (the kernels' `scale` parameter).
 template <typename W>
@@ -79,7 +98,9 @@ __device__ __forceinline__ const W* weight_row(const W* w, long long r, int K) {
 
 // Dequantization scales of a quantized weight [R, K] (one matrix; Scales::expert selects
 // matrix e of [E, R, K]): FP8: w[r][k] = e4m3(q[r][k]) * s[r / bn][k / bk], FP32 scales;
-// FP4: w[r][k] = e2m1(q[r][k]) * 2^(s[r][k / 32] - 127), E8M0 codes (bn = 1, bk = 32).
+// FP4: w[r][k] = e2m1(q[r][k]) * 2^(s[r][k / 32] - 127), E8M0 codes (bn = 1, bk = 32);
+// NVFP4: w[r][k] = e2m1(q[r][k]) * (e4m3(c[r][k / 16]) * g[r]), row r's record of nvfp4_record
+// bytes holding g[r] and the codes c[r] (bn = 1, bk = 16, ks the record's bytes).
 // ks = ceil(K / bk) scales per block row. Per-channel FP8 scales are bn = 1, bk = K. Unused
 // (s null) for BF16 / FP32 weights. `item`: bytes per scale (4, or 1 for E8M0).
 struct Scales {
@@ -90,10 +111,17 @@ struct Scales {
     return Scales{static_cast<const char*>(s) + e * ((R + bn - 1) / bn) * ks * item, bn, bk, ks, item};
   }
 };
+// Bytes of an NVFP4 row's scale record (K columns, bk of them per E4M3 code): 4 for the FP32
+// row scale, then ceil(K / bk) codes, rounded up to a multiple of 4 so that every row's record
+// starts 4-byte aligned (the row scale is one aligned load). mtpkern's nvfp4_record_bytes.
+__host__ __device__ constexpr int nvfp4_record(int K, int bk) { return 4 + ((K + bk - 1) / bk + 3) / 4 * 4; }
+
 // The Scales of a weight [*, K] of element type W (for dense W: none, whatever is passed).
+// NVFP4: ks is the record's bytes (scale_row steps whole records; expert(e, R) R of them).
 template <typename W>
 __device__ __forceinline__ Scales make_scales(const ScaleT<W>* s, int bn, int bk, int K) {
-  if constexpr (Elem<W>::scaled) return Scales{s, bn, bk, (K + bk - 1) / bk, static_cast<int>(sizeof(ScaleT<W>))};
+  if constexpr (Elem<W>::row_scaled) return Scales{s, 1, bk, nvfp4_record(K, bk), 1};
+  else if constexpr (Elem<W>::scaled) return Scales{s, bn, bk, (K + bk - 1) / bk, static_cast<int>(sizeof(ScaleT<W>))};
   else return Scales{nullptr, 1, 1, 0, 0};
 }
 
@@ -104,6 +132,24 @@ __device__ __forceinline__ float e8m0(unsigned char c) {
 }
 __device__ __forceinline__ float scale_value(float s) { return s; }
 __device__ __forceinline__ float scale_value(unsigned char c) { return e8m0(c); }
+
+// An E4M3 scale code -> its value, exact (the loader refuses the NaN codes 0x7F / 0xFF).
+__device__ __forceinline__ float e4m3(unsigned char c) {
+  __nv_fp8_e4m3 v;
+  v.__x = c;
+  return static_cast<float>(v);
+}
+// Scale b (columns b * bk ..) of a row whose scales start at srow (scale_row). NVFP4: its E4M3
+// code times the row's FP32 scale, the row scale folded into the block scale (one multiply per
+// 8 weights, not one per weight; the weight is then e2m1 * (e4m3 * g), two roundings where the
+// reference rounds (e2m1 * e4m3) * g once: the same value when g is a power of two, else within
+// an FP32 rounding of it). The row-scale load does not depend on b: the compiler keeps it.
+template <typename W>
+__device__ __forceinline__ float block_scale(const ScaleT<W>* srow, int b) {
+  if constexpr (Elem<W>::row_scaled)
+    return e4m3(srow[4 + b]) * __ldg(reinterpret_cast<const float*>(srow));
+  else return scale_value(srow[b]);
+}
 
 template <typename T>
 __device__ __forceinline__ T from_f32(float v);
@@ -229,6 +275,11 @@ struct WVec<fp4x2_e2m1> {
   using Raw = unsigned;
   __device__ __forceinline__ static Raw load(const fp4x2_e2m1* p) { return ld_stream4(p); }
 };
+template <>
+struct WVec<nvfp4x2_e2m1> {  // the same 8 codes a word as fp4x2_e2m1's: the same widen
+  using Raw = unsigned;
+  __device__ __forceinline__ static Raw load(const nvfp4x2_e2m1* p) { return ld_stream4(p); }
+};
 
 __device__ __forceinline__ void widen(const uint4& u, float /*scale*/, float (&f)[4]) {
   f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y); f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
@@ -278,6 +329,10 @@ __device__ __forceinline__ float weight_at(const W* w, const ScaleT<W>* srow, in
 __device__ __forceinline__ float weight_at(const fp4x2_e2m1* w, const unsigned char* srow, int k, int bk) {
   const unsigned b = w[k / 2].bits, c = k % 2 ? b >> 4 : b & 15u;
   return e2m1_at(__byte_perm(kE2m1Lo, kE2m1Hi, c & 7u), 0, (c & 8u) << 28) * e8m0(srow[k / bk]);
+}
+__device__ __forceinline__ float weight_at(const nvfp4x2_e2m1* w, const unsigned char* srow, int k, int bk) {
+  const unsigned b = w[k / 2].bits, c = k % 2 ? b >> 4 : b & 15u;
+  return e2m1_at(__byte_perm(kE2m1Lo, kE2m1Hi, c & 7u), 0, (c & 8u) << 28) * block_scale<nvfp4x2_e2m1>(srow, k / bk);
 }
 
 // Scalar fallback of load_vec: elements at or past `valid` read as 0.
@@ -539,7 +594,7 @@ __device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const S
 #pragma unroll
         for (int j = 0; j < ROWS; ++j) {
           float sc = 1.0f;
-          if constexpr (Elem<W>::scaled) sc = scale_value(s[j][(k + u * step) / bk]);
+          if constexpr (Elem<W>::scaled) sc = block_scale<W>(s[j], (k + u * step) / bk);
           widen(raw[j][u], sc, wf[j]);
         }
         gemv_dot_vector<NR, ROWS, V, NORM>(wf, x, k, u * step, g, acc, ss);
@@ -550,7 +605,7 @@ __device__ __forceinline__ void gemv_dot_impl(const W* const (&w)[ROWS], const S
 #pragma unroll
       for (int j = 0; j < ROWS; ++j) {
         float sc = 1.0f;
-        if constexpr (Elem<W>::scaled) sc = scale_value(s[j][k / bk]);
+        if constexpr (Elem<W>::scaled) sc = block_scale<W>(s[j], k / bk);
         widen(WVec<W>::load(w[j] + k / P), sc, wf[j]);
       }
       gemv_dot_vector<NR, ROWS, V, NORM>(wf, x, k, 0, g, acc, ss);

@@ -121,11 +121,17 @@ def misaligned(a):
 
 def stored(w, wd: str, block=(128, 128)):
     """FP32 ``w`` as the weight kind ``wd`` (bf16, f32, fp8: block scales, fp8c: per-channel,
-    fp4: E2M1 with E8M0 scales per 32), and its values as the reference sees them (FP32)."""
+    fp4: E2M1 with E8M0 scales per 32, nvfp4: E2M1 with E4M3 scales per 16 and row scales that
+    differ row to row and are no powers of two), and its values as the reference sees them (FP32)."""
     if wd == "bf16":
         return w.astype(BF16), np.asarray(w.astype(BF16), np.float32)
     if wd == "fp4":
         q = Fp4Weight.quantize(w)
+        return q, q.dequantize()
+    if wd == "nvfp4":
+        q = Fp4Weight.quantize(w, "nvfp4")
+        rows = np.arange(q.global_scale.size, dtype=np.float32).reshape(q.global_scale.shape)
+        q = Fp4Weight(q.data, q.scale, q.global_scale * (np.float32(0.8123457) + rows % 5 / np.float32(7)))
         return q, q.dequantize()
     if wd in ("fp8", "fp8c"):
         q = Fp8Weight.quantize(w, block if wd == "fp8" else None)
@@ -1553,7 +1559,7 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     out = {}
     x = rnd(rng, 5, 64)
-    for wd in ("bf16", "f32", "fp8", "fp4"):
+    for wd in ("bf16", "f32", "fp8", "fp4", "nvfp4"):
         def w(*shape, _wd=wd):
             return stored(rnd(rng, *shape, scale=shape[-1] ** -0.5), _wd, (16, 32))[0]
         be = emu_backend.backend()
@@ -2166,9 +2172,50 @@ def test_sharded_proposer_on_emulated_kernels(emu, tiny_ckpt, kv_mode, monkeypat
     assert {"argmax_final_kernel<true>", "moe_combine_kernel"} <= ran, ran
 
 
+# -- NVFP4 ---------------------------------------------------------------------------------------
+
+def test_nvfp4_gemv_families_equal_the_reference(emu):
+    """NVFP4 weights (E4M3 scales per 16, row scales that are no powers of two) in linear (K = 64:
+    the 4-byte vector loads; K = 100: the scalar path, a partial last block), swiglu_mlp, the
+    routed experts (stacked, each expert its own row scales) and the LM head: within the float32
+    tolerance of the reference's dequantized weight. Negative controls: the same codes read with
+    the row scale ignored, or with one E4M3 code per 32 columns, give other outputs."""
+    from mtpkern.backends.cuda_launch._util import CudaNvFp4
+
+    be = emu_backend.backend("float32")
+    rng = np.random.default_rng(1616)
+    for K in (64, 100):
+        x = rnd(rng, 3, K)
+        q, f = stored(rnd(rng, 37, K, scale=K ** -0.5), "nvfp4")
+        w = be.prepare_weight(q)
+        assert isinstance(w, CudaNvFp4)
+        got = be.linear(x, w)
+        assert_close(got, REF.linear(x, f), "float32", f"NVFP4 linear K={K}")
+        unscaled = be.prepare_weight(Fp4Weight(q.data, q.scale, np.ones_like(q.global_scale)))
+        assert not np.allclose(be.linear(x, unscaled), got, rtol=1e-3, atol=1e-3), "row scale ignored"
+        per32 = CudaNvFp4(w.data, w.scale, 1, 32)              # the same records read one code per 32
+        assert not np.allclose(be.linear(x, per32), got, rtol=1e-3, atol=1e-3), "scales per 32"
+    H, I, E = 64, 24, 6
+    x = rnd(rng, 3, H)
+    (q13, f13), (q2, f2) = stored(rnd(rng, 2 * I, H, scale=H ** -0.5), "nvfp4"), stored(rnd(rng, H, I), "nvfp4")
+    assert_close(be.swiglu_mlp(x, be.prepare_weight(q13), be.prepare_weight(q2)), REF.swiglu_mlp(x, f13, f2),
+                 "float32", "NVFP4 swiglu_mlp")
+    (e13, g13), (e2, g2) = (stored(rnd(rng, E, 2 * I, H, scale=H ** -0.5), "nvfp4"),
+                            stored(rnd(rng, E, H, I, scale=I ** -0.5), "nvfp4"))
+    ids = np.array([[0, 5], [3, 1], [5, 2]], np.int32)
+    wts = rng.random((3, 2)).astype(np.float32)
+    for n in (1, 3):                                           # the fused one-row down pass, and two passes
+        assert_close(be.moe_experts(x[:n], ids[:n], wts[:n], be.prepare_weight(e13), be.prepare_weight(e2)),
+                     REF.moe_experts(x[:n], ids[:n], wts[:n], g13, g2), "float32", f"NVFP4 experts n={n}")
+    qh, fh = stored(rnd(rng, 300, H, scale=H ** -0.5), "nvfp4")
+    head = be.prepare_weight(qh)
+    assert_close(be.lm_head_logits(x, head), REF.lm_head_logits(x, fh), "float32", "NVFP4 lm_head logits")
+    np.testing.assert_array_equal(be.lm_head_argmax(x, head), REF.lm_head_argmax(x, fh))
+
+
 # -- the benchmark's quantized weights ----------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+@pytest.mark.parametrize("kind", ["fp8", "fp4", "nvfp4"])
 def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
     """benchmarks/gpu_bench.py's FP8 / FP4 rows (``quant_weight``) hold weights in the layout
     the kernels read: the bytes it counts (``quant_bytes``) are the weight's, and the emulated
@@ -2184,7 +2231,8 @@ def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
     N, K = 40, 256
     w = bench.quant_weight(kind, (N, K), 3, xp=np)
     assert w.nbytes == bench.quant_bytes(kind, (N, K)) and tuple(w.shape) == (N, K)
-    twin = (Fp8Weight(w.data, w.scale, (w.bn, w.bk)) if kind == "fp8" else Fp4Weight(w.data, w.scale))
+    twin = (Fp8Weight(w.data, w.scale, (w.bn, w.bk)) if kind == "fp8" else Fp4Weight(w.data, w.scale)
+            if kind == "fp4" else Fp4Weight(w.data, w.scale[:, 4:4 + K // 16], w.row_scale))
     if kind == "fp8":
         assert not np.isin(w.data & 0x7F, [0x7F]).any()
     wd = twin.dequantize()
@@ -2195,5 +2243,5 @@ def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
     assert_close(got, REF.linear(x, REF.prepare_weight(twin)), "float32",
                  f"{kind} linear over the benchmark's weight")
     assert bench.quant_bytes(kind, (4, N, K)) == 4 * bench.quant_bytes(kind, (N, K))
-    with pytest.raises(ValueError, match="kind: expected 'fp8' or 'fp4'"):
+    with pytest.raises(ValueError, match="kind: expected 'fp8', 'fp4' or 'nvfp4'"):
         bench.quant_bytes("int4", (N, K))

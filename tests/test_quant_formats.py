@@ -7,7 +7,7 @@
 
 Each weight against its dequantized twin: bit for bit in the reference and on cpu (it decodes a
 chunk into FP32 and runs the same dot), within the float32 tolerance on the cuda kernels run on
-the CPU emulator (MXFP8); the cuda kernels refuse NVFP4 by name.
+the CPU emulator (MXFP8; NVFP4 in tests/test_cuda_emulated.py); the cuda holder of NVFP4 here.
 """
 
 from __future__ import annotations
@@ -206,13 +206,24 @@ def test_mxfp8_on_cpu_within_tolerance_of_the_reference():
                  ref.moe_experts(x, ids, wts, ref.prepare_weight(e13), ref.prepare_weight(e2)), what="MXFP8 experts")
 
 
-def test_cuda_refuses_nvfp4_by_name():
-    from mtpkern.backends.cuda_launch._util import CudaFp4
+def test_cuda_holds_nvfp4_as_row_records():
+    """prepare_weight's NVFP4 form on the cuda backend (CudaNvFp4): the codes as stored, and per
+    row a record of its FP32 row scale, its E4M3 codes and zero padding to 4 bytes."""
+    from mtpkern.backends.cuda_launch._util import CudaFp4, CudaNvFp4, ctype, nvfp4_record_bytes
 
-    w = rand_nvfp4(rng_for("nv-cuda"), (4, 32))
-    with pytest.raises(TypeError, match=r"an NVFP4 weight \[4, 32\] .* is not supported by the cuda kernels"):
-        CudaFp4.from_weight(w, np.asarray)
-    assert CudaFp4.from_weight(Fp4Weight.quantize(np.ones((4, 32))), np.asarray).bk == 32      # MXFP4 goes through
+    w = rand_nvfp4(rng_for("nv-cuda"), (4, 40), pow2_global=False)       # 3 codes a row: padded to 4
+    d = CudaFp4.from_weight(w, np.asarray)
+    assert type(d) is CudaNvFp4 and (d.bn, d.bk) == (1, 16) and d.shape == (4, 40) and ctype(d) == "nvfp4x2_e2m1"
+    assert nvfp4_record_bytes(40) == 8 and d.scale.shape == (4, 8)
+    np.testing.assert_array_equal(d.data, w.data)
+    np.testing.assert_array_equal(d.row_scale, w.global_scale)
+    np.testing.assert_array_equal(d.scale[:, 4:7], w.scale)
+    assert not d.scale[:, 7].any()
+    e = CudaNvFp4.from_weight(Fp4Weight.stack([w, w]), np.asarray)
+    assert e.scale.shape == (2, 4, 8) and e.shape == (2, 4, 40)
+    with pytest.raises(TypeError, match=r"expected an NVFP4 weight .* got an MXFP4 weight \[4, 32\]"):
+        CudaNvFp4.from_weight(Fp4Weight.quantize(np.ones((4, 32))), np.asarray)
+    assert type(CudaFp4.from_weight(Fp4Weight.quantize(np.ones((4, 32))), np.asarray)) is CudaFp4   # MXFP4
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ a propose step can be captured in a CUDA graph).
 
 Storage: weights stay BF16 (CuPy has no bfloat16 dtype: a weight is a uint16
 array of the BF16 bits), FP32, FP8 E4M3 (``CudaFp8``: uint8 codes and FP32
-scales; docs/fp8.md) or FP4 E2M1 (``CudaFp4``: two codes a byte and E8M0 scale codes;
+scales; docs/fp8.md) or FP4 E2M1 (``CudaFp4``: two codes a byte and E8M0 scale codes; NVFP4
+``CudaNvFp4``: the same codes, E4M3 scale codes per 16 and an FP32 scale per row;
 docs/fp4.md); norm weights, biases and activations are FP32;
 indices int32; the paged KV cache is BF16 bits by default (``kv_dtype`` uint16;
 ``CudaBackend(kv_dtype="float32")`` keeps it FP32, e.g. for exact comparisons).
@@ -93,8 +94,9 @@ class CudaBackend(Backend):
         """BF16 (ml_dtypes) -> uint16 bits on the GPU; uint16 is taken as BF16 bits
         already; any other float -> FP32; an ``Fp8Weight`` -> ``CudaFp8`` (its codes, one
         byte each, and its FP32 scales on the GPU, dequantized inside the GEMV kernels); an
-        ``Fp4Weight`` -> ``CudaFp4`` (its packed codes, two a byte, and its E8M0 scale codes,
-        decoded inside the GEMV kernels: docs/fp4.md)."""
+        ``Fp4Weight`` -> ``CudaFp4`` (MXFP4: its packed codes, two a byte, and its E8M0 scale
+        codes) or ``CudaNvFp4`` (NVFP4: the codes, and per row a record of its FP32 row scale and
+        E4M3 scale codes), decoded inside the GEMV kernels: docs/fp4.md."""
         if isinstance(w, Fp8Weight):
             return CudaFp8.from_weight(w, _cupy().asarray)
         if isinstance(w, Fp4Weight):

@@ -22,9 +22,9 @@ import numpy as np
 
 from ...ops._check import dtype_name, expect_dtype, shape_of
 from ...ops.norm import check_norm
-from ...quant import FP4_BLOCK, Fp4Weight, Fp8Weight
+from ...quant import FP4_BLOCK, NVFP4_BLOCK, Fp4Weight, Fp8Weight
 from ..base import fp8_embedding_refused, unprepared_fp8
-from .loader import CTYPE, FP4_CTYPE
+from .loader import CTYPE, FP4_CTYPE, NVFP4_CTYPE
 
 #: a null pointer argument (kernels test optional inputs such as bias against nullptr)
 NULL = np.uint64(0)
@@ -224,17 +224,52 @@ class CudaFp4(CudaFp8):
 
     @classmethod
     def from_weight(cls, w: Fp4Weight, upload: Callable[[np.ndarray], Any]) -> "CudaFp4":
-        """``upload``: host array -> device array (``cupy.asarray``). MXFP4 only: the kernels
-        decode E8M0 scales per 32; an NVFP4 weight (E4M3 per 16 and a row scale) is refused."""
+        """``upload``: host array -> device array (``cupy.asarray``). An NVFP4 weight (E4M3
+        scales per 16 and a row scale) gives a ``CudaNvFp4``."""
         if w.global_scale is not None:
-            raise TypeError(f"w: an NVFP4 weight {list(w.shape)} (E4M3 scales per 16 and an FP32 global scale) is "
-                            f"not supported by the cuda kernels yet; expected FP8, MXFP4 (E8M0 per 32) or a dense "
-                            f"weight (dequantize it, or load on the numpy / cpu backend: docs/fp4.md)")
+            return CudaNvFp4.from_weight(w, upload)
         return cls(upload(np.ascontiguousarray(w.data)), upload(np.ascontiguousarray(w.scale)), 1, FP4_BLOCK)
 
 
+def nvfp4_record_bytes(K: int, bk: int = NVFP4_BLOCK) -> int:
+    """Bytes of one row's scale record of an NVFP4 weight on the device (common.cuh
+    ``nvfp4_record``): 4 for the FP32 row scale, then ``ceil(K / bk)`` E4M3 codes, padded to a
+    multiple of 4 so that every record (and its row scale) starts 4-byte aligned."""
+    return 4 + (-(-K // bk) + 3) // 4 * 4
+
+
+@dataclass(slots=True, eq=False)
+class CudaNvFp4(CudaFp4):
+    """An NVFP4 weight on the device, as the GEMV kernels read it (common.cuh ``nvfp4x2_e2m1``):
+    ``data`` uint8 ``[.., N, K / 2]``, the E2M1 codes packed as ``CudaFp4``'s; ``scale`` uint8
+    ``[.., N, nvfp4_record_bytes(K)]``, one record a row: the row's FP32 scale (its 4 bytes,
+    little endian), then its ``ceil(K / 16)`` E4M3 codes as stored, then zero padding to a
+    multiple of 4 bytes. ``bn = 1``, ``bk = 16``. Keeping the row scale inside the row's
+    record lets every GEMV kernel take it through the ``(w, scale, bn, bk)`` arguments that
+    FP8 and MXFP4 use (the kernels fold it into each block's scale: docs/fp4.md); it costs 4
+    bytes a row (and up to 3 of padding) beside K / 2 + K / 16."""
+
+    @property
+    def row_scale(self) -> Any:
+        """The FP32 row scales ``[.., N]`` (a copy, read from the records)."""
+        return self.scale[..., :4].copy().view(np.float32)[..., 0]
+
+    @classmethod
+    def from_weight(cls, w: Fp4Weight, upload: Callable[[np.ndarray], Any]) -> "CudaNvFp4":
+        """``upload``: host array -> device array (``cupy.asarray``); ``w`` NVFP4 only."""
+        if w.global_scale is None:
+            raise TypeError(f"w: expected an NVFP4 weight (E4M3 scales per 16 and a global scale), got an MXFP4 "
+                            f"weight {list(w.shape)} (E8M0 scales per 32: CudaFp4.from_weight)")
+        *lead, N, K = w.shape
+        ks = w.scale.shape[-1]
+        rec = np.zeros((*lead, N, nvfp4_record_bytes(K)), np.uint8)
+        rec[..., :4] = np.ascontiguousarray(w.global_scale, dtype="<f4").view(np.uint8).reshape(*lead, N, 4)
+        rec[..., 4:4 + ks] = w.scale
+        return cls(upload(np.ascontiguousarray(w.data)), upload(rec), 1, NVFP4_BLOCK)
+
+
 def expect_weight(name: str, w: Any) -> None:
-    """A stored weight: FP32, BF16 bits in uint16, ``CudaFp8`` or ``CudaFp4`` (see
+    """A stored weight: FP32, BF16 bits in uint16, ``CudaFp8``, ``CudaFp4`` or ``CudaNvFp4`` (see
     CudaBackend.prepare_weight)."""
     if isinstance(w, CudaFp8):
         return
@@ -249,8 +284,8 @@ def expect_weight(name: str, w: Any) -> None:
 def device_weight(w: Any, name: str) -> Any:
     """A stored weight (checked: ``expect_weight``) with its arrays as contiguous device arrays."""
     expect_weight(name, w)
-    if isinstance(w, CudaFp4):
-        return CudaFp4(device(w.data, name, "uint8"), device(w.scale, f"{name}.scale", "uint8"), w.bn, w.bk)
+    if isinstance(w, CudaFp4):  # CudaFp4 or CudaNvFp4: the same arrays, kept as their class
+        return type(w)(device(w.data, name, "uint8"), device(w.scale, f"{name}.scale", "uint8"), w.bn, w.bk)
     if isinstance(w, CudaFp8):
         return CudaFp8(device(w.data, name, "uint8"), device(w.scale, f"{name}.scale", "float32"), w.bn, w.bk)
     return device(w, name)
@@ -272,7 +307,9 @@ def weight_args(w: Any) -> tuple:
 
 def ctype(a: Any) -> str:
     """C++ element type of a weight / KV array: 'float', '__nv_bfloat16', (a ``CudaFp8``)
-    '__nv_fp8_e4m3' or (a ``CudaFp4``) 'fp4x2_e2m1'."""
+    '__nv_fp8_e4m3', (a ``CudaFp4``) 'fp4x2_e2m1' or (a ``CudaNvFp4``) 'nvfp4x2_e2m1'."""
+    if isinstance(a, CudaNvFp4):
+        return NVFP4_CTYPE
     if isinstance(a, CudaFp4):
         return FP4_CTYPE
     return CTYPE[dtype_name(a.data if isinstance(a, CudaFp8) else a)]

@@ -37,10 +37,13 @@ from .nvrtc import find_nvrtc
 CTYPE: dict[str, str] = {"float32": "float", "uint16": "__nv_bfloat16", "uint8": "__nv_fp8_e4m3"}
 #: C++ type of a packed FP4 weight (two E2M1 codes a byte, common.cuh; ``CudaFp4``)
 FP4_CTYPE = "fp4x2_e2m1"
+#: C++ type of a packed NVFP4 weight (the same codes; E4M3 scales per 16 behind an FP32 row
+#: scale, one record a row: common.cuh ``nvfp4_record``; ``CudaNvFp4``)
+NVFP4_CTYPE = "nvfp4x2_e2m1"
 #: element types of the KV cache and of the embedding table (mtp_norms_kernel)
 _CTYPES = ("float", "__nv_bfloat16")
-#: element types of the GEMV families' weights: those, FP8 E4M3 and FP4 E2M1
-_WEIGHT_CTYPES = _CTYPES + ("__nv_fp8_e4m3", FP4_CTYPE)
+#: element types of the GEMV families' weights: those, FP8 E4M3 and FP4 E2M1 (MXFP4, NVFP4)
+_WEIGHT_CTYPES = _CTYPES + ("__nv_fp8_e4m3", FP4_CTYPE, NVFP4_CTYPE)
 
 #: Head-dim elements per lane in the PV pass of paged_attention (D <= 32 * DC).
 ATTENTION_DC = (2, 4, 8)

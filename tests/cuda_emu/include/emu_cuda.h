@@ -84,6 +84,7 @@ inline float4 make_float4(float a, float b, float c, float d) { return float4{a,
 struct __nv_bfloat16 { uint16_t bits; };
 struct __nv_fp8_e4m3;  // cuda_fp8.h
 struct fp4x2_e2m1;     // kernels/common.cuh: two FP4 E2M1 weights a byte
+struct nvfp4x2_e2m1;   // kernels/common.cuh: the same, NVFP4's (E4M3 scales, a row scale)
 
 namespace emu {
 enum Collective { kShflXor = 1, kBallot = 2, kGather = 3 };
@@ -223,6 +224,7 @@ inline std::string type_code() {
   else if constexpr (std::is_same_v<U, __nv_bfloat16>) return "bfloat16";
   else if constexpr (std::is_same_v<U, __nv_fp8_e4m3>) return "fp8e4m3";
   else if constexpr (std::is_same_v<U, fp4x2_e2m1>) return "fp4x2e2m1";
+  else if constexpr (std::is_same_v<U, nvfp4x2_e2m1>) return "nvfp4x2e2m1";
   else if constexpr (std::is_same_v<U, unsigned char>) return "uint8";
   else static_assert(sizeof(U) == 0, "a kernel parameter type the emulator does not know");
 }
