@@ -373,6 +373,22 @@ def test_fp4_checkpoint_drafts_as_its_dequantized_twin(tmp_path):
         assert ours == run_rounds(fp4, "numpy", mode)[1]
 
 
+def test_nvfp4_container_drafts_as_its_dequantized_twin(tmp_path):
+    """A compressed-tensors NVFP4 checkpoint (E4M3 scales per 16 and a global scale, decoded in
+    the GEMVs: CudaNvFp4) on the device drafts what its dequantized FP32 twin drafts there, and
+    what the NumPy reference drafts (docs/fp4.md; tests/test_quant_containers.py on the emulator)."""
+    from conftest import run_rounds
+    from test_quant_containers import CASES, container
+
+    from mtpkern.backends.cuda import CudaBackend
+
+    ct, twin = container(tmp_path, tiny_config(), CASES["nvfp4"][0])
+    for mode in ("exact", "draft"):
+        ours = run_rounds(ct, CudaBackend(kv_dtype="float32"), mode)[1]
+        assert ours == run_rounds(twin, CudaBackend(kv_dtype="float32"), mode)[1]
+        assert ours == run_rounds(ct, "numpy", mode)[1]
+
+
 @pytest.mark.parametrize("kv", ["bfloat16", "float32"])
 def test_dsa_kernels_on_the_device(kv):
     """kernels/dsa.cu and mla.cu's listed walk on the device, the checks

@@ -1698,24 +1698,38 @@ def rand_fp4(rng, shape) -> Fp4Weight:
     return Fp4Weight(data, scale)
 
 
+def rand_nvfp4(rng, shape) -> Fp4Weight:
+    """NVFP4: random codes (all 16) with E4M3 scales near 1 / (6 sqrt(K)) per 16 columns and a
+    row scale that differs row to row and is no power of two (so that its rounding shows)."""
+    *lead, N, K = shape
+    data = rng.integers(0, 256, (*lead, N, K // 2), dtype=np.uint8)
+    scale = rng.integers(0x20, 0x40, (*lead, N, -(-K // 16)), dtype=np.uint8)
+    g = (0.1234567 + rng.random((*lead, N)) * 0.05).astype(np.float32)
+    return Fp4Weight(data, scale, g)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("H", [64, 136, 2 * 50])
-def test_fp4_equals_its_dequantized_fp32_weights(be4, H):
+def test_fp4_equals_its_dequantized_fp32_weights(be4, H, fmt):
     """Each GEMV family with an FP4 weight (half a byte each, decoded inside the kernel) gives
     what the same backend gives with the dequantized FP32 weight: bit for bit on cpu (it decodes
     a row chunk into FP32 and runs the same dot), within the float32 tolerance on cuda (its FP32
     path reads other vector widths, so sums in another order). H = 136 and 100 end on a partial
     32-column scale block, and mtp_input's second half starts inside one (the cuda kernels'
-    scalar path: H % 8 != 0 for 100; 64 and 136 take the 4-byte vector loads)."""
+    scalar path: H % 8 != 0 for 100; 64 and 136 take the 4-byte vector loads). NVFP4 (E4M3 per
+    16, a row scale): the same, cuda folding the row scale into each block's scale."""
     be = be4
-    rng = rng_for("fp4", H)
+    rng = rng_for("fp4", H, fmt)
+    rand = rand_fp4 if fmt == "mxfp4" else rand_nvfp4
     n, I, E, K, V = 3, 40, 5, 2, 300
     x, g = acts(rng, n, H), acts(rng, n, H)
-    fp4 = {name: rand_fp4(rng, shape) for name, shape in
+    fp4 = {name: rand(rng, shape) for name, shape in
            (("w", (37, H)), ("eh", (H, 2 * H)), ("w13", (2 * I, H)), ("w2", (H, I)), ("e13", (E, 2 * I, H)),
             ("e2", (E, H, I)), ("gate", (16, H)), ("head", (V, H)))}
     as4 = {k: be.prepare_weight(w) for k, w in fp4.items()}
     as32 = {k: be.prepare_weight(w.dequantize()) for k, w in fp4.items()}
-    assert as4["e13"].nbytes <= fp4["e13"].nbytes                      # half a byte a weight, one per 32 scale
+    # half a byte a weight, its scales (cuda NVFP4: each row's record padded to 4 bytes)
+    assert as4["e13"].nbytes <= fp4["e13"].nbytes + 3 * E * 2 * I
     ids = np.array([[0, 4], [2, 1], [4, 3]], np.int32)
     wts = rng.random((n, K)).astype(np.float32)
     embed, tokens = be.prepare_weight(weight(rng, (7, H), "float32")), np.array([1, 6, 0], np.int32)
@@ -1751,6 +1765,19 @@ def test_fp4_nibble_order_reaches_the_kernels(be4):
     a = be.to_host(be.linear(x, be.prepare_weight(w)))
     b = be.to_host(be.linear(x, be.prepare_weight(swapped)))
     assert_close(a, be.to_host(be.linear(x, be.prepare_weight(w.dequantize()))), what="FP4 linear")
+    assert not np.allclose(a, b)
+
+
+def test_nvfp4_row_scale_reaches_the_kernels(be4):
+    """Negative control: NVFP4 codes and scales with the row scale dropped (all ones) are another
+    weight, and the kernels see the difference (each row gets its own scale)."""
+    be = be4
+    rng = rng_for("nvfp4-rows")
+    w = rand_nvfp4(rng, (16, 64))
+    x = be.from_host(acts(rng, 2, 64))
+    a = be.to_host(be.linear(x, be.prepare_weight(w)))
+    b = be.to_host(be.linear(x, be.prepare_weight(Fp4Weight(w.data, w.scale, np.ones(16, np.float32)))))
+    assert_close(a, be.to_host(be.linear(x, be.prepare_weight(w.dequantize()))), what="NVFP4 linear")
     assert not np.allclose(a, b)
 
 

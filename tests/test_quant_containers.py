@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from conftest import run_rounds
+from test_fp4_checkpoints import emulator, fake_runtime  # noqa: F401 (fixtures: the emulator, its CUDA graphs)
 from mtpkern import CheckpointError, ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.config import tiny_config
 from mtpkern.quant import Fp4Weight, Fp8Weight, e8m0_table
@@ -142,6 +143,24 @@ def test_container_drafts_as_its_dequantized_twin(tmp_path, backend, case):
     if backend == "cpu" and case != "mxfp8":       # the 4-bit weights stay packed
         w4 = MultiModuleMtpHead.from_pretrained(ct, backend="cpu").memory().weights
         assert w4 < 0.6 * MultiModuleMtpHead.from_pretrained(twin, backend="cpu").memory().weights
+
+
+def test_nvfp4_drafts_as_its_dequantized_twin_on_the_cuda_kernels(tmp_path, fake_runtime):
+    """The cuda backend (its kernels on the CPU emulator) keeps NVFP4 projections packed
+    (``CudaNvFp4``: codes, E4M3 scales per 16, the row scale) and decodes them in the GEMVs: the
+    compressed-tensors checkpoint drafts what its dequantized FP32 twin drafts there, and what the
+    NumPy reference drafts."""
+    from cuda_emu import emu_backend
+    from mtpkern.backends.cuda_launch._util import CudaNvFp4
+
+    ct, twin = container(tmp_path, tiny_config(), CASES["nvfp4"][0])
+    for mode in ("exact", "draft"):
+        prop, ours = run_rounds(ct, emu_backend.backend("float32"), mode)
+        assert ours == run_rounds(twin, emu_backend.backend("float32"), mode)[1]
+        assert ours == run_rounds(ct, "numpy", mode)[1]
+    held = [f.name for m in prop.weights.modules for f in dataclasses.fields(m)
+            if isinstance(getattr(m, f.name), CudaNvFp4)]
+    assert held, "no projection was kept as NVFP4 on the cuda backend"
 
 
 @pytest.mark.parametrize("control", ["swap_nibbles", "drop_global"])
