@@ -2217,7 +2217,7 @@ def test_nvfp4_gemv_families_equal_the_reference(emu):
 
 @pytest.mark.parametrize("kind", ["fp8", "fp4", "nvfp4"])
 def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
-    """benchmarks/gpu_bench.py's FP8 / FP4 rows (``quant_weight``) hold weights in the layout
+    """benchmarks/gpu_bench.py's FP8 / FP4 / NVFP4 rows (``quant_weight``) hold weights in the layout
     the kernels read: the bytes it counts (``quant_bytes``) are the weight's, and the emulated
     GEMV over it equals the NumPy reference over the host twin of the same codes and scales;
     its FP8 codes hold no NaN (a NaN would make every row's timing meaningless)."""
