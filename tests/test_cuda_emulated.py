@@ -2180,7 +2180,7 @@ def test_nvfp4_gemv_families_equal_the_reference(emu):
     routed experts (stacked, each expert its own row scales) and the LM head: within the float32
     tolerance of the reference's dequantized weight. Negative controls: the same codes read with
     the row scale ignored, or with one E4M3 code per 32 columns, give other outputs."""
-    from mtpkern.backends.cuda_launch._util import CudaNvFp4
+    from mtpkern.backends.cuda_launch._util import CudaNvFp4, nvfp4_record_bytes
 
     be = emu_backend.backend("float32")
     rng = np.random.default_rng(1616)
@@ -2193,8 +2193,11 @@ def test_nvfp4_gemv_families_equal_the_reference(emu):
         assert_close(got, REF.linear(x, f), "float32", f"NVFP4 linear K={K}")
         unscaled = be.prepare_weight(Fp4Weight(q.data, q.scale, np.ones_like(q.global_scale)))
         assert not np.allclose(be.linear(x, unscaled), got, rtol=1e-3, atol=1e-3), "row scale ignored"
-        per32 = CudaNvFp4(w.data, w.scale, 1, 32)              # the same records read one code per 32
+        r32 = nvfp4_record_bytes(K, 32)                        # the row scale and codes read one per 32
+        per32 = CudaNvFp4(w.data, np.ascontiguousarray(w.scale[:, :r32]), 1, 32)
         assert not np.allclose(be.linear(x, per32), got, rtol=1e-3, atol=1e-3), "scales per 32"
+        with pytest.raises(ValueError, match=r"w.scale: expected an NVFP4 scale record per row, shape \[37, "):
+            be.linear(x, CudaNvFp4(w.data, np.ascontiguousarray(w.scale[:, :4]), 1, 16))   # the row scales only
     H, I, E = 64, 24, 6
     x = rnd(rng, 3, H)
     (q13, f13), (q2, f2) = stored(rnd(rng, 2 * I, H, scale=H ** -0.5), "nvfp4"), stored(rnd(rng, H, I), "nvfp4")

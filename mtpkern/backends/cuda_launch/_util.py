@@ -284,6 +284,13 @@ def expect_weight(name: str, w: Any) -> None:
 def device_weight(w: Any, name: str) -> Any:
     """A stored weight (checked: ``expect_weight``) with its arrays as contiguous device arrays."""
     expect_weight(name, w)
+    if isinstance(w, CudaNvFp4):  # the kernels step whole records of nvfp4_record_bytes(K, bk)
+        *lead, N, K = w.shape
+        want = (*lead, N, nvfp4_record_bytes(K, w.bk))
+        if w.bn != 1 or w.bk % 8 or tuple(shape_of(w.scale)) != want:
+            raise ValueError(f"{name}.scale: expected an NVFP4 scale record per row, shape {list(want)} with bn 1 "
+                             f"and bk a multiple of 8 (16 as stored), got shape {list(shape_of(w.scale))}, "
+                             f"bn {w.bn}, bk {w.bk}")
     if isinstance(w, CudaFp4):  # CudaFp4 or CudaNvFp4: the same arrays, kept as their class
         return type(w)(device(w.data, name, "uint8"), device(w.scale, f"{name}.scale", "uint8"), w.bn, w.bk)
     if isinstance(w, CudaFp8):
