@@ -23,6 +23,10 @@ from .ops.rope_kv import inv_freq, yarn_inv_freq, yarn_mscale
 #: attention output gates: "" none; "elementwise": one gate per attention output
 #: column (Qwen3-Next, carried by q_proj); "headwise": one per query head (Step-3.5's g_proj)
 ATTN_GATES = ("", "elementwise", "headwise")
+#: the MLPs' activation (routed experts, shared expert, dense MLP): "swiglu":
+#: ``down(silu(gate x) * up x)`` (w13 = gate rows over up rows); "relu2": non-gated,
+#: ``down(relu(up x) ** 2)`` (Nemotron-H; w13 = the up rows only)
+MLP_ACTS = ("swiglu", "relu2")
 
 
 class BlockError(ValueError):
@@ -183,6 +187,11 @@ class BlockSpec:
     out_rope: bool = False
     o_groups: int = 0
     o_lora_rank: int = 0
+    #: the MLPs' activation (``MLP_ACTS``); the SwiGLU clamps need "swiglu"
+    mlp_act: str = "swiglu"
+    #: NoPE: no RoPE in the attention (Nemotron-H's attention layers): the rotary dims turn by
+    #: angle 0 (every frequency 0: cos 1, sin 0, each value kept bit for bit)
+    nope: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -214,6 +223,13 @@ class BlockSpec:
         if self.attn_gate == "elementwise" and self.v_dim != self.head_dim:
             raise BlockError(f"an element-wise attention gate (carried by q_proj) needs v_head_dim == head_dim, "
                              f"got {self.v_dim} and {self.head_dim}")
+        if self.mlp_act not in MLP_ACTS:
+            raise BlockError(f"mlp_act expected one of {MLP_ACTS}, got {self.mlp_act!r}")
+        if self.mlp_act != "swiglu" and (self.swiglu_clamp or self.swiglu_clamp_shared):
+            raise BlockError(f"the SwiGLU clamps need mlp_act 'swiglu', got mlp_act {self.mlp_act!r} with "
+                             f"swiglu_clamp {self.swiglu_clamp!r} / swiglu_clamp_shared {self.swiglu_clamp_shared!r}")
+        if self.nope and self.rope_scaling is not None:
+            raise BlockError(f"nope (no RoPE) takes no rope_scaling, got {self.rope_scaling!r}")
         if not isinstance(self.swiglu_clamp_gate, bool):
             raise BlockError(f"swiglu_clamp_gate expected a bool, got {self.swiglu_clamp_gate!r}")
         for name in ("swiglu_clamp", "swiglu_clamp_shared"):
@@ -221,7 +237,7 @@ class BlockSpec:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 1e6):
                 raise BlockError(f"{name} expected a number in [0, 1e6] (0: no clamp), got {v!r}")
         for name in ("attn_sinks", "moe", "rope_interleave", "indexer_rope_interleave", "shared_kv", "out_rope",
-                     "index_kpool_tail"):
+                     "index_kpool_tail", "nope"):
             if not isinstance(getattr(self, name), bool):
                 raise BlockError(f"{name} expected a bool, got {getattr(self, name)!r}")
         if self.index_topk:
@@ -242,7 +258,7 @@ class BlockSpec:
         if self.partial_rotary_factor != 1.0:
             raise BlockError(f"partial_rotary_factor expected 1 in MLA (qk_rope_head_dim says which dims "
                              f"rotate), got {self.partial_rotary_factor}")
-        for name, off in (("attn_sinks", False), ("attn_gate", "")):
+        for name, off in (("attn_sinks", False), ("attn_gate", ""), ("nope", False)):
             if getattr(self, name) != off:
                 raise BlockError(f"{name} expected {off!r} in MLA (no released MLA block has it), "
                                  f"got {getattr(self, name)!r}")
@@ -403,8 +419,10 @@ class BlockSpec:
         return 1.0 if self.rope_scaling is None else self.rope_scaling.attention_factor
 
     def inv_freq(self) -> np.ndarray:
-        """``[R/2]`` FP32 RoPE frequencies: the default ones, or YaRN's."""
+        """``[R/2]`` FP32 RoPE frequencies: the default ones, or YaRN's (NoPE: zeros)."""
         y = self.rope_scaling
+        if self.nope:
+            return np.zeros(self.rotary_dim // 2, np.float32)
         if y is None:
             return inv_freq(self.rotary_dim, self.rope_theta)
         return yarn_inv_freq(self.rotary_dim, self.rope_theta, y.factor, y.original_max_position_embeddings,
@@ -423,7 +441,7 @@ class BlockSpec:
             parts.append(f"DSA top-{self.index_topk} Hi={self.index_n_heads} Di={self.index_head_dim}"
                          + (" interleaved" if self.indexer_rope_interleave else "")
                          + (f" pools of {self.kpool}{' + tail' if self.index_kpool_tail else ''}" if self.kpool else ""))
-        if self.mla and not self.qk_rope_head_dim:
+        if (self.mla and not self.qk_rope_head_dim) or self.nope:
             parts.append("NoPE")                 # nothing rotated (YaRN still scales the scores)
         else:
             parts.append(f"rotary={self.rotary_dim} theta={self.rope_theta:g}")
@@ -446,6 +464,8 @@ class BlockSpec:
         if self.o_groups:
             parts.append(f"o_proj {self.o_groups} groups x {self.o_lora_rank}")
         parts.append("MoE" if self.moe else "dense")
+        if self.mlp_act != "swiglu":
+            parts.append(self.mlp_act)
         if self.swiglu_clamp or self.swiglu_clamp_shared:
             parts.append(f"clamp {self.swiglu_clamp:g}/{self.swiglu_clamp_shared:g}"
                          + (" of the gate" if self.swiglu_clamp_gate else ""))

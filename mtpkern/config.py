@@ -700,6 +700,11 @@ class MtpConfig:
     swiglu_clamp_gate: bool = False
     #: RoPE pairs (2i, 2i + 1) instead of neox halves (``rope_interleave``: DeepSeek-V3, GLM-4.7-Flash)
     rope_interleave: bool = False
+    #: the MLPs' activation (mtpkern/block.py ``MLP_ACTS``): "swiglu", or "relu2" (Nemotron-H's
+    #: non-gated ``down(relu(up x) ** 2)``)
+    mlp_act: str = "swiglu"
+    #: no RoPE in the attention (Nemotron-H)
+    nope: bool = False
     #: YaRN scaling (``rope_type: "yarn"`` in rope_parameters / rope_scaling), None: plain RoPE
     rope_scaling: Yarn | None = None
     #: v multiplied by this before attention (MiMo-V2): folded into v_proj at load
@@ -824,7 +829,7 @@ class MtpConfig:
             rope_theta=self.rope_theta, sliding_window=self.sliding_window, attn_sinks=self.attn_sinks,
             attn_gate=self.attn_gate, moe=self.is_moe, swiglu_clamp=self.swiglu_clamp,
             swiglu_clamp_shared=self.swiglu_clamp_shared, swiglu_clamp_gate=self.swiglu_clamp_gate,
-            rope_interleave=self.rope_interleave,
+            rope_interleave=self.rope_interleave, mlp_act=self.mlp_act, nope=self.nope,
             rope_scaling=self.rope_scaling, kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
             qk_rope_head_dim=self.qk_rope_head_dim, index_topk=self.index_topk,
             index_n_heads=self.index_n_heads if self.index_topk else 0,
@@ -946,6 +951,8 @@ class MtpConfig:
             swiglu_clamp=_opt(d, "swiglu_clamp", float, 0.0),
             swiglu_clamp_shared=_opt(d, "swiglu_clamp_shared", float, 0.0),
             swiglu_clamp_gate=_opt(d, "swiglu_clamp_gate", bool, False),
+            mlp_act=_opt(d, "mlp_act", str, "swiglu"),
+            nope=_opt(d, "nope", bool, False),
             blocks=d.get("mtp_blocks") or (),
             attention_value_scale=_opt(d, "attention_value_scale", float, 1.0),
             kv_lora_rank=_opt(d, "kv_lora_rank", int, 0),
@@ -1007,7 +1014,8 @@ class MtpConfig:
                           ("kv_a_norm_scale", 1.0), ("index_topk", 0), ("index_n_heads", 0), ("index_head_dim", 0),
                           ("indexer_rope_interleave", False), ("hc_mult", 1), ("hc_sinkhorn_iters", 20),
                           ("shared_kv", False), ("out_rope", False), ("o_groups", 0), ("o_lora_rank", 0),
-                          ("hc_eps", 1e-6), ("index_kpool", 0), ("index_kpool_always_select_tail", True)):
+                          ("hc_eps", 1e-6), ("index_kpool", 0), ("index_kpool_always_select_tail", True),
+                          ("mlp_act", "swiglu"), ("nope", False)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
         if not d["embed_mask_pos0"] and not (fam and FAMILIES[fam].defaults.get("embed_mask_pos0")):

@@ -618,33 +618,38 @@ def _module_keys(cfg: MtpConfig, m: int, gate_up: bool = False) -> dict[str, tup
     if cfg.use_qk_norm:
         keys["self_attn.q_norm.weight"] = ((D,), True)
         keys["self_attn.k_norm.weight"] = ((D,), True)
+    gated = b.mlp_act == "swiglu"       # relu2 (Nemotron-H): no gate_proj, up_proj alone
     if b.moe:
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
         keys["mlp.gate.weight"] = ((E, H), True)
         if cfg.router_bias:
             keys["mlp.gate.e_score_correction_bias"] = ((E,), True)
         packed = family(cfg.family).packed_experts or gate_up
-        if gate_up:                                      # [E, 2I, H] gate over up, [E, H, I]
+        if gate_up and gated:                            # [E, 2I, H] gate over up, [E, H, I]
             keys[GATE_UP] = ((E, 2 * I, H), True)
             keys[DOWN_PACKED] = ((E, H, I), True)
         elif packed:                                     # one tensor per projection for every expert
-            keys["mlp.experts.gate_proj.weight"] = ((E, I, H), True)
+            if gated:
+                keys["mlp.experts.gate_proj.weight"] = ((E, I, H), True)
             keys["mlp.experts.up_proj.weight"] = ((E, I, H), True)
             keys["mlp.experts.down_proj.weight"] = ((E, H, I), True)
         for e in range(0 if packed else E):
-            keys[f"mlp.experts.{e}.gate_proj.weight"] = ((I, H), True)
+            if gated:
+                keys[f"mlp.experts.{e}.gate_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.up_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.down_proj.weight"] = ((H, I), True)
         if cfg.n_shared_experts:
             Is = cfg.shared_intermediate_size
-            keys["mlp.shared_experts.gate_proj.weight"] = ((Is, H), True)
+            if gated:
+                keys["mlp.shared_experts.gate_proj.weight"] = ((Is, H), True)
             keys["mlp.shared_experts.up_proj.weight"] = ((Is, H), True)
             keys["mlp.shared_experts.down_proj.weight"] = ((H, Is), True)
             if cfg.shared_expert_gate:
                 keys["mlp.shared_expert_gate.weight"] = ((1, H), True)
     else:
         I = cfg.intermediate_size
-        keys["mlp.gate_proj.weight"] = ((I, H), True)
+        if gated:
+            keys["mlp.gate_proj.weight"] = ((I, H), True)
         keys["mlp.up_proj.weight"] = ((I, H), True)
         keys["mlp.down_proj.weight"] = ((H, I), True)
     if cfg.hc_mult > 1:
@@ -1567,10 +1572,14 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             mw.hc_attn, mw.hc_ffn, mw.hc_head = hc("attn"), hc("ffn"), hc("head")
             mw.hc_ones = backend.prepare_vector(np.ones(cfg.stream_size, np.float32))
 
+        relu2 = blk.mlp_act == "relu2"       # non-gated MLPs (Nemotron-H): w13 is up_proj alone
+
         def swiglu(pre: str, I: int, what: str):
             """(w13 [2I', H], w2 [H, I']) of a SwiGLU under ``pre``: gate over up rows, and the
-            down projection; a sharded head's intermediate slice I' of I."""
+            down projection; a sharded head's intermediate slice I' of I. relu2: w13 [I', H] = up."""
             sl = None if shard is None else shard.span(I, what)
+            if relu2:
+                return w(f"{pre}up_proj.weight", rows=sl), w(f"{pre}down_proj.weight", cols=sl)
             gate, up = (w(f"{pre}{n}_proj.weight", rows=sl) for n in ("gate", "up"))
             return stack_rows(gate, up), w(f"{pre}down_proj.weight", cols=sl)
 
@@ -1582,6 +1591,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             e0, e1 = (0, E) if shard is None else shard.expert_range(E)              # experts held whole (EP)
             part_i = (0, I) if shard is None else shard.routed_slice(I)             # each expert's slice (TP)
             sl = None if part_i == (0, I) else part_i
+            if relu2 and (fam.packed_experts or GATE_UP in spec):
+                raise CheckpointError(f"{rd.path}: module {m}: mlp_act 'relu2' expects the experts one tensor "
+                                      f"per expert (mlp.experts.{{e}}.up_proj.weight, as released), got packed experts")
             if fam.packed_experts or GATE_UP in spec:
                 mw.experts_w13 = backend.prepare_weight(packed_w13(e0, e1, sl))
                 w2 = packed(DOWN_PACKED if GATE_UP in spec else "mlp.experts.down_proj.weight", e0, e1, sl, 2)
@@ -1589,7 +1601,8 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                                                        else np.ascontiguousarray(w2))
             else:
                 mw.experts_w13 = backend.prepare_weight(stacked([
-                    [(f"mlp.experts.{e}.gate_proj.weight", sl, None), (f"mlp.experts.{e}.up_proj.weight", sl, None)]
+                    ([] if relu2 else [(f"mlp.experts.{e}.gate_proj.weight", sl, None)])
+                    + [(f"mlp.experts.{e}.up_proj.weight", sl, None)]
                     for e in range(e0, e1)]))
                 mw.experts_w2 = backend.prepare_weight(stacked([[(f"mlp.experts.{e}.down_proj.weight", None, sl)]
                                                                 for e in range(e0, e1)]))
@@ -1717,20 +1730,24 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
             t[p + "mlp.gate.weight"] = mat(E, H, gain=2.0)
             if cfg.router_bias:
                 t[p + "mlp.gate.e_score_correction_bias"] = (0.05 * rng.standard_normal(E)).astype(np.float32)
+            gated = b.mlp_act == "swiglu"       # relu2: no gate_proj
             for e in range(E):
-                t[p + f"mlp.experts.{e}.gate_proj.weight"] = mat(I, H)
+                if gated:
+                    t[p + f"mlp.experts.{e}.gate_proj.weight"] = mat(I, H)
                 t[p + f"mlp.experts.{e}.up_proj.weight"] = mat(I, H)
                 t[p + f"mlp.experts.{e}.down_proj.weight"] = mat(H, I)
             if cfg.n_shared_experts:
                 Is = cfg.shared_intermediate_size
-                t[p + "mlp.shared_experts.gate_proj.weight"] = mat(Is, H)
+                if gated:
+                    t[p + "mlp.shared_experts.gate_proj.weight"] = mat(Is, H)
                 t[p + "mlp.shared_experts.up_proj.weight"] = mat(Is, H)
                 t[p + "mlp.shared_experts.down_proj.weight"] = mat(H, Is)
                 if cfg.shared_expert_gate:
                     t[p + "mlp.shared_expert_gate.weight"] = mat(1, H, gain=2.0)
         else:
             I = cfg.intermediate_size
-            t[p + "mlp.gate_proj.weight"] = mat(I, H)
+            if b.mlp_act == "swiglu":
+                t[p + "mlp.gate_proj.weight"] = mat(I, H)
             t[p + "mlp.up_proj.weight"] = mat(I, H)
             t[p + "mlp.down_proj.weight"] = mat(H, I)
         t[p + "shared_head.norm.weight"] = norm_w(H)

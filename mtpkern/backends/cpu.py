@@ -47,7 +47,7 @@ from ..ops.hc import check_hc_head, check_hc_post, check_hc_pre
 from ..ops.linear import check_linear
 from ..ops.lm_head import check_bitmask, check_id_map, check_topk, map_id_rows, map_ids
 from ..ops.mla import check_index, check_mla_attention, check_mla_latent_write
-from ..ops.mlp import check_swiglu_mlp, swiglu_bounds
+from ..ops.mlp import check_activation, check_swiglu_mlp, swiglu_bounds
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input, check_norm
 from ..ops.rope_kv import check_qk_norm_rope_kv_write, check_rope_heads
@@ -585,8 +585,9 @@ class CpuBackend(Backend):
         return ids, weights
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None, clamp_gate=False,
-                    norm=None):
-        self._check(check_moe_experts, x, ids, weights, w13, w2, residual)
+                    norm=None, activation="swiglu"):
+        self._check(check_moe_experts, x, ids, weights, w13, w2, residual, activation)
+        check_activation(activation, limit)
         if norm is not None:        # the definition: the rmsnorm kernel, then the experts
             x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         L, Lg = swiglu_bounds(limit, clamp_gate)
@@ -595,18 +596,22 @@ class CpuBackend(Backend):
         out = _out("out", out, tuple(x.shape))
         # x is gathered before out is written; residual and weights are read row by row with it
         w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
-        if all_fp8_or_none("w13, w2", isinstance(w13, _QUANT), isinstance(w2, _QUANT)):
-            kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.kernel_args(), w2.kernel_args()
-        else:
-            kernel = mlp_k.grouped_swiglu_kernel
+        fp8 = all_fp8_or_none("w13, w2", isinstance(w13, _QUANT), isinstance(w2, _QUANT))
+        if fp8:
+            w13, w2 = w13.kernel_args(), w2.kernel_args()
         self._use_threads()
-        kernel(_act(x), ids, _apart(_act(weights), out), w13, w2, _apart(_opt_mat(residual), out, same_ok=True),
-               L, Lg, out)
+        args = (_act(x), ids, _apart(_act(weights), out), w13, w2, _apart(_opt_mat(residual), out, same_ok=True))
+        if activation == "relu2":
+            (mlp_k.grouped_relu2_fp8_kernel if fp8 else mlp_k.grouped_relu2_kernel)(*args, out)
+        else:
+            (mlp_k.grouped_swiglu_fp8_kernel if fp8 else mlp_k.grouped_swiglu_kernel)(*args, L, Lg, out)
         return out
 
     # -- mlp ----------------------------------------------------------------
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, limit=None, clamp_gate=False, norm=None):
-        self._check(check_swiglu_mlp, x, w13, w2, residual)
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, limit=None, clamp_gate=False, norm=None,
+                   activation="swiglu"):
+        self._check(check_swiglu_mlp, x, w13, w2, residual, activation)
+        check_activation(activation, limit)
         if norm is not None:        # the definition: the rmsnorm kernel, then the MLP
             x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
         L, Lg = swiglu_bounds(limit, clamp_gate)
@@ -616,6 +621,8 @@ class CpuBackend(Backend):
         w13, w2 = _any_weight("w13", w13), _any_weight("w2", w2)
         if all_fp8_or_none("w13, w2", isinstance(w13, _QUANT), isinstance(w2, _QUANT)):
             kernel, w13, w2 = mlp_k.grouped_swiglu_fp8_kernel, w13.as_experts(), w2.as_experts()
+        elif activation == "relu2":
+            kernel, w13, w2 = mlp_k.grouped_swiglu_kernel, w13[None], w2[None]
         elif (t13 := self._weight_tiles(w13)) is not None and (t2 := self._weight_tiles(w2)) is not None:
             gu = self._tiled_gemv(_act(x), t13, None, None, np.empty((n, w13.shape[0]), np.float32))
             act = np.empty((n, w2.shape[1]), np.float32)
@@ -624,8 +631,14 @@ class CpuBackend(Backend):
         else:
             kernel, w13, w2 = mlp_k.grouped_swiglu_kernel, w13[None], w2[None]
         self._use_threads()
-        kernel(_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32), w13, w2,
-               _apart(_opt_mat(residual), out, same_ok=True), L, Lg, out)
+        args = (_act(x), np.zeros((n, 1), np.int32), np.ones((n, 1), np.float32), w13, w2,
+                _apart(_opt_mat(residual), out, same_ok=True))
+        if activation == "relu2":       # the dense MLP as one relu2 expert (FP8: the FP8 relu2 kernel)
+            kernel = (mlp_k.grouped_relu2_fp8_kernel if kernel is mlp_k.grouped_swiglu_fp8_kernel
+                      else mlp_k.grouped_relu2_kernel)
+            kernel(*args, out)
+        else:
+            kernel(*args, L, Lg, out)
         return out
 
     # -- lm head ------------------------------------------------------------

@@ -28,6 +28,10 @@ the unclamped one. A NaN stays NaN (``np.minimum`` / ``np.maximum``, as ``torch.
 clamp never turns a NaN row finite. Anything else but a finite value > 0 is refused, naming
 ``limit`` (``swiglu_limit``); ``clamp_gate`` must be a bool.
 
+``activation="relu2"`` is Nemotron-H's non-gated MLP (transformers ``NemotronHMLP`` /
+``NemotronHExperts``, ``ACT2FN["relu2"]``): ``w13`` is then the up projection alone [I, H] and
+``out = relu(x w1^T) ** 2 w2^T`` (no clamp: ``limit`` must be None or 0).
+
 The kernels take both clamps as FP32 bounds (``swiglu_bounds``): ``L`` on silu(gate), ``Lg``
 on the gate before silu, the one not in use +inf (``min(v, +inf)`` is ``v``, bit for bit), and
 clip up by ``min(L, Lg)``: one code path, no flag, for none, either clamp.
@@ -101,25 +105,52 @@ def swiglu_act(gu: np.ndarray, L: np.float32 = NO_LIMIT, *, clamp_gate: bool = F
     return np.minimum(silu(gate), L) * up
 
 
-def check_swiglu_mlp(x, w13, w2, residual) -> None:
+#: the activations ``activation=`` takes (mtpkern/block.py ``MLP_ACTS``)
+ACTIVATIONS = ("swiglu", "relu2")
+
+
+def check_activation(activation, limit=None) -> str:
+    """``activation`` -> itself, checked: one of ``ACTIVATIONS``; "relu2" takes no clamp."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if activation == "relu2" and limit:
+        raise ValueError(f"limit: the SwiGLU clamp needs activation 'swiglu', got limit {limit!r} with 'relu2'")
+    return activation
+
+
+def gated_rows(activation: str) -> int:
+    """Rows of w13 per intermediate column: 2 (gate over up) for SwiGLU, 1 (up) for relu2."""
+    return 2 if activation == "swiglu" else 1
+
+
+def relu2(u: np.ndarray) -> np.ndarray:
+    """relu(u) ** 2 (FP32), as ``ReLUSquaredActivation``: ``square(relu(u))``."""
+    r = np.maximum(u, np.float32(0.0))
+    return r * r
+
+
+def check_swiglu_mlp(x, w13, w2, residual, activation="swiglu") -> None:
     expect_ndim("x", x, 2)
     n, H = x.shape
     expect_ndim("w13", w13, 2)
-    if w13.shape[0] % 2 or w13.shape[1] != H:
-        raise ValueError(f"w13: expected [2I, {H}], got {list(w13.shape)}")
-    expect_shape("w2", w2, (H, w13.shape[0] // 2))
+    g = gated_rows(check_activation(activation))
+    if w13.shape[0] % g or w13.shape[1] != H:
+        raise ValueError(f"w13: expected [{'2I' if g == 2 else 'I'}, {H}] ({activation}), got {list(w13.shape)}")
+    expect_shape("w2", w2, (H, w13.shape[0] // g))
     if residual is not None:
         expect_shape("residual", residual, (n, H))
 
 
-def swiglu_mlp(x, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None) -> np.ndarray:
+def swiglu_mlp(x, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None,
+               activation="swiglu") -> np.ndarray:
     """``norm=(g [H], eps)``: of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed); the
-    residual stays as given (it may be x itself)."""
-    check_swiglu_mlp(x, w13, w2, residual)
+    residual stays as given (it may be x itself). ``activation="relu2"``: w13 is [I, H]."""
+    check_swiglu_mlp(x, w13, w2, residual, activation)
+    check_activation(activation, limit)
     L = swiglu_limit(limit)
     clamp_gate = check_clamp_gate(clamp_gate)
-    gu = np.asarray(normed(x, norm), np.float32) @ np.asarray(w13, np.float32).T     # [n, 2I]
-    act = swiglu_act(gu, L, clamp_gate=clamp_gate)                     # [n, I]
+    gu = np.asarray(normed(x, norm), np.float32) @ np.asarray(w13, np.float32).T     # [n, 2I] (relu2: [n, I])
+    act = relu2(gu) if activation == "relu2" else swiglu_act(gu, L, clamp_gate=clamp_gate)   # [n, I]
     y = act @ np.asarray(w2, np.float32).T                             # [n, H]
     if residual is not None:
         y = y + np.asarray(residual, np.float32)

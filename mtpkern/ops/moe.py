@@ -36,6 +36,9 @@ up rows). ``limit`` clamps every routed expert's SwiGLU as Hugging Face
 does: ``silu(min(gate, L)) * clip(up, -L, L)``; None or 0 for none, NaN kept
 (``mtpkern.ops.mlp``, ``swiglu_limit``).
 
+``activation="relu2"``: each expert is Nemotron-H's non-gated MLP, ``w13[e]`` its up rows
+alone [E, I, H] and ``w2[e] relu(w13[e] x) ** 2`` (``mtpkern.ops.mlp``; no clamp).
+
 An id of -1 is an empty slot: it adds nothing (its weight is not read into the sum). A
 rank of an expert-parallel head (mtpkern.shard) holds experts ``e0 .. e1 - 1`` as its
 local ``0 .. e1 - e0 - 1`` and passes the router's ids mapped to them, -1 for the others.
@@ -49,7 +52,7 @@ from typing import Literal
 import numpy as np
 
 from ._check import expect_dtype, expect_ndim, expect_shape
-from .mlp import check_clamp_gate, swiglu_act, swiglu_limit
+from .mlp import check_activation, check_clamp_gate, gated_rows, relu2, swiglu_act, swiglu_limit
 from .norm import normed
 
 
@@ -135,7 +138,7 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, norm=None) -> tuple[np.ndar
     return ids.astype(np.int32), w.astype(np.float32)
 
 
-def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
+def check_moe_experts(x, ids, weights, w13, w2, residual, activation="swiglu") -> None:
     expect_ndim("x", x, 2)
     n, H = x.shape
     expect_ndim("ids", ids, 2)
@@ -145,17 +148,20 @@ def check_moe_experts(x, ids, weights, w13, w2, residual) -> None:
         raise ValueError(f"ids: expected [{n}, K], got {list(ids.shape)}")
     expect_ndim("w13", w13, 3)
     E, I2, H_ = w13.shape
-    if H_ != H or I2 % 2:
-        raise ValueError(f"w13: expected [E, 2I, {H}], got {list(w13.shape)}")
-    expect_shape("w2", w2, (E, H, I2 // 2))
+    g = gated_rows(check_activation(activation))
+    if H_ != H or I2 % g:
+        raise ValueError(f"w13: expected [E, {'2I' if g == 2 else 'I'}, {H}] ({activation}), got {list(w13.shape)}")
+    expect_shape("w2", w2, (E, H, I2 // g))
     if residual is not None:
         expect_shape("residual", residual, (n, H))
 
 
-def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None) -> np.ndarray:
+def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None,
+                activation="swiglu") -> np.ndarray:
     """``norm=(g [H], eps)``: the experts of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed);
-    the residual stays as given (it may be x itself)."""
-    check_moe_experts(x, ids, weights, w13, w2, residual)
+    the residual stays as given (it may be x itself). ``activation="relu2"``: w13 is [E, I, H]."""
+    check_moe_experts(x, ids, weights, w13, w2, residual, activation)
+    check_activation(activation, limit)
     E = w13.shape[0]
     if ids.size and not (-1 <= ids.min() and ids.max() < E):     # the reference indexes with them
         bad = ids[(ids < -1) | (ids >= E)][0]
@@ -170,7 +176,7 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, clamp_ga
             e = int(ids[r, k])
             if e < 0:                                                  # an empty slot
                 continue
-            gu = np.asarray(w13[e], np.float32) @ x[r]                 # [2I]
-            act = swiglu_act(gu, L, clamp_gate=clamp_gate)             # [I]
+            gu = np.asarray(w13[e], np.float32) @ x[r]                 # [2I] (relu2: [I])
+            act = relu2(gu) if activation == "relu2" else swiglu_act(gu, L, clamp_gate=clamp_gate)   # [I]
             y[r] += np.float32(weights[r, k]) * (np.asarray(w2[e], np.float32) @ act)
     return y

@@ -122,7 +122,8 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     if w.q_norm is not None:
         q, k = _rms(q, w.q_norm, eps), _rms(k, w.k_norm, eps)
     rope = dict(interleave=b.rope_interleave, yarn=b.rope_scaling)
-    q, k = _rope(q, pos, b.rotary_dim, b.rope_theta, **rope), _rope(k, pos, b.rotary_dim, b.rope_theta, **rope)
+    Rd = 0 if b.nope else b.rotary_dim                            # NoPE (Nemotron-H): nothing rotated
+    q, k = _rope(q, pos, Rd, b.rope_theta, **rope), _rope(k, pos, Rd, b.rope_theta, **rope)
     if b.shared_kv:                                               # the value is the key, normed and rotated
         v = k
     scale = D ** -0.5 * (1.0 if b.rope_scaling is None else _yarn(b.rotary_dim, b.rope_theta, b.rope_scaling)[2])
@@ -147,7 +148,7 @@ def module_forward(cfg, w, m: int, toks: np.ndarray, g: np.ndarray, pos: np.ndar
     if gate is not None:                                          # att * sigmoid(gate): per column, or per head
         att = att / (1 + np.exp(-gate.reshape(R, -1, 1 if b.attn_gate == "headwise" else Dv)))
     if b.out_rope:                                                # back to the query's frame: the angle undone
-        att = _rope(att, -pos, b.rotary_dim, b.rope_theta, **rope)
+        att = _rope(att, -pos, Rd, b.rope_theta, **rope)
     return _ffn(cfg, b, w, x, _residual(x, _o_proj(b, w, att.reshape(R, Hq * Dv)), hc_attn), k, v, eps)
 
 
@@ -305,17 +306,26 @@ def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
         fin32 = fin.astype(np.float32)
         ids, wts = moe_router(fin32, w.gate_w, w.gate_bias, RouterSpec.from_config(cfg))
         y = moe_experts(fin32, ids, wts, w.experts_w13, w.experts_w2, np.zeros_like(fin32),
-                        limit=b.swiglu_clamp or None, clamp_gate=b.swiglu_clamp_gate).astype(np.float64)
+                        limit=b.swiglu_clamp or None, clamp_gate=b.swiglu_clamp_gate,
+                        activation=b.mlp_act).astype(np.float64)
         if w.shared_w13 is not None:
-            shared = _swiglu(fin, w.shared_w13, w.shared_w2, b.swiglu_clamp_shared, b.swiglu_clamp_gate)
+            shared = _mlp(b, fin, w.shared_w13, w.shared_w2)
             if w.shared_gate is not None:                            # sigmoid(x . w_g) per row
                 shared = shared / (1 + np.exp(-(fin @ f(w.shared_gate).T)))
             y = y + shared
     else:
-        y = _swiglu(fin, w.mlp_w13, w.mlp_w2, b.swiglu_clamp_shared, b.swiglu_clamp_gate)
+        y = _mlp(b, fin, w.mlp_w13, w.mlp_w2)
     y = _residual(r, y, hc)
     head_in = y if cfg.hc_mult == 1 else _hc_head(cfg, w.hc_head, y)
     return ModuleRows(k, v, y, _rms(head_in, w.shared_head_norm, eps))
+
+
+def _mlp(b, x, w13, w2):
+    """The shared expert's / dense MLP's: SwiGLU, or Nemotron-H's relu2 (NemotronHMLP:
+    down(relu(up x) ** 2), w13 the up rows alone)."""
+    if b.mlp_act == "relu2":
+        return np.maximum(x @ np.asarray(w13, np.float64).T, 0.0) ** 2 @ np.asarray(w2, np.float64).T
+    return _swiglu(x, w13, w2, b.swiglu_clamp_shared, b.swiglu_clamp_gate)
 
 
 def _swiglu(x, w13, w2, limit: float = 0.0, clamp_gate: bool = False):

@@ -34,6 +34,10 @@ measurable (docs/cpu.md): no second kernel and no branch on which clamp there is
 is one task per (expert, row chunk of w13) writing gate | up, a pass pairs them, phase 2 is
 one task per (expert, row chunk of w2). A second kernel rather than a branch: the tasks are
 row chunks (each with its own scaled copy of the inputs), not groups of 8 rows.
+
+``grouped_relu2_kernel`` / ``grouped_relu2_fp8_kernel``: Nemotron-H's non-gated experts
+(``down(relu(up x) ** 2)``, w1 the up rows alone): a separate kernel, not a flag in the
+SwiGLU one (phase 1 reads 8 up rows per task instead of 4 gate/up pairs).
 """
 
 from __future__ import annotations
@@ -238,3 +242,69 @@ def silu_mul_row(gu, p, limit, gate_limit, act):
     I = act.shape[1]
     for j in range(I):
         act[p, j] = swiglu(gu[p, j], gu[p, I + j], limit, gate_limit)
+
+
+@njit(cache=True, fastmath=False)
+def relu2(u):
+    """relu(u) ** 2 (``mtpkern.ops.mlp.relu2``); a NaN stays NaN (u > 0 is false, u * 0 ...:
+    written as the reference's max(u, 0) squared, which keeps NaN)."""
+    r = u if (u > np.float32(0.0) or u != u) else np.float32(0.0)
+    return r * r
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def grouped_relu2_kernel(x, ids, weights, w1, w2, residual, out):
+    """``grouped_swiglu_kernel`` for Nemotron-H's non-gated experts: out [n, H] = residual +
+    sum_k weights[:, k] * w2[e] relu(w1[e] x) ** 2 with e = ids[:, k]; w1 [E, I, H] (the up
+    rows alone), w2 [E, H, I]. Phase 1 is one task per (expert, group of 8 w1 rows,
+    ``linear.group8``), whose 8 dots become act columns through relu2; phases 0, 2, 3 as there."""
+    n, H = x.shape
+    I = w2.shape[2]
+    perm, inv, experts, starts, xg = _sorted_inputs(x, ids, w1.shape[0])
+    P = perm.shape[0]
+    U = experts.shape[0]
+    up = np.empty((P, I), np.float32)                # w1 x
+    act = np.empty((P, I), np.float32)               # relu(w1 x) ** 2
+    y2 = np.empty((P, H), np.float32)                # expert outputs
+    zero, no = np.int64(0), np.bool_(False)
+    q1 = I // 8
+    T1 = q1 + I - 8 * q1
+    for t in prange(U * T1):
+        u = t // T1
+        rows, count = group8(t % T1, q1, zero)
+        gemv_task(w1[experts[u]], rows, count, zero, xg, starts[u], starts[u + 1], up, rows, no)
+        for s in range(count):
+            for p in range(starts[u], starts[u + 1]):
+                act[p, rows[s]] = relu2(up[p, rows[s]])
+    q2 = H // 8
+    T2 = q2 + H - 8 * q2
+    for t in prange(U * T2):
+        u = t // T2
+        rows, count = group8(t % T2, q2, zero)
+        gemv_task(w2[experts[u]], rows, count, zero, act, starts[u], starts[u + 1], y2, rows, no)
+    _combine(residual, weights, y2, inv, out)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def grouped_relu2_fp8_kernel(x, ids, weights, w1, w2, residual, out):
+    """``grouped_relu2_kernel`` with FP8 expert weights (the tuples of ``linear.fp8_chunk``
+    over [E, I, H] and [E, H, I] codes), tasks by row chunks as ``grouped_swiglu_fp8_kernel``."""
+    I = w1[0].shape[1]
+    perm, inv, experts, starts, xg = _sorted_inputs(x, ids, w1[0].shape[0])
+    P, H = xg.shape
+    U = experts.shape[0]
+    up = np.empty((P, I), np.float32)
+    act = np.empty((P, I), np.float32)
+    y2 = np.empty((P, H), np.float32)
+    zero, no = np.int64(0), np.bool_(False)
+    T1, T2 = chunks(w1), chunks(w2)
+    for t in prange(U * T1):
+        u = t // T1
+        qchunk(expert(w1, experts[u]), t % T1, zero, xg, starts[u], starts[u + 1], up, zero, no)
+    for p in prange(P):
+        for j in range(I):
+            act[p, j] = relu2(up[p, j])
+    for t in prange(U * T2):
+        u = t // T2
+        qchunk(expert(w2, experts[u]), t % T2, zero, act, starts[u], starts[u + 1], y2, zero, no)
+    _combine(residual, weights, y2, inv, out)
