@@ -705,6 +705,10 @@ class MtpConfig:
     mlp_act: str = "swiglu"
     #: no RoPE in the attention (Nemotron-H)
     nope: bool = False
+    #: LatentMoE (Nemotron-3 Super / Ultra): the routed experts run on a latent of this width,
+    #: ``fc1_latent_proj`` [latent, H] before them and ``fc2_latent_proj`` [H, latent] after their
+    #: weighted sum (the router and the shared expert read the hidden); 0: none
+    moe_latent_size: int = 0
     #: YaRN scaling (``rope_type: "yarn"`` in rope_parameters / rope_scaling), None: plain RoPE
     rope_scaling: Yarn | None = None
     #: v multiplied by this before attention (MiMo-V2): folded into v_proj at load
@@ -844,6 +848,9 @@ class MtpConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config.json: field {name!r} must be > 0 in an MoE module, got {getattr(self, name)}")
         E, G = self.n_routed_experts, self.n_group
+        if not 0 <= self.moe_latent_size <= 1 << 20:
+            raise ConfigError(f"config.json: field 'moe_latent_size' must be an int in [0, 2^20] (0: none), got "
+                              f"{self.moe_latent_size!r}")
         if E % G:
             raise ConfigError(f"config.json: n_routed_experts ({E}) must be a multiple of n_group ({G})")
         if self.topk_group > G:
@@ -953,6 +960,7 @@ class MtpConfig:
             swiglu_clamp_gate=_opt(d, "swiglu_clamp_gate", bool, False),
             mlp_act=_opt(d, "mlp_act", str, "swiglu"),
             nope=_opt(d, "nope", bool, False),
+            moe_latent_size=_opt(d, "moe_latent_size", int, 0),
             blocks=d.get("mtp_blocks") or (),
             attention_value_scale=_opt(d, "attention_value_scale", float, 1.0),
             kv_lora_rank=_opt(d, "kv_lora_rank", int, 0),
@@ -1015,7 +1023,7 @@ class MtpConfig:
                           ("indexer_rope_interleave", False), ("hc_mult", 1), ("hc_sinkhorn_iters", 20),
                           ("shared_kv", False), ("out_rope", False), ("o_groups", 0), ("o_lora_rank", 0),
                           ("hc_eps", 1e-6), ("index_kpool", 0), ("index_kpool_always_select_tail", True),
-                          ("mlp_act", "swiglu"), ("nope", False)):
+                          ("mlp_act", "swiglu"), ("nope", False), ("moe_latent_size", 0)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
         if not d["embed_mask_pos0"] and not (fam and FAMILIES[fam].defaults.get("embed_mask_pos0")):

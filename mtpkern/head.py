@@ -255,6 +255,9 @@ class MtpHead:
                                  f"cuda backend yet (numpy and cpu run it); expected 'swiglu' there")
             self._experts_kw = {**self._experts_kw, "activation": b.mlp_act}
             self._mlp_kw = {**self._mlp_kw, "activation": b.mlp_act}
+        if b.moe and config.moe_latent_size and getattr(backend, "name", "") == "cuda":
+            raise ValueError(f"module {index}: field moe_latent_size = {config.moe_latent_size} (LatentMoE) is not "
+                             f"implemented on the cuda backend yet (numpy and cpu run it); expected 0 there")
         self._one_lock = threading.Lock()
 
     # -- the forward ---------------------------------------------------------
@@ -548,8 +551,13 @@ class MtpHead:
                                      **put("router", ids="expert_ids", weights="expert_weights"))  # [n, K]
             if self._expert_map is not None:          # this rank's experts; -1: an empty slot
                 ids = be.map_ids(self._expert_map, ids, out=None if bufs is None else bufs.local_ids)
-            y = be.moe_experts(f, ids, wts, w.experts_w13, w.experts_w2, res, norm=f_norm,
-                               **self._experts_kw, **put("experts", out=yf))                    # [n, H]
+            if w.latent_fc1 is not None:     # LatentMoE: the experts on fc1_latent_proj(f_in), back by fc2
+                lat = be.linear(f, w.latent_fc1, norm=f_norm)                                   # [n, Lt]
+                z = be.moe_experts(lat, ids, wts, w.experts_w13, w.experts_w2, **self._experts_kw)  # [n, Lt]
+                y = be.linear(z, w.latent_fc2, None, res)                                       # [n, H]
+            else:
+                y = be.moe_experts(f, ids, wts, w.experts_w13, w.experts_w2, res, norm=f_norm,
+                                   **self._experts_kw, **put("experts", out=yf))                # [n, H]
             if w.shared_gate is not None:    # y + sigmoid(f_in . w_g) * shared(f_in), one gate per row
                 sh = be.swiglu_mlp(f, w.shared_w13, w.shared_w2, norm=f_norm, **self._mlp_kw,
                                    **put("shared", out="shared"))

@@ -508,6 +508,9 @@ class ModuleWeights:
     gate_bias: Any | None = None     # [E] FP32
     experts_w13: Any | None = None   # [E, 2I, H]
     experts_w2: Any | None = None    # [E, H, I]
+    #: LatentMoE (moe_latent_size Lt > 0): the experts above are [E, 2I, Lt] / [E, Lt, I]
+    latent_fc1: Any | None = None    # [Lt, H] fc1_latent_proj
+    latent_fc2: Any | None = None    # [H, Lt] fc2_latent_proj
     shared_w13: Any | None = None    # [2 I_s, H]
     shared_w2: Any | None = None     # [H, I_s]
     shared_gate: Any | None = None   # [1, H]: the shared output scaled by sigmoid(x . w) (shared_expert_gate)
@@ -622,6 +625,10 @@ def _module_keys(cfg: MtpConfig, m: int, gate_up: bool = False) -> dict[str, tup
     if b.moe:
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
         keys["mlp.gate.weight"] = ((E, H), True)
+        if cfg.moe_latent_size:                          # the experts' input and output width
+            keys["mlp.fc1_latent_proj.weight"] = ((cfg.moe_latent_size, H), True)
+            keys["mlp.fc2_latent_proj.weight"] = ((H, cfg.moe_latent_size), True)
+        H, H_model = (cfg.moe_latent_size or H), H
         if cfg.router_bias:
             keys["mlp.gate.e_score_correction_bias"] = ((E,), True)
         packed = family(cfg.family).packed_experts or gate_up
@@ -638,6 +645,7 @@ def _module_keys(cfg: MtpConfig, m: int, gate_up: bool = False) -> dict[str, tup
                 keys[f"mlp.experts.{e}.gate_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.up_proj.weight"] = ((I, H), True)
             keys[f"mlp.experts.{e}.down_proj.weight"] = ((H, I), True)
+        H = H_model
         if cfg.n_shared_experts:
             Is = cfg.shared_intermediate_size
             if gated:
@@ -1586,6 +1594,12 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         if blk.moe:
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
+            if cfg.moe_latent_size:
+                if shard is not None:
+                    raise ValueError(f"module {m}: field moe_latent_size = {cfg.moe_latent_size} (LatentMoE) is not "
+                                     f"implemented for a sharded head yet; expected an unsharded head")
+                mw.latent_fc1 = backend.prepare_weight(w("mlp.fc1_latent_proj.weight"))
+                mw.latent_fc2 = backend.prepare_weight(w("mlp.fc2_latent_proj.weight"))
             mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias") if cfg.router_bias
                                                   else np.zeros(E, np.float32))     # selection without a bias
             e0, e1 = (0, E) if shard is None else shard.expert_range(E)              # experts held whole (EP)
@@ -1731,11 +1745,17 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
             if cfg.router_bias:
                 t[p + "mlp.gate.e_score_correction_bias"] = (0.05 * rng.standard_normal(E)).astype(np.float32)
             gated = b.mlp_act == "swiglu"       # relu2: no gate_proj
+            Lt = cfg.moe_latent_size
+            if Lt:
+                t[p + "mlp.fc1_latent_proj.weight"] = mat(Lt, H)
+                t[p + "mlp.fc2_latent_proj.weight"] = mat(H, Lt)
+            H, H_model = (Lt or H), H
             for e in range(E):
                 if gated:
                     t[p + f"mlp.experts.{e}.gate_proj.weight"] = mat(I, H)
                 t[p + f"mlp.experts.{e}.up_proj.weight"] = mat(I, H)
                 t[p + f"mlp.experts.{e}.down_proj.weight"] = mat(H, I)
+            H = H_model
             if cfg.n_shared_experts:
                 Is = cfg.shared_intermediate_size
                 if gated:

@@ -91,9 +91,13 @@ def test_what_mtpkern_lacks_is_refused_by_name(change, field):
         MtpConfig.from_dict(dict(copy.deepcopy(LIGHTNING), **change))
 
 
-def test_super_s_latent_moe_is_refused_by_name():
-    with pytest.raises(ConfigError, match="moe_latent_size.*LatentMoE"):
-        MtpConfig.from_dict(copy.deepcopy(SUPER))
+def test_super_s_config_reads_as_a_latent_moe_block():
+    cfg = MtpConfig.from_dict(copy.deepcopy(SUPER))
+    assert (cfg.hidden_size, cfg.moe_latent_size, cfg.n_routed_experts, cfg.num_experts_per_tok) == (4096, 1024, 512, 22)
+    assert cfg.shared_intermediate_size == 5376 and cfg.routed_scaling_factor == 5.0 and cfg.layer_index(0) == 88
+    assert cfg.block(0).mlp_act == "relu2" and cfg.block(0).nope
+    assert MtpConfig.from_dict(cfg.to_dict()) == cfg
+    assert MtpConfig.from_dict(dict(copy.deepcopy(SUPER), moe_latent_size=None)).moe_latent_size == 0
 
 
 # -- a tiny checkpoint in the release layout ---------------------------------------------------
@@ -102,6 +106,9 @@ def test_super_s_latent_moe_is_refused_by_name():
 #: a shared expert of 2 x 32 rows
 NEMO = tiny_config(family="nemotron_h", mlp_act="relu2", nope=True, num_nextn_predict_layers=1, use_qk_norm=False,
                    attention_bias=False, partial_rotary_factor=1.0, n_shared_experts=2)
+#: the same with Super's LatentMoE: the experts on a latent of 24 (fc1_latent_proj / fc2_latent_proj)
+LATENT = dataclasses.replace(NEMO, moe_latent_size=24)
+CONFIGS = {"plain": NEMO, "latent": LATENT}
 
 
 def release_config(cfg: MtpConfig) -> dict:
@@ -119,17 +126,18 @@ def release_config(cfg: MtpConfig) -> dict:
     return d
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("nemotron"), NEMO, seed=13, dtype="float32")
-    (path / "config.json").write_text(json.dumps(release_config(NEMO)))
-    return path, reference_weights(path)
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def ckpt(tmp_path_factory, request):
+    cfg = CONFIGS[request.param]
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("nemotron"), cfg, seed=13, dtype="float32")
+    (path / "config.json").write_text(json.dumps(release_config(cfg)))
+    return path, reference_weights(path), cfg
 
 
 def test_the_release_layout_and_config(ckpt):
-    path, _ = ckpt
+    path, _, cfg = ckpt
     raw = load_file(str(path / "model.safetensors"))
-    assert MtpConfig.from_json(path / "config.json") == NEMO
+    assert MtpConfig.from_json(path / "config.json") == cfg
     for k in ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
               "mtp.layers.0.norm.weight", "mtp.layers.0.mixer.q_proj.weight", "mtp.layers.1.norm.weight",
               "mtp.layers.1.mixer.gate.e_score_correction_bias", "mtp.layers.1.mixer.experts.7.up_proj.weight",
@@ -138,6 +146,9 @@ def test_the_release_layout_and_config(ckpt):
         assert k in raw, k
     assert not any("gate_proj" in k for k in raw)                       # non-gated MLPs
     assert raw["mtp.layers.1.mixer.shared_experts.up_proj.weight"].shape == (64, 64)
+    width = cfg.moe_latent_size or cfg.hidden_size                      # the experts' input
+    assert raw["mtp.layers.1.mixer.experts.0.up_proj.weight"].shape == (32, width)
+    assert ("mtp.layers.1.mixer.fc1_latent_proj.weight" in raw) == bool(cfg.moe_latent_size)
 
 
 # -- the module's math from the raw release tensors --------------------------------------------
@@ -196,12 +207,17 @@ def nemotron_mtp_rows(raw: dict, cfg: MtpConfig, toks, g, act: str = "relu2", or
 
     def moe(x_):                                                             # NemotronHMoE
         f = _rms(x_, W[M + "norm.weight"], eps)
-        y = x_ + mlp(f, W[M + "mixer.shared_experts.up_proj.weight"], W[M + "mixer.shared_experts.down_proj.weight"])
-        for i, (top, wts) in enumerate(_router(cfg, W, M, f)):
+        latent = M + "mixer.fc1_latent_proj.weight" in W                    # LatentMoE (Super / Ultra)
+        u = f @ W[M + "mixer.fc1_latent_proj.weight"].T if latent else f     # the experts' input
+        routed = np.zeros_like(u)
+        for i, (top, wts) in enumerate(_router(cfg, W, M, f)):              # the router reads f
             for e_, w_ in zip(top, wts):
-                y[i] += w_ * mlp(f[i:i + 1], W[M + f"mixer.experts.{e_}.up_proj.weight"],
-                                 W[M + f"mixer.experts.{e_}.down_proj.weight"])[0]
-        return y
+                routed[i] += w_ * mlp(u[i:i + 1], W[M + f"mixer.experts.{e_}.up_proj.weight"],
+                                      W[M + f"mixer.experts.{e_}.down_proj.weight"])[0]
+        if latent:
+            routed = routed @ W[M + "mixer.fc2_latent_proj.weight"].T
+        shared = mlp(f, W[M + "mixer.shared_experts.up_proj.weight"], W[M + "mixer.shared_experts.down_proj.weight"])
+        return x_ + routed + shared
 
     y = moe(attention(x)) if order == "*E" else attention(moe(x))
     return y, _rms(y, W[M + "final_layernorm.weight"], eps)
@@ -214,10 +230,10 @@ def _rows(cfg, seed=11, n=7):
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_module_computes_the_reference_forward(ckpt, backend):
-    path, _ = ckpt
+    path, _, cfg = ckpt
     raw = load_file(str(path / "model.safetensors"))
-    toks, g = _rows(NEMO)
-    want_y, want_n = nemotron_mtp_rows(raw, NEMO, toks, g)
+    toks, g = _rows(cfg)
+    want_y, want_n = nemotron_mtp_rows(raw, cfg, toks, g)
     check_head_forward(MultiModuleMtpHead.from_pretrained(path, backend=backend), toks, g, want_y, want_n)
 
 
@@ -225,21 +241,21 @@ def test_module_computes_the_reference_forward(ckpt, backend):
 def test_negative_controls_are_seen(ckpt, change):
     """A SiLU where relu2 is, or the sublayers swapped: the forward differs, so the reference
     test above would fail had the module computed either."""
-    path, _ = ckpt
+    path, _, cfg = ckpt
     raw = load_file(str(path / "model.safetensors"))
-    toks, g = _rows(NEMO)
-    want_y, want_n = nemotron_mtp_rows(raw, NEMO, toks, g, **change)
+    toks, g = _rows(cfg)
+    want_y, want_n = nemotron_mtp_rows(raw, cfg, toks, g, **change)
     with pytest.raises(AssertionError):
         check_head_forward(MultiModuleMtpHead.from_pretrained(path, backend="numpy"), toks, g, want_y, want_n)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_drafts_and_kv_equal_the_oracle(ckpt, backend):
-    path, weights = ckpt
+    path, weights, cfg = ckpt
     prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4, num_blocks=96,
                                               prefill_chunk=7)
     assert prop.chain == "postnorm"
-    test_oracle.run_scenario(prop, NEMO, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], "postnorm", None)
+    test_oracle.run_scenario(prop, cfg, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], "postnorm", None)
 
 
 def test_a_dense_relu2_block_drafts_as_the_oracle(tmp_path):

@@ -34,8 +34,15 @@ name. Differences from the canonical layout, otherwise:
   next draft): the ``postnorm`` chain;
 - one step (vLLM asserts ``num_nextn_predict_layers == 1``); more is refused.
 
-Not implemented, refused by name: ``moe_latent_size`` (Nemotron-3 Super / Ultra's LatentMoE:
-``fc1_latent_proj`` before the routed experts and ``fc2_latent_proj`` after them), MLP biases.
+- LatentMoE (Nemotron-3 Super / Ultra, ``moe_latent_size``): the routed experts run on
+  ``mixer.fc1_latent_proj(f)`` [latent] and their weighted sum goes back through
+  ``mixer.fc2_latent_proj`` (``NemotronHMoE.forward``); the router and the shared expert read
+  the hidden f itself. numpy and cpu run it; the cuda backend and a sharded head refuse it by
+  name (as they refuse ``mlp_act`` relu2 on cuda).
+
+Not implemented, refused by name: MLP biases (``mlp_bias``), more than one MTP step, any other
+pattern; ``nemotron_h_puzzle`` (per-layer ``block_configs`` / ``mtp_block_configs``) is not
+registered.
 """
 
 from __future__ import annotations
@@ -87,11 +94,8 @@ def normalise(d: dict) -> dict:
     if act != "relu2":
         raise ConfigError(f"config.json: field 'mlp_hidden_act' = {act!r} is not supported; expected 'relu2' "
                           f"(Nemotron-H's non-gated MLPs)")
-    latent = out.pop("moe_latent_size", None)
-    if latent is not None:
-        raise ConfigError(f"config.json: field 'moe_latent_size' = {latent!r} is not supported yet (LatentMoE: "
-                          f"fc1_latent_proj / fc2_latent_proj around the routed experts, Nemotron-3 Super / "
-                          f"Ultra); expected it absent or null")
+    if out.get("moe_latent_size") is None:
+        out.pop("moe_latent_size", None)            # null: no latent projection
     if out.get("num_nextn_predict_layers", 1) != 1:
         raise ConfigError(f"config.json: field 'num_nextn_predict_layers' = {out['num_nextn_predict_layers']!r} is "
                           f"not supported: Nemotron-H's MTP is one step (vLLM's NemotronHMultiTokenPredictor "

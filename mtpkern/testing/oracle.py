@@ -305,9 +305,12 @@ def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
     if b.moe:
         fin32 = fin.astype(np.float32)
         ids, wts = moe_router(fin32, w.gate_w, w.gate_bias, RouterSpec.from_config(cfg))
-        y = moe_experts(fin32, ids, wts, w.experts_w13, w.experts_w2, np.zeros_like(fin32),
+        xin = fin32 if w.latent_fc1 is None else (fin @ f(w.latent_fc1).T).astype(np.float32)   # LatentMoE
+        y = moe_experts(xin, ids, wts, w.experts_w13, w.experts_w2, np.zeros_like(xin),
                         limit=b.swiglu_clamp or None, clamp_gate=b.swiglu_clamp_gate,
                         activation=b.mlp_act).astype(np.float64)
+        if w.latent_fc2 is not None:
+            y = y @ f(w.latent_fc2).T
         if w.shared_w13 is not None:
             shared = _mlp(b, fin, w.shared_w13, w.shared_w2)
             if w.shared_gate is not None:                            # sigmoid(x . w_g) per row
