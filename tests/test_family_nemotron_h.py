@@ -267,3 +267,85 @@ def test_a_dense_relu2_block_drafts_as_the_oracle(tmp_path):
         prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4,
                                                   num_blocks=64, prefill_chunk=5)
         test_oracle.run_scenario(prop, cfg, weights, 3, 12, [(3, 1.0), (2, 0.0)], "postnorm", None)
+
+
+# -- the relu2 ops: cpu against the numpy reference, bad input, the cuda refusal -----------------
+
+@pytest.mark.parametrize("n, H, I, E, K", [(1, 19, 13, 5, 2), (3, 64, 40, 7, 3), (5, 99, 17, 4, 4)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_relu2_ops_on_the_cpu_equal_the_reference(n, H, I, E, K, fp8):
+    from mtpkern.backends.cpu import CpuBackend
+    from mtpkern.ops import mlp, moe
+    from mtpkern.quant import Fp8Weight
+
+    rng = np.random.default_rng(n * H + I)
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    w1 = (rng.standard_normal((E, I, H)) / np.sqrt(H)).astype(np.float32)
+    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    ids = rng.integers(-1, E, (n, K)).astype(np.int32)           # -1: empty slots too
+    wts = rng.random((n, K)).astype(np.float32)
+    be = CpuBackend()
+    if fp8:                                                        # the reference on the dequantized weights
+        q1, q2 = Fp8Weight.quantize(w1, (8, 8)), Fp8Weight.quantize(w2, (8, 8))
+        w1, w2 = q1.dequantize(), q2.dequantize()
+        c1, c2 = be.prepare_weight(q1), be.prepare_weight(q2)
+        d1, d2 = be.prepare_weight(Fp8Weight.quantize(w1[0], (8, 8))), be.prepare_weight(Fp8Weight.quantize(w2[0], (8, 8)))
+    else:
+        c1, c2, d1, d2 = be.prepare_weight(w1), be.prepare_weight(w2), be.prepare_weight(w1[0]), be.prepare_weight(w2[0])
+    want = moe.moe_experts(x, ids, wts, w1, w2, x, activation="relu2")
+    np.testing.assert_allclose(be.moe_experts(x, ids, wts, c1, c2, x, activation="relu2"), want, rtol=1e-5, atol=1e-5)
+    silu = moe.moe_experts(x, ids, wts, np.concatenate([w1, w1], 1), w2, x)    # a SwiGLU of gate = up
+    assert not np.allclose(silu, want, rtol=1e-3, atol=1e-3)       # the activation is seen
+    want = mlp.swiglu_mlp(x, w1[0], w2[0], x, activation="relu2")
+    np.testing.assert_allclose(be.swiglu_mlp(x, d1, d2, x, activation="relu2"), want, rtol=1e-5, atol=1e-5)
+    ref = np.maximum(x.astype(np.float64) @ w1[0].T.astype(np.float64), 0) ** 2 @ w2[0].T.astype(np.float64) + x
+    np.testing.assert_allclose(want, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_relu2_bad_input_names_the_argument(backend):
+    from mtpkern.backends import get_backend
+
+    be = get_backend(backend)
+    x = np.ones((2, 8), np.float32)
+    w1, w2 = np.ones((4, 8), np.float32), np.ones((8, 4), np.float32)
+    with pytest.raises(ValueError, match="activation: expected one of"):
+        be.swiglu_mlp(x, w1, w2, activation="gelu")
+    with pytest.raises(ValueError, match="limit: the SwiGLU clamp needs activation 'swiglu'"):
+        be.swiglu_mlp(x, w1, w2, limit=3.0, activation="relu2")
+    with pytest.raises(ValueError, match=r"w2: expected"):
+        be.swiglu_mlp(x, w1, np.ones((8, 2), np.float32), activation="relu2")   # relu2: w2 [H, I] with I = 4
+    ids, wts = np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
+    with pytest.raises(ValueError, match=r"w13: expected \[E, I, 8\] \(relu2\)"):
+        be.moe_experts(x, ids, wts, np.ones((1, 4, 9), np.float32), np.ones((1, 8, 4), np.float32), activation="relu2")
+
+
+def test_block_fields_are_checked():
+    from mtpkern.block import BlockError, BlockSpec
+
+    with pytest.raises(BlockError, match="mlp_act expected one of"):
+        BlockSpec(4, 2, 16, mlp_act="gelu")
+    with pytest.raises(BlockError, match="SwiGLU clamps need mlp_act 'swiglu'"):
+        BlockSpec(4, 2, 16, mlp_act="relu2", swiglu_clamp=2.0)
+    with pytest.raises(BlockError, match="nope"):
+        BlockSpec(4, 2, 16, nope=1)
+
+
+@pytest.mark.parametrize("name", ["plain", "latent"])
+def test_the_cuda_backend_refuses_relu2_and_latent_by_name(tmp_path, name):
+    """relu2 MLPs and LatentMoE are not in the CUDA kernels yet: MtpHead refuses the block at
+    init, naming the field (a backend whose name is "cuda"; no GPU needed to refuse)."""
+    from mtpkern.backends.numpy_backend import NumpyBackend
+
+    class NamedCuda(NumpyBackend):
+        name = "cuda"
+
+    cfg = CONFIGS[name]
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=2, dtype="float32")
+    with pytest.raises(ValueError, match="mlp_act = 'relu2' is not implemented on the cuda backend"):
+        MultiModuleMtpHead.from_pretrained(path, backend=NamedCuda())
+    ok = dataclasses.replace(cfg, family="", mlp_act="swiglu", nope=False)   # LatentMoE alone (canonical layout)
+    if cfg.moe_latent_size:
+        path = write_synthetic_checkpoint(tmp_path / "swiglu", ok, seed=2, dtype="float32")
+        with pytest.raises(ValueError, match="moe_latent_size = 24 .LatentMoE. is not implemented on the cuda"):
+            MultiModuleMtpHead.from_pretrained(path, backend=NamedCuda())
