@@ -847,4 +847,11 @@ __device__ __forceinline__ float swiglu(float g, float u, float L, float Lg) {
   return (a > L ? L : a) * (fabsf(u) > Lu ? copysignf(Lu, u) : u);
 }
 
+// Nemotron-H's non-gated activation (mtpkern.ops.mlp.relu2): relu(u)^2, a NaN kept (as
+// np.maximum), written as a comparison for the same reason as swiglu's clamps.
+__device__ __forceinline__ float relu2(float u) {
+  const float r = (u > 0.0f || u != u) ? u : 0.0f;
+  return r * r;
+}
+
 }  // namespace mtp

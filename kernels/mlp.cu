@@ -16,6 +16,10 @@
 // W and scale/bn/bk (FP8 scales of w13 [2I, H], null for dense weights): as linear.cu.
 // NORM / norm_w / eps: an RMSNorm of x fused in, as linear.cu (both halves see the normed x).
 //
+// relu2_kernel (Nemotron-H's non-gated MLP, activation="relu2"): act[i] = relu2(act[i]) in
+// place over `count` values (mtp::relu2), grid-stride, block 256; the up and down projections
+// around it are linear_kernel's (swiglu_mlp's launcher).
+//
 // Preconditions: blockDim.x == 128; x, act fp32 contiguous. Vector path as
 // linear.cu (H % (16 / sizeof(W)) == 0, aligned w13 and x; FP8: as linear.cu), else scalar.
 #include "common.cuh"
@@ -54,4 +58,11 @@ swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, co
   const mtp::SwiGluEpi epi{act, I, limit, gate_limit};
   mtp::gemv_groups<W, NR, NORM>(x, w13, mtp::make_scales<W>(scale, bn, bk, H), n, H, wpr, epi,
                                 mtp::RowNorm{norm_w, eps});
+}
+
+__global__ void __launch_bounds__(256) relu2_kernel(float* __restrict__ act, long long count) {
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    act[i] = mtp::relu2(act[i]);
+  }
 }

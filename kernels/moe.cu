@@ -45,6 +45,9 @@
 //   !GATED (down):   w = w2 [E, H, I], unit u = rows (2u, 2u + 1),
 //     x row of pair p = act[p], partial[p, h] = w2[e, h] . act[p].   units = ceil(H / 2)
 //     (limit, gate_limit unused)
+//   RELU2 (with !GATED: Nemotron-H's non-gated up pass): w = w1 [E, I, H] (the up rows alone),
+//     unit u = rows (2u, 2u + 1), x row of pair p = x[p / K], act[p, i] = relu2(w1[e, i] . x)
+//     (mtp::relu2); NORM as GATED's.   units = ceil(I / 2)
 //
 // moe_down_combine_kernel<W>: the down pass and the combine in one launch for one row (n = 1,
 //   the decode step): grid (ceil(ceil(H / 2) / 4)), block 128, warp unit u = rows (2u, 2u + 1)
@@ -219,13 +222,14 @@ namespace mtp {
 
 // One chunk of m <= NR pairs of expert weights `we`: warp unit u, rows a / b. NORM (GATED
 // only): x rows RMS-normalised on the fly (nm), as gemv_groups' NORM.
-template <typename W, bool GATED, int NR, bool NORM>
+template <typename W, bool GATED, int NR, bool NORM, bool RELU2 = false>
 __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W* we, const Scales& se, int R,
                                              int Kd, int u, const int* pairs, int m, float* out, bool vec,
                                              float limit, float gate_limit, const RowNorm& nm) {
   if constexpr (NR > 1) {
     if (m <= NR / 2) {  // the smallest instantiation that holds the m pairs
-      expert_chunk<W, GATED, NR / 2, NORM>(x, x_div, we, se, R, Kd, u, pairs, m, out, vec, limit, gate_limit, nm);
+      expert_chunk<W, GATED, NR / 2, NORM, RELU2>(x, x_div, we, se, R, Kd, u, pairs, m, out, vec, limit, gate_limit,
+                                                   nm);
       return;
     }
   }
@@ -259,6 +263,9 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
     const long long p = pairs[r];
     if constexpr (GATED) {
       out[p * (R / 2) + u] = swiglu(acc[0][r], acc[1][r], limit, gate_limit);  // act [n * K, I]
+    } else if constexpr (RELU2) {
+      out[p * R + a] = relu2(acc[0][r]);                    // act [n * K, I]
+      if (a + 1 < R) out[p * R + a + 1] = relu2(acc[1][r]);
     } else {
       out[p * R + a] = acc[0][r];                           // partial [n * K, H]
       if (a + 1 < R) out[p * R + a + 1] = acc[1][r];
@@ -268,13 +275,14 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
 
 }  // namespace mtp
 
-template <typename W, bool GATED, int NR, bool NORM>
+template <typename W, bool GATED, int NR, bool NORM, bool RELU2 = false>
 __global__ void
 moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict__ ids, int nK, int E,
                   const W* __restrict__ w, const mtp::ScaleT<W>* __restrict__ scale, int bn, int bk, int R, int Kd,
                   float* __restrict__ out, int by_pair, float limit, float gate_limit,
                   const float* __restrict__ norm_w, float eps) {
-  static_assert(GATED || !NORM, "the norm is fused into the gate/up pass only");
+  static_assert(GATED || RELU2 || !NORM, "the norm is fused into the gate/up (or relu2 up) pass only");
+  static_assert(!(GATED && RELU2), "relu2 is the non-gated up pass");
   using namespace mtp;
   __shared__ int s_pairs[NR];
   __shared__ int s_count, s_cursor;
@@ -321,8 +329,8 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
     cursor = s_cursor;
     if (m == 0) break;
     if (u < units) {
-      expert_chunk<W, GATED, NR, NORM>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit, gate_limit,
-                                       RowNorm{norm_w, eps});
+      expert_chunk<W, GATED, NR, NORM, RELU2>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit, gate_limit,
+                                              RowNorm{norm_w, eps});
     }
     __syncthreads();  // s_pairs is rewritten by the next gather
   }

@@ -250,9 +250,6 @@ class MtpHead:
         self._experts_kw = {"limit": b.swiglu_clamp, **gate} if b.swiglu_clamp else {}
         self._mlp_kw = {"limit": b.swiglu_clamp_shared, **gate} if b.swiglu_clamp_shared else {}
         if b.mlp_act != "swiglu":           # Nemotron-H's non-gated relu2 MLPs (w13: the up rows alone)
-            if getattr(backend, "name", "") == "cuda":
-                raise ValueError(f"module {index}: block field mlp_act = {b.mlp_act!r} is not implemented on the "
-                                 f"cuda backend yet (numpy and cpu run it); expected 'swiglu' there")
             self._experts_kw = {**self._experts_kw, "activation": b.mlp_act}
             self._mlp_kw = {**self._mlp_kw, "activation": b.mlp_act}
         if b.moe and config.moe_latent_size and getattr(backend, "name", "") == "cuda":

@@ -331,21 +331,80 @@ def test_block_fields_are_checked():
         BlockSpec(4, 2, 16, nope=1)
 
 
-@pytest.mark.parametrize("name", ["plain", "latent"])
-def test_the_cuda_backend_refuses_relu2_and_latent_by_name(tmp_path, name):
-    """relu2 MLPs and LatentMoE are not in the CUDA kernels yet: MtpHead refuses the block at
+def test_the_cuda_backend_refuses_latent_moe_by_name(tmp_path):
+    """LatentMoE is not in the CUDA step yet (its planned buffers): MtpHead refuses the block at
     init, naming the field (a backend whose name is "cuda"; no GPU needed to refuse)."""
     from mtpkern.backends.numpy_backend import NumpyBackend
 
     class NamedCuda(NumpyBackend):
         name = "cuda"
 
-    cfg = CONFIGS[name]
-    path = write_synthetic_checkpoint(tmp_path, cfg, seed=2, dtype="float32")
-    with pytest.raises(ValueError, match="mlp_act = 'relu2' is not implemented on the cuda backend"):
+    path = write_synthetic_checkpoint(tmp_path, LATENT, seed=2, dtype="float32")
+    with pytest.raises(ValueError, match="moe_latent_size = 24 .LatentMoE. is not implemented on the cuda"):
         MultiModuleMtpHead.from_pretrained(path, backend=NamedCuda())
-    ok = dataclasses.replace(cfg, family="", mlp_act="swiglu", nope=False)   # LatentMoE alone (canonical layout)
-    if cfg.moe_latent_size:
-        path = write_synthetic_checkpoint(tmp_path / "swiglu", ok, seed=2, dtype="float32")
-        with pytest.raises(ValueError, match="moe_latent_size = 24 .LatentMoE. is not implemented on the cuda"):
-            MultiModuleMtpHead.from_pretrained(path, backend=NamedCuda())
+    ok = dataclasses.replace(LATENT, family="", mlp_act="swiglu", nope=False)   # LatentMoE alone (canonical layout)
+    path = write_synthetic_checkpoint(tmp_path / "swiglu", ok, seed=2, dtype="float32")
+    with pytest.raises(ValueError, match="moe_latent_size = 24 .LatentMoE. is not implemented on the cuda"):
+        MultiModuleMtpHead.from_pretrained(path, backend=NamedCuda())
+
+
+@pytest.fixture
+def emulator(monkeypatch):
+    """The CUDA emulator (tests/cuda_emu; skipped where it cannot be built), with CUDA graphs
+    through tests/test_cuda_graph_fake.py's runtime (the planned step captures and replays)."""
+    from cuda_emu import emu_backend
+    from test_cuda_graph_fake import FakeRuntime
+
+    from mtpkern import cuda_graph
+
+    for emu in emu_backend.installed_emulator():
+        rt = FakeRuntime()
+        monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
+        monkeypatch.setattr(emu, "capture", lambda: rt.recording)
+        yield emu
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_cuda_drafts_and_kv_equal_the_oracle(tmp_path, emulator, dense):
+    """relu2 on the kernels (the emulator, an FP32 KV): moe_expert_kernel's relu2 up pass and
+    the dense relu2_kernel between two linear_kernel launches; the drafts and KV the float64
+    oracle has."""
+    from cuda_emu import emu_backend
+    cfg = dataclasses.replace(NEMO, n_routed_experts=0, intermediate_size=48) if dense else NEMO
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=13, dtype="float32")
+    (path / "config.json").write_text(json.dumps(dict(release_config(cfg), **(
+        {"mtp_hybrid_override_pattern": "*-", "intermediate_size": 48} if dense else {}))))
+    read = MtpConfig.from_json(path / "config.json")    # (dense: the MoE fields describe the target)
+    assert read.block(0) == cfg.block(0) and read.intermediate_size == cfg.intermediate_size
+    prop = MultiModuleMtpHead.from_pretrained(path, backend=emu_backend.backend("float32"), kv_mode="exact",
+                                              block_size=4, num_blocks=96, prefill_chunk=7)
+    test_oracle.run_scenario(prop, read, reference_weights(path), 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)],
+                             "postnorm", None)
+    assert prop.step_runner.counts["executed"] + prop.step_runner.counts["replayed"] > 0, dict(prop.step_runner.counts)
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_cuda_relu2_ops_equal_the_reference(emulator, n):
+    """The relu2 kernels on the emulator against the numpy reference: moe_experts (one row: the
+    fused down-combine; more: by pair and by expert, the norm fused in) and the dense MLP
+    (linear_kernel, relu2_kernel, linear_kernel), FP32 and BF16 weights."""
+    from cuda_emu import emu_backend
+    from mtpkern.ops import mlp, moe
+
+    be = emu_backend.backend("float32")
+    rng = np.random.default_rng(n)
+    H, I, E, K = 40, 24, 5, 2
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    g = (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)
+    w1 = (rng.standard_normal((E, I, H)) / np.sqrt(H)).astype(np.float32)
+    w2 = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(n)]).astype(np.int32)   # distinct per row, as routed
+    wts = rng.random((n, K)).astype(np.float32)
+    want = moe.moe_experts(x, ids, wts, w1, w2, x, norm=(g, 1e-5), activation="relu2")
+    got = be.moe_experts(be.from_host(x), be.from_host(ids), be.from_host(wts), be.prepare_weight(w1),
+                         be.prepare_weight(w2), be.from_host(x), norm=(be.from_host(g), 1e-5), activation="relu2")
+    np.testing.assert_allclose(be.to_host(got), want, rtol=1e-5, atol=1e-5)
+    want = mlp.swiglu_mlp(x, w1[1], w2[1], x, activation="relu2")
+    got = be.swiglu_mlp(be.from_host(x), be.prepare_weight(w1[1]), be.prepare_weight(w2[1]), be.from_host(x),
+                        activation="relu2")
+    np.testing.assert_allclose(be.to_host(got), want, rtol=1e-5, atol=1e-5)

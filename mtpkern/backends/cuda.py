@@ -282,14 +282,14 @@ class CudaBackend(Backend):
                               norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
-                    limit=None, clamp_gate=False, norm=None):
+                    limit=None, clamp_gate=False, norm=None, activation="swiglu"):
         return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial, limit=limit,
-                               clamp_gate=clamp_gate, norm=norm)
+                               clamp_gate=clamp_gate, norm=norm, activation=activation)
 
     def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, clamp_gate=False,
-                   norm=None):
+                   norm=None, activation="swiglu"):
         return mlp.swiglu_mlp(x, w13, w2, residual, out=out, act=act, limit=limit, clamp_gate=clamp_gate,
-                              norm=norm)
+                              norm=norm, activation=activation)
 
     def lm_head_logits(self, x, w, *, out=None):
         return lm_head.lm_head_logits(x, w, out=out)

@@ -75,7 +75,7 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "linear": tuple(f"linear_kernel<{t}, {nr}, {nm}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
                     for nm in ("false", "true")),
     "mlp": tuple(f"swiglu_gate_up_kernel<{t}, {nr}, {nm}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
-                 for nm in ("false", "true")),
+                 for nm in ("false", "true")) + ("relu2_kernel",),
     # NT n-tiles of 8 input rows (linear's and swiglu_mlp's BF16 path for n >= 4), NORM: the
     # RMSNorm prologue
     "gemm_tc": tuple(f"{k}<{nt}, {nm}>" for k in ("gemm_tc_kernel", "swiglu_tc_kernel") for nt in GEMM_TC_NT
@@ -106,6 +106,9 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"moe_expert_kernel<{t}, true, {nr}, false>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
     + tuple(f"moe_expert_kernel<{t}, false, {nr}, false>" for t in _WEIGHT_CTYPES for nr in GEMV_NR if nr > 1)
     + tuple(f"moe_expert_kernel<{t}, true, {nr}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
+    # RELU2 (the last parameter): Nemotron-H's non-gated up pass, NORM either way
+    + tuple(f"moe_expert_kernel<{t}, false, {nr}, {nm}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
+            for nm in ("false", "true"))
     + tuple(f"moe_down_combine_kernel<{t}>" for t in _WEIGHT_CTYPES)
     # one row's router: the logits' GEMV and the selection in one launch
     + tuple(f"moe_router_kernel<{t}, {nm}>" for t in _WEIGHT_CTYPES for nm in ("false", "true")),

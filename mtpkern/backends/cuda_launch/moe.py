@@ -18,6 +18,10 @@ residual [n, H] | None, *, limit=None, clamp_gate=False) -> [n, H]``: three laun
 2. ``moe_expert_kernel<W, false>``: partial[p] = w2[e] @ act[p];
 3. ``moe_combine_kernel``: y = residual + sum_k weights[:, k] * partial[:, k] in k order.
 
+``activation="relu2"`` (Nemotron-H; ``w13`` is then the up rows alone ``[E, I, H]``): launch 1
+is ``moe_expert_kernel<W, false, NR, NORM, true>``, act[p] = relu2(w1[e] x) (the down pass's row
+pairs, its epilogue ``mtp::relu2``); 2 and 3 as above.
+
 One row (n = 1, the decode step) takes two: 2 and 3 are ``moe_down_combine_kernel<W>``, the
 same dots and sum without ``partial`` (a row names each expert once, so no weight is read twice).
 
@@ -31,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops._check import expect_dtype
-from ...ops.mlp import NO_LIMIT, swiglu_bounds
+from ...ops.mlp import NO_LIMIT, check_activation, gated_rows, swiglu_bounds
 from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..base import all_fp8_or_none
 from ._util import (NULL, CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
@@ -86,20 +90,21 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
 
 
 def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None, limit=None,
-                clamp_gate=False, norm=None):
+                clamp_gate=False, norm=None, activation="swiglu"):
     """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces (one row
     uses no ``partial``: none is allocated, a given one is checked and left as it is);
     ``limit``: the SwiGLU clamp of every expert (None / 0: none), of the gate before silu with
     ``clamp_gate`` (DeepSeek-V4), else of silu(gate) (Step-3.5); ``norm=(g, eps)``: x
     RMS-normalised first, fused into the gate/up pass (residual may be x itself)."""
-    check_moe_experts(x, ids, weights, w13, w2, residual)
+    check_moe_experts(x, ids, weights, w13, w2, residual, activation)
+    relu2 = check_activation(activation, limit) == "relu2"
     L, Lg = swiglu_bounds(limit, clamp_gate)
     expect_weight("w13", w13)
     expect_weight("w2", w2)
     expect_dtype("weights", weights, "float32")
     n, H = x.shape
     K = ids.shape[1]
-    E, I = w13.shape[0], w13.shape[1] // 2
+    E, I = w13.shape[0], w13.shape[1] // gated_rows(activation)
     nK = n * K
     by_pair = nK <= E
     slots = nK if by_pair else E
@@ -126,8 +131,13 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
     if nK and H:
         nr = gemv_rows(n)     # the most pairs one expert gets when each row's ids are distinct
         nm, nargs = norm_args(norm, H)
-        gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true, {nr}, {nm}>")
-        if I:
+        if I and relu2:        # rows (2u, 2u + 1) of w1[e] [I, H] per warp, relu2 in the epilogue
+            up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, false, {nr}, {nm}, true>")
+            up((cdiv(cdiv(I, 2), GEMV_WARPS), slots), (GEMV_THREADS,),
+               (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(I), i32(H), act, i32(by_pair),
+                NO_LIMIT, NO_LIMIT, *nargs))
+        elif I:
+            gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true, {nr}, {nm}>")
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
                     (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair),
                      L, Lg, *nargs))
