@@ -38,7 +38,7 @@ name. Differences from the canonical layout, otherwise:
   ``mixer.fc1_latent_proj(f)`` [latent] and their weighted sum goes back through
   ``mixer.fc2_latent_proj`` (``NemotronHMoE.forward``); the router and the shared expert read
   the hidden f itself. numpy and cpu run it; the cuda backend and a sharded head refuse it by
-  name (as they refuse ``mlp_act`` relu2 on cuda).
+  name (relu2 runs on every backend).
 
 Not implemented, refused by name: MLP biases (``mlp_bias``), more than one MTP step, any other
 pattern; ``nemotron_h_puzzle`` (per-layer ``block_configs`` / ``mtp_block_configs``) is not
