@@ -1051,7 +1051,9 @@ class MtpConfig:
     def describe(self) -> str:
         kind = (f"MoE E={self.n_routed_experts} top-{self.num_experts_per_tok} "
                 f"groups {self.topk_group}/{self.n_group} I={self.moe_intermediate_size} "
-                f"shared={self.n_shared_experts}") if self.is_moe else f"dense I={self.intermediate_size}"
+                f"shared={self.n_shared_experts}"
+                + (f" latent={self.moe_latent_size}" if self.moe_latent_size else "")) if self.is_moe \
+            else f"dense I={self.intermediate_size}"
         fam = f"{FAMILIES[self.family].title}: " if self.family else ""
         if self.weight_quant == "fp8":
             b = self.fp8_block

@@ -96,7 +96,7 @@ def test_super_s_config_reads_as_a_latent_moe_block():
     assert (cfg.hidden_size, cfg.moe_latent_size, cfg.n_routed_experts, cfg.num_experts_per_tok) == (4096, 1024, 512, 22)
     assert cfg.shared_intermediate_size == 5376 and cfg.routed_scaling_factor == 5.0 and cfg.layer_index(0) == 88
     assert cfg.block(0).mlp_act == "relu2" and cfg.block(0).nope
-    assert MtpConfig.from_dict(cfg.to_dict()) == cfg
+    assert MtpConfig.from_dict(cfg.to_dict()) == cfg and "latent=1024" in cfg.describe()
     assert MtpConfig.from_dict(dict(copy.deepcopy(SUPER), moe_latent_size=None)).moe_latent_size == 0
 
 
