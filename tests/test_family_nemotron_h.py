@@ -100,6 +100,37 @@ def test_super_s_config_reads_as_a_latent_moe_block():
     assert MtpConfig.from_dict(dict(copy.deepcopy(SUPER), moe_latent_size=None)).moe_latent_size == 0
 
 
+#: the Puzzle-compressed Super (nemotron_h_puzzle): per-layer MoE sizes in block_configs, the MTP
+#: step's sublayers in mtp_block_configs
+PUZZLE = dict({k: v for k, v in SUPER.items() if k not in ("moe_intermediate_size", "num_experts_per_tok",
+                                                           "mtp_hybrid_override_pattern", "num_hidden_layers")},
+              model_type="nemotron_h_puzzle", architectures=["NemotronHPuzzleForCausalLM"], num_hidden_layers=None,
+              layers_block_type=["mamba", "moe", "attention", "moe"],
+              block_configs=[{"block_type": "mamba"},
+                             {"block_type": "moe", "moe_intermediate_size": 1280, "num_experts_per_tok": 4},
+                             {"block_type": "attention"},
+                             {"block_type": "moe", "moe_intermediate_size": 2688, "num_experts_per_tok": 22}],
+              mtp_block_configs=[{"block_type": "attention"},
+                                 {"block_type": "moe", "moe_intermediate_size": 2688, "n_routed_experts": 512,
+                                  "num_experts_per_tok": 22, "moe_latent_size": 1024,
+                                  "moe_shared_expert_intermediate_size": 5376}])
+
+
+def test_the_puzzle_config_reads_as_super_s_block():
+    cfg = MtpConfig.from_dict(copy.deepcopy(PUZZLE))
+    sup = MtpConfig.from_dict(copy.deepcopy(SUPER))
+    assert cfg.family == "nemotron_h_puzzle" and cfg.layer_index(0) == 4      # num_hidden_layers from the layers
+    assert dataclasses.replace(cfg, family="nemotron_h", num_hidden_layers=88) == sup
+    assert MtpConfig.from_dict(cfg.to_dict()) == cfg
+    bad = copy.deepcopy(PUZZLE)
+    bad["mtp_block_configs"].insert(0, {"block_type": "attention"})
+    with pytest.raises(ConfigError, match="mtp_hybrid_override_pattern"):
+        MtpConfig.from_dict(bad)
+    bad = dict(copy.deepcopy(PUZZLE), num_experts_per_tok=8)                  # the top level disagrees
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        MtpConfig.from_dict(bad)
+
+
 # -- a tiny checkpoint in the release layout ---------------------------------------------------
 
 #: "*E" at test size: GQA 4/2 heads of 16 without RoPE, 8 relu2 experts in 4 groups (top 2 of them),

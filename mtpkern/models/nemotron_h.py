@@ -40,9 +40,14 @@ name. Differences from the canonical layout, otherwise:
   the hidden f itself. numpy and cpu run it; the cuda backend and a sharded head refuse it by
   name (relu2 runs on every backend).
 
+``nemotron_h_puzzle`` (``NemotronHPuzzleForCausalLM``: the Puzzle-compressed Super, whose trunk
+layers differ in their MoE sizes) has the same MTP step and tensors; its config gives the step's
+sublayers as ``mtp_block_configs`` (``{"block_type": "attention"}``, ``{"block_type": "moe",
+"moe_intermediate_size": .., "n_routed_experts": .., "num_experts_per_tok": .., ...}``), read here
+into the pattern and the MoE fields (a field given both there and at the top level must agree).
+
 Not implemented, refused by name: MLP biases (``mlp_bias``), more than one MTP step, any other
-pattern; ``nemotron_h_puzzle`` (per-layer ``block_configs`` / ``mtp_block_configs``) is not
-registered.
+pattern.
 """
 
 from __future__ import annotations
@@ -79,6 +84,36 @@ def _pattern(d: dict) -> str:
                               f"'mtp_layers_block_type' = {types!r} ({from_types!r})")
         pat = from_types
     return "*E" if pat is None else pat       # NemotronHConfig's default: ["full_attention", "moe"]
+
+
+#: mtp_block_configs' block types -> the pattern characters (nemotron_h_puzzle)
+_PUZZLE_CHAR = {"attention": "*", "moe": "E", "mlp": "-", "mamba": "M"}
+
+
+def normalise_puzzle(d: dict) -> dict:
+    """``nemotron_h_puzzle``: ``mtp_block_configs`` -> the pattern and the MoE sublayer's fields,
+    then as ``nemotron_h``; the trunk's ``block_configs`` accepted, not read."""
+    blocks = d.get("mtp_block_configs")
+    out = {k: v for k, v in d.items() if k not in ("mtp_block_configs", "block_configs")}
+    if blocks is not None:
+        if not (isinstance(blocks, list) and all(isinstance(b, dict) and b.get("block_type") in _PUZZLE_CHAR
+                                                 for b in blocks)):
+            raise ConfigError(f"config.json: field 'mtp_block_configs' expected a list of objects with a block_type "
+                              f"in {sorted(_PUZZLE_CHAR)}, got {blocks!r:.200}")
+        pat = "".join(_PUZZLE_CHAR[b["block_type"]] for b in blocks)
+        if out.get("mtp_hybrid_override_pattern", pat) != pat:
+            raise ConfigError(f"config.json: field 'mtp_hybrid_override_pattern' = {out['mtp_hybrid_override_pattern']!r} "
+                              f"disagrees with 'mtp_block_configs' ({pat!r})")
+        out["mtp_hybrid_override_pattern"] = pat
+        for b in blocks:
+            for k, v in b.items():
+                if k == "block_type":
+                    continue
+                if k in d and d[k] is not None and d[k] != v:
+                    raise ConfigError(f"config.json: field {k!r} = {v!r} of mtp_block_configs disagrees with the "
+                                      f"top level's {d[k]!r}; expected them equal, or one absent")
+                out[k] = v
+    return normalise(out)
 
 
 def normalise(d: dict) -> dict:
@@ -140,4 +175,21 @@ FAMILY = Family(
     normalise=normalise,
     target_embed="backbone.embeddings.weight",
     target_norm="backbone.norm_f.weight",
+)
+
+#: the Puzzle-compressed release: the same MTP step, its sublayers given by mtp_block_configs
+PUZZLE = Family(
+    model_type="nemotron_h_puzzle",
+    architectures=("NemotronHPuzzleForCausalLM",),
+    title="Nemotron-H Puzzle (Nemotron-3)",
+    defaults=FAMILY.defaults,
+    aliases=FAMILY.aliases,
+    fixed=FAMILY.fixed,
+    target_only=_TARGET,
+    prefix=FAMILY.prefix,
+    renames=FAMILY.renames,
+    chain=FAMILY.chain,
+    normalise=normalise_puzzle,
+    target_embed=FAMILY.target_embed,
+    target_norm=FAMILY.target_norm,
 )
