@@ -1596,6 +1596,11 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             w13, w2 = (pw(stored(a, wd, (16, 32))[0]) for a in (e13, e2))
             out[f"experts by pair {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn)      # n*K <= 20 <= E
             out[f"experts norm {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn, norm=(g, 1e-6))
+            u13 = pw(stored(e13[:, :24], wd, (16, 32))[0])                       # relu2: the up rows alone
+            out[f"experts relu2 {t}"] = be.moe_experts(xn, ids, wts, u13, w2, xn, activation="relu2")
+            out[f"experts relu2 norm {t}"] = be.moe_experts(xn, ids, wts, u13, w2, xn, norm=(g, 1e-6),
+                                                            activation="relu2")
+            out[f"mlp relu2 {t}"] = be.swiglu_mlp(xn, pw(w(24, 64)), pw(w(64, 24)), xn, activation="relu2")
             hot = np.array([[1, 2, 3, 4]] * n, np.int32)
             w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
             out[f"experts by expert {t}"] = be.moe_experts(xn, hot, wts, w13, w2)
