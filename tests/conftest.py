@@ -289,3 +289,20 @@ def require_hf_mtp(minimum: tuple[int, int] = (5, 24)) -> None:
     if _version(transformers.__version__) < minimum:
         pytest.skip(f"needs transformers >= {'.'.join(map(str, minimum))} (generate(use_mtp=True)), found "
                     f"{transformers.__version__}", allow_module_level=True)
+
+
+@pytest.fixture
+def emulator(monkeypatch):
+    """The CUDA emulator (tests/cuda_emu; skipped where it cannot be built), with CUDA graphs
+    through tests/test_cuda_graph_fake.py's runtime (the planned step captures and replays):
+    a family's proposer on the emulated kernels."""
+    from cuda_emu import emu_backend
+    from test_cuda_graph_fake import FakeRuntime
+
+    from mtpkern import cuda_graph
+
+    for emu in emu_backend.installed_emulator():
+        rt = FakeRuntime()
+        monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
+        monkeypatch.setattr(emu, "capture", lambda: rt.recording)
+        yield emu

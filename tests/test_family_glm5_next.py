@@ -103,22 +103,6 @@ def test_drafts_and_kv_equal_the_oracle(g53_ckpt, backend):
     test_oracle.run_scenario(prop, cfg, weights, 5, 20, [(3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0)], "postnorm", None)
 
 
-@pytest.fixture
-def emulator(monkeypatch):
-    """The CUDA emulator (tests/cuda_emu; skipped where it cannot be built), with CUDA graphs
-    through tests/test_cuda_graph_fake.py's runtime (the planned step captures and replays)."""
-    from cuda_emu import emu_backend
-    from test_cuda_graph_fake import FakeRuntime
-
-    from mtpkern import cuda_graph
-
-    for emu in emu_backend.installed_emulator():
-        rt = FakeRuntime()
-        monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
-        monkeypatch.setattr(emu, "capture", lambda: rt.recording)
-        yield emu
-
-
 def test_cuda_drafts_and_kv_equal_the_oracle(g53_ckpt, emulator):
     """The pooled indexer's key write and selection on the kernels (the emulator, an FP32 KV):
     the drafts and KV the float64 oracle has."""

@@ -379,22 +379,6 @@ def test_the_cuda_backend_refuses_latent_moe_by_name(tmp_path):
         MultiModuleMtpHead.from_pretrained(path, backend=NamedCuda())
 
 
-@pytest.fixture
-def emulator(monkeypatch):
-    """The CUDA emulator (tests/cuda_emu; skipped where it cannot be built), with CUDA graphs
-    through tests/test_cuda_graph_fake.py's runtime (the planned step captures and replays)."""
-    from cuda_emu import emu_backend
-    from test_cuda_graph_fake import FakeRuntime
-
-    from mtpkern import cuda_graph
-
-    for emu in emu_backend.installed_emulator():
-        rt = FakeRuntime()
-        monkeypatch.setattr(cuda_graph, "_cupy", lambda: rt.cupy)
-        monkeypatch.setattr(emu, "capture", lambda: rt.recording)
-        yield emu
-
-
 @pytest.mark.parametrize("dense", [False, True])
 def test_cuda_drafts_and_kv_equal_the_oracle(tmp_path, emulator, dense):
     """relu2 on the kernels (the emulator, an FP32 KV): moe_expert_kernel's relu2 up pass and
