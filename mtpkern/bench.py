@@ -165,26 +165,33 @@ def fma_rate(n: int = 1024, runs: int = 10) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def fp8_bytes(*shape: int) -> int:
-    """Bytes an FP8 weight ``[.., N, K]`` with ``FP8_BLOCK`` scales is read in: one per weight,
-    4 per FP32 scale."""
+#: MXFP8's scale blocks: one E8M0 scale per 32 weights of a row (held as FP32 once loaded)
+MXFP8_BLOCK = (1, 32)
+
+
+def fp8_bytes(*shape: int, block: tuple[int, int] = FP8_BLOCK) -> int:
+    """Bytes an FP8 weight ``[.., N, K]`` with ``block`` scales (``FP8_BLOCK``; ``MXFP8_BLOCK``)
+    is read in: one per weight, 4 per FP32 scale."""
     *lead, N, K = shape
-    blocks = -(-N // FP8_BLOCK[0]) * -(-K // FP8_BLOCK[1])
+    blocks = -(-N // block[0]) * -(-K // block[1])
     return int(np.prod(lead, dtype=np.int64)) * (N * K + 4 * blocks)
 
 
-def fp4_bytes(*shape: int) -> int:
-    """Bytes an FP4 weight ``[.., N, K]`` is read in: half a byte per weight, one per E8M0 scale
-    (32 weights each)."""
+def fp4_bytes(*shape: int, fmt: str = "mxfp4") -> int:
+    """Bytes an FP4 weight ``[.., N, K]`` is read in: half a byte per weight and one per scale,
+    an E8M0 per 32 weights (MXFP4) or an E4M3 per 16 and an FP32 global scale per row (NVFP4)."""
     *lead, N, K = shape
-    return int(np.prod(lead, dtype=np.int64)) * (N * K // 2 + N * -(-K // 32))
+    per = N * K // 2 + (N * -(-K // 32) if fmt == "mxfp4" else N * -(-K // 16) + 4 * N)
+    return int(np.prod(lead, dtype=np.int64)) * per
 
 
 def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator) -> list[tuple[str, int, Callable]]:
     """(name, bytes moved, thunk) for every op at decode shape ``n`` rows: BF16 weights, then
     every GEMV again with the same weights in FP8 (``FP8_BLOCK`` scales; ``<op>_fp8``), then the
-    SwiGLUs (routed experts, shared / dense MLP) in FP4 (``<op>_fp4``: E2M1 with E8M0 scales per
-    32, DeepSeek-V4's experts)."""
+    SwiGLUs (routed experts, shared / dense MLP) in the re-published formats: FP4 (``<op>_fp4``:
+    E2M1 with E8M0 scales per 32, MXFP4, DeepSeek-V4's experts), NVFP4 (``<op>_nvfp4``: E2M1
+    with E4M3 scales per 16 and a global scale) and MXFP8 (``<op>_mxfp8``: E4M3 with a scale
+    per 32)."""
     import ml_dtypes
 
     from .ops.moe import RouterSpec
@@ -208,8 +215,11 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     def W8(w):                                    # the same weight in FP8 (once: its host copy goes)
         return be.prepare_weight(Fp8Weight.quantize(host.pop(id(w)), FP8_BLOCK))
 
-    def W4(w):                                    # the same weight in FP4 (before W8 drops its host copy)
-        return be.prepare_weight(Fp4Weight.quantize(host[id(w)]))
+    def W4(w, fmt="mxfp4"):                       # the same weight in FP4 (before W8 drops its host copy)
+        return be.prepare_weight(Fp4Weight.quantize(host[id(w)], fmt))
+
+    def Wmx8(w):                                  # the same weight in MXFP8 (before W8 drops it)
+        return be.prepare_weight(Fp8Weight.quantize(host[id(w)], MXFP8_BLOCK))
 
     def act(*shape):
         return be.from_host(rng.standard_normal(shape).astype(np.float32))
@@ -228,12 +238,16 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
     f4, b2 = 4, 2
     eh8, head8 = W8(eh), W8(head)
     s13_4, s2_4 = W4(s13), W4(s2)
+    s13_n4, s2_n4 = W4(s13, "nvfp4"), W4(s2, "nvfp4")
+    s13_mx, s2_mx = Wmx8(s13), Wmx8(s2)
     s13_8, s2_8 = W8(s13), W8(s2)
     if moe:
         spec = RouterSpec.from_config(cfg)
         ids, wts = be.moe_router(x, gate, vec(E), spec)
         distinct = len(np.unique(be.to_host(ids)))
         w13_4, w2_4 = W4(w13), W4(w2)
+        w13_n4, w2_n4 = W4(w13, "nvfp4"), W4(w2, "nvfp4")
+        w13_mx, w2_mx = Wmx8(w13), Wmx8(w2)
         gate8, w13_8, w2_8 = W8(gate), W8(w13), W8(w2)
         used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
     attention = (mla_op_cases(cfg, be, context, n, W, W8, act, vec, rng) if cfg.block(0).mla
@@ -264,11 +278,18 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
          lambda: be.swiglu_mlp(x, s13_8, s2_8, x)),
         ("lm_head_argmax_fp8", fp8_bytes(V, H) + n * H * f4, lambda: be.lm_head_argmax(x, head8)),
     ]
-    if moe:
-        cases += [("moe_experts_fp4", fp4_bytes(distinct, 2 * I, H) + fp4_bytes(distinct, H, I) + 2 * n * H * f4,
-                   lambda: be.moe_experts(x, ids, wts, w13_4, w2_4, x))]
-    cases += [(f"{mlp}_fp4", fp4_bytes(2 * Is, H) + fp4_bytes(H, Is) + 2 * n * H * f4,
-               lambda: be.swiglu_mlp(x, s13_4, s2_4, x))]
+    nbytes = {"fp4": fp4_bytes, "nvfp4": functools.partial(fp4_bytes, fmt="nvfp4"),
+              "mxfp8": functools.partial(fp8_bytes, block=MXFP8_BLOCK)}
+    shared = {"fp4": (s13_4, s2_4), "nvfp4": (s13_n4, s2_n4), "mxfp8": (s13_mx, s2_mx)}
+    experts = {"fp4": (w13_4, w2_4), "nvfp4": (w13_n4, w2_n4), "mxfp8": (w13_mx, w2_mx)} if moe else {}
+    for fmt, nb in nbytes.items():
+        if moe:
+            e13, e2 = experts[fmt]
+            cases += [(f"moe_experts_{fmt}", nb(distinct, 2 * I, H) + nb(distinct, H, I) + 2 * n * H * f4,
+                       functools.partial(be.moe_experts, x, ids, wts, e13, e2, x))]
+        m13, m2 = shared[fmt]
+        cases += [(f"{mlp}_{fmt}", nb(2 * Is, H) + nb(H, Is) + 2 * n * H * f4,
+                   functools.partial(be.swiglu_mlp, x, m13, m2, x))]
     return cases
 
 

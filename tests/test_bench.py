@@ -304,20 +304,31 @@ def test_op_cases_time_every_gemv_in_fp8_too():
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_op_cases_time_the_swiglus_in_fp4_too(backend):
-    """The routed experts and the shared MLP have an ``_fp4`` twin on the same weights, counted
-    at half a byte per weight plus one per 32-weight E8M0 scale (below FP8's bytes), and run."""
+def test_op_cases_time_the_swiglus_in_every_format(backend):
+    """The routed experts and the shared MLP have a twin on the same weights in each format a
+    release is published in: ``_fp4`` (MXFP4: half a byte per weight plus one per 32-weight E8M0
+    scale), ``_nvfp4`` (one E4M3 scale per 16 and an FP32 global scale a row) and ``_mxfp8``
+    (a byte a weight, a scale per 32), each counted below the BF16 bytes, and each runs and
+    computes what the same weights dequantized compute."""
     from mtpkern.backends import get_backend
-    from mtpkern.bench import SHAPES, fp4_bytes, op_cases
+    from mtpkern.bench import MXFP8_BLOCK, SHAPES, fp4_bytes, fp8_bytes, op_cases
 
     assert fp4_bytes(300, 1000) == 300 * 500 + 300 * 32
     assert fp4_bytes(4, 130, 70) == 4 * (130 * 35 + 130 * 3)
+    assert fp4_bytes(300, 1000, fmt="nvfp4") == 300 * 500 + 300 * 63 + 4 * 300
+    assert fp8_bytes(300, 1000, block=MXFP8_BLOCK) == 300 * 1000 + 4 * 300 * 32
     cfg = SHAPES["tiny"][0]()
-    cases = {name: (nbytes, fn) for name, nbytes, fn in op_cases(cfg, get_backend(backend), 16, 2,
-                                                                 np.random.default_rng(0))}
+    be = get_backend(backend)
+    cases = {name: (nbytes, fn) for name, nbytes, fn in op_cases(cfg, be, 16, 2, np.random.default_rng(0))}
     for g in ("moe_experts", "swiglu_shared"):
-        assert cases[f"{g}_fp4"][0] < cases[f"{g}_fp8"][0] < cases[g][0]
-        cases[f"{g}_fp4"][1]()
+        assert cases[f"{g}_fp4"][0] < cases[f"{g}_nvfp4"][0] < cases[f"{g}_fp8"][0] < cases[g][0]
+        assert cases[f"{g}_fp8"][0] < cases[f"{g}_mxfp8"][0] < cases[g][0]
+        x = np.asarray(be.to_host(cases[f"{g}_fp4"][1].args[0]))          # the residual each adds
+        ref = np.asarray(be.to_host(cases[g][1]())) - x                      # BF16 weights
+        for fmt, tol in (("fp4", 0.4), ("nvfp4", 0.4), ("mxfp8", 0.1)):    # the formats' rounding
+            got = np.asarray(be.to_host(cases[f"{g}_{fmt}"][1]())) - x
+            err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            assert err < tol, f"{g}_{fmt}: relative error {err:.3f} against the BF16 weights"
 
 
 @pytest.mark.parametrize("shapes", ["tiny", "mla"])
