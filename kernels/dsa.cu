@@ -50,7 +50,7 @@
 //   block, tiles of `tile` pools) with: step 0 gone; step 1 = thread (pool, dim) walking the pool's
 //   P rows through the block table three times (the max, the denominator, the weighted keys:
 //   coalesced over dims), the pooled keys FP32 into c_s [tile][Dq + 8]; steps 2 and 3 as there
-//   (dsa_heads_part: the same dot products and head order). Shared memory (bytes) = 4 * (Hi * Dq
+//   (dsa_score_tile: the same dot products and head order). Shared memory (bytes) = 4 * (Hi * Dq
 //   + Hi4 + 256) + tile * (Dq + 8) * 4 (dsa.score_smem_bytes(pooled=True)).
 //
 // dsa_topk_kernel<KPT>: out [n, T] int32: the T best rows of row r (higher score first; of equal
@@ -152,6 +152,36 @@ __device__ __forceinline__ float dsa_heads_part(const CT* krow, const float* q_s
 // plane's rows are [key | gate scores], 2 Di wide): sum_u softmax_u(gate[u, d] + ape[u, d]) *
 // key[u, d], the softmax max-subtracted (a NaN gate or bias gives NaN, as numpy's max), its
 // weights e_u / den as ops/dsa.pooled_keys, summed in row order.
+// Both score kernels' per-block start: q[r] [Hi][Dq] (zero padded past Di) and weights[r] * scale
+// into shared memory.
+__device__ __forceinline__ void dsa_load_query(float* q_s, float* w_s, const float* q, const float* weights,
+                                               long long r, int Hi, int Di, int Dq, float scale) {
+  for (int e = threadIdx.x; e < Hi * Dq; e += blockDim.x) {
+    const int h = e / Dq, d = e % Dq;
+    q_s[e] = d < Di ? q[(r * Hi + h) * Di + d] : 0.0f;
+  }
+  for (int h = threadIdx.x; h < Hi; h += blockDim.x) w_s[h] = weights[r * Hi + h] * scale;
+}
+
+// Both score kernels' steps 2 and 3 over a tile of Lt keys in shared memory (c_s, row stride Dc):
+// thread t's part (row i = t % tile, heads [h_lo, h_hi) of its group g = t / tile) into part_s,
+// then the groups' parts in group order (fixed: deterministic) into out[0 .. Lt). Ends synced:
+// c_s and part_s may be rewritten after it.
+template <typename CT>
+__device__ __forceinline__ void dsa_score_tile(const CT* c_s, int Dc, const float* q_s, const float* w_s,
+                                               float* part_s, int Dq, int tile, int groups, int Lt, int h_lo,
+                                               int h_hi, float* out) {
+  const int t = threadIdx.x, i = t % tile, g = t / tile;
+  part_s[g * tile + i] = i < Lt ? dsa_heads_part(c_s + i * Dc, q_s, w_s, Dq, h_lo, h_hi) : 0.0f;
+  __syncthreads();
+  if (t < Lt) {
+    float s = part_s[t];
+    for (int gg = 1; gg < groups; ++gg) s += part_s[gg * tile + t];
+    out[t] = s;
+  }
+  __syncthreads();
+}
+
 template <typename KV>
 __device__ __forceinline__ float dsa_pooled_key(const KV* cache, const int* bt, int BS, int j0, int P,
                                                 const float* ape, int Di, int d) {
@@ -282,14 +312,10 @@ dsa_score_kernel(const float* __restrict__ q, const float* __restrict__ weights,
   KV* c_s = reinterpret_cast<KV*>(slot_s + tile);      // [tile][Dc]: the tile's key rows
 
   const int seq = row_seq[r];
-  for (int e = t; e < Hi * Dq; e += blockDim.x) {
-    const int h = e / Dq, d = e % Dq;
-    q_s[e] = d < Di ? q[(r * Hi + h) * Di + d] : 0.0f;
-  }
-  for (int h = t; h < Hi; h += blockDim.x) w_s[h] = weights[r * Hi + h] * scale;
+  dsa_load_query(q_s, w_s, q, weights, r, Hi, Di, Dq, scale);
 
   const bool vec = Di % 8 == 0 && aligned16(cache);
-  const int i = t % tile, g = t / tile;  // step 2: row, head group
+  const int g = t / tile;  // step 2: the thread's head group (its row: t % tile)
   const int hg = (Hi + groups - 1) / groups;
   const int h_lo = min(Hi, g * hg), h_hi = min(Hi, h_lo + hg);
   for (int jt = 0; jt < Lc; jt += tile) {
@@ -312,16 +338,8 @@ dsa_score_kernel(const float* __restrict__ q, const float* __restrict__ weights,
       }
     }
     __syncthreads();
-    // 2. sum over this thread's heads of w_h relu(q_h . k_i)
-    const float part = i < Lt ? dsa_heads_part(c_s + i * Dc, q_s, w_s, Dq, h_lo, h_hi) : 0.0f;
-    part_s[g * tile + i] = part;
-    __syncthreads();
-    if (t < Lt) {  // 3. the groups' parts in group order
-      float s = part_s[t];
-      for (int gg = 1; gg < groups; ++gg) s += part_s[gg * tile + t];
-      scores[r * cap + j0 + jt + t] = s;
-    }
-    __syncthreads();  // slot_s, c_s and part_s are rewritten by the next tile
+    // 2. sum over this thread's heads of w_h relu(q_h . k_i); 3. the groups' parts in order
+    dsa_score_tile(c_s, Dc, q_s, w_s, part_s, Dq, tile, groups, Lt, h_lo, h_hi, scores + r * cap + j0 + jt);
   }
 }
 
@@ -350,13 +368,9 @@ dsa_pool_score_kernel(const float* __restrict__ q, const float* __restrict__ wei
   float* c_s = part_s + kDsaScoreThreads;           // [tile][Dc]: the tile's pooled keys, FP32
 
   const int* bt = block_tables + static_cast<long long>(row_seq[r]) * max_blocks;
-  for (int e = t; e < Hi * Dq; e += blockDim.x) {
-    const int h = e / Dq, d = e % Dq;
-    q_s[e] = d < Di ? q[(r * Hi + h) * Di + d] : 0.0f;
-  }
-  for (int h = t; h < Hi; h += blockDim.x) w_s[h] = weights[r * Hi + h] * scale;
+  dsa_load_query(q_s, w_s, q, weights, r, Hi, Di, Dq, scale);
 
-  const int i = t % tile, g = t / tile;  // step 2: pool, head group
+  const int g = t / tile;  // step 2: the thread's head group (its pool: t % tile)
   const int hg = (Hi + groups - 1) / groups;
   const int h_lo = min(Hi, g * hg), h_hi = min(Hi, h_lo + hg);
   for (int jt = 0; jt < Lc; jt += tile) {
@@ -366,16 +380,8 @@ dsa_pool_score_kernel(const float* __restrict__ q, const float* __restrict__ wei
       c_s[ii * Dc + d] = d < Di ? dsa_pooled_key(cache, bt, BS, (j0 + jt + ii) * P, P, ape, Di, d) : 0.0f;
     }
     __syncthreads();
-    // 2. sum over this thread's heads of w_h relu(q_h . k_pool)
-    const float part = i < Lt ? dsa_heads_part(c_s + i * Dc, q_s, w_s, Dq, h_lo, h_hi) : 0.0f;
-    part_s[g * tile + i] = part;
-    __syncthreads();
-    if (t < Lt) {  // 3. the groups' parts in group order
-      float s = part_s[t];
-      for (int gg = 1; gg < groups; ++gg) s += part_s[gg * tile + t];
-      scores[r * cap_pools + j0 + jt + t] = s;
-    }
-    __syncthreads();  // c_s and part_s are rewritten by the next tile
+    // 2. sum over this thread's heads of w_h relu(q_h . k_pool); 3. the groups' parts in order
+    dsa_score_tile(c_s, Dc, q_s, w_s, part_s, Dq, tile, groups, Lt, h_lo, h_hi, scores + r * cap_pools + j0 + jt);
   }
 }
 
