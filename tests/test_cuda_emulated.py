@@ -1953,7 +1953,7 @@ def test_mimo_v2_flash_on_the_kernels(fake_runtime, tmp_path, fp8):
 
 
 @pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense", "yarn_interleave", "rope_per_module", "mla",
-                                  "mla_mixed", "v4_ffn", "mla_nope"])
+                                  "mla_mixed", "v4_ffn", "mla_nope", "mla_gated"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, mode):
     """Modules of different sizes and attention forms (tests/test_blocks.py) on the kernels:
@@ -1961,7 +1961,9 @@ def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, m
     staged per call, sinks, Dv < D, interleaved RoPE and YaRN (past its original context of
     12 positions), MLA modules (latent pools, their workspaces in the captured step) beside
     GQA ones; contexts longer than the windows; DeepSeek-V4's FFN (sqrtsoftplus routing, the
-    clamps of the gate before silu); GLM-5.3's MLA without RoPE (mla_nope: latent rows of L alone)."""
+    clamps of the gate before silu); GLM-5.3's MLA without RoPE (mla_nope: latent rows of L alone);
+    Kimi K3's gated MLA (mla_gated: R dims kept unrotated, the latent write reading its columns of
+    kv_a | g_proj's output in place, the gate's columns through sigmoid_gate, both in the plan's rows)."""
     cfg = test_blocks.feature_config(name)
     from mtpkern import write_synthetic_checkpoint
 
