@@ -1972,16 +1972,19 @@ def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, m
     test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2)
 
 
+@pytest.mark.parametrize("name", ["mla_nope_dsa", "gated_dsa"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
-def test_nope_mla_with_dsa_matches_numpy_reference(fake_runtime, tmp_path, mode):
+def test_nope_mla_with_dsa_matches_numpy_reference(fake_runtime, tmp_path, name, mode):
     """GLM-5.3's MTP attention (tests/test_blocks.py's mla_nope_dsa: MLA with qk_rope_head_dim 0
     under DSA's indexer, nothing rotated) on the kernels against the NumPy reference: the latent
     and indexer writes with an empty inv_freq, the selection, the listed attention over rows of
     L values; proposes take the planned step (the lists' scores workspace and the listed
-    attention's, sized by the plan) and none falls back."""
+    attention's, sized by the plan) and none falls back. ``gated_dsa`` (tests/test_gated_mla.py):
+    Kimi K3's gated MLA under the indexer, R = 8 dims kept by zero frequencies in both writes."""
+    import test_gated_mla
     from mtpkern import write_synthetic_checkpoint
 
-    cfg = test_blocks.feature_config("mla_nope_dsa")
+    cfg = (test_blocks.feature_config(name) if name != "gated_dsa" else tiny_config(**test_gated_mla.GATED_DSA))
     ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=13)
     test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
 
