@@ -228,7 +228,8 @@ def _module_rows(path, backend, cfg_edit=None, n=11, seed=2):
                                       ("interleave", {"rope_interleave": False}), ("yarn", {"rope_scaling": None}),
                                       ("yarn_interleave", {"rope_scaling": None}),
                                       ("yarn_interleave", {"rope_interleave": False}),
-                                      ("mla", {"rope_interleave": False}), ("mla", {"rope_scaling": None})])
+                                      ("mla", {"rope_interleave": False}), ("mla", {"rope_scaling": None}),
+                                      ("mla_gated", {"nope": False})])
 def test_each_feature_changes_the_rows(ckpts, name, off):
     """The same tensors with the feature switched off compute other rows (a window: the
     same rows while they fit in it)."""
