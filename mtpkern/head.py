@@ -596,9 +596,10 @@ class MtpHead:
         row from kv_a_proj_with_mqa, written (mtpkern.ops.mla) -> (the roped queries [n, Hq, P + R]
         for the absorbed attention (``_after_kv``), the DSA indexer's (roped queries [n, Hi, Di],
         head weights [n, Hi]) or None, with an element-wise output gate the fused kv_a | g_proj
-        output [n, L + R + Hq Dv] whose last columns ``_after_kv`` gates with, else None). The indexer (mtpkern.ops.dsa) reads the normed query
-        latent (q_a_layernorm, fused into its wq_b as into q_b_proj) and the normed hidden, and
-        writes its key to the pool's indexer plane at the same slots."""
+        output [n, L + R + Hq Dv] whose last columns ``_after_kv`` gates with, else None). The
+        indexer (mtpkern.ops.dsa) reads the normed query latent (q_a_layernorm, fused into its
+        wq_b as into q_b_proj) and the normed hidden, and writes its key to the pool's indexer
+        plane at the same slots."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
         n = x.shape[0]
         kv_ag = be.linear(x, w.mla_kv_a, norm=a_norm, **put("linear", out="kv_a"))               # [n, L + R (+ G)]

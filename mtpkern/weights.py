@@ -1477,9 +1477,10 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         def mla(mw: ModuleWeights) -> None:
             """The MLA tensors: q_a_proj / q_a_layernorm (or none), kv_a_proj_with_mqa (an
             element-wise gate's g_proj rows stacked after its own: ``mla_kv_a`` [L + R + Hq Dv, H],
-            whose one GEMV reads the normed input for both) and its norm, kv_b_proj split per head into its key and value parts (an FP8 one
-            dequantized to BF16 first, as vLLM's MLA does: the absorbed attention reads it at
-            two bytes a weight; FP8 codes times power-of-two scales are exact in BF16)."""
+            whose one GEMV reads the normed input for both) and its norm, kv_b_proj split per head
+            into its key and value parts (an FP8 one dequantized to BF16 first, as vLLM's MLA
+            does: the absorbed attention reads it at two bytes a weight; FP8 codes times
+            power-of-two scales are exact in BF16)."""
             kv_a = w("self_attn.kv_a_proj_with_mqa.weight")
             if blk.attn_gate:                # g_proj's rows (the rank's heads) after kv_a's: one GEMV reads x
                 kv_a = stack_rows(kv_a, heads_of("self_attn.g_proj.weight", blk.v_dim))
