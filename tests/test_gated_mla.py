@@ -275,6 +275,22 @@ def test_nvfp4_g_proj_drafts_as_its_dequantized_twin(tmp_path):
         assert run_rounds(ct, "numpy", mode)[1] == run_rounds(twin, "numpy", mode)[1]
 
 
+def test_a_dense_kv_a_beside_an_nvfp4_g_proj_joins_in_fp32_with_a_note(tmp_path):
+    """A container that leaves kv_a_proj_with_mqa dense (in its ignore list) and g_proj NVFP4:
+    the two are joined widened to FP32 (each weight's value kept), the loader says so, and the
+    drafts are the dequantized twin's."""
+    import test_quant_containers
+
+    cfg = tiny_config(**GATED)
+    ignore = [f"model.layers.{cfg.layer_index(m)}.self_attn.kv_a_proj_with_mqa" for m in range(cfg.num_modules)]
+    ct, twin = test_quant_containers.container(tmp_path, cfg, {"proj": "nvfp4"}, ignore=ignore)
+    prop = MultiModuleMtpHead.from_pretrained(ct, backend="numpy")
+    assert any("kv_a_proj_with_mqa (dense) and self_attn.g_proj (FP4)" in n for n in prop.weights.notes), \
+        prop.weights.notes
+    assert prop.weights.modules[0].mla_kv_a.dtype == np.float32
+    assert run_rounds(ct, "numpy", "exact")[1] == run_rounds(twin, "numpy", "exact")[1]
+
+
 # -- sharded: the gate's rows by the rank's heads ---------------------------------------------------
 
 @pytest.mark.parametrize("name", ["gated", "gated_dsa"])
