@@ -225,6 +225,15 @@ def test_drafts_and_latent_rows_agree_with_the_oracle(tmp_path_factory, name, ba
     test_oracle.run_scenario(prop, prop.config, weights, 5, 20, ROUNDS, prop.chain, None)
 
 
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_cpu_drafts_as_numpy(tmp_path_factory, kv_mode):
+    """Both KV modes, prefill then propose / verify / catch-up rounds: the cpu backend's drafts
+    are the NumPy reference's (draft mode's rows against the oracle: tests/test_blocks.py's
+    random calls on ``mla_gated``)."""
+    path, _ = ckpt(tmp_path_factory, "gated")
+    assert run_rounds(path, "cpu", kv_mode, rounds=6)[1] == run_rounds(path, "numpy", kv_mode, rounds=6)[1]
+
+
 @pytest.mark.parametrize("control", ["rotated", "no_gate"])
 def test_negative_controls_fail_the_oracle(tmp_path_factory, monkeypatch, control):
     """The oracle test fails when the module rotates the R dims (nope ignored: the frequencies
