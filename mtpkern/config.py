@@ -423,8 +423,9 @@ def _unwrap(d: dict) -> dict:
     if not isinstance(inner, dict):
         raise ConfigError(f"config.json: a {outer!r} config holds its text model under 'text_config'; "
                           f"expected an object there, got {_show(inner)}")
-    if inner.get("model_type", fam.model_type) != fam.model_type:
-        raise ConfigError(f"config.json: text_config.model_type expected {fam.model_type!r} (a {outer!r} config), "
+    if inner.get("model_type", fam.model_type) not in (fam.model_type, *fam.text_model_types):
+        want = " or ".join(repr(t) for t in (fam.model_type, *fam.text_model_types))
+        raise ConfigError(f"config.json: text_config.model_type expected {want} (a {outer!r} config), "
                           f"got {_show(inner.get('model_type'))}")
     out = {k: v for k, v in inner.items() if k != "architectures"}
     out["model_type"] = fam.model_type
