@@ -100,9 +100,9 @@ def normalise(d: dict) -> dict:
     elif act == "situ" and out["mlp_act"] != "situ":
         raise ConfigError(f"config.json: field 'hidden_act' = 'situ' disagrees with 'mlp_act' = {show(out['mlp_act'])}")
     beta, linear = out.pop("activation_situ_beta", None), out.pop("activation_situ_linear_beta", None)
-    if out["mlp_act"] == "situ":                      # vLLM: SituAndMul(beta or 1.0, linear_beta)
-        out.setdefault("situ_beta", 1.0 if beta is None else beta)
-        out.setdefault("situ_linear_beta", 0.0 if linear is None else linear)
+    if out["mlp_act"] == "situ":                      # vLLM: SituAndMul(beta or 1.0, linear_beta or none)
+        out["activation_situ_beta"] = beta or 1.0
+        out["activation_situ_linear_beta"] = linear or 0.0
     grouped = opt(out, "use_grouped_topk", bool_field, True)
     out.pop("use_grouped_topk", None)
     if not grouped:                                   # one group: the plain bias-corrected top-k
