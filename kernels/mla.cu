@@ -4,7 +4,8 @@
 // P = qk_nope_head_dim, Dv = v_head_dim, W = L + R values per latent row.
 //
 // mla_latent_write_kernel<KV, Interleave>: grid (n, 1 + has_q), block 256.
-//   blockIdx.y == 0: row r of kv_a [n, W] fp32 -> cache row slots[r] of latent_cache
+//   blockIdx.y == 0: row r of kv_a [n, W] fp32 (rows ldk >= W apart: a column slice of a wider
+//   projection output, as kv_a_proj_with_mqa | g_proj's with an output gate) -> cache row slots[r] of latent_cache
 //   [NB, BS, W] in KV: c = rmsnorm(kv_a[r, :L], norm_w) (block_sum of squares), then the
 //   R rope dims rotated at positions[r] (pairs (i, i + R/2), or (2i, 2i + 1) with
 //   Interleave; cos and sin times rope_scale, as rope_kv.cu). Every block first scans all
@@ -233,7 +234,7 @@ mla_latent_write_kernel(const float* __restrict__ kv_a, const float* __restrict_
                         const float* __restrict__ inv_freq, int half, float rope_scale,
                         const int* __restrict__ positions, const int* __restrict__ slots, int n,
                         long long num_slots, KV* __restrict__ cache, int L, const float* __restrict__ q,
-                        float* __restrict__ q_out, int Hq, int P) {
+                        float* __restrict__ q_out, int Hq, int P, int ldk) {
   __shared__ float red[33];
   const long long r = blockIdx.x;
   const int W = L + 2 * half;
@@ -266,7 +267,7 @@ mla_latent_write_kernel(const float* __restrict__ kv_a, const float* __restrict_
   }
   if (__syncthreads_or(skip)) return;  // uniform over the block
 
-  const float* x = kv_a + r * W;
+  const float* x = kv_a + r * ldk;
   float ss = 0.0f;
   for (int k = threadIdx.x; k < L; k += blockDim.x) ss = fmaf(x[k], x[k], ss);
   ss = mtp::block_sum(ss, red);

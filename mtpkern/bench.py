@@ -344,10 +344,10 @@ def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
 def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
                  rng: np.random.Generator) -> list[tuple[str, int, Callable]]:
     """The attention ops of an MLA block at decode shape ``n`` rows (mtpkern.ops.mla): the
-    query and latent projections (BF16, then FP8), the latent write with the query's RoPE,
-    the absorbed attention over ``context`` latent rows (w_uk / w_uv in BF16), ``o_proj``."""
-    from .ops.rope_kv import inv_freq
-
+    query and latent projections (BF16, then FP8; an element-wise output gate's g_proj rows
+    stacked with kv_a_proj_with_mqa's, and its ``sigmoid_gate``), the latent write with the
+    query's RoPE (the block's frequencies: zeros under ``nope``), the absorbed attention over
+    ``context`` latent rows (w_uk / w_uv in BF16), ``o_proj``."""
     b = cfg.block(0)
     H, Hq, L, R, P, Dv, Q = (cfg.hidden_size, b.num_attention_heads, b.kv_lora_rank, b.qk_rope_head_dim,
                              b.qk_nope_head_dim, b.v_dim, b.q_lora_rank)
@@ -355,14 +355,15 @@ def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
     kvb = np.dtype(be.kv_dtype).itemsize
     nb, tables, row_seq, row_len, pos, slots = decode_rows(be, n, context)
     cache = written(be.empty_latent_kv(nb * n, BENCH_BLOCK, L + R), rng)
-    invf = be.from_host(inv_freq(R, b.rope_theta))
+    invf = be.from_host(b.inv_freq())
+    KA = b.kv_a_size                       # L + R (+ the gate's Hq Dv)
     x, q_in, kv_a, xo = act(n, H), act(n, Hq, P + R), act(n, L + R), act(n, Hq * Dv)
     q_src = Q or H
-    wkva, wq, wo = W(L + R, H), W(Hq * (P + R), q_src), W(H, Hq * Dv)
+    wkva, wq, wo = W(KA, H), W(Hq * (P + R), q_src), W(H, Hq * Dv)
     uk, uv = W(Hq, P, L), W(Hq, Dv, L)
     q_lat = act(n, Q or H)
     cases = [
-        ("linear_kv_a", (L + R) * H * b2 + n * (H + L + R) * f4, lambda: be.linear(x, wkva)),
+        ("linear_kv_a", KA * H * b2 + n * (H + KA) * f4, lambda: be.linear(x, wkva)),
         ("linear_q", Hq * (P + R) * q_src * b2 + n * (q_src + Hq * (P + R)) * f4, lambda: be.linear(q_lat, wq)),
         ("mla_latent_write", n * ((L + R) + 2 * Hq * (P + R)) * f4 + n * (L + R) * kvb,
          lambda: be.mla_latent_write(kv_a, vec(L), 1e-6, invf, pos, cache, slots, q=q_in, interleave=True)),
@@ -374,9 +375,12 @@ def mla_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
     wq_a = W(Q, H) if Q else None
     if Q:
         cases.insert(1, ("linear_q_a", Q * H * b2 + n * (H + Q) * f4, lambda: be.linear(x, wq_a)))
+    if b.gate_size:                        # o * sigmoid(gate): x, gate and out, Hq Dv each
+        gate = act(n, b.gate_size)
+        cases.insert(-1, ("sigmoid_gate", 3 * n * Hq * Dv * f4, lambda: be.sigmoid_gate(xo, gate)))
     wkva8, wq8, wo8 = W8(wkva), W8(wq), W8(wo)
     cases += [
-        ("linear_kv_a_fp8", fp8_bytes(L + R, H) + n * (H + L + R) * f4, lambda: be.linear(x, wkva8)),
+        ("linear_kv_a_fp8", fp8_bytes(KA, H) + n * (H + KA) * f4, lambda: be.linear(x, wkva8)),
         ("linear_q_fp8", fp8_bytes(Hq * (P + R), q_src) + n * (q_src + Hq * (P + R)) * f4,
          lambda: be.linear(q_lat, wq8)),
         ("linear_o_fp8", fp8_bytes(H, Hq * Dv) + n * (Hq * Dv + 2 * H) * f4, lambda: be.linear(xo, wo8, None, x)),
@@ -391,8 +395,6 @@ def dsa_op_cases(b, be, context: int, n: int, W, act, vec, cache, uk, uv, q_in, 
     """DSA's indexer at decode shape (mtpkern.ops.dsa): its query projection, the key write,
     the selection over ``context`` keys, and the MLA attention over the ``index_topk`` keys
     it picks (``mla_attention_ctx{context}``, the dense row, is what that one replaces)."""
-    from .ops.rope_kv import inv_freq
-
     tables, row_seq, row_len, pos, slots, nb = rows
     Hi, Di, T, Q, R, P = (b.index_n_heads, b.index_head_dim, b.index_topk, b.q_lora_rank, b.qk_rope_head_dim,
                           b.qk_nope_head_dim)
@@ -400,7 +402,7 @@ def dsa_op_cases(b, be, context: int, n: int, W, act, vec, cache, uk, uv, q_in, 
     f4, b2 = 4, 2
     kvb = np.dtype(be.kv_dtype).itemsize
     icache = written(be.empty_latent_kv(nb * n, BENCH_BLOCK, Di), np.random.default_rng(1))
-    invf = be.from_host(inv_freq(R, b.rope_theta))
+    invf = be.from_host(b.inv_freq())      # the block's frequencies (YaRN's; zeros under nope)
     wq_b = W(Hi * Di, Q)
     q_lat, k_raw, iq, iw = act(n, Q), act(n, Di), act(n, Hi, Di), act(n, Hi)
     picked = min(T, context)               # every row's list: T keys spread over its context

@@ -21,7 +21,9 @@ import numpy as np
 from .ops.rope_kv import inv_freq, yarn_inv_freq, yarn_mscale
 
 #: attention output gates: "" none; "elementwise": one gate per attention output
-#: column (Qwen3-Next, carried by q_proj); "headwise": one per query head (Step-3.5's g_proj)
+#: column (GQA: Qwen3-Next's, carried by q_proj; MLA: a ``self_attn.g_proj`` [Hq Dv, H] of its
+#: own reading the normed input, stacked after kv_a_proj_with_mqa's rows); "headwise": one per
+#: query head (Step-3.5's g_proj [Hq, H], GQA only)
 ATTN_GATES = ("", "elementwise", "headwise")
 #: the MLPs' activation (routed experts, shared expert, dense MLP): "swiglu":
 #: ``down(silu(gate x) * up x)`` (w13 = gate rows over up rows); "relu2": non-gated,
@@ -158,7 +160,8 @@ class BlockSpec:
     #: 0: a plain ``q_proj``; else ``q_a_proj`` [q_lora_rank, H] -> ``q_a_layernorm`` -> ``q_b_proj``
     q_lora_rank: int = 0
     #: R: the rotated dims at the end of each MLA query head, and of the shared key (0: NoPE,
-    #: no dim rotated, the latent row L values; the DSA indexer then rotates none either)
+    #: no dim rotated, the latent row L values; the DSA indexer then rotates none either). With
+    #: ``nope`` the R dims stay in the latent row and the query, turned by angle 0 (the indexer's too)
     qk_rope_head_dim: int = 0
     #: DSA (DeepSeek-V3.2, GLM-5): T = index_topk > 0 runs the module's own lightning indexer
     #: (``self_attn.indexer.*``, mtpkern.ops.dsa) and the MLA attention reads each row's T
@@ -189,8 +192,9 @@ class BlockSpec:
     o_lora_rank: int = 0
     #: the MLPs' activation (``MLP_ACTS``); the SwiGLU clamps need "swiglu"
     mlp_act: str = "swiglu"
-    #: NoPE: no RoPE in the attention (Nemotron-H's attention layers): the rotary dims turn by
-    #: angle 0 (every frequency 0: cos 1, sin 0, each value kept bit for bit)
+    #: NoPE: no RoPE in the attention (Nemotron-H's attention layers; in MLA, Kimi K3's gated MLA,
+    #: whose R = qk_rope_head_dim > 0 dims of the query and the shared key stay unrotated): the
+    #: rotary dims turn by angle 0 (every frequency 0: cos 1, sin 0, each value kept bit for bit)
     nope: bool = False
 
     def __post_init__(self) -> None:
@@ -220,7 +224,7 @@ class BlockSpec:
             raise BlockError(f"rope_theta expected a number in (1, 1e12], got {self.rope_theta!r}")
         if self.attn_gate not in ATTN_GATES:
             raise BlockError(f"attn_gate expected one of {ATTN_GATES}, got {self.attn_gate!r}")
-        if self.attn_gate == "elementwise" and self.v_dim != self.head_dim:
+        if self.attn_gate == "elementwise" and not self.mla and self.v_dim != self.head_dim:
             raise BlockError(f"an element-wise attention gate (carried by q_proj) needs v_head_dim == head_dim, "
                              f"got {self.v_dim} and {self.head_dim}")
         if self.mlp_act not in MLP_ACTS:
@@ -258,10 +262,12 @@ class BlockSpec:
         if self.partial_rotary_factor != 1.0:
             raise BlockError(f"partial_rotary_factor expected 1 in MLA (qk_rope_head_dim says which dims "
                              f"rotate), got {self.partial_rotary_factor}")
-        for name, off in (("attn_sinks", False), ("attn_gate", ""), ("nope", False)):
-            if getattr(self, name) != off:
-                raise BlockError(f"{name} expected {off!r} in MLA (no released MLA block has it), "
-                                 f"got {getattr(self, name)!r}")
+        if self.attn_sinks is not False:
+            raise BlockError(f"attn_sinks expected False in MLA (no released MLA block has it), "
+                             f"got {self.attn_sinks!r}")
+        if self.attn_gate == "headwise":     # "elementwise": the g_proj gate (Kimi K3's gated MLA)
+            raise BlockError("attn_gate expected '' or 'elementwise' in MLA (an element-wise g_proj [Hq * "
+                             "v_head_dim, hidden_size]), got 'headwise'")
 
     def _check_dsa(self) -> None:
         if not (self.mla and self.q_lora_rank):
@@ -396,8 +402,32 @@ class BlockSpec:
 
     @property
     def gate_size(self) -> int:
-        """Columns of the attention gate stacked after q|k|v in the fused projection."""
+        """Columns of the attention gate stacked after q|k|v in the fused projection (MLA: after
+        kv_a_proj_with_mqa's L + R)."""
         return {"": 0, "elementwise": self.o_size, "headwise": self.num_attention_heads}[self.attn_gate]
+
+    @property
+    def q_gate(self) -> bool:
+        """The element-wise gate that q_proj carries (GQA, Qwen3-Next): its rows after the queries'."""
+        return self.attn_gate == "elementwise" and not self.mla
+
+    @property
+    def gate_offset(self) -> int:
+        """The gate's first column in the output of the projection that carries it: q|k|v's
+        width (GQA), or the latent row's L + R (MLA)."""
+        return self.latent_width if self.mla else self.q_size + self.k_size + self.v_size
+
+    @property
+    def kv_a_size(self) -> int:
+        """MLA: rows of the fused ``kv_a_proj_with_mqa | g_proj``, L + R + the gate's Hq Dv (one GEMV
+        over the normed input for both, as vLLM's ``fused_qkv_a_g_proj``); 0 outside MLA."""
+        return self.latent_width + self.gate_size if self.mla else 0
+
+    @property
+    def gated_size(self) -> int:
+        """Columns of the projection output whose columns from ``gate_offset`` on are the gate:
+        ``qkv_size`` (GQA) or ``kv_a_size`` (MLA)."""
+        return self.kv_a_size if self.mla else self.qkv_size
 
     @property
     def qkv_size(self) -> int:
@@ -442,7 +472,8 @@ class BlockSpec:
                          + (" interleaved" if self.indexer_rope_interleave else "")
                          + (f" pools of {self.kpool}{' + tail' if self.index_kpool_tail else ''}" if self.kpool else ""))
         if (self.mla and not self.qk_rope_head_dim) or self.nope:
-            parts.append("NoPE")                 # nothing rotated (YaRN still scales the scores)
+            # nothing rotated (YaRN still scales the scores); MLA with R > 0: its R dims kept unrotated
+            parts.append("NoPE" if not (self.mla and self.qk_rope_head_dim) else f"NoPE (R={self.rotary_dim} unrotated)")
         else:
             parts.append(f"rotary={self.rotary_dim} theta={self.rope_theta:g}")
             if self.rope_interleave:
@@ -454,7 +485,7 @@ class BlockSpec:
         if self.attn_sinks:
             parts.append("sinks")
         if self.attn_gate:
-            parts.append(f"{self.attn_gate} gate")
+            parts.append(f"{self.attn_gate} gate" + (" (g_proj)" if self.mla else ""))
         if self.q_lora_rank and not self.mla:
             parts.append(f"q_lora={self.q_lora_rank}")
         if self.shared_kv:

@@ -292,7 +292,7 @@ class StepPlan:
         qkv, q = flat(lambda b: b.qkv_size), flat(lambda b: b.q_size)
         o = buf((max(nout[m] * blk[m].o_size for m in self.run),))
         mla = [m for m in self.run if blk[m].mla]                 # MLA: the latent projection, the q path
-        kv_a = flat(lambda b: b.latent_width) if mla else None
+        kv_a = flat(lambda b: b.kv_a_size) if mla else None    # [L + R | an output gate's Hq Dv]
         q_c = flat(lambda b: b.q_lora_rank) if any(blk[m].q_lora_rank for m in self.run) else None
         v4q = [m for m in self.run if blk[m].q_lora_rank and not blk[m].mla]     # DeepSeek-V4's query latent
         q_lat = flat(lambda b: b.q_size) if v4q else None
@@ -427,7 +427,7 @@ class StepPlan:
                 bf.index_gate = i_gate[:c * Di].reshape(c, Di) if b.kpool else None
                 bf.index = i_list[:co * T].reshape(co, T)
             if b.mla:
-                W, Q = b.latent_width, b.q_lora_rank
+                W, Q = b.kv_a_size, b.q_lora_rank
                 self.bufs[m].kv_a = kv_a[:c * W].reshape(c, W)
                 if Q:
                     self.bufs[m].q_c = q_c[:c * Q].reshape(c, Q)
@@ -452,7 +452,7 @@ class StepPlan:
                 self.bufs[m].pick = RowPick() if not co else RowPick(
                     buf((co, Hq, b.head_dim)), buf((co, S)), buf((co,), np.int32), buf((co,), np.int32),
                     buf((co,), np.int32) if b.sliding_window else None,
-                    buf((co, b.qkv_size)) if b.gate_size else None,
+                    buf((co, b.gated_size)) if b.gate_size else None,
                     {name: buf((co,) + src.shape[1:], src.dtype)
                      for name, src in self._pick_extras(b, m).items()})
 
@@ -525,8 +525,8 @@ class StepPlan:
                          (stg.d(f"rlen{m}"), pick.row_len)]
                 if pick.row_start is not None:
                     moves.append((stg.d(f"rst{m}"), pick.row_start))
-                if pick.qkv is not None:
-                    moves.append((bf.qkv, pick.qkv))
+                if pick.qkv is not None:             # the gate's projection: q|k|v|gate, MLA's kv_a|gate
+                    moves.append((bf.kv_a if self.prop.modules[m].block.mla else bf.qkv, pick.qkv))
                 src_ex = self._pick_extras(self.prop.modules[m].block, m)
                 moves.extend((src_ex[name], dst) for name, dst in pick.ex.items())
                 for src, dst in moves:

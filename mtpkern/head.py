@@ -91,8 +91,9 @@ class RowPick:
     the last row of each sequence, which the plan's segment copies (``cuda_graph.StepPlan``)
     move between ``compute(part="kv")`` and ``compute(part="rest")`` into these buffers of
     ``B`` rows: ``q`` (the attention's queries), ``x`` (o_proj's residual), ``row_seq`` /
-    ``row_len`` (int32), ``row_start`` (a sliding window) and ``qkv`` (an element-wise
-    attention gate, read after the attention) when the block has them; ``ex``: the per-row
+    ``row_len`` (int32), ``row_start`` (a sliding window) and ``qkv`` (an attention output
+    gate's projection, read after the attention: q|k|v|gate, MLA's kv_a|gate) when the block
+    has them; ``ex``: the per-row
     extras of the KV write that the rest reads, by ``compute``'s names (DSA's ``index_q`` /
     ``index_w``). ``q`` None: no row goes on (the module only writes its K/V)."""
 
@@ -117,7 +118,8 @@ class ForwardBuffers:
     ``y`` may be read by the op that writes it (the shared experts add into it). With a
     gated shared expert (``shared_expert_gate``): ``shared`` [n, H] and ``shared_gate``
     [n, 1]. An expert-parallel rank of a sharded head: ``local_ids`` [n, K] int32, the router's
-    ids mapped to its experts. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, L + R];
+    ids mapped to its experts. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, block.kv_a_size]
+    (the latent row's L + R, then an element-wise gate's Hq Dv columns);
     with ``q_lora_rank``, ``q_c`` [n, q_lora_rank] (before q_a_layernorm, which is fused into q_b_proj).
     DSA's indexer (``block.dsa``): ``index_qr`` [n, Hi Di] (wq_b's output), ``index_q`` [n, Hi, Di]
     (roped), ``index_k`` [n, Di], ``index_w`` [n, Hi], with a pooled indexer ``index_gate`` [n, Di],
@@ -235,7 +237,7 @@ class MtpHead:
         self._inv_freq = backend.from_host(b.inv_freq())          # [R/2]: the default frequencies or YaRN's
         self._router = RouterSpec.from_config(config) if b.moe else None
         self._scale = b.scale
-        self._gate_off = b.q_size + b.k_size + b.v_size          # the gate columns of the fused projection
+        self._gate_off = b.gate_offset          # the gate's columns of the fused projection (MLA: kv_a | gate)
         #: keyword arguments of the ops this block's features switch on (none: the plain calls)
         self._attn_kw = {"sinks": weights.sinks} if b.attn_sinks else {}
         #: RoPE pairs (2i, 2i + 1); YaRN's attention factor on cos / sin (its softmax factor is in b.scale)
@@ -414,7 +416,8 @@ class MtpHead:
         """mtp_input, input_layernorm and the projections that write the rows' K/V (MLA: the
         latent rows; DSA: the indexer keys too) -> ``(x, q, qkv, extra)``: the rows' o_proj
         residual [n, H] (with hyper-connections: the streams [n, m H]), the attention's queries
-        [n, Hq, D] (RoPE applied), for an element-wise output gate q|k|v|gate (else None), and
+        [n, Hq, D] (RoPE applied), for an output gate the projection that carries it (q|k|v|gate,
+        MLA: kv_a|gate; else None), and
         the per-row arrays later ops read (sliced with the rows read): with DSA the indexer's
         roped queries ``index_q`` [n, Hi, Di] and head weights ``index_w`` [n, Hi]; with
         hyper-connections the attention's ``hc_post`` [n, m] and ``hc_comb`` [n, m, m]."""
@@ -442,10 +445,9 @@ class MtpHead:
                                  **put("mtp_input", out="x"))                                    # [n, H]
         xa, a_norm = self._normed_input(u, w.input_layernorm, bufs is not None)  # input_layernorm(u)
         if b.mla:
-            q, ix = self._mla_write(xa, a_norm, positions, slots, put)                          # [n, Hq, P + R]
+            q, ix, qkv = self._mla_write(xa, a_norm, positions, slots, put)                     # [n, Hq, P + R]
             if ix is not None:
                 ex["index_q"], ex["index_w"] = ix
-            qkv = None
         else:
             if b.q_lora_rank:                # the query through its latent; w_qkv holds k | v
                 kv = be.linear(xa, w.w_qkv, w.b_qkv, norm=a_norm, **put("linear", out="kv"))      # [n, (2Hkv)D]
@@ -514,12 +516,12 @@ class MtpHead:
         else:
             o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
                                    **self._attn_kw, **kw, **put("attention", out="o"))           # [n, Hq Dv]
-            if b.gate_size:                  # o * sigmoid(gate): the gate columns after q|k|v
-                o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
-            if b.out_rope:                   # the rotary dims back to the query's frame (DeepSeek-V4)
-                n = o.shape[0]
-                o = be.rope_heads(o.reshape(n, b.num_attention_heads, b.v_dim), ex["positions"], self._inv_freq,
-                                  inverse=True, **self._rope_kw, **put("rope_heads", out="o_rot")).reshape(n, b.o_size)
+        if b.gate_size:                      # o * sigmoid(gate): the gate columns after q|k|v (MLA: kv_a)
+            o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
+        if b.out_rope:                       # the rotary dims back to the query's frame (DeepSeek-V4; not MLA)
+            n = o.shape[0]
+            o = be.rope_heads(o.reshape(n, b.num_attention_heads, b.v_dim), ex["positions"], self._inv_freq,
+                              inverse=True, **self._rope_kw, **put("rope_heads", out="o_rot")).reshape(n, b.o_size)
         hc = cfg.hc_mult > 1
         res = None if hc or not self._owner else x
         if b.o_groups:                       # o_a_proj per group of heads, then o_b_proj
@@ -593,12 +595,15 @@ class MtpHead:
         applied): the query through q_a_proj, q_a_layernorm and q_b_proj (or q_proj), the latent
         row from kv_a_proj_with_mqa, written (mtpkern.ops.mla) -> (the roped queries [n, Hq, P + R]
         for the absorbed attention (``_after_kv``), the DSA indexer's (roped queries [n, Hi, Di],
-        head weights [n, Hi]) or None). The indexer (mtpkern.ops.dsa) reads the normed query
+        head weights [n, Hi]) or None, with an element-wise output gate the fused kv_a | g_proj
+        output [n, L + R + Hq Dv] whose last columns ``_after_kv`` gates with, else None). The indexer (mtpkern.ops.dsa) reads the normed query
         latent (q_a_layernorm, fused into its wq_b as into q_b_proj) and the normed hidden, and
         writes its key to the pool's indexer plane at the same slots."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
         n = x.shape[0]
-        kv_a = be.linear(x, w.mla_kv_a, norm=a_norm, **put("linear", out="kv_a"))                # [n, L + R]
+        kv_ag = be.linear(x, w.mla_kv_a, norm=a_norm, **put("linear", out="kv_a"))               # [n, L + R (+ G)]
+        W = b.latent_width
+        kv_a = kv_ag[:, :W] if b.gate_size else kv_ag          # the latent row's columns; a gate's after them
         if w.mla_q_a is not None:
             qc = be.linear(x, w.mla_q_a, norm=a_norm, **put("linear", out="q_c"))                 # [n, q_lora]
             qf = be.linear(qc, w.w_qkv, norm=(w.mla_q_a_norm, eps), **put("linear", out="qkv"))   # [n, Hq (P + R)]
@@ -607,8 +612,9 @@ class MtpHead:
         q = be.mla_latent_write(kv_a, w.mla_kv_a_norm, eps, self._inv_freq, positions, self.pool.k, slots,
                                 q=qf.reshape(n, b.num_attention_heads, b.head_dim), **self._rope_kw,
                                 **put("mla_write", out="q"))                                      # [n, Hq, P + R]
+        gated = kv_ag if b.gate_size else None
         if not b.dsa:
-            return q, None
+            return q, None, gated
         Hi, Di = b.index_n_heads, b.index_head_dim
         iq = be.linear(qc, w.idx_wq_b, norm=(w.mla_q_a_norm, eps), **put("linear", out="index_qr"))  # [n, Hi Di]
         ik = be.linear(x, w.idx_wk, norm=a_norm, **put("linear", out="index_k"))                  # [n, Di]
@@ -618,7 +624,7 @@ class MtpHead:
         iq = be.dsa_key_write(ik, w.idx_k_norm_w, w.idx_k_norm_b, DSA_NORM_EPS, self._inv_freq, positions,
                               self.pool.index_k, slots, q=iq.reshape(n, Hi, Di), **self._index_rope_kw, **pooled,
                               **put("dsa_key_write", out="index_q"))                              # [n, Hi, Di]
-        return q, (iq, iw)
+        return q, (iq, iw), gated
 
     # -- the LM head (mtpkern.lm) ----------------------------------------------------
     def argmax(self, normed_rows: Any, bitmask: np.ndarray | None = None) -> np.ndarray:

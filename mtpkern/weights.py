@@ -519,7 +519,7 @@ class ModuleWeights:
     mlp_w13: Any | None = None       # [2I, H]
     mlp_w2: Any | None = None        # [H, I]
     # MLA (when the module's block is: mtpkern.ops.mla; L kv_lora_rank, R qk_rope_head_dim)
-    mla_kv_a: Any | None = None      # [L + R, H] kv_a_proj_with_mqa
+    mla_kv_a: Any | None = None      # [L + R (+ Hq Dv), H] kv_a_proj_with_mqa (| g_proj: an element-wise gate)
     mla_kv_a_norm: Any | None = None  # [L] kv_a_layernorm
     mla_q_a: Any | None = None       # [q_lora_rank, H] q_a_proj (None: q_proj, in w_qkv)
     mla_q_a_norm: Any | None = None  # [q_lora_rank] q_a_layernorm
@@ -591,7 +591,7 @@ def _module_keys(cfg: MtpConfig, m: int, gate_up: bool = False) -> dict[str, tup
     ``gate_up``: its routed experts as transformers' packed pair (``experts_gate_up``)."""
     b = cfg.block(m)
     H, D, Hq = cfg.hidden_size, b.head_dim, b.num_attention_heads
-    q_rows = b.q_size + (b.gate_size if b.attn_gate == "elementwise" else 0)   # + the gate q_proj carries
+    q_rows = b.q_size + (b.gate_size if b.q_gate else 0)   # + the gate q_proj carries
     keys: dict[str, tuple[tuple[int, ...], bool]] = {
         "enorm.weight": ((H,), True),
         "hnorm.weight": ((H,), True),
@@ -706,7 +706,8 @@ def _gqa_keys(b, H: int, q_rows: int) -> dict[str, tuple[tuple[int, ...], bool]]
 
 
 def _mla_keys(b, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """An MLA block's attention tensors as DeepSeek-V3 releases them (but ``o_proj``)."""
+    """An MLA block's attention tensors as DeepSeek-V3 releases them (but ``o_proj``), and an
+    element-wise output gate's ``g_proj`` [Hq Dv, H] (Kimi K3's gated MLA)."""
     L, R, Hq = b.kv_lora_rank, b.qk_rope_head_dim, b.num_attention_heads
     keys = {"self_attn.kv_a_proj_with_mqa.weight": ((L + R, H), True),
             "self_attn.kv_a_layernorm.weight": ((L,), True),
@@ -717,6 +718,8 @@ def _mla_keys(b, H: int) -> dict[str, tuple[tuple[int, ...], bool]]:
                      "self_attn.q_b_proj.weight": ((b.q_size, Q), True)})
     else:
         keys["self_attn.q_proj.weight"] = ((b.q_size, H), True)
+    if b.attn_gate:                      # "elementwise" (the only MLA gate): Kimi K3's g_proj
+        keys["self_attn.g_proj.weight"] = ((b.gate_size, H), True)
     if b.dsa:
         Hi, Di = b.index_n_heads, b.index_head_dim
         keys.update({"self_attn.indexer.wq_b.weight": ((Hi * Di, b.q_lora_rank), True),
@@ -1075,7 +1078,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         if kinds & {Fp8Weight, Fp4Weight}:
             raise CheckpointError(f"{rd.path}: projections fused into one GEMV mix "
                                   f"{' and '.join(sorted(_kind(p) for p in parts))} weights; "
-                                  f"expected all of q/k/v (or gate/up) in one dtype")
+                                  f"expected all of q/k/v (or gate/up, kv_a_proj_with_mqa/g_proj) in one dtype")
         dt = BF16 if all(p.dtype == BF16 for p in parts) else np.float32
         return np.concatenate([p.astype(dt, copy=False) for p in parts], axis=0)
 
@@ -1389,7 +1392,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             head-wise gate ``g`` (g_proj), or the element-wise one that q_proj carries. A query
             projection that interleaves a gate per head ([q_h | g_h], Qwen3-Next) is split
             here, the gate rows going last."""
-            if lblk.attn_gate != "elementwise":
+            if not lblk.q_gate:
                 return [q, k, v] + ([] if g is None else [g])
             D, Hq = lblk.head_dim, lblk.num_attention_heads
             if not fam.q_gate_interleaved:                       # canonical: [queries; gates]
@@ -1412,7 +1415,7 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             if hs is None:
                 return w(suffix)
             a, b = (hs.kv0, hs.kv1) if kv else (hs.q0, hs.q1)
-            if kv or blk.attn_gate != "elementwise" or not suffix.startswith("self_attn.q_proj"):
+            if kv or not blk.q_gate or not suffix.startswith("self_attn.q_proj"):
                 return w(suffix, rows=(a * per, b * per))
             if fam.q_gate_interleaved:                           # [q_h | g_h] per head
                 return w(suffix, rows=(2 * a * per, 2 * b * per))
@@ -1472,11 +1475,15 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 np.concatenate([v.scale[:, hb:], v.scale[:, :hb]], axis=1), v.block))
 
         def mla(mw: ModuleWeights) -> None:
-            """The MLA tensors: q_a_proj / q_a_layernorm (or none), kv_a_proj_with_mqa and its
-            norm, kv_b_proj split per head into its key and value parts (an FP8 one
+            """The MLA tensors: q_a_proj / q_a_layernorm (or none), kv_a_proj_with_mqa (an
+            element-wise gate's g_proj rows stacked after its own: ``mla_kv_a`` [L + R + Hq Dv, H],
+            whose one GEMV reads the normed input for both) and its norm, kv_b_proj split per head into its key and value parts (an FP8 one
             dequantized to BF16 first, as vLLM's MLA does: the absorbed attention reads it at
             two bytes a weight; FP8 codes times power-of-two scales are exact in BF16)."""
-            mw.mla_kv_a = backend.prepare_weight(w("self_attn.kv_a_proj_with_mqa.weight"))
+            kv_a = w("self_attn.kv_a_proj_with_mqa.weight")
+            if blk.attn_gate:                # g_proj's rows (the rank's heads) after kv_a's: one GEMV reads x
+                kv_a = stack_rows(kv_a, heads_of("self_attn.g_proj.weight", blk.v_dim))
+            mw.mla_kv_a = backend.prepare_weight(kv_a)
             mw.mla_kv_a_norm = norm("self_attn.kv_a_layernorm.weight", cfg.kv_a_norm_scale)
             if blk.q_lora_rank:
                 mw.mla_q_a = backend.prepare_weight(w("self_attn.q_a_proj.weight"))
@@ -1677,7 +1684,7 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
     for m in range(cfg.num_modules):
         b = cfg.block(m)
         D, Hq = b.head_dim, b.num_attention_heads
-        q_rows = b.q_size + (b.gate_size if b.attn_gate == "elementwise" else 0)     # [queries; gates]
+        q_rows = b.q_size + (b.gate_size if b.q_gate else 0)     # [queries; gates]
         p = f"model.layers.{cfg.layer_index(m)}."
         t[p + "enorm.weight"] = norm_w(H)
         t[p + "hnorm.weight"] = norm_w(H)
@@ -1706,6 +1713,8 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
                     t[p + "self_attn.indexer.index_kpool_compress_gate"] = mat(Di, H, gain=2.0)
                     t[p + "self_attn.indexer.index_kpool_compress_ape"] = \
                         rng.standard_normal((b.kpool, Di)).astype(np.float32)
+            if b.attn_gate:                  # an element-wise gate of its own (Kimi K3's g_proj [Hq Dv, H])
+                t[p + "self_attn.g_proj.weight"] = mat(b.gate_size, H, gain=2.0)
         else:
             if b.q_lora_rank:
                 Q = b.q_lora_rank
@@ -1935,7 +1944,7 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered:
                     a = a / np.float32(cfg.attention_value_scale)
                 blk = cfg.block(m)
                 if fam.q_gate_interleaved and base in ("self_attn.q_proj.weight", "self_attn.q_proj.bias") \
-                        and blk.attn_gate == "elementwise":     # [queries; gates] -> [q_h | g_h] per head
+                        and blk.q_gate:                         # [queries; gates] -> [q_h | g_h] per head
                     Hq = blk.num_attention_heads
                     rows = blk.head_dim // (cfg.fp8_block[0] if tail == "_scale_inv" else 1)   # block scale rows
                     q, g = a[:Hq * rows].reshape(Hq, rows, -1), a[Hq * rows:].reshape(Hq, rows, -1)

@@ -139,8 +139,8 @@ class KernelNeeds:
                 add("paged_attention")
                 if b.out_rope:               # the output's rotary dims turned back (DeepSeek-V4)
                     add("rope_heads")
-                if b.gate_size:
-                    add("sigmoid_gate")
+            if b.gate_size:                  # an output gate (GQA's from q|k|v, MLA's from kv_a | g_proj)
+                add("sigmoid_gate")
             if b.moe and w.gate_w is not None:
                 add("moe_router", w.gate_w)
                 add("moe_experts", w.experts_w13)

@@ -209,17 +209,22 @@ def _mla(b, w, a, pos, keys, eps):
     parts, DeepSeek-V3's formulas), float64: (attention [R, Hq, Dv], the latent rows
     [R, 1, L + R] as the KV, an empty V). qk_rope_head_dim 0 (NoPE, GLM-5.3): k_pe and q_pe
     are empty, nothing is rotated (the indexer's first 0 dims neither), the scale stays
-    (P + 0)^-0.5 times YaRN's scores' factor."""
+    (P + 0)^-0.5 times YaRN's scores' factor. ``nope`` with Rr > 0 (Kimi K3's gated MLA): the
+    Rr dims are there, unrotated (q_pe . k_pe as projected). An element-wise gate: g_proj's
+    rows after kv_a_proj_with_mqa's in ``mla_kv_a`` (the loader's layout), read from the same
+    normed input ``a``; each head's Dv outputs times sigmoid of its own Dv gate values."""
     f = lambda t: np.asarray(t, np.float64)  # noqa: E731
     R_, Hq, L, Rr, P, Dv = len(a), b.num_attention_heads, b.kv_lora_rank, b.qk_rope_head_dim, \
         b.qk_nope_head_dim, b.v_dim
     qc = a if w.mla_q_a is None else _rms(a @ f(w.mla_q_a).T, w.mla_q_a_norm, eps)
     q = (qc @ f(w.w_qkv).T).reshape(R_, Hq, P + Rr)
-    kv_a = a @ f(w.mla_kv_a).T                                        # [R, L + Rr]
+    kv_a = a @ f(w.mla_kv_a).T                                        # [R, L + Rr (+ Hq Dv)]
+    gate = kv_a[:, L + Rr:] if b.attn_gate else None                  # g_proj's outputs [R, Hq Dv]
     c = _rms(kv_a[:, :L], w.mla_kv_a_norm, eps)                       # [R, L]
     rope = dict(interleave=b.rope_interleave, yarn=b.rope_scaling)
-    k_pe = _rope(kv_a[:, None, L:], pos, Rr, b.rope_theta, **rope)[:, 0]   # [R, Rr]
-    q_pe = _rope(np.ascontiguousarray(q[:, :, P:]), pos, Rr, b.rope_theta, **rope)
+    Rd = 0 if b.nope else Rr                                          # the dims rotated
+    k_pe = _rope(kv_a[:, None, L:L + Rr], pos, Rd, b.rope_theta, **rope)[:, 0]   # [R, Rr]
+    q_pe = _rope(np.ascontiguousarray(q[:, :, P:]), pos, Rd, b.rope_theta, **rope)
     scale = (P + Rr) ** -0.5 * (1.0 if b.rope_scaling is None else _yarn(Rr, b.rope_theta, b.rope_scaling)[2])
     seen = keys[:, None] >= keys[None, :]
     if b.sliding_window:
@@ -236,6 +241,8 @@ def _mla(b, w, a, pos, keys, eps):
         s = np.where(seen, s, -np.inf)
         p = np.exp(s - s.max(1, keepdims=True))
         att[:, hh] = (p / p.sum(1, keepdims=True)) @ v
+    if gate is not None:                                              # after the attention, before o_proj
+        att = att / (1 + np.exp(-gate.reshape(R_, Hq, Dv)))
     return att, rows, np.zeros((R_, 1, 0))
 
 
@@ -244,7 +251,8 @@ def _dsa_pick(b, w, a, qc, pos, seen):
     ``index_topk`` keys it sees with the highest ``sum_h w_h relu(q_h . k_j)`` (ties: the
     earlier key) -> (the narrowed ``seen`` [R, R], the indexer keys [R, Di])."""
     f = lambda t: np.asarray(t, np.float64)  # noqa: E731
-    R_, Hi, Di, Rr = len(a), b.index_n_heads, b.index_head_dim, b.qk_rope_head_dim
+    R_, Hi, Di = len(a), b.index_n_heads, b.index_head_dim
+    Rr = 0 if b.nope else b.qk_rope_head_dim                         # nope: the indexer rotates none either
     rope = dict(interleave=b.indexer_rope_interleave, yarn=b.rope_scaling)
     iq = (qc @ f(w.idx_wq_b).T).reshape(R_, Hi, Di)
     iq[:, :, :Rr] = _rope(np.ascontiguousarray(iq[:, :, :Rr]), pos, Rr, b.rope_theta, **rope)

@@ -2,7 +2,9 @@
 
 ``mla_latent_write(kv_a [n, L + R], kv_a_norm_w [L], eps, inv_freq [R/2], positions [n] int32,
 latent_cache [NB, BS, L + R], slots [n] int32, *, q [n, Hq, P + R] | None, interleave, rope_scale,
-out) -> None | q roped [n, Hq, P + R]`` FP32: ``mla_latent_write_kernel``, one launch.
+out) -> None | q roped [n, Hq, P + R]`` FP32: ``mla_latent_write_kernel``, one launch. ``kv_a``
+may be a column slice of a wider device buffer (kv_a_proj_with_mqa | g_proj's output): read in
+place, its row stride passed (``device_rows``).
 The cache (BF16 bits in uint16, or FP32) is written in place. Host slots are checked
 (``slots_refused``) before the launch; device slots are not read back (graph capture),
 and the kernel then writes no row at all when one is outside ``[0, NB * BS)``.
@@ -46,8 +48,8 @@ import numpy as np
 
 from ...ops._check import dtype_name, expect_dtype, expect_ndim, expect_shape
 from ...ops.mla import check_index, check_mla_attention, check_mla_latent_write, slots_refused
-from ._util import (NULL, CudaFp8, cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_weight, f32, i32,
-                    inplace, is_device_array, opt_in_smem, optional, output, ptr, sm_count, smem_optin)
+from ._util import (NULL, CudaFp8, cdiv, ctype, device, device_rows, expect_disjoint, expect_grid_yz, expect_weight,
+                    f32, i32, inplace, is_device_array, opt_in_smem, optional, output, ptr, sm_count, smem_optin)
 from .loader import MLA_LPT, get_kernel
 
 #: kMlaWriteThreads / kMlaThreads / the GEMV kernels' 4 warps in mla.cu
@@ -204,7 +206,9 @@ def mla_latent_write(kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_
             raise err
     n, half = kv_a.shape[0], inv_freq.shape[0]
     L = W - 2 * half
-    kv_a = _f32(kv_a, "kv_a")
+    if isinstance(kv_a, np.ndarray) and kv_a.dtype == ml_dtypes.bfloat16:
+        kv_a = kv_a.astype(np.float32)
+    kv_a, ldk = device_rows(kv_a, "kv_a", "float32")    # a column slice of kv_a | g_proj's output: in place
     norm_w = device(kv_a_norm_w, "kv_a_norm_w", "float32")
     inv_freq = device(inv_freq, "inv_freq", "float32")
     positions = device(positions, "positions", "int32")
@@ -221,7 +225,7 @@ def mla_latent_write(kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_
     kernel = get_kernel("mla", f"mla_latent_write_kernel<{ctype(cache)}, {il}>")
     kernel((n, 1 if q is None else 2), (WRITE_THREADS,),
            (kv_a, norm_w, f32(eps), inv_freq, i32(half), f32(rope_scale), positions, slots, i32(n),
-            np.int64(NB * BS), cache, i32(L), ptr(q), ptr(q_out), i32(Hq or 0), i32(P or 0)))
+            np.int64(NB * BS), cache, i32(L), ptr(q), ptr(q_out), i32(Hq or 0), i32(P or 0), i32(ldk)))
     return q_out
 
 
