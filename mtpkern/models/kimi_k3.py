@@ -70,7 +70,8 @@ def _mtp_layers_moe(d: dict) -> list[bool]:
     if not (isinstance(n, int) and isinstance(first, int) and isinstance(freq, int) and isinstance(dense, int)) \
             or freq < 1:
         return []                                     # refused by the field checks that follow
-    return [d.get("num_experts") is not None and first + k >= dense and (first + k) % freq == 0 for k in range(n)]
+    experts = d.get("num_experts", d.get("n_routed_experts"))     # (mtpkern's own config.json: n_routed_experts)
+    return [bool(experts) and first + k >= dense and (first + k) % freq == 0 for k in range(n)]
 
 
 def normalise(d: dict) -> dict:
@@ -107,8 +108,11 @@ def normalise(d: dict) -> dict:
     out.pop("use_grouped_topk", None)
     if not grouped:                                   # one group: the plain bias-corrected top-k
         out["num_expert_group"], out["topk_group"] = 1, 1
-    if out.get("topk_method") == "quantile_balancing":     # training-time balancing; vLLM routes noaux_tc
-        out.pop("topk_method")
+    method = out.pop("topk_method", None)
+    if method not in (None, "noaux_tc", "quantile_balancing"):     # vLLM's KimiMoE reads neither
+        raise ConfigError(f"config.json: field 'topk_method' = {show(method)} is not supported; expected "
+                          f"'noaux_tc' or 'quantile_balancing' (a training-time balancing; vLLM's KimiMoE routes "
+                          f"by DeepSeek-V3's bias-corrected grouped top-k whatever it says)")
     if out.get("routed_expert_hidden_size") is None:
         out.pop("routed_expert_hidden_size", None)    # no latent projection
         out.pop("latent_moe_use_norm", None)          # (vLLM builds the norm only with one)
@@ -120,7 +124,8 @@ def normalise(d: dict) -> dict:
                           f"and 'moe_layer_freq' = {show(out.get('moe_layer_freq'))} make some MTP layers MoE and "
                           f"others dense (vLLM's KimiDecoderLayer.is_moe_layer); expected every MTP layer of one kind")
     if moe and not any(moe):                          # dense MTP layers: the MoE fields describe the target
-        for name in ("num_experts", "num_shared_experts", "routed_expert_hidden_size", "latent_moe_use_norm"):
+        for name in ("num_experts", "num_shared_experts", "routed_expert_hidden_size", "latent_moe_use_norm",
+                     "moe_latent_size", "moe_latent_norm"):
             out.pop(name, None)
         out["n_routed_experts"] = 0
     return out
@@ -149,6 +154,7 @@ FAMILY = Family(
              "routed_expert_hidden_size": "moe_latent_size", "latent_moe_use_norm": "moe_latent_norm"},
     fixed={"nope": True, "router_bias": True},
     target_only=_TARGET,
+    implements=frozenset({"topk_method"}),
     prefix="language_model.model.layers.{layer}.",
     renames=RENAMES,
     expert_parts={"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
