@@ -511,3 +511,20 @@ def test_captured_sharded_step(monkeypatch, tiny_ckpt, mode):
 
     for prop, log in ThreadWorld(2).run(rank):
         shard_cases.compare(want, log, prop)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_captured_latent_moe_with_situ(fake_cuda, tmp_path, norm):
+    """LatentMoE (fc1_latent_proj, experts of width Lt, with or without the latent norm fused into
+    fc2_latent_proj) and SiTU MLPs in the captured step: its latent rows, sum and Lt-wide
+    experts workspace planned; replays give the eager step's drafts bit for bit."""
+    from mtpkern import write_synthetic_checkpoint
+    from mtpkern.config import tiny_config
+
+    cfg = tiny_config(mlp_act="situ", situ_beta=2.0, situ_linear_beta=4.0, num_nextn_predict_layers=2,
+                      moe_latent_size=24, moe_latent_norm=norm)
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=9, dtype="float32")
+    eager, graph = _twins(ckpt, "exact", fake_cuda)
+    counts = run_twins(eager, graph, cfg, 5, [7, 12], [(2, [0.0], [None])] * 3 + [(1, [1.0], [None])])
+    assert counts["replayed"] >= 2, counts
+    assert {"latent moe act", "moe act"} & graph.backend.ws_seen == {"latent moe act"}, graph.backend.ws_seen

@@ -261,3 +261,28 @@ def test_negative_controls(tmp_path, monkeypatch, wrong):
     prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", kv_mode="exact", block_size=4, num_blocks=64)
     with pytest.raises(AssertionError):
         test_oracle.run_scenario(prop, ocfg, W, 3, 12, ROUNDS, "postnorm", None)
+
+
+# -- a sharded head ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("experts", ["ep", "tp"])
+def test_sharded_latent_moe_matches_one_rank(tmp_path, experts):
+    """LatentMoE (SiTU experts) over 2 ranks: both latent projections whole on each rank, the
+    experts split by id or by intermediate slice; fc2 of each rank's partial latent sum meets
+    the others' in the FFN's all-reduce."""
+    from test_shard import check_world
+
+    path = _ckpt(tmp_path, CASES["situ latent"])
+    check_world(path, 2, "exact", 7, conf=True, experts=experts)
+
+
+def test_a_sharded_head_refuses_the_latent_norm_by_name(tmp_path):
+    from comm_cases import ThreadWorld
+
+    path = _ckpt(tmp_path, KIMI)
+
+    def rank(comm):
+        with pytest.raises(ValueError, match="field moe_latent_norm .* not implemented for a sharded head"):
+            MultiModuleMtpHead.from_pretrained(path, backend="numpy", comm=comm, block_size=4, num_blocks=32)
+
+    ThreadWorld(2).run(rank)
