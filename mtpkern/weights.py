@@ -1605,9 +1605,13 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
             if cfg.moe_latent_size:
-                if shard is not None:
-                    raise ValueError(f"module {m}: field moe_latent_size = {cfg.moe_latent_size} (LatentMoE) is not "
-                                     f"implemented for a sharded head yet; expected an unsharded head")
+                # a sharded head: both projections whole on every rank (the experts split as ever);
+                # each rank's fc2(partial latent sum) is its share of fc2(sum), met in the FFN's
+                # all-reduce. The latent norm needs the whole sum before it: not split yet.
+                if shard is not None and cfg.moe_latent_norm:
+                    raise ValueError(f"module {m}: field moe_latent_norm (an RMSNorm of the whole latent expert "
+                                     f"sum) is not implemented for a sharded head yet; expected an unsharded head "
+                                     f"or moe_latent_norm false")
                 mw.latent_fc1 = backend.prepare_weight(w("mlp.fc1_latent_proj.weight"))
                 mw.latent_fc2 = backend.prepare_weight(w("mlp.fc2_latent_proj.weight"))
                 if cfg.moe_latent_norm:

@@ -317,10 +317,8 @@ def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
         y = moe_experts(xin, ids, wts, w.experts_w13, w.experts_w2, np.zeros_like(xin),
                         limit=b.swiglu_clamp or None, clamp_gate=b.swiglu_clamp_gate,
                         **_act_kw(b)).astype(np.float64)
-        if w.latent_norm is not None:                                # moe_latent_norm: of the scaled sum
-            y = _rms(y, w.latent_norm, eps)
         if w.latent_fc2 is not None:
-            y = y @ f(w.latent_fc2).T
+            y = _latent_back(y, w, eps)
         if w.shared_w13 is not None:
             shared = _mlp(b, fin, w.shared_w13, w.shared_w2)
             if w.shared_gate is not None:                            # sigmoid(x . w_g) per row
@@ -331,6 +329,15 @@ def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
     y = _residual(r, y, hc)
     head_in = y if cfg.hc_mult == 1 else _hc_head(cfg, w.hc_head, y)
     return ModuleRows(k, v, y, _rms(head_in, w.shared_head_norm, eps))
+
+
+def _latent_back(y, w, eps):
+    """LatentMoE: the routed experts' weighted sum y [n, Lt] (routed_scaling_factor already in its
+    weights) back to [n, H]: the latent norm (moe_latent_norm: RMSNorm of the scaled sum), then
+    fc2_latent_proj (Kimi K3: ``up(norm(experts(down(x))))``)."""
+    if w.latent_norm is not None:
+        y = _rms(y, w.latent_norm, eps)
+    return y @ np.asarray(w.latent_fc2, np.float64).T
 
 
 def _act_kw(b) -> dict:
