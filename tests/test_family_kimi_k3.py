@@ -115,6 +115,9 @@ def test_the_release_config_reads_as_the_mtp_block():
     ({"topk_method": "quantile_balancing"}, {}),
     ({"moe_layer_freq": 2, "num_hidden_layers": 92}, {}),                    # layer 92: a MoE layer
     ({"moe_layer_freq": 2}, {"n_routed_experts": 0}),                        # layer 93: dense
+    ({"head_dim": 128}, {"head_dim": 192}),                                  # KimiLinearConfig's: the KDA heads'
+    ({"rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                       "mscale": 1.0, "mscale_all_dim": 1.0}}, {"rope_scaling": None}),   # no RoPE, no YaRN factor
 ])
 def test_release_variants_read_as_vllm_builds_them(change, want):
     text = {k: v for k, v in dict(copy.deepcopy(K3_TEXT), **change).items() if v is not None}
@@ -557,8 +560,10 @@ def test_info_names_the_family_and_the_block(release, capsys):
 
     assert main(["info", str(release[0])]) == 0
     out = capsys.readouterr().out
-    assert "Kimi K3" in out and "MLA" in out and "latent=32" in out
-    assert "self_attention_res_* not read" in out
+    assert "Kimi K3" in out and "MLA" in out and "latent=32 latent-norm" in out
+    assert "NoPE (R=8 unrotated)" in out and "elementwise gate (g_proj)" in out and "situ beta=1.5" in out
+    assert "self_attention_res_* not read" in out and "mlp_res_* not read" in out
+    assert "every tensor the modules read is present" in out
 
 
 def test_transformers_gate_name_is_read_too(tmp_path, release):
@@ -580,5 +585,5 @@ def test_cuda_drafts_and_kv_equal_the_model(tmp_path, emulator):
     text = dict(TINY, num_nextn_predict_layers=1, num_experts=4, num_expert_group=2, topk_group=1)
     path = write_release(tmp_path / "one", text, seed=23)
     rel = Release(read_safetensors(path / "model.safetensors"), json.loads((path / "config.json").read_text()))
-    trace = record(path, emu_backend.backend("float32"), prompt=6, rounds=((1, 1.0), (1, 0.0)))
-    assert replay(rel, trace) >= 1
+    trace = record(path, emu_backend.backend("float32"), prompt=6, rounds=((1, 1.0), (1, 0.0), (1, 1.0), (1, 0.0)))
+    assert replay(rel, trace) >= 3

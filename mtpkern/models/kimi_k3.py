@@ -30,7 +30,8 @@ What mtpkern reads (docs/families.md):
   a plain pre-norm residual), ``shared_head.norm`` before the module's own
   ``shared_head.head`` and the un-normed sum handed on (``prenorm``);
 - the attention: MLA whose ``qk_rope_head_dim`` dims are kept and not rotated (``nope``),
-  scale ``(qk_nope + qk_rope) ** -0.5``, and an element-wise output gate
+  scale ``(qk_nope + qk_rope) ** -0.5`` (no YaRN factor: a ``rope_scaling`` is not read, nor
+  ``KimiLinearConfig``'s ``head_dim``, the KDA heads'), and an element-wise output gate
   ``sigmoid(g_proj(x))`` on the attention's output before ``o_proj`` (``attn_gate``
   "elementwise", ``self_attn.g_proj.weight`` [Hq * Dv, H]; transformers calls it
   ``output_gate_proj``: read too);
@@ -116,6 +117,16 @@ def normalise(d: dict) -> dict:
     if out.get("routed_expert_hidden_size") is None:
         out.pop("routed_expert_hidden_size", None)    # no latent projection
         out.pop("latent_moe_use_norm", None)          # (vLLM builds the norm only with one)
+    if out.get("kv_lora_rank"):                       # the MTP layer's MLA reads neither of these:
+        if out.get("head_dim") not in (None, 0):      # KimiLinearConfig's head_dim (the KDA heads')
+            hd, P, R = out["head_dim"], out.get("qk_nope_head_dim"), out.get("qk_rope_head_dim")
+            if isinstance(P, int) and isinstance(R, int) and hd not in (R, P + R):
+                out.pop("head_dim")                   # (P + R or R: MLA's own, checked as DeepSeek-V3's)
+        for name in ("rope_scaling", "rope_parameters"):      # no RoPE: no YaRN softmax factor either
+            rope = out.get(name)
+            if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+                out[name] = {"rope_type": "default", **({"rope_theta": rope["rope_theta"]} if "rope_theta" in rope
+                                                        else {})}
     if out.get("num_key_value_heads") is None and out.get("num_attention_heads") is not None:
         out["num_key_value_heads"] = out["num_attention_heads"]    # KimiLinearConfig's default
     moe = _mtp_layers_moe(out)
@@ -139,7 +150,7 @@ RENAMES = {"mlp.gate.": "block_sparse_moe.gate.", "mlp.experts.": "block_sparse_
            "mlp.fc2_latent_proj.weight": "block_sparse_moe.routed_expert_up_proj.weight",
            "mlp.latent_norm.weight": "block_sparse_moe.routed_expert_norm.weight"}
 
-_NO_ATTN_RES = "the trunk's attention residuals: vLLM builds the MTP block without them (attn_res_block_size None)"
+_NO_ATTN_RES = "the trunk's attention residuals; vLLM builds the MTP block without them, attn_res_block_size None"
 
 FAMILY = Family(
     model_type="kimi_k3_text",
