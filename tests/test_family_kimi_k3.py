@@ -50,7 +50,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from conftest import kv_rows, run_rounds
-from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead
+from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.tolerance import assert_close
 from test_family_deepseek_v4_reference import read_safetensors
 
@@ -587,3 +587,19 @@ def test_cuda_drafts_and_kv_equal_the_model(tmp_path, emulator):
     rel = Release(read_safetensors(path / "model.safetensors"), json.loads((path / "config.json").read_text()))
     trace = record(path, emu_backend.backend("float32"), prompt=6, rounds=((1, 1.0), (1, 0.0), (1, 1.0), (1, 0.0)))
     assert replay(rel, trace) >= 3
+
+
+def test_mtpkern_s_own_writer_is_the_release_form(tmp_path):
+    """``write_synthetic_checkpoint`` with the family set writes what this file's writer does (the
+    model reads it by the release's names and agrees with mtpkern's run), and the same weights
+    in the canonical layout draft the same tokens (the name map is exact)."""
+    cfg = MtpConfig.from_dict(wrapped(TINY))
+    path = write_synthetic_checkpoint(tmp_path / "rel", cfg, seed=31, dtype="float32", own_head=True)
+    (path / "config.json").write_text(json.dumps(wrapped(TINY)))
+    rel = Release(read_safetensors(path / "model.safetensors"), wrapped(TINY))
+    assert replay(rel, record(path, "numpy", prompt=7, rounds=((3, 1.0), (3, 0.4), (2, 0.0)))) >= 4
+    canon = write_synthetic_checkpoint(tmp_path / "canon", dataclasses.replace(cfg, family=""), seed=31,
+                                       dtype="float32", own_head=True)
+    assert "model.layers.3.mlp.experts.0.gate_proj.weight" in read_safetensors(canon / "model.safetensors")
+    for mode in ("exact", "draft"):
+        assert run_rounds(canon, mode=mode)[1] == run_rounds(path, mode=mode)[1]
