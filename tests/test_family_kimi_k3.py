@@ -193,7 +193,7 @@ def release_tensors(c: dict, seed: int) -> tuple[dict, dict]:
     rng = np.random.default_rng(seed)
     H, V, Hq = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
     Qr, L, P, R, Dv = c["q_lora_rank"], c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    E, I, Lt = c["num_experts"], c["moe_intermediate_size"], c["routed_expert_hidden_size"]
+    E, I, Lt = c.get("num_experts"), c["moe_intermediate_size"], c["routed_expert_hidden_size"]
     Is = I * c["num_shared_experts"]
     t, fp4 = {}, {}
 
@@ -225,6 +225,12 @@ def release_tensors(c: dict, seed: int) -> tuple[dict, dict]:
         lin(a + "kv_b_proj.weight", Hq * (P + Dv), L)
         lin(a + "g_proj.weight", Hq * Dv, H)
         lin(a + "o_proj.weight", H, Hq * Dv)
+        if not c.get("num_experts"):                                    # a dense MTP layer: KimiMLP
+            lin(p + "mlp.gate_proj.weight", c["intermediate_size"], H)
+            lin(p + "mlp.up_proj.weight", c["intermediate_size"], H)
+            lin(p + "mlp.down_proj.weight", H, c["intermediate_size"])
+            lin(p + "shared_head.head.weight", V, H)
+            continue
         mo = p + "block_sparse_moe."
         lin(mo + "gate.weight", E, H)
         t[mo + "gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(E)).astype(np.float32)
@@ -378,7 +384,13 @@ class Layer:
         x = x @ W("eh_proj.weight").T
         o, rows = self.mla(rms(x, W("input_layernorm.weight"), eps), pos, wrong)
         r = x + o
-        y = r + self.moe(rms(r, W("post_attention_layernorm.weight"), eps), wrong)
+        f = rms(r, W("post_attention_layernorm.weight"), eps)
+        if self.c.get("num_experts"):
+            y = r + self.moe(f, wrong)
+        else:                                                   # KimiMLP of intermediate_size
+            c = self.c
+            y = r + situ(f @ W("mlp.gate_proj.weight").T, f @ W("mlp.up_proj.weight").T, c["activation_situ_beta"],
+                         c["activation_situ_linear_beta"]) @ W("mlp.down_proj.weight").T
         return rows, y, rms(y, W("shared_head.norm.weight"), eps)
 
 
@@ -603,3 +615,29 @@ def test_mtpkern_s_own_writer_is_the_release_form(tmp_path):
     assert "model.layers.3.mlp.experts.0.gate_proj.weight" in read_safetensors(canon / "model.safetensors")
     for mode in ("exact", "draft"):
         assert run_rounds(canon, mode=mode)[1] == run_rounds(path, mode=mode)[1]
+
+
+def test_a_dense_mtp_layer_drafts_as_the_model(tmp_path):
+    """No experts configured (or MTP layers off ``moe_layer_freq``): vLLM's ``KimiMLP`` of
+    ``intermediate_size`` with SiTU, under ``mlp.{gate,up,down}_proj``."""
+    text = {k: v for k, v in TINY.items() if k != "num_experts"}
+    path = write_release(tmp_path / "dense", text, seed=29)
+    rel = Release(read_safetensors(path / "model.safetensors"), json.loads((path / "config.json").read_text()))
+    cfg = MtpConfig.from_json(path / "config.json")
+    assert not cfg.block(0).moe and cfg.intermediate_size == 96 and cfg.block(0).mlp_act == "situ"
+    for backend in ("numpy", "cpu"):
+        assert replay(rel, record(path, backend, prompt=7, rounds=((3, 1.0), (3, 0.4), (2, 0.0)))) >= 4
+
+
+def test_both_gate_names_are_refused(tmp_path, release):
+    """g_proj and transformers' output_gate_proj both present: which one is meant is unknown."""
+    from mtpkern import CheckpointError
+
+    src = read_safetensors(release[0] / "model.safetensors")
+    g = "language_model.model.layers.3.self_attn."
+    (tmp_path / "both").mkdir()
+    save_file(dict(src, **{g + "output_gate_proj.weight": src[g + "g_proj.weight"]}),
+              str(tmp_path / "both" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "both" / "config.json").write_text((release[0] / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="output_gate_proj"):
+        MultiModuleMtpHead.from_pretrained(tmp_path / "both", backend="numpy")
