@@ -136,10 +136,13 @@ def test_release_variants_read_as_vllm_builds_them(change, want):
     ({"moe_layer_freq": 2, "num_nextn_predict_layers": 2}, "moe_layer_freq"),   # layers 93, 94: dense, MoE
     ({"topk_method": "greedy"}, "topk_method"),
     ({"num_nextn_predict_layers": 0}, "num_nextn_predict_layers"),
+    ({"kv_lora_rank": None}, "kv_lora_rank"),                                 # the MTP attention is MLA
+    ({"v_head_dim": None}, "v_head_dim"),
 ])
 def test_what_mtpkern_lacks_is_refused_by_name(change, field):
+    text = {k: v for k, v in dict(copy.deepcopy(K3_TEXT), **change).items() if v is not None}
     with pytest.raises(ConfigError, match=field):
-        MtpConfig.from_dict(wrapped(dict(copy.deepcopy(K3_TEXT), **change)))
+        MtpConfig.from_dict(wrapped(text))
 
 
 def test_another_text_model_type_is_refused():

@@ -117,6 +117,11 @@ def normalise(d: dict) -> dict:
     if out.get("routed_expert_hidden_size") is None:
         out.pop("routed_expert_hidden_size", None)    # no latent projection
         out.pop("latent_moe_use_norm", None)          # (vLLM builds the norm only with one)
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if out.get(name) is None:                     # (0 / out of range: refused by the MLA checks)
+            raise ConfigError(f"config.json: field {name!r} is missing: Kimi K3's MTP attention is MLA (vLLM's "
+                              f"KimiDecoderLayer asserts kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and "
+                              f"v_head_dim); expected an integer")
     if out.get("kv_lora_rank"):                       # the MTP layer's MLA reads neither of these:
         if out.get("head_dim") not in (None, 0):      # KimiLinearConfig's head_dim (the KDA heads')
             hd, P, R = out["head_dim"], out.get("qk_nope_head_dim"), out.get("qk_rope_head_dim")
