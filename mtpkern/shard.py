@@ -10,8 +10,8 @@ read one rule:
   each), or, where there are fewer KV heads than ranks (``size`` a multiple of ``Hkv``), the
   one KV head the rank's query heads read, held by ``size / Hkv`` ranks alike; ``o_proj``'s
   input columns of the rank's heads, whose partial products meet in an all-reduce (sum).
-  MLA: the query heads likewise (q_b_proj / q_proj rows, kv_b_proj's per-head parts), the
-  latent row (kv_a_proj, its norm, the KV pool) replicated. DeepSeek-V4's attention: the
+  MLA: the query heads likewise (q_b_proj / q_proj rows, kv_b_proj's per-head parts, an
+  element-wise gate's g_proj rows), the latent row (kv_a_proj, its norm, the KV pool) replicated. DeepSeek-V4's attention: the
   query latent (q_a_proj, its norm) replicated, q_b_proj's rows of the rank's heads, kv_proj
   as the KV heads; a grouped output (``o_groups`` g) by whole groups: the rank's heads are
   groups ``g0 .. g1 - 1`` (``g / size`` each; a split that cuts a group is refused), with

@@ -65,6 +65,7 @@ SLOW_SWEEPS: dict[str, tuple[str, ...]] = {
     "test_cuda_emulated.py::test_blocks_match_numpy_reference_and_replay": (
         "draft-", "exact-mixed", "exact-mla_mixed"),
     "test_cuda_emulated.py::test_windows_release_blocks_on_the_kernels": ("draft",),
+    "test_cuda_emulated.py::test_nope_mla_with_dsa_matches_numpy_reference": ("exact-mla_nope_dsa", "draft-"),
     "test_cuda_emulated.py::test_proposer_matches_numpy_reference": ("tiny-",),
     "test_cuda_emulated.py::test_step3p5_matches_numpy_reference_and_replays": ("draft",),
     "test_cuda_emulated.py::test_mimo_v2_flash_on_the_kernels": ("bf16",),

@@ -1,5 +1,5 @@
 """Per-module blocks (mtpkern/block.py): sliding windows, attention sinks, a value head
-dim of its own, head-wise output gates, SwiGLU clamps (of silu(gate), or of the gate before
+dim of its own, head-wise output gates, MLA's element-wise g_proj gate without RoPE, SwiGLU clamps (of silu(gate), or of the gate before
 silu as DeepSeek-V4), DeepSeek-V4's sqrtsoftplus router, the RoPE variants (interleaved
 pairs, YaRN), and modules that differ from each other (heads, RoPE, dense or MoE), in
 the canonical layout.
@@ -72,6 +72,9 @@ FEATURES = {
     "mla_nope": dict(MLA, qk_rope_head_dim=0, head_dim=16, rope_interleave=True, rope_scaling=YARN),
     "mla_nope_dsa": dict(MLA, qk_rope_head_dim=0, head_dim=16, rope_interleave=True, rope_scaling=YARN,
                          index_topk=5, index_n_heads=4, index_head_dim=16, indexer_rope_interleave=True),
+    # Kimi K3's gated MLA, small: no RoPE although R = 8 (the query's and the shared key's last 8
+    # dims kept, unrotated), an element-wise output gate from its own g_proj [Hq Dv, H]
+    "mla_gated": dict(MLA, nope=True, attn_gate="elementwise", rope_interleave=True),
     # MLA with a plain q_proj, a sliding window, neox RoPE; module 1 a GQA block, module 2 dense
     "mla_mixed": dict(MLA, q_lora_rank=0, sliding_window=6, intermediate_size=40,
                       blocks=[{}, {"kv_lora_rank": 0, "qk_rope_head_dim": 0, "head_dim": 16, "v_head_dim": 0,
@@ -225,7 +228,8 @@ def _module_rows(path, backend, cfg_edit=None, n=11, seed=2):
                                       ("interleave", {"rope_interleave": False}), ("yarn", {"rope_scaling": None}),
                                       ("yarn_interleave", {"rope_scaling": None}),
                                       ("yarn_interleave", {"rope_interleave": False}),
-                                      ("mla", {"rope_interleave": False}), ("mla", {"rope_scaling": None})])
+                                      ("mla", {"rope_interleave": False}), ("mla", {"rope_scaling": None}),
+                                      ("mla_gated", {"nope": False})])
 def test_each_feature_changes_the_rows(ckpts, name, off):
     """The same tensors with the feature switched off compute other rows (a window: the
     same rows while they fit in it)."""

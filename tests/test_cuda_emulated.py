@@ -1964,7 +1964,7 @@ def test_mimo_v2_flash_on_the_kernels(fake_runtime, tmp_path, fp8):
 
 
 @pytest.mark.parametrize("name", ["mixed", "window_sinks_dv_dense", "yarn_interleave", "rope_per_module", "mla",
-                                  "mla_mixed", "v4_ffn", "mla_nope"])
+                                  "mla_mixed", "v4_ffn", "mla_nope", "mla_gated"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, mode):
     """Modules of different sizes and attention forms (tests/test_blocks.py) on the kernels:
@@ -1972,7 +1972,9 @@ def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, m
     staged per call, sinks, Dv < D, interleaved RoPE and YaRN (past its original context of
     12 positions), MLA modules (latent pools, their workspaces in the captured step) beside
     GQA ones; contexts longer than the windows; DeepSeek-V4's FFN (sqrtsoftplus routing, the
-    clamps of the gate before silu); GLM-5.3's MLA without RoPE (mla_nope: latent rows of L alone)."""
+    clamps of the gate before silu); GLM-5.3's MLA without RoPE (mla_nope: latent rows of L alone);
+    Kimi K3's gated MLA (mla_gated: R dims kept unrotated, the latent write reading its columns of
+    kv_a | g_proj's output in place, the gate's columns through sigmoid_gate, both in the plan's rows)."""
     cfg = test_blocks.feature_config(name)
     from mtpkern import write_synthetic_checkpoint
 
@@ -1981,16 +1983,19 @@ def test_blocks_match_numpy_reference_and_replay(fake_runtime, tmp_path, name, m
     test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend(), mode, 2)
 
 
+@pytest.mark.parametrize("name", ["mla_nope_dsa", "gated_dsa"])
 @pytest.mark.parametrize("mode", ["exact", "draft"])
-def test_nope_mla_with_dsa_matches_numpy_reference(fake_runtime, tmp_path, mode):
+def test_nope_mla_with_dsa_matches_numpy_reference(fake_runtime, tmp_path, name, mode):
     """GLM-5.3's MTP attention (tests/test_blocks.py's mla_nope_dsa: MLA with qk_rope_head_dim 0
     under DSA's indexer, nothing rotated) on the kernels against the NumPy reference: the latent
     and indexer writes with an empty inv_freq, the selection, the listed attention over rows of
     L values; proposes take the planned step (the lists' scores workspace and the listed
-    attention's, sized by the plan) and none falls back."""
+    attention's, sized by the plan) and none falls back. ``gated_dsa`` (tests/test_gated_mla.py):
+    Kimi K3's gated MLA under the indexer, R = 8 dims kept by zero frequencies in both writes."""
+    import test_gated_mla
     from mtpkern import write_synthetic_checkpoint
 
-    cfg = test_blocks.feature_config("mla_nope_dsa")
+    cfg = (test_blocks.feature_config(name) if name != "gated_dsa" else tiny_config(**test_gated_mla.GATED_DSA))
     ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=13)
     test_gpu.check_cuda_matches_numpy_reference((ckpt, cfg), mode, "float32", emu_backend.backend("float32"))
 

@@ -414,6 +414,22 @@ def test_captured_mla_checkpoint(fake_cuda, mla_ckpt, mla_cfg):
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_gated_nope_mla_checkpoint(fake_cuda, tmp_path, mode):
+    """Kimi K3's gated MLA without RoPE (tests/test_blocks.py's mla_gated) in the captured step:
+    kv_a | g_proj's output in the plan's kv_a rows, the latent write reading its first L + R
+    columns, the gate's columns (exact mode: moved with the last rows into the pick) through
+    sigmoid_gate into ``o``; replays equal eager and no propose falls back."""
+    import test_blocks
+    from mtpkern import write_synthetic_checkpoint
+
+    cfg = test_blocks.feature_config("mla_gated")
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=13, dtype="float32")
+    eager, graph = _twins(ckpt, mode, fake_cuda)
+    counts = run_twins(eager, graph, cfg, 3, [7, 40], [(3, [0.0], [None])] * 3 + [(2, [1.0], [None])])
+    assert counts["replayed"] >= 2 and not any(v for c, v in counts.items() if c.startswith("fallback")), counts
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
 def test_captured_dsa_checkpoint(fake_cuda, dsa_ckpt, dsa_cfg, mode):
     """DSA's indexer in the captured step: its key write and lists recorded and replayed (the
     lists' scores workspace planned as dsa_select's launcher says), the absorbed attention's

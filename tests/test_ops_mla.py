@@ -380,6 +380,41 @@ def test_latent_write_ropes_the_query_as_the_key(backend, name, interleave, Hq, 
         be.mla_latent_write(kv_a, w, 1e-6, f, pos, c2, slots, q=q[:, :, :R])
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("interleave", [True, False])
+def test_latent_write_without_rope_keeps_the_rope_dims_and_reads_a_column_slice(backend, name, interleave):
+    """NoPE with R > 0 (Kimi K3's gated MLA: BlockSpec.inv_freq() all zeros): the key's last R
+    values go to the cache as kv_a holds them (the cache dtype's rounding only) and the query's
+    last R come back bit for bit, at any position; kv_a read as the first L + R columns of a
+    wider [n, L + R + G] output (kv_a_proj_with_mqa | g_proj) gives the bits of a contiguous
+    copy. Negative control: plain RoPE frequencies move both."""
+    be = backend(name)
+    rng = rng_for("nope", interleave)
+    L, R, G, Hq, P, n, NB, BS = 40, 8, 24, 3, 12, 6, 3, 4
+    wide, w = rnd(rng, n, L + R + G, scale=2.0), rnd(rng, L)
+    q = rnd(rng, n, Hq, P + R)
+    zero = np.zeros(R // 2, np.float32)
+    pos = np.array([0, 1, 7, 300, 4095, 65000], np.int32)
+    slots = rng.permutation(NB * BS)[:n].astype(np.int32)
+    c1, c2, c3 = (be.empty_latent_kv(NB, BS, L + R) for _ in range(3))
+    dev = be.from_host(wide)
+    got = be.to_host(be.mla_latent_write(dev[:, :L + R], w, 1e-6, zero, pos, c1, slots, q=q, interleave=interleave))
+    be.mla_latent_write(np.ascontiguousarray(wide[:, :L + R]), w, 1e-6, zero, pos, c2, slots, interleave=interleave)
+    np.testing.assert_array_equal(be.kv_to_host(c1), be.kv_to_host(c2))
+    rows = be.kv_to_host(c1).reshape(NB * BS, L + R)[slots]
+    k_pe = wide[:, L:L + R]
+    want = k_pe.astype(ml_dtypes.bfloat16).astype(np.float32) if kv_tol(be) == "bfloat16" else k_pe
+    np.testing.assert_array_equal(rows[:, L:], want)
+    np.testing.assert_array_equal(got, q)
+    for r in range(n):
+        assert_close(rows[r], latent_row64(wide[r, :L + R], w, 1e-6, zero, pos[r], interleave, 1.0), kv_tol(be),
+                     what=f"row {r}")
+    roped = be.to_host(be.mla_latent_write(dev[:, :L + R], w, 1e-6, inv_freq(R, 1e4), pos, c3, slots, q=q,
+                                           interleave=interleave))
+    moved = be.kv_to_host(c3).reshape(NB * BS, L + R)[slots][1:, L:]
+    assert np.abs(moved - want[1:]).max() > 1e-2 and np.abs(roped[1:, :, P:] - q[1:, :, P:]).max() > 1e-2
+
+
 @pytest.mark.parametrize("name", OTHER_BACKENDS)
 def test_latent_write_equals_reference_and_later_row_wins(backend, name):
     cpu = backend(name)

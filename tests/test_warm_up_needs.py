@@ -167,6 +167,17 @@ def test_an_moe_checkpoint_warm_up_suffices(tmp_path, tiny_cfg):
     assert got["added"] == {}
 
 
+def test_a_gated_mla_checkpoint_warm_up_suffices(tmp_path):
+    """Kimi K3's gated MLA (tests/test_gated_mla.py): its warm-up puts the output gate's kernel in
+    place beside MLA's (a GQA gate's rule covers MLA's too), and the calls add nothing."""
+    import test_gated_mla
+    from mtpkern.config import tiny_config
+
+    got = _probe(write_synthetic_checkpoint(tmp_path / "g", tiny_config(**test_gated_mla.GATED), dtype="bfloat16"))
+    assert {"gate.sigmoid_gate_kernel", "mla.mla_latent_write_kernel"} <= set(got["warm_up"])
+    assert got["added"] == {}
+
+
 def test_a_dsa_checkpoint_warm_up_suffices(tmp_path, dsa_cfg):
     """MLA with DSA's indexer (index_topk 4: the calls' rows see more keys): its warm-up puts the
     key write, the selection and the sparse attention's copy in place, and the calls add nothing."""

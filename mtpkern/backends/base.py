@@ -213,7 +213,8 @@ class Backend(ABC):
     @abstractmethod
     def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,
                          q=None, interleave: bool = False, rope_scale: float = 1.0):
-        """-> None, or ``q`` with its rope dims rotated (``out=`` with ``q``)."""
+        """-> None, or ``q`` with its rope dims rotated (``out=`` with ``q``); ``kv_a`` may be a column
+        slice of a wider output (mtpkern.ops.mla)."""
 
     @abstractmethod
     def mla_attention_absorbed(self, q, w_uk, w_uv, latent_cache, block_tables, row_seq, row_len,

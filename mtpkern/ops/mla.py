@@ -12,10 +12,14 @@ latent_cache [NB, BS, L + R], slots [n], *, q=None, interleave=False, rope_scale
 
 ``R`` may be 0 (NoPE: GLM-5.3's MTP layer, ``qk_rope_head_dim = 0``): ``inv_freq`` is empty,
 the latent row is ``c`` alone (``kv_a_proj_with_mqa`` has ``L`` rows), nothing is rotated and
-the query comes back as it was given (in FP32); every score is ``q_lat . c``.
+the query comes back as it was given (in FP32); every score is ``q_lat . c``. ``R > 0`` with
+``inv_freq`` all zeros (``BlockSpec.nope``, Kimi K3's gated MLA): the R dims are there but turn
+by angle 0 (cos 1, sin 0), so ``k_pe`` goes to the cache and ``q_pe`` comes back as given.
 
 - ``kv_a`` is ``kv_a_proj_with_mqa``'s output as released: ``L`` compressed values, then
-  the ``R`` rope-key values. ``c = rmsnorm(kv_a[:, :L], kv_a_norm_w, eps)``
+  the ``R`` rope-key values; it may be a column slice of a wider output (with an element-wise
+  output gate, the first ``L + R`` columns of ``kv_a_proj_with_mqa | g_proj``'s), which the
+  backends read in place or copy. ``c = rmsnorm(kv_a[:, :L], kv_a_norm_w, eps)``
   (``kv_a_layernorm``); ``k_pe`` = ``kv_a[:, L:]`` rotated at ``positions`` as
   ``mtpkern.ops.rope_kv`` rotates (all ``R`` dims; pairs ``(2i, 2i + 1)`` with
   ``interleave``, DeepSeek-V3's ``rope_interleave``, else ``(i, i + R/2)``; cos and sin
