@@ -644,3 +644,17 @@ def test_both_gate_names_are_refused(tmp_path, release):
     (tmp_path / "both" / "config.json").write_text((release[0] / "config.json").read_text())
     with pytest.raises(CheckpointError, match="output_gate_proj"):
         MultiModuleMtpHead.from_pretrained(tmp_path / "both", backend="numpy")
+
+
+def test_cuda_mxfp4_experts_draft_as_their_dequantized_twin(tmp_path, emulator):
+    """The release's MXFP4 routed experts (SiTU, on the latent) on the emulated kernels: the
+    drafts of the dense twin, in both KV modes."""
+    from cuda_emu import emu_backend
+
+    text = dict(TINY, num_nextn_predict_layers=1, num_experts=4, num_expert_group=2, topk_group=1)
+    ct = write_release(tmp_path / "ct", text, seed=41, mxfp4=True)
+    twin = write_release(tmp_path / "twin", text, seed=41)
+    for mode in ("exact", "draft"):
+        got = run_rounds(ct, emu_backend.backend("float32"), mode, rounds=3, n=6)[1]
+        assert got == run_rounds(twin, emu_backend.backend("float32"), mode, rounds=3, n=6)[1], mode
+        assert got == run_rounds(twin, "numpy", mode, rounds=3, n=6)[1], mode
