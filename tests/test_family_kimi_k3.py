@@ -425,11 +425,12 @@ def argmax_or_tie(logits, d, where) -> bool:
 
 def record(path, backend, prompt: int = 11, rounds=((3, 1.0), (3, 0.4), (2, 0.0), (3, 1.0), (3, 0.7), (2, 1.0),
                                                     (3, 0.5)),
-           seed: int = 5) -> list:
+           seed: int = 5, **kw) -> list:
     """Exact mode: a prompt, then ``rounds`` of (k, share accepted) propose / verify / catch-up;
-    after every call the inputs so far and every module's KV rows, and each propose's drafts."""
+    after every call the inputs so far and every module's (draft step's) KV rows, and each
+    propose's drafts. ``kw``: more arguments of ``from_pretrained`` (``module_schedule``)."""
     prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4, num_blocks=96,
-                                              prefill_chunk=5)
+                                              prefill_chunk=5, **kw)
     assert prop.chain == "prenorm"
     M, H, V = prop.config.num_modules, prop.config.hidden_size, prop.config.vocab_size
     rng = np.random.default_rng(seed)
@@ -464,12 +465,25 @@ def replay(rel: Release, trace: list, wrong=None) -> int:
     checked = 0
     for kind, tokens, hiddens, drafts, kv in trace:
         P = len(tokens) - 1
-        want = chain(rel, tokens + (drafts or []), hiddens, wrong)
+        want = chain(rel, tokens + (drafts or []), hiddens, wrong, modules=len(kv))
         for m, (got, (rows, _)) in enumerate(zip(kv, want)):
             assert_close(got, rows, "float32", f"{kind} at {len(tokens)} tokens: module {m}'s KV")
         for m, d in enumerate(drafts or []):
             checked += argmax_or_tie(want[m][1][P - 1] @ rel.layer(m).head.T, d, f"P={P}, module {m}")
     return checked
+
+
+def test_step_s_runs_layer_s_mod_n(release):
+    """vLLM's ``KimiK3MultiTokenPredictor`` runs layer ``spec_step_idx % num_nextn_predict_layers``:
+    ``module_schedule="cycle"`` with three drafts from the two layers (0, 1, 0) is the model's."""
+    trace = record(release[0], "numpy", rounds=((3, 1.0), (3, 0.4), (3, 0.0), (3, 1.0)), module_schedule="cycle",
+                   max_drafts=3)
+    assert len(trace[0][4]) == 3 and max(len(d or []) for *_, d, _ in trace) == 3
+    assert replay(release[1], trace) >= 9
+    last = record(release[0], "numpy", rounds=((3, 1.0), (3, 0.4), (3, 0.0), (3, 1.0)), module_schedule="last",
+                  max_drafts=3)                                         # (0, 1, 1): not vLLM's order
+    with pytest.raises(AssertionError):
+        replay(release[1], last)
 
 
 def draft_mode_firsts(path, backend, prompt: int = 9, rounds: int = 6, seed: int = 3) -> list:
