@@ -35,8 +35,11 @@ acceptances on numpy and cpu (a shorter run on the emulated CUDA kernels); every
 be the model's argmax (unless its two best logits lie within float rounding) and every
 module's KV rows (the latent ``[c | k_pe]``, ``k_pe`` unrotated) the model's after every
 call. Draft mode's first drafts (module 0 complete when nothing is accepted) must be the
-model's. Negative controls (each must fail the comparison): the gate off, RoPE on the shared
-key dims, the post-norm chain, the position-0 mask off, the latent norm off.
+model's; three draft steps over the two layers (``module_schedule="cycle"``) too; a dense MTP
+layer (``KimiMLP``) too. The release's MXFP4 experts (compressed-tensors) draft as their
+dequantized twin on numpy, cpu and the emulated kernels. Negative controls (each must fail
+the comparison): the gate off, RoPE on the shared key dims, the post-norm chain, the
+position-0 mask off, the latent norm off, the layers in another order.
 """
 
 from __future__ import annotations
