@@ -408,7 +408,8 @@ class StepPlan:
         for m in self.run:
             c, co, b = n[m], nout[m], blk[m]           # rows written; rows past the KV write
             Hq = b.num_attention_heads
-            ws = {op: {key: a[:(c * hc if op == "mtp_input" else co) * (K if op in ("experts", "latent_experts") else 1)]
+            per_pair = ("experts", "latent_experts")       # workspaces of n * K rows
+            ws = {op: {key: a[:(c * hc if op == "mtp_input" else co) * (K if op in per_pair else 1)]
                        for key, a in d.items()} for op, d in ws_fixed.items()}
             if self.cuda and parts[m] > 1:
                 p_ = parts[m]

@@ -1619,8 +1619,8 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         for norm in (None, (rnd(rng, 64), 1e-6)):
             out[f"gemm_tc {rows} {norm is None}"] = gemm_tc_launch.gemm_tc(xt[:rows], wt, rnd(rng, 40), norm=norm)
             out[f"swiglu_tc {rows} {norm is None}"] = gemm_tc_launch.swiglu_tc(xt[:rows], wt, limit=1.5, norm=norm)
-            out[f"situ_tc {rows} {norm is None}"] = gemm_tc_launch.swiglu_tc(xt[:rows], wt, norm=norm, activation="situ",
-                                                                             situ_beta=2.0, situ_linear_beta=3.0)
+            out[f"situ_tc {rows} {norm is None}"] = gemm_tc_launch.swiglu_tc(
+                xt[:rows], wt, norm=norm, activation="situ", situ_beta=2.0, situ_linear_beta=3.0)
     out["rmsnorm"] = emu_backend.backend().rmsnorm(x, rnd(rng, 64), 1e-6)
     fused = rnd(rng, 5, 80)
     out["sigmoid_gate"] = emu_backend.backend().sigmoid_gate(x, fused[:, 8:16])

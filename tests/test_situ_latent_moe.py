@@ -141,7 +141,10 @@ def _ops_case(seed, n, H, I, E, K):
 
 def _stored(w, kind):
     """(the weight a backend prepares, the FP32 values the reference reads)."""
-    from mtpkern.quant import Fp8Weight
+    from mtpkern.quant import Fp4Weight, Fp8Weight
+    if kind in ("mxfp4", "nvfp4"):
+        q = Fp4Weight.quantize(w, kind)
+        return q, q.dequantize()
     if kind == "fp8":
         q = Fp8Weight.quantize(w, (8, 8))
         return q, q.dequantize()
@@ -153,7 +156,7 @@ def _stored(w, kind):
 
 
 @pytest.mark.parametrize("lb", [0.0, 4.0])
-@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("n", [1, 5])
 def test_situ_ops_on_the_cpu_equal_the_reference(n, kind, lb):
     from mtpkern.backends.cpu import CpuBackend
@@ -173,7 +176,7 @@ def test_situ_ops_on_the_cpu_equal_the_reference(n, kind, lb):
     assert not np.allclose(swiglu, want, rtol=1e-3, atol=1e-3)        # the activation is seen
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("n", [1, 3, 6])
 def test_cuda_situ_ops_equal_the_reference(emulator, n, kind):
     """moe_expert_kernel's SITU gate/up pass (one row: the fused down-combine; more: by pair and by
@@ -207,6 +210,12 @@ CASES = {
                                          moe_latent_norm=False),
     "situ latent": dataclasses.replace(KIMI, moe_latent_norm=False),
 }
+#: the same module with FP8 weights (block scales of 8: the experts, the latent projections)
+CASES["situ latent norm fp8"] = dataclasses.replace(KIMI, weight_quant="fp8", fp8_block=(8, 8))
+CASES["swiglu latent fp8"] = dataclasses.replace(CASES["swiglu latent"], weight_quant="fp8", fp8_block=(8, 8))
+#: and stored BF16
+BF16 = ("situ latent norm bf16", "swiglu latent bf16")
+CASES.update({name: CASES[name[:-5]] for name in BF16})
 ROUNDS = [(1, 1.0), (1, 0.4), (1, 0.0), (1, 1.0)]
 
 
@@ -214,23 +223,27 @@ def _ckpt(tmp_path, cfg, dtype="float32"):
     return write_synthetic_checkpoint(tmp_path, cfg, seed=5, dtype=dtype)
 
 
+def _case_ckpt(tmp_path, case):
+    cfg = CASES[case]
+    return _ckpt(tmp_path, cfg, "bfloat16" if case in BF16 else "float32"), cfg
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_drafts_and_kv_equal_the_oracle(tmp_path, case, backend):
-    cfg = CASES[case]
-    path = _ckpt(tmp_path, cfg)
+    path, cfg = _case_ckpt(tmp_path, case)
     prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4, num_blocks=64)
     test_oracle.run_scenario(prop, cfg, reference_weights(path), 3, 12, ROUNDS, "postnorm", None)
 
 
-@pytest.mark.parametrize("case", ["situ latent norm", "swiglu latent"])
+@pytest.mark.parametrize("case", ["situ latent norm", "swiglu latent", "situ latent norm fp8", "situ latent norm bf16",
+                                  "swiglu latent bf16", "situ dense"])
 def test_cuda_drafts_and_kv_equal_the_oracle(tmp_path, emulator, case):
     """The emulated kernels, through the planned step on the fake graph runtime: LatentMoE's
     projections on linear_kernel, the experts at width Lt, the norm fused into fc2."""
     from cuda_emu import emu_backend
 
-    cfg = CASES[case]
-    path = _ckpt(tmp_path, cfg)
+    path, cfg = _case_ckpt(tmp_path, case)
     prop = MultiModuleMtpHead.from_pretrained(path, backend=emu_backend.backend("float32"), kv_mode="exact",
                                               block_size=4, num_blocks=64, prefill_chunk=7)
     test_oracle.run_scenario(prop, cfg, reference_weights(path), 3, 12, ROUNDS, "postnorm", None)
