@@ -489,7 +489,8 @@ class BlockSpec:
                          + (f" pools of {self.kpool}{' + tail' if self.index_kpool_tail else ''}" if self.kpool else ""))
         if (self.mla and not self.qk_rope_head_dim) or self.nope:
             # nothing rotated (YaRN still scales the scores); MLA with R > 0: its R dims kept unrotated
-            parts.append("NoPE" if not (self.mla and self.qk_rope_head_dim) else f"NoPE (R={self.rotary_dim} unrotated)")
+            kept = self.mla and self.qk_rope_head_dim
+            parts.append(f"NoPE (R={self.rotary_dim} unrotated)" if kept else "NoPE")
         else:
             parts.append(f"rotary={self.rotary_dim} theta={self.rope_theta:g}")
             if self.rope_interleave:

@@ -88,14 +88,13 @@ class RowIndex(NamedTuple):
 @dataclass(slots=True)
 class RowPick:
     """The rows of a planned step's module that go on past the KV write (``MtpHead.compute``):
-    the last row of each sequence, which the plan's segment copies (``cuda_graph.StepPlan``)
-    move between ``compute(part="kv")`` and ``compute(part="rest")`` into these buffers of
-    ``B`` rows: ``q`` (the attention's queries), ``x`` (o_proj's residual), ``row_seq`` /
-    ``row_len`` (int32), ``row_start`` (a sliding window) and ``qkv`` (an attention output
-    gate's projection, read after the attention: q|k|v|gate, MLA's kv_a|gate) when the block
-    has them; ``ex``: the per-row
-    extras of the KV write that the rest reads, by ``compute``'s names (DSA's ``index_q`` /
-    ``index_w``). ``q`` None: no row goes on (the module only writes its K/V)."""
+    the last row of each sequence, which the plan's segment copies (``cuda_graph.StepPlan``) move
+    between ``compute(part="kv")`` and ``compute(part="rest")`` into these buffers of ``B`` rows:
+    ``q`` (the attention's queries), ``x`` (o_proj's residual), ``row_seq`` / ``row_len`` (int32),
+    ``row_start`` (a sliding window) and ``qkv`` (an attention output gate's projection, read after
+    the attention: q|k|v|gate, MLA's kv_a|gate) when the block has them; ``ex``: the per-row extras
+    of the KV write that the rest reads, by ``compute``'s names (DSA's ``index_q`` / ``index_w``).
+    ``q`` None: no row goes on (the module only writes its K/V)."""
 
     q: Any = None
     x: Any = None
@@ -108,26 +107,25 @@ class RowPick:
 
 @dataclass(slots=True)
 class ForwardBuffers:
-    """Preallocated outputs of ``MtpHead.compute`` over ``n`` rows (backend arrays,
-    contiguous): ``x``, ``r``, ``y``, ``normed`` [n, H] (the block's RMSNorms are fused into the
-    GEMVs they feed, ``norm=``: their rows are never stored); ``qkv``
-    [n, block.qkv_size] (q | k | v | gate); ``q`` [n, Hq, D]; ``o`` [n, Hq Dv]; MoE ``expert_ids`` [n, K]
-    int32 / ``expert_weights`` [n, K]. ``ws``: per op (``mtp_input``, ``attention``,
-    ``router``, ``experts``, ``shared``, ``mlp``), the backend's workspace keyword
-    arguments (the CUDA launchers' ``xcat=``, ``part_o=`` ...; empty on NumPy).
-    ``y`` may be read by the op that writes it (the shared experts add into it). With a
-    gated shared expert (``shared_expert_gate``): ``shared`` [n, H] and ``shared_gate``
-    [n, 1]. An expert-parallel rank of a sharded head: ``local_ids`` [n, K] int32, the router's
-    ids mapped to its experts. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n, block.kv_a_size]
-    (the latent row's L + R, then an element-wise gate's Hq Dv columns);
-    with ``q_lora_rank``, ``q_c`` [n, q_lora_rank] (before q_a_layernorm, which is fused into q_b_proj).
+    """Preallocated outputs of ``MtpHead.compute`` over ``n`` rows (backend arrays, contiguous): ``x``,
+    ``r``, ``y``, ``normed`` [n, H] (the block's RMSNorms are fused into the GEMVs they feed,
+    ``norm=``: their rows are never stored); ``qkv`` [n, block.qkv_size] (q | k | v | gate); ``q``
+    [n, Hq, D]; ``o`` [n, Hq Dv]; MoE ``expert_ids`` [n, K] int32 / ``expert_weights`` [n, K].
+    ``ws``: per op (``mtp_input``, ``attention``, ``router``, ``experts``, ``shared``, ``mlp``), the
+    backend's workspace keyword arguments (the CUDA launchers' ``xcat=``, ``part_o=`` ...; empty on
+    NumPy). ``y`` may be read by the op that writes it (the shared experts add into it). With a
+    gated shared expert (``shared_expert_gate``): ``shared`` [n, H] and ``shared_gate`` [n, 1]. An
+    expert-parallel rank of a sharded head: ``local_ids`` [n, K] int32, the router's ids mapped to
+    its experts. MLA: ``qkv`` holds the query before its RoPE, ``q`` after; ``kv_a`` [n,
+    block.kv_a_size] (the latent row's L + R, then an element-wise gate's Hq Dv columns); with
+    ``q_lora_rank``, ``q_c`` [n, q_lora_rank] (before q_a_layernorm, which is fused into q_b_proj).
     DSA's indexer (``block.dsa``): ``index_qr`` [n, Hi Di] (wq_b's output), ``index_q`` [n, Hi, Di]
     (roped), ``index_k`` [n, Di], ``index_w`` [n, Hi], with a pooled indexer ``index_gate`` [n, Di],
     and ``index`` [n, block.index_list_width] int32 (``dsa_select``'s lists; its workspace in
     ``ws["dsa_select"]``). DeepSeek-V4's attention: with a query latent outside MLA, ``q_c``,
     ``q_lat`` [n, Hq D] (q_b_proj's output) and ``kv`` [n, k | v] (w_qkv's), joined into ``qkv``;
-    ``out_rope``: ``o_rot`` [n, Hq, Dv]; a grouped output (``o_groups`` g, rank r): ``o_in``
-    [g, n, Hq Dv / g] (each group's columns of ``o``), ``o_part`` [g, n, r] and ``o_a`` [n, g r].
+    ``out_rope``: ``o_rot`` [n, Hq, Dv]; a grouped output (``o_groups`` g, rank r): ``o_in`` [g, n,
+    Hq Dv / g] (each group's columns of ``o``), ``o_part`` [g, n, r] and ``o_a`` [n, g r].
     Hyper-connections (``hc_mult`` m > 1): ``x``, ``y`` and ``streams`` (the streams after the
     attention) are [n, m H]; ``tok_rep`` [n m] int32 (each token m times); ``ffn`` [n, H] (the FFN's
     output, before its streams); ``hc``: the collapses' buffers by name: ``mix_attn`` [n, (2 + m) m],
@@ -418,14 +416,13 @@ class MtpHead:
 
     def _write_kv(self, tokens: Any, g: Any, positions: Any, slots: Any, put: Any, kv_copy: Any,
                   bufs: "ForwardBuffers | None", zero_embed: Any = None) -> tuple[Any, Any, Any, Any]:
-        """mtp_input, input_layernorm and the projections that write the rows' K/V (MLA: the
-        latent rows; DSA: the indexer keys too) -> ``(x, q, qkv, extra)``: the rows' o_proj
-        residual [n, H] (with hyper-connections: the streams [n, m H]), the attention's queries
-        [n, Hq, D] (RoPE applied), for an output gate the projection that carries it (q|k|v|gate,
-        MLA: kv_a|gate; else None), and
-        the per-row arrays later ops read (sliced with the rows read): with DSA the indexer's
-        roped queries ``index_q`` [n, Hi, Di] and head weights ``index_w`` [n, Hi]; with
-        hyper-connections the attention's ``hc_post`` [n, m] and ``hc_comb`` [n, m, m]."""
+        """mtp_input, input_layernorm and the projections that write the rows' K/V (MLA: the latent rows;
+        DSA: the indexer keys too) -> ``(x, q, qkv, extra)``: the rows' o_proj residual [n, H] (with
+        hyper-connections: the streams [n, m H]), the attention's queries [n, Hq, D] (RoPE applied), for
+        an output gate the projection that carries it (q|k|v|gate, MLA: kv_a|gate; else None), and the
+        per-row arrays later ops read (sliced with the rows read): with DSA the indexer's roped queries
+        ``index_q`` [n, Hi, Di] and head weights ``index_w`` [n, Hi]; with hyper-connections the
+        attention's ``hc_post`` [n, m] and ``hc_comb`` [n, m, m]."""
         be, w, b, cfg, eps = self.backend, self.w, self.block, self.config, self.config.rms_norm_eps
         ex: dict[str, Any] = {}
         m = cfg.hc_mult
@@ -606,9 +603,10 @@ class MtpHead:
         row from kv_a_proj_with_mqa, written (mtpkern.ops.mla) -> (the roped queries [n, Hq, P + R]
         for the absorbed attention (``_after_kv``), the DSA indexer's (roped queries [n, Hi, Di],
         head weights [n, Hi]) or None, with an element-wise output gate the fused kv_a | g_proj
-        output [n, L + R + Hq Dv] whose last columns ``_after_kv`` gates with, else None). The indexer (mtpkern.ops.dsa) reads the normed query
-        latent (q_a_layernorm, fused into its wq_b as into q_b_proj) and the normed hidden, and
-        writes its key to the pool's indexer plane at the same slots."""
+        output [n, L + R + Hq Dv] whose last columns ``_after_kv`` gates with, else None). The
+        indexer (mtpkern.ops.dsa) reads the normed query latent (q_a_layernorm, fused into its
+        wq_b as into q_b_proj) and the normed hidden, and writes its key to the pool's indexer
+        plane at the same slots."""
         be, w, b, eps = self.backend, self.w, self.block, self.config.rms_norm_eps
         n = x.shape[0]
         kv_ag = be.linear(x, w.mla_kv_a, norm=a_norm, **put("linear", out="kv_a"))               # [n, L + R (+ G)]

@@ -11,12 +11,12 @@ read one rule:
   one KV head the rank's query heads read, held by ``size / Hkv`` ranks alike; ``o_proj``'s
   input columns of the rank's heads, whose partial products meet in an all-reduce (sum).
   MLA: the query heads likewise (q_b_proj / q_proj rows, kv_b_proj's per-head parts, an
-  element-wise gate's g_proj rows), the latent row (kv_a_proj, its norm, the KV pool) replicated. DeepSeek-V4's attention: the
-  query latent (q_a_proj, its norm) replicated, q_b_proj's rows of the rank's heads, kv_proj
-  as the KV heads; a grouped output (``o_groups`` g) by whole groups: the rank's heads are
-  groups ``g0 .. g1 - 1`` (``g / size`` each; a split that cuts a group is refused), with
-  their ``o_lora_rank`` r rows of o_a_proj each and o_b_proj's columns ``g0 r .. g1 r - 1``,
-  whose partial products meet in o_proj's all-reduce.
+  element-wise gate's g_proj rows), the latent row (kv_a_proj, its norm, the KV pool)
+  replicated. DeepSeek-V4's attention: the query latent (q_a_proj, its norm) replicated,
+  q_b_proj's rows of the rank's heads, kv_proj as the KV heads; a grouped output (``o_groups``
+  g) by whole groups: the rank's heads are groups ``g0 .. g1 - 1`` (``g / size`` each; a split
+  that cuts a group is refused), with their ``o_lora_rank`` r rows of o_a_proj each and
+  o_b_proj's columns ``g0 r .. g1 r - 1``, whose partial products meet in o_proj's all-reduce.
 - routed experts: by expert id (``"ep"``: experts ``e0 .. e1 - 1`` whole, the router's ids
   of the others mapped to -1, an empty slot: mtpkern.ops.moe) or by intermediate slice
   (``"tp"``: every expert's gate / up rows and down columns ``i0 .. i1 - 1``); shared

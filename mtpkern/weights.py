@@ -1477,15 +1477,30 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                 np.concatenate([v.data[:, H:], v.data[:, :H]], axis=1),
                 np.concatenate([v.scale[:, hb:], v.scale[:, :hb]], axis=1), v.block))
 
+        def kv_a_and_gate(kv_a, g):
+            """kv_a_proj_with_mqa's rows over g_proj's (MLA's element-wise gate), one projection:
+            stacked as they are stored when both are in one form (dense, FP8 of one scale layout,
+            FP4 of one format); else (a container that leaves one of them dense, say) both widened
+            to FP32, each weight's value kept, with a note."""
+            same = type(kv_a) is type(g) and getattr(kv_a, "block", None) == getattr(g, "block", None) \
+                and getattr(kv_a, "fmt", None) == getattr(g, "fmt", None)
+            if same:
+                return stack_rows(kv_a, g)
+            notes.append(f"module {m}: self_attn.kv_a_proj_with_mqa ({_kind(kv_a)}) and self_attn.g_proj "
+                         f"({_kind(g)}) are stored in different forms: joined as one FP32 projection")
+            return np.concatenate([(t.dequantize() if isinstance(t, (Fp8Weight, Fp4Weight)) else t).astype(np.float32)
+                                   for t in (kv_a, g)], axis=0)
+
         def mla(mw: ModuleWeights) -> None:
             """The MLA tensors: q_a_proj / q_a_layernorm (or none), kv_a_proj_with_mqa (an
             element-wise gate's g_proj rows stacked after its own: ``mla_kv_a`` [L + R + Hq Dv, H],
-            whose one GEMV reads the normed input for both) and its norm, kv_b_proj split per head into its key and value parts (an FP8 one
-            dequantized to BF16 first, as vLLM's MLA does: the absorbed attention reads it at
-            two bytes a weight; FP8 codes times power-of-two scales are exact in BF16)."""
+            whose one GEMV reads the normed input for both) and its norm, kv_b_proj split per head
+            into its key and value parts (an FP8 one dequantized to BF16 first, as vLLM's MLA
+            does: the absorbed attention reads it at two bytes a weight; FP8 codes times
+            power-of-two scales are exact in BF16)."""
             kv_a = w("self_attn.kv_a_proj_with_mqa.weight")
             if blk.attn_gate:                # g_proj's rows (the rank's heads) after kv_a's: one GEMV reads x
-                kv_a = stack_rows(kv_a, heads_of("self_attn.g_proj.weight", blk.v_dim))
+                kv_a = kv_a_and_gate(kv_a, heads_of("self_attn.g_proj.weight", blk.v_dim))
             mw.mla_kv_a = backend.prepare_weight(kv_a)
             mw.mla_kv_a_norm = norm("self_attn.kv_a_layernorm.weight", cfg.kv_a_norm_scale)
             if blk.q_lora_rank:

@@ -1,8 +1,8 @@
 """Per-module blocks (mtpkern/block.py): sliding windows, attention sinks, a value head
-dim of its own, head-wise output gates, MLA's element-wise g_proj gate without RoPE, SwiGLU clamps (of silu(gate), or of the gate before
-silu as DeepSeek-V4), DeepSeek-V4's sqrtsoftplus router, the RoPE variants (interleaved
-pairs, YaRN), and modules that differ from each other (heads, RoPE, dense or MoE), in
-the canonical layout.
+dim of its own, head-wise output gates, MLA's element-wise g_proj gate without RoPE, SwiGLU
+clamps (of silu(gate), or of the gate before silu as DeepSeek-V4), DeepSeek-V4's sqrtsoftplus
+router, the RoPE variants (interleaved pairs, YaRN), and modules that differ from each other
+(heads, RoPE, dense or MoE), in the canonical layout.
 
 Each feature runs through the proposer under random call sequences with every call
 checked against the float64 oracle (mtpkern.testing: exact mode recomputes the

@@ -225,6 +225,15 @@ def test_drafts_and_latent_rows_agree_with_the_oracle(tmp_path_factory, name, ba
     test_oracle.run_scenario(prop, prop.config, weights, 5, 20, ROUNDS, prop.chain, None)
 
 
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_cpu_drafts_as_numpy(tmp_path_factory, kv_mode):
+    """Both KV modes, prefill then propose / verify / catch-up rounds: the cpu backend's drafts
+    are the NumPy reference's (draft mode's rows against the oracle: tests/test_blocks.py's
+    random calls on ``mla_gated``)."""
+    path, _ = ckpt(tmp_path_factory, "gated")
+    assert run_rounds(path, "cpu", kv_mode, rounds=6)[1] == run_rounds(path, "numpy", kv_mode, rounds=6)[1]
+
+
 @pytest.mark.parametrize("control", ["rotated", "no_gate"])
 def test_negative_controls_fail_the_oracle(tmp_path_factory, monkeypatch, control):
     """The oracle test fails when the module rotates the R dims (nope ignored: the frequencies
@@ -273,6 +282,22 @@ def test_nvfp4_g_proj_drafts_as_its_dequantized_twin(tmp_path):
     assert "model.layers.2.self_attn.g_proj.weight_packed" in read_tensors(ct)
     for mode in ("exact", "draft"):
         assert run_rounds(ct, "numpy", mode)[1] == run_rounds(twin, "numpy", mode)[1]
+
+
+def test_a_dense_kv_a_beside_an_nvfp4_g_proj_joins_in_fp32_with_a_note(tmp_path):
+    """A container that leaves kv_a_proj_with_mqa dense (in its ignore list) and g_proj NVFP4:
+    the two are joined widened to FP32 (each weight's value kept), the loader says so, and the
+    drafts are the dequantized twin's."""
+    import test_quant_containers
+
+    cfg = tiny_config(**GATED)
+    ignore = [f"model.layers.{cfg.layer_index(m)}.self_attn.kv_a_proj_with_mqa" for m in range(cfg.num_modules)]
+    ct, twin = test_quant_containers.container(tmp_path, cfg, {"proj": "nvfp4"}, ignore=ignore)
+    prop = MultiModuleMtpHead.from_pretrained(ct, backend="numpy")
+    assert any("kv_a_proj_with_mqa (dense) and self_attn.g_proj (FP4)" in n for n in prop.weights.notes), \
+        prop.weights.notes
+    assert prop.weights.modules[0].mla_kv_a.dtype == np.float32
+    assert run_rounds(ct, "numpy", "exact")[1] == run_rounds(twin, "numpy", "exact")[1]
 
 
 # -- sharded: the gate's rows by the rank's heads ---------------------------------------------------
