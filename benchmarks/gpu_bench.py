@@ -22,6 +22,10 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    Then ``linear_o`` / ``moe_experts`` / ``lm_head_argmax`` with their weights stored ``fp8``
    (E4M3, FP32 scales per 128 x 128) and ``fp4`` (E2M1 two a byte, an E8M0 scale per 32) at
    the same shapes and rows: random codes, bytes counted as stored (docs/fp8.md, docs/fp4.md).
+   Then Kimi K3's block features at the same shape: ``moe_experts situ`` / ``swiglu_shared
+   situ`` (the SiTU epilogue on the same weights) and LatentMoE at Lt 1024 (``linear
+   fc1_latent``, ``moe_experts latent`` with experts of width Lt, ``linear fc2_latent norm``
+   with the latent norm fused).
    Then ``dsv4 hc_*``: DeepSeek-V4-Flash's hyper-connections (m 4 streams of H 4096, 20
    Sinkhorn iterations, FP32 streams) at 1 and 64 rows: ``hc_pre`` (coefficients and the
    collapse), ``hc_post`` (the write-back), ``hc_head``.
@@ -446,7 +450,47 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
         ("lm_head_argmax", 0, V * H * b2 + n * H * f4 + 2 * n * P * 8 + n * 4,
          lambda: be.lm_head_argmax(x, w.head, None, out=lm_ids, part_v=part_v, part_i=part_i, check=False)),
     ]
-    return cases
+    return cases + situ_latent_cases(cfg, be, w, n, x, r, y, ids, wts, distinct)
+
+
+#: LatentMoE's width in the ``latent`` rows: Nemotron-3 Super's 1024 (at H 4096)
+LATENT_LT = 1024
+
+
+def situ_latent_cases(cfg: MtpConfig, be, w, n: int, x, r, y, ids, wts, distinct: int
+                      ) -> list[tuple[str, int, int, Callable]]:
+    """Kimi K3's block features at this shape: the routed experts and the shared expert with
+    the SiTU activation (beta 2, linear beta 4; the same weights and bytes as their SwiGLU rows:
+    only the epilogue differs), and LatentMoE at Lt = ``LATENT_LT``: fc1_latent_proj [Lt, H],
+    the experts at width Lt ([E, 2I, Lt], [E, Lt, I], random BF16), fc2_latent_proj [H, Lt] with
+    the latent norm fused. (op, context, bytes, thunk)."""
+    import cupy as cp
+
+    H, Lt = cfg.hidden_size, LATENT_LT
+    E, K, I, Is = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_intermediate_size
+    f4, b2 = 4, 2
+    situ = {"activation": "situ", "situ_beta": 2.0, "situ_linear_beta": 4.0}
+    act_e, partial, act_s = (cp.empty(s, cp.float32) for s in ((n * K, I), (n * K, H), (n, Is)))
+    fc1, fc2 = bf16_uniform((Lt, H), H, 301), bf16_uniform((H, Lt), Lt, 302)
+    l13, l2 = bf16_uniform((E, 2 * I, Lt), Lt, 303), bf16_uniform((E, Lt, I), I, 304)
+    g_lat = cp.ones(Lt, cp.float32)
+    lat, lat_y, part_l = (cp.empty(s, cp.float32) for s in ((n, Lt), (n, Lt), (n * K, Lt)))
+    eps = np.float32(cfg.rms_norm_eps)
+    return [
+        (f"moe_experts situ ({distinct} experts)", 0,
+         distinct * 3 * I * H * b2 + n * H * f4 + 2 * n * K * I * f4 + 2 * n * K * H * f4 + 2 * n * H * f4,
+         lambda: be.moe_experts(x, ids, wts, w.experts_w13, w.experts_w2, r, out=y, act=act_e, partial=partial,
+                                **situ)),
+        ("swiglu_shared situ", 0, 3 * Is * H * b2 + n * H * f4 + 2 * n * Is * f4 + 2 * n * H * f4,
+         lambda: be.swiglu_mlp(x, w.shared_w13, w.shared_w2, r, out=y, act=act_s, **situ)),
+        (f"linear fc1_latent (Lt {Lt})", 0, Lt * H * b2 + n * H * f4 + n * Lt * f4,
+         lambda: be.linear(x, fc1, out=lat)),
+        (f"moe_experts latent ({distinct} experts)", 0,
+         distinct * 3 * I * Lt * b2 + n * Lt * f4 + 2 * n * K * I * f4 + 2 * n * K * Lt * f4 + n * Lt * f4,
+         lambda: be.moe_experts(lat, ids, wts, l13, l2, out=lat_y, act=act_e, partial=part_l, **situ)),
+        ("linear fc2_latent norm", 0, H * Lt * b2 + n * Lt * f4 + Lt * f4 + 2 * n * H * f4,
+         lambda: be.linear(lat_y, fc2, None, r, out=y, norm=(g_lat, eps))),
+    ]
 
 
 def deepseek_v4_rope_cases(be, n: int) -> list[tuple[str, int, int, Callable]]:

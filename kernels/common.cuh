@@ -847,6 +847,26 @@ __device__ __forceinline__ float swiglu(float g, float u, float L, float Lg) {
   return (a > L ? L : a) * (fabsf(u) > Lu ? copysignf(Lu, u) : u);
 }
 
+// Kimi K3's gated SituAndMul (mtpkern.ops.mlp.situ_act): beta tanh(g / beta) sigmoid(g) u', with
+// u' = lb tanh(u / lb) for a linear beta lb > 0, else u; sigmoid as silu's 1 / (1 + expf(-g))
+// (g < -88: expf overflows to inf, sigmoid 0, as the reference). FP32; a NaN stays NaN.
+__device__ __forceinline__ float situ(float g, float u, float beta, float lb) {
+  const float up = lb > 0.0f ? lb * tanhf(u / lb) : u;
+  return beta * tanhf(g / beta) * (1.0f / (1.0f + expf(-g))) * up;
+}
+
+// The gated activation of every gate/up kernel (mlp.cu, moe.cu, gemm_tc.cu): SITU (a template
+// parameter of theirs) picks SiTU with (p0, p1) = (beta, linear beta), else SwiGLU with its
+// clamps (p0, p1) = (L, Lg) (mtpkern.ops.mlp.act_params gives both pairs).
+template <bool SITU>
+__device__ __forceinline__ float gated_act(float g, float u, float p0, float p1) {
+  if constexpr (SITU) {
+    return situ(g, u, p0, p1);
+  } else {
+    return swiglu(g, u, p0, p1);
+  }
+}
+
 // Nemotron-H's non-gated activation (mtpkern.ops.mlp.relu2): relu(u)^2, a NaN kept (as
 // np.maximum), written as a comparison for the same reason as swiglu's clamps.
 __device__ __forceinline__ float relu2(float u) {

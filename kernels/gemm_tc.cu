@@ -8,6 +8,8 @@
 //     (mtp::swiglu, clamps L, Lg; w13 [2I, H]: gate row u, up row I + u), K = H. Its tile is 8
 //     units: fragment rows 0..7 are gate rows u0 .. u0 + 7, rows 8..15 the up rows I + u0 ..,
 //     so each lane's accumulators hold a gate and its up for the same input row.
+//   swiglu_tc_kernel<NT, NORM, true>: the same with Kimi K3's SiTU (mtp::gated_act; L, Lg then
+//     its beta and linear beta).
 //   Both run one tile driver (gemm_tc_tiles) and differ in their epilogue only.
 //
 // W BF16 (the mma's A operand: 16 weight rows x 16 k), x / bias / residual / y FP32, FP32
@@ -118,6 +120,7 @@ struct LinearTcEpi {
 // SwiGLU gate/up (mlp.cu's product): a tile is 8 units u0 .. u0 + 7 as fragment rows 0..7 =
 // gate rows u, 8..15 = up rows I + u, so a lane holds both halves of act[r][u] (c[h] and
 // c[2 + h], h = 0, 1: input row 8 j + 2 t + h) and activates them in place.
+template <bool SITU>
 struct SwigluTcEpi {
   float* act;  // [n, I]
   int I;
@@ -145,7 +148,7 @@ struct SwigluTcEpi {
           gate *= inv[r];
           up *= inv[r];
         }
-        act[static_cast<long long>(r) * I + u] = swiglu(gate, up, limit, gate_limit);
+        act[static_cast<long long>(r) * I + u] = gated_act<SITU>(gate, up, limit, gate_limit);
       }
   }
 };
@@ -289,10 +292,10 @@ gemm_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w,
   mtp::gemm_tc_tiles<NT, NORM>(x, w, g, eps, n, K, kw, epi);
 }
 
-template <int NT, bool NORM>
+template <int NT, bool NORM, bool SITU = false>
 __global__ void __launch_bounds__(mtp::kTcThreads, NT <= 2 ? 3 : 2)
 swiglu_tc_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ w13, const float* __restrict__ g,
                  float eps, float* __restrict__ act, int n, int I, int H, int kw, float limit, float gate_limit) {
-  const mtp::SwigluTcEpi epi{act, I, limit, gate_limit};
+  const mtp::SwigluTcEpi<SITU> epi{act, I, limit, gate_limit};
   mtp::gemm_tc_tiles<NT, NORM>(x, w13, g, eps, n, H, kw, epi);
 }

@@ -16,6 +16,9 @@
 // W and scale/bn/bk (FP8 scales of w13 [2I, H], null for dense weights): as linear.cu.
 // NORM / norm_w / eps: an RMSNorm of x fused in, as linear.cu (both halves see the normed x).
 //
+// SITU (the last template parameter): Kimi K3's SiTU instead of SwiGLU (mtp::gated_act), limit
+// and gate_limit then carrying its beta and linear beta (0: none).
+//
 // relu2_kernel (Nemotron-H's non-gated MLP, activation="relu2"): act[i] = relu2(act[i]) in
 // place over `count` values (mtp::relu2), grid-stride, block 256; the up and down projections
 // around it are linear_kernel's (swiglu_mlp's launcher).
@@ -26,11 +29,12 @@
 
 namespace mtp {
 
+template <bool SITU>
 struct SwiGluEpi {
   float* act;  // [n, I]
   int I;
-  float limit;       // the SwiGLU clamp of silu(gate), +inf for none
-  float gate_limit;  // the SwiGLU clamp of the gate before silu, +inf for none
+  float limit;       // the SwiGLU clamp of silu(gate), +inf for none (SITU: beta)
+  float gate_limit;  // the SwiGLU clamp of the gate before silu, +inf for none (SITU: the linear beta)
 
   __device__ bool rows(int u, int& a, int& b) const {
     a = u;      // gate row
@@ -43,19 +47,19 @@ struct SwiGluEpi {
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       if (r >= m) break;
-      act[static_cast<long long>(r0 + r) * I + u] = swiglu(acc[0][r], acc[1][r], limit, gate_limit);
+      act[static_cast<long long>(r0 + r) * I + u] = gated_act<SITU>(acc[0][r], acc[1][r], limit, gate_limit);
     }
   }
 };
 
 }  // namespace mtp
 
-template <typename W, int NR, bool NORM>
+template <typename W, int NR, bool NORM, bool SITU = false>
 __global__ void
 swiglu_gate_up_kernel(const float* __restrict__ x, const W* __restrict__ w13, const mtp::ScaleT<W>* __restrict__ scale,
                       int bn, int bk, float* __restrict__ act, int n, int I, int H, int wpr, float limit,
                       float gate_limit, const float* __restrict__ norm_w, float eps) {
-  const mtp::SwiGluEpi epi{act, I, limit, gate_limit};
+  const mtp::SwiGluEpi<SITU> epi{act, I, limit, gate_limit};
   mtp::gemv_groups<W, NR, NORM>(x, w13, mtp::make_scales<W>(scale, bn, bk, H), n, H, wpr, epi,
                                 mtp::RowNorm{norm_w, eps});
 }

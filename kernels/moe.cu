@@ -45,6 +45,8 @@
 //   !GATED (down):   w = w2 [E, H, I], unit u = rows (2u, 2u + 1),
 //     x row of pair p = act[p], partial[p, h] = w2[e, h] . act[p].   units = ceil(H / 2)
 //     (limit, gate_limit unused)
+//   SITU (with GATED: Kimi K3's gated activation): act[p, u] = situ(gate, up, beta, linear beta),
+//     the two in limit / gate_limit (mtp::gated_act).
 //   RELU2 (with !GATED: Nemotron-H's non-gated up pass): w = w1 [E, I, H] (the up rows alone),
 //     unit u = rows (2u, 2u + 1), x row of pair p = x[p / K], act[p, i] = relu2(w1[e, i] . x)
 //     (mtp::relu2); NORM as GATED's.   units = ceil(I / 2)
@@ -222,13 +224,13 @@ namespace mtp {
 
 // One chunk of m <= NR pairs of expert weights `we`: warp unit u, rows a / b. NORM (GATED
 // only): x rows RMS-normalised on the fly (nm), as gemv_groups' NORM.
-template <typename W, bool GATED, int NR, bool NORM, bool RELU2 = false>
+template <typename W, bool GATED, int NR, bool NORM, bool RELU2 = false, bool SITU = false>
 __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W* we, const Scales& se, int R,
                                              int Kd, int u, const int* pairs, int m, float* out, bool vec,
                                              float limit, float gate_limit, const RowNorm& nm) {
   if constexpr (NR > 1) {
     if (m <= NR / 2) {  // the smallest instantiation that holds the m pairs
-      expert_chunk<W, GATED, NR / 2, NORM, RELU2>(x, x_div, we, se, R, Kd, u, pairs, m, out, vec, limit, gate_limit,
+      expert_chunk<W, GATED, NR / 2, NORM, RELU2, SITU>(x, x_div, we, se, R, Kd, u, pairs, m, out, vec, limit, gate_limit,
                                                    nm);
       return;
     }
@@ -262,7 +264,7 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
     if (r >= m) break;
     const long long p = pairs[r];
     if constexpr (GATED) {
-      out[p * (R / 2) + u] = swiglu(acc[0][r], acc[1][r], limit, gate_limit);  // act [n * K, I]
+      out[p * (R / 2) + u] = gated_act<SITU>(acc[0][r], acc[1][r], limit, gate_limit);  // act [n * K, I]
     } else if constexpr (RELU2) {
       out[p * R + a] = relu2(acc[0][r]);                    // act [n * K, I]
       if (a + 1 < R) out[p * R + a + 1] = relu2(acc[1][r]);
@@ -275,7 +277,7 @@ __device__ __forceinline__ void expert_chunk(const float* x, int x_div, const W*
 
 }  // namespace mtp
 
-template <typename W, bool GATED, int NR, bool NORM, bool RELU2 = false>
+template <typename W, bool GATED, int NR, bool NORM, bool RELU2 = false, bool SITU = false>
 __global__ void
 moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict__ ids, int nK, int E,
                   const W* __restrict__ w, const mtp::ScaleT<W>* __restrict__ scale, int bn, int bk, int R, int Kd,
@@ -283,6 +285,7 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
                   const float* __restrict__ norm_w, float eps) {
   static_assert(GATED || RELU2 || !NORM, "the norm is fused into the gate/up (or relu2 up) pass only");
   static_assert(!(GATED && RELU2), "relu2 is the non-gated up pass");
+  static_assert(GATED || !SITU, "situ is a gated activation (the gate/up pass)");
   using namespace mtp;
   __shared__ int s_pairs[NR];
   __shared__ int s_count, s_cursor;
@@ -329,7 +332,7 @@ moe_expert_kernel(const float* __restrict__ x, int x_div, const int* __restrict_
     cursor = s_cursor;
     if (m == 0) break;
     if (u < units) {
-      expert_chunk<W, GATED, NR, NORM, RELU2>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit, gate_limit,
+      expert_chunk<W, GATED, NR, NORM, RELU2, SITU>(x, x_div, we, se, R, Kd, u, s_pairs, m, out, vec, limit, gate_limit,
                                               RowNorm{norm_w, eps});
     }
     __syncthreads();  // s_pairs is rewritten by the next gather

@@ -27,8 +27,10 @@ from .ops.rope_kv import inv_freq, yarn_inv_freq, yarn_mscale
 ATTN_GATES = ("", "elementwise", "headwise")
 #: the MLPs' activation (routed experts, shared expert, dense MLP): "swiglu":
 #: ``down(silu(gate x) * up x)`` (w13 = gate rows over up rows); "relu2": non-gated,
-#: ``down(relu(up x) ** 2)`` (Nemotron-H; w13 = the up rows only)
-MLP_ACTS = ("swiglu", "relu2")
+#: ``down(relu(up x) ** 2)`` (Nemotron-H; w13 = the up rows only); "situ": gated, Kimi K3's
+#: SituAndMul ``down(beta tanh(g / beta) sigmoid(g) * up')`` with ``up' = lb tanh(up / lb)``
+#: (``situ_beta``, ``situ_linear_beta`` lb; 0: up' = up), w13 laid out as SwiGLU's
+MLP_ACTS = ("swiglu", "relu2", "situ")
 
 
 class BlockError(ValueError):
@@ -192,6 +194,10 @@ class BlockSpec:
     o_lora_rank: int = 0
     #: the MLPs' activation (``MLP_ACTS``); the SwiGLU clamps need "swiglu"
     mlp_act: str = "swiglu"
+    #: SiTU's parameters (``mlp_act`` "situ", mtpkern.ops.mlp.situ_act): beta > 0, and the
+    #: linear beta of up (0: none); both 0 with another activation
+    situ_beta: float = 0.0
+    situ_linear_beta: float = 0.0
     #: NoPE: no RoPE in the attention (Nemotron-H's attention layers; in MLA, Kimi K3's gated MLA,
     #: whose R = qk_rope_head_dim > 0 dims of the query and the shared key stay unrotated): the
     #: rotary dims turn by angle 0 (every frequency 0: cos 1, sin 0, each value kept bit for bit)
@@ -232,6 +238,16 @@ class BlockSpec:
         if self.mlp_act != "swiglu" and (self.swiglu_clamp or self.swiglu_clamp_shared):
             raise BlockError(f"the SwiGLU clamps need mlp_act 'swiglu', got mlp_act {self.mlp_act!r} with "
                              f"swiglu_clamp {self.swiglu_clamp!r} / swiglu_clamp_shared {self.swiglu_clamp_shared!r}")
+        for name in ("situ_beta", "situ_linear_beta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= 1e6):
+                raise BlockError(f"{name} expected a number in [0, 1e6], got {v!r}")
+        if self.mlp_act == "situ" and not self.situ_beta > 0:
+            raise BlockError(f"mlp_act 'situ' needs situ_beta > 0 (config.json 'activation_situ_beta'), "
+                             f"got {self.situ_beta!r}")
+        if self.mlp_act != "situ" and (self.situ_beta or self.situ_linear_beta):
+            raise BlockError(f"situ_beta / situ_linear_beta need mlp_act 'situ', got mlp_act {self.mlp_act!r} with "
+                             f"{self.situ_beta!r} / {self.situ_linear_beta!r}")
         if self.nope and self.rope_scaling is not None:
             raise BlockError(f"nope (no RoPE) takes no rope_scaling, got {self.rope_scaling!r}")
         if not isinstance(self.swiglu_clamp_gate, bool):
@@ -496,7 +512,10 @@ class BlockSpec:
         if self.o_groups:
             parts.append(f"o_proj {self.o_groups} groups x {self.o_lora_rank}")
         parts.append("MoE" if self.moe else "dense")
-        if self.mlp_act != "swiglu":
+        if self.mlp_act == "situ":
+            parts.append(f"situ beta={self.situ_beta:g}"
+                         + (f" linear_beta={self.situ_linear_beta:g}" if self.situ_linear_beta else ""))
+        elif self.mlp_act != "swiglu":
             parts.append(self.mlp_act)
         if self.swiglu_clamp or self.swiglu_clamp_shared:
             parts.append(f"clamp {self.swiglu_clamp:g}/{self.swiglu_clamp_shared:g}"

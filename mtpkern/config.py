@@ -423,8 +423,9 @@ def _unwrap(d: dict) -> dict:
     if not isinstance(inner, dict):
         raise ConfigError(f"config.json: a {outer!r} config holds its text model under 'text_config'; "
                           f"expected an object there, got {_show(inner)}")
-    if inner.get("model_type", fam.model_type) != fam.model_type:
-        raise ConfigError(f"config.json: text_config.model_type expected {fam.model_type!r} (a {outer!r} config), "
+    if inner.get("model_type", fam.model_type) not in (fam.model_type, *fam.text_model_types):
+        want = " or ".join(repr(t) for t in (fam.model_type, *fam.text_model_types))
+        raise ConfigError(f"config.json: text_config.model_type expected {want} (a {outer!r} config), "
                           f"got {_show(inner.get('model_type'))}")
     out = {k: v for k, v in inner.items() if k != "architectures"}
     out["model_type"] = fam.model_type
@@ -700,15 +701,23 @@ class MtpConfig:
     swiglu_clamp_gate: bool = False
     #: RoPE pairs (2i, 2i + 1) instead of neox halves (``rope_interleave``: DeepSeek-V3, GLM-4.7-Flash)
     rope_interleave: bool = False
-    #: the MLPs' activation (mtpkern/block.py ``MLP_ACTS``): "swiglu", or "relu2" (Nemotron-H's
-    #: non-gated ``down(relu(up x) ** 2)``)
+    #: the MLPs' activation (mtpkern/block.py ``MLP_ACTS``): "swiglu", "relu2" (Nemotron-H's
+    #: non-gated ``down(relu(up x) ** 2)``) or "situ" (Kimi K3's SituAndMul)
     mlp_act: str = "swiglu"
+    #: SiTU's beta and linear beta (config.json ``activation_situ_beta`` /
+    #: ``activation_situ_linear_beta``; mtpkern.ops.mlp.situ_act); 0: not set / no linear beta
+    situ_beta: float = 0.0
+    situ_linear_beta: float = 0.0
     #: no RoPE in the attention (Nemotron-H)
     nope: bool = False
     #: LatentMoE (Nemotron-3 Super / Ultra): the routed experts run on a latent of this width,
     #: ``fc1_latent_proj`` [latent, H] before them and ``fc2_latent_proj`` [H, latent] after their
     #: weighted sum (the router and the shared expert read the hidden); 0: none
     moe_latent_size: int = 0
+    #: LatentMoE with an RMSNorm (``mlp.latent_norm.weight`` [latent], eps ``rms_norm_eps``) of the
+    #: routed experts' weighted sum (routed_scaling_factor already in the weights), before
+    #: ``fc2_latent_proj`` (Kimi K3); needs moe_latent_size > 0
+    moe_latent_norm: bool = False
     #: YaRN scaling (``rope_type: "yarn"`` in rope_parameters / rope_scaling), None: plain RoPE
     rope_scaling: Yarn | None = None
     #: v multiplied by this before attention (MiMo-V2): folded into v_proj at load
@@ -834,6 +843,7 @@ class MtpConfig:
             attn_gate=self.attn_gate, moe=self.is_moe, swiglu_clamp=self.swiglu_clamp,
             swiglu_clamp_shared=self.swiglu_clamp_shared, swiglu_clamp_gate=self.swiglu_clamp_gate,
             rope_interleave=self.rope_interleave, mlp_act=self.mlp_act, nope=self.nope,
+            situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
             rope_scaling=self.rope_scaling, kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
             qk_rope_head_dim=self.qk_rope_head_dim, index_topk=self.index_topk,
             index_n_heads=self.index_n_heads if self.index_topk else 0,
@@ -851,6 +861,9 @@ class MtpConfig:
         if not 0 <= self.moe_latent_size <= 1 << 20:
             raise ConfigError(f"config.json: field 'moe_latent_size' must be an int in [0, 2^20] (0: none), got "
                               f"{self.moe_latent_size!r}")
+        if self.moe_latent_norm and not self.moe_latent_size:
+            raise ConfigError("config.json: field 'moe_latent_norm' = true (a norm of the latent experts' sum) needs "
+                              "moe_latent_size > 0, got 0")
         if E % G:
             raise ConfigError(f"config.json: n_routed_experts ({E}) must be a multiple of n_group ({G})")
         if self.topk_group > G:
@@ -961,6 +974,9 @@ class MtpConfig:
             mlp_act=_opt(d, "mlp_act", str, "swiglu"),
             nope=_opt(d, "nope", bool, False),
             moe_latent_size=_opt(d, "moe_latent_size", int, 0),
+            moe_latent_norm=_opt(d, "moe_latent_norm", bool, False),
+            situ_beta=_opt(d, "activation_situ_beta", float, 0.0),
+            situ_linear_beta=_opt(d, "activation_situ_linear_beta", float, 0.0),
             blocks=d.get("mtp_blocks") or (),
             attention_value_scale=_opt(d, "attention_value_scale", float, 1.0),
             kv_lora_rank=_opt(d, "kv_lora_rank", int, 0),
@@ -1023,9 +1039,13 @@ class MtpConfig:
                           ("indexer_rope_interleave", False), ("hc_mult", 1), ("hc_sinkhorn_iters", 20),
                           ("shared_kv", False), ("out_rope", False), ("o_groups", 0), ("o_lora_rank", 0),
                           ("hc_eps", 1e-6), ("index_kpool", 0), ("index_kpool_always_select_tail", True),
-                          ("mlp_act", "swiglu"), ("nope", False), ("moe_latent_size", 0)):
+                          ("mlp_act", "swiglu"), ("nope", False), ("moe_latent_size", 0), ("moe_latent_norm", False),
+                          ("situ_beta", 0.0), ("situ_linear_beta", 0.0)):
             if d[name] == off:                  # a block feature switched off is not written
                 del d[name]
+        for name, key in (("situ_beta", "activation_situ_beta"), ("situ_linear_beta", "activation_situ_linear_beta")):
+            if name in d:                       # config.json's names (Kimi K3)
+                d[key] = d.pop(name)
         if not d["embed_mask_pos0"] and not (fam and FAMILIES[fam].defaults.get("embed_mask_pos0")):
             del d["embed_mask_pos0"]            # written where it is on, or off against the family's default
         if self.kv_lora_rank:                   # MLA: the query / key head dim as its config gives it
@@ -1052,7 +1072,8 @@ class MtpConfig:
         kind = (f"MoE E={self.n_routed_experts} top-{self.num_experts_per_tok} "
                 f"groups {self.topk_group}/{self.n_group} I={self.moe_intermediate_size} "
                 f"shared={self.n_shared_experts}"
-                + (f" latent={self.moe_latent_size}" if self.moe_latent_size else "")) if self.is_moe \
+                + (f" latent={self.moe_latent_size}" if self.moe_latent_size else "")
+                + (" latent-norm" if self.moe_latent_norm else "")) if self.is_moe \
             else f"dense I={self.intermediate_size}"
         fam = f"{FAMILIES[self.family].title}: " if self.family else ""
         if self.weight_quant == "fp8":

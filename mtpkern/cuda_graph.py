@@ -43,7 +43,9 @@ column groups moved by static segment copies, ``ForwardBuffers.copies``; the pic
 their positions for the output's inverse RoPE), hyper-connections (rows of ``stream_size`` =
 ``hc_mult`` H values wherever the table moves a hidden or chained row, each token copied once
 per stream, the collapses in plan buffers; the picked rows carry the attention's collapse),
-windows, sinks, gates, MoE and dense FFNs. ``StepRunner.applies`` falls back only on the row
+windows, sinks, gates, MoE (LatentMoE too: fc1_latent_proj's rows, the latent experts' sum and
+their Lt-wide workspace in plan buffers, the latent norm fused into fc2_latent_proj) and dense
+FFNs. ``StepRunner.applies`` falls back only on the row
 counts (``fallback_short`` / ``_rows`` / ``_window``).
 
 Nothing here imports CuPy or touches a GPU at import time.
@@ -328,6 +330,10 @@ class StepPlan:
         ewts = buf((n_max, K)) if moe else None
         gated = moe and cfg.n_shared_experts and cfg.shared_expert_gate
         shared, sgate = (buf((n_max, H)), buf((n_max, 1))) if gated else (None, None)
+        # LatentMoE: fc1_latent_proj's rows and the routed experts' latent sum (Lt wide)
+        latent = [m for m in self.run if blk[m].moe and prop.modules[m].w.latent_fc1 is not None]
+        Lt = cfg.moe_latent_size
+        lat, lat_y = (buf((n_max, Lt)), buf((n_max, Lt))) if latent else (None, None)
         lm_ws: dict[str, Any] = {}
         ws_fixed: dict[str, dict[str, Any]] = {}
         parts: dict[int, int] = {}
@@ -343,8 +349,12 @@ class StepPlan:
             if moe:
                 ws_fixed["router"] = {"logits": buf((n_max, cfg.n_routed_experts)),
                                       "ticket": buf((1,), np.uint32)}    # zero, and left zero by each launch
-                ws_fixed["experts"] = {"act": buf((n_max * K, inner("experts_w2", 2))),
-                                       "partial": buf((n_max * K, H))}
+                if len(latent) < sum(blk[m].moe for m in self.run):
+                    ws_fixed["experts"] = {"act": buf((n_max * K, inner("experts_w2", 2))),
+                                           "partial": buf((n_max * K, H))}
+                if latent:                      # the experts of width Lt: their partial sums are Lt wide
+                    ws_fixed["latent_experts"] = {"act": buf((n_max * K, inner("experts_w2", 2))),
+                                                  "partial": buf((n_max * K, Lt))}
                 if cfg.n_shared_experts:
                     ws_fixed["shared"] = {"act": buf((n_max, inner("shared_w2", 1)))}
             if not all(blk[m].moe for m in self.run):
@@ -398,7 +408,8 @@ class StepPlan:
         for m in self.run:
             c, co, b = n[m], nout[m], blk[m]           # rows written; rows past the KV write
             Hq = b.num_attention_heads
-            ws = {op: {key: a[:(c * hc if op == "mtp_input" else co) * (K if op == "experts" else 1)]
+            per_pair = ("experts", "latent_experts")       # workspaces of n * K rows
+            ws = {op: {key: a[:(c * hc if op == "mtp_input" else co) * (K if op in per_pair else 1)]
                        for key, a in d.items()} for op, d in ws_fixed.items()}
             if self.cuda and parts[m] > 1:
                 p_ = parts[m]
@@ -418,6 +429,8 @@ class StepPlan:
                                           None if sgate is None else sgate[:co])
             if lids is not None:
                 self.bufs[m].local_ids = lids[:co]
+            if m in latent:
+                self.bufs[m].lat, self.bufs[m].lat_y = lat[:co], lat_y[:co]
             if b.dsa:
                 bf, Hi, Di, T = self.bufs[m], b.index_n_heads, b.index_head_dim, b.index_list_width
                 bf.index_qr = i_qr[:c * Hi * Di].reshape(c, Hi * Di)

@@ -128,12 +128,15 @@ class ForwardBuffers:
     Hq Dv / g] (each group's columns of ``o``), ``o_part`` [g, n, r] and ``o_a`` [n, g r].
     Hyper-connections (``hc_mult`` m > 1): ``x``, ``y`` and ``streams`` (the streams after the
     attention) are [n, m H]; ``tok_rep`` [n m] int32 (each token m times); ``ffn`` [n, H] (the FFN's
-    output, before its streams); ``hc``: the collapses' buffers by name: ``mix_attn`` [n, (2 + m)
-    m], ``u_attn`` [n, H], ``post`` [n, m], ``comb`` [n, m, m] (the attention's), ``mix_ffn``,
-    ``u_ffn``, ``post_ffn``, ``comb_ffn`` (the FFN's), ``mix_head`` [n, m] and ``head`` [n, H]
-    (``head_input``). ``copies``: the static row moves that join or split those (the plan's segment
-    copies: ``join_q``, ``o_groups_in``, ``o_groups_out``, ``repeat_tokens``), each a call that runs
-    them. The block's sizes are the module's own (``MtpConfig.block``). ``pick``: only the rows it
+    output, before its streams); ``hc``: the collapses' buffers by name: ``mix_attn`` [n, (2 + m) m],
+    ``u_attn`` [n, H], ``post`` [n, m], ``comb`` [n, m, m] (the attention's), ``mix_ffn``, ``u_ffn``,
+    ``post_ffn``, ``comb_ffn`` (the FFN's), ``mix_head`` [n, m] and ``head`` [n, H] (``head_input``).
+    ``copies``: the static row moves that join or split those (the plan's segment copies:
+    ``join_q``, ``o_groups_in``, ``o_groups_out``, ``repeat_tokens``), each a call that runs them.
+    LatentMoE (``moe_latent_size`` Lt): ``lat`` [n, Lt] (fc1_latent_proj's output), ``lat_y`` [n, Lt]
+    (the routed experts' weighted sum; its norm is fused into fc2_latent_proj), their workspace
+    ``ws["latent_experts"]``.
+    The block's sizes are the module's own (``MtpConfig.block``). ``pick``: only the rows it
     names go on past the KV write (``compute``); the buffers from ``o`` on, ``index``, ``expert_*``,
     ``shared*`` and ``local_ids`` then hold those rows."""
 
@@ -170,6 +173,8 @@ class ForwardBuffers:
     tok_rep: Any = None
     ffn: Any = None
     hc: dict = field(default_factory=dict)
+    lat: Any = None
+    lat_y: Any = None
 
 
 #: smallest padded block-table width (blocks): below it a growing sequence would
@@ -249,12 +254,12 @@ class MtpHead:
         gate = {"clamp_gate": True} if b.swiglu_clamp_gate else {}
         self._experts_kw = {"limit": b.swiglu_clamp, **gate} if b.swiglu_clamp else {}
         self._mlp_kw = {"limit": b.swiglu_clamp_shared, **gate} if b.swiglu_clamp_shared else {}
-        if b.mlp_act != "swiglu":           # Nemotron-H's non-gated relu2 MLPs (w13: the up rows alone)
-            self._experts_kw = {**self._experts_kw, "activation": b.mlp_act}
-            self._mlp_kw = {**self._mlp_kw, "activation": b.mlp_act}
-        if b.moe and config.moe_latent_size and getattr(backend, "name", "") == "cuda":
-            raise ValueError(f"module {index}: field moe_latent_size = {config.moe_latent_size} (LatentMoE) is not "
-                             f"implemented on the cuda backend yet (numpy and cpu run it); expected 0 there")
+        if b.mlp_act != "swiglu":           # Nemotron-H's non-gated relu2 (w13: the up rows alone), Kimi K3's SiTU
+            act = {"activation": b.mlp_act}
+            if b.mlp_act == "situ":
+                act.update(situ_beta=b.situ_beta, situ_linear_beta=b.situ_linear_beta)
+            self._experts_kw = {**self._experts_kw, **act}
+            self._mlp_kw = {**self._mlp_kw, **act}
         self._one_lock = threading.Lock()
 
     # -- the forward ---------------------------------------------------------
@@ -548,9 +553,14 @@ class MtpHead:
             if self._expert_map is not None:          # this rank's experts; -1: an empty slot
                 ids = be.map_ids(self._expert_map, ids, out=None if bufs is None else bufs.local_ids)
             if w.latent_fc1 is not None:     # LatentMoE: the experts on fc1_latent_proj(f_in), back by fc2
-                lat = be.linear(f, w.latent_fc1, norm=f_norm)                                   # [n, Lt]
-                z = be.moe_experts(lat, ids, wts, w.experts_w13, w.experts_w2, **self._experts_kw)  # [n, Lt]
-                y = be.linear(z, w.latent_fc2, None, res)                                       # [n, H]
+                lat = be.linear(f, w.latent_fc1, norm=f_norm, **put("linear", out="lat"))      # [n, Lt]
+                z = be.moe_experts(lat, ids, wts, w.experts_w13, w.experts_w2, **self._experts_kw,
+                                   **put("latent_experts", out="lat_y"))                        # [n, Lt]
+                z_norm = None
+                if w.latent_norm is not None:    # moe_latent_norm (Kimi K3): RMSNorm of the weighted sum, whose
+                    # weights carry routed_scaling_factor (the router's): the norm sees the scaled sum
+                    z, z_norm = self._normed_input(z, w.latent_norm, bufs is not None)
+                y = be.linear(z, w.latent_fc2, None, res, norm=z_norm, **put("linear", out=yf))  # [n, H]
             else:
                 y = be.moe_experts(f, ids, wts, w.experts_w13, w.experts_w2, res, norm=f_norm,
                                    **self._experts_kw, **put("experts", out=yf))                # [n, H]

@@ -511,6 +511,7 @@ class ModuleWeights:
     #: LatentMoE (moe_latent_size Lt > 0): the experts above are [E, 2I, Lt] / [E, Lt, I]
     latent_fc1: Any | None = None    # [Lt, H] fc1_latent_proj
     latent_fc2: Any | None = None    # [H, Lt] fc2_latent_proj
+    latent_norm: Any | None = None   # [Lt] FP32 latent_norm (moe_latent_norm): of the experts' sum before fc2
     shared_w13: Any | None = None    # [2 I_s, H]
     shared_w2: Any | None = None     # [H, I_s]
     shared_gate: Any | None = None   # [1, H]: the shared output scaled by sigmoid(x . w) (shared_expert_gate)
@@ -621,13 +622,15 @@ def _module_keys(cfg: MtpConfig, m: int, gate_up: bool = False) -> dict[str, tup
     if cfg.use_qk_norm:
         keys["self_attn.q_norm.weight"] = ((D,), True)
         keys["self_attn.k_norm.weight"] = ((D,), True)
-    gated = b.mlp_act == "swiglu"       # relu2 (Nemotron-H): no gate_proj, up_proj alone
+    gated = b.mlp_act != "relu2"        # relu2 (Nemotron-H): no gate_proj, up_proj alone
     if b.moe:
         E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
         keys["mlp.gate.weight"] = ((E, H), True)
         if cfg.moe_latent_size:                          # the experts' input and output width
             keys["mlp.fc1_latent_proj.weight"] = ((cfg.moe_latent_size, H), True)
             keys["mlp.fc2_latent_proj.weight"] = ((H, cfg.moe_latent_size), True)
+            if cfg.moe_latent_norm:                      # the RMSNorm of the experts' latent sum
+                keys["mlp.latent_norm.weight"] = ((cfg.moe_latent_size,), True)
         H, H_model = (cfg.moe_latent_size or H), H
         if cfg.router_bias:
             keys["mlp.gate.e_score_correction_bias"] = ((E,), True)
@@ -1617,11 +1620,17 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
             mw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
             if cfg.moe_latent_size:
-                if shard is not None:
-                    raise ValueError(f"module {m}: field moe_latent_size = {cfg.moe_latent_size} (LatentMoE) is not "
-                                     f"implemented for a sharded head yet; expected an unsharded head")
+                # a sharded head: both projections whole on every rank (the experts split as ever);
+                # each rank's fc2(partial latent sum) is its share of fc2(sum), met in the FFN's
+                # all-reduce. The latent norm needs the whole sum before it: not split yet.
+                if shard is not None and cfg.moe_latent_norm:
+                    raise ValueError(f"module {m}: field moe_latent_norm (an RMSNorm of the whole latent expert "
+                                     f"sum) is not implemented for a sharded head yet; expected an unsharded head "
+                                     f"or moe_latent_norm false")
                 mw.latent_fc1 = backend.prepare_weight(w("mlp.fc1_latent_proj.weight"))
                 mw.latent_fc2 = backend.prepare_weight(w("mlp.fc2_latent_proj.weight"))
+                if cfg.moe_latent_norm:
+                    mw.latent_norm = norm("mlp.latent_norm.weight")
             mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias") if cfg.router_bias
                                                   else np.zeros(E, np.float32))     # selection without a bias
             e0, e1 = (0, E) if shard is None else shard.expert_range(E)              # experts held whole (EP)
@@ -1768,11 +1777,13 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
             t[p + "mlp.gate.weight"] = mat(E, H, gain=2.0)
             if cfg.router_bias:
                 t[p + "mlp.gate.e_score_correction_bias"] = (0.05 * rng.standard_normal(E)).astype(np.float32)
-            gated = b.mlp_act == "swiglu"       # relu2: no gate_proj
+            gated = b.mlp_act != "relu2"        # relu2: no gate_proj
             Lt = cfg.moe_latent_size
             if Lt:
                 t[p + "mlp.fc1_latent_proj.weight"] = mat(Lt, H)
                 t[p + "mlp.fc2_latent_proj.weight"] = mat(H, Lt)
+                if cfg.moe_latent_norm:
+                    t[p + "mlp.latent_norm.weight"] = norm_w(Lt)
             H, H_model = (Lt or H), H
             for e in range(E):
                 if gated:
@@ -1790,7 +1801,7 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
                     t[p + "mlp.shared_expert_gate.weight"] = mat(1, H, gain=2.0)
         else:
             I = cfg.intermediate_size
-            if b.mlp_act == "swiglu":
+            if b.mlp_act != "relu2":
                 t[p + "mlp.gate_proj.weight"] = mat(I, H)
             t[p + "mlp.up_proj.weight"] = mat(I, H)
             t[p + "mlp.down_proj.weight"] = mat(H, I)

@@ -1601,6 +1601,15 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             out[f"experts relu2 norm {t}"] = be.moe_experts(xn, ids, wts, u13, w2, xn, norm=(g, 1e-6),
                                                             activation="relu2")
             out[f"mlp relu2 {t}"] = be.swiglu_mlp(xn, pw(w(24, 64)), pw(w(64, 24)), xn, activation="relu2")
+            situ = {"activation": "situ", "situ_beta": 2.0, "situ_linear_beta": 3.0}     # Kimi K3's SiTU
+            out[f"experts situ {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn, **situ)
+            out[f"experts situ norm {t}"] = be.moe_experts(xn, ids, wts, w13, w2, xn, norm=(g, 1e-6), **situ)
+            out[f"mlp situ {t}"] = be.swiglu_mlp(xn, pw(w(48, 64)), pw(w(64, 24)), xn, **situ)
+            out[f"mlp situ norm {t}"] = be.swiglu_mlp(xn, pw(w(48, 64)), pw(w(64, 24)), xn, norm=(g, 1e-6), **situ)
+            if n > 3:                                                            # gemm_tc's SiTU (BF16)
+                out[f"mlp situ K60 {t}"] = be.swiglu_mlp(x60, pw(w(48, 60)), pw(w(60, 24)), x60, **situ)
+                out[f"mlp situ norm K60 {t}"] = be.swiglu_mlp(x60, pw(w(48, 60)), pw(w(60, 24)), x60,
+                                                              norm=(g[:60].copy(), 1e-6), **situ)
             hot = np.array([[1, 2, 3, 4]] * n, np.int32)
             w13, w2 = (pw(stored(a[:4], wd, (16, 32))[0]) for a in (e13, e2))
             out[f"experts by expert {t}"] = be.moe_experts(xn, hot, wts, w13, w2)
@@ -1610,6 +1619,8 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
         for norm in (None, (rnd(rng, 64), 1e-6)):
             out[f"gemm_tc {rows} {norm is None}"] = gemm_tc_launch.gemm_tc(xt[:rows], wt, rnd(rng, 40), norm=norm)
             out[f"swiglu_tc {rows} {norm is None}"] = gemm_tc_launch.swiglu_tc(xt[:rows], wt, limit=1.5, norm=norm)
+            out[f"situ_tc {rows} {norm is None}"] = gemm_tc_launch.swiglu_tc(
+                xt[:rows], wt, norm=norm, activation="situ", situ_beta=2.0, situ_linear_beta=3.0)
     out["rmsnorm"] = emu_backend.backend().rmsnorm(x, rnd(rng, 64), 1e-6)
     fused = rnd(rng, 5, 80)
     out["sigmoid_gate"] = emu_backend.backend().sigmoid_gate(x, fused[:, 8:16])

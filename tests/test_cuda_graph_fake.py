@@ -33,6 +33,7 @@ from mtpkern.backends.cuda_launch import lm_head as lm_launch
 from mtpkern.backends.cuda_launch import step as step_launch
 from mtpkern.backends.numpy_backend import NumpyBackend
 from mtpkern.ops.lm_head import bitmask_allowed, lm_head_logits, masked_argmax
+from mtpkern.ops.mlp import gated_rows
 from test_planned_step import run_twins
 
 SMS = 132
@@ -228,19 +229,21 @@ class FakeCudaBackend(NumpyBackend):
         return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights, norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
-                    limit=None, norm=None):
+                    limit=None, norm=None, **act_kw):
+        """``act_kw``: the activation's keywords (activation, clamp_gate, situ_*), passed on."""
         if act is not None:
             nK = ids.shape[0] * ids.shape[1]
-            _expect("act", act, (nK, w13.shape[1] // 2))
-            _expect("partial", partial, (nK, x.shape[1]))
-            self.ws_seen.add("moe act")
-        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit, norm=norm)
+            _expect("act", act, (nK, w13.shape[1] // gated_rows(act_kw.get("activation", "swiglu"))))
+            _expect("partial", partial, (nK, x.shape[1]))     # LatentMoE: Lt wide
+            self.ws_seen.add("moe act" if residual is not None else "latent moe act")   # latent: no residual
+        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit, norm=norm,
+                         **act_kw)
 
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None):
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None, **act_kw):
         if act is not None:
-            _expect("act", act, (x.shape[0], w13.shape[0] // 2))
+            _expect("act", act, (x.shape[0], w13.shape[0] // gated_rows(act_kw.get("activation", "swiglu"))))
             self.ws_seen.add("mlp act")
-        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit, norm=norm)
+        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit, norm=norm, **act_kw)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
                        id_map=None, check=True, best=None, sum_exp=None):
@@ -524,3 +527,20 @@ def test_captured_sharded_step(monkeypatch, tiny_ckpt, mode):
 
     for prop, log in ThreadWorld(2).run(rank):
         shard_cases.compare(want, log, prop)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_captured_latent_moe_with_situ(fake_cuda, tmp_path, norm):
+    """LatentMoE (fc1_latent_proj, experts of width Lt, with or without the latent norm fused into
+    fc2_latent_proj) and SiTU MLPs in the captured step: its latent rows, sum and Lt-wide
+    experts workspace planned; replays give the eager step's drafts bit for bit."""
+    from mtpkern import write_synthetic_checkpoint
+    from mtpkern.config import tiny_config
+
+    cfg = tiny_config(mlp_act="situ", situ_beta=2.0, situ_linear_beta=4.0, num_nextn_predict_layers=2,
+                      moe_latent_size=24, moe_latent_norm=norm)
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=9, dtype="float32")
+    eager, graph = _twins(ckpt, "exact", fake_cuda)
+    counts = run_twins(eager, graph, cfg, 5, [7, 12], [(2, [0.0], [None])] * 3 + [(1, [1.0], [None])])
+    assert counts["replayed"] >= 2, counts
+    assert {"latent moe act", "moe act"} & graph.backend.ws_seen == {"latent moe act"}, graph.backend.ws_seen

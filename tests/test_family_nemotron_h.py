@@ -362,30 +362,16 @@ def test_block_fields_are_checked():
         BlockSpec(4, 2, 16, nope=1)
 
 
-def test_the_cuda_backend_refuses_latent_moe_by_name(tmp_path):
-    """LatentMoE is not in the CUDA step yet (its planned buffers): MtpHead refuses the block at
-    init, naming the field (a backend whose name is "cuda"; no GPU needed to refuse)."""
-    from mtpkern.backends.numpy_backend import NumpyBackend
-
-    class NamedCuda(NumpyBackend):
-        name = "cuda"
-
-    path = write_synthetic_checkpoint(tmp_path, LATENT, seed=2, dtype="float32")
-    with pytest.raises(ValueError, match="moe_latent_size = 24 .LatentMoE. is not implemented on the cuda"):
-        MultiModuleMtpHead.from_pretrained(path, backend=NamedCuda())
-    ok = dataclasses.replace(LATENT, family="", mlp_act="swiglu", nope=False)   # LatentMoE alone (canonical layout)
-    path = write_synthetic_checkpoint(tmp_path / "swiglu", ok, seed=2, dtype="float32")
-    with pytest.raises(ValueError, match="moe_latent_size = 24 .LatentMoE. is not implemented on the cuda"):
-        MultiModuleMtpHead.from_pretrained(path, backend=NamedCuda())
-
-
-@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("dense", [False, True, "latent"])
 def test_cuda_drafts_and_kv_equal_the_oracle(tmp_path, emulator, dense):
     """relu2 on the kernels (the emulator, an FP32 KV): moe_expert_kernel's relu2 up pass and
-    the dense relu2_kernel between two linear_kernel launches; the drafts and KV the float64
-    oracle has."""
+    the dense relu2_kernel between two linear_kernel launches, and Super's LatentMoE (the
+    experts at width 24 between fc1_latent_proj and fc2_latent_proj); the drafts and KV the
+    float64 oracle has."""
     from cuda_emu import emu_backend
-    cfg = dataclasses.replace(NEMO, n_routed_experts=0, intermediate_size=48) if dense else NEMO
+    cfg = LATENT if dense == "latent" else NEMO
+    dense = dense is True
+    cfg = dataclasses.replace(NEMO, n_routed_experts=0, intermediate_size=48) if dense else cfg
     path = write_synthetic_checkpoint(tmp_path, cfg, seed=13, dtype="float32")
     (path / "config.json").write_text(json.dumps(dict(release_config(cfg), **(
         {"mtp_hybrid_override_pattern": "*-", "intermediate_size": 48} if dense else {}))))

@@ -47,7 +47,7 @@ from ..ops.hc import check_hc_head, check_hc_post, check_hc_pre
 from ..ops.linear import check_linear
 from ..ops.lm_head import check_bitmask, check_id_map, check_topk, map_id_rows, map_ids
 from ..ops.mla import check_index, check_mla_attention, check_mla_latent_write
-from ..ops.mlp import check_activation, check_swiglu_mlp, swiglu_bounds
+from ..ops.mlp import act_params, check_swiglu_mlp
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input, check_norm
 from ..ops.rope_kv import check_qk_norm_rope_kv_write, check_rope_heads
@@ -73,6 +73,8 @@ from .cpu_kernels import simd as simd_k
 
 #: the stored forms of quantized weights: each one's ``kernel_args`` feeds the ``*_fp8_kernel`` variants
 _QUANT = (CpuFp8, CpuFp4)
+#: the gated kernels' ``act`` code of an activation (relu2 has kernels of its own)
+_ACT_CODE = {"swiglu": mlp_k.ACT_SWIGLU, "situ": mlp_k.ACT_SITU, "relu2": -1}
 #: mtp_input's flags when no row is flagged (the kernels test the length: one compiled form)
 _NO_FLAGS = np.zeros(0, np.uint8)
 
@@ -585,12 +587,12 @@ class CpuBackend(Backend):
         return ids, weights
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, limit=None, clamp_gate=False,
-                    norm=None, activation="swiglu"):
+                    norm=None, activation="swiglu", situ_beta=0.0, situ_linear_beta=0.0):
         self._check(check_moe_experts, x, ids, weights, w13, w2, residual, activation)
-        check_activation(activation, limit)
+        L, Lg = act_params(activation, limit, clamp_gate, situ_beta, situ_linear_beta)
+        code = _ACT_CODE.get(activation)
         if norm is not None:        # the definition: the rmsnorm kernel, then the experts
             x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
-        L, Lg = swiglu_bounds(limit, clamp_gate)
         ids = np.ascontiguousarray(ids)
         _in_range("ids", ids, w13.shape[0], lo=-1)      # -1: an empty slot (ops.moe)
         out = _out("out", out, tuple(x.shape))
@@ -604,17 +606,17 @@ class CpuBackend(Backend):
         if activation == "relu2":
             (mlp_k.grouped_relu2_fp8_kernel if fp8 else mlp_k.grouped_relu2_kernel)(*args, out)
         else:
-            (mlp_k.grouped_swiglu_fp8_kernel if fp8 else mlp_k.grouped_swiglu_kernel)(*args, L, Lg, out)
+            (mlp_k.grouped_swiglu_fp8_kernel if fp8 else mlp_k.grouped_swiglu_kernel)(*args, code, L, Lg, out)
         return out
 
     # -- mlp ----------------------------------------------------------------
     def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, limit=None, clamp_gate=False, norm=None,
-                   activation="swiglu"):
+                   activation="swiglu", situ_beta=0.0, situ_linear_beta=0.0):
         self._check(check_swiglu_mlp, x, w13, w2, residual, activation)
-        check_activation(activation, limit)
+        L, Lg = act_params(activation, limit, clamp_gate, situ_beta, situ_linear_beta)
+        code = _ACT_CODE.get(activation)
         if norm is not None:        # the definition: the rmsnorm kernel, then the MLP
             x = self.rmsnorm(x, *check_norm(norm, x.shape[1]))
-        L, Lg = swiglu_bounds(limit, clamp_gate)
         n = x.shape[0]
         out = _out("out", out, tuple(x.shape))
         # the dense MLP is one expert (0) chosen by every row with weight 1.0
@@ -626,7 +628,7 @@ class CpuBackend(Backend):
         elif (t13 := self._weight_tiles(w13)) is not None and (t2 := self._weight_tiles(w2)) is not None:
             gu = self._tiled_gemv(_act(x), t13, None, None, np.empty((n, w13.shape[0]), np.float32))
             act = np.empty((n, w2.shape[1]), np.float32)
-            amx_linear_k.swiglu_rows(gu, L, Lg, act)
+            amx_linear_k.swiglu_rows(gu, code, L, Lg, act)
             return self._tiled_gemv(act, t2, None, _apart(_opt_mat(residual), out, same_ok=True), out)
         else:
             kernel, w13, w2 = mlp_k.grouped_swiglu_kernel, w13[None], w2[None]
@@ -638,7 +640,7 @@ class CpuBackend(Backend):
                       else mlp_k.grouped_relu2_kernel)
             kernel(*args, out)
         else:
-            kernel(*args, L, Lg, out)
+            kernel(*args, code, L, Lg, out)
         return out
 
     # -- lm head ------------------------------------------------------------

@@ -282,14 +282,16 @@ class CudaBackend(Backend):
                               norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
-                    limit=None, clamp_gate=False, norm=None, activation="swiglu"):
+                    limit=None, clamp_gate=False, norm=None, activation="swiglu", situ_beta=0.0, situ_linear_beta=0.0):
         return moe.moe_experts(x, ids, weights, w13, w2, residual, out=out, act=act, partial=partial, limit=limit,
-                               clamp_gate=clamp_gate, norm=norm, activation=activation)
+                               clamp_gate=clamp_gate, norm=norm, activation=activation, situ_beta=situ_beta,
+                               situ_linear_beta=situ_linear_beta)
 
     def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, clamp_gate=False,
-                   norm=None, activation="swiglu"):
+                   norm=None, activation="swiglu", situ_beta=0.0, situ_linear_beta=0.0):
         return mlp.swiglu_mlp(x, w13, w2, residual, out=out, act=act, limit=limit, clamp_gate=clamp_gate,
-                              norm=norm, activation=activation)
+                              norm=norm, activation=activation, situ_beta=situ_beta,
+                              situ_linear_beta=situ_linear_beta)
 
     def lm_head_logits(self, x, w, *, out=None):
         return lm_head.lm_head_logits(x, w, out=out)

@@ -17,6 +17,7 @@ from .glm4_moe import FAMILY as GLM4_MOE
 from .glm4_moe_lite import FAMILY as GLM4_MOE_LITE
 from .glm5_next import FAMILY as GLM5_NEXT
 from .glm_moe_dsa import FAMILY as GLM_MOE_DSA
+from .kimi_k3 import FAMILY as KIMI_K3
 from .longcat_flash import FAMILY as LONGCAT_FLASH
 from .mimo import FAMILY as MIMO
 from .mimo_v2_flash import FAMILY as MIMO_V2_FLASH
@@ -29,7 +30,7 @@ from .step3p5 import FAMILY as STEP3P5
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (GLM4_MOE, MIMO, MIMO_V2_FLASH, QWEN3_NEXT, STEP3P5,
                                                          DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE_LITE,
                                                          LONGCAT_FLASH, DEEPSEEK_V4, GLM5_NEXT, QWEN3_5,
-                                                         QWEN3_5_MOE, NEMOTRON_H, NEMOTRON_H_PUZZLE)}
+                                                         QWEN3_5_MOE, NEMOTRON_H, NEMOTRON_H_PUZZLE, KIMI_K3)}
 
 #: the canonical layout (docs/model.md) with MtpConfig's defaults (no model_type, no architectures)
 CANONICAL = Family(model_type="", architectures=(), title="canonical layout (no model_type)")

@@ -21,7 +21,8 @@ as in the GLM-4.5 / DeepSeek-V3 release (``enorm.weight``, ``eh_proj.weight``,
   ``mtpkern info`` (no released family needs it today; tests/test_weights.py exercises it);
 - **wrappers**: the model types (and their architectures) whose config holds this
   family's config under ``text_config`` (a vision-language release of the same
-  text model);
+  text model), and other model types that text config may carry (``text_model_types``:
+  Kimi K3's ``kimi_linear``);
 - **folds**, applied once at load so that kernels never see them: the input order
   of ``eh_proj`` (``hidden_embed`` swaps its column halves; ``split_eh_proj``: two
   projections ``e_proj`` / ``h_proj`` joined into one), zero-centred RMSNorm
@@ -71,9 +72,16 @@ class Family:
     #: an outer model_type -> its architectures, whose config.json nests this family's
     #: config under ``text_config`` (read as that text config: mtpkern/config.py)
     wrappers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: other model types a wrapper's ``text_config`` may give for this family's text model
+    #: (Kimi K3's release writes ``kimi_linear``, the name of the code it runs on)
+    text_model_types: tuple[str, ...] = ()
     #: component renames: after ``renames``, every dotted part of a name found here is
     #: replaced (DeepSeek-V4: ``self_attn`` -> ``attn``, ``gate_proj`` -> ``w1``, ...)
     parts: Mapping[str, str] = field(default_factory=dict)
+    #: renames of the projection of one routed expert (the part after ``experts.{e}.``), which
+    #: leave the shared experts' alone (Kimi K3: ``gate_proj`` -> ``w1`` in
+    #: ``experts.{e}.w1.weight``, ``shared_experts.gate_proj.weight`` as it is)
+    expert_parts: Mapping[str, str] = field(default_factory=dict)
     #: an FP8 / FP4 weight ``X.weight``'s scales are ``X.scale`` (DeepSeek-V4) instead of
     #: ``X.weight_scale_inv`` (``X.weight_scale`` for per-channel FP8)
     scale_dot_scale: bool = False
@@ -129,6 +137,12 @@ class Family:
             new = suffix if best is None else self.renames[best] + suffix[len(best):]
         if self.parts:
             new = ".".join(self.parts.get(p, p) for p in new.split("."))
+        if self.expert_parts:
+            ps = new.split(".")
+            for i in range(2, len(ps)):
+                if ps[i - 2] == "experts" and ps[i - 1].isdigit():
+                    ps[i] = self.expert_parts.get(ps[i], ps[i])
+            new = ".".join(ps)
         return self.module_prefix(layer, m) + new.format(m=m)
 
     def keys(self, layer: int, m: int, suffix: str) -> tuple[str, ...]:

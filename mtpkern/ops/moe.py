@@ -38,6 +38,11 @@ does: ``silu(min(gate, L)) * clip(up, -L, L)``; None or 0 for none, NaN kept
 
 ``activation="relu2"``: each expert is Nemotron-H's non-gated MLP, ``w13[e]`` its up rows
 alone [E, I, H] and ``w2[e] relu(w13[e] x) ** 2`` (``mtpkern.ops.mlp``; no clamp).
+``activation="situ"`` (Kimi K3): each expert's activation is SiTU (``mtpkern.ops.mlp.situ_act``,
+``situ_beta`` / ``situ_linear_beta``), w13 laid out as SwiGLU's.
+
+LatentMoE (Nemotron-3, Kimi K3) calls ``moe_experts`` on the latent rows ``x`` [n, Lt] with
+experts of width Lt: nothing here knows about it (mtpkern/head.py wires the projections).
 
 An id of -1 is an empty slot: it adds nothing (its weight is not read into the sum). A
 rank of an expert-parallel head (mtpkern.shard) holds experts ``e0 .. e1 - 1`` as its
@@ -52,7 +57,7 @@ from typing import Literal
 import numpy as np
 
 from ._check import expect_dtype, expect_ndim, expect_shape
-from .mlp import check_activation, check_clamp_gate, gated_rows, relu2, swiglu_act, swiglu_limit
+from .mlp import activation_name, check_activation, check_clamp_gate, gated_act, gated_rows, swiglu_limit
 from .norm import normed
 
 
@@ -148,7 +153,7 @@ def check_moe_experts(x, ids, weights, w13, w2, residual, activation="swiglu") -
         raise ValueError(f"ids: expected [{n}, K], got {list(ids.shape)}")
     expect_ndim("w13", w13, 3)
     E, I2, H_ = w13.shape
-    g = gated_rows(check_activation(activation))
+    g = gated_rows(activation_name(activation))
     if H_ != H or I2 % g:
         raise ValueError(f"w13: expected [E, {'2I' if g == 2 else 'I'}, {H}] ({activation}), got {list(w13.shape)}")
     expect_shape("w2", w2, (E, H, I2 // g))
@@ -157,11 +162,11 @@ def check_moe_experts(x, ids, weights, w13, w2, residual, activation="swiglu") -
 
 
 def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, clamp_gate=False, norm=None,
-                activation="swiglu") -> np.ndarray:
+                activation="swiglu", situ_beta=0.0, situ_linear_beta=0.0) -> np.ndarray:
     """``norm=(g [H], eps)``: the experts of ``rmsnorm(x, g, eps)`` (mtpkern.ops.norm.normed);
     the residual stays as given (it may be x itself). ``activation="relu2"``: w13 is [E, I, H]."""
     check_moe_experts(x, ids, weights, w13, w2, residual, activation)
-    check_activation(activation, limit)
+    check_activation(activation, limit, situ_beta, situ_linear_beta)
     E = w13.shape[0]
     if ids.size and not (-1 <= ids.min() and ids.max() < E):     # the reference indexes with them
         bad = ids[(ids < -1) | (ids >= E)][0]
@@ -177,6 +182,7 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, limit=None, clamp_ga
             if e < 0:                                                  # an empty slot
                 continue
             gu = np.asarray(w13[e], np.float32) @ x[r]                 # [2I] (relu2: [I])
-            act = relu2(gu) if activation == "relu2" else swiglu_act(gu, L, clamp_gate=clamp_gate)   # [I]
+            act = gated_act(gu, activation, L, clamp_gate=clamp_gate, situ_beta=situ_beta,
+                            situ_linear_beta=situ_linear_beta)                            # [I]
             y[r] += np.float32(weights[r, k]) * (np.asarray(w2[e], np.float32) @ act)
     return y

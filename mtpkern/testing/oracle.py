@@ -316,9 +316,9 @@ def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
         xin = fin32 if w.latent_fc1 is None else (fin @ f(w.latent_fc1).T).astype(np.float32)   # LatentMoE
         y = moe_experts(xin, ids, wts, w.experts_w13, w.experts_w2, np.zeros_like(xin),
                         limit=b.swiglu_clamp or None, clamp_gate=b.swiglu_clamp_gate,
-                        activation=b.mlp_act).astype(np.float64)
+                        **_act_kw(b)).astype(np.float64)
         if w.latent_fc2 is not None:
-            y = y @ f(w.latent_fc2).T
+            y = _latent_back(y, w, eps)
         if w.shared_w13 is not None:
             shared = _mlp(b, fin, w.shared_w13, w.shared_w2)
             if w.shared_gate is not None:                            # sigmoid(x . w_g) per row
@@ -331,11 +331,40 @@ def _ffn(cfg, b, w, x, r, k, v, eps) -> ModuleRows:
     return ModuleRows(k, v, y, _rms(head_in, w.shared_head_norm, eps))
 
 
+def _latent_back(y, w, eps):
+    """LatentMoE: the routed experts' weighted sum y [n, Lt] (routed_scaling_factor already in its
+    weights) back to [n, H]: the latent norm (moe_latent_norm: RMSNorm of the scaled sum), then
+    fc2_latent_proj (Kimi K3: ``up(norm(experts(down(x))))``)."""
+    if w.latent_norm is not None:
+        y = _rms(y, w.latent_norm, eps)
+    return y @ np.asarray(w.latent_fc2, np.float64).T
+
+
+def _act_kw(b) -> dict:
+    """The routed experts' activation keywords of block ``b`` (mtpkern.ops.moe)."""
+    if b.mlp_act == "situ":
+        return {"activation": "situ", "situ_beta": b.situ_beta, "situ_linear_beta": b.situ_linear_beta}
+    return {"activation": b.mlp_act}
+
+
+def situ_f64(g, u, beta: float, linear_beta: float = 0.0):
+    """Kimi K3's SituAndMul in float64: beta tanh(g / beta) sigmoid(g) up', up' = lb tanh(up / lb)
+    for lb > 0, else up (sigmoid as exp(-logaddexp(0, -g)): no overflow for any g)."""
+    g, u = np.asarray(g, np.float64), np.asarray(u, np.float64)
+    if linear_beta:
+        u = linear_beta * np.tanh(u / linear_beta)
+    return beta * np.tanh(g / beta) * np.exp(-np.logaddexp(0.0, -g)) * u
+
+
 def _mlp(b, x, w13, w2):
-    """The shared expert's / dense MLP's: SwiGLU, or Nemotron-H's relu2 (NemotronHMLP:
-    down(relu(up x) ** 2), w13 the up rows alone)."""
+    """The shared expert's / dense MLP's: SwiGLU, Nemotron-H's relu2 (NemotronHMLP:
+    down(relu(up x) ** 2), w13 the up rows alone), or Kimi K3's SiTU (``situ_f64``)."""
     if b.mlp_act == "relu2":
         return np.maximum(x @ np.asarray(w13, np.float64).T, 0.0) ** 2 @ np.asarray(w2, np.float64).T
+    if b.mlp_act == "situ":
+        gu = x @ np.asarray(w13, np.float64).T
+        I = gu.shape[1] // 2
+        return situ_f64(gu[:, :I], gu[:, I:], b.situ_beta, b.situ_linear_beta) @ np.asarray(w2, np.float64).T
     return _swiglu(x, w13, w2, b.swiglu_clamp_shared, b.swiglu_clamp_gate)
 
 

@@ -258,10 +258,10 @@ def amx_linear_kernel(x, g, wp, bias, residual, nchunks, cfg, out):
 
 
 @njit(cache=True, fastmath=False)
-def swiglu_rows(gu, limit, gate_limit, act):
-    """act [n, I] = swiglu(gate, up) of gu [n, 2I] = gate | up (``mlp.swiglu``)."""
+def swiglu_rows(gu, act_code, limit, gate_limit, act):
+    """act [n, I] = gated(gate, up) of gu [n, 2I] = gate | up (``mlp.gated``: SwiGLU or SiTU)."""
     for p in range(act.shape[0]):
-        silu_mul_row(gu, p, limit, gate_limit, act)
+        silu_mul_row(gu, p, act_code, limit, gate_limit, act)
 
 
 @njit(cache=True, fastmath=False)

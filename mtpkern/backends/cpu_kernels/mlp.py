@@ -35,6 +35,11 @@ is one task per (expert, row chunk of w13) writing gate | up, a pass pairs them,
 one task per (expert, row chunk of w2). A second kernel rather than a branch: the tasks are
 row chunks (each with its own scaled copy of the inputs), not groups of 8 rows.
 
+``act`` (int: ``ACT_SWIGLU`` 0, ``ACT_SITU`` 1) picks the gated activation of the same kernels
+(``gated``): Kimi K3's SiTU (``situ``) takes (beta, linear_beta) where SwiGLU takes its bounds
+(``mtpkern.ops.mlp.act_params``). A branch on a loop-invariant int beside the H multiply-adds
+of each activation, rather than two more copies of both kernels.
+
 ``grouped_relu2_kernel`` / ``grouped_relu2_fp8_kernel``: Nemotron-H's non-gated experts
 (``down(relu(up x) ** 2)``, w1 the up rows alone): a separate kernel, not a flag in the
 SwiGLU one (phase 1 reads 8 up rows per task instead of 4 gate/up pairs).
@@ -69,6 +74,29 @@ def swiglu(g, u, L, Lg):
     elif u < -Lu:
         u = -Lu
     return a * u
+
+
+#: the ``act`` codes of the gated kernels
+ACT_SWIGLU, ACT_SITU = 0, 1
+
+
+@njit(cache=True, fastmath=False)
+def situ(g, u, beta, linear_beta):
+    """Kimi K3's SituAndMul (``ops.mlp.situ_act``): beta tanh(g / beta) sigmoid(g) u', with
+    u' = linear_beta tanh(u / linear_beta) for linear_beta > 0, else u; FP32 throughout."""
+    one = np.float32(1.0)
+    if linear_beta > 0:
+        u = linear_beta * np.tanh(u / linear_beta)
+    return beta * np.tanh(g / beta) * (one / (one + np.exp(-g))) * u
+
+
+@njit(cache=True, fastmath=False)
+def gated(g, u, act, p0, p1):
+    """The gated activation ``act`` of gate g and up u: SwiGLU with bounds (p0, p1) = (L, Lg),
+    or SiTU with (p0, p1) = (beta, linear_beta)."""
+    if act == ACT_SITU:
+        return situ(g, u, p0, p1)
+    return swiglu(g, u, p0, p1)
 
 
 @njit(cache=True, fastmath=False)
@@ -144,13 +172,14 @@ def _combine_row(residual, weights, y2, inv, r, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, limit, gate_limit, out):
+def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, act_code, limit, gate_limit, out):
     """out [n, H] = residual + sum_k weights[:, k] * swiglu_{ids[:, k]}(x).
 
     x [n, H]; ids [n, K] (checked in -1..E-1 by the launcher; -1 an empty slot), weights [n, K];
     w13 [E, 2I, H]; w2 [E, H, I]; residual [n, H] or empty (it may be ``out``
-    itself: each element is read before it is written); limit, gate_limit float32, the SwiGLU
-    clamps (``swiglu``; +inf: none)."""
+    itself: each element is read before it is written); act_code: ``ACT_SWIGLU`` or ``ACT_SITU``;
+    limit, gate_limit float32, the SwiGLU clamps (``swiglu``; +inf: none), or SiTU's beta and
+    linear beta (``gated``)."""
     n, H = x.shape
     I = w2.shape[2]
     perm, inv, experts, starts, xg = _sorted_inputs(x, ids, w13.shape[0])
@@ -169,7 +198,7 @@ def grouped_swiglu_kernel(x, ids, weights, w13, w2, residual, limit, gate_limit,
         half = count // 2
         for s in range(half):                        # gate column rows[s], up column rows[s + half]
             for p in range(starts[u], starts[u + 1]):
-                act[p, rows[s]] = swiglu(gu[p, rows[s]], gu[p, rows[s + half]], limit, gate_limit)
+                act[p, rows[s]] = gated(gu[p, rows[s]], gu[p, rows[s + half]], act_code, limit, gate_limit)
     q2 = H // 8
     T2 = q2 + H - 8 * q2                             # tasks per expert, phase 2
     for t in prange(U * T2):
@@ -209,7 +238,7 @@ def _combine(residual, weights, y2, inv, out):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, gate_limit, out):
+def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, act_code, limit, gate_limit, out):
     """``grouped_swiglu_kernel`` with FP8 expert weights: w13, w2 the tuples of
     ``linear.fp8_chunk`` over [E, 2I, H] and [E, H, I] codes."""
     I = w13[0].shape[1] // 2                     # w13 [E, 2I, *]: an FP4 w2 holds I / 2 bytes a row
@@ -226,10 +255,10 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, gate_li
         qchunk(expert(w13, experts[u]), t % T1, zero, xg, starts[u], starts[u + 1], gu, zero, no)
     if P * I <= SMALL:
         for p in range(P):
-            silu_mul_row(gu, p, limit, gate_limit, act)
+            silu_mul_row(gu, p, act_code, limit, gate_limit, act)
     else:
         for p in prange(P):
-            silu_mul_row(gu, p, limit, gate_limit, act)
+            silu_mul_row(gu, p, act_code, limit, gate_limit, act)
     for t in prange(U * T2):
         u = t // T2
         qchunk(expert(w2, experts[u]), t % T2, zero, act, starts[u], starts[u + 1], y2, zero, no)
@@ -237,11 +266,11 @@ def grouped_swiglu_fp8_kernel(x, ids, weights, w13, w2, residual, limit, gate_li
 
 
 @njit(cache=True, fastmath=False)
-def silu_mul_row(gu, p, limit, gate_limit, act):
-    """act[p, j] = swiglu(gate, up, limit, gate_limit) with gu[p] = gate | up."""
+def silu_mul_row(gu, p, act_code, limit, gate_limit, act):
+    """act[p, j] = gated(gate, up, act_code, limit, gate_limit) with gu[p] = gate | up."""
     I = act.shape[1]
     for j in range(I):
-        act[p, j] = swiglu(gu[p, j], gu[p, I + j], limit, gate_limit)
+        act[p, j] = gated(gu[p, j], gu[p, I + j], act_code, limit, gate_limit)
 
 
 @njit(cache=True, fastmath=False)

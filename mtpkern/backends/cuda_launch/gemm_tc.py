@@ -23,7 +23,7 @@ import numpy as np
 
 from ...ops._check import dtype_name, expect_ndim, expect_shape, shape_of
 from ...ops.linear import check_linear
-from ...ops.mlp import swiglu_bounds
+from ...ops.mlp import GATED_ACTIVATIONS, act_params
 from ._util import (CudaFp8, cdiv, device, device_norm, device_weight, expect_disjoint, expect_same_or_disjoint,
                     f32, i32, opt_in_smem, optional, output, ptr, sm_count)
 from .loader import GEMM_TC_NT, get_kernel
@@ -75,11 +75,12 @@ def tc_smem_bytes(nt: int) -> int:
     return TC_TERMS * 8 * nt * TC_LD * 2
 
 
-def _launch(name: str, tiles: int, x, norm, args, kw: int | None = None) -> None:
+def _launch(name: str, tiles: int, x, norm, args, kw: int | None = None, more: str = "") -> None:
     """One launch of ``name<NT, NORM>`` per TC_ROWS rows of x [n, K]; ``args(sl, xs, g, eps, m,
     kw)`` -> the kernel's arguments for the rows ``sl`` (a slice; None: all rows, no view taken)
     given x's rows ``xs``, the norm's pointer and eps, the row count and the k-warps; ``kw``:
-    the k-warps to take instead of tc_config's (the benchmark's sweep)."""
+    the k-warps to take instead of tc_config's (the benchmark's sweep); ``more``: template
+    arguments after NT, NORM (", true": swiglu_tc_kernel's SiTU)."""
     n, K = shape_of(x)
     if K % 8:
         raise ValueError(f"x: {name} needs K % 8 == 0, got K = {K}")
@@ -89,7 +90,7 @@ def _launch(name: str, tiles: int, x, norm, args, kw: int | None = None) -> None
         m = min(TC_ROWS, n - r0)
         sl = None if m == n else slice(r0, r0 + m)
         nt = cdiv(m, 8)
-        kernel = get_kernel("gemm_tc", f"{name}<{nt}, {'false' if g is None else 'true'}>")
+        kernel = get_kernel("gemm_tc", f"{name}<{nt}, {'false' if g is None else 'true'}{more}>")
         smem = tc_smem_bytes(nt)
         opt_in_smem(kernel, smem)
         kernel(grid, (TC_THREADS,), args(sl, _rows(x, sl), ptr(g), f32(eps), i32(m), i32(kw)), shared_mem=smem)
@@ -110,16 +111,17 @@ def launch_gemm_tc(x, w, bias, residual, y, norm=None, kw: int | None = None) ->
         xs, w, ptr(bias), ptr(_rows(residual, sl)), g, eps, _rows(y, sl), m, i32(N), i32(K), kw), kw=kw)
 
 
-def launch_swiglu_tc(x, w13, act, L, Lg, norm=None) -> None:
+def launch_swiglu_tc(x, w13, act, L, Lg, norm=None, situ: bool = False) -> None:
     """Validated, contiguous device arrays: x [n, H], w13 [2I, H] uint16 (H % 8 == 0),
     act [n, I]; L, Lg the clamps of silu(gate) and of the gate (np.float32, +inf for none:
-    ``swiglu_bounds``); ``norm`` as launch_gemm_tc."""
+    ``swiglu_bounds``), or with ``situ`` SiTU's beta and linear beta (``act_params``); ``norm``
+    as launch_gemm_tc."""
     n, H = shape_of(x)
     I = shape_of(w13)[0] // 2
     if n == 0 or I == 0:
         return
     _launch("swiglu_tc_kernel", cdiv(I, 8), x, norm, lambda sl, xs, g, eps, m, kw: (
-        xs, w13, g, eps, _rows(act, sl), m, i32(I), i32(H), kw, L, Lg))
+        xs, w13, g, eps, _rows(act, sl), m, i32(I), i32(H), kw, L, Lg), more=", true" if situ else "")
 
 
 def _bf16_weight(w, name: str):
@@ -165,20 +167,24 @@ def gemm_tc(x, w, bias=None, residual=None, *, norm=None, out=None, kw: int | No
     return y
 
 
-def swiglu_tc(x, w13, *, limit=None, clamp_gate=False, norm=None, out=None):
+def swiglu_tc(x, w13, *, limit=None, clamp_gate=False, norm=None, out=None, activation="swiglu", situ_beta=0.0,
+              situ_linear_beta=0.0):
     """act [n, I] = swiglu((inv_rms *) (x (* g)) @ w13[:I]^T, .. @ w13[I:]^T, limit) on tensor
-    cores; ``w13`` [2I, H] BF16 bits, H % 8 == 0; ``norm`` as gemm_tc."""
+    cores; ``w13`` [2I, H] BF16 bits, H % 8 == 0; ``norm`` as gemm_tc. ``activation="situ"``:
+    Kimi K3's SiTU (``situ_beta``, ``situ_linear_beta``) instead of SwiGLU."""
     expect_ndim("x", x, 2)
     n, H = shape_of(x)
     expect_shape("w13", w13, (None, H))
     if shape_of(w13)[0] % 2:
         raise ValueError(f"w13: expected an even number of rows [2I, {H}], got {list(shape_of(w13))}")
-    L, Lg = swiglu_bounds(limit, clamp_gate)
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {GATED_ACTIVATIONS} (a gated one), got {activation!r}")
+    L, Lg = act_params(activation, limit, clamp_gate, situ_beta, situ_linear_beta)
     x = device(x, "x", "float32")
     w13 = _bf16_weight(w13, "w13")
     _expect_k8(H)
     norm = _norm(norm, H)
     act = output(out, "out", (n, shape_of(w13)[0] // 2), np.float32)
     expect_disjoint("out", act, "x", x)
-    launch_swiglu_tc(x, w13, act, L, Lg, norm)
+    launch_swiglu_tc(x, w13, act, L, Lg, norm, situ=activation == "situ")
     return act

@@ -75,11 +75,15 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "linear": tuple(f"linear_kernel<{t}, {nr}, {nm}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
                     for nm in ("false", "true")),
     "mlp": tuple(f"swiglu_gate_up_kernel<{t}, {nr}, {nm}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
-                 for nm in ("false", "true")) + ("relu2_kernel",),
+                 for nm in ("false", "true")) + ("relu2_kernel",)
+    # SITU (the last parameter): Kimi K3's gated SiTU in place of SwiGLU
+    + tuple(f"swiglu_gate_up_kernel<{t}, {nr}, {nm}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
+            for nm in ("false", "true")),
     # NT n-tiles of 8 input rows (linear's and swiglu_mlp's BF16 path for n >= 4), NORM: the
     # RMSNorm prologue
     "gemm_tc": tuple(f"{k}<{nt}, {nm}>" for k in ("gemm_tc_kernel", "swiglu_tc_kernel") for nt in GEMM_TC_NT
-                     for nm in ("false", "true")),
+                     for nm in ("false", "true"))
+    + tuple(f"swiglu_tc_kernel<{nt}, {nm}, true>" for nt in GEMM_TC_NT for nm in ("false", "true")),   # SiTU
     # VIS_K (the last parameter): the value is the key as written (DeepSeek-V4's shared KV)
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}, {vk}>" for t in _CTYPES for il in ("false", "true")
                      for vk in ("false", "true"))
@@ -108,6 +112,9 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     + tuple(f"moe_expert_kernel<{t}, true, {nr}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
     # RELU2 (the last parameter): Nemotron-H's non-gated up pass, NORM either way
     + tuple(f"moe_expert_kernel<{t}, false, {nr}, {nm}, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
+            for nm in ("false", "true"))
+    # SITU (the last parameter): Kimi K3's gated SiTU in the gate/up pass, NORM either way
+    + tuple(f"moe_expert_kernel<{t}, true, {nr}, {nm}, false, true>" for t in _WEIGHT_CTYPES for nr in GEMV_NR
             for nm in ("false", "true"))
     + tuple(f"moe_down_combine_kernel<{t}>" for t in _WEIGHT_CTYPES)
     # one row's router: the logits' GEMV and the selection in one launch

@@ -22,6 +22,11 @@ residual [n, H] | None, *, limit=None, clamp_gate=False) -> [n, H]``: three laun
 is ``moe_expert_kernel<W, false, NR, NORM, true>``, act[p] = relu2(w1[e] x) (the down pass's row
 pairs, its epilogue ``mtp::relu2``); 2 and 3 as above.
 
+``activation="situ"`` (Kimi K3; ``w13`` as SwiGLU's): launch 1 is
+``moe_expert_kernel<W, true, NR, NORM, false, true>`` (SiTU, ``mtp::gated_act``), taking
+``situ_beta`` / ``situ_linear_beta`` where SwiGLU's takes its bounds; 2 and 3 as above.
+LatentMoE runs these on the latent rows (x [n, Lt], experts of width Lt): nothing changes here.
+
 One row (n = 1, the decode step) takes two: 2 and 3 are ``moe_down_combine_kernel<W>``, the
 same dots and sum without ``partial`` (a row names each expert once, so no weight is read twice).
 
@@ -35,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...ops._check import expect_dtype
-from ...ops.mlp import NO_LIMIT, check_activation, gated_rows, swiglu_bounds
+from ...ops.mlp import NO_LIMIT, act_params, gated_rows
 from ...ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..base import all_fp8_or_none
 from ._util import (NULL, CudaFp8, cdiv, ctype, device, device_weight, expect_disjoint, expect_grid_yz,
@@ -90,15 +95,15 @@ def moe_router(x, gate_w, bias, spec: RouterSpec, *, ids=None, weights=None, log
 
 
 def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None, limit=None,
-                clamp_gate=False, norm=None, activation="swiglu"):
+                clamp_gate=False, norm=None, activation="swiglu", situ_beta=0.0, situ_linear_beta=0.0):
     """-> y [n, H] FP32; ``act`` [n * K, I] and ``partial`` [n * K, H]: FP32 workspaces (one row
     uses no ``partial``: none is allocated, a given one is checked and left as it is);
     ``limit``: the SwiGLU clamp of every expert (None / 0: none), of the gate before silu with
     ``clamp_gate`` (DeepSeek-V4), else of silu(gate) (Step-3.5); ``norm=(g, eps)``: x
     RMS-normalised first, fused into the gate/up pass (residual may be x itself)."""
     check_moe_experts(x, ids, weights, w13, w2, residual, activation)
-    relu2 = check_activation(activation, limit) == "relu2"
-    L, Lg = swiglu_bounds(limit, clamp_gate)
+    L, Lg = act_params(activation, limit, clamp_gate, situ_beta, situ_linear_beta)
+    relu2 = activation == "relu2"
     expect_weight("w13", w13)
     expect_weight("w2", w2)
     expect_dtype("weights", weights, "float32")
@@ -137,7 +142,8 @@ def moe_experts(x, ids, weights, w13, w2, residual=None, *, out=None, act=None, 
                (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(I), i32(H), act, i32(by_pair),
                 NO_LIMIT, NO_LIMIT, *nargs))
         elif I:
-            gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true, {nr}, {nm}>")
+            situ = ", false, true" if activation == "situ" else ""
+            gate_up = get_kernel("moe", f"moe_expert_kernel<{ctype(w13)}, true, {nr}, {nm}{situ}>")
             gate_up((cdiv(I, GEMV_WARPS), slots), (GEMV_THREADS,),
                     (x, i32(K), ids, i32(nK), i32(E), *weight_args(w13), i32(2 * I), i32(H), act, i32(by_pair),
                      L, Lg, *nargs))
