@@ -559,6 +559,7 @@ class MtpHead:
                 z_norm = None
                 if w.latent_norm is not None:    # moe_latent_norm (Kimi K3): RMSNorm of the weighted sum, whose
                     # weights carry routed_scaling_factor (the router's): the norm sees the scaled sum
+                    self._sum(z)                 # a sharded head: the whole sum (the norm's weight on one rank)
                     z, z_norm = self._normed_input(z, w.latent_norm, bufs is not None)
                 y = be.linear(z, w.latent_fc2, None, res, norm=z_norm, **put("linear", out=yf))  # [n, H]
             else:

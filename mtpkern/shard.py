@@ -21,7 +21,9 @@ read one rule:
   of the others mapped to -1, an empty slot: mtpkern.ops.moe) or by intermediate slice
   (``"tp"``: every expert's gate / up rows and down columns ``i0 .. i1 - 1``); shared
   experts and the dense MLP by intermediate slice; each module's FFN output meets in one
-  all-reduce (sum).
+  all-reduce (sum). LatentMoE: ``fc1_latent_proj`` / ``fc2_latent_proj`` replicated, each
+  rank lifting its partial latent sum (fc2 is linear); with ``moe_latent_norm`` the latent sum
+  is all-reduced first and the norm's weight is rank 0's, zeros elsewhere (mtpkern.weights).
 - the LM head by vocabulary rows ``lo .. hi - 1``, whole bitmask words (``lo``, ``hi``
   multiples of 32 but for the last shard's end), so a rank's grammar mask is a slice of the
   words; the per-rank bests meet in ``comm.sharded_argmax`` (and ``sharded_confidence``).

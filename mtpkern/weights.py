@@ -1622,15 +1622,16 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             if cfg.moe_latent_size:
                 # a sharded head: both projections whole on every rank (the experts split as ever);
                 # each rank's fc2(partial latent sum) is its share of fc2(sum), met in the FFN's
-                # all-reduce. The latent norm needs the whole sum before it: not split yet.
-                if shard is not None and cfg.moe_latent_norm:
-                    raise ValueError(f"module {m}: field moe_latent_norm (an RMSNorm of the whole latent expert "
-                                     f"sum) is not implemented for a sharded head yet; expected an unsharded head "
-                                     f"or moe_latent_norm false")
+                # all-reduce. With the latent norm every rank has the whole sum (MtpHead sums it
+                # first) and the norm's weight lives on the rank that adds the residual, zeros on the
+                # others: fc2 is linear in it, so the ranks' outputs add up to fc2(norm(sum)) once.
                 mw.latent_fc1 = backend.prepare_weight(w("mlp.fc1_latent_proj.weight"))
                 mw.latent_fc2 = backend.prepare_weight(w("mlp.fc2_latent_proj.weight"))
                 if cfg.moe_latent_norm:
-                    mw.latent_norm = norm("mlp.latent_norm.weight")
+                    g = norm_host("mlp.latent_norm.weight")
+                    if shard is not None and not shard.owns_residual:
+                        g = np.zeros_like(g)
+                    mw.latent_norm = backend.prepare_vector(g)
             mw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias") if cfg.router_bias
                                                   else np.zeros(E, np.float32))     # selection without a bias
             e0, e1 = (0, E) if shard is None else shard.expert_range(E)              # experts held whole (EP)

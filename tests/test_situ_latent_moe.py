@@ -278,24 +278,52 @@ def test_negative_controls(tmp_path, monkeypatch, wrong):
 
 # -- a sharded head ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("experts", ["ep", "tp"])
-def test_sharded_latent_moe_matches_one_rank(tmp_path, experts):
-    """LatentMoE (SiTU experts) over 2 ranks: both latent projections whole on each rank, the
+@pytest.mark.parametrize("case, experts, size", [("situ latent", "ep", 2), ("situ latent", "tp", 2),
+                                                 ("situ latent norm", "ep", 2), ("situ latent norm", "tp", 4)])
+def test_sharded_latent_moe_matches_one_rank(tmp_path, case, experts, size):
+    """LatentMoE (SiTU experts) over 2 or 4 ranks: both latent projections whole on each rank, the
     experts split by id or by intermediate slice; fc2 of each rank's partial latent sum meets
-    the others' in the FFN's all-reduce."""
+    the others' in the FFN's all-reduce. With the latent norm: the latent sum all-reduced first,
+    the norm's weight on rank 0 alone."""
     from test_shard import check_world
 
-    path = _ckpt(tmp_path, CASES["situ latent"])
-    check_world(path, 2, "exact", 7, conf=True, experts=experts)
+    path = _ckpt(tmp_path, CASES[case])
+    check_world(path, size, "exact", 7, conf=True, experts=experts)
 
 
-def test_a_sharded_head_refuses_the_latent_norm_by_name(tmp_path):
+def test_sharded_latent_norm_planned_step_matches_one_rank(tmp_path):
+    """The planned step over a sharded head with the latent norm (its extra all-reduce of the
+    latent sum inside the module's launches), run eagerly on NumPy: the single rank's results."""
+    import shard_cases
     from comm_cases import ThreadWorld
+    from mtpkern.cuda_graph import StepRunner
+    from test_shard import KW, single_log
 
     path = _ckpt(tmp_path, KIMI)
+    steps = shard_cases.script(31, length=10)
+    want = single_log(path, "exact", steps, True)
 
     def rank(comm):
-        with pytest.raises(ValueError, match="field moe_latent_norm .* not implemented for a sharded head"):
-            MultiModuleMtpHead.from_pretrained(path, backend="numpy", comm=comm, block_size=4, num_blocks=32)
+        prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", kv_mode="exact", comm=comm, **KW)
+        prop.step_runner = StepRunner(prop, capture=False)
+        log = shard_cases.run_script(prop, steps, True)
+        assert prop.step_runner.counts["executed"] > 0, prop.step_runner.counts
+        return prop, log
 
-    ThreadWorld(2).run(rank)
+    for prop, log in ThreadWorld(2).run(rank):
+        shard_cases.compare(want, log, prop)
+
+
+def test_sharded_latent_norm_weight_on_one_rank(tmp_path):
+    """The norm's weight on rank 0, zeros on rank 1: the negative control is the weight on both
+    (the sum would count fc2(norm) twice)."""
+    from mtpkern.backends import get_backend
+    from mtpkern.shard import Shard
+    from mtpkern.weights import load_weights
+
+    path = _ckpt(tmp_path, KIMI)
+    be = get_backend("numpy")
+    whole = load_weights(path, KIMI, be).modules[0].latent_norm
+    r0, r1 = (load_weights(path, KIMI, be, shard=Shard(r, 2)).modules[0].latent_norm for r in (0, 1))
+    np.testing.assert_array_equal(r0, whole)
+    assert not np.any(r1) and np.any(whole)

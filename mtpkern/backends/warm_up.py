@@ -144,6 +144,8 @@ class KernelNeeds:
             if b.moe and w.gate_w is not None:
                 add("moe_router", w.gate_w)
                 add("moe_experts", w.experts_w13)
+                if w.latent_fc1 is not None:     # LatentMoE's projections (their norm: rmsnorm / fused)
+                    add("linear", w.latent_fc1, w.latent_fc2)
                 if w.shared_w13 is not None:
                     add("swiglu_mlp", w.shared_w13)
                 if w.shared_gate is not None:
