@@ -545,9 +545,10 @@ def quant_weight(kind: str, shape: tuple[int, ...], seed: int, xp: Any = None):
     """A random device weight of ``shape`` [.., N, K] stored as ``kind``: ``fp8`` (E4M3 codes,
     FP32 scales per 128 x 128 block, as the DeepSeek / GLM FP8 releases), ``fp4`` (E2M1 codes
     two a byte, an E8M0 scale code per 32, as DeepSeek-V4's experts) or ``nvfp4`` (the same
-    codes, an E4M3 scale code per 16 and an FP32 row scale, in ``CudaNvFp4``'s row records);
-    codes drawn on the device (no NaN code: FP8's bit 3 cleared), scales near 1 / 448, 2^-7 and
-    (NVFP4) 2^-4 times a row scale of 0.01. The values only have to be
+    codes, an E4M3 scale code per 16 and an FP32 row scale, in ``CudaNvFp4``'s row records) or
+    ``mxfp8`` (FP8's codes with a scale per 32 along K, held FP32 as the loader holds MXFP8's
+    E8M0 scales); codes drawn on the device (no NaN code: FP8's bit 3 cleared), scales near
+    1 / 448, 2^-7 and (NVFP4) 2^-4 times a row scale of 0.01, MXFP8's 2^-8. The values only have to be
     finite: the kernels read the same bytes whatever they hold. ``xp``: CuPy (None) or NumPy
     (the emulated kernels' arrays, tests/test_gpu_bench_cpu.py)."""
     from mtpkern.backends.cuda_launch._util import CudaFp4, CudaFp8, CudaNvFp4, nvfp4_record_bytes
@@ -561,6 +562,9 @@ def quant_weight(kind: str, shape: tuple[int, ...], seed: int, xp: Any = None):
         data = (rs.randint(0, 256, size=shape, dtype=np.int32).astype(np.uint8) & np.uint8(0xF7))
         scale = xp.full((*lead, -(-N // 128), -(-K // 128)), 1.0 / 448, np.float32)
         return CudaFp8(data, scale, 128, 128)
+    if kind == "mxfp8":
+        data = (rs.randint(0, 256, size=shape, dtype=np.int32).astype(np.uint8) & np.uint8(0xF7))
+        return CudaFp8(data, xp.full((*lead, N, -(-K // 32)), 2.0 ** -8, np.float32), 1, 32)
     if kind == "fp4":
         data = rs.randint(0, 256, size=(*lead, N, K // 2), dtype=np.int32).astype(np.uint8)
         return CudaFp4(data, xp.full((*lead, N, -(-K // 32)), 120, np.uint8), 1, 32)
@@ -570,7 +574,7 @@ def quant_weight(kind: str, shape: tuple[int, ...], seed: int, xp: Any = None):
         rec[:4] = np.array([0.01], "<f4").view(np.uint8)
         rec[4:4 + -(-K // 16)] = 0x18                             # E4M3 2^-4
         return CudaNvFp4(data, xp.asarray(np.broadcast_to(rec, (*lead, N, rec.size)).copy()), 1, 16)
-    raise ValueError(f"kind: expected 'fp8', 'fp4' or 'nvfp4', got {kind!r}")
+    raise ValueError(f"kind: expected 'fp8', 'mxfp8', 'fp4' or 'nvfp4', got {kind!r}")
 
 
 def quant_bytes(kind: str, shape: tuple[int, ...]) -> int:
@@ -579,18 +583,20 @@ def quant_bytes(kind: str, shape: tuple[int, ...]) -> int:
     m = int(np.prod(lead)) if lead else 1
     if kind == "fp8":
         return m * (N * K + 4 * -(-N // 128) * -(-K // 128))
+    if kind == "mxfp8":
+        return m * (N * K + 4 * N * -(-K // 32))
     if kind == "fp4":
         return m * (N * K // 2 + N * -(-K // 32))
     if kind == "nvfp4":
         from mtpkern.backends.cuda_launch._util import nvfp4_record_bytes
 
         return m * (N * K // 2 + N * nvfp4_record_bytes(K))
-    raise ValueError(f"kind: expected 'fp8', 'fp4' or 'nvfp4', got {kind!r}")
+    raise ValueError(f"kind: expected 'fp8', 'mxfp8', 'fp4' or 'nvfp4', got {kind!r}")
 
 
 def quant_cases(cfg: MtpConfig, be, w, n: int) -> list[tuple[str, int, int, Callable]]:
     """The weight-bound ops of ``kernel_cases`` (o_proj, the routed experts, the LM head) with
-    their weights stored FP8, FP4 (MXFP4) and NVFP4 instead of BF16, at the same shapes and rows,
+    their weights stored FP8, MXFP8, FP4 (MXFP4) and NVFP4 instead of BF16, at the same shapes and rows,
     beside the BF16 rows: what half and a quarter of the bytes buy (NVFP4: a scale per 16 and a
     row scale, against MXFP4's per 32). The experts' ids are the BF16 rows'
     router's, so each row reads the same experts. (op, context, bytes, thunk)."""
@@ -615,7 +621,7 @@ def quant_cases(cfg: MtpConfig, be, w, n: int) -> list[tuple[str, int, int, Call
     part_v, part_i, lm_ids = (cp.empty((n, P), cp.float32), cp.empty((n, P), cp.int32),
                               cp.empty(n, cp.int32))
     cases = []
-    for i, kind in enumerate(("fp8", "fp4", "nvfp4")):
+    for i, kind in enumerate(("fp8", "fp4", "nvfp4", "mxfp8")):
         wo = quant_weight(kind, (H, Hq * D), 10 * i + 1)
         w13, w2 = quant_weight(kind, (E, 2 * I, H), 10 * i + 2), quant_weight(kind, (E, H, I), 10 * i + 3)
         head = quant_weight(kind, (V, H), 10 * i + 4)

@@ -2239,9 +2239,9 @@ def test_nvfp4_gemv_families_equal_the_reference(emu):
 
 # -- the benchmark's quantized weights ----------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["fp8", "fp4", "nvfp4"])
+@pytest.mark.parametrize("kind", ["fp8", "mxfp8", "fp4", "nvfp4"])
 def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
-    """benchmarks/gpu_bench.py's FP8 / FP4 / NVFP4 rows (``quant_weight``) hold weights in the layout
+    """benchmarks/gpu_bench.py's FP8 / MXFP8 / FP4 / NVFP4 rows (``quant_weight``) hold weights in the layout
     the kernels read: the bytes it counts (``quant_bytes``) are the weight's, and the emulated
     GEMV over it equals the NumPy reference over the host twin of the same codes and scales;
     its FP8 codes hold no NaN (a NaN would make every row's timing meaningless)."""
@@ -2255,9 +2255,9 @@ def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
     N, K = 40, 256
     w = bench.quant_weight(kind, (N, K), 3, xp=np)
     assert w.nbytes == bench.quant_bytes(kind, (N, K)) and tuple(w.shape) == (N, K)
-    twin = (Fp8Weight(w.data, w.scale, (w.bn, w.bk)) if kind == "fp8" else Fp4Weight(w.data, w.scale)
+    twin = (Fp8Weight(w.data, w.scale, (w.bn, w.bk)) if kind in ("fp8", "mxfp8") else Fp4Weight(w.data, w.scale)
             if kind == "fp4" else Fp4Weight(w.data, w.scale[:, 4:4 + K // 16], w.row_scale))
-    if kind == "fp8":
+    if kind in ("fp8", "mxfp8"):
         assert not np.isin(w.data & 0x7F, [0x7F]).any()
     wd = twin.dequantize()
     assert np.isfinite(wd).all() and np.abs(wd).max() > 0
@@ -2267,5 +2267,5 @@ def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
     assert_close(got, REF.linear(x, REF.prepare_weight(twin)), "float32",
                  f"{kind} linear over the benchmark's weight")
     assert bench.quant_bytes(kind, (4, N, K)) == 4 * bench.quant_bytes(kind, (N, K))
-    with pytest.raises(ValueError, match="kind: expected 'fp8', 'fp4' or 'nvfp4'"):
+    with pytest.raises(ValueError, match="kind: expected 'fp8', 'mxfp8', 'fp4' or 'nvfp4'"):
         bench.quant_bytes("int4", (N, K))
