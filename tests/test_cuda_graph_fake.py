@@ -32,6 +32,7 @@ from mtpkern.backends.cuda_launch import attention as attn_launch
 from mtpkern.backends.cuda_launch import lm_head as lm_launch
 from mtpkern.backends.cuda_launch import step as step_launch
 from mtpkern.backends.numpy_backend import NumpyBackend
+from mtpkern.config import tiny_config
 from mtpkern.ops.lm_head import bitmask_allowed, lm_head_logits, masked_argmax
 from test_planned_step import run_twins
 
@@ -228,19 +229,22 @@ class FakeCudaBackend(NumpyBackend):
         return self._run("moe_router", x, gate_w, bias, spec, ids=ids, weights=weights, norm=norm)
 
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
-                    limit=None, norm=None):
-        if act is not None:
+                    limit=None, clamp_gate=False, norm=None, activation="swiglu"):
+        if act is not None:                  # the launcher's rule: act [n K, I] (relu2: w13 holds up alone)
             nK = ids.shape[0] * ids.shape[1]
-            _expect("act", act, (nK, w13.shape[1] // 2))
+            _expect("act", act, (nK, w13.shape[1] // (1 if activation == "relu2" else 2)))
             _expect("partial", partial, (nK, x.shape[1]))
-            self.ws_seen.add("moe act")
-        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit, norm=norm)
+            self.ws_seen.add(f"moe act{'' if activation == 'swiglu' else ' ' + activation}")
+        return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit,
+                         clamp_gate=clamp_gate, norm=norm, activation=activation)
 
-    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None):
+    def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, clamp_gate=False, norm=None,
+                   activation="swiglu"):
         if act is not None:
-            _expect("act", act, (x.shape[0], w13.shape[0] // 2))
-            self.ws_seen.add("mlp act")
-        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit, norm=norm)
+            _expect("act", act, (x.shape[0], w13.shape[0] // (1 if activation == "relu2" else 2)))
+            self.ws_seen.add(f"mlp act{'' if activation == 'swiglu' else ' ' + activation}")
+        return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit, clamp_gate=clamp_gate, norm=norm,
+                         activation=activation)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
                        id_map=None, check=True, best=None, sum_exp=None):
@@ -508,3 +512,109 @@ def test_captured_sharded_step(monkeypatch, tiny_ckpt, mode):
 
     for prop, log in ThreadWorld(2).run(rank):
         shard_cases.compare(want, log, prop)
+
+
+# -- Nemotron-3's block and the FP4 / FP8 containers in the planned step -------------------------
+
+def _no_fallback(counts) -> None:
+    """Plans ran and replayed; no propose fell back to the eager path."""
+    assert counts["replayed"] >= 1, dict(counts)
+    assert not {c for c, v in counts.items() if v and c.startswith("fallback")}, dict(counts)
+
+
+def _nemotron(tmp_path, modules: int):
+    """Nemotron-3's tiny block (tests/test_family_nemotron_h.py's NEMO: NoPE GQA, relu2 routed experts
+    and a relu2 shared expert): the release's one "*E" step in its layout and config (``modules``
+    1), or the same block in ``modules`` modules of the canonical layout -> (checkpoint, config)."""
+    import dataclasses
+    import json
+
+    import test_family_nemotron_h
+    from mtpkern import MtpConfig, write_synthetic_checkpoint
+
+    nemo = test_family_nemotron_h.NEMO
+    cfg = nemo if modules == 1 else dataclasses.replace(nemo, family="", num_nextn_predict_layers=modules)
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=13, dtype="float32")
+    if modules == 1:
+        (path / "config.json").write_text(json.dumps(test_family_nemotron_h.release_config(cfg)))
+    read = MtpConfig.from_json(path / "config.json")
+    assert read.block(0).mlp_act == "relu2" and read.block(0).nope and read.num_modules == modules
+    return path, read
+
+
+ROUNDS = [(3, [1.0], [None]), (2, [0.5], ["rows"]), (3, [0.0], [None]), (1, [1.0], ["one"]), (3, [0.5], [None])]
+
+
+@pytest.mark.parametrize("modules", [1, 3])
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_nemotron_block(fake_cuda, tmp_path, modules, mode):
+    """Nemotron-3's block in the captured step (the release's one step; three modules of it, whose
+    chained rows the segment copies move): the eager NumPy path's drafts and state, the relu2
+    experts' and shared expert's act workspaces [rows, I] (the up rows alone, not 2I), every
+    propose planned. Negative control: in exact mode a prompt shorter than the modules (P < M)
+    falls back, counted, so the no-fallback check above can fail."""
+    ckpt, cfg = _nemotron(tmp_path, modules)
+    eager, graph = _twins(ckpt, mode, fake_cuda, chain="postnorm")
+    counts = run_twins(eager, graph, cfg, 7, [7, 12], ROUNDS)
+    _no_fallback(counts)
+    assert counts["executed"] + counts["replayed"] == len(ROUNDS), dict(counts)
+    assert {"moe act relu2", "mlp act relu2"} <= graph.backend.ws_seen, graph.backend.ws_seen
+    assert "moe act" not in graph.backend.ws_seen          # no SwiGLU-shaped workspace was checked
+    if modules > 1 and mode == "exact":
+        counts = run_twins(eager, graph, cfg, 8, [1], [(3, [1.0], [None]), (3, [1.0], [None])])
+        assert counts["fallback_short"] >= 1, dict(counts)
+
+
+#: container checkpoints (tests/test_quant_containers.py): NVFP4 attention, experts and router; MXFP8
+#: (E8M0 scales per 32) for every projection
+CONTAINERS = {"nvfp4": {"proj": "nvfp4", "mlp.gate.": "nvfp4"}, "mxfp8": {"proj": "mxfp8"}}
+
+
+@pytest.mark.parametrize("fmt", sorted(CONTAINERS))
+def test_captured_container_checkpoint(fake_cuda, tmp_path, fmt):
+    """A compressed-tensors NVFP4 / MXFP8 checkpoint in the captured step: the plan's workspaces
+    sized from the loaded weights, the eager path's drafts and state in both KV modes, none
+    falling back (the kernels' packed forms: test_container_planned_on_the_kernels)."""
+    from test_quant_containers import container
+
+    ckpt, _ = container(tmp_path, tiny_config(), CONTAINERS[fmt])
+    for mode in ("exact", "draft"):
+        eager, graph = _twins(ckpt, mode, fake_cuda)
+        _no_fallback(run_twins(eager, graph, tiny_config(), 3, [6, 9], ROUNDS[:4]))
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_nemotron_planned_on_the_kernels(emulator, tmp_path, mode):
+    """Nemotron-3's release step on the emulated kernels: the captured step (relu2 experts through
+    moe_expert_kernel's relu2 pass, the dense relu2 shared expert, NoPE attention) replays what
+    the same backend computes eagerly, drafts and KV bit for bit; every propose planned."""
+    import test_gpu
+    from cuda_emu import emu_backend
+
+    ckpt, cfg = _nemotron(tmp_path, 1)
+    graph, _ = test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend("float32"), mode, 2,
+                                                        prompts=(2, 20), block_size=4, num_blocks=64)
+    _no_fallback(graph.step_runner.counts)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_container_planned_on_the_kernels(emulator, tmp_path, mode):
+    """A container mixing NVFP4 (attention, routed experts: CudaNvFp4's row records) and MXFP8
+    (the shared expert, eh_proj: E8M0 per 32) on the emulated kernels: the captured step replays
+    the eager one bit for bit, every propose planned."""
+    import dataclasses
+
+    import test_gpu
+    from cuda_emu import emu_backend
+    from mtpkern.backends.cuda_launch._util import CudaNvFp4
+    from test_quant_containers import container
+
+    cfg = tiny_config(num_nextn_predict_layers=2)
+    ckpt, _ = container(tmp_path, cfg, {"self_attn": "nvfp4", "mlp.experts": "nvfp4", "shared_experts": "mxfp8",
+                                        "eh_proj": "mxfp8"})
+    graph, _ = test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend("float32"), mode, 2,
+                                                        prompts=(2, 20), block_size=4, num_blocks=64)
+    _no_fallback(graph.step_runner.counts)
+    held = {f.name for m in graph.weights.modules for f in dataclasses.fields(m)
+            if isinstance(getattr(m, f.name), CudaNvFp4)}
+    assert {"w_qkv", "experts_w13"} <= held, held
