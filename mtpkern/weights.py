@@ -1170,16 +1170,20 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                                               f"non-zero global scale (weights are divided by it), got {gv!r}")
                     gv = 1.0 / gv
                 g = np.full((N,), gv, np.float32)
+            if cols is not None and (cols[0] % B or (cols[1] % B and cols[1] != K)):
+                raise CheckpointError(f"tensor {st.data!r}: a shard of columns {cols[0]}:{cols[1]} cuts its "
+                                      f"{st.fmt.upper()} scale blocks of {B}; shard where the blocks allow "
+                                      f"(docs/distributed.md)")
             nbytes += data.nbytes + scale.nbytes + (0 if g is None else 4)
             try:
                 q = Fp4Weight(data, scale, g)
-                if rows is not None:
-                    q = q.rows(*rows)
-                if cols is not None:
-                    q = q.cols(*cols)
-                return q
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"tensor {st.scale!r} in {rd.file_of(st.scale)}: {e}") from None
+            # a shard: rows with their scales (NVFP4: and their row scales), columns at whole blocks
+            # with every row's scale kept
+            if rows is not None:
+                q = q.rows(*rows)
+            return q if cols is None else q.cols(*cols)
         # FP8: per-channel FP32 / BF16 scales [N] / [N, 1], E8M0 per (1, 32) (MXFP8), or blocks
         sshape, sdt = rd.info(st.scale)
         if sdt in _FP4_SCALE_DTYPES:
@@ -1206,8 +1210,9 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         if cols is not None:
             bk = K if q.block is None else q.block[1]
             if q.block is not None and (cols[0] % bk or (cols[1] % bk and cols[1] != K)):
-                raise CheckpointError(f"tensor {key!r}: a shard of columns {cols[0]}:{cols[1]} cuts its FP8 scale "
-                                      f"blocks of {bk}; shard where the blocks allow (docs/distributed.md)")
+                kind = "MXFP8" if q.block == (1, 32) and sdt in _FP4_SCALE_DTYPES else "FP8"
+                raise CheckpointError(f"tensor {st.data!r}: a shard of columns {cols[0]}:{cols[1]} cuts its {kind} "
+                                      f"scale blocks of {bk}; shard where the blocks allow (docs/distributed.md)")
             q = Fp8Weight(q.data[:, cols[0]:cols[1]],
                           q.scale if q.block is None else q.scale[:, cols[0] // bk: -(-cols[1] // bk)], q.block)
         return q
