@@ -480,6 +480,11 @@ def test_captured_sharded_step(monkeypatch, tiny_ckpt, mode):
     its own fake runtime): the o_proj / FFN all-reduces recorded inside the graphs, each
     draft's LM-head reduction run between them; call for call the single-rank reference's
     drafts, confidences, trees and KV slices (tests/shard_cases.py)."""
+    check_captured_sharded(monkeypatch, tiny_ckpt, mode)
+
+
+def check_captured_sharded(monkeypatch, ckpt, mode: str, experts: str = "ep") -> None:
+    """The body of test_captured_sharded_step, for any checkpoint."""
     import threading
 
     import shard_cases
@@ -497,12 +502,12 @@ def test_captured_sharded_step(monkeypatch, tiny_ckpt, mode):
                         lambda table: current().launch(cuda_graph.host_copy_segments, table, [(0, 2**63)]))
     kw = dict(kv_mode=mode, block_size=4, num_blocks=160, prefill_chunk=6)
     steps = shard_cases.script(41, length=14)
-    want = shard_cases.run_script(MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", **kw), steps, True)
+    want = shard_cases.run_script(MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", **kw), steps, True)
 
     def rank(comm):
         rt = rts[threading.get_ident()] = FakeRuntime()
         cc = CapturedComm(comm, rt)
-        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=FakeCudaBackend(rt), comm=cc, **kw)
+        prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=FakeCudaBackend(rt), comm=cc, experts=experts, **kw)
         assert prop.step_runner is not None and prop.step_runner.capture
         log = shard_cases.run_script(prop, steps, True)
         counts = prop.step_runner.counts
@@ -563,6 +568,14 @@ def test_captured_nemotron_block(fake_cuda, tmp_path, modules, mode):
     if modules > 1 and mode == "exact":
         counts = run_twins(eager, graph, cfg, 8, [1], [(3, [1.0], [None]), (3, [1.0], [None])])
         assert counts["fallback_short"] >= 1, dict(counts)
+
+
+@pytest.mark.parametrize("experts", ["ep", "tp"])
+def test_captured_sharded_nemotron_step(monkeypatch, tmp_path, experts):
+    """Nemotron-3's step sharded over two ranks in the captured step: the relu2 workspaces sized
+    from the rank's own slices (the shared expert's 32 of 64 up rows; with experts by slice,
+    each expert's 16 of 32), the all-reduces in the graphs; call for call one rank's."""
+    check_captured_sharded(monkeypatch, _nemotron(tmp_path, 1)[0], "exact", experts)
 
 
 #: container checkpoints (tests/test_quant_containers.py): NVFP4 attention, experts and router; MXFP8

@@ -13,8 +13,8 @@ E4M3 scales per 16, the row scale; mtpkern.quant.Fp4Weight): the oracle reads th
 loaded (dequantized), so the machine checks the packed GEMVs' drafts against them. A tenth is
 Nemotron-3's (``nemotron_h``: the MTP step's "*E" sublayers in the release layout, NoPE
 attention, relu2 experts and shared expert, the postnorm chain), with and without LatentMoE
-(``moe_latent_size``: numpy / cpu only). A ninth is Qwen3.5-MoE's (two modules, experts packed as gate_up_proj / down_proj, the
-release's names under its vision-language wrapper). An eighth is GLM-5.3's block (NoPE MLA, the pooled indexer: pools of 2 keys, 4 keys picked, and
+(``moe_latent_size``: numpy / cpu only). A ninth is Qwen3.5-MoE's (two modules, experts packed as
+gate_up_proj / down_proj, the release's names under its vision-language wrapper). An eighth is GLM-5.3's block (NoPE MLA, the pooled indexer: pools of 2 keys, 4 keys picked, and
 its tail; the position-0 mask). A seventh is DeepSeek-V4's (4 streams, the shared-KV attention
 with sinks and a window of 6, grouped output, the sqrtsoftplus router, clamps).
 A sixth has vLLM's position-0 mask (``embed_mask_pos0``: each prompt's module-0 key 0 reads
