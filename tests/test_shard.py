@@ -756,6 +756,36 @@ def test_sharded_container_weights_are_slices(tmp_path_factory, fmt):
         assert len(g) > 1, g
 
 
+@pytest.mark.parametrize("fmt", sorted(CT_FORMATS))
+def test_sharded_container_reads_only_its_ranges(tmp_path_factory, monkeypatch, fmt):
+    """A rank reads its rows / columns of a container's codes from the file, not the whole tensor
+    (docs/distributed.md: each rank reads only its slice): q_proj's rows of its heads, o_proj's
+    columns (with FP4 codes, two a byte: the byte columns). Negative control: a loader that read
+    every container tensor whole and cut it on the host fails here (it did)."""
+    from mtpkern.config import MtpConfig
+    from mtpkern.weights import CheckpointReader
+
+    ckpt = container_ckpt(tmp_path_factory, fmt)
+    cfg = MtpConfig.from_json(ckpt / "config.json")
+    reads: dict = {}
+    get = CheckpointReader.get
+
+    def logged(self, key, shape, dtypes=None, rows=None, cols=None):
+        reads[key] = (rows, cols)
+        return get(self, key, shape, *(() if dtypes is None else (dtypes,)), rows, cols)
+
+    monkeypatch.setattr(CheckpointReader, "get", logged)
+    load_weights(ckpt, cfg, get_backend("numpy"), shard=Shard(1, 2))
+    codes = "weight_packed" if fmt != "mxfp8" else "weight"
+    b = cfg.block(0)
+    q = next(v for k, v in reads.items() if k.endswith(f"self_attn.q_proj.{codes}"))
+    o = next(v for k, v in reads.items() if k.endswith(f"self_attn.o_proj.{codes}"))
+    half = b.num_attention_heads // 2 * b.head_dim
+    packed = 2 if fmt != "mxfp8" else 1                    # FP4: two codes a byte
+    assert q == ((half, 2 * half), None), q
+    assert o == (None, (half // packed, 2 * half // packed)), o
+
+
 @pytest.mark.parametrize("fmt,size,cut,block", [("mxfp4", 2, "16:32", 32), ("mxfp8", 2, "16:32", 32),
                                                  ("nvfp4", 4, "8:16", 16)])
 def test_sharded_container_refuses_a_cut_scale_block(tmp_path_factory, fmt, size, cut, block):
