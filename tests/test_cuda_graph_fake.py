@@ -631,3 +631,36 @@ def test_container_planned_on_the_kernels(emulator, tmp_path, mode):
     held = {f.name for m in graph.weights.modules for f in dataclasses.fields(m)
             if isinstance(getattr(m, f.name), CudaNvFp4)}
     assert {"w_qkv", "experts_w13"} <= held, held
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_qwen3_5_checkpoint(fake_cuda, tmp_path, mode):
+    """Qwen3.5 / 3.6-MoE's step (tests/test_family_qwen3_5.py's MOE2: the element-wise output gate
+    interleaved in q_proj, a sigmoid-gated shared expert, softmax routing, experts packed as
+    gate_up_proj, zero-centred norms; two modules) in the captured step: the eager NumPy path's
+    drafts and state, the gate's workspaces, none falling back."""
+    import test_family_qwen3_5
+    from mtpkern import MtpConfig
+
+    cfg = test_family_qwen3_5.MOE2
+    ckpt = test_family_qwen3_5._ckpt(tmp_path / "q35", cfg, packed=True, seed=9)
+    assert MtpConfig.from_json(ckpt / "config.json") == cfg
+    eager, graph = _twins(ckpt, mode, fake_cuda)                  # the family's chain: postnorm
+    assert graph.chain == "postnorm"
+    _no_fallback(run_twins(eager, graph, cfg, 5, [7, 12], ROUNDS))
+    assert {"logits", "router ticket", "moe act", "mlp act"} <= graph.backend.ws_seen, graph.backend.ws_seen
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_qwen3_5_planned_on_the_kernels(emulator, tmp_path, mode):
+    """Qwen3.5 / 3.6-MoE's two packed-expert modules on the emulated kernels: the captured step
+    (the output gate, the gated shared expert) replays the eager one bit for bit, none falling back."""
+    import test_family_qwen3_5
+    import test_gpu
+    from cuda_emu import emu_backend
+
+    cfg = test_family_qwen3_5.MOE2
+    ckpt = test_family_qwen3_5._ckpt(tmp_path / "q35", cfg, packed=True, seed=9)
+    graph, _ = test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend("float32"), mode, 2,
+                                                        prompts=(2, 20), block_size=4, num_blocks=64)
+    _no_fallback(graph.step_runner.counts)

@@ -800,3 +800,17 @@ def test_sharded_container_refuses_a_cut_scale_block(tmp_path_factory, fmt, size
     with pytest.raises(CheckpointError, match=rf"tensor '[^']*mlp\.experts\.0\.down_proj\.weight[^']*': a shard of "
                                               rf"columns {cut} cuts its {fmt.upper()} scale blocks of {block}"):
         load_weights(ckpt, cfg, get_backend("numpy"), shard=Shard(1, size, "tp"))
+
+
+@pytest.mark.parametrize("kv_mode,experts", [("exact", "ep"), ("draft", "tp")])
+def test_sharded_qwen3_5_matches_one_rank(tmp_path_factory, kv_mode, experts):
+    """Qwen3.5 / 3.6-MoE's step over 2 ranks (two modules, experts packed as gate_up_proj, the
+    output gate interleaved per head in q_proj: each rank's heads with their gate rows, the gated
+    shared expert's slice): every call as one rank."""
+    import test_family_qwen3_5
+
+    key = ("qwen3_5",)
+    if key not in _FAMILY_CKPTS:
+        _FAMILY_CKPTS[key] = test_family_qwen3_5._ckpt(tmp_path_factory.mktemp("q35"), test_family_qwen3_5.MOE2,
+                                                       packed=True, seed=9)
+    check_world(_FAMILY_CKPTS[key], 2, kv_mode, 71, conf=kv_mode == "exact", experts=experts)
