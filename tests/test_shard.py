@@ -695,24 +695,28 @@ def container_ckpt(tmp_path_factory, fmt: str):
         from mtpkern.weights import read_tensors
         from test_quant_containers import container
 
-        ct, _ = container(tmp_path_factory.mktemp(f"ct_{fmt}"), CT_CFG, CT_FORMATS[fmt])
+        modelopt = fmt == "modelopt"
+        ct, _ = container(tmp_path_factory.mktemp(f"ct_{fmt}"), CT_CFG, CT_FORMATS["nvfp4" if modelopt else fmt],
+                          "modelopt" if modelopt else "compressed-tensors")
         raw = read_tensors(ct)
-        for i, k in enumerate(sorted(k for k in raw if k.endswith("weight_global_scale"))):
-            raw[k] = (raw[k] / np.float32(2.0 ** (i % 3))).astype(np.float32)    # the divisor: weights x 2^i
+        for i, k in enumerate(sorted(k for k in raw if k.endswith(("weight_global_scale", "weight_scale_2")))):
+            f = np.float32(2.0 ** (i % 3))          # weights x 2^i (compressed-tensors stores the divisor)
+            raw[k] = (raw[k] * f if modelopt else raw[k] / f).astype(np.float32)
         save_file(raw, str(ct / "model.safetensors"), metadata={"format": "pt"})
         _FAMILY_CKPTS[key] = ct
     return _FAMILY_CKPTS[key]
 
 
 @pytest.mark.parametrize("kv_mode", ["exact", "draft"])
-@pytest.mark.parametrize("fmt", sorted(CT_FORMATS))
+@pytest.mark.parametrize("fmt", sorted(CT_FORMATS) + ["modelopt"])
 def test_sharded_container_matches_one_rank(tmp_path_factory, fmt, kv_mode):
-    """NVFP4 (E4M3 per 16, the row scale), MXFP4 / MXFP8 (E8M0 per 32) projections over 2 ranks:
-    each rank reads its rows with their scales and its columns at whole blocks; every call as one
-    rank. NVFP4 also with each expert's 32 columns of down_proj cut at 16 (experts "tp")."""
+    """NVFP4 (E4M3 per 16, the row scale; compressed-tensors' and ModelOpt's), MXFP4 / MXFP8 (E8M0
+    per 32) projections over 2 ranks: each rank reads its rows with their scales and its columns
+    at whole blocks; every call as one rank. NVFP4 also with each expert's 32 columns of down_proj
+    cut at 16 (experts "tp")."""
     ckpt = container_ckpt(tmp_path_factory, fmt)
     check_world(ckpt, 2, kv_mode, 61, conf=kv_mode == "exact")
-    if fmt == "nvfp4" and kv_mode == "exact":
+    if fmt in ("nvfp4", "modelopt") and kv_mode == "exact":
         check_world(ckpt, 2, kv_mode, 62, experts="tp")
 
 
