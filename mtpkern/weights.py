@@ -1151,9 +1151,17 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
     def contained(st: Stored, key: str, shape: tuple[int, ...], rows=None, cols=None):
         """A projection of a container, as its tensors say (``stored_form``): MXFP4 / NVFP4 as an
         ``Fp4Weight``, FP8 / MXFP8 as an ``Fp8Weight`` (block from its scales' shape and dtype);
-        ``rows`` / ``cols``: a shard of it, at whole scale blocks."""
+        ``rows`` / ``cols``: a shard of it, only those ranges read: rows with their scales (NVFP4:
+        and their row scales), columns at whole scale blocks with every row's scale kept (a cut
+        inside a block is refused, naming the tensor, the cut and the block)."""
         nonlocal nbytes
         N, K = shape
+
+        def refuse_cut(fmt: str, bk: int) -> None:
+            if cols is not None and (cols[0] % bk or (cols[1] % bk and cols[1] != K)):
+                raise CheckpointError(f"tensor {st.data!r}: a shard of columns {cols[0]}:{cols[1]} cuts its {fmt} "
+                                      f"scale blocks of {bk}; shard where the blocks allow (docs/distributed.md)")
+
         if st.fmt in ("mxfp4", "nvfp4"):
             B = FP4_BLOCK if st.fmt == "mxfp4" else NVFP4_BLOCK
             stored = (N, K // 2)
@@ -1161,8 +1169,13 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
             if K % 2 or got_shape != stored:
                 raise CheckpointError(f"tensor {st.data!r} in {rd.file_of(st.data)}: expected shape {list(stored)} "
                                       f"({st.fmt}: two codes a byte of a [{N}, {K}] weight), got {list(got_shape)}")
-            data = rd.get(st.data, stored, _FP4)
+            refuse_cut(st.fmt.upper(), B)
+            data = rd.get(st.data, stored, _FP4, rows, None if cols is None else (cols[0] // 2, -(-cols[1] // 2)))
             scale = rd.get(st.scale, (N, -(-K // B)), (_FP8,) if st.fmt == "nvfp4" else _FP4_SCALE_DTYPES)
+            if rows is not None:
+                scale = scale[rows[0]:rows[1]]
+            if cols is not None:
+                scale = scale[:, cols[0] // B: -(-cols[1] // B)]
             g = None
             if st.fmt == "nvfp4":
                 gshape, _ = rd.info(st.glob)
@@ -1175,15 +1188,10 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                         raise CheckpointError(f"tensor {st.glob!r} in {rd.file_of(st.glob)}: expected a finite, "
                                               f"non-zero global scale (weights are divided by it), got {gv!r}")
                     gv = 1.0 / gv
-                g = np.full((N,), gv, np.float32)
+                g = np.full((data.shape[0],), gv, np.float32)     # the row scale of every row read
             nbytes += data.nbytes + scale.nbytes + (0 if g is None else 4)
             try:
-                q = Fp4Weight(data, scale, g)
-                if rows is not None:
-                    q = q.rows(*rows)
-                if cols is not None:
-                    q = q.cols(*cols)
-                return q
+                return Fp4Weight(data, scale, g)
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"tensor {st.scale!r} in {rd.file_of(st.scale)}: {e}") from None
         # FP8: per-channel FP32 / BF16 scales [N] / [N, 1], E8M0 per (1, 32) (MXFP8), or blocks
@@ -1197,26 +1205,25 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
         else:
             block = None if tuple(sshape) in ((N,), (N, 1)) else cfg.fp8_block
             scale = rd.get(st.scale, sshape, ("F32", "BF16"))
-        data = rd.get(st.data, shape, (_FP8,))
+        if block is not None:
+            refuse_cut("MXFP8" if sdt in _FP4_SCALE_DTYPES else "FP8", block[1])
+            if rows is not None and (rows[0] % block[0] or (rows[1] % block[0] and rows[1] != N)):
+                raise CheckpointError(f"tensor {st.data!r}: a shard of rows {rows[0]}:{rows[1]} cuts its FP8 scale "
+                                      f"blocks of {block[0]}; shard where the blocks allow (docs/distributed.md)")
+            if scale.ndim == 2:
+                scale = _fp8_scale_slice(scale, block, rows, cols, (N, K), st.data)
+        elif rows is not None:                   # per output channel: the rows' scales
+            scale = scale[rows[0]:rows[1]]
+        data = rd.get(st.data, shape, (_FP8,), rows, cols)
         n, at = nan_codes(data)
         if n:
             raise CheckpointError(f"tensor {st.data!r} in {rd.file_of(st.data)}: {n} FP8 E4M3 code(s) are NaN "
                                   f"(0x7F / 0xFF; first at {list(at)}); expected finite weights")
         nbytes += data.nbytes + scale.nbytes
         try:
-            q = Fp8Weight(data, scale, block)
+            return Fp8Weight(data, scale, block)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"tensor {st.scale!r} in {rd.file_of(st.scale)}: {e}") from None
-        if rows is not None:
-            q = _row_slice(q, *rows)
-        if cols is not None:
-            bk = K if q.block is None else q.block[1]
-            if q.block is not None and (cols[0] % bk or (cols[1] % bk and cols[1] != K)):
-                raise CheckpointError(f"tensor {key!r}: a shard of columns {cols[0]}:{cols[1]} cuts its FP8 scale "
-                                      f"blocks of {bk}; shard where the blocks allow (docs/distributed.md)")
-            q = Fp8Weight(q.data[:, cols[0]:cols[1]],
-                          q.scale if q.block is None else q.scale[:, cols[0] // bk: -(-cols[1] // bk)], q.block)
-        return q
 
     def packed(suffix: str, e0: int, e1: int, part_i: tuple[int, int] | None, axis: int):
         """Experts ``e0:e1`` of a packed tensor (``Family.packed_experts``: [E, N, K]), and only

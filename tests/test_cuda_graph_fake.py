@@ -32,6 +32,7 @@ from mtpkern.backends.cuda_launch import attention as attn_launch
 from mtpkern.backends.cuda_launch import lm_head as lm_launch
 from mtpkern.backends.cuda_launch import step as step_launch
 from mtpkern.backends.numpy_backend import NumpyBackend
+from mtpkern.config import tiny_config
 from mtpkern.ops.lm_head import bitmask_allowed, lm_head_logits, masked_argmax
 from mtpkern.ops.mlp import gated_rows
 from test_planned_step import run_twins
@@ -231,18 +232,21 @@ class FakeCudaBackend(NumpyBackend):
     def moe_experts(self, x, ids, weights, w13, w2, residual=None, *, out=None, act=None, partial=None,
                     limit=None, norm=None, **act_kw):
         """``act_kw``: the activation's keywords (activation, clamp_gate, situ_*), passed on."""
-        if act is not None:
+        activation = act_kw.get("activation", "swiglu")
+        if act is not None:                  # the launcher's rule: act [n K, I] (relu2: w13 holds up alone)
             nK = ids.shape[0] * ids.shape[1]
-            _expect("act", act, (nK, w13.shape[1] // gated_rows(act_kw.get("activation", "swiglu"))))
+            _expect("act", act, (nK, w13.shape[1] // gated_rows(activation)))
             _expect("partial", partial, (nK, x.shape[1]))     # LatentMoE: Lt wide
-            self.ws_seen.add("moe act" if residual is not None else "latent moe act")   # latent: no residual
+            self.ws_seen.add(("moe act" if residual is not None else "latent moe act")     # latent: no residual
+                             + (" relu2" if activation == "relu2" else ""))
         return self._run("moe_experts", x, ids, weights, w13, w2, residual, out=out, limit=limit, norm=norm,
                          **act_kw)
 
     def swiglu_mlp(self, x, w13, w2, residual=None, *, out=None, act=None, limit=None, norm=None, **act_kw):
+        activation = act_kw.get("activation", "swiglu")
         if act is not None:
-            _expect("act", act, (x.shape[0], w13.shape[0] // gated_rows(act_kw.get("activation", "swiglu"))))
-            self.ws_seen.add("mlp act")
+            _expect("act", act, (x.shape[0], w13.shape[0] // gated_rows(activation)))
+            self.ws_seen.add("mlp act" + (" relu2" if activation == "relu2" else ""))
         return self._run("swiglu_mlp", x, w13, w2, residual, out=out, limit=limit, norm=norm, **act_kw)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
@@ -495,6 +499,11 @@ def test_captured_sharded_step(monkeypatch, tiny_ckpt, mode):
     its own fake runtime): the o_proj / FFN all-reduces recorded inside the graphs, each
     draft's LM-head reduction run between them; call for call the single-rank reference's
     drafts, confidences, trees and KV slices (tests/shard_cases.py)."""
+    check_captured_sharded(monkeypatch, tiny_ckpt, mode)
+
+
+def check_captured_sharded(monkeypatch, ckpt, mode: str, experts: str = "ep") -> None:
+    """The body of test_captured_sharded_step, for any checkpoint."""
     import threading
 
     import shard_cases
@@ -512,12 +521,12 @@ def test_captured_sharded_step(monkeypatch, tiny_ckpt, mode):
                         lambda table: current().launch(cuda_graph.host_copy_segments, table, [(0, 2**63)]))
     kw = dict(kv_mode=mode, block_size=4, num_blocks=160, prefill_chunk=6)
     steps = shard_cases.script(41, length=14)
-    want = shard_cases.run_script(MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", **kw), steps, True)
+    want = shard_cases.run_script(MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", **kw), steps, True)
 
     def rank(comm):
         rt = rts[threading.get_ident()] = FakeRuntime()
         cc = CapturedComm(comm, rt)
-        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=FakeCudaBackend(rt), comm=cc, **kw)
+        prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=FakeCudaBackend(rt), comm=cc, experts=experts, **kw)
         assert prop.step_runner is not None and prop.step_runner.capture
         log = shard_cases.run_script(prop, steps, True)
         counts = prop.step_runner.counts
@@ -544,3 +553,150 @@ def test_captured_latent_moe_with_situ(fake_cuda, tmp_path, norm):
     counts = run_twins(eager, graph, cfg, 5, [7, 12], [(2, [0.0], [None])] * 3 + [(1, [1.0], [None])])
     assert counts["replayed"] >= 2, counts
     assert {"latent moe act", "moe act"} & graph.backend.ws_seen == {"latent moe act"}, graph.backend.ws_seen
+
+
+# -- Nemotron-3's block and the FP4 / FP8 containers in the planned step -------------------------
+
+def _no_fallback(counts) -> None:
+    """Plans ran and replayed; no propose fell back to the eager path."""
+    assert counts["replayed"] >= 1, dict(counts)
+    assert not {c for c, v in counts.items() if v and c.startswith("fallback")}, dict(counts)
+
+
+def _nemotron(tmp_path, modules: int):
+    """Nemotron-3's tiny block (tests/test_family_nemotron_h.py's NEMO: NoPE GQA, relu2 routed experts
+    and a relu2 shared expert): the release's one "*E" step in its layout and config (``modules``
+    1), or the same block in ``modules`` modules of the canonical layout -> (checkpoint, config)."""
+    import dataclasses
+    import json
+
+    import test_family_nemotron_h
+    from mtpkern import MtpConfig, write_synthetic_checkpoint
+
+    nemo = test_family_nemotron_h.NEMO
+    cfg = nemo if modules == 1 else dataclasses.replace(nemo, family="", num_nextn_predict_layers=modules)
+    path = write_synthetic_checkpoint(tmp_path, cfg, seed=13, dtype="float32")
+    if modules == 1:
+        (path / "config.json").write_text(json.dumps(test_family_nemotron_h.release_config(cfg)))
+    read = MtpConfig.from_json(path / "config.json")
+    assert read.block(0).mlp_act == "relu2" and read.block(0).nope and read.num_modules == modules
+    return path, read
+
+
+ROUNDS = [(3, [1.0], [None]), (2, [0.5], ["rows"]), (3, [0.0], [None]), (1, [1.0], ["one"]), (3, [0.5], [None])]
+
+
+@pytest.mark.parametrize("modules", [1, 3])
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_nemotron_block(fake_cuda, tmp_path, modules, mode):
+    """Nemotron-3's block in the captured step (the release's one step; three modules of it, whose
+    chained rows the segment copies move): the eager NumPy path's drafts and state, the relu2
+    experts' and shared expert's act workspaces [rows, I] (the up rows alone, not 2I), every
+    propose planned. Negative control: in exact mode a prompt shorter than the modules (P < M)
+    falls back, counted, so the no-fallback check above can fail."""
+    ckpt, cfg = _nemotron(tmp_path, modules)
+    eager, graph = _twins(ckpt, mode, fake_cuda, chain="postnorm")
+    counts = run_twins(eager, graph, cfg, 7, [7, 12], ROUNDS)
+    _no_fallback(counts)
+    assert counts["executed"] + counts["replayed"] == len(ROUNDS), dict(counts)
+    assert {"moe act relu2", "mlp act relu2"} <= graph.backend.ws_seen, graph.backend.ws_seen
+    assert "moe act" not in graph.backend.ws_seen          # no SwiGLU-shaped workspace was checked
+    if modules > 1 and mode == "exact":
+        counts = run_twins(eager, graph, cfg, 8, [1], [(3, [1.0], [None]), (3, [1.0], [None])])
+        assert counts["fallback_short"] >= 1, dict(counts)
+
+
+@pytest.mark.parametrize("experts", ["ep", "tp"])
+def test_captured_sharded_nemotron_step(monkeypatch, tmp_path, experts):
+    """Nemotron-3's step sharded over two ranks in the captured step: the relu2 workspaces sized
+    from the rank's own slices (the shared expert's 32 of 64 up rows; with experts by slice,
+    each expert's 16 of 32), the all-reduces in the graphs; call for call one rank's."""
+    check_captured_sharded(monkeypatch, _nemotron(tmp_path, 1)[0], "exact", experts)
+
+
+#: container checkpoints (tests/test_quant_containers.py): NVFP4 attention, experts and router; MXFP8
+#: (E8M0 scales per 32) for every projection
+CONTAINERS = {"nvfp4": {"proj": "nvfp4", "mlp.gate.": "nvfp4"}, "mxfp8": {"proj": "mxfp8"}}
+
+
+@pytest.mark.parametrize("fmt", sorted(CONTAINERS))
+def test_captured_container_checkpoint(fake_cuda, tmp_path, fmt):
+    """A compressed-tensors NVFP4 / MXFP8 checkpoint in the captured step: the plan's workspaces
+    sized from the loaded weights, the eager path's drafts and state in both KV modes, none
+    falling back (the kernels' packed forms: test_container_planned_on_the_kernels)."""
+    from test_quant_containers import container
+
+    ckpt, _ = container(tmp_path, tiny_config(), CONTAINERS[fmt])
+    for mode in ("exact", "draft"):
+        eager, graph = _twins(ckpt, mode, fake_cuda)
+        _no_fallback(run_twins(eager, graph, tiny_config(), 3, [6, 9], ROUNDS[:4]))
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_nemotron_planned_on_the_kernels(emulator, tmp_path, mode):
+    """Nemotron-3's release step on the emulated kernels: the captured step (relu2 experts through
+    moe_expert_kernel's relu2 pass, the dense relu2 shared expert, NoPE attention) replays what
+    the same backend computes eagerly, drafts and KV bit for bit; every propose planned."""
+    import test_gpu
+    from cuda_emu import emu_backend
+
+    ckpt, cfg = _nemotron(tmp_path, 1)
+    graph, _ = test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend("float32"), mode, 2,
+                                                        prompts=(2, 20), block_size=4, num_blocks=64)
+    _no_fallback(graph.step_runner.counts)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_container_planned_on_the_kernels(emulator, tmp_path, mode):
+    """A container mixing NVFP4 (attention, routed experts: CudaNvFp4's row records) and MXFP8
+    (the shared expert, eh_proj: E8M0 per 32) on the emulated kernels: the captured step replays
+    the eager one bit for bit, every propose planned."""
+    import dataclasses
+
+    import test_gpu
+    from cuda_emu import emu_backend
+    from mtpkern.backends.cuda_launch._util import CudaNvFp4
+    from test_quant_containers import container
+
+    cfg = tiny_config(num_nextn_predict_layers=2)
+    ckpt, _ = container(tmp_path, cfg, {"self_attn": "nvfp4", "mlp.experts": "nvfp4", "shared_experts": "mxfp8",
+                                        "eh_proj": "mxfp8"})
+    graph, _ = test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend("float32"), mode, 2,
+                                                        prompts=(2, 20), block_size=4, num_blocks=64)
+    _no_fallback(graph.step_runner.counts)
+    held = {f.name for m in graph.weights.modules for f in dataclasses.fields(m)
+            if isinstance(getattr(m, f.name), CudaNvFp4)}
+    assert {"w_qkv", "experts_w13"} <= held, held
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_captured_qwen3_5_checkpoint(fake_cuda, tmp_path, mode):
+    """Qwen3.5 / 3.6-MoE's step (tests/test_family_qwen3_5.py's MOE2: the element-wise output gate
+    interleaved in q_proj, a sigmoid-gated shared expert, softmax routing, experts packed as
+    gate_up_proj, zero-centred norms; two modules) in the captured step: the eager NumPy path's
+    drafts and state, the gate's workspaces, none falling back."""
+    import test_family_qwen3_5
+    from mtpkern import MtpConfig
+
+    cfg = test_family_qwen3_5.MOE2
+    ckpt = test_family_qwen3_5._ckpt(tmp_path / "q35", cfg, packed=True, seed=9)
+    assert MtpConfig.from_json(ckpt / "config.json") == cfg
+    eager, graph = _twins(ckpt, mode, fake_cuda)                  # the family's chain: postnorm
+    assert graph.chain == "postnorm"
+    _no_fallback(run_twins(eager, graph, cfg, 5, [7, 12], ROUNDS))
+    assert {"logits", "router ticket", "moe act", "mlp act"} <= graph.backend.ws_seen, graph.backend.ws_seen
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_qwen3_5_planned_on_the_kernels(emulator, tmp_path, mode):
+    """Qwen3.5 / 3.6-MoE's two packed-expert modules on the emulated kernels: the captured step
+    (the output gate, the gated shared expert) replays the eager one bit for bit, none falling back."""
+    import test_family_qwen3_5
+    import test_gpu
+    from cuda_emu import emu_backend
+
+    cfg = test_family_qwen3_5.MOE2
+    ckpt = test_family_qwen3_5._ckpt(tmp_path / "q35", cfg, packed=True, seed=9)
+    graph, _ = test_gpu.check_graph_replay_equals_eager(ckpt, cfg, emu_backend.backend("float32"), mode, 2,
+                                                        prompts=(2, 20), block_size=4, num_blocks=64)
+    _no_fallback(graph.step_runner.counts)

@@ -403,8 +403,22 @@ def test_no_allowed_token_rolls_back(tiny_ckpt, tiny_cfg):
     planned.free_state(st)
 
 
+@pytest.fixture(scope="module")
+def nemo_ckpt(tmp_path_factory):
+    """Nemotron-3's release step (tests/test_family_nemotron_h.py: NoPE, relu2 experts and shared expert)."""
+    import json
+
+    import test_family_nemotron_h
+    from mtpkern import write_synthetic_checkpoint
+
+    cfg = test_family_nemotron_h.NEMO
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp("nemo"), cfg, seed=13, dtype="float32")
+    (path / "config.json").write_text(json.dumps(test_family_nemotron_h.release_config(cfg)))
+    return path
+
+
 @pytest.mark.parametrize("mode", ["exact", "draft"])
-@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "mla_ckpt", "dsa_ckpt", "v4_window_ckpt", "hc_ckpt"])
+@pytest.mark.parametrize("ckpt", ["tiny_ckpt", "mla_ckpt", "dsa_ckpt", "v4_window_ckpt", "hc_ckpt", "nemo_ckpt"])
 def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, request):
     """What capture needs: every op of the plan gets its output buffer(s), and every
     array an op reads or writes is persistent (plan buffers, the staging area, the
@@ -462,7 +476,7 @@ def test_plan_writes_only_its_buffers_and_reads_no_temporaries(ckpt, mode, reque
     runner.propose = propose
     prop.propose_batch([1, 2], rng.standard_normal((2, S)).astype(np.float32), [7, 7], 3, sts)
     attention = "mla_attention_absorbed" if prop.modules[0].block.mla else "paged_attention"
-    assert calls.count("lm_head_argmax") == 3 and attention in calls
+    assert calls.count("lm_head_argmax") == min(3, prop.num_modules) and attention in calls
     if prop.modules[0].block.dsa:        # every module's indexer: its key write and its lists
         assert calls.count("dsa_key_write") == prop.num_modules and "dsa_select" in calls, calls
 

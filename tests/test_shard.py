@@ -617,3 +617,201 @@ def test_experts_is_checked_without_a_communicator(tiny_ckpt):
         MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=LocalComm(), experts=1, **KW)
     with pytest.raises(TypeError, match="comm.rank: expected an int, got bool"):
         MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=ThreadWorldComm(True, 2), **KW)
+
+
+# -- Nemotron-3's block; the FP4 / FP8 containers --------------------------------------------
+
+_FAMILY_CKPTS: dict = {}
+
+
+def nemotron_ckpt(tmp_path_factory, name: str = "plain"):
+    """Nemotron-3's tiny block (tests/test_family_nemotron_h.py: NoPE GQA of 4 / 2 heads, 8 relu2
+    experts, a relu2 shared expert of 2 x 32 rows) in the release layout and config."""
+    if name not in _FAMILY_CKPTS:
+        import json
+
+        import test_family_nemotron_h
+
+        cfg = test_family_nemotron_h.CONFIGS[name]
+        path = write_synthetic_checkpoint(tmp_path_factory.mktemp(f"nemo_{name}"), cfg, seed=13, dtype="float32")
+        (path / "config.json").write_text(json.dumps(test_family_nemotron_h.release_config(cfg)))
+        _FAMILY_CKPTS[name] = path
+    return _FAMILY_CKPTS[name]
+
+
+@pytest.mark.parametrize("kv_mode,experts", [("exact", "ep"), ("draft", "ep"), ("exact", "tp")])
+def test_sharded_nemotron_matches_one_rank(tmp_path_factory, kv_mode, experts):
+    """Nemotron-3's '*E' step over 2 ranks: a query head pair and one KV head a rank (NoPE), the
+    relu2 experts by id or each one's 16 of 32 up rows / down columns, the relu2 shared expert's
+    32 of 64 up rows (no gate rows to pair: w13 is up alone): every call as one rank."""
+    check_world(nemotron_ckpt(tmp_path_factory), 2, kv_mode, 51, conf=kv_mode == "exact", experts=experts)
+
+
+def test_sharded_nemotron_weights_are_slices(tmp_path_factory):
+    """Each rank's relu2 weights are its slice of the whole: the shared expert's up rows and down
+    columns, each routed expert's up rows (tp); a rank that read gate / up halves (SwiGLU's split)
+    would hold other rows."""
+    from mtpkern.config import MtpConfig
+
+    ckpt = nemotron_ckpt(tmp_path_factory)
+    cfg = MtpConfig.from_json(ckpt / "config.json")
+    be = get_backend("numpy")
+    f = load_weights(ckpt, cfg, be).modules[0]
+    Is, I = cfg.shared_intermediate_size // 2, cfg.moe_intermediate_size // 2
+    for r in range(2):
+        m = load_weights(ckpt, cfg, be, shard=Shard(r, 2, "tp")).modules[0]
+        np.testing.assert_array_equal(m.shared_w13, f.shared_w13[r * Is:(r + 1) * Is])
+        np.testing.assert_array_equal(m.shared_w2, f.shared_w2[:, r * Is:(r + 1) * Is])
+        np.testing.assert_array_equal(m.experts_w13, f.experts_w13[:, r * I:(r + 1) * I])
+        np.testing.assert_array_equal(m.experts_w2, f.experts_w2[:, :, r * I:(r + 1) * I])
+
+
+@pytest.mark.parametrize("experts", ["ep", "tp"])
+def test_sharded_latent_nemotron_matches_one_rank(tmp_path_factory, experts):
+    """Nemotron-3 Super's LatentMoE over 2 ranks: fc1_latent_proj / fc2_latent_proj whole on every
+    rank, the Lt-wide relu2 experts by id or by slice, each rank's partial latent sum lifted by
+    fc2 (linear) and added in the all-reduce: every call as one rank."""
+    check_world(nemotron_ckpt(tmp_path_factory, "latent"), 2, "exact", 52, experts=experts)
+
+
+#: the tiny config with a shared expert of 2 x 32 rows: at 2 ranks o_proj's 64 columns and the
+#: shared down projection's 64 columns are cut at 32, whole blocks of every format
+CT_CFG = tiny_config(n_shared_experts=2)
+#: container checkpoints (tests/test_quant_containers.py) of each format, every module projection
+CT_FORMATS = {"nvfp4": {"proj": "nvfp4", "mlp.gate.": "nvfp4"}, "mxfp4": {"proj": "mxfp4", "mlp.gate.": "mxfp4"},
+              "mxfp8": {"proj": "mxfp8"}}
+
+
+def container_ckpt(tmp_path_factory, fmt: str):
+    """A compressed-tensors checkpoint of ``fmt``; NVFP4's global scales made to differ from tensor
+    to tensor (x 1, 2, 4, ...), so fused q | k | v and an expert's rows carry different row scales."""
+    key = ("ct", fmt)
+    if key not in _FAMILY_CKPTS:
+        from safetensors.numpy import save_file
+
+        from mtpkern.weights import read_tensors
+        from test_quant_containers import container
+
+        modelopt = fmt == "modelopt"
+        ct, _ = container(tmp_path_factory.mktemp(f"ct_{fmt}"), CT_CFG, CT_FORMATS["nvfp4" if modelopt else fmt],
+                          "modelopt" if modelopt else "compressed-tensors")
+        raw = read_tensors(ct)
+        for i, k in enumerate(sorted(k for k in raw if k.endswith(("weight_global_scale", "weight_scale_2")))):
+            f = np.float32(2.0 ** (i % 3))          # weights x 2^i (compressed-tensors stores the divisor)
+            raw[k] = (raw[k] * f if modelopt else raw[k] / f).astype(np.float32)
+        save_file(raw, str(ct / "model.safetensors"), metadata={"format": "pt"})
+        _FAMILY_CKPTS[key] = ct
+    return _FAMILY_CKPTS[key]
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+@pytest.mark.parametrize("fmt", sorted(CT_FORMATS) + ["modelopt"])
+def test_sharded_container_matches_one_rank(tmp_path_factory, fmt, kv_mode):
+    """NVFP4 (E4M3 per 16, the row scale; compressed-tensors' and ModelOpt's), MXFP4 / MXFP8 (E8M0
+    per 32) projections over 2 ranks: each rank reads its rows with their scales and its columns
+    at whole blocks; every call as one rank. NVFP4 also with each expert's 32 columns of down_proj
+    cut at 16 (experts "tp")."""
+    ckpt = container_ckpt(tmp_path_factory, fmt)
+    check_world(ckpt, 2, kv_mode, 61, conf=kv_mode == "exact")
+    if fmt in ("nvfp4", "modelopt") and kv_mode == "exact":
+        check_world(ckpt, 2, kv_mode, 62, experts="tp")
+
+
+@pytest.mark.parametrize("fmt", sorted(CT_FORMATS))
+def test_sharded_container_weights_are_slices(tmp_path_factory, fmt):
+    """Each rank's weights, dequantized, are its slice of the whole's: the fused q | k | v rows of
+    its heads (NVFP4: each part with its own tensor's row scale), o_proj's and the shared down
+    projection's columns (every row's scale kept), each routed expert's rows and columns (tp)."""
+    from mtpkern.config import MtpConfig
+
+    ckpt = container_ckpt(tmp_path_factory, fmt)
+    cfg = MtpConfig.from_json(ckpt / "config.json")
+    be = get_backend("numpy")
+    full = load_weights(ckpt, cfg, be)
+    b = cfg.block(0)
+    D, Hq, Hkv = b.head_dim, b.num_attention_heads, b.num_key_value_heads
+    Is, I = cfg.shared_intermediate_size // 2, cfg.moe_intermediate_size // 2
+    for m in range(cfg.num_modules):
+        f = full.modules[m]
+        q, k, v = np.split(f.w_qkv, [Hq * D, (Hq + Hkv) * D])
+        for r in range(2):
+            tp = fmt == "nvfp4"          # (the per-32 formats refuse tp's cut of 16: below)
+            w = load_weights(ckpt, cfg, be, shard=Shard(r, 2, "tp" if tp else "ep")).modules[m]
+            hq, hk = Hq // 2 * D, Hkv // 2 * D
+            np.testing.assert_array_equal(w.w_qkv, np.concatenate([q[r * hq:(r + 1) * hq], k[r * hk:(r + 1) * hk],
+                                                                   v[r * hk:(r + 1) * hk]]))
+            np.testing.assert_array_equal(w.w_o, f.w_o[:, r * hq:(r + 1) * hq])
+            np.testing.assert_array_equal(w.shared_w2, f.shared_w2[:, r * Is:(r + 1) * Is])
+            if tp:                       # each expert's rows of its gate and up, columns of its down
+                np.testing.assert_array_equal(w.experts_w2, f.experts_w2[:, :, r * I:(r + 1) * I])
+                gate, up = np.split(f.experts_w13, 2, axis=1)
+                np.testing.assert_array_equal(w.experts_w13, np.concatenate(
+                    [gate[:, r * I:(r + 1) * I], up[:, r * I:(r + 1) * I]], axis=1))
+            else:                        # experts by id: whole
+                E = cfg.n_routed_experts // 2
+                np.testing.assert_array_equal(w.experts_w2, f.experts_w2[r * E:(r + 1) * E])
+    if fmt == "nvfp4":                   # the row scales differ from tensor to tensor (the test can see them)
+        from mtpkern.weights import read_tensors
+
+        g = {float(v[0]) for k, v in read_tensors(ckpt).items() if k.endswith("weight_global_scale")}
+        assert len(g) > 1, g
+
+
+@pytest.mark.parametrize("fmt", sorted(CT_FORMATS))
+def test_sharded_container_reads_only_its_ranges(tmp_path_factory, monkeypatch, fmt):
+    """A rank reads its rows / columns of a container's codes from the file, not the whole tensor
+    (docs/distributed.md: each rank reads only its slice): q_proj's rows of its heads, o_proj's
+    columns (with FP4 codes, two a byte: the byte columns). Negative control: a loader that read
+    every container tensor whole and cut it on the host fails here (it did)."""
+    from mtpkern.config import MtpConfig
+    from mtpkern.weights import CheckpointReader
+
+    ckpt = container_ckpt(tmp_path_factory, fmt)
+    cfg = MtpConfig.from_json(ckpt / "config.json")
+    reads: dict = {}
+    get = CheckpointReader.get
+
+    def logged(self, key, shape, dtypes=None, rows=None, cols=None):
+        reads[key] = (rows, cols)
+        return get(self, key, shape, *(() if dtypes is None else (dtypes,)), rows, cols)
+
+    monkeypatch.setattr(CheckpointReader, "get", logged)
+    load_weights(ckpt, cfg, get_backend("numpy"), shard=Shard(1, 2))
+    codes = "weight_packed" if fmt != "mxfp8" else "weight"
+    b = cfg.block(0)
+    q = next(v for k, v in reads.items() if k.endswith(f"self_attn.q_proj.{codes}"))
+    o = next(v for k, v in reads.items() if k.endswith(f"self_attn.o_proj.{codes}"))
+    half = b.num_attention_heads // 2 * b.head_dim
+    packed = 2 if fmt != "mxfp8" else 1                    # FP4: two codes a byte
+    assert q == ((half, 2 * half), None), q
+    assert o == (None, (half // packed, 2 * half // packed)), o
+
+
+@pytest.mark.parametrize("fmt,size,cut,block", [("mxfp4", 2, "16:32", 32), ("mxfp8", 2, "16:32", 32),
+                                                 ("nvfp4", 4, "8:16", 16)])
+def test_sharded_container_refuses_a_cut_scale_block(tmp_path_factory, fmt, size, cut, block):
+    """Experts split by intermediate slice ("tp") cut each expert's 32 down_proj columns at 32 / size:
+    inside a per-32 block (MXFP4, MXFP8) at 2 ranks, inside NVFP4's per-16 block at 4. Refused,
+    naming the tensor, the cut and the block (rank 1: the first rank whose cut is inside a block)."""
+    from mtpkern.config import MtpConfig
+    from mtpkern.errors import CheckpointError
+
+    ckpt = container_ckpt(tmp_path_factory, fmt)
+    cfg = MtpConfig.from_json(ckpt / "config.json")
+    with pytest.raises(CheckpointError, match=rf"tensor '[^']*mlp\.experts\.0\.down_proj\.weight[^']*': a shard of "
+                                              rf"columns {cut} cuts its {fmt.upper()} scale blocks of {block}"):
+        load_weights(ckpt, cfg, get_backend("numpy"), shard=Shard(1, size, "tp"))
+
+
+@pytest.mark.parametrize("kv_mode,experts", [("exact", "ep"), ("draft", "tp")])
+def test_sharded_qwen3_5_matches_one_rank(tmp_path_factory, kv_mode, experts):
+    """Qwen3.5 / 3.6-MoE's step over 2 ranks (two modules, experts packed as gate_up_proj, the
+    output gate interleaved per head in q_proj: each rank's heads with their gate rows, the gated
+    shared expert's slice): every call as one rank."""
+    import test_family_qwen3_5
+
+    key = ("qwen3_5",)
+    if key not in _FAMILY_CKPTS:
+        _FAMILY_CKPTS[key] = test_family_qwen3_5._ckpt(tmp_path_factory.mktemp("q35"), test_family_qwen3_5.MOE2,
+                                                       packed=True, seed=9)
+    check_world(_FAMILY_CKPTS[key], 2, kv_mode, 71, conf=kv_mode == "exact", experts=experts)

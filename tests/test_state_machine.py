@@ -8,8 +8,13 @@ the drafts against the from-scratch oracle are checked; a failed call (full
 pool, bad input, a copied state or carried entry, a grammar that allows nothing,
 a callback re-entering with the state in use) must leave everything as it was.
 
-A ninth is Qwen3.5-MoE's (two modules, experts packed as gate_up_proj / down_proj, the
-release's names under its vision-language wrapper). An eighth is GLM-5.3's block (NoPE MLA, the pooled indexer: pools of 2 keys, 4 keys picked, and
+An eleventh is a compressed-tensors container whose routed experts are NVFP4 (E2M1 codes,
+E4M3 scales per 16, the row scale; mtpkern.quant.Fp4Weight): the oracle reads the weights as
+loaded (dequantized), so the machine checks the packed GEMVs' drafts against them. A tenth is
+Nemotron-3's (``nemotron_h``: the MTP step's "*E" sublayers in the release layout, NoPE
+attention, relu2 experts and shared expert, the postnorm chain), with and without LatentMoE
+(``moe_latent_size``: numpy / cpu only). A ninth is Qwen3.5-MoE's (two modules, experts packed as
+gate_up_proj / down_proj, the release's names under its vision-language wrapper). An eighth is GLM-5.3's block (NoPE MLA, the pooled indexer: pools of 2 keys, 4 keys picked, and
 its tail; the position-0 mask). A seventh is DeepSeek-V4's (4 streams, the shared-KV attention
 with sinks and a window of 6, grouped output, the sqrtsoftplus router, clamps).
 A sixth has vLLM's position-0 mask (``embed_mask_pos0``: each prompt's module-0 key 0 reads
@@ -30,6 +35,7 @@ from hypothesis.stateful import invariant
 
 import test_family_deepseek_v4
 import test_family_glm5_next
+import test_family_nemotron_h
 import test_family_qwen3_5
 import test_family_qwen3_next
 from conftest import DSA_FIELDS
@@ -38,6 +44,7 @@ from mtpkern.config import tiny_config
 from mtpkern.testing import reference_weights
 from mtpkern.testing.machine import proposer_machine
 from mtpkern.weights import write_synthetic_checkpoint
+from test_quant_containers import container
 
 CFG = tiny_config()
 #: a second block form: Qwen3-Next (gated attention output, gated shared expert, softmax
@@ -54,7 +61,8 @@ MASK = tiny_config(embed_mask_pos0=True)
 V4 = tiny_config(**test_family_deepseek_v4.V4)
 G53 = tiny_config(**test_family_glm5_next.G53)
 POOL = {"sm_ckpt": 28, "qwen_ckpt": 28, "window_ckpt": 16, "dsa_ckpt": 28, "hc_ckpt": 28, "mask_ckpt": 28,
-        "v4_ckpt": 28, "g53_ckpt": 28, "qwen35_ckpt": 28}
+        "v4_ckpt": 28, "g53_ckpt": 28, "qwen35_ckpt": 28, "nemo_ckpt": 28, "nemo_latent_ckpt": 28,
+        "nvfp4_ckpt": 28}
 SETTINGS = settings(max_examples=60, stateful_step_count=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -114,6 +122,33 @@ def qwen35_ckpt(tmp_path_factory):
     return path, reference_weights(path)
 
 
+def _nemotron(tmp_path_factory, name: str, seed: int):
+    """Nemotron-3's tiny block (tests/test_family_nemotron_h.py) in the release layout and config."""
+    import json
+
+    cfg = test_family_nemotron_h.CONFIGS[name]
+    path = write_synthetic_checkpoint(tmp_path_factory.mktemp(f"sm_nemo_{name}"), cfg, seed=seed, dtype="float32")
+    (path / "config.json").write_text(json.dumps(test_family_nemotron_h.release_config(cfg)))
+    return path, reference_weights(path)
+
+
+@pytest.fixture(scope="module")
+def nemo_ckpt(tmp_path_factory):
+    return _nemotron(tmp_path_factory, "plain", 30)
+
+
+@pytest.fixture(scope="module")
+def nemo_latent_ckpt(tmp_path_factory):
+    return _nemotron(tmp_path_factory, "latent", 31)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_ckpt(tmp_path_factory):
+    """The tiny config with its routed experts NVFP4 in a compressed-tensors container."""
+    path, _ = container(tmp_path_factory.mktemp("sm_nvfp4"), CFG, {"mlp.experts": "nvfp4"})
+    return path, reference_weights(path)
+
+
 def window_bound(prop, m: int) -> int | None:
     """docs/api.md, "Sliding-window modules: memory": T = m (exact) or min(m, 1) (draft)."""
     W, BS = prop.config.block(m).sliding_window, prop.block_size
@@ -129,7 +164,10 @@ def window_bound(prop, m: int) -> int | None:
     ("numpy", "draft", "hc_ckpt"), ("cpu", "exact", "hc_ckpt"),
     ("numpy", "exact", "mask_ckpt"), ("cpu", "draft", "mask_ckpt"),
     ("cpu", "exact", "v4_ckpt"), ("cpu", "draft", "v4_ckpt"), ("cpu", "exact", "g53_ckpt"),
-    ("cpu", "exact", "qwen35_ckpt")])
+    ("cpu", "exact", "qwen35_ckpt"),
+    ("cpu", "exact", "nemo_ckpt"), ("cpu", "draft", "nemo_ckpt"),
+    ("cpu", "exact", "nemo_latent_ckpt"), ("cpu", "draft", "nemo_latent_ckpt"),
+    ("cpu", "exact", "nvfp4_ckpt")])
 def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     path, weights = request.getfixturevalue(ckpt)
     made = []
