@@ -58,7 +58,7 @@ def _is_projection(suffix: str) -> bool:
     """A module's projection weights: the GEMV operands an FP8 release quantizes
     (never the norms, the router's correction bias, the embedding or the LM head)."""
     return (suffix.endswith(("_proj.weight", "_proj_with_mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight"))
-            or suffix == "mlp.gate.weight")
+            or suffix in ("mlp.gate.weight", GATE_UP, DOWN_PACKED))
 
 
 def is_fp4(cfg: MtpConfig, suffix: str, dtype: str) -> bool:
@@ -1914,14 +1914,17 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered:
     (``rope_release_order``, as quantized tensors must be); else dense ones are reordered
     here and quantized ones refused. ``packed_gate_up``: the routed experts as transformers'
     packed pair (``GATE_UP`` [E, 2I, H], each expert's gate rows over its up rows, and
-    ``DOWN_PACKED`` [E, H, I]: how Qwen3.6 releases them), dense tensors only."""
+    ``DOWN_PACKED`` [E, H, I]: how Qwen3.6 releases them); FP8 experts packed with their
+    scales beside them (``GATE_UP + "_scale_inv"`` [E, 2I / bn, H / bk], transformers'
+    fine-grained FP8 names), each expert's gate scale rows over its up ones (I a multiple of
+    the block's rows)."""
     fam = family(cfg.family)
     if packed_gate_up and fam.packed_experts:
         raise ValueError(f"packed_gate_up: {fam.title} packs its experts its own way (Family.packed_experts)")
     H = cfg.hidden_size
     out = {}
     packs: dict[str, dict[int, np.ndarray]] = {}     # a packed-experts family: key -> expert -> tensor
-    gate_ups: dict[tuple[int, str], dict[int, np.ndarray]] = {}     # (module, gate / up) -> expert -> rows
+    gate_ups: dict[tuple[int, str, str], dict[int, np.ndarray]] = {}   # (module, gate / up, tail) -> expert -> rows
     for key, a in tensors.items():
         for m in range(cfg.num_modules):
             canon = f"model.layers.{cfg.layer_index(m)}."
@@ -1933,12 +1936,15 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered:
                         base, tail = suffix[:-len(t)], t
                 expert = _EXPERT.match(base) if (fam.packed_experts or packed_gate_up) else None
                 if expert is not None and packed_gate_up:      # transformers' [E, 2I, H] and [E, H, I]
-                    if tail or a.dtype.itemsize == 1:
-                        raise ValueError(f"tensors: {key!r} is quantized; packed_gate_up writes dense experts only")
+                    if tail == "_scale_inv" and cfg.moe_intermediate_size % cfg.fp8_block[0]:
+                        raise ValueError(f"tensors: {key!r}: moe_intermediate_size {cfg.moe_intermediate_size} is "
+                                         f"not a multiple of the scale block's {cfg.fp8_block[0]} rows; the gate and "
+                                         f"up scales cannot be packed")
                     if expert.group(2) == "down":
-                        packs.setdefault(fam.key(cfg.layer_index(m), m, DOWN_PACKED), {})[int(expert.group(1))] = a
+                        packs.setdefault(fam.key(cfg.layer_index(m), m, DOWN_PACKED) + tail, {})[
+                            int(expert.group(1))] = a
                     else:
-                        gate_ups.setdefault((m, expert.group(2)), {})[int(expert.group(1))] = a
+                        gate_ups.setdefault((m, expert.group(2), tail), {})[int(expert.group(1))] = a
                     key = None
                     break
                 if expert is not None:                         # one tensor [E, ...] per projection
@@ -1997,9 +2003,9 @@ def release_layout(cfg: MtpConfig, tensors: dict[str, np.ndarray], rope_ordered:
         out[key] = a
     for key, experts in packs.items():
         out[key] = np.stack([experts[e] for e in range(len(experts))])
-    for m in sorted({m for m, _ in gate_ups}):
-        gate, up = gate_ups[m, "gate"], gate_ups[m, "up"]
-        out[fam.key(cfg.layer_index(m), m, GATE_UP)] = np.stack(
+    for m, tail in sorted({(m, tail) for m, _, tail in gate_ups}):
+        gate, up = gate_ups[m, "gate", tail], gate_ups[m, "up", tail]
+        out[fam.key(cfg.layer_index(m), m, GATE_UP) + tail] = np.stack(
             [np.concatenate([gate[e], up[e]], axis=0) for e in range(len(gate))])
     return out
 

@@ -29,6 +29,7 @@ from conftest import rand_hiddens, run_rounds
 from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.config import tiny_config
 from mtpkern.testing import reference_weights
+from mtpkern.weights import read_tensors
 from test_family_qwen3_next import _rms, _sigmoid, check_head_forward, gated_attention_residual
 
 _ROPE = {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default", "rope_theta": 10000000,
@@ -398,3 +399,86 @@ def test_cuda_drafts_and_kv_equal_the_oracle(ckpts, emulator):
     prop, weights = _three_steps(ckpts["packed"][0], emu_backend.backend("float32"), prefill_chunk=7,
                                  cuda_graphs=False)      # the emulator launches kernels; it captures no graphs
     test_oracle.run_scenario(prop, prop.config, weights, 5, 12, _ROUNDS[:2], "postnorm", None)
+
+
+# -- FP8 packed experts (transformers' fine-grained FP8 names) ---------------------------------
+
+#: Qwen3.6-MoE-shaped with FP8 projections in blocks of 16 x 16
+MOE_FP8 = dataclasses.replace(MOE, weight_quant="fp8", fp8_block=(16, 16))
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpts(tmp_path_factory):
+    """The same FP8 weights with the routed experts packed (``gate_up_proj`` / ``down_proj`` and
+    their ``_scale_inv`` [E, rows / 16, cols / 16]) and one tensor per expert."""
+    root = tmp_path_factory.mktemp("qwen3_5_fp8")
+    return {p: write_synthetic_checkpoint(root / p, MOE_FP8, seed=5, dtype="float32", pow2_scales=True,
+                                          packed_gate_up=p == "packed") for p in ("packed", "per_expert")}
+
+
+def test_fp8_packed_experts_layout(fp8_ckpts):
+    import ml_dtypes
+
+    t = read_tensors(fp8_ckpts["packed"])
+    E, I, H = MOE.n_routed_experts, MOE.moe_intermediate_size, MOE.hidden_size
+    pre = "mtp.layers.0.mlp.experts."
+    assert t[pre + "gate_up_proj"].dtype == np.dtype(ml_dtypes.float8_e4m3fn) and t[pre + "gate_up_proj"].shape == (E, 2 * I, H)
+    assert t[pre + "gate_up_proj_scale_inv"].shape == (E, 2 * I // 16, H // 16)
+    assert t[pre + "down_proj_scale_inv"].shape == (E, H // 16, I // 16)
+    assert not any(k.startswith(pre + "0.") for k in t)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_fp8_packed_experts_draft_as_the_per_expert_ones(fp8_ckpts, backend, mode):
+    """Packed FP8 experts (codes and block scales as stored, gate scale rows over up's) draft as
+    the same FP8 weights stored one tensor per expert, read in as many bytes."""
+    from mtpkern.backends import get_backend
+    from mtpkern.weights import load_weights
+
+    got = run_rounds(fp8_ckpts["packed"], backend=backend, mode=mode)[1]
+    assert got == run_rounds(fp8_ckpts["per_expert"], backend=backend, mode=mode)[1]
+    if backend == "numpy":               # the bytes read: the FP8 codes and scales, as per expert
+        be = get_backend("numpy")
+        packed, per = (load_weights(fp8_ckpts[p], MOE_FP8, be) for p in ("packed", "per_expert"))
+        assert packed.nbytes == per.nbytes
+        assert isinstance(packed.modules[0].experts_w13, np.ndarray)        # (the reference dequantizes)
+
+
+def test_fp8_packed_experts_without_their_scales_are_refused(tmp_path, fp8_ckpts):
+    from safetensors.numpy import save_file
+
+    from mtpkern.errors import CheckpointError
+
+    t = read_tensors(fp8_ckpts["packed"])
+    del t["mtp.layers.0.mlp.experts.down_proj_scale_inv"]
+    path = tmp_path / "noscale"
+    path.mkdir()
+    save_file(t, str(path / "model.safetensors"))
+    (path / "config.json").write_text((fp8_ckpts["packed"] / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"down_proj_scale_inv.*missing"):
+        MultiModuleMtpHead.from_pretrained(path, backend="numpy")
+
+
+@pytest.mark.parametrize("experts", ["ep", "tp"])
+def test_fp8_packed_experts_shard_as_the_whole(fp8_ckpts, experts):
+    """A sharded head's packed FP8 experts are its range / slices of the whole, scales with them."""
+    from mtpkern.backends import get_backend
+    from mtpkern.shard import Shard
+    from mtpkern.weights import load_weights
+
+    be = get_backend("numpy")
+    whole = load_weights(fp8_ckpts["packed"], MOE_FP8, be).modules[0]
+    w13, w2 = whole.experts_w13, whole.experts_w2         # dequantized by the reference backend
+    E, I = MOE.n_routed_experts, MOE.moe_intermediate_size
+    for r in range(2):
+        part = load_weights(fp8_ckpts["packed"], MOE_FP8, be, shard=Shard(r, 2, experts)).modules[0]
+        if experts == "ep":
+            e0, e1 = E // 2 * r, E // 2 * (r + 1)
+            want13, want2 = w13[e0:e1], w2[e0:e1]
+        else:
+            i0, i1 = I // 2 * r, I // 2 * (r + 1)
+            want13 = np.concatenate([w13[:, i0:i1], w13[:, I + i0:I + i1]], axis=1)
+            want2 = w2[:, :, i0:i1]
+        np.testing.assert_array_equal(part.experts_w13, want13)
+        np.testing.assert_array_equal(part.experts_w2, want2)
