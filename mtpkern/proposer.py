@@ -17,7 +17,7 @@ registry of carried KV), ``txn.py`` (room and rollback), ``kv.py`` (pools and
 block ownership), ``head.py`` (one module's forward).
 
 The KV modes' rules and forwards: ``draft.py`` (one row per drafting module
-per propose) and ``exact.py`` (every module equal to a recomputation), behind
+per propose, module 0's rows of the verified tokens a catch-up gives) and ``exact.py`` (every module equal to a recomputation), behind
 one interface (``self.mode``).
 
 **Threads** (docs/api.md): calls on distinct states may run concurrently from
