@@ -17,8 +17,9 @@ registry of carried KV), ``txn.py`` (room and rollback), ``kv.py`` (pools and
 block ownership), ``head.py`` (one module's forward).
 
 The KV modes' rules and forwards: ``draft.py`` (one row per drafting module
-per propose, module 0's rows of the verified tokens a catch-up gives) and ``exact.py`` (every module equal to a recomputation), behind
-one interface (``self.mode``).
+per propose, module 0's rows of the verified tokens a catch-up gives) and
+``exact.py`` (every module equal to a recomputation), behind one interface
+(``self.mode``).
 
 **Threads** (docs/api.md): calls on distinct states may run concurrently from
 any threads; a state used by a second call while one runs gets ``StateError``.
