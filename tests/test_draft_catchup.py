@@ -154,12 +154,21 @@ def test_new_turn_after_a_carry_twin(tiny_ckpt, mode, backend):
 
 
 def test_negative_control_the_old_noop_parts_the_twins(tiny_ckpt, monkeypatch):
-    """With the draft-mode catch-up that wrote nothing, the K = 0 twin test fails."""
-    def old(self, sts, toks, hids):
-        return 0
-    monkeypatch.setattr(DraftChain, "catch_up", old)
-    with pytest.raises(AssertionError):
-        test_catchup_twin_of_a_prefill(tiny_ckpt, "draft", "numpy", 4, [1] * 7)
+    """With the draft-mode catch-up that wrote nothing (and moved no counter), the K = 0
+    twins part: module 0 lacks the stretch's rows, and the twin check says so."""
+    monkeypatch.setattr(DraftChain, "catch_up", lambda self, sts, toks, hids: 0)
+    prop = _prop(tiny_ckpt, "draft", "numpy")
+    rng = np.random.default_rng(1)
+    toks, hid = _seq(rng, prop.config.vocab_size, 12)
+    st = prop.alloc_state()
+    prop.prefill_drafter(toks[:4], hid[:4], st)
+    for j in range(4, 11):
+        assert prop.catchup_drafter(toks[j:j + 1], hid[j - 1:j], st) == 0
+    twin = prop.alloc_state()
+    prop.prefill_drafter(toks[:11], hid[:11], twin)
+    assert st.rows_per_module()[0] == 3 and twin.rows_per_module()[0] == 10
+    with pytest.raises(AssertionError, match="module 0 rows"):
+        _same_module0(prop, st, twin, "the old no-op")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -276,4 +285,29 @@ def test_cuda_emulated_k0_stretch_twin(tiny_ckpt, emulator):
     prop.prefill_drafter(toks[:7], hid[:7], twin)
     _same_module0(prop, st, twin, "emulated")
     assert prop.propose(toks[7], hid[6], 7, 2, st) == prop.propose(toks[7], hid[6], 7, 2, twin)
+    prop.check_invariants()
+
+
+def test_windowed_module_0_catchup_holds_its_window(tmp_path):
+    """A sliding window of 5 keys in every module: a long catch-up (in chunks of 3) holds
+    module 0 to its window's blocks, during and after the call, and its live rows are a
+    prefill's."""
+    from mtpkern.config import tiny_config
+    from mtpkern.weights import write_synthetic_checkpoint
+
+    ckpt = write_synthetic_checkpoint(tmp_path, tiny_config(sliding_window=5), seed=9)
+    prop = _prop(ckpt, "draft", "numpy", num_blocks=12)           # 59 rows would take 15 blocks
+    rng = np.random.default_rng(9)
+    toks, hid = _seq(rng, prop.config.vocab_size, 70)
+    st = prop.alloc_state()
+    prop.prefill_drafter(toks[:3], hid[:3], st)
+    assert prop.catchup_drafter(toks[3:60], hid[2:59], st) == 57     # blocks reused between chunks
+    most = -(-(5 + 0 + 4 - 2) // 4)                                   # ceil((W + T + BS - 2) / BS), T = 0
+    assert len(st.kv[0].blocks) <= most
+    twin = prop.alloc_state()
+    prop.prefill_drafter(toks[:60], hid[:60], twin)
+    assert st.kv[0].rows == twin.kv[0].rows == 59 and st.kv[0].base == twin.kv[0].base
+    for x, y in zip(kv_rows(prop, st, 0), kv_rows(prop, twin, 0)):
+        assert_close(x, y, "float32", what="windowed module 0")
+    assert prop.propose(toks[60], hid[59], 60, 3, st) == prop.propose(toks[60], hid[59], 60, 3, twin)
     prop.check_invariants()
