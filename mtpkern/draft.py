@@ -4,7 +4,12 @@ A propose at ``P`` with ``k'`` drafts writes module ``m < k'``'s row at key
 ``P - 1`` (RoPE position ``P + m``), built from ``(t_P, h_{P-1})`` for module 0
 and ``(d_{m-1}, module m-1's output)`` after it. ``after_verify(a)`` keeps
 module ``m``'s row iff ``m <= a`` (every token it was built from is verified).
-``prefill_drafter`` fills module 0 only; ``catchup_drafter`` writes nothing.
+``prefill_drafter`` fills module 0 only; ``catchup_drafter`` writes module 0's
+rows of the verified tokens it is given (key ``Hn + i`` for pair ``i``, ``Hn`` the
+hiddens consumed: the keys no prefill or propose wrote), so module 0 holds every
+verified key of a sequence whose every token reached it (accepted drafts, steps
+decoded without drafting, a chunked prompt, a new turn after a carry); modules
+``m >= 1`` get rows from proposes only.
 Positions may skip forward (rows leave gaps in key space) but never go back.
 Sliding-window modules: ``after_verify`` drops at most one row of a module
 ``m >= 1`` and none of module 0 (``trim_margin``); between the chunks of a prefill,
@@ -56,6 +61,36 @@ class DraftChain:
         st._num_hiddens = n - 1
         return n - 1
 
+    def catchup_rows(self, m: int, n: int) -> int:
+        """Rows module ``m`` gains from a catch-up of ``n`` verified tokens: module 0's, one each."""
+        return n if m == 0 else 0
+
+    def catch_up(self, sts: list[MtpState], toks: list[np.ndarray], hids: list[Any]) -> int:
+        """Module 0's rows for the pairs ``(toks[i][j], hids[i][j])`` of every state: keys
+        ``Hn .. Hn + n - 1`` (``Hn`` = hiddens consumed; every key below it is written or
+        skipped already), RoPE positions one above, in chunks of ``prefill_chunk`` rows per
+        state, one forward over every state per chunk. ``hids[i]`` [n_i, H], target-normed.
+        No chain: modules ``m >= 1`` keep the rows of proposes only."""
+        head = self.modules[0]
+        start = [st._kv[0].rows for st in sts]            # rows before this call: a rollback keeps them
+        ns = [t.shape[0] for t in toks]
+        C = self.prefill_chunk
+        for a in range(0, max(ns, default=0), C):
+            jobs, gs = [], []
+            for st, tk, h, n in zip(sts, toks, hids, ns):
+                if a < n:
+                    b = min(n, a + C)
+                    jobs.append(RowJob(st._kv[0], tk[a:b], st._num_hiddens + a, 1, st))
+                    gs.append(h[a:b])
+            head._forward(jobs, gs[0] if len(gs) == 1 else head.backend.xp.concatenate(gs, axis=0))
+            for st, r0 in zip(sts, start):                # a window's blocks left behind: next chunk's
+                head.pool.recycle(st._kv[0], st, r0)
+        for st, n in zip(sts, ns):
+            st._num_hiddens += n
+            st._num_verified = st._tail_start = max(st._num_verified, st._num_hiddens + 1)
+            st._next_position = max(st._next_position, st._num_verified)
+        return sum(ns)
+
     def check_position(self, st: MtpState, p: int, name: str) -> None:
         if p < st._next_position:
             raise ValueError(f"{name}: expected >= {st._next_position} (positions never go back), got {p}")
@@ -101,4 +136,9 @@ class DraftChain:
         st._num_verified = P + 1 + a
 
     def check(self, st: MtpState) -> None:
-        """Draft mode keeps no window or tail; the keys' order is checked by the caller."""
+        """Draft mode keeps no window or tail; the keys' order is checked by the caller.
+        Module 0's keys lie below ``Hn`` (the next catch-up writes key ``Hn``)."""
+        last = st._kv[0].last_key
+        if last is not None and last >= st._num_hiddens:
+            raise AssertionError(f"draft mode, module 0: last key {last}, expected below num_hiddens "
+                                 f"{st._num_hiddens} (the next catch-up's key)")

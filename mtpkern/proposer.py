@@ -17,8 +17,9 @@ registry of carried KV), ``txn.py`` (room and rollback), ``kv.py`` (pools and
 block ownership), ``head.py`` (one module's forward).
 
 The KV modes' rules and forwards: ``draft.py`` (one row per drafting module
-per propose) and ``exact.py`` (every module equal to a recomputation), behind
-one interface (``self.mode``).
+per propose, module 0's rows of the verified tokens a catch-up gives) and
+``exact.py`` (every module equal to a recomputation), behind one interface
+(``self.mode``).
 
 **Threads** (docs/api.md): calls on distinct states may run concurrently from
 any threads; a state used by a second call while one runs gets ``StateError``.
@@ -538,7 +539,9 @@ class MultiModuleMtpHead(DraftProposer):
         the softmax of the grammar-allowed logits; mtpkern.ops.lm_head); untouched on error.
         ``min_confidence``: early stop: drafting ends with the first draft whose confidence is
         below it (that draft is returned; no later module drafts), leaving the state a
-        propose of that many drafts leaves (docs/api.md).
+        propose of that many drafts leaves (docs/api.md). ``num_drafts=0``: the arguments
+        are checked as for any propose, then nothing happens: returns ``[]``, the state is
+        unchanged (no ``after_verify`` follows; the step's token goes to ``catchup_drafter``).
         """
         return self._propose([last_token], [target_hidden], [position], num_drafts, [state],
                              None if grammar_bitmask is None else [grammar_bitmask], single=True,
@@ -557,6 +560,7 @@ class MultiModuleMtpHead(DraftProposer):
         takes). Returns one list of drafts per sequence, as ``propose`` would.
         ``out_conf``: a list, replaced on success by one list of confidences per sequence;
         ``min_confidence``: early stop per sequence (its list of drafts may be shorter).
+        ``num_drafts=0``: checked, then a no-op returning ``B`` empty lists (as ``propose``).
         """
         return self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
                              single=False, out_conf=check_out_conf("out_conf", out_conf, out_conf),
@@ -586,7 +590,7 @@ class MultiModuleMtpHead(DraftProposer):
             toks = [check_token(name("last_token", "last_tokens", i), t, cfg.vocab_size)
                     for i, t in enumerate(last_tokens)]
             poss = [check_int(name("position", "positions", i), p, 1) for i, p in enumerate(positions)]
-            num_drafts = check_int("num_drafts", num_drafts, 1, INT32_MAX)
+            num_drafts = check_int("num_drafts", num_drafts, 0, INT32_MAX)
             k = min(num_drafts, self.num_modules)
             hid = self._batch_hiddens(name("target_hidden", "target_hiddens"), target_hiddens, B, single)
             masks: list[MaskFn | None] = [None] * B
@@ -596,6 +600,10 @@ class MultiModuleMtpHead(DraftProposer):
                          for i, gm in enumerate(grammar_bitmasks)]
             for i, (st, p) in enumerate(zip(sts, poss)):
                 self._check_position(st, p, k, name("position", "positions", i))
+            if k == 0:                  # a step without drafting: checked as a propose, then nothing
+                if out_conf is not None:
+                    fill_list(out_conf, [] if single else [[] for _ in range(B)])
+                return [[] for _ in range(B)]
             hid = self._target_norm(hid)
             planned = False
             runner = self.step_runner
@@ -796,14 +804,21 @@ class MultiModuleMtpHead(DraftProposer):
 
     @sharded_call("catchup_drafter")
     def catchup_drafter(self, tokens: Sequence[int], hiddens: Any, state: ProposerState) -> int:
-        """Exact mode: give the target hiddens of verified tokens; returns rows written (all modules).
+        """Give the target hiddens of verified tokens; returns rows written (all modules).
 
         After ``after_verify(a)``: ``tokens = [d_0 .. d_{a-1}]`` (the accepted drafts,
         ``t_{P+1} .. t_{P+a}``) and ``hiddens = [h_P .. h_{P+a-1}]``. Pair ``i`` is
         ``(tokens[i], hiddens[i])`` with ``hiddens[i]`` the hidden at the position just
         before ``tokens[i]``. Tokens past the accepted drafts extend the sequence (a
-        decode step without drafting, or the next turn of a carried state).
-        No tokens: a no-op. Draft mode: a no-op returning 0.
+        decode step without drafting, the rest of a prompt prefilled in chunks, or the
+        next turn of a carried state). No tokens: a no-op. A fresh state: ``StateError``
+        (``prefill_drafter`` first).
+
+        Draft mode writes module 0's rows only, one per token (key ``num_hiddens + i``,
+        from ``(tokens[i], hiddens[i])``; no chain to later modules, which keep the rows of
+        proposes): after it, module 0 holds what a prefill of the whole sequence would.
+        Draft mode keeps no tokens, so it cannot check the accepted drafts as exact mode
+        does: give the tokens the verify accepted.
         """
         return self._catchup([tokens], [hiddens], [state], single=True)
 
@@ -832,34 +847,32 @@ class MultiModuleMtpHead(DraftProposer):
                     raise ValueError(f"{name('hiddens', i)}: expected no rows (no tokens), "
                                      f"got shape {list(shape_of(hd))}")
                 checked.append(tk)
-            if self.kv_mode == "draft":                  # checked as in exact mode, then nothing to do
-                for i, (tk, hd) in enumerate(zip(checked, hiddens)):
-                    if tk.shape[0]:
-                        hidden_shape(name("hiddens", i), hd, H, rows=tk.shape[0])
-                        check_hidden_dtype(name("hiddens", i), hd)
-                        if isinstance(hd, (np.ndarray, list, tuple)):
-                            expect_finite(name("hiddens", i), np.asarray(hd, np.float32))
-                return 0
             todo, hids, news = [], [], []
             for i, (st, tk, hd) in enumerate(zip(sts, checked, hiddens)):
                 if tk.shape[0] == 0:
                     continue
                 if st._num_verified == 0:
-                    raise StateError(f"{'state' if single else f'states[{i}]'}: exact kv_mode needs "
-                                     f"prefill_drafter before catchup_drafter")
+                    raise StateError(f"{'state' if single else f'states[{i}]'}: {self.kv_mode} kv_mode needs "
+                                     f"prefill_drafter before catchup_drafter (a fresh state holds no sequence)")
                 hd = ingest_hidden(self.backend, name("hiddens", i), hd, H, rows=tk.shape[0])
                 base = st._num_hiddens + 1          # index of tokens[0] in the sequence
-                for j, t in enumerate(tk.tolist()):
-                    idx = base + j
-                    if idx < st.num_tokens and st._tail[idx - st._tail_start] != t:
-                        raise ValueError(f"{name('tokens', i)}[{j}]: expected {st._tail[idx - st._tail_start]} "
-                                         f"(the verified token at position {idx}), got {t}")
+                if self.kv_mode == "exact":         # draft mode keeps no tokens to check against
+                    for j, t in enumerate(tk.tolist()):
+                        idx = base + j
+                        if idx < st.num_tokens and st._tail[idx - st._tail_start] != t:
+                            raise ValueError(f"{name('tokens', i)}[{j}]: expected {st._tail[idx - st._tail_start]} "
+                                             f"(the verified token at position {idx}), got {t}")
                 check_positions(name("tokens", i), base + tk.shape[0] - 1, self.config.max_position_embeddings)
                 todo.append(st)
                 hids.append(hd)
-                news.append(tk[max(0, st.num_tokens - base):].tolist())
+                news.append(tk if self.kv_mode == "draft" else tk[max(0, st.num_tokens - base):].tolist())
             if not todo:
                 return 0
+            if self.kv_mode == "draft":             # module 0's rows of the tokens, no chain
+                rows = [[self.mode.catchup_rows(m, tk.shape[0]) for tk in news] for m in range(self.num_modules)]
+                agreement(self, todo, {"tokens": [tk.tolist() for tk in checked], "rows": rows})
+                return guarded(self.pools, todo, rows,
+                               lambda: self.mode.catch_up(todo, news, [self._target_norm(h) for h in hids]))
 
             def run() -> int:
                 for st, nw in zip(todo, news):

@@ -15,9 +15,10 @@ from conftest import kv_rows
 from mtpkern.errors import NoAllowedToken
 
 #: the calls a script draws from: a batched propose round (verify, catch-up), a new
-#: sequence, a carried sequence, a freed one, a propose that no grammar allows, and a draft
-#: tree (verified along a path, caught up)
-OPS = ("round", "round", "round", "new", "carry", "free", "refused", "tree")
+#: sequence, a carried sequence (and its next turn's tokens, caught up), a freed one, a
+#: propose that no grammar allows, a draft tree (verified along a path, caught up), and
+#: steps decoded without drafting (K = 0: a propose of no drafts, the tokens caught up)
+OPS = ("round", "round", "round", "new", "carry", "free", "refused", "tree", "k0")
 
 
 def script(seed: int, length: int = 8) -> list[tuple[str, int]]:
@@ -53,10 +54,19 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
             prop.free_state(seqs.pop(int(rng.integers(0, len(seqs))))[0])
             snapshot("free")
             continue
-        if op == "carry":
+        if op in ("carry", "k0"):
             s = seqs[int(rng.integers(0, len(seqs)))]
-            prop.install_drafter_kv(s[0], prop.take_drafter_kv(s[0]))
-            snapshot("carry")
+            if op == "carry":
+                prop.install_drafter_kv(s[0], prop.take_drafter_kv(s[0]))
+            else:
+                log.append(("no drafts", prop.propose(int(rng.integers(0, V)), s[2], s[1], 0, s[0])))
+            c = int(rng.integers(1, 6))           # the next turn's tokens, or c steps without drafting
+            h = rng.standard_normal((c, H)).astype(np.float32)
+            h[0] = s[2]                           # the hidden before the first of them
+            log.append(("caught up", prop.catchup_drafter(rng.integers(0, V, c).tolist(), h, s[0])))
+            s[1] += c
+            s[2] = rng.standard_normal(H).astype(np.float32)
+            snapshot(op)
             continue
         if op == "tree":
             s = seqs[int(rng.integers(0, len(seqs)))]
@@ -227,8 +237,7 @@ def refusal_cases(prop, rank: int, size: int) -> list:
          lambda: tree([2, 2])),
         ("prefill token", lambda: prefill(V + 5 if bad else 2), lambda: prefill(2)),
     ]
-    if prop.kv_mode == "exact":
-        cases.append(("catch-up tokens", "catchup", None))
+    cases.append(("catch-up tokens", "catchup", None))     # draft mode: refused by the agreement
     log = []
     for name, call, good in cases:
         if call == "catchup":                     # after a verify of one draft: other tokens on one rank

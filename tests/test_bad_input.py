@@ -54,7 +54,7 @@ PROPOSE_BAD = [
      "target_hidden: expected finite values, got nan at row 0, column 7"),
     (dict(position=5), ValueError, "position: expected"),
     (dict(position=0), ValueError, "position: expected >= 1, got 0"),
-    (dict(num_drafts=0), ValueError, "num_drafts: expected >= 1, got 0"),
+    (dict(num_drafts=-1), ValueError, "num_drafts: expected >= 0, got -1"),
     (dict(num_drafts="3"), TypeError, "num_drafts: expected an int, got str"),
     (dict(grammar_bitmask=np.zeros(9, np.int32)), ValueError, "grammar_bitmask: expected shape [10]"),
     (dict(grammar_bitmask=np.zeros(10, np.int64)), TypeError, "grammar_bitmask: expected int32"),
@@ -188,15 +188,18 @@ def test_catchup_bad_input(make_prop):
     prop.check_invariants()
 
 
-def test_draft_mode_catchup_is_a_noop(make_prop):
-    """A no-op after the same checks as in exact mode (an engine developing in draft
-    mode meets its bad calls there too)."""
+def test_draft_mode_catchup_checks_as_exact_mode(make_prop):
+    """The same checks as in exact mode (an engine developing in draft mode meets its bad
+    calls there too), then module 0's rows, one per token (tests/test_draft_catchup.py)."""
     prop = make_prop("draft")
     rng = np.random.default_rng(4)
     st = prop.alloc_state()
+    with pytest.raises(StateError, match="draft kv_mode needs prefill_drafter before catchup_drafter"):
+        prop.catchup_drafter([1], rand_hiddens(rng, 1, H), st)
     prop.prefill_drafter([5, 6, 7], rand_hiddens(rng, 3, H), st)
+    assert prop.catchup_drafter([1, 2], rand_hiddens(rng, 2, H), st) == 2
+    assert st.rows_per_module() == [4, 0, 0] and (st.num_verified, st.num_hiddens) == (5, 4)
     before = fingerprint(prop, st)
-    assert prop.catchup_drafter([1, 2], rand_hiddens(rng, 2, H), st) == 0
     assert prop.catchup_drafter([], None, st) == 0
     assert prop.catchup_drafter([], np.zeros((0, H), np.float32), st) == 0
     assert prop.catchup_drafter([], [], st) == 0 and prop.catchup_drafter([], np.zeros(0, np.float32), st) == 0
@@ -381,7 +384,7 @@ def test_draft_mode_catchup_refuses_non_finite_hiddens(make_prop):
     prop.after_verify(2, st)
     with pytest.raises(ValueError, match="hiddens: expected finite values, got nan"):
         prop.catchup_drafter(d, np.full((2, H), np.nan, np.float32), st)
-    assert prop.catchup_drafter(d, rand_hiddens(rng, 2, H), st) == 0
+    assert prop.catchup_drafter(d, rand_hiddens(rng, 2, H), st) == 2
 
 
 def test_after_close_every_call_says_closed(make_prop):

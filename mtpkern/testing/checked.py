@@ -137,12 +137,19 @@ class CheckedProposer:
             out_conf = []                      # the confidences an early stop decided on, to check it
         before = None if out_conf is None else list(out_conf)
 
+        fp: list = []
+
         def then(d: list[int]) -> None:
+            if int(num_drafts) == 0:                      # a checked no-op: nothing moves
+                assert d == [] and (out_conf is None or out_conf == []), f"propose of 0 drafts returned {d}"
+                assert self.model.fingerprint() == fp[0], "a propose of 0 drafts changed the proposer's state"
+                return
             self.model.propose(state, last_token, target_hidden, position, num_drafts, self._seen(gm), d,
                                None if out_conf is None else out_conf, min_confidence)
             self._after_propose([state], [d])
 
         def call():
+            fp.append(self.model.fingerprint())
             try:
                 return self.prop.propose(last_token, target_hidden, position, num_drafts, state, gm, out_conf,
                                          min_confidence)
@@ -166,6 +173,9 @@ class CheckedProposer:
         def then(drafts: list[list[int]]) -> None:
             if out_conf is not None:
                 assert len(out_conf) == len(drafts), f"out_conf holds {len(out_conf)} lists for {len(drafts)} states"
+            if int(num_drafts) == 0:                      # a checked no-op (the model checks nothing moved)
+                assert drafts == [[] for _ in states], f"propose_batch of 0 drafts returned {drafts}"
+                return
             for i, (st, d) in enumerate(zip(states, drafts)):
                 gm = None if gms is None else self._seen(gms[i])
                 self.model.propose(st, last_tokens[i], target_hiddens[i], positions[i], num_drafts, gm, d,

@@ -12,8 +12,9 @@ Kinds (``KINDS``): ``alloc`` (with or without a budget), ``prefill``,
 ``propose`` (grammar masks of every form, one that allows nothing, skipped
 positions in draft mode; half of them asking for the drafts' confidences, some stopping
 early at a random ``min_confidence``), ``propose_batch``, ``tree`` (a draft tree of random widths or a static shape, verified
-along a random path at once or by a later ``verify``), ``verify``, ``catchup`` (also
-extending the sequence past the accepted drafts), ``round`` (propose, verify and
+along a random path at once or by a later ``verify``; some unmasked ones of no drafts,
+a checked no-op), ``verify``, ``catchup`` (the accepted drafts, in both modes; also
+extending the sequence past them: steps decoded without drafting), ``round`` (propose, verify and
 catch-up with checks between), ``take`` / ``install`` / ``free_carried``
 (carrying KV across turns), ``free``, ``bad_input`` (refused input, a copied
 state or carried entry, another proposer's state) and ``reenter`` (a grammar
@@ -185,10 +186,20 @@ class Driver:
         assert self.prop.read_deferred_draft_token(st) == d[-1]
         return True
 
+    def _no_drafts(self, st: Any, s: SeqModel, rng) -> None:
+        """A step without drafting: ``propose(..., num_drafts=0)``, a checked no-op (the step's
+        token reaches the drafter by a later ``catchup`` that extends the sequence)."""
+        P = s.next_position
+        self._count("propose")
+        self.p.propose(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], P, 0, st)
+
     def _propose(self, call: Call, rng) -> bool:
         pick = self._choose(call, ("ready",))
         if pick is None:
             return False
+        if call.variant == "none" and call.size == 5:
+            self._no_drafts(*pick, rng)          # K = 0 (some of the unmasked proposes)
+            return True
         self._propose_one(*pick, call, rng)
         return True
 
@@ -263,9 +274,9 @@ class Driver:
         return True
 
     def _catchup_one(self, st: Any, s: SeqModel, call: Call, rng) -> None:
-        a = s.accepted if s.phase == "catchup" else 0
+        a = s.accepted if s.phase == "catchup" or self.model.mode == "draft" else 0    # draft: left after a verify
         toks = s.drafts[:a]
-        if call.variant == "extend" and self.model.mode == "exact" and s.phase in ("ready", "catchup") and s.tokens:
+        if call.variant == "extend" and s.phase in ("ready", "catchup") and s.tokens:      # a step without drafting
             toks = toks + rng.integers(0, self.cfg.vocab_size, int(rng.integers(1, 3))).tolist()
         hid = self._h(rng, len(toks))
         self._count("catchup")
@@ -384,7 +395,7 @@ class Driver:
                 self.p.propose(0, h, P - 1, 1, st)
             elif what == "drafts":
                 if call.size % 2:
-                    self.p.propose(0, h, P, 0, st)
+                    self.p.propose(0, h, P, -1, st)
                 else:                                               # deeper than the draft steps
                     self.p.propose_tree(0, h, P, st, widths=[1] * (self.M + 1))
             elif what == "foreign":

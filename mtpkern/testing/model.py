@@ -6,7 +6,8 @@
 
 - the proposer's own invariants (pool accounting, registries, each state's rules);
 - every module's rows: draft mode, the keys docs/semantics.md says each module keeps
-  (module ``m``'s row of a propose survives ``after_verify(a)`` iff ``m <= a``);
+  (module ``m``'s row of a propose survives ``after_verify(a)`` iff ``m <= a``; a
+  catch-up gives module 0 one row per token, keys from ``Hn``);
   exact mode, ``max(0, min(Hn, T - m - 1))`` rows, keys ``0 ..`` (``Hn`` hiddens
   consumed, ``T`` tokens known: verified, plus the drafts awaiting a verify);
 - the counters engines read (``num_verified``, ``next_position``, ``drafted``);
@@ -47,7 +48,7 @@ class SeqModel:
     P: int = 0                                          # position of the last propose
     k: int = 0                                          # drafts it made
     drafts: list[int] = field(default_factory=list)
-    accepted: int = 0                                   # of the last verify, still to catch up (exact)
+    accepted: int = 0                                   # of the last verify, still to catch up
     budget: int | None = None                           # alloc_state_for's budget_tokens
     draft: Any = None                                   # oracle.DraftRows (draft mode, with weights)
     tree: Any = None                                    # a propose_tree awaiting its verify
@@ -175,6 +176,9 @@ class ProposerModel:
                 assert allowed(fn(i, drafts[:i]), d), f"draft {i} = {d} violates the grammar mask"
         if self.mode == "draft" and P > s.next_position:       # positions may skip forward
             s.tokens += [-1] * (P - s.next_position)           # (unknown tokens; draft mode reads none)
+        if self.mode == "draft":                               # skipped hiddens too: h_{P-1} is the P-th
+            s.hiddens += [None] * (P - 1 - len(s.hiddens))
+        s.accepted = 0                                         # drafts not caught up stay skipped
         s.tokens.append(int(last_token))
         s.hiddens.append(_host(hidden).reshape(-1))
         if confs is not None:
@@ -290,18 +294,24 @@ class ProposerModel:
         """Returns the rows the call must have written (all modules)."""
         s = self.of(st)
         toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        if self.mode == "draft" or not toks:
+        if not toks:
             return 0
         assert s.phase in ("ready", "catchup"), f"catchup_drafter accepted a state in phase {s.phase}"
+        assert s.tokens, "catchup_drafter accepted a fresh state"
         before = sum(self.exact_rows(s))
         base = len(s.hiddens) + 1                              # sequence index of toks[0]
         known = s.tokens[base:base + len(toks)]
         assert toks[:len(known)] == known, f"catchup_drafter accepted tokens {toks}, verified ones are {known}"
+        hid = _host(hiddens).reshape(len(toks), -1)
+        if self.mode == "draft":                               # module 0: one row per token, keys from Hn
+            s.keys[0] += range(base - 1, base - 1 + len(toks))
+            if s.draft is not None:
+                s.draft.catchup(toks, hid, base - 1)
         s.tokens += toks[len(known):]                          # tokens past the verified ones extend it
-        s.hiddens += list(_host(hiddens).reshape(len(toks), -1))
+        s.hiddens += list(hid)
         s.accepted = 0
         s.phase = "ready"
-        return sum(self.exact_rows(s)) - before
+        return len(toks) if self.mode == "draft" else sum(self.exact_rows(s)) - before
 
     def take(self, st: Any, kv: Any) -> None:
         s = self.of(st)
@@ -367,7 +377,7 @@ class ProposerModel:
     def rows_after_catchup(self, s: SeqModel, tokens: Any) -> list[int]:
         toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
         if self.mode == "draft" or not toks:
-            return [len(k) for k in s.keys]
+            return [len(k) + (len(toks) if m == 0 else 0) for m, k in enumerate(s.keys)]
         known = len(s.tokens[len(s.hiddens) + 1:len(s.hiddens) + 1 + len(toks)])
         Hn, T = len(s.hiddens) + len(toks), len(s.tokens) + len(toks) - known
         return [max(0, min(Hn, T - m - 1)) for m in range(self.M)]
@@ -395,6 +405,7 @@ class ProposerModel:
                 assert rows == self.exact_rows(s), f"rows {rows}, expected {self.exact_rows(s)}"
             if s.phase != "fresh":
                 assert st.num_verified == len(s.tokens), f"num_verified {st.num_verified}, expected {len(s.tokens)}"
+                assert st.num_hiddens == len(s.hiddens), f"num_hiddens {st.num_hiddens}, expected {len(s.hiddens)}"
             assert st.drafted == (s.phase == "drafted"), f"drafted {st.drafted} in phase {s.phase}"
             self._check_window(st.kv, "a state")
         for kv, s in self.carried.values():

@@ -405,7 +405,8 @@ class DraftRows:
     """The draft-mode rows of one sequence, as plain data: per module, the (token, hidden,
     RoPE position) each of its KV rows was built from (docs/semantics.md, ``kv_mode="draft"``).
 
-    ``prefill`` gives module 0 rows for keys ``0 .. n-2``; ``propose`` adds row ``P-1`` to
+    ``prefill`` gives module 0 rows for keys ``0 .. n-2``, ``catchup`` one per verified token
+    (keys from the hiddens consumed); ``propose`` adds row ``P-1`` to
     modules ``0 .. k'-1`` (module 0 from ``(t_P, h_{P-1})``, module ``m`` from ``d_{m-1}``
     and module ``m-1``'s chained output) and returns the drafts; ``verify(a)`` keeps
     module ``m``'s row of that propose iff ``m <= a``. Every module recomputes all its
@@ -426,6 +427,11 @@ class DraftRows:
         toks = [int(t) for t in tokens]
         for j in range(len(toks) - 1):
             self.rows[0].append((toks[j + 1], self._g(hiddens[j])[0], j + 1))
+
+    def catchup(self, tokens, hiddens, first_key: int) -> None:
+        """Module 0's rows of verified tokens: key ``first_key + i`` from ``(tokens[i], hiddens[i])``."""
+        for i, t in enumerate(tokens):
+            self.rows[0].append((int(t), self._g(hiddens[i])[0], first_key + i + 1))
 
     def propose(self, last_token: int, hidden, P: int, k: int, masks=None, confs: list | None = None) -> list[int]:
         """``confs``: a list the drafts' confidences are appended to."""
