@@ -408,7 +408,10 @@ class BlockPool:
 
     def check_room(self, seqs_rows: Iterable[tuple[SeqKv, int]]) -> None:
         """Raise ``KvCacheFull`` unless every ``(seq, new_rows)`` can grow at once."""
-        self._check_blocks([(seq, self.blocks_needed(seq, n) + self._cow_blocks(seq, n)) for seq, n in seqs_rows])
+        seqs_rows = list(seqs_rows)
+        with self._lock:
+            cows = self._cow_plan(seqs_rows)
+            self._check_blocks([(seq, self.blocks_needed(seq, n) + c) for (seq, n), c in zip(seqs_rows, cows)])
 
     def is_shared(self, block: int) -> bool:
         """Whether more than one sequence holds ``block``."""
@@ -529,13 +532,29 @@ class BlockPool:
         with self._lock:
             for seq, _, holder, _ in todo:
                 self.check_holder(seq, holder)
-            counts = [(seq, count(seq, n), self._cow_blocks(seq, n)) for seq, n, _, count in todo]
+            cows = self._cow_plan([(seq, n) for seq, n, _, _ in todo])
+            counts = [(seq, count(seq, n), c) for (seq, n, _, count), c in zip(todo, cows)]
             self._check_blocks([(seq, k + c) for seq, k, c in counts])
             for seq, k, c in counts:
                 if c:
                     self._unshare_tail(seq)
                 for _ in range(k):
                     seq._blocks.append(self._take_one(seq))
+
+    def _cow_plan(self, seqs_rows: list[tuple[SeqKv, int]]) -> list[int]:
+        """Per ``(seq, new_rows)`` of one growth step, 1 when it copies its last partial block
+        first. A block held by ``r`` sequences, ``c`` of them growing here, is copied
+        ``min(c, r - 1)`` times: the last holder keeps the original (the others have left it)."""
+        out = [0] * len(seqs_rows)
+        left: dict[int, int] = {}                    # shared block -> copies still to make
+        for j, (seq, n) in enumerate(seqs_rows):
+            if self._cow_blocks(seq, n):
+                b = seq._blocks[self._tail_index(seq)]
+                left.setdefault(b, int(self._refs[b]) - 1)
+                if left[b] > 0:
+                    left[b] -= 1
+                    out[j] = 1
+        return out
 
     def _take_one(self, seq: SeqKv) -> int:
         """A free block for ``seq`` (room checked by the caller, lock held), from its

@@ -269,3 +269,31 @@ def test_a_failed_call_leaves_the_sharing_as_it_was(make_prop):
         prop.propose(seq.toks[10], seq.hid(prop.config.stream_size, 9), 10, 3, F, grammar_bitmask=boom)
     assert [s.blocks for s in F.kv] == tables and prop.kv_blocks_in_use() == used
     prop.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_a_batch_of_states_sharing_a_block(make_prop, mode):
+    """A source and two forks in one propose_batch: the block the three share is copied twice,
+    the last holder writing into the original; each drafts as its twin alone would."""
+    prop = make_prop(mode)
+    H = prop.config.stream_size
+    seq = _prompt(prop, 10)
+    A = prop.alloc_state()
+    prefill(prop, A, seq, 10)
+    F, G = prop.fork_state(A), prop.fork_state(A)
+    B = prop.alloc_state()
+    prefill(prop, B, seq, 10)
+    copies = sum(p.cow_copies for p in prop.pools)
+    shared = sum(1 for m, p in enumerate(prop.pools) if A.kv[m].rows % prop.block_size)
+    out = prop.propose_batch([seq.toks[10]] * 3, [seq.hid(H, 9)] * 3, [10] * 3, 3, [A, F, G])
+    prop.check_invariants()
+    assert sum(p.cow_copies for p in prop.pools) - copies == 2 * shared
+    want = prop.propose(seq.toks[10], seq.hid(H, 9), 10, 3, B)
+    assert out == [want] * 3
+    for st in (A, F, G):                            # a batch of 3 against 1: other GEMM shapes
+        assert_same_rows(rows_of(prop, st), rows_of(prop, B), exact=False)
+    for st in (A, F, G, B):
+        prop.after_verify(1, st)
+        prop.free_state(st)
+        prop.check_invariants()
+    assert prop.kv_blocks_in_use() == [0] * prop.num_modules

@@ -15,7 +15,9 @@ early at a random ``min_confidence``), ``propose_batch``, ``tree`` (a draft tree
 along a random path at once or by a later ``verify``), ``verify``, ``catchup`` (also
 extending the sequence past the accepted drafts), ``round`` (propose, verify and
 catch-up with checks between), ``take`` / ``install`` / ``free_carried``
-(carrying KV across turns), ``free``, ``bad_input`` (refused input, a copied
+(carrying KV across turns), ``fork`` (a state sharing every block of another) and
+``share`` (a state sharing the rows of a prefix of another's tokens, ``share_prefix``),
+``free``, ``bad_input`` (refused input, a copied
 state or carried entry, another proposer's state) and ``reenter`` (a grammar
 callback that calls back into the proposer with the state in use).
 """
@@ -34,7 +36,7 @@ from .checked import CheckedProposer, checked
 from .model import SeqModel
 
 KINDS = ("alloc", "prefill", "propose", "propose_batch", "verify", "catchup", "round", "take", "install",
-         "free_carried", "free", "bad_input", "reenter", "tree")
+         "free_carried", "free", "bad_input", "reenter", "tree", "fork", "share")
 MASKS = ("none", "one", "per_position", "callable", "none_allowed")
 BAD = ("token", "hidden", "dtype", "nan", "accepted", "position", "drafts", "foreign", "copy_state", "copy_carried",
        "bool", "huge")
@@ -329,6 +331,30 @@ class Driver:
             raise AssertionError("a carried entry was freed twice")
         except StateError:
             pass
+        return True
+
+    def _fork(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("fresh", "ready", "catchup"))
+        if pick is None or len(self.model.seqs) >= self.max_states:
+            return False
+        self._count("fork")
+        self.p.fork_state(pick[0])
+        return True
+
+    def _share(self, call: Call, rng) -> bool:
+        """A prefix of ``frac`` of a sequence's verified tokens (1 at least)."""
+        pick = self._choose(call, ("ready", "catchup"))
+        if pick is None or len(self.model.seqs) >= self.max_states:
+            return False
+        st, s = pick
+        L = 1 + int(min(max(call.frac, 0.0), 1.0) * (len(s.tokens) - 1))
+        self._count("share")
+        try:
+            self.p.share_prefix(st, s.tokens[:L])
+        except StateError:
+            # a sliding-window module of the source released rows this prefix still reads
+            if not any(self.cfg.block(m).sliding_window for m in range(self.M)):
+                raise
         return True
 
     def _free(self, call: Call, rng) -> bool:
