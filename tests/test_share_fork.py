@@ -8,6 +8,9 @@ pool while a state still holds it, and the pools end empty.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -297,3 +300,11 @@ def test_a_batch_of_states_sharing_a_block(make_prop, mode):
         prop.free_state(st)
         prop.check_invariants()
     assert prop.kv_blocks_in_use() == [0] * prop.num_modules
+
+
+def test_the_api_example_runs():
+    """docs/api.md's example (n > 1 samples by fork, a prefix hit by share + catch-up) as pasted."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    section = text[text.index("## Sharing drafter KV"):text.index("## Queries (the trait")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/api.md", "exec"), {"__name__": "api_example"})
