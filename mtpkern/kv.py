@@ -740,7 +740,9 @@ class BlockPool:
         are ``src``'s, in the same blocks: each block gains a holder, nothing is copied (a
         later append into a shared partial block copies it first). ``src`` must be between
         calls (no holes); a sliding-window sequence must still hold every row the new one's
-        window can read (``StateError`` otherwise). A sliding-window sequence then gives back
+        window can read (``StateError`` otherwise). A budgeted ``src`` whose own last partial
+        block becomes shared gets one more block reserved for its copy of it
+        (``share_budget_blocks``; ``KvCacheFull``, nothing changed, when none is free). A sliding-window sequence then gives back
         the leading blocks its shorter window no longer reads (``release_window``)."""
         with self._lock:
             self.check_holder(src, src_holder)
@@ -758,6 +760,13 @@ class BlockPool:
                                  f"may still read rows from {self.window.first_visible_row(keys)}")
             if rows == 0:
                 keys, base = KeyRuns(), 0
+            bump = self.share_budget_blocks(src, rows)
+            if bump and self.num_free - self.reserved < 1:
+                raise KvCacheFull(self.module, 1, self.num_free - self.reserved, self.num_blocks)
+            if bump:                                 # src's copy-on-write stays within its promise
+                src._budget += 1
+                src._reserved += 1
+                self.reserved += 1
             seq = self.new_seq(holder)
             take = ceil_div(rows, self.block_size) - base if rows else 0
             seq._blocks = _entries(src._blocks[:take])
@@ -775,6 +784,26 @@ class BlockPool:
         keys = src._keys.copy()
         keys.pop(src.rows - rows)
         return src._base * self.block_size <= self.window.first_visible_row(keys)
+
+    def share_budget_blocks(self, src: SeqKv, rows: int) -> int:
+        """1 when sharing ``src``'s first ``rows`` rows makes ``src``'s own last partial block,
+        held by it alone so far, shared while ``src`` has a budget: ``src`` may then have to copy
+        it on write, one block its reservation did not count, so ``share_rows`` reserves one
+        more for it (its budget grows by one). Else 0."""
+        BS = self.block_size
+        if not src._budget or rows == 0 or src.rows % BS == 0 or not src._blocks:
+            return 0
+        return int(ceil_div(rows, BS) == ceil_div(src.rows, BS) and self._refs[src._blocks[-1]] == 1)
+
+    def unreserve_share(self, src: SeqKv, src_holder: Any) -> None:
+        """Undo the block ``share_rows`` reserved for ``src`` (``share_budget_blocks``): a share
+        rolled back."""
+        with self._lock:
+            self.check_holder(src, src_holder)
+            src._budget = max(0, src._budget - 1)
+            if src._reserved:
+                src._reserved -= 1
+                self.reserved -= 1
 
     def fork(self, src: SeqKv, src_holder: Any, holder: Any) -> SeqKv:
         """``share_rows`` of every row: a new sequence that holds all of ``src``'s blocks."""

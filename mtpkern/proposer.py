@@ -549,15 +549,18 @@ class MultiModuleMtpHead(DraftProposer):
         nothing stays registered or shared."""
         self._check_open()
         st = MtpState(self, self.num_modules)
-        made = []
+        made, bumped = [], []
         try:
             for p, s, r in zip(self.pools, src._kv, rows):
+                bumped.append(p.share_budget_blocks(s, r))
                 made.append(p.share_rows(s, src, st, r))
             st._kv = tuple(made)
             counters(st)
         except BaseException:
-            for p, s in zip(self.pools, made):
+            for p, s, src_seq, b in zip(self.pools, made, src._kv, bumped):
                 p.retire(s, st)
+                if b:
+                    p.unreserve_share(src_seq, src)
             raise
         self._states[id(st)] = st
         return st

@@ -308,3 +308,30 @@ def test_the_api_example_runs():
     section = text[text.index("## Sharing drafter KV"):text.index("## Queries (the trait")]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "docs/api.md", "exec"), {"__name__": "api_example"})
+
+
+def test_a_budgeted_source_keeps_its_promise(make_prop):
+    """A fork shares its budgeted source's last partial block: the source gets one more block
+    reserved (it may have to copy that block on write), so its budget still covers it."""
+    prop = make_prop("exact", num_blocks=24)
+    seq = _prompt(prop, 10)
+    A = prop.alloc_state_for(14)
+    prefill(prop, A, seq, 10)
+    budgets = [q.budget for q in A.kv]
+    reserved = [p.reserved for p in prop.pools]
+    F = prop.fork_state(A)
+    partial = [int(q.rows % prop.block_size != 0) for q in A.kv]
+    assert any(partial)
+    assert [q.budget for q in A.kv] == [b + x for b, x in zip(budgets, partial)]
+    assert [p.reserved for p in prop.pools] == [r + x for r, x in zip(reserved, partial)]
+    assert [q.budget for q in F.kv] == [0] * prop.num_modules
+    G = prop.fork_state(A)                           # the block is shared already: nothing more
+    assert [q.budget for q in A.kv] == [b + x for b, x in zip(budgets, partial)]
+    hog = prop.alloc_state()                         # every unreserved block taken by another sequence
+    prefill(prop, hog, _prompt(prop, 60, seed=3), 4 * (prop.pools[0].num_free - prop.pools[0].reserved))
+    P, _ = steps(prop, A, seq, 10, 1, 1)             # A's copies come out of its reservation
+    prop.check_invariants()
+    for st in (F, G, hog, A):
+        prop.free_state(st)
+    prop.check_invariants()
+    assert prop.kv_blocks_in_use() == [0] * prop.num_modules and [p.reserved for p in prop.pools] == [0] * 3
