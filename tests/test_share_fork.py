@@ -102,6 +102,7 @@ def fork_twin(prop) -> None:
     used = prop.kv_blocks_in_use()
     F = prop.fork_state(A)
     seqF = seqA.copy()
+    seqF.toks[PA] = seqB.toks[PB] = (seqA.toks[PA] + 1) % prop.config.vocab_size   # another sample's token
     prop.check_invariants()
     assert prop.kv_blocks_in_use() == used           # a fork copies nothing
     before = rows_of(prop, A)
@@ -111,7 +112,6 @@ def fork_twin(prop) -> None:
     assert dF == dB and PF == PB
     assert_same_rows(rows_of(prop, F), rows_of(prop, B))
     assert_same_rows(rows_of(prop, A), before)      # F's rows never reached A's blocks
-    assert sum(p.cow_copies for p in prop.pools) > 0
     steps(prop, A, seqA, PA, 3, 2)                  # A goes on alone
     prop.free_state(A)                              # F still reads the blocks it shared with A
     prop.check_invariants()
@@ -121,7 +121,8 @@ def fork_twin(prop) -> None:
     _, dF = steps(prop, F, seqF, PF, 4, 2)
     _, dB = steps(prop, B, seqB, PB, 4, 2)
     assert dF == dB
-    assert_same_rows(rows_of(prop, F), rows_of(prop, B))
+    assert_same_rows(rows_of(prop, F), rows_of(prop, B))   # A's later rows never reached F's blocks
+    assert sum(p.cow_copies for p in prop.pools) > 0
     prop.free_state(F)
     prop.free_state(B)
     prop.check_invariants()
@@ -139,8 +140,10 @@ def test_fork_without_copy_on_write_fails(make_prop, mode, monkeypatch):
     """The negative control: with copy-on-write switched off, the fork writes its rows into
     the blocks it shares with its source, and the twin test sees it."""
     monkeypatch.setattr(BlockPool, "_cow_blocks", lambda self, seq, new_rows: 0)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError) as failed:
         fork_twin(make_prop(mode))
+    line = str(failed.traceback[-1].statement)
+    assert "cow_copies" not in line, "the twins agreed: only the copy count told the difference"
 
 
 def test_fork_on_the_emulated_kernels(make_prop, emulator):
