@@ -350,7 +350,8 @@ class Driver:
         L = 1 + int(min(max(call.frac, 0.0), 1.0) * (len(s.tokens) - 1))
         self._count("share")
         try:
-            self.p.share_prefix(st, s.tokens[:L])
+            # (draft mode: a position a propose skipped holds -1 in the model, a token no one knows)
+            self.p.share_prefix(st, [max(0, t) for t in s.tokens[:L]])
         except StateError:
             # a sliding-window module of the source released rows this prefix still reads
             if not any(self.cfg.block(m).sliding_window for m in range(self.M)):
