@@ -789,10 +789,11 @@ class BlockPool:
         """1 when sharing ``src``'s first ``rows`` rows makes ``src``'s own last partial block,
         held by it alone so far, shared while ``src`` has a budget: ``src`` may then have to copy
         it on write, one block its reservation did not count, so ``share_rows`` reserves one
-        more for it (its budget grows by one). Else 0."""
+        more for it (its budget grows by one). Else 0 (also for a sequence already past its
+        budget: it is promised nothing)."""
         BS = self.block_size
-        if not src._budget or rows == 0 or src.rows % BS == 0 or not src._blocks:
-            return 0
+        if len(src._blocks) >= src._budget or rows == 0 or src.rows % BS == 0:
+            return 0                                 # (no budget, or past it: nothing promised)
         return int(ceil_div(rows, BS) == ceil_div(src.rows, BS) and self._refs[src._blocks[-1]] == 1)
 
     def unreserve_share(self, src: SeqKv, src_holder: Any) -> None:
