@@ -1056,7 +1056,8 @@ class MultiModuleMtpHead(DraftProposer):
 
     # -- invariants --------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Pool accounting (every block free or owned by exactly one registered sequence),
+        """Pool accounting (every block free, or held by as many registered sequences as its
+        reference count: a forked or prefix-shared state shares its source's blocks),
         the registries (each live state and carried entry holds one sequence per pool, and
         nothing else does but ``MtpHead.alloc_seq`` users), then each idle state's rules.
         Safe while other threads run calls: the registries are read as one snapshot, and
