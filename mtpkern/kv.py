@@ -757,7 +757,7 @@ class BlockPool:
             if not self.can_share(src, rows):
                 raise StateError(f"module {self.module}: the source released the rows before "
                                  f"{base * self.block_size} (out of its sliding window), but {rows} shared rows "
-                                 f"may still read rows from {self.window.first_visible_row(keys)}")
+                                 f"may still read rows from {self.window.first_visible_row(keys, 0)}")
             if rows == 0:
                 keys, base = KeyRuns(), 0
             bump = self.share_budget_blocks(src, rows)
@@ -783,7 +783,9 @@ class BlockPool:
             return True
         keys = src._keys.copy()
         keys.pop(src.rows - rows)
-        return src._base * self.block_size <= self.window.first_visible_row(keys)
+        # margin 0: the new state starts between calls, with no verify pending; a later trim
+        # removes only rows a later call adds (as for any state, check_seq)
+        return src._base * self.block_size <= self.window.first_visible_row(keys, 0)
 
     def share_budget_blocks(self, src: SeqKv, rows: int) -> int:
         """1 when sharing ``src``'s first ``rows`` rows makes ``src``'s own last partial block,
