@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from conftest import kv_rows
-from mtpkern.errors import NoAllowedToken
+from mtpkern.errors import NoAllowedToken, StateError
 
 #: the calls a script draws from: a batched propose round (verify, catch-up), a new
 #: sequence, a carried sequence, a freed one, a propose that no grammar allows, a draft
@@ -63,7 +63,11 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
         if op == "share":
             s = seqs[int(rng.integers(0, len(seqs)))]
             L = int(rng.integers(1, len(s[3]) + 1))
-            st = prop.share_prefix(s[0], s[3][:L])
+            try:
+                st = prop.share_prefix(s[0], s[3][:L])
+            except StateError:                 # a sliding window released rows this prefix reads
+                log.append(("shared", "refused", L))
+                continue
             h = st.num_hiddens
             toks_ = s[3][h + 1:L] if prop.kv_mode == "exact" else []
             log.append(("shared", st.rows_per_module(), h))
