@@ -31,12 +31,23 @@ never reads the table entries of blocks wholly before a row's window.
 
 **Ownership.** The pool is the only authority on who owns a block. Every
 ``SeqKv`` is made by ``new_seq(holder)`` and registered under a serial number;
-the pool records the owner's serial of each block in use and the holder of
-each sequence (a proposer state, a carried entry, an ``MtpHead`` user). Every
+the pool records how many sequences hold each block in use (``Sharing``) and the
+holder of each sequence (a proposer state, a carried entry, an ``MtpHead`` user). Every
 mutation checks, before any block moves, that the sequence is registered here
 and that its block list agrees with the pool's record; ``check_holder`` tells
 a caller whether the object it was handed is the one the pool knows. A copy
 of a ``SeqKv`` (or a hand-built one) is therefore refused, never obeyed.
+
+**Sharing** (``fork``, ``share_rows``; docs/kv_pool.md). A block may be held by several
+sequences: a forked proposer state, or a state that took another's rows for a common
+prefix, lists the same block ids as its source. The pool counts the holders of each
+block (``refs``): a release (trim, window, retire) drops one reference, and the block
+goes back to the free list when the last one goes. Only a sequence's last, partial
+block can ever be written again (rows are appended, never rewritten), so that is the
+only copy-on-write there is: a growth of a sequence whose last partial block is shared
+first copies the block's rows into a fresh block of its own (``BlockPool.copy_rows``,
+the backend's ``copy_kv_rows``, as a draft tree's lines copy theirs), counted in the
+room check like any other block it takes. The other holders keep the original.
 
 **Threads.** Every method that reads or changes the free list, the owners or
 the reservations runs under the pool's lock, and ``grow_all`` checks room and
@@ -314,6 +325,8 @@ class BlockPool:
         self.module = module
         #: a sliding-window module's rule (leading blocks go back once out of the window); None: full attention
         self.window = window
+        #: copy-on-write copies made (a shared partial block copied before a row was appended)
+        self.cow_copies = 0
         #: block-table entries released because no later forward could read their rows, ever:
         #: given back to the pool (release_window) or reused by the same call (recycle)
         self.window_released = 0
@@ -333,7 +346,7 @@ class BlockPool:
             self.v = backend.empty_kv(num_blocks, block_size, num_kv_heads, v_head_dim or head_dim)
         # A stack: pop() hands out the lowest free id first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._owner = np.zeros(num_blocks, np.int64)       # serial of the owning sequence; 0 = free
+        self._refs = np.zeros(num_blocks, np.int64)        # sequences holding each block; 0 = free
         self._seqs: dict[int, tuple[SeqKv, Any]] = {}       # serial -> (sequence, its holder)
         #: serials of the scratch sequences among them: a draft tree's other lines (mtpkern.tree),
         #: held by the state beside its own sequence, registered as such in the same locked step
@@ -395,7 +408,35 @@ class BlockPool:
 
     def check_room(self, seqs_rows: Iterable[tuple[SeqKv, int]]) -> None:
         """Raise ``KvCacheFull`` unless every ``(seq, new_rows)`` can grow at once."""
-        self._check_blocks([(seq, self.blocks_needed(seq, n)) for seq, n in seqs_rows])
+        seqs_rows = list(seqs_rows)
+        with self._lock:
+            cows = self._cow_plan(seqs_rows)
+            self._check_blocks([(seq, self.blocks_needed(seq, n) + c) for (seq, n), c in zip(seqs_rows, cows)])
+
+    def is_shared(self, block: int) -> bool:
+        """Whether more than one sequence holds ``block``."""
+        return bool(self._refs[block] > 1)
+
+    def refs(self, block: int) -> int:
+        """How many sequences hold ``block`` (0: free)."""
+        return int(self._refs[block])
+
+    def _tail_index(self, seq: SeqKv) -> int:
+        """The table index of the block the next row of ``seq`` goes into when it is partial
+        (holds earlier rows), else -1."""
+        r = seq.rows
+        if r % self.block_size == 0:
+            return -1
+        i = r // self.block_size - seq._base
+        return i if 0 <= i < len(seq._blocks) and seq._blocks[i] != HOLE else -1
+
+    def _cow_blocks(self, seq: SeqKv, new_rows: int) -> int:
+        """1 when appending ``new_rows`` > 0 rows to ``seq`` must first copy its shared last
+        partial block (copy-on-write), else 0."""
+        if new_rows <= 0:
+            return 0
+        i = self._tail_index(seq)
+        return int(i >= 0 and self._refs[seq._blocks[i]] > 1)
 
     def _check_blocks(self, seqs_blocks: list[tuple[SeqKv, int]]) -> None:
         with self._lock:
@@ -491,16 +532,52 @@ class BlockPool:
         with self._lock:
             for seq, _, holder, _ in todo:
                 self.check_holder(seq, holder)
-            counts = [(seq, count(seq, n)) for seq, n, _, count in todo]
-            self._check_blocks(counts)
-            for seq, k in counts:
+            cows = self._cow_plan([(seq, n) for seq, n, _, _ in todo])
+            counts = [(seq, count(seq, n), c) for (seq, n, _, count), c in zip(todo, cows)]
+            self._check_blocks([(seq, k + c) for seq, k, c in counts])
+            for seq, k, c in counts:
+                if c:
+                    self._unshare_tail(seq)
                 for _ in range(k):
-                    b = self._free.pop()
-                    self._owner[b] = seq._serial
-                    seq._blocks.append(b)
-                    if seq._reserved:
-                        seq._reserved -= 1
-                        self.reserved -= 1
+                    seq._blocks.append(self._take_one(seq))
+
+    def _cow_plan(self, seqs_rows: list[tuple[SeqKv, int]]) -> list[int]:
+        """Per ``(seq, new_rows)`` of one growth step, 1 when it copies its last partial block
+        first. A block held by ``r`` sequences, ``c`` of them growing here, is copied
+        ``min(c, r - 1)`` times: the last holder keeps the original (the others have left it)."""
+        out = [0] * len(seqs_rows)
+        left: dict[int, int] = {}                    # shared block -> copies still to make
+        for j, (seq, n) in enumerate(seqs_rows):
+            if self._cow_blocks(seq, n):
+                b = seq._blocks[self._tail_index(seq)]
+                left.setdefault(b, int(self._refs[b]) - 1)
+                if left[b] > 0:
+                    left[b] -= 1
+                    out[j] = 1
+        return out
+
+    def _take_one(self, seq: SeqKv) -> int:
+        """A free block for ``seq`` (room checked by the caller, lock held), from its
+        reservation first."""
+        b = self._free.pop()
+        self._refs[b] = 1
+        if seq._reserved:
+            seq._reserved -= 1
+            self.reserved -= 1
+        return b
+
+    def _unshare_tail(self, seq: SeqKv) -> None:
+        """Copy-on-write: ``seq``'s last partial block, shared with other sequences, is
+        replaced by a fresh block holding a copy of its rows (theirs keep the original)."""
+        i = self._tail_index(seq)
+        old = seq._blocks[i]
+        new = self._take_one(seq)
+        n, BS = seq.rows % self.block_size, self.block_size
+        off = np.arange(n, dtype=np.int32)
+        self.copy_rows(old * BS + off, new * BS + off)
+        seq._blocks[i] = new
+        self._refs[old] -= 1                     # > 0: other sequences still hold it
+        self.cow_copies += 1
 
     def append(self, seq: SeqKv, first_key: int, count: int, holder: Any) -> int:
         """Append ``count`` rows with keys ``first_key ..`` (blocks taken as needed);
@@ -596,14 +673,19 @@ class BlockPool:
         self._drop_budget(seq)
 
     def _release(self, blocks: list[int], seq: SeqKv | None) -> None:
-        """Free ``blocks`` (the caller holds the lock; the blocks are the sequence's own,
-        since only the pool ever writes a block table)."""
+        """Drop one reference to each of ``blocks`` (the caller holds the lock; the
+        sequence held them, since only the pool ever writes a block table): a block no other
+        sequence holds goes back to the free list."""
+        freed = 0
         for b in reversed(blocks):
-            self._owner[b] = 0
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+                freed += 1
         if seq is not None and seq._budget:
-            # Keep the sequence's promise whole: what it gave back is held for it again.
-            back = min(len(blocks), seq._budget - len(seq._blocks) - seq._reserved)
+            # Keep the sequence's promise whole: what it gave back to the free list is held for it
+            # again (a block other sequences still hold is not free, so cannot be held back).
+            back = min(freed, seq._budget - len(seq._blocks) - seq._reserved)
             if back > 0:
                 seq._reserved += back
                 self.reserved += back
@@ -649,12 +731,100 @@ class BlockPool:
             self.check_holder(dst, dst_holder)
             if dst._blocks or dst.rows or dst._base:
                 raise StateError(f"module {self.module}: rows can only move into an empty sequence")
-            for b in src._blocks:
-                if b != HOLE:
-                    self._owner[b] = dst._serial
             dst._blocks, src._blocks = src._blocks, []
             dst._base, src._base = src._base, 0
             dst._keys, src._keys = src._keys, KeyRuns()
+
+    def share_rows(self, src: SeqKv, src_holder: Any, holder: Any, rows: int | None = None) -> SeqKv:
+        """A new sequence held by ``holder`` whose first ``rows`` rows (None: all of ``src``'s)
+        are ``src``'s, in the same blocks: each block gains a holder, nothing is copied (a
+        later append into a shared partial block copies it first). ``src`` must be between
+        calls (no holes); a sliding-window sequence must still hold every row the new one's
+        window can read (``StateError`` otherwise). A budgeted ``src`` whose own last partial
+        block becomes shared gets one more block reserved for its copy of it
+        (``share_budget_blocks``; ``KvCacheFull``, nothing changed, when none is free). A sliding-window sequence then gives back
+        the leading blocks its shorter window no longer reads (``release_window``)."""
+        with self._lock:
+            self.check_holder(src, src_holder)
+            rows = src.rows if rows is None else rows
+            if not 0 <= rows <= src.rows:
+                raise ValueError(f"rows: expected 0 .. {src.rows} (the source's rows), got {rows}")
+            if HOLE in src._blocks:
+                raise StateError(f"module {self.module}: the source sequence is inside a call")
+            keys = src._keys.copy()
+            keys.pop(src.rows - rows)
+            base = src._base
+            if not self.can_share(src, rows):
+                raise StateError(f"module {self.module}: the source released the rows before "
+                                 f"{base * self.block_size} (out of its sliding window), but {rows} shared rows "
+                                 f"may still read rows from {self.window.first_visible_row(keys, 0)}")
+            if rows == 0:
+                keys, base = KeyRuns(), 0
+            bump = self.share_budget_blocks(src, rows)
+            if bump and self.num_free - self.reserved < 1:
+                raise KvCacheFull(self.module, 1, self.num_free - self.reserved, self.num_blocks)
+            if bump:                                 # src's copy-on-write stays within its promise
+                src._budget += 1
+                src._reserved += 1
+                self.reserved += 1
+            seq = self.new_seq(holder)
+            take = ceil_div(rows, self.block_size) - base if rows else 0
+            seq._blocks = _entries(src._blocks[:take])
+            seq._base, seq._keys = base, keys
+            for b in seq._blocks:
+                self._refs[b] += 1
+            self.release_window(seq, holder)
+            return seq
+
+    def can_share(self, src: SeqKv, rows: int) -> bool:
+        """Whether ``share_rows(src, .., rows)`` finds every row the new sequence's window
+        may read still in ``src``'s blocks (always, for full attention)."""
+        if rows == 0 or self.window is None:
+            return True
+        keys = src._keys.copy()
+        keys.pop(src.rows - rows)
+        # margin 0: the new state starts between calls, with no verify pending; a later trim
+        # removes only rows a later call adds (as for any state, check_seq)
+        return src._base * self.block_size <= self.window.first_visible_row(keys, 0)
+
+    def share_budget_blocks(self, src: SeqKv, rows: int) -> int:
+        """1 when sharing ``src``'s first ``rows`` rows makes ``src``'s own last partial block,
+        held by it alone so far, shared while ``src`` has a budget: ``src`` may then have to copy
+        it on write, one block its reservation did not count, so ``share_rows`` reserves one
+        more for it (its budget grows by one). Else 0 (also for a sequence already past its
+        budget: it is promised nothing)."""
+        BS = self.block_size
+        if len(src._blocks) >= src._budget or rows == 0 or src.rows % BS == 0:
+            return 0                                 # (no budget, or past it: nothing promised)
+        return int(ceil_div(rows, BS) == ceil_div(src.rows, BS) and self._refs[src._blocks[-1]] == 1)
+
+    def unreserve_share(self, src: SeqKv, src_holder: Any) -> None:
+        """Undo the block ``share_rows`` reserved for ``src`` (``share_budget_blocks``): a share
+        rolled back."""
+        with self._lock:
+            self.check_holder(src, src_holder)
+            src._budget = max(0, src._budget - 1)
+            if src._reserved:
+                src._reserved -= 1
+                self.reserved -= 1
+
+    def fork(self, src: SeqKv, src_holder: Any, holder: Any) -> SeqKv:
+        """``share_rows`` of every row: a new sequence that holds all of ``src``'s blocks."""
+        return self.share_rows(src, src_holder, holder)
+
+    def restore_blocks(self, seq: SeqKv, holder: Any, blocks: tuple[int, ...]) -> None:
+        """After a failed call trimmed ``seq`` back to its rows (``Snapshot.restore``): a
+        block the call copied on write (``blocks``: the table before the call) is swapped
+        back for the shared original when another sequence still holds it, so the failed call
+        leaves the sharing as it found it."""
+        with self._lock:
+            self.check_holder(seq, holder)
+            for i, (now, was) in enumerate(zip(seq._blocks, blocks)):
+                if now != was and now != HOLE and was != HOLE and self._refs[was] > 0:
+                    self._refs[was] += 1
+                    seq._blocks[i] = was
+                    self._release([now], seq)
+                    self.cow_copies -= 1
 
     def close(self) -> None:
         """Drop every sequence and the caches; later calls raise ``StateError``."""
@@ -664,7 +834,7 @@ class BlockPool:
             self._seqs.clear()
             self._scratch.clear()
             self._free = list(range(self.num_blocks - 1, -1, -1))
-            self._owner[:] = 0
+            self._refs[:] = 0
             self.reserved = 0
             self.closed = True
             self.k = self.v = self.index_k = None
@@ -691,29 +861,30 @@ class BlockPool:
             return entry is not None and entry[0] is seq
 
     def check_invariants(self) -> None:
-        """The free list, the owner record and the registered sequences agree: every block
-        is free or owned by exactly one registered sequence, whose table lists it."""
+        """The free list, the reference counts and the registered sequences agree: every
+        block is free (no reference) or held by as many registered sequences as its count
+        says, each listing it once."""
         with self._lock:
             seen = np.zeros(self.num_blocks, np.int64)
             for serial, (seq, _) in self._seqs.items():
                 if seq._serial != serial:
                     raise AssertionError(f"module {self.module}: sequence {serial} now calls itself {seq._serial}")
                 blocks = np.asarray([b for b in seq._blocks if b != HOLE], np.int64)
-                if blocks.size and (self._owner[blocks] != serial).any():
-                    raise AssertionError(f"module {self.module}: sequence {serial} lists blocks it does not own: "
-                                         f"{blocks[self._owner[blocks] != serial].tolist()}")
+                if len(set(blocks.tolist())) != blocks.size:
+                    raise AssertionError(f"module {self.module}: sequence {serial} lists a block twice: "
+                                         f"{blocks.tolist()}")
                 np.add.at(seen, blocks, 1)
-            if (seen > 1).any():
-                raise AssertionError(f"module {self.module}: blocks owned twice: {np.flatnonzero(seen > 1).tolist()}")
             if len(set(self._free)) != len(self._free):
                 raise AssertionError(f"module {self.module}: the free list holds a block twice")
             free = np.zeros(self.num_blocks, bool)
             free[self._free] = True
-            if not np.array_equal(free, self._owner == 0):
-                raise AssertionError(f"module {self.module}: free list and owner record disagree")
-            if not np.array_equal(seen == 1, self._owner != 0):
-                lost = np.flatnonzero((self._owner != 0) & (seen == 0)).tolist()
-                raise AssertionError(f"module {self.module}: in-use blocks without an owner (leaked): {lost}")
+            if not np.array_equal(free, self._refs == 0):
+                raise AssertionError(f"module {self.module}: free list and reference counts disagree")
+            if not np.array_equal(seen, self._refs):
+                bad = np.flatnonzero(seen != self._refs)
+                raise AssertionError(f"module {self.module}: reference counts {self._refs[bad].tolist()} of blocks "
+                                     f"{bad.tolist()} differ from their holders {seen[bad].tolist()} (leaked, or "
+                                     f"freed while held)")
             reservations = sum(seq._reserved for seq, _ in self._seqs.values())
             if reservations != self.reserved or self.reserved > self.num_free:
                 raise AssertionError(f"module {self.module}: {self.reserved} blocks reserved in the pool, "

@@ -142,6 +142,33 @@ def _check_sharded_vocab(weights: MtpWeights, vocab: DraftVocab | None) -> None:
                          f"head_ids=), from_pretrained(..., draft_vocab=)); got {got}")
 
 
+def _copy_counters(src: MtpState, st: MtpState) -> None:
+    """A fork's counters: ``src``'s (its lists copied; the exact-mode window's arrays are never
+    written in place, so both states may read them)."""
+    st._num_verified, st._num_hiddens, st._next_position = src._num_verified, src._num_hiddens, src._next_position
+    st._tail, st._tail_start = list(src._tail), src._tail_start
+    st._win, st._win_start = list(src._win), list(src._win_start)
+    st._last_position, st._last_k, st._last_drafts = src._last_position, src._last_k, list(src._last_drafts)
+
+
+def _draft_prefix(st: MtpState, L: int) -> None:
+    """Draft mode after a share of ``L`` tokens: as ``prefill_drafter`` of them leaves a state."""
+    st._num_verified = st._tail_start = st._next_position = L
+    st._num_hiddens = L - 1
+
+
+def _exact_prefix(st: MtpState, toks: np.ndarray, h: int, wins: list) -> None:
+    """Exact mode after a share of ``L = len(toks)`` tokens cut at ``h`` hiddens: the tokens
+    past ``h`` are the tail the catch-up's first rows read; each module's window holds the
+    chained outputs of its keys the next module has not reached."""
+    L = int(toks.shape[0])
+    st._num_verified = st._next_position = L
+    st._num_hiddens = h
+    st._tail, st._tail_start = [int(t) for t in toks[h + 1:]], h + 1
+    st._win = [w for _, w in wins]
+    st._win_start = [ws for ws, _ in wins]
+
+
 class MultiModuleMtpHead(DraftProposer):
     """Independent MTP modules, one per draft slot, each with its own weights and paged KV.
 
@@ -424,6 +451,120 @@ class MultiModuleMtpHead(DraftProposer):
                     p.retire(seq, st)
                 st._freed = True
                 del self._states[id(st)]
+
+    # -- shared and forked states (docs/api.md, "Sharing drafter KV"; docs/kv_pool.md) ----------
+    def fork_state(self, state: ProposerState) -> MtpState:
+        """A new state that continues ``state``'s sequence: the same counters and, in every
+        module's pool, the same blocks (each gains a holder, nothing is copied). Either state
+        may then go on alone: the first row either appends into a shared partial block copies
+        that block first (copy-on-write), so neither ever sees the other's later rows. For
+        ``n > 1`` samples or beam search: fork after the prompt, then propose / verify each
+        fork with its own tokens. The fork has no budget (``alloc_state_for``); ``state`` keeps
+        its own. Refused while a propose of ``state`` awaits its verify (``StateError``).
+        On a sharded head every rank forks its corresponding state (as with ``alloc_state``)."""
+        with self._use([state], "fork_state") as (src,), self._lock:
+            return self._new_shared(src, [s.rows for s in src._kv], lambda st: _copy_counters(src, st))
+
+    def share_prefix(self, source: ProposerState, prefix_tokens: Sequence[int]) -> MtpState:
+        """A new state for another request whose first tokens ``prefix_tokens`` = ``t_0 ..
+        t_{L-1}`` are ``source``'s first ``L`` tokens (a prefix-cache hit): it holds, shared
+        with ``source``, the rows of ``source`` built from those tokens alone, and the caller
+        gives the rest of its prompt with ``catchup_drafter``.
+
+        A row of module ``m`` at key ``j`` is built from ``t_{j+m+1}``, so only the keys
+        ``j <= L - 2 - m`` belong to the prefix (a cache keyed on the prefix alone would hand
+        out rows built from the source's next tokens). Shared rows, per KV mode:
+
+        - draft mode: module ``m``'s rows with keys ``<= L - 2 - m`` (module 0: the prompt's
+          keys ``0 .. L-2``; a later module: the rows a verify kept). The state is then as
+          ``prefill_drafter(prefix_tokens)`` leaves one (``num_verified = next_position = L``,
+          ``num_hiddens = L - 1``) plus those later modules' rows. The caller gives the rest
+          of its prompt ``t_L .. t_{n-1}`` as in exact mode, ``catchup_drafter(t_L .. t_{n-1},
+          h_{L-1} .. h_{n-2}, state)`` (which writes what draft mode's catch-up writes), then
+          proposes at ``P = n`` with ``t_n`` and ``h_{n-1}``; keys no call wrote stay a gap, as
+          positions that skip forward leave one.
+        - exact mode: every module up to a cut ``Hn = state.num_hiddens`` (``L - 1`` when
+          ``source`` still keeps the chained outputs the cut needs, i.e. ``L`` is within its
+          last ``M + 1`` keys; else ``L - M``, every module the same rows, clipped to what
+          ``source`` holds): module ``m`` holds keys ``0 .. min(Hn, L-m-1) - 1``, exactly the
+          exact-mode rule for ``Hn`` hiddens and ``L`` tokens. The caller then calls
+          ``catchup_drafter(tokens, hiddens, state)`` with ``tokens = t_{Hn+1} ..`` (the last
+          ``L - 1 - Hn`` of the prefix again, then its own) and ``hiddens = h_{Hn} ..``, one per
+          token, as after any ``after_verify`` (``state.num_hiddens`` says where they start).
+
+        ``prefix_tokens`` must be ``source``'s tokens: the ones ``source`` still keeps (exact
+        mode: its last ``M`` at most) are checked, the others cannot be. ``L``: 1 .. the
+        source's verified tokens. On a sharded head every rank makes the same call."""
+        with self._use([source], "share_prefix", ["source"]) as (src,), self._lock:
+            toks = check_tokens("prefix_tokens", prefix_tokens, self.config.vocab_size)
+            L = int(toks.shape[0])
+            if not 1 <= L <= src._num_verified:
+                raise ValueError(f"prefix_tokens: expected 1 .. {src._num_verified} tokens (the source's verified "
+                                 f"tokens), got {L}")
+            for i in range(src._tail_start, min(L, src.num_tokens)):
+                if int(toks[i]) != src._tail[i - src._tail_start]:
+                    raise ValueError(f"prefix_tokens[{i}]: expected {src._tail[i - src._tail_start]} (the source's "
+                                     f"token at position {i}), got {int(toks[i])}")
+            if self.kv_mode == "draft":
+                rows = [s._keys.rows_before(L - 1 - m) for m, s in enumerate(src._kv)]
+                return self._new_shared(src, rows, lambda st: _draft_prefix(st, L))
+            cut = self._exact_cut(src, L)
+            if cut is None:
+                raise StateError(f"source: its sliding-window modules no longer hold the rows a prefix of {L} "
+                                 f"tokens needs (they released them); share a longer prefix")
+            h, rows, wins = cut
+            return self._new_shared(src, rows, lambda st: _exact_prefix(st, toks, h, wins))
+
+    def _exact_cut(self, src: MtpState, L: int) -> tuple[int, list[int], list] | None:
+        """The highest ``Hn`` for an exact-mode share of ``L`` tokens: every module's rows
+        ``min(Hn, L-m-1)`` within ``source``'s, its kept tail at most ``M`` tokens, and module
+        ``m``'s chained outputs for keys ``rows[m+1] .. rows[m]-1`` in ``source``'s window
+        (what module ``m+1``'s next rows read). -> (Hn, rows, windows [(start, array)]) or None."""
+        M = self.num_modules
+        for h in range(min(L - 1, src._num_hiddens), max(0, L - 1 - M) - 1, -1):
+            rows = [max(0, min(h, L - m - 1)) for m in range(M)]
+            if any(r > s.rows for r, s in zip(rows, src._kv)):
+                continue
+            if any(not p.can_share(s, r) for p, s, r in zip(self.pools, src._kv, rows)):
+                continue
+            wins: list = []
+            for m in range(M):
+                w, ws = src._win[m], src._win_start[m]
+                if m == M - 1 or rows[m] == 0 or w is None:
+                    wins.append((0, None))
+                    continue
+                lo = rows[m + 1]
+                if lo == rows[m]:                        # module m+1 is level with it: nothing to read
+                    wins.append((lo, w[:0]))
+                    continue
+                if lo < ws or rows[m] > ws + w.shape[0]:
+                    break
+                wins.append((lo, w[lo - ws: rows[m] - ws]))
+            else:
+                return h, rows, wins
+        return None
+
+    def _new_shared(self, src: MtpState, rows: list[int], counters: Any) -> MtpState:
+        """A registered state holding the first ``rows[m]`` rows of each of ``src``'s
+        sequences (shared blocks), its counters set by ``counters(state)``; on any error
+        nothing stays registered or shared."""
+        self._check_open()
+        st = MtpState(self, self.num_modules)
+        made, bumped = [], []
+        try:
+            for p, s, r in zip(self.pools, src._kv, rows):
+                bumped.append(p.share_budget_blocks(s, r))
+                made.append(p.share_rows(s, src, st, r))
+            st._kv = tuple(made)
+            counters(st)
+        except BaseException:
+            for p, s, src_seq, b in zip(self.pools, made, src._kv, bumped):
+                p.retire(s, st)
+                if b:
+                    p.unreserve_share(src_seq, src)
+            raise
+        self._states[id(st)] = st
+        return st
 
     def _live(self, state: Any, name: str = "state") -> MtpState:
         """``state`` is the very object this proposer's ``alloc_state`` returned, not freed."""
@@ -928,7 +1069,8 @@ class MultiModuleMtpHead(DraftProposer):
 
     # -- invariants --------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Pool accounting (every block free or owned by exactly one registered sequence),
+        """Pool accounting (every block free, or held by as many registered sequences as its
+        reference count: a forked or prefix-shared state shares its source's blocks),
         the registries (each live state and carried entry holds one sequence per pool, and
         nothing else does but ``MtpHead.alloc_seq`` users), then each idle state's rules.
         Safe while other threads run calls: the registries are read as one snapshot, and

@@ -257,6 +257,7 @@ class Snapshot:
     """What a call may change in a state, to put back if the call fails."""
 
     rows: list[int]
+    blocks: list[tuple[int, ...]]
     scalars: tuple
     tail: list[int]
     win: list[Any]
@@ -265,13 +266,15 @@ class Snapshot:
 
     @classmethod
     def of(cls, st: MtpState) -> "Snapshot":
-        return cls([s.rows for s in st._kv], tuple(getattr(st, f) for f in _FIELDS), list(st._tail),
+        return cls([s.rows for s in st._kv], [s.blocks for s in st._kv], tuple(getattr(st, f) for f in _FIELDS), list(st._tail),
                    list(st._win), list(st._win_start), list(st._last_drafts))
 
     def restore(self, st: MtpState, pools: list[Any]) -> None:
-        """Rows written since are dropped, blocks taken since go back."""
-        for pool, seq, rows in zip(pools, st._kv, self.rows):
+        """Rows written since are dropped, blocks taken since go back, and a shared block
+        the call copied on write is shared again (``BlockPool.restore_blocks``)."""
+        for pool, seq, rows, blocks in zip(pools, st._kv, self.rows, self.blocks):
             pool.trim(seq, seq.rows - rows, st)
+            pool.restore_blocks(seq, st, blocks)
         for f, v in zip(_FIELDS, self.scalars):
             setattr(st, f, v)
         st._tail, st._win, st._win_start, st._last_drafts = self.tail, self.win, self.win_start, self.last_drafts

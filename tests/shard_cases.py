@@ -12,13 +12,14 @@ from __future__ import annotations
 import numpy as np
 
 from conftest import kv_rows
-from mtpkern.errors import NoAllowedToken
+from mtpkern.errors import NoAllowedToken, StateError
 
 #: the calls a script draws from: a batched propose round (verify, catch-up), a new
 #: sequence, a carried sequence (and its next turn's tokens, caught up), a freed one, a
-#: propose that no grammar allows, a draft tree (verified along a path, caught up), and
-#: steps decoded without drafting (K = 0: a propose of no drafts, the tokens caught up)
-OPS = ("round", "round", "round", "new", "carry", "free", "refused", "tree", "k0")
+#: propose that no grammar allows, a draft tree (verified along a path, caught up), steps
+#: decoded without drafting (K = 0: a propose of no drafts, the tokens caught up), a fork,
+#: and a state sharing a prefix of another's tokens (caught up): every rank forks and shares alike
+OPS = ("round", "round", "round", "new", "carry", "free", "refused", "tree", "k0", "fork", "share")
 
 
 def script(seed: int, length: int = 8) -> list[tuple[str, int]]:
@@ -31,7 +32,7 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
     The script's random draws depend on the seeds only, so every rank draws the same."""
     cfg = prop.config
     H, V, W = cfg.stream_size, cfg.vocab_size, cfg.bitmask_words
-    seqs: list[list] = []                      # [state, position, next hidden]
+    seqs: list[list] = []                      # [state, position, next hidden, verified tokens]
     log: list = []
 
     def snapshot(what):
@@ -41,8 +42,9 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
         n = int(rng.integers(1, 12))
         st = prop.alloc_state()
         hid = rng.standard_normal((n, H)).astype(np.float32)
-        prop.prefill_drafter(rng.integers(0, V, n), hid, st)
-        seqs.append([st, n, hid[-1]])
+        toks = rng.integers(0, V, n)
+        prop.prefill_drafter(toks, hid, st)
+        seqs.append([st, n, hid[-1], toks.tolist()])
 
     for op, seed in steps:
         rng = np.random.default_rng(seed)
@@ -54,6 +56,26 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
             prop.free_state(seqs.pop(int(rng.integers(0, len(seqs))))[0])
             snapshot("free")
             continue
+        if op == "fork":
+            s = seqs[int(rng.integers(0, len(seqs)))]
+            seqs.append([prop.fork_state(s[0]), s[1], s[2], list(s[3])])
+            snapshot("fork")
+            continue
+        if op == "share":
+            s = seqs[int(rng.integers(0, len(seqs)))]
+            L = int(rng.integers(1, len(s[3]) + 1))
+            try:
+                st = prop.share_prefix(s[0], s[3][:L])
+            except StateError:                 # a sliding window released rows this prefix reads
+                log.append(("shared", "refused", L))
+                continue
+            h = st.num_hiddens
+            toks_ = s[3][h + 1:L] if prop.kv_mode == "exact" else []
+            log.append(("shared", st.rows_per_module(), h))
+            prop.catchup_drafter(toks_, rng.standard_normal((len(toks_), H)).astype(np.float32), st)
+            seqs.append([st, L, rng.standard_normal(H).astype(np.float32), s[3][:L]])
+            snapshot("share")
+            continue
         if op in ("carry", "k0"):
             s = seqs[int(rng.integers(0, len(seqs)))]
             if op == "carry":
@@ -63,7 +85,9 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
             c = int(rng.integers(1, 6))           # the next turn's tokens, or c steps without drafting
             h = rng.standard_normal((c, H)).astype(np.float32)
             h[0] = s[2]                           # the hidden before the first of them
-            log.append(("caught up", prop.catchup_drafter(rng.integers(0, V, c).tolist(), h, s[0])))
+            caught = rng.integers(0, V, c).tolist()
+            log.append(("caught up", prop.catchup_drafter(caught, h, s[0])))
+            s[3] += caught
             s[1] += c
             s[2] = rng.standard_normal(H).astype(np.float32)
             snapshot(op)
@@ -86,6 +110,7 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
             toks_ = [int(tree.tokens[i]) for i in path]
             h = rng.standard_normal((len(toks_), H)).astype(np.float32)
             log.append(("caught up", np.asarray(prop.catchup_drafter(toks_, h, s[0])).tolist()))
+            s[3] += [int(tree.root_token)] + toks_
             s[1] += 1 + len(toks_)
             s[2] = rng.standard_normal(H).astype(np.float32)
             snapshot("tree verified")
@@ -108,11 +133,12 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
             continue
         log.append(("drafts", drafts, out_conf))
         snapshot("propose")
-        for s, d in zip(seqs, drafts):
+        for i, (s, d) in enumerate(zip(seqs, drafts)):
             a = int(rng.integers(0, len(d) + 1))
             prop.after_verify(a, s[0])
             h = rng.standard_normal((a, H)).astype(np.float32)
             log.append(("caught up", np.asarray(prop.catchup_drafter(d[:a], h, s[0])).tolist()))
+            s[3] += [toks[i]] + d[:a]
             s[1] += 1 + a
             s[2] = rng.standard_normal(H).astype(np.float32)
         snapshot("catchup")
@@ -148,7 +174,7 @@ def compare(single: list, sharded: list, prop, tol: float = 2e-5) -> None:
         elif a[0] == "tree":
             assert a[1:3] == b[1:3], (i, a[1:3], b[1:3])
             np.testing.assert_allclose(b[3], a[3], rtol=1e-4, err_msg=f"entry {i}: tree probabilities")
-        elif a[0] in ("refused", "caught up"):
+        elif a[0] in ("refused", "caught up", "shared"):
             assert a[1:] == b[1:], (i, a, b)
         else:
             assert len(a[1]) == len(b[1]), (i, "live states")

@@ -19,7 +19,7 @@ H, V = 64, 301
 def everything(prop, *states):
     """What a refused call must leave as it was: the pools' owners and free lists, and
     every given state's rows, blocks and counters."""
-    pools = tuple((p.num_free, tuple(p._free), p._owner.tobytes(), p.reserved) for p in prop.pools)
+    pools = tuple((p.num_free, tuple(p._free), p._refs.tobytes(), p.reserved) for p in prop.pools)
     sts = tuple((tuple(s.rows_per_module()), tuple(tuple(q.blocks) for q in s.kv), s.num_verified,
                  s.num_hiddens, tuple(s.tail), s.drafted) for s in states)
     return pools, sts

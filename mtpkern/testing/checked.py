@@ -250,6 +250,13 @@ class CheckedProposer:
         return self._call(lambda: self.prop.install_drafter_kv(state, carried),
                           lambda _: self.model.install(state, carried))
 
+    def fork_state(self, state: Any) -> Any:
+        return self._call(lambda: self.prop.fork_state(state), lambda st: self.model.fork(state, st))
+
+    def share_prefix(self, source: Any, prefix_tokens: Any) -> Any:
+        return self._call(lambda: self.prop.share_prefix(source, prefix_tokens),
+                          lambda st: self.model.share(source, st, len(prefix_tokens)))
+
     def free_drafter_kv(self, carried: Any) -> None:
         return self._call(lambda: self.prop.free_drafter_kv(carried), lambda _: self.model.free_carried(carried))
 

@@ -16,7 +16,9 @@ along a random path at once or by a later ``verify``; some unmasked ones of no d
 a checked no-op), ``verify``, ``catchup`` (the accepted drafts, in both modes; also
 extending the sequence past them: steps decoded without drafting), ``round`` (propose, verify and
 catch-up with checks between), ``take`` / ``install`` / ``free_carried``
-(carrying KV across turns), ``free``, ``bad_input`` (refused input, a copied
+(carrying KV across turns), ``fork`` (a state sharing every block of another) and
+``share`` (a state sharing the rows of a prefix of another's tokens, ``share_prefix``),
+``free``, ``bad_input`` (refused input, a copied
 state or carried entry, another proposer's state) and ``reenter`` (a grammar
 callback that calls back into the proposer with the state in use).
 """
@@ -35,7 +37,7 @@ from .checked import CheckedProposer, checked
 from .model import SeqModel
 
 KINDS = ("alloc", "prefill", "propose", "propose_batch", "verify", "catchup", "round", "take", "install",
-         "free_carried", "free", "bad_input", "reenter", "tree")
+         "free_carried", "free", "bad_input", "reenter", "tree", "fork", "share")
 MASKS = ("none", "one", "per_position", "callable", "none_allowed")
 BAD = ("token", "hidden", "dtype", "nan", "accepted", "position", "drafts", "foreign", "copy_state", "copy_carried",
        "bool", "huge")
@@ -340,6 +342,31 @@ class Driver:
             raise AssertionError("a carried entry was freed twice")
         except StateError:
             pass
+        return True
+
+    def _fork(self, call: Call, rng) -> bool:
+        pick = self._choose(call, ("fresh", "ready", "catchup"))
+        if pick is None or len(self.model.seqs) >= self.max_states:
+            return False
+        self._count("fork")
+        self.p.fork_state(pick[0])
+        return True
+
+    def _share(self, call: Call, rng) -> bool:
+        """A prefix of ``frac`` of a sequence's verified tokens (1 at least)."""
+        pick = self._choose(call, ("ready", "catchup"))
+        if pick is None or len(self.model.seqs) >= self.max_states:
+            return False
+        st, s = pick
+        L = 1 + int(min(max(call.frac, 0.0), 1.0) * (len(s.tokens) - 1))
+        self._count("share")
+        try:
+            # (draft mode: a position a propose skipped holds -1 in the model, a token no one knows)
+            self.p.share_prefix(st, [max(0, t) for t in s.tokens[:L]])
+        except StateError:
+            # a sliding-window module of the source released rows this prefix still reads
+            if not any(self.cfg.block(m).sliding_window for m in range(self.M)):
+                raise
         return True
 
     def _free(self, call: Call, rng) -> bool:

@@ -58,6 +58,9 @@ def proposer_machine(make_proposer: Callable[[], Any], weights: Any = None,
         install = step("install", lambda self: bool(self.driver.carried) and any_in("fresh")(self))
         free_carried = step("free_carried", lambda self: bool(self.driver.carried))
         free = step("free", lambda self: len(self.driver.model.seqs) >= 2)
+        fork = step("fork", lambda self: len(self.driver.model.seqs) < max_states
+                    and any_in("fresh", "ready", "catchup")(self))
+        share = step("share", lambda self: len(self.driver.model.seqs) < max_states and any_in("ready", "catchup")(self))
         bad_input = step("bad_input", any_in("ready", "drafted"))
         reenter = step("reenter", any_in("ready"))
         tree = step("tree", any_in("ready"))

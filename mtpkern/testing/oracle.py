@@ -456,6 +456,15 @@ class DraftRows:
             self.rows[m].pop()
         self.k = 0
 
+    def share(self, num_tokens: int | None = None) -> "DraftRows":
+        """A copy (a forked sequence), or with ``num_tokens`` = L the rows built from
+        ``t_0 .. t_{L-1}`` alone (a prefix share): module ``m``'s row at RoPE position
+        ``j + m + 1`` was built from ``t_{j+m+1}``, so the rows at positions ``<= L - 1``."""
+        new = DraftRows(self.cfg, self.weights, self.chain, self.target_norm, self.vocab)
+        new.rows = [[r for r in rows if num_tokens is None or r[2] <= num_tokens - 1] for rows in self.rows]
+        new.k = self.k if num_tokens is None else 0
+        return new
+
     def forced_normed(self, last_token: int, hidden, P: int, path: list[int]) -> np.ndarray:
         """Module ``len(path)``'s normed output at its row of a propose at ``P`` forced along
         ``path`` (draft ``m`` = ``path[m]``), float64, nothing recorded: what a draft tree's

@@ -27,6 +27,8 @@ _SHAPES = {
     "bad_input": (hs.integers(0, 7), hs.sampled_from(BAD)),
     "reenter": (hs.just(1), hs.sampled_from(REENTER)),
     "tree": (hs.just(1), hs.sampled_from(["", "skip"])),
+    "fork": (hs.just(1), hs.just("")),
+    "share": (hs.just(1), hs.just("")),
 }
 
 
