@@ -327,7 +327,7 @@ class RankMismatch(MtpError, ValueError):
 #: the error types an agreed failure keeps (the first in a failing error's MRO), most specific first
 _ERROR_TYPES: tuple[type, ...] = (RankMismatch, NoAllowedToken, KvCacheFull, StateError, CheckpointError, ConfigError,
                                   MtpError, ValueError, TypeError, IndexError, KeyError, OverflowError,
-                                  ArithmeticError, MemoryError, RuntimeError, OSError, Exception)
+                                  ArithmeticError, MemoryError, NotImplementedError, RuntimeError, OSError, Exception)
 
 
 def field_digest(value: Any) -> int:
