@@ -330,3 +330,40 @@ def test_a_backend_without_sampling_refuses_by_name(tiny_ckpt, monkeypatch):
         prop.propose(1, rand_hiddens(rng, 1, H)[0], 6, 2, st, sampling=SamplingParams(0.7))
     assert prop.propose(1, rand_hiddens(rng, 1, H)[0], 6, 2, st)
     prop.check_invariants()
+
+
+def _doc_accept():
+    """``accept_sampled`` as docs/api.md prints it (the block under "Sampled drafts")."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "api.md").read_text()
+    block = re.search(r"```python\n(import numpy as np\nfrom mtpkern import SamplingParams\n\ndef accept_sampled.*?)\n\n"
+                      r"probs, dists", text, re.S).group(1)
+    ns: dict = {}
+    exec(block, ns)
+    return ns["accept_sampled"]
+
+
+def test_the_documented_rejection_loop_samples_the_target():
+    """The first token the docs' loop appends is distributed as the target's ``p`` when the
+    drafts and ``q(draft)`` come from ``masked_sample``; the control, dividing by 1 (what an
+    argmax draft would claim), is caught by the same statistic."""
+    accept = _doc_accept()
+    logits = np.array([[0.5, 1.5, -0.3, 0.9, 0.0]], np.float32)
+    p = np.array([0.1, 0.3, 0.25, 0.15, 0.2])
+    rng = np.random.default_rng(0)
+    N = 4000
+
+    def freq(claimed_one: bool):
+        counts = np.zeros(5)
+        for seed in range(N):
+            ps = [SamplingParams(1.3, seed=seed)]
+            ids, probs, dist = S.masked_sample(logits, None, S.row_keys(ps, [9], 0), *S.check_params("s", ps, 1),
+                                               want_dist=True)
+            qp = 1.0 if claimed_one else float(probs[0])
+            counts[accept([int(ids[0])], [qp], [dist[0]], [p], p, rng)[0]] += 1
+        return (((counts - N * p) ** 2) / (N * p)).sum()
+
+    assert freq(False) < 25.0                                           # chi-square, 4 dof: p < 1e-4
+    assert freq(True) > 100.0
