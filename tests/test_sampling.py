@@ -367,3 +367,34 @@ def test_the_documented_rejection_loop_samples_the_target():
 
     assert freq(False) < 25.0                                           # chi-square, 4 dof: p < 1e-4
     assert freq(True) > 100.0
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_sampling_with_a_draft_vocabulary(backend, tiny_ckpt):
+    """The noise is keyed on target ids: a draft vocabulary holding the whole vocabulary (in any
+    order) draws the drafts of the head without one; a subset draws only its tokens, and its
+    distributions are zero outside it."""
+    V = 301
+    rng = np.random.default_rng(12)
+    sub_ids = np.sort(rng.choice(V, 40, replace=False))
+    kw = dict(backend=backend, block_size=4, num_blocks=64)
+    plain = MultiModuleMtpHead.from_pretrained(tiny_ckpt, **kw)
+    whole = MultiModuleMtpHead.from_pretrained(tiny_ckpt, draft_vocab=np.arange(V)[::-1], **kw)
+    sub = MultiModuleMtpHead.from_pretrained(tiny_ckpt, draft_vocab=sub_ids, **kw)
+    H = plain.config.hidden_size
+    assert plain.config.vocab_size == V
+    toks, hid = rng.integers(0, V, 6).tolist(), rand_hiddens(rng, 6, H)
+    sts = [p.alloc_state() for p in (plain, whole, sub)]
+    for p, st in zip((plain, whole, sub), sts):
+        p.prefill_drafter(toks, hid, st)
+    for r in range(4):
+        h, sp = rand_hiddens(rng, 1, H)[0], SamplingParams(2.0, seed=r)
+        dists: list = []
+        d = [p.propose(5, h, 6 + r, 3, st, sampling=sp, out_dist=dists if p is sub else None)
+             for p, st in zip((plain, whole, sub), sts)]
+        assert d[0] == d[1]
+        assert set(d[2]) <= set(sub_ids.tolist())
+        outside = np.setdiff1d(np.arange(V), sub_ids)
+        assert all((q[outside] == 0).all() and q.sum() == pytest.approx(1.0, rel=1e-5) for q in dists)
+        for p, st in zip((plain, whole, sub), sts):
+            p.after_verify(0, st)
