@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .comm import sharded_argmax, sharded_confidence, sharded_topk
+from .comm import sharded_argmax, sharded_confidence, sharded_logits, sharded_topk
 from .errors import NoAllowedToken, no_token_reason
-from .ops.lm_head import check_topk, masked_topk_partial
-from .ops.sampling import check_params
+from .ops.lm_head import bitmask_allowed, check_topk, masked_topk_partial
+from .ops.sampling import check_params, masked_sample
 from .vocab import DraftVocab
 
 
@@ -136,10 +136,25 @@ class ShardedLmHead(LmHead):
 
     @property
     def samples(self) -> bool:
-        """A vocabulary-parallel head does not sample yet: its top-k / top-p set and the
-        probabilities need the ranks' sorted logits merged (planned; the proposer refuses
-        ``sampling=`` by name)."""
-        return False
+        """Any backend: the draw runs on the host over the gathered logits."""
+        return True
+
+    def sample(self, normed_rows: Any, bitmask: np.ndarray | None, keys: np.ndarray, params: list,
+               want_dist: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """This rank's logits (written out, the disallowed ones NaN), gathered with the other
+        ranks' into the whole vocabulary's (``comm.sharded_logits``); every rank then draws the
+        same drafts from them by the reference (mtpkern.ops.sampling), noise keyed on target
+        ids: the single-rank head's drafts."""
+        be = self.backend
+        n = normed_rows.shape[0]
+        T, K, P = check_params("sampling", params, n)
+        logits = np.asarray(be.to_host(be.lm_head_logits(normed_rows, self.w)), np.float32)    # [n, V_r]
+        if bitmask is not None:
+            logits = np.where(bitmask_allowed(self.host_mask(bitmask), logits.shape[1]), logits, np.float32(np.nan))
+        full = sharded_logits(logits, np.asarray(self.vocab.ids), self.vocab_size, self.comm, be.from_host,
+                              be.to_host)
+        ids, probs, q = masked_sample(full, None, keys, T, K, P, want_dist=want_dist)
+        return ids, probs, q
 
     def reduce(self, local: Any, best: Any, sums: Any = None) -> tuple[Any, Any]:
         """This rank's partial result (``local`` ids, ``best`` logits, ``sums`` or None: the

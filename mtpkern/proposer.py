@@ -628,10 +628,9 @@ class MultiModuleMtpHead(DraftProposer):
         if sampling is not None and all(sp is None for sp in sampling):
             sampling = None                                   # all argmax: the path without it
         if sampling is not None and not all(mod.lm.samples for mod in self.modules):
-            why = ("a vocabulary-parallel LM head" if self.comm is not None
-                   else f"the {self.backend.name} backend")
-            raise NotImplementedError(f"sampling: {why} does not sample drafts yet (the numpy and cpu backends "
-                                      f"do, unsharded); expected sampling=None, got {sampling!r}")
+            raise NotImplementedError(f"sampling: the {self.backend.name} backend does not sample drafts yet (the "
+                                      f"numpy and cpu backends do, and a vocabulary-parallel head on any backend); "
+                                      f"expected sampling=None, got {sampling!r}")
         call = "propose" if single else "propose_batch"
         with self._use(states, call, [name("state", "states", i) for i in range(B)]) as sts:
             last_tokens = check_list(name("last_token", "last_tokens"), last_tokens, B)

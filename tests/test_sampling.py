@@ -299,24 +299,41 @@ def test_sampling_with_a_grammar_mask_and_refusals(tiny_ckpt):
     prop.check_invariants()
 
 
-def test_a_sharded_head_refuses_sampling_by_name(tiny_ckpt):
-    """Both ranks of a vocabulary-parallel head raise the same refusal, before anything runs:
-    the state still proposes after it (and greedy drafting with sampling=[None] works)."""
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_head_samples_the_single_rank_drafts(tiny_ckpt, size):
+    """Every rank of a vocabulary-parallel head draws the one-rank head's drafts, with its
+    probabilities and distributions (a grammar mask, top_k / top_p, a greedy sequence beside)."""
     from comm_cases import ThreadWorld
 
-    def rank(comm):
-        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=comm, block_size=4, num_blocks=32)
-        st = prop.alloc_state()
+    sp = [SamplingParams(1.4, seed=3), None, SamplingParams(0.8, top_k=30, top_p=0.85, seed=4)]
+
+    def run(comm):
+        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", comm=comm, block_size=4, num_blocks=64)
         rng = np.random.default_rng(0)
         H, V = prop.config.hidden_size, prop.config.vocab_size
-        prop.prefill_drafter(rng.integers(0, V, 6).tolist(), rand_hiddens(rng, 6, H), st)
-        h = rand_hiddens(rng, 1, H)[0]
-        with pytest.raises(NotImplementedError, match="sampling: a vocabulary-parallel LM head does not sample"):
-            prop.propose(1, h, 6, 2, st, sampling=SamplingParams(0.7))
-        return prop.propose_batch([1], h[None], [6], 2, [st], sampling=[None])
+        sts = [prop.alloc_state() for _ in sp]
+        for st in sts:
+            prop.prefill_drafter(rng.integers(0, V, 6).tolist(), rand_hiddens(rng, 6, H), st)
+        mask = np.full(prop.config.bitmask_words, -1, np.int32)
+        mask[2] = 0                                                     # tokens 64..95 never
+        out = []
+        for r in range(3):
+            prob, dist = [], []
+            d = prop.propose_batch([1, 2, 3], rand_hiddens(rng, 3, H), [6 + r] * 3, 3, sts,
+                                   [mask, None, mask], sampling=sp, out_prob=prob, out_dist=dist)
+            out.append((d, prob, dist))
+            for st in sts:
+                prop.after_verify(0, st)
+        return out
 
-    a, b = ThreadWorld(2, timeout=10).run(rank)
-    assert a == b
+    one = run(None)
+    for got in ThreadWorld(size, timeout=20).run(run):
+        for (d0, p0, q0), (d1, p1, q1) in zip(one, got):
+            assert d0 == d1
+            np.testing.assert_allclose(np.array(p0), np.array(p1), rtol=1e-5)
+            for a, b in zip(q0, q1):
+                np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-9)
+    assert all(not (64 <= t < 96) for d, _, _ in one for i in (0, 2) for t in d[i])
 
 
 def test_a_backend_without_sampling_refuses_by_name(tiny_ckpt, monkeypatch):
