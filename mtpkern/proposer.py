@@ -628,9 +628,9 @@ class MultiModuleMtpHead(DraftProposer):
         if sampling is not None and all(sp is None for sp in sampling):
             sampling = None                                   # all argmax: the path without it
         if sampling is not None and not all(mod.lm.samples for mod in self.modules):
-            raise NotImplementedError(f"sampling: the {self.backend.name} backend does not sample drafts yet (the "
-                                      f"numpy and cpu backends do, and a vocabulary-parallel head on any backend); "
-                                      f"expected sampling=None, got {sampling!r}")
+            raise NotImplementedError(f"sampling: the {self.backend.name} backend does not sample drafts (no "
+                                      f"lm_head_sample; the numpy, cpu and cuda backends do); expected sampling=None, "
+                                      f"got {sampling!r}")
         call = "propose" if single else "propose_batch"
         with self._use(states, call, [name("state", "states", i) for i in range(B)]) as sts:
             last_tokens = check_list(name("last_token", "last_tokens"), last_tokens, B)

@@ -267,8 +267,8 @@ class Backend(ABC):
         rows' ``row_key``), ``temperature`` / ``top_p`` [n] FP64, ``top_k`` [n] int32; ``dist``:
         an FP32 [n, V] buffer for the whole ``q`` (over the head's rows). Raises
         ``NoAllowedToken`` for a row with no candidate."""
-        raise NotImplementedError(f"lm_head_sample: the {self.name} backend does not sample drafts yet "
-                                  f"(the numpy and cpu backends do)")
+        raise NotImplementedError(f"lm_head_sample: the {self.name} backend does not sample drafts "
+                                  f"(the numpy, cpu and cuda backends do)")
 
     @abstractmethod
     def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
