@@ -415,3 +415,23 @@ def test_sampling_with_a_draft_vocabulary(backend, tiny_ckpt):
         assert all((q[outside] == 0).all() and q.sum() == pytest.approx(1.0, rel=1e-5) for q in dists)
         for p, st in zip((plain, whole, sub), sts):
             p.after_verify(0, st)
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+def test_bad_op_arguments_are_refused_by_name(name):
+    be = get_backend(name)
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 10)).astype(np.float32)
+    ps, keys = params_for(3)
+    with pytest.raises(ValueError, match=r"keys: expected \[3\] uint64, got \[3\] int64"):
+        sample(be, logits, ps, keys.astype(np.int64))
+    with pytest.raises(ValueError, match=r"dist: expected shape \[3, 10\]"):
+        sample(be, logits, ps, keys, dist=np.empty((3, 9), np.float32))
+    with pytest.raises(ValueError, match=r"id_map: expected shape \[10\]"):
+        sample(be, logits, ps, keys, id_map=np.arange(9, dtype=np.int32))
+    T, K, P = S.check_params("sampling", ps, 3)
+    with pytest.raises(ValueError, match=r"temperature: expected shape \[3\]"):
+        be.lm_head_sample(np.eye(3, dtype=np.float32), be.prepare_weight(np.ascontiguousarray(logits.T)), keys=keys,
+                          temperature=T[:2], top_k=K, top_p=P)
+    with pytest.raises(TypeError, match="sampling: expected 3 SamplingParams"):
+        S.check_params("sampling", ps[:2], 3)

@@ -41,6 +41,7 @@ import math
 import numpy as np
 
 from ..errors import NoAllowedToken, no_token_reason
+from ._check import expect_shape
 from .lm_head import _candidates, lm_head_logits
 
 #: splitmix64's constants: the golden-ratio increment and the two finaliser multipliers
@@ -165,6 +166,8 @@ def masked_sample(logits, bitmask, keys, temperature, top_k, top_p, id_map=None,
     lg, ok = _candidates(logits, bitmask)
     n, V = lg.shape
     keys = check_keys(keys, n)
+    for name, a in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        expect_shape(name, np.asarray(a), (n,))
     noise_ids = np.arange(V) if id_map is None else np.asarray(id_map)
     g = gumbel(keys, noise_ids)                                          # [n, V]
     ids = np.empty(n, np.int32)
