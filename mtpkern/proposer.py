@@ -41,8 +41,8 @@ from .backends.base import Backend
 from .carry import CarryRegistry
 from .comm import check_comm
 from .checks import (INT32_MAX, check_bool, check_hidden_dtype, check_int, check_list, check_out_conf,
-                     check_out_list, check_positions, check_sampling, check_probability, check_token, check_tokens, expect_finite, hidden_shape,
-                     ingest_hidden, shape_of)
+                     check_out_list, check_positions, check_probability, check_sampling, check_token, check_tokens,
+                     expect_finite, hidden_shape, ingest_hidden, shape_of)
 from .config import MtpConfig, ceil_div
 from .schedule import expand as expand_schedule
 from .schedule import resolve as resolve_schedule
@@ -576,7 +576,8 @@ class MultiModuleMtpHead(DraftProposer):
                              out_conf=check_out_conf("out_conf", out_conf, out_conf),
                              min_confidence=min_confidence,
                              sampling=None if sampling is None else [check_sampling("sampling", sampling)],
-                             out_prob=check_out_list("out_prob", out_prob), out_dist=check_out_list("out_dist", out_dist))[0]
+                             out_prob=check_out_list("out_prob", out_prob),
+                             out_dist=check_out_list("out_dist", out_dist))[0]
 
     @sharded_call("propose_batch")
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
@@ -601,7 +602,8 @@ class MultiModuleMtpHead(DraftProposer):
         return self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
                              single=False, out_conf=check_out_conf("out_conf", out_conf, out_conf),
                              min_confidence=min_confidence, sampling=sampling,
-                             out_prob=check_out_list("out_prob", out_prob), out_dist=check_out_list("out_dist", out_dist))
+                             out_prob=check_out_list("out_prob", out_prob),
+                             out_dist=check_out_list("out_dist", out_dist))
 
     def _propose(self, last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
                  single: bool, out_conf: list | None = None, min_confidence: float | None = None,

@@ -355,8 +355,8 @@ def _doc_accept():
     import re
 
     text = (pathlib.Path(__file__).parents[1] / "docs" / "api.md").read_text()
-    block = re.search(r"```python\n(import numpy as np\nfrom mtpkern import SamplingParams\n\ndef accept_sampled.*?)\n\n"
-                      r"probs, dists", text, re.S).group(1)
+    block = re.search(r"```python\n(import numpy as np\nfrom mtpkern import SamplingParams\n\n"
+                      r"def accept_sampled.*?)\n\nprobs, dists", text, re.S).group(1)
     ns: dict = {}
     exec(block, ns)
     return ns["accept_sampled"]
@@ -435,3 +435,28 @@ def test_bad_op_arguments_are_refused_by_name(name):
                           temperature=T[:2], top_k=K, top_p=P)
     with pytest.raises(TypeError, match="sampling: expected 3 SamplingParams"):
         S.check_params("sampling", ps[:2], 3)
+
+
+class _Refusing(list):
+    def __setitem__(self, i, v):
+        raise RuntimeError("refused")
+
+
+@pytest.mark.parametrize("which", ["out_prob", "out_dist"])
+def test_a_failed_output_write_changes_nothing(which, tiny_ckpt):
+    """An output list that refuses the write fails the call: the state and the list are as
+    before, and the same call then succeeds with the drafts it would have drawn."""
+    prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", block_size=4, num_blocks=32)
+    st = prop.alloc_state()
+    rng = np.random.default_rng(1)
+    H, V = prop.config.hidden_size, prop.config.vocab_size
+    prop.prefill_drafter(rng.integers(0, V, 6).tolist(), rand_hiddens(rng, 6, H), st)
+    h, sp = rand_hiddens(rng, 1, H)[0], SamplingParams(1.0, seed=9)
+    before = (st.rows_per_module(), st.num_verified)
+    bad = _Refusing([0.5])
+    with pytest.raises(RuntimeError, match="refused"):
+        prop.propose(1, h, 6, 3, st, sampling=sp, **{which: bad})
+    assert (st.rows_per_module(), st.num_verified) == before and list(bad) == [0.5]
+    prop.check_invariants()
+    got: list = []
+    assert len(prop.propose(1, h, 6, 3, st, sampling=sp, **{which: got})) == 3 and len(got) == 3
