@@ -460,3 +460,20 @@ def test_a_failed_output_write_changes_nothing(which, tiny_ckpt):
     prop.check_invariants()
     got: list = []
     assert len(prop.propose(1, h, 6, 3, st, sampling=sp, **{which: got})) == 3 and len(got) == 3
+
+
+@pytest.mark.parametrize("name", ["numpy", "cpu"])
+def test_top_k_ties_keep_the_lowest_ids(name):
+    """All logits equal: top_k keeps the k lowest allowed ids (the tie rule), each 1 / k."""
+    be = get_backend(name)
+    n, V = 3, 50
+    logits = np.zeros((n, V), np.float32)
+    bm = np.full((n, 2), -1, np.int32)
+    bm[:, 0] = ~0b1011                                                  # tokens 0, 1, 3 not allowed
+    ps, keys = params_for(n, 1.0, 5, 1.0)
+    d = np.empty((n, V), np.float32)
+    ids, probs = sample(be, logits, ps, keys, bm, dist=d)
+    kept = [2, 4, 5, 6, 7]
+    assert set(ids.tolist()) <= set(kept) and np.allclose(probs, 0.2)
+    np.testing.assert_allclose(d[:, kept], 0.2, rtol=1e-6)
+    assert d.sum() == pytest.approx(n, rel=1e-6)

@@ -1,8 +1,9 @@
 """Sampled drafts on the CPU over an [n, V] block of logits (spec: mtpkern.ops.sampling).
 
 One task per input row: the row's candidates (allowed, non-NaN), ordered by logit
-descending with ties to the lower id (a stable merge sort of the ascending ids) only when
-``top_k`` or ``top_p`` needs the order, the FP64 weights, the kept prefix, then the
+descending with ties to the lower id (a stable merge sort of the ascending ids; with
+``top_k``, of the k selected by ``np.partition`` only) when ``top_k`` or ``top_p`` needs
+the order, the FP64 weights, the kept prefix, then the
 Gumbel-max draw over the kept tokens: the same counter-based hash of (row key, returned id)
 as the reference, in uint64 arithmetic, so the drafts match it bit for bit. The logits come
 from ``lm_head_logits`` (the FMA tiles whose argmax ``lm_head_argmax`` returns), so a
@@ -56,12 +57,32 @@ def _sample_row(logits, bitmask, noise_ids, keys, temperature, top_k, top_p, r, 
         neg = np.empty(c, np.float64)
         for i in range(c):
             neg[i] = -np.float64(logits[r, cand[i]])
+        if 0 < k < c:
+            # the first k of the order without sorting every candidate: the k-th smallest key
+            # (np.partition), the keys below it and then its ties in id order; only those sorted
+            kth = np.partition(neg, k - 1)[k - 1]
+            sub = np.empty(k, np.int64)
+            j = 0
+            for i in range(c):
+                if neg[i] < kth:
+                    sub[j] = i
+                    j += 1
+            for i in range(c):
+                if j < k and neg[i] == kth:
+                    sub[j] = i
+                    j += 1
+            cand_k = np.empty(k, np.int64)
+            neg_k = np.empty(k, np.float64)
+            for i in range(k):                      # back in id order, for the stable sort's ties
+                cand_k[i] = cand[sub[i]]
+            cand_k.sort()
+            for i in range(k):
+                neg_k[i] = -np.float64(logits[r, cand_k[i]])
+            cand, neg, c = cand_k, neg_k, k
         o = np.argsort(neg, kind="mergesort")                               # stable: ties stay id-ascending
         order = np.empty(c, np.int64)
         for i in range(c):
             order[i] = cand[o[i]]
-        if 0 < k < c:
-            c = k
     else:
         order = cand
     z = np.empty(c, np.float64)
