@@ -15,6 +15,7 @@ allocated on import.
 
 from .config import MtpConfig
 from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllowedToken, StateError
+from .ops.sampling import SamplingParams
 from .head import HeadStep, MtpHead
 from .proposer import MemoryUse, MultiModuleMtpHead
 from .quant import Fp8Weight
@@ -27,5 +28,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AcceptanceStats", "CheckpointError", "ConfigError", "DraftProposer", "DrafterKv", "Fp8Weight", "HeadStep",
     "KvCacheFull", "MemoryUse", "MtpConfig", "MtpError", "MtpHead", "MtpState", "MultiModuleMtpHead",
-    "NoAllowedToken", "ProposerState", "StateError", "load_weights", "write_synthetic_checkpoint",
+    "NoAllowedToken", "ProposerState", "SamplingParams", "StateError", "load_weights", "write_synthetic_checkpoint",
 ]

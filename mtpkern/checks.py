@@ -20,6 +20,7 @@ import numpy as np
 from .argtypes import int_sequence, kind, scalar_int
 from .backends import dlpack
 from .backends.base import on_cuda_device
+from .ops.sampling import SamplingParams
 
 #: the kernels index RoPE positions (and KV rows) in int32
 INT32_MAX = 2**31 - 1
@@ -59,6 +60,21 @@ def check_out_conf(name: str, v: Any, confs: list | None) -> list | None:
     if v is not None and not isinstance(v, list):
         raise TypeError(f"{name}: expected a list (filled with the drafts' confidences) or None, got {_kind(v)}")
     return None if v is None else confs
+
+
+def check_out_list(name: str, v: Any) -> list | None:
+    """An output list of a propose (``out_prob``, ``out_dist``): None, or a list (filled by the
+    call on success)."""
+    if v is not None and not isinstance(v, list):
+        raise TypeError(f"{name}: expected a list (filled by the call) or None, got {_kind(v)}")
+    return v
+
+
+def check_sampling(name: str, v: Any) -> Any:
+    """A sequence's sampling: a ``mtpkern.ops.sampling.SamplingParams``."""
+    if not isinstance(v, SamplingParams):
+        raise TypeError(f"{name}: expected a SamplingParams (or None: the argmax), got {_kind(v)} {v!r}")
+    return v
 
 
 def check_probability(name: str, v: Any) -> float:

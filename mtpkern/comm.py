@@ -312,6 +312,40 @@ def sharded_topk(ids: np.ndarray, vals: np.ndarray, best: np.ndarray, sum_exp: n
     return out_ids, probs
 
 
+def sharded_logits(local: np.ndarray, ids: np.ndarray, V: int, comm: Any, to_comm: Any = None,
+                   from_comm: Any = None) -> np.ndarray:
+    """Sampled drafts over a vocabulary-parallel LM head: every rank's logits ``local``
+    [n, V_r] FP32 (NaN where it does not allow the token) of its rows' target ids ``ids``
+    [V_r] -> the whole vocabulary's [n, V] FP32 on the host, NaN where no rank holds the
+    token; every rank then draws the same drafts from the same array (mtpkern.ops.sampling,
+    the noise keyed on target ids). Two collectives: an all-reduce max of the ranks' row
+    counts, then one all-gather of ``[n + 1, max V_r]`` FP32 per rank (the ids, exact integers
+    below 2^24, in the first row; -1 past a rank's rows). This writes the logits out, as a
+    draft tree's head does; the packed-key Gumbel argmax (one all-reduce, no [V] rows) would
+    serve ``top_k = 0, top_p = 1`` and is not done."""
+    to_comm = to_comm or (lambda a: a)
+    from_comm = from_comm or (lambda a: np.asarray(a))
+    n, Vr = local.shape
+    if ids.size and int(ids.max()) >= 1 << 24:
+        raise ValueError(f"ids: a vocabulary of more than 2^24 tokens does not fit the gather's FP32 ids, "
+                         f"got id {int(ids.max())}")
+    width = to_comm(np.array([Vr], np.float32))
+    comm.all_reduce(width, "max")
+    Vmax = int(np.asarray(from_comm(width))[0])
+    send = np.full((n + 1, Vmax), np.nan, np.float32)
+    send[0] = -1.0
+    send[0, :Vr] = ids
+    send[1:, :Vr] = local
+    recv = to_comm(np.zeros((comm.size, n + 1, Vmax), np.float32))
+    comm.all_gather(to_comm(send), recv)
+    got = from_comm(recv)                                         # [R, n + 1, Vmax]
+    out = np.full((n, V), np.nan, np.float32)
+    for r in range(comm.size):
+        have = got[r, 0] >= 0
+        out[:, got[r, 0, have].astype(np.int64)] = got[r, 1:][:, have]
+    return out
+
+
 # -- agreement: a call refused, failing or different on one rank fails on every rank ---------
 
 #: the argument fields one agreement compares (a call names at most this many)
@@ -327,7 +361,7 @@ class RankMismatch(MtpError, ValueError):
 #: the error types an agreed failure keeps (the first in a failing error's MRO), most specific first
 _ERROR_TYPES: tuple[type, ...] = (RankMismatch, NoAllowedToken, KvCacheFull, StateError, CheckpointError, ConfigError,
                                   MtpError, ValueError, TypeError, IndexError, KeyError, OverflowError,
-                                  ArithmeticError, MemoryError, RuntimeError, OSError, Exception)
+                                  ArithmeticError, MemoryError, NotImplementedError, RuntimeError, OSError, Exception)
 
 
 def field_digest(value: Any) -> int:

@@ -644,6 +644,11 @@ class MtpHead:
         """Drafts and their confidences (``LmHead.argmax_conf``)."""
         return self.lm.argmax_conf(normed_rows, bitmask)
 
+    def sample(self, normed_rows: Any, bitmask: np.ndarray | None, keys: np.ndarray, params: list,
+               want_dist: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Sampled drafts, their probabilities, the distributions (``LmHead.sample``)."""
+        return self.lm.sample(normed_rows, bitmask, keys, params, want_dist)
+
     def topk(self, normed_rows: Any, bitmask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
         """A draft tree's candidates (``LmHead.topk``)."""
         return self.lm.topk(normed_rows, bitmask, k)

@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .comm import sharded_argmax, sharded_confidence, sharded_topk
+from .comm import sharded_argmax, sharded_confidence, sharded_logits, sharded_topk
 from .errors import NoAllowedToken, no_token_reason
-from .ops.lm_head import check_topk, masked_topk_partial
+from .ops.lm_head import bitmask_allowed, check_topk, masked_topk_partial
+from .ops.sampling import check_params, masked_sample
 from .vocab import DraftVocab
 
 
@@ -45,6 +46,33 @@ class LmHead:
         conf = be.xp.empty(normed_rows.shape[0], np.float32)
         ids = be.lm_head_argmax(normed_rows, self.w, self.mask(bitmask), conf=conf, **self.kw)
         return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(conf), np.float32)
+
+    @property
+    def samples(self) -> bool:
+        """Whether ``sample`` works here (the backend's ``lm_head_sample``)."""
+        return bool(getattr(self.backend, "samples", False))
+
+    def sample(self, normed_rows: Any, bitmask: np.ndarray | None, keys: np.ndarray, params: list,
+               want_dist: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Drafts sampled from each row's distribution (mtpkern.ops.sampling; ``params``: one
+        ``SamplingParams`` per row, ``keys`` [n] uint64 their ``row_key``), on the host: (ids
+        [n] int32 in target ids, each draft's probability [n] FP32, and with ``want_dist`` the
+        whole distributions [n, vocab_size] FP32 over target ids, or None)."""
+        be = self.backend
+        n = normed_rows.shape[0]
+        T, K, P = check_params("sampling", params, n)
+        dist = be.xp.empty((n, self.w.shape[0]), np.float32) if want_dist else None
+        ids, probs = be.lm_head_sample(normed_rows, self.w, self.mask(bitmask), keys=keys, temperature=T,
+                                       top_k=K, top_p=P, dist=dist, **self.kw)
+        q = None
+        if want_dist:
+            rows = np.asarray(be.to_host(dist), np.float32)
+            if self.vocab is None:
+                q = rows
+            else:                                            # a draft vocabulary's rows -> target ids
+                q = np.zeros((n, self.vocab_size), np.float32)
+                q[:, self.vocab.ids] = rows
+        return np.asarray(be.to_host(ids), np.int32), np.asarray(be.to_host(probs), np.float32), q
 
     def topk(self, normed_rows: Any, bitmask: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Each row's ``k`` best allowed tokens and their probabilities (a draft tree's
@@ -105,6 +133,28 @@ class ShardedLmHead(LmHead):
         host = np.asarray(be.to_host(ids), np.int32)
         self._no_token(host, bitmask is not None)
         return host, None if confs is None else np.asarray(be.to_host(confs), np.float32)
+
+    @property
+    def samples(self) -> bool:
+        """Any backend: the draw runs on the host over the gathered logits."""
+        return True
+
+    def sample(self, normed_rows: Any, bitmask: np.ndarray | None, keys: np.ndarray, params: list,
+               want_dist: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """This rank's logits (written out, the disallowed ones NaN), gathered with the other
+        ranks' into the whole vocabulary's (``comm.sharded_logits``); every rank then draws the
+        same drafts from them by the reference (mtpkern.ops.sampling), noise keyed on target
+        ids: the single-rank head's drafts."""
+        be = self.backend
+        n = normed_rows.shape[0]
+        T, K, P = check_params("sampling", params, n)
+        logits = np.asarray(be.to_host(be.lm_head_logits(normed_rows, self.w)), np.float32)    # [n, V_r]
+        if bitmask is not None:
+            logits = np.where(bitmask_allowed(self.host_mask(bitmask), logits.shape[1]), logits, np.float32(np.nan))
+        full = sharded_logits(logits, np.asarray(self.vocab.ids), self.vocab_size, self.comm, be.from_host,
+                              be.to_host)
+        ids, probs, q = masked_sample(full, None, keys, T, K, P, want_dist=want_dist)
+        return ids, probs, q
 
     def reduce(self, local: Any, best: Any, sums: Any = None) -> tuple[Any, Any]:
         """This rank's partial result (``local`` ids, ``best`` logits, ``sums`` or None: the

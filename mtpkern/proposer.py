@@ -42,11 +42,12 @@ from .backends.base import Backend
 from .carry import CarryRegistry
 from .comm import check_comm
 from .checks import (INT32_MAX, check_bool, check_hidden_dtype, check_int, check_list, check_out_conf,
-                     check_positions, check_probability, check_token, check_tokens, expect_finite, hidden_shape,
-                     ingest_hidden, shape_of)
+                     check_out_list, check_positions, check_probability, check_sampling, check_token, check_tokens,
+                     expect_finite, hidden_shape, ingest_hidden, shape_of)
 from .config import MtpConfig, ceil_div
 from .schedule import expand as expand_schedule
 from .schedule import resolve as resolve_schedule
+from .ops.sampling import SamplingParams, row_keys
 from .vocab import DraftVocab
 from .errors import CheckpointError, NoAllowedToken, StateError, no_token_reason, no_token_where
 from .draft import DraftChain
@@ -167,6 +168,26 @@ def _exact_prefix(st: MtpState, toks: np.ndarray, h: int, wins: list) -> None:
     st._tail, st._tail_start = [int(t) for t in toks[h + 1:]], h + 1
     st._win = [w for _, w in wins]
     st._win_start = [ws for ws, _ in wins]
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """One propose's sampling: per sequence its ``SamplingParams`` or None (argmax) and its
+    position; the per-sequence lists of probabilities / distributions being filled (None
+    when not asked)."""
+
+    params: list
+    positions: list
+    want_dist: bool
+    probs: list | None
+    dists: list | None
+
+    @staticmethod
+    def of(sampling: list | None, positions: list, want_prob: bool, want_dist: bool, B: int) -> _Sampled | None:
+        if sampling is None and not want_prob and not want_dist:
+            return None
+        return _Sampled([None] * B if sampling is None else list(sampling), list(positions), want_dist,
+                        [[] for _ in range(B)] if want_prob else None, [[] for _ in range(B)] if want_dist else None)
 
 
 class MultiModuleMtpHead(DraftProposer):
@@ -669,7 +690,8 @@ class MultiModuleMtpHead(DraftProposer):
     @sharded_call("propose")
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int,
                 state: ProposerState, grammar_bitmask: Any = None, out_conf: list | None = None,
-                min_confidence: float | None = None) -> list[int]:
+                min_confidence: float | None = None, *, sampling: SamplingParams | None = None,
+                out_prob: list | None = None, out_dist: list | None = None) -> list[int]:
         """Draft ``min(num_drafts, M)`` tokens after ``last_token`` = ``t_P`` at ``position`` = ``P``.
 
         ``target_hidden`` ``[H]``: the target's ``h_{P-1}``. Module 0 takes
@@ -683,17 +705,31 @@ class MultiModuleMtpHead(DraftProposer):
         propose of that many drafts leaves (docs/api.md). ``num_drafts=0``: the arguments
         are checked as for any propose, then nothing happens: returns ``[]``, the state is
         unchanged (no ``after_verify`` follows; the step's token goes to ``catchup_drafter``).
+
+        ``sampling``: a ``SamplingParams`` (temperature, top_k, top_p, seed): each draft is
+        sampled from its module's distribution (mtpkern.ops.sampling), the same draws for the
+        same (seed, position, draft step) on every backend; None (the default): the argmax,
+        as without it. ``out_prob``: a list, replaced on success by each draft's probability
+        under the distribution it was drawn from (what rejection sampling divides by; 1.0 for
+        an argmax draft); ``out_dist``: a list, replaced by one ``[V]`` FP32 array per draft,
+        that whole distribution (one-hot for an argmax draft). With ``sampling``, a draft's
+        confidence (``out_conf``, ``min_confidence``) is its ``out_prob``.
         """
         return self._propose([last_token], [target_hidden], [position], num_drafts, [state],
                              None if grammar_bitmask is None else [grammar_bitmask], single=True,
                              out_conf=check_out_conf("out_conf", out_conf, out_conf),
-                             min_confidence=min_confidence)[0]
+                             min_confidence=min_confidence,
+                             sampling=None if sampling is None else [check_sampling("sampling", sampling)],
+                             out_prob=check_out_list("out_prob", out_prob),
+                             out_dist=check_out_list("out_dist", out_dist))[0]
 
     @sharded_call("propose_batch")
     def propose_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
                       num_drafts: int, states: Sequence[ProposerState],
                       grammar_bitmasks: Sequence[Any] | None = None,
-                      out_conf: list | None = None, min_confidence: float | None = None) -> list[list[int]]:
+                      out_conf: list | None = None, min_confidence: float | None = None, *,
+                      sampling: Sequence[SamplingParams | None] | None = None, out_prob: list | None = None,
+                      out_dist: list | None = None) -> list[list[int]]:
         """``propose`` for ``B`` sequences at once: one forward per module over all of them.
 
         ``target_hiddens``: ``[B, H]`` or a list of ``B`` ``[H]`` arrays;
@@ -702,16 +738,26 @@ class MultiModuleMtpHead(DraftProposer):
         ``out_conf``: a list, replaced on success by one list of confidences per sequence;
         ``min_confidence``: early stop per sequence (its list of drafts may be shorter).
         ``num_drafts=0``: checked, then a no-op returning ``B`` empty lists (as ``propose``).
+        ``sampling``: None, or a list of ``B`` (each a ``SamplingParams`` or None: that sequence's
+        argmax); ``out_prob`` / ``out_dist``: lists, replaced by one list per sequence.
         """
+        if sampling is not None:
+            sampling = check_list("sampling", sampling, what="SamplingParams (or None)")
+            sampling = [None if sp is None else check_sampling(f"sampling[{i}]", sp) for i, sp in enumerate(sampling)]
         return self._propose(last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
                              single=False, out_conf=check_out_conf("out_conf", out_conf, out_conf),
-                             min_confidence=min_confidence)
+                             min_confidence=min_confidence, sampling=sampling,
+                             out_prob=check_out_list("out_prob", out_prob),
+                             out_dist=check_out_list("out_dist", out_dist))
 
     def _propose(self, last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
-                 single: bool, out_conf: list | None = None, min_confidence: float | None = None) -> list[list[int]]:
+                 single: bool, out_conf: list | None = None, min_confidence: float | None = None,
+                 sampling: list | None = None, out_prob: list | None = None,
+                 out_dist: list | None = None) -> list[list[int]]:
         """``out_conf``: None, or the caller's list: it gets the confidences (``propose``: its
         sequence's list; ``propose_batch``: one list per sequence) inside the guarded section,
-        so that a write that raises fails the call and changes nothing (mtpkern.txn)."""
+        so that a write that raises fails the call and changes nothing (mtpkern.txn); so do
+        ``out_prob`` / ``out_dist``. ``sampling``: None (all argmax) or one entry per sequence."""
         cfg = self.config
         if min_confidence is not None:
             min_confidence = check_probability("min_confidence", min_confidence)
@@ -724,6 +770,14 @@ class MultiModuleMtpHead(DraftProposer):
         most = self.propose_batch_max()
         if B < 1 or B > most:
             raise ValueError(f"states: expected 1..{most} states (propose_batch_max), got {B}")
+        if sampling is not None and len(sampling) != B:
+            raise ValueError(f"sampling: expected {B} entries (one per state), got {len(sampling)}")
+        if sampling is not None and all(sp is None for sp in sampling):
+            sampling = None                                   # all argmax: the path without it
+        if sampling is not None and not all(mod.lm.samples for mod in self.modules):
+            raise NotImplementedError(f"sampling: the {self.backend.name} backend does not sample drafts (no "
+                                      f"lm_head_sample; the numpy, cpu and cuda backends do); expected sampling=None, "
+                                      f"got {sampling!r}")
         call = "propose" if single else "propose_batch"
         with self._use(states, call, [name("state", "states", i) for i in range(B)]) as sts:
             last_tokens = check_list(name("last_token", "last_tokens"), last_tokens, B)
@@ -742,8 +796,9 @@ class MultiModuleMtpHead(DraftProposer):
             for i, (st, p) in enumerate(zip(sts, poss)):
                 self._check_position(st, p, k, name("position", "positions", i))
             if k == 0:                  # a step without drafting: checked as a propose, then nothing
-                if out_conf is not None:
-                    fill_list(out_conf, [] if single else [[] for _ in range(B)])
+                for out in (out_conf, out_prob, out_dist):
+                    if out is not None:
+                        fill_list(out, [] if single else [[] for _ in range(B)])
                 return [[] for _ in range(B)]
             hid = self._target_norm(hid)
             planned = False
@@ -751,18 +806,22 @@ class MultiModuleMtpHead(DraftProposer):
             # The planned step takes only masks that do not depend on the drafts (callables may),
             # and runs every module for every sequence (an early stop decides per module, on the host).
             static = grammar_bitmasks is None or not any(callable(gm) for gm in grammar_bitmasks)
-            if runner is not None and static and min_confidence is None and runner.applies(sts, poss, k):
+            eager_only = sampling is not None or out_prob is not None or out_dist is not None
+            if runner is not None and static and min_confidence is None and not eager_only \
+                    and runner.applies(sts, poss, k):
                 planned = True
             rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
             want_conf = out_conf is not None or min_confidence is not None
             ag = agreement(self, sts, {"last_tokens": toks, "positions": poss, "num_drafts": k, "grammar_bitmasks": [
                 "none" if g is None else "callable" if callable(g) else "mask" for g in grammar_bitmasks or [None] * B],
-                "out_conf": out_conf is not None, "min_confidence": min_confidence, "rows": rows, "planned": planned})
+                "out_conf": out_conf is not None, "min_confidence": min_confidence, "rows": rows, "planned": planned,
+                "sampling / out_prob / out_dist": (None if sampling is None else [
+                    None if sp is None else repr(sp) for sp in sampling], out_prob is not None, out_dist is not None)})
             masks = ag.masks(masks, grammar_bitmasks or [None] * B)
 
             def outputs(res: tuple) -> tuple:
                 """The call's results, written into the caller's objects inside the guarded section."""
-                drafts, device, confs = res
+                drafts, device, confs, extra = res if len(res) == 4 else (*res, None)
                 if confs is not None and not isinstance(confs, list):        # the planned step's [k, B]
                     confs = [[float(c) for c in confs[:, i]] for i in range(B)]
                 if device is None:                                            # [B, k], -1 past an early stop
@@ -772,6 +831,10 @@ class MultiModuleMtpHead(DraftProposer):
                     device = self.backend.from_host(padded)
                 if out_conf is not None:
                     fill_list(out_conf, confs[0] if single else confs)
+                for out, got in ((out_prob, None if extra is None else extra[0]),
+                                 (out_dist, None if extra is None else extra[1])):
+                    if out is not None:
+                        fill_list(out, got[0] if single else got)
                 return drafts, device
 
             if planned:
@@ -779,7 +842,8 @@ class MultiModuleMtpHead(DraftProposer):
                                          lambda: outputs(runner.propose(sts, toks, poss, hid, k, masks, want_conf)))
             else:
                 drafts, device = guarded(self.pools, sts, rows, ag.body(lambda: outputs(self._propose_eager(
-                    sts, toks, poss, hid, k, masks, want_conf, min_confidence))))
+                    sts, toks, poss, hid, k, masks, want_conf, min_confidence,
+                    _Sampled.of(sampling, poss, out_prob is not None, out_dist is not None, B)))))
             for st, p, d in zip(sts, poss, drafts):
                 st._drafted = True
                 st._last_position = p
@@ -801,14 +865,77 @@ class MultiModuleMtpHead(DraftProposer):
                         self.config.max_position_embeddings)
 
     def _propose_eager(self, sts, toks, poss, hid, k, masks, want_conf: bool = False,
-                       min_confidence: float | None = None) -> tuple[list[list[int]], None, list | None]:
-        """-> (drafts, None, per sequence its drafts' confidences, or None)."""
+                       min_confidence: float | None = None, sampled: _Sampled | None = None) -> tuple:
+        """-> (drafts, None, per sequence its drafts' confidences, or None), and with
+        ``sampled`` (draws, ``out_prob`` / ``out_dist`` asked) a fourth: (probabilities, distributions)."""
         confs: list[list[float]] | None = [[] for _ in sts] if want_conf else None
 
         def draft_ids(m, normed, drafts, active):
+            if sampled is not None:
+                return self._sampled_ids(m, normed, masks, drafts, active, confs, min_confidence, sampled)
             return self._draft_ids(m, normed, masks, drafts, active, confs, min_confidence)
 
-        return self.mode.propose(sts, toks, poss, hid, k, draft_ids), None, confs
+        drafts = self.mode.propose(sts, toks, poss, hid, k, draft_ids)
+        if sampled is None:
+            return drafts, None, confs
+        return drafts, None, confs, (sampled.probs, sampled.dists)
+
+    def _sampled_ids(self, m: int, normed: Any, masks: list[MaskFn | None], drafts: list[list[int]],
+                     active: list[int] | None, confs: list | None, min_confidence: float | None,
+                     sampled: _Sampled) -> tuple[np.ndarray, np.ndarray | None]:
+        """``_draft_ids`` with some sequences sampling: the argmax rows through ``_draft_ids``
+        itself (bit for bit the call without ``sampling``), the sampled rows through the LM
+        head's ``sample`` (row keys from (seed, position, step ``m``)); their probabilities
+        (1.0 for an argmax draft) and distributions appended to ``sampled``."""
+        active = list(range(len(masks))) if active is None else active
+        n = len(active)
+        greedy = [j for j, i in enumerate(active) if sampled.params[i] is None]
+        drawn = [j for j, i in enumerate(active) if sampled.params[i] is not None]
+        ids = np.empty(n, np.int32)
+        stop = np.zeros(n, bool)
+        got_conf: dict[int, float] = {}
+        if greedy:
+            sub_confs = None if confs is None else [[] for _ in masks]
+            g_ids, g_stop = self._draft_ids(m, normed[np.asarray(greedy)] if len(greedy) < n else normed, masks,
+                                            drafts, [active[j] for j in greedy], sub_confs, min_confidence)
+            ids[greedy] = g_ids
+            if g_stop is not None:
+                stop[greedy] = g_stop
+            if sub_confs is not None:
+                got_conf.update({j: sub_confs[active[j]][0] for j in greedy})
+        d_probs = d_dist = None
+        if drawn:
+            rows = self._mask_rows([masks[active[j]] for j in drawn], m, [drafts[active[j]] for j in drawn])
+            params = [sampled.params[active[j]] for j in drawn]
+            keys = row_keys(params, [sampled.positions[active[j]] for j in drawn], m)
+            try:
+                d_ids, d_probs, d_dist = self.modules[m].sample(
+                    normed[np.asarray(drawn)] if len(drawn) < n else normed, rows, keys, params, sampled.want_dist)
+            except NoAllowedToken as e:
+                i = None if e.row is None else active[drawn[e.row]]
+                masked = rows is not None and e.row is not None and not (rows[e.row] == -1).all()
+                raise NoAllowedToken(f"{no_token_where(i, len(masks), m)}: "
+                                     f"{no_token_reason(masked, self.config.vocab_size)}", row=i, draft=m) from None
+            ids[drawn] = d_ids
+        for t, j in enumerate(drawn):
+            got_conf[j] = float(d_probs[t])
+            if min_confidence is not None:
+                stop[j] = d_probs[t] < np.float32(min_confidence)
+        V = self.config.vocab_size
+        for j, i in enumerate(active):
+            t = drawn.index(j) if sampled.params[i] is not None else None
+            if confs is not None:
+                confs[i].append(got_conf[j])
+            if sampled.probs is not None:
+                sampled.probs[i].append(1.0 if t is None else float(d_probs[t]))
+            if sampled.dists is not None:
+                if t is None:
+                    q = np.zeros(V, np.float32)
+                    q[ids[j]] = 1.0
+                else:
+                    q = d_dist[t]
+                sampled.dists[i].append(q)
+        return ids, None if min_confidence is None else stop
 
     def _draft_ids(self, m: int, normed: Any, masks: list[MaskFn | None], drafts: list[list[int]],
                    active: list[int] | None = None, confs: list | None = None,

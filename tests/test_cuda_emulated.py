@@ -1280,6 +1280,35 @@ def test_lm_head_conf_matches_the_numpy_backend(be):
     assert_close(conf, want, "float32", "conf against the NumPy backend")
 
 
+def test_lm_head_sample_matches_the_numpy_backend(be):
+    """Sampled drafts (the device logits drawn on the host by mtpkern.ops.sampling): the
+    reference's drafts with its probabilities and distributions, with a mask, an id_map and
+    top_k / top_p; a row with nothing allowed raises NoAllowedToken naming it."""
+    from mtpkern.ops import sampling
+
+    rng = np.random.default_rng(5)
+    n, V, H = 4, 301, 40
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=0.3)
+    mask = rng.integers(-2**31, 2**31, (n, 10), dtype=np.int64).astype(np.int32)
+    mask[:, 0] |= 1
+    id_map = np.sort(rng.permutation(4 * V)[:V]).astype(np.int32)
+    ps = [sampling.SamplingParams(0.8, 0, 1.0, 1), sampling.SamplingParams(1.5, 10, 1.0, 2),
+          sampling.SamplingParams(1.0, 0, 0.7, 3), sampling.SamplingParams(0.5, 1, 1.0, 4)]
+    T, K, P = sampling.check_params("sampling", ps, n)
+    keys = sampling.row_keys(ps, [3, 4, 5, 6], 1)
+    want_q = np.empty((n, V), np.float32)
+    want = REF.lm_head_sample(x, w, mask, keys=keys, temperature=T, top_k=K, top_p=P, id_map=id_map, dist=want_q)
+    q = be.xp.empty((n, V), np.float32)
+    ids, probs = be.lm_head_sample(x, be.prepare_weight(w), be.from_host(mask), keys=keys, temperature=T, top_k=K,
+                                   top_p=P, id_map=be.from_host(id_map), dist=q)
+    np.testing.assert_array_equal(be.to_host(ids), want[0])
+    assert_close(be.to_host(probs), want[1], "float32", "sampled drafts' probabilities")
+    np.testing.assert_allclose(be.to_host(q), want_q, rtol=1e-4, atol=1e-7)
+    mask[2] = 0
+    with pytest.raises(NoAllowedToken, match="row 2"):
+        be.lm_head_sample(x, be.prepare_weight(w), be.from_host(mask), keys=keys, temperature=T, top_k=K, top_p=P)
+
+
 _LOGITS = [-3.0, -2.25, -1.5, -0.75, 0.0, 0.5, 1.0, 1.25, 2.0, 2.5]
 _BIAS = [-0.5, -0.125, 0.0, 0.25, 0.5]
 
@@ -2269,3 +2298,31 @@ def test_the_benchmarks_quantized_weights_are_what_the_kernels_read(emu, kind):
     assert bench.quant_bytes(kind, (4, N, K)) == 4 * bench.quant_bytes(kind, (N, K))
     with pytest.raises(ValueError, match="kind: expected 'fp8', 'mxfp8', 'fp4' or 'nvfp4'"):
         bench.quant_bytes("int4", (N, K))
+
+
+def test_sampled_proposes_on_the_kernels(fake_runtime, tiny_ckpt):
+    """propose_batch with sampling= on the emulated cuda backend (the planned step set up, the
+    sampled call taking the eager path): the NumPy reference's drafts, probabilities to FP32
+    rounding, and a greedy sequence beside them as without sampling."""
+    from mtpkern import MultiModuleMtpHead, SamplingParams
+
+    kw = dict(kv_mode="exact", block_size=4, num_blocks=64, prefill_chunk=6)
+    ref = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", **kw)
+    fast = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=emu_backend.backend("float32"), **kw)
+    rng = np.random.default_rng(2)
+    H, V = ref.config.hidden_size, ref.config.vocab_size
+    sp = [SamplingParams(1.2, seed=5), None, SamplingParams(0.7, top_k=12, top_p=0.9, seed=6)]
+    out = []
+    for prop in (ref, fast):
+        r = np.random.default_rng(2)
+        sts = [prop.alloc_state() for _ in sp]
+        for st in sts:
+            prop.prefill_drafter(r.integers(0, V, 7).tolist(), r.standard_normal((7, H)).astype(np.float32), st)
+        prob: list = []
+        d = prop.propose_batch([1, 2, 3], r.standard_normal((3, H)).astype(np.float32), [7] * 3, 3, sts,
+                               sampling=sp, out_prob=prob)
+        out.append((d, prob))
+        prop.check_invariants()
+    assert out[0][0] == out[1][0]
+    for a, b in zip(out[0][1], out[1][1]):
+        assert_close(np.array(b, np.float32), np.array(a, np.float32), "float32", "sampled probabilities")

@@ -198,7 +198,7 @@ def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     print(f"{kv_mode}/{backend}: {total} proposer calls: {dict(machine.steps)}")
     assert total >= 1000, f"only {total} proposer calls in {kv_mode} mode: {dict(machine.steps)}"
     for kind in ("propose", "propose_batch", "verify", "catchup", "take", "install", "bad_input", "reenter", "fork",
-                 "share"):
+                 "share", "sampled"):
         assert machine.steps[kind] > 0, f"no {kind} step ran: {dict(machine.steps)}"
     if ckpt == "window_ckpt":       # the pools really took blocks back (beyond what trims freed)
         assert sum(p.window_released for prop in made for p in prop.pools) > 100

@@ -258,6 +258,18 @@ class Backend(ABC):
     def lm_head_argmax(self, x, w, bitmask=None):
         """-> ids [n] int32; raises ``NoAllowedToken`` (see ops.lm_head)."""
 
+    #: whether ``lm_head_sample`` is implemented (the proposer refuses ``sampling=`` by name where not)
+    samples = False
+
+    def lm_head_sample(self, x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
+        """-> (ids [n] int32, probs [n] FP32) on the backend: each row's draft sampled from its
+        distribution ``q`` and ``q(draft)`` (mtpkern.ops.sampling); ``keys`` [n] uint64 (the
+        rows' ``row_key``), ``temperature`` / ``top_p`` [n] FP64, ``top_k`` [n] int32; ``dist``:
+        an FP32 [n, V] buffer for the whole ``q`` (over the head's rows). Raises
+        ``NoAllowedToken`` for a row with no candidate."""
+        raise NotImplementedError(f"lm_head_sample: the {self.name} backend does not sample drafts "
+                                  f"(the numpy, cpu and cuda backends do)")
+
     @abstractmethod
     def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
         """-> (ids [n, k] int32, probs [n, k] FP32) on the backend: each row's ``k`` best

@@ -51,6 +51,7 @@ from ..ops.mlp import act_params, check_swiglu_mlp
 from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input, check_norm
 from ..ops.rope_kv import check_qk_norm_rope_kv_write, check_rope_heads
+from ..ops.sampling import check_keys
 from ..quant import QUANTIZED, Fp4Weight, Fp8Weight
 from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
 from .cpu_fp4 import CpuFp4
@@ -69,6 +70,7 @@ from .cpu_kernels import mlp as mlp_k
 from .cpu_kernels import moe as moe_k
 from .cpu_kernels import norm as norm_k
 from .cpu_kernels import rope_kv as rope_kv_k
+from .cpu_kernels import sampling as sampling_k
 from .cpu_kernels import simd as simd_k
 
 #: the stored forms of quantized weights: each one's ``kernel_args`` feeds the ``*_fp8_kernel`` variants
@@ -782,6 +784,37 @@ class CpuBackend(Backend):
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         if id_map is not None:
             ids = map_id_rows(ids, id_map)
+        return ids, probs
+
+    samples = True
+
+    def lm_head_sample(self, x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
+        """-> (ids [n] int32, probs [n] FP32): the logits (``lm_head_logits``), then each row's
+        sampled draft and its probability (ops.sampling; cpu_kernels/sampling.py); ``dist``: an
+        FP32 [n, V] buffer for the whole distribution."""
+        expect_ndim("x", x, 2)
+        expect_shape("w", w, (None, x.shape[1]))
+        n, V = x.shape[0], w.shape[0]
+        if id_map is not None:
+            check_id_map(id_map, V)
+        bitmask = _bitmask_arg(bitmask, n, V)
+        keys = check_keys(keys, n)
+        temperature = np.ascontiguousarray(temperature, np.float64)
+        top_k = np.ascontiguousarray(top_k, np.int32)
+        top_p = np.ascontiguousarray(top_p, np.float64)
+        for nm, a in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+            expect_shape(nm, a, (n,))
+        q = np.empty((0, 0), np.float32) if dist is None else _out("dist", dist, (n, V), np.float32)
+        logits = self.lm_head_logits(x, w)
+        ids = np.empty(n, np.int32)
+        probs = np.empty(n, np.float32)
+        noise_ids = np.arange(V, dtype=np.int32) if id_map is None else np.ascontiguousarray(id_map)
+        self._use_threads()
+        none = sampling_k.sample_kernel(logits, bitmask, noise_ids, keys, temperature, top_k, top_p, ids, probs, q)
+        if none >= 0:
+            raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
+        if id_map is not None:
+            ids = map_ids(ids, id_map)
         return ids, probs
 
     # -- hyper-connections (mtpkern.ops.hc; cpu_kernels/hc.py) ----------------

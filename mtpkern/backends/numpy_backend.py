@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..ops import attention, dsa, gate, hc, linear, lm_head, mla, mlp, moe, norm, rope_kv
+from ..ops import attention, dsa, gate, hc, linear, lm_head, mla, mlp, moe, norm, rope_kv, sampling
 from ..quant import QUANTIZED
 from .base import Backend
 
@@ -97,6 +97,22 @@ class NumpyBackend(Backend):
     moe_experts = with_out(moe.moe_experts)
     swiglu_mlp = with_out(mlp.swiglu_mlp)
     lm_head_logits = with_out(lm_head.lm_head_logits)
+    samples = True
+
+    @staticmethod
+    def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
+        """-> (ids [n] int32, probs [n] FP32): the reference (mtpkern.ops.sampling); ``dist``
+        an FP32 [n, V] buffer for the whole distribution."""
+        if id_map is not None:
+            lm_head.check_id_map(id_map, w.shape[0])
+        if dist is not None:
+            _check_buf("dist", dist, np.empty((np.shape(x)[0], w.shape[0]), np.float32))
+        ids, probs, q = sampling.lm_head_sample(x, w, bitmask, keys, temperature, top_k, top_p, id_map,
+                                                want_dist=dist is not None)
+        if dist is not None:
+            np.copyto(dist, q)
+        return ids, probs
+
     @staticmethod
     def lm_head_argmax(x, w, bitmask=None, *, out=None, conf=None, id_map=None, best=None, sum_exp=None):
         """-> ids [n] int32; with ``conf`` (an FP32 [n] buffer) each draft's confidence

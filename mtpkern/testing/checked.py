@@ -131,7 +131,7 @@ class CheckedProposer:
 
     def propose(self, last_token: int, target_hidden: Any, position: int, num_drafts: int, state: Any,
                 grammar_bitmask: Any = None, out_conf: list | None = None,
-                min_confidence: float | None = None) -> list[int]:
+                min_confidence: float | None = None, *, sampling: Any = None) -> list[int]:
         gm = self._grammar(grammar_bitmask)
         if out_conf is None and min_confidence is not None:
             out_conf = []                      # the confidences an early stop decided on, to check it
@@ -145,14 +145,14 @@ class CheckedProposer:
                 assert self.model.fingerprint() == fp[0], "a propose of 0 drafts changed the proposer's state"
                 return
             self.model.propose(state, last_token, target_hidden, position, num_drafts, self._seen(gm), d,
-                               None if out_conf is None else out_conf, min_confidence)
+                               None if out_conf is None else out_conf, min_confidence, sampling=sampling)
             self._after_propose([state], [d])
 
         def call():
             fp.append(self.model.fingerprint())
             try:
                 return self.prop.propose(last_token, target_hidden, position, num_drafts, state, gm, out_conf,
-                                         min_confidence)
+                                         min_confidence, sampling=sampling)
             except BaseException:
                 assert out_conf is None or out_conf == before, "a failed propose changed out_conf"
                 raise
@@ -165,7 +165,7 @@ class CheckedProposer:
 
     def propose_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, num_drafts: int,
                       states: Any, grammar_bitmasks: Any = None, out_conf: list | None = None,
-                      min_confidence: float | None = None) -> list[list[int]]:
+                      min_confidence: float | None = None, *, sampling: Any = None) -> list[list[int]]:
         gms = None if grammar_bitmasks is None else [self._grammar(g) for g in grammar_bitmasks]
         if out_conf is None and min_confidence is not None:
             out_conf = []
@@ -179,7 +179,8 @@ class CheckedProposer:
             for i, (st, d) in enumerate(zip(states, drafts)):
                 gm = None if gms is None else self._seen(gms[i])
                 self.model.propose(st, last_tokens[i], target_hiddens[i], positions[i], num_drafts, gm, d,
-                                   None if out_conf is None else out_conf[i], min_confidence)
+                                   None if out_conf is None else out_conf[i], min_confidence,
+                                   sampling=None if sampling is None else sampling[i])
             self._after_propose(list(states), drafts)
 
         def room():
@@ -187,7 +188,8 @@ class CheckedProposer:
                     for st, p in zip(states, positions)]
 
         return self._call(lambda: self.prop.propose_batch(last_tokens, target_hiddens, positions, num_drafts,
-                                                          states, gms, out_conf, min_confidence), then, room=room,
+                                                          states, gms, out_conf, min_confidence, sampling=sampling),
+                          then, room=room,
                           counts=self._clamp(num_drafts))
 
     def after_verify(self, num_accepted: int, state: Any) -> None:

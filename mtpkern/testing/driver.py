@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import KvCacheFull, NoAllowedToken, StateError
+from ..ops.sampling import SamplingParams
 from .checked import CheckedProposer, checked
 from .model import SeqModel
 
@@ -78,6 +79,8 @@ class Driver:
         self.carried: list[Any] = []
         self.steps: Counter = Counter()
         self._other: Any = None
+        #: whether the proposer's LM heads sample drafts (then some proposes pass ``sampling=``)
+        self.samples = all(getattr(getattr(h, "lm", None), "samples", False) for h in self.prop.modules)
 
     # -- the public loop ------------------------------------------------------------------
     def run(self, call: Call) -> bool:
@@ -164,6 +167,18 @@ class Driver:
             pass
         return True
 
+    def _sampling(self, call: Call, salt: int) -> Any:
+        """A ``SamplingParams`` for about a third of the proposes (when the heads sample), or
+        None; drawn from its own generator so the call sequence is the one without it."""
+        if not self.samples:
+            return None
+        r = np.random.default_rng([call.seed, call.pick, call.size, salt, 0x5A])
+        if r.random() >= 0.35:
+            return None
+        self._count("sampled")
+        return SamplingParams(float(r.choice([0.3, 0.7, 1.0, 2.5])), int(r.choice([0, 0, 1, 4])),
+                              float(r.choice([1.0, 1.0, 0.8, 0.3])), int(r.integers(0, 2**63)))
+
     def _propose_one(self, st: Any, s: SeqModel, call: Call, rng) -> bool:
         """One propose; True when it drafted."""
         k = max(1, call.size)
@@ -176,7 +191,8 @@ class Driver:
         try:
             d = self.p.propose(self._int(rng, int(rng.integers(0, self.cfg.vocab_size))), self._h(rng)[0],
                                self._int(rng, P), self._int(rng, k), st,
-                               grammar_bitmask=mask, out_conf=conf, min_confidence=stop)
+                               grammar_bitmask=mask, out_conf=conf, min_confidence=stop,
+                               sampling=self._sampling(call, P))
         except NoAllowedToken:
             # a mask may allow tokens outside a draft vocabulary only
             assert call.variant == "none_allowed" or getattr(self.prop, "draft_vocab", None) is not None, \
@@ -218,7 +234,8 @@ class Driver:
             self.p.propose_batch([int(t) for t in rng.integers(0, self.cfg.vocab_size, len(group))],
                                  list(self._h(rng, len(group))), [s.next_position for _, s in group], k,
                                  [st for st, _ in group], masks, out_conf=[] if rng.random() < 0.5 else None,
-                                 min_confidence=float(rng.uniform(0.05, 0.9)) if rng.random() < 0.3 else None)
+                                 min_confidence=float(rng.uniform(0.05, 0.9)) if rng.random() < 0.3 else None,
+                                 sampling=[self._sampling(call, 1000 + i) for i in range(len(group))])
         except KvCacheFull:
             pass
         return True

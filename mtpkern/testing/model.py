@@ -144,13 +144,15 @@ class ProposerModel:
 
     def propose(self, st: Any, last_token: int, hidden: Any, P: int, num_drafts: int, grammar: Any,
                 drafts: list[int], confs: list[float] | None = None, min_confidence: float | None = None,
-                forced: bool = False) -> None:
+                forced: bool = False, sampling: Any = None) -> None:
         """``forced``: ``drafts`` hold the forced ones only (a draft tree's accepted path, with
         ``grammar`` allowing only those): the rest are the oracle's (not checked).
         ``confs``: the call's confidences of ``drafts`` (out_conf), checked against the
         oracle's softmax of its logits when given; ``min_confidence``: an early stop, which
         must end at the first draft below it (everything after is the state of a propose of
-        that many drafts: the oracle is asked for as many)."""
+        that many drafts: the oracle is asked for as many). ``sampling``: the call's
+        ``SamplingParams`` or None: the oracle draws with the same key (its confidences are then
+        the drafts' probabilities under the sampling distribution)."""
         s = self.of(st)
         assert s.phase == "ready", f"propose accepted a state in phase {s.phase}"
         k = min(int(num_drafts), self.M)
@@ -188,11 +190,11 @@ class ProposerModel:
         if self.mode == "exact" and self.weights is not None:
             want = oracle.propose(self.prop.config, self.weights, s.tokens, s.hiddens, k, self.prop.chain,
                                   vocab=self._vocab(),
-                                  masks=fn, target_norm=self.weights.target_norm, confs=want_conf)
+                                  masks=fn, target_norm=self.weights.target_norm, confs=want_conf, sampling=sampling)
             assert forced or drafts == want, f"drafts {drafts} differ from the oracle's {want}"
             drafts = want if forced else drafts
         if s.draft is not None:
-            want = s.draft.propose(last_token, hidden, P, k, masks=fn, confs=want_conf)
+            want = s.draft.propose(last_token, hidden, P, k, masks=fn, confs=want_conf, sampling=sampling)
             assert forced or drafts == want, f"draft-mode drafts {drafts} differ from the oracle's {want}"
             drafts = want if forced else drafts
         if confs is not None and want_conf:

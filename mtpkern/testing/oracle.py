@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mtpkern.ops import sampling as sampling_ops
 from mtpkern.ops.moe import RouterSpec, moe_experts, moe_router
 
 
@@ -433,8 +434,10 @@ class DraftRows:
         for i, t in enumerate(tokens):
             self.rows[0].append((int(t), self._g(hiddens[i])[0], first_key + i + 1))
 
-    def propose(self, last_token: int, hidden, P: int, k: int, masks=None, confs: list | None = None) -> list[int]:
-        """``confs``: a list the drafts' confidences are appended to."""
+    def propose(self, last_token: int, hidden, P: int, k: int, masks=None, confs: list | None = None,
+                sampling=None) -> list[int]:
+        """``confs``: a list the drafts' confidences are appended to; ``sampling``: a
+        ``SamplingParams`` (the drafts sampled, as ``_draft64``) or None."""
         cfg, w = self.cfg, self.weights
         tok, g, P = int(last_token), self._g(hidden)[0], int(P)   # P may be any integer type (uint32: -P wraps)
         drafts: list[int] = []
@@ -445,7 +448,8 @@ class DraftRows:
             pos = np.array([r[2] for r in self.rows[m]])
             out = module_forward(cfg, w.modules[m], m, toks, gs, pos, keys=pos)    # windows count positions
             head = w.modules[m].head if self.vocab is None else np.asarray(w.modules[m].head)[self.vocab]
-            tok = _draft64(out.normed[-1], head, None if masks is None else masks(m, drafts), self.vocab, confs)
+            tok = _draft64(out.normed[-1], head, None if masks is None else masks(m, drafts), self.vocab, confs,
+                           None if sampling is None else (sampling, P, m))
             drafts.append(tok)
             g = (out.normed if self.chain == "postnorm" else out.y)[-1]
         self.k = len(drafts)
@@ -493,11 +497,23 @@ def _allowed64(logits, mask_words=None, vocab=None) -> np.ndarray:
     return ok
 
 
-def _draft64(h, head, mask_words, vocab, confs):
+def _draft64(h, head, mask_words, vocab, confs, sampled=None):
     """The draft of normed row ``h`` (float64): the LM head over the whole vocabulary or the
-    ids of ``vocab`` (a draft vocabulary), masked; its confidence appended to ``confs``."""
+    ids of ``vocab`` (a draft vocabulary), masked; its confidence appended to ``confs``.
+    ``sampled``: (SamplingParams, position P, draft step m): the draft drawn from the
+    distribution of the logits rounded to FP32 (mtpkern.ops.sampling, the proposer's key), its
+    probability appended to ``confs``."""
     w = np.asarray(head, np.float64)
     logits = h @ w.T
+    if sampled is not None:
+        sp, P, m = sampled
+        lg = np.where(_allowed64(logits, mask_words, vocab), logits, np.nan).astype(np.float32)[None]
+        ids, probs, _ = sampling_ops.masked_sample(lg, None, sampling_ops.row_keys([sp], [P], m),
+                                                   *sampling_ops.check_params("sampling", [sp], 1),
+                                                   id_map=None if vocab is None else np.asarray(vocab, np.int32))
+        if confs is not None:
+            confs.append(float(probs[0]))
+        return int(ids[0])
     tok = masked_argmax64(logits, mask_words, vocab)
     if confs is not None:
         confs.append(confidence64(logits, mask_words, vocab))
@@ -540,7 +556,7 @@ def topk64(h, head, k: int, mask_words=None, vocab=None) -> tuple[list[int], lis
 
 
 def propose(cfg, weights, verified, hiddens, k: int, chain: str, masks=None, target_norm=None,
-            confs: list | None = None, vocab=None):
+            confs: list | None = None, vocab=None, sampling=None):
     """Drafts of a propose at P = len(verified) - 1 (``verified`` ends with t_P,
     ``hiddens`` = h_0 .. h_{P-1}). ``masks``: None or a function (i, drafts) -> words;
     ``confs``: a list the drafts' confidences are appended to; ``vocab``: a draft
@@ -551,7 +567,8 @@ def propose(cfg, weights, verified, hiddens, k: int, chain: str, masks=None, tar
     for m in range(min(k, cfg.num_modules)):
         rows = chain_state(cfg, weights, toks, hiddens, chain, target_norm)
         head = weights.modules[m].head if vocab is None else np.asarray(weights.modules[m].head)[vocab]
-        d = _draft64(rows[m].normed[P - 1], head, None if masks is None else masks(m, drafts), vocab, confs)
+        d = _draft64(rows[m].normed[P - 1], head, None if masks is None else masks(m, drafts), vocab, confs,
+                     None if sampling is None else (sampling, P, m))
         drafts.append(d)
         toks.append(d)
     return drafts
