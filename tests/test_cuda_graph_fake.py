@@ -520,7 +520,7 @@ def check_captured_sharded(monkeypatch, ckpt, mode: str, experts: str = "ep") ->
     monkeypatch.setattr(step_launch, "copy_segments",
                         lambda table: current().launch(cuda_graph.host_copy_segments, table, [(0, 2**63)]))
     kw = dict(kv_mode=mode, block_size=4, num_blocks=160, prefill_chunk=6)
-    steps = shard_cases.script(41, length=14)
+    steps = shard_cases.script(44, length=14)     # three propose rounds of one shape: plans replay
     want = shard_cases.run_script(MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", **kw), steps, True)
 
     def rank(comm):
