@@ -152,10 +152,11 @@ def _copy_counters(src: MtpState, st: MtpState) -> None:
     st._last_position, st._last_k, st._last_drafts = src._last_position, src._last_k, list(src._last_drafts)
 
 
-def _draft_prefix(st: MtpState, L: int) -> None:
-    """Draft mode after a share of ``L`` tokens: as ``prefill_drafter`` of them leaves a state."""
+def _draft_prefix(st: MtpState, L: int, h: int) -> None:
+    """Draft mode after a share of ``L`` tokens cut at ``h`` hiddens: as ``prefill_drafter``
+    of them leaves a state when ``h = L - 1``; else awaiting the catch-up of ``t_{h+1} ..``."""
     st._num_verified = st._tail_start = st._next_position = L
-    st._num_hiddens = L - 1
+    st._num_hiddens = h
 
 
 def _exact_prefix(st: MtpState, toks: np.ndarray, h: int, wins: list) -> None:
@@ -503,7 +504,10 @@ class MultiModuleMtpHead(DraftProposer):
           of its prompt ``t_L .. t_{n-1}`` as in exact mode, ``catchup_drafter(t_L .. t_{n-1},
           h_{L-1} .. h_{n-2}, state)`` (which writes what draft mode's catch-up writes), then
           proposes at ``P = n`` with ``t_n`` and ``h_{n-1}``; keys no call wrote stay a gap, as
-          positions that skip forward leave one.
+          positions that skip forward leave one. When ``source`` itself still awaits the
+          catch-up of some of the prefix (a verify accepted drafts it has not been given the
+          hiddens of), the new state's ``num_hiddens`` is ``source``'s, ``Hn < L - 1``, and its
+          catch-up starts at ``t_{Hn+1}``, ``h_{Hn}`` as in exact mode.
         - exact mode: every module up to a cut ``Hn = state.num_hiddens`` (``L - 1`` when
           ``source`` still keeps the chained outputs the cut needs, i.e. ``L`` is within its
           last ``M + 1`` keys; else ``L - M``, every module the same rows, clipped to what
@@ -528,7 +532,8 @@ class MultiModuleMtpHead(DraftProposer):
                                      f"token at position {i}), got {int(toks[i])}")
             if self.kv_mode == "draft":
                 rows = [s._keys.rows_before(L - 1 - m) for m, s in enumerate(src._kv)]
-                return self._new_shared(src, rows, lambda st: _draft_prefix(st, L))
+                h = min(L - 1, src._num_hiddens)
+                return self._new_shared(src, rows, lambda st: _draft_prefix(st, L, h))
             cut = self._exact_cut(src, L)
             if cut is None:
                 raise StateError(f"source: its sliding-window modules no longer hold the rows a prefix of {L} "

@@ -344,27 +344,29 @@ class ProposerModel:
 
     def share(self, src: Any, st: Any, num_tokens: int) -> None:
         """``share_prefix(src, t_0 .. t_{L-1})`` returned ``st``: module ``m``'s rows built
-        from the prefix alone (keys ``<= L - 2 - m``). Exact mode: cut at ``Hn =
-        st.num_hiddens`` hiddens (the proposer picks it, within ``L - 1 - M .. L - 1`` and the
-        source's hiddens), so the state awaits a catch-up of ``t_{Hn+1} .. t_{L-1}``."""
+        from the prefix alone (keys ``<= L - 2 - m``), cut at ``Hn = st.num_hiddens`` hiddens
+        (draft mode: ``L - 1`` or the source's hiddens if fewer; exact mode: the proposer picks
+        it, within ``L - 1 - M .. L - 1`` and the source's hiddens), so the state awaits a
+        catch-up of ``t_{Hn+1} .. t_{L-1}`` when ``Hn < L - 1``."""
         s, L = self.of(src), int(num_tokens)
         assert s.phase in ("ready", "catchup") and 1 <= L <= len(s.tokens), \
             f"share_prefix accepted {L} tokens of a state in phase {s.phase} with {len(s.tokens)} verified"
         new = self.new_seq()
         new.tokens = s.tokens[:L]
         new.phase = "ready"
+        h = st.num_hiddens
         if self.mode == "draft":
             new.keys = [[k for k in keys if k <= L - 2 - m] for m, keys in enumerate(s.keys)]
-            new.hiddens = s.hiddens[:L - 1]
+            assert h == min(L - 1, len(s.hiddens)), \
+                f"share_prefix cut {L} tokens at {h} hiddens (the source consumed {len(s.hiddens)})"
             if s.draft is not None:
                 new.draft = s.draft.share(L)
         else:
-            h = st.num_hiddens
             assert max(0, L - 1 - self.M) <= h <= min(L - 1, len(s.hiddens)), \
                 f"share_prefix cut {L} tokens at {h} hiddens (the source consumed {len(s.hiddens)})"
-            new.hiddens = s.hiddens[:h]
-            if h < L - 1:                                       # the tokens past the cut, to catch up
-                new.phase, new.drafts, new.accepted = "catchup", new.tokens[h + 1:], L - 1 - h
+        new.hiddens = s.hiddens[:h]
+        if h < L - 1:                                           # the tokens past the cut, to catch up
+            new.phase, new.drafts, new.accepted = "catchup", new.tokens[h + 1:], L - 1 - h
         self.seqs[id(st)] = (st, new)
 
     def free_carried(self, kv: Any) -> None:
