@@ -231,6 +231,37 @@ def test_draft_prefix_share_is_the_source_at_that_point(make_prop, backend):
     assert prop.kv_blocks_in_use() == [0] * prop.num_modules
 
 
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_draft_share_of_a_source_awaiting_its_catch_up(make_prop, backend):
+    """Draft mode: a verify accepted drafts whose hiddens A has not been given yet. A share of
+    all A's verified tokens takes A's hiddens (not L - 1: it was never given the others) and
+    awaits the same catch-up; after it, the share holds what A holds after its own."""
+    prop = make_prop("draft", backend)
+    H = prop.config.stream_size
+    seqA = _prompt(prop, 10)
+    A = prop.alloc_state()
+    prefill(prop, A, seqA, 10)
+    P = 10
+    d = prop.propose(seqA.toks[P], seqA.hid(H, P - 1), P, 3, A)
+    prop.after_verify(len(d), A)                     # every draft accepted, no catch-up yet
+    seqA.toks[P + 1:] = d + [0]
+    L = A.num_verified
+    assert A.num_hiddens < L - 1
+    S = prop.share_prefix(A, seqA.toks[:L])
+    prop.check_invariants()
+    assert S.num_hiddens == A.num_hiddens and S.num_verified == L
+    h = S.num_hiddens
+    for st in (A, S):                                # the accepted drafts and their hiddens
+        prop.catchup_drafter(seqA.toks[h + 1:L], seqA.hids(H, h, L - 1), st)
+    assert S.num_hiddens == A.num_hiddens == L - 1
+    assert S.kv[0].keys.to_list() == A.kv[0].keys.to_list() == list(range(L - 1))
+    assert_same_rows(rows_of(prop, S)[:1], rows_of(prop, A)[:1])
+    for st in (A, S):
+        prop.free_state(st)
+    prop.check_invariants()
+    assert prop.kv_blocks_in_use() == [0] * prop.num_modules
+
+
 def test_share_and_fork_refusals_change_nothing(make_prop):
     prop = make_prop("exact")
     seq = _prompt(prop, 10)
