@@ -139,24 +139,44 @@ print(json.dumps({"warm_up": after_warm_up,
 """
 
 
-def _probe(ckpt) -> dict:
-    r = subprocess.run([sys.executable, "-c", _PROBE, str(ckpt), str(Path(__file__).parent)], capture_output=True, text=True, timeout=900)
+def _probe(ckpt, env=None) -> dict:
+    r = subprocess.run([sys.executable, "-c", _PROBE, str(ckpt), str(Path(__file__).parent)], capture_output=True,
+                       text=True, timeout=900, env=None if env is None else {**os.environ, **env})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_a_dense_checkpoint_loads_only_its_kernels_and_they_suffice(tmp_path):
+#: The kernels a dense BF16 checkpoint runs: on the FMA tiles, or where the machine has AMX
+#: (``amx.available``) the two norms of mtp_input, then its GEMV and the MLP's on the AMX tiles.
+_DENSE_KERNELS = {
+    "fma": {"norm.mtp_input_kernel", "linear.linear_kernel", "mlp.grouped_swiglu_kernel",
+            "attention.paged_attention_kernel", "lm_head.lm_head_argmax_kernel"},
+    "amx": {"norm.input_norms", "amx_linear.amx_linear_kernel", "amx_linear.swiglu_rows",
+            "attention.paged_attention_kernel", "lm_head.lm_head_argmax_kernel"},
+}
+
+
+@pytest.mark.parametrize("tiles", ["fma", "amx"])
+def test_a_dense_checkpoint_loads_only_its_kernels_and_they_suffice(tmp_path, tiles):
     """A dense BF16 checkpoint's warm-up puts no MoE, MLA, gate or FP8 kernel in place, and no
     FP32-weight variant; and a prefill, propose, catch-up and a masked batch after it add no
-    kernel (loaded or compiled)."""
-    got = _probe(write_synthetic_checkpoint(tmp_path / "d", dense_config(), dtype="bfloat16"))
+    kernel (loaded or compiled). Both GEMV paths: the FMA tiles (``MTPKERN_CPU_AMX=0``) and,
+    on a machine that has them, the AMX tiles."""
+    from mtpkern.backends.cpu_kernels import amx
+
+    if tiles == "amx" and not amx.available():
+        pytest.skip("this machine or process has no AMX tiles")
+    got = _probe(write_synthetic_checkpoint(tmp_path / "d", dense_config(), dtype="bfloat16"),
+                 env={amx.ENV: "0"} if tiles == "fma" else None)
     names = set(got["warm_up"])
-    assert {"norm.mtp_input_kernel", "linear.linear_kernel", "mlp.grouped_swiglu_kernel",
-            "attention.paged_attention_kernel", "lm_head.lm_head_argmax_kernel"} <= names
+    assert _DENSE_KERNELS[tiles] <= names, _DENSE_KERNELS[tiles] - names
+    if tiles == "fma":                                    # the AMX path's kernels were not put in place
+        assert not [n for n in names if n.startswith("amx")], names
     assert not [n for n in names if n.split(".")[0] in ("moe", "mla", "gate") or "fp8" in n]
-    for kernel in ("linear.linear_kernel", "mlp.grouped_swiglu_kernel", "lm_head.lm_head_argmax_kernel"):
-        [sig] = got["warm_up"][kernel]                 # one signature: BF16 weights (their bits), no FP32 variant
-        assert "Array(uint16" in sig, sig
+    for kernel in ("linear.linear_kernel", "mlp.grouped_swiglu_kernel", "lm_head.lm_head_argmax_kernel",
+                   "amx_linear.amx_linear_kernel"):
+        for sig in got["warm_up"].get(kernel, ()):     # BF16 weights (their bits), no FP32 variant
+            assert "Array(uint16" in sig, (kernel, sig)
     assert got["added"] == {}
 
 
