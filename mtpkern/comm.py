@@ -269,6 +269,13 @@ def sharded_confidence(best_val: Any, sum_exp: Any, has: Any, ids: Any, comm: An
         return xp.where(ids < 0, xp.float32(np.nan), xp.float32(1.0) / part).astype(xp.float32)
 
 
+def _check_fp32_ids(ids: np.ndarray, what: str) -> None:
+    """Token ids travel as FP32 values in a collective: exact below 2^24 only."""
+    if ids.size and int(ids.max()) >= 1 << 24:
+        raise ValueError(f"ids: a vocabulary of more than 2^24 tokens does not fit the {what}'s FP32 ids, "
+                         f"got id {int(ids.max())}")
+
+
 def sharded_topk(ids: np.ndarray, vals: np.ndarray, best: np.ndarray, sum_exp: np.ndarray, comm: Any,
                  to_comm: Any = None, from_comm: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """A draft tree's candidates over a vocabulary-parallel LM head: each rank's top ``k``
@@ -284,9 +291,7 @@ def sharded_topk(ids: np.ndarray, vals: np.ndarray, best: np.ndarray, sum_exp: n
     to_comm = to_comm or (lambda a: a)
     from_comm = from_comm or (lambda a: np.asarray(a))
     n, k = ids.shape
-    if ids.size and int(ids.max()) >= 1 << 24:
-        raise ValueError(f"ids: a vocabulary of more than 2^24 tokens does not fit the merge's FP32 ids, "
-                         f"got id {int(ids.max())}")
+    _check_fp32_ids(ids, "merge")
     send = np.concatenate([ids.astype(np.float32), vals.astype(np.float32), best[:, None].astype(np.float32),
                            sum_exp[:, None].astype(np.float32)], axis=1)
     dev = to_comm(np.ascontiguousarray(send))
@@ -326,9 +331,7 @@ def sharded_logits(local: np.ndarray, ids: np.ndarray, V: int, comm: Any, to_com
     to_comm = to_comm or (lambda a: a)
     from_comm = from_comm or (lambda a: np.asarray(a))
     n, Vr = local.shape
-    if ids.size and int(ids.max()) >= 1 << 24:
-        raise ValueError(f"ids: a vocabulary of more than 2^24 tokens does not fit the gather's FP32 ids, "
-                         f"got id {int(ids.max())}")
+    _check_fp32_ids(ids, "gather")
     width = to_comm(np.array([Vr], np.float32))
     comm.all_reduce(width, "max")
     Vmax = int(np.asarray(from_comm(width))[0])

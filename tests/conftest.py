@@ -253,6 +253,37 @@ def kv_rows(prop, st, m):
     blk = np.asarray(seq.blocks, np.int64)[r // pool.block_size - seq.base]
     return k[blk, r % pool.block_size], v[blk, r % pool.block_size]
 
+def record_trace(prop, rng: np.random.Generator, prompt: int, rounds) -> list:
+    """A prompt of ``prompt`` random tokens, then ``rounds`` of (k, share accepted) propose /
+    verify / catch-up on ``prop``: after every call ("kv" or "propose") the tokens and target
+    hiddens so far, the propose's drafts (None after a prefill or catch-up) and every module's
+    KV rows (``[rows, width]`` each: the first KV head's). A reference model replays it."""
+    M, H, V = prop.config.num_modules, prop.config.hidden_size, prop.config.vocab_size
+    st = prop.alloc_state()
+    kv = lambda: [kv_rows(prop, st, m)[0][:, 0] for m in range(M)]  # noqa: E731
+    tokens = rng.integers(0, V, prompt).tolist()
+    hid = rng.standard_normal((prompt, H)).astype(np.float32)
+    prop.prefill_drafter(tokens, hid, st)
+    hiddens, pending = list(hid[:-1]), hid[-1]
+    trace = [("kv", list(tokens), list(hiddens), None, kv())]
+    for k, frac in rounds:
+        t_P = int(rng.integers(0, V))
+        drafts = prop.propose(t_P, pending, len(tokens), k, st)
+        tokens.append(t_P)
+        hiddens.append(pending)
+        trace.append(("propose", list(tokens), list(hiddens), list(drafts), kv()))
+        a = int(round(frac * len(drafts)))
+        prop.after_verify(a, st)
+        acc = rng.standard_normal((a, H)).astype(np.float32)
+        prop.catchup_drafter(drafts[:a], acc, st)
+        tokens += drafts[:a]
+        hiddens += list(acc)
+        pending = rng.standard_normal(H).astype(np.float32)
+        trace.append(("kv", list(tokens), list(hiddens), None, kv()))
+    prop.free_state(st)
+    return trace
+
+
 
 def run_rounds(path, backend="numpy", mode="exact", seed=0, rounds=4, n=9, **kw):
     """A proposer on the checkpoint at ``path`` through a prefill of ``n`` tokens and

@@ -64,7 +64,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import MLA_FIELDS, kv_rows
+from conftest import MLA_FIELDS, record_trace
 from mtpkern import MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.config import tiny_config
 from mtpkern.tolerance import assert_close
@@ -370,31 +370,7 @@ def record(path, backend: str, seed: int = 5) -> list:
     every call the inputs so far and every module's KV rows, and each propose's drafts."""
     prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4, num_blocks=96,
                                               prefill_chunk=7)
-    M, H, V = prop.config.num_modules, prop.config.hidden_size, prop.config.vocab_size
-    rng = np.random.default_rng(seed)
-    st = prop.alloc_state()
-    kv = lambda: [kv_rows(prop, st, m)[0][:, 0] for m in range(M)]  # noqa: E731: [rows, width] each
-    tokens = rng.integers(0, V, PROMPT).tolist()
-    hid = rng.standard_normal((PROMPT, H)).astype(np.float32)
-    prop.prefill_drafter(tokens, hid, st)
-    hiddens, pending = list(hid[:-1]), hid[-1]
-    trace = [("kv", list(tokens), list(hiddens), None, kv())]
-    for k, frac in ROUNDS:
-        t_P = int(rng.integers(0, V))
-        drafts = prop.propose(t_P, pending, len(tokens), k, st)
-        tokens.append(t_P)
-        hiddens.append(pending)
-        trace.append(("propose", list(tokens), list(hiddens), list(drafts), kv()))
-        a = int(round(frac * len(drafts)))
-        prop.after_verify(a, st)
-        acc = rng.standard_normal((a, H)).astype(np.float32)
-        prop.catchup_drafter(drafts[:a], acc, st)
-        tokens += drafts[:a]
-        hiddens += list(acc)
-        pending = rng.standard_normal(H).astype(np.float32)
-        trace.append(("kv", list(tokens), list(hiddens), None, kv()))
-    prop.free_state(st)
-    return trace
+    return record_trace(prop, np.random.default_rng(seed), PROMPT, ROUNDS)
 
 
 def replay(rel: Release, trace: list, wrong=None, index_plane: bool = True) -> int:

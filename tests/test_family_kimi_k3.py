@@ -52,7 +52,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import kv_rows, run_rounds
+from conftest import record_trace, run_rounds
 from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.tolerance import assert_close
 from test_family_deepseek_v4_reference import read_safetensors
@@ -435,31 +435,7 @@ def record(path, backend, prompt: int = 11, rounds=((3, 1.0), (3, 0.4), (2, 0.0)
     prop = MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode="exact", block_size=4, num_blocks=96,
                                               prefill_chunk=5, **kw)
     assert prop.chain == "prenorm"
-    M, H, V = prop.config.num_modules, prop.config.hidden_size, prop.config.vocab_size
-    rng = np.random.default_rng(seed)
-    st = prop.alloc_state()
-    kv = lambda: [kv_rows(prop, st, m)[0][:, 0] for m in range(M)]  # noqa: E731: [rows, L + R] each
-    tokens = rng.integers(0, V, prompt).tolist()
-    hid = rng.standard_normal((prompt, H)).astype(np.float32)
-    prop.prefill_drafter(tokens, hid, st)
-    hiddens, pending = list(hid[:-1]), hid[-1]
-    trace = [("kv", list(tokens), list(hiddens), None, kv())]
-    for k, frac in rounds:
-        t_P = int(rng.integers(0, V))
-        drafts = prop.propose(t_P, pending, len(tokens), k, st)
-        tokens.append(t_P)
-        hiddens.append(pending)
-        trace.append(("propose", list(tokens), list(hiddens), list(drafts), kv()))
-        a = int(round(frac * len(drafts)))
-        prop.after_verify(a, st)
-        acc = rng.standard_normal((a, H)).astype(np.float32)
-        prop.catchup_drafter(drafts[:a], acc, st)
-        tokens += drafts[:a]
-        hiddens += list(acc)
-        pending = rng.standard_normal(H).astype(np.float32)
-        trace.append(("kv", list(tokens), list(hiddens), None, kv()))
-    prop.free_state(st)
-    return trace
+    return record_trace(prop, np.random.default_rng(seed), prompt, rounds)
 
 
 def replay(rel: Release, trace: list, wrong=None) -> int:

@@ -24,10 +24,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import shard_cases
 import test_oracle
 from conftest import rand_hiddens, run_rounds
-from comm_cases import ThreadWorld
 from mtpkern import CheckpointError, ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.backends import get_backend
 from mtpkern.config import tiny_config
@@ -314,24 +312,15 @@ def test_two_ranks_match_one(tmp_path_factory, name, kv_mode):
 
 
 def test_rank_weights_are_slices_and_the_planned_step_matches_one_rank(tmp_path_factory):
-    from mtpkern.cuda_graph import StepRunner
     import test_shard
 
     path, w = ckpt(tmp_path_factory, "gated")
-    steps = shard_cases.script(31, length=10)
-    want = test_shard.single_log(path, "exact", steps, True)
 
-    def rank(comm):
-        prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", kv_mode="exact", comm=comm, **test_shard.KW)
+    def rank_weights(prop, comm):
         kv_a = prop.weights.modules[0].mla_kv_a
         r = comm.rank
         np.testing.assert_array_equal(kv_a[:48], w.modules[0].mla_kv_a[:48])
         np.testing.assert_array_equal(kv_a[48:], w.modules[0].mla_kv_a[48 + 24 * r:48 + 24 * (r + 1)])
         assert prop.modules[0].block.kv_a_size == 48 + 24
-        prop.step_runner = StepRunner(prop, capture=False)
-        log = shard_cases.run_script(prop, steps, True)
-        assert prop.step_runner.counts["executed"] > 0, prop.step_runner.counts
-        return prop, log
 
-    for prop, log in ThreadWorld(2).run(rank):
-        shard_cases.compare(want, log, prop)
+    test_shard.check_planned_world(path, "exact", rank_weights)

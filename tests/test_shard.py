@@ -37,6 +37,29 @@ def single_log(ckpt, kv_mode, steps, conf):
     return shard_cases.run_script(_SINGLE[key], steps, conf)
 
 
+def check_planned_world(ckpt, kv_mode, on_rank=None, seed: int = 31, length: int = 10, size: int = 2) -> None:
+    """The planned step (run eagerly on NumPy, ``capture=False``) over a head sharded on ``size`` ranks
+    takes the planned step and gives, call for call, the single rank's log of
+    ``shard_cases.script(seed, length)``. ``on_rank(prop, comm)``: checks of a rank's head
+    before it runs."""
+    from mtpkern.cuda_graph import StepRunner
+
+    steps = shard_cases.script(seed, length=length)
+    want = single_log(ckpt, kv_mode, steps, True)
+
+    def rank(comm):
+        prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=kv_mode, comm=comm, **KW)
+        if on_rank is not None:
+            on_rank(prop, comm)
+        prop.step_runner = StepRunner(prop, capture=False)
+        log = shard_cases.run_script(prop, steps, True)
+        assert prop.step_runner.counts["executed"] > 0, prop.step_runner.counts
+        return prop, log
+
+    for prop, log in ThreadWorld(size).run(rank):
+        shard_cases.compare(want, log, prop)
+
+
 def world_logs(ckpt, size, kv_mode, steps, conf, experts="ep"):
     def rank(comm):
         prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=kv_mode, comm=comm,
@@ -170,20 +193,7 @@ def test_sharded_planned_step_matches_one_rank(tiny_ckpt, kv_mode, size):
     sharded head, run eagerly on NumPy: its all-reduces inside the modules' launches, each
     draft's LM-head reduction between them, the masks staged in the rank's words, the
     expert ids mapped into a persistent buffer; call for call the single rank's."""
-    from mtpkern.cuda_graph import StepRunner
-
-    steps = shard_cases.script(31, length=12)
-    want = single_log(tiny_ckpt, kv_mode, steps, True)
-
-    def rank(comm):
-        prop = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend="numpy", kv_mode=kv_mode, comm=comm, **KW)
-        prop.step_runner = StepRunner(prop, capture=False)
-        log = shard_cases.run_script(prop, steps, True)
-        assert prop.step_runner.counts["executed"] > 0, prop.step_runner.counts
-        return prop, log
-
-    for prop, log in ThreadWorld(size).run(rank):
-        shard_cases.compare(want, log, prop)
+    check_planned_world(tiny_ckpt, kv_mode, length=12, size=size)
 
 
 #: DeepSeek-V4's attention at test size (tests/test_v4_attention.py): one K = V head of 32 that
@@ -241,21 +251,7 @@ def test_sharded_v4_planned_step_matches_one_rank(tmp_path_factory, shape):
     """The planned step over a sharded V4 head (each rank's query heads and output groups, K = V
     on every rank; with 4 streams, the hyper-connections replicated) takes the planned step,
     call for call the single rank's."""
-    from mtpkern.cuda_graph import StepRunner
-
-    ckpt = v4_ckpt(tmp_path_factory, shape)
-    steps = shard_cases.script(31, length=10)
-    want = single_log(ckpt, "draft", steps, True)
-
-    def rank(comm):
-        prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="draft", comm=comm, **KW)
-        prop.step_runner = StepRunner(prop, capture=False)
-        log = shard_cases.run_script(prop, steps, True)
-        assert prop.step_runner.counts["executed"] > 0, prop.step_runner.counts
-        return prop, log
-
-    for prop, log in ThreadWorld(2).run(rank):
-        shard_cases.compare(want, log, prop)
+    check_planned_world(v4_ckpt(tmp_path_factory, shape), "draft")
 
 
 @pytest.mark.parametrize("name,size", [("groups4", 4), ("family", 2)])

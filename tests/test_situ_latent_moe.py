@@ -294,24 +294,9 @@ def test_sharded_latent_moe_matches_one_rank(tmp_path, case, experts, size):
 def test_sharded_latent_norm_planned_step_matches_one_rank(tmp_path):
     """The planned step over a sharded head with the latent norm (its extra all-reduce of the
     latent sum inside the module's launches), run eagerly on NumPy: the single rank's results."""
-    import shard_cases
-    from comm_cases import ThreadWorld
-    from mtpkern.cuda_graph import StepRunner
-    from test_shard import KW, single_log
+    from test_shard import check_planned_world
 
-    path = _ckpt(tmp_path, KIMI)
-    steps = shard_cases.script(31, length=10)
-    want = single_log(path, "exact", steps, True)
-
-    def rank(comm):
-        prop = MultiModuleMtpHead.from_pretrained(path, backend="numpy", kv_mode="exact", comm=comm, **KW)
-        prop.step_runner = StepRunner(prop, capture=False)
-        log = shard_cases.run_script(prop, steps, True)
-        assert prop.step_runner.counts["executed"] > 0, prop.step_runner.counts
-        return prop, log
-
-    for prop, log in ThreadWorld(2).run(rank):
-        shard_cases.compare(want, log, prop)
+    check_planned_world(_ckpt(tmp_path, KIMI), "exact")
 
 
 def test_sharded_latent_norm_weight_on_one_rank(tmp_path):

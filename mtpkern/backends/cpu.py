@@ -658,12 +658,7 @@ class CpuBackend(Backend):
         buffer for the drafts' confidences; ``id_map`` [V] int32: the ids mapped through it
         (a draft vocabulary's rows -> target ids); ``best`` / ``sum_exp`` (FP32 [n]): a
         vocabulary shard's partial result, rows without a candidate left at -1 (ops.lm_head)."""
-        expect_ndim("x", x, 2)
-        expect_shape("w", w, (None, x.shape[1]))
-        n, V = x.shape[0], w.shape[0]
-        if id_map is not None:
-            check_id_map(id_map, V)
-        bitmask = _bitmask_arg(bitmask, n, V)
+        n, V, bitmask = _lm_head_args(x, w, bitmask, id_map)
         chunks = max(1, min(_ARGMAX_CHUNKS, V))
         ids = _out("out", out, (n,), np.int32)
         partial = best is not None or sum_exp is not None
@@ -792,12 +787,7 @@ class CpuBackend(Backend):
         """-> (ids [n] int32, probs [n] FP32): the logits (``lm_head_logits``), then each row's
         sampled draft and its probability (ops.sampling; cpu_kernels/sampling.py); ``dist``: an
         FP32 [n, V] buffer for the whole distribution."""
-        expect_ndim("x", x, 2)
-        expect_shape("w", w, (None, x.shape[1]))
-        n, V = x.shape[0], w.shape[0]
-        if id_map is not None:
-            check_id_map(id_map, V)
-        bitmask = _bitmask_arg(bitmask, n, V)
+        n, V, bitmask = _lm_head_args(x, w, bitmask, id_map)
         keys = check_keys(keys, n)
         temperature = np.ascontiguousarray(temperature, np.float64)
         top_k = np.ascontiguousarray(top_k, np.int32)
@@ -881,6 +871,17 @@ def _screens(w, n: int) -> bool:
     allow the tiles (``amx.available``; ``MTPKERN_CPU_AMX=0`` says no)."""
     return (AMX_MIN_ROWS <= n <= amx_k.MAX_ROWS and isinstance(w, np.ndarray) and w.dtype == _U16
             and w.shape[1] % amx_k.COLS_PER_STEP == 0 and amx_k.available())
+
+
+def _lm_head_args(x, w, bitmask, id_map) -> tuple[int, int, np.ndarray]:
+    """An LM-head call's checked arguments: x [n, H] against w [V, H], the id map's length,
+    the grammar mask as the kernels read it (``_bitmask_arg``) -> (n, V, mask)."""
+    expect_ndim("x", x, 2)
+    expect_shape("w", w, (None, x.shape[1]))
+    n, V = x.shape[0], w.shape[0]
+    if id_map is not None:
+        check_id_map(id_map, V)
+    return n, V, _bitmask_arg(bitmask, n, V)
 
 
 def _bitmask_arg(bitmask, n: int, V: int) -> np.ndarray:
