@@ -121,7 +121,8 @@ def loaded():
     for mod in (amx, amx_linear, attention, bounds, dsa, gate, gemv_tiles, hc, linear, lm_head, mla, mlp, moe,
                 norm, rope_kv, simd):
         for name, f in vars(mod).items():
-            if isinstance(f, numba.core.dispatcher.Dispatcher) and f.overloads:
+            if (isinstance(f, numba.core.dispatcher.Dispatcher) and f.overloads
+                    and f.py_func.__module__ == mod.__name__):      # not a helper imported from another module
                 out[f"{mod.__name__.rsplit('.', 1)[1]}.{name}"] = sorted(str(s) for s in f.overloads)
     return out
 
