@@ -22,8 +22,10 @@ masks as vLLM does (without the mask, module 0's first row disagrees).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -70,6 +72,27 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
         a, b = h["data_offsets"]
         out[name] = np.frombuffer(body[a:b], dtype=_DTYPES[h["dtype"]]).reshape(h["shape"])
     return out
+
+
+@dataclasses.dataclass
+class ReleaseFiles:
+    """A release-form checkpoint as its files hold it: every tensor by its stored name (``t``)
+    and its config.json (``c``); ``text``: the text model's config (a wrapper's
+    ``text_config``, else the config itself). The family references build on it."""
+    t: dict
+    c: dict
+
+    @property
+    def text(self) -> dict:
+        return self.c.get("text_config", self.c)
+
+    @classmethod
+    def read(cls, path, config: dict | None = None):
+        """The tensors of ``path/*.safetensors`` and ``config`` (default: ``path/config.json``)."""
+        t = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            t.update(read_safetensors(f))
+        return cls(t, json.loads((Path(path) / "config.json").read_text()) if config is None else config)
 
 
 def e8m0(scale: np.ndarray) -> np.ndarray:

@@ -58,7 +58,6 @@ no tail, no ``ape`` (GLM-5.3), the position-0 mask off, the pre-norm chain.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -68,7 +67,7 @@ from conftest import MLA_FIELDS, record_trace
 from mtpkern import MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.config import tiny_config
 from mtpkern.tolerance import assert_close
-from test_family_deepseek_v4_reference import read_safetensors
+from test_family_deepseek_v4_reference import ReleaseFiles
 
 #: YaRN as the V3.2 release has it, at test size (factor 4 over 12 positions: the runs go past 12)
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 12, "beta_fast": 32, "beta_slow": 1,
@@ -204,15 +203,8 @@ def top(scores: np.ndarray, k: int, later: bool = False) -> np.ndarray:
 WRONG = ("dense", "topk_larger", "rope_flipped", "ties_later", "pools_of_1", "no_tail", "no_ape", "no_pos0_mask", "prenorm")
 
 
-@dataclasses.dataclass
-class Release:
+class Release(ReleaseFiles):
     """The checkpoint's tensors (by their names) and its config.json, as released."""
-    t: dict
-    c: dict
-
-    @property
-    def text(self) -> dict:
-        return self.c.get("text_config", self.c)
 
     @property
     def prefix(self) -> str:
@@ -403,12 +395,8 @@ def releases(tmp_path_factory):
     for fam, fields in FAMILIES.items():
         cfg = tiny_config(**fields)
         path = write_synthetic_checkpoint(tmp_path_factory.mktemp(fam), cfg, seed=17, dtype="float32")
-        c = release_config(cfg)
-        (path / "config.json").write_text(json.dumps(c))
-        t = {}
-        for f in sorted(path.glob("*.safetensors")):
-            t.update(read_safetensors(f))
-        out[fam] = path, Release(t, c)
+        (path / "config.json").write_text(json.dumps(release_config(cfg)))
+        out[fam] = path, Release.read(path)
     return out
 
 

@@ -55,7 +55,7 @@ from safetensors.numpy import save_file
 from conftest import record_trace, run_rounds
 from mtpkern import ConfigError, MtpConfig, MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern.tolerance import assert_close
-from test_family_deepseek_v4_reference import read_safetensors
+from test_family_deepseek_v4_reference import ReleaseFiles, read_safetensors
 
 # -- config.json as released ------------------------------------------------------------------
 
@@ -300,15 +300,8 @@ def rope_pairs(x, pos, theta=10000.0):
 WRONG = ("no_gate", "rope", "postnorm", "no_pos0_mask", "no_latent_norm")
 
 
-@dataclasses.dataclass
-class Release:
+class Release(ReleaseFiles):
     """The checkpoint's tensors (by their names) and its config.json, as released."""
-    t: dict
-    c: dict
-
-    @property
-    def text(self) -> dict:
-        return self.c["text_config"]
 
     def layer(self, m: int) -> "Layer":
         """The MTP layer that step ``m`` runs (``spec_step_idx % num_nextn_predict_layers``)."""
@@ -491,7 +484,7 @@ def draft_mode_firsts(path, backend, prompt: int = 9, rounds: int = 6, seed: int
 def release(tmp_path_factory):
     """(checkpoint dir, Release) of the dense test checkpoint."""
     path = write_release(tmp_path_factory.mktemp("kimi_k3"), TINY)
-    return path, Release(read_safetensors(path / "model.safetensors"), json.loads((path / "config.json").read_text()))
+    return path, Release.read(path)
 
 
 @pytest.fixture(scope="module")
@@ -592,7 +585,7 @@ def test_cuda_drafts_and_kv_equal_the_model(tmp_path, emulator):
 
     text = dict(TINY, num_nextn_predict_layers=1, num_experts=4, num_expert_group=2, topk_group=1)
     path = write_release(tmp_path / "one", text, seed=23)
-    rel = Release(read_safetensors(path / "model.safetensors"), json.loads((path / "config.json").read_text()))
+    rel = Release.read(path)
     trace = record(path, emu_backend.backend("float32"), prompt=6, rounds=((1, 1.0), (1, 0.0), (1, 1.0), (1, 0.0)))
     assert replay(rel, trace) >= 3
 
@@ -604,7 +597,7 @@ def test_mtpkern_s_own_writer_is_the_release_form(tmp_path):
     cfg = MtpConfig.from_dict(wrapped(TINY))
     path = write_synthetic_checkpoint(tmp_path / "rel", cfg, seed=31, dtype="float32", own_head=True)
     (path / "config.json").write_text(json.dumps(wrapped(TINY)))
-    rel = Release(read_safetensors(path / "model.safetensors"), wrapped(TINY))
+    rel = Release.read(path, wrapped(TINY))
     assert replay(rel, record(path, "numpy", prompt=7, rounds=((3, 1.0), (3, 0.4), (2, 0.0)))) >= 4
     canon = write_synthetic_checkpoint(tmp_path / "canon", dataclasses.replace(cfg, family=""), seed=31,
                                        dtype="float32", own_head=True)
@@ -618,7 +611,7 @@ def test_a_dense_mtp_layer_drafts_as_the_model(tmp_path):
     ``intermediate_size`` with SiTU, under ``mlp.{gate,up,down}_proj``."""
     text = {k: v for k, v in TINY.items() if k != "num_experts"}
     path = write_release(tmp_path / "dense", text, seed=29)
-    rel = Release(read_safetensors(path / "model.safetensors"), json.loads((path / "config.json").read_text()))
+    rel = Release.read(path)
     cfg = MtpConfig.from_json(path / "config.json")
     assert not cfg.block(0).moe and cfg.intermediate_size == 96 and cfg.block(0).mlp_act == "situ"
     for backend in ("numpy", "cpu"):

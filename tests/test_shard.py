@@ -30,6 +30,16 @@ KW = dict(block_size=4, num_blocks=160, prefill_chunk=6)
 _SINGLE: dict = {}
 
 
+def whole_weights(ckpt):
+    """(config, the numpy backend, the checkpoint's unsharded weights): what a rank's slices
+    are compared with."""
+    from mtpkern.config import MtpConfig
+
+    cfg = MtpConfig.from_json(ckpt / "config.json")
+    be = get_backend("numpy")
+    return cfg, be, load_weights(ckpt, cfg, be)
+
+
 def single_log(ckpt, kv_mode, steps, conf):
     key = (str(ckpt), kv_mode)
     if key not in _SINGLE:
@@ -259,12 +269,8 @@ def test_sharded_v4_weights_are_slices(tmp_path_factory, name, size):
     """A rank's V4 attention tensors: its groups' o_a_proj rows (one prepared weight a group,
     the whole head's reordered columns in the family layout), o_b_proj's columns of its groups,
     q_b_proj's rows and the sinks of its heads; kv_proj, q_a_proj and its norm whole."""
-    from mtpkern.config import MtpConfig
-
     ckpt = v4_ckpt(tmp_path_factory, name)
-    cfg = MtpConfig.from_json(ckpt / "config.json")
-    be = get_backend("numpy")
-    full = load_weights(ckpt, cfg, be)
+    cfg, be, full = whole_weights(ckpt)
     b = cfg.block(0)
     g, r, D = b.o_groups, b.o_lora_rank, b.head_dim
     gl, hq = g // size, b.num_attention_heads // size            # a rank's groups and heads
@@ -647,12 +653,9 @@ def test_sharded_nemotron_weights_are_slices(tmp_path_factory):
     """Each rank's relu2 weights are its slice of the whole: the shared expert's up rows and down
     columns, each routed expert's up rows (tp); a rank that read gate / up halves (SwiGLU's split)
     would hold other rows."""
-    from mtpkern.config import MtpConfig
-
     ckpt = nemotron_ckpt(tmp_path_factory)
-    cfg = MtpConfig.from_json(ckpt / "config.json")
-    be = get_backend("numpy")
-    f = load_weights(ckpt, cfg, be).modules[0]
+    cfg, be, whole = whole_weights(ckpt)
+    f = whole.modules[0]
     Is, I = cfg.shared_intermediate_size // 2, cfg.moe_intermediate_size // 2
     for r in range(2):
         m = load_weights(ckpt, cfg, be, shard=Shard(r, 2, "tp")).modules[0]
@@ -718,12 +721,8 @@ def test_sharded_container_weights_are_slices(tmp_path_factory, fmt):
     """Each rank's weights, dequantized, are its slice of the whole's: the fused q | k | v rows of
     its heads (NVFP4: each part with its own tensor's row scale), o_proj's and the shared down
     projection's columns (every row's scale kept), each routed expert's rows and columns (tp)."""
-    from mtpkern.config import MtpConfig
-
     ckpt = container_ckpt(tmp_path_factory, fmt)
-    cfg = MtpConfig.from_json(ckpt / "config.json")
-    be = get_backend("numpy")
-    full = load_weights(ckpt, cfg, be)
+    cfg, be, full = whole_weights(ckpt)
     b = cfg.block(0)
     D, Hq, Hkv = b.head_dim, b.num_attention_heads, b.num_key_value_heads
     Is, I = cfg.shared_intermediate_size // 2, cfg.moe_intermediate_size // 2
