@@ -155,7 +155,8 @@ def check_shapes(widths: Any, shape: Any, depth_max: int, B: int) -> list[tuple[
         one = check_shape(widths, shape, depth_max)
         return [one] * B
     if len(v) != B:
-        raise ValueError(f"{name}: expected one for all states or a list of {B} (one per state), got a list of {len(v)}")
+        raise ValueError(f"{name}: expected one for all states or a list of {B} (one per state), "
+                         f"got a list of {len(v)}")
     return [check_shape(x if name == "widths" else None, x if name == "shape" else None, depth_max,
                         (f"widths[{i}]", f"shape[{i}]")) for i, x in enumerate(v)]
 
