@@ -31,6 +31,12 @@ module the rows a chain propose forced along the path keeps (draft mode: module 
 row of the path's node ``m - 1`` iff ``m <= a``; exact mode: the exact-mode rule's rows),
 copies those off the main line into the sequence, and frees every other row at once.
 The state is then the state of a chain propose along the accepted path after its verify.
+
+**Batches** (``propose_tree_batch``): one ``TreeJob`` per sequence; at each depth every
+sequence's rows of a module are laid out as above (``_layout``: lines, blocks, copy-on-write,
+per sequence) and concatenated into one forward, sequence after sequence, each row with its
+own block table; one LM-head top-c serves every sequence's drafting rows. A single
+``propose_tree`` is a batch of one.
 """
 
 from __future__ import annotations
