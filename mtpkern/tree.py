@@ -150,8 +150,9 @@ def check_shapes(widths: Any, shape: Any, depth_max: int, B: int) -> list[tuple[
         def nested(x: Any, d: int) -> bool:
             if d == 0:
                 return True
-            return isinstance(x, (list, tuple, np.ndarray)) and not isinstance(x, (str, bytes)) and len(x) > 0 \
-                and all(nested(y, d - 1) for y in x)
+            if isinstance(x, np.ndarray):
+                return x.ndim >= d and x.size > 0           # a 0-d array is an int (docs/api.md, "Integers")
+            return isinstance(x, (list, tuple)) and len(x) > 0 and all(nested(y, d - 1) for y in x)
         return nested(v, depth + 1)
 
     if (widths is None) == (shape is None):

@@ -255,7 +255,7 @@ def test_bad_batches_are_refused_and_change_nothing(tiny_ckpt, mode):
             prop.propose_tree_batch(**args)
         assert [p.num_used for p in prop.pools] == used, kw
         _unchanged(prop, xs, before)
-    trees = prop.propose_tree_batch(toks, hs, Ps, xs, widths=[2] * M)
+    trees = prop.propose_tree_batch(toks, hs, Ps, xs, widths=[np.array(2), np.int32(2), 2])   # 0-d arrays are ints
     pending = _snapshot(prop, xs)
     for paths, err, msg in (([[0], [0]], ValueError, r"paths: expected 3"),
                             ([[0], [0], [0, 0]], ValueError, r"paths\[2\]\[1\]: expected a child of node 0"),
