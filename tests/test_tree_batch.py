@@ -135,6 +135,20 @@ def test_batched_trees_equal_per_sequence_trees(tiny_ckpt, backend, mode):
     prop.close()
 
 
+def test_a_wrong_row_order_is_caught(tiny_ckpt, monkeypatch):
+    """Negative control: a batch whose forward gives each sequence another's target hidden
+    (the rows of module 0 in the wrong order) fails the per-sequence comparison."""
+    from mtpkern.tree import TreeRunner
+
+    forward = TreeRunner._forward
+    monkeypatch.setattr(TreeRunner, "_forward", lambda self, m, parts, hid: forward(self, m, parts, hid[::-1]))
+    prop = _make(tiny_ckpt, "numpy", "draft")
+    rng = np.random.default_rng(3)
+    xs, ys = _pairs(prop, rng)
+    with pytest.raises(AssertionError, match="sequence 0"):
+        _rounds(prop, xs, ys, rng, rounds=1, widths=[2, 2, 1])
+
+
 def test_batched_trees_with_a_sliding_window_and_per_sequence_shapes(tmp_path):
     from mtpkern.config import tiny_config
     from mtpkern.weights import write_synthetic_checkpoint
