@@ -649,22 +649,29 @@ def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, co
     return Timing.of(ts)
 
 
-def time_trees(prop, widths: list[int], B: int, context: int, warmup: int, runs: int) -> Timing:
+def time_trees(prop, widths: list[int], B: int, context: int, warmup: int, runs: int,
+               batched: bool = False) -> Timing:
     """``propose_tree`` of ``widths`` for ``B`` fresh sequences of ``context`` rows, one tree
-    per sequence (a call each), timed together as one step; each tree verified along its
-    rank-0 path (kept out of the time)."""
+    per sequence (a call each; ``batched``: one ``propose_tree_batch`` of all ``B``), timed
+    together as one step; each tree verified with nothing accepted (kept out of the time)."""
     sts, toks, hs = _filled_states(prop, B, context)
     ts = []
     try:
         for i in range(warmup + runs):
             t0 = time.perf_counter()
-            for j in range(B):
-                prop.propose_tree(toks[j], hs[j], sts[j].next_position, sts[j], widths=widths)
+            if batched:
+                prop.propose_tree_batch(toks[:B], hs[:B], [st.next_position for st in sts], sts, widths=widths)
+            else:
+                for j in range(B):
+                    prop.propose_tree(toks[j], hs[j], sts[j].next_position, sts[j], widths=widths)
             prop.backend.synchronize()
             if i >= warmup:
                 ts.append(time.perf_counter() - t0)
-            for st in sts:                   # nothing accepted: no catch-up in either mode
-                prop.after_verify_tree([], st)
+            if batched:                      # nothing accepted: no catch-up in either mode
+                prop.after_verify_tree_batch([[] for _ in sts], sts)
+            else:
+                for st in sts:
+                    prop.after_verify_tree([], st)
     finally:
         for st in sts:
             prop.free_state(st)
@@ -699,8 +706,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-propose", action="store_true", help="skip the propose table")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager peer even if torch imports")
     ap.add_argument("--tree-widths", type=argtypes.positive_int, nargs="*", default=[1, 4], metavar="W",
-                    help="draft-tree rows: a tree of depth M with W children per node, for each W "
-                         "(default 1 4; none: no tree rows)")
+                    help="draft-tree rows: a tree of depth M with W children per node, for each W, "
+                         "a propose_tree per sequence (+treeW) and one propose_tree_batch of the batch "
+                         "(+treebatchW) (default 1 4; none: no tree rows)")
     ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                     help="also time k = M with a reduced draft vocabulary of the first N token ids (rows '+vocabN'; "
                          "0: off)")
@@ -812,9 +820,12 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
             cases = [(k, False, None, False, 0) for k in range(1, M + 1)]
             cases += [(M, True, None, False, 0), (M, True, 0.5, False, 0)]
             cases += [(M, False, None, True, 0)] if sub else []               # the draft vocabulary's heads
-            # draft trees of depth M: width 1 (the chain, through propose_tree) and 4 (4 + 16 + 64 nodes at M = 3)
+            # draft trees of depth M: width 1 (the chain, through propose_tree) and 4 (4 + 16 + 64 nodes at M = 3),
+            # a call per sequence, then all B in one propose_tree_batch (negative widths below)
             cases += [(M, True, None, False, w) for w in getattr(args, "tree_widths", ())]
+            cases += [(M, True, None, False, -w) for w in getattr(args, "tree_widths", ())]
             for k, conf, stop, reduced, width in cases:
+                batched, width = width < 0, abs(width)
                 tt = torch_peer(k, B, args.warmup, args.runs, context) \
                     if torch_peer and not (conf or reduced or width) else None
                 for mode, prop in (sub if reduced else props).items():
@@ -826,13 +837,14 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                     # a tree's floor is its chain's (its other rows read no more weights; they cost compute)
                     judged = (llc is None or nbytes > llc) and stop is None and not width
                     if width:
-                        t = time_trees(prop, [width] * k, B, context, args.warmup, args.runs)
-                        tag = f"+tree{width}"
+                        t = time_trees(prop, [width] * k, B, context, args.warmup, args.runs, batched)
+                        tag = f"+treebatch{width}" if batched else f"+tree{width}"
                     else:
                         t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf, stop)
                         tag = (f"+vocab{nv}" if reduced else "" if not conf else "+conf" if stop is None
                                else f"+stop{stop:g}")
                     row = {"kv_mode": mode + tag, "conf": conf, "min_confidence": stop, "tree_width": width or None,
+                           "tree_batched": batched if width else None,
                            "draft_vocab": nv if reduced else None, "k": k, "batch": B,
                            "context": context, **asdict(t),
                            "bytes": nbytes, "floor_us": floor_us, "x_floor": t.median_us / floor_us,

@@ -59,7 +59,7 @@ from .models import family
 from .shard import Shard, agreement, check_experts, sharded_call
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
 from .trait import DraftProposer, ProposerState
-from .tree import DraftTree, TreeRunner, check_shape
+from .tree import DraftTree, TreeJob, TreeRunner, check_shape, check_shapes
 from .txn import fill_list, guarded
 from .weights import MtpWeights, load_weights
 
@@ -991,66 +991,141 @@ class MultiModuleMtpHead(DraftProposer):
         is asked ``(depth, path tokens so far)`` once per node it expands. Returns the tree
         (mtpkern.tree.DraftTree: tokens, parents, depths, probabilities, path scores). Every
         row of a depth is one forward of its module; the state awaits ``after_verify_tree``."""
+        return self._propose_trees([last_token], target_hidden, [position], [state], widths, shape,
+                                   None if grammar_bitmask is None else [grammar_bitmask], single=True)[0]
+
+    @sharded_call("propose_tree_batch")
+    def propose_tree_batch(self, last_tokens: Sequence[int], target_hiddens: Any, positions: Sequence[int],
+                           states: Sequence[ProposerState], widths: Any = None, shape: Any = None,
+                           grammar_bitmask: Sequence[Any] | None = None) -> list[DraftTree]:
+        """``propose_tree`` for ``B`` sequences at once: at each depth, one forward per module
+        over every sequence's nodes. ``target_hiddens``: ``[B, H]`` or a list of ``B`` ``[H]``;
+        ``widths`` / ``shape``: one for every sequence, or a list of ``B`` (one each);
+        ``grammar_bitmask``: None or a list of ``B`` (each None or any form ``propose_tree``
+        takes). Returns one tree per state, each the tree ``propose_tree`` gives that state
+        (to FP32 rounding in its probabilities); every state awaits ``after_verify_tree``
+        (or ``after_verify_tree_batch``). Cuda: eager (the planned step does not capture trees)."""
+        return self._propose_trees(last_tokens, target_hiddens, positions, states, widths, shape, grammar_bitmask,
+                                   single=False)
+
+    def _propose_trees(self, last_tokens, target_hiddens, positions, states, widths, shape, grammar_bitmasks,
+                       single: bool) -> list[DraftTree]:
         cfg = self.config
-        with self._use([state], "propose_tree") as (st,):
-            tok = check_token("last_token", last_token, cfg.vocab_size)
-            P = check_int("position", position, 1)
-            ws, counts, D = check_shape(widths, shape, self.num_modules)
-            hid = self._batch_hiddens("target_hidden", target_hidden, 1, single=True)
-            mask = resolve("grammar_bitmask", grammar_bitmask, cfg.vocab_size, D)
-            self._check_position(st, P, D, "position")
+
+        def name(one: str, many: str, i: int | None = None) -> str:
+            return one if single else many if i is None else f"{many}[{i}]"
+
+        call = "propose_tree" if single else "propose_tree_batch"
+        states = check_list("states", states, what="states")
+        B = len(states)
+        most = self.propose_batch_max()
+        if B < 1 or B > most:
+            raise ValueError(f"states: expected 1..{most} states (propose_batch_max), got {B}")
+        with self._use(states, call, [name("state", "states", i) for i in range(B)]) as sts:
+            last_tokens = check_list(name("last_token", "last_tokens"), last_tokens, B)
+            positions = check_list(name("position", "positions"), positions, B)
+            toks = [check_token(name("last_token", "last_tokens", i), t, cfg.vocab_size)
+                    for i, t in enumerate(last_tokens)]
+            poss = [check_int(name("position", "positions", i), p, 1) for i, p in enumerate(positions)]
+            shapes = [check_shape(widths, shape, self.num_modules)] if single else \
+                check_shapes(widths, shape, self.num_modules, B)
+            hid = self._batch_hiddens(name("target_hidden", "target_hiddens"), target_hiddens, B, single)
+            masks: list[MaskFn | None] = [None] * B
+            if grammar_bitmasks is not None:
+                grammar_bitmasks = check_list("grammar_bitmask", grammar_bitmasks, B, "masks (or None)")
+                masks = [resolve(name("grammar_bitmask", "grammar_bitmask", i), gm, cfg.vocab_size, D)
+                         for i, (gm, (_, _, D)) in enumerate(zip(grammar_bitmasks, shapes))]
+            for i, (st, p, (_, _, D)) in enumerate(zip(sts, poss, shapes)):
+                self._check_position(st, p, D, name("position", "positions", i))
             hid = self._target_norm(hid)
+            rows = [[self.mode.propose_rows(st, m, p, D) for st, p, (_, _, D) in zip(sts, poss, shapes)]
+                    for m in range(self.num_modules)]
+            given = grammar_bitmasks or [None] * B
+            kinds = ["none" if g is None else "callable" if callable(g) else "mask" for g in given]
+            ag = agreement(self, sts, {name("last_token", "last_tokens"): toks, name("position", "positions"): poss,
+                                       "widths / shape": shapes[0] if single else shapes,
+                                       name("grammar_bitmask", "grammar_bitmasks"): kinds[0] if single else kinds,
+                                       "rows": rows})
+            masks = ag.masks(masks, given)
+            jobs = [TreeJob(st, t, p, D, ws, counts) for st, t, p, (ws, counts, D) in zip(sts, toks, poss, shapes)]
 
-            def mask_rows(m: int, paths: list[list[int]]) -> np.ndarray | None:
-                return self._mask_rows([mask] * len(paths), m, paths)        # each node's path as its drafts
+            def mask_rows(m: int, seqs: list[int], paths: list[list[int]]) -> np.ndarray | None:
+                return self._mask_rows([masks[b] for b in seqs], m, paths)   # each node's path as its drafts
 
-            def topk(m: int, normed: Any, rows: np.ndarray | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+            def topk(m: int, normed: Any, rows: np.ndarray | None, k: int, seqs: list[int]) -> tuple:
                 try:
                     return self.modules[m].topk(normed, rows, k)
                 except NoAllowedToken as e:
                     masked = rows is not None and e.row is not None and not (rows[e.row] == -1).all()
-                    raise NoAllowedToken(f"propose_tree: depth {m}, node {e.row} of the depth before: "
-                                         f"{no_token_reason(masked, cfg.vocab_size)}", row=0, draft=m) from None
+                    b = 0 if e.row is None else seqs[e.row]
+                    node = None if e.row is None else seqs[:e.row].count(b)
+                    where = f"{call}: depth {m}" if single else f"{call}: states[{b}], depth {m}"
+                    raise NoAllowedToken(f"{where}, node {node} of the depth before: "
+                                         f"{no_token_reason(masked, cfg.vocab_size)}", row=b, draft=m) from None
 
-            rows = [[self.mode.propose_rows(st, m, P, D)] for m in range(self.num_modules)]
-            ag = agreement(self, [st], {"last_token": tok, "position": P, "widths / shape": (ws, counts, D),
-                                        "grammar_bitmask": "none" if grammar_bitmask is None else
-                                        "callable" if callable(grammar_bitmask) else "mask", "rows": rows})
-            mask = ag.masks([mask], [grammar_bitmask])[0]
-            tree = guarded(self.pools, [st], rows,
-                           ag.body(lambda: self.trees.propose(st, tok, P, hid, D, ws, counts, mask_rows, topk),
-                                   undo=lambda: self.trees.drop(st, st._tree)))
-            st._drafted = True
-            st._last_position, st._last_k = P, D
-            st._last_drafts = [int(tree.tokens[i]) for i in tree.greedy_path()]
+            def undo() -> None:
+                for j in jobs:
+                    if j.pending is not None:
+                        self.trees.drop(j.st, j.pending)
+
+            trees = guarded(self.pools, sts, rows,
+                            ag.body(lambda: self.trees.propose(jobs, hid, mask_rows, topk), undo=undo))
+            for st, p, tree, (_, _, D) in zip(sts, poss, trees, shapes):
+                st._drafted = True
+                st._last_position, st._last_k = p, D
+                st._last_drafts = [int(tree.tokens[i]) for i in tree.greedy_path()]
         with self._lock:
-            self._last_drafts = list(st._last_drafts)
-        return tree
+            self._last_drafts = list(sts[-1]._last_drafts)
+        return trees
 
     def after_verify_tree(self, path: Sequence[int], state: ProposerState) -> None:
         """The verify of the last ``propose_tree`` accepted the nodes ``path`` (indices into the
         tree, from depth 0 down, each the child of the one before; empty: none accepted). Keeps
         exactly that path's KV rows (the state a chain propose forced along the path leaves
         after ``after_verify(len(path))``) and frees every other row of the tree at once."""
-        with self._use([state], "after_verify_tree", allow_drafted=True) as (st,):
-            if not st._drafted or st._tree is None:
-                raise StateError("state: after_verify_tree without a propose_tree to verify"
-                                 + (" (the last propose was a chain: call after_verify)" if st._drafted else ""))
-            tree = st._tree.tree
-            if isinstance(path, (str, bytes)) or not isinstance(path, (Sequence, np.ndarray)):
-                raise TypeError(f"path: expected a list of node indices, got {type(path).__name__}")
-            nodes = [check_int(f"path[{j}]", i, 0, len(tree) - 1) for j, i in enumerate(path)]
-            for j, i in enumerate(nodes):
-                want = -1 if j == 0 else nodes[j - 1]
-                if int(tree.parents[i]) != want:
-                    raise ValueError(f"path[{j}]: expected a child of {'the root' if want < 0 else f'node {want}'}, "
-                                     f"got node {i} (its parent: {int(tree.parents[i])})")
-            a = self.trees.after_verify(st, st._tree, nodes)
-            for p, seq in zip(self.pools, st._kv):
-                p.release_window(seq, st)
-            st._drafted = False
-            k = st._last_k
-        self.stats.record(k, a)
+        self._after_verify_trees([path], [state], single=True)
+
+    def after_verify_tree_batch(self, paths: Sequence[Sequence[int]], states: Sequence[ProposerState]) -> None:
+        """``after_verify_tree`` for ``B`` states: ``paths[i]`` the accepted nodes of
+        ``states[i]``'s tree. Every path is checked before any state changes."""
+        self._after_verify_trees(paths, states, single=False)
+
+    def _after_verify_trees(self, paths: Any, states: Any, single: bool) -> None:
+        states = check_list("states", states, what="states")
+        B = len(states)
+        if not single and B < 1:
+            raise ValueError("states: expected at least 1 state, got 0")
+        names = ["state"] if single else [f"states[{i}]" for i in range(B)]
+        with self._use(states, "after_verify_tree" if single else "after_verify_tree_batch", names,
+                       allow_drafted=True) as sts:
+            paths = [paths[0]] if single else check_list("paths", paths, B, "paths (lists of node indices)")
+            checked = [self._check_tree_path(st, n, path, "path" if single else f"paths[{i}]")
+                       for i, (st, n, path) in enumerate(zip(sts, names, paths))]
+            done = []
+            for st, nodes in zip(sts, checked):
+                a = self.trees.after_verify(st, st._tree, nodes)
+                for p, seq in zip(self.pools, st._kv):
+                    p.release_window(seq, st)
+                st._drafted = False
+                done.append((st._last_k, a))
+        for k, a in done:
+            self.stats.record(k, a)
+
+    @staticmethod
+    def _check_tree_path(st: MtpState, name: str, path: Any, pname: str) -> list[int]:
+        if not st._drafted or st._tree is None:
+            raise StateError(f"{name}: after_verify_tree without a propose_tree to verify"
+                             + (" (the last propose was a chain: call after_verify)" if st._drafted else ""))
+        tree = st._tree.tree
+        if isinstance(path, (str, bytes)) or not isinstance(path, (Sequence, np.ndarray)):
+            raise TypeError(f"{pname}: expected a list of node indices, got {type(path).__name__}")
+        nodes = [check_int(f"{pname}[{j}]", i, 0, len(tree) - 1) for j, i in enumerate(path)]
+        for j, i in enumerate(nodes):
+            want = -1 if j == 0 else nodes[j - 1]
+            if int(tree.parents[i]) != want:
+                raise ValueError(f"{pname}[{j}]: expected a child of {'the root' if want < 0 else f'node {want}'}, "
+                                 f"got node {i} (its parent: {int(tree.parents[i])})")
+        return nodes
 
     # -- verify and catch-up ---------------------------------------------------------------
     def after_verify(self, num_accepted: int, state: ProposerState) -> None:

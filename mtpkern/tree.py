@@ -31,6 +31,12 @@ module the rows a chain propose forced along the path keeps (draft mode: module 
 row of the path's node ``m - 1`` iff ``m <= a``; exact mode: the exact-mode rule's rows),
 copies those off the main line into the sequence, and frees every other row at once.
 The state is then the state of a chain propose along the accepted path after its verify.
+
+**Batches** (``propose_tree_batch``): one ``TreeJob`` per sequence; at each depth every
+sequence's rows of a module are laid out as above (``_layout``: lines, blocks, copy-on-write,
+per sequence) and concatenated into one forward, sequence after sequence, each row with its
+own block table; one LM-head top-c serves every sequence's drafting rows. A single
+``propose_tree`` is a batch of one.
 """
 
 from __future__ import annotations
@@ -118,9 +124,51 @@ class DraftTree:
         return mask
 
 
-def check_shape(widths: Any, shape: Any, depth_max: int) -> tuple[list[int] | None, dict | None, int]:
+def check_shape(widths: Any, shape: Any, depth_max: int, names: tuple[str, str] = ("widths", "shape")
+                ) -> tuple[list[int] | None, dict | None, int]:
     """``widths`` (children per node at each depth) or ``shape`` (a static tree: paths of child
-    ranks) -> (widths, children count per node path, depth)."""
+    ranks) -> (widths, children count per node path, depth). ``names``: the arguments' names in
+    errors (a batch's ``widths[i]``)."""
+    try:
+        return _check_shape(widths, shape, depth_max)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        for plain, name in zip(("widths", "shape"), names):
+            if name != plain and msg.startswith(plain):
+                msg = name + msg[len(plain):]
+        if msg == str(e):
+            raise
+        raise type(e)(msg) from None
+
+
+def check_shapes(widths: Any, shape: Any, depth_max: int, B: int) -> list[tuple[list[int] | None, dict | None, int]]:
+    """A batch's ``widths`` / ``shape``: one for every sequence, or a list of ``B`` (one per
+    sequence: ``widths`` a list of lists of ints, ``shape`` a list of lists of paths) ->
+    ``check_shape``'s result per sequence."""
+    def per_sequence(v: Any, depth: int) -> bool:
+        """A list whose entries are lists nested ``depth`` deep (one tree's ``widths``: ints)."""
+        def nested(x: Any, d: int) -> bool:
+            if d == 0:
+                return True
+            if isinstance(x, np.ndarray):
+                return x.ndim >= d and x.size > 0           # a 0-d array is an int (docs/api.md, "Integers")
+            return isinstance(x, (list, tuple)) and len(x) > 0 and all(nested(y, d - 1) for y in x)
+        return nested(v, depth + 1)
+
+    if (widths is None) == (shape is None):
+        raise ValueError("widths, shape: expected exactly one of them (children per depth, or a static tree)")
+    name, v, depth = ("widths", widths, 1) if widths is not None else ("shape", shape, 2)
+    if not per_sequence(v, depth):
+        one = check_shape(widths, shape, depth_max)
+        return [one] * B
+    if len(v) != B:
+        raise ValueError(f"{name}: expected one for all states or a list of {B} (one per state), "
+                         f"got a list of {len(v)}")
+    return [check_shape(x if name == "widths" else None, x if name == "shape" else None, depth_max,
+                        (f"widths[{i}]", f"shape[{i}]")) for i, x in enumerate(v)]
+
+
+def _check_shape(widths: Any, shape: Any, depth_max: int) -> tuple[list[int] | None, dict | None, int]:
     if (widths is None) == (shape is None):
         raise ValueError("widths, shape: expected exactly one of them (children per depth, or a static tree)")
     if widths is not None:
@@ -214,6 +262,60 @@ class PendingTree:
     tail_start: int
 
 
+@dataclass(slots=True)
+class TreeJob:
+    """One sequence of a propose_tree (a batch holds one per state): its arguments and the
+    tree as it grows (``ranks``: each node's path of child ranks, for static shapes)."""
+
+    st: MtpState
+    tok: int
+    P: int
+    D: int
+    widths: list[int] | None
+    counts: dict | None
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    ranks: list[tuple] = field(default_factory=list)
+    pending: PendingTree | None = None
+
+    def add(self, e: int, m: int, ids: np.ndarray, probs: np.ndarray) -> None:
+        """Children of ``e`` (-1: the root) at depth ``m``: ``ids`` by rank (-1: no more allowed)."""
+        base = 0.0 if e < 0 else self.scores[e]
+        for r, (t, p) in enumerate(zip(ids, probs)):
+            if t < 0:
+                break
+            self.tokens.append(int(t))
+            self.parents.append(e)
+            self.depths.append(m)
+            self.probs.append(float(p))
+            self.scores.append(base + (math.log(p) if p > 0 else -math.inf))
+            self.ranks.append((() if e < 0 else self.ranks[e]) + (r,))
+
+    def tree(self) -> DraftTree:
+        return DraftTree(self.P, self.tok, np.asarray(self.tokens, np.int32), np.asarray(self.parents, np.int32),
+                         np.asarray(self.depths, np.int32), np.asarray(self.probs, np.float32),
+                         np.asarray(self.scores, np.float32))
+
+
+@dataclass(slots=True)
+class _Rows:
+    """One sequence's rows of one module's forward (``TreeRunner._layout``): host lists, and
+    ``g`` its inputs (a backend array); ``src`` / ``dst`` its copy-on-write slots."""
+
+    toks: list
+    g: Any
+    positions: list
+    slots: list
+    tables: list
+    row_len: list
+    row_start: list | None
+    src: list
+    dst: list
+
+
 class TreeRunner:
     """Runs draft trees over the modules of a ``MultiModuleMtpHead`` in either KV mode."""
 
@@ -242,57 +344,56 @@ class TreeRunner:
         return out + [i for i, d in enumerate(depths) if d < top and self._key(m, P, d) >= 0]
 
     # -- propose ------------------------------------------------------------------
-    def propose(self, st: MtpState, tok: int, P: int, hid: Any, D: int, widths: list[int] | None,
-                counts: dict | None, mask_rows: Any, topk: Any) -> DraftTree:
-        """``mask_rows(depth, [path tokens per row]) -> [n, W] | None``; ``topk(m, normed, mask,
-        k) -> (ids [n, k], probs [n, k])`` on the host. On error every scratch sequence is
-        retired (the caller restores the state's own rows)."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        depths: list[int] = []
-        probs: list[float] = []
-        scores: list[float] = []
-        ranks: list[tuple] = []            # each node's path of ranks (static shapes)
-        mods: list[ModuleTree | None] = [None] * self.M
-        pending = PendingTree(None, mods, list(st._win), list(st._win_start), list(st._tail), st._tail_start)
+    def propose(self, jobs: list[TreeJob], hid: Any, mask_rows: Any, topk: Any) -> list[DraftTree]:
+        """The trees of ``jobs`` (one per sequence; ``hid`` [B, H] their normed ``h_{P-1}``): at
+        each depth, every sequence's rows of a module are one forward (each row its own block
+        table, the sequences one after another). ``mask_rows(m, seqs, paths) -> [n, W] | None``
+        (row j: a node of sequence ``seqs[j]``, ``paths[j]`` its path tokens); ``topk(m, normed,
+        mask, k, seqs) -> (ids [n, k], probs [n, k])`` on the host. On error every scratch
+        sequence is retired (the caller restores the states' own rows)."""
+        for j in jobs:
+            st = j.st
+            j.pending = PendingTree(None, [None] * self.M, list(st._win), list(st._win_start), list(st._tail),
+                                    st._tail_start)
         try:
-            run = self.M if self.exact else D
-            for m in range(run):
-                elems = self._elems(m, P, D, depths)
-                if not elems:
-                    continue
-                mt, normed = self._forward(st, m, P, tok, hid, elems, tokens, parents, depths, mods)
-                if m >= D:
-                    continue
-                drafting = [e for e in elems if (depths[e] if e >= 0 else -1) == m - 1]
-                rows = [mt.row_of[e] for e in drafting]
-                paths = [[] if e < 0 else [tokens[i] for i in self._path(e, parents)] for e in drafting]
-                want = [widths[m] if widths is not None else counts.get(() if e < 0 else ranks[e], 0)
-                        for e in drafting]
-                k = max(want)
-                if k == 0:
-                    continue
-                ids, pr = topk(m, normed[self.backend.from_host(np.asarray(rows, np.int64))], mask_rows(m, paths), k)
-                for j, e in enumerate(drafting):
-                    base = 0.0 if e < 0 else scores[e]
-                    for r in range(want[j]):
-                        if ids[j, r] < 0:
-                            break
-                        tokens.append(int(ids[j, r]))
-                        parents.append(e)
-                        depths.append(m)
-                        probs.append(float(pr[j, r]))
-                        scores.append(base + (math.log(pr[j, r]) if pr[j, r] > 0 else -math.inf))
-                        ranks.append((() if e < 0 else ranks[e]) + (r,))
+            for m in range(self.M if self.exact else max(j.D for j in jobs)):
+                parts = [(b, j, self._elems(m, j.P, j.D, j.depths)) for b, j in enumerate(jobs)
+                         if self.exact or m < j.D]
+                parts = [(b, j, elems) for b, j, elems in parts if elems]
+                if parts:
+                    self._expand(m, parts, self._forward(m, parts, hid), mask_rows, topk)
+            for j in jobs:
+                j.pending.tree = j.tree()
+                self._as_chain(j.st, j.pending, j.P)
+                j.st._tree = j.pending
         except BaseException:
-            self.drop(st, pending)
+            for j in jobs:
+                if j.pending is not None:
+                    self.drop(j.st, j.pending)
             raise
-        pending.tree = DraftTree(P, tok, np.asarray(tokens, np.int32), np.asarray(parents, np.int32),
-                                 np.asarray(depths, np.int32), np.asarray(probs, np.float32),
-                                 np.asarray(scores, np.float32))
-        self._as_chain(st, pending, P)
-        st._tree = pending
-        return pending.tree
+        return [j.pending.tree for j in jobs]
+
+    def _expand(self, m: int, parts: list, normed: Any, mask_rows: Any, topk: Any) -> None:
+        """Depth ``m``'s nodes: each drafting row's top-c tokens (one LM head call for all)."""
+        rows, seqs, paths, want, owners = [], [], [], [], []
+        off = 0
+        for b, j, elems in parts:
+            mt = j.pending.modules[m]
+            for e in elems if m < j.D else ():
+                if (j.depths[e] if e >= 0 else -1) == m - 1:
+                    rows.append(off + mt.row_of[e])
+                    seqs.append(b)
+                    paths.append([] if e < 0 else [j.tokens[i] for i in self._path(e, j.parents)])
+                    want.append(j.widths[m] if j.widths is not None else j.counts.get(() if e < 0 else j.ranks[e], 0))
+                    owners.append((j, e))
+            off += len(elems)
+        k = max(want, default=0)
+        if k == 0:
+            return
+        ids, pr = topk(m, normed[self.backend.from_host(np.asarray(rows, np.int64))], mask_rows(m, seqs, paths), k,
+                       seqs)
+        for r, ((j, e), c) in enumerate(zip(owners, want)):
+            j.add(e, m, ids[r, :c], pr[r, :c])
 
     @staticmethod
     def _path(e: int, parents: list[int]) -> list[int]:
@@ -302,9 +403,40 @@ class TreeRunner:
             e = parents[e]
         return out[::-1]
 
-    def _forward(self, st, m, P, tok, hid, elems, tokens, parents, depths, mods) -> tuple[ModuleTree, Any]:
-        """Module m's rows for ``elems``: lines laid out, blocks taken, the forward run;
-        -> (the rows, their normed outputs [n, H] for the LM head)."""
+    def _forward(self, m: int, parts: list, hid: Any) -> Any:
+        """Module m's rows of every sequence in ``parts`` ((b, job, elems)): each laid out
+        (``_layout``), then one forward; -> their normed outputs [n, H] (for the LM head)."""
+        laid = [self._layout(j, m, elems, hid[b:b + 1]) for b, j, elems in parts]
+        be, head = self.backend, self.modules[m]
+        n = sum(len(r.toks) for r in laid)
+        width = max(len(t) for r in laid for t in r.tables)
+        tables = np.zeros((n, width), np.int32)
+        for i, t in enumerate(t for r in laid for t in r.tables):
+            tables[i, :len(t)] = t
+
+        def cat(f: str, dtype: Any = np.int32) -> np.ndarray:
+            return np.concatenate([np.asarray(getattr(r, f), dtype) for r in laid])
+
+        src, dst = cat("src"), cat("dst")
+        row_start = None if laid[0].row_start is None else cat("row_start")
+        gs = [r.g for r in laid]
+        g = gs[0] if len(gs) == 1 else be.xp.concatenate(gs, axis=0)
+        y, normed = head.compute(be.from_host(cat("toks")), g, be.from_host(cat("positions")),
+                                 be.from_host(cat("slots")), be.from_host(tables),
+                                 be.from_host(np.arange(n, dtype=np.int32)), be.from_host(cat("row_len")),
+                                 row_start=None if row_start is None else be.from_host(row_start),
+                                 kv_copy=None if not src.size else (src, dst))
+        outs = normed if self.chain == "postnorm" else y
+        off = 0
+        for (_, j, _), r in zip(parts, laid):
+            j.pending.modules[m].outs = outs[off: off + len(r.toks)]
+            off += len(r.toks)
+        return normed
+
+    def _layout(self, job: TreeJob, m: int, elems: list[int], hid: Any) -> _Rows:
+        """Module m's rows of one sequence for ``elems``: lines laid out, blocks taken; -> what
+        its rows give the forward (``hid``: its [1, H] normed ``h_{P-1}``)."""
+        st, P, tokens, parents, depths, mods = job.st, job.P, job.tokens, job.parents, job.depths, job.pending.modules
         head = self.modules[m]
         pool = head.pool
         BS = pool.block_size
@@ -376,32 +508,19 @@ class TreeRunner:
                 for q in range(first, logical[i]):
                     src.append(int(pool.slots(seq, q, 1)[0]) if q < R else mt.slot[anc[logical[i] - 1 - q]])
                     dst.append(ln.own[(q - first) // BS] * BS + (q - first) % BS)
-        # the forward: every row its own block table
-        width = max(-(-(logical[i] + 1) // BS) for i in range(n))
-        tables = np.zeros((n, width), np.int32)
-        for i in range(n):
-            t = table_of(line_of[i])[: -(-(logical[i] + 1) // BS)]
-            tables[i, :len(t)] = t
-        row_len = np.asarray([logical[i] + 1 for i in range(n)], np.int32)
+        # every row its own block table
+        tables = [table_of(line_of[i])[: -(-(logical[i] + 1) // BS)] for i in range(n)]
         row_start = None
         W = head.block.sliding_window
         if W:
-            row_start = np.empty(n, np.int32)
+            row_start = []
             for i in range(n):
                 first_key = keys[i] - (logical[i] - R)     # the path's keys run consecutively to keys[i]
                 kv = keys[i] - W + 1
-                row_start[i] = (min(seq._keys.rows_before(kv), R) if kv <= first_key else R + kv - first_key)
-        toks = np.asarray([tok if e < 0 else tokens[e] for e in elems], np.int32)
-        positions = np.asarray(keys, np.int32) + m + 1
-        g = self._inputs(st, m, P, hid, elems, parents, mods)
-        be = self.backend
-        kv_copy = None if not src else (np.asarray(src, np.int32), np.asarray(dst, np.int32))
-        y, normed = head.compute(be.from_host(toks), g, be.from_host(positions),
-                                 be.from_host(np.asarray(mt.slot, np.int32)), be.from_host(tables),
-                                 be.from_host(np.arange(n, dtype=np.int32)), be.from_host(row_len),
-                                 row_start=None if row_start is None else be.from_host(row_start), kv_copy=kv_copy)
-        mt.outs = normed if self.chain == "postnorm" else y
-        return mt, normed
+                row_start.append(min(seq._keys.rows_before(kv), R) if kv <= first_key else R + kv - first_key)
+        toks = [job.tok if e < 0 else tokens[e] for e in elems]
+        return _Rows(toks, self._inputs(st, m, P, hid, elems, parents, mods), [k + m + 1 for k in keys],
+                     list(mt.slot), tables, [lg + 1 for lg in logical], row_start, src, dst)
 
     @staticmethod
     def _ancestry(i: int, parent_row: list) -> list[int]:

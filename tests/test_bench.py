@@ -39,11 +39,13 @@ def test_bench_contexts_writes_json_only_where_asked(workdir, tmp_path, capsys):
     assert {(r["context"], r["batch"], r["k"], r["kv_mode"]) for r in rows} == {
         (c, b, k, m) for c in (8, 40) for b in (1, 2) for k in (1, 2, 3) for m in ("draft", "exact")} | {
         (c, b, 3, m + t) for c in (8, 40) for b in (1, 2) for m in ("draft", "exact")
-        for t in ("+conf", "+stop0.5", "+tree1", "+tree4")}      # k = M: confidences, an early stop, trees
+        for t in ("+conf", "+stop0.5", "+tree1", "+tree4", "+treebatch1", "+treebatch4")}   # k = M: confidences,
+    # an early stop, trees (a call per sequence, and one propose_tree_batch)
     assert all(r["conf"] == ("+" in r["kv_mode"]) for r in rows)
     assert all((r["min_confidence"] == 0.5) == r["kv_mode"].endswith("+stop0.5") for r in rows)
     assert all(r["tree_width"] == (int(r["kv_mode"][-1]) if "+tree" in r["kv_mode"] else None) for r in rows)
     assert not any(r["floor_judged"] for r in rows if r["tree_width"])   # a tree's floor is its chain's
+    assert all(r["tree_batched"] == (("+treebatch" in r["kv_mode"]) if r["tree_width"] else None) for r in rows)
     for r in rows:
         assert r["runs"] == 2 and isinstance(r["warnings"], list) and r["floor_us"] > 0
     text = capsys.readouterr().out

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import KvCacheFull
+from ..tree import check_shapes
 from .model import ProposerModel
 
 
@@ -227,6 +228,58 @@ class CheckedProposer:
         return self._call(lambda: self.prop.after_verify_tree(path, state),
                           lambda _: self.model.verify_tree(state, [int(tree.tokens[i]) for i in path]),
                           counts=_verify_counts(k, len(path)))
+
+    def propose_tree_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, states: Any,
+                           widths: Any = None, shape: Any = None, grammar_bitmask: Any = None) -> Any:
+        """Batched draft trees: each state's tree checked as the model's ``propose_tree`` of
+        that state (the layout's rules, and with weights every node against the oracle)."""
+        def shapes() -> list:
+            return check_shapes(widths, shape, self.prop.num_modules, len(states))
+
+        def then(trees: Any) -> None:
+            assert len(trees) == len(states), f"{len(trees)} trees for {len(states)} states"
+            for i, (st, tree) in enumerate(zip(states, trees)):
+                gm = None if grammar_bitmask is None else grammar_bitmask[i]
+                self.model.propose_tree(st, last_tokens[i], target_hiddens[i], positions[i], tree, gm)
+                greedy = self.model.of(st).drafts
+                assert self.prop.read_deferred_draft_token(st) == greedy[-1], "read_deferred_draft_token after a tree"
+
+        def room():
+            return [(self.model.of(st), self.model.rows_after_propose(self.model.of(st), p, D))
+                    for st, p, (_, _, D) in zip(states, positions, shapes())]
+
+        def chain() -> bool:
+            return all(all(w == 1 for w in ws) if ws is not None else all(c == 1 for c in counts.values())
+                       for ws, counts, _ in shapes())
+
+        def call():
+            return self.prop.propose_tree_batch(last_tokens, target_hiddens, positions, states, widths, shape,
+                                                grammar_bitmask)
+
+        # the budget rule holds for chain-shaped trees only (a tree's other lines are outside any budget)
+        try:
+            is_chain = chain()
+        except (TypeError, ValueError):                     # refused by the call too (checked there)
+            is_chain = False
+        return self._call(call, then, room=room if is_chain else None)
+
+    def after_verify_tree_batch(self, paths: Any, states: Any) -> None:
+        ks, trees = [], []
+        for st in states:
+            entry = self.model.seqs.get(id(st))
+            ks.append(entry[1].k if entry is not None and entry[0] is st else 0)
+            trees.append(getattr(getattr(st, "_tree", None), "tree", None))
+
+        def then(_: Any) -> None:
+            for st, path, tree in zip(states, paths, trees):
+                self.model.verify_tree(st, [int(tree.tokens[i]) for i in path])
+
+        def counts(c: tuple) -> tuple:
+            for k, path in zip(ks, paths):
+                c = _verify_counts(k, len(path))(c)
+            return c
+
+        return self._call(lambda: self.prop.after_verify_tree_batch(paths, states), then, counts=counts)
 
     def catchup_drafter(self, tokens: Any, hiddens: Any, state: Any) -> int:
         return self.catchup_batch([tokens], [hiddens], [state], single=True)

@@ -13,7 +13,9 @@ Kinds (``KINDS``): ``alloc`` (with or without a budget), ``prefill``,
 positions in draft mode; half of them asking for the drafts' confidences, some stopping
 early at a random ``min_confidence``), ``propose_batch``, ``tree`` (a draft tree of random widths or a static shape, verified
 along a random path at once or by a later ``verify``; some unmasked ones of no drafts,
-a checked no-op), ``verify``, ``catchup`` (the accepted drafts, in both modes; also
+a checked no-op; now and then ``propose_tree_batch`` over several ready states, one
+widths / shape for all or one each, verified by ``after_verify_tree_batch`` or one by one),
+``verify``, ``catchup`` (the accepted drafts, in both modes; also
 extending the sequence past them: steps decoded without drafting), ``round`` (propose, verify and
 catch-up with checks between), ``take`` / ``install`` / ``free_carried``
 (carrying KV across turns), ``fork`` (a state sharing every block of another) and
@@ -247,7 +249,8 @@ class Driver:
         a = int(round(min(max(frac, 0.0), 1.0) * s.k))
         self.p.after_verify(INT_FORMS[int(frac * 997) % len(INT_FORMS)](a), st)
 
-    def _verify_tree(self, st: Any, s: SeqModel, frac: float) -> None:
+    @staticmethod
+    def _tree_path(st: Any, frac: float) -> list[int]:
         """A random path: ``frac`` of the depth, each step a child picked by ``frac``'s digits."""
         tree = st._tree.tree
         a = int(round(min(max(frac, 0.0), 1.0) * tree.depth))
@@ -258,21 +261,40 @@ class Driver:
                 break
             e = kids[int(frac * 10 ** (j + 1)) % len(kids)]
             path.append(e)
+        return path
+
+    def _verify_tree(self, st: Any, s: SeqModel, frac: float) -> None:
+        """One tree's verify; now and then, with every other state awaiting a tree's verify
+        (``after_verify_tree_batch``, each along its own path)."""
+        others = [o for o, so in self.model.seqs.values() if so.tree is not None and o is not st]
+        if others and int(frac * 7919) % 3 == 0:
+            group = [st] + others
+            paths = [self._tree_path(o, (frac * (i + 1) * 1.618) % 1.0) for i, o in enumerate(group)]
+            self._count("verify_tree", len(group))
+            self._count("verify_tree_batch")
+            self.p.after_verify_tree_batch(paths, group)
+            return
+        path = self._tree_path(st, frac)
         self._count("verify_tree")
         self.p.after_verify_tree(path, st)
+
+    def _tree_shape(self, rng) -> tuple[Any, Any]:
+        """Random widths (3 in 4) or a static shape: the rank-0 path, and a sibling at random depths."""
+        D = int(rng.integers(1, self.M + 1))
+        if rng.random() < 0.75:
+            return [self._int(rng, int(w)) for w in rng.integers(1, 3, D)], None
+        shape = [[0] * d for d in range(1, D + 1)]
+        return None, shape + [[0] * d + [1] for d in range(D) if rng.random() < 0.6]
 
     def _tree(self, call: Call, rng) -> bool:
         pick = self._choose(call, ("ready",))
         if pick is None:
             return False
+        ready = [(st, s) for st, s in self.model.seqs.values() if s.phase == "ready"]
+        if len(ready) > 1 and rng.random() < 0.4:
+            return self._tree_batch(call, rng, ready)
         st, s = pick
-        D = int(rng.integers(1, self.M + 1))
-        widths = shape = None
-        if rng.random() < 0.75:
-            widths = [self._int(rng, int(w)) for w in rng.integers(1, 3, D)]
-        else:                                   # a static tree: the rank-0 path, and a sibling at random depths
-            shape = [[0] * d for d in range(1, D + 1)]
-            shape += [[0] * d + [1] for d in range(D) if rng.random() < 0.6]
+        widths, shape = self._tree_shape(rng)
         mask = self._mask(rng, str(rng.choice(["none", "one", "callable"])))   # pure masks: the model asks again
         self._count("tree")
         skip = int(rng.integers(0, 3)) if self.model.mode == "draft" and call.variant == "skip" else 0
@@ -283,6 +305,34 @@ class Driver:
             return True
         if rng.random() < 0.5:
             self._verify_tree(st, s, call.frac)
+        return True
+
+    def _tree_batch(self, call: Call, rng, ready: list) -> bool:
+        """``propose_tree_batch`` over some ready states: one widths / shape for all or one each,
+        a mask (or none) each; verified at once (batched) or by later verifies."""
+        start = call.pick % len(ready)
+        group = (ready[start:] + ready[:start])[:max(2, min(call.size + 1, len(ready)))]
+        B = len(group)
+        widths, shape = self._tree_shape(rng)
+        if rng.random() < 0.5:                  # one each, of the same kind (widths, or static shapes)
+            many = [self._tree_shape(rng) for _ in range(B)]
+            widths = [w or [1] for w, _ in many] if widths is not None else None
+            shape = [sh or [[0]] for _, sh in many] if shape is not None else None
+        masks = [self._mask(rng, str(rng.choice(["none", "one", "callable"]))) for _ in group]
+        skip = int(rng.integers(0, 3)) if self.model.mode == "draft" and call.variant == "skip" else 0
+        self._count("tree", B)
+        self._count("tree_batch")
+        try:
+            self.p.propose_tree_batch([int(t) for t in rng.integers(0, self.cfg.vocab_size, B)], self._h(rng, B),
+                                      [s.next_position + skip for _, s in group], [st for st, _ in group],
+                                      widths=widths, shape=shape, grammar_bitmask=masks)
+        except (KvCacheFull, NoAllowedToken):
+            return True
+        if rng.random() < 0.5:
+            paths = [self._tree_path(st, float(rng.random())) for st, _ in group]
+            self._count("verify_tree", B)
+            self._count("verify_tree_batch")
+            self.p.after_verify_tree_batch(paths, [st for st, _ in group])
         return True
 
     def _verify(self, call: Call, rng) -> bool:
