@@ -40,6 +40,7 @@ import numpy as np
 from . import argtypes
 from .config import MtpConfig
 from .errors import MissingExtra, install_hint
+from .ops.sampling import SamplingParams
 from .synthetic import CONFIGS, synthetic_checkpoint
 from .timing import MAX_SPREAD, Timing, floor_error, measure, warnings_of
 
@@ -626,18 +627,25 @@ def _filled_states(prop, B: int, context: int) -> tuple[list, list[int], np.ndar
     return sts, rng.integers(0, V, B).tolist(), rng.standard_normal((B, H)).astype(np.float32)
 
 
+#: the sampled rows' draws (``+sample``): a temperature with top-p, as engines sample at T > 0
+BENCH_SAMPLING = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+
+
 def time_proposes(prop, k: int, B: int, context: int, warmup: int, runs: int, conf: bool = False,
-                  min_confidence: float | None = None) -> Timing:
+                  min_confidence: float | None = None, sampled: bool = False) -> Timing:
     """``propose_batch`` of ``k`` drafts for ``B`` fresh sequences of ``context`` rows each
     (filled with ``fast_fill``): the time of the propose alone, over ``runs`` calls; ``conf``:
-    asking for the drafts' confidences (``out_conf``); ``min_confidence``: an early stop."""
+    asking for the drafts' confidences (``out_conf``); ``min_confidence``: an early stop;
+    ``sampled``: every sequence's drafts sampled (``BENCH_SAMPLING``) with their probabilities
+    (``out_prob``, what rejection sampling divides by)."""
     sts, toks, hs = _filled_states(prop, B, context)
     ts = []
     try:
         for i in range(warmup + runs):
             t0 = time.perf_counter()
             prop.propose_batch(toks, hs, [context + i] * B, k, sts, out_conf=[] if conf else None,
-                               min_confidence=min_confidence)
+                               min_confidence=min_confidence, sampling=[BENCH_SAMPLING] * B if sampled else None,
+                               out_prob=[] if sampled else None)
             prop.backend.synchronize()
             if i >= warmup:
                 ts.append(time.perf_counter() - t0)
@@ -820,12 +828,14 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
             cases = [(k, False, None, False, 0) for k in range(1, M + 1)]
             cases += [(M, True, None, False, 0), (M, True, 0.5, False, 0)]
             cases += [(M, False, None, True, 0)] if sub else []               # the draft vocabulary's heads
+            cases += [(M, False, None, "sample", 0)]           # sampled drafts beside the greedy k = M row
             # draft trees of depth M: width 1 (the chain, through propose_tree) and 4 (4 + 16 + 64 nodes at M = 3),
             # a call per sequence, then all B in one propose_tree_batch (negative widths below)
             cases += [(M, True, None, False, w) for w in getattr(args, "tree_widths", ())]
             cases += [(M, True, None, False, -w) for w in getattr(args, "tree_widths", ())]
             for k, conf, stop, reduced, width in cases:
                 batched, width = width < 0, abs(width)
+                sampled, reduced = reduced == "sample", reduced is True
                 tt = torch_peer(k, B, args.warmup, args.runs, context) \
                     if torch_peer and not (conf or reduced or width) else None
                 for mode, prop in (sub if reduced else props).items():
@@ -840,11 +850,12 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                         t = time_trees(prop, [width] * k, B, context, args.warmup, args.runs, batched)
                         tag = f"+treebatch{width}" if batched else f"+tree{width}"
                     else:
-                        t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf, stop)
-                        tag = (f"+vocab{nv}" if reduced else "" if not conf else "+conf" if stop is None
-                               else f"+stop{stop:g}")
+                        t = time_proposes(prop, k, B, context, args.warmup, args.runs, conf, stop, sampled)
+                        tag = (f"+vocab{nv}" if reduced else "+sample" if sampled else "" if not conf
+                               else "+conf" if stop is None else f"+stop{stop:g}")
                     row = {"kv_mode": mode + tag, "conf": conf, "min_confidence": stop, "tree_width": width or None,
                            "tree_batched": batched if width else None,
+                           "sampling": asdict(BENCH_SAMPLING) if sampled else None,
                            "draft_vocab": nv if reduced else None, "k": k, "batch": B,
                            "context": context, **asdict(t),
                            "bytes": nbytes, "floor_us": floor_us, "x_floor": t.median_us / floor_us,

@@ -39,9 +39,12 @@ def test_bench_contexts_writes_json_only_where_asked(workdir, tmp_path, capsys):
     assert {(r["context"], r["batch"], r["k"], r["kv_mode"]) for r in rows} == {
         (c, b, k, m) for c in (8, 40) for b in (1, 2) for k in (1, 2, 3) for m in ("draft", "exact")} | {
         (c, b, 3, m + t) for c in (8, 40) for b in (1, 2) for m in ("draft", "exact")
-        for t in ("+conf", "+stop0.5", "+tree1", "+tree4", "+treebatch1", "+treebatch4")}   # k = M: confidences,
-    # an early stop, trees (a call per sequence, and one propose_tree_batch)
-    assert all(r["conf"] == ("+" in r["kv_mode"]) for r in rows)
+        for t in ("+conf", "+stop0.5", "+sample", "+tree1", "+tree4", "+treebatch1", "+treebatch4")}
+    # k = M: confidences, an early stop, sampled drafts, trees (a call per sequence, and one propose_tree_batch)
+    assert all(r["conf"] == ("+" in r["kv_mode"] and "+sample" not in r["kv_mode"]) for r in rows)
+    assert all((r["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.95, "seed": 1})
+               == r["kv_mode"].endswith("+sample") and (r["sampling"] is None) != r["kv_mode"].endswith("+sample")
+               for r in rows)
     assert all((r["min_confidence"] == 0.5) == r["kv_mode"].endswith("+stop0.5") for r in rows)
     assert all(r["tree_width"] == (int(r["kv_mode"][-1]) if "+tree" in r["kv_mode"] else None) for r in rows)
     assert not any(r["floor_judged"] for r in rows if r["tree_width"])   # a tree's floor is its chain's
