@@ -21,6 +21,7 @@ import pytest
 
 from conftest import kv_rows, near_tie, record_margins, run_rounds
 from mtpkern import MultiModuleMtpHead
+from mtpkern.backends import cuda_available
 from mtpkern.backends.cpu import CpuBackend
 from mtpkern.backends.numpy_backend import NumpyBackend
 from mtpkern.kv import BlockPool, check_fp8_kv
@@ -164,7 +165,7 @@ def _write(be, qkv, Hq, Hkv, D, Dv, NB, BS, slots, norms=None):
           if be.kv_fp8 else {})
     n = qkv.shape[0]
     qn, kn = norms if norms is not None else (None, None)
-    q = be.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, inv_freq(D, 1e4), np.arange(n, dtype=np.int32) * 7,
+    q = be.qk_norm_rope_kv_write(qkv, Hq, Hkv, qn, kn, 1e-6, inv_freq(D - D % 2, 1e4), np.arange(n, dtype=np.int32) * 7,
                                  k, v, slots, **kw)
     return q, k, v, kw
 
@@ -244,17 +245,204 @@ def test_attention_matches_the_reference(c8, Hq, Hkv, D, Dv, BS, window):
     assert order is not None
 
 
-def test_cuda_backend_refuses_fp8_by_name():
+# -- the cuda kernels, on the emulator (tests/cuda_emu) ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def emu8():
+    """The CUDA emulator (skipped where it cannot be built), routing the cuda launchers."""
+    from cuda_emu import emu_backend
+
+    yield from emu_backend.installed_emulator()
+
+
+@pytest.fixture(scope="module")
+def e8(emu8):
+    """The emulated cuda backend with an FP8 KV cache."""
+    from cuda_emu import emu_backend
+
+    return emu_backend.backend("fp8")
+
+
+@pytest.fixture
+def emu_sm_count(emu8):
+    """Set the SM count the emulated launchers plan for (attention partitions)."""
+    from cuda_emu import emu_backend
+
+    def set_count(n: int):
+        emu8.sm_count = n
+    yield set_count
+    emu8.sm_count = emu_backend.DEFAULT_SM_COUNT
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,Dv,BS", [(4, 2, 32, 32, 16), (3, 1, 20, 12, 5), (2, 2, 64, 48, 8)])
+def test_emulated_kv_write(e8, Hq, Hkv, D, Dv, BS):
+    """The cuda write kernel: V codes and scales bit for bit as the reference's; K's codes the
+    reference quantization of the same kernel's FP32 keys (an FP32 cache's write)."""
+    from cuda_emu import emu_backend
+
+    rng = np.random.default_rng(8)
+    NB, n = 7, 23
+    qkv = (rng.standard_normal((n, (Hq + Hkv) * D + Hkv * Dv)) * 3).astype(np.float32)
+    qkv[3, (Hq + Hkv) * D:] = 0.0                                      # an all-zero value row: scale 0
+    norms = (rng.standard_normal(D).astype(np.float32), rng.standard_normal(D).astype(np.float32))
+    slots = rng.permutation(NB * BS)[:n].astype(np.int32)
+    _, kr, vr, sr = _write(R8, qkv, Hq, Hkv, D, Dv, NB, BS, slots, norms)
+    _, ke, ve, se = _write(e8, qkv, Hq, Hkv, D, Dv, NB, BS, slots, norms)
+    assert ke.dtype == ve.dtype == np.uint8
+    np.testing.assert_array_equal(ve, vr)
+    np.testing.assert_array_equal(se["v_scale"], sr["v_scale"])
+    _, k32, _, _ = _write(emu_backend.backend("float32"), qkv, Hq, Hkv, D, Dv, NB, BS, slots, norms)
+    b, o = slots // BS, slots % BS
+    codes, scale = quantize_rows(np.asarray(k32)[b, o])
+    np.testing.assert_array_equal(ke[b, o], codes)
+    np.testing.assert_array_equal(se["k_scale"][b, o], scale)
+    untouched = np.ones((NB, BS), bool)
+    untouched[b, o] = False
+    assert not ke[untouched].any() and not se["k_scale"][untouched].any()
+
+
+def _near_tie_rows(rng, n: int, Dv: int) -> np.ndarray:
+    """[n, Dv] FP32 rows whose first value makes the scale s and whose others are the FP32 values
+    nearest to E4M3 midpoints times s, and their neighbours: quotients x / s whose FP32 rounding
+    lands on a midpoint they are not (or is one)."""
+    tab = np.sort(np.unique(e4m3_table()[np.isfinite(e4m3_table())].astype(np.float64)))
+    mids = ((tab[1:] + tab[:-1]) / 2)[tab[1:] > 0]
+    rows = np.empty((n, Dv), np.float32)
+    for i in range(n):
+        A = np.float32(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-20, 20))
+        s = np.float32(A / np.float32(448.0))
+        m = rng.choice(mids, (Dv - 1) // 3)
+        x = (m * np.float64(s)).astype(np.float32)
+        vals = np.concatenate([x, np.nextafter(x, np.float32(np.inf)), np.nextafter(x, np.float32(0))])
+        vals *= rng.choice(np.array([-1, 1], np.float32), vals.size)
+        rows[i] = np.concatenate([[A], vals, np.zeros(Dv - 1 - vals.size, np.float32)])
+    return rows
+
+
+def test_emulated_write_rounds_near_ties_as_the_reference(e8):
+    """Values on and beside E4M3 midpoints (times the row's scale): the cuda encoder's FP32
+    quotient with its exact-residual tie check gives the float64 reference's codes."""
+    rng = np.random.default_rng(13)
+    n, D, Dv, NB, BS = 32, 8, 64, 4, 8
+    qkv = np.zeros((n, 2 * D + Dv), np.float32)
+    qkv[:, 2 * D:] = _near_tie_rows(rng, n, Dv)
+    slots = np.arange(n, dtype=np.int32)
+    _, _, vr, sr = _write(R8, qkv, 1, 1, D, Dv, NB, BS, slots)
+    _, _, ve, se = _write(e8, qkv, 1, 1, D, Dv, NB, BS, slots)
+    np.testing.assert_array_equal(se["v_scale"], sr["v_scale"])
+    np.testing.assert_array_equal(ve, vr)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,Dv,BS", [(4, 2, 32, 32, 16), (6, 2, 24, 16, 5), (16, 1, 128, 128, 16),
+                                            (5, 5, 19, 13, 3)])
+@pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("sms", [132, 1])
+def test_emulated_attention_matches_the_reference(e8, emu_sm_count, Hq, Hkv, D, Dv, BS, window, sms):
+    """The cuda attention over the reference's FP8 caches: 16-byte tile copies (D, Dv % 16 == 0)
+    and scalar ones, split partitions merged (132 SMs) or one partition (1 SM), windows, sinks."""
+    emu_sm_count(sms)
+    rng = np.random.default_rng(D + Dv)
+    NB = 40
+    n = NB * BS
+    qkv = rng.standard_normal((n, (Hq + Hkv) * D + Hkv * Dv)).astype(np.float32)
+    slots = np.arange(n, dtype=np.int32)
+    _, k, v, kw = _write(R8, qkv, Hq, Hkv, D, Dv, NB, BS, slots)
+    S = 2
+    mb = NB // S
+    tables = rng.permutation(NB)[: S * mb].reshape(S, mb).astype(np.int32)
+    cap = mb * BS
+    row_seq = np.array([0, 0, 1, 0, 1, 1, 0], np.int32)
+    row_len = np.array([1, cap, cap - 1, 17, 33 % cap + 1, 2, cap // 2 + 1], np.int32)
+    q = rng.standard_normal((row_seq.size, Hq, D)).astype(np.float32)
+    opt = {}
+    if window:
+        opt = {"row_start": np.maximum(row_len - 40, 0).astype(np.int32),
+               "sinks": rng.standard_normal(Hq).astype(np.float32)}
+    K, V = R8.kv_to_host(k, kw["k_scale"]), R8.kv_to_host(v, kw["v_scale"])
+    want = REF.paged_attention(q, K, V, tables, row_seq, row_len, D ** -0.5, **opt)
+    got = e8.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, **opt, **kw)
+    assert_close(got, want, "float32", "emulated cuda FP8 attention")
+    # the negative control: the codes read without their scales are far off
+    ones = {n_: np.ones_like(a) for n_, a in kw.items()}
+    bad = e8.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, **opt, **ones)
+    with pytest.raises(AssertionError):
+        assert_close(bad, want, "bfloat16", "codes without their scales")
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_emulated_proposer_drafts_as_the_reference(tiny_ckpt, e8, mode):
+    """An FP8-KV proposer on the emulated kernels (eager: the planned step refuses FP8) against
+    the numpy FP8-KV reference: the same drafts, and the rows alike (K / V within two E4M3 steps,
+    nearly every code equal: other GEMV orders move a few roundings)."""
+    pe, de = run_rounds(tiny_ckpt, e8, mode, seed=5, cuda_graphs=False)
+    pn, dn = run_rounds(tiny_ckpt, NumpyBackend("fp8"), mode, seed=5)
+    assert de == dn
+    se, sn = (next(iter(p._states.values())) for p in (pe, pn))
+    for m in range(pn.num_modules):
+        for (ce, ae), (cn, an) in zip(((0, 2), (1, 3)), ((0, 2), (1, 3))):
+            re_, rn = _raw_rows(pe, se, m), _raw_rows(pn, sn, m)
+            x, y = dequantize(re_[ce], re_[ae]), dequantize(rn[cn], rn[an])
+            amax = np.abs(y).max(axis=-1, keepdims=True)
+            assert (np.abs(x - y) <= 2 * REL_ERROR * np.abs(y) + 2 * SUBNORMAL_ABS * amax + 1e-6).all(), m
+            assert (re_[ce] == rn[cn]).mean() > 0.95
+
+
+def test_emulated_planned_step_is_refused(tiny_ckpt, e8):
+    with pytest.raises(ValueError, match=r"cuda_graphs: the planned .* FP8 KV cache"):
+        MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=e8, block_size=4, num_blocks=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="no usable CUDA device")
+@pytest.mark.parametrize("Hq,Hkv,D,Dv,BS", [(32, 8, 128, 128, 16), (6, 2, 24, 16, 5)])
+def test_gpu_kv_write_and_attention(Hq, Hkv, D, Dv, BS):
+    """On a GPU: the write kernel's V codes and scales as the reference's, K's as the reference
+    quantization of the FP32 cache's keys; the attention over the reference's FP8 caches within
+    the FP32 tolerance of the reference."""
     from mtpkern.backends.cuda import CudaBackend
 
-    with pytest.raises(ValueError, match=r"kv_dtype: 'fp8'.*cuda kernels"):
-        CudaBackend(kv_dtype="fp8")
+    g8, g32 = CudaBackend(kv_dtype="fp8"), CudaBackend(kv_dtype="float32")
+    rng = np.random.default_rng(12)
+    NB, n = 64, 40
+    qkv = (rng.standard_normal((n, (Hq + Hkv) * D + Hkv * Dv)) * 3).astype(np.float32)
+    slots = rng.permutation(NB * BS)[:n].astype(np.int32)
+    _, kr, vr, sr = _write(R8, qkv, Hq, Hkv, D, Dv, NB, BS, slots)
+    _, kg, vg, sg = _write(g8, qkv, Hq, Hkv, D, Dv, NB, BS, slots)
+    _, k32, _, _ = _write(g32, qkv, Hq, Hkv, D, Dv, NB, BS, slots)
+    np.testing.assert_array_equal(g8.to_host(vg), vr)
+    np.testing.assert_array_equal(g8.to_host(sg["v_scale"]), sr["v_scale"])
+    b, o = slots // BS, slots % BS
+    codes, scale = quantize_rows(g32.to_host(k32)[b, o])
+    np.testing.assert_array_equal(g8.to_host(kg)[b, o], codes)
+    np.testing.assert_array_equal(g8.to_host(sg["k_scale"])[b, o], scale)
+    # the attention over the reference's caches, every slot written
+    _, kr, vr, sr = _write(R8, rng.standard_normal((NB * BS, qkv.shape[1])).astype(np.float32), Hq, Hkv, D, Dv,
+                           NB, BS, np.arange(NB * BS, dtype=np.int32))
+    tables = rng.permutation(NB).reshape(2, NB // 2).astype(np.int32)
+    cap = NB // 2 * BS
+    row_seq = np.array([0, 1, 1, 0], np.int32)
+    row_len = np.array([1, cap, cap // 3 + 1, cap - 5], np.int32)
+    q = rng.standard_normal((4, Hq, D)).astype(np.float32)
+    want = REF.paged_attention(q, R8.kv_to_host(kr, sr["k_scale"]), R8.kv_to_host(vr, sr["v_scale"]), tables,
+                               row_seq, row_len, D ** -0.5)
+    up = {k_: g8.from_host(v_) for k_, v_ in sr.items()}
+    got = g8.paged_attention(g8.from_host(q), g8.from_host(kr), g8.from_host(vr), g8.from_host(tables),
+                             g8.from_host(row_seq), g8.from_host(row_len), D ** -0.5, **up)
+    assert_close(g8.to_host(got), want, "float32", "cuda FP8 attention")
 
 
 @pytest.mark.parametrize("make", [NumpyBackend, CpuBackend])
 def test_backends_refuse_unknown_kv_dtypes(make):
     with pytest.raises(ValueError, match=r"kv_dtype: the (numpy|cpu) backend takes 'float32' or 'fp8', got 'e5m2'"):
         make(kv_dtype="e5m2")
+
+
+def test_cuda_backend_refuses_unknown_kv_dtypes():
+    from mtpkern.backends.cuda import CudaBackend
+
+    with pytest.raises(ValueError, match=r"kv_dtype: the cuda backend takes 'bfloat16' or 'float32' or 'fp8', "
+                                         r"got 'e5m2'"):
+        CudaBackend(kv_dtype="e5m2")
 
 
 # -- proposers ---------------------------------------------------------------------------------
