@@ -4,9 +4,10 @@ mtpkern.ops.kv_fp8, docs/kv_pool.md "FP8 KV cache").
 - the quantization against float64 (codes by brute force over E4M3's values, scales), and
   negative controls: reading the codes without their scale, or one scale per tensor, fails;
 - the cpu kernels' encoder and KV write bit for bit against the reference's;
-- the KV write and the attention of the numpy and cpu backends (and the refusal of the cuda
-  backend, whose kernels do not read FP8 yet);
-- proposers: the KV rows the two backends hold (codes, scales), drafts equal to an FP32-KV
+- the KV write and the attention of the numpy and cpu backends and of the cuda kernels on the
+  emulator (tests/cuda_emu; a gpu-marked twin for a GPU): codes bit for bit from the same FP32
+  rows, attention within the FP32 tolerance of the reference over the same caches;
+- proposers: the KV rows the backends hold (codes, scales), drafts equal to an FP32-KV
   proposer's except where the reference's two best logits are within ``TOLERANCE["fp8_kv"]``,
   forks / shares / trees / trims keeping the scales with the codes;
 - the refusals (MLA, DSA, DeepSeek-V4's attention, hyper-connections, sharding), before any
@@ -225,8 +226,7 @@ def test_attention_matches_the_reference(c8, Hq, Hkv, D, Dv, BS, window):
     qkv = rng.standard_normal((n, (Hq + Hkv) * D + Hkv * Dv)).astype(np.float32)
     slots = rng.permutation(NB * BS)[:n].astype(np.int32)
     _, k, v, kw = _write(R8, qkv, Hq, Hkv, D, Dv, NB, BS, slots)
-    # two sequences over the written slots (their tables name the blocks in slot order)
-    order = slots.argsort()
+    # two sequences over the pool's blocks (every slot a written row or zeros)
     tables = np.stack([np.arange(NB, dtype=np.int32), np.roll(np.arange(NB, dtype=np.int32), 3)])
     nr = 7
     q = rng.standard_normal((nr, Hq, D)).astype(np.float32)
@@ -242,7 +242,6 @@ def test_attention_matches_the_reference(c8, Hq, Hkv, D, Dv, BS, window):
     np.testing.assert_array_equal(got_r, want)                  # the reference: dequantize, then FP32
     got_c = c8.paged_attention(q, k, v, tables, row_seq, row_len, D ** -0.5, **opt, **kw)
     assert_close(got_c, want, "float32", "cpu FP8 attention")
-    assert order is not None
 
 
 # -- the cuda kernels, on the emulator (tests/cuda_emu) ----------------------------------------------
@@ -379,12 +378,12 @@ def test_emulated_proposer_drafts_as_the_reference(tiny_ckpt, e8, mode):
     assert de == dn
     se, sn = (next(iter(p._states.values())) for p in (pe, pn))
     for m in range(pn.num_modules):
-        for (ce, ae), (cn, an) in zip(((0, 2), (1, 3)), ((0, 2), (1, 3))):
-            re_, rn = _raw_rows(pe, se, m), _raw_rows(pn, sn, m)
-            x, y = dequantize(re_[ce], re_[ae]), dequantize(rn[cn], rn[an])
+        re_, rn = _raw_rows(pe, se, m), _raw_rows(pn, sn, m)
+        for c, sc in ((0, 2), (1, 3)):                  # K (codes, scales), then V
+            x, y = dequantize(re_[c], re_[sc]), dequantize(rn[c], rn[sc])
             amax = np.abs(y).max(axis=-1, keepdims=True)
             assert (np.abs(x - y) <= 2 * REL_ERROR * np.abs(y) + 2 * SUBNORMAL_ABS * amax + 1e-6).all(), m
-            assert (re_[ce] == rn[cn]).mean() > 0.95
+            assert (re_[c] == rn[c]).mean() > 0.95
 
 
 def test_emulated_planned_step_is_refused(tiny_ckpt, e8):
