@@ -409,11 +409,22 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
         vc = bf16_uniform((n * nb, BS, Hkv, D), 3, 200 + ctx)
         pos = cp.full(n, ctx - 1, cp.int32)
         slots = cp.asarray(np.arange(n, dtype=np.int32) * nb * BS + ctx - 1)
+        # the same KV as an FP8 cache (E4M3 codes, one FP32 scale per row and KV head; mtpkern.ops.kv_fp8):
+        # finite codes at random, every scale 2^-6; one byte a value and 4 a (row, KV head) read
+        crs = cp.random.RandomState(300 + ctx)
+        kc8, vc8 = ((crs.randint(0, 0x7E, (n * nb, BS, Hkv, D)) | (crs.randint(0, 2, (n * nb, BS, Hkv, D)) << 7))
+                    .astype(cp.uint8) for _ in range(2))
+        sc8 = {"k_scale": cp.full((n * nb, BS, Hkv), 2.0 ** -6, cp.float32),
+               "v_scale": cp.full((n * nb, BS, Hkv), 2.0 ** -6, cp.float32)}
         if ctx == contexts[0]:
             cases.append(("qk_norm_rope_kv_write", 0,
                           n * QKV * f4 + n * Hq * D * f4 + 2 * n * Hkv * D * b2,
                           lambda kc=kc, vc=vc, pos=pos, slots=slots: be.qk_norm_rope_kv_write(
                               qkv, Hq, Hkv, w.q_norm, w.k_norm, eps, invf, pos, kc, vc, slots, out=q)))
+            cases.append(("qk_norm_rope_kv_write fp8kv", 0,
+                          n * QKV * f4 + n * Hq * D * f4 + 2 * n * Hkv * (D + 4),
+                          lambda kc8=kc8, vc8=vc8, pos=pos, slots=slots, sc8=sc8: be.qk_norm_rope_kv_write(
+                              qkv, Hq, Hkv, w.q_norm, w.k_norm, eps, invf, pos, kc8, vc8, slots, out=q, **sc8)))
         p = attn_launch.plan(Hq // Hkv, D, nb * BS, work=n * Hkv, target_blocks=2 * sm_count())
         ws = {}
         part_bytes = 0
@@ -424,6 +435,9 @@ def kernel_cases(cfg: MtpConfig, be, w, n: int, contexts: list[int]) -> list[tup
         cases.append(("paged_attention", ctx, 2 * n * ctx * Hkv * D * b2 + 2 * n * Hq * D * f4 + part_bytes,
                       lambda kc=kc, vc=vc, tables=tables, row_seq=row_seq, row_len=row_len, qa=qa, ws=ws:
                       be.paged_attention(qa, kc, vc, tables, row_seq, row_len, D ** -0.5, out=o, **ws)))
+        cases.append(("paged_attention fp8kv", ctx, 2 * n * ctx * Hkv * (D + 4) + 2 * n * Hq * D * f4 + part_bytes,
+                      lambda kc8=kc8, vc8=vc8, tables=tables, row_seq=row_seq, row_len=row_len, qa=qa, ws=ws, sc8=sc8:
+                      be.paged_attention(qa, kc8, vc8, tables, row_seq, row_len, D ** -0.5, out=o, **ws, **sc8)))
         # a sliding window of 128 rows with sinks (Step-3.5 / MiMo-V2 modules): the same grid
         # (partitions come from the shapes), most of its blocks exit at once
         win = min(128, ctx)

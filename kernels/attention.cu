@@ -14,6 +14,11 @@
 //   (e^(s_hq - M) + sum_i e^(l_i - M)).
 //
 // paged_attention_kernel<KV, DC>: grid (Hkv * chunks, n, num_parts), block 128 = 4 warps.
+//   KV = __nv_fp8_e4m3 (an FP8 KV cache, mtpkern.ops.kv_fp8): the tiles stage the codes, one byte
+//   per element (16-byte copies where D % 16 == Dv % 16 == 0), warp 0 stages each tile row's K and
+//   V scales of head h beside its slot (k_scale / v_scale [NB, BS, Hkv]; null for other caches),
+//   and every element is read as e4m3(code) * scale (the reference's dequantized value) into
+//   the same FMAs.
 //   The M dimension of a block is (query rows of one sequence) x (query heads of one KV
 //   head): a block serves `heads` query heads (chunks = ceil(group / heads)) of KV head h
 //   for a *run* of up to `rows` consecutive rows of one sequence, over partition p, so each
@@ -52,7 +57,8 @@
 //   paged_attention_merge_kernel combines them.
 //   Shared memory (dynamic, bytes) = stages * 32 * (Dp + 16 / sizeof(KV) + Dvp) * sizeof(KV)
 //   + 4 * (rows * heads * Dp + 4 * 32 * MW + 16 * MW + stages * 32 + 2 * rows), Dp / Dvp = D / Dv
-//   rounded up to 8, MW = 8 (DC 2, 4) or 4 (DC 8); the launcher computes the same sum.
+//   rounded up to 8, MW = 8 (DC 2, 4) or 4 (DC 8), and for FP8 + 4 * 2 * (stages + 1) * 32 (the
+//   scales); the launcher computes the same sum.
 //
 // paged_attention_tc_kernel<MT, DC>: the same outputs and partials from the same arguments and
 //   grid over a BF16 cache, the scores and P V on tensor cores (mma.sync m16n8k16) with q in
@@ -113,6 +119,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ void set_zero(float& x) { x = 0.0f; }
 __device__ __forceinline__ void set_zero(__nv_bfloat16& x) { x = __float2bfloat16_rn(0.0f); }
+__device__ __forceinline__ void set_zero(__nv_fp8_e4m3& x) { x.__x = 0; }
 
 // N elements of a shared-memory row as floats (p aligned to N * sizeof(KV), 16 at most
 // per read: N * 4 == 32 is two reads).
@@ -143,6 +150,22 @@ __device__ __forceinline__ void lds(const __nv_bfloat16* p, float (&f)[N]) {
     f[4] = bf16_lo(u.z); f[5] = bf16_hi(u.z); f[6] = bf16_lo(u.w); f[7] = bf16_hi(u.w);
   }
 }
+
+// N E4M3 codes of a shared-memory row (p aligned to N bytes) -> their values times the row's
+// scale, e4m3(code) * scale: one FP32 rounding, the reference's dequantized value (an FP8 KV
+// cache, mtpkern.ops.kv_fp8; e4m3() is the FP8 weights' decode). Other caches: lds, no scale.
+template <int N>
+__device__ __forceinline__ void lds_kv(const __nv_fp8_e4m3* p, float scale, float (&f)[N]) {
+  const unsigned char* c = reinterpret_cast<const unsigned char*>(p);
+  unsigned long long u;
+  if constexpr (N == 2) u = *reinterpret_cast<const unsigned short*>(c);
+  else if constexpr (N == 4) u = *reinterpret_cast<const unsigned*>(c);
+  else u = *reinterpret_cast<const unsigned long long*>(c);
+#pragma unroll
+  for (int i = 0; i < N; ++i) f[i] = e4m3(static_cast<unsigned char>(u >> (8 * i))) * scale;
+}
+template <int N, typename KV>
+__device__ __forceinline__ void lds_kv(const KV* p, float, float (&f)[N]) { lds<N>(p, f); }
 
 // Query vectors per warp: o[MW][DC] = 32 registers (16 for DC 2).
 template <int DC>
@@ -235,8 +258,14 @@ __device__ __forceinline__ AttnRing attn_ring(const int* ra, const int* rb, int*
 }
 
 // Warp 0: the slots of tile k into ring stage k % stages (-1: a row no query row of the block sees).
+// An FP8 cache (kscale not null): also its rows' scales of KV head h, K's into ks and V's into vs,
+// rings of stages + 1 tiles [stages + 1][T] (0 for a row not read): tile k + stages's are written
+// while the PV pass of tile k has yet to read tile k's V scales.
 __device__ __forceinline__ void attn_tile_slots(const AttnRing& R, int k, const int* __restrict__ block_tables,
-                                                int seq, int max_blocks, int BS, int warp, int lane) {
+                                                int seq, int max_blocks, int BS, int warp, int lane,
+                                                const float* __restrict__ kscale = nullptr,
+                                                const float* __restrict__ vscale = nullptr, float* ks = nullptr,
+                                                float* vs = nullptr, int Hkv = 0, int h = 0) {
   if (warp != 0 || k >= R.ntiles) return;
   const int pos = R.lo + k * kAttnTile + lane;
   bool need = pos < R.hi;
@@ -244,8 +273,15 @@ __device__ __forceinline__ void attn_tile_slots(const AttnRing& R, int k, const 
     need = false;
     for (int i = 0; i < R.nr; ++i) need = need || (R.ra[i] <= pos && pos < R.rb[i]);
   }
-  R.slots[(k % R.stages) * kAttnTile + lane] =
-      need ? block_tables[static_cast<long long>(seq) * max_blocks + pos / BS] * BS + pos % BS : -1;
+  const int slot = need ? block_tables[static_cast<long long>(seq) * max_blocks + pos / BS] * BS + pos % BS : -1;
+  const int at = (k % R.stages) * kAttnTile + lane;
+  R.slots[at] = slot;
+  if (kscale != nullptr) {
+    const long long i = static_cast<long long>(slot) * Hkv + h;
+    const int sat = (k % (R.stages + 1)) * kAttnTile + lane;
+    ks[sat] = slot >= 0 ? kscale[i] : 0.0f;
+    vs[sat] = slot >= 0 ? vscale[i] : 0.0f;
+  }
 }
 
 // Every thread: its share of tile k's K and V rows of KV head h into ring stage k % stages,
@@ -316,11 +352,13 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
                        const int* __restrict__ row_len, const float* __restrict__ sinks,
                        float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
                        int Hq, int Hkv, int D, int Dv, int BS, int heads, int rows, int stages, int part_size,
-                       int num_parts, float scale) {
+                       int num_parts, float scale, const float* __restrict__ k_scale,
+                       const float* __restrict__ v_scale) {
   using namespace mtp;
   constexpr int MW = attn_mw<DC>();
   constexpr int T = kAttnTile;
   constexpr int E = 16 / static_cast<int>(sizeof(KV));  // elements per 16-byte copy
+  constexpr bool kFp8 = kv_fp8<KV>;                     // E4M3 codes, scales k_scale / v_scale
   extern __shared__ float4 smem_raw[];
   const AttnBlock B = attn_block(row_seq, Hq, Hkv, heads);
   const int warp = B.warp, lane = B.lane, h = B.h, gc = B.gc, hq0 = B.hq0, p = B.p, r0 = B.r0, seq = B.seq;
@@ -338,10 +376,13 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
   int* slot_s = reinterpret_cast<int*>(ml_s + kAttnWarps * 4 * MW);  // [stages][T], -1: not read
   int* ra_s = slot_s + stages * T;                                 // [rows] a_i
   int* rb_s = ra_s + rows;                                         // [rows] b_i
+  float* ks_s = reinterpret_cast<float*>(rb_s + rows);             // FP8: [stages + 1][T] the rows' K scales,
+  float* vs_s = ks_s + (stages + 1) * T;                           // [stages + 1][T] and V scales
 
   attn_ranges(ra_s, rb_s, nr, r0, row_start, row_len, max_blocks * BS, p, part_size);
   __syncthreads();
-  const bool vec = D % 8 == 0 && Dv % 8 == 0 && aligned16(k_cache) && aligned16(v_cache);
+  const bool vec = D % 8 == 0 && Dv % 8 == 0 && (!kFp8 || (D % E == 0 && Dv % E == 0)) && aligned16(k_cache) &&
+                   aligned16(v_cache);
   const AttnRing R = attn_ring(ra_s, rb_s, slot_s, nr, stages, vec);
   if (R.ntiles == 0) {  // uniform: no row of the run has a KV row in this partition
     if (num_parts == 1) attn_zero_out(out, M, gc, r0, Hq, hq0, Dv);
@@ -355,7 +396,11 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
     q_s[t] = d < D ? q[hq * D + d] * scale : 0.0f;
   }
   const int ntiles = R.ntiles, hi = R.hi, lo = R.lo;
-  auto tile_slots = [&](int k) { attn_tile_slots(R, k, block_tables, seq, max_blocks, BS, warp, lane); };
+  auto tile_slots = [&](int k) {
+    if constexpr (kFp8) attn_tile_slots(R, k, block_tables, seq, max_blocks, BS, warp, lane, k_scale, v_scale, ks_s,
+                                        vs_s, Hkv, h);
+    else attn_tile_slots(R, k, block_tables, seq, max_blocks, BS, warp, lane);
+  };
   auto issue = [&](int k) { attn_issue(R, k, k_s, v_s, Dks, Dvs, k_cache, v_cache, Hkv, h, D, Dv, warp, lane); };
 
   // o in registers; the running max and sum of the warp's query vectors in shared memory,
@@ -385,13 +430,14 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
 
     // scores of row `lane` of the tile for this warp's query vectors
     const KV* kr = k_s + (k % stages) * T * Dks + lane * Dks;
+    const float ksc = kFp8 ? ks_s[(k % (stages + 1)) * T + lane] : 1.0f;  // this lane's row's K scale (FP8)
     float acc[MW];
 #pragma unroll
     for (int j = 0; j < MW; ++j) acc[j] = 0.0f;
 #pragma unroll 1
     for (int d0 = 0; d0 < Dp; d0 += 8) {
       float kf[8];
-      lds<8>(kr + d0, kf);
+      lds_kv<8>(kr + d0, ksc, kf);
 #pragma unroll
       for (int j = 0; j < MW; ++j) {
         const int m = warp + kAttnWarps * j;
@@ -436,11 +482,12 @@ paged_attention_kernel(const float* __restrict__ q, const KV* __restrict__ k_cac
     // PV: o[j][:] += p[j][t] v_t[:], t in tile order
     if (dl < Dvs) {
       const KV* vt = v_s + (k % stages) * T * Dvs + dl;
+      const float* vsc = vs_s + (k % (stages + 1)) * T;  // FP8: the tile rows' V scales
       const int nt = min(T, hi - tile0);
 #pragma unroll 2
       for (int t = 0; t < nt; ++t) {
         float vf[DC];
-        lds<DC>(vt + t * Dvs, vf);
+        lds_kv<DC>(vt + t * Dvs, kFp8 ? vsc[t] : 1.0f, vf);
         const float* pt = pw + t * MW;
 #pragma unroll
         for (int j4 = 0; j4 < MW; j4 += 4) {

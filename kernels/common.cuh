@@ -86,6 +86,13 @@ struct Elem<nvfp4x2_e2m1> {
   static constexpr bool row_scaled = true;  // its records hold an FP32 row scale
   using Scale = unsigned char;  // a row's record: FP32 row scale, then E4M3 codes per 16
 };
+// Whether a KV cache of element type KV holds FP8 E4M3 codes, with one FP32 scale per (row, KV head)
+// in a plane beside it (mtpkern.ops.kv_fp8; rope_kv.cu writes them, attention.cu reads them).
+template <typename KV>
+constexpr bool kv_fp8 = false;
+template <>
+constexpr bool kv_fp8<__nv_fp8_e4m3> = true;
+
 // The type of W's scales (the kernels' `scale` parameter).
 template <typename W>
 using ScaleT = typename Elem<W>::Scale;
@@ -158,6 +165,33 @@ __device__ __forceinline__ float from_f32<float>(float v) { return v; }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);  // round to nearest even, as ml_dtypes' astype
+}
+
+// The FP8 KV cache (mtpkern.ops.kv_fp8): the E4M3 code (float8_e4m3fn) of x / s (s > 0), rounded to
+// nearest, ties to even, as the exact quotient rounds once (ml_dtypes' float64 -> float8_e4m3fn of
+// the float64 quotient, the cpu backend's e4m3_code): y = x / s in FP32, then to E4M3's 3 mantissa
+// bits by rintf; where y lands exactly on an E4M3 midpoint the exact residual fmaf(-y, s, x) says on
+// which side the true quotient lies (y = fl(x / s) can equal a midpoint it is not; rounding is
+// monotonic, so no other case differs). |y| over 448 is clamped to 448 (a row's write never passes
+// 448 (1 + 2^-24)); NaN -> 0x7F. No float64 on the device (its division is a call: register spills).
+// Under -ftz a residual or quotient below FP32's normal range reads as 0 (rows of values ~1e-30).
+__device__ __forceinline__ unsigned char e4m3_div(float x, float s) {
+  const float y = x / s;
+  if (y != y) return 0x7F;
+  const unsigned sign = (__float_as_uint(x) >> 31) << 7;
+  const float a = fminf(fabsf(y), 448.0f);
+  const bool normal = a >= 0.015625f;                    // 2^-6, the least normal E4M3 value
+  int e = normal ? static_cast<int>((__float_as_uint(a) >> 23) & 0xFF) - 127 : -6;  // a = 1.f 2^e
+  const float t = a * __uint_as_float(static_cast<unsigned>(3 - e + 127) << 23);     // steps of 2^(e-3): exact
+  float r = rintf(t);
+  if (t - truncf(t) == 0.5f && a == fabsf(y)) {          // y on a midpoint: the exact quotient's side
+    const float res = fmaf(-y, s, x);                    // x - y s, exact: s (q - y)
+    if (res != 0.0f) r = ((res > 0.0f) == (x > 0.0f)) ? ceilf(t) : floorf(t);   // |q| above or below |y|
+  }
+  unsigned m = static_cast<unsigned>(r);
+  if (!normal) return static_cast<unsigned char>(sign | m);   // 0 .. 8 (8: 2^-6, the least normal code)
+  if (m == 16u) { m = 8u; ++e; }                              // rounded up into the next binade
+  return static_cast<unsigned char>(sign | (static_cast<unsigned>(e + 7) << 3) | (m - 8u));
 }
 
 // Two bf16 packed in a 32-bit word (element 0 in the low half: little endian).

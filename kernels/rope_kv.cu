@@ -8,6 +8,11 @@
 //   q_out [n, Hq, D] fp32 = rope(rmsnorm(q, q_norm_w))
 //   k_cache[slot, hk, :] = KV(rope(rmsnorm(k, k_norm_w)))     k_cache [NB, BS, Hkv, D] in KV
 //   v_cache[slot, hk, :] = KV(v)                               v_cache [NB, BS, Hkv, Dv] in KV
+//   KV = __nv_fp8_e4m3 (an FP8 KV cache, mtpkern.ops.kv_fp8; not with VIsK): each K / V row of a
+//   head as E4M3 codes of value / scale, scale = amax / 448 of the row into k_scale / v_scale
+//   [NB, BS, Hkv] at (slot, hk) (null for the other KV types); the warp takes the row's amax
+//   (warp_max), then computes the values again and writes the codes (e4m3_div: the exact quotient
+//   rounded once, as the reference's float64 one)
 //                          (VIsK: the same KV(rope(rmsnorm(k))) as k_cache, Dv == D)
 //                                                              (slot = block * BS + offset)
 //
@@ -42,6 +47,39 @@ namespace mtp {
 constexpr int kRopeWarps = 4;
 }
 
+// One warp over a head: lane i rotates pair i, i + 32, .. of the first 2 half dims (neox halves, or
+// pairs (2i, 2i + 1) with Interleave) and passes the rest; each value v of dim d goes to put(d, v) once.
+template <bool Interleave, typename Normed, typename Put>
+__device__ __forceinline__ void rope_head(int lane, int half, int D, float pos, const float* __restrict__ inv_freq,
+                                          float rope_scale, Normed normed, Put put) {
+  for (int i = lane; i < half; i += mtp::kWarp) {
+    const int a = Interleave ? 2 * i : i, b = Interleave ? 2 * i + 1 : i + half;  // the pair's dims
+    const float x1 = normed(a), x2 = normed(b);
+    float s, c;
+    sincosf(pos * inv_freq[i], &s, &c);
+    c *= rope_scale;
+    s *= rope_scale;
+    put(a, x1 * c - x2 * s);
+    put(b, x2 * c + x1 * s);
+  }
+  for (int d = 2 * half + lane; d < D; d += mtp::kWarp) put(d, normed(d));
+}
+
+// FP8 KV (mtpkern.ops.kv_fp8): the code of value v under its row's scale (0: the row is all zeros).
+__device__ __forceinline__ unsigned char fp8_code(float v, float scale) {
+  return scale == 0.0f ? 0 : mtp::e4m3_div(v, scale);
+}
+
+// One warp: the n values value(d) of a row into E4M3 codes at dst and their scale amax / 448 at *scale.
+template <typename F>
+__device__ __forceinline__ void fp8_row(int n, F value, __nv_fp8_e4m3* dst, float* scale, int lane) {
+  float amax = 0.0f;
+  for (int d = lane; d < n; d += mtp::kWarp) amax = fmaxf(amax, fabsf(value(d)));
+  const float s = mtp::warp_max(amax) / 448.0f;
+  if (lane == 0) *scale = s;
+  for (int d = lane; d < n; d += mtp::kWarp) dst[d].__x = fp8_code(value(d), s);
+}
+
 template <typename KV, bool Interleave, bool VIsK>
 __global__ void __launch_bounds__(mtp::kRopeWarps * mtp::kWarp)
 qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float* __restrict__ q_norm_w,
@@ -50,7 +88,9 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
                              const int* __restrict__ positions, KV* __restrict__ k_cache,
                              KV* __restrict__ v_cache, const int* __restrict__ slots,
                              long long num_slots, float* __restrict__ q_out, int Hq, int Hkv, int D,
-                             int Dv) {
+                             int Dv, float* __restrict__ k_scale, float* __restrict__ v_scale) {
+  constexpr bool kFp8 = mtp::kv_fp8<KV>;  // codes + a scale per (row, KV head)
+  static_assert(!(kFp8 && VIsK), "an FP8 KV cache does not take DeepSeek-V4's shared KV");
   const int warp = threadIdx.x / mtp::kWarp, lane = threadIdx.x % mtp::kWarp;
   const int h = blockIdx.x * mtp::kRopeWarps + warp;  // head of the row: q, then k, then v
   const long long r = blockIdx.y;
@@ -73,7 +113,11 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
   }
 
   if (!is_q && !is_k) {  // v: convert and store
-    for (int d = lane; d < Dv; d += mtp::kWarp) kvdst[d] = mtp::from_f32<KV>(src[d]);
+    if constexpr (kFp8) {
+      fp8_row(Dv, [&](int d) { return src[d]; }, kvdst, v_scale + (kvdst - v_cache) / Dv, lane);
+    } else {
+      for (int d = lane; d < Dv; d += mtp::kWarp) kvdst[d] = mtp::from_f32<KV>(src[d]);
+    }
     return;
   }
 
@@ -87,28 +131,28 @@ qk_norm_rope_kv_write_kernel(const float* __restrict__ qkv, int ld, const float*
     denom = sqrtf(ss / static_cast<float>(D) + eps);
   }
   auto normed = [&](int d) { return nw ? src[d] / denom * nw[d] : src[d]; };
-  auto put = [&](int d, float v) {
+  const float pos = static_cast<float>(positions[r]);
+  if constexpr (kFp8) {
+    if (!is_q) {  // the key: its amax first, then the codes (the values computed again: the same bits)
+      float amax = 0.0f;
+      rope_head<Interleave>(lane, half, D, pos, inv_freq, rope_scale, normed,
+                            [&](int, float v) { amax = fmaxf(amax, fabsf(v)); });
+      const float scale = mtp::warp_max(amax) / 448.0f;
+      if (lane == 0) k_scale[(kvdst - k_cache) / D] = scale;
+      rope_head<Interleave>(lane, half, D, pos, inv_freq, rope_scale, normed,
+                            [&](int d, float v) { kvdst[d].__x = fp8_code(v, scale); });
+      return;
+    }
+  }
+  rope_head<Interleave>(lane, half, D, pos, inv_freq, rope_scale, normed, [&](int d, float v) {
     if (is_q) {
       qdst[d] = v;
-    } else {
+    } else if constexpr (!kFp8) {
       const KV kv = mtp::from_f32<KV>(v);
       kvdst[d] = kv;
       if (VIsK) v_cache[(kvdst - k_cache) + d] = kv;
     }
-  };
-
-  const float pos = static_cast<float>(positions[r]);
-  for (int i = lane; i < half; i += mtp::kWarp) {
-    const int a = Interleave ? 2 * i : i, b = Interleave ? 2 * i + 1 : i + half;  // the pair's dims
-    const float x1 = normed(a), x2 = normed(b);
-    float s, c;
-    sincosf(pos * inv_freq[i], &s, &c);
-    c *= rope_scale;
-    s *= rope_scale;
-    put(a, x1 * c - x2 * s);
-    put(b, x2 * c + x1 * s);
-  }
-  for (int d = 2 * half + lane; d < D; d += mtp::kWarp) put(d, normed(d));
+  });
 }
 
 template <bool Interleave, bool Inverse>

@@ -186,13 +186,14 @@ def fp4_bytes(*shape: int, fmt: str = "mxfp4") -> int:
     return int(np.prod(lead, dtype=np.int64)) * per
 
 
-def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator) -> list[tuple[str, int, Callable]]:
+def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator,
+             be8=None) -> list[tuple[str, int, Callable]]:
     """(name, bytes moved, thunk) for every op at decode shape ``n`` rows: BF16 weights, then
     every GEMV again with the same weights in FP8 (``FP8_BLOCK`` scales; ``<op>_fp8``), then the
     SwiGLUs (routed experts, shared / dense MLP) in the re-published formats: FP4 (``<op>_fp4``:
     E2M1 with E8M0 scales per 32, MXFP4, DeepSeek-V4's experts), NVFP4 (``<op>_nvfp4``: E2M1
     with E4M3 scales per 16 and a global scale) and MXFP8 (``<op>_mxfp8``: E4M3 with a scale
-    per 32)."""
+    per 32). ``be8``: an FP8-KV twin of ``be`` (``--fp8-kv``): GQA's KV write and attention on it too."""
     import ml_dtypes
 
     from .ops.moe import RouterSpec
@@ -252,7 +253,7 @@ def op_cases(cfg: MtpConfig, be, context: int, n: int, rng: np.random.Generator)
         gate8, w13_8, w2_8 = W8(gate), W8(w13), W8(w2)
         used13, used2 = fp8_bytes(distinct, 2 * I, H), fp8_bytes(distinct, H, I)
     attention = (mla_op_cases(cfg, be, context, n, W, W8, act, vec, rng) if cfg.block(0).mla
-                 else gqa_op_cases(cfg, be, context, n, W, W8, act, vec, rng))
+                 else gqa_op_cases(cfg, be, context, n, W, W8, act, vec, rng, be8))
     cases = [
         ("rmsnorm", 2 * n * H * f4 + H * f4, lambda: be.rmsnorm(x, vec(H), 1e-5)),
         ("mtp_input", 2 * H * H * b2 + n * H * b2 + 2 * n * H * f4, lambda: be.mtp_input(embed, tokens, g, vec(H), vec(H), eh, 1e-5)),
@@ -318,15 +319,52 @@ def written(cache, rng: np.random.Generator):
     8 x 32768 never-written rows timed 59 GB/s, twice the machine's read rate). A device pool
     is written by its allocation (``cupy.zeros`` runs a kernel)."""
     if isinstance(cache, np.ndarray):
-        cache[...] = rng.standard_normal(cache.shape, dtype=np.float32)
+        if cache.dtype == np.uint8:                 # FP8 codes: any finite E4M3 code (0x7F / 0xFF are NaN)
+            cache[...] = rng.integers(0, 0x7E, cache.shape, dtype=np.uint8) | (rng.integers(0, 2, cache.shape,
+                                                                                             dtype=np.uint8) << 7)
+        else:
+            cache[...] = rng.standard_normal(cache.shape, dtype=np.float32)
     return cache
 
 
+def kv_twin(be, kv_dtype: str):
+    """A backend of ``be``'s kind (and thread count) whose KV caches are ``kv_dtype``: the bench's
+    FP8-KV rows (``--fp8-kv``) beside the backend's own."""
+    from .backends.cpu import CpuBackend
+    from .backends.numpy_backend import NumpyBackend
+
+    if be.name == "numpy":
+        return NumpyBackend(kv_dtype)
+    if be.name == "cpu":
+        return CpuBackend(threads=be.threads, kv_dtype=kv_dtype)
+    from .backends.cuda import CudaBackend
+
+    return CudaBackend(kv_dtype=kv_dtype)
+
+
+def kv_scale_planes(be, NB: int, Hkv: int) -> dict:
+    """An FP8 backend's KV scale planes for ``NB`` bench blocks ({} otherwise): the ops' keywords."""
+    if not be.kv_fp8:
+        return {}
+    return {"k_scale": written_scales(be.empty_kv_scales(NB, BENCH_BLOCK, Hkv)),
+            "v_scale": written_scales(be.empty_kv_scales(NB, BENCH_BLOCK, Hkv))}
+
+
+def written_scales(plane):
+    """A scale plane with every row's scale written (a host array; see ``written``)."""
+    if isinstance(plane, np.ndarray):
+        plane[...] = 2.0 ** -6
+    return plane
+
+
 def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
-                 rng: np.random.Generator) -> list[tuple[str, int, Callable]]:
+                 rng: np.random.Generator, be8=None) -> list[tuple[str, int, Callable]]:
     """The attention ops of a GQA block at decode shape ``n`` rows: the fused projection,
     the q/k norm + RoPE + KV write, the paged attention (full, and a window of 128 with
-    sinks), the head-wise gate, ``o_proj`` (BF16, then the projections in FP8)."""
+    sinks), the head-wise gate, ``o_proj`` (BF16, then the projections in FP8). ``be8``: a
+    twin of ``be`` with an FP8 KV cache (``kv_twin``): the KV write and the attention again on
+    it (``<op>_fp8kv``: one byte a value and a 4-byte scale per row and KV head, read and
+    counted)."""
     from .ops.rope_kv import inv_freq
 
     H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -336,7 +374,8 @@ def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
     nb, tables, row_seq, row_len, pos, slots = decode_rows(be, n, context)
     kc = written(be.empty_keys(nb * n, BENCH_BLOCK, Hkv, D), rng)
     vc = written(be.empty_kv(nb * n, BENCH_BLOCK, Hkv, D), rng)
-    kvb = np.dtype(be.kv_dtype).itemsize
+    skw = kv_scale_planes(be, nb * n, Hkv)
+    kvr = be.kv_row_bytes(D)                      # bytes of one row of one KV head (an FP8 cache's scale too)
     qkv = act(n, (Hq + 2 * Hkv) * D)
     q = act(n, Hq, D)
     invf = be.from_host(inv_freq(cfg.rotary_dim, cfg.rope_theta))
@@ -350,16 +389,37 @@ def gqa_op_cases(cfg: MtpConfig, be, context: int, n: int, W, W8, act, vec,
     return [
         ("linear_qkv", (Hq + 2 * Hkv) * D * H * b2 + n * (H + (Hq + 2 * Hkv) * D) * f4, lambda: be.linear(x, wqkv)),
         ("linear_o", H * Hq * D * b2 + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo, None, x)),
-        ("qk_norm_rope_kv_write", n * ((Hq + 2 * Hkv) * D + Hq * D) * f4 + 2 * n * Hkv * D * kvb,
-         lambda: be.qk_norm_rope_kv_write(qkv, Hq, Hkv, vec(D), vec(D), 1e-5, invf, pos, kc, vc, slots)),
-        (f"paged_attention_ctx{context}", 2 * n * context * Hkv * D * kvb + 2 * n * Hq * D * f4,
-         lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5)),
-        (f"paged_attention_ctx{context}_w{window}_sinks", 2 * n * window * Hkv * D * kvb + 2 * n * Hq * D * f4,
-         lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, row_start=starts, sinks=sinks)),
+        ("qk_norm_rope_kv_write", n * ((Hq + 2 * Hkv) * D + Hq * D) * f4 + 2 * n * Hkv * kvr,
+         lambda: be.qk_norm_rope_kv_write(qkv, Hq, Hkv, vec(D), vec(D), 1e-5, invf, pos, kc, vc, slots, **skw)),
+        (f"paged_attention_ctx{context}", 2 * n * context * Hkv * kvr + 2 * n * Hq * D * f4,
+         lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, **skw)),
+        (f"paged_attention_ctx{context}_w{window}_sinks", 2 * n * window * Hkv * kvr + 2 * n * Hq * D * f4,
+         lambda: be.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, row_start=starts, sinks=sinks,
+                                    **skw)),
+    ] + ([] if be8 is None else fp8_kv_cases(be8, n, context, (Hq, Hkv, D), (qkv, q, invf, vec), rng)) + [
         ("sigmoid_gate", 2 * n * Hq * D * f4 + n * Hq * f4, lambda: be.sigmoid_gate(xo, gates, out=gated)),
         ("linear_qkv_fp8", fp8_bytes((Hq + 2 * Hkv) * D, H) + n * (H + (Hq + 2 * Hkv) * D) * f4,
          lambda: be.linear(x, wqkv8)),
         ("linear_o_fp8", fp8_bytes(H, Hq * D) + n * (Hq * D + 2 * H) * f4, lambda: be.linear(xo, wo8, None, x)),
+    ]
+
+
+def fp8_kv_cases(be8, n: int, context: int, dims: tuple, args: tuple, rng: np.random.Generator) -> list:
+    """The KV write and the paged attention (``<op>_fp8kv``) on ``be8``, a twin backend with an FP8 KV
+    cache, at the shapes of ``gqa_op_cases``'s rows: the codes (one byte a value) and the scales (4
+    bytes per row and KV head) counted."""
+    (Hq, Hkv, D), (qkv, q, invf, vec) = dims, args
+    f4 = 4
+    nb, tables, row_seq, row_len, pos, slots = decode_rows(be8, n, context)
+    kc = written(be8.empty_keys(nb * n, BENCH_BLOCK, Hkv, D), rng)
+    vc = written(be8.empty_kv(nb * n, BENCH_BLOCK, Hkv, D), rng)
+    skw = kv_scale_planes(be8, nb * n, Hkv)
+    kvr = be8.kv_row_bytes(D)
+    return [
+        ("qk_norm_rope_kv_write_fp8kv", n * ((Hq + 2 * Hkv) * D + Hq * D) * f4 + 2 * n * Hkv * kvr,
+         lambda: be8.qk_norm_rope_kv_write(qkv, Hq, Hkv, vec(D), vec(D), 1e-5, invf, pos, kc, vc, slots, **skw)),
+        (f"paged_attention_ctx{context}_fp8kv", 2 * n * context * Hkv * kvr + 2 * n * Hq * D * f4,
+         lambda: be8.paged_attention(q, kc, vc, tables, row_seq, row_len, D ** -0.5, **skw)),
     ]
 
 
@@ -443,11 +503,12 @@ def dsa_op_cases(b, be, context: int, n: int, W, act, vec, cache, uk, uv, q_in, 
     ]
 
 
-def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "") -> list[dict]:
-    """Every op (or those whose name starts with ``only``) at ``n`` rows and ``context`` rows of KV."""
+def bench_ops(cfg, be, context, n, warmup, runs, copy_gbs, only: str = "", be8=None) -> list[dict]:
+    """Every op (or those whose name starts with ``only``) at ``n`` rows and ``context`` rows of KV
+    (``be8``: with the FP8-KV rows, ``op_cases``)."""
     rng = np.random.default_rng(0)
     out = []
-    for name, nbytes, fn in op_cases(cfg, be, context, n, rng):
+    for name, nbytes, fn in op_cases(cfg, be, context, n, rng, be8):
         if not name.startswith(only):
             continue
         t = measure(fn, warmup, runs, be.synchronize)
@@ -468,7 +529,8 @@ def expected_experts(E: int, K: int, rows: int) -> float:
 
 
 def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int, kv_mode: str = "exact",
-                  head_rows: int | None = None, shard: Any = None) -> list[tuple[str, float, int]]:
+                  head_rows: int | None = None, shard: Any = None,
+                  kv_scale_bytes: int = 0) -> list[tuple[str, float, int]]:
     """What one propose of k drafts must do, module by module and part by part, as
     ``(part, bytes, multiply-adds)``: ``m<i> proj`` (eh_proj, the attention's projections and
     o_proj), ``m<i> ffn`` (router, routed and shared experts or the dense MLP), ``m<i> attn``
@@ -490,7 +552,8 @@ def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
     vocabulary's size; default the whole vocabulary). ``shard``: one rank of a sharded head
     (mtpkern.shard): its heads, KV heads and vocabulary rows, ``1 / size`` of the experts'
     and the MLPs' (the routed experts' in expectation, by id or by slice), the replicated
-    tensors whole."""
+    tensors whole. ``kv_scale_bytes``: an FP8 KV cache's scale per row and KV head, of K and of V
+    (4; ``Backend.kv_row_bytes``), read with the codes."""
     H, V = cfg.hidden_size, cfg.vocab_size if head_rows is None else head_rows
     if shard is not None:
         lo, hi = shard.vocab(cfg.vocab_size)
@@ -536,7 +599,9 @@ def propose_parts(cfg: MtpConfig, k: int, context: int, B: int, kv_itemsize: int
             ffn_fmas = 3 * cfg.intermediate_size * H // share
         parts += [(f"m{m} proj", 2 * (kv_proj + (on_proj if on else 0)), rows * kv_proj + on * on_proj),
                   (f"m{m} ffn", ffn_bytes, on * ffn_fmas),
-                  (f"m{m} attn", B * keys * b.kv_row_values * kv_itemsize if on else 0, on * attn_fmas)]
+                  (f"m{m} attn", B * keys * (b.kv_row_values * kv_itemsize
+                                             + (0 if b.mla else 2 * b.num_key_value_heads * kv_scale_bytes))
+                   if on else 0, on * attn_fmas)]
         if m < k:
             parts.append((f"m{m} head", 2 * V * H, B * V * H))
     return parts
@@ -713,6 +778,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-ops", action="store_true", help="skip the per-op table")
     ap.add_argument("--no-propose", action="store_true", help="skip the propose table")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager peer even if torch imports")
+    ap.add_argument("--fp8-kv", action="store_true",
+                    help="also time the KV write and the paged attention with an FP8 KV cache (E4M3 codes and a "
+                         "scale per row and KV head; rows '<op>_fp8kv', at every context) beside the backend's "
+                         "own (BF16 on cuda, FP32 on cpu / numpy); GQA shapes only")
     ap.add_argument("--tree-widths", type=argtypes.positive_int, nargs="*", default=[1, 4], metavar="W",
                     help="draft-tree rows: a tree of depth M with W children per node, for each W, "
                          "a propose_tree per sequence (+treeW) and one propose_tree_batch of the batch "
@@ -754,6 +823,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = args.batches
     be = get_backend(args.backend, threads=args.threads)
     warm_up(be)
+    be8 = None
+    if getattr(args, "fp8_kv", False):
+        if cfg.block(0).mla:
+            raise ValueError(f"--fp8-kv: the FP8 KV cache is implemented for GQA attention; --shapes {args.shapes} "
+                             f"is MLA")
+        be8 = kv_twin(be, "fp8")
+        warm_up(be8)
     threads = getattr(be, "threads", None)
     res: dict[str, Any] = {"shapes": args.shapes, "config": cfg.describe(), "contexts": contexts,
                            "backend": be.describe(), "threads": threads,
@@ -775,10 +851,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_ops:
         res["ops"] = []
         for n in batches:
-            res["ops"] += bench_ops(cfg, be, contexts[0], n, args.warmup, args.runs, copy_gbs)
+            res["ops"] += bench_ops(cfg, be, contexts[0], n, args.warmup, args.runs, copy_gbs, be8=be8)
             for c in contexts[1:]:
                 res["ops"] += bench_ops(cfg, be, c, n, args.warmup, args.runs, copy_gbs,
-                                        only="mla_attention" if cfg.block(0).mla else "paged_attention")
+                                        only="mla_attention" if cfg.block(0).mla else "paged_attention", be8=be8)
         print_ops(res["ops"])
     if not args.no_propose:
         res["propose"] = bench_proposes(args, cfg, be, contexts, read_gbs, llc, res, gfma)
@@ -817,6 +893,7 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
     sub = {mode: make_proposer(ckpt, be, mode, max(args.batches), max(contexts), steps, np.arange(nv))
            for mode in args.kv_modes} if nv else {}
     kvb = np.dtype(be.kv_dtype).itemsize
+    kvs = 4 if be.kv_fp8 else 0                      # an FP8 cache's scales
     rows = []
     print(f"\n{'kv_mode':<17}{'k':>3}{'B':>4}{'ctx':>7}{'median us':>12}{'p20':>10}{'p80':>10}{'floor us':>10}"
           f"{'x floor':>9}{'roof us':>9}{'x roof':>8}{'torch us':>10}{'vs torch':>9}")
@@ -839,7 +916,7 @@ def bench_proposes(args, cfg: MtpConfig, be, contexts: list[int], read_gbs: floa
                 tt = torch_peer(k, B, args.warmup, args.runs, context) \
                     if torch_peer and not (conf or reduced or width) else None
                 for mode, prop in (sub if reduced else props).items():
-                    parts = propose_parts(cfg, k, context, B, kvb, mode, nv if reduced else None)
+                    parts = propose_parts(cfg, k, context, B, kvb, mode, nv if reduced else None, kv_scale_bytes=kvs)
                     nbytes = round(sum(p[1] for p in parts))
                     floor_us = nbytes / (read_gbs * 1e9) * 1e6
                     fmas = sum(p[2] for p in parts)

@@ -40,7 +40,7 @@ import numpy as np
 from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
 from .config import EMBED_MASK_POSITION, MtpConfig
 from .errors import StateError
-from .kv import BlockPool, SeqKv, WindowRule
+from .kv import BlockPool, SeqKv, WindowRule, check_fp8_kv
 from .lm import LmHead, ShardedLmHead
 from .ops.dsa import DSA_NORM_EPS
 from .ops.moe import RouterSpec
@@ -234,6 +234,8 @@ class MtpHead:
         #: router id -> this rank's expert (-1: another rank's), for an expert-parallel rank
         self._expert_map = None if em is None else backend.from_host(em)
         window = WindowRule(b.sliding_window, trim_margin, max_forward_rows) if b.sliding_window else None
+        if getattr(backend, "kv_fp8", False):
+            check_fp8_kv(b, index, config.hc_mult, self.shard is not None)
         self.pool = BlockPool(index, num_blocks, block_size, b.num_key_value_heads, b.head_dim, backend,
                               v_head_dim=b.v_dim, window=window, latent_width=b.latent_width,
                               index_width=b.index_width)
@@ -465,6 +467,7 @@ class MtpHead:
             q = be.qk_norm_rope_kv_write(qkv, b.num_attention_heads, b.num_key_value_heads,
                                          w.q_norm, w.k_norm, eps, self._inv_freq, positions,
                                          self.pool.k, self.pool.v, slots, **self._rope_kw, **self._kv_kw,
+                                         **self.pool.scale_kw,
                                          **put("rope_kv", out="q"))                               # [n, Hq, D]
             if b.out_rope:
                 ex["positions"] = positions
@@ -517,7 +520,8 @@ class MtpHead:
                                           **kw, **put("mla_attention", out="o"))                # [n, Hq Dv]
         else:
             o = be.paged_attention(q, self.pool.k, self.pool.v, tables, row_seq, row_len, self._scale,
-                                   **self._attn_kw, **kw, **put("attention", out="o"))           # [n, Hq Dv]
+                                   **self._attn_kw, **kw, **self.pool.scale_kw,
+                                   **put("attention", out="o"))                                   # [n, Hq Dv]
         if b.gate_size:                      # o * sigmoid(gate): the gate columns after q|k|v (MLA: kv_a)
             o = be.sigmoid_gate(o, qkv[:, self._gate_off:], **put("gate", out="o"))
         if b.out_rope:                       # the rotary dims back to the query's frame (DeepSeek-V4; not MLA)

@@ -297,6 +297,27 @@ def _unregistered_copy(seq: SeqKv) -> SeqKv:
     return new
 
 
+def check_fp8_kv(block: Any, module: int, hc_mult: int = 1, sharded: bool = False) -> None:
+    """Refuse, by name and before anything is allocated, a module ``kv_dtype="fp8"`` does not
+    implement: FP8 KV (mtpkern.ops.kv_fp8) is GQA attention's K and V caches, unsharded; MLA's
+    latent rows (and DSA's indexer keys), DeepSeek-V4's attention, hyper-connections and a
+    sharded head keep their caches in FP32 / BF16 (docs/kv_pool.md, "FP8 KV cache").
+    ``block``: the module's ``BlockSpec``."""
+    if block.mla:
+        what = f"uses MLA (kv_lora_rank {block.kv_lora_rank}{', with a DSA indexer' if block.dsa else ''})"
+    elif block.shared_kv or block.out_rope or block.o_groups:
+        what = (f"uses DeepSeek-V4's attention (shared_kv {block.shared_kv}, out_rope {block.out_rope}, "
+                f"o_groups {block.o_groups})")
+    elif hc_mult > 1:
+        what = f"has hyper-connections (hc_mult {hc_mult})"
+    elif sharded:
+        what = "is one rank's shard of a sharded head"
+    else:
+        return
+    raise ValueError(f"kv_dtype: 'fp8' is implemented for GQA attention on one rank; module {module}'s block "
+                     f"{what}; expected kv_dtype 'float32' (cpu / numpy) or 'bfloat16' (cuda)")
+
+
 class BlockPool:
     """K/V caches of one module, the free list of their blocks, and the registry of
     the sequences that own them. Every method that changes a sequence names its
@@ -339,11 +360,22 @@ class BlockPool:
             raise ValueError(f"index_width: an indexer plane needs an MLA pool (latent_width > 0), got {index_width}")
         #: the DSA indexer keys' plane (None without an indexer)
         self.index_k = backend.empty_latent_kv(num_blocks, block_size, index_width) if index_width else None
+        fp8 = bool(getattr(backend, "kv_fp8", False))
+        if fp8 and (latent_width or index_width):
+            raise ValueError(f"kv_dtype: 'fp8' is implemented for GQA attention's K and V caches; module "
+                             f"{module}'s pool holds MLA latent rows (latent_width {latent_width})")
         if latent_width:
             self.k, self.v = backend.empty_latent_kv(num_blocks, block_size, latent_width), None
         else:
             self.k = backend.empty_keys(num_blocks, block_size, num_kv_heads, head_dim)
             self.v = backend.empty_kv(num_blocks, block_size, num_kv_heads, v_head_dim or head_dim)
+        #: an FP8 pool's scale planes, FP32 [num_blocks, block_size, Hkv], one scale per row and KV
+        #: head of K and of V (mtpkern.ops.kv_fp8); planes like the caches: every copy of rows
+        #: (copy-on-write, a tree's lines) moves codes and scales together. None otherwise.
+        self.k_scale = backend.empty_kv_scales(num_blocks, block_size, num_kv_heads) if fp8 else None
+        self.v_scale = backend.empty_kv_scales(num_blocks, block_size, num_kv_heads) if fp8 else None
+        #: the scale planes as the KV write's and the attention's keyword arguments ({}: no FP8)
+        self.scale_kw = {"k_scale": self.k_scale, "v_scale": self.v_scale} if fp8 else {}
         # A stack: pop() hands out the lowest free id first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._refs = np.zeros(num_blocks, np.int64)        # sequences holding each block; 0 = free
@@ -376,13 +408,14 @@ class BlockPool:
         return block_size * row_values * itemsize
 
     def block_bytes(self) -> int:
-        """Bytes of one block: K and V (or the latent rows, and the indexer keys), ``block_size`` rows each."""
+        """Bytes of one block: K and V (and their FP8 scales; or the latent rows, and the indexer keys),
+        ``block_size`` rows each."""
         return sum(int(c.nbytes) for c in self.planes()) // self.num_blocks
 
     def planes(self) -> tuple[Any, ...]:
-        """The caches of this pool, each ``[num_blocks, block_size, ...]``: K and V, or the
-        latent rows (and the indexer keys)."""
-        return tuple(c for c in (self.k, self.v, self.index_k) if c is not None)
+        """The caches of this pool, each ``[num_blocks, block_size, ...]``: K and V (and an FP8
+        pool's scale planes), or the latent rows (and the indexer keys)."""
+        return tuple(c for c in (self.k, self.v, self.index_k, self.k_scale, self.v_scale) if c is not None)
 
     def available_to(self, seq: SeqKv) -> int:
         """Blocks ``seq`` may still take: the unpromised free ones plus its own reservation."""

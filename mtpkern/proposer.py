@@ -54,7 +54,7 @@ from .draft import DraftChain
 from .exact import ExactChain
 from .grammar import MaskFn, resolve
 from .head import MtpHead
-from .kv import BlockPool
+from .kv import BlockPool, check_fp8_kv
 from .models import family
 from .shard import Shard, agreement, check_experts, sharded_call
 from .state import AcceptanceStats, DrafterKv, MtpState, exclusive, is_busy
@@ -232,6 +232,12 @@ class MultiModuleMtpHead(DraftProposer):
         self.module_schedule = resolve_schedule(module_schedule, config.num_modules, max_drafts)
         config, weights = expand_schedule(config, weights, self.module_schedule)
         self._check_pool_size(config, backend, num_blocks, block_size, shard)
+        if getattr(backend, "kv_fp8", False):       # refused before any pool is allocated
+            for m in range(config.num_modules):
+                check_fp8_kv(config.block(m), m, config.hc_mult, shard is not None)
+            if cuda_graphs and backend.name == "cuda":
+                raise ValueError("cuda_graphs: the planned (captured) propose step does not take an FP8 KV cache "
+                                 "yet (kv_dtype 'fp8'); expected cuda_graphs=False, got True")
         #: the LM heads' token subset (mtpkern.vocab.DraftVocab), or None: the whole vocabulary
         self.draft_vocab = None if draft_vocab is None else DraftVocab(draft_vocab, config.vocab_size)
         if shard is not None:                       # a sharded head reads its vocabulary's rows at load
@@ -303,7 +309,10 @@ class MultiModuleMtpHead(DraftProposer):
         blocks = [cfg.block(m) for m in range(cfg.num_modules)]
         if shard is not None:                        # a rank's pools hold its KV heads only
             blocks = [shard.block(b, f" (module {m})") for m, b in enumerate(blocks)]
-        sizes = [BlockPool.bytes_per_block(block_size, b.kv_row_values, item) for b in blocks]
+        # an FP8 cache's scale planes: 4 bytes per row and KV head, of K and of V
+        scales = (lambda b: 2 * 4 * b.num_key_value_heads) if getattr(backend, "kv_fp8", False) else (lambda b: 0)
+        sizes = [BlockPool.bytes_per_block(block_size, b.kv_row_values, item) + block_size * scales(b)
+                 for b in blocks]
         need = num_blocks * sum(sizes)
         have = backend.memory_bytes()
         if have is not None and need > have:

@@ -243,12 +243,12 @@ def kv_rows(prop, st, m):
     pool = prop.modules[m].pool
     seq = st.kv[m]
     be = prop.backend
-    k = be.kv_to_host(pool.k)
+    k = be.kv_to_host(pool.k, pool.k_scale)          # an FP8 pool's codes dequantized with their scales
     if pool.index_k is not None:  # DSA: each row's indexer key after its latent row
         k = np.concatenate([k, be.kv_to_host(pool.index_k)], axis=2)
     if pool.latent_width:        # MLA: the latent rows as [rows, 1, L + R], an empty V
         k = k[:, :, None, :]
-    v = np.zeros(k.shape[:3] + (0,), np.float32) if pool.v is None else be.kv_to_host(pool.v)
+    v = np.zeros(k.shape[:3] + (0,), np.float32) if pool.v is None else be.kv_to_host(pool.v, pool.v_scale)
     r = np.arange(seq.base * pool.block_size, seq.rows)
     blk = np.asarray(seq.blocks, np.int64)[r // pool.block_size - seq.base]
     return k[blk, r % pool.block_size], v[blk, r % pool.block_size]

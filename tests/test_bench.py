@@ -444,3 +444,35 @@ def test_propose_fmas_counts_each_row_once():
     for mode in ("exact", "draft"):
         assert propose_fmas(moe, 3, 64, 8, mode) == 8 * propose_fmas(moe, 3, 64, 1, mode)
     assert propose_fmas(moe, 3, 64, 1, "exact") > propose_fmas(moe, 3, 64, 1, "draft")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_fp8_kv_rows_count_one_byte_a_value_and_the_scales(backend):
+    """``--fp8-kv``: the KV write and the attention on an FP8-KV twin of the backend, beside its
+    own rows; their floors count one byte a value and 4 bytes a row and KV head (K and V), the
+    twin's own rows the same on an FP8 backend, and the outputs are finite (written codes)."""
+    from mtpkern.backends import get_backend
+    from mtpkern.bench import SHAPES, kv_twin, op_cases
+
+    cfg = SHAPES["tiny"][0]()
+    be = get_backend(backend)
+    be8 = kv_twin(be, "fp8")
+    assert be8.kv_fp8 and be8.name == be.name and not be.kv_fp8
+    n, ctx, Hq, Hkv, D = 2, 40, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rows = {name: (nbytes, fn) for name, nbytes, fn in op_cases(cfg, be, ctx, n, np.random.default_rng(0), be8)}
+    assert rows[f"paged_attention_ctx{ctx}"][0] == 2 * n * ctx * Hkv * D * 4 + 2 * n * Hq * D * 4
+    assert rows[f"paged_attention_ctx{ctx}_fp8kv"][0] == 2 * n * ctx * Hkv * (D + 4) + 2 * n * Hq * D * 4
+    assert rows["qk_norm_rope_kv_write_fp8kv"][0] == n * ((Hq + 2 * Hkv) * D + Hq * D) * 4 + 2 * n * Hkv * (D + 4)
+    for name in ("qk_norm_rope_kv_write_fp8kv", f"paged_attention_ctx{ctx}_fp8kv"):
+        assert np.isfinite(be.to_host(rows[name][1]())).all(), name
+    own = {name: nbytes for name, nbytes, _ in op_cases(cfg, be8, ctx, n, np.random.default_rng(0))}
+    assert own[f"paged_attention_ctx{ctx}"] == rows[f"paged_attention_ctx{ctx}_fp8kv"][0]
+
+
+def test_propose_parts_count_fp8_scales():
+    cfg = small_config()
+    b = cfg.block(0)
+    plain = dict((p[0], p[1]) for p in propose_parts(cfg, 1, 1000, 2, 1, "draft"))
+    fp8 = dict((p[0], p[1]) for p in propose_parts(cfg, 1, 1000, 2, 1, "draft", kv_scale_bytes=4))
+    assert fp8["m0 attn"] - plain["m0 attn"] == 2 * 1000 * 2 * b.num_key_value_heads * 4
+    assert fp8["m0 proj"] == plain["m0 proj"]

@@ -167,13 +167,24 @@ def window_bound(prop, m: int) -> int | None:
     ("cpu", "exact", "qwen35_ckpt"),
     ("cpu", "exact", "nemo_ckpt"), ("cpu", "draft", "nemo_ckpt"),
     ("cpu", "exact", "nemo_latent_ckpt"), ("cpu", "draft", "nemo_latent_ckpt"),
-    ("cpu", "exact", "nvfp4_ckpt")])
+    ("cpu", "exact", "nvfp4_ckpt"),
+    # an FP8 KV cache (docs/kv_pool.md): the pools' scale planes through every call; no FP32 oracle
+    # (its drafts may differ where the two best logits are within the quantization's bound)
+    ("cpu-fp8", "exact", "sm_ckpt"), ("numpy-fp8", "draft", "window_ckpt")])
 def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     path, weights = request.getfixturevalue(ckpt)
     made = []
+    if backend.endswith("-fp8"):
+        from mtpkern.backends.cpu import CpuBackend
+        from mtpkern.backends.numpy_backend import NumpyBackend
+
+        be = CpuBackend(kv_dtype="fp8") if backend == "cpu-fp8" else NumpyBackend("fp8")
+        weights = None
+    else:
+        be = backend
 
     def make():
-        made.append(MultiModuleMtpHead.from_pretrained(path, backend=backend, kv_mode=kv_mode, block_size=4,
+        made.append(MultiModuleMtpHead.from_pretrained(path, backend=be, kv_mode=kv_mode, block_size=4,
                                                        num_blocks=POOL[ckpt], prefill_chunk=5))
         return made[-1]
 

@@ -59,10 +59,26 @@ def all_fp8_or_none(names: str, *fp8: bool) -> bool:
     return all(fp8)
 
 
+#: the ``kv_dtype`` names a backend may take (each backend says which of them it implements)
+KV_DTYPES = ("float32", "bfloat16", "fp8")
+
+
+def check_kv_dtype(kv_dtype: Any, allowed: tuple[str, ...], backend: str) -> str:
+    """``kv_dtype`` as one of ``allowed`` (a name of ``KV_DTYPES``), or a ValueError naming the
+    argument, what this backend takes and what was given."""
+    if not isinstance(kv_dtype, str) or kv_dtype not in allowed:
+        raise ValueError(f"kv_dtype: the {backend} backend takes "
+                         f"{' or '.join(repr(a) for a in allowed)}, got {kv_dtype!r}")
+    return kv_dtype
+
+
 class Backend(ABC):
     name: str = "?"
-    #: dtype of the paged KV cache
+    #: dtype of the paged KV cache (uint8 E4M3 codes when ``kv_fp8``)
     kv_dtype: Any = np.float32
+    #: whether the KV caches hold FP8 E4M3 codes, one FP32 scale per (row, KV head) in a plane
+    #: beside each (``kv_dtype="fp8"``; mtpkern.ops.kv_fp8, docs/kv_pool.md "FP8 KV cache")
+    kv_fp8: bool = False
     #: array module of the backend's arrays (concatenate, slicing): numpy or cupy
     xp: Any = np
     #: whether ``norm=`` on linear / swiglu_mlp / moe_router / moe_experts costs nothing
@@ -151,9 +167,27 @@ class Backend(ABC):
         (``row_width = kv_lora_rank + qk_rope_head_dim``; mtpkern.ops.mla)."""
         return self.empty_kv(num_blocks, block_size, 1, row_width).reshape(num_blocks, block_size, row_width)
 
-    def kv_to_host(self, cache: Any) -> np.ndarray:
-        """A KV cache (or a slice of one) -> FP32 NumPy, whatever ``kv_dtype`` is."""
-        return np.asarray(self.to_host(cache), dtype=np.float32)
+    def empty_kv_scales(self, num_blocks: int, block_size: int, num_kv_heads: int) -> Any:
+        """The zeroed FP32 ``[num_blocks, block_size, Hkv]`` scale plane of an FP8 cache (one
+        scale per row and KV head); ``copy_kv_rows`` moves its rows like a cache's."""
+        return self.from_host(np.zeros((num_blocks, block_size, num_kv_heads), np.float32))
+
+    def kv_row_bytes(self, head_dim: int) -> int:
+        """Bytes one row of one KV head takes in a cache of ``head_dim`` values: the values in
+        ``kv_dtype``, and with an FP8 cache its FP32 scale (what an attention reads per row)."""
+        return head_dim * np.dtype(self.kv_dtype).itemsize + (4 if self.kv_fp8 else 0)
+
+    def kv_to_host(self, cache: Any, scale: Any = None) -> np.ndarray:
+        """A KV cache (or a slice of one) -> FP32 NumPy, whatever ``kv_dtype`` is; an FP8 cache's
+        codes with ``scale`` (its scale plane, sliced alike) dequantized (mtpkern.ops.kv_fp8)."""
+        host = np.asarray(self.to_host(cache))
+        if host.dtype == np.uint8:
+            if scale is None:
+                raise ValueError("scale: an FP8 (uint8) cache reads back with its scale plane, got None")
+            from ..ops.kv_fp8 import dequantize
+
+            return dequantize(host, np.asarray(self.to_host(scale), np.float32))
+        return np.asarray(host, dtype=np.float32)
 
     def synchronize(self) -> None:
         """Wait for queued work (a no-op on synchronous backends)."""

@@ -41,6 +41,7 @@ import numpy as np
 from ..errors import NoAllowedToken, no_token_reason
 from ..ops._check import dtype_name, expect_ndim, expect_shape
 from ..ops.attention import check_paged_attention
+from ..ops.kv_fp8 import check_scales, is_fp8
 from ..ops.dsa import check_dsa_key_write, check_dsa_select, list_width
 from ..ops.gate import check_sigmoid_gate
 from ..ops.hc import check_hc_head, check_hc_post, check_hc_pre
@@ -52,8 +53,8 @@ from ..ops.moe import RouterSpec, check_moe_experts, check_moe_router
 from ..ops.norm import check_mtp_input, check_norm
 from ..ops.rope_kv import check_qk_norm_rope_kv_write, check_rope_heads
 from ..ops.sampling import check_keys
-from ..quant import QUANTIZED, Fp4Weight, Fp8Weight
-from .base import Backend, all_fp8_or_none, fp8_embedding_refused, unprepared_fp8
+from ..quant import QUANTIZED, Fp4Weight, Fp8Weight, e4m3_table
+from .base import Backend, all_fp8_or_none, check_kv_dtype, fp8_embedding_refused, unprepared_fp8
 from .cpu_fp4 import CpuFp4
 from .cpu_fp8 import CpuFp8
 from .cpu_kernels import amx as amx_k
@@ -143,6 +144,20 @@ def _any_weight(name: str, w):
     return _weight(name, w)
 
 
+#: the scales and E4M3 table the attention kernel takes beside FP32 caches (unread)
+_NO_SCALES = np.zeros((0, 0, 0), np.float32)
+_NO_TABLE = np.zeros(0, np.float32)
+
+
+def _fp8_caches(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the caches hold FP8 codes (each beside its scale plane, checked: mtpkern.ops.kv_fp8)."""
+    check_scales("k_scale", k_cache, k_scale)
+    check_scales("v_scale", v_cache, v_scale)
+    if is_fp8(k_cache) != is_fp8(v_cache):
+        raise TypeError(f"v_cache: expected the key cache's kind ({dtype_name(k_cache)}), got {dtype_name(v_cache)}")
+    return is_fp8(k_cache)
+
+
 def _key_tiles(k_cache) -> np.ndarray | None:
     """The [NB, Hkv, D, BS] array behind a key cache from ``CpuBackend.empty_keys`` (a
     transposed view of it), or None for a C-contiguous [NB, BS, Hkv, D] cache (also when
@@ -227,12 +242,16 @@ def check_threads(threads) -> int:
 
 
 class CpuBackend(Backend):
-    """``threads``: Numba threads per kernel launch (None: ``default_threads()``)."""
+    """``threads``: Numba threads per kernel launch (None: ``default_threads()``);
+    ``kv_dtype``: "float32" (default) or "fp8" (E4M3 codes, one FP32 scale per row and KV head;
+    the attention reads one byte per element: mtpkern.ops.kv_fp8, docs/kv_pool.md)."""
 
     name = "cpu"
     kv_dtype = np.float32
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, kv_dtype: str = "float32") -> None:
+        self.kv_fp8 = check_kv_dtype(kv_dtype, ("float32", "fp8"), self.name) == "fp8"
+        self.kv_dtype = np.uint8 if self.kv_fp8 else np.float32
         self.threads = default_threads() if threads is None else check_threads(threads)
         #: argument signatures (shapes, dtypes, other arguments) that passed a family's
         #: check: the checks read nothing else, and NumPy's ``dtype.name`` alone costs
@@ -306,13 +325,19 @@ class CpuBackend(Backend):
         return np.asarray(a)
 
     def empty_kv(self, num_blocks, block_size, num_kv_heads, head_dim):
-        return np.zeros((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
+        return np.zeros((num_blocks, block_size, num_kv_heads, head_dim), self.kv_dtype)
+
+    def empty_latent_kv(self, num_blocks, block_size, row_width):
+        """FP32 whatever ``kv_dtype`` is: an FP8 latent cache is not implemented (the pools of
+        MLA modules are refused with ``kv_dtype="fp8"``: ``kv.check_fp8_kv``)."""
+        return np.zeros((num_blocks, block_size, row_width), np.float32)
 
     def empty_keys(self, num_blocks, block_size, num_kv_heads, head_dim):
         """Where ``block_size % 16 == 0``: the keys stored ``[NB, Hkv, D, BS]`` (a block's rows
         innermost: the attention's scores of 16 rows are vector FMAs, cpu_kernels/simd.py),
-        returned as the ``[NB, BS, Hkv, D]`` view of that array; else ``empty_kv``'s."""
-        if block_size % simd_k.VL:
+        returned as the ``[NB, BS, Hkv, D]`` view of that array; else ``empty_kv``'s (and for
+        an FP8 cache: its codes are decoded a block at a time, cpu_kernels/attention.py)."""
+        if block_size % simd_k.VL or self.kv_fp8:
             return self.empty_kv(num_blocks, block_size, num_kv_heads, head_dim)
         return np.zeros((num_blocks, num_kv_heads, head_dim, block_size), np.float32).transpose(0, 3, 1, 2)
 
@@ -325,7 +350,8 @@ class CpuBackend(Backend):
         tiles[d // BS, :, :, d % BS] = tiles[s // BS, :, :, s % BS]   # the right side is a copy
 
     def describe(self) -> str:
-        return f"cpu (Numba {numba.__version__}, {self.threads} thread{'' if self.threads == 1 else 's'})"
+        kv = ", kv fp8" if self.kv_fp8 else ""
+        return f"cpu (Numba {numba.__version__}, {self.threads} thread{'' if self.threads == 1 else 's'}{kv})"
 
     # -- norm ---------------------------------------------------------------
     def rmsnorm(self, x, w, eps: float, *, out=None):
@@ -406,21 +432,29 @@ class CpuBackend(Backend):
     # -- rope + kv write ----------------------------------------------------
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
                               eps: float, inv_freq, positions, k_cache, v_cache, slots, *,
-                              interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False, out=None):
+                              interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False, out=None,
+                              k_scale=None, v_scale=None):
+        """FP8 caches (uint8, with ``k_scale`` / ``v_scale``): the rows are computed apart in FP32,
+        then quantized into their slots (``fp8_kv_write_kernel``, mtpkern.ops.kv_fp8)."""
         self._check(check_qk_norm_rope_kv_write, qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
                     inv_freq, positions, k_cache, v_cache, slots, interleave, rope_scale, v_is_k)
         NB, BS, Hkv, D = k_cache.shape
         Dv = v_cache.shape[3]
-        tiles = _key_tiles(k_cache)
+        fp8 = _fp8_caches(k_cache, v_cache, k_scale, v_scale)
+        tiles = None if fp8 else _key_tiles(k_cache)
+        want = np.uint8 if fp8 else np.float32
         for name, c in (("k_cache", k_cache if tiles is None else tiles), ("v_cache", v_cache)):
-            if not (isinstance(c, np.ndarray) and c.dtype == np.float32 and c.flags.c_contiguous):
-                raise TypeError(f"{name}: expected a C-contiguous float32 NumPy cache (from empty_kv), "
+            if not (isinstance(c, np.ndarray) and c.dtype == want and c.flags.c_contiguous):
+                raise TypeError(f"{name}: expected a C-contiguous {np.dtype(want).name} NumPy cache (from empty_kv), "
                                 f"got {type(c).__name__} {dtype_name(c)}")
         slots = np.ascontiguousarray(slots)
         _in_range("slots", slots, NB * BS)
         n = qkv.shape[0]
         q = _out("out", out, (n, num_q_heads, D))
-        if tiles is None:
+        if fp8:
+            k_rows, v_rows = np.empty((n, Hkv * D), np.float32), np.empty((n, Hkv * Dv), np.float32)
+            rows = np.arange(n, dtype=slots.dtype)
+        elif tiles is None:
             k_rows, v_rows, rows = k_cache.reshape(NB * BS, Hkv * D), v_cache.reshape(NB * BS, Hkv * Dv), slots
         else:   # transposed keys: the kernel writes the n new rows apart, then they go to their slots
             k_rows, v_rows = np.empty((n, Hkv * D), np.float32), np.empty((n, Hkv * Dv), np.float32)
@@ -430,7 +464,12 @@ class CpuBackend(Backend):
             _apart(_act(qkv), q), num_q_heads, num_kv_heads, D, Dv, _opt_vec(q_norm_w), _opt_vec(k_norm_w),
             np.float32(eps), _act(inv_freq), np.ascontiguousarray(positions), k_rows, v_rows, rows,
             q.reshape(n, num_q_heads * D), bool(interleave), np.float32(rope_scale), bool(v_is_k))
-        if tiles is not None:
+        if fp8:
+            rope_kv_k.fp8_kv_write_kernel(k_rows, Hkv, D, k_cache.reshape(NB * BS, Hkv * D),
+                                          k_scale.reshape(NB * BS, Hkv), slots)
+            rope_kv_k.fp8_kv_write_kernel(v_rows, Hkv, Dv, v_cache.reshape(NB * BS, Hkv * Dv),
+                                          v_scale.reshape(NB * BS, Hkv), slots)
+        elif tiles is not None:
             tiles[slots // BS, :, :, slots % BS] = k_rows.reshape(n, Hkv, D)
             v_cache.reshape(NB * BS, Hkv * Dv)[slots] = v_rows
         return q
@@ -454,19 +493,28 @@ class CpuBackend(Backend):
         return 2 * self.threads
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
-                        row_start=None, sinks=None, out=None):
+                        row_start=None, sinks=None, out=None, k_scale=None, v_scale=None):
+        """FP8 caches (uint8 codes, ``k_scale`` / ``v_scale``): one byte read per element, each
+        block's visible rows decoded with their scales (cpu_kernels/attention.py, ``kv_block``)."""
         self._check(check_paged_attention, q, k_cache, v_cache, block_tables, row_seq, row_len, row_start, sinks)
         NB, BS, Hkv, D = k_cache.shape
         Dv = v_cache.shape[3]
         n, Hq, _ = q.shape
+        fp8 = _fp8_caches(k_cache, v_cache, k_scale, v_scale)
         block_tables, row_seq, row_len, row_start = _checked_rows(block_tables, row_seq, row_len, row_start, BS, NB)
         out = _out("out", out, (n, Hq * Dv))
         self._use_threads()
-        tiles = _key_tiles(k_cache)
-        attention_k.paged_attention_kernel(_act(q), _act(k_cache) if tiles is None else tiles, _act(v_cache),
-                                           block_tables, row_seq, row_start, row_len, _opt_vec(sinks),
-                                           np.float32(scale), self._attention_tasks(), out.reshape(n, Hq, Dv),
-                                           tiles is not None)
+        tiles = None if fp8 else _key_tiles(k_cache)
+        if fp8:
+            kc, vc = (np.ascontiguousarray(c) for c in (k_cache, v_cache))
+            ks, vs, tab = (np.ascontiguousarray(a, np.float32) for a in (k_scale, v_scale, e4m3_table()))
+        else:
+            kc, vc = _act(k_cache) if tiles is None else tiles, _act(v_cache)
+            ks = vs = _NO_SCALES
+            tab = _NO_TABLE
+        attention_k.paged_attention_kernel(_act(q), kc, vc, block_tables, row_seq, row_start, row_len,
+                                           _opt_vec(sinks), np.float32(scale), self._attention_tasks(),
+                                           out.reshape(n, Hq, Dv), tiles is not None, ks, vs, tab)
         return out
 
     # -- MLA ----------------------------------------------------------------
@@ -517,7 +565,8 @@ class CpuBackend(Backend):
         # row read once per task for every head
         attention_k.paged_attention_kernel(q_full, cache, cache, block_tables, row_seq, row_start,
                                            row_len, np.empty(0, np.float32), np.float32(scale),
-                                           self._attention_tasks(), o_lat, False)
+                                           self._attention_tasks(), o_lat, False, _NO_SCALES, _NO_SCALES,
+                                           _NO_TABLE)
         mla_k.mla_out_kernel(o_lat, w_uv, out.reshape(n, Hq, Dv))
         return out
 

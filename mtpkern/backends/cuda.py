@@ -8,7 +8,8 @@ scales; docs/fp8.md) or FP4 E2M1 (``CudaFp4``: two codes a byte and E8M0 scale c
 ``CudaNvFp4``: the same codes, E4M3 scale codes per 16 and an FP32 scale per row;
 docs/fp4.md); norm weights, biases and activations are FP32;
 indices int32; the paged KV cache is BF16 bits by default (``kv_dtype`` uint16;
-``CudaBackend(kv_dtype="float32")`` keeps it FP32, e.g. for exact comparisons).
+``CudaBackend(kv_dtype="float32")`` keeps it FP32, e.g. for exact comparisons; ``"fp8"``: E4M3 codes
+with per-row scales, mtpkern.ops.kv_fp8).
 
 Every op takes its outputs and workspaces as optional keyword-only buffers
 (``out=``, and e.g. ``act=`` / ``partial=`` for ``moe_experts``; see the
@@ -37,13 +38,13 @@ from ..ops import sampling
 from ..ops.lm_head import check_bitmask, check_id_map
 from ..quant import Fp4Weight, Fp8Weight
 from . import dlpack
-from .base import Backend
+from .base import Backend, check_kv_dtype
 from .cuda_launch import attention, dsa, linear, lm_head, mla, mlp, moe, norm, rope_kv
 from .cuda_launch import hc as hc_launch
 from .cuda_launch import gate as gate_launch
 from .cuda_launch._util import CudaFp4, CudaFp8
 
-KvDtype = Literal["bfloat16", "float32"]
+KvDtype = Literal["bfloat16", "float32", "fp8"]
 
 
 def _cupy():
@@ -68,8 +69,10 @@ class CudaBackend(Backend):
     fuses_norm = True         # the GEMV and tensor-core kernels normalise their input rows
 
     def __init__(self, kv_dtype: KvDtype = "bfloat16"):
-        if kv_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"kv_dtype: expected 'bfloat16' or 'float32', got {kv_dtype!r}")
+        """``kv_dtype``: "bfloat16" (default), "float32", or "fp8" (E4M3 codes with one FP32 scale
+        per row and KV head, the attention reading one byte per element: mtpkern.ops.kv_fp8; the
+        planned step does not take it yet: ``cuda_graphs=False``)."""
+        self._set_kv_dtype(kv_dtype)
         cp = _cupy()
         try:
             count = cp.cuda.runtime.getDeviceCount()
@@ -83,8 +86,12 @@ class CudaBackend(Backend):
             raise RuntimeError(f"CudaBackend: device {dev.id} has compute capability {cc // 10}.{cc % 10}; the "
                                f"kernels need {MIN_COMPUTE_CAPABILITY // 10}.0 or newer (BF16 arithmetic and the "
                                f"BF16 tensor cores of sm_80 / sm_90)")
-        self.kv_dtype = np.uint16 if kv_dtype == "bfloat16" else np.float32
         self.device_id = dev.id
+
+    def _set_kv_dtype(self, kv_dtype: str) -> None:
+        kv_dtype = check_kv_dtype(kv_dtype, ("bfloat16", "float32", "fp8"), "cuda")
+        self.kv_fp8 = kv_dtype == "fp8"
+        self.kv_dtype = {"bfloat16": np.uint16, "float32": np.float32, "fp8": np.uint8}[kv_dtype]
 
     @property
     def xp(self):
@@ -195,10 +202,12 @@ class CudaBackend(Backend):
     def empty_kv(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int):
         return _cupy().zeros((num_blocks, block_size, num_kv_heads, head_dim), self.kv_dtype)
 
-    def kv_to_host(self, cache) -> np.ndarray:
+    def kv_to_host(self, cache, scale=None) -> np.ndarray:
         host = self.to_host(cache)
         if host.dtype == np.uint16:
             return host.view(_bf16()).astype(np.float32)
+        if host.dtype == np.uint8:                       # FP8 codes: dequantized with their scales
+            return super().kv_to_host(host, None if scale is None else self.to_host(scale))
         return host.astype(np.float32, copy=False)
 
     def synchronize(self) -> None:
@@ -214,8 +223,12 @@ class CudaBackend(Backend):
         cp = _cupy()
         props = cp.cuda.runtime.getDeviceProperties(self.device_id)
         name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        kv = "bf16" if self.kv_dtype == np.uint16 else "fp32"
-        return f"cuda ({name}, sm_{props['major']}{props['minor']}, kv {kv})"
+        return f"cuda ({name}, sm_{props['major']}{props['minor']}, kv {self.kv_name()})"
+
+    def kv_name(self) -> str:
+        """The KV cache's element type in a description: bf16, fp32 or fp8."""
+        return {np.dtype(np.uint16): "bf16", np.dtype(np.float32): "fp32", np.dtype(np.uint8): "fp8"}[
+            np.dtype(self.kv_dtype)]
 
     # -- ops (shapes and meaning: mtpkern.ops.<family>; buffers: the launchers) --
     def rmsnorm(self, x, w, eps: float, *, out=None):
@@ -231,10 +244,12 @@ class CudaBackend(Backend):
 
     def qk_norm_rope_kv_write(self, qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
                               eps: float, inv_freq, positions, k_cache, v_cache, slots, *,
-                              interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False, out=None):
+                              interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False, out=None,
+                              k_scale=None, v_scale=None):
         return rope_kv.qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, eps,
                                              inv_freq, positions, k_cache, v_cache, slots,
-                                             interleave=interleave, rope_scale=rope_scale, v_is_k=v_is_k, out=out)
+                                             interleave=interleave, rope_scale=rope_scale, v_is_k=v_is_k, out=out,
+                                             k_scale=k_scale, v_scale=v_scale)
 
     def rope_heads(self, x, positions, inv_freq, *, interleave: bool = False, rope_scale: float = 1.0,
                    inverse: bool = False, out=None):
@@ -242,10 +257,11 @@ class CudaBackend(Backend):
                                   inverse=inverse, out=out)
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
-                        row_start=None, sinks=None, out=None, part_o=None, part_ml=None):
+                        row_start=None, sinks=None, out=None, part_o=None, part_ml=None, k_scale=None,
+                        v_scale=None):
         return attention.paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale,
                                          row_start=row_start, sinks=sinks, out=out, part_o=part_o,
-                                         part_ml=part_ml)
+                                         part_ml=part_ml, k_scale=k_scale, v_scale=v_scale)
 
     # MLA (mtpkern.ops.mla; kernels/mla.cu)
     def mla_latent_write(self, kv_a, kv_a_norm_w, eps: float, inv_freq, positions, latent_cache, slots, *,

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..ops import attention, dsa, gate, hc, linear, lm_head, mla, mlp, moe, norm, rope_kv, sampling
 from ..quant import QUANTIZED
-from .base import Backend
+from .base import Backend, check_kv_dtype
 
 
 def _into(name: str, buf: Any, value: np.ndarray) -> np.ndarray:
@@ -62,8 +62,18 @@ _argmax_conf = with_out(lm_head.lm_head_argmax_conf, "out", "conf").__func__
 
 
 class NumpyBackend(Backend):
+    """``kv_dtype``: "float32" (default) or "fp8" (E4M3 codes and per-(row, KV head) scales,
+    quantized as the KV write stores them, dequantized by the attention: mtpkern.ops.kv_fp8)."""
+
     name = "numpy"
     kv_dtype = np.float32
+
+    def __init__(self, kv_dtype: str = "float32") -> None:
+        self.kv_fp8 = check_kv_dtype(kv_dtype, ("float32", "fp8"), self.name) == "fp8"
+        self.kv_dtype = np.uint8 if self.kv_fp8 else np.float32
+
+    def describe(self) -> str:
+        return "numpy (kv fp8)" if self.kv_fp8 else "numpy"
 
     def prepare_weight(self, w):
         if isinstance(w, QUANTIZED):                 # Fp8Weight / Fp4Weight: dequantized once

@@ -216,6 +216,9 @@ def family_calls(be: Backend, fp8: bool = True,
 
     x = act(N, H)
     kc, vc = be.empty_keys(NB, BS, HKV, D), be.empty_kv(NB, BS, HKV, D)
+    # an FP8 KV backend's caches: codes and their scale planes (its write and attention kernels)
+    skw = ({"k_scale": be.empty_kv_scales(NB, BS, HKV), "v_scale": be.empty_kv_scales(NB, BS, HKV)}
+           if be.kv_fp8 else {})
     spec = RouterSpec(top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
     ids, wts = idx([[0, 1], [2, 3]]), act(N, 2)                # [N, top_k] routing of each row
     bitmask = idx(np.full((N, -(-V // 32)), -1))
@@ -233,9 +236,9 @@ def family_calls(be: Backend, fp8: bool = True,
 
     def rope_kv():
         be.qk_norm_rope_kv_write(act(N, (HQ + 2 * HKV) * D), HQ, HKV, vec(D), vec(D), 1e-5,
-                                 be.from_host(inv_freq(D // 2, 10000.0)), idx([3, 4]), kc, vc, idx([3, 4]))
+                                 be.from_host(inv_freq(D // 2, 10000.0)), idx([3, 4]), kc, vc, idx([3, 4]), **skw)
         be.qk_norm_rope_kv_write(act(N, (HQ + 2 * HKV) * D), HQ, HKV, None, None, 1e-5,
-                                 be.from_host(inv_freq(D, 10000.0)), idx([5, 6]), kc, vc, idx([5, 6]))
+                                 be.from_host(inv_freq(D, 10000.0)), idx([5, 6]), kc, vc, idx([5, 6]), **skw)
 
     def rotate_heads():                                        # out_rope: the inverse rotation
         be.rope_heads(act(N, HQ, D), idx([3, 4]), be.from_host(inv_freq(D // 2, 10000.0)), interleave=True,
@@ -243,10 +246,10 @@ def family_calls(be: Backend, fp8: bool = True,
 
     def attention():
         tables = idx([[0, 1], [2, 3]])
-        be.paged_attention(act(N, HQ, D), kc, vc, tables, idx([0, 1]), idx([5, 7]), D ** -0.5)
+        be.paged_attention(act(N, HQ, D), kc, vc, tables, idx([0, 1]), idx([5, 7]), D ** -0.5, **skw)
         # a sliding window and sinks (gpt-oss / MiMo-V2 / Step-3.5 modules)
         be.paged_attention(act(N, HQ, D), kc, vc, tables, idx([0, 1]), idx([5, 7]), D ** -0.5,
-                           row_start=idx([2, 0]), sinks=vec(HQ))
+                           row_start=idx([2, 0]), sinks=vec(HQ), **skw)
 
     def mla():
         L, R, P = 16, 8, 8                                         # the latent attention (mtpkern.ops.mla)

@@ -29,6 +29,11 @@ bit for bit what it was without it):
 - **A value head dim** ``Dv`` **other than the key head dim** ``D`` (MiMo-V2:
   192 and 128): read from ``v_cache``'s last axis; the output is ``[n, Hq * Dv]``.
 
+- **An FP8 KV cache** (uint8 ``k_cache`` / ``v_cache`` of E4M3 codes, ``kv_dtype="fp8"``):
+  ``k_scale`` / ``v_scale`` ``[NB, BS, Hkv]`` FP32, one scale per (row, KV head); the reference
+  reads each visible row dequantized (``mtpkern.ops.kv_fp8.dequantize``: ``e4m3(code) * scale``,
+  one FP32 rounding) and computes as above.
+
 Every score ``-inf`` without a sink gives NaN (0 / 0), as the softmax does; with
 a finite sink it gives 0.
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._check import expect_dtype, expect_ndim, expect_shape
+from .kv_fp8 import check_scales, dequantize
 
 
 def check_row_index(n: int, block_tables, row_seq, row_len, row_start=None) -> None:
@@ -85,8 +91,10 @@ def check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, r
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
-                    row_start=None, sinks=None) -> np.ndarray:
+                    row_start=None, sinks=None, k_scale=None, v_scale=None) -> np.ndarray:
     check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, row_start, sinks)
+    check_scales("k_scale", k_cache, k_scale)
+    check_scales("v_scale", v_cache, v_scale)
     NB, BS, Hkv, D = k_cache.shape
     Dv = v_cache.shape[3]
     n, Hq, _ = q.shape
@@ -94,8 +102,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     out = np.zeros((n, Hq, Dv), np.float32)
     for r in range(n):
         blk, off = visible_rows(r, block_tables, row_seq, row_len, row_start, BS)
-        k = np.asarray(k_cache[blk, off], np.float32)                # [L', Hkv, D]
-        v = np.asarray(v_cache[blk, off], np.float32)                # [L', Hkv, Dv]
+        k = (np.asarray(k_cache[blk, off], np.float32) if k_scale is None     # [L', Hkv, D]
+             else dequantize(k_cache[blk, off], k_scale[blk, off]))
+        v = (np.asarray(v_cache[blk, off], np.float32) if v_scale is None     # [L', Hkv, Dv]
+             else dequantize(v_cache[blk, off], v_scale[blk, off]))
         k = np.repeat(k, group, axis=1)                               # [L', Hq, D]
         v = np.repeat(v, group, axis=1)                               # [L', Hq, Dv]
         s_ = np.einsum("hd,lhd->hl", np.asarray(q[r], np.float32), k) * np.float32(scale)   # [Hq, L']

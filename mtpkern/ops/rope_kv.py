@@ -22,6 +22,9 @@ rope_scale=1.0) -> q [n, Hq, D]``
   ``attention_scaling``, multiplied into cos and sin: 1 for the default RoPE).
 - k (rotated) and v are written at ``slot = block * BS + offset`` of the caches,
   converted to the cache dtype; q (rotated) is returned in FP32.
+- FP8 caches (uint8 ``k_cache`` / ``v_cache``, ``kv_dtype="fp8"``): each written row of each
+  KV head is quantized (``mtpkern.ops.kv_fp8.quantize_rows``) into codes and one FP32 scale,
+  stored at the slot in ``k_scale`` / ``v_scale`` ``[NB, BS, Hkv]``.
 - ``v_is_k`` (DeepSeek-V4's shared-KV attention: one projection is both key and value):
   ``qkv`` holds q and k only (``(Hq + Hkv) D`` columns read), and the value written is the
   key as written (normed and rotated); ``Dv`` must be ``D``.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._check import expect_dtype, expect_ndim, expect_shape
+from .kv_fp8 import check_scales, quantize_rows
 from .norm import rmsnorm
 
 
@@ -147,9 +151,12 @@ def check_rope_options(interleave, rope_scale) -> None:
 
 def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w,
                           eps: float, inv_freq_, positions, k_cache, v_cache, slots, *,
-                          interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False) -> np.ndarray:
+                          interleave: bool = False, rope_scale: float = 1.0, v_is_k: bool = False,
+                          k_scale=None, v_scale=None) -> np.ndarray:
     check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
                                 inv_freq_, positions, k_cache, v_cache, slots, interleave, rope_scale, v_is_k)
+    check_scales("k_scale", k_cache, k_scale)
+    check_scales("v_scale", v_cache, v_scale)
     NB, BS, Hkv, D = k_cache.shape
     Dv = v_cache.shape[3]
     n, Hq = qkv.shape[0], num_q_heads
@@ -165,8 +172,11 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
     q = rope(q, positions, inv_freq_, interleave, rope_scale)
     k = rope(k, positions, inv_freq_, interleave, rope_scale)
     blk, off = np.divmod(slots.astype(np.int64), BS)
-    k_cache[blk, off] = k.astype(k_cache.dtype)
-    v_cache[blk, off] = (k if v_is_k else v).astype(v_cache.dtype)
+    for cache, scale, rows in ((k_cache, k_scale, k), (v_cache, v_scale, k if v_is_k else v)):
+        if scale is None:
+            cache[blk, off] = rows.astype(cache.dtype)
+        else:                                   # FP8: codes and their per-(row, head) scales
+            cache[blk, off], scale[blk, off] = quantize_rows(rows)
     return q
 
 

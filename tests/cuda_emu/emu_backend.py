@@ -574,9 +574,7 @@ def _cuda_backend_class():
         """``CudaBackend`` whose device arrays are NumPy arrays (use inside ``Emulator.installed()``)."""
 
         def __init__(self, kv_dtype: str = "bfloat16"):     # no device to query
-            if kv_dtype not in ("bfloat16", "float32"):
-                raise ValueError(f"kv_dtype: expected 'bfloat16' or 'float32', got {kv_dtype!r}")
-            self.kv_dtype = np.uint16 if kv_dtype == "bfloat16" else np.float32
+            self._set_kv_dtype(kv_dtype)
             self.device_id = 0
 
         @property
@@ -614,7 +612,7 @@ def _cuda_backend_class():
             pass
 
         def describe(self):
-            return f"cuda (emulated on the CPU, kv {'bf16' if self.kv_dtype == np.uint16 else 'fp32'})"
+            return f"cuda (emulated on the CPU, kv {self.kv_name()})"
 
     return EmuCudaBackend
 

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .linear import _DOT_FLAGS, SMALL
 from .simd import VL, emit_prefetch, exp_le0, pv1, pv4, pv8, qk1, qk4, qk8
@@ -380,6 +380,45 @@ def _pv1x4(a0, p0, vb, lo, kvh):
         j += 1
 
 
+def kv_block(cache, scale, tab, blk, lo, hi, dec):
+    """Block ``blk`` of a KV cache as FP32 rows ``[BS, Hkv, W]`` (inside jitted code only)."""
+    raise NotImplementedError("kv_block runs inside the cpu kernels only")
+
+
+@overload(kv_block, jit_options={"fastmath": False})
+def _kv_block(cache, scale, tab, blk, lo, hi, dec):
+    """An FP32 cache: its block, as it is. An FP8 cache (uint8 E4M3 codes, ``scale`` [NB, BS,
+    Hkv] FP32): rows lo .. hi - 1 of the block decoded into ``dec`` [BS, Hkv, W], each code read
+    once, ``tab[code] * scale`` (``tab``: ``quant.e4m3_table()``, the FP8 weights' decode; one
+    FP32 rounding, as mtpkern.ops.kv_fp8.dequantize), and ``dec`` returned."""
+    if isinstance(cache, types.Array) and cache.dtype == types.uint8:
+        def decode(cache, scale, tab, blk, lo, hi, dec):
+            cb, sb = cache[blk], scale[blk]
+            for j in range(lo, hi):
+                for h in range(cb.shape[1]):
+                    s = sb[j, h]
+                    src, dst = cb[j, h], dec[j, h]
+                    for d in range(src.shape[0]):
+                        dst[d] = tab[src[d]] * s
+            return dec
+        return decode
+    return lambda cache, scale, tab, blk, lo, hi, dec: cache[blk]
+
+
+def kv_prefetch(cache, dec):
+    """The FP32 array the value tiles ask lines of (inside jitted code only)."""
+    raise NotImplementedError("kv_prefetch runs inside the cpu kernels only")
+
+
+@overload(kv_prefetch)
+def _kv_prefetch(cache, dec):
+    """An FP32 cache: the cache (its next block's lines); an FP8 one: its decoded rows ``dec``
+    (the tiles' prefetch takes FP32 arrays; the codes are a quarter of the lines)."""
+    if isinstance(cache, types.Array) and cache.dtype == types.uint8:
+        return lambda cache, dec: dec
+    return lambda cache, dec: cache
+
+
 @njit(cache=True, fastmath=False)
 def _seen(first, last, b, BS):
     """Whether some row u (its KV rows first[u] .. last[u] - 1) sees a row of block b."""
@@ -428,11 +467,13 @@ def _units(row_seq, row_start, row_len, BS):
 
 @njit(cache=True, fastmath=False)
 def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, scale, rows, lo_row, R,
-                b_lo, b_hi, m, l, acc, keys_t):
+                b_lo, b_hi, m, l, acc, keys_t, k_scale, v_scale, tab):
     """One task: the unit of rows rows[lo_row : lo_row + R] over blocks b_lo .. b_hi - 1 of
     their sequence. Its states are per (KV head, query vector i = u * G + g: row u of the
     unit, query head kvh * G + g): m, l [Hkv, R * G] (running max, sum) and acc
-    [Hkv, R * G, Dv]. ``keys_t``: k_cache is [NB, Hkv, D, BS] (``_scores_t``)."""
+    [Hkv, R * G, Dv]. ``keys_t``: k_cache is [NB, Hkv, D, BS] (``_scores_t``). FP8 caches
+    (uint8, scales ``k_scale`` / ``v_scale``): each block's rows some row sees are decoded
+    into a block of FP32 rows (``kv_block``) before the scores and before the values."""
     Hq, D = q.shape[1], q.shape[2]
     BS, Hkv = _block_size_heads(k_cache, keys_t)
     G = Hq // Hkv
@@ -463,6 +504,11 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
     kblock = BS * Hkv * D                              # floats of one block of each cache
     vblock = BS * Hkv * v_cache.shape[3]
     vec = acc.shape[2] % VL == 0                       # the values by the tiles of simd (their own prefetch)
+    fp8 = k_scale.shape[0] > 0
+    kdec = np.empty((BS if fp8 else 0, Hkv, D), np.float32)                 # an FP8 block, decoded
+    vdec = np.empty((BS if fp8 else 0, Hkv, v_cache.shape[3]), np.float32)
+    kpf = kv_prefetch(k_cache, kdec)                   # (never an FP8 cache's: keys_t is FP32 only)
+    vpf = kv_prefetch(v_cache, vdec)
     b = b_lo
     while b < b_hi:
         ns = 0                                         # the span: the next SB blocks some row sees
@@ -496,10 +542,10 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
                 if tlo[t, u] < thi[t, u]:
                     ulo = min(ulo, tlo[t, u])
                     uhi = max(uhi, thi[t, u])
-            kb = k_cache[blk]
+            kb = kv_block(k_cache, k_scale, tab, blk, ulo, uhi, kdec)
             for kvh in range(Hkv):
                 if keys_t:
-                    _scores_t(qs[kvh], kb[kvh], ulo, uhi, sc[kvh], t * BS, k_cache, nxt * kblock + kvh * (kblock // Hkv))
+                    _scores_t(qs[kvh], kb[kvh], ulo, uhi, sc[kvh], t * BS, kpf, nxt * kblock + kvh * (kblock // Hkv))
                     continue
                 if nxt != blk:
                     for off in range(kvh * kblock // Hkv, (kvh + 1) * kblock // Hkv, 16):
@@ -508,13 +554,19 @@ def _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, 
         for kvh in range(Hkv):                         # one softmax step a span per (row, head)
             _softmax_span(sc[kvh], clo, chi, G, m[kvh], l[kvh], acc[kvh])
         for t in range(ns):                            # the values, block by block
-            vb = v_cache[tbk[t]]
+            vlo = BS
+            vhi = 0
+            for u in range(R):
+                if tlo[t, u] < thi[t, u]:
+                    vlo = min(vlo, tlo[t, u])
+                    vhi = max(vhi, thi[t, u])
+            vb = kv_block(v_cache, v_scale, tab, tbk[t], vlo, vhi, vdec)
             for kvh in range(Hkv):
                 if not vec and tpf[t] != tbk[t]:
                     for off in range(kvh * vblock // Hkv, (kvh + 1) * vblock // Hkv, 16):
                         _prefetch(v_cache, tpf[t] * vblock + off)
-                _values(acc[kvh], sc[kvh], t * BS, vb, kvh, tlo[t], thi[t], G, v_cache,
-                        tpf[t] * vblock)
+                _values(acc[kvh], sc[kvh], t * BS, vb, kvh, tlo[t], thi[t], G, vpf,
+                        0 if fp8 else tpf[t] * vblock)
 
 
 @njit(cache=True, fastmath=False)
@@ -557,14 +609,17 @@ def _merge(m_part, l_part, acc_part, r, h, sinks, out):
 
 @njit(cache=True, fastmath=False, parallel=True)
 def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, sinks, scale, tasks,
-                           out, keys_t):
+                           out, keys_t, k_scale, v_scale, tab):
     """q [n, Hq, D], out [n, Hq, Dv]; k_cache [NB, BS, Hkv, D] (``keys_t``: [NB, Hkv, D, BS],
     BS % 16 == 0, the cpu backend's key cache), v_cache [NB, BS, Hkv, >= Dv] FP32,
     C-contiguous: the values are the first Dv = out.shape[2] columns of v_cache's rows (MLA's
     latent attention passes the latent cache as both: keys [c | k_pe], values c; a column
     slice instead would be a strided array, whose loops do not vectorise: 3.3x slower);
     row_start [n] (or empty: 0), sinks [Hq] (or empty: none); indices checked in range by the
-    launcher; scale float32; tasks: about how many tasks to make (>= 1; a few per thread)."""
+    launcher; scale float32; tasks: about how many tasks to make (>= 1; a few per thread).
+    FP8 caches: k_cache / v_cache uint8 E4M3 codes [NB, BS, Hkv, *] (not ``keys_t``), their
+    scales k_scale / v_scale [NB, BS, Hkv] FP32, tab the 256 E4M3 values; FP32 caches: the
+    scales empty [0, 0, 0] (tab unread)."""
     n, Hq, D = q.shape
     BS, Hkv = _block_size_heads(k_cache, keys_t)
     Dv = out.shape[2]
@@ -583,7 +638,8 @@ def paged_attention_kernel(q, k_cache, v_cache, block_tables, row_seq, row_start
         l = np.empty((Hkv, R * G), np.float32)
         acc = np.empty((Hkv, R * G, Dv), np.float32)
         _chunk_task(q, k_cache, v_cache, block_tables, row_seq, row_start, row_len, scale, rows, ptr[u], R,
-                    b0[u] + min(nblk[u], c * per), b0[u] + min(nblk[u], (c + 1) * per), m, l, acc, keys_t)
+                    b0[u] + min(nblk[u], c * per), b0[u] + min(nblk[u], (c + 1) * per), m, l, acc, keys_t,
+                    k_scale, v_scale, tab)
         for i in range(R):
             r = rows[ptr[u] + i]
             for kvh in range(Hkv):

@@ -21,6 +21,8 @@ routine without a norm, one task per head over the rows.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -123,3 +125,52 @@ def rope_heads_kernel(x, heads, D, inv_freq, positions, out, interleave, rope_sc
         for h in prange(heads):
             for r in range(x.shape[0]):
                 _norm_rope_head(x, r, h * D, D, no_norm, eps, cos, sin, out, r, h * D, interleave)
+
+
+# -- the FP8 KV cache's write (spec: mtpkern.ops.kv_fp8) ------------------------------------
+
+@njit(cache=True, fastmath=False)
+def e4m3_code(x):
+    """float64 x -> its E4M3 code (``float8_e4m3fn``), rounded to nearest, ties to even, in one
+    rounding; |x| over 448 is clamped to 448 first (the write never passes more than
+    448 (1 + 2^-24)), NaN gives 0x7F. As ml_dtypes' ``float64 -> float8_e4m3fn``."""
+    if x != x:
+        return np.uint8(0x7F)
+    sign = 0x80 if math.copysign(1.0, x) < 0 else 0
+    a = min(abs(x), 448.0)
+    if a < 2.0 ** -6:                                   # subnormal codes: steps of 2^-9
+        return np.uint8(sign | int(np.rint(math.ldexp(a, 9))))     # 8: 2^-6, the least normal code
+    e = math.frexp(a)[1] - 1                            # a = 1.f 2^e
+    r = int(np.rint(math.ldexp(a, 3 - e)))              # 8 .. 16: the mantissa with its leading 1
+    if r == 16:                                         # rounded up into the next binade
+        r = 8
+        e += 1
+    return np.uint8(sign | ((e + 7) << 3) | (r - 8))
+
+
+@njit(cache=True, fastmath=False)
+def fp8_quantize_row(src, codes):
+    """src [D] FP32 -> codes [D] uint8 (written), returns the row's FP32 scale amax / 448."""
+    amax = np.float32(0.0)
+    for d in range(src.shape[0]):
+        a = abs(src[d])
+        if a > amax or a != a:                          # NaN wins, as np.max
+            amax = a
+            if a != a:
+                break
+    scale = amax / np.float32(448.0)
+    s = np.float64(scale)
+    for d in range(src.shape[0]):
+        codes[d] = np.uint8(0) if s == 0.0 else e4m3_code(np.float64(src[d]) / s)
+    return scale
+
+
+@njit(cache=True, fastmath=False)
+def fp8_kv_write_kernel(rows, Hkv, D, codes, scales, slots):
+    """rows [n, Hkv * D] FP32 (a KV write's rows, apart) -> codes [NB * BS, Hkv * D] uint8 and
+    scales [NB * BS, Hkv] FP32 at ``slots``: each (row, KV head) quantized with its own scale
+    (``fp8_quantize_row``). Rows in order: a slot given twice keeps the last row's."""
+    for r in range(rows.shape[0]):
+        slot = slots[r]
+        for h in range(Hkv):
+            scales[slot, h] = fp8_quantize_row(rows[r, h * D:(h + 1) * D], codes[slot, h * D:(h + 1) * D])

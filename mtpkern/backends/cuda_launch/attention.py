@@ -52,6 +52,7 @@ import numpy as np
 
 from ...ops._check import expect_dtype
 from ...ops.attention import check_paged_attention
+from ...ops.kv_fp8 import check_scales
 from ._util import (MAX_GRID_YZ, NULL, cdiv, ctype, device, expect_disjoint, expect_grid_yz, expect_same_or_disjoint,
                     f32, i32, opt_in_smem, optional, output, ptr, sm_count, smem_optin)
 from .loader import ATTENTION_DC, ATTENTION_TC, get_kernel
@@ -122,7 +123,8 @@ def smem_bytes(D: int, Dv: int, dc: int, heads: int, rows: int, stages: int, kv_
     Dp, Dvp = cdiv(D, 8) * 8, cdiv(Dv, 8) * 8
     mw = query_capacity(dc) // 4
     kv = stages * TILE * (Dp + 16 // kv_itemsize + Dvp) * kv_itemsize
-    return kv + 4 * (rows * heads * Dp + 4 * TILE * mw + 16 * mw + stages * TILE + 2 * rows)
+    scales = 2 * (stages + 1) * TILE if kv_itemsize == 1 else 0  # an FP8 cache: its tile rows' K and V scales
+    return kv + 4 * (rows * heads * Dp + 4 * TILE * mw + 16 * mw + stages * TILE + 2 * rows + scales)
 
 
 def plan(group: int, D: int, max_len: int, work: int = 1, target_blocks: int = 0,
@@ -200,12 +202,17 @@ def _check_plan(p: AttentionPlan, group: int, D: int, Dv: int, cap: int, kv_item
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: float, *,
-                    row_start=None, sinks=None, out=None, part_o=None, part_ml=None, attention_plan=None):
+                    row_start=None, sinks=None, out=None, part_o=None, part_ml=None, attention_plan=None,
+                    k_scale=None, v_scale=None):
     """-> out [n, Hq * Dv] FP32; ``part_o`` / ``part_ml``: split-KV workspaces (see module doc).
     ``attention_plan``: an :class:`AttentionPlan` to launch instead of :func:`plan`'s (the
-    benchmark's sweep of part sizes and stages); its partitions must cover the table's rows."""
+    benchmark's sweep of part sizes and stages); its partitions must cover the table's rows.
+    FP8 caches (uint8 E4M3 codes): ``k_scale`` / ``v_scale`` [NB, BS, Hkv] FP32 (mtpkern.ops.kv_fp8),
+    the scalar kernel reading one byte per element."""
     check_paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, row_start, sinks)
-    expect_dtype("k_cache", k_cache, "uint16", "float32")
+    check_scales("k_scale", k_cache, k_scale)
+    check_scales("v_scale", v_cache, v_scale)
+    expect_dtype("k_cache", k_cache, "uint16", "float32", "uint8")
     expect_dtype("v_cache", v_cache, k_cache.dtype.name)
     expect_dtype("q", q, "float32")
     NB, BS, Hkv, D = k_cache.shape
@@ -223,6 +230,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
     expect_grid_yz("KV partitions", p.num_parts)
     q = device(q, "q")
     k_cache, v_cache = device(k_cache, "k_cache"), device(v_cache, "v_cache")
+    fp8 = k_cache.dtype.itemsize == 1
+    scales = (device(k_scale, "k_scale", "float32"), device(v_scale, "v_scale", "float32")) if fp8 else (NULL, NULL)
     block_tables = device(block_tables, "block_tables")
     row_seq, row_len = device(row_seq, "row_seq"), device(row_len, "row_len")
     row_start, sinks = optional(row_start, "row_start", "int32"), optional(sinks, "sinks", "float32")
@@ -259,7 +268,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, row_seq, row_len, scale: 
                (qg, k_cache, v_cache, block_tables, i32(max_blocks), sg, ptr(fg), lg, sk,
                 yg, NULL if direct else part_o, NULL if direct else part_ml,
                 i32(Hq), i32(Hkv), i32(D), i32(Dv), i32(BS), i32(p.heads), i32(p.rows), i32(p.stages),
-                i32(p.part_size), i32(p.num_parts), f32(scale)),
+                i32(p.part_size), i32(p.num_parts), f32(scale)) + (() if p.variant == "tc" else scales),
                shared_mem=p.smem_bytes)
         if merge is not None:
             merge((Hq, r1 - r0), (ATTN_THREADS,),

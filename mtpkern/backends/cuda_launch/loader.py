@@ -87,8 +87,11 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     # VIS_K (the last parameter): the value is the key as written (DeepSeek-V4's shared KV)
     "rope_kv": tuple(f"qk_norm_rope_kv_write_kernel<{t}, {il}, {vk}>" for t in _CTYPES for il in ("false", "true")
                      for vk in ("false", "true"))
+    # an FP8 KV cache (E4M3 codes and per-row scales; not with VIS_K)
+    + tuple(f"qk_norm_rope_kv_write_kernel<__nv_fp8_e4m3, {il}, false>" for il in ("false", "true"))
     + tuple(f"rope_heads_kernel<{il}, {inv}>" for il in ("false", "true") for inv in ("false", "true")),
-    "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES for dc in ATTENTION_DC)
+    "attention": tuple(f"paged_attention_kernel<{t}, {dc}>" for t in _CTYPES + ("__nv_fp8_e4m3",)
+                       for dc in ATTENTION_DC)
     + tuple(f"paged_attention_tc_kernel<{mt}, {dc}>" for mt, dc in ATTENTION_TC)
     + ("paged_attention_merge_kernel",),
     "mla": tuple(f"mla_latent_write_kernel<{t}, {il}>" for t in _CTYPES for il in ("false", "true"))

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from ...ops._check import expect_dtype
+from ...ops.kv_fp8 import check_scales
 from ...ops.rope_kv import check_qk_norm_rope_kv_write, check_rope_heads
 from ._util import cdiv, ctype, device, expect_disjoint, expect_grid_yz, f32, i32, inplace, optional, output, ptr
 from .loader import get_kernel
@@ -38,12 +39,21 @@ ROPE_WARPS = 4
 
 def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_norm_w, eps: float,
                           inv_freq, positions, k_cache, v_cache, slots, *, interleave: bool = False,
-                          rope_scale: float = 1.0, v_is_k: bool = False, out=None):
-    """-> q [n, Hq, D] FP32 (``out``: the same, preallocated)."""
+                          rope_scale: float = 1.0, v_is_k: bool = False, out=None, k_scale=None, v_scale=None):
+    """-> q [n, Hq, D] FP32 (``out``: the same, preallocated). FP8 caches (uint8 E4M3 codes):
+    ``k_scale`` / ``v_scale`` [NB, BS, Hkv] FP32 take each written row's scale (mtpkern.ops.kv_fp8)."""
     check_qk_norm_rope_kv_write(qkv, num_q_heads, num_kv_heads, q_norm_w, k_norm_w,
                                 inv_freq, positions, k_cache, v_cache, slots, interleave, rope_scale, v_is_k)
-    k_cache = inplace(k_cache, "k_cache", "uint16", "float32")
+    check_scales("k_scale", k_cache, k_scale)
+    check_scales("v_scale", v_cache, v_scale)
+    k_cache = inplace(k_cache, "k_cache", "uint16", "float32", "uint8")
     v_cache = inplace(v_cache, "v_cache", k_cache.dtype.name)
+    fp8 = k_cache.dtype.name == "uint8"
+    if fp8 and v_is_k:
+        raise ValueError("v_is_k: an FP8 KV cache does not take DeepSeek-V4's shared KV (kv_dtype 'fp8' is "
+                         "implemented for GQA attention); expected False, got True")
+    ks = inplace(k_scale, "k_scale", "float32") if fp8 else None
+    vs = inplace(v_scale, "v_scale", "float32") if fp8 else None
     expect_dtype("inv_freq", inv_freq, "float32")
     NB, BS, Hkv, D = k_cache.shape
     Dv = v_cache.shape[3]
@@ -65,7 +75,7 @@ def qk_norm_rope_kv_write(qkv, num_q_heads: int, num_kv_heads: int, q_norm_w, k_
     kernel(grid, (ROPE_WARPS * 32,),
            (qkv, i32(qkv.shape[1]), ptr(q_norm_w), ptr(k_norm_w), f32(eps), inv_freq, i32(half),
             f32(rope_scale), positions,
-            k_cache, v_cache, slots, np.int64(NB * BS), q, i32(Hq), i32(Hkv), i32(D), i32(Dv)))
+            k_cache, v_cache, slots, np.int64(NB * BS), q, i32(Hq), i32(Hkv), i32(D), i32(Dv), ptr(ks), ptr(vs)))
     return q
 
 
