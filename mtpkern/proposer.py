@@ -33,7 +33,7 @@ import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 
@@ -41,9 +41,8 @@ from .backends import BackendName, get_backend
 from .backends.base import Backend
 from .carry import CarryRegistry
 from .comm import check_comm
-from .checks import (INT32_MAX, check_bool, check_hidden_dtype, check_int, check_list, check_out_conf,
-                     check_out_list, check_positions, check_probability, check_sampling, check_token, check_tokens,
-                     expect_finite, hidden_shape, ingest_hidden, shape_of)
+from .checks import (INT32_MAX, check_bool, check_int, check_list, check_out_conf, check_out_list, check_positions,
+                     check_probability, check_sampling, check_token, check_tokens, ingest_hidden, shape_of)
 from .config import MtpConfig, ceil_div
 from .schedule import expand as expand_schedule
 from .schedule import resolve as resolve_schedule
@@ -68,6 +67,15 @@ Chain = Literal["prenorm", "postnorm"]
 _log = logging.getLogger("mtpkern")
 
 __all__ = ["AcceptanceStats", "DrafterKv", "MemoryUse", "MtpState", "MultiModuleMtpHead"]
+
+
+def arg_namer(single: bool) -> Callable[..., str]:
+    """A call's argument names in its errors: ``name(one, many, i)`` is the single call's
+    ``one`` (``last_token``), or the batch call's ``many`` (``last_tokens``), indexed by ``i``
+    when given (``last_tokens[2]``)."""
+    def name(one: str, many: str, i: int | None = None) -> str:
+        return one if single else many if i is None else f"{many}[{i}]"
+    return name
 
 
 def _check_modes(kv_mode: Any, chain: Any) -> None:
@@ -764,6 +772,22 @@ class MultiModuleMtpHead(DraftProposer):
                              out_prob=check_out_list("out_prob", out_prob),
                              out_dist=check_out_list("out_dist", out_dist))
 
+    def _batch_states(self, states: Any) -> list:
+        """A batch call's ``states``: a list of 1 .. ``propose_batch_max()`` (each checked later)."""
+        states = check_list("states", states, what="states")
+        most = self.propose_batch_max()
+        if not 1 <= len(states) <= most:
+            raise ValueError(f"states: expected 1..{most} states (propose_batch_max), got {len(states)}")
+        return states
+
+    def _batch_heads(self, name: Callable, last_tokens: Any, positions: Any, B: int) -> tuple[list, list]:
+        """A batch call's ``last_tokens`` and ``positions`` (``B`` each), checked, named by ``name``."""
+        last_tokens = check_list(name("last_token", "last_tokens"), last_tokens, B)
+        positions = check_list(name("position", "positions"), positions, B)
+        toks = [check_token(name("last_token", "last_tokens", i), t, self.config.vocab_size)
+                for i, t in enumerate(last_tokens)]
+        return toks, [check_int(name("position", "positions", i), p, 1) for i, p in enumerate(positions)]
+
     def _propose(self, last_tokens, target_hiddens, positions, num_drafts, states, grammar_bitmasks,
                  single: bool, out_conf: list | None = None, min_confidence: float | None = None,
                  sampling: list | None = None, out_prob: list | None = None,
@@ -776,14 +800,10 @@ class MultiModuleMtpHead(DraftProposer):
         if min_confidence is not None:
             min_confidence = check_probability("min_confidence", min_confidence)
 
-        def name(one: str, many: str, i: int | None = None) -> str:
-            return one if single else many if i is None else f"{many}[{i}]"
+        name = arg_namer(single)
 
-        states = check_list("states", states, what="states")
+        states = self._batch_states(states)
         B = len(states)
-        most = self.propose_batch_max()
-        if B < 1 or B > most:
-            raise ValueError(f"states: expected 1..{most} states (propose_batch_max), got {B}")
         if sampling is not None and len(sampling) != B:
             raise ValueError(f"sampling: expected {B} entries (one per state), got {len(sampling)}")
         if sampling is not None and all(sp is None for sp in sampling):
@@ -794,11 +814,7 @@ class MultiModuleMtpHead(DraftProposer):
                                       f"got {sampling!r}")
         call = "propose" if single else "propose_batch"
         with self._use(states, call, [name("state", "states", i) for i in range(B)]) as sts:
-            last_tokens = check_list(name("last_token", "last_tokens"), last_tokens, B)
-            positions = check_list(name("position", "positions"), positions, B)
-            toks = [check_token(name("last_token", "last_tokens", i), t, cfg.vocab_size)
-                    for i, t in enumerate(last_tokens)]
-            poss = [check_int(name("position", "positions", i), p, 1) for i, p in enumerate(positions)]
+            toks, poss = self._batch_heads(name, last_tokens, positions, B)
             num_drafts = check_int("num_drafts", num_drafts, 0, INT32_MAX)
             k = min(num_drafts, self.num_modules)
             hid = self._batch_hiddens(name("target_hidden", "target_hiddens"), target_hiddens, B, single)
@@ -1021,21 +1037,13 @@ class MultiModuleMtpHead(DraftProposer):
                        single: bool) -> list[DraftTree]:
         cfg = self.config
 
-        def name(one: str, many: str, i: int | None = None) -> str:
-            return one if single else many if i is None else f"{many}[{i}]"
+        name = arg_namer(single)
 
         call = "propose_tree" if single else "propose_tree_batch"
-        states = check_list("states", states, what="states")
+        states = self._batch_states(states)
         B = len(states)
-        most = self.propose_batch_max()
-        if B < 1 or B > most:
-            raise ValueError(f"states: expected 1..{most} states (propose_batch_max), got {B}")
         with self._use(states, call, [name("state", "states", i) for i in range(B)]) as sts:
-            last_tokens = check_list(name("last_token", "last_tokens"), last_tokens, B)
-            positions = check_list(name("position", "positions"), positions, B)
-            toks = [check_token(name("last_token", "last_tokens", i), t, cfg.vocab_size)
-                    for i, t in enumerate(last_tokens)]
-            poss = [check_int(name("position", "positions", i), p, 1) for i, p in enumerate(positions)]
+            toks, poss = self._batch_heads(name, last_tokens, positions, B)
             shapes = [check_shape(widths, shape, self.num_modules)] if single else \
                 check_shapes(widths, shape, self.num_modules, B)
             hid = self._batch_hiddens(name("target_hidden", "target_hiddens"), target_hiddens, B, single)

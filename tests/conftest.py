@@ -285,6 +285,39 @@ def record_trace(prop, rng: np.random.Generator, prompt: int, rounds) -> list:
 
 
 
+def verify_tree_off_the_greedy_path(prop, a, b, rng, mode: str, same) -> np.ndarray:
+    """Twins ``a`` and ``b`` at one position: ``b`` drafts a wide tree and is verified along a
+    path off the greedy one (the last leaf's first two nodes), ``a`` proposes a chain forced
+    along that path (a mask allowing only its tokens) and is verified alike; ``same(prop, a, b)``
+    checks their KV then, and again after both catch up (exact mode). Returns the hidden of
+    the proposes, for the caller's next one."""
+    M, H, V, W = prop.num_modules, prop.config.hidden_size, prop.config.vocab_size, prop.config.bitmask_words
+    P = a.next_position
+    h, t = rng.standard_normal(H).astype(np.float32), int(rng.integers(0, V))
+    tree = prop.propose_tree(t, h, P, b, widths=[3, 2, 2][:M])
+    path = tree.path(tree.leaves()[-1])[:2]                  # the last leaf: off the rank-0 path
+    toks = tree.path_tokens(path[-1])
+
+    def force(i, drafts):
+        if i >= len(toks):
+            return None
+        w = np.zeros(W, np.int32)
+        w[toks[i] >> 5] = np.int32(np.uint32(1) << np.uint32(toks[i] & 31))
+        return w
+
+    d = prop.propose(t, h, P, M, a, grammar_bitmask=force)
+    assert d[:len(toks)] == toks
+    prop.after_verify(len(toks), a)
+    prop.after_verify_tree(path, b)
+    same(prop, a, b)
+    if mode == "exact":
+        hs = rng.standard_normal((len(toks), H)).astype(np.float32)
+        prop.catchup_drafter(toks, hs, a)
+        prop.catchup_drafter(toks, hs, b)
+        same(prop, a, b)
+    return h
+
+
 def run_rounds(path, backend="numpy", mode="exact", seed=0, rounds=4, n=9, **kw):
     """A proposer on the checkpoint at ``path`` through a prefill of ``n`` tokens and
     ``rounds`` propose / verify / catch-up rounds with random accepts; returns

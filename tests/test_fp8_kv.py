@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import kv_rows, near_tie, record_margins, run_rounds
+from conftest import near_tie, record_margins, run_rounds, verify_tree_off_the_greedy_path
 from mtpkern import MultiModuleMtpHead
 from mtpkern.backends import cuda_available
 from mtpkern.backends.cpu import CpuBackend
@@ -614,36 +614,14 @@ def test_tree_path_equals_a_forced_chain(tiny_ckpt, backend, mode):
     (codes and scales) into the state, which then holds what a chain forced along the path holds;
     a trim (after_verify(0)) drops rows and keeps the others' codes and scales as they were."""
     prop = _fp8_prop(tiny_ckpt, backend, mode, num_blocks=96)
-    M, H, V, W = prop.num_modules, prop.config.hidden_size, prop.config.vocab_size, prop.config.bitmask_words
+    M, H, V = prop.num_modules, prop.config.hidden_size, prop.config.vocab_size
     rng = np.random.default_rng(4)
     n = 9
     toks0, hid = rng.integers(0, V, n).tolist(), rng.standard_normal((n, H)).astype(np.float32)
     a, b = prop.alloc_state(), prop.alloc_state()
     prop.prefill_drafter(toks0, hid, a)
     prop.prefill_drafter(toks0, hid, b)
-    P = a.next_position
-    h, t = rng.standard_normal(H).astype(np.float32), int(rng.integers(0, V))
-    tree = prop.propose_tree(t, h, P, b, widths=[3, 2, 2][:M])
-    path = tree.path(tree.leaves()[-1])[:2]                  # off the rank-0 path
-    toks = tree.path_tokens(path[-1])
-
-    def force(i, drafts):
-        if i >= len(toks):
-            return None
-        w = np.zeros(W, np.int32)
-        w[toks[i] >> 5] = np.int32(np.uint32(1) << np.uint32(toks[i] & 31))
-        return w
-
-    d = prop.propose(t, h, P, M, a, grammar_bitmask=force)
-    assert d[:len(toks)] == toks
-    prop.after_verify(len(toks), a)
-    prop.after_verify_tree(path, b)
-    _close_rows(prop, a, b)
-    if mode == "exact":
-        hs = rng.standard_normal((len(toks), H)).astype(np.float32)
-        prop.catchup_drafter(toks, hs, a)
-        prop.catchup_drafter(toks, hs, b)
-        _close_rows(prop, a, b)
+    h = verify_tree_off_the_greedy_path(prop, a, b, rng, mode, _close_rows)
     before = [_raw_rows(prop, b, m) for m in range(M)]
     prop.propose(int(rng.integers(0, V)), h, b.next_position, M, b)
     during = [_raw_rows(prop, b, m)[0].shape[0] for m in range(M)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import MLA_FIELDS, kv_rows
+from conftest import MLA_FIELDS, kv_rows, verify_tree_off_the_greedy_path
 from mtpkern import MultiModuleMtpHead
 from mtpkern.config import tiny_config
 from mtpkern.errors import KvCacheFull, NoAllowedToken, StateError
@@ -146,30 +146,8 @@ def test_the_accepted_path_equals_a_forced_chain(tiny_ckpt, mode):
     propose forced along that path (a mask allowing only its tokens) after its verify, and
     the next chain propose drafts the same."""
     prop, a, b, rng = _twins(tiny_ckpt, mode, seed=4)
-    M, H, V, W = prop.num_modules, prop.config.hidden_size, prop.config.vocab_size, prop.config.bitmask_words
-    P = a.next_position
-    h, t = rng.standard_normal(H).astype(np.float32), int(rng.integers(0, V))
-    tree = prop.propose_tree(t, h, P, b, widths=[3, 2, 2][:M])
-    leaf = tree.leaves()[-1]                                 # the last leaf: off the rank-0 path
-    path = tree.path(leaf)[:2]
-    toks = tree.path_tokens(path[-1])
-
-    def force(i, drafts):
-        if i >= len(toks):
-            return None
-        w = np.zeros(W, np.int32)
-        w[toks[i] >> 5] = np.int32(np.uint32(1) << np.uint32(toks[i] & 31))
-        return w
-
-    d = prop.propose(t, h, P, M, a, grammar_bitmask=force)
-    assert d[:len(toks)] == toks
-    prop.after_verify(len(toks), a)
-    prop.after_verify_tree(path, b)
-    _same_kv(prop, a, b)
-    if mode == "exact":
-        hs = rng.standard_normal((len(toks), H)).astype(np.float32)
-        prop.catchup_drafter(toks, hs, a)
-        prop.catchup_drafter(toks, hs, b)
+    M, H, V = prop.num_modules, prop.config.hidden_size, prop.config.vocab_size
+    verify_tree_off_the_greedy_path(prop, a, b, rng, mode, _same_kv)
     h2, t2 = rng.standard_normal(H).astype(np.float32), int(rng.integers(0, V))
     assert prop.propose(t2, h2, a.next_position, M, a) == prop.propose(t2, h2, b.next_position, M, b)
     prop.check_invariants()
