@@ -1674,21 +1674,27 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             for fd in ("f32", "bf16"):
                 f = rnd(rng, 3, H) if fd == "f32" else rnd(rng, 3, H).astype(ml_dtypes.bfloat16).view(np.uint16)
                 out[f"hc_post {td} {fd} {m}"] = be.hc_post(f, X, post, comb)
-    for kv in KV_DTYPES:
+    for kv in KV_DTYPES + ("fp8",):                                   # fp8: codes and their scale planes
         be = emu_backend.backend(kv)
         for D in (48, 128, 256):                                                        # DC = 2, 4, 8
             NB, BS, Hkv, Hq = 24, 16, 2, 4
             k, v = be.empty_kv(NB, BS, Hkv, D), be.empty_kv(NB, BS, Hkv, D)
+            sc = ({"k_scale": be.empty_kv_scales(NB, BS, Hkv), "v_scale": be.empty_kv_scales(NB, BS, Hkv)}
+                  if kv == "fp8" else {})
             n = NB * BS
             q = be.qk_norm_rope_kv_write(rnd(rng, n, (Hq + 2 * Hkv) * D), Hq, Hkv, rnd(rng, D), rnd(rng, D), 1e-6,
                                          inv_freq(D // 2, 1e4), np.arange(n, dtype=np.int32), k, v,
-                                         rng.permutation(n).astype(np.int32))
+                                         rng.permutation(n).astype(np.int32), **sc)
+            if kv == "fp8":                                   # interleaved pairs, without q / k norms
+                out[f"kv write interleave {kv} {D}"] = be.qk_norm_rope_kv_write(
+                    rnd(rng, 3, (Hq + 2 * Hkv) * D), Hq, Hkv, None, None, 1e-6, inv_freq(D // 2, 1e4),
+                    np.arange(3, dtype=np.int32), k, v, np.arange(3, dtype=np.int32), interleave=True, **sc)
             tables = rng.permutation(NB).astype(np.int32).reshape(2, 12)
             out[f"attention {kv} {D}"] = be.paged_attention(q[:4], k, v, tables, np.array([0, 1, 1, 0], np.int32),
-                                                            np.array([192, 1, 100, 17], np.int32), D ** -0.5)
+                                                            np.array([192, 1, 100, 17], np.int32), D ** -0.5, **sc)
             out[f"attention window sinks {kv} {D}"] = be.paged_attention(
                 q[:4], k, v, tables, np.array([0, 1, 1, 0], np.int32), np.array([192, 1, 100, 17], np.int32),
-                D ** -0.5, row_start=np.array([60, 0, 99, 3], np.int32), sinks=rnd(rng, Hq))
+                D ** -0.5, row_start=np.array([60, 0, 99, 3], np.int32), sinks=rnd(rng, Hq), **sc)
             if kv == "bfloat16":                 # the FP32-FMA kernel over BF16 (the launcher takes the tc one)
                 from mtpkern.backends.cuda_launch import attention as attn_launch
                 base = attn_launch.plan(Hq // Hkv, D, 12 * BS, work=2 * Hkv, target_blocks=2, rows=4,
@@ -1704,6 +1710,8 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
                         q16, k, v, tables, np.array([0, 0, 1, 1], np.int32), np.array([150, 151, 99, 100], np.int32),
                         D ** -0.5)
             out[f"kv {kv} {D}"] = np.concatenate([k.view(np.uint8).ravel(), v.view(np.uint8).ravel()])
+        if kv == "fp8":                           # GQA's write and attention only: the rest refuses FP8 KV
+            continue
         k, v = be.empty_kv(3, 4, 1, 14), be.empty_kv(3, 4, 1, 14)                     # interleaved pairs
         out[f"rope interleave {kv}"] = be.qk_norm_rope_kv_write(
             rnd(rng, 5, 4 * 14), 2, 1, rnd(rng, 14), None, 1e-6, inv_freq(10, 1e4),
