@@ -416,7 +416,10 @@ class Driver:
         if pick is None or len(self.model.seqs) >= self.max_states:
             return False
         self._count("fork")
-        self.p.fork_state(pick[0])
+        try:
+            self.p.fork_state(pick[0])
+        except KvCacheFull:         # a budgeted source's copy of its shared last block finds no room
+            pass                    # (the checked proxy checks that nothing changed)
         return True
 
     def _share(self, call: Call, rng) -> bool:
@@ -430,6 +433,8 @@ class Driver:
         try:
             # (draft mode: a position a propose skipped holds -1 in the model, a token no one knows)
             self.p.share_prefix(st, [max(0, t) for t in s.tokens[:L]])
+        except KvCacheFull:         # as a fork: no room for a budgeted source's copy of its last block
+            pass
         except StateError:
             # a sliding-window module of the source released rows this prefix still reads
             if not any(self.cfg.block(m).sliding_window for m in range(self.M)):
