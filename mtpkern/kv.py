@@ -859,6 +859,16 @@ class BlockPool:
                     self._release([now], seq)
                     self.cow_copies -= 1
 
+    def restore_reserved(self, seq: SeqKv, holder: Any, reserved: int) -> None:
+        """After a failed call gave back every block it took (``restore_blocks``): ``seq``'s
+        reservation is set back to ``reserved``, its value before the call. The releases on the
+        way top a budgeted sequence's reservation up to ``budget - held``, which is more than it
+        held where a share's reservation for a copy was spent, or a carry fitted it lower."""
+        with self._lock:
+            self.check_holder(seq, holder)
+            self.reserved += reserved - seq._reserved
+            seq._reserved = reserved
+
     def close(self) -> None:
         """Drop every sequence and the caches; later calls raise ``StateError``."""
         with self._lock:

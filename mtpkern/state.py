@@ -263,18 +263,21 @@ class Snapshot:
     win: list[Any]
     win_start: list[int]
     last_drafts: list[int]
+    reserved: list[int]
 
     @classmethod
     def of(cls, st: MtpState) -> "Snapshot":
         return cls([s.rows for s in st._kv], [s.blocks for s in st._kv], tuple(getattr(st, f) for f in _FIELDS), list(st._tail),
-                   list(st._win), list(st._win_start), list(st._last_drafts))
+                   list(st._win), list(st._win_start), list(st._last_drafts), [s.reserved for s in st._kv])
 
     def restore(self, st: MtpState, pools: list[Any]) -> None:
         """Rows written since are dropped, blocks taken since go back, and a shared block
-        the call copied on write is shared again (``BlockPool.restore_blocks``)."""
-        for pool, seq, rows, blocks in zip(pools, st._kv, self.rows, self.blocks):
+        the call copied on write is shared again (``BlockPool.restore_blocks``), and each
+        sequence's reservation is what it was (``BlockPool.restore_reserved``)."""
+        for pool, seq, rows, blocks, reserved in zip(pools, st._kv, self.rows, self.blocks, self.reserved):
             pool.trim(seq, seq.rows - rows, st)
             pool.restore_blocks(seq, st, blocks)
+            pool.restore_reserved(seq, st, reserved)
         for f, v in zip(_FIELDS, self.scalars):
             setattr(st, f, v)
         st._tail, st._win, st._win_start, st._last_drafts = self.tail, self.win, self.win_start, self.last_drafts
