@@ -155,6 +155,42 @@ def test_the_proposer_counts_reached(make_prop):
     prop.free_state(st)
 
 
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_a_policy_driven_loop_with_k0_stretches(make_prop, tiny_ckpt, mode):
+    """The loop of the docs' example under the testing kit (every call checked against its
+    model; exact mode's drafts against the dense oracle): a costly propose gives K = 0 steps,
+    caught up token by token, then free drafting gives K = M, and the counters move only
+    with the verifies."""
+    from mtpkern.testing import checked, reference_weights
+
+    prop = checked(make_prop(mode), reference_weights(tiny_ckpt) if mode == "exact" else None)
+    H, V, M = prop.config.stream_size, prop.config.vocab_size, prop.num_modules
+    rng = np.random.default_rng(3)
+    n = 40
+    t, h = rng.integers(0, V, n).tolist(), rand_hiddens(rng, n, H)
+    costly, free = linear_costs(1.0, 0.0, 0.01, 0.0), linear_costs(0.0, 0.0, 0.01, 0.0)
+    st = prop.alloc_state()
+    prop.prefill_drafter(t[:6], h[:6], st)
+    P, chosen = 6, []
+    for step in range(12):
+        K = choose_k(acceptance_from_stats(prop.stats, M), costly if step < 6 else free, M).k
+        chosen.append(K)
+        if K == 0:
+            prop.catchup_drafter([t[P]], h[P - 1:P], st)
+            P += 1
+            continue
+        drafts = prop.propose(t[P], h[P - 1], P, K, st)
+        a = int(rng.integers(0, K + 1))
+        t[P + 1:P + 1 + a] = drafts[:a]
+        prop.after_verify(a, st)
+        prop.catchup_drafter(drafts[:a], h[P:P + a], st)
+        P += 1 + a
+    assert chosen == [0] * 6 + [M] * 6
+    assert prop.stats.verifies == 6 and prop.stats.drafted == [6] * M
+    assert st.num_verified == P and st.num_hiddens == P - 1
+    prop.free_state(st)
+
+
 # -- properties -------------------------------------------------------------------------------------------
 
 @st.composite
