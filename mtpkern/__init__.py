@@ -17,6 +17,7 @@ from .config import MtpConfig
 from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllowedToken, StateError
 from .ops.sampling import SamplingParams
 from .head import HeadStep, MtpHead
+from .k_policy import KChoice, StepCosts, acceptance_from_counts, acceptance_from_stats, choose_k
 from .proposer import MemoryUse, MultiModuleMtpHead
 from .quant import Fp8Weight
 from .state import AcceptanceStats, DrafterKv, MtpState
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcceptanceStats", "CheckpointError", "ConfigError", "DraftProposer", "DrafterKv", "Fp8Weight", "HeadStep",
-    "KvCacheFull", "MemoryUse", "MtpConfig", "MtpError", "MtpHead", "MtpState", "MultiModuleMtpHead",
-    "NoAllowedToken", "ProposerState", "SamplingParams", "StateError", "load_weights", "write_synthetic_checkpoint",
+    "KChoice", "KvCacheFull", "MemoryUse", "MtpConfig", "MtpError", "MtpHead", "MtpState", "MultiModuleMtpHead",
+    "NoAllowedToken", "ProposerState", "SamplingParams", "StateError", "StepCosts", "acceptance_from_counts",
+    "acceptance_from_stats", "choose_k", "load_weights", "write_synthetic_checkpoint",
 ]

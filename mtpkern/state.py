@@ -212,13 +212,47 @@ class DrafterKv:
 
 @dataclass(slots=True)
 class AcceptanceStats:
-    """Per-module drafted / accepted counters since the last ``reset`` (thread-safe)."""
+    """Per-draft-position counters since the last ``reset`` (thread-safe; position ``m`` is
+    draft ``d_m``, made by module ``m``, or by draft step ``m`` under a module schedule).
+
+    - ``drafted[m]``: verifies that were offered draft ``m``;
+    - ``reached[m]``: of those, the ones that accepted every draft before it, so that the
+      verify's verdict on draft ``m`` was its own (``reached[0] == drafted[0]``);
+    - ``accepted[m]``: of those, the ones that accepted draft ``m``.
+
+    ``accepted[m] / drafted[m]`` (``acceptance_rate``) is the rate at which draft ``m`` is
+    kept; ``accepted[m] / reached[m]`` is its conditional acceptance, ``P(d_m accepted |
+    d_0 .. d_{m-1} accepted)``, which is what choosing the number of drafts needs
+    (mtpkern.k_policy): with a varying number of drafts per verify it cannot be told from
+    ``drafted`` and ``accepted`` alone. An engine may keep one per sequence
+    (``AcceptanceStats.zeros(M)``, then ``record(k, a)`` after each verify)."""
 
     drafted: list[int]
     accepted: list[int]
     verifies: int = 0
     accepted_total: int = 0
+    reached: list[int] = field(default_factory=list)
     _lock: Any = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.reached:
+            self.reached = [0] * len(self.drafted)
+        if not len(self.drafted) == len(self.accepted) == len(self.reached):
+            raise ValueError(f"accepted, reached: expected {len(self.drafted)} positions each (as drafted), got "
+                             f"{len(self.accepted)} and {len(self.reached)}")
+
+    @classmethod
+    def zeros(cls, positions: int) -> "AcceptanceStats":
+        """Counters for ``positions`` draft positions, all 0."""
+        from .checks import check_int
+
+        n = check_int("positions", positions, 1, 64)
+        return cls([0] * n, [0] * n)
+
+    def snapshot(self) -> tuple[list[int], list[int], list[int]]:
+        """``(drafted, reached, accepted)`` copies, read as one (no verify counted half-way)."""
+        with self._lock:
+            return list(self.drafted), list(self.reached), list(self.accepted)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -234,10 +268,15 @@ class AcceptanceStats:
         return self.accepted[module] / d if d else 0.0
 
     def record(self, k: int, a: int) -> None:
-        """One verify of ``k`` drafts that accepted ``a``."""
+        """One verify of ``k`` drafts that accepted ``a`` (checked: ``0 <= a <= k <= positions``)."""
+        from .checks import check_int
+
+        k = check_int("k", k, 0, len(self.drafted))
+        a = check_int("a", a, 0, k)
         with self._lock:
             for m in range(k):
                 self.drafted[m] += 1
+                self.reached[m] += m <= a
                 self.accepted[m] += m < a
             self.verifies += 1
             self.accepted_total += a
@@ -246,6 +285,7 @@ class AcceptanceStats:
         with self._lock:
             self.drafted = [0] * len(self.drafted)
             self.accepted = [0] * len(self.accepted)
+            self.reached = [0] * len(self.reached)
             self.verifies = self.accepted_total = 0
 
 

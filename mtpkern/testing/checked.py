@@ -64,7 +64,8 @@ class CheckedProposer:
 
     def _counters(self) -> tuple:
         st = self.prop.stats
-        return tuple(st.drafted), tuple(st.accepted), st.verifies, st.accepted_total, self.prop.clamped_calls
+        return (tuple(st.drafted), tuple(st.accepted), st.verifies, st.accepted_total, self.prop.clamped_calls,
+                tuple(st.reached))
 
     def _call(self, fn: Callable[[], Any], then: Callable[[Any], None],
               room: Callable[[], list[tuple[Any, list[int]]]] | None = None, counts: Callable[[tuple], tuple] = None):
@@ -100,7 +101,7 @@ class CheckedProposer:
 
     def _clamp(self, num_drafts: Any) -> Callable[[tuple], tuple]:
         def counts(c: tuple) -> tuple:
-            return c[:4] + (c[4] + (int(num_drafts) > self.prop.num_modules),)
+            return c[:4] + (c[4] + (int(num_drafts) > self.prop.num_modules),) + c[5:]
         return counts
 
     def _after_propose(self, states: list, drafts: list[list[int]]) -> None:
@@ -321,7 +322,8 @@ def _verify_counts(k: int, a: int) -> Callable[[tuple], tuple]:
     def counts(c: tuple) -> tuple:
         drafted = tuple(d + (m < k) for m, d in enumerate(c[0]))
         accepted = tuple(x + (m < a) for m, x in enumerate(c[1]))
-        return drafted, accepted, c[2] + 1, c[3] + a, c[4]
+        reached = tuple(r + (m < k and m <= a) for m, r in enumerate(c[5]))
+        return drafted, accepted, c[2] + 1, c[3] + a, c[4], reached
     return counts
 
 

@@ -465,5 +465,6 @@ class ProposerModel:
                      self._window(st)) for st, _ in self.seqs.values())
         carried = tuple((id(kv), tuple(map(tuple, kv.blocks)), kv.consumed) for kv, _ in self.carried.values())
         dev = prop.last_drafts_device
-        stats = (tuple(prop.stats.drafted), tuple(prop.stats.accepted), prop.stats.verifies, prop.clamped_calls)
+        stats = (tuple(prop.stats.drafted), tuple(prop.stats.accepted), tuple(prop.stats.reached), prop.stats.verifies,
+                 prop.clamped_calls)
         return pools, sts, carried, stats, None if dev is None else prop.backend.to_host(dev).tolist()
