@@ -2207,7 +2207,8 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
     if target_layers:
         check_target_config(cfg, "target_layers")
         if packed_gate_up:
-            raise ValueError("target_layers: expected per-expert tensors (a glm4_moe release's), got packed_gate_up=True")
+            raise ValueError("target_layers: expected per-expert tensors (a glm4_moe release's), "
+                             "got packed_gate_up=True")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tensors = synthetic_tensors(cfg, seed, own_embed, own_head, target_layers)
