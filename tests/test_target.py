@@ -391,3 +391,34 @@ def test_decisions_record():
     assert d.acceptance_rate(0) == 0.5 and d.acceptance_rate(5) == 0.0 and d.tokens_per_verify == 2.0
     with pytest.raises(ValueError, match="num_accepted: expected 0 <= a <= 1, got 2"):
         d.record(1, 2)
+
+
+# -- the target's ops on the emulated cuda backend ------------------------------------------
+
+@pytest.fixture(scope="module")
+def emu():
+    from cuda_emu import emu_backend
+
+    yield from emu_backend.installed_emulator()
+
+
+def test_target_on_the_emulated_cuda_backend(ckpt, targets, emu):
+    """The CUDA kernels (run by tests/cuda_emu) for the target's layers: the hiddens of the
+    numpy target to FP32 rounding, and the loop lossless against them (a short run: every
+    launch is emulated)."""
+    from cuda_emu import emu_backend
+
+    tgt = ReferenceTarget.from_pretrained(ckpt, backend=emu_backend.backend("float32"), block_size=4, num_blocks=16)
+    ref = target_on(ckpt, targets, "numpy")
+    prompt = PROMPTS[0]
+    seq, rseq = tgt.alloc_seq(), ref.alloc_seq()
+    got, want = tgt.prefill(seq, prompt), ref.prefill(rseq, prompt)
+    np.testing.assert_allclose(got.hiddens, want.hiddens, rtol=1e-4, atol=1e-4)
+    assert got.greedy.tolist() == want.greedy.tolist()
+    tgt.free_seq(seq)
+    ref.free_seq(rseq)
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="exact", block_size=4, num_blocks=16)
+    greedy = greedy_generate(ref, prompt, 5).tokens
+    assert greedy_generate(tgt, prompt, 5).tokens == greedy
+    assert speculative_generate(tgt, prop, prompt, 5, 3).tokens == greedy
+    assert tgt.kv_blocks_in_use() == [0, 0]
