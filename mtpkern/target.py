@@ -72,16 +72,30 @@ class Verdict(NamedTuple):
 @dataclass(slots=True, eq=False)
 class TargetSeq:
     """One sequence of a ``ReferenceTarget``: its KV rows in every layer (``kv[l]``) and the
-    tokens they hold (``tokens``, ``t_0 .. t_{n-1}``). Handed out by ``alloc_seq`` only."""
+    tokens they hold (``tokens``, ``t_0 .. t_{n-1}``), read-only views. Handed out by
+    ``alloc_seq`` only (a copy is refused by every call)."""
 
-    kv: list[SeqKv]
-    tokens: list[int]
-    freed: bool = False
+    _kv: list[SeqKv]
+    _tokens: list[int]
+    _freed: bool = False
+
+    @property
+    def kv(self) -> tuple[SeqKv, ...]:
+        return tuple(self._kv)
+
+    @property
+    def tokens(self) -> list[int]:
+        """A copy of the tokens in the KV."""
+        return list(self._tokens)
 
     @property
     def length(self) -> int:
         """Tokens in the KV (the next row's position)."""
-        return len(self.tokens)
+        return len(self._tokens)
+
+    @property
+    def freed(self) -> bool:
+        return self._freed
 
 
 class ReferenceTarget:
@@ -137,10 +151,10 @@ class ReferenceTarget:
         """Return every block of ``seq``; using it again raises ``StateError``."""
         with self._lock:
             self._check_seq(seq)
-            for layer, kv in zip(self.layers, seq.kv):
+            for layer, kv in zip(self.layers, seq._kv):
                 layer.free_seq(kv)
             self._seqs.discard(id(seq))
-            seq.freed = True
+            seq._freed = True
 
     def kv_blocks_in_use(self) -> list[int]:
         """Blocks in use in each layer's pool."""
@@ -211,24 +225,24 @@ class ReferenceTarget:
         be, c, P = self.backend, toks.shape[0], seq.length
         grown = 0
         try:
-            for layer, kv in zip(self.layers, seq.kv):          # the blocks of every layer, or none
+            for layer, kv in zip(self.layers, seq._kv):          # the blocks of every layer, or none
                 layer.pool.grow(kv, c, layer)
                 grown += 1
             x = be.from_host(np.ascontiguousarray(self._embed[toks], np.float32))      # [c, H]
-            for layer, kv in zip(self.layers, seq.kv):
+            for layer, kv in zip(self.layers, seq._kv):
                 x, _ = layer.forward([RowJob(kv, toks, P, 0)], x)                       # [c, H]
             h = be.rmsnorm(x, self._norm, self.config.rms_norm_eps)                    # [c, H]
             greedy = self.lm.argmax(h)                                                 # [c]
             hiddens = np.asarray(be.to_host(h), np.float32)
         except BaseException:
-            for layer, kv in zip(self.layers[:grown], seq.kv):
+            for layer, kv in zip(self.layers[:grown], seq._kv):
                 layer.pool.trim(kv, kv.rows - P, layer)           # rows appended, blocks taken ahead
             raise
-        seq.tokens.extend(int(t) for t in toks)
+        seq._tokens.extend(int(t) for t in toks)
         return TargetOut(int(greedy[-1]), hiddens, greedy)
 
     def _trim(self, seq: TargetSeq, drop: int) -> None:
         if drop:
-            for layer, kv in zip(self.layers, seq.kv):
+            for layer, kv in zip(self.layers, seq._kv):
                 layer.pool.trim(kv, drop, layer)
-            del seq.tokens[-drop:]
+            del seq._tokens[-drop:]

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -218,6 +220,10 @@ def test_bad_calls_are_refused_and_change_nothing(ckpt, targets):
         tgt.verify(seq, True, [2])
     with pytest.raises(ValueError, match="max_position_embeddings"):
         tgt.verify(seq, 1, [2] * CFG.max_position_embeddings)
+    with pytest.raises(StateError, match="another target's or a copy"):
+        tgt.decode(copy.copy(seq), 1)
+    with pytest.raises(AttributeError):
+        seq.tokens = []
     assert seq.tokens == before[0] and tgt.kv_blocks_in_use() == before[2]
     np.testing.assert_array_equal(_kv(tgt, seq), before[1])
     tgt.free_seq(seq)
