@@ -88,7 +88,7 @@ def _moe(x, p, t, cfg):
     for i in range(x.shape[0]):
         for e, we in zip(idx[i], w[i]):
             out[i] += we * _mlp(x[i:i + 1], p + f"experts.{e}.", t)[0]
-    return out + _mlp(x, p + "shared_experts.", t)
+    return out + (_mlp(x, p + "shared_experts.", t) if cfg.n_shared_experts else 0.0)
 
 
 def reference(t, cfg, tokens):
@@ -102,17 +102,19 @@ def reference(t, cfg, tokens):
     for layer in range(cfg.num_hidden_layers):                     # Glm4MoeDecoderLayer
         p = f"model.layers.{layer}."
         a = _rms(x, t[p + "input_layernorm.weight"], eps)
-        q, k, v = ((a @ t[p + f"self_attn.{c}_proj.weight"].T + t[p + f"self_attn.{c}_proj.bias"]).reshape(n, -1, D)
-                   for c in "qkv")
-        q = _rope(_rms(q, t[p + "self_attn.q_norm.weight"], eps), pos, rd, cfg.rope_theta)
-        k = _rope(_rms(k, t[p + "self_attn.k_norm.weight"], eps), pos, rd, cfg.rope_theta)
+        q, k, v = ((a @ t[p + f"self_attn.{c}_proj.weight"].T + t.get(p + f"self_attn.{c}_proj.bias", 0.0))
+                   .reshape(n, -1, D) for c in "qkv")
+        if cfg.use_qk_norm:
+            q, k = (_rms(z, t[p + f"self_attn.{c}_norm.weight"], eps) for z, c in ((q, "q"), (k, "k")))
+        q, k = _rope(q, pos, rd, cfg.rope_theta), _rope(k, pos, rd, cfg.rope_theta)
         k, v = np.repeat(k, Hq // Hkv, 1), np.repeat(v, Hq // Hkv, 1)   # repeat_kv
         s = np.einsum("qhd,khd->hqk", q, k) * D ** -0.5 + np.triu(np.full((n, n), -np.inf), 1)
         s = np.exp(s - s.max(-1, keepdims=True))
         o = np.einsum("hqk,khd->qhd", s / s.sum(-1, keepdims=True), v).reshape(n, Hq * D)
         x = x + o @ t[p + "self_attn.o_proj.weight"].T
         f = _rms(x, t[p + "post_attention_layernorm.weight"], eps)
-        x = x + (_moe(f, p + "mlp.", t, cfg) if layer >= cfg.first_k_dense_replace else _mlp(f, p + "mlp.", t))
+        moe = cfg.n_routed_experts and layer >= cfg.first_k_dense_replace
+        x = x + (_moe(f, p + "mlp.", t, cfg) if moe else _mlp(f, p + "mlp.", t))
     h = _rms(x, t["model.norm.weight"], eps)
     return h, h @ t["lm_head.weight"].T
 
@@ -141,6 +143,31 @@ def test_target_matches_float64_reference(ckpt, targets, raw, backend):
     # negative control: the reference without the MoE layer's shared expert is far from the target
     t2 = dict(raw, **{k: 0 * v for k, v in raw.items() if ".1.mlp.shared_experts.down" in k})
     assert np.abs(reference(t2, CFG, tokens)[0] - out.hiddens).max() > 1e-2
+
+
+@pytest.mark.parametrize("over", [dict(use_qk_norm=False, attention_bias=False, n_shared_experts=0, first_k_dense_replace=0),
+                                  dict(n_routed_experts=0, num_hidden_layers=3)],
+                         ids=["all-moe-no-qk-norm", "all-dense"])
+def test_other_layer_forms_match_the_reference(tmp_path, over):
+    cfg = tiny_config(**{**dict(family="glm4_moe", num_hidden_layers=2, intermediate_size=40), **over})
+    ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=9, target_layers=True, dtype="float32")
+    raw = {k: np.asarray(v, np.float64) for k, v in read_tensors(ckpt).items()}
+    kinds = ["gate_proj" if f"model.layers.{i}.mlp.gate_proj.weight" in raw else "experts"
+             for i in range(cfg.num_hidden_layers)]
+    assert kinds == ["gate_proj" if not cfg.target_block(i).moe else "experts" for i in range(cfg.num_hidden_layers)]
+    assert set(kinds) == ({"experts"} if cfg.n_routed_experts else {"gate_proj"})
+    tgt = ReferenceTarget.from_pretrained(ckpt, backend="numpy", block_size=4, num_blocks=16)
+    seq = tgt.alloc_seq()
+    tokens = PROMPTS[2]
+    np.testing.assert_allclose(tgt.prefill(seq, tokens).hiddens, reference(raw, cfg, tokens)[0], rtol=2e-4, atol=2e-4)
+
+
+def test_target_block_needs_a_dense_width():
+    with pytest.raises(ConfigError, match="'intermediate_size' must be > 0 for the dense target layer 0"):
+        tiny_config(family="glm4_moe", first_k_dense_replace=1).target_block(0)
+    with pytest.raises(ValueError, match="layer: expected 0 <= layer < num_hidden_layers = 2, got 2"):
+        CFG.target_block(2)
+    assert not CFG.target_block(0).moe and CFG.target_block(1).moe
 
 
 def test_decode_equals_prefill_of_the_longer_prompt(ckpt, targets):
