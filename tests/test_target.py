@@ -145,9 +145,9 @@ def test_target_matches_float64_reference(ckpt, targets, raw, backend):
     assert np.abs(reference(t2, CFG, tokens)[0] - out.hiddens).max() > 1e-2
 
 
-@pytest.mark.parametrize("over", [dict(use_qk_norm=False, attention_bias=False, n_shared_experts=0, first_k_dense_replace=0),
-                                  dict(n_routed_experts=0, num_hidden_layers=3)],
-                         ids=["all-moe-no-qk-norm", "all-dense"])
+@pytest.mark.parametrize("over", [
+    dict(use_qk_norm=False, attention_bias=False, n_shared_experts=0, first_k_dense_replace=0),
+    dict(n_routed_experts=0, num_hidden_layers=3)], ids=["all-moe-no-qk-norm", "all-dense"])
 def test_other_layer_forms_match_the_reference(tmp_path, over):
     cfg = tiny_config(**{**dict(family="glm4_moe", num_hidden_layers=2, intermediate_size=40), **over})
     ckpt = write_synthetic_checkpoint(tmp_path, cfg, seed=9, target_layers=True, dtype="float32")
