@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
 from .block import BlockSpec
+from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
 from .config import EMBED_MASK_POSITION, MtpConfig
 from .errors import StateError
 from .kv import BlockPool, SeqKv, WindowRule, check_fp8_kv
@@ -749,6 +749,10 @@ class DecoderLayer(MtpHead):
 
     def _layer_input(self, tokens: Any, g: Any, mask: dict, put: Any) -> Any:
         return g
+
+    def forward_one(self, *args: Any, **kwargs: Any) -> HeadStep:
+        raise TypeError("forward_one: a target decoder layer has no LM head to draft with; its rows go "
+                        "through forward(jobs, g), which returns (y, None)")
 
     def _final_norm(self, y: Any, bufs: "ForwardBuffers | None", put: Any) -> Any:
         return None
