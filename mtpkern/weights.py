@@ -1735,9 +1735,10 @@ class TargetWeights:
         return f"TargetWeights({len(self.layers)} layers [{kinds}], {self.nbytes} bytes read)"
 
 
-def _target_layer_keys(cfg: MtpConfig, b: Any) -> dict[str, tuple[int, ...]]:
+def _target_layer_keys(cfg: MtpConfig, b: Any, packed: bool = False) -> dict[str, tuple[int, ...]]:
     """Suffix -> shape of a glm4_moe target decoder layer with block ``b`` (``Glm4MoeDecoderLayer``'s
-    parameters: an MTP module's without enorm / hnorm / eh_proj / shared_head)."""
+    parameters: an MTP module's without enorm / hnorm / eh_proj / shared_head); ``packed``: its
+    routed experts as transformers' packed pair (``GATE_UP`` / ``DOWN_PACKED``)."""
     H, D, Hq, Hkv = cfg.hidden_size, b.head_dim, b.num_attention_heads, b.num_key_value_heads
     keys = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
             "self_attn.q_proj.weight": (Hq * D, H), "self_attn.k_proj.weight": (Hkv * D, H),
@@ -1752,7 +1753,9 @@ def _target_layer_keys(cfg: MtpConfig, b: Any) -> dict[str, tuple[int, ...]]:
         keys["mlp.gate.weight"] = (E, H)
         if cfg.router_bias:
             keys["mlp.gate.e_score_correction_bias"] = (E,)
-        for e in range(E):
+        if packed:
+            keys[GATE_UP], keys[DOWN_PACKED] = (E, 2 * I, H), (E, H, I)
+        for e in range(0 if packed else E):
             keys.update({f"mlp.experts.{e}.{n}_proj.weight": (I, H) for n in ("gate", "up")})
             keys[f"mlp.experts.{e}.down_proj.weight"] = (H, I)
         if cfg.n_shared_experts:
@@ -1769,7 +1772,8 @@ def load_target_weights(path: str | os.PathLike, cfg: MtpConfig, backend: Any) -
     """Read the target's decoder layers ``model.layers.{0 .. num_hidden_layers - 1}`` and its
     embedding, final norm and LM head from the checkpoint at ``path`` onto ``backend``, in the
     forms ``MtpHead`` runs a module's (q | k | v rows stacked, gate over up rows, experts
-    ``[E, 2I, H]`` / ``[E, H, I]``). ``check_target_config`` first; then every layer's tensors
+    ``[E, 2I, H]`` / ``[E, H, I]``; stored one tensor per expert, or as transformers' packed
+    ``mlp.experts.gate_up_proj`` / ``down_proj``). ``check_target_config`` first; then every layer's tensors
     are checked (missing, mis-shaped, non-finite: ``CheckpointError`` naming the tensor), and a
     tensor under a layer's prefix that the layer would not read is refused by name."""
     check_target_config(cfg, "config")
@@ -1796,7 +1800,8 @@ def load_target_weights(path: str | os.PathLike, cfg: MtpConfig, backend: Any) -
     for layer in range(cfg.num_hidden_layers):
         b = cfg.target_block(layer)
         pre = f"model.layers.{layer}."
-        spec = _target_layer_keys(cfg, b)
+        packed = b.moe and rd.has(pre + GATE_UP)
+        spec = _target_layer_keys(cfg, b, packed)
         unused = sorted(set(rd.keys_under(pre)) - {pre + s for s in spec})
         if unused:
             raise CheckpointError(f"tensor {unused[0]!r}: under target layer {layer}'s prefix but not read by its "
@@ -1824,11 +1829,15 @@ def load_target_weights(path: str | os.PathLike, cfg: MtpConfig, backend: Any) -
             lw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
             lw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias").astype(np.float32)
                                                   if cfg.router_bias else np.zeros(E, np.float32))
-            lw.experts_w13 = backend.prepare_weight(np.stack([rows(w(f"mlp.experts.{e}.gate_proj.weight"),
-                                                                   w(f"mlp.experts.{e}.up_proj.weight"))
-                                                              for e in range(E)]))
-            lw.experts_w2 = backend.prepare_weight(np.stack([w(f"mlp.experts.{e}.down_proj.weight")
-                                                             for e in range(E)]))
+            if packed:                       # [E, 2I, H]: each expert's gate rows over its up rows
+                lw.experts_w13 = backend.prepare_weight(np.ascontiguousarray(w(GATE_UP)))
+                lw.experts_w2 = backend.prepare_weight(np.ascontiguousarray(w(DOWN_PACKED)))
+            else:
+                lw.experts_w13 = backend.prepare_weight(np.stack([rows(w(f"mlp.experts.{e}.gate_proj.weight"),
+                                                                       w(f"mlp.experts.{e}.up_proj.weight"))
+                                                                  for e in range(E)]))
+                lw.experts_w2 = backend.prepare_weight(np.stack([w(f"mlp.experts.{e}.down_proj.weight")
+                                                                 for e in range(E)]))
             if cfg.n_shared_experts:
                 lw.shared_w13 = backend.prepare_weight(rows(w("mlp.shared_experts.gate_proj.weight"),
                                                             w("mlp.shared_experts.up_proj.weight")))

@@ -162,6 +162,34 @@ def test_other_layer_forms_match_the_reference(tmp_path, over):
     np.testing.assert_allclose(tgt.prefill(seq, tokens).hiddens, reference(raw, cfg, tokens)[0], rtol=2e-4, atol=2e-4)
 
 
+def test_packed_experts_load_as_per_expert_ones(tmp_path, ckpt, targets):
+    """A target layer's routed experts as transformers' packed pair (gate_up_proj [E, 2I, H], each
+    expert's gate rows over its up rows; down_proj [E, H, I]) run as the per-expert tensors do."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    t, p, E = read_tensors(ckpt), "model.layers.1.mlp.experts.", CFG.n_routed_experts
+    ex = {n: np.stack([t.pop(f"{p}{e}.{n}_proj.weight") for e in range(E)]) for n in ("gate", "up", "down")}
+    t[p + "gate_up_proj"] = np.concatenate([ex["gate"], ex["up"]], axis=1)
+    t[p + "down_proj"] = ex["down"]
+    save_file(t, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(ckpt / "config.json", tmp_path / "config.json")
+    packed = ReferenceTarget.from_pretrained(tmp_path, backend="numpy", block_size=4, num_blocks=16)
+    flat = target_on(ckpt, targets, "numpy")
+    outs = []
+    for tgt in (packed, flat):
+        seq = tgt.alloc_seq()
+        outs.append(tgt.prefill(seq, PROMPTS[2]).hiddens)
+        tgt.free_seq(seq)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    t[p + "gate_up_proj"] = np.concatenate([ex["up"], ex["gate"]], axis=1)     # negative control: up over gate
+    save_file(t, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    swapped = ReferenceTarget.from_pretrained(tmp_path, backend="numpy", block_size=4, num_blocks=16)
+    seq = swapped.alloc_seq()
+    assert np.abs(swapped.prefill(seq, PROMPTS[2]).hiddens - outs[1]).max() > 1e-3
+
+
 def test_target_block_needs_a_dense_width():
     with pytest.raises(ConfigError, match="'intermediate_size' must be > 0 for the dense target layer 0"):
         tiny_config(family="glm4_moe", first_k_dense_replace=1).target_block(0)
