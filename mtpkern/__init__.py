@@ -18,17 +18,20 @@ from .errors import CheckpointError, ConfigError, KvCacheFull, MtpError, NoAllow
 from .ops.sampling import SamplingParams
 from .head import HeadStep, MtpHead
 from .k_policy import KChoice, StepCosts, acceptance_from_counts, acceptance_from_stats, choose_k
+from .loop import Decisions, Generation, greedy_generate, speculative_generate
 from .proposer import MemoryUse, MultiModuleMtpHead
 from .quant import Fp8Weight
 from .state import AcceptanceStats, DrafterKv, MtpState
+from .target import ReferenceTarget
 from .trait import DraftProposer, ProposerState
 from .weights import load_weights, write_synthetic_checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AcceptanceStats", "CheckpointError", "ConfigError", "DraftProposer", "DrafterKv", "Fp8Weight", "HeadStep",
-    "KChoice", "KvCacheFull", "MemoryUse", "MtpConfig", "MtpError", "MtpHead", "MtpState", "MultiModuleMtpHead",
-    "NoAllowedToken", "ProposerState", "SamplingParams", "StateError", "StepCosts", "acceptance_from_counts",
-    "acceptance_from_stats", "choose_k", "load_weights", "write_synthetic_checkpoint",
+    "AcceptanceStats", "CheckpointError", "ConfigError", "Decisions", "DraftProposer", "DrafterKv", "Fp8Weight",
+    "Generation", "HeadStep", "KChoice", "KvCacheFull", "MemoryUse", "MtpConfig", "MtpError", "MtpHead",
+    "MtpState", "MultiModuleMtpHead", "NoAllowedToken", "ProposerState", "ReferenceTarget", "SamplingParams",
+    "StateError", "StepCosts", "acceptance_from_counts", "acceptance_from_stats", "choose_k", "greedy_generate",
+    "load_weights", "speculative_generate", "write_synthetic_checkpoint",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Literal, get_args
 
 from .block import BlockError, BlockSpec, Yarn
@@ -833,6 +833,21 @@ class MtpConfig:
         base = self.block_default()
         over = self.blocks[m] if self.blocks else ()
         return base.with_overrides(dict(over), f"module {m}") if over else base
+
+    def target_block(self, layer: int) -> BlockSpec:
+        """Target decoder layer ``layer``'s block (``model.layers.{layer}``, ``layer <
+        num_hidden_layers``): the default block, dense (``intermediate_size``) for GLM-4.5's
+        first ``first_k_dense_replace`` layers or a config without experts, MoE after
+        (``Glm4MoeDecoderLayer``). Per-module overrides (``blocks``) describe MTP modules only."""
+        if not 0 <= layer < self.num_hidden_layers:
+            raise ValueError(f"layer: expected 0 <= layer < num_hidden_layers = {self.num_hidden_layers}, got {layer}")
+        base = self.block_default()
+        moe = self.is_moe and layer >= self.first_k_dense_replace
+        if not moe and self.intermediate_size <= 0:
+            raise ConfigError(f"config.json: field 'intermediate_size' must be > 0 for the dense target layer {layer} "
+                              f"(first_k_dense_replace {self.first_k_dense_replace}, n_routed_experts "
+                              f"{self.n_routed_experts}), got {self.intermediate_size}")
+        return base if base.moe == moe else replace(base, moe=moe)
 
     def block_default(self) -> BlockSpec:
         """The block the global fields describe (every module's, but for its overrides)."""

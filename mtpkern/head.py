@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .block import BlockSpec
 from .checks import check_int, check_positions, check_token, check_tokens, ingest_hidden
 from .config import EMBED_MASK_POSITION, MtpConfig
 from .errors import StateError
@@ -197,14 +198,15 @@ class MtpHead:
 
     def __init__(self, index: int, config: MtpConfig, weights: ModuleWeights, backend: Any,
                  num_blocks: int, block_size: int, trim_margin: int = 0, max_forward_rows: int = 1,
-                 vocab: Any = None, comm: Any = None, shard: Shard | None = None):
+                 vocab: Any = None, comm: Any = None, shard: Shard | None = None, block: BlockSpec | None = None):
         """``trim_margin``, ``max_forward_rows``: for a sliding-window block, the rows a
         later call may trim from a sequence and the most rows one forward appends
         (``kv.WindowRule``; the proposer's KV mode sets them; 0 and 1 suit
         ``forward_one`` users, who never trim). ``vocab``: the ``DraftVocab`` whose rows
         ``weights.head`` holds (mtpkern.vocab), or None. ``comm`` / ``shard``: a rank of a
         sharded head (mtpkern.shard; ``weights`` that rank's slice): the partial sums meet in
-        ``comm``'s all-reduces, the LM head's bests in ``comm.sharded_argmax``."""
+        ``comm``'s all-reduces, the LM head's bests in ``comm.sharded_argmax``. ``block``: the block
+        to run instead of ``config.block(index)`` (a target decoder layer's: ``DecoderLayer``)."""
         self.index = index
         self.config = config
         self.w = weights
@@ -219,14 +221,15 @@ class MtpHead:
         self.backend = backend
         #: the LM head's drafts, confidences and tree candidates (mtpkern.lm): the whole
         #: vocabulary's, a draft vocabulary's, or (sharded) this rank's share met with the others'
-        self.lm = (LmHead(backend, weights.head, vocab, config.vocab_size) if self.comm is None
-                   else ShardedLmHead(backend, weights.head, vocab, config.vocab_size, self.comm))
+        #: (None for a layer without one, ``weights.head`` None: a target decoder layer)
+        self.lm = (None if weights.head is None else LmHead(backend, weights.head, vocab, config.vocab_size)
+                   if self.comm is None else ShardedLmHead(backend, weights.head, vocab, config.vocab_size, self.comm))
         #: the token subset the LM head reads (None: the whole vocabulary), and the keyword
         #: arguments of the backend's LM-head ops over it (a planned step's launches use both)
-        self.vocab, self._lm_kw = self.lm.vocab, self.lm.kw
+        self.vocab, self._lm_kw = (None, {}) if self.lm is None else (self.lm.vocab, self.lm.kw)
         #: this module's block (sizes, attention form, MLP kind: mtpkern/block.py); a sharded
         #: head's rank: its query / KV heads only
-        b = config.block(index)
+        b = config.block(index) if block is None else block
         self.block = b = b if self.shard is None else self.shard.block(b, f" (module {index})")
         #: whether this rank adds the residual of a partial sum (every unsharded head does)
         self._owner = self.shard is None or self.shard.owns_residual
@@ -445,8 +448,7 @@ class MtpHead:
                              w.hnorm, w.eh_proj, eps, **mask, **kw).reshape(n, m * cfg.hidden_size)   # [n, m H]
             u, ex["hc_post"], ex["hc_comb"] = self._hc_pre(x, w.hc_attn, bufs, "attn")             # [n, H]
         else:
-            u = x = be.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, eps, **mask,
-                                 **put("mtp_input", out="x"))                                    # [n, H]
+            u = x = self._layer_input(tokens, g, mask, put)                                      # [n, H]
         xa, a_norm = self._normed_input(u, w.input_layernorm, bufs is not None)  # input_layernorm(u)
         if b.mla:
             q, ix, qkv = self._mla_write(xa, a_norm, positions, slots, put)                     # [n, Hq, P + R]
@@ -474,6 +476,20 @@ class MtpHead:
         if kv_copy is not None:
             self.pool.copy_rows(*kv_copy)
         return x, q, (qkv if b.gate_size else None), ex
+
+    def _layer_input(self, tokens: Any, g: Any, mask: dict, put: Any) -> Any:
+        """The rows the decoder layer reads [n, H]: an MTP module's ``mtp_input`` (the token's
+        embedding and the incoming hidden, each normed, through eh_proj); a target decoder layer
+        (``DecoderLayer``) reads its residual stream ``g`` as it is."""
+        w = self.w
+        return self.backend.mtp_input(w.embed, tokens, g, w.enorm, w.hnorm, w.eh_proj, self.config.rms_norm_eps,
+                                      **mask, **put("mtp_input", out="x"))
+
+    def _final_norm(self, y: Any, bufs: "ForwardBuffers | None", put: Any) -> Any:
+        """``shared_head_norm`` of the module's output, what its LM head and a postnorm chain read
+        (a target decoder layer has none: ``DecoderLayer``)."""
+        return self.backend.rmsnorm(self.head_input(y, bufs), self.w.shared_head_norm, self.config.rms_norm_eps,
+                                    **put("rmsnorm", out="normed"))                              # [n, H]
 
     def _repeat(self, tokens: Any, m: int) -> Any:
         """Each token id ``m`` times in a row (a backend array, as ``tokens``)."""
@@ -511,7 +527,6 @@ class MtpHead:
         """The attention (and its output gate, or DSA's ``index`` of the rows each row reads), o_proj with the residual ``x``, the FFN and the
         final norm of the rows ``q`` holds -> ``(y, normed)``."""
         be, cfg, w, b = self.backend, self.config, self.w, self.block
-        eps = cfg.rms_norm_eps
         kw = {} if row_start is None else {"row_start": row_start}
         if b.mla:
             if index is not None:            # DSA: the rows the indexer picked (compute)
@@ -582,9 +597,7 @@ class MtpHead:
         self._sum(y)                         # a sharded head: the FFN slices' partial outputs
         if hc:                               # the streams the module hands on
             y = be.hc_post(y, r, f_post, f_comb, **put("hc_post", out="y"))                     # [n, m H]
-        normed = be.rmsnorm(self.head_input(y, bufs), w.shared_head_norm, eps,
-                            **put("rmsnorm", out="normed"))                                      # [n, H]
-        return y, normed
+        return y, self._final_norm(y, bufs, put)
 
     def _sum(self, buf: Any) -> None:
         """A sharded head's partial sums, ``buf`` in place: every rank's added (sum all-reduce)."""
@@ -710,3 +723,36 @@ class MtpHead:
                 raise
             self.pool.release_window(seq, self)
         return HeadStep(draft, y, normed)
+
+
+class DecoderLayer(MtpHead):
+    """A target model's decoder layer with its own KV block pool: an MTP module's block without
+    ``enorm`` / ``hnorm`` / ``eh_proj`` (its rows enter as the residual stream ``g`` itself) and
+    without ``shared_head`` (``forward`` returns ``(y, None)``: the layer's output, which the next
+    layer reads). The attention, the FFN and the KV rows are ``MtpHead``'s, op for op::
+
+        r = g + o_proj @ attn(input_layernorm(g), p)       # over this layer's paged KV, causal
+        y = r + ffn(post_attention_layernorm(r))           # dense SwiGLU or MoE (+ shared experts)
+
+    ``weights``: a ``ModuleWeights`` whose ``embed``, ``head``, ``enorm``, ``hnorm``, ``eh_proj`` and
+    ``shared_head_norm`` are None (``weights.load_target_weights``); ``block``: the layer's (dense
+    for GLM-4.5's first ``first_k_dense_replace`` layers, MoE after). Rows use key = position
+    (``RowJob.key_to_pos`` 0). Used by ``mtpkern.target.ReferenceTarget``."""
+
+    def __init__(self, layer: int, config: MtpConfig, weights: ModuleWeights, backend: Any, num_blocks: int,
+                 block_size: int, block: BlockSpec):
+        if config.hc_mult != 1 or block.mla or config.embed_mask_pos0:
+            raise ValueError(f"layer {layer}: a target decoder layer runs a GQA block without hyper-connections or "
+                             f"an embedding mask, got mla={block.mla}, hc_mult={config.hc_mult}, "
+                             f"embed_mask_pos0={config.embed_mask_pos0}")
+        super().__init__(layer, config, weights, backend, num_blocks, block_size, block=block)
+
+    def _layer_input(self, tokens: Any, g: Any, mask: dict, put: Any) -> Any:
+        return g
+
+    def forward_one(self, *args: Any, **kwargs: Any) -> HeadStep:
+        raise TypeError("forward_one: a target decoder layer has no LM head to draft with; its rows go "
+                        "through forward(jobs, g), which returns (y, None)")
+
+    def _final_norm(self, y: Any, bufs: "ForwardBuffers | None", put: Any) -> Any:
+        return None

@@ -31,8 +31,9 @@ from typing import Any, Iterable
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy; safetensors needs it for BF16)
 import numpy as np
 
+from .block import BlockSpec
 from .config import MtpConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .files import INDEX_JSON_CAP, check_member_name, read_json, require_regular_file
 from .models import Family, family
 from .ops.mla import split_kv_b_proj
@@ -1690,11 +1691,176 @@ def load_weights(path: str | os.PathLike, cfg: MtpConfig, backend, apply_target_
                       None if head_ids is None else np.asarray(head_ids, np.int32))
 
 
+# -- target decoder layers (mtpkern.target) -----------------------------------
+
+#: the model family whose target layers ``load_target_weights`` reads
+TARGET_FAMILIES = ("glm4_moe",)
+
+
+def check_target_config(cfg: MtpConfig, what: str) -> None:
+    """Refuse (``ConfigError`` naming ``what`` and the field) a config whose target layers
+    ``load_target_weights`` would not read as the release runs them: a family other than
+    ``TARGET_FAMILIES``, quantized weights, per-module block overrides, or a block feature
+    GLM-4.5's decoder layer does not have."""
+    if cfg.family not in TARGET_FAMILIES:
+        raise ConfigError(f"{what}: the target's decoder layers are run for model_type "
+                          f"{' / '.join(TARGET_FAMILIES)} only, got {cfg.family or 'the canonical layout'!r}")
+    fields = {"weight_quant": "", "expert_quant": "", "quant_container": "", "hc_mult": 1, "blocks": (),
+              "moe_latent_size": 0, "shared_expert_gate": False, "embed_mask_pos0": False}
+    for name, want in fields.items():
+        got = getattr(cfg, name)
+        if got != want and not (name == "blocks" and not got):
+            raise ConfigError(f"{what}: a glm4_moe target layer expects {name} = {want!r}, got {got!r}")
+    b = cfg.block_default()
+    for name, got in (("mla", b.mla), ("sliding_window", b.sliding_window), ("attn_sinks", b.attn_sinks),
+                      ("attn_gate", b.attn_gate), ("mlp_act", b.mlp_act if b.mlp_act != "swiglu" else ""),
+                      ("swiglu_clamp", b.swiglu_clamp or b.swiglu_clamp_shared), ("q_lora_rank", b.q_lora_rank)):
+        if got:
+            raise ConfigError(f"{what}: a glm4_moe target layer has no {name}, got {got!r}")
+
+
+@dataclass(slots=True, repr=False)
+class TargetWeights:
+    """A target model's decoder layers and its output side (backend arrays unless noted)."""
+
+    layers: list[ModuleWeights]   # one per layer: embed, head, enorm, hnorm, eh_proj, shared_head_norm None
+    blocks: list[Any]             # each layer's BlockSpec (MtpConfig.target_block)
+    embed: np.ndarray             # [V, H] host, as stored (BF16 / FP32): rows gathered on the host
+    head: Any                     # [V, H] lm_head (or the embedding, tie_word_embeddings)
+    norm: Any                     # [H] FP32 model.norm
+    nbytes: int = 0
+
+    def __repr__(self) -> str:
+        kinds = "".join("m" if b.moe else "d" for b in self.blocks)
+        return f"TargetWeights({len(self.layers)} layers [{kinds}], {self.nbytes} bytes read)"
+
+
+def _target_layer_keys(cfg: MtpConfig, b: Any, packed: bool = False) -> dict[str, tuple[int, ...]]:
+    """Suffix -> shape of a glm4_moe target decoder layer with block ``b`` (``Glm4MoeDecoderLayer``'s
+    parameters: an MTP module's without enorm / hnorm / eh_proj / shared_head); ``packed``: its
+    routed experts as transformers' packed pair (``GATE_UP`` / ``DOWN_PACKED``)."""
+    H, D, Hq, Hkv = cfg.hidden_size, b.head_dim, b.num_attention_heads, b.num_key_value_heads
+    keys = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+            "self_attn.q_proj.weight": (Hq * D, H), "self_attn.k_proj.weight": (Hkv * D, H),
+            "self_attn.v_proj.weight": (Hkv * D, H), "self_attn.o_proj.weight": (H, Hq * D)}
+    if cfg.attention_bias:
+        keys.update({"self_attn.q_proj.bias": (Hq * D,), "self_attn.k_proj.bias": (Hkv * D,),
+                     "self_attn.v_proj.bias": (Hkv * D,)})
+    if cfg.use_qk_norm:
+        keys.update({"self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)})
+    if b.moe:
+        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+        keys["mlp.gate.weight"] = (E, H)
+        if cfg.router_bias:
+            keys["mlp.gate.e_score_correction_bias"] = (E,)
+        if packed:
+            keys[GATE_UP], keys[DOWN_PACKED] = (E, 2 * I, H), (E, H, I)
+        for e in range(0 if packed else E):
+            keys.update({f"mlp.experts.{e}.{n}_proj.weight": (I, H) for n in ("gate", "up")})
+            keys[f"mlp.experts.{e}.down_proj.weight"] = (H, I)
+        if cfg.n_shared_experts:
+            Is = cfg.shared_intermediate_size
+            keys.update({f"mlp.shared_experts.{n}_proj.weight": (Is, H) for n in ("gate", "up")})
+            keys["mlp.shared_experts.down_proj.weight"] = (H, Is)
+    else:
+        I = cfg.intermediate_size
+        keys.update({"mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)})
+    return keys
+
+
+def load_target_weights(path: str | os.PathLike, cfg: MtpConfig, backend: Any) -> TargetWeights:
+    """Read the target's decoder layers ``model.layers.{0 .. num_hidden_layers - 1}`` and its
+    embedding, final norm and LM head from the checkpoint at ``path`` onto ``backend``, in the
+    forms ``MtpHead`` runs a module's (q | k | v rows stacked, gate over up rows, experts
+    ``[E, 2I, H]`` / ``[E, H, I]``; stored one tensor per expert, or as transformers' packed
+    ``mlp.experts.gate_up_proj`` / ``down_proj``). ``check_target_config`` first; then every layer's tensors
+    are checked (missing, mis-shaped, non-finite: ``CheckpointError`` naming the tensor), and a
+    tensor under a layer's prefix that the layer would not read is refused by name."""
+    check_target_config(cfg, "config")
+    rd = CheckpointReader(path)
+    fam = family(cfg.family)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    nbytes = 0
+
+    def read(key: str, shape: tuple[int, ...]) -> np.ndarray:
+        nonlocal nbytes
+        if not rd.has(key):
+            raise CheckpointError(f"tensor {key!r}: missing from the checkpoint at {rd.path} (a target decoder "
+                                  f"layer's; write_synthetic_checkpoint(..., target_layers=True) writes them)")
+        a = rd.get(key, shape)
+        nbytes += a.nbytes
+        return a
+
+    def rows(*parts: np.ndarray) -> np.ndarray:
+        """Row-stacked projections: BF16 when all are, else FP32 (as ``load_weights``)."""
+        dt = BF16 if all(p.dtype == BF16 for p in parts) else np.float32
+        return np.concatenate([p.astype(dt, copy=False) for p in parts], axis=0)
+
+    layers, blocks = [], []
+    for layer in range(cfg.num_hidden_layers):
+        b = cfg.target_block(layer)
+        pre = f"model.layers.{layer}."
+        packed = b.moe and rd.has(pre + GATE_UP)
+        spec = _target_layer_keys(cfg, b, packed)
+        unused = sorted(set(rd.keys_under(pre)) - {pre + s for s in spec})
+        if unused:
+            raise CheckpointError(f"tensor {unused[0]!r}: under target layer {layer}'s prefix but not read by its "
+                                  f"{'MoE' if b.moe else 'dense'} block ({len(unused)} such tensor(s))")
+
+        def w(suffix: str, pre: str = pre, spec: dict = spec) -> np.ndarray:
+            return read(pre + suffix, spec[suffix])
+
+        def vec(suffix: str) -> Any:
+            return backend.prepare_vector(w(suffix).astype(np.float32))
+
+        lw = ModuleWeights(
+            embed=None, head=None, enorm=None, hnorm=None, eh_proj=None,
+            input_layernorm=vec("input_layernorm.weight"),
+            post_attention_layernorm=vec("post_attention_layernorm.weight"),
+            w_qkv=backend.prepare_weight(rows(*(w(f"self_attn.{n}_proj.weight") for n in "qkv"))),
+            b_qkv=backend.prepare_vector(np.concatenate([w(f"self_attn.{n}_proj.bias").astype(np.float32)
+                                                         for n in "qkv"])) if cfg.attention_bias else None,
+            q_norm=vec("self_attn.q_norm.weight") if cfg.use_qk_norm else None,
+            k_norm=vec("self_attn.k_norm.weight") if cfg.use_qk_norm else None,
+            w_o=backend.prepare_weight(w("self_attn.o_proj.weight")),
+            shared_head_norm=None)
+        if b.moe:
+            E = cfg.n_routed_experts
+            lw.gate_w = backend.prepare_weight(w("mlp.gate.weight"))
+            lw.gate_bias = backend.prepare_vector(w("mlp.gate.e_score_correction_bias").astype(np.float32)
+                                                  if cfg.router_bias else np.zeros(E, np.float32))
+            if packed:                       # [E, 2I, H]: each expert's gate rows over its up rows
+                lw.experts_w13 = backend.prepare_weight(np.ascontiguousarray(w(GATE_UP)))
+                lw.experts_w2 = backend.prepare_weight(np.ascontiguousarray(w(DOWN_PACKED)))
+            else:
+                lw.experts_w13 = backend.prepare_weight(np.stack([rows(w(f"mlp.experts.{e}.gate_proj.weight"),
+                                                                       w(f"mlp.experts.{e}.up_proj.weight"))
+                                                                  for e in range(E)]))
+                lw.experts_w2 = backend.prepare_weight(np.stack([w(f"mlp.experts.{e}.down_proj.weight")
+                                                                 for e in range(E)]))
+            if cfg.n_shared_experts:
+                lw.shared_w13 = backend.prepare_weight(rows(w("mlp.shared_experts.gate_proj.weight"),
+                                                            w("mlp.shared_experts.up_proj.weight")))
+                lw.shared_w2 = backend.prepare_weight(w("mlp.shared_experts.down_proj.weight"))
+        else:
+            lw.mlp_w13 = backend.prepare_weight(rows(w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")))
+            lw.mlp_w2 = backend.prepare_weight(w("mlp.down_proj.weight"))
+        layers.append(lw)
+        blocks.append(b)
+    embed = read(fam.target_embed, (V, H))
+    head = embed if cfg.tie_word_embeddings else read(fam.target_head, (V, H))
+    norm = backend.prepare_vector(read(fam.target_norm, (H,)).astype(np.float32))
+    return TargetWeights(layers, blocks, embed, backend.prepare_weight(head), norm, nbytes)
+
+
 # -- synthetic checkpoints ---------------------------------------------------
 
 def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
-                      own_head: bool = False) -> dict[str, np.ndarray]:
-    """FP32 tensors of a complete checkpoint in the canonical layout (docs/model.md; no target layers).
+                      own_head: bool = False, target_layers: bool = False) -> dict[str, np.ndarray]:
+    """FP32 tensors of a complete checkpoint in the canonical layout (docs/model.md); with
+    ``target_layers``, the target's decoder layers ``model.layers.{0 .. num_hidden_layers - 1}``
+    too (``MtpConfig.target_block``: dense for the first ``first_k_dense_replace``, MoE after),
+    drawn after every module's tensors, so the modules' values do not depend on it.
 
     Scales keep activations O(1) and make the LM head decisive (logit spreads of
     several units), so argmax ties are improbable in tests.
@@ -1713,14 +1879,13 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
         "lm_head.weight": mat(V, H, gain=4.0),
         "model.norm.weight": norm_w(H),
     }
-    for m in range(cfg.num_modules):
-        b = cfg.block(m)
+
+    def decoder_layer(p: str, b: BlockSpec) -> None:
+        """The tensors of one decoder layer under prefix ``p`` (an MTP module's, or a target
+        layer's), from input_layernorm to the MLP."""
+        H = cfg.hidden_size
         D, Hq = b.head_dim, b.num_attention_heads
         q_rows = b.q_size + (b.gate_size if b.q_gate else 0)     # [queries; gates]
-        p = f"model.layers.{cfg.layer_index(m)}."
-        t[p + "enorm.weight"] = norm_w(H)
-        t[p + "hnorm.weight"] = norm_w(H)
-        t[p + "eh_proj.weight"] = mat(H, 2 * H)
         t[p + "input_layernorm.weight"] = norm_w(H)
         t[p + "post_attention_layernorm.weight"] = norm_w(H)
         if b.mla:
@@ -1813,11 +1978,21 @@ def synthetic_tensors(cfg: MtpConfig, seed: int = 0, own_embed: bool = False,
                 t[p + "mlp.gate_proj.weight"] = mat(I, H)
             t[p + "mlp.up_proj.weight"] = mat(I, H)
             t[p + "mlp.down_proj.weight"] = mat(H, I)
+
+    for m in range(cfg.num_modules):
+        p = f"model.layers.{cfg.layer_index(m)}."
+        t[p + "enorm.weight"] = norm_w(H)
+        t[p + "hnorm.weight"] = norm_w(H)
+        t[p + "eh_proj.weight"] = mat(H, 2 * H)
+        decoder_layer(p, cfg.block(m))
         t[p + "shared_head.norm.weight"] = norm_w(H)
         if own_embed:
             t[p + "embed_tokens.weight"] = t["model.embed_tokens.weight"].copy()
         if own_head:
             t[p + "shared_head.head.weight"] = t["lm_head.weight"].copy()
+    if target_layers:
+        for layer in range(cfg.num_hidden_layers):
+            decoder_layer(f"model.layers.{layer}.", cfg.target_block(layer))
     fam = family(cfg.family)
     for m in range(cfg.num_modules):          # norms the family's release has no weight for: ones
         for suffix in fam.unit_norms:
@@ -2017,7 +2192,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: int = 0,
                                dtype: str = "bfloat16", shards: int = 1, own_embed: bool = False,
                                own_head: bool = False, pow2_scales: bool = False,
-                               packed_gate_up: bool = False) -> Path:
+                               packed_gate_up: bool = False, target_layers: bool = False) -> Path:
     """Write ``config.json`` and a complete synthetic checkpoint to ``path``.
 
     ``dtype``: "bfloat16" or "float32"; ``shards > 1`` writes
@@ -2028,6 +2203,9 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
     ``cfg.weight_quant == "fp8"`` the projections are FP8 E4M3 with their scales
     (``quantize_projections``; ``pow2_scales`` as there), the rest in ``dtype``.
     ``packed_gate_up``: the routed experts as transformers' packed pair (``release_layout``).
+    ``target_layers``: random target decoder layers too (``synthetic_tensors``), as a
+    ``glm4_moe`` release lays them out, for ``mtpkern.target.ReferenceTarget``; BF16 / FP32
+    GQA configs of the ``glm4_moe`` family only (``ValueError`` naming what else was asked).
     """
     from safetensors.numpy import save_file
 
@@ -2035,9 +2213,14 @@ def write_synthetic_checkpoint(path: str | os.PathLike, cfg: MtpConfig, seed: in
         raise ValueError(f"dtype: expected 'bfloat16' or 'float32', got {dtype!r}")
     if shards < 1:
         raise ValueError(f"shards: expected >= 1, got {shards}")
+    if target_layers:
+        check_target_config(cfg, "target_layers")
+        if packed_gate_up:
+            raise ValueError("target_layers: expected per-expert tensors (a glm4_moe release's), "
+                             "got packed_gate_up=True")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = synthetic_tensors(cfg, seed, own_embed, own_head)
+    tensors = synthetic_tensors(cfg, seed, own_embed, own_head, target_layers)
     np_dtype = BF16 if dtype == "bfloat16" else np.float32
     tensors = {k: v.astype(np_dtype).astype(np.float32) for k, v in tensors.items()}    # the dense values
     tensors = rope_release_order(cfg, tensors)

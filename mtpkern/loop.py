@@ -1,0 +1,139 @@
+"""The speculative loop against a real verifier, and plain greedy decoding beside it.
+
+``speculative_generate`` runs an engine's loop (docs/api.md, "A reference target and the real
+loop"), in either KV mode of the proposer, with the same calls in the same order::
+
+    out = target.prefill(seq, prompt)                   # h_0 .. h_{n-1}, t_n
+    proposer.prefill_drafter(prompt, out.hiddens, st)
+    P, t, h = n, t_n, h_{n-1}
+    loop:
+        drafts = proposer.propose(t, h, P, k, st)       # d_0 .. d_{k'-1}
+        v = target.verify(seq, t, drafts)               # a, bonus, [h_P .. h_{P+a}]
+        proposer.after_verify(v.num_accepted, st)
+        proposer.catchup_drafter(drafts[:a], v.hiddens[:a], st)   # exact: every module; draft: module 0
+        P, t, h = P + a + 1, v.bonus, v.hiddens[a]
+
+The tokens it returns are the target's greedy tokens whatever the drafts are (greedy
+verification is lossless): ``greedy_generate``'s, token for token. Its acceptance figures
+come from the verifier's decisions only (``Decisions``), never from the proposer's counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .checks import check_int
+
+
+@dataclass(slots=True)
+class Decisions:
+    """The verifier's decisions over a run: per verify, the drafts offered (``offered``) and
+    accepted (``accepted``); per draft position ``j``, how many verifies offered a ``d_j``
+    (``offered_at[j]``) and accepted it (``accepted_at[j]``)."""
+
+    offered: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    offered_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, k: int, a: int) -> None:
+        if not 0 <= a <= k:
+            raise ValueError(f"num_accepted: expected 0 <= a <= {k}, got {a}")
+        grow = k - len(self.offered_at)
+        if grow > 0:
+            self.offered_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for j in range(k):
+            self.offered_at[j] += 1
+            self.accepted_at[j] += j < a
+        self.offered.append(k)
+        self.accepted.append(a)
+
+    @property
+    def verifies(self) -> int:
+        return len(self.offered)
+
+    def acceptance_rate(self, j: int) -> float:
+        """Of the verifies that offered a draft at position ``j``, the share that accepted it."""
+        return self.accepted_at[j] / self.offered_at[j] if j < len(self.offered_at) and self.offered_at[j] else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per verify."""
+        return float(np.mean(self.accepted)) if self.accepted else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens each verify adds (the accepted drafts and the bonus token): 1 + mean_accepted."""
+        return 1.0 + self.mean_accepted if self.accepted else 0.0
+
+
+@dataclass(slots=True)
+class Generation:
+    """``tokens``: the ``max_new`` generated tokens (after the prompt); ``decisions``: the
+    verifier's (empty for ``greedy_generate``)."""
+
+    tokens: list[int]
+    decisions: Decisions
+
+
+def _check(prompt: Any, max_new: Any, vocab_size: int) -> tuple[list[int], int]:
+    from .checks import check_tokens
+
+    toks = check_tokens("prompt", prompt, vocab_size)
+    if toks.shape[0] < 1:
+        raise ValueError("prompt: expected at least 1 token, got 0")
+    return [int(t) for t in toks], check_int("max_new", max_new, 1, 2 ** 31 - 1)
+
+
+def greedy_generate(target: Any, prompt: Any, max_new: int) -> Generation:
+    """``max_new`` greedy tokens after ``prompt``: a prefill, then one decode per token."""
+    toks, max_new = _check(prompt, max_new, target.config.vocab_size)
+    seq = target.alloc_seq()
+    try:
+        out = [target.prefill(seq, toks).next_token]
+        while len(out) < max_new:
+            out.append(target.decode(seq, out[-1]).next_token)
+        return Generation(out, Decisions())
+    finally:
+        target.free_seq(seq)
+
+
+def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, num_drafts: int) -> Generation:
+    """``max_new`` tokens after ``prompt`` by the loop of the module docstring, ``num_drafts``
+    drafts a propose (clamped to the proposer's modules as ``propose`` does; >= 1). The target
+    and the proposer must share the vocabulary and hidden size. The target sequence and the
+    proposer state are freed at the end, whatever happens."""
+    cfg = target.config
+    toks, max_new = _check(prompt, max_new, cfg.vocab_size)
+    k = check_int("num_drafts", num_drafts, 1, 2 ** 31 - 1)
+    pc = proposer.config
+    if (pc.vocab_size, pc.stream_size) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"proposer: expected vocab_size {cfg.vocab_size} and hidden size {cfg.hidden_size} "
+                         f"(the target's), got {pc.vocab_size} and {pc.stream_size}")
+    seq = target.alloc_seq()
+    st = None
+    try:
+        st = proposer.alloc_state()
+        first = target.prefill(seq, toks)
+        proposer.prefill_drafter(toks, first.hiddens, st)
+        out, dec = [first.next_token], Decisions()
+        P, t, h = len(toks), first.next_token, first.hiddens[-1]
+        while len(out) < max_new:
+            drafts = [int(d) for d in proposer.propose(t, h, P, k, st)]
+            v = target.verify(seq, t, drafts)
+            a = v.num_accepted
+            dec.record(len(drafts), a)
+            proposer.after_verify(a, st)
+            if a:
+                proposer.catchup_drafter(drafts[:a], v.hiddens[:a], st)
+            out.extend(drafts[:a] + [v.bonus])
+            P, t, h = P + a + 1, v.bonus, v.hiddens[a]
+        return Generation(out[:max_new], dec)
+    finally:
+        if st is not None:
+            proposer.free_state(st)
+        target.free_seq(seq)
