@@ -348,11 +348,38 @@ def _version(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _import_installed_kernels_package() -> None:
+    """transformers (5.25) imports a dependency named ``kernels``; with the checkout's root on
+    ``sys.path`` (``python -m pytest`` from there, or ``PYTHONPATH``) the checkout's own
+    ``kernels/`` (mtpkern's CUDA sources, installed as ``mtpkern.kernels``) shadows it and
+    importing transformers fails. Import the installed one first, with the root left out of
+    ``sys.path`` for that import only (nothing when it is not installed)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "kernels" in sys.modules:
+        return
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or spec.origin is None or Path(spec.origin).resolve().parent != root / "kernels":
+        return
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+
+
 def require_hf_mtp(minimum: tuple[int, int] = (5, 24)) -> None:
     """Skip the calling test module unless torch and transformers >= ``minimum`` (MTP
     generation, ``generate(use_mtp=True)``) are importable. Call it at module level,
     before importing ``hf_reference`` (which imports both). Neither is a dependency."""
     pytest.importorskip("torch")
+    _import_installed_kernels_package()
     transformers = pytest.importorskip("transformers")
     if _version(transformers.__version__) < minimum:
         pytest.skip(f"needs transformers >= {'.'.join(map(str, minimum))} (generate(use_mtp=True)), found "

@@ -92,6 +92,7 @@ def test_the_core_imports_downwards_only(level):
 
 
 @pytest.mark.parametrize("name", sorted(m.name for m in pkgutil.walk_packages(mtpkern.__path__, "mtpkern.")
-                                        if m.name not in ("mtpkern.__main__", "mtpkern.bench_torch")))
+                                        if m.name not in ("mtpkern.__main__", "mtpkern.bench_torch",
+                                                           "mtpkern.integrations._hf_torch")))
 def test_every_module_imports(name):
     importlib.import_module(name)

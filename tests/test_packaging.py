@@ -33,6 +33,15 @@ def test_wheel_contains_every_kernel(wheel):
     assert "mtpkern/py.typed" in names                   # type checkers read the annotations (PEP 561)
 
 
+def test_wheel_contains_every_subpackage(wheel):
+    """Every directory of mtpkern/ with an __init__.py is listed in setup.cfg's packages and shipped."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for init in sorted((ROOT / "mtpkern").rglob("__init__.py")):
+        rel = init.relative_to(ROOT).as_posix()
+        assert rel in names, f"{rel} missing from the wheel (setup.cfg's packages)"
+    assert "mtpkern/integrations/hf.py" in names and "mtpkern/integrations/_hf_torch.py" in names
+
+
 def test_installed_wheel_finds_its_kernels(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
