@@ -277,3 +277,47 @@ def test_the_docs_example_runs(tmp_path, capsys):
     assert "tempfile.mkdtemp()" in code
     exec(compile(code.replace("tempfile.mkdtemp()", repr(str(tmp_path))), "docs/integrations.md", "exec"), {})
     assert "lossless" in capsys.readouterr().out
+
+
+def test_a_second_generate_on_the_same_instance_is_refused(case):
+    """While the method is shadowed (a generate in progress), another call on that instance is
+    refused, and the attribute it found is left in place."""
+    M, path, model = case
+    prop = proposer(path)
+
+    def theirs(*a, **k):
+        raise AssertionError("not to be called")
+
+    model._get_candidate_generator = theirs
+    try:
+        with pytest.raises(RuntimeError, match="_get_candidate_generator is already replaced on the instance"):
+            hf.generate(model, prop, torch.tensor([[5, 6]]), max_new_tokens=4, pad_token_id=0)
+        assert vars(model)["_get_candidate_generator"] is theirs
+    finally:
+        del model._get_candidate_generator
+
+
+def test_candidate_generator_alone(case):
+    """``candidate_generator`` is a transformers CandidateGenerator drafting k' = min(k, M) a step;
+    a wrong proposer is a TypeError; ``close`` frees its state and may be called twice."""
+    from transformers.generation.candidate_generator import CandidateGenerator
+
+    M, path, model = case
+    prop = proposer(path)
+    gen = hf.candidate_generator(prop)
+    assert isinstance(gen, CandidateGenerator) and gen.requires_model_outputs
+    assert gen.num_drafting_tokens == M and hf.candidate_generator(prop, 9).num_drafting_tokens == M
+    ids = torch.tensor([PROMPTS[0] + [11]])
+    prompt = ids[:, :-1]
+    with torch.no_grad():
+        out = model(prompt, output_hidden_states=True)
+    first = gen.get_candidates(prompt, is_first_iteration=True)          # the target prefills first
+    assert first[0] is prompt and first[1] is None and prop.kv_blocks_in_use() == [0] * M
+    cand, logits = gen.get_candidates(ids, model_outputs=out, n_last_matches=0)
+    assert logits is None and cand.shape == (1, ids.shape[1] + M) and cand[0, :ids.shape[1]].tolist() == ids[0].tolist()
+    assert sum(prop.kv_blocks_in_use()) > 0
+    gen.close()
+    gen.close()
+    assert prop.kv_blocks_in_use() == [0] * M
+    with pytest.raises(TypeError, match="proposer: expected a MultiModuleMtpHead, got str"):
+        hf.candidate_generator("not a proposer")
