@@ -830,6 +830,8 @@ class StepRunner:
         self.counts: Counter = Counter()
         self._attn_ws: Any = None
         self._lock = threading.Lock()
+        #: the planned draft-tree step (mtpkern.tree_plan.tree_steps), made on first use
+        self.trees: Any = None
 
     def attention_workspace(self, floats: int) -> Any:
         """The plans' shared split-KV scratch, of at least ``floats`` FP32 elements: one
@@ -862,14 +864,39 @@ class StepRunner:
         return True
 
     def plan(self, shape: StepShape) -> StepPlan:
+        return self.plan_for(shape, lambda: StepPlan(self.prop, shape, self.attention_workspace))
+
+    def plan_for(self, shape: Any, make: Callable[[], StepPlan], prefix: str = "") -> StepPlan:
+        """The cached plan of ``shape`` (a ``StepShape``, or a tree step's shape,
+        mtpkern.tree_plan), made by ``make()`` on a miss (counted as ``prefix + "plans"``); the
+        chain's and the trees' plans share the cache and its ``max_plans``."""
         plan = self.plans.get(shape)
         if plan is None:
-            plan = self.plans[shape] = StepPlan(self.prop, shape, self.attention_workspace)
-            self.counts["plans"] += 1
+            plan = self.plans[shape] = make()
+            self.counts[prefix + "plans"] += 1
             while len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
         self.plans.move_to_end(shape)
         return plan
+
+    def run_plan(self, plan: StepPlan, prefix: str = "") -> None:
+        """A staged, uploaded plan's launches: replayed when captured, else run eagerly and
+        (with ``capture``) captured right after; counted as ``prefix + "executed"`` /
+        ``"captured"`` / ``"replayed"``."""
+        if plan.graph is not None:
+            plan.replay()
+            self.counts[prefix + "replayed"] += 1
+            return
+        self.counts[prefix + "executed"] += 1
+        plan.execute()
+        if self.capture and not plan.capture_failed:
+            try:
+                plan.capture()
+                self.counts[prefix + "captured"] += 1
+            except Exception as e:     # keep running this shape eagerly, and say why once
+                plan.capture_failed = True
+                _log.warning("mtpkern: CUDA-graph capture of the propose step %s failed (%s: %s); "
+                             "running it eagerly", plan.shape, type(e).__name__, e)
 
     def propose(self, sts: list, toks: list[int], poss: list[int], hid: Any, k: int,
                 masks: list, want_conf: bool = False) -> tuple[list[list[int]], Any, np.ndarray | None]:
@@ -929,20 +956,7 @@ class StepRunner:
             plan.stage_masks(mrows)
         plan.stage_sources(sources)
         plan.upload()
-        if plan.graph is not None:
-            plan.replay()
-            self.counts["replayed"] += 1
-        else:
-            self.counts["executed"] += 1
-            plan.execute()
-            if self.capture and not plan.capture_failed:
-                try:
-                    plan.capture()
-                    self.counts["captured"] += 1
-                except Exception as e:     # keep running this shape eagerly, and say why once
-                    plan.capture_failed = True
-                    _log.warning("mtpkern: CUDA-graph capture of the propose step %s failed (%s: %s); "
-                                 "running it eagerly", shape, type(e).__name__, e)
+        self.run_plan(plan)
         ids, confs = plan.read_ids()                                # [k, B] each
         bad = np.argwhere(ids < 0)
         if bad.size:
