@@ -348,8 +348,9 @@ class StepPlan:
                     mla_ws[m] = mla_launch.workspace_shapes(nout[m], b.num_attention_heads, Lr, R, mp.num_parts)
                     parts[m] = 1                    # (its split-KV partials are in mla_ws)
                     continue
+                work = min(nout[m], self.tab_rows[m]) * b.num_key_value_heads     # the launcher's rule
                 parts[m] = attn_launch.plan(b.num_attention_heads // b.num_key_value_heads, b.head_dim,
-                                            shape.widths[m] * BS, work=min(nout[m], self.tab_rows[m]) * b.num_key_value_heads,
+                                            shape.widths[m] * BS, work=work,
                                             target_blocks=2 * sm_count(), smem_max=smem_optin(),
                                             Dv=b.v_dim).num_parts
             # one flat FP32 buffer per MLA workspace kind, each MLA module a view of its own shape

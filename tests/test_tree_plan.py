@@ -1,0 +1,195 @@
+"""Draft trees in the planned step (mtpkern.tree_plan) against the eager tree path.
+
+A tree of a static shape (fixed widths, or a static ``shape``) without a grammar mask runs as
+a plan: the host lays out every module's lines and blocks first, then the launches gather each
+row's input and token, copy the lines' partial blocks (copy-on-write, staged segment rows) and
+draft each depth's top-c into one output buffer. Run eagerly on NumPy, and captured / replayed
+through the fake CUDA runtime of tests/test_cuda_graph_fake.py, it must give the eager path's
+trees (tokens, parents, depths, probabilities, scores) and KV bit for bit, after the propose
+and after ``after_verify_tree_batch``, in both KV modes, for batches of 1 and 3. Negative
+controls: a skipped copy-on-write copy and a stale block table, staged, are caught; a plan
+that never ran (the eager path taken) would fail the counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import kv_rows
+from mtpkern import MultiModuleMtpHead
+from mtpkern import tree_plan
+from mtpkern.cuda_graph import SEG_FIELDS, StepRunner
+from test_cuda_graph_fake import FakeCudaBackend, fake_cuda  # noqa: F401  (the fixture)
+
+#: widths per round: the chain's (1, 1, 1), then wider trees; (4, 2, 1) twice (a replay)
+WIDTHS = [(1, 1, 1), (2, 1, 1), (4, 2, 1), (4, 2, 1), (2, 1, 1)]
+SHAPE = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0], [0, 1]]
+
+
+def _make(ckpt, mode, backend="numpy", planned=False):
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=backend, kv_mode=mode, block_size=4, num_blocks=240)
+    if planned and prop.step_runner is None:
+        prop.step_runner = StepRunner(prop, capture=False)
+    return prop
+
+
+def _same_tree(x, y, what):
+    assert (x.position, x.root_token) == (y.position, y.root_token), what
+    for f in ("tokens", "parents", "depths", "probs", "scores"):
+        np.testing.assert_array_equal(getattr(x, f), getattr(y, f), err_msg=f"{what}: {f}")
+
+
+def _same_kv(p0, s0, p1, s1, what):
+    for m in range(p0.num_modules):
+        k0, v0 = kv_rows(p0, s0, m)
+        k1, v1 = kv_rows(p1, s1, m)
+        assert np.array_equal(k0, k1) and np.array_equal(v0, v1), f"{what}: module {m}: KV rows differ"
+    assert s0.rows_per_module() == s1.rows_per_module(), what
+
+
+def run_tree_twins(eager, planned, B, seed, rounds, **shape):
+    """Rounds of ``propose_tree_batch`` on both proposers (``rounds``: widths per round, or
+    None for ``shape``), each verified along another path, then caught up; compared after the
+    propose and after the verify. -> the planned runner's counts."""
+    cfg = eager.config
+    H, V = cfg.hidden_size, cfg.vocab_size
+    rng = np.random.default_rng(seed)
+    s0, s1 = [], []
+    for i in range(B):
+        n = 5 + 4 * i + int(rng.integers(0, 3))            # lengths that leave partial blocks
+        toks, hid = rng.integers(0, V, n).tolist(), rng.standard_normal((n, H)).astype(np.float32)
+        for p, out in ((eager, s0), (planned, s1)):
+            st = p.alloc_state()
+            p.prefill_drafter(toks, hid, st)
+            out.append(st)
+    for r, ws in enumerate(rounds):
+        toks, hs = rng.integers(0, V, B).tolist(), rng.standard_normal((B, H)).astype(np.float32)
+        Ps = [st.next_position for st in s0]
+        arg = dict(widths=list(ws)) if ws is not None else shape
+        before = planned.step_runner.counts["tree_executed"] + planned.step_runner.counts["tree_replayed"]
+        t0 = eager.propose_tree_batch(toks, hs, Ps, s0, **arg)
+        t1 = planned.propose_tree_batch(toks, hs, Ps, s1, **arg)
+        after = planned.step_runner.counts["tree_executed"] + planned.step_runner.counts["tree_replayed"]
+        assert after == before + 1, f"round {r}: the planned tree step did not run ({dict(planned.step_runner.counts)})"
+        for i, (x, y) in enumerate(zip(t0, t1)):
+            _same_tree(x, y, f"round {r}, sequence {i}")
+            _same_kv(eager, s0[i], planned, s1[i], f"round {r}, sequence {i}, pending")
+        planned.check_invariants()
+        paths = []
+        for i, t in enumerate(t0):
+            leaves = t.leaves()
+            paths.append(t.path(leaves[(r + i) % len(leaves)])[: (r + i) % (t.depth + 1)])
+        eager.after_verify_tree_batch(paths, s0)
+        planned.after_verify_tree_batch(paths, s1)
+        for i, (x, y) in enumerate(zip(s0, s1)):
+            _same_kv(eager, x, planned, y, f"round {r}, sequence {i}, verified")
+        planned.check_invariants()
+        for x, y, t, path in zip(s0, s1, t0, paths):
+            acc = [int(t.tokens[j]) for j in path]
+            hh = rng.standard_normal((len(acc), H)).astype(np.float32)
+            if acc:
+                eager.catchup_drafter(acc, hh, x)
+                planned.catchup_drafter(acc, hh, y)
+    return dict(planned.step_runner.counts)
+
+
+@pytest.fixture(scope="module")
+def twins(tiny_ckpt):
+    """(eager, planned) NumPy proposers per mode, built once for the module."""
+    return {mode: (_make(tiny_ckpt, mode), _make(tiny_ckpt, mode, planned=True)) for mode in ("draft", "exact")}
+
+
+@pytest.mark.parametrize("mode", ["draft", "exact"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_planned_trees_equal_eager(twins, mode, B):
+    eager, planned = twins[mode]
+    counts = run_tree_twins(eager, planned, B, 10 + B, WIDTHS)
+    assert counts["tree_executed"] >= len(WIDTHS), counts
+    run_tree_twins(eager, planned, B, 20 + B, [None, None], shape=SHAPE)
+
+
+def test_a_grammar_mask_takes_the_eager_path(twins):
+    """A mask could cut a node's children: the tree is not static, the eager path runs."""
+    eager, planned = twins["draft"]
+    cfg = planned.config
+    st = planned.alloc_state()
+    planned.prefill_drafter([1, 2, 3, 4, 5], np.ones((5, cfg.hidden_size), np.float32), st)
+    before = dict(planned.step_runner.counts)
+    mask = np.full((cfg.vocab_size + 31) // 32, -1, np.int32)
+    planned.propose_tree(7, np.ones(cfg.hidden_size, np.float32), 5, st, widths=[2, 1], grammar_bitmask=mask)
+    counts = planned.step_runner.counts
+    assert counts["tree_fallback_mask"] == before.get("tree_fallback_mask", 0) + 1
+    assert counts["tree_executed"] == before.get("tree_executed", 0)
+    planned.after_verify_tree([], st)
+    planned.free_state(st)
+
+
+def _sabotage(monkeypatch, what):
+    """Stage each call's data, then break one part of it: the copy-on-write rows dropped, or
+    the block tables left as the plan's first call staged them."""
+    stage = tree_plan.TreePlan.stage_tree
+    first: dict = {}
+
+    def staged(self, laid, jobs, hid):
+        stage(self, laid, jobs, hid)
+        T = self.stage.h("seg").reshape(-1, SEG_FIELDS)
+        for m in self.run:
+            f0, f1, f2, f3 = self.seg_rows[m]
+            if what == "cow":
+                T[f1:f2, 2] = 0
+            else:
+                tab = self.stage.h(f"tab{m}")
+                tab[:] = first.setdefault((id(self), m), tab.copy())
+
+    monkeypatch.setattr(tree_plan.TreePlan, "stage_tree", staged)
+
+
+@pytest.mark.parametrize("what", ["cow", "stale_table"])
+def test_sabotaged_staging_is_caught(tiny_ckpt, monkeypatch, what):
+    """Negative controls: with the copy-on-write copies skipped, or a block table staged
+    stale, the planned trees or KV differ from the eager path's."""
+    eager, planned = _make(tiny_ckpt, "draft"), _make(tiny_ckpt, "draft", planned=True)
+    _sabotage(monkeypatch, what)
+    with pytest.raises(AssertionError, match="differ|Arrays are not equal|mismatch"):
+        run_tree_twins(eager, planned, 3, 5, [(4, 2, 1)] * 4)
+
+
+# -- the fake CUDA runtime: capture once per tree shape, replay after ------------------------
+
+@pytest.mark.parametrize("mode", ["draft", "exact"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_captured_trees_replay_like_eager(fake_cuda, tiny_ckpt, mode, B):
+    eager = _make(tiny_ckpt, mode)
+    graph = _make(tiny_ckpt, mode, backend=FakeCudaBackend(fake_cuda))
+    assert graph.step_runner is not None and graph.step_runner.capture
+    counts = run_tree_twins(eager, graph, B, 30 + B, WIDTHS)
+    # one plan and one capture per distinct tree shape (widths and block-table width); a
+    # repeated shape replays: (4, 2, 1) and (2, 1, 1) come back
+    assert counts["tree_captured"] == counts["tree_plans"] == counts["tree_executed"] <= len(set(WIDTHS)), counts
+    assert counts["tree_replayed"] == len(WIDTHS) - counts["tree_executed"] >= 2, counts
+    assert fake_cuda.memcpys["h2d"] == fake_cuda.memcpys["d2h"] == len(WIDTHS), fake_cuda.memcpys
+    assert "lm topk" in graph.backend.ws_seen
+    captured = counts["tree_captured"]
+    run_tree_twins(eager, graph, B, 40 + B, [(4, 2, 1)] * 2)     # new data, fresh states: replays
+    assert graph.step_runner.counts["tree_captured"] == captured, dict(graph.step_runner.counts)
+
+
+def test_width_changes_cost_a_capture_each(fake_cuda, tiny_ckpt):
+    """Dynamic widths: every distinct tree shape is one more plan and capture (docs/cuda.md,
+    "Draft trees in the planned step"); the graphs' launches per module stay 4 (gather, forward
+    ops, the drafting rows' gather, the top-c LM head) plus the forward's own."""
+    eager = _make(tiny_ckpt, "draft")
+    graph = _make(tiny_ckpt, "draft", backend=FakeCudaBackend(fake_cuda))
+    rounds = [(1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 2, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 2, 1)]
+    counts = run_tree_twins(eager, graph, 1, 7, rounds)
+    assert counts["tree_captured"] == 4 and counts["tree_replayed"] == 4, counts
+
+
+@pytest.mark.parametrize("mode", ["draft", "exact"])
+def test_captured_mla_trees(fake_cuda, mla_ckpt, mode):
+    """MLA modules (one latent plane, copied on write like K and V) in the captured tree step."""
+    eager = _make(mla_ckpt, mode)
+    graph = _make(mla_ckpt, mode, backend=FakeCudaBackend(fake_cuda))
+    counts = run_tree_twins(eager, graph, 3, 50, [(2, 1, 1), (4, 2, 1), (2, 1, 1)])
+    assert counts["tree_replayed"] >= 1, counts
