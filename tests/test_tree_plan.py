@@ -176,9 +176,8 @@ def test_captured_trees_replay_like_eager(fake_cuda, tiny_ckpt, mode, B):
 
 
 def test_width_changes_cost_a_capture_each(fake_cuda, tiny_ckpt):
-    """Dynamic widths: every distinct tree shape is one more plan and capture (docs/cuda.md,
-    "Draft trees in the planned step"); the graphs' launches per module stay 4 (gather, forward
-    ops, the drafting rows' gather, the top-c LM head) plus the forward's own."""
+    """Dynamic widths: every distinct tree shape is one more plan and capture, a shape seen
+    before replays (docs/cuda.md, "Draft trees in the planned step")."""
     eager = _make(tiny_ckpt, "draft")
     graph = _make(tiny_ckpt, "draft", backend=FakeCudaBackend(fake_cuda))
     rounds = [(1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 2, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1), (4, 2, 1)]
