@@ -414,6 +414,8 @@ class TreeSteps:
             for f in (j.tokens, j.parents, j.depths, j.probs, j.scores, j.ranks):
                 f.clear()
         for m, draft in sk.draft.items():
+            if not draft:                       # exact mode's modules past the deepest depth draft nothing
+                continue
             ids, probs = got[m]
             for r, (b, e, c) in enumerate(draft):
                 if (ids[r, :c] < 0).any():

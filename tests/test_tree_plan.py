@@ -107,6 +107,8 @@ def test_planned_trees_equal_eager(twins, mode, B):
     counts = run_tree_twins(eager, planned, B, 10 + B, WIDTHS)
     assert counts["tree_executed"] >= len(WIDTHS), counts
     run_tree_twins(eager, planned, B, 20 + B, [None, None], shape=SHAPE)
+    # shallower trees: in exact mode the modules past the deepest depth write rows, draft nothing
+    run_tree_twins(eager, planned, B, 30 + B, [(2,), (3, 1), (2,)])
 
 
 def test_a_grammar_mask_takes_the_eager_path(twins):
