@@ -48,6 +48,12 @@ their Lt-wide workspace in plan buffers, the latent norm fused into fc2_latent_p
 FFNs. ``StepRunner.applies`` falls back only on the row
 counts (``fallback_short`` / ``_rows`` / ``_window``).
 
+Draft trees of static shapes run as a ``StepPlan`` too (mtpkern.tree_plan's ``TreePlan``):
+it gives its own rows, segment layout, token staging and LM-head buffers through the hooks
+``_rows``, ``_feed_segments``, ``_staged_tokens``, ``_lm_buffers`` / ``_lm_workspace``,
+``_fill_static_segments`` and ``_launches``; the buffers, staging, capture and replay are
+these, and its plans sit in the same ``StepRunner`` cache (``plan_for``, ``run_plan``).
+
 Nothing here imports CuPy or touches a GPU at import time.
 """
 

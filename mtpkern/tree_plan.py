@@ -207,7 +207,7 @@ class TreePlan(StepPlan):
         T = self.stage.h("seg").reshape(-1, SEG_FIELDS)
         idle = address(self.stage.dev)
         for m in self.run:
-            f0, f1, f2, f3 = self.seg_rows[m]
+            f0, f1, f2, _ = self.seg_rows[m]
             g, tok = address(self.g[m]), address(self.stage.d(f"tok{m}"))
             s = f0
             for i, src in enumerate(self.sk.g_from[m]):          # -1: the call stages the source
@@ -277,7 +277,7 @@ class TreePlan(StepPlan):
             for i, t in enumerate(t for r in rs for t in r.tables):
                 tab[i, :len(t)] = t
             f0, f1, f2, _ = self.seg_rows[m]
-            for i, ((b, e), src) in enumerate(zip(sk.rows[m], sk.g_from[m])):
+            for i, ((b, _), src) in enumerate(zip(sk.rows[m], sk.g_from[m])):
                 if src >= 0:
                     continue
                 if m == 0:

@@ -113,7 +113,7 @@ def test_planned_trees_equal_eager(twins, mode, B):
 
 def test_a_grammar_mask_takes_the_eager_path(twins):
     """A mask could cut a node's children: the tree is not static, the eager path runs."""
-    eager, planned = twins["draft"]
+    _, planned = twins["draft"]
     cfg = planned.config
     st = planned.alloc_state()
     planned.prefill_drafter([1, 2, 3, 4, 5], np.ones((5, cfg.hidden_size), np.float32), st)
@@ -137,7 +137,7 @@ def _sabotage(monkeypatch, what):
         stage(self, laid, jobs, hid)
         T = self.stage.h("seg").reshape(-1, SEG_FIELDS)
         for m in self.run:
-            f0, f1, f2, f3 = self.seg_rows[m]
+            _, f1, f2, _ = self.seg_rows[m]
             if what == "cow":
                 T[f1:f2, 2] = 0
             else:
