@@ -34,11 +34,12 @@ raises ``NoAllowedToken`` for it (the call rolls back) where the eager path woul
 fewer children; without a grammar mask that needs NaN logits or ``c`` above the vocabulary
 (which ``TreeSteps.applies`` sends eagerly).
 
+Every block kind the chain's plan takes is planned (GQA and MLA, DSA, sliding windows and
+sinks, output gates, DeepSeek-V4's attention, hyper-connections: ``stream_size``-wide ``g``
+rows, each row's position-0 flag once per stream; the windows' first visible rows staged).
 ``TreeSteps.applies`` sends eagerly (counted in the runner's ``counts``): grammar masks
 (``tree_fallback_mask``), a sharded head (``tree_fallback_sharded``), a backend other than
-numpy / cuda or an FP8 KV cache (``tree_fallback_backend``), blocks other than GQA / MLA
-attention with a dense or MoE FFN: DSA, sliding windows, output gates, DeepSeek-V4's
-attention, hyper-connections (``tree_fallback_block``), a width above the LM head's
+numpy / cuda or an FP8 KV cache (``tree_fallback_backend``), a width above the LM head's
 vocabulary (``tree_fallback_width``), KV rows that are no whole 4-byte words
 (``tree_fallback_kv_rows``), and exact mode's row-count fallbacks of the chain
 (``StepRunner.applies``).
@@ -176,6 +177,12 @@ class TreePlan(StepPlan):
     def _staged_tokens(self, m: int) -> bool:
         return True
 
+    def _tokens(self, m: int) -> Any:
+        return self.stage.d(f"tok{m}")
+
+    def _g(self, m: int) -> Any:
+        return self.g[m]
+
     def _lm_buffers(self, buf: Callable[..., Any]) -> None:
         """Every drafting module's top-c ids [n_d, c] and probabilities, views of one int32
         buffer (ids first, then the probabilities' bits: one D2H copy), its input rows and
@@ -238,7 +245,8 @@ class TreePlan(StepPlan):
             cow = partial(self._segments, seg[f1:f2]) if f2 > f1 else None
             out.append(partial(head.compute, stg.d(f"tok{m}"), self.g[m], stg.d(f"pos{m}"), stg.d(f"slot{m}"),
                                stg.d(f"tab{m}").reshape(n[m], self.shape.widths[m]), stg.d(f"rseq{m}"),
-                               stg.d(f"rlen{m}"), self.bufs[m], None, kv_copy=cow,
+                               stg.d(f"rlen{m}"), self.bufs[m],
+                               stg.d(f"rst{m}") if head.block.sliding_window else None, kv_copy=cow,
                                zero_embed=stg.d(f"zero{m}") if head.config.embed_mask_pos0 else None))
             if m in self.topk:
                 nd = len(self.sk.draft[m])
@@ -270,8 +278,10 @@ class TreePlan(StepPlan):
             stg.h(f"slot{m}")[:] = cat("slots")
             stg.h(f"rseq{m}")[:] = np.arange(n, dtype=np.int32)
             stg.h(f"rlen{m}")[:] = cat("row_len")
-            if self.prop.config.embed_mask_pos0:
-                stg.h(f"zero{m}")[:] = positions == EMBED_MASK_POSITION
+            if self.prop.config.embed_mask_pos0:        # each row's flag once per stream (hyper-connections)
+                stg.h(f"zero{m}")[:] = np.repeat(positions == EMBED_MASK_POSITION, self.prop.config.hc_mult)
+            if self.prop.modules[m].block.sliding_window:
+                stg.h(f"rst{m}")[:] = cat("row_start")
             tab = stg.h(f"tab{m}").reshape(n, W)
             tab[:] = 0
             for i, t in enumerate(t for r in rs for t in r.tables):
@@ -335,7 +345,7 @@ class TreeSteps:
     def applies(self, sts: list, poss: list[int], shapes: list, masked: bool) -> bool:
         """Whether this call can take the planned tree step (module docstring)."""
         prop, counts = self.prop, self.runner.counts
-        be, cfg = prop.backend, prop.config
+        be = prop.backend
         reason = None
         if masked:
             reason = "mask"
@@ -343,10 +353,6 @@ class TreeSteps:
             reason = "sharded"
         elif be.name not in ("numpy", "cuda") or getattr(be, "kv_fp8", False):
             reason = "backend"
-        elif cfg.hc_mult > 1 or any(b.dsa or b.sliding_window or b.gate_size or b.o_groups or b.out_rope
-                                    or (b.q_lora_rank and not b.mla)
-                                    for b in (h.block for h in prop.modules)):
-            reason = "block"
         elif any(c > self._vocab() for ws, counts_, _ in shapes
                  for c in (ws if ws is not None else counts_.values())):
             reason = "width"

@@ -2352,3 +2352,18 @@ def test_planned_trees_on_the_kernels(fake_runtime, emu, tiny_ckpt, mode):
         new = {k: counts.get(k, 0) - before.get(k, 0) for k in ("tree_captured", "tree_replayed")}
         assert new == {"tree_captured": 3, "tree_replayed": 2}, counts
     assert fake_runtime.memcpys["h2d"] == fake_runtime.memcpys["d2h"] == 10
+
+
+@pytest.mark.parametrize("kind,mode", [("hc", "draft"), ("v4", "exact")])
+def test_planned_trees_of_other_blocks_on_the_kernels(fake_runtime, emu, tmp_path_factory, kind, mode):
+    """Hyper-connections (stream-wide g rows, the collapses in plan buffers) and DeepSeek-V4's
+    windowed attention (the query latent's joined rows, grouped output, sinks) in captured tree
+    steps on the kernels: the eager emulated trees and KV bit for bit, a replay among them."""
+    from test_tree_plan import _kind_ckpt, _kind_widths, run_tree_twins
+
+    ckpt = _kind_ckpt(tmp_path_factory, kind)
+    be = emu_backend.backend("float32")
+    eager = test_gpu._make(ckpt, be, mode, cuda_graphs=False, block_size=4)
+    graph = test_gpu._make(ckpt, be, mode, block_size=4)
+    counts = run_tree_twins(eager, graph, 3, 5, _kind_widths(graph))
+    assert counts["tree_captured"] == 2 and counts["tree_replayed"] == 1, counts

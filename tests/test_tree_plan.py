@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import kv_rows
-from mtpkern import MultiModuleMtpHead
+from mtpkern import MultiModuleMtpHead, write_synthetic_checkpoint
 from mtpkern import tree_plan
+from mtpkern.config import tiny_config
 from mtpkern.cuda_graph import SEG_FIELDS, StepRunner
 from test_cuda_graph_fake import FakeCudaBackend, fake_cuda  # noqa: F401  (the fixture)
 
@@ -53,7 +54,7 @@ def run_tree_twins(eager, planned, B, seed, rounds, **shape):
     None for ``shape``), each verified along another path, then caught up; compared after the
     propose and after the verify. -> the planned runner's counts."""
     cfg = eager.config
-    H, V = cfg.hidden_size, cfg.vocab_size
+    H, V = cfg.stream_size, cfg.vocab_size            # the target's hiddens: hc_mult streams each
     rng = np.random.default_rng(seed)
     s0, s1 = [], []
     for i in range(B):
@@ -194,3 +195,59 @@ def test_captured_mla_trees(fake_cuda, mla_ckpt, mode):
     graph = _make(mla_ckpt, mode, backend=FakeCudaBackend(fake_cuda))
     counts = run_tree_twins(eager, graph, 3, 50, [(2, 1, 1), (4, 2, 1), (2, 1, 1)])
     assert counts["tree_replayed"] >= 1, counts
+
+
+# -- every block kind ----------------------------------------------------------------------
+
+def _kind_config(kind):
+    from conftest import DSA_FIELDS
+    from test_v4_attention import V4_ATTN
+
+    import test_family_qwen3_next as qwen3_next
+
+    return {"window": tiny_config(sliding_window=5), "dsa": tiny_config(**DSA_FIELDS),
+            "hc": tiny_config(hc_mult=4), "pos0": tiny_config(embed_mask_pos0=True),
+            "v4": tiny_config(**V4_ATTN, sliding_window=6), "qwen3_next": qwen3_next.QWEN2}[kind]
+
+
+_KIND_CKPTS: dict = {}
+
+
+def _kind_ckpt(tmp_path_factory, kind):
+    """A checkpoint per block kind, written once per session."""
+    if kind not in _KIND_CKPTS:
+        d = tmp_path_factory.mktemp(f"tree_{kind}")
+        if kind == "qwen3_next":         # the release layout: output gates, gated shared expert, postnorm chain
+            import test_family_qwen3_next as qwen3_next
+
+            _KIND_CKPTS[kind] = qwen3_next._ckpt(d, _kind_config(kind), seed=9)
+        else:
+            _KIND_CKPTS[kind] = write_synthetic_checkpoint(d, _kind_config(kind), seed=9, dtype="float32")
+    return _KIND_CKPTS[kind]
+
+
+def _kind_widths(prop):
+    return [w[:prop.num_modules] for w in [(2, 1, 1), (4, 2, 1), (2, 1, 1)]]
+
+
+@pytest.mark.parametrize("mode", ["draft", "exact"])
+@pytest.mark.parametrize("kind", ["window", "dsa", "hc", "pos0", "v4", "qwen3_next"])
+def test_planned_trees_every_block_kind(tmp_path_factory, kind, mode):
+    """Sliding windows (each row's first visible row staged), DSA, hyper-connections (rows of 4
+    streams), the position-0 mask, DeepSeek-V4's windowed attention, Qwen3-Next's gates and
+    postnorm chain: the planned trees are the eager ones (NumPy, the plan run eagerly)."""
+    ckpt = _kind_ckpt(tmp_path_factory, kind)
+    eager, planned = _make(ckpt, mode), _make(ckpt, mode, planned=True)
+    counts = run_tree_twins(eager, planned, 3, 60, _kind_widths(planned))
+    assert counts["tree_executed"] == 3, counts
+
+
+@pytest.mark.parametrize("kind", ["window", "dsa", "qwen3_next"])
+def test_captured_trees_every_block_kind(fake_cuda, tmp_path_factory, kind):
+    """The same kinds captured and replayed through the fake runtime (where its ops record:
+    hyper-connections and DeepSeek-V4's attention replay on the emulated kernels,
+    tests/test_cuda_emulated.py)."""
+    ckpt = _kind_ckpt(tmp_path_factory, kind)
+    eager, graph = _make(ckpt, "exact"), _make(ckpt, "exact", backend=FakeCudaBackend(fake_cuda))
+    counts = run_tree_twins(eager, graph, 3, 61, _kind_widths(graph))
+    assert counts["tree_captured"] == 2 and counts["tree_replayed"] == 1, counts
