@@ -28,8 +28,9 @@ WIDTHS = [(1, 1, 1), (2, 1, 1), (4, 2, 1), (4, 2, 1), (2, 1, 1)]
 SHAPE = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0], [0, 1]]
 
 
-def _make(ckpt, mode, backend="numpy", planned=False):
-    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=backend, kv_mode=mode, block_size=4, num_blocks=240)
+def _make(ckpt, mode, backend="numpy", planned=False, **kw):
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=backend, kv_mode=mode, block_size=4, num_blocks=240,
+                                              **kw)
     if planned and prop.step_runner is None:
         prop.step_runner = StepRunner(prop, capture=False)
     return prop
@@ -197,6 +198,17 @@ def test_captured_mla_trees(fake_cuda, mla_ckpt, mode):
     assert counts["tree_replayed"] >= 1, counts
 
 
+@pytest.mark.parametrize("mode", ["draft", "exact"])
+def test_captured_trees_with_a_draft_vocabulary(fake_cuda, tiny_ckpt, mode):
+    """A draft vocabulary: the top-c maps the subset's rows to target ids in the graph (the next
+    depth's rows embed target tokens); widths up to the subset's size are planned."""
+    ids = np.random.default_rng(2).permutation(301)[:150]
+    eager = _make(tiny_ckpt, mode, draft_vocab=ids)
+    graph = _make(tiny_ckpt, mode, backend=FakeCudaBackend(fake_cuda), draft_vocab=ids)
+    counts = run_tree_twins(eager, graph, 3, 70, [(2, 1, 1), (4, 2, 1), (2, 1, 1)])
+    assert counts["tree_replayed"] == 1, counts
+
+
 # -- every block kind ----------------------------------------------------------------------
 
 def _kind_config(kind):
@@ -251,3 +263,19 @@ def test_captured_trees_every_block_kind(fake_cuda, tmp_path_factory, kind):
     eager, graph = _make(ckpt, "exact"), _make(ckpt, "exact", backend=FakeCudaBackend(fake_cuda))
     counts = run_tree_twins(eager, graph, 3, 61, _kind_widths(graph))
     assert counts["tree_captured"] == 2 and counts["tree_replayed"] == 1, counts
+
+
+def test_a_width_above_the_vocabulary_takes_the_eager_path(tiny_ckpt):
+    """A node's width above a draft vocabulary of 8 tokens would leave it fewer children than
+    its width (a shape the tokens decide): the eager path drafts it, counted."""
+    ids = np.arange(8) * 3
+    planned = _make(tiny_ckpt, "draft", planned=True, draft_vocab=ids)
+    H = planned.config.hidden_size
+    st = planned.alloc_state()
+    planned.prefill_drafter([1, 2, 3, 4, 5], np.ones((5, H), np.float32), st)
+    tree = planned.propose_tree(7, np.ones(H, np.float32), 5, st, widths=[12])
+    counts = planned.step_runner.counts
+    assert len(tree) == 8 and counts["tree_fallback_width"] == 1 and counts["tree_executed"] == 0, dict(counts)
+    planned.after_verify_tree([], st)
+    tree = planned.propose_tree(7, np.ones(H, np.float32), 6, st, widths=[8])
+    assert len(tree) == 8 and counts["tree_executed"] == 1, dict(counts)
