@@ -48,6 +48,12 @@ their Lt-wide workspace in plan buffers, the latent norm fused into fc2_latent_p
 FFNs. ``StepRunner.applies`` falls back only on the row
 counts (``fallback_short`` / ``_rows`` / ``_window``).
 
+Draft trees of static shapes run as a ``StepPlan`` too (mtpkern.tree_plan's ``TreePlan``):
+it gives its own rows, segment layout, token staging and LM-head buffers through the hooks
+``_rows``, ``_feed_segments``, ``_staged_tokens``, ``_lm_buffers`` / ``_lm_workspace``,
+``_fill_static_segments`` and ``_launches``; the buffers, staging, capture and replay are
+these, and its plans sit in the same ``StepRunner`` cache (``plan_for``, ``run_plan``).
+
 Nothing here imports CuPy or touches a GPU at import time.
 """
 
@@ -207,35 +213,10 @@ class StepPlan:
         hc, S = cfg.hc_mult, cfg.stream_size      # hyper-connections: hc streams of H, S = hc H per row
         vocab = staged_vocab(prop)             # the LM heads' token subset: masks staged in its bits
         W = self.mask_words = cfg.bitmask_words if vocab is None else vocab.words
-        self.run = [m for m in range(M) if shape.rows[m]]
-        n = {m: B * shape.rows[m] for m in self.run}
+        n, nout, picked = self._rows()
         n_max = max(n.values())
-        # exact mode's last module feeds no module: past its KV write only the last row of each
-        # sequence goes on, and only when it drafts (MtpHead.compute, RowPick); ``nout``: the
-        # rows past the KV write
         L = M - 1
-        picked = self.exact and L in self.run and shape.rows[L] > 1
-        nout = dict(n)
-        if picked:
-            nout[L] = B if L < k else 0
-
-        # -- segment rows: feed_m = [f0, f1), rows past the KV write [f1, f2), pick_m = [f2, f3)
-        self.seg_rows: dict[int, tuple[int, int, int, int]] = {}
-        s = 0
-        for m in self.run:
-            f0 = s
-            if m == 0 or self.exact:
-                s += B                                      # row 0: target hidden / window row
-            if self.exact and m >= 1:
-                s += B + B * (shape.rows[m] - 1)            # module m-1's rows, the drafts
-            f1 = s
-            if picked and m == L and nout[m]:          # q, x, row_seq, row_len (, row_start, q|k|v|gate, extras)
-                b = prop.modules[m].block
-                s += B * (4 + bool(b.sliding_window) + bool(b.gate_size) + len(self._pick_extras(b)))
-            f2 = s
-            if self.exact and m < k:
-                s += B                                      # last row of each sequence -> LM head
-            self.seg_rows[m] = (f0, f1, f2, s)
+        s = self._feed_segments(n, nout, picked)
         # -- the modules' static row moves inside compute (ForwardBuffers.copies): name -> rows
         self.copy_rows: dict[int, dict[str, tuple[int, int]]] = {m: {} for m in self.run}
         for m in self.run:
@@ -252,13 +233,13 @@ class StepPlan:
         stg = self.stage = _Staging()
         stg.add("seg", SEG_FIELDS * s, np.int64)
         for m in self.run:
-            if self.exact or m == 0:
+            if self._staged_tokens(m):
                 stg.add(f"tok{m}", n[m], np.int32)
             for f in ("pos", "slot", "rseq", "rlen") + (("rst",) if prop.modules[m].block.sliding_window else ()):
                 stg.add(f"{f}{m}", n[m], np.int32)
             if cfg.embed_mask_pos0:                         # the rows' position-0 flags (MtpHead.compute)
                 stg.add(f"zero{m}", n[m] * hc, np.uint8)    # (each once per stream)
-            stg.add(f"tab{m}", B * shape.widths[m], np.int32)
+            stg.add(f"tab{m}", self.tab_rows[m] * shape.widths[m], np.int32)
         if shape.masked:
             stg.add("mask", k * B * W, np.int32)
         stg.allocate(self.cuda)
@@ -272,18 +253,10 @@ class StepPlan:
             self._own.append(a)
             return a
 
-        self.g = {m: buf((n[m], S)) for m in self.run if self.exact or m == 0}
+        self.g = {m: buf((n[m], S)) for m in self.run if self._staged_tokens(m)}
         self.y = {m: buf((nout[m], S)) for m in self.run}
         self.normed = {m: buf((nout[m], H)) for m in self.run}
-        self.ids = buf((k, B), np.int32)
-        self.conf = buf((k, B)) if shape.conf else None           # the drafts' confidences
-        #: a sharded head: the rank's LM-head partial results (ids, best logits, confidence sums),
-        #: which the eager ``_reduce_lm`` between the captured segments turns into ids / conf
-        self.sharded = prop.comm is not None
-        if self.sharded:
-            self.local_ids, self.best = buf((k, B), np.int32), buf((k, B))
-            self.sums, self.local_conf = (buf((k, B)), buf((k, B))) if shape.conf else (None, None)
-        self.last = buf((B, H)) if self.exact else None
+        self._lm_buffers(buf)
         x, r = buf((n_max, S)), buf((n_max, H))
         blk = {m: prop.modules[m].block for m in self.run}      # each module's own sizes
 
@@ -381,8 +354,9 @@ class StepPlan:
                     mla_ws[m] = mla_launch.workspace_shapes(nout[m], b.num_attention_heads, Lr, R, mp.num_parts)
                     parts[m] = 1                    # (its split-KV partials are in mla_ws)
                     continue
+                work = min(nout[m], self.tab_rows[m]) * b.num_key_value_heads     # the launcher's rule
                 parts[m] = attn_launch.plan(b.num_attention_heads // b.num_key_value_heads, b.head_dim,
-                                            shape.widths[m] * BS, work=min(nout[m], B) * b.num_key_value_heads,
+                                            shape.widths[m] * BS, work=work,
                                             target_blocks=2 * sm_count(), smem_max=smem_optin(),
                                             Dv=b.v_dim).num_parts
             # one flat FP32 buffer per MLA workspace kind, each MLA module a view of its own shape
@@ -399,10 +373,8 @@ class StepPlan:
                 self._attn_ws = ws = (attention_workspace(floats) if attention_workspace is not None
                                       else buf((floats,)))
                 part_o, part_ml = ws[:po], ws[po:floats]
-            P = lm_launch.num_partials(cfg.vocab_size if vocab is None else vocab.size, sm_count())   # the heads' rows
-            lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
-            if shape.conf:
-                lm_ws["part_s"] = buf((B, P))                        # the blocks' sums of exp
+            lm_ws = self._lm_workspace(buf, lm_launch.num_partials(cfg.vocab_size if vocab is None else vocab.size,
+                                                                   sm_count()))
 
         self.bufs: dict[int, ForwardBuffers] = {}
         for m in self.run:
@@ -476,6 +448,75 @@ class StepPlan:
                                    for name, (a, e) in self.copy_rows[m].items()}
         self._fill_static_segments()
         self.launches = self._launches(lm_ws)
+
+    # -- the chain's layout (TreePlan, mtpkern.tree_plan, gives its own) ----------------------
+    def _rows(self) -> tuple[dict[int, int], dict[int, int], bool]:
+        """-> (rows each module writes, rows past its KV write, whether the last module picks
+        rows); sets ``run`` (the modules that run) and ``tab_rows`` (block tables per module)."""
+        shape, M = self.shape, self.prop.num_modules
+        B, k = shape.B, shape.k
+        self.run = [m for m in range(M) if shape.rows[m]]
+        n = {m: B * shape.rows[m] for m in self.run}
+        self.tab_rows = {m: B for m in self.run}          # one table per sequence, rows share it
+        # exact mode's last module feeds no module: past its KV write only the last row of each
+        # sequence goes on, and only when it drafts (MtpHead.compute, RowPick); ``nout``: the
+        # rows past the KV write
+        L = M - 1
+        picked = self.exact and L in self.run and shape.rows[L] > 1
+        nout = dict(n)
+        if picked:
+            nout[L] = B if L < k else 0
+        return n, nout, picked
+
+    def _feed_segments(self, n: dict[int, int], nout: dict[int, int], picked: bool) -> int:
+        """Segment rows: feed_m = [f0, f1), rows past the KV write [f1, f2), pick_m = [f2, f3)
+        (``seg_rows``); -> the count."""
+        shape, prop = self.shape, self.prop
+        B, k, L = shape.B, shape.k, prop.num_modules - 1
+        self.seg_rows: dict[int, tuple[int, int, int, int]] = {}
+        s = 0
+        for m in self.run:
+            f0 = s
+            if m == 0 or self.exact:
+                s += B                                      # row 0: target hidden / window row
+            if self.exact and m >= 1:
+                s += B + B * (shape.rows[m] - 1)            # module m-1's rows, the drafts
+            f1 = s
+            if picked and m == L and nout[m]:          # q, x, row_seq, row_len (, row_start, q|k|v|gate, extras)
+                b = prop.modules[m].block
+                s += B * (4 + bool(b.sliding_window) + bool(b.gate_size) + len(self._pick_extras(b)))
+            f2 = s
+            if self.exact and m < k:
+                s += B                                      # last row of each sequence -> LM head
+            self.seg_rows[m] = (f0, f1, f2, s)
+        return s
+
+    def _staged_tokens(self, m: int) -> bool:
+        """Whether module ``m``'s tokens and ``g`` rows are staged / gathered into plan buffers
+        (else they are module m-1's outputs themselves: draft mode's chain)."""
+        return self.exact or m == 0
+
+    def _lm_buffers(self, buf: Callable[..., Any]) -> None:
+        """The LM heads' outputs: the drafts ``ids`` [k, B] (and their confidences)."""
+        shape, prop = self.shape, self.prop
+        B, k, H = shape.B, shape.k, prop.config.hidden_size
+        self.ids = buf((k, B), np.int32)
+        self.conf = buf((k, B)) if shape.conf else None           # the drafts' confidences
+        #: a sharded head: the rank's LM-head partial results (ids, best logits, confidence sums),
+        #: which the eager ``_reduce_lm`` between the captured segments turns into ids / conf
+        self.sharded = prop.comm is not None
+        if self.sharded:
+            self.local_ids, self.best = buf((k, B), np.int32), buf((k, B))
+            self.sums, self.local_conf = (buf((k, B)), buf((k, B))) if shape.conf else (None, None)
+        self.last = buf((B, H)) if self.exact else None
+
+    def _lm_workspace(self, buf: Callable[..., Any], P: int) -> dict[str, Any]:
+        """The CUDA argmax's partial results: ``P`` blocks per head row (cuda only)."""
+        B = self.shape.B
+        lm_ws = {"part_v": buf((B, P)), "part_i": buf((B, P), np.int32), "check": False}
+        if self.shape.conf:
+            lm_ws["part_s"] = buf((B, P))                        # the blocks' sums of exp
+        return lm_ws
 
     # -- building ---------------------------------------------------------------------------
     def _pick_extras(self, b: Any, m: int | None = None) -> dict[str, Any]:
@@ -796,6 +837,8 @@ class StepRunner:
         self.counts: Counter = Counter()
         self._attn_ws: Any = None
         self._lock = threading.Lock()
+        #: the planned draft-tree step (mtpkern.tree_plan.tree_steps), made on first use
+        self.trees: Any = None
 
     def attention_workspace(self, floats: int) -> Any:
         """The plans' shared split-KV scratch, of at least ``floats`` FP32 elements: one
@@ -828,14 +871,39 @@ class StepRunner:
         return True
 
     def plan(self, shape: StepShape) -> StepPlan:
+        return self.plan_for(shape, lambda: StepPlan(self.prop, shape, self.attention_workspace))
+
+    def plan_for(self, shape: Any, make: Callable[[], StepPlan], prefix: str = "") -> StepPlan:
+        """The cached plan of ``shape`` (a ``StepShape``, or a tree step's shape,
+        mtpkern.tree_plan), made by ``make()`` on a miss (counted as ``prefix + "plans"``); the
+        chain's and the trees' plans share the cache and its ``max_plans``."""
         plan = self.plans.get(shape)
         if plan is None:
-            plan = self.plans[shape] = StepPlan(self.prop, shape, self.attention_workspace)
-            self.counts["plans"] += 1
+            plan = self.plans[shape] = make()
+            self.counts[prefix + "plans"] += 1
             while len(self.plans) > self.max_plans:
                 self.plans.popitem(last=False)
         self.plans.move_to_end(shape)
         return plan
+
+    def run_plan(self, plan: StepPlan, prefix: str = "") -> None:
+        """A staged, uploaded plan's launches: replayed when captured, else run eagerly and
+        (with ``capture``) captured right after; counted as ``prefix + "executed"`` /
+        ``"captured"`` / ``"replayed"``."""
+        if plan.graph is not None:
+            plan.replay()
+            self.counts[prefix + "replayed"] += 1
+            return
+        self.counts[prefix + "executed"] += 1
+        plan.execute()
+        if self.capture and not plan.capture_failed:
+            try:
+                plan.capture()
+                self.counts[prefix + "captured"] += 1
+            except Exception as e:     # keep running this shape eagerly, and say why once
+                plan.capture_failed = True
+                _log.warning("mtpkern: CUDA-graph capture of the propose step %s failed (%s: %s); "
+                             "running it eagerly", plan.shape, type(e).__name__, e)
 
     def propose(self, sts: list, toks: list[int], poss: list[int], hid: Any, k: int,
                 masks: list, want_conf: bool = False) -> tuple[list[list[int]], Any, np.ndarray | None]:
@@ -895,20 +963,7 @@ class StepRunner:
             plan.stage_masks(mrows)
         plan.stage_sources(sources)
         plan.upload()
-        if plan.graph is not None:
-            plan.replay()
-            self.counts["replayed"] += 1
-        else:
-            self.counts["executed"] += 1
-            plan.execute()
-            if self.capture and not plan.capture_failed:
-                try:
-                    plan.capture()
-                    self.counts["captured"] += 1
-                except Exception as e:     # keep running this shape eagerly, and say why once
-                    plan.capture_failed = True
-                    _log.warning("mtpkern: CUDA-graph capture of the propose step %s failed (%s: %s); "
-                                 "running it eagerly", shape, type(e).__name__, e)
+        self.run_plan(plan)
         ids, confs = plan.read_ids()                                # [k, B] each
         bad = np.argwhere(ids < 0)
         if bad.size:

@@ -361,7 +361,8 @@ class MtpHead:
         sliding-window block). ``bufs``: every output and workspace preallocated (a planned
         step: nothing is allocated); None allocates as it goes. ``kv_copy``: (src, dst) slot
         arrays: once the rows' K/V are written, the cache rows ``dst`` take rows ``src``'s
-        values, before any row attends (a draft tree's copy-on-write blocks, mtpkern.tree).
+        values, before any row attends (a draft tree's copy-on-write blocks, mtpkern.tree); or a
+        callable that makes those copies (a planned tree step's segment copies, mtpkern.tree_plan).
 
         ``out_rows``: host indices of the rows whose outputs the caller reads (None: all).
         Every row's K/V is still written; only these rows then attend and go through o_proj,
@@ -473,7 +474,9 @@ class MtpHead:
                                          **put("rope_kv", out="q"))                               # [n, Hq, D]
             if b.out_rope:
                 ex["positions"] = positions
-        if kv_copy is not None:
+        if callable(kv_copy):
+            kv_copy()
+        elif kv_copy is not None:
             self.pool.copy_rows(*kv_copy)
         return x, q, (qkv if b.gate_size else None), ex
 

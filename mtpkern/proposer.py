@@ -1029,7 +1029,9 @@ class MultiModuleMtpHead(DraftProposer):
         ``grammar_bitmask``: None or a list of ``B`` (each None or any form ``propose_tree``
         takes). Returns one tree per state, each the tree ``propose_tree`` gives that state
         (to FP32 rounding in its probabilities); every state awaits ``after_verify_tree``
-        (or ``after_verify_tree_batch``). Cuda: eager (the planned step does not capture trees)."""
+        (or ``after_verify_tree_batch``). Cuda with ``cuda_graphs``: a tree of a static shape
+        (fixed ``widths`` or ``shape``) without a grammar mask runs as a planned step, captured
+        once per tree shape and replayed (mtpkern.tree_plan; docs/cuda.md); other trees eagerly."""
         return self._propose_trees(last_tokens, target_hiddens, positions, states, widths, shape, grammar_bitmask,
                                    single=False)
 
@@ -1065,6 +1067,13 @@ class MultiModuleMtpHead(DraftProposer):
                                        "rows": rows})
             masks = ag.masks(masks, given)
             jobs = [TreeJob(st, t, p, D, ws, counts) for st, t, p, (ws, counts, D) in zip(sts, toks, poss, shapes)]
+            planned = None                  # the planned tree step (mtpkern.tree_plan): static shapes, no mask
+            if self.step_runner is not None:
+                from .tree_plan import tree_steps
+
+                steps = tree_steps(self.step_runner)
+                if steps.applies(sts, poss, shapes, any(m is not None for m in masks)):
+                    planned = steps
 
             def mask_rows(m: int, seqs: list[int], paths: list[list[int]]) -> np.ndarray | None:
                 return self._mask_rows([masks[b] for b in seqs], m, paths)   # each node's path as its drafts
@@ -1086,7 +1095,8 @@ class MultiModuleMtpHead(DraftProposer):
                         self.trees.drop(j.st, j.pending)
 
             trees = guarded(self.pools, sts, rows,
-                            ag.body(lambda: self.trees.propose(jobs, hid, mask_rows, topk), undo=undo))
+                            ag.body((lambda: planned.propose(jobs, hid)) if planned is not None else
+                                    (lambda: self.trees.propose(jobs, hid, mask_rows, topk)), undo=undo))
             for st, p, tree, (_, _, D) in zip(sts, poss, trees, shapes):
                 st._drafted = True
                 st._last_position, st._last_k = p, D

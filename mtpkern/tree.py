@@ -33,7 +33,7 @@ copies those off the main line into the sequence, and frees every other row at o
 The state is then the state of a chain propose along the accepted path after its verify.
 
 **Batches** (``propose_tree_batch``): one ``TreeJob`` per sequence; at each depth every
-sequence's rows of a module are laid out as above (``_layout``: lines, blocks, copy-on-write,
+sequence's rows of a module are laid out as above (``layout``: lines, blocks, copy-on-write,
 per sequence) and concatenated into one forward, sequence after sequence, each row with its
 own block table; one LM-head top-c serves every sequence's drafting rows. A single
 ``propose_tree`` is a batch of one.
@@ -302,8 +302,8 @@ class TreeJob:
 
 @dataclass(slots=True)
 class _Rows:
-    """One sequence's rows of one module's forward (``TreeRunner._layout``): host lists, and
-    ``g`` its inputs (a backend array); ``src`` / ``dst`` its copy-on-write slots."""
+    """One sequence's rows of one module's forward (``TreeRunner.layout``): host lists, and
+    ``g`` its inputs (a backend array, set by the caller); ``src`` / ``dst`` its copy-on-write slots."""
 
     toks: list
     g: Any
@@ -333,7 +333,7 @@ class TreeRunner:
         """Key of module m's row for an element of ``depth`` (-1: the root)."""
         return P - 1 if not self.exact else P - 1 - m + (depth + 1)
 
-    def _elems(self, m: int, P: int, D: int, depths: list[int]) -> list[int]:
+    def elems(self, m: int, P: int, D: int, depths: list[int]) -> list[int]:
         """The elements module ``m`` computes (in order): draft mode, module m's drafting
         rows (the root for m = 0, the nodes of depth m - 1 after); exact mode, the root and
         every node of depth < min(m, D), those whose key is >= 0."""
@@ -357,14 +357,14 @@ class TreeRunner:
                                     st._tail_start)
         try:
             for m in range(self.M if self.exact else max(j.D for j in jobs)):
-                parts = [(b, j, self._elems(m, j.P, j.D, j.depths)) for b, j in enumerate(jobs)
+                parts = [(b, j, self.elems(m, j.P, j.D, j.depths)) for b, j in enumerate(jobs)
                          if self.exact or m < j.D]
                 parts = [(b, j, elems) for b, j, elems in parts if elems]
                 if parts:
                     self._expand(m, parts, self._forward(m, parts, hid), mask_rows, topk)
             for j in jobs:
                 j.pending.tree = j.tree()
-                self._as_chain(j.st, j.pending, j.P)
+                self.as_chain(j.st, j.pending, j.P)
                 j.st._tree = j.pending
         except BaseException:
             for j in jobs:
@@ -405,8 +405,10 @@ class TreeRunner:
 
     def _forward(self, m: int, parts: list, hid: Any) -> Any:
         """Module m's rows of every sequence in ``parts`` ((b, job, elems)): each laid out
-        (``_layout``), then one forward; -> their normed outputs [n, H] (for the LM head)."""
-        laid = [self._layout(j, m, elems, hid[b:b + 1]) for b, j, elems in parts]
+        (``layout``), then one forward; -> their normed outputs [n, H] (for the LM head)."""
+        laid = [self.layout(j, m, elems) for b, j, elems in parts]
+        for (b, j, elems), r in zip(parts, laid):
+            r.g = self._inputs(j.st, m, j.P, hid[b:b + 1], elems, j.parents, j.pending.modules)
         be, head = self.backend, self.modules[m]
         n = sum(len(r.toks) for r in laid)
         width = max(len(t) for r in laid for t in r.tables)
@@ -433,9 +435,11 @@ class TreeRunner:
             off += len(r.toks)
         return normed
 
-    def _layout(self, job: TreeJob, m: int, elems: list[int], hid: Any) -> _Rows:
+    def layout(self, job: TreeJob, m: int, elems: list[int]) -> _Rows:
         """Module m's rows of one sequence for ``elems``: lines laid out, blocks taken; -> what
-        its rows give the forward (``hid``: its [1, H] normed ``h_{P-1}``)."""
+        its rows give the forward, but for ``g`` (the caller's: ``_inputs``, or a planned tree
+        step's in-graph gathers, mtpkern.tree_plan). Host bookkeeping only: it reads the nodes'
+        structure (parents, depths), never their tokens' values but in ``toks``."""
         st, P, tokens, parents, depths, mods = job.st, job.P, job.tokens, job.parents, job.depths, job.pending.modules
         head = self.modules[m]
         pool = head.pool
@@ -519,7 +523,7 @@ class TreeRunner:
                 kv = keys[i] - W + 1
                 row_start.append(min(seq._keys.rows_before(kv), R) if kv <= first_key else R + kv - first_key)
         toks = [job.tok if e < 0 else tokens[e] for e in elems]
-        return _Rows(toks, self._inputs(st, m, P, hid, elems, parents, mods), [k + m + 1 for k in keys],
+        return _Rows(toks, None, [k + m + 1 for k in keys],
                      list(mt.slot), tables, [lg + 1 for lg in logical], row_start, src, dst)
 
     @staticmethod
@@ -545,7 +549,7 @@ class TreeRunner:
             parts.append(mods[m - 1].outs[self.backend.from_host(np.asarray(idx, np.int64))])
         return parts[0] if len(parts) == 1 else self.backend.xp.concatenate(parts, axis=0)
 
-    def _as_chain(self, st: MtpState, pending: PendingTree, P: int) -> None:
+    def as_chain(self, st: MtpState, pending: PendingTree, P: int) -> None:
         """Counters (and in exact mode the tail and windows) as a chain propose along the
         main line leaves them, so the state's own rows obey its KV mode's rule meanwhile."""
         tree = pending.tree

@@ -2334,3 +2334,36 @@ def test_sampled_proposes_on_the_kernels(fake_runtime, tiny_ckpt):
     assert out[0][0] == out[1][0]
     for a, b in zip(out[0][1], out[1][1]):
         assert_close(np.array(b, np.float32), np.array(a, np.float32), "float32", "sampled probabilities")
+
+
+@pytest.mark.parametrize("mode", ["draft", "exact"])
+def test_planned_trees_on_the_kernels(fake_runtime, emu, tiny_ckpt, mode):
+    """Draft trees of static shapes in the captured step, on the emulated kernels: the eager
+    emulated path's trees and KV bit for bit (batches 1 and 3, widths (1, 1, 1), (2, 1, 1),
+    (4, 2, 1)), before and after the verify; one capture per tree shape, replays after."""
+    from test_tree_plan import run_tree_twins
+
+    be = emu_backend.backend()
+    eager = test_gpu._make(tiny_ckpt, be, mode, cuda_graphs=False, block_size=4)
+    graph = test_gpu._make(tiny_ckpt, be, mode, block_size=4)
+    for B, seed in ((1, 1), (3, 2)):
+        before = dict(graph.step_runner.counts)
+        counts = run_tree_twins(eager, graph, B, seed, [(1, 1, 1), (2, 1, 1), (4, 2, 1), (4, 2, 1), (2, 1, 1)])
+        new = {k: counts.get(k, 0) - before.get(k, 0) for k in ("tree_captured", "tree_replayed")}
+        assert new == {"tree_captured": 3, "tree_replayed": 2}, counts
+    assert fake_runtime.memcpys["h2d"] == fake_runtime.memcpys["d2h"] == 10
+
+
+@pytest.mark.parametrize("kind,mode", [("hc", "draft"), ("v4", "exact")])
+def test_planned_trees_of_other_blocks_on_the_kernels(fake_runtime, emu, tmp_path_factory, kind, mode):
+    """Hyper-connections (stream-wide g rows, the collapses in plan buffers) and DeepSeek-V4's
+    windowed attention (the query latent's joined rows, grouped output, sinks) in captured tree
+    steps on the kernels: the eager emulated trees and KV bit for bit, a replay among them."""
+    from test_tree_plan import _kind_ckpt, _kind_widths, run_tree_twins
+
+    ckpt = _kind_ckpt(tmp_path_factory, kind)
+    be = emu_backend.backend("float32")
+    eager = test_gpu._make(ckpt, be, mode, cuda_graphs=False, block_size=4)
+    graph = test_gpu._make(ckpt, be, mode, block_size=4)
+    counts = run_tree_twins(eager, graph, 3, 5, _kind_widths(graph))
+    assert counts["tree_captured"] == 2 and counts["tree_replayed"] == 1, counts

@@ -300,6 +300,19 @@ class FakeCudaBackend(NumpyBackend):
         return self.rt.launch(kernel, x, w, bitmask, out, conf, returns=out)
 
 
+    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None, out=None, probs=None, logits=None,
+                     check=True):
+        if out is not None:                  # a planned tree step: every buffer given, nothing read back
+            n = x.shape[0]
+            _expect("out", out, (n, k), np.int32)
+            _expect("probs", probs, (n, k))
+            _expect("logits", logits, (n, w.shape[0]))
+            assert check is False, "a captured top-c must not read the ids back"
+            self.ws_seen.add("lm topk")
+        return self.rt.launch(NumpyBackend.lm_head_topk, x, w, bitmask, k, id_map=id_map, out=out, probs=probs,
+                              logits=logits, check=check, returns=(out, probs))
+
+
 def draft_confidence(x, w, bitmask, logits) -> float:
     """conf of one row [1, H] that has an allowed token: the NumPy backend's ``conf=`` when it
     has one, else the float64 softmax of the reference logits [V] over the allowed, non-NaN

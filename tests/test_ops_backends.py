@@ -1378,6 +1378,32 @@ def test_lm_head_topk_property(be, case, k, mapped):
     assert_close(want_p[:, 0], conf, what="topk column 0 vs confidence")
 
 
+def test_lm_head_topk_into_buffers(be):
+    """A planned tree step's call: ``out`` / ``probs`` / ``logits`` given are written in place and
+    returned; with ``check=False`` a row without a candidate keeps -1 / 0 instead of raising
+    (the default still raises); the other rows are the plain call's."""
+    n, V, k = 3, 40, 4
+    rng = rng_for("topk_out", n, V, k)
+    x = acts(rng, n, V)
+    w = be.prepare_weight(exact_weight(np.eye(V, dtype=np.float32), "float32"))
+    mask = np.full((n, (V + 31) // 32), -1, np.int32)
+    mask[1] = 0                                            # row 1: nothing allowed
+    xd, md = be.from_host(x), be.from_host(mask)
+    out, probs = be.xp.full((n, k), 7, np.int32), be.xp.full((n, k), 7, np.float32)
+    logits = be.xp.zeros((n, V), np.float32)
+    got = be.lm_head_topk(xd, w, md, k, out=out, probs=probs, logits=logits, check=False)
+    assert got[0] is out and got[1] is probs
+    ids, pr = be.to_host(out), be.to_host(probs)
+    assert (ids[1] == -1).all() and (pr[1] == 0).all()
+    keep = np.array([0, 2])
+    want_ids, want_p = REF.lm_head_topk(x[keep], REF.prepare_weight(np.eye(V, dtype=np.float32)), None, k)
+    np.testing.assert_array_equal(ids[keep], want_ids)
+    assert_close(pr[keep], want_p, what="topk probs into buffers")
+    np.testing.assert_array_equal(be.to_host(logits), x)    # an identity head: the logits are x
+    with pytest.raises(NoAllowedToken, match="row 1"):
+        be.lm_head_topk(xd, w, md, k)
+
+
 @pytest.mark.parametrize("n,V,k", [(1, 1, 3), (3, 300, 4), (2, 5000, 8)])
 def test_lm_head_topk_random(be, n, V, k):
     """Random logits through a real GEMV: the candidates are the reference's up to rounding

@@ -41,6 +41,7 @@ import test_family_qwen3_next
 from conftest import DSA_FIELDS
 from mtpkern import MultiModuleMtpHead
 from mtpkern.config import tiny_config
+from mtpkern.cuda_graph import StepRunner
 from mtpkern.testing import reference_weights
 from mtpkern.testing.machine import proposer_machine
 from mtpkern.weights import write_synthetic_checkpoint
@@ -170,7 +171,10 @@ def window_bound(prop, m: int) -> int | None:
     ("cpu", "exact", "nvfp4_ckpt"),
     # an FP8 KV cache (docs/kv_pool.md): the pools' scale planes through every call; no FP32 oracle
     # (its drafts may differ where the two best logits are within the quantization's bound)
-    ("cpu-fp8", "exact", "sm_ckpt"), ("numpy-fp8", "draft", "window_ckpt")])
+    ("cpu-fp8", "exact", "sm_ckpt"), ("numpy-fp8", "draft", "window_ckpt"),
+    # the planned step (mtpkern.cuda_graph, mtpkern.tree_plan) run eagerly, as the cuda backend's
+    # proposer takes it: chain proposes and static trees without a mask through it, the rest eagerly
+    ("numpy-planned", "exact", "sm_ckpt"), ("numpy-planned", "draft", "sm_ckpt")])
 def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     path, weights = request.getfixturevalue(ckpt)
     made = []
@@ -181,11 +185,13 @@ def test_proposer_state_machine(kv_mode, backend, ckpt, request):
         be = CpuBackend(kv_dtype="fp8") if backend == "cpu-fp8" else NumpyBackend("fp8")
         weights = None
     else:
-        be = backend
+        be = backend.removesuffix("-planned")
 
     def make():
         made.append(MultiModuleMtpHead.from_pretrained(path, backend=be, kv_mode=kv_mode, block_size=4,
                                                        num_blocks=POOL[ckpt], prefill_chunk=5))
+        if backend.endswith("-planned"):
+            made[-1].step_runner = StepRunner(made[-1], capture=False)
         return made[-1]
 
     base = proposer_machine(make, weights)
@@ -211,5 +217,11 @@ def test_proposer_state_machine(kv_mode, backend, ckpt, request):
     for kind in ("propose", "propose_batch", "verify", "catchup", "take", "install", "bad_input", "reenter", "fork",
                  "share", "sampled"):
         assert machine.steps[kind] > 0, f"no {kind} step ran: {dict(machine.steps)}"
+    if backend.endswith("-planned"):  # both planned steps ran, beside their eager fallbacks
+        ran = Counter()
+        for prop in made:
+            ran.update(prop.step_runner.counts)
+        assert ran["executed"] > 0 and ran["tree_executed"] > 0 and ran["tree_fallback_mask"] > 0, dict(ran)
+        print(f"planned: {dict(ran)}")
     if ckpt == "window_ckpt":       # the pools really took blocks back (beyond what trims freed)
         assert sum(p.window_released for prop in made for p in prop.pools) > 100

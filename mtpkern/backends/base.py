@@ -305,9 +305,13 @@ class Backend(ABC):
                                   f"(the numpy, cpu and cuda backends do)")
 
     @abstractmethod
-    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
+    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None, out=None, probs=None, logits=None,
+                     check: bool = True):
         """-> (ids [n, k] int32, probs [n, k] FP32) on the backend: each row's ``k`` best
         allowed tokens (value descending, ties to the lowest id; -1 / 0 past the row's
         candidates) and their probabilities; raises ``NoAllowedToken`` for a row with no
         candidate (mtpkern.ops.lm_head.masked_topk). The logits are written out once
-        ([n, V] FP32, far fewer bytes than the head's at H >= 1024: a draft tree's rows)."""
+        ([n, V] FP32, far fewer bytes than the head's at H >= 1024: a draft tree's rows).
+        A planned tree step (mtpkern.tree_plan) passes every buffer: ``out`` [n, k] int32,
+        ``probs`` [n, k] FP32, ``logits`` [n, V] FP32, and ``check=False`` (nothing read back:
+        a row without a candidate keeps -1 in column 0, for the caller's read of the ids)."""

@@ -811,24 +811,25 @@ class CpuBackend(Backend):
                                        amx_linear_k.config(g), out)
         return out
 
-    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
+    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None, out=None, probs=None, logits=None, check=True):
         """-> (ids [n, k] int32, probs [n, k] FP32): the logits (``lm_head_logits``), then each
-        row's k best allowed tokens and their probabilities (ops.lm_head.masked_topk)."""
+        row's k best allowed tokens and their probabilities (ops.lm_head.masked_topk);
+        ``out`` / ``probs`` / ``logits``, ``check``: as ``Backend.lm_head_topk``."""
         k = check_topk(k)
-        logits = self.lm_head_logits(x, w)
+        logits = self.lm_head_logits(x, w, out=logits)
         n, V = logits.shape
         if id_map is not None:
             check_id_map(id_map, V)
         bitmask = _bitmask_arg(bitmask, n, V)
-        ids = np.empty((n, k), np.int32)
-        probs = np.empty((n, k), np.float32)
+        ids = np.empty((n, k), np.int32) if out is None else out
+        pr = np.empty((n, k), np.float32) if probs is None else probs
         self._use_threads()
-        none = lm_head_k.masked_topk_kernel(logits, bitmask, ids, probs)
-        if none >= 0:
+        none = lm_head_k.masked_topk_kernel(logits, bitmask, ids, pr)
+        if none >= 0 and check:
             raise NoAllowedToken(f"row {none}: {no_token_reason(bitmask.size > 0, V)}", row=none)
         if id_map is not None:
-            ids = map_id_rows(ids, id_map)
-        return ids, probs
+            ids[...] = map_id_rows(ids, id_map)
+        return ids, pr
 
     samples = True
 

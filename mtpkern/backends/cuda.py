@@ -314,8 +314,9 @@ class CudaBackend(Backend):
     def lm_head_logits(self, x, w, *, out=None):
         return lm_head.lm_head_logits(x, w, out=out)
 
-    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None):
-        return lm_head.lm_head_topk(x, w, bitmask, k, id_map=id_map)
+    def lm_head_topk(self, x, w, bitmask=None, k=1, *, id_map=None, out=None, probs=None, logits=None, check=True):
+        return lm_head.lm_head_topk(x, w, bitmask, k, id_map=id_map, out=out, probs=probs, logits=logits,
+                                    check=check)
 
     samples = True
 

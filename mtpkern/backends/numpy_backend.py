@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..ops import attention, dsa, gate, hc, linear, lm_head, mla, mlp, moe, norm, rope_kv, sampling
+from ..errors import NoAllowedToken
 from ..quant import QUANTIZED
 from .base import Backend, check_kv_dtype
 
@@ -156,10 +157,27 @@ class NumpyBackend(Backend):
         return mapped if out is None else _into("out", out, mapped)
 
     @staticmethod
-    def lm_head_topk(x, w, bitmask=None, k=1, *, id_map=None):
+    def lm_head_topk(x, w, bitmask=None, k=1, *, id_map=None, out=None, probs=None, logits=None, check=True):
         """-> (ids [n, k] int32, probs [n, k] FP32): each row's k best allowed tokens and
-        their probabilities (mtpkern.ops.lm_head.masked_topk), ids through ``id_map``."""
+        their probabilities (mtpkern.ops.lm_head.masked_topk), ids through ``id_map``;
+        ``out`` / ``probs`` / ``logits``, ``check``: as ``Backend.lm_head_topk``."""
         if id_map is not None:
             lm_head.check_id_map(id_map, w.shape[0])
-        ids, probs = lm_head.lm_head_topk(x, w, bitmask, k)
-        return (ids if id_map is None else lm_head.map_id_rows(ids, id_map)), probs
+        lg = lm_head.lm_head_logits(x, w)
+        if logits is not None:
+            np.copyto(logits, lg)
+        if check:
+            ids, pr = lm_head.masked_topk(lg, bitmask, k)
+        else:                                   # a row without a candidate: -1 / 0, as the kernel leaves it
+            ids, pr = np.full((lg.shape[0], k), -1, np.int32), np.zeros((lg.shape[0], k), np.float32)
+            for r in range(lg.shape[0]):
+                try:
+                    ids[r], pr[r] = lm_head.masked_topk(lg[r:r + 1], None if bitmask is None else bitmask[r:r + 1], k)
+                except NoAllowedToken:
+                    pass
+        ids = ids if id_map is None else lm_head.map_id_rows(ids, id_map)
+        if out is None:
+            return ids, pr
+        np.copyto(out, ids)
+        np.copyto(probs, pr)
+        return out, probs

@@ -116,10 +116,12 @@ def lm_head_argmax(x, w, bitmask=None, *, out=None, part_v=None, part_i=None, pa
     return ids
 
 
-def lm_head_topk(x, w, bitmask=None, k=1, *, id_map=None):
+def lm_head_topk(x, w, bitmask=None, k=1, *, id_map=None, out=None, probs=None, logits=None, check=True):
     """-> (ids [n, k] int32, probs [n, k] FP32) on the device: the logits (``linear_kernel``),
     then ``masked_topk_kernel`` (kernels/lm_head.cu; spec: mtpkern.ops.lm_head.masked_topk).
-    Raises ``NoAllowedToken`` for a row without a candidate (a host read of column 0)."""
+    Raises ``NoAllowedToken`` for a row without a candidate (a host read of column 0) when
+    ``check``; a captured tree step passes ``out`` / ``probs`` / ``logits`` [n, V] and
+    ``check=False`` (no allocation, no read back)."""
     _check(x, w)
     k = check_topk(k)
     n, V = x.shape[0], w.shape[0]
@@ -129,17 +131,18 @@ def lm_head_topk(x, w, bitmask=None, k=1, *, id_map=None):
         check_bitmask(bitmask, n, V)
     if id_map is not None:
         check_id_map(id_map, V)
-    logits = lm_head_logits(x, w)
+    logits = lm_head_logits(x, w, out=logits)
     bitmask = optional(bitmask, "bitmask", "int32")
     id_map = optional(id_map, "id_map", "int32")
-    ids = output(None, "ids", (n, k), np.int32)
-    probs = output(None, "probs", (n, k), np.float32)
+    ids = output(out, "out", (n, k), np.int32)
+    probs = output(probs, "probs", (n, k), np.float32)
     if n == 0:
         return ids, probs
     assert k <= MAX_TOPK <= 64                 # win_v / win_i in the kernel's shared memory
     get_kernel("lm_head", "masked_topk_kernel")((n,), (FINAL_THREADS,), (logits, ptr(bitmask), i32(V), i32(k), ids,
                                                                          probs, ptr(id_map)))
-    raise_if_no_allowed(ids[:, 0], V, bitmask is not None)
+    if check:
+        raise_if_no_allowed(ids[:, 0], V, bitmask is not None)
     return ids, probs
 
 
