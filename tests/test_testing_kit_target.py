@@ -150,7 +150,7 @@ def test_an_acceptance_the_target_did_not_make_is_caught(ckpts):
     d.prefill_drafter(PROMPT, first.hiddens, st)
     drafts = d.propose(first.next_token, first.hiddens[-1], 6, 3, st)
     assert tgt.verify(seq, first.next_token, drafts).num_accepted == 0
-    with pytest.raises(AssertionError, match=rf"after_verify: 1 drafts accepted, the target accepts 0: draft 0 "
+    with pytest.raises(AssertionError, match=rf"after_verify: 1 draft\(s\) accepted, the target accepts 0: draft 0 "
                                              rf"\(position 7\) is {drafts[0]}, the target's token there is \d+"):
         d.after_verify(1, st)
 
@@ -202,3 +202,41 @@ def test_bad_arguments_are_refused(ckpts):
         checked(prop, target=object())
     with pytest.raises(ValueError, match=r"tol: expected one of \['bfloat16', 'float32', 'fp8_kv'\], got 'fp16'"):
         checked(prop, target=_target(ckpts["plain"]), tol="fp16")
+
+
+def _rank0_path(tree, depth):
+    """Node indices of the tree's first ``depth`` rank-0 nodes (breadth-first, parents first:
+    a node's first child is its best)."""
+    parents, path, p = [int(x) for x in tree.parents], [], -1
+    for _ in range(depth):
+        p = parents.index(p)
+        path.append(p)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_draft_trees_are_checked_too(ckpts, mode):
+    """An engine that drafts trees: the rank-0 path verified by the target is accepted; a path
+    through a sibling (token 1 where the target says 0) is an acceptance the target did not make;
+    a tree proposed with a stale hidden is caught as a chain's."""
+    ck = ckpts["agree"]
+    tgt = _target(ck)
+    d = checked(_prop(ck, mode), target=_target(ck))
+    seq, st = tgt.alloc_seq(), d.alloc_state()
+    first = tgt.prefill(seq, PROMPT)
+    d.prefill_drafter(PROMPT, first.hiddens, st)
+    tree = d.propose_tree(first.next_token, first.hiddens[-1], 6, st, widths=[2, 2, 1])
+    path = _rank0_path(tree, 3)
+    v = tgt.verify(seq, first.next_token, [int(tree.tokens[i]) for i in path])
+    assert v.num_accepted == 3
+    d.after_verify_tree(path, st)
+    d.catchup_drafter([int(tree.tokens[i]) for i in path], v.hiddens[:3], st)
+    with pytest.raises(AssertionError, match=r"propose_tree: target_hidden \(position 9\) .*it is the target's h_8$"):
+        d.propose_tree(v.bonus, v.hiddens[2], 10, st, widths=[2, 1])
+    st2 = d.alloc_state()
+    d.prefill_drafter(PROMPT, first.hiddens, st2)
+    tree = d.propose_tree(first.next_token, first.hiddens[-1], 6, st2, widths=[2, 1])
+    sibling = [i for i, p in enumerate(tree.parents) if p == -1][1]        # the root's second child
+    with pytest.raises(AssertionError, match=rf"after_verify_tree: 1 draft\(s\) accepted, the target accepts 0: "
+                                             rf"draft 0 \(position 7\) is {int(tree.tokens[sibling])}"):
+        d.after_verify_tree([sibling], st2)

@@ -14,6 +14,12 @@ states, real carried entries). Around every call it
   moved: ``stats`` (by deltas, so an engine may ``reset()`` them), ``clamped_calls``,
   ``read_deferred_draft_token`` and ``last_drafts_device``.
 
+With ``target`` (a ``ReferenceTarget`` of the engine's checkpoint, the kit's own), every hidden
+and token the engine hands in is checked against what the target computes for the sequence the
+engine has committed (``mtpkern.testing.truth``): a hidden at the wrong position, a wrong bonus
+token, a skipped catch-up. These checks run after the model's, so the model stays in step
+with the proposer.
+
 A grammar callable is called by the proposer only: the proxy records the masks it
 returned and checks the drafts against those (a stateful grammar, such as an
 xgrammar matcher that advances with each draft, cannot answer twice).
@@ -162,12 +168,12 @@ class CheckedProposer:
                 assert d == [] and (out_conf is None or out_conf == []), f"propose of 0 drafts returned {d}"
                 assert self.model.fingerprint() == fp[0], "a propose of 0 drafts changed the proposer's state"
                 return
-            if self.truth is not None:
-                self.truth.propose(state, last_token, target_hidden, position, self._hn(state))
-                self.truth.drafted(state, d)
+            hn = self._hn(state)
             self.model.propose(state, last_token, target_hidden, position, num_drafts, self._seen(gm), d,
                                None if out_conf is None else out_conf, min_confidence, sampling=sampling)
             self._after_propose([state], [d])
+            if self.truth is not None:
+                self.truth.propose(state, last_token, target_hidden, position, hn, d)
 
         def call():
             fp.append(self.model.fingerprint())
@@ -197,16 +203,17 @@ class CheckedProposer:
             if int(num_drafts) == 0:                      # a checked no-op (the model checks nothing moved)
                 assert drafts == [[] for _ in states], f"propose_batch of 0 drafts returned {drafts}"
                 return
+            hns = [self._hn(st) for st in states]
             for i, (st, d) in enumerate(zip(states, drafts)):
-                if self.truth is not None:
-                    self.truth.propose(st, last_tokens[i], target_hiddens[i], positions[i], self._hn(st),
-                                       "propose_batch", f"[{i}]")
-                    self.truth.drafted(st, d)
                 gm = None if gms is None else self._seen(gms[i])
                 self.model.propose(st, last_tokens[i], target_hiddens[i], positions[i], num_drafts, gm, d,
                                    None if out_conf is None else out_conf[i], min_confidence,
                                    sampling=None if sampling is None else sampling[i])
             self._after_propose(list(states), drafts)
+            for i, (st, d) in enumerate(zip(states, drafts)):
+                if self.truth is not None:
+                    self.truth.propose(st, last_tokens[i], target_hiddens[i], positions[i], hns[i], d,
+                                       "propose_batch", f"[{i}]")
 
         def room():
             return [(self.model.of(st), self.model.rows_after_propose(self.model.of(st), p, num_drafts))
@@ -222,9 +229,9 @@ class CheckedProposer:
         k = entry[1].k if entry is not None and entry[0] is state else 0
 
         def then(_: Any) -> None:
+            self.model.verify(state, int(num_accepted))
             if self.truth is not None:
                 self.truth.verify(state, int(num_accepted))
-            self.model.verify(state, int(num_accepted))
 
         return self._call(lambda: self.prop.after_verify(num_accepted, state), then,
                           counts=_verify_counts(k, int(num_accepted)))
@@ -233,11 +240,12 @@ class CheckedProposer:
                      shape: Any = None, grammar_bitmask: Any = None) -> Any:
         """A draft tree (a grammar callable is asked again by the model: give a pure one)."""
         def then(tree: Any) -> None:
-            if self.truth is not None:
-                self.truth.propose(state, last_token, target_hidden, position, self._hn(state), "propose_tree")
+            hn = self._hn(state)
             self.model.propose_tree(state, last_token, target_hidden, position, tree, grammar_bitmask)
             greedy = self.model.of(state).drafts
             assert self.prop.read_deferred_draft_token(state) == greedy[-1], "read_deferred_draft_token after a tree"
+            if self.truth is not None:
+                self.truth.propose(state, last_token, target_hidden, position, hn, greedy, "propose_tree")
 
         def room():
             s = self.model.of(state)
@@ -257,9 +265,9 @@ class CheckedProposer:
 
         def then(_: Any) -> None:
             toks = [int(tree.tokens[i]) for i in path]
+            self.model.verify_tree(state, toks)
             if self.truth is not None:
                 self.truth.verify(state, toks, "after_verify_tree")
-            self.model.verify_tree(state, toks)
 
         return self._call(lambda: self.prop.after_verify_tree(path, state), then,
                           counts=_verify_counts(k, len(path)))
@@ -273,14 +281,16 @@ class CheckedProposer:
 
         def then(trees: Any) -> None:
             assert len(trees) == len(states), f"{len(trees)} trees for {len(states)} states"
+            hns = [self._hn(st) for st in states]
             for i, (st, tree) in enumerate(zip(states, trees)):
-                if self.truth is not None:
-                    self.truth.propose(st, last_tokens[i], target_hiddens[i], positions[i], self._hn(st),
-                                       "propose_tree_batch", f"[{i}]")
                 gm = None if grammar_bitmask is None else grammar_bitmask[i]
                 self.model.propose_tree(st, last_tokens[i], target_hiddens[i], positions[i], tree, gm)
                 greedy = self.model.of(st).drafts
                 assert self.prop.read_deferred_draft_token(st) == greedy[-1], "read_deferred_draft_token after a tree"
+            for i, st in enumerate(states):
+                if self.truth is not None:
+                    self.truth.propose(st, last_tokens[i], target_hiddens[i], positions[i], hns[i],
+                                       self.model.of(st).drafts, "propose_tree_batch", f"[{i}]")
 
         def room():
             return [(self.model.of(st), self.model.rows_after_propose(self.model.of(st), p, D))
@@ -311,9 +321,9 @@ class CheckedProposer:
         def then(_: Any) -> None:
             for st, path, tree in zip(states, paths, trees):
                 toks = [int(tree.tokens[i]) for i in path]
+                self.model.verify_tree(st, toks)
                 if self.truth is not None:
                     self.truth.verify(st, toks, "after_verify_tree_batch")
-                self.model.verify_tree(st, toks)
 
         def counts(c: tuple) -> tuple:
             for k, path in zip(ks, paths):
@@ -327,12 +337,13 @@ class CheckedProposer:
 
     def catchup_batch(self, tokens: Any, hiddens: Any, states: Any, single: bool = False) -> int:
         def then(rows: int) -> None:
-            if self.truth is not None:
-                for i, (tk, hd, st) in enumerate(zip(tokens, hiddens, states)):
-                    self.truth.catchup(st, tk, hd, self._hn(st), "catchup_drafter" if single else "catchup_batch",
-                                       "" if single else f"[{i}]")
+            hns = [self._hn(st) for st in states]
             want = sum(self.model.catchup(st, tk, hd) for tk, hd, st in zip(tokens, hiddens, states))
             assert rows == want, f"catch-up wrote {rows} rows, expected {want}"
+            for i, (tk, hd, st) in enumerate(zip(tokens, hiddens, states)):
+                if self.truth is not None:
+                    self.truth.catchup(st, tk, hd, hns[i], "catchup_drafter" if single else "catchup_batch",
+                                       "" if single else f"[{i}]")
 
         def room():
             return [(self.model.of(st), self.model.rows_after_catchup(self.model.of(st), tk))

@@ -115,10 +115,14 @@ class TargetTruth:
         for i in range(len(toks)):
             self.check_hidden(line, hid[i], i, "prefill_drafter", f"hiddens[{i}]")
 
-    def propose(self, st: Any, last_token: Any, hidden: Any, P: Any, hn: int, call: str = "propose",
-                arg: str = "") -> None:
-        """Before the model moves: ``hn`` hiddens the state had consumed."""
+    def propose(self, st: Any, last_token: Any, hidden: Any, P: Any, hn: int, drafts: list[int],
+                call: str = "propose", arg: str = "") -> None:
+        """``hn``: hiddens the state had consumed before the call; ``drafts``: the chain's (a
+        tree's rank-0 path), kept for ``after_verify``. The drafts are recorded first, so a
+        failed check leaves the line as a passing call would."""
         line, P = self._line(st, call), int(P)
+        bonus_due, line.bonus_due = line.bonus_due, False
+        line.P, line.last_token, line.drafts = P, int(last_token), [int(d) for d in drafts]
         L = line.length
         assert P == L, (f"{call}: position{arg} is {P}, expected {L} (the committed sequence holds "
                         f"t_0 .. t_{L - 1})")
@@ -127,14 +131,10 @@ class TargetTruth:
             f"expected 0 .. {P - 2}: the catch-up of positions {hn} .. {P - 2} (tokens "
             f"{[int(t) for t in line.seq.tokens[hn + 1:P]]}) was skipped")
         tok = int(last_token)
-        after = "the bonus token of the last verify" if line.bonus_due else f"its greedy token after position {P - 1}"
+        after = "the bonus token of the last verify" if bonus_due else f"its greedy token after position {P - 1}"
         assert tok == line.next_token, (f"{call}: last_token{arg} (position {P}) is {tok}, expected "
                                         f"{line.next_token} (the target's: {after})")
         self.check_hidden(line, hidden, P - 1, call, f"target_hidden{arg}")
-        line.P, line.last_token, line.bonus_due = P, tok, False
-
-    def drafted(self, st: Any, drafts: list[int]) -> None:
-        self.lines[id(st)].drafts = [int(d) for d in drafts]
 
     def verify(self, st: Any, accepted: list[int] | int, call: str = "after_verify") -> None:
         """The engine accepted ``accepted``: a tree's path, or a count of the chain's first drafts."""
@@ -145,7 +145,7 @@ class TargetTruth:
         a = int(v.num_accepted)
         if a < len(accepted):
             raise AssertionError(
-                f"{call}: {len(accepted)} drafts accepted, the target accepts {a}: draft {a} (position "
+                f"{call}: {len(accepted)} draft(s) accepted, the target accepts {a}: draft {a} (position "
                 f"{line.P + a + 1}) is {accepted[a]}, the target's token there is {int(v.greedy[a])}")
         line.hiddens.extend(v.hiddens)                   # h_P .. h_{P+a}
         line.next_token, line.bonus_due = int(v.bonus), True
