@@ -32,8 +32,8 @@ PROMPT = [5, 17, 250, 3, 99, 42]                        # n = 6: the first propo
 BUGS = ("catchup_shift", "stale_hidden", "wrong_bonus", "skip_catchup", "prefill_shift")
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+def target_checkpoints(tmp_path_factory) -> dict:
+    """``plain`` and ``agree`` (module docstring), each a directory with target layers."""
     from safetensors.numpy import save_file
 
     from mtpkern.weights import read_tensors
@@ -45,6 +45,11 @@ def ckpts(tmp_path_factory):
     t["lm_head.weight"] = np.zeros_like(t["lm_head.weight"])
     save_file(t, os.path.join(agree, "model.safetensors"))
     return {"plain": plain, "agree": agree}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return target_checkpoints(tmp_path_factory)
 
 
 def _target(ckpt, backend="numpy"):

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import KvCacheFull
 from ..tolerance import TOLERANCE, Tol
 from .model import _host
 
@@ -75,6 +76,23 @@ class TargetTruth:
         self.tol: Tol = TOLERANCE[tol]
         self.lines: dict[int, Line] = {}             # id(state or carried entry) -> its line
 
+    def run(self, call: str, *args: Any) -> Any:
+        """``target.<call>(*args)``; a full pool of the kit's target is the kit's problem, not the
+        engine's: a ``RuntimeError`` (never a ``KvCacheFull`` an engine would take for its own)."""
+        try:
+            return getattr(self.target, call)(*args)
+        except KvCacheFull as e:
+            raise RuntimeError(f"target: the kit's ReferenceTarget ran out of KV blocks ({e}); give it more "
+                               f"num_blocks (its sequences hold every committed token of every state)") from e
+
+    def forward(self, tokens: list[int]) -> Any:
+        """The target's prefill of ``tokens`` on a scratch sequence (``TargetOut``), freed again."""
+        seq = self.target.alloc_seq()
+        try:
+            return self.run("prefill", seq, tokens)
+        finally:
+            self.target.free_seq(seq)
+
     # -- comparisons -------------------------------------------------------------------
     def _close(self, got: np.ndarray, want: np.ndarray) -> np.ndarray:
         return np.abs(got - want) <= self.tol.atol + self.tol.rtol * np.abs(want)
@@ -95,7 +113,7 @@ class TargetTruth:
             f"got {float(g[i]):.7g}, expected {float(want[i]):.7g}{what}")
 
     def _extend(self, line: Line, token: int) -> None:
-        out = self.target.decode(line.seq, token)
+        out = self.run("decode", line.seq, token)
         line.hiddens.append(out.hiddens[0])
         line.next_token = int(out.next_token)
 
@@ -109,7 +127,7 @@ class TargetTruth:
         toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
         line = Line(self.target.alloc_seq())
         self.lines[id(st)] = line
-        out = self.target.prefill(line.seq, toks)
+        out = self.run("prefill", line.seq, toks)
         line.hiddens, line.next_token = list(out.hiddens), int(out.next_token)
         hid = _host(hiddens).reshape(len(toks), -1)
         for i in range(len(toks)):
@@ -141,7 +159,7 @@ class TargetTruth:
         line = self._line(st, call)
         if isinstance(accepted, int):
             accepted = line.drafts[:accepted]
-        v = self.target.verify(line.seq, line.last_token, accepted)
+        v = self.run("verify", line.seq, line.last_token, accepted)
         a = int(v.num_accepted)
         if a < len(accepted):
             raise AssertionError(
@@ -181,7 +199,7 @@ class TargetTruth:
         toks = old.seq.tokens[:num_tokens]
         line = Line(self.target.alloc_seq())
         self.lines[id(st)] = line
-        out = self.target.prefill(line.seq, toks)
+        out = self.run("prefill", line.seq, toks)
         line.hiddens, line.next_token = list(out.hiddens), int(out.next_token)
         if num_tokens is None:
             line.bonus_due, line.P, line.last_token = old.bonus_due, old.P, old.last_token
