@@ -186,6 +186,11 @@ def test_carry_fork_share_and_chunked_prompts_keep_the_truth(ckpts, mode):
     twin = d.fork_state(st2)
     d.propose(t, h, P, 3, twin)
     d.free_state(d.share_prefix(st2, seq.tokens[:8]))
+    wrong = seq.tokens[:8]
+    wrong[1] = (wrong[1] + 1) % CFG.vocab_size                              # the proposer cannot check t_1
+    with pytest.raises(AssertionError, match=rf"share_prefix: prefix_tokens\[1\] \(position 1\) is {wrong[1]}, "
+                                             rf"expected {seq.tokens[1]} \(the source's committed token there\)"):
+        d.share_prefix(st2, wrong)
     with pytest.raises(AssertionError, match=r"propose: target_hidden \(position 9\) is not the target's h_9: "
                                              r".*; it is the target's h_8$"):
         d.propose(t, v.hiddens[-1], P, 3, st2)

@@ -379,7 +379,7 @@ class CheckedProposer:
     def share_prefix(self, source: Any, prefix_tokens: Any) -> Any:
         return self._call(lambda: self.prop.share_prefix(source, prefix_tokens),
                           self._and_truth(lambda st: self.model.share(source, st, len(prefix_tokens)),
-                                          lambda st: self.truth.copy(source, st, len(prefix_tokens))))
+                                          lambda st: self.truth.copy(source, st, prefix_tokens)))
 
     def free_drafter_kv(self, carried: Any) -> None:
         return self._call(lambda: self.prop.free_drafter_kv(carried),

@@ -17,7 +17,8 @@ token after the last one. Then, with the indices of docs/semantics.md:
 - ``catchup_drafter(tokens, hiddens)``: ``hiddens[i]`` is ``h_{Hn+i}``; ``tokens[i]``, at
   position ``Hn + i + 1``, is the committed token there (an accepted draft), or right after a
   verify its bonus token; tokens past those extend the sequence as the engine's (steps decoded
-  without drafting, a prompt's later chunks, a new turn) and only their hiddens are checked.
+  without drafting, a prompt's later chunks, a new turn) and only their hiddens are checked;
+- ``share_prefix(source, prefix_tokens)``: the prefix is the source's committed tokens.
 
 A hidden matches when every element is within ``tolerance.TOLERANCE[tol]`` of the target's
 (``|got - want| <= atol + rtol * |want|``): ``"float32"`` for an engine whose target runs in
@@ -190,12 +191,20 @@ class TargetTruth:
             self._extend(line, tok)
 
     # -- sequences ---------------------------------------------------------------------------
-    def copy(self, src: Any, st: Any, num_tokens: int | None = None) -> None:
-        """``st`` holds ``src``'s sequence (``fork_state``), or its first ``num_tokens``
-        tokens (``share_prefix``): a new target sequence prefilled with them."""
+    def copy(self, src: Any, st: Any, prefix_tokens: Any = None) -> None:
+        """``st`` holds ``src``'s sequence (``fork_state``), or its first tokens, which must be
+        ``prefix_tokens`` (``share_prefix``: the proposer checks only those it still keeps): a new
+        target sequence prefilled with them."""
         old = self.lines.get(id(src))
         if old is None:
             return
+        num_tokens = None
+        if prefix_tokens is not None:
+            given = [int(t) for t in np.asarray(prefix_tokens).reshape(-1)]
+            num_tokens = len(given)
+            for j, (got, want) in enumerate(zip(given, old.seq.tokens)):
+                assert got == want, (f"share_prefix: prefix_tokens[{j}] (position {j}) is {got}, expected {want} "
+                                     f"(the source's committed token there)")
         toks = old.seq.tokens[:num_tokens]
         line = Line(self.target.alloc_seq())
         self.lines[id(st)] = line
