@@ -39,13 +39,14 @@ import test_family_nemotron_h
 import test_family_qwen3_5
 import test_family_qwen3_next
 from conftest import DSA_FIELDS
-from mtpkern import MultiModuleMtpHead
+from mtpkern import MultiModuleMtpHead, ReferenceTarget
 from mtpkern.config import tiny_config
 from mtpkern.cuda_graph import StepRunner
 from mtpkern.testing import reference_weights
 from mtpkern.testing.machine import proposer_machine
 from mtpkern.weights import write_synthetic_checkpoint
 from test_quant_containers import container
+from test_testing_kit_target import target_checkpoints
 
 CFG = tiny_config()
 #: a second block form: Qwen3-Next (gated attention output, gated shared expert, softmax
@@ -225,3 +226,64 @@ def test_proposer_state_machine(kv_mode, backend, ckpt, request):
         print(f"planned: {dict(ran)}")
     if ckpt == "window_ckpt":       # the pools really took blocks back (beyond what trims freed)
         assert sum(p.window_released for prop in made for p in prop.pools) > 100
+
+
+# -- a real target: every hidden and verified token the target's, checked by the kit ----------
+
+@pytest.fixture(scope="module")
+def target_ckpts(tmp_path_factory):
+    return target_checkpoints(tmp_path_factory)
+
+
+def _target_machine(path, kv_mode, target):
+    def make():
+        return MultiModuleMtpHead.from_pretrained(path, backend="numpy", kv_mode=kv_mode, block_size=4, num_blocks=28,
+                                                  prefill_chunk=5)
+    machine = proposer_machine(make, reference_weights(path), target=target)
+    machine.steps, machine.accepted = Counter(), 0
+    return machine
+
+
+@pytest.mark.parametrize("kv_mode,kind", [("exact", "agree"), ("draft", "agree"), ("draft", "plain")])
+def test_state_machine_with_a_real_target(kv_mode, kind, target_ckpts):
+    """The Driver's steps with the target's hiddens and tokens (tests/test_testing_kit_target.py's
+    checkpoints: ``agree`` accepts every unmasked draft, ``plain`` next to none), under
+    ``checked(..., target=)``: no false alarm over every kind of call, carries, forks, shared
+    prefixes, trees and batches included; the kit's target sequences are freed with their states."""
+    path = target_ckpts[kind]
+    target = ReferenceTarget.from_pretrained(path, backend="numpy", block_size=4, num_blocks=1024)
+    machine = _target_machine(path, kv_mode, target)
+    machine.TestCase.settings = settings(SETTINGS, max_examples=40, stateful_step_count=40)
+    machine.TestCase().runTest()
+    total = sum(machine.steps.values())
+    print(f"{kv_mode}/{kind}: {total} proposer calls, {machine.accepted} drafts accepted: {dict(machine.steps)}")
+    assert total >= 500, f"only {total} proposer calls: {dict(machine.steps)}"
+    for kind_ in ("propose", "propose_batch", "verify", "catchup", "take", "install", "fork", "share", "tree"):
+        assert machine.steps[kind_] > 0, f"no {kind_} step ran: {dict(machine.steps)}"
+    if kind == "agree":
+        assert machine.accepted > 20, f"only {machine.accepted} drafts accepted"
+    assert target.kv_blocks_in_use() == [0] * len(target.layers)
+
+
+def test_the_target_machine_catches_a_stale_hidden(target_ckpts, monkeypatch):
+    """The negative control: the same machine whose proposes hand in the hidden one position
+    back (the last step's) fails the kit's target check."""
+    from hypothesis import Phase
+
+    from mtpkern.testing.driver import Driver
+
+    real = Driver._head
+
+    def stale(self, st, s, rng):
+        tok, h, P = real(self, st, s, rng)
+        line = self.truth.lines[id(st)]
+        return tok, (line.hiddens[P - 2] if P >= 2 else h), P
+
+    monkeypatch.setattr(Driver, "_head", stale)
+    path = target_ckpts["agree"]
+    machine = _target_machine(path, "draft", ReferenceTarget.from_pretrained(path, backend="numpy", block_size=4,
+                                                                             num_blocks=1024))
+    machine.TestCase.settings = settings(SETTINGS, max_examples=20, stateful_step_count=30,
+                                         phases=[Phase.generate], print_blob=False)
+    with pytest.raises(AssertionError, match=r"target_hidden(\[\d+\])? \(position \d+\) is not the target's h_\d+"):
+        machine.TestCase().runTest()

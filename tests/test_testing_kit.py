@@ -144,13 +144,19 @@ def _doc_blocks() -> list[str]:
 
 
 def test_the_docs_examples_run_as_written(tiny_ckpt):
-    """docs/testing.md's three examples, in order, with ``ckpt`` a tiny checkpoint."""
+    """docs/testing.md's four examples, in order, with ``ckpt`` a tiny checkpoint; the fourth's
+    reports are the ones the page prints."""
     blocks = _doc_blocks()
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     env = {"ckpt": tiny_ckpt}
     for code in blocks:
         exec(compile(code, str(DOC), "exec"), env)                 # noqa: S102 (the doc's own code)
     assert sum(env["Machine"].steps.values()) > 0
+    reports = env["reports"]
+    assert sorted(reports) == ["stale_hidden", "wrong_bonus"]
+    text = DOC.read_text()
+    for bug, report in reports.items():
+        assert f"\n{bug}: {report}\n" in text, f"docs/testing.md does not print {bug}'s report: {report}"
 
 
 # -- what the audit found the kit missing, or refusing wrongly ---------------------------------

@@ -6,7 +6,9 @@ tests use.
 - ``checked(prop, weights=None)``: the proposer with every call checked against a
   model of what it must hold (``ProposerModel``): invariants, rows per module,
   "a failed call changes nothing", and with ``weights`` the exact-mode drafts
-  against the dense oracle. Give it to your scheduler in place of the proposer.
+  against the dense oracle; with ``target=`` (a ``ReferenceTarget``) every hidden and token
+  the engine hands in against the target's own (``truth``). Give it to your scheduler in place
+  of the proposer.
 - ``oracle``: the from-scratch float64 recomputation of the module chain.
 - ``reference_weights(ckpt_dir)``: host FP32 weights for the oracle.
 - ``Call`` / ``Driver``: random call sequences as data, and their runner.
@@ -27,9 +29,10 @@ from . import oracle
 from .checked import CheckedProposer, checked
 from .driver import KINDS, Call, Driver
 from .model import ProposerModel, SeqModel
+from .truth import TargetTruth
 
-__all__ = ["KINDS", "Call", "CheckedProposer", "Driver", "ProposerModel", "SeqModel", "checked", "oracle",
-           "reference_weights"]
+__all__ = ["KINDS", "Call", "CheckedProposer", "Driver", "ProposerModel", "SeqModel", "TargetTruth", "checked",
+           "oracle", "reference_weights"]
 
 
 def reference_weights(ckpt_dir: str | os.PathLike, apply_target_norm: bool = False) -> Any:

@@ -14,6 +14,12 @@ states, real carried entries). Around every call it
   moved: ``stats`` (by deltas, so an engine may ``reset()`` them), ``clamped_calls``,
   ``read_deferred_draft_token`` and ``last_drafts_device``.
 
+With ``target`` (a ``ReferenceTarget`` of the engine's checkpoint, the kit's own), every hidden
+and token the engine hands in is checked against what the target computes for the sequence the
+engine has committed (``mtpkern.testing.truth``): a hidden at the wrong position, a wrong bonus
+token, a skipped catch-up. These checks run after the model's, so the model stays in step
+with the proposer.
+
 A grammar callable is called by the proposer only: the proxy records the masks it
 returned and checks the drafts against those (a stateful grammar, such as an
 xgrammar matcher that advances with each draft, cannot answer twice).
@@ -32,6 +38,7 @@ import numpy as np
 from ..errors import KvCacheFull
 from ..tree import check_shapes
 from .model import ProposerModel
+from .truth import TargetTruth
 
 
 class _Recorder:
@@ -52,9 +59,11 @@ class _Recorder:
 class CheckedProposer:
     """A ``MultiModuleMtpHead`` whose every call is checked (see the module docstring)."""
 
-    def __init__(self, prop: Any, weights: Any = None):
+    def __init__(self, prop: Any, weights: Any = None, target: Any = None, tol: str = "float32"):
         self.prop = prop
         self.model = ProposerModel(prop, weights)
+        #: with a target: the target's hidden and token at every position (``mtpkern.testing.truth``)
+        self.truth = None if target is None else TargetTruth(target, prop, tol)
 
     def __getattr__(self, name: str) -> Any:             # queries and attributes pass through
         return getattr(self.prop, name)
@@ -93,6 +102,10 @@ class CheckedProposer:
         assert self._counters() == want, f"counters {self._counters()} after the call, expected {want}"
         return out
 
+    def _hn(self, state: Any) -> int:
+        """Target hiddens ``state`` has consumed (``Hn``), before the call moves the model."""
+        return len(self.model.of(state).hiddens)
+
     def _grammar(self, grammar: Any) -> Any:
         return _Recorder(grammar) if callable(grammar) else grammar
 
@@ -122,12 +135,21 @@ class CheckedProposer:
                           lambda st: self.model.alloc(st, budget_tokens))
 
     def free_state(self, state: Any) -> None:
-        return self._call(lambda: self.prop.free_state(state), lambda _: self.model.free(state))
+        def then(_: Any) -> None:
+            self.model.free(state)
+            if self.truth is not None:
+                self.truth.free(state)
+
+        return self._call(lambda: self.prop.free_state(state), then)
 
     # -- drafting ---------------------------------------------------------------------
     def prefill_drafter(self, prompt_tokens: Any, hiddens: Any, state: Any) -> int:
-        return self._call(lambda: self.prop.prefill_drafter(prompt_tokens, hiddens, state),
-                          lambda rows: self.model.prefill(state, prompt_tokens, hiddens, rows),
+        def then(rows: int) -> None:
+            self.model.prefill(state, prompt_tokens, hiddens, rows)
+            if self.truth is not None:
+                self.truth.prefill(state, prompt_tokens, hiddens)
+
+        return self._call(lambda: self.prop.prefill_drafter(prompt_tokens, hiddens, state), then,
                           room=lambda: [(self.model.of(state),
                                          self.model.rows_after_prefill(len(np.asarray(prompt_tokens).reshape(-1))))])
 
@@ -146,9 +168,12 @@ class CheckedProposer:
                 assert d == [] and (out_conf is None or out_conf == []), f"propose of 0 drafts returned {d}"
                 assert self.model.fingerprint() == fp[0], "a propose of 0 drafts changed the proposer's state"
                 return
+            hn = self._hn(state)
             self.model.propose(state, last_token, target_hidden, position, num_drafts, self._seen(gm), d,
                                None if out_conf is None else out_conf, min_confidence, sampling=sampling)
             self._after_propose([state], [d])
+            if self.truth is not None:
+                self.truth.propose(state, last_token, target_hidden, position, hn, d)
 
         def call():
             fp.append(self.model.fingerprint())
@@ -178,12 +203,17 @@ class CheckedProposer:
             if int(num_drafts) == 0:                      # a checked no-op (the model checks nothing moved)
                 assert drafts == [[] for _ in states], f"propose_batch of 0 drafts returned {drafts}"
                 return
+            hns = [self._hn(st) for st in states]
             for i, (st, d) in enumerate(zip(states, drafts)):
                 gm = None if gms is None else self._seen(gms[i])
                 self.model.propose(st, last_tokens[i], target_hiddens[i], positions[i], num_drafts, gm, d,
                                    None if out_conf is None else out_conf[i], min_confidence,
                                    sampling=None if sampling is None else sampling[i])
             self._after_propose(list(states), drafts)
+            for i, (st, d) in enumerate(zip(states, drafts)):
+                if self.truth is not None:
+                    self.truth.propose(st, last_tokens[i], target_hiddens[i], positions[i], hns[i], d,
+                                       "propose_batch", f"[{i}]")
 
         def room():
             return [(self.model.of(st), self.model.rows_after_propose(self.model.of(st), p, num_drafts))
@@ -198,17 +228,24 @@ class CheckedProposer:
         entry = self.model.seqs.get(id(state))
         k = entry[1].k if entry is not None and entry[0] is state else 0
 
-        return self._call(lambda: self.prop.after_verify(num_accepted, state),
-                          lambda _: self.model.verify(state, int(num_accepted)),
+        def then(_: Any) -> None:
+            self.model.verify(state, int(num_accepted))
+            if self.truth is not None:
+                self.truth.verify(state, int(num_accepted))
+
+        return self._call(lambda: self.prop.after_verify(num_accepted, state), then,
                           counts=_verify_counts(k, int(num_accepted)))
 
     def propose_tree(self, last_token: int, target_hidden: Any, position: int, state: Any, widths: Any = None,
                      shape: Any = None, grammar_bitmask: Any = None) -> Any:
         """A draft tree (a grammar callable is asked again by the model: give a pure one)."""
         def then(tree: Any) -> None:
+            hn = self._hn(state)
             self.model.propose_tree(state, last_token, target_hidden, position, tree, grammar_bitmask)
             greedy = self.model.of(state).drafts
             assert self.prop.read_deferred_draft_token(state) == greedy[-1], "read_deferred_draft_token after a tree"
+            if self.truth is not None:
+                self.truth.propose(state, last_token, target_hidden, position, hn, greedy, "propose_tree")
 
         def room():
             s = self.model.of(state)
@@ -226,8 +263,13 @@ class CheckedProposer:
         k = entry[1].k if entry is not None and entry[0] is state else 0
         tree = getattr(getattr(state, "_tree", None), "tree", None)
 
-        return self._call(lambda: self.prop.after_verify_tree(path, state),
-                          lambda _: self.model.verify_tree(state, [int(tree.tokens[i]) for i in path]),
+        def then(_: Any) -> None:
+            toks = [int(tree.tokens[i]) for i in path]
+            self.model.verify_tree(state, toks)
+            if self.truth is not None:
+                self.truth.verify(state, toks, "after_verify_tree")
+
+        return self._call(lambda: self.prop.after_verify_tree(path, state), then,
                           counts=_verify_counts(k, len(path)))
 
     def propose_tree_batch(self, last_tokens: Any, target_hiddens: Any, positions: Any, states: Any,
@@ -239,11 +281,16 @@ class CheckedProposer:
 
         def then(trees: Any) -> None:
             assert len(trees) == len(states), f"{len(trees)} trees for {len(states)} states"
+            hns = [self._hn(st) for st in states]
             for i, (st, tree) in enumerate(zip(states, trees)):
                 gm = None if grammar_bitmask is None else grammar_bitmask[i]
                 self.model.propose_tree(st, last_tokens[i], target_hiddens[i], positions[i], tree, gm)
                 greedy = self.model.of(st).drafts
                 assert self.prop.read_deferred_draft_token(st) == greedy[-1], "read_deferred_draft_token after a tree"
+            for i, st in enumerate(states):
+                if self.truth is not None:
+                    self.truth.propose(st, last_tokens[i], target_hiddens[i], positions[i], hns[i],
+                                       self.model.of(st).drafts, "propose_tree_batch", f"[{i}]")
 
         def room():
             return [(self.model.of(st), self.model.rows_after_propose(self.model.of(st), p, D))
@@ -273,7 +320,10 @@ class CheckedProposer:
 
         def then(_: Any) -> None:
             for st, path, tree in zip(states, paths, trees):
-                self.model.verify_tree(st, [int(tree.tokens[i]) for i in path])
+                toks = [int(tree.tokens[i]) for i in path]
+                self.model.verify_tree(st, toks)
+                if self.truth is not None:
+                    self.truth.verify(st, toks, "after_verify_tree_batch")
 
         def counts(c: tuple) -> tuple:
             for k, path in zip(ks, paths):
@@ -287,8 +337,13 @@ class CheckedProposer:
 
     def catchup_batch(self, tokens: Any, hiddens: Any, states: Any, single: bool = False) -> int:
         def then(rows: int) -> None:
+            hns = [self._hn(st) for st in states]
             want = sum(self.model.catchup(st, tk, hd) for tk, hd, st in zip(tokens, hiddens, states))
             assert rows == want, f"catch-up wrote {rows} rows, expected {want}"
+            for i, (tk, hd, st) in enumerate(zip(tokens, hiddens, states)):
+                if self.truth is not None:
+                    self.truth.catchup(st, tk, hd, hns[i], "catchup_drafter" if single else "catchup_batch",
+                                       "" if single else f"[{i}]")
 
         def room():
             return [(self.model.of(st), self.model.rows_after_catchup(self.model.of(st), tk))
@@ -299,22 +354,37 @@ class CheckedProposer:
         return self._call(lambda: self.prop.catchup_batch(tokens, hiddens, states), then, room=room)
 
     # -- carry ------------------------------------------------------------------------
+    def _and_truth(self, move: Callable[[Any], None], truth: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``move(result)`` of the model, then ``truth(result)`` when a target checks the calls."""
+        def then(out: Any) -> None:
+            move(out)
+            if self.truth is not None:
+                truth(out)
+        return then
+
     def take_drafter_kv(self, state: Any) -> Any:
-        return self._call(lambda: self.prop.take_drafter_kv(state), lambda kv: self.model.take(state, kv))
+        return self._call(lambda: self.prop.take_drafter_kv(state),
+                          self._and_truth(lambda kv: self.model.take(state, kv),
+                                          lambda kv: kv is not None and self.truth.move(state, kv)))
 
     def install_drafter_kv(self, state: Any, carried: Any) -> bool:
         return self._call(lambda: self.prop.install_drafter_kv(state, carried),
-                          lambda _: self.model.install(state, carried))
+                          self._and_truth(lambda _: self.model.install(state, carried),
+                                          lambda _: self.truth.move(carried, state)))
 
     def fork_state(self, state: Any) -> Any:
-        return self._call(lambda: self.prop.fork_state(state), lambda st: self.model.fork(state, st))
+        return self._call(lambda: self.prop.fork_state(state),
+                          self._and_truth(lambda st: self.model.fork(state, st), lambda st: self.truth.copy(state, st)))
 
     def share_prefix(self, source: Any, prefix_tokens: Any) -> Any:
         return self._call(lambda: self.prop.share_prefix(source, prefix_tokens),
-                          lambda st: self.model.share(source, st, len(prefix_tokens)))
+                          self._and_truth(lambda st: self.model.share(source, st, len(prefix_tokens)),
+                                          lambda st: self.truth.copy(source, st, prefix_tokens)))
 
     def free_drafter_kv(self, carried: Any) -> None:
-        return self._call(lambda: self.prop.free_drafter_kv(carried), lambda _: self.model.free_carried(carried))
+        return self._call(lambda: self.prop.free_drafter_kv(carried),
+                          self._and_truth(lambda _: self.model.free_carried(carried),
+                                          lambda _: self.truth.free(carried)))
 
 
 def _verify_counts(k: int, a: int) -> Callable[[tuple], tuple]:
@@ -327,7 +397,11 @@ def _verify_counts(k: int, a: int) -> Callable[[tuple], tuple]:
     return counts
 
 
-def checked(prop: Any, weights: Any = None) -> CheckedProposer:
+def checked(prop: Any, weights: Any = None, target: Any = None, tol: str = "float32") -> CheckedProposer:
     """``prop`` with every call checked; ``weights``: host FP32 weights for the oracle
-    (``reference_weights(ckpt_dir)``; tiny models only), or None."""
-    return CheckedProposer(prop, weights)
+    (``reference_weights(ckpt_dir)``; tiny models only), or None. ``target``: a
+    ``ReferenceTarget`` of the engine's checkpoint, for the kit's own sequences (give it a
+    target of its own: its pools fill with them), or None; then every hidden and token the
+    engine hands in is checked against it (``mtpkern.testing.truth``), each hidden within
+    ``tolerance.TOLERANCE[tol]`` (``"bfloat16"`` for an engine whose target runs in BF16)."""
+    return CheckedProposer(prop, weights, target, tol)

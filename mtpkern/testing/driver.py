@@ -23,6 +23,9 @@ catch-up with checks between), ``take`` / ``install`` / ``free_carried``
 ``free``, ``bad_input`` (refused input, a copied
 state or carried entry, another proposer's state) and ``reenter`` (a grammar
 callback that calls back into the proposer with the state in use).
+
+With a ``target`` (``Driver(prop, weights, max_states, target)``) the hiddens and verified
+tokens are the target's instead of random ones, and the kit checks them (``Driver``).
 """
 
 from __future__ import annotations
@@ -67,12 +70,20 @@ class Call:
 class Driver:
     """Runs ``Call``s on one proposer, checking everything after every call.
 
-    ``prop``: a ``MultiModuleMtpHead`` (wrapped with ``checked(prop, weights)``) or a
-    ``CheckedProposer``. ``max_states``: live states at most (``alloc`` beyond does
-    nothing). ``steps`` counts the proposer calls made, by kind."""
+    ``prop``: a ``MultiModuleMtpHead`` (wrapped with ``checked(prop, weights, target)``) or a
+    ``CheckedProposer``. With a ``target`` (a ``ReferenceTarget``; or a ``CheckedProposer``
+    that has one) the steps hand in what a correct engine would: every hidden the target's at
+    its position, each propose's token the target's next one, acceptances never above the
+    target's (a tree's path along its greedy tokens), the bonus first in a catch-up that
+    extends past a verify, a draft-mode catch-up before the next propose, no skipped
+    positions; the kit then checks all of them against the target. ``max_states``: live states
+    at most (``alloc`` beyond does nothing). ``steps`` counts the proposer calls made, by kind;
+    ``accepted`` the drafts the verifies accepted."""
 
-    def __init__(self, prop: Any, weights: Any = None, max_states: int = 4):
-        self.p: CheckedProposer = prop if isinstance(prop, CheckedProposer) else checked(prop, weights)
+    def __init__(self, prop: Any, weights: Any = None, max_states: int = 4, target: Any = None):
+        self.p: CheckedProposer = prop if isinstance(prop, CheckedProposer) else checked(prop, weights, target)
+        #: with a target: the kit's view of each sequence, which every hidden and verified token is drawn from
+        self.truth = self.p.truth
         self.prop = self.p.prop
         self.model = self.p.model
         self.cfg = self.prop.config
@@ -80,6 +91,8 @@ class Driver:
         self.max_states = max_states
         self.carried: list[Any] = []
         self.steps: Counter = Counter()
+        #: drafts accepted by the verifies (chains and trees)
+        self.accepted = 0
         self._other: Any = None
         #: whether the proposer's LM heads sample drafts (then some proposes pass ``sampling=``)
         self.samples = all(getattr(getattr(h, "lm", None), "samples", False) for h in self.prop.modules)
@@ -106,6 +119,10 @@ class Driver:
         self.carried = []
         self.model.check()
         assert self.prop.kv_blocks_in_use() == [0] * self.M, "blocks still in use after every state was freed"
+        if self.truth is not None:
+            tgt = self.truth.target
+            assert not self.truth.lines and tgt.kv_blocks_in_use() == [0] * len(tgt.layers), \
+                "the kit's target sequences outlived their states"
 
     # -- helpers ---------------------------------------------------------------------------
     def _choose(self, call: Call, phases: tuple[str, ...]) -> tuple[Any, SeqModel] | None:
@@ -121,6 +138,44 @@ class Driver:
 
     def _h(self, rng: np.random.Generator, n: int = 1) -> np.ndarray:
         return rng.standard_normal((n, self.cfg.stream_size)).astype(np.float32)
+
+    # -- with a target: what a correct engine hands in ----------------------------------------
+    def _forward(self, tokens: list[int]) -> Any:
+        """The target's prefill of ``tokens`` on a scratch sequence (hiddens, greedy tokens)."""
+        return self.truth.forward(tokens)
+
+    def _head(self, st: Any, s: SeqModel, rng) -> tuple[int, np.ndarray, int]:
+        """``(t_P, h_{P-1}, P)`` of the next propose: random ones, or with a target the right ones."""
+        if self.truth is None:
+            return int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], s.next_position
+        if s.accepted:              # draft mode takes a propose past a skipped catch-up; an engine catches up
+            self._catchup_one(st, s, Call("catchup"), rng)
+        line = self.truth.lines[id(st)]
+        return line.next_token, line.hiddens[line.length - 1], line.length
+
+    def _skip(self, call: Call, rng) -> int:
+        """Positions a draft-mode propose skips (none with a target: a skipped catch-up is a bug there)."""
+        if self.model.mode != "draft" or call.variant != "skip" or self.truth is not None:
+            return 0
+        return int(rng.integers(0, 3))
+
+    def _target_accepts(self, st: Any, drafts: list[int]) -> int:
+        """How many of ``drafts`` (after the pending propose's ``t_P``) the target's greedy accepts."""
+        line = self.truth.lines[id(st)]
+        greedy = self._forward(line.seq.tokens + [line.last_token] + list(drafts)).greedy[line.P:]
+        a = 0
+        while a < len(drafts) and drafts[a] == int(greedy[a]):
+            a += 1
+        return a
+
+    def _catchup_hiddens(self, st: Any, hn: int, toks: list[int], rng) -> np.ndarray:
+        """Hiddens ``h_hn .. h_{hn+c-1}`` of a catch-up of ``toks`` (positions ``hn + 1 ..``)."""
+        if self.truth is None:
+            return self._h(rng, len(toks))
+        line = self.truth.lines[id(st)]
+        new = toks[line.length - hn - 1:]                       # the tokens past the committed ones
+        hid = self._forward(line.seq.tokens + new).hiddens if new else np.stack(line.hiddens)
+        return np.ascontiguousarray(hid[hn:hn + len(toks)])
 
     def _count(self, kind: str, calls: int = 1) -> None:
         self.steps[kind] += calls
@@ -164,7 +219,9 @@ class Driver:
         n = max(1, call.size)
         self._count("prefill")
         try:
-            self.p.prefill_drafter(rng.integers(0, self.cfg.vocab_size, n).tolist(), self._h(rng, n), st)
+            toks = rng.integers(0, self.cfg.vocab_size, n).tolist()
+            hid = self._h(rng, n) if self.truth is None else self._forward(toks).hiddens
+            self.p.prefill_drafter(toks, hid, st)
         except KvCacheFull:                  # the checked proxy asserts the budget rule
             pass
         return True
@@ -184,15 +241,14 @@ class Driver:
     def _propose_one(self, st: Any, s: SeqModel, call: Call, rng) -> bool:
         """One propose; True when it drafted."""
         k = max(1, call.size)
-        skip = int(rng.integers(0, 3)) if self.model.mode == "draft" and call.variant == "skip" else 0
-        P = s.next_position + skip
+        tok, h, P = self._head(st, s, rng)
+        P += self._skip(call, rng)
         mask = self._mask(rng, call.variant)
         self._count("propose")
         conf = [] if rng.random() < 0.5 else None               # half the calls ask for confidences,
         stop = float(rng.uniform(0.05, 0.9)) if rng.random() < 0.3 else None   # some stop early
         try:
-            d = self.p.propose(self._int(rng, int(rng.integers(0, self.cfg.vocab_size))), self._h(rng)[0],
-                               self._int(rng, P), self._int(rng, k), st,
+            d = self.p.propose(self._int(rng, tok), h, self._int(rng, P), self._int(rng, k), st,
                                grammar_bitmask=mask, out_conf=conf, min_confidence=stop,
                                sampling=self._sampling(call, P))
         except NoAllowedToken:
@@ -209,9 +265,9 @@ class Driver:
     def _no_drafts(self, st: Any, s: SeqModel, rng) -> None:
         """A step without drafting: ``propose(..., num_drafts=0)``, a checked no-op (the step's
         token reaches the drafter by a later ``catchup`` that extends the sequence)."""
-        P = s.next_position
+        tok, h, P = self._head(st, s, rng)
         self._count("propose")
-        self.p.propose(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], P, 0, st)
+        self.p.propose(tok, h, P, 0, st)
 
     def _propose(self, call: Call, rng) -> bool:
         pick = self._choose(call, ("ready",))
@@ -233,8 +289,8 @@ class Driver:
         masks = [self._mask(rng, str(rng.choice(["none", "one", "callable"]))) for _ in group]
         self._count("propose_batch")
         try:
-            self.p.propose_batch([int(t) for t in rng.integers(0, self.cfg.vocab_size, len(group))],
-                                 list(self._h(rng, len(group))), [s.next_position for _, s in group], k,
+            heads = [self._head(st, s, rng) for st, s in group]
+            self.p.propose_batch([t for t, _, _ in heads], [h for _, h, _ in heads], [P for _, _, P in heads], k,
                                  [st for st, _ in group], masks, out_conf=[] if rng.random() < 0.5 else None,
                                  min_confidence=float(rng.uniform(0.05, 0.9)) if rng.random() < 0.3 else None,
                                  sampling=[self._sampling(call, 1000 + i) for i in range(len(group))])
@@ -247,16 +303,26 @@ class Driver:
             return self._verify_tree(st, s, frac)
         self._count("verify")
         a = int(round(min(max(frac, 0.0), 1.0) * s.k))
+        if self.truth is not None:                  # never more than the target accepts
+            a = min(a, self._target_accepts(st, s.drafts))
+        self.accepted += a
         self.p.after_verify(INT_FORMS[int(frac * 997) % len(INT_FORMS)](a), st)
 
-    @staticmethod
-    def _tree_path(st: Any, frac: float) -> list[int]:
-        """A random path: ``frac`` of the depth, each step a child picked by ``frac``'s digits."""
+    def _tree_path(self, st: Any, frac: float) -> list[int]:
+        """A random path: ``frac`` of the depth, each step a child picked by ``frac``'s digits;
+        with a target, the child holding the target's greedy token (the path ends without one)."""
         tree = st._tree.tree
         a = int(round(min(max(frac, 0.0), 1.0) * tree.depth))
         path, e = [], -1
+        if self.truth is not None:
+            line = self.truth.lines[id(st)]
+            prefix = line.seq.tokens + [line.last_token]
         for j in range(a):
             kids = tree.children(e)
+            if self.truth is not None:
+                g = self._forward(prefix).next_token
+                kids = [c for c in kids if int(tree.tokens[c]) == g]
+                prefix.append(g)
             if not kids:
                 break
             e = kids[int(frac * 10 ** (j + 1)) % len(kids)]
@@ -272,10 +338,12 @@ class Driver:
             paths = [self._tree_path(o, (frac * (i + 1) * 1.618) % 1.0) for i, o in enumerate(group)]
             self._count("verify_tree", len(group))
             self._count("verify_tree_batch")
+            self.accepted += sum(len(p) for p in paths)
             self.p.after_verify_tree_batch(paths, group)
             return
         path = self._tree_path(st, frac)
         self._count("verify_tree")
+        self.accepted += len(path)
         self.p.after_verify_tree(path, st)
 
     def _tree_shape(self, rng) -> tuple[Any, Any]:
@@ -297,10 +365,9 @@ class Driver:
         widths, shape = self._tree_shape(rng)
         mask = self._mask(rng, str(rng.choice(["none", "one", "callable"])))   # pure masks: the model asks again
         self._count("tree")
-        skip = int(rng.integers(0, 3)) if self.model.mode == "draft" and call.variant == "skip" else 0
+        tok, h, P = self._head(st, s, rng)
         try:
-            self.p.propose_tree(int(rng.integers(0, self.cfg.vocab_size)), self._h(rng)[0], s.next_position + skip, st,
-                                widths=widths, shape=shape, grammar_bitmask=mask)
+            self.p.propose_tree(tok, h, P + self._skip(call, rng), st, widths=widths, shape=shape, grammar_bitmask=mask)
         except (KvCacheFull, NoAllowedToken):
             return True
         if rng.random() < 0.5:
@@ -319,12 +386,13 @@ class Driver:
             widths = [w or [1] for w, _ in many] if widths is not None else None
             shape = [sh or [[0]] for _, sh in many] if shape is not None else None
         masks = [self._mask(rng, str(rng.choice(["none", "one", "callable"]))) for _ in group]
-        skip = int(rng.integers(0, 3)) if self.model.mode == "draft" and call.variant == "skip" else 0
+        skip = self._skip(call, rng)
+        heads = [self._head(st, s, rng) for st, s in group]
         self._count("tree", B)
         self._count("tree_batch")
         try:
-            self.p.propose_tree_batch([int(t) for t in rng.integers(0, self.cfg.vocab_size, B)], self._h(rng, B),
-                                      [s.next_position + skip for _, s in group], [st for st, _ in group],
+            self.p.propose_tree_batch([t for t, _, _ in heads], np.stack([h for _, h, _ in heads]),
+                                      [P + skip for _, _, P in heads], [st for st, _ in group],
                                       widths=widths, shape=shape, grammar_bitmask=masks)
         except (KvCacheFull, NoAllowedToken):
             return True
@@ -332,6 +400,7 @@ class Driver:
             paths = [self._tree_path(st, float(rng.random())) for st, _ in group]
             self._count("verify_tree", B)
             self._count("verify_tree_batch")
+            self.accepted += sum(len(p) for p in paths)
             self.p.after_verify_tree_batch(paths, [st for st, _ in group])
         return True
 
@@ -346,8 +415,12 @@ class Driver:
         a = s.accepted if s.phase == "catchup" or self.model.mode == "draft" else 0    # draft: left after a verify
         toks = s.drafts[:a]
         if call.variant == "extend" and s.phase in ("ready", "catchup") and s.tokens:      # a step without drafting
-            toks = toks + rng.integers(0, self.cfg.vocab_size, int(rng.integers(1, 3))).tolist()
-        hid = self._h(rng, len(toks))
+            more = rng.integers(0, self.cfg.vocab_size, int(rng.integers(1, 3))).tolist()
+            line = None if self.truth is None else self.truth.lines[id(st)]
+            if line is not None and line.bonus_due and len(s.hiddens) + len(toks) + 1 == line.length:
+                more[0] = line.next_token               # right after a verify: its bonus token comes first
+            toks = toks + more
+        hid = self._catchup_hiddens(st, len(s.hiddens), toks, rng)
         self._count("catchup")
         try:
             self.p.catchup_drafter(toks, hid, st)

@@ -9,7 +9,9 @@ with pytest or unittest::
 
     TestMyConfig = proposer_machine(lambda: MultiModuleMtpHead.from_pretrained(ckpt)).TestCase
 
-``Machine.steps`` adds up the proposer calls of every run, by kind.
+``Machine.steps`` adds up the proposer calls of every run, by kind; ``Machine.accepted`` the
+drafts their verifies accepted. With ``target=`` (a ``ReferenceTarget``) the hiddens and
+verified tokens are the target's, and the kit checks them (``checked(..., target=)``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from .strategies import calls
 
 
 def proposer_machine(make_proposer: Callable[[], Any], weights: Any = None,
-                     max_states: int = 4) -> type[RuleBasedStateMachine]:
+                     max_states: int = 4, target: Any = None) -> type[RuleBasedStateMachine]:
     """A state machine class driving ``make_proposer()``; ``weights``: host FP32 weights
-    for the exact-mode oracle (``reference_weights``), or None."""
+    for the exact-mode oracle (``reference_weights``), or None; ``target``: a
+    ``ReferenceTarget`` of the same checkpoint, or None: with one, every hidden and verified
+    token the rules hand in is the target's (``Driver``'s ``target``) and the kit checks them
+    (``checked(..., target=)``); its sequences are freed at each teardown."""
 
     def any_in(*phases: str) -> Callable[[Any], bool]:
         return lambda self: any(s.phase in phases for _, s in self.driver.model.seqs.values())
@@ -42,10 +47,11 @@ def proposer_machine(make_proposer: Callable[[], Any], weights: Any = None,
 
     class ProposerMachine(RuleBasedStateMachine):
         steps: Counter = Counter()
+        accepted = 0                                     # drafts accepted over every run
 
         def __init__(self) -> None:
             super().__init__()
-            self.driver = Driver(make_proposer(), weights, max_states)
+            self.driver = Driver(make_proposer(), weights, max_states, target)
 
         alloc = step("alloc", lambda self: len(self.driver.model.seqs) < max_states)
         prefill = step("prefill", any_in("fresh"))
@@ -71,6 +77,7 @@ def proposer_machine(make_proposer: Callable[[], Any], weights: Any = None,
 
         def teardown(self) -> None:
             type(self).steps.update(self.driver.steps)
+            type(self).accepted += self.driver.accepted
             self.driver.close()
 
     return ProposerMachine
