@@ -261,7 +261,7 @@ def test_state_machine_with_a_real_target(kv_mode, kind, target_ckpts):
     for kind_ in ("propose", "propose_batch", "verify", "catchup", "take", "install", "fork", "share", "tree"):
         assert machine.steps[kind_] > 0, f"no {kind_} step ran: {dict(machine.steps)}"
     if kind == "agree":
-        assert machine.accepted > 20, f"only {machine.accepted} drafts accepted"
+        assert machine.accepted > 0, "no draft accepted: the agree checkpoint did not exercise acceptance"
     assert target.kv_blocks_in_use() == [0] * len(target.layers)
 
 
