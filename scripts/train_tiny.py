@@ -304,6 +304,7 @@ def write_checkpoint(out: Path, model: TinyGlm, record: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"
     save_file(state_tensors(model), os.fspath(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)                       # package data: readable by everyone once installed
     os.replace(tmp, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(model.c, indent=2) + "\n")
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -387,7 +388,7 @@ def train(args) -> int:
           f"held-out {len(ho)} B; {args.steps} steps of {args.batch} x {T}", flush=True)
     t0 = time.time()
     best = math.inf
-    step = 0
+    done = 0                                    # steps run
     for step in range(args.steps):
         elapsed = time.time() - t0
         if elapsed > budget:
@@ -401,6 +402,7 @@ def train(args) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        done = step + 1
         if step % args.log_every == 0:
             print(f"step {step:5d} {time.time() - t0:7.1f}s lr {lr:.2e} target {lt.item():.3f} "
                   + " ".join(f"m{m} {x.item():.3f}" for m, x in enumerate(lm)), flush=True)
@@ -422,7 +424,7 @@ def train(args) -> int:
     record_path = out / "training.json"
     rec = json.loads(record_path.read_text())
     rec["run_wall_seconds"] = round(time.time() - t0, 1)
-    rec["steps_run"] = step + 1
+    rec["steps_run"] = done
     record_path.write_text(json.dumps(rec, indent=2) + "\n")
     print(f"done: {rec['steps_run']} steps in {rec['run_wall_seconds']} s; best at step {rec['steps']}", flush=True)
     return 0
