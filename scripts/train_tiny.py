@@ -542,7 +542,7 @@ def main(argv=None) -> int:
     t.add_argument("--lam", type=float, default=0.3, help="weight of the modules' mean CE")
     t.add_argument("--chain", choices=("postnorm", "prenorm"), default="postnorm")
     # one thread: on 2 cores shared with other jobs (load ~6), two torch threads took 62 s for the
-    # first step of 8 x 256 (each waits for the other, descheduled), one thread 1.6 s
+    # first step of 8 x 256 (each waits for the other, descheduled), one thread 1.1 s
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--max-minutes", type=float, default=33.0)
     t.add_argument("--eval-every", type=int, default=100)
