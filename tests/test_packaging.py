@@ -1,4 +1,5 @@
-"""The built wheel carries kernels/ as package data, and an installed copy finds them."""
+"""The built wheel carries kernels/ and the trained checkpoint as package data, and an installed
+copy finds them."""
 
 from __future__ import annotations
 
@@ -40,6 +41,28 @@ def test_wheel_contains_every_subpackage(wheel):
         rel = init.relative_to(ROOT).as_posix()
         assert rel in names, f"{rel} missing from the wheel (setup.cfg's packages)"
     assert "mtpkern/integrations/hf.py" in names and "mtpkern/integrations/_hf_torch.py" in names
+
+
+def test_wheel_contains_the_trained_checkpoint(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    ckpt = ROOT / "mtpkern" / "checkpoints" / "stdlib-glm-tiny"
+    files = sorted(p.name for p in ckpt.iterdir())
+    assert {"config.json", "model.safetensors", "training.json", "README.md"} <= set(files)
+    for f in files:
+        assert f"mtpkern/checkpoints/stdlib-glm-tiny/{f}" in names, f"{f} missing from the wheel"
+
+
+def test_installed_wheel_finds_its_checkpoint(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, text=True)
+    code = ("from mtpkern import checkpoints as c; p = c.path(c.STDLIB_GLM_TINY); "
+            "print(p); print((p / 'model.safetensors').stat().st_size)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target)},
+                         check=True, capture_output=True, text=True)
+    where, size = res.stdout.split()
+    assert Path(where).resolve().is_relative_to(target.resolve()), f"checkpoint found at {where}, not in the install"
+    assert int(size) == (ROOT / "mtpkern" / "checkpoints" / "stdlib-glm-tiny" / "model.safetensors").stat().st_size
 
 
 def test_installed_wheel_finds_its_kernels(wheel, tmp_path):
