@@ -171,13 +171,20 @@ def _row_params(n: int, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarr
 
 
 def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
-    """-> (ids [n] int32, probs [n] FP32) on the device (see the module doc); ``keys`` [n]
-    uint64, ``temperature`` / ``top_p`` [n] FP64, ``top_k`` [n] int (host arrays, a few bytes
-    copied up). Raises ``NoAllowedToken`` for a row without a candidate (a host read of ids)."""
+    """-> (ids [n] int32, probs [n] FP32) on the device: ``masked_sample(lm_head_logits(x, w), ...)``
+    (checked before the logits are computed)."""
     _check(x, w)
     n, V = x.shape[0], w.shape[0]
     if V < 1:
         raise ValueError("w: expected at least one vocabulary row, got 0")
+    _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
+    return masked_sample(lm_head_logits(x, w), bitmask, keys=keys, temperature=temperature, top_k=top_k,
+                         top_p=top_p, id_map=id_map, dist=dist)
+
+
+def _sample_args(n: int, V: int, bitmask, id_map, keys, temperature, top_k, top_p, dist):
+    """The checked host arrays (keys [n] uint64, temperature [n] FP64, top_k [n] int32, top_p
+    [n] FP64) of a sampled draw over [n, V] logits."""
     if bitmask is not None:
         check_bitmask(bitmask, n, V)
     if id_map is not None:
@@ -185,12 +192,25 @@ def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_ma
     keys = check_keys(keys.get() if hasattr(keys, "get") else keys, n)
     T, K, P = _row_params(n, temperature, top_k, top_p)
     if dist is not None:
-        dist = output(dist, "dist", (n, V), np.float32)
+        output(dist, "dist", (n, V), np.float32)
+    return keys, T, K, P
+
+
+def masked_sample(logits, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
+    """-> (ids [n] int32, probs [n] FP32) on the device: ``sample_kernel`` over device logits
+    [n, V] FP32 (spec: mtpkern.ops.sampling.masked_sample; the rest as ``lm_head_sample``).
+    Raises ``NoAllowedToken`` for a row without a candidate (a host read of ids)."""
+    expect_ndim("logits", logits, 2)
+    n, V = logits.shape
+    if V < 1:
+        raise ValueError("logits: expected at least one column, got 0")
+    keys, T, K, P = _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
+    logits = device(logits, "logits", "float32")
+    dist = None if dist is None else output(dist, "dist", (n, V), np.float32)
     ids = output(None, "ids", (n,), np.int32)
     probs = output(None, "probs", (n,), np.float32)
     if n == 0:
         return ids, probs
-    logits = lm_head_logits(x, w)
     bitmask = optional(bitmask, "bitmask", "int32")
     id_map = optional(id_map, "id_map", "int32")
     args = (logits, ptr(bitmask), i32(V), device(keys, "keys", "uint64"), device(T, "temperature", "float64"),
