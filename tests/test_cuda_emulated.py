@@ -1350,14 +1350,12 @@ def sample_logits(be, logits, params, keys, mask=None, id_map=None, dist=None):
     return be.to_host(ids), be.to_host(probs)
 
 
-@pytest.mark.parametrize("params", list(SAMPLE_PARAMS))
-@pytest.mark.parametrize("n", [1, 3, 7])
-@pytest.mark.parametrize("V", [1, 31, 33, 257, 1000])
-def test_sample_kernel_matches_the_reference(be, V, n, params):
-    """kernels/sampling.cu against mtpkern.ops.sampling.masked_sample on the same logits: the
-    drafts bit for bit, probs and the whole q within FP32 rounding, plain and with a grammar
-    bitmask, a draft vocabulary's id_map, NaN / -inf / +inf logits and ties; with top_k or
-    top_p the cut is seen to remove candidates (the sweep exercises it)."""
+def check_sample_matches_reference(be, V: int, n: int, params: str) -> None:
+    """The cuda launcher ``masked_sample`` against mtpkern.ops.sampling.masked_sample on the same
+    logits: the drafts bit for bit, probs and the whole q within FP32 rounding, plain and with a
+    grammar bitmask, a draft vocabulary's id_map, NaN / -inf / +inf logits and ties; with top_k
+    or top_p the cut is seen to remove candidates (the case exercises it). Run on the emulator
+    here and on a device by tests/test_gpu.py."""
     T, k, p = SAMPLE_PARAMS[params]
     rng = np.random.default_rng(V * 31 + n)
     for special in (False, True):
@@ -1370,12 +1368,20 @@ def test_sample_kernel_matches_the_reference(be, V, n, params):
                                       want_dist=True)
         dist = be.xp.empty((n, V), np.float32)
         ids, probs = sample_logits(be, logits, ps, keys, mask, id_map, dist)
-        np.testing.assert_array_equal(ids, want[0], err_msg=f"drafts, special={special}")
-        np.testing.assert_allclose(probs, want[1], rtol=SAMPLE_RTOL, atol=0)
-        np.testing.assert_allclose(be.to_host(dist), want[2], rtol=SAMPLE_RTOL, atol=0)
-        if (k > 0 or p < 1.0) and V >= 257 and not special:
-            cand = V                                                     # no mask, no NaN: every token
-            assert (np.count_nonzero(want[2], axis=1) < cand).all(), "the cut removed no candidate"
+        what = f"V {V}, n {n}, {params}, special={special}"
+        np.testing.assert_array_equal(ids, want[0], err_msg=f"drafts, {what}")
+        np.testing.assert_allclose(probs, want[1], rtol=SAMPLE_RTOL, atol=0, err_msg=what)
+        np.testing.assert_allclose(be.to_host(dist), want[2], rtol=SAMPLE_RTOL, atol=0, err_msg=what)
+        if (k > 0 or p < 1.0) and V >= 257 and not special:             # no mask, no NaN: V candidates
+            assert (np.count_nonzero(want[2], axis=1) < V).all(), "the cut removed no candidate"
+
+
+@pytest.mark.parametrize("params", list(SAMPLE_PARAMS))
+@pytest.mark.parametrize("n", [1, 3, 7])
+@pytest.mark.parametrize("V", [1, 31, 33, 257, 1000])
+def test_sample_kernel_matches_the_reference(be, V, n, params):
+    """kernels/sampling.cu against the reference over odd shapes: check_sample_matches_reference."""
+    check_sample_matches_reference(be, V, n, params)
 
 
 def test_sample_kernel_with_a_wrong_key_draws_other_drafts(be):
