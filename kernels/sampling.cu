@@ -8,7 +8,7 @@
 //     the FP32 logit's order-preserving bits (sign bit flipped at >= 0, all bits flipped below 0;
 //     -0 taken as +0, as the reference's comparison ties them) above the complemented id, so a
 //     larger key ranks first and no two candidates share a key;
-//   - K (top_k): the candidates whose key >= the k-th largest key, found by a radix select
+//   - K (top_k): the candidates whose key >= the k-th largest key (k = 1: the top key), found by a radix select
 //     (select_key below: 16 passes of a 4-bit digit, MSB first, each pass a histogram of the
 //     candidates that match the digits chosen so far) with weight 1 per candidate: exact counts;
 //   - the FP64 weights w and scores s of the spec (z = l / T; m = the top candidate's z), then
@@ -222,7 +222,11 @@ sample_kernel(const float* __restrict__ logits, const int* __restrict__ bitmask,
 
   // 2. K: the first k of the rank order (keys >= the k-th largest)
   unsigned long long lo = 0ull;
-  if (k > 0 && k < c) lo = select_key(row, mrow, V, 0ull, static_cast<double>(k), [](float) { return 1.0; }, sh);
+  if (k == 1) {
+    lo = top;  // the greedy draft: no select
+  } else if (k > 0 && k < c) {
+    lo = select_key(row, mrow, V, 0ull, static_cast<double>(k), [](float) { return 1.0; }, sh);
+  }
 
   // 3. P: the shortest prefix of K whose weight reaches top_p * sum_K w
   unsigned long long thr = lo;

@@ -1310,7 +1310,8 @@ def test_lm_head_sample_matches_the_numpy_backend(be):
 
 
 #: (temperature, top_k, top_p) of the sampled-draft sweep
-SAMPLE_PARAMS = {"T": (0.8, 0, 1.0), "top_k": (1.3, 5, 1.0), "top_p": (0.7, 0, 0.9), "top_k_top_p": (1.1, 7, 0.6)}
+SAMPLE_PARAMS = {"T": (0.8, 0, 1.0), "top_k": (1.3, 5, 1.0), "top_p": (0.7, 0, 0.9), "top_k_top_p": (1.1, 7, 0.6),
+                 "greedy": (0.9, 1, 0.8)}
 #: FP32 rounding: the kernel's FP64 sums (in another order than the reference's rank order)
 #: differ by a few ulps, so an FP32 probability may land one FP32 ulp away
 SAMPLE_RTOL = 2.0 ** -22
