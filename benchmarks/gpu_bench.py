@@ -29,6 +29,11 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    Then ``dsv4 hc_*``: DeepSeek-V4-Flash's hyper-connections (m 4 streams of H 4096, 20
    Sinkhorn iterations, FP32 streams) at 1 and 64 rows: ``hc_pre`` (coefficients and the
    collapse), ``hc_post`` (the write-back), ``hc_head``.
+   Then ``sample ...``: ``sample_kernel`` (kernels/sampling.cu, the sampled draft over given
+   logits; the launch alone, its per-row parameters already on the device) at V = 32768 and
+   151936, 1 and 8 rows: temperature 0.8 alone, with top_k 50, with top_p 0.95; logits
+   3 * N(0, 1). Bytes: the logits read once (the kernel reads a row once per pass, from L2);
+   us per row = median / rows.
    Then ``dsv4 ...``: the ops DeepSeek-V4's attention adds to a GQA block at its shape (64
    heads x 512, 64 rotary dims) at 1 and 64 rows: ``rope_heads`` (the output's rotary dims
    turned back) and the shared-KV write (``qk_norm_rope_kv_write(v_is_k=True)``).
@@ -530,6 +535,38 @@ def deepseek_v4_rope_cases(be, n: int) -> list[tuple[str, int, int, Callable]]:
          lambda: be.qk_norm_rope_kv_write(qk, Hq, 1, ones, ones, 1e-6, invf, pos, kc, vc, slots, interleave=True,
                                           v_is_k=True, out=q)),
     ]
+
+
+#: (name, temperature, top_k, top_p) of the sampled-draft rows
+SAMPLE_CASES = (("T", 0.8, 0, 1.0), ("top_k 50", 0.8, 50, 1.0), ("top_p 0.95", 0.8, 0, 0.95))
+
+
+def sample_cases(n: int, vocabs=(32768, 151936), xp: Any = None) -> list[tuple[str, int, int, Callable]]:
+    """``sample_kernel`` over ``n`` rows of given logits (3 * N(0, 1), FP32) at each vocabulary,
+    its per-row keys and parameters already on the device, every output preallocated: the
+    launch alone, as the launcher ``masked_sample`` makes it (without its host read of the ids).
+    (op, context, bytes, thunk); bytes = the logits read once. ``xp``: CuPy by default (NumPy
+    under the emulator, tests/test_gpu_bench_cpu.py)."""
+    if xp is None:
+        import cupy as xp
+
+    from mtpkern.backends.cuda_launch import lm_head as lm_launch
+    from mtpkern.backends.cuda_launch._util import NULL, i32
+    from mtpkern.ops.sampling import SamplingParams, row_keys
+
+    kernel = lm_launch.get_kernel("sampling", "sample_kernel")
+    out = []
+    for V in vocabs:
+        logits = xp.random.RandomState(V + n).standard_normal((n, V)).astype(xp.float32) * xp.float32(3)
+        ids, probs = xp.empty(n, xp.int32), xp.empty(n, xp.float32)
+        for name, T, k, p in SAMPLE_CASES:
+            ps = [SamplingParams(T, k, p, seed=i) for i in range(n)]
+            keys = xp.asarray(row_keys(ps, list(range(n)), 0))
+            Ts, Ks, Ps = xp.full(n, T, xp.float64), xp.full(n, k, xp.int32), xp.full(n, p, xp.float64)
+            args = (logits, NULL, i32(V), keys, Ts, Ks, Ps, NULL, ids, probs, NULL)
+            out.append((f"sample {name} V={V}", 0, n * V * 4,
+                        lambda args=args: kernel((n,), (lm_launch.SAMPLE_THREADS,), args)))
+    return out
 
 
 def hc_cases(be, n: int) -> list[tuple[str, int, int, Callable]]:
@@ -1361,6 +1398,15 @@ def main(argv: list[str] | None = None) -> int:
                 rec.error(f"quantized rows {n}: {type(e).__name__}: {e}")
                 traceback.print_exc()
             cp.get_default_memory_pool().free_all_blocks()
+        for n in (1, 8):                                   # sampled drafts over given logits
+            if time.perf_counter() > kernels_until:
+                rec.note("sample_skipped", f"time budget: from {n} rows on")
+                break
+            try:
+                run_cases(gpu, rec, sample_cases(n), n, args.runs)
+            except Exception as e:
+                rec.error(f"sample rows {n}: {type(e).__name__}: {e}")
+                traceback.print_exc()
         for n in (1, 64):                                  # DeepSeek-V4's attention ops, at its shape
             if time.perf_counter() > kernels_until:
                 rec.note("dsv4_skipped", f"time budget: from {n} rows on")

@@ -62,6 +62,8 @@ from mtpkern.ops.lm_head import bitmask_allowed, masked_argmax
 from mtpkern.ops.mlp import swiglu_act, swiglu_limit
 from mtpkern.ops.moe import RouterSpec
 from mtpkern.ops.rope_kv import inv_freq
+from mtpkern.ops import sampling
+from mtpkern.ops.sampling import SamplingParams, row_keys
 from mtpkern.tolerance import assert_close
 
 REF = get_backend("numpy")
@@ -1281,11 +1283,9 @@ def test_lm_head_conf_matches_the_numpy_backend(be):
 
 
 def test_lm_head_sample_matches_the_numpy_backend(be):
-    """Sampled drafts (the device logits drawn on the host by mtpkern.ops.sampling): the
+    """Sampled drafts drawn on the device (kernels/sampling.cu) from the head's logits: the
     reference's drafts with its probabilities and distributions, with a mask, an id_map and
     top_k / top_p; a row with nothing allowed raises NoAllowedToken naming it."""
-    from mtpkern.ops import sampling
-
     rng = np.random.default_rng(5)
     n, V, H = 4, 301, 40
     x, w = rnd(rng, n, H), rnd(rng, V, H, scale=0.3)
@@ -1307,6 +1307,131 @@ def test_lm_head_sample_matches_the_numpy_backend(be):
     mask[2] = 0
     with pytest.raises(NoAllowedToken, match="row 2"):
         be.lm_head_sample(x, be.prepare_weight(w), be.from_host(mask), keys=keys, temperature=T, top_k=K, top_p=P)
+
+
+#: (temperature, top_k, top_p) of the sampled-draft sweep
+SAMPLE_PARAMS = {"T": (0.8, 0, 1.0), "top_k": (1.3, 5, 1.0), "top_p": (0.7, 0, 0.9), "top_k_top_p": (1.1, 7, 0.6),
+                 "greedy": (0.9, 1, 0.8)}
+#: FP32 rounding: the kernel's FP64 sums (in another order than the reference's rank order)
+#: differ by a few ulps, so an FP32 probability may land one FP32 ulp away
+SAMPLE_RTOL = 2.0 ** -22
+
+
+def sample_case(rng, n: int, V: int, special: bool):
+    """Logits [n, V] FP32 (special: row r % 4 == 0 has NaN and -inf logits, 1 two +inf logits,
+    2 only -inf logits, 3 logits rounded to halves: ties), and a bitmask [n, ceil(V / 32)]
+    keeping about half the tokens; token V - 1 stays a candidate in every row."""
+    logits = (rng.standard_normal((n, V)) * 3).astype(np.float32)
+    if special:
+        for r in range(n):
+            kind = r % 4
+            if kind == 0:
+                logits[r, rng.random(V) < 0.1] = np.nan
+                logits[r, rng.random(V) < 0.1] = -np.inf
+            elif kind == 1:
+                logits[r, rng.integers(0, V, 2)] = np.inf
+            elif kind == 2:
+                logits[r] = -np.inf
+            else:
+                logits[r] = np.round(logits[r] * 2) / 2
+        logits[:, V - 1] = np.where(np.isnan(logits[:, V - 1]), 1.0, logits[:, V - 1])
+    mask = rng.integers(-2**31, 2**31, (n, (V + 31) // 32), dtype=np.int64).astype(np.int32)
+    mask[:, (V - 1) >> 5] |= np.int32(np.uint32(1 << ((V - 1) & 31)).view(np.int32))
+    return logits, mask
+
+
+def sample_logits(be, logits, params, keys, mask=None, id_map=None, dist=None):
+    """The cuda launcher ``masked_sample`` over given logits (inf logits cannot come out of a
+    GEMV with x = I: 0 * inf is NaN) -> host (ids, probs)."""
+    n = logits.shape[0]
+    T, K, P = sampling.check_params("sampling", params, n)
+    ids, probs = lm_launch.masked_sample(be.from_host(logits), None if mask is None else be.from_host(mask),
+                                         keys=keys, temperature=T, top_k=K, top_p=P,
+                                         id_map=None if id_map is None else be.from_host(id_map), dist=dist)
+    return be.to_host(ids), be.to_host(probs)
+
+
+def check_sample_matches_reference(be, V: int, n: int, params: str) -> None:
+    """The cuda launcher ``masked_sample`` against mtpkern.ops.sampling.masked_sample on the same
+    logits: the drafts bit for bit, probs and the whole q within FP32 rounding, plain and with a
+    grammar bitmask, a draft vocabulary's id_map, NaN / -inf / +inf logits and ties; with top_k
+    or top_p the cut is seen to remove candidates (the case exercises it). Run on the emulator
+    here and on a device by tests/test_gpu.py."""
+    T, k, p = SAMPLE_PARAMS[params]
+    rng = np.random.default_rng(V * 31 + n)
+    for special in (False, True):
+        logits, mask = sample_case(rng, n, V, special)
+        mask = mask if special else None
+        id_map = np.sort(rng.permutation(4 * V)[:V]).astype(np.int32) if special else None
+        ps = [sampling.SamplingParams(T, k, p, seed=17 * V + i) for i in range(n)]
+        keys = sampling.row_keys(ps, list(range(3, 3 + n)), 1)
+        want = sampling.masked_sample(logits, mask, keys, *sampling.check_params("s", ps, n), id_map=id_map,
+                                      want_dist=True)
+        dist = be.xp.empty((n, V), np.float32)
+        ids, probs = sample_logits(be, logits, ps, keys, mask, id_map, dist)
+        what = f"V {V}, n {n}, {params}, special={special}"
+        np.testing.assert_array_equal(ids, want[0], err_msg=f"drafts, {what}")
+        np.testing.assert_allclose(probs, want[1], rtol=SAMPLE_RTOL, atol=0, err_msg=what)
+        np.testing.assert_allclose(be.to_host(dist), want[2], rtol=SAMPLE_RTOL, atol=0, err_msg=what)
+        if (k > 0 or p < 1.0) and V >= 257 and not special:             # no mask, no NaN: V candidates
+            assert (np.count_nonzero(want[2], axis=1) < V).all(), "the cut removed no candidate"
+
+
+@pytest.mark.parametrize("params", list(SAMPLE_PARAMS))
+@pytest.mark.parametrize("n", [1, 3, 7])
+@pytest.mark.parametrize("V", [1, 31, 33, 257, 1000])
+def test_sample_kernel_matches_the_reference(be, V, n, params):
+    """kernels/sampling.cu against the reference over odd shapes: check_sample_matches_reference."""
+    check_sample_matches_reference(be, V, n, params)
+
+
+def test_sample_kernel_with_a_wrong_key_draws_other_drafts(be):
+    """Negative control: the same logits drawn with each row's key + 1 give other drafts in
+    most rows, so the sweep's comparison of drafts does test the noise."""
+    rng = np.random.default_rng(2)
+    n, V = 7, 1000
+    logits = rng.standard_normal((n, V)).astype(np.float32)
+    ps = [sampling.SamplingParams(1.0, 0, 1.0, seed=i) for i in range(n)]
+    keys = sampling.row_keys(ps, list(range(n)), 0)
+    want = sampling.masked_sample(logits, None, keys, *sampling.check_params("s", ps, n))[0]
+    np.testing.assert_array_equal(sample_logits(be, logits, ps, keys)[0], want)
+    wrong = sample_logits(be, logits, ps, keys + np.uint64(1))[0]
+    assert (wrong != want).sum() >= n // 2
+
+
+def test_sample_kernel_top_k_ties_keep_the_lowest_ids(be):
+    """Equal logits: top_k keeps the k lowest allowed ids, each drawn with probability 1 / k."""
+    n, V = 3, 50
+    logits = np.zeros((n, V), np.float32)
+    mask = np.full((n, 2), -1, np.int32)
+    mask[:, 0] = ~0b1011                                                 # tokens 0, 1, 3 not allowed
+    ps = [sampling.SamplingParams(1.0, 5, 1.0, seed=i) for i in range(n)]
+    dist = be.xp.empty((n, V), np.float32)
+    ids, probs = sample_logits(be, logits, ps, sampling.row_keys(ps, [0] * n, 0), mask, dist=dist)
+    kept = [2, 4, 5, 6, 7]
+    assert set(ids.tolist()) <= set(kept)
+    np.testing.assert_allclose(probs, 0.2, rtol=1e-6)
+    np.testing.assert_allclose(be.to_host(dist)[:, kept], 0.2, rtol=1e-6)
+    assert be.to_host(dist).sum() == pytest.approx(n, rel=1e-6)
+
+
+def test_sample_kernel_rows_without_a_candidate_raise(be):
+    """A row whose tokens are all masked out, or all NaN, raises NoAllowedToken naming it."""
+    rng = np.random.default_rng(4)
+    n, V = 3, 33
+    logits = rng.standard_normal((n, V)).astype(np.float32)
+    ps = [sampling.SamplingParams(0.9, 3, 0.8, seed=i) for i in range(n)]
+    keys = sampling.row_keys(ps, [1] * n, 0)
+    mask = np.full((n, 2), -1, np.int32)
+    mask[1] = 0
+    with pytest.raises(NoAllowedToken, match="row 1: .*grammar"):
+        sample_logits(be, logits, ps, keys, mask)
+    logits[2] = np.nan
+    with pytest.raises(NoAllowedToken, match="row 2"):
+        sample_logits(be, logits, ps, keys)
+    with pytest.raises(ValueError, match=r"top_p: expected values in \(0, 1\]"):
+        be.lm_head_sample(np.eye(n, dtype=np.float32), be.prepare_weight(np.ascontiguousarray(logits.T)), keys=keys,
+                          temperature=np.ones(n), top_k=np.zeros(n, np.int32), top_p=np.full(n, 1.5))
 
 
 _LOGITS = [-3.0, -2.25, -1.5, -0.75, 0.0, 0.5, 1.0, 1.25, 2.0, 2.5]
@@ -1617,6 +1742,12 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             out[f"lm_head conf {t}"] = np.full(n, np.nan, np.float32)                 # the CONF instantiations
             out[f"lm_head conf ids {t}"] = be.lm_head_argmax(xn, head, mask, conf=out[f"lm_head conf {t}"])
             out[f"lm_head topk ids {t}"], out[f"lm_head topk probs {t}"] = be.lm_head_topk(xn, head, mask, 4)
+            sp = [SamplingParams(0.9, (0, 3)[i % 2], (1.0, 0.8, 0.5)[i % 3], seed=i) for i in range(n)]
+            out[f"lm_head sample dist {t}"] = np.empty((n, 130), np.float32)
+            out[f"lm_head sample ids {t}"], out[f"lm_head sample probs {t}"] = be.lm_head_sample(
+                xn, head, mask, keys=row_keys(sp, [7] * n, 0), temperature=np.full(n, 0.9),
+                top_k=np.array([p.top_k for p in sp], np.int32), top_p=np.array([p.top_p for p in sp]),
+                dist=out[f"lm_head sample dist {t}"])
             ids, wts = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
             out[f"router {t}"] = ids
             out[f"router norm {t}"] = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True),

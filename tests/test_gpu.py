@@ -20,6 +20,9 @@
 - DSA's kernels (kernels/dsa.cu, the sparse walk of kernels/mla.cu): the checks of
   test_cuda_emulated_dsa.py on the device, DeepSeek-V3.2's indexer shapes among them, and
   test_cuda_emulated_dsa_kpool.py's of GLM-5.3's pooled indexer;
+- sampled drafts drawn on the device (kernels/sampling.cu) against the reference on the same
+  logits, at the emulator's cases (test_cuda_emulated.py's check_sample_matches_reference) and
+  at V = 32768 and 151936;
 - the tensor cores' fragment layout (kernels/mma.cu's probe of kernels/mma.cuh) against a
   NumPy matmul, each deliberately wrong layout caught (the emulator runs the same check
   against its emulated mma: test_cuda_emulated.py::test_mma_fragment_layout).
@@ -387,6 +390,21 @@ def test_nvfp4_container_drafts_as_its_dequantized_twin(tmp_path):
         ours = run_rounds(ct, CudaBackend(kv_dtype="float32"), mode)[1]
         assert ours == run_rounds(twin, CudaBackend(kv_dtype="float32"), mode)[1]
         assert ours == run_rounds(ct, "numpy", mode)[1]
+
+
+@pytest.mark.parametrize("n,V", [(1, 1000), (8, 32768), (1, 151936), (8, 151936)])
+def test_sample_kernel_matches_the_reference_on_the_device(n, V):
+    """kernels/sampling.cu on the device: the drafts the reference draws from the same logits,
+    probs and the whole q to FP32 rounding, for temperature / top_k / top_p / both, with masks,
+    a draft vocabulary, NaN and infinite logits and ties (the device's FP64 log / exp are within
+    an ulp of glibc's: a draft could differ only at a score tie that close, ~1e-15 of calls)."""
+    import test_cuda_emulated as emu_tests
+
+    from mtpkern.backends.cuda import CudaBackend
+
+    be = CudaBackend()
+    for params in emu_tests.SAMPLE_PARAMS:
+        emu_tests.check_sample_matches_reference(be, V, n, params)
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "float32"])

@@ -289,3 +289,31 @@ def test_the_attention_probe_uses_what_the_benchmark_has(bench):
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "bench"}
     assert used >= {"glm45_air", "decode_tables", "bf16_uniform"}, used
     assert all(hasattr(bench, a) for a in used), used - {a for a in used if hasattr(bench, a)}
+
+
+def test_the_sample_rows_launch_on_the_emulator(bench):
+    """The ``sample`` rows' launches (the kernel called directly, not through its launcher) pass
+    the emulator's argument check and draw the launcher's drafts: a wrong argument list would
+    otherwise surface first on the device machine."""
+    from cuda_emu import emu_backend
+
+    from mtpkern.backends.cuda_launch import lm_head as lm_launch
+    from mtpkern.ops.sampling import SamplingParams, row_keys
+
+    try:
+        lib = emu_backend.build()
+    except emu_backend.EmulatorUnavailable as e:
+        pytest.skip(f"CUDA emulator unavailable: {e}")
+    with emu_backend.Emulator(lib).installed() as em:
+        cases = bench.sample_cases(3, vocabs=(257,), xp=np)
+        assert [c[0] for c in cases] == [f"sample {c[0]} V=257" for c in bench.SAMPLE_CASES]
+        for (_, _, nbytes, fn), (_, T, k, p) in zip(cases, bench.SAMPLE_CASES):
+            assert nbytes == 3 * 257 * 4
+            fn()
+            logits, ids, probs = fn.__defaults__[0][0], fn.__defaults__[0][8], fn.__defaults__[0][9]
+            ps = [SamplingParams(T, k, p, seed=i) for i in range(3)]
+            want = lm_launch.masked_sample(logits, keys=row_keys(ps, [0, 1, 2], 0), temperature=np.full(3, T),
+                                           top_k=np.full(3, k, np.int32), top_p=np.full(3, p))
+            np.testing.assert_array_equal(ids, want[0])
+            np.testing.assert_array_equal(probs, want[1])
+        assert em.launches["sample_kernel"] == 2 * len(cases)

@@ -155,6 +155,42 @@ def test_cpu_equals_numpy(V):
         np.testing.assert_allclose(d0, d1, rtol=2e-7, atol=1e-30)
 
 
+@pytest.mark.parametrize("V", [1, 2, 33, 2049, 40000])
+def test_cpu_top_p_order_is_the_stable_sort(V):
+    """top_p without top_k (the cpu kernel's radix sort of packed keys): the rank order equals
+    the reference's stable sort of -logit (ties, -0 and +0 tied, +-inf, every radix digit in
+    use at V = 40000), and the drafts, probabilities and distributions equal the reference's
+    bit for bit (the running sums are added in the same order). Negative control: the same
+    keys ordered with ties to the higher id give another order."""
+    from mtpkern.backends.cpu_kernels.sampling import _rank_order, sample_kernel
+
+    rng = np.random.default_rng(V)
+    n = 4
+    logits = (rng.standard_normal((n, V)) * 3).astype(np.float32)
+    logits[1] = np.round(logits[1] * 2) / 2                              # ties
+    logits[2, rng.random(V) < 0.2] = -0.0
+    logits[2, rng.random(V) < 0.2] = 0.0
+    logits[2, rng.random(V) < 0.05] = np.inf
+    logits[3, rng.random(V) < 0.3] = -np.inf
+    cand = np.arange(V, dtype=np.int64)
+    for r in range(n):
+        want = np.argsort(-logits[r].astype(np.float64), kind="mergesort")
+        np.testing.assert_array_equal(_rank_order(logits[r].view(np.uint32), cand, V), want)
+    if V >= 33:                                                          # ties present: the control bites
+        ties_high = np.lexsort((-cand, -logits[1].astype(np.float64)))
+        assert (ties_high != _rank_order(logits[1].view(np.uint32), cand, V)).any()
+    ps = [SamplingParams(T, 0, p, seed=s) for T, p, s in ((0.8, 0.95, 1), (1.3, 0.5, 2), (0.7, 0.9, 3),
+                                                           (1.0, 0.3, 4))]
+    keys = S.row_keys(ps, [5, 6, 7, 8], 0)
+    T, K, P = S.check_params("sampling", ps, n)
+    i0, p0, d0 = S.masked_sample(logits, None, keys, T, K, P, want_dist=True)   # the logits as they are:
+    i1, p1, d1 = np.empty(n, np.int32), np.empty(n, np.float32), np.empty((n, V), np.float32)   # no GEMV's 0 * inf
+    assert sample_kernel(logits, np.zeros((0, 0), np.int32), np.arange(V, dtype=np.int32), keys, T, K, P, i1, p1,
+                         d1) == -1
+    np.testing.assert_array_equal(i1, i0)
+    assert p1.tobytes() == p0.tobytes() and d1.tobytes() == d0.tobytes()
+
+
 @pytest.mark.parametrize("name", ["numpy", "cpu"])
 def test_top_k_1_is_the_argmax(name):
     be = get_backend(name)

@@ -34,8 +34,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..ops import sampling
-from ..ops.lm_head import check_bitmask, check_id_map
 from ..quant import Fp4Weight, Fp8Weight
 from . import dlpack
 from .base import Backend, check_kv_dtype
@@ -321,28 +319,13 @@ class CudaBackend(Backend):
     samples = True
 
     def lm_head_sample(self, x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
-        """-> (ids [n] int32, probs [n] FP32) on the device: the logits on the device
-        (``lm_head_logits``), copied to the host ([n, V] FP32, one copy per draft step) and
-        drawn there by the reference (mtpkern.ops.sampling: the same drafts as every backend,
-        bit for bit given these logits); ``dist``: a device FP32 [n, V] buffer for the whole
-        distribution. An interim path: the draw is not yet in lm_head.cu's reduction."""
-        n, V = x.shape[0], w.shape[0]
-        if id_map is not None:
-            check_id_map(id_map, V)
-        if bitmask is not None:
-            check_bitmask(bitmask, n, V)
-        keys = sampling.check_keys(keys, n)
-        if dist is not None and (tuple(dist.shape) != (n, V) or np.dtype(dist.dtype) != np.float32):
-            raise ValueError(f"dist: expected shape [{n}, {V}] float32, got {list(dist.shape)} {np.dtype(dist.dtype)}")
-        logits = self.to_host(self.lm_head_logits(x, w))
-        ids, probs, q = sampling.masked_sample(logits, None if bitmask is None else self.to_host(bitmask), keys,
-                                               np.asarray(temperature, np.float64), np.asarray(top_k, np.int32),
-                                               np.asarray(top_p, np.float64),
-                                               None if id_map is None else self.to_host(id_map),
-                                               want_dist=dist is not None)
-        if dist is not None:
-            dist[...] = self.from_host(q)
-        return self.from_host(ids), self.from_host(probs)
+        """-> (ids [n] int32, probs [n] FP32) on the device: the logits (``lm_head_logits``), then
+        each row's draft drawn on the device by ``sample_kernel`` (kernels/sampling.cu; spec:
+        mtpkern.ops.sampling, the same drafts as every backend given these logits); ``dist``: a
+        device FP32 [n, V] buffer for the whole distribution. Only the ids are read back (to
+        raise ``NoAllowedToken`` naming a row without a candidate)."""
+        return lm_head.lm_head_sample(x, w, bitmask, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p,
+                                      id_map=id_map, dist=dist)
 
     def lm_head_argmax(self, x, w, bitmask=None, *, out=None, part_v=None, part_i=None, part_s=None, conf=None,
                        id_map=None, check: bool = True, best=None, sum_exp=None):

@@ -329,12 +329,13 @@ def _prune(root: Path, keep: Path) -> None:
 
 #: kernel parameter type (from the C++ signature) -> the Python values a launch may pass
 _SCALARS = {"int32": np.int32, "uint32": np.uint32, "int64": np.int64, "uint64": np.uint64,
-            "float32": np.float32}
+            "float32": np.float32, "float64": np.float64}
 _CTYPES = {np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32, np.int64: ctypes.c_int64,
-           np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float}
+           np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
 #: pointer element type -> array dtype (BF16 lives in uint16 arrays, FP8 E4M3 in uint8 ones, FP4
 #: E2M1 two a byte (MXFP4's and NVFP4's) and their scale bytes too)
-_POINTEES = {"float32": "float32", "int32": "int32", "uint32": "uint32", "int64": "int64", "uint64": "uint64",
+_POINTEES = {"float32": "float32", "float64": "float64", "int32": "int32", "uint32": "uint32", "int64": "int64",
+             "uint64": "uint64",
              "bfloat16": "uint16", "fp8e4m3": "uint8", "fp4x2e2m1": "uint8", "nvfp4x2e2m1": "uint8",
              "uint8": "uint8"}
 

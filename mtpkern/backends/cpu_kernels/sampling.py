@@ -1,9 +1,12 @@
 """Sampled drafts on the CPU over an [n, V] block of logits (spec: mtpkern.ops.sampling).
 
 One task per input row: the row's candidates (allowed, non-NaN), ordered by logit
-descending with ties to the lower id (a stable merge sort of the ascending ids; with
-``top_k``, of the k selected by ``np.partition`` only) when ``top_k`` or ``top_p`` needs
-the order, the FP64 weights, the kept prefix, then the
+descending with ties to the lower id when ``top_k`` or ``top_p`` needs the order: with
+``top_k``, a stable merge sort of the k selected by ``np.partition`` only; without, a stable
+LSD radix sort of one uint64 word per candidate (the logit's order-preserving bits above its
+id; three passes of 11 bits: the same order as a stable sort of the FP64 logits, without a
+comparison sort of every candidate); then the FP64 weights, the kept prefix
+(their running sum added in that order, as the reference's cumsum), then the
 Gumbel-max draw over the kept tokens: the same counter-based hash of (row key, returned id)
 as the reference, in uint64 arithmetic, so the drafts match it bit for bit. The logits come
 from ``lm_head_logits`` (the FMA tiles whose argmax ``lm_head_argmax`` returns), so a
@@ -37,6 +40,55 @@ def _gumbel(key, tok):
     return -math.log(-math.log(u))
 
 
+#: radix digits of _rank_order: 3 passes of 11 bits over the 32 key bits of a packed word
+_RADIX_BITS = 11
+_RADIX = 1 << _RADIX_BITS
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(cache=True)
+def _rank_order(bits, cand, c):
+    """[c] int64: the candidate ids ``cand[:c]`` (ascending) ordered by logit descending, ties to
+    the lower id, from the logits' FP32 bits ``bits`` [V] uint32. One uint64 word a candidate,
+    ``key << 32 | id`` (key: ascends as the logit descends; -0 taken as +0, as the reference's
+    comparison ties them), stably LSD radix-sorted by its key bits; equal keys keep their id
+    order, so this is the stable sort of ``-logit``. One 8-byte array moved a pass (the ids
+    ride in the words), against a merge sort's comparisons of every candidate
+    (benchmarks/README.md, "The draw alone")."""
+    a = np.empty(c, np.uint64)
+    for i in range(c):
+        u = np.uint64(bits[cand[i]])
+        if u == np.uint64(0x80000000):
+            u = np.uint64(0)
+        key = u if u >= np.uint64(0x80000000) else u ^ np.uint64(0x7FFFFFFF)   # l < 0: bits ascend as l descends
+        a[i] = (key << np.uint64(32)) | np.uint64(cand[i])
+    b = np.empty(c, np.uint64)
+    count = np.empty(_RADIX, np.int64)
+    mask = np.uint64(_RADIX - 1)
+    for shift in (32, 32 + _RADIX_BITS, 32 + 2 * _RADIX_BITS):
+        sh = np.uint64(shift)
+        count[:] = 0
+        for i in range(c):
+            count[(a[i] >> sh) & mask] += 1
+        if count[(a[0] >> sh) & mask] == c:                                   # one digit: the order stands
+            continue
+        at = 0
+        for d in range(_RADIX):
+            n_d = count[d]
+            count[d] = at
+            at += n_d
+        for i in range(c):
+            d = (a[i] >> sh) & mask
+            j = count[d]
+            b[j] = a[i]
+            count[d] = j + 1
+        a, b = b, a
+    order = np.empty(c, np.int64)
+    for i in range(c):
+        order[i] = np.int64(a[i] & _LOW32)
+    return order
+
+
 @njit(cache=True)
 def _sample_row(logits, bitmask, noise_ids, keys, temperature, top_k, top_p, r, ids, probs, dist):
     V = logits.shape[1]
@@ -54,10 +106,10 @@ def _sample_row(logits, bitmask, noise_ids, keys, temperature, top_k, top_p, r, 
         return False
     k, tp, T = top_k[r], top_p[r], temperature[r]
     if k > 0 or tp < 1.0:
-        neg = np.empty(c, np.float64)
-        for i in range(c):
-            neg[i] = -np.float64(logits[r, cand[i]])
         if 0 < k < c:
+            neg = np.empty(c, np.float64)
+            for i in range(c):
+                neg[i] = -np.float64(logits[r, cand[i]])
             # the first k of the order without sorting every candidate: the k-th smallest key
             # (np.partition), the keys below it and then its ties in id order; only those sorted
             kth = np.partition(neg, k - 1)[k - 1]
@@ -78,11 +130,13 @@ def _sample_row(logits, bitmask, noise_ids, keys, temperature, top_k, top_p, r, 
             cand_k.sort()
             for i in range(k):
                 neg_k[i] = -np.float64(logits[r, cand_k[i]])
-            cand, neg, c = cand_k, neg_k, k
-        o = np.argsort(neg, kind="mergesort")                               # stable: ties stay id-ascending
-        order = np.empty(c, np.int64)
-        for i in range(c):
-            order[i] = cand[o[i]]
+            o = np.argsort(neg_k, kind="mergesort")                         # stable: ties stay id-ascending
+            order = np.empty(k, np.int64)
+            for i in range(k):
+                order[i] = cand_k[o[i]]
+            c = k
+        else:
+            order = _rank_order(logits[r].view(np.uint32), cand, c)
     else:
         order = cand
     z = np.empty(c, np.float64)

@@ -19,6 +19,12 @@ candidate). An online log-sum-exp in both stages (the ``CONF`` instantiations), 
 one more workspace ``part_s [n, P]`` FP32; without ``conf`` the kernels are the plain
 argmax's and ``part_s`` must not be passed.
 
+``lm_head_sample(x, w, bitmask, *, keys, temperature, top_k, top_p, id_map, dist)`` -> (ids [n]
+int32, probs [n] FP32): sampled drafts (spec: mtpkern.ops.sampling), the logits
+(``linear_kernel``) then ``sample_kernel`` (kernels/sampling.cu: one block per row, radix
+selects for top_k / top_p, the Gumbel-max draw), everything on the device; ``dist`` [n, V]
+FP32 (optional, a device buffer): the whole q.
+
 A row with no allowed, non-NaN token comes back as -1; with ``check=True``
 (default) the launcher copies ids to the host (a synchronisation) and raises
 ``NoAllowedToken`` naming the row. Inside a CUDA-graph capture pass
@@ -32,12 +38,15 @@ import numpy as np
 from ...errors import NoAllowedToken, no_token_reason
 from ...ops._check import expect_ndim, expect_shape
 from ...ops.lm_head import MAX_TOPK, check_bitmask, check_id_map, check_topk
+from ...ops.sampling import check_keys
 from ._util import (SM_WARPS, cdiv, ctype, device, device_weight, expect_weight, i32, optional, output, ptr,
                     resident_blocks, sm_count, weight_args)
 from .linear import GEMV_THREADS, GEMV_WARPS, gemv_rows, launch_linear
 from .loader import get_kernel
 
 FINAL_THREADS = 256
+#: sample_kernel's block (kernels/sampling.cu kSampleThreads)
+SAMPLE_THREADS = 256
 #: most blocks of GEMV_THREADS an SM holds (its 64 warps): the partials' width per SM
 MAX_BLOCKS_PER_SM = SM_WARPS // GEMV_WARPS
 
@@ -143,6 +152,74 @@ def lm_head_topk(x, w, bitmask=None, k=1, *, id_map=None, out=None, probs=None, 
                                                                          probs, ptr(id_map)))
     if check:
         raise_if_no_allowed(ids[:, 0], V, bitmask is not None)
+    return ids, probs
+
+
+def _row_params(n: int, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The per-row sampling parameters, host arrays checked as the kernel assumes them."""
+    out = []
+    for name, a, dt in (("temperature", temperature, np.float64), ("top_k", top_k, np.int32),
+                        ("top_p", top_p, np.float64)):
+        a = np.asarray(a.get() if hasattr(a, "get") else a)
+        expect_shape(name, a, (n,))
+        out.append(np.ascontiguousarray(a, dt))
+    T, K, P = out
+    if not (np.isfinite(T) & (T > 0)).all():
+        raise ValueError(f"temperature: expected finite values > 0, got {T.tolist()}")
+    if (K < 0).any():
+        raise ValueError(f"top_k: expected values >= 0 (0: no limit), got {K.tolist()}")
+    if not ((P > 0) & (P <= 1)).all():
+        raise ValueError(f"top_p: expected values in (0, 1], got {P.tolist()}")
+    return T, K, P
+
+
+def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
+    """-> (ids [n] int32, probs [n] FP32) on the device: ``masked_sample(lm_head_logits(x, w), ...)``
+    (checked before the logits are computed)."""
+    _check(x, w)
+    n, V = x.shape[0], w.shape[0]
+    if V < 1:
+        raise ValueError("w: expected at least one vocabulary row, got 0")
+    _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
+    return masked_sample(lm_head_logits(x, w), bitmask, keys=keys, temperature=temperature, top_k=top_k,
+                         top_p=top_p, id_map=id_map, dist=dist)
+
+
+def _sample_args(n: int, V: int, bitmask, id_map, keys, temperature, top_k, top_p, dist):
+    """The checked host arrays (keys [n] uint64, temperature [n] FP64, top_k [n] int32, top_p
+    [n] FP64) of a sampled draw over [n, V] logits."""
+    if bitmask is not None:
+        check_bitmask(bitmask, n, V)
+    if id_map is not None:
+        check_id_map(id_map, V)
+    keys = check_keys(keys.get() if hasattr(keys, "get") else keys, n)
+    T, K, P = _row_params(n, temperature, top_k, top_p)
+    if dist is not None:
+        output(dist, "dist", (n, V), np.float32)
+    return keys, T, K, P
+
+
+def masked_sample(logits, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
+    """-> (ids [n] int32, probs [n] FP32) on the device: ``sample_kernel`` over device logits
+    [n, V] FP32 (spec: mtpkern.ops.sampling.masked_sample; the rest as ``lm_head_sample``).
+    Raises ``NoAllowedToken`` for a row without a candidate (a host read of ids)."""
+    expect_ndim("logits", logits, 2)
+    n, V = logits.shape
+    if V < 1:
+        raise ValueError("logits: expected at least one column, got 0")
+    keys, T, K, P = _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
+    logits = device(logits, "logits", "float32")
+    dist = None if dist is None else output(dist, "dist", (n, V), np.float32)
+    ids = output(None, "ids", (n,), np.int32)
+    probs = output(None, "probs", (n,), np.float32)
+    if n == 0:
+        return ids, probs
+    bitmask = optional(bitmask, "bitmask", "int32")
+    id_map = optional(id_map, "id_map", "int32")
+    args = (logits, ptr(bitmask), i32(V), device(keys, "keys", "uint64"), device(T, "temperature", "float64"),
+            device(K, "top_k", "int32"), device(P, "top_p", "float64"), ptr(id_map), ids, probs, ptr(dist))
+    get_kernel("sampling", "sample_kernel")((n,), (SAMPLE_THREADS,), args)
+    raise_if_no_allowed(ids, V, bitmask is not None)
     return ids, probs
 
 

@@ -126,6 +126,8 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}, {nr}>" for t in _WEIGHT_CTYPES
                      for c in ("false", "true") for nr in GEMV_NR)
     + ("argmax_final_kernel<false>", "argmax_final_kernel<true>", "masked_topk_kernel"),
+    # sampled drafts over the logits (one block per row)
+    "sampling": ("sample_kernel",),
     "step": ("copy_segments_kernel",),
     # a probe of mma.cuh's fragment layout, for the tests only (kernels/mma.cu)
     "mma": ("mma_bf16_probe_kernel",),

@@ -142,6 +142,9 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   return r;
 }
 
+// IEEE double multiply, never fused (the kernels use it to keep a product out of an FMA)
+inline double __dmul_rn(double a, double b) { return a * b; }
+
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
@@ -217,6 +220,7 @@ inline std::string type_code() {
   using U = std::remove_cv_t<T>;
   if constexpr (std::is_pointer_v<U>) return "*" + type_code<std::remove_pointer_t<U>>();
   else if constexpr (std::is_same_v<U, float>) return "float32";
+  else if constexpr (std::is_same_v<U, double>) return "float64";
   else if constexpr (std::is_same_v<U, int>) return "int32";
   else if constexpr (std::is_same_v<U, unsigned>) return "uint32";
   else if constexpr (std::is_same_v<U, long long> || std::is_same_v<U, long>) return "int64";
