@@ -605,7 +605,7 @@ class StepPlan:
         """Module ``m``'s static row moves inside ``compute`` (``ForwardBuffers.copies``): DeepSeek-V4's
         query rows joined with their k | v rows, a grouped output's column groups out of ``o``
         and its parts into ``o_a``."""
-        bf, b = self.bufs[m], self.prop.modules[m].block
+        bf = self.bufs[m]
         rows: list[tuple[int, int, int]] = []
         for name, (a, e) in self.copy_rows[m].items():
             rows.clear()
@@ -722,14 +722,18 @@ class StepPlan:
         for m, srcs in sources.items():
             f0 = self.seg_rows[m][0]
             for i, (a, row) in enumerate(srcs):
-                if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != H or a.strides[1] != 4:
-                    raise AssertionError(f"module {m} source {i}: expected FP32 rows of {H} contiguous values, "
-                                         f"got {a.dtype} {a.shape} strides {a.strides}")
-                T[f0 + i, 0] = address(a) + row * a.strides[0]
-                self._keep.append(a)
-                if not self.cuda:
-                    lo = address(a)
-                    self._call_ranges.append((lo, (a.shape[0] - 1) * a.strides[0] + 4 * H))
+                self.stage_source(T, f0 + i, a, row, H, f"module {m} source {i}")
+
+    def stage_source(self, T: np.ndarray, i: int, a: Any, row: int, S: int, what: str) -> None:
+        """Segment-table row ``i`` reads row ``row`` of ``a`` (FP32 rows of ``S`` contiguous values):
+        its address staged, ``a`` kept alive for the call, its bytes recorded for the host copy."""
+        if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != S or a.strides[1] != 4:
+            raise AssertionError(f"{what}: expected FP32 rows of {S} contiguous values, "
+                                 f"got {a.dtype} {a.shape} strides {a.strides}")
+        T[i, 0] = address(a) + row * a.strides[0]
+        self._keep.append(a)
+        if not self.cuda:
+            self._call_ranges.append((address(a), (a.shape[0] - 1) * a.strides[0] + 4 * S))
 
     def upload(self) -> None:
         stg = self.stage

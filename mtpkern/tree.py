@@ -362,16 +362,25 @@ class TreeRunner:
                 parts = [(b, j, elems) for b, j, elems in parts if elems]
                 if parts:
                     self._expand(m, parts, self._forward(m, parts, hid), mask_rows, topk)
-            for j in jobs:
-                j.pending.tree = j.tree()
-                self.as_chain(j.st, j.pending, j.P)
-                j.st._tree = j.pending
+            return self.finish(jobs)
         except BaseException:
-            for j in jobs:
-                if j.pending is not None:
-                    self.drop(j.st, j.pending)
+            self.drop_all(jobs)
             raise
+
+    def finish(self, jobs: list[TreeJob]) -> list[DraftTree]:
+        """Every job's tree made, its state left as a chain propose along the greedy path leaves
+        it, the pending tree kept for ``after_verify``."""
+        for j in jobs:
+            j.pending.tree = j.tree()
+            self.as_chain(j.st, j.pending, j.P)
+            j.st._tree = j.pending
         return [j.pending.tree for j in jobs]
+
+    def drop_all(self, jobs: list[TreeJob]) -> None:
+        """A failed propose: every job's scratch rows retired."""
+        for j in jobs:
+            if j.pending is not None:
+                self.drop(j.st, j.pending)
 
     def _expand(self, m: int, parts: list, normed: Any, mask_rows: Any, topk: Any) -> None:
         """Depth ``m``'s nodes: each drafting row's top-c tokens (one LM head call for all)."""

@@ -295,13 +295,7 @@ class TreePlan(StepPlan):
                 else:                                   # exact mode's root: module m-1's window row
                     st, key = jobs[b].st, jobs[b].P - 1 - m
                     a, row = st._win[m - 1], key - st._win_start[m - 1]
-                if a.dtype != np.float32 or a.ndim != 2 or a.shape[1] != S or a.strides[1] != 4:
-                    raise AssertionError(f"module {m} row {i}: expected FP32 rows of {S} contiguous values, "
-                                         f"got {a.dtype} {a.shape} strides {a.strides}")
-                T[f0 + i, 0] = address(a) + row * a.strides[0]
-                self._keep.append(a)
-                if not self.cuda:
-                    self._call_ranges.append((address(a), (a.shape[0] - 1) * a.strides[0] + 4 * S))
+                self.stage_source(T, f0 + i, a, row, S, f"module {m} row {i}")
             src, dst = cat("src"), cat("dst")
             cap = f2 - f1
             rows = [(address(c) + int(a) * _plane_row_bytes(c), address(c) + int(d) * _plane_row_bytes(c),
@@ -403,16 +397,10 @@ class TreeSteps:
                     mt = jobs[b].pending.modules[m]
                     mt.outs = plan.chain(m)[off: off + len(elems)].copy() if trees.exact and m < M - 1 else None
                     off += len(elems)
-            for j in jobs:
-                j.pending.tree = j.tree()
-                trees.as_chain(j.st, j.pending, j.P)
-                j.st._tree = j.pending
+            return trees.finish(jobs)
         except BaseException:
-            for j in jobs:
-                if j.pending is not None:
-                    trees.drop(j.st, j.pending)
+            trees.drop_all(jobs)
             raise
-        return [j.pending.tree for j in jobs]
 
     def _nodes(self, jobs: list[TreeJob], sk: _Skeleton, got: dict) -> None:
         """The nodes again, in the skeleton's order, with the drafted tokens and probabilities."""
