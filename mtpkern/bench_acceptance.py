@@ -33,8 +33,11 @@ import numpy as np
 
 from . import argtypes
 
-#: the K policy's prior on a position's acceptance before any verify offered it
-POLICY_PRIOR = (1.0, 1.0)
+#: the K policy's Beta priors on a position's acceptance before any verify offered it: the
+#: library's default (1, 1) reads 0.5, and here makes choose_k pick K = 0 at the first step,
+#: after which nothing is offered, so nothing is counted and K stays 0; (4, 1) reads 0.8, so
+#: the policy drafts first and the counts then decide
+POLICY_PRIORS = ((1.0, 1.0), (4.0, 1.0))
 
 
 # -- shared with the demo --------------------------------------------------------------------
@@ -279,26 +282,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policy = None
     if not args.no_policy:
         costs, prop_pts, ver_pts = measure_costs(target, prop, prompts[0], M)
-        chosen: list[int] = []
-
-        def pick(dec: Any) -> int:
-            acc, reached = policy_counts(dec, M)
-            k = choose_k(acceptance_from_counts(acc, reached, M, POLICY_PRIOR), costs, M).k
-            chosen.append(k)
-            return k
-
-        r = row("k_policy", "exact", lambda p: speculative_generate(target, prop, p, N, pick), k=M)
         fixed = {0: base["tokens_per_s"]}
         fixed.update({x["k"]: x["tokens_per_s"] for x in rows if x["kind"] == "chain" and x["kv_mode"] == "exact"})
         policy = {"propose_s": [[k, round(s, 6)] for _, k, s in prop_pts],
-                  "verify_s": [[n, round(s, 6)] for _, n, s in ver_pts],
-                  "chosen_k_counts": {str(k): chosen.count(k) for k in sorted(set(chosen))},
-                  "tokens_per_s": r["tokens_per_s"], "fixed_k_tokens_per_s": fixed}
-        print("  K policy: costs measured at batch 1 (median of 5): propose "
+                  "verify_s": [[n, round(s, 6)] for _, n, s in ver_pts], "fixed_k_tokens_per_s": fixed, "runs": []}
+        print("  K policy: costs measured at batch 1 (median of 5 loop steps): propose "
               + ", ".join(f"k={k} {s * 1e3:.2f} ms" for _, k, s in prop_pts) + "; verify "
               + ", ".join(f"n={n} {s * 1e3:.2f} ms" for _, n, s in ver_pts))
-        print(f"  K policy chose k (steps): {policy['chosen_k_counts']}; {r['tokens_per_s']:.1f} tokens/s against "
-              + ", ".join(f"K={k}: {v:.1f}" for k, v in sorted(fixed.items())) + " (K=0: greedy)")
+        for prior in POLICY_PRIORS:
+            chosen: list[int] = []
+
+            def pick(dec: Any, prior: tuple = prior, chosen: list = chosen) -> int:
+                acc, reached = policy_counts(dec, M)
+                k = choose_k(acceptance_from_counts(acc, reached, M, prior), costs, M).k
+                chosen.append(k)
+                return k
+
+            r = row("k_policy", "exact", lambda p: speculative_generate(target, prop, p, N, pick), k=M,
+                    prior=list(prior))
+            counts = {str(k): chosen.count(k) for k in sorted(set(chosen))}
+            policy["runs"].append({"prior": list(prior), "chosen_k_counts": counts, "tokens_per_s": r["tokens_per_s"]})
+            print(f"  K policy, prior {prior}: chose k (steps) {counts}; {r['tokens_per_s']:.1f} tokens/s against "
+                  + ", ".join(f"K={k}: {v:.1f}" for k, v in sorted(fixed.items())) + " (K=0: greedy, no drafter)")
     notes = ["batch 8 not run: ReferenceTarget verifies one sequence at a time (no batched verify)",
              "FP8 not run: the loader reads FP8 checkpoints as released and does not quantize the BF16 one",
              "tree rows: verified by their paths (one target forward per branch taken), so their tokens/s "
@@ -322,7 +327,7 @@ def _label(r: dict) -> str:
         return f"tree w={r['width']} {r['kv_mode']}"
     if r["kind"] == "early_stop":
         return f"early stop c={r['min_confidence']:g}"
-    return "K policy"
+    return f"K policy prior {tuple(r['prior'])}"
 
 
 def _print_row(r: dict, M: int) -> None:

@@ -274,7 +274,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     print(f"checkpoint: {ckpt}" + ("" if args.ckpt else " (shipped, trained on the Python standard library's "
                                                         "sources; byte tokens)"))
     print(f"target: {target!r}: the verifier, greedy (it accepts the drafts that equal its own argmax)")
-    print(f"chain: {chain or prop.chain}" + (" (the checkpoint's training.json)" if chain and not args.chain else ""))
+    print(f"chain: {chain or prop.chain}"
+          + (" (the checkpoint's training.json)" if chain and not args.chain else ""))
     if args.num_drafts and args.num_drafts > M:
         print(f"--num-drafts {args.num_drafts} is more than the M={M} modules: a propose drafts at most one "
               f"token per module, so k = {M}")
@@ -312,7 +313,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     print(f"lossless: yes: the speculative loop's {N} tokens equal greedy decoding's, token for token")
     print(f"backend {out['backend']}, kv_mode {out['kv_mode']}, k={k}, {fig['verifies']} verifies; "
           f"measured on {out['machine']}")
-    print("  acceptance/position " + "  ".join(f"d{j}: {r:.2f}" for j, r in enumerate(fig["acceptance_per_position"]))
+    per = fig["acceptance_per_position"]
+    print("  acceptance/position " + "  ".join(f"d{j}: {r:.2f}" for j, r in enumerate(per))
           + "   (of the verifies that offered draft j, the share whose verifier accepted it: from the "
             "verifier's decisions)")
     print(f"  tokens per verify   {fig['tokens_per_verify']:.2f}   (accepted drafts + the target's bonus token, "

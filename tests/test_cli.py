@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -214,8 +215,9 @@ def test_help_lists_every_option_with_its_default(name):
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     assert options
     # each option's entry in the help: from its first option string to the next option's
-    starts = sorted((text.index(a.option_strings[0] + (" " if len(a.option_strings) == 1 else ",")), a)
-                    for a in options)
+    # one option string: "--x ..."; several: "-v, --verbose" or "--max-new-tokens N, --steps N"
+    starts = sorted((text.index(a.option_strings[0] + " ") if len(a.option_strings) == 1 else
+                     re.search(re.escape(a.option_strings[0]) + r"( \S+)?,", text).start(), a) for a in options)
     for (start, a), (end, _) in zip(starts, starts[1:] + [(len(text), None)]):
         assert a.help, a.option_strings
         assert "(default: " in text[start:end], text[start:end]
