@@ -193,7 +193,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="draw acceptance per position of each row as a PNG (needs matplotlib) (default: not drawn)")
 
 
-def _loader(args: argparse.Namespace, be: Any, ckpt: Path, chain: str | None) -> Callable[[str], Any]:
+def _loader(be: Any, ckpt: Path, chain: str | None) -> Callable[[str], Any]:
     from .proposer import MultiModuleMtpHead
 
     cache: dict[str, Any] = {}
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ckpt = Path(args.ckpt) if args.ckpt else default_checkpoint()
     chain = args.chain or checkpoint_chain(ckpt)
     target = ReferenceTarget.from_pretrained(ckpt, backend=be, num_blocks=512)
-    load = _loader(args, be, ckpt, chain)
+    load = _loader(be, ckpt, chain)
     first = load(args.kv_modes[0])
     M = first.num_modules
     V = target.config.vocab_size
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "tokens_per_s": round(total / secs, 1), "seconds": round(secs, 4),
              "speedup": round(t_greedy / secs, 3)}
         rows.append(r)
-        _print_row(r, M)
+        _print_row(r)
         return r
 
     print(f"mtpkern acceptance: {ckpt} (chain {chain or 'the family default'}), backend {be.describe()}")
@@ -330,7 +330,7 @@ def _label(r: dict) -> str:
     return f"K policy prior {tuple(r['prior'])}"
 
 
-def _print_row(r: dict, M: int) -> None:
+def _print_row(r: dict) -> None:
     acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
     print(f"  {_label(r):26s} {acc:28s} {r['drafts_per_verify']:8.2f} {r['tokens_per_verify']:8.2f} "
           f"{r['tokens_per_s']:9.1f} {r['speedup']:7.2f}  {'yes' if r['lossless'] else 'NO'}")

@@ -151,7 +151,8 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
                 out.append(v.bonus)
                 P, t, h = P + 1, v.bonus, v.hiddens[0]
                 continue
-            drafts = [int(d) for d in proposer.propose(t, h, P, step_k, st, min_confidence=min_confidence)]
+            early = {} if min_confidence is None else {"min_confidence": min_confidence}   # duck-typed proposers
+            drafts = [int(d) for d in proposer.propose(t, h, P, step_k, st, **early)]
             v = target.verify(seq, t, drafts)
             a = v.num_accepted
             dec.record(len(drafts), a)
