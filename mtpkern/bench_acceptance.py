@@ -345,6 +345,7 @@ def _plot(out: dict, path: os.PathLike) -> None:
         if r["kind"] in ("chain", "tree") and r["k"] == out["num_modules"]:
             acc = r["acceptance_per_position"]
             ax.plot(range(len(acc)), acc, marker="o", label=_label(r))
+    ax.set_xticks(range(out["num_modules"]))
     ax.set_xlabel("draft position j")
     ax.set_ylabel("accepted / offered")
     ax.set_title(f"acceptance per position, {out['prompts']} held-out prompts x {out['max_new_tokens']} tokens")

@@ -5,6 +5,7 @@ tokens on the numpy backend: structure only, speed is measured in benchmarks/.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -24,9 +25,11 @@ def _consistent(r: dict) -> None:
 
 
 def test_rows_and_figures(tmp_path, capsys):
-    out = tmp_path / "acc.json"
+    out, png = tmp_path / "acc.json", tmp_path / "acc.png"
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
     assert main(SMALL + ["--kv-modes", "exact", "--tree-widths", "2", "--min-confidence", "0.5",
-                         "--json", str(out)]) == 0
+                         "--json", str(out)] + plot) == 0
+    assert png.is_file() == bool(plot)
     text = capsys.readouterr().out
     res = json.loads(out.read_text())
     rows = res["rows"]
