@@ -1,8 +1,10 @@
-"""The command line: ``mtpkern demo | info | bench | bench-shard`` (also ``python -m mtpkern ...``).
+"""The command line: ``mtpkern demo | info | kernels | bench | acceptance | bench-shard`` (also
+``python -m mtpkern ...``).
 
-``demo`` writes a built-in synthetic checkpoint (once, under the cache dir) and
-runs a speculative loop against a simulated verifier; ``info`` tells what a
-checkpoint holds; ``bench`` is the benchmark harness (``mtpkern.bench``); ``bench-shard``
+``demo`` runs greedy decoding and the speculative loop on the shipped trained checkpoint
+against its reference target (a real verifier) and prints what was measured; ``info`` tells
+what a checkpoint holds; ``bench`` is the benchmark harness (``mtpkern.bench``);
+``acceptance`` measures acceptance on the trained checkpoint (``mtpkern.bench_acceptance``); ``bench-shard``
 times a sharded head at several world sizes under ``mpirun`` (``mtpkern.bench_shard``).
 docs/cli.md describes every option.
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import argtypes, bench, bench_shard
+from . import argtypes, bench, bench_acceptance, bench_shard
 from .errors import MtpError, install_hint
 
 DESCRIPTION = """\
@@ -36,8 +38,9 @@ reference), cpu (Numba), cuda (CuPy RawModule kernels)."""
 
 EPILOG = """\
 examples:
-  {prog} demo                       # a speculative loop on a synthetic checkpoint
-  {prog} demo --kv-mode draft --batch 8
+  {prog} demo                       # speculative decoding with the trained checkpoint, real verifier
+  {prog} demo --kv-mode draft --num-drafts 2 --prompt "def main():"
+  {prog} acceptance --json acc.json # acceptance: chains, trees, early stop, the K policy
   {prog} info CHECKPOINT_DIR        # what a checkpoint holds
   {prog} bench --shapes small --contexts 512,4096 --json out.json --plot out.png
 
@@ -109,33 +112,34 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
     _common(ap, top=True)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    d = sub.add_parser("demo", formatter_class=_Formatter, help="a speculative loop on a built-in synthetic checkpoint",
-                       description="A speculative decoding loop on a built-in synthetic checkpoint (random "
-                                   "weights), against a simulated verifier that accepts a random prefix of "
-                                   "each proposal. Prints drafts/s, propose latency, acceptance per module, "
-                                   "and the KV blocks in use before and after the sequences are freed.")
+    d = sub.add_parser("demo", formatter_class=_Formatter,
+                       help="speculative decoding with the shipped trained checkpoint, against a real verifier",
+                       description="Greedy decoding and the speculative loop on the same held-out prompt, with "
+                                   "the shipped trained checkpoint (stdlib-glm-tiny: a tiny GLM-4.5-layout model "
+                                   "with 3 MTP modules, byte tokens) as both target and drafter. Checks that both "
+                                   "produce the same tokens (greedy verification is lossless), then prints the "
+                                   "text, the acceptance per draft position and the tokens per verify (from the "
+                                   "verifier's decisions), and tokens/s with and without speculation.")
     _backend_arguments(d)
     d.add_argument("--kv-mode", default="exact", choices=["exact", "draft"],
                    help="exact: each module's KV equals a recomputation over the verified tokens; "
                         "draft: one row per module per propose (docs/semantics.md)")
     d.add_argument("--chain", default=None, choices=["prenorm", "postnorm"],
                    help="the hidden passed from module m to m+1: y, or shared_head_norm(y) "
-                        "(default: the family's, prenorm but for Qwen3-Next)")
-    d.add_argument("--config", default="demo", choices=["demo", "small", "tiny"],
-                   help="built-in synthetic checkpoint: tiny (H=64, V=301), demo (H=256, V=8192), "
-                        "small (H=1024, V=32768)")
+                        "(default: the checkpoint's training.json's; without one the family's)")
     d.add_argument("--ckpt", type=argtypes.checkpoint_dir, default=None, metavar="DIR",
-                   help="use this checkpoint directory instead of the synthetic one (default: the synthetic one)")
-    d.add_argument("--steps", type=argtypes.positive_int, default=200, help="propose / verify steps")
-    d.add_argument("--batch", type=argtypes.positive_int, default=1,
-                   help="sequences proposed together (propose_batch when > 1)")
-    d.add_argument("--prompt-len", type=argtypes.positive_int, default=64,
-                   help="tokens prefilled into each sequence's drafter KV first")
+                   help="a glm4_moe checkpoint with target layers instead of the shipped trained one "
+                        "(default: stdlib-glm-tiny)")
+    d.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="the prompt, as byte tokens (default: the checkpoint's first held-out prompt, "
+                        "from its prompts.json)")
+    d.add_argument("--max-new-tokens", "--steps", dest="max_new_tokens", type=argtypes.positive_int, default=128,
+                   metavar="N", help="tokens generated after the prompt (--steps: its older name)")
     d.add_argument("--num-drafts", type=argtypes.positive_int, default=None, metavar="K",
                    help="drafts asked per propose; above M (the modules) it is clamped to M "
                         "(default: M, one per module)")
-    d.add_argument("--seed", type=argtypes.nonnegative_int, default=0,
-                   help="seed of the random tokens, hiddens and verifier")
+    d.add_argument("--repeats", type=argtypes.positive_int, default=3,
+                   help="timed runs of each loop; the median is reported")
     d.add_argument("--json", type=argtypes.output_file, default=None, metavar="PATH",
                    help="also write the figures as JSON to PATH (default: not written)")
     _common(d, top=False)
@@ -176,6 +180,13 @@ def build_parser(prog: str = "mtpkern") -> argparse.ArgumentParser:
              "Times every op and the propose step of a backend on a shape set, beside their memory floors, "
              "and marks figures not to be trusted (runs spread too widely, or a time below its floor). "
              "benchmarks/README.md explains the table.")
+    _harness(sub, "acceptance", bench_acceptance,
+             "acceptance and tokens/s against a real verifier on the trained checkpoint (benchmarks/README.md)",
+             "Runs the speculative loop against the reference target on the shipped trained checkpoint's "
+             "held-out prompts: per-position acceptance and tokens per verify from the verifier's decisions, "
+             "for chains k = 1..M in both KV modes, draft trees, early stop and the K policy against every fixed "
+             "K, each checked lossless against greedy decoding and timed end to end (benchmarks/README.md, "
+             "\"Acceptance on the trained checkpoint\").")
     _harness(sub, "bench-shard", bench_shard,
              "the sharded head's per-rank bytes and propose latency at 1, 2, 4 ranks (MPI)",
              "Runs mpirun -n R for each world size: every rank loads its slice of a synthetic checkpoint on "
@@ -230,91 +241,95 @@ def main(argv: list[str] | None = None, prog: str = "mtpkern") -> int:
 def run_demo(args: argparse.Namespace) -> dict:
     from .backends import get_backend
     from .backends.warm_up import KernelNeeds
-    from .progress import Progress, warm_up
+    from .bench_acceptance import (checkpoint_chain, checkpoint_prompts, decode, default_checkpoint, encode,
+                                   figures, machine)
+    from .loop import greedy_generate, speculative_generate
+    from .progress import warm_up
     from .proposer import MultiModuleMtpHead
-    from .synthetic import synthetic_checkpoint
+    from .target import ReferenceTarget
 
     be = get_backend(args.backend, threads=args.threads)
-    ckpt = args.ckpt if args.ckpt else synthetic_checkpoint(args.config, say=print)
-    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=args.kv_mode, chain=args.chain)
-    warm_up(be, needs=KernelNeeds.of(prop))          # only the kernels this checkpoint runs
+    ckpt = args.ckpt if args.ckpt else default_checkpoint()
+    chain = args.chain or checkpoint_chain(ckpt)
+    target = ReferenceTarget.from_pretrained(ckpt, backend=be, num_blocks=256)
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=args.kv_mode, chain=chain, num_blocks=256)
     cfg = prop.config
-    rng = np.random.default_rng(args.seed)
-    H, V, M = cfg.hidden_size, cfg.vocab_size, prop.num_modules
+    if args.prompt is not None:
+        text, where = args.prompt, "--prompt"
+    else:
+        held = checkpoint_prompts(ckpt)
+        if not held:
+            raise ValueError(f"--prompt: expected a prompt, since {ckpt} has no prompts.json, got none")
+        text, where = held[0], "held out: a file the checkpoint was not trained on (its prompts.json)"
+    prompt = encode("--prompt", text, cfg.vocab_size)
+    N, M = args.max_new_tokens, prop.num_modules
     k = min(args.num_drafts or M, M)
+    top = len(prompt) + N + M
+    if top > cfg.max_position_embeddings:
+        raise ValueError(f"--max-new-tokens: expected prompt ({len(prompt)}) + N + M <= max_position_embeddings "
+                         f"({cfg.max_position_embeddings}), got N = {N}")
+    warm_up(be, needs=KernelNeeds.of(prop))          # only the kernels this checkpoint runs
     print(f"mtpkern demo: {prop!r}")
     print(f"  ({LEGEND})")
-    print(f"checkpoint: {ckpt}" + ("" if args.ckpt else " (synthetic: random weights, so the drafts are "
-                                                        "random tokens)"))
+    print(f"checkpoint: {ckpt}" + ("" if args.ckpt else " (shipped, trained on the Python standard library's "
+                                                        "sources; byte tokens)"))
+    print(f"target: {target!r}: the verifier, greedy (it accepts the drafts that equal its own argmax)")
+    print(f"chain: {chain or prop.chain}"
+          + (" (the checkpoint's training.json)" if chain and not args.chain else ""))
     if args.num_drafts and args.num_drafts > M:
         print(f"--num-drafts {args.num_drafts} is more than the M={M} modules: a propose drafts at most one "
               f"token per module, so k = {M}")
-    print(f"verifier: simulated. Each step it accepts a uniformly random prefix (0..{k} drafts) of each "
-          f"sequence's proposal, so the acceptance rates below are set by construction (module m: "
-          f"(k - m) / (k + 1)), not measured from the model.")
-    seqs = []
-    for _ in range(args.batch):
-        st = prop.alloc_state_for(args.prompt_len + args.steps * (M + 1) + 1)
-        toks = rng.integers(0, V, args.prompt_len)
-        hid = rng.standard_normal((args.prompt_len, H)).astype(np.float32)
-        prop.prefill_drafter(toks, hid, st)
-        seqs.append([st, args.prompt_len, hid[-1]])
-    # one untimed step (the cuda backend compiles its kernels and captures its graph here)
-    for s in seqs:
-        prop.propose(int(rng.integers(0, V)), s[2], s[1], k, s[0])
-        prop.after_verify(0, s[0])
-        s[1] += 1
-    prop.stats.reset()
-    lat = []
-    drafted = 0
-    bar = Progress(args.steps, "demo")
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        toks = [int(t) for t in rng.integers(0, V, len(seqs))]
-        hs = rng.standard_normal((len(seqs), H)).astype(np.float32)
+    print(f"prompt ({len(prompt)} bytes; {where}):")
+    print("  | " + decode(prompt).replace("\n", "\n  | "))
+    # an untimed round (the cuda backend compiles and captures its graph here), then the timed runs
+    greedy_generate(target, prompt, 2)
+    speculative_generate(target, prop, prompt, 2, k)
+    t_greedy, t_spec = [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        g = greedy_generate(target, prompt, N)
         t1 = time.perf_counter()
-        if len(seqs) == 1:
-            drafts = [prop.propose(toks[0], hs[0], seqs[0][1], k, seqs[0][0])]
-        else:
-            drafts = prop.propose_batch(toks, hs, [s[1] for s in seqs], k, [s[0] for s in seqs])
-        lat.append(time.perf_counter() - t1)
-        drafted += sum(len(d) for d in drafts)
-        for s, d in zip(seqs, drafts):
-            st = s[0]
-            a = int(rng.integers(0, len(d) + 1))           # the simulated verifier accepts a random prefix
-            prop.after_verify(a, st)
-            prop.catchup_drafter(d[:a], rng.standard_normal((a, H)).astype(np.float32), st)
-            s[1] += 1 + a
-        bar.update(step + 1)
-    bar.close()
-    total = time.perf_counter() - t0
-    stats = prop.stats
-    lat_ms = np.array(lat) * 1e3
+        s = speculative_generate(target, prop, prompt, N, k)
+        t2 = time.perf_counter()
+        t_greedy.append(t1 - t0)
+        t_spec.append(t2 - t1)
+    lossless = s.tokens == g.tokens
+    fig = figures(s.decisions)
+    tg, ts = float(np.median(t_greedy)), float(np.median(t_spec))
     out = {
-        "backend": be.describe(), "threads": getattr(be, "threads", None), "kv_mode": prop.kv_mode,
-        "chain": prop.chain, "batch": len(seqs), "num_drafts": k, "steps": args.steps,
-        "drafts_per_s": round(drafted / sum(lat), 1),
-        "propose_ms_mean": round(float(lat_ms.mean()), 3), "propose_ms_p50": round(float(np.median(lat_ms)), 3),
-        "propose_ms_p99": round(float(np.percentile(lat_ms, 99)), 3),
-        "loop_s": round(total, 3),
-        "acceptance_per_module": [round(stats.acceptance_rate(m), 3) for m in range(M)],
-        "acceptance_by_construction": [round((k - m) / (k + 1), 3) for m in range(k)],
-        "mean_accepted_length": round(stats.mean_accepted_length, 3),
-        "kv_blocks_in_use": prop.kv_blocks_in_use(), "kv_blocks_per_module": prop.num_blocks,
+        "checkpoint": str(ckpt), "backend": be.describe(), "threads": getattr(be, "threads", None),
+        "machine": machine(), "kv_mode": prop.kv_mode, "chain": prop.chain, "num_drafts": k,
+        "prompt": text, "max_new_tokens": N, "tokens": s.tokens, "text": decode(s.tokens),
+        "lossless": lossless, **fig,
+        "greedy_tokens_per_s": round(N / tg, 1), "speculative_tokens_per_s": round(N / ts, 1),
+        "speedup": round(tg / ts, 3), "greedy_s": round(tg, 4), "speculative_s": round(ts, 4),
+        "repeats": args.repeats,
     }
-    print(f"backend {out['backend']}, kv_mode {out['kv_mode']}, batch {out['batch']}, k={k}, {args.steps} steps")
-    print(f"  drafts/s            {out['drafts_per_s']:.1f}   (draft tokens returned per second of propose "
-          f"time, all sequences together; verify and catch-up not counted)")
-    print(f"  propose latency     mean {out['propose_ms_mean']:.3f} ms, p50 {out['propose_ms_p50']:.3f} ms, "
-          f"p99 {out['propose_ms_p99']:.3f} ms   (one propose{'_batch' if len(seqs) > 1 else ''} call)")
-    print("  acceptance/module   " + "  ".join(f"m{m}: {r:.2f}" for m, r in enumerate(out["acceptance_per_module"]))
-          + f"   (mean accepted length {out['mean_accepted_length']:.2f}; by construction "
-          + " ".join(f"{r:.2f}" for r in out["acceptance_by_construction"]) + f", {k / 2:.2f})")
-    print(f"  KV blocks in use    {out['kv_blocks_in_use']} of {prop.num_blocks} per module")
-    for st, _, _ in seqs:
-        prop.free_state(st)
+    print(f"generated ({N} tokens, bytes decoded with errors='replace'):")
+    print("  | " + out["text"].replace("\n", "\n  | "))
+    if not lossless:
+        raise MtpError(f"the speculative loop's tokens differ from greedy decoding's (first at token "
+                       f"{next(i for i, (a, b) in enumerate(zip(s.tokens, g.tokens)) if a != b)}): not lossless")
+    print(f"lossless: yes: the speculative loop's {N} tokens equal greedy decoding's, token for token")
+    print(f"backend {out['backend']}, kv_mode {out['kv_mode']}, k={k}, {fig['verifies']} verifies; "
+          f"measured on {out['machine']}")
+    per = fig["acceptance_per_position"]
+    print("  acceptance/position " + "  ".join(f"d{j}: {r:.2f}" for j, r in enumerate(per))
+          + "   (of the verifies that offered draft j, the share whose verifier accepted it: from the "
+            "verifier's decisions)")
+    print(f"  tokens per verify   {fig['tokens_per_verify']:.2f}   (accepted drafts + the target's bonus token, "
+          f"mean over the {fig['verifies']} verifies: from the verifier's decisions)")
+    print(f"  tokens/s greedy     {out['greedy_tokens_per_s']:.1f}   (plain greedy decoding, one target forward "
+          f"a token; {N} tokens, median of {args.repeats} runs, prefill included)")
+    print(f"  tokens/s speculative {out['speculative_tokens_per_s']:.1f}  (propose + verify + catch-up a step; "
+          f"the same tokens, median of {args.repeats} runs)")
+    print(f"  speedup             {out['speedup']:.2f}x  (speculative / greedy tokens/s on this machine: a step "
+          f"costs a propose and a verify of k + 1 rows, so tokens per verify is a gain where a propose is cheap "
+          f"next to the target's forward; on the shipped tiny model the two cost about the same, so the gain is "
+          f"small or none)")
+    print(f"  KV blocks in use    {prop.kv_blocks_in_use()} (drafter), {target.kv_blocks_in_use()} (target) "
+          f"after the runs freed their sequences")
     prop.check_invariants()
-    print(f"  after free          {prop.kv_blocks_in_use()} blocks in use")
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
     return out

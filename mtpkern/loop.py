@@ -16,6 +16,18 @@ loop"), in either KV mode of the proposer, with the same calls in the same order
 The tokens it returns are the target's greedy tokens whatever the drafts are (greedy
 verification is lossless): ``greedy_generate``'s, token for token. Its acceptance figures
 come from the verifier's decisions only (``Decisions``), never from the proposer's counters.
+``num_drafts`` may be a function of the decisions so far (a K policy, ``mtpkern.k_policy``):
+a step of 0 drafts is a plain decode (``verify`` of no drafts, the step's token caught up).
+
+``tree_generate`` runs the same loop with a draft tree a step (``propose_tree`` ->
+``verify_tree`` -> ``after_verify_tree``). ``verify_tree`` is greedy verification of a tree
+by its paths: the accepted path is the longest root-to-node path whose tokens equal the
+target's greedy continuation (children of a node have distinct tokens, so there is at most
+one). It is found with chain verifies: the rank-0 path first; where the target's token
+after the accepted prefix is another child of the last accepted node, that child and its
+rank-0 descendants are verified next, and so on. Exact for greedy verification (the same
+path, bonus and hiddens a verify over all nodes with the tree's ancestor mask gives), at the
+cost of one target forward per branch taken instead of one in all.
 """
 
 from __future__ import annotations
@@ -102,18 +114,26 @@ def greedy_generate(target: Any, prompt: Any, max_new: int) -> Generation:
         target.free_seq(seq)
 
 
-def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, num_drafts: int) -> Generation:
+def _check_pair(target: Any, proposer: Any) -> None:
+    cfg, pc = target.config, proposer.config
+    if (pc.vocab_size, pc.stream_size) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"proposer: expected vocab_size {cfg.vocab_size} and hidden size {cfg.hidden_size} "
+                         f"(the target's), got {pc.vocab_size} and {pc.stream_size}")
+
+
+def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, num_drafts: Any,
+                         min_confidence: float | None = None) -> Generation:
     """``max_new`` tokens after ``prompt`` by the loop of the module docstring, ``num_drafts``
-    drafts a propose (clamped to the proposer's modules as ``propose`` does; >= 1). The target
+    drafts a propose (clamped to the proposer's modules as ``propose`` does; >= 1), or a
+    function ``num_drafts(decisions) -> k`` asked before every step (``k >= 0``; 0: a decode
+    step without drafts). ``min_confidence``: ``propose``'s early stop (None: off). The target
     and the proposer must share the vocabulary and hidden size. The target sequence and the
     proposer state are freed at the end, whatever happens."""
     cfg = target.config
     toks, max_new = _check(prompt, max_new, cfg.vocab_size)
-    k = check_int("num_drafts", num_drafts, 1, 2 ** 31 - 1)
-    pc = proposer.config
-    if (pc.vocab_size, pc.stream_size) != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(f"proposer: expected vocab_size {cfg.vocab_size} and hidden size {cfg.hidden_size} "
-                         f"(the target's), got {pc.vocab_size} and {pc.stream_size}")
+    policy = num_drafts if callable(num_drafts) else None
+    k = None if policy else check_int("num_drafts", num_drafts, 1, 2 ** 31 - 1)
+    _check_pair(target, proposer)
     seq = target.alloc_seq()
     st = None
     try:
@@ -123,7 +143,16 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
         out, dec = [first.next_token], Decisions()
         P, t, h = len(toks), first.next_token, first.hiddens[-1]
         while len(out) < max_new:
-            drafts = [int(d) for d in proposer.propose(t, h, P, k, st)]
+            step_k = check_int("num_drafts(decisions)", policy(dec), 0, 2 ** 31 - 1) if policy else k
+            if step_k == 0:                     # a decode step: t_P's drafter row comes by catch-up
+                v = target.verify(seq, t, [])
+                dec.record(0, 0)
+                proposer.catchup_drafter([t], h[None, :], st)
+                out.append(v.bonus)
+                P, t, h = P + 1, v.bonus, v.hiddens[0]
+                continue
+            early = {} if min_confidence is None else {"min_confidence": min_confidence}   # duck-typed proposers
+            drafts = [int(d) for d in proposer.propose(t, h, P, step_k, st, **early)]
             v = target.verify(seq, t, drafts)
             a = v.num_accepted
             dec.record(len(drafts), a)
@@ -131,6 +160,81 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
             if a:
                 proposer.catchup_drafter(drafts[:a], v.hiddens[:a], st)
             out.extend(drafts[:a] + [v.bonus])
+            P, t, h = P + a + 1, v.bonus, v.hiddens[a]
+        return Generation(out[:max_new], dec)
+    finally:
+        if st is not None:
+            proposer.free_state(st)
+        target.free_seq(seq)
+
+
+@dataclass(slots=True)
+class TreeVerdict:
+    """``verify_tree``'s decision: ``path`` the accepted nodes (indices into the tree, depth 0
+    down), ``bonus`` the target's token after them, ``hiddens`` [len(path) + 1, H]
+    ``[h_P .. h_{P+a}]`` (as ``Verdict.hiddens``), ``forwards`` the chain verifies it took."""
+
+    path: list[int]
+    bonus: int
+    hiddens: np.ndarray
+    forwards: int
+
+
+def verify_tree(target: Any, seq: Any, last_token: int, tree: Any) -> TreeVerdict:
+    """Greedy verification of ``tree`` (a ``DraftTree`` drafted after ``last_token`` = ``t_P``)
+    by its paths (module docstring): leaves ``seq`` holding ``t_P`` and the accepted path's
+    tokens, as ``target.verify`` of that path would."""
+    path: list[int] = []
+    hiddens = []
+    node, tok, forwards = -1, int(last_token), 0
+    while True:
+        chain = []                                 # node's rank-0 descendants
+        e = node
+        while True:
+            kids = tree.children(e)
+            if not kids:
+                break
+            e = kids[0]
+            chain.append(e)
+        v = target.verify(seq, tok, [int(tree.tokens[i]) for i in chain])
+        forwards += 1
+        a = v.num_accepted
+        path += chain[:a]
+        hiddens.append(v.hiddens)
+        last = path[-1] if path else -1
+        # the target's token after the accepted prefix: is it another child of the last accepted node?
+        other = [c for c in tree.children(last) if int(tree.tokens[c]) == v.bonus]
+        if not other:
+            return TreeVerdict(path, v.bonus, np.concatenate(hiddens), forwards)
+        node, tok = other[0], v.bonus
+        path.append(node)
+
+
+def tree_generate(target: Any, proposer: Any, prompt: Any, max_new: int, widths: Any) -> Generation:
+    """``max_new`` tokens after ``prompt``, a ``propose_tree(widths=widths)`` a step, verified by
+    ``verify_tree``; ``decisions`` records per step the tree's depth as offered and the accepted
+    path's length as accepted. Lossless as ``speculative_generate``."""
+    cfg = target.config
+    toks, max_new = _check(prompt, max_new, cfg.vocab_size)
+    _check_pair(target, proposer)
+    seq = target.alloc_seq()
+    st = None
+    try:
+        st = proposer.alloc_state()
+        first = target.prefill(seq, toks)
+        proposer.prefill_drafter(toks, first.hiddens, st)
+        out, dec = [first.next_token], Decisions()
+        P, t, h = len(toks), first.next_token, first.hiddens[-1]
+        while len(out) < max_new:
+            tree = proposer.propose_tree(t, h, P, st, widths=widths)
+            v = verify_tree(target, seq, t, tree)
+            a = len(v.path)
+            dec.record(tree.depth, a)
+            proposer.after_verify_tree(v.path, st)
+            accepted = [int(tree.tokens[i]) for i in v.path]
+            if a:
+                proposer.catchup_drafter(accepted, v.hiddens[:a], st)
+            out.extend(accepted + [v.bonus])
             P, t, h = P + a + 1, v.bonus, v.hiddens[a]
         return Generation(out[:max_new], dec)
     finally:

@@ -1,4 +1,4 @@
-"""The built-in synthetic checkpoints of the demo and the benchmarks.
+"""The built-in synthetic checkpoints of the benchmarks.
 
 Random weights in the layout of a real checkpoint (``weights.write_synthetic_checkpoint``),
 written once per (name, seed) under the user's cache directory and reused after.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,31 +31,63 @@ def cache_env(tmp_path, monkeypatch):
     return dict(os.environ)
 
 
-def test_demo_prints_figures(tmp_path, cache_env):
+def _consistent(fig: dict) -> None:
+    """The demo's acceptance figures are what its verifier decided, and nothing else."""
+    off, acc, n = fig["offered_at"], fig["accepted_at"], fig["verifies"]
+    assert n >= 1 and off[0] == n and all(0 <= a <= o for a, o in zip(acc, off))
+    assert fig["acceptance_per_position"] == [round(a / o, 4) for a, o in zip(acc, off)]
+    assert fig["tokens_per_verify"] == round(1 + sum(acc) / n, 4)
+
+
+def test_demo_prints_figures(tmp_path):
     out = tmp_path / "demo.json"
-    r = run("demo", "--backend", "numpy", "--config", "tiny", "--steps", "12", "--json", str(out), env=cache_env)
-    for needle in ("drafts/s", "propose latency", "acceptance/module", "KV blocks in use", "after free",
-                   "verifier: simulated", "by construction", "Hq / Hkv query / key-value heads"):
-        assert needle in r.stdout
+    r = run("demo", "--backend", "numpy", "--max-new-tokens", "12", "--repeats", "1", "--json", str(out))
+    for needle in ("lossless: yes", "acceptance/position", "tokens per verify", "tokens/s greedy",
+                   "tokens/s speculative", "speedup", "from the verifier's decisions", "held out",
+                   "stdlib-glm-tiny", "chain: postnorm", "Hq / Hkv query / key-value heads", "generated (12 tokens"):
+        assert needle in r.stdout, needle
     fig = json.loads(out.read_text())
-    assert fig["kv_mode"] == "exact" and len(fig["acceptance_per_module"]) == 3 and fig["drafts_per_s"] > 0
-    assert fig["acceptance_by_construction"] == [0.75, 0.5, 0.25]
-    r = run("demo", "--backend", "numpy", "--config", "tiny", "--steps", "5", "--kv-mode", "draft", "--batch", "3",
-            env=cache_env)
-    assert "batch 3" in r.stdout and "[0, 0, 0] blocks in use" in r.stdout
+    assert fig["lossless"] is True and fig["kv_mode"] == "exact" and fig["chain"] == "postnorm"
+    assert len(fig["tokens"]) == 12 and fig["text"] == bytes(fig["tokens"]).decode("utf-8", "replace")
+    assert len(fig["offered_at"]) == 3 and fig["greedy_tokens_per_s"] > 0 and fig["speculative_tokens_per_s"] > 0
+    _consistent(fig)
+    r = run("demo", "--backend", "numpy", "--max-new-tokens", "9", "--repeats", "1", "--kv-mode", "draft",
+            "--num-drafts", "2", "--prompt", "def f(x):\n    return", "--json", str(out))
+    fig = json.loads(out.read_text())
+    assert fig["lossless"] is True and fig["kv_mode"] == "draft" and len(fig["offered_at"]) == 2
+    assert fig["prompt"] == "def f(x):\n    return" and "--prompt" in r.stdout
+    _consistent(fig)
 
 
-def test_demo_says_num_drafts_is_clamped(cache_env, capsys):
-    assert main(["demo", "--backend", "numpy", "--config", "tiny", "--steps", "2", "--num-drafts", "7"]) == 0
+def test_demo_says_num_drafts_is_clamped(capsys):
+    assert main(["demo", "--backend", "numpy", "--steps", "2", "--repeats", "1", "--num-drafts", "7"]) == 0
     out = capsys.readouterr().out
     assert "--num-drafts 7 is more than the M=3 modules" in out and "k=3" in out
 
 
-def test_demo_cpu_threads(cache_env, capsys, tmp_path):
+def test_demo_cpu_threads(capsys, tmp_path):
     out = tmp_path / "demo.json"
-    assert main(["demo", "--config", "tiny", "--steps", "2", "--threads", "1", "--json", str(out)]) == 0
+    assert main(["demo", "--steps", "2", "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
     fig = json.loads(out.read_text())
-    assert fig["threads"] == 1 and "1 thread)" in fig["backend"]
+    assert fig["threads"] == 1 and "1 thread)" in fig["backend"] and fig["lossless"] is True
+
+
+def test_demo_runs_another_checkpoint_with_target_layers(tmp_path, capsys):
+    """--ckpt: a synthetic glm4_moe checkpoint with random target layers (no training.json:
+    the family's chain; no prompts.json: --prompt is needed)."""
+    from mtpkern import write_synthetic_checkpoint
+    from mtpkern.config import tiny_config
+
+    cfg = tiny_config(family="glm4_moe", num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=48)
+    ckpt = write_synthetic_checkpoint(tmp_path / "ck", cfg, seed=5, target_layers=True)
+    assert main(["demo", "--backend", "numpy", "--ckpt", str(ckpt), "--steps", "6", "--repeats", "1"]) == 2
+    assert "--prompt: expected a prompt" in capsys.readouterr().err
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--backend", "numpy", "--ckpt", str(ckpt), "--steps", "6", "--repeats", "1",
+                 "--prompt", "abc", "--json", str(out)]) == 0
+    fig = json.loads(out.read_text())
+    assert fig["lossless"] is True and fig["chain"] == "prenorm" and len(fig["tokens"]) == 6
+    _consistent(fig)
 
 
 def test_docs_synthetic_checkpoint_example_runs(tmp_path, capsys):
@@ -91,12 +124,14 @@ def _error_cases(tmp_path: Path, config_json: str = "{}") -> dict[str, list[str]
         "no config.json": ["info", str(empty)],
         "bad config.json": ["info", str(bad_config)],
         "no safetensors": ["info", str(no_weights)],
-        "batch 0": ["demo", "--batch", "0"],
+        "max-new-tokens 0": ["demo", "--max-new-tokens", "0"],
         "steps -1": ["demo", "--steps", "-1"],
-        "prompt-len x": ["demo", "--prompt-len", "x"],
+        "num-drafts x": ["demo", "--num-drafts", "x"],
+        "empty prompt": ["demo", "--backend", "numpy", "--prompt", ""],
         "threads 0": ["demo", "--threads", "0"],
-        "threads too many": ["demo", "--config", "tiny", "--threads", "4096"],
-        "threads on numpy": ["demo", "--config", "tiny", "--backend", "numpy", "--threads", "1"],
+        "threads too many": ["demo", "--threads", "4096"],
+        "threads on numpy": ["demo", "--backend", "numpy", "--threads", "1"],
+        "acceptance min-confidence 2": ["acceptance", "--backend", "numpy", "--min-confidence", "2"],
         "demo --ckpt file": ["demo", "--ckpt", str(a_file)],
         "bench contexts 0": ["bench", "--contexts", "0"],
         "bench kv-modes": ["bench", "--kv-modes", "draft,fast"],
@@ -107,8 +142,9 @@ def _error_cases(tmp_path: Path, config_json: str = "{}") -> dict[str, list[str]
     }
 
 
-ERROR_NAMES = ["nonexistent", "a file", "no config.json", "bad config.json", "no safetensors", "batch 0",
-               "steps -1", "prompt-len x", "threads 0", "threads too many", "threads on numpy",
+ERROR_NAMES = ["nonexistent", "a file", "no config.json", "bad config.json", "no safetensors", "max-new-tokens 0",
+               "steps -1", "num-drafts x", "empty prompt", "acceptance min-confidence 2", "threads 0",
+               "threads too many", "threads on numpy",
                "demo --ckpt file", "bench contexts 0", "bench kv-modes", "bench runs 0",
                "bench plot without propose", "unknown command",
                "no command"]
@@ -131,23 +167,24 @@ def test_error_is_one_line_in_process(case, tmp_path, cache_env, capsys, tiny_ck
 
 @pytest.mark.skipif(cuda_available(), reason="a CUDA device is usable here")
 def test_cuda_without_cupy_names_the_extra(tmp_path, cache_env, capsys):
-    rc = main(["demo", "--backend", "cuda", "--config", "tiny"])
+    rc = main(["demo", "--backend", "cuda"])
     err = capsys.readouterr().err
     _assert_one_line_error(rc, err)
     assert "mtpkern[cuda12]" in err
-    assert not (tmp_path / "cache").exists()        # refused before writing the checkpoint
+    assert not (tmp_path / "cache").exists()        # refused before loading anything
 
 
 def test_errors_name_what_is_wrong(tmp_path, cache_env, capsys):
     cases = _error_cases(tmp_path)
-    want = {"nonexistent": "does not exist", "a file": "which is a file", "batch 0": "argument --batch",
+    want = {"nonexistent": "does not exist", "a file": "which is a file",
+            "max-new-tokens 0": "argument --max-new-tokens", "empty prompt": "--prompt: expected a non-empty",
             "threads on numpy": "only the cpu backend", "no config.json": "has none"}
     for case, needle in want.items():
         main(cases[case])
         assert needle in capsys.readouterr().err, case
 
 
-@pytest.mark.parametrize("case", ["nonexistent", "a file", "batch 0", "bad config.json"])
+@pytest.mark.parametrize("case", ["nonexistent", "a file", "max-new-tokens 0", "bad config.json"])
 def test_error_is_one_line_as_a_command(case, tmp_path, cache_env):
     r = run(*_error_cases(tmp_path)[case], env=cache_env, check=False)
     _assert_one_line_error(r.returncode, r.stderr)
@@ -171,15 +208,16 @@ def _parsers():
     return [("", top)] + sorted(sub.choices.items())
 
 
-@pytest.mark.parametrize("name", ["", "demo", "info", "bench"])
+@pytest.mark.parametrize("name", ["", "demo", "info", "bench", "acceptance"])
 def test_help_lists_every_option_with_its_default(name):
     parser = dict(_parsers())[name]
     text = " ".join(parser.format_help().split()).split(" options: ", 1)[1]
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     assert options
     # each option's entry in the help: from its first option string to the next option's
-    starts = sorted((text.index(a.option_strings[0] + (" " if len(a.option_strings) == 1 else ",")), a)
-                    for a in options)
+    # one option string: "--x ..."; several: "-v, --verbose" or "--max-new-tokens N, --steps N"
+    starts = sorted((text.index(a.option_strings[0] + " ") if len(a.option_strings) == 1 else
+                     re.search(re.escape(a.option_strings[0]) + r"( \S+)?,", text).start(), a) for a in options)
     for (start, a), (end, _) in zip(starts, starts[1:] + [(len(text), None)]):
         assert a.help, a.option_strings
         assert "(default: " in text[start:end], text[start:end]
@@ -250,7 +288,7 @@ def test_warm_up_report_speaks_only_when_compiling():
 
 
 def test_demo_stderr_has_no_carriage_return(cache_env):
-    r = run("demo", "--config", "tiny", "--steps", "3", env=cache_env)
+    r = run("demo", "--steps", "3", "--repeats", "1", env=cache_env)
     assert "\r" not in r.stderr
 
 

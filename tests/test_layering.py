@@ -63,8 +63,9 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_bench_and_cli_import_one_way():
     g = _graph()
     assert "mtpkern.bench" in _reachable(g, "mtpkern.cli")
-    for low in ("mtpkern.bench", "mtpkern.bench_torch", "mtpkern.timing", "mtpkern.progress",
-                "mtpkern.synthetic", "mtpkern.argtypes"):
+    assert "mtpkern.bench_acceptance" in _reachable(g, "mtpkern.cli")
+    for low in ("mtpkern.bench", "mtpkern.bench_acceptance", "mtpkern.bench_torch", "mtpkern.timing",
+                "mtpkern.progress", "mtpkern.synthetic", "mtpkern.argtypes"):
         assert "mtpkern.cli" not in _reachable(g, low), low
     for low in ("mtpkern.timing", "mtpkern.progress", "mtpkern.synthetic", "mtpkern.argtypes"):
         assert not {"mtpkern.bench", "mtpkern.bench_torch"} & _reachable(g, low), low

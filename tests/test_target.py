@@ -483,3 +483,58 @@ def test_target_on_the_emulated_cuda_backend(ckpt, targets, emu):
     assert greedy_generate(tgt, prompt, 5).tokens == greedy
     assert speculative_generate(tgt, prop, prompt, 5, 3).tokens == greedy
     assert tgt.kv_blocks_in_use() == [0, 0]
+
+
+# -- trees, a K policy, early stop ------------------------------------------------------------
+
+def _tree(root_token, tokens, parents):
+    from mtpkern.tree import DraftTree
+
+    parents = np.array(parents, np.int32)
+    depths = np.zeros(len(parents), np.int32)
+    for i, p in enumerate(parents):
+        depths[i] = 0 if p < 0 else depths[p] + 1
+    n = len(tokens)
+    return DraftTree(0, root_token, np.array(tokens, np.int32), parents, depths, np.ones(n, np.float32),
+                     np.zeros(n, np.float32))
+
+
+def test_verify_tree_takes_the_branch_the_target_would(ckpt, targets):
+    from mtpkern.loop import verify_tree
+
+    tgt = target_on(ckpt, targets, "numpy")
+    prompt = PROMPTS[0]
+    want = greedy_generate(tgt, prompt, 5).tokens               # t_P, then the greedy continuation
+    wrong = [(w + 1) % CFG.vocab_size for w in want]
+    # depth 0: [wrong, right]; under right: [wrong, right]; under that: [wrong] only
+    tree = _tree(want[0], [wrong[1], want[1], wrong[2], want[2], wrong[3]], [-1, -1, 1, 1, 3])
+    seq = tgt.alloc_seq()
+    first = tgt.prefill(seq, prompt)
+    v = verify_tree(tgt, seq, first.next_token, tree)
+    assert v.path == [1, 3] and v.bonus == want[3] and v.forwards == 3
+    assert seq.tokens == prompt + want[:3] and v.hiddens.shape == (3, CFG.hidden_size)
+    tgt.free_seq(seq)
+    seq = tgt.alloc_seq()                                        # nothing matches: no node accepted
+    tgt.prefill(seq, prompt)
+    v = verify_tree(tgt, seq, first.next_token, _tree(want[0], [wrong[1], wrong[1] + 1], [-1, -1]))
+    assert v.path == [] and v.bonus == want[1] and seq.tokens == prompt + want[:1]
+    tgt.free_seq(seq)
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_trees_a_k_policy_and_early_stop_are_lossless(ckpt, targets, kv_mode):
+    from mtpkern.loop import tree_generate
+
+    tgt = target_on(ckpt, targets, "numpy")
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=kv_mode, block_size=4, num_blocks=128)
+    prompt = PROMPTS[0]
+    want = greedy_generate(tgt, prompt, 9).tokens
+    tree = tree_generate(tgt, prop, prompt, 9, [2, 2, 1])
+    assert tree.tokens == want and tree.decisions.offered_at[:3] == [tree.decisions.verifies] * 3
+    asked = []
+    ks = speculative_generate(tgt, prop, prompt, 9, lambda d: asked.append(d.verifies) or [0, 2, 3][d.verifies % 3])
+    assert ks.tokens == want and ks.decisions.offered[:3] == [0, 2, 3] and asked[:3] == [0, 1, 2]
+    early = speculative_generate(tgt, prop, prompt, 9, 3, min_confidence=1.0)      # stops after one draft
+    assert early.tokens == want and set(early.decisions.offered) == {1}
+    assert prop.kv_blocks_in_use() == [0, 0, 0] and tgt.kv_blocks_in_use() == [0, 0]
+    prop.check_invariants()

@@ -41,6 +41,12 @@ def path(name: str) -> Path:
     return d
 
 
+def prompts(name: str) -> list[str]:
+    """Short excerpts of the held-out text of shipped checkpoint ``name`` (its ``prompts.json``:
+    files its training never read), for prompting it in demos and benchmarks."""
+    return [p["text"] for p in json.loads((path(name) / "prompts.json").read_text())["prompts"]]
+
+
 def training(name: str) -> dict:
     """The training record of shipped checkpoint ``name`` (its ``training.json``): command, seed,
     data and held-out files, steps, wall time, losses per head, and ``chain``, the module chaining
