@@ -33,11 +33,12 @@ import numpy as np
 
 from . import argtypes
 
-#: the K policy's Beta priors on a position's acceptance before any verify offered it: the
-#: library's default (1, 1) reads 0.5, and here makes choose_k pick K = 0 at the first step,
-#: after which nothing is offered, so nothing is counted and K stays 0; (4, 1) reads 0.8, so
-#: the policy drafts first and the counts then decide
-POLICY_PRIORS = ((1.0, 1.0), (4.0, 1.0))
+#: the K policy's runs: (Beta prior, optimism). The library's default prior (1, 1) reads 0.5
+#: before any verify offered a position; with the mean alone (optimism 0) choose_k may pick
+#: K = 0 at the first step, after which nothing is offered, so nothing is counted and K stays
+#: 0; one posterior standard deviation of optimism reads an uncounted position at 0.79, so the
+#: policy drafts first and the counts then decide; a prior of (4, 1) reads 0.8 by itself
+POLICY_RUNS = (((1.0, 1.0), 0.0), ((1.0, 1.0), 1.0), ((4.0, 1.0), 0.0))
 
 
 # -- shared with the demo --------------------------------------------------------------------
@@ -136,7 +137,21 @@ def measure_costs(target: Any, prop: Any, prompt: list[int], k_max: int, runs: i
         first = target.prefill(seq, prompt)
         prop.prefill_drafter(prompt, first.hiddens, st)
         P, t, h = len(prompt), first.next_token, first.hiddens[-1]
-        prop_pts, ver_pts = [], []
+        prop_pts, ver_pts, cat_pts = [], [], []
+        for n in range(1, k_max + 1):             # catch-up over n decoded tokens (a K = 0 stretch)
+            tc = []
+            for _ in range(runs):
+                toks, hs = [t], [h]
+                for _ in range(n - 1):
+                    d = target.decode(seq, toks[-1])
+                    toks.append(d.next_token)
+                    hs.append(d.hiddens[-1])
+                t0 = time.perf_counter()
+                prop.catchup_drafter(toks, np.stack(hs), st)
+                tc.append(time.perf_counter() - t0)
+                d = target.decode(seq, toks[-1])
+                P, t, h = P + n, d.next_token, d.hiddens[-1]
+            cat_pts.append((1, n, float(np.median(tc))))
         for k in range(0, k_max + 1):
             tp, tv = [], []
             for _ in range(runs):
@@ -157,7 +172,7 @@ def measure_costs(target: Any, prop: Any, prompt: list[int], k_max: int, runs: i
             if k:
                 prop_pts.append((1, k, float(np.median(tp))))
             ver_pts.append((1, k + 1, float(np.median(tv))))
-        return StepCosts.from_points(prop_pts, ver_pts), prop_pts, ver_pts
+        return StepCosts.from_points(prop_pts, ver_pts, catchup=cat_pts), prop_pts, ver_pts, cat_pts
     finally:
         prop.free_state(st)
         target.free_seq(seq)
@@ -281,28 +296,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             k=M, min_confidence=c)
     policy = None
     if not args.no_policy:
-        costs, prop_pts, ver_pts = measure_costs(target, prop, prompts[0], M)
+        costs, prop_pts, ver_pts, cat_pts = measure_costs(target, prop, prompts[0], M)
         fixed = {0: base["tokens_per_s"]}
         fixed.update({x["k"]: x["tokens_per_s"] for x in rows if x["kind"] == "chain" and x["kv_mode"] == "exact"})
         policy = {"propose_s": [[k, round(s, 6)] for _, k, s in prop_pts],
-                  "verify_s": [[n, round(s, 6)] for _, n, s in ver_pts], "fixed_k_tokens_per_s": fixed, "runs": []}
+                  "verify_s": [[n, round(s, 6)] for _, n, s in ver_pts],
+                  "catchup_s": [[n, round(s, 6)] for _, n, s in cat_pts], "fixed_k_tokens_per_s": fixed, "runs": []}
         print("  K policy: costs measured at batch 1 (median of 5 loop steps): propose "
               + ", ".join(f"k={k} {s * 1e3:.2f} ms" for _, k, s in prop_pts) + "; verify "
-              + ", ".join(f"n={n} {s * 1e3:.2f} ms" for _, n, s in ver_pts))
-        for prior in POLICY_PRIORS:
+              + ", ".join(f"n={n} {s * 1e3:.2f} ms" for _, n, s in ver_pts) + "; catch-up "
+              + ", ".join(f"n={n} {s * 1e3:.2f} ms" for _, n, s in cat_pts))
+        for prior, optimism in POLICY_RUNS:
             chosen: list[int] = []
 
-            def pick(dec: Any, prior: tuple = prior, chosen: list = chosen) -> int:
+            def pick(dec: Any, prior: tuple = prior, z: float = optimism, chosen: list = chosen) -> int:
                 acc, reached = policy_counts(dec, M)
-                k = choose_k(acceptance_from_counts(acc, reached, M, prior), costs, M).k
+                k = choose_k(acceptance_from_counts(acc, reached, M, prior, z), costs, M).k
                 chosen.append(k)
                 return k
 
             r = row("k_policy", "exact", lambda p: speculative_generate(target, prop, p, N, pick), k=M,
-                    prior=list(prior))
+                    prior=list(prior), optimism=optimism)
             counts = {str(k): chosen.count(k) for k in sorted(set(chosen))}
-            policy["runs"].append({"prior": list(prior), "chosen_k_counts": counts, "tokens_per_s": r["tokens_per_s"]})
-            print(f"  K policy, prior {prior}: chose k (steps) {counts}; {r['tokens_per_s']:.1f} tokens/s against "
+            policy["runs"].append({"prior": list(prior), "optimism": optimism, "chosen_k_counts": counts,
+                                   "tokens_per_s": r["tokens_per_s"]})
+            print(f"  K policy, prior {prior}, optimism {optimism:g}: chose k (steps) {counts}; "
+                  f"{r['tokens_per_s']:.1f} tokens/s against "
                   + ", ".join(f"K={k}: {v:.1f}" for k, v in sorted(fixed.items())) + " (K=0: greedy, no drafter)")
     notes = ["batch 8 not run: ReferenceTarget verifies one sequence at a time (no batched verify)",
              "FP8 not run: the loader reads FP8 checkpoints as released and does not quantize the BF16 one",
@@ -327,7 +346,7 @@ def _label(r: dict) -> str:
         return f"tree w={r['width']} {r['kv_mode']}"
     if r["kind"] == "early_stop":
         return f"early stop c={r['min_confidence']:g}"
-    return f"K policy prior {tuple(r['prior'])}"
+    return f"K policy {tuple(r['prior'])} z={r['optimism']:g}"
 
 
 def _print_row(r: dict) -> None:

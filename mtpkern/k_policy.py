@@ -7,7 +7,9 @@ bonus token, always). With ``alpha_i = P(draft i accepted | drafts before it acc
     E[K] = 1 + sum_{j=1..K} prod_{i<=j} alpha_i            (E[0] = 1)
 
 and one step (a propose of K drafts, then a verify of K + 1 tokens per sequence, B sequences)
-takes ``T(K, B) = t_propose(K, B) + t_verify(K + 1, B)`` seconds, with no propose at K = 0.
+takes ``T(K, B) = t_propose(K, B) + t_verify(K + 1, B) + c(K, B)`` seconds, with no propose at
+K = 0; ``c`` is the drafter's catch-up (``catchup_drafter``) when the engine measured it: over
+the one decoded token at K = 0, over the accepted drafts at K > 0 (its expectation).
 The policy picks the K in ``[0, k_max]`` that maximises the batch's expected tokens per second,
 ``sum_b E_b[K] / T(K, B)`` (a batch shares one K: ``propose_batch`` drafts the same number for
 every sequence). Ties go to the smaller K (the same rate for less work).
@@ -20,7 +22,9 @@ The pieces, each filled from the engine's own measurements:
 - ``acceptance_from_counts`` / ``acceptance_from_stats``: ``alpha_i`` from per-position counts
   (``AcceptanceStats.accepted[i] / AcceptanceStats.reached[i]``, the proposer's ``stats`` or an
   engine's per-sequence ones) under a Beta prior, so a position never offered yet reads as the
-  prior's mean, not 0 or 1.
+  prior's mean, not 0 or 1; with ``optimism`` an upper confidence bound instead of the mean, so
+  a policy that stopped drafting on a pessimistic start tries again (a position not offered is
+  never counted: with the mean alone, K = 0 can last for good).
 - ``choose_k``: the K, with the rate of every K for logging.
 
 Monotone in acceptance (tests/test_k_policy.py): for one sequence, or a batch whose sequences
@@ -193,22 +197,49 @@ class StepCosts:
     """The cost model of one speculative step, in seconds: ``propose(k, B)`` drafts ``k >= 1``
     tokens for each of ``B`` sequences; ``verify(n, B)`` is the target's forward over ``n``
     tokens of each of ``B`` sequences (``n = K + 1``: the last verified token and the drafts).
-    Anything else the engine does per step (sampling, scheduling) belongs in ``verify``."""
+    ``catchup(n, B)``, when given, is ``catchup_drafter`` over ``n`` verified tokens of each sequence:
+    every ``K = 0`` step pays it for the decoded token (the drafter kept current), a ``K > 0`` step
+    for its accepted drafts; without it a ``K = 0`` step looks cheaper than it is. Anything else
+    the engine does per step (sampling, scheduling) belongs in ``verify``."""
 
     propose: CostTable
     verify: CostTable
+    catchup: CostTable | None = None
 
     def __post_init__(self) -> None:
-        for name in ("propose", "verify"):
-            if not isinstance(getattr(self, name), CostTable):
-                raise TypeError(f"{name}: expected a CostTable, got {kind(getattr(self, name))}")
+        for name in ("propose", "verify", "catchup"):
+            v = getattr(self, name)
+            if not isinstance(v, CostTable) and not (name == "catchup" and v is None):
+                raise TypeError(f"{name}: expected a CostTable{' or None' if name == 'catchup' else ''}, "
+                                f"got {kind(v)}")
 
     @classmethod
     def from_points(cls, propose: Iterable[Sequence[Any]], verify: Iterable[Sequence[Any]],
-                    fit: Fit = "interpolate") -> "StepCosts":
+                    fit: Fit = "interpolate", catchup: Iterable[Sequence[Any]] | None = None) -> "StepCosts":
         """From measured ``(B, k, seconds)`` propose points and ``(B, n, seconds)`` verify points
-        (``CostTable.from_points``)."""
-        return cls(CostTable.from_points("propose", propose, fit), CostTable.from_points("verify", verify, fit))
+        (``CostTable.from_points``); ``catchup``: ``(B, n, seconds)`` points of ``catchup_drafter`` /
+        ``catchup_batch`` over ``n`` verified tokens a sequence, or None (not counted)."""
+        return cls(CostTable.from_points("propose", propose, fit), CostTable.from_points("verify", verify, fit),
+                   None if catchup is None else CostTable.from_points("catchup", catchup, fit))
+
+    def catchup_seconds(self, alphas: np.ndarray, B: int) -> np.ndarray:
+        """The expected seconds of a step's catch-up for ``K = 0 .. k_max`` (``[k_max + 1]``; zeros
+        without a ``catchup`` table): a ``K = 0`` step catches the drafter up over the one decoded
+        token; a ``K > 0`` step over the ``a`` accepted drafts (none when ``a = 0``), with
+        ``P(a = j)`` from ``alphas`` ``[.., k_max]`` (the mean over a batch's rows)."""
+        a = alphas.reshape(-1, alphas.shape[-1])                         # [R, k_max]
+        k_max = a.shape[-1]
+        out = np.zeros(k_max + 1)
+        if self.catchup is None:
+            return out
+        out[0] = float(self.catchup(np.array([1]), B)[0])
+        if k_max:
+            t = self.catchup(np.arange(1, k_max + 1), B)                  # [k_max]: t_c(j), j = 1 .. k_max
+            reach = np.cumprod(a, axis=-1)                               # [R, k_max]: P(a >= j)
+            for K in range(1, k_max + 1):
+                p = reach[:, :K] - np.concatenate([reach[:, 1:K], np.zeros((a.shape[0], 1))], axis=-1)
+                out[K] = float((p @ t[:K]).mean())                        # sum_j P(a = j) t_c(j)
+        return out
 
     def step_seconds(self, k_max: int, B: int) -> np.ndarray:
         """``T(K, B)`` for ``K = 0 .. k_max`` (``[k_max + 1]``): no propose at ``K = 0``."""
@@ -236,7 +267,8 @@ def _prior(prior: Any) -> tuple[float, float]:
     return a, r
 
 
-def acceptance_from_counts(accepted: Any, reached: Any, k_max: int, prior: Any = DEFAULT_PRIOR) -> np.ndarray:
+def acceptance_from_counts(accepted: Any, reached: Any, k_max: int, prior: Any = DEFAULT_PRIOR,
+                           optimism: float = 0.0) -> np.ndarray:
     """Per-position conditional acceptance ``alpha_i`` (``[k_max]``, or ``[B, k_max]`` for
     ``[B, P]`` counts, one row per sequence) from counts: ``reached[i]`` verifies judged draft ``i``
     after accepting every draft before it, ``accepted[i]`` of them accepted it. The posterior
@@ -246,9 +278,16 @@ def acceptance_from_counts(accepted: Any, reached: Any, k_max: int, prior: Any =
 
     Positions past the counts (``i >= P``, e.g. ``k_max`` beyond the modules an engine counted)
     read ``prior[0] / (prior[0] + prior[1])``. Counts may be reals (e.g. decayed counts that
-    follow a drifting acceptance); ``0 <= accepted <= reached``."""
+    follow a drifting acceptance); ``0 <= accepted <= reached``.
+
+    ``optimism`` ``z >= 0``: the posterior mean plus ``z`` posterior standard deviations (at most
+    1), an upper confidence bound. A position a policy stops offering is never counted again, so
+    with ``z = 0`` a pessimistic start can keep K at 0 for good (the prior's mean says drafting
+    does not pay, and no verify ever says otherwise); with ``z > 0`` a little-counted position
+    reads high, gets offered, and its counts then decide."""
     k_max = _int("k_max", k_max, 0, MAX_K)
     pa, pr = _prior(prior)
+    z = _real("optimism", optimism)
     acc = _reals("accepted", accepted, (1, 2))
     rea = _reals("reached", reached, (1, 2))
     if acc.shape != rea.shape:
@@ -262,12 +301,18 @@ def acceptance_from_counts(accepted: Any, reached: Any, k_max: int, prior: Any =
         raise ValueError(f"accepted{list(i)}: expected <= reached{list(i)} = {float(rea[i])!r}, got {float(acc[i])!r}")
     P = acc.shape[-1]
     n = min(P, k_max)
-    out = np.full(acc.shape[:-1] + (k_max,), pa / (pa + pr))                       # [.., k_max]
-    out[..., :n] = (acc[..., :n] + pa) / (rea[..., :n] + pa + pr)
-    return out
+    a = np.full(acc.shape[:-1] + (k_max,), pa)                                     # Beta(a, b) per position
+    b = np.full(acc.shape[:-1] + (k_max,), pr)
+    a[..., :n] += acc[..., :n]
+    b[..., :n] += rea[..., :n] - acc[..., :n]
+    mean = a / (a + b)
+    if z == 0.0:
+        return mean
+    sd = np.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
+    return np.minimum(mean + z * sd, 1.0)
 
 
-def acceptance_from_stats(stats: Any, k_max: int, prior: Any = DEFAULT_PRIOR) -> np.ndarray:
+def acceptance_from_stats(stats: Any, k_max: int, prior: Any = DEFAULT_PRIOR, optimism: float = 0.0) -> np.ndarray:
     """``acceptance_from_counts`` of an ``AcceptanceStats`` (the proposer's ``stats``, counted over
     every sequence: ``[k_max]``) or of a list of them (an engine's per-sequence counters:
     ``[B, k_max]``); read with ``snapshot()``, so a verify is never counted half-way."""
@@ -285,8 +330,8 @@ def acceptance_from_stats(stats: Any, k_max: int, prior: Any = DEFAULT_PRIOR) ->
     if len({len(a) for a in acc}) > 1:
         raise ValueError(f"stats: expected the same number of positions in each, got {[len(a) for a in acc]}")
     if many:
-        return acceptance_from_counts(acc, rea, k_max, prior)
-    return acceptance_from_counts(acc[0], rea[0], k_max, prior)
+        return acceptance_from_counts(acc, rea, k_max, prior, optimism)
+    return acceptance_from_counts(acc[0], rea[0], k_max, prior, optimism)
 
 
 def expected_tokens(alphas: Any) -> np.ndarray:
@@ -330,7 +375,8 @@ def choose_k(alphas: Any, costs: StepCosts, k_max: int, batch_size: int | None =
     ``alphas``: ``[k_max]`` conditional acceptances shared by ``batch_size`` sequences (default 1:
     one sequence alone), or ``[B, k_max]``, one row per sequence of a batch (``batch_size`` then
     ``None`` or ``B``). ``costs``: a ``StepCosts``. The rate of ``K`` is
-    ``sum_b E_b[K] / (t_propose(K, B) + t_verify(K + 1, B))`` (no propose at ``K = 0``); the
+    ``sum_b E_b[K] / (t_propose(K, B) + t_verify(K + 1, B) + c(K))`` (no propose at ``K = 0``;
+    ``c``: ``StepCosts.catchup_seconds``, 0 without a catch-up table); the
     smallest ``K`` among equal rates wins. ``k_max`` may exceed the modules where the proposer
     drafts more (``module_schedule=``, ``max_drafts=``), at most 64."""
     k_max = _int("k_max", k_max, 0, MAX_K)
@@ -349,6 +395,6 @@ def choose_k(alphas: Any, costs: StepCosts, k_max: int, batch_size: int | None =
     else:
         B = 1 if batch_size is None else _int("batch_size", batch_size, 1)
         E = B * expected_tokens(a)                                       # [k_max + 1]
-    T = costs.step_seconds(k_max, B)                                     # [k_max + 1]
+    T = costs.step_seconds(k_max, B) + costs.catchup_seconds(a, B)      # [k_max + 1]
     rate = E / T
     return KChoice(int(np.argmax(rate)), rate, E, T)

@@ -35,14 +35,16 @@ def test_rows_and_figures(tmp_path, capsys):
     rows = res["rows"]
     assert [(r["kind"], r.get("k"), r.get("width")) for r in rows] == [
         ("chain", 1, None), ("chain", 2, None), ("chain", 3, None), ("tree", 3, 2), ("early_stop", 3, None),
-        ("k_policy", 3, None), ("k_policy", 3, None)]
+        ("k_policy", 3, None), ("k_policy", 3, None), ("k_policy", 3, None)]
     assert res["prompts"] == 2 and res["max_new_tokens"] == 8 and res["chain"] == "postnorm"
     for r in rows:
         assert r["lossless"] is True and r["tokens_per_s"] > 0, r
         _consistent(r)
     for r in rows[:3]:                                       # a chain of k offers k drafts every verify
         assert r["offered_at"] == [r["verifies"]] * r["k"] and r["drafts_per_verify"] == r["k"]
-    assert [run["prior"] for run in res["k_policy"]["runs"]] == [[1.0, 1.0], [4.0, 1.0]]
+    assert [(run["prior"], run["optimism"]) for run in res["k_policy"]["runs"]] == \
+        [([1.0, 1.0], 0.0), ([1.0, 1.0], 1.0), ([4.0, 1.0], 0.0)]
+    assert [n for n, _ in res["k_policy"]["catchup_s"]] == [1, 2, 3]
     assert sorted(res["k_policy"]["fixed_k_tokens_per_s"]) == ["0", "1", "2", "3"]
     assert any("batch 8 not run" in n for n in res["notes"]) and any("FP8 not run" in n for n in res["notes"])
     assert "chain k=3 exact" in text and "tree w=2 exact" in text and "early stop c=0.5" in text

@@ -350,3 +350,49 @@ def test_a_cost_table_built_by_hand_is_checked():
         CostTable("verify", (2, 1), (np.array([1.0, 2.0]),) * 2, (np.array([1.0, 1.0]),) * 2)
     with pytest.raises(TypeError, match=r"propose: expected a CostTable, got dict"):
         StepCosts({}, CostTable.from_points("verify", GOOD["verify"]))
+
+
+# -- optimism and the catch-up's cost ------------------------------------------------------------------
+
+def test_optimism_reads_an_upper_bound_that_shrinks_with_counts():
+    """Beta(a, b)'s mean plus z standard deviations, at most 1; z = 0 is the mean."""
+    fresh = acceptance_from_counts([0.0], [0.0], 1, optimism=1.0)
+    assert fresh.tolist() == pytest.approx([0.5 + (1 / 12) ** 0.5])            # Beta(1, 1): sd = sqrt(1/12)
+    counted = acceptance_from_counts([50.0], [100.0], 1, optimism=1.0)[0]
+    a, b = 51.0, 51.0
+    assert counted == pytest.approx(0.5 + (a * b / ((a + b) ** 2 * (a + b + 1))) ** 0.5)
+    assert 0.5 < counted < fresh[0]
+    assert acceptance_from_counts([9.0], [9.0], 1, optimism=50.0).tolist() == [1.0]
+    assert acceptance_from_counts([3.0], [4.0], 1, optimism=0.0).tolist() == [4 / 6]
+    with pytest.raises(ValueError, match="optimism"):
+        acceptance_from_counts([0.0], [0.0], 1, optimism=-1.0)
+
+
+def test_optimism_gets_a_policy_out_of_a_pessimistic_start():
+    """A step at 0.5 acceptance does not pay for drafting (propose 2.5 s a draft, verify 4 s):
+    the posterior mean alone picks K = 0 before any count, and since a K = 0 step offers no draft
+    it would stay there; one standard deviation of optimism drafts, and once counts say 0.5 the
+    choice is K = 0 on evidence."""
+    costs = linear_costs(0.0, 2.5, 4.0, 0.0)
+    assert choose_k(acceptance_from_counts([0.0] * 3, [0.0] * 3, 3), costs, 3).k == 0
+    assert choose_k(acceptance_from_counts([0.0] * 3, [0.0] * 3, 3, optimism=1.0), costs, 3).k > 0
+    counted = acceptance_from_counts([500.0] * 3, [1000.0] * 3, 3, optimism=1.0)
+    assert choose_k(counted, costs, 3).k == 0
+
+
+def test_the_catchup_cost_by_hand():
+    """catch-up c(n) = 1 + n s: K = 0 pays c(1) = 2 s; K = 1 at alpha 0.5 pays c(1) half the time
+    (1 s expected); K = 2 at alphas (0.5, 0.5): P(a=1) = 0.25, P(a=2) = 0.25: 0.25 * 2 + 0.25 * 3."""
+    costs = StepCosts.from_points(propose=[(1, 1, 1.0), (1, 2, 2.0)], verify=[(1, 1, 4.0), (1, 2, 4.0)],
+                                  catchup=[(1, 1, 2.0), (1, 2, 3.0)])
+    a = np.array([0.5, 0.5])
+    assert costs.catchup_seconds(a, 1).tolist() == pytest.approx([2.0, 1.0, 1.25])
+    got = choose_k(a, costs, 2)
+    assert got.step_seconds.tolist() == pytest.approx([6.0, 6.0, 7.25])       # verify + propose + catch-up
+    assert got.tokens_per_second.tolist() == pytest.approx([1 / 6, 1.5 / 6, 1.75 / 7.25])
+    assert got.k == 1
+    # without the catch-up table K = 0 looks cheaper than it is: 1 / 4 against K = 1's 1.5 / 5
+    bare = choose_k(a, StepCosts(costs.propose, costs.verify), 2)
+    assert bare.step_seconds.tolist() == pytest.approx([4.0, 5.0, 6.0])
+    with pytest.raises(TypeError, match="catchup: expected a CostTable or None"):
+        StepCosts(costs.propose, costs.verify, "fast")
