@@ -122,14 +122,22 @@ def _check_pair(target: Any, proposer: Any) -> None:
 
 
 def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, num_drafts: Any,
-                         min_confidence: float | None = None) -> Generation:
+                         min_confidence: float | None = None, catchup: bool = True) -> Generation:
     """``max_new`` tokens after ``prompt`` by the loop of the module docstring, ``num_drafts``
     drafts a propose (clamped to the proposer's modules as ``propose`` does; >= 1), or a
     function ``num_drafts(decisions) -> k`` asked before every step (``k >= 0``; 0: a decode
     step without drafts). ``min_confidence``: ``propose``'s early stop (None: off). The target
-    and the proposer must share the vocabulary and hidden size. The target sequence and the
-    proposer state are freed at the end, whatever happens."""
+    and the proposer must share the vocabulary and hidden size. ``catchup=False`` (draft mode
+    only) skips ``catchup_drafter``: module 0 then holds the rows of the prefill and one row
+    per propose, as a drafter without a catch-up does (positions skip forward; the tokens stay
+    the target's). The target sequence and the proposer state are freed at the end, whatever
+    happens."""
     cfg = target.config
+    if not isinstance(catchup, bool):
+        raise TypeError(f"catchup: expected a bool, got {type(catchup).__name__}")
+    if not catchup and getattr(proposer, "kv_mode", None) != "draft":
+        raise ValueError(f"catchup: expected True with a proposer in kv_mode {getattr(proposer, 'kv_mode', None)!r} "
+                         "(only draft mode may skip the catch-up: exact mode's later modules read its rows), got False")
     toks, max_new = _check(prompt, max_new, cfg.vocab_size)
     policy = num_drafts if callable(num_drafts) else None
     k = None if policy else check_int("num_drafts", num_drafts, 1, 2 ** 31 - 1)
@@ -147,7 +155,8 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
             if step_k == 0:                     # a decode step: t_P's drafter row comes by catch-up
                 v = target.verify(seq, t, [])
                 dec.record(0, 0)
-                proposer.catchup_drafter([t], h[None, :], st)
+                if catchup:
+                    proposer.catchup_drafter([t], h[None, :], st)
                 out.append(v.bonus)
                 P, t, h = P + 1, v.bonus, v.hiddens[0]
                 continue
@@ -157,7 +166,7 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
             a = v.num_accepted
             dec.record(len(drafts), a)
             proposer.after_verify(a, st)
-            if a:
+            if a and catchup:
                 proposer.catchup_drafter(drafts[:a], v.hiddens[:a], st)
             out.extend(drafts[:a] + [v.bonus])
             P, t, h = P + a + 1, v.bonus, v.hiddens[a]

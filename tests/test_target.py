@@ -444,6 +444,53 @@ def test_a_loop_that_skips_after_verify_or_the_catchup_is_caught(ckpt, targets, 
     assert prop.kv_blocks_in_use() == [0, 0, 0] and tgt.kv_blocks_in_use() == [0, 0]
 
 
+
+def test_draft_mode_without_the_catchup(ckpt, targets):
+    """``catchup=False``: lossless, and module 0 holds one row per propose instead of the
+    accepted drafts' rows too (forced acceptances: the synthetic drafter's drafts rarely are);
+    refused in exact mode, where the later modules read the catch-up's rows."""
+    tgt = target_on(ckpt, targets, "numpy")
+    prompt = PROMPTS[0]
+    want = greedy_generate(tgt, prompt, 16).tokens
+    rows, verifies = {}, {}
+
+    class Watch:
+        def __init__(self, prop):
+            self.prop = prop
+
+        def __getattr__(self, name):
+            return getattr(self.prop, name)
+
+        def propose(self, t, h, P, k, st):
+            self.prop.propose(t, h, P, k, st)
+            return want[P - len(prompt) + 1:P - len(prompt) + 1 + k]
+
+        def free_state(self, st):
+            rows[self.on] = st.rows_per_module()[0]
+            self.prop.free_state(st)
+
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="draft", block_size=4, num_blocks=64)
+    for on in (True, False):
+        w = Watch(prop)
+        w.on = on
+        out = speculative_generate(tgt, w, prompt, 12, 3, catchup=on)
+        assert out.tokens == want[:12]
+        verifies[on] = out.decisions.verifies
+        # forced drafts all match: 3 accepted a verify
+        assert out.decisions.accepted[:-1] == [3] * (verifies[on] - 1)
+    for real in (True, False):                     # the real drafts: lossless either way
+        assert speculative_generate(tgt, prop, prompt, 12, 3, catchup=real).tokens == want[:12]
+    # the prefill's n - 1 rows (pairs (t_{i+1}, h_i)), then one per propose; the catch-up adds the accepted drafts'
+    assert rows[False] == len(prompt) - 1 + verifies[False] < rows[True]
+    assert prop.kv_blocks_in_use() == [0, 0, 0]
+    exact = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="exact", block_size=4, num_blocks=64)
+    with pytest.raises(ValueError, match="catchup: expected True .* 'exact'"):
+        speculative_generate(tgt, exact, prompt, 4, 3, catchup=False)
+    with pytest.raises(TypeError, match="catchup: expected a bool"):
+        speculative_generate(tgt, prop, prompt, 4, 3, catchup=1)
+    assert tgt.kv_blocks_in_use() == [0, 0] and exact.kv_blocks_in_use() == [0, 0, 0]
+
+
 def test_decisions_record():
     d = Decisions()
     d.record(3, 2)
