@@ -491,6 +491,51 @@ def test_draft_mode_without_the_catchup(ckpt, targets):
     assert tgt.kv_blocks_in_use() == [0, 0] and exact.kv_blocks_in_use() == [0, 0, 0]
 
 
+
+def test_the_batched_loop_is_lossless_per_sequence(ckpt, targets):
+    """``speculative_generate_batch``: each sequence's tokens are its greedy ones, its decisions
+    are the verifier's (forced perfect drafts: all accepted; the synthetic drafter's: near
+    chance), the policy is asked once per batch step with the batch's decisions so far, and
+    every sequence and state is freed."""
+    from mtpkern.loop import speculative_generate_batch
+
+    tgt = target_on(ckpt, targets, "numpy")
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="exact", block_size=4, num_blocks=64)
+    prompts, n = PROMPTS[:2], 9
+    want = [greedy_generate(tgt, p, n + 4).tokens for p in prompts]
+    got = speculative_generate_batch(tgt, prop, prompts, n, 3)
+    assert [g.tokens for g in got] == [w[:n] for w in want]
+    assert all(g.decisions.offered == [3] * g.decisions.verifies for g in got)
+
+    class Forced:
+        def __init__(self, prop):
+            self.prop = prop
+
+        def __getattr__(self, name):
+            return getattr(self.prop, name)
+
+        def propose_batch(self, ts, hs, Ps, k, sts):
+            self.prop.propose_batch(ts, hs, Ps, k, sts)
+            return [want[i][P - len(prompts[i]) + 1:P - len(prompts[i]) + 1 + k] for i, P in enumerate(Ps)]
+
+    seen = []
+
+    def policy(dec):
+        seen.append(dec.verifies)
+        return 2 if len(seen) % 2 else 0            # drafts and decode steps in turn
+    # forced drafts need draft mode: exact mode checks the catch-up's tokens against its own drafts
+    dprop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="draft", block_size=4, num_blocks=64)
+    forced = speculative_generate_batch(tgt, Forced(dprop), prompts, n, policy)
+    assert [g.tokens for g in forced] == [w[:n] for w in want]
+    for g in forced:                                  # perfect drafts: all accepted, decode steps offer none
+        assert g.decisions.accepted == g.decisions.offered and set(g.decisions.offered) == {0, 2}
+    assert seen == [2 * i for i in range(len(seen))]  # both sequences live every step (same length)
+    assert sum(g.decisions.verifies for g in forced) < sum(g.decisions.verifies for g in got)
+    with pytest.raises(ValueError, match="prompts: expected a non-empty list"):
+        speculative_generate_batch(tgt, prop, [], n, 3)
+    assert prop.kv_blocks_in_use() == dprop.kv_blocks_in_use() == [0, 0, 0] and tgt.kv_blocks_in_use() == [0, 0]
+
+
 def test_decisions_record():
     d = Decisions()
     d.record(3, 2)
