@@ -13,10 +13,17 @@ Rows: chains of ``k = 1 .. M`` drafts in each KV mode; draft trees of widths ``W
 (``propose_tree`` + ``after_verify_tree``, verified by ``mtpkern.loop.verify_tree``: greedy
 verification by the tree's paths, exact in its decisions; its tokens/s counts one target
 forward per branch taken, not a tree-masked verify, so it is not a tree verify's speed);
-early stop (``min_confidence``); and the K policy (``mtpkern.k_policy.choose_k`` each step
-from the costs measured here and the acceptance counted so far) against every fixed K, at
-batch 1. Batch 8 is not run: ``ReferenceTarget`` verifies one sequence at a time. FP8 is not
-run: the loader takes FP8 checkpoints as released and does not quantize a BF16 one.
+early stop (``min_confidence``); chains of ``k = M+1 .. K`` under a module schedule
+(``module_schedule="last"`` / ``"cycle"``, ``max_drafts=K``); reduced draft vocabularies of the
+``N`` most frequent bytes of the training data (the checkpoint's ``byte_counts.json``, never the
+held-out text); the drafter's projections in FP8 E4M3 with 128 x 128 block scales (a temporary
+copy of the checkpoint, quantized as releases are; the target unchanged); draft mode without
+the module-0 catch-up (``speculative_generate(..., catchup=False)``); and the K policy
+(``mtpkern.k_policy.choose_k`` each step from the costs measured here and the acceptance
+counted so far) against every fixed K, at batch 1 and at batch ``B`` (the prompts cycled,
+``speculative_generate_batch``: ``propose_batch`` for the drafts, one K for the batch; the
+target verifies each sequence in turn, ``ReferenceTarget`` having no batched verify, so the
+verify's cost grows with ``B``).
 """
 
 from __future__ import annotations

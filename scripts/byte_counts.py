@@ -36,7 +36,8 @@ def main(argv=None) -> int:
                          f"sha256 {rec['train_sha256']}), got {len(data)} bytes, sha256 {sha}")
     held = set(rec["held_out_files"])
     if held & set(rec["train_files"]):
-        raise SystemExit(f"training.json: held-out files among the training files: {sorted(held & set(rec['train_files']))}")
+        both = sorted(held & set(rec["train_files"]))
+        raise SystemExit(f"training.json: expected no held-out file among the training files, got {both}")
     counts = np.bincount(np.frombuffer(data, np.uint8), minlength=256)
     out = {"data": "the training files of training.json (train_files, joined by b'\\n'); no held-out file",
            "train_bytes": len(data), "train_sha256": sha, "counts": [int(c) for c in counts]}

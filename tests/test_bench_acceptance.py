@@ -60,7 +60,8 @@ def test_rows_and_figures(tmp_path, capsys):
         one = by["chain", None, None, r["k"], "exact"]
         assert (r["offered_at"], r["accepted_at"]) == (one["offered_at"], one["accepted_at"])
     bp = res["batched"]
-    assert bp["batch"] == 2 and [n for n, _ in bp["catchup_s"]] == [1, 2, 3] and [k for k, _ in bp["propose_s"]] == [1, 2, 3]
+    assert bp["batch"] == 2 and [n for n, _ in bp["catchup_s"]] == [1, 2, 3]
+    assert [k for k, _ in bp["propose_s"]] == [1, 2, 3] and [n for n, _ in bp["verify_s"]] == [1, 2, 3, 4]
     assert sorted(bp["fixed_k_tokens_per_s"]) == ["0", "1", "2", "3"]
     for run, r in zip(bp["runs"], batch[3:]):              # the policy's K each step: one per batch step
         steps = sum(run["chosen_k_counts"].values())
