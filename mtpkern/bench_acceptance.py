@@ -13,10 +13,17 @@ Rows: chains of ``k = 1 .. M`` drafts in each KV mode; draft trees of widths ``W
 (``propose_tree`` + ``after_verify_tree``, verified by ``mtpkern.loop.verify_tree``: greedy
 verification by the tree's paths, exact in its decisions; its tokens/s counts one target
 forward per branch taken, not a tree-masked verify, so it is not a tree verify's speed);
-early stop (``min_confidence``); and the K policy (``mtpkern.k_policy.choose_k`` each step
-from the costs measured here and the acceptance counted so far) against every fixed K, at
-batch 1. Batch 8 is not run: ``ReferenceTarget`` verifies one sequence at a time. FP8 is not
-run: the loader takes FP8 checkpoints as released and does not quantize a BF16 one.
+early stop (``min_confidence``); chains of ``k = M+1 .. K`` under a module schedule
+(``module_schedule="last"`` / ``"cycle"``, ``max_drafts=K``); reduced draft vocabularies of the
+``N`` most frequent bytes of the training data (the checkpoint's ``byte_counts.json``, never the
+held-out text); the drafter's projections in FP8 E4M3 with 128 x 128 block scales (a temporary
+copy of the checkpoint, quantized as releases are; the target unchanged); draft mode without
+the module-0 catch-up (``speculative_generate(..., catchup=False)``); and the K policy
+(``mtpkern.k_policy.choose_k`` each step from the costs measured here and the acceptance
+counted so far) against every fixed K, at batch 1 and at batch ``B`` (the prompts cycled,
+``speculative_generate_batch``: ``propose_batch`` for the drafts, one K for the batch; the
+target verifies each sequence in turn, ``ReferenceTarget`` having no batched verify, so the
+verify's cost grows with ``B``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -178,6 +186,121 @@ def measure_costs(target: Any, prop: Any, prompt: list[int], k_max: int, runs: i
         target.free_seq(seq)
 
 
+def measure_costs_batch(target: Any, prop: Any, prompts: list[list[int]], k_max: int,
+                        runs: int = 3) -> tuple[list, list, list]:
+    """``StepCosts`` points at batch ``B = len(prompts)``, from steps of the batched loop
+    (``mtpkern.loop.speculative_generate_batch``): ``propose_batch`` of ``k = 1 .. k_max``
+    drafts, the ``B`` verifies of ``n = k + 1`` rows one after another (``ReferenceTarget``
+    has no batched verify), and ``catchup_batch`` over ``n = 1 .. k_max`` tokens a sequence;
+    the median of ``runs`` steps each. Returns the (B, size, seconds) propose, verify and
+    catch-up points."""
+    B = len(prompts)
+    seqs, sts = [target.alloc_seq() for _ in range(B)], [prop.alloc_state() for _ in range(B)]
+    try:
+        P, t, h = [], [], []
+        for seq, st, p in zip(seqs, sts, prompts):
+            first = target.prefill(seq, p)
+            prop.prefill_drafter(p, first.hiddens, st)
+            P.append(len(p))
+            t.append(first.next_token)
+            h.append(first.hiddens[-1])
+        prop_pts, ver_pts, cat_pts = [], [], []
+        for n in range(1, k_max + 1):             # catch-up over n decoded tokens a sequence
+            tc = []
+            for _ in range(runs):
+                toks, hs = [[x] for x in t], [[x] for x in h]
+                for i in range(B):
+                    for _ in range(n - 1):
+                        d = target.decode(seqs[i], toks[i][-1])
+                        toks[i].append(d.next_token)
+                        hs[i].append(d.hiddens[-1])
+                t0 = time.perf_counter()
+                prop.catchup_batch(toks, [np.stack(x) for x in hs], sts)
+                tc.append(time.perf_counter() - t0)
+                for i in range(B):
+                    d = target.decode(seqs[i], toks[i][-1])
+                    P[i], t[i], h[i] = P[i] + n, d.next_token, d.hiddens[-1]
+            cat_pts.append((B, n, float(np.median(tc))))
+        for k in range(0, k_max + 1):
+            tp, tv = [], []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                drafts = prop.propose_batch(t, np.stack(h), P, k, sts) if k else [[] for _ in range(B)]
+                t1 = time.perf_counter()
+                vs = [target.verify(seqs[i], t[i], [int(d) for d in drafts[i]]) for i in range(B)]
+                t2 = time.perf_counter()
+                up = [], [], []
+                for i, v in enumerate(vs):
+                    a = v.num_accepted
+                    if k:
+                        prop.after_verify(a, sts[i])
+                    caught = [int(d) for d in drafts[i][:a]] if k else [t[i]]
+                    if caught:
+                        up[0].append(caught)
+                        up[1].append(v.hiddens[:a] if k else h[i][None, :])
+                        up[2].append(sts[i])
+                    P[i], t[i], h[i] = P[i] + a + 1, v.bonus, v.hiddens[a]
+                if up[2]:
+                    prop.catchup_batch(*up)
+                tp.append(t1 - t0)
+                tv.append(t2 - t1)
+            if k:
+                prop_pts.append((B, k, float(np.median(tp))))
+            ver_pts.append((B, k + 1, float(np.median(tv))))
+        return prop_pts, ver_pts, cat_pts
+    finally:
+        for st in sts:
+            prop.free_state(st)
+        for seq in seqs:
+            target.free_seq(seq)
+
+
+# -- other drafters of the same checkpoint ---------------------------------------------------
+
+def frequent_bytes(ckpt: Path, n: int) -> np.ndarray | None:
+    """The ``n`` most frequent byte values of ``ckpt``'s training data (its ``byte_counts.json``;
+    ties: the lower byte first), sorted, as a draft vocabulary; None without that file."""
+    f = Path(ckpt) / "byte_counts.json"
+    if not f.is_file():
+        return None
+    counts = np.asarray(json.loads(f.read_text())["counts"], dtype=np.int64)
+    if counts.shape != (256,) or (counts < 0).any():
+        raise ValueError(f"{f}: expected 256 non-negative counts, got shape {counts.shape}")
+    order = np.lexsort((np.arange(256), -counts))           # by count, descending; then by id
+    return np.sort(order[:n]).astype(np.int64)
+
+
+#: FP8 E4M3 with 128 x 128 block scales, as DeepSeek-V3's and GLM-4.5-FP8's config.json say it
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+
+
+def fp8_copy(ckpt: Path, dst: Path) -> Path:
+    """A copy of ``ckpt`` in ``dst`` whose MTP modules' projections are FP8 E4M3 with 128 x 128
+    block scales (``quantize_projections``: amax / 448 per block, as releases quantize), the
+    rest (target layers, norms, embedding, LM head) as it was, and ``quantization_config`` in
+    its ``config.json``. Returns ``dst``."""
+    from safetensors.numpy import save_file
+
+    from .config import MtpConfig
+    from .weights import quantize_projections, read_tensors
+
+    d = json.loads((Path(ckpt) / "config.json").read_text())
+    d["quantization_config"] = dict(FP8_QUANTIZATION)
+    cfg = MtpConfig.from_dict(d)
+    tensors = read_tensors(ckpt)
+    mods = tuple(f"model.layers.{cfg.layer_index(m)}." for m in range(cfg.num_modules))
+    quant = quantize_projections(cfg, {k: np.asarray(v, np.float32) for k, v in tensors.items() if k.startswith(mods)})
+    quant = {k: v if v.dtype.itemsize == 1 or k.endswith("_scale_inv") else tensors[k] for k, v in quant.items()}
+    out = {k: v for k, v in tensors.items() if not k.startswith(mods)} | quant
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    return dst
+
+
 # -- the benchmark ---------------------------------------------------------------------------
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -201,23 +324,37 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--min-confidence", type=float, nargs="*", default=[0.3, 0.6, 0.9], metavar="C",
                     help="early-stop rows (k = M, exact mode): drafting stops after a draft of confidence "
                          "below C (none: no rows)")
-    ap.add_argument("--no-policy", action="store_true", help="skip the K-policy rows")
+    ap.add_argument("--no-policy", action="store_true", help="skip the K-policy rows (batch 1 and batched)")
+    ap.add_argument("--schedules", type=argtypes.choices_list("last", "cycle"), nargs="?", const=[],
+                    default="last,cycle", metavar="NAME[,NAME]",
+                    help="module schedules of the chains beyond M, exact mode (the option alone: no rows)")
+    ap.add_argument("--schedule-drafts", type=argtypes.positive_int, default=5, metavar="K",
+                    help="chains of k = M+1 .. K drafts under each module schedule (max_drafts=K)")
+    ap.add_argument("--draft-vocabs", type=argtypes.positive_int, nargs="*", default=[32, 64, 128], metavar="N",
+                    help="draft-vocabulary rows (k = M, exact mode): the N most frequent bytes of the training "
+                         "data (the checkpoint's byte_counts.json) (none: no rows)")
+    ap.add_argument("--no-fp8", action="store_true",
+                    help="skip the FP8 row (the modules' projections quantized to FP8 E4M3, 128 x 128 blocks)")
+    ap.add_argument("--batch", type=argtypes.nonnegative_int, default=8, metavar="B",
+                    help="batched rows: B sequences (the prompts cycled), every fixed K and the K policy "
+                         "(0: none)")
     ap.add_argument("--json", type=argtypes.output_file, default=None, metavar="PATH",
                     help="write every figure as JSON to PATH (default: not written)")
     ap.add_argument("--plot", type=argtypes.output_file, default=None, metavar="PATH",
                     help="draw acceptance per position of each row as a PNG (needs matplotlib) (default: not drawn)")
 
 
-def _loader(be: Any, ckpt: Path, chain: str | None) -> Callable[[str], Any]:
+def _loader(be: Any, ckpt: Path, chain: str | None) -> Callable[..., Any]:
     from .proposer import MultiModuleMtpHead
 
-    cache: dict[str, Any] = {}
+    cache: dict[tuple, Any] = {}
 
-    def load(kv_mode: str) -> Any:
-        if kv_mode not in cache:
-            cache[kv_mode] = MultiModuleMtpHead.from_pretrained(ckpt, backend=be, kv_mode=kv_mode, chain=chain,
-                                                                num_blocks=1024)
-        return cache[kv_mode]
+    def load(kv_mode: str, src: Path | None = None, **kw: Any) -> Any:
+        key = (kv_mode, str(src), tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in cache:
+            cache[key] = MultiModuleMtpHead.from_pretrained(src or ckpt, backend=be, kv_mode=kv_mode, chain=chain,
+                                                            num_blocks=1024, **kw)
+        return cache[key]
     return load
 
 
@@ -233,6 +370,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for c in args.min_confidence:
         if not 0.0 <= c <= 1.0:
             raise ValueError(f"--min-confidence: expected values in [0, 1], got {c}")
+    for n in args.draft_vocabs:
+        if not 1 <= n <= 256:
+            raise ValueError(f"--draft-vocabs: expected sizes in [1, 256] (byte tokens), got {n}")
     if args.plot is not None:
         from .bench import require_matplotlib
         require_matplotlib()
@@ -251,16 +391,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     texts = texts[:args.prompts] if args.prompts else texts
     prompts = [encode("prompts.json", t, V) for t in texts]
     N = args.max_new_tokens
-    warm_up(be, needs=KernelNeeds.of(first))
-    # an untimed round: the cuda backend's first calls compile and capture
-    greedy_generate(target, prompts[0], 2)
-    speculative_generate(target, first, prompts[0], 2, M)
 
-    greedy, t_greedy = [], 0.0
+    def ready(prop: Any) -> Any:
+        """``prop`` with its kernels compiled and one untimed short run (the cuda backend's first
+        calls compile and capture; an FP8 drafter's kernels are not the BF16 one's), so that no
+        row times a compilation."""
+        warm_up(be, needs=KernelNeeds.of(prop))
+        speculative_generate(target, prop, prompts[0], 2, prop.num_modules)
+        return prop
+
+    ready(first)
+    greedy_generate(target, prompts[0], 2)
+    tree_generate(target, first, prompts[0], 2, [2] * M)
+
+    greedy, t_each = [], []
     for p in prompts:
         g, s = timed(lambda: greedy_generate(target, p, N))
         greedy.append(g.tokens)
-        t_greedy += s
+        t_each.append(s)
+    t_greedy = sum(t_each)
     total = N * len(prompts)
     base = {"kind": "greedy", "tokens_per_s": round(total / t_greedy, 1), "seconds": round(t_greedy, 4)}
     rows: list[dict] = []
@@ -282,10 +431,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"mtpkern acceptance: {ckpt} (chain {chain or 'the family default'}), backend {be.describe()}")
     print(f"  {len(prompts)} held-out prompts x {N} new tokens, batch 1; machine {machine()}")
     print(f"  greedy decoding: {base['tokens_per_s']:.1f} tokens/s (one target forward per token)")
-    print(f"  {'row':26s} {'acceptance per position':28s} {'drafts/v':>8s} {'tokens/v':>8s} "
+    print(f"  {'row':30s} {'acceptance per position':28s} {'drafts/v':>8s} {'tokens/v':>8s} "
           f"{'tokens/s':>9s} {'speedup':>7s}  lossless")
     for mode in args.kv_modes:
-        prop = load(mode)
+        prop = ready(load(mode))
         for k in range(1, M + 1):
             row("chain", mode, lambda p: speculative_generate(target, prop, p, N, k), k=k)
         for w in args.tree_widths:
@@ -294,7 +443,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for c in args.min_confidence:
         row("early_stop", "exact", lambda p: speculative_generate(target, prop, p, N, M, min_confidence=c),
             k=M, min_confidence=c)
-    policy = None
+    notes = []
+    D = args.schedule_drafts
+    if args.schedules and D <= M:
+        notes.append(f"schedule rows not run: --schedule-drafts {D} is not above the modules (M = {M})")
+    for sched in args.schedules if D > M else []:
+        sp = ready(load("exact", module_schedule=sched, max_drafts=D))
+        for k in range(M + 1, D + 1):
+            row("schedule", "exact", lambda p: speculative_generate(target, sp, p, N, k), k=k, schedule=sched,
+                modules=list(sp.module_schedule))
+    for n in args.draft_vocabs:
+        ids = frequent_bytes(ckpt, n)
+        if ids is None:
+            notes.append(f"draft-vocabulary rows not run: no byte_counts.json beside {ckpt}")
+            break
+        vp = ready(load("exact", draft_vocab=ids))
+        row("draft_vocab", "exact", lambda p: speculative_generate(target, vp, p, N, M), k=M, vocab=n)
+    if not args.no_fp8:
+        with tempfile.TemporaryDirectory(prefix="mtpkern-fp8-") as tmp:
+            fp = ready(load("exact", src=fp8_copy(ckpt, Path(tmp))))
+            row("fp8", "exact", lambda p: speculative_generate(target, fp, p, N, M), k=M)
+    if "draft" in args.kv_modes:
+        dp = ready(load("draft"))
+        row("no_catchup", "draft", lambda p: speculative_generate(target, dp, p, N, M, catchup=False), k=M)
+    policy, batched = None, None
     if not args.no_policy:
         costs, prop_pts, ver_pts, cat_pts = measure_costs(target, prop, prompts[0], M)
         fixed = {0: base["tokens_per_s"]}
@@ -323,15 +495,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  K policy, prior {prior}, optimism {optimism:g}: chose k (steps) {counts}; "
                   f"{r['tokens_per_s']:.1f} tokens/s against "
                   + ", ".join(f"K={k}: {v:.1f}" for k, v in sorted(fixed.items())) + " (K=0: greedy, no drafter)")
-    notes = ["batch 8 not run: ReferenceTarget verifies one sequence at a time (no batched verify)",
-             "FP8 not run: the loader reads FP8 checkpoints as released and does not quantize the BF16 one",
-             "tree rows: verified by their paths (one target forward per branch taken), so their tokens/s "
-             "is not a tree-masked verify's; their acceptance is exact"]
+    if not args.no_policy and args.batch:
+        batched = _batched(args.batch, target, prop, prompts, greedy, t_each, N, M, (prop_pts, ver_pts, cat_pts),
+                           rows)
+    notes += ["tree rows: verified by their paths (one target forward per branch taken), so their tokens/s "
+              "is not a tree-masked verify's; their acceptance is exact"]
+    if batched:
+        notes.append(f"batch {args.batch}: ReferenceTarget has no batched verify, so each sequence is verified in "
+                     "turn and the verify's cost grows with B; propose and catch-up are batched")
     for n in notes:
         print(f"  note: {n}")
     out = {"checkpoint": str(ckpt), "chain": chain, "backend": be.describe(), "machine": machine(),
            "date": time.strftime("%Y-%m-%d", time.gmtime()), "prompts": len(prompts), "max_new_tokens": N,
-           "num_modules": M, "greedy": base, "rows": rows, "k_policy": policy, "notes": notes}
+           "num_modules": M, "greedy": base, "rows": rows, "k_policy": policy, "batched": batched, "notes": notes}
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2))
     if args.plot is not None:
@@ -339,9 +515,75 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _batched(B: int, target: Any, prop: Any, prompts: list, greedy: list, t_each: list, N: int, M: int,
+             pts1: tuple, rows: list) -> dict:
+    """The batched rows: ``B`` sequences (``prompts`` cycled) by ``speculative_generate_batch``,
+    every fixed ``K = 1 .. M`` and the K policy (``choose_k`` with ``batch_size = B`` each step, one
+    K for the batch, from costs measured at batch 1 and ``B``); ``K = 0`` is greedy decoding of the
+    ``B`` sequences one after another (``ReferenceTarget`` decodes one sequence at a time)."""
+    from .k_policy import StepCosts, acceptance_from_counts, choose_k
+    from .loop import speculative_generate_batch
+
+    ps = [prompts[i % len(prompts)] for i in range(B)]
+    want = [greedy[i % len(prompts)] for i in range(B)]
+    t_greedy = sum(t_each[i % len(prompts)] for i in range(B))
+    pb, vb, cb = measure_costs_batch(target, prop, ps, M)
+    costs = StepCosts.from_points(pts1[0] + pb, pts1[1] + vb, catchup=pts1[2] + cb) if B > 1 else \
+        StepCosts.from_points(*pts1[:2], catchup=pts1[2])
+    print(f"  batch {B} ({len(prompts)} prompts cycled; the target verifies each sequence in turn): costs at B = {B} "
+          "(median of 3 steps): propose " + ", ".join(f"k={k} {s * 1e3:.2f} ms" for _, k, s in pb) + "; verify "
+          + ", ".join(f"n={n} {s * 1e3:.2f} ms" for _, n, s in vb) + "; catch-up "
+          + ", ".join(f"n={n} {s * 1e3:.2f} ms" for _, n, s in cb))
+
+    def brow(kind: str, k_of: Any, **what: Any) -> dict:
+        outs, secs = timed(lambda: speculative_generate_batch(target, prop, ps, N, k_of))
+        r = {"kind": kind, "kv_mode": "exact", "batch": B, **what, **figures(merged([o.decisions for o in outs])),
+             "lossless": all(o.tokens == w for o, w in zip(outs, want)),
+             "tokens_per_s": round(B * N / secs, 1), "seconds": round(secs, 4), "speedup": round(t_greedy / secs, 3)}
+        rows.append(r)
+        _print_row(r)
+        return r
+
+    fixed = {0: round(B * N / t_greedy, 1)}
+    for k in range(1, M + 1):
+        fixed[k] = brow("batch_chain", k, k=k)["tokens_per_s"]
+    runs = []
+    for prior, optimism in POLICY_RUNS:
+        chosen: list[int] = []
+
+        def pick(dec: Any, prior: tuple = prior, z: float = optimism, chosen: list = chosen) -> int:
+            acc, reached = policy_counts(dec, M)
+            k = choose_k(acceptance_from_counts(acc, reached, M, prior, z), costs, M, batch_size=B).k
+            chosen.append(k)
+            return k
+
+        r = brow("batch_k_policy", pick, k=M, prior=list(prior), optimism=optimism)
+        counts = {str(k): chosen.count(k) for k in sorted(set(chosen))}
+        runs.append({"prior": list(prior), "optimism": optimism, "chosen_k_counts": counts,
+                     "tokens_per_s": r["tokens_per_s"]})
+        print(f"  K policy at batch {B}, prior {prior}, optimism {optimism:g}: chose k (steps) {counts}; "
+              f"{r['tokens_per_s']:.1f} tokens/s against " + ", ".join(f"K={k}: {v:.1f}" for k, v in fixed.items())
+              + " (K=0: greedy, one sequence after another)")
+    return {"batch": B, "propose_s": [[k, round(s, 6)] for _, k, s in pb],
+            "verify_s": [[n, round(s, 6)] for _, n, s in vb], "catchup_s": [[n, round(s, 6)] for _, n, s in cb],
+            "fixed_k_tokens_per_s": fixed, "runs": runs}
+
+
 def _label(r: dict) -> str:
     if r["kind"] == "chain":
         return f"chain k={r['k']} {r['kv_mode']}"
+    if r["kind"] == "schedule":
+        return f"chain k={r['k']} {r['schedule']}"
+    if r["kind"] == "draft_vocab":
+        return f"chain k={r['k']} vocab {r['vocab']}"
+    if r["kind"] == "fp8":
+        return f"chain k={r['k']} FP8"
+    if r["kind"] == "no_catchup":
+        return f"chain k={r['k']} draft, no catch-up"
+    if r["kind"] == "batch_chain":
+        return f"batch {r['batch']} K={r['k']}"
+    if r["kind"] == "batch_k_policy":
+        return f"batch {r['batch']} policy {tuple(r['prior'])} z={r['optimism']:g}"
     if r["kind"] == "tree":
         return f"tree w={r['width']} {r['kv_mode']}"
     if r["kind"] == "early_stop":
@@ -351,7 +593,7 @@ def _label(r: dict) -> str:
 
 def _print_row(r: dict) -> None:
     acc = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"]) or "-"
-    print(f"  {_label(r):26s} {acc:28s} {r['drafts_per_verify']:8.2f} {r['tokens_per_verify']:8.2f} "
+    print(f"  {_label(r):30s} {acc:28s} {r['drafts_per_verify']:8.2f} {r['tokens_per_verify']:8.2f} "
           f"{r['tokens_per_s']:9.1f} {r['speedup']:7.2f}  {'yes' if r['lossless'] else 'NO'}")
 
 
@@ -360,11 +602,13 @@ def _plot(out: dict, path: os.PathLike) -> None:
 
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 4))
+    longest = max([r["k"] for r in out["rows"] if r["kind"] == "schedule"], default=out["num_modules"])
     for r in out["rows"]:
-        if r["kind"] in ("chain", "tree") and r["k"] == out["num_modules"]:
+        if (r["kind"] in ("chain", "tree", "fp8", "no_catchup") and r["k"] == out["num_modules"]) or \
+                (r["kind"] == "schedule" and r["k"] == longest):
             acc = r["acceptance_per_position"]
             ax.plot(range(len(acc)), acc, marker="o", label=_label(r))
-    ax.set_xticks(range(out["num_modules"]))
+    ax.set_xticks(range(longest))
     ax.set_xlabel("draft position j")
     ax.set_ylabel("accepted / offered")
     ax.set_title(f"acceptance per position, {out['prompts']} held-out prompts x {out['max_new_tokens']} tokens")

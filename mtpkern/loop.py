@@ -122,14 +122,22 @@ def _check_pair(target: Any, proposer: Any) -> None:
 
 
 def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, num_drafts: Any,
-                         min_confidence: float | None = None) -> Generation:
+                         min_confidence: float | None = None, catchup: bool = True) -> Generation:
     """``max_new`` tokens after ``prompt`` by the loop of the module docstring, ``num_drafts``
     drafts a propose (clamped to the proposer's modules as ``propose`` does; >= 1), or a
     function ``num_drafts(decisions) -> k`` asked before every step (``k >= 0``; 0: a decode
     step without drafts). ``min_confidence``: ``propose``'s early stop (None: off). The target
-    and the proposer must share the vocabulary and hidden size. The target sequence and the
-    proposer state are freed at the end, whatever happens."""
+    and the proposer must share the vocabulary and hidden size. ``catchup=False`` (draft mode
+    only) skips ``catchup_drafter``: module 0 then holds the rows of the prefill and one row
+    per propose, as a drafter without a catch-up does (positions skip forward; the tokens stay
+    the target's). The target sequence and the proposer state are freed at the end, whatever
+    happens."""
     cfg = target.config
+    if not isinstance(catchup, bool):
+        raise TypeError(f"catchup: expected a bool, got {type(catchup).__name__}")
+    if not catchup and getattr(proposer, "kv_mode", None) != "draft":
+        raise ValueError(f"catchup: expected True with a proposer in kv_mode {getattr(proposer, 'kv_mode', None)!r} "
+                         "(only draft mode may skip the catch-up: exact mode's later modules read its rows), got False")
     toks, max_new = _check(prompt, max_new, cfg.vocab_size)
     policy = num_drafts if callable(num_drafts) else None
     k = None if policy else check_int("num_drafts", num_drafts, 1, 2 ** 31 - 1)
@@ -147,7 +155,8 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
             if step_k == 0:                     # a decode step: t_P's drafter row comes by catch-up
                 v = target.verify(seq, t, [])
                 dec.record(0, 0)
-                proposer.catchup_drafter([t], h[None, :], st)
+                if catchup:
+                    proposer.catchup_drafter([t], h[None, :], st)
                 out.append(v.bonus)
                 P, t, h = P + 1, v.bonus, v.hiddens[0]
                 continue
@@ -157,7 +166,7 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
             a = v.num_accepted
             dec.record(len(drafts), a)
             proposer.after_verify(a, st)
-            if a:
+            if a and catchup:
                 proposer.catchup_drafter(drafts[:a], v.hiddens[:a], st)
             out.extend(drafts[:a] + [v.bonus])
             P, t, h = P + a + 1, v.bonus, v.hiddens[a]
@@ -241,3 +250,75 @@ def tree_generate(target: Any, proposer: Any, prompt: Any, max_new: int, widths:
         if st is not None:
             proposer.free_state(st)
         target.free_seq(seq)
+
+
+def speculative_generate_batch(target: Any, proposer: Any, prompts: Any, max_new: int,
+                               num_drafts: Any) -> list[Generation]:
+    """``speculative_generate`` for a batch: ``max_new`` tokens after each of ``prompts`` (a list
+    of ``B`` prompts), one ``propose_batch`` a step for the sequences still generating (one
+    forward per module over all of them), the target verifying each sequence in turn (a
+    ``ReferenceTarget`` has no batched verify, so the verify's cost grows with ``B``), then
+    ``after_verify`` per sequence and one ``catchup_batch`` over the accepted drafts.
+    ``num_drafts``: drafts a propose (>= 1), or a function ``num_drafts(decisions) -> k``
+    (``decisions``: the batch's ``Decisions`` so far, one list) asked before every step: one
+    ``K`` for the whole batch; ``k = 0`` is a decode step for every sequence (``verify`` of no
+    drafts, the step's tokens caught up in one ``catchup_batch``). Returns one ``Generation``
+    per prompt (its own decisions); lossless per sequence, as ``speculative_generate``."""
+    cfg = target.config
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts: expected a non-empty list of prompts, got {prompts!r:.60}")
+    checked = [_check(p, max_new, cfg.vocab_size) for p in prompts]
+    toks, max_new = [c[0] for c in checked], checked[0][1]
+    policy = num_drafts if callable(num_drafts) else None
+    k = None if policy else check_int("num_drafts", num_drafts, 1, 2 ** 31 - 1)
+    _check_pair(target, proposer)
+    B = len(toks)
+    seqs: list[Any] = []
+    sts: list[Any] = []
+    try:
+        for _ in range(B):
+            seqs.append(target.alloc_seq())
+            sts.append(proposer.alloc_state())
+        outs, decs, P, t, h = [], [Decisions() for _ in range(B)], [], [], []
+        for i in range(B):
+            first = target.prefill(seqs[i], toks[i])
+            proposer.prefill_drafter(toks[i], first.hiddens, sts[i])
+            outs.append([first.next_token])
+            P.append(len(toks[i]))
+            t.append(first.next_token)
+            h.append(first.hiddens[-1])
+        batch = Decisions()
+        while True:
+            live = [i for i in range(B) if len(outs[i]) < max_new]
+            if not live:
+                break
+            step_k = check_int("num_drafts(decisions)", policy(batch), 0, 2 ** 31 - 1) if policy else k
+            if step_k:
+                drafts = proposer.propose_batch([t[i] for i in live], np.stack([h[i] for i in live]),
+                                                [P[i] for i in live], step_k, [sts[i] for i in live])
+            else:
+                drafts = [[] for _ in live]
+            up_toks, up_hid, up_st = [], [], []
+            for i, ds in zip(live, drafts):
+                ds = [int(d) for d in ds]
+                v = target.verify(seqs[i], t[i], ds)
+                a = v.num_accepted
+                decs[i].record(len(ds), a)
+                batch.record(len(ds), a)
+                if ds:
+                    proposer.after_verify(a, sts[i])
+                caught = ds[:a] if ds else [t[i]]           # a decode step catches up its own token
+                if caught:
+                    up_toks.append(caught)
+                    up_hid.append(v.hiddens[:a] if ds else h[i][None, :])
+                    up_st.append(sts[i])
+                outs[i].extend(ds[:a] + [v.bonus])
+                P[i], t[i], h[i] = P[i] + a + 1, v.bonus, v.hiddens[a]
+            if up_st:
+                proposer.catchup_batch(up_toks, up_hid, up_st)
+        return [Generation(o[:max_new], d) for o, d in zip(outs, decs)]
+    finally:
+        for st in sts:
+            proposer.free_state(st)
+        for seq in seqs:
+            target.free_seq(seq)

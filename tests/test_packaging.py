@@ -47,7 +47,8 @@ def test_wheel_contains_the_trained_checkpoint(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     ckpt = ROOT / "mtpkern" / "checkpoints" / "stdlib-glm-tiny"
     files = sorted(p.name for p in ckpt.iterdir())
-    assert {"config.json", "model.safetensors", "training.json", "README.md"} <= set(files)
+    assert {"config.json", "model.safetensors", "training.json", "prompts.json", "byte_counts.json",
+            "README.md"} <= set(files)
     for f in files:
         assert f"mtpkern/checkpoints/stdlib-glm-tiny/{f}" in names, f"{f} missing from the wheel"
 

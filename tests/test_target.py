@@ -444,6 +444,98 @@ def test_a_loop_that_skips_after_verify_or_the_catchup_is_caught(ckpt, targets, 
     assert prop.kv_blocks_in_use() == [0, 0, 0] and tgt.kv_blocks_in_use() == [0, 0]
 
 
+
+def test_draft_mode_without_the_catchup(ckpt, targets):
+    """``catchup=False``: lossless, and module 0 holds one row per propose instead of the
+    accepted drafts' rows too (forced acceptances: the synthetic drafter's drafts rarely are);
+    refused in exact mode, where the later modules read the catch-up's rows."""
+    tgt = target_on(ckpt, targets, "numpy")
+    prompt = PROMPTS[0]
+    want = greedy_generate(tgt, prompt, 16).tokens
+    rows, verifies = {}, {}
+
+    class Watch:
+        def __init__(self, prop):
+            self.prop = prop
+
+        def __getattr__(self, name):
+            return getattr(self.prop, name)
+
+        def propose(self, t, h, P, k, st):
+            self.prop.propose(t, h, P, k, st)
+            return want[P - len(prompt) + 1:P - len(prompt) + 1 + k]
+
+        def free_state(self, st):
+            rows[self.on] = st.rows_per_module()[0]
+            self.prop.free_state(st)
+
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="draft", block_size=4, num_blocks=64)
+    for on in (True, False):
+        w = Watch(prop)
+        w.on = on
+        out = speculative_generate(tgt, w, prompt, 12, 3, catchup=on)
+        assert out.tokens == want[:12]
+        verifies[on] = out.decisions.verifies
+        # forced drafts all match: 3 accepted a verify
+        assert out.decisions.accepted[:-1] == [3] * (verifies[on] - 1)
+    for real in (True, False):                     # the real drafts: lossless either way
+        assert speculative_generate(tgt, prop, prompt, 12, 3, catchup=real).tokens == want[:12]
+    # the prefill's n - 1 rows (pairs (t_{i+1}, h_i)), then one per propose; the catch-up adds the accepted drafts'
+    assert rows[False] == len(prompt) - 1 + verifies[False] < rows[True]
+    assert prop.kv_blocks_in_use() == [0, 0, 0]
+    exact = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="exact", block_size=4, num_blocks=64)
+    with pytest.raises(ValueError, match="catchup: expected True .* 'exact'"):
+        speculative_generate(tgt, exact, prompt, 4, 3, catchup=False)
+    with pytest.raises(TypeError, match="catchup: expected a bool"):
+        speculative_generate(tgt, prop, prompt, 4, 3, catchup=1)
+    assert tgt.kv_blocks_in_use() == [0, 0] and exact.kv_blocks_in_use() == [0, 0, 0]
+
+
+
+def test_the_batched_loop_is_lossless_per_sequence(ckpt, targets):
+    """``speculative_generate_batch``: each sequence's tokens are its greedy ones, its decisions
+    are the verifier's (forced perfect drafts: all accepted; the synthetic drafter's: near
+    chance), the policy is asked once per batch step with the batch's decisions so far, and
+    every sequence and state is freed."""
+    from mtpkern.loop import speculative_generate_batch
+
+    tgt = target_on(ckpt, targets, "numpy")
+    prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="exact", block_size=4, num_blocks=64)
+    prompts, n = PROMPTS[:2], 9
+    want = [greedy_generate(tgt, p, n + 4).tokens for p in prompts]
+    got = speculative_generate_batch(tgt, prop, prompts, n, 3)
+    assert [g.tokens for g in got] == [w[:n] for w in want]
+    assert all(g.decisions.offered == [3] * g.decisions.verifies for g in got)
+
+    class Forced:
+        def __init__(self, prop):
+            self.prop = prop
+
+        def __getattr__(self, name):
+            return getattr(self.prop, name)
+
+        def propose_batch(self, ts, hs, Ps, k, sts):
+            self.prop.propose_batch(ts, hs, Ps, k, sts)
+            return [want[i][P - len(prompts[i]) + 1:P - len(prompts[i]) + 1 + k] for i, P in enumerate(Ps)]
+
+    seen = []
+
+    def policy(dec):
+        seen.append(dec.verifies)
+        return 2 if len(seen) % 2 else 0            # drafts and decode steps in turn
+    # forced drafts need draft mode: exact mode checks the catch-up's tokens against its own drafts
+    dprop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode="draft", block_size=4, num_blocks=64)
+    forced = speculative_generate_batch(tgt, Forced(dprop), prompts, n, policy)
+    assert [g.tokens for g in forced] == [w[:n] for w in want]
+    for g in forced:                                  # perfect drafts: all accepted, decode steps offer none
+        assert g.decisions.accepted == g.decisions.offered and set(g.decisions.offered) == {0, 2}
+    assert seen == [2 * i for i in range(len(seen))]  # both sequences live every step (same length)
+    assert sum(g.decisions.verifies for g in forced) < sum(g.decisions.verifies for g in got)
+    with pytest.raises(ValueError, match="prompts: expected a non-empty list"):
+        speculative_generate_batch(tgt, prop, [], n, 3)
+    assert prop.kv_blocks_in_use() == dprop.kv_blocks_in_use() == [0, 0, 0] and tgt.kv_blocks_in_use() == [0, 0]
+
+
 def test_decisions_record():
     d = Decisions()
     d.record(3, 2)
