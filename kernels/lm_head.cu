@@ -57,6 +57,30 @@ __device__ __forceinline__ float lse_merge(float s, float m, float sv, float v) 
   return v > m ? s * exp_below(m, v) + sv : s + sv * exp_below(v, m);
 }
 
+// The logits of head rows a and a + 1 (a + 1 < V, else row a again) for the warp's NR input
+// rows xr: lane r (< NR) gets input row r's in l[0], l[1]. The GEMV core every first stage of
+// this file shares (the argmax's and the fused draw's).
+template <typename W, int NR>
+__device__ __forceinline__ void lm_pair_logits(const float* const (&xr)[NR], const W* w, const Scales& sc, int a,
+                                               int V, int H, int lane, bool vec, float (&l)[2]) {
+  const int b = min(a + 1, V - 1);
+  const W* const wr[2] = {weight_row(w, a, H), weight_row(w, b, H)};
+  const ScaleT<W>* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
+  const float* xq[NR];  // the same rows each pair, but not loop invariants (common.cuh opaque)
+#pragma unroll
+  for (int r = 0; r < NR; ++r) xq[r] = opaque(xr[r]);
+  float acc[2][NR];
+  zero(acc);
+  gemv_dot<W, NR, 2>(wr, sr, sc.bk, xq, H, lane, kWarp, vec, acc);
+  warp_sum_all(acc);  // every lane holds every sum; lane r takes row r's
+  l[0] = acc[0][0];
+  l[1] = acc[1][0];
+#pragma unroll
+  for (int r = 1; r < NR; ++r) {
+    if (lane == r) { l[0] = acc[0][r]; l[1] = acc[1][r]; }
+  }
+}
+
 template <typename W, bool CONF, int NR>
 __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, const Scales& sc, const int* bitmask,
                                                 float* part_v, int* part_i, float* part_s, int r0, int m,
@@ -88,21 +112,8 @@ __device__ __forceinline__ void lm_argmax_chunk(const float* x, const W* w, cons
   const int lo = static_cast<int>(blockIdx.x * pairs / P), hi = static_cast<int>((blockIdx.x + 1) * pairs / P);
   for (int q = lo + warp; q < hi; q += kGemvWarps) {  // per warp; no barrier inside the loop
     const int a = 2 * q;
-    const int b = min(a + 1, V - 1);
-    const W* const wr[2] = {weight_row(w, a, H), weight_row(w, b, H)};
-    const ScaleT<W>* const sr[2] = {scale_row<W>(sc, a), scale_row<W>(sc, b)};
-    const float* xq[NR];  // the same rows each pair, but not loop invariants (common.cuh opaque)
-#pragma unroll
-    for (int r = 0; r < NR; ++r) xq[r] = opaque(xr[r]);
-    float acc[2][NR];
-    zero(acc);
-    gemv_dot<W, NR, 2>(wr, sr, sc.bk, xq, H, lane, kWarp, vec, acc);
-    warp_sum_all(acc);  // every lane holds every sum; lane r takes row r's
-    float l[2] = {acc[0][0], acc[1][0]};
-#pragma unroll
-    for (int r = 1; r < NR; ++r) {
-      if (lane == r) { l[0] = acc[0][r]; l[1] = acc[1][r]; }
-    }
+    float l[2];
+    lm_pair_logits<W, NR>(xr, w, sc, a, V, H, lane, vec, l);
     if (!mine) continue;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -217,6 +228,166 @@ argmax_final_kernel(const float* __restrict__ part_v, const int* __restrict__ pa
     if constexpr (CONF) {
       if (sum_exp != nullptr) sum_exp[r] = bi >= 0 ? bs : 0.0f;
     }
+  }
+}
+
+// -- the fused sampled draw (temperature only) ------------------------------------------------
+
+namespace mtp {
+
+__device__ __forceinline__ double inf_f64() { return -static_cast<double>(neg_inf()); }
+
+// exp(a - m) for a <= m in FP64; 1 when a == m (an infinite m: no inf - inf = NaN).
+__device__ __forceinline__ double exp_below_f64(double a, double m) { return a == m ? 1.0 : exp(a - m); }
+
+// A candidate's class in the draw's order: 2 when z = +inf, 1 when z is finite, 0 when z = -inf.
+__device__ __forceinline__ int z_class(double z) { return z == inf_f64() ? 2 : (z == -inf_f64() ? 0 : 1); }
+
+// The draw's state over the candidates seen (a lane's, a block's, a row's): the best's score,
+// z and head row (-1: none yet), the largest z and s = sum exp_below(z, m) over them.
+struct Draw {
+  double sc, z;
+  int id;
+  double m, s;
+};
+
+__device__ __forceinline__ Draw no_draw() { return Draw{0.0, 0.0, -1, -inf_f64(), 0.0}; }
+
+// The strict total order of the draw: the higher class, then the higher score, then the lower id.
+// ops.sampling's three cases of m = max z in one order: with m = +inf q's support is the class-2
+// tokens, scored 0 + g = g; with m finite the class-1 ones, scored z + g (one whose w = exp(z - m)
+// underflows to 0 is outside q but cannot win: g lies in [-3.7, 37.5], so its score is below
+// m - 3.7, under the top token's); with m = -inf every candidate is class 0, weight 1, score g.
+__device__ __forceinline__ bool draw_beats(const Draw& a, const Draw& b) {
+  if (a.id < 0) return false;
+  if (b.id < 0) return true;
+  const int ca = z_class(a.z), cb = z_class(b.z);
+  return ca > cb || (ca == cb && (a.sc > b.sc || (a.sc == b.sc && a.id < b.id)));
+}
+
+// d takes o: the sums rescaled to the larger max (an empty side is (-inf, 0)), the better best.
+__device__ __forceinline__ void draw_merge(Draw& d, const Draw& o) {
+  if (o.id < 0) return;
+  d.s = o.m > d.m ? d.s * exp_below_f64(d.m, o.m) + o.s : d.s + o.s * exp_below_f64(o.m, d.m);
+  d.m = o.m > d.m ? o.m : d.m;
+  if (draw_beats(o, d)) { d.sc = o.sc; d.z = o.z; d.id = o.id; }
+}
+
+// Candidate `id` (logit v, not NaN, allowed) of a row with temperature T and key `key`, its
+// noise keyed on the id it is returned as (id_map[id] under a draft vocabulary).
+__device__ __forceinline__ Draw draw_candidate(float v, int id, double T, unsigned long long key,
+                                               const int* id_map) {
+  const double z = static_cast<double>(v) / T;  // one IEEE FP64 division, as the reference
+  const double g = token_gumbel(key, id_map ? id_map[id] : id);
+  return Draw{z_class(z) == 1 ? z + g : g, z, id, z, 1.0};
+}
+
+template <typename W, int NR>
+__device__ __forceinline__ void lm_sample_chunk(const float* x, const W* w, const Scales& sc, const int* bitmask,
+                                                const unsigned long long* keys, const double* temperature,
+                                                const int* id_map, double* part_d, int* part_i, int r0, int m,
+                                                int n, int V, int H, int P, int ld, bool vec,
+                                                Draw (&sd)[kGemvWarps][kMaxRows]) {
+  if constexpr (NR > 1) {
+    if (m <= NR / 2) {  // uniform over the block: the smaller instantiation's barriers match
+      lm_sample_chunk<W, NR / 2>(x, w, sc, bitmask, keys, temperature, id_map, part_d, part_i, r0, m, n, V, H, P,
+                                 ld, vec, sd);
+      return;
+    }
+  }
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int words = (V + 31) / 32;
+  const float* xr[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * H;
+  const bool mine = lane < m;  // lane r (< m) draws for input row r
+  const int row = r0 + min(lane, m - 1);
+  const int* mrow = bitmask ? bitmask + static_cast<long long>(row) * words : nullptr;
+  const double T = temperature[row];
+  const unsigned long long key = keys[row];
+  Draw d = no_draw();
+
+  const long long pairs = (V + 1) / 2;  // this block's row pairs: [lo, hi), as lm_argmax_chunk
+  const int lo = static_cast<int>(blockIdx.x * pairs / P), hi = static_cast<int>((blockIdx.x + 1) * pairs / P);
+  for (int q = lo + warp; q < hi; q += kGemvWarps) {
+    const int a = 2 * q;
+    float l[2];
+    lm_pair_logits<W, NR>(xr, w, sc, a, V, H, lane, vec, l);
+    if (!mine) continue;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int id = a + j;
+      if (id >= V) break;
+      bool ok = !isnan(l[j]);
+      if (ok && mrow) ok = (static_cast<unsigned>(mrow[id >> 5]) >> (id & 31)) & 1u;
+      if (ok) draw_merge(d, draw_candidate(l[j], id, T, key, id_map));
+    }
+  }
+  if (mine) sd[warp][lane] = d;
+  __syncthreads();
+  if (threadIdx.x < m) {
+    const int r = threadIdx.x;
+    Draw b = sd[0][r];
+    for (int q = 1; q < kGemvWarps; ++q) draw_merge(b, sd[q][r]);  // in warp order
+    const long long at = static_cast<long long>(r0 + r) * ld + blockIdx.x;  // [n, ld]
+    const long long plane = static_cast<long long>(n) * ld;
+    part_d[at] = b.sc;
+    part_d[plane + at] = b.z;
+    part_d[2 * plane + at] = b.m;
+    part_d[3 * plane + at] = b.s;
+    part_i[at] = b.id;
+  }
+  __syncthreads();  // sd is rewritten by the next chunk
+}
+
+}  // namespace mtp
+
+// part_d: [4, n, ld] fp64 (the best's score, its z, the block's max z, its sum), part_i [n, ld].
+template <typename W, int NR>
+__global__ void
+lm_head_sample_partial_kernel(const float* __restrict__ x, const W* __restrict__ w,
+                              const mtp::ScaleT<W>* __restrict__ scale, int bn, int bk,
+                              const int* __restrict__ bitmask, const unsigned long long* __restrict__ keys,
+                              const double* __restrict__ temperature, const int* __restrict__ id_map,
+                              double* __restrict__ part_d, int* __restrict__ part_i, int n, int V, int H, int P,
+                              int ld) {
+  using namespace mtp;
+  __shared__ Draw sd[kGemvWarps][kMaxRows];
+  const Scales sc = make_scales<W>(scale, bn, bk, H);
+  const bool vec = gemv_vec_ok(w, x, H, sc);
+  for (int r0 = 0; r0 < n; r0 += NR) {
+    const int m = min(NR, n - r0);
+    lm_sample_chunk<W, NR>(x, w, sc, bitmask, keys, temperature, id_map, part_d, part_i, r0, m, n, V, H, P, ld,
+                           vec, sd);
+  }
+}
+
+// One row per block: its P partials merged (strided per thread, then a tree over the threads in
+// shared memory: FP64 state, no 64-bit shuffles) into ids[r] (through id_map) and
+// probs[r] = exp_below(z_draft, M) / S (fp32).
+__global__ void __launch_bounds__(256)
+sample_final_kernel(const double* __restrict__ part_d, const int* __restrict__ part_i, int n, int P, int ld,
+                    const int* __restrict__ id_map, int* __restrict__ ids, float* __restrict__ probs) {
+  using namespace mtp;
+  __shared__ Draw sw[256];
+  const long long r = blockIdx.x;
+  const long long plane = static_cast<long long>(n) * ld;
+  const int t = threadIdx.x;
+  Draw d = no_draw();
+  for (int p = t; p < P; p += blockDim.x) {
+    const long long at = r * ld + p;
+    draw_merge(d, Draw{part_d[at], part_d[plane + at], part_i[at], part_d[2 * plane + at], part_d[3 * plane + at]});
+  }
+  sw[t] = d;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (t < s) draw_merge(sw[t], sw[t + s]);
+    __syncthreads();
+  }
+  if (t == 0) {
+    const Draw b = sw[0];
+    ids[r] = b.id < 0 ? -1 : (id_map != nullptr ? id_map[b.id] : b.id);
+    probs[r] = b.id < 0 ? 0.0f : static_cast<float>(exp_below_f64(b.z, b.m) / b.s);  // s >= 1: the top adds 1
   }
 }
 
