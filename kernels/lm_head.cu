@@ -1,4 +1,4 @@
-// lm_head.cu -- LM-head GEMV with a fused, grammar-masked argmax.
+// lm_head.cu -- LM-head GEMV with a fused, grammar-masked argmax (or temperature-only sampled draw).
 //
 //   ids[r] = argmax_j { x[r] . w[j] : token j allowed for row r and the logit not NaN }
 //   x [n, H] fp32, w [V, H] in W, bitmask [n, ceil(V / 32)] int32 or null -> ids [n] int32
@@ -39,6 +39,21 @@
 // s = 0 and adds 0 * (0 or 1) = 0.
 //
 // W and scale/bn/bk: as linear.cu (an FP8 / FP4 head's scales, null for dense weights).
+//
+// Sampled drafts, temperature only (top_k = 0, top_p = 1; spec: mtpkern/ops/sampling.py), the
+// logits never written either:
+// lm_head_sample_partial_kernel<W, NR>: the first stage's grid, work split and GEMV core
+//   (lm_pair_logits) with a Gumbel-max epilogue: per candidate z = l / T[r] (FP64 division),
+//   g = token_gumbel(keys[r], returned id) (common.cuh, as sampling.cu), and lane r keeps a Draw:
+//   the best (score, z, id) under draw_beats (class of z: +inf > finite > -inf, then score
+//   z + g, or g for an infinite z, then the lower id: the spec's three cases of m in one strict
+//   order) and the online max m of z with S = sum exp(z - m) in FP64. The warps' Draws are merged
+//   in warp order into part_d [4, n, ld] fp64 (score, z, m, S) / part_i [n, ld].
+// sample_final_kernel: grid (n), block 256: a row's P partials merged (strided per thread, then
+//   a tree in shared memory) into ids[r] (through id_map) and probs[r] = exp(z_d - m) / S (fp32).
+// top_k > 0 or top_p < 1 need the rank order of the whole row, and dist writes [n, V] anyway:
+// those calls write the logits (linear.cu) and draw with sampling.cu's sample_kernel ("unless
+// asked": the launcher takes this path only when every row of the call is temperature-only).
 //
 // Preconditions: blockDim as stated; 16-byte path when H % (16 / sizeof(W)) == 0
 // and x, w are aligned (FP8: as linear.cu), else scalar loads (same candidates, same tie rule).

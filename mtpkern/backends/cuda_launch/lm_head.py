@@ -193,13 +193,14 @@ def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_ma
                          top_p=top_p, id_map=id_map, dist=dist)
 
 
-def lm_head_sample_fused(x, w, bitmask=None, *, keys, temperature, id_map=None):
+def lm_head_sample_fused(x, w, bitmask=None, *, keys, temperature, id_map=None, check: bool = True):
     """-> (ids [n] int32, probs [n] FP32) on the device: temperature-only sampled drafts (top_k = 0,
     top_p = 1; spec: mtpkern.ops.sampling) drawn in the LM head's epilogue, never writing the
     logits: ``lm_head_sample_partial_kernel`` (the argmax's persistent GEMV, each lane keeping
     its row's best Gumbel score and an online FP64 sum of exp(z - max z)) into workspaces
     ``part_d [4, n, P]`` FP64 / ``part_i [n, P]`` int32, then ``sample_final_kernel``.
-    Raises ``NoAllowedToken`` for a row without a candidate (a host read of ids)."""
+    Raises ``NoAllowedToken`` for a row without a candidate (a host read of ids) when ``check``;
+    with ``check=False`` such a row comes back as -1 (probs 0), nothing read back."""
     _check(x, w)
     n, H = x.shape
     V = w.shape[0]
@@ -224,7 +225,8 @@ def lm_head_sample_fused(x, w, bitmask=None, *, keys, temperature, id_map=None):
                                        i32(V), i32(H), i32(used), i32(P)))
     get_kernel("lm_head", "sample_final_kernel")((n,), (FINAL_THREADS,), (part_d, part_i, i32(n), i32(used), i32(P),
                                                                           ptr(id_map), ids, probs))
-    raise_if_no_allowed(ids, V, bitmask is not None)
+    if check:
+        raise_if_no_allowed(ids, V, bitmask is not None)
     return ids, probs
 
 
