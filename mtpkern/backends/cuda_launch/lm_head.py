@@ -186,9 +186,9 @@ def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_ma
     n, V = x.shape[0], w.shape[0]
     if V < 1:
         raise ValueError("w: expected at least one vocabulary row, got 0")
-    _, _, K, P = _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
+    keys, T, K, P = _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
     if dist is None and not K.any() and (P == 1.0).all():
-        return lm_head_sample_fused(x, w, bitmask, keys=keys, temperature=temperature, id_map=id_map)
+        return _sample_fused(x, w, bitmask, keys, T, id_map, True)
     return masked_sample(lm_head_logits(x, w), bitmask, keys=keys, temperature=temperature, top_k=top_k,
                          top_p=top_p, id_map=id_map, dist=dist)
 
@@ -202,11 +202,17 @@ def lm_head_sample_fused(x, w, bitmask=None, *, keys, temperature, id_map=None, 
     Raises ``NoAllowedToken`` for a row without a candidate (a host read of ids) when ``check``;
     with ``check=False`` such a row comes back as -1 (probs 0), nothing read back."""
     _check(x, w)
-    n, H = x.shape
-    V = w.shape[0]
+    n, V = x.shape[0], w.shape[0]
     if V < 1:
         raise ValueError("w: expected at least one vocabulary row, got 0")
     keys, T, _, _ = _sample_args(n, V, bitmask, id_map, keys, temperature, np.zeros(n, np.int32), np.ones(n), None)
+    return _sample_fused(x, w, bitmask, keys, T, id_map, check)
+
+
+def _sample_fused(x, w, bitmask, keys: np.ndarray, T: np.ndarray, id_map, check: bool):
+    """``lm_head_sample_fused`` after its checks (keys [n] uint64, T [n] FP64 host arrays)."""
+    n, H = x.shape
+    V = w.shape[0]
     x, w = device(x, "x", "float32"), device_weight(w, "w")
     ids = output(None, "ids", (n,), np.int32)
     probs = output(None, "probs", (n,), np.float32)
