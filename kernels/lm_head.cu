@@ -406,6 +406,202 @@ sample_final_kernel(const double* __restrict__ part_d, const int* __restrict__ p
   }
 }
 
+// -- the fused sampled draw with top_k <= 64 (and top_p over those k) --------------------------
+
+namespace mtp {
+
+constexpr int kMaxTopK = 64;  // ops.lm_head.MAX_TOPK
+
+// Candidate (v, id) into a list of the best K so far, sorted by beats (best first): the list grows
+// to K, then a candidate enters only when it beats the last. One lane owns each list.
+__device__ __forceinline__ void topk_insert(float* lv, int* li, int& cnt, int K, float v, int id) {
+  if (cnt == K && !beats(v, id, lv[K - 1], li[K - 1])) return;
+  int j = cnt < K ? cnt++ : K - 1;
+  for (; j > 0 && beats(v, id, lv[j - 1], li[j - 1]); --j) { lv[j] = lv[j - 1]; li[j] = li[j - 1]; }
+  lv[j] = v;
+  li[j] = id;
+}
+
+template <typename W, int NR>
+__device__ __forceinline__ void lm_topk_chunk(const float* x, const W* w, const Scales& sc, const int* bitmask,
+                                              float* part_v, int* part_i, int r0, int m, int V, int H, int P,
+                                              int ld, int K, bool vec, float (&tv)[kGemvWarps][kMaxRows][kMaxTopK],
+                                              int (&ti)[kGemvWarps][kMaxRows][kMaxTopK],
+                                              int (&tc)[kGemvWarps][kMaxRows]) {
+  if constexpr (NR > 1) {
+    if (m <= NR / 2) {  // uniform over the block: the smaller instantiation's barriers match
+      lm_topk_chunk<W, NR / 2>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, ld, K, vec, tv, ti, tc);
+      return;
+    }
+  }
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int words = (V + 31) / 32;
+  const float* xr[NR];
+#pragma unroll
+  for (int r = 0; r < NR; ++r) xr[r] = x + static_cast<long long>(r0 + min(r, m - 1)) * H;
+  const bool mine = lane < m;  // lane r (< m) keeps input row r's list: tv / ti [warp][r]
+  const int* mrow = bitmask ? bitmask + static_cast<long long>(r0 + min(lane, m - 1)) * words : nullptr;
+  int cnt = 0;
+
+  const long long pairs = (V + 1) / 2;  // this block's row pairs: [lo, hi), as lm_argmax_chunk
+  const int lo = static_cast<int>(blockIdx.x * pairs / P), hi = static_cast<int>((blockIdx.x + 1) * pairs / P);
+  for (int q = lo + warp; q < hi; q += kGemvWarps) {
+    const int a = 2 * q;
+    float l[2];
+    lm_pair_logits<W, NR>(xr, w, sc, a, V, H, lane, vec, l);
+    if (!mine) continue;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int id = a + j;
+      if (id >= V) break;
+      bool ok = !isnan(l[j]);
+      if (ok && mrow) ok = (static_cast<unsigned>(mrow[id >> 5]) >> (id & 31)) & 1u;
+      if (ok) topk_insert(tv[warp][lane], ti[warp][lane], cnt, K, l[j], id);
+    }
+  }
+  if (mine) tc[warp][lane] = cnt;
+  __syncthreads();
+  if (threadIdx.x < m) {  // the four warps' sorted lists merged: the block's best K, -1 past them
+    const int r = threadIdx.x;
+    int head[kGemvWarps] = {0, 0, 0, 0};
+    const long long at = (static_cast<long long>(r0 + r) * ld + blockIdx.x) * K;  // [n, ld, K]
+    for (int c = 0; c < K; ++c) {
+      float bv = neg_inf();
+      int bi = -1, bq = -1;
+      for (int q = 0; q < kGemvWarps; ++q) {
+        if (head[q] < tc[q][r] && beats(tv[q][r][head[q]], ti[q][r][head[q]], bv, bi)) {
+          bv = tv[q][r][head[q]];
+          bi = ti[q][r][head[q]];
+          bq = q;
+        }
+      }
+      if (bq >= 0) ++head[bq];
+      part_v[at + c] = bv;
+      part_i[at + c] = bi;
+    }
+  }
+  __syncthreads();  // the lists are rewritten by the next chunk
+}
+
+}  // namespace mtp
+
+// part_v / part_i: [n, ld, K] fp32 / int32, each (row, block)'s best K candidates in beats order
+// (-1 past the block's candidates). 1 <= K <= 64.
+template <typename W, int NR>
+__global__ void
+lm_head_topk_partial_kernel(const float* __restrict__ x, const W* __restrict__ w,
+                            const mtp::ScaleT<W>* __restrict__ scale, int bn, int bk,
+                            const int* __restrict__ bitmask, float* __restrict__ part_v, int* __restrict__ part_i,
+                            int n, int V, int H, int P, int ld, int K) {
+  using namespace mtp;
+  __shared__ float tv[kGemvWarps][kMaxRows][kMaxTopK];
+  __shared__ int ti[kGemvWarps][kMaxRows][kMaxTopK];
+  __shared__ int tc[kGemvWarps][kMaxRows];
+  const Scales sc = make_scales<W>(scale, bn, bk, H);
+  const bool vec = gemv_vec_ok(w, x, H, sc);
+  for (int r0 = 0; r0 < n; r0 += NR) {
+    const int m = min(NR, n - r0);
+    lm_topk_chunk<W, NR>(x, w, sc, bitmask, part_v, part_i, r0, m, V, H, P, ld, K, vec, tv, ti, tc);
+  }
+}
+
+// One row per block (256 threads): the row's k = top_k[r] best of its P * K partial candidates,
+// by rounds as masked_topk_kernel (round c takes the best that round c - 1's winner beats), then
+// thread 0 follows ops.sampling.row_distribution over those k in rank order, in its arithmetic
+// and order: z = l / T, m = z of the first, w by the spec's three cases, top_p by the running
+// sum added in rank order (the reference's np.cumsum), the Gumbel-max draw (noise keyed on the
+// returned id, ties to the lowest id), probs = w_draft / the kept weights' sum.
+__global__ void __launch_bounds__(256)
+topk_sample_final_kernel(const float* __restrict__ part_v, const int* __restrict__ part_i, int P, int ld, int K,
+                         const unsigned long long* __restrict__ keys, const double* __restrict__ temperature,
+                         const int* __restrict__ top_k, const double* __restrict__ top_p,
+                         const int* __restrict__ id_map, int* __restrict__ ids, float* __restrict__ probs) {
+  using namespace mtp;
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  __shared__ float win_v[kMaxTopK];
+  __shared__ int win_i[kMaxTopK];
+  const long long r = blockIdx.x;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int nwarps = static_cast<int>(blockDim.x / kWarp);
+  const int k = min(top_k[r], K);
+  const int total = P * K;
+  const float* rv = part_v + r * ld * K;
+  const int* ri = part_i + r * ld * K;
+  float pv = 0.0f;
+  int pi = -1, got = 0;
+  for (int c = 0; c < k; ++c) {
+    float bv = neg_inf();
+    int bi = -1;
+    for (int j = threadIdx.x; j < total; j += blockDim.x) {
+      const float v = rv[j];
+      const int i = ri[j];
+      if (i < 0 || (pi >= 0 && !beats(pv, pi, v, i))) continue;  // empty, taken or ahead of the last
+      if (beats(v, i, bv, bi)) { bv = v; bi = i; }
+    }
+#pragma unroll
+    for (int o = kWarp / 2; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(kFullMask, bv, o);
+      const int oi = __shfl_xor_sync(kFullMask, bi, o);
+      if (beats(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int q = 1; q < nwarps; ++q) {
+        if (beats(sv[q], si[q], bv, bi)) { bv = sv[q]; bi = si[q]; }
+      }
+      win_v[c] = bv;
+      win_i[c] = bi;
+    }
+    __syncthreads();
+    pv = win_v[c];
+    pi = win_i[c];
+    if (pi < 0) break;  // uniform: every thread read the same winner
+    got = c + 1;
+    __syncthreads();    // sv / si are written again next round
+  }
+  if (threadIdx.x != 0) return;
+  if (got == 0) { ids[r] = -1; probs[r] = 0.0f; return; }
+  const double T = temperature[r];
+  const double m = static_cast<double>(win_v[0]) / T;  // the first in rank order has the largest z
+  const int mode = m - m == 0.0 ? 0 : (m > 0.0 ? 1 : 2);  // finite, +inf, -inf (inf - inf is NaN)
+  double wsum = 0.0;
+  int cut = got;
+  const double p = top_p[r];
+  if (p < 1.0) {
+    double tot = 0.0;
+    for (int c = 0; c < got; ++c) {
+      const double z = static_cast<double>(win_v[c]) / T;
+      tot += mode == 0 ? exp(z - m) : (mode == 1 ? (z == m ? 1.0 : 0.0) : 1.0);
+    }
+    const double target = __dmul_rn(p, tot);
+    for (cut = 0; cut < got;) {  // the first running sum reaching the target
+      const double z = static_cast<double>(win_v[cut]) / T;
+      wsum += mode == 0 ? exp(z - m) : (mode == 1 ? (z == m ? 1.0 : 0.0) : 1.0);
+      ++cut;
+      if (wsum >= target) break;
+    }
+  }
+  const unsigned long long key = keys[r];
+  double best = 0.0, wbest = 0.0;
+  int bj = -1;
+  wsum = 0.0;
+  for (int c = 0; c < cut; ++c) {
+    const double z = static_cast<double>(win_v[c]) / T;
+    const double wc = mode == 0 ? exp(z - m) : (mode == 1 ? (z == m ? 1.0 : 0.0) : 1.0);
+    wsum += wc;  // rank order: np.cumsum's last element
+    if (wc > 0.0) {
+      const int id = win_i[c];
+      const double sc = (mode == 0 ? z : 0.0) + token_gumbel(key, id_map ? id_map[id] : id);
+      if (bj < 0 || sc > best || (sc == best && id < win_i[bj])) { best = sc; bj = c; wbest = wc; }
+    }
+  }
+  const int i = win_i[bj];  // >= 0: the first has w = 1
+  ids[r] = id_map ? id_map[i] : i;
+  probs[r] = static_cast<float>(wbest / wsum);
+}
+
 // masked_topk_kernel: grid (n), block 256: row r of logits [n, V] fp32 (lm_head_logits) ->
 //   ids [n, K] int32 / probs [n, K] fp32: its K best allowed, non-NaN logits in mtp::beats
 //   order (value descending, the lowest id on a tie), through id_map [V] when given, -1 / 0

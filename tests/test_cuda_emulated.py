@@ -1513,6 +1513,79 @@ def test_fused_sample_matches_the_reference(be, wd, n, V):
     check_fused_sample_matches_reference(be, wd, n, V)
 
 
+def check_fused_topk_sample_matches_reference(be, wd: str, n: int, V: int, emu=None) -> None:
+    """The top_k draw fused into the LM head (every row 1 <= top_k <= 64, top_p 1, 0.9 or 0.5)
+    against mtpkern.ops.sampling.lm_head_sample on exact logits: the drafts bit for bit, probs within
+    FP32 rounding (the kernel adds the weights in the reference's rank order: equal on the
+    emulator), plain and with a mask and an id_map, NaN / +-inf logits and z overflowing; ``emu``:
+    the launches are the fused pair's. Run on the emulator here and on a device by test_gpu.py."""
+    rng = np.random.default_rng(V * 5 + n)
+    for special in (False, True):
+        head, wf = identity_head(V, wd, special)
+        x, T, mask = fused_case(rng, n, V, wf.shape[1], special)
+        id_map = np.sort(rng.permutation(4 * V)[:V]).astype(np.int32)
+        K = rng.integers(1, 65, n).astype(np.int32)
+        K[0] = 1 if n > 1 else K[0]                                # the greedy draft among them
+        P = np.array([(1.0, 0.9, 0.5)[r % 3] for r in range(n)])
+        ps = [SamplingParams(float(T[r]), int(K[r]), float(P[r]), seed=r) for r in range(n)]
+        keys = row_keys(ps, list(range(n)), 1)
+        for bm, im in ((None, None), (mask, None), (mask, id_map)):
+            want = sampling.lm_head_sample(x, wf, bm, keys, T, K, P, id_map=im)
+            before = None if emu is None else emu.launches.copy()
+            ids, probs = be.lm_head_sample(x, be.prepare_weight(head), None if bm is None else be.from_host(bm),
+                                           keys=keys, temperature=T, top_k=K, top_p=P,
+                                           id_map=None if im is None else be.from_host(im))
+            what = f"{wd} V {V}, n {n}, special={special}, mask={bm is not None}, id_map={im is not None}"
+            if emu is not None:
+                ran = {k.split("<")[0] for k, c in (emu.launches - before).items() if c}
+                assert ran == {"lm_head_topk_partial_kernel", "topk_sample_final_kernel"}, (ran, what)
+            np.testing.assert_array_equal(be.to_host(ids), want[0], err_msg=f"drafts, {what}")
+            np.testing.assert_allclose(be.to_host(probs), want[1], rtol=SAMPLE_RTOL, atol=0, err_msg=what)
+
+
+@pytest.mark.parametrize("wd", FUSED_WDS)
+@pytest.mark.parametrize("n", [1, 3, 7, 9])
+@pytest.mark.parametrize("V", [31, 33, 257, 1000])
+def test_fused_topk_sample_matches_the_reference(emu, be, wd, n, V):
+    """check_fused_topk_sample_matches_reference over odd shapes, every exact weight kind, two
+    chunks of rows at n = 9 (top_k up to 64 > the candidates of V = 31 / 33)."""
+    check_fused_topk_sample_matches_reference(be, wd, n, V, emu)
+
+
+def test_fused_topk_sample_cuts_and_falls_back(emu, be):
+    """The top_k cut is seen (top_k = 1 gives the argmax with probability 1; a row's drafts over
+    many keys stay within its top_k logits and cover more than one of them), a top_k past 64 or a
+    row without top_k in the call takes the written logits, and dist asked does too."""
+    rng = np.random.default_rng(8)
+    n, V, H = 4, 1000, 32
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=0.1)
+    head, logits = be.prepare_weight(w), REF.lm_head_logits(x, w)
+    T = np.ones(n)
+    top = np.argsort(-logits, axis=1, kind="stable")
+    for k in (1, 3):
+        K, P = np.full(n, k, np.int32), np.ones(n)
+        seen = [set() for _ in range(n)]
+        for step in range(12):
+            ps = [SamplingParams(1.0, k, 1.0, seed=r) for r in range(n)]
+            ids, probs = be.lm_head_sample(x, head, keys=row_keys(ps, [step] * n, 0), temperature=T, top_k=K,
+                                           top_p=P)
+            for r in range(n):
+                assert int(be.to_host(ids)[r]) in top[r, :k]
+                seen[r].add(int(be.to_host(ids)[r]))
+            if k == 1:
+                np.testing.assert_array_equal(be.to_host(ids), top[:, 0])
+                np.testing.assert_array_equal(be.to_host(probs), np.ones(n, np.float32))
+        if k == 3:
+            assert all(len(s) > 1 for s in seen), seen              # logits within 0.1-ish: all three drawn
+    keys = row_keys([SamplingParams(1.0, 0, 1.0, seed=r) for r in range(n)], [0] * n, 0)
+    for K, dist in ((np.array([5, 65, 5, 5], np.int32), None), (np.array([5, 0, 5, 5], np.int32), None),
+                    (np.full(n, 5, np.int32), be.xp.empty((n, V), np.float32))):
+        before = emu.launches.copy()
+        be.lm_head_sample(x, head, keys=keys, temperature=T, top_k=K, top_p=np.ones(n), dist=dist)
+        ran = {k.split("<")[0] for k, c in (emu.launches - before).items() if c}
+        assert "sample_kernel" in ran and "topk_sample_final_kernel" not in ran, (K, ran)
+
+
 @pytest.mark.parametrize("wd", ["bf16", "fp8c", "nvfp4"])
 def test_fused_sample_on_a_random_head(be, wd):
     """A random head (logits rounded differently by the reference's matmul: the drafts still
@@ -1916,6 +1989,9 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
             out[f"lm_head fused sample ids {t}"], out[f"lm_head fused sample probs {t}"] = be.lm_head_sample(
                 xn, head, mask, keys=row_keys(sp, [8] * n, 0), temperature=np.full(n, 0.9),
                 top_k=np.zeros(n, np.int32), top_p=np.ones(n))                   # temperature only: fused
+            out[f"lm_head fused topk ids {t}"], out[f"lm_head fused topk probs {t}"] = be.lm_head_sample(
+                xn, head, mask, keys=row_keys(sp, [9] * n, 0), temperature=np.full(n, 0.9),
+                top_k=np.array([5, 64, 1, 7, 2][:n], np.int32), top_p=np.array([1.0, 0.8, 1.0, 0.5, 0.9][:n]))
             ids, wts = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
             out[f"router {t}"] = ids
             out[f"router norm {t}"] = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True),

@@ -189,6 +189,8 @@ def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_ma
     keys, T, K, P = _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
     if dist is None and not K.any() and (P == 1.0).all():
         return _sample_fused(x, w, bitmask, keys, T, id_map, True)
+    if dist is None and ((K >= 1) & (K <= MAX_TOPK)).all():
+        return _sample_fused_topk(x, w, bitmask, keys, T, K, P, id_map)
     return masked_sample(lm_head_logits(x, w), bitmask, keys=keys, temperature=temperature, top_k=top_k,
                          top_p=top_p, id_map=id_map, dist=dist)
 
@@ -233,6 +235,37 @@ def _sample_fused(x, w, bitmask, keys: np.ndarray, T: np.ndarray, id_map, check:
                                                                           ptr(id_map), ids, probs))
     if check:
         raise_if_no_allowed(ids, V, bitmask is not None)
+    return ids, probs
+
+
+def _sample_fused_topk(x, w, bitmask, keys: np.ndarray, T: np.ndarray, K: np.ndarray, P: np.ndarray, id_map):
+    """Sampled drafts of rows whose top_k are all in [1, MAX_TOPK] (any top_p), checked host arrays:
+    ``lm_head_topk_partial_kernel`` (the argmax's persistent GEMV, each block keeping a row's best
+    ``k = max top_k`` candidates) into ``part_v`` / ``part_i [n, P, k]``, then
+    ``topk_sample_final_kernel`` (a row's top_k of those, top_p and the draw in rank order)."""
+    n, H = x.shape
+    V = w.shape[0]
+    x, w = device(x, "x", "float32"), device_weight(w, "w")
+    ids = output(None, "ids", (n,), np.int32)
+    probs = output(None, "probs", (n,), np.float32)
+    if n == 0:
+        return ids, probs
+    bitmask = optional(bitmask, "bitmask", "int32")
+    id_map = optional(id_map, "id_map", "int32")
+    k = int(K.max())
+    sms = sm_count()
+    cols = num_partials(V, sms)
+    part_v = output(None, "part_v", (n, cols, k), np.float32)
+    part_i = output(None, "part_i", (n, cols, k), np.int32)
+    partial = get_kernel("lm_head", f"lm_head_topk_partial_kernel<{ctype(w)}, {gemv_rows(n)}>")
+    used = min(resident_blocks(partial, GEMV_THREADS) * sms, cols)   # persistent, as lm_head_argmax
+    partial((used,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, i32(n), i32(V), i32(H),
+                                       i32(used), i32(cols), i32(k)))
+    args = (part_v, part_i, i32(used), i32(cols), i32(k), device(keys, "keys", "uint64"),
+            device(T, "temperature", "float64"), device(K, "top_k", "int32"), device(P, "top_p", "float64"),
+            ptr(id_map), ids, probs)
+    get_kernel("lm_head", "topk_sample_final_kernel")((n,), (FINAL_THREADS,), args)
+    raise_if_no_allowed(ids, V, bitmask is not None)
     return ids, probs
 
 
