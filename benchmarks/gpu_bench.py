@@ -35,7 +35,9 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    3 * N(0, 1). Bytes: the logits read once (the kernel reads a row once per pass, from L2);
    us per row = median / rows. Then ``lm_head fused sample T`` beside ``lm_head argmax`` at the
    same shapes: the temperature-only draw fused into a BF16 head [V, 4096] (no logits written)
-   against the greedy argmax on the same head; bytes: the head, x and the outputs.
+   against the greedy argmax on the same head, and ``lm_head fused sample top_k 50 top_p 0.95``
+   (the top_k draw, through ``lm_head_sample``: its host read of the ids included); bytes: the
+   head, x and the outputs.
    Then ``dsv4 ...``: the ops DeepSeek-V4's attention adds to a GQA block at its shape (64
    heads x 512, 64 rotary dims) at 1 and 64 rows: ``rope_heads`` (the output's rotary dims
    turned back) and the shared-KV write (``qk_norm_rope_kv_write(v_is_k=True)``).
@@ -601,6 +603,10 @@ def fused_sample_cases(n: int, H: int = 4096, vocabs=(32768, 151936), xp: Any = 
                                                                                     check=False)))
         out.append((f"lm_head argmax V={V}", 0, nbytes + n * 4,
                     lambda x=x, w=w: lm_launch.lm_head_argmax(x, w, check=False)))
+        ks, ps_ = np.full(n, 50, np.int32), np.full(n, 0.95)
+        out.append((f"lm_head fused sample top_k 50 top_p 0.95 V={V}", 0, nbytes + n * 8,
+                    lambda x=x, w=w, keys=keys, ks=ks, ps_=ps_: lm_launch.lm_head_sample(
+                        x, w, keys=keys, temperature=np.full(n, 0.8), top_k=ks, top_p=ps_)))
     return out
 
 

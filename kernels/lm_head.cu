@@ -51,9 +51,17 @@
 //   in warp order into part_d [4, n, ld] fp64 (score, z, m, S) / part_i [n, ld].
 // sample_final_kernel: grid (n), block 256: a row's P partials merged (strided per thread, then
 //   a tree in shared memory) into ids[r] (through id_map) and probs[r] = exp(z_d - m) / S (fp32).
-// top_k > 0 or top_p < 1 need the rank order of the whole row, and dist writes [n, V] anyway:
-// those calls write the logits (linear.cu) and draw with sampling.cu's sample_kernel ("unless
-// asked": the launcher takes this path only when every row of the call is temperature-only).
+// Sampled drafts with 1 <= top_k <= 64 (top_p within those k), the logits never written:
+// lm_head_topk_partial_kernel<W, NR>: the same first stage keeping each row's best K (the call's
+//   largest top_k) candidates in beats order, one sorted list a lane in shared memory, the four
+//   warps' lists merged: part_v / part_i [n, ld, K] (-1 past the block's candidates).
+// topk_sample_final_kernel: grid (n), block 256: a row's top_k best of its P * K partials by
+//   rounds (as masked_topk_kernel), then thread 0 follows ops.sampling.row_distribution on them
+//   in rank order (its arithmetic and summation order: the top_p cut and probs as the reference).
+// top_p < 1 without top_k needs the rank order of the whole row, top_k > 64 outgrows the lists,
+// and dist writes [n, V] anyway: those calls write the logits (linear.cu) and draw with
+// sampling.cu's sample_kernel (the launcher picks per call: every row on one fused path, or all
+// of them on the written one).
 //
 // Preconditions: blockDim as stated; 16-byte path when H % (16 / sizeof(W)) == 0
 // and x, w are aligned (FP8: as linear.cu), else scalar loads (same candidates, same tie rule).
@@ -468,6 +476,7 @@ __device__ __forceinline__ void lm_topk_chunk(const float* x, const W* w, const 
     for (int c = 0; c < K; ++c) {
       float bv = neg_inf();
       int bi = -1, bq = -1;
+#pragma unroll
       for (int q = 0; q < kGemvWarps; ++q) {
         if (head[q] < tc[q][r] && beats(tv[q][r][head[q]], ti[q][r][head[q]], bv, bi)) {
           bv = tv[q][r][head[q]];
@@ -475,7 +484,8 @@ __device__ __forceinline__ void lm_topk_chunk(const float* x, const W* w, const 
           bq = q;
         }
       }
-      if (bq >= 0) ++head[bq];
+#pragma unroll
+      for (int q = 0; q < kGemvWarps; ++q) head[q] += q == bq ? 1 : 0;  // constant indices: registers
       part_v[at + c] = bv;
       part_i[at + c] = bi;
     }

@@ -23,10 +23,11 @@ argmax's and ``part_s`` must not be passed.
 int32, probs [n] FP32): sampled drafts (spec: mtpkern.ops.sampling), everything on the device.
 When every row is temperature-only (top_k == 0, top_p == 1) and ``dist`` is not asked, the
 draw is fused into the GEMV (``lm_head_sample_fused``: the argmax's two stages with a Gumbel
-epilogue, the [n, V] logits never written); otherwise the logits (``linear_kernel``) then
-``sample_kernel`` (kernels/sampling.cu: one block per row, radix selects for top_k / top_p,
-which need the rank order, the Gumbel-max draw); ``dist`` [n, V] FP32 (optional, a device
-buffer): the whole q.
+epilogue, the [n, V] logits never written); when every row has 1 <= top_k <= MAX_TOPK (any
+top_p), likewise from per-block top-k partials (``_sample_fused_topk``); otherwise the logits
+(``linear_kernel``) then ``sample_kernel`` (kernels/sampling.cu: one block per row, radix
+selects for top_k / top_p, which need the whole row's rank order, the Gumbel-max draw);
+``dist`` [n, V] FP32 (optional, a device buffer): the whole q.
 
 A row with no allowed, non-NaN token comes back as -1; with ``check=True``
 (default) the launcher copies ids to the host (a synchronisation) and raises
@@ -179,9 +180,10 @@ def _row_params(n: int, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarr
 def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
     """-> (ids [n] int32, probs [n] FP32) on the device: ``masked_sample(lm_head_logits(x, w), ...)``
     (checked before the logits are computed). A call whose rows are all temperature-only
-    (top_k == 0, top_p == 1) without ``dist`` takes :func:`lm_head_sample_fused` (the [n, V]
-    logits never written); top_k / top_p need the rank order, dist is [n, V] anyway: those take
-    the logits and ``sample_kernel``."""
+    (top_k == 0, top_p == 1) without ``dist`` takes :func:`lm_head_sample_fused`, one whose rows
+    all have 1 <= top_k <= MAX_TOPK ``_sample_fused_topk`` (the [n, V] logits never written);
+    top_p without top_k needs the whole row's rank order, dist is [n, V] anyway: those calls,
+    and calls mixing rows of the two fused kinds, take the logits and ``sample_kernel``."""
     _check(x, w)
     n, V = x.shape[0], w.shape[0]
     if V < 1:
