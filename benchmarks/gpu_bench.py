@@ -33,7 +33,11 @@ contexts 512 and 8192. The weights are random BF16 generated on the device
    logits; the launch alone, its per-row parameters already on the device) at V = 32768 and
    151936, 1 and 8 rows: temperature 0.8 alone, with top_k 50, with top_p 0.95; logits
    3 * N(0, 1). Bytes: the logits read once (the kernel reads a row once per pass, from L2);
-   us per row = median / rows.
+   us per row = median / rows. Then ``lm_head fused sample T`` beside ``lm_head argmax`` at the
+   same shapes: the temperature-only draw fused into a BF16 head [V, 4096] (no logits written)
+   against the greedy argmax on the same head, and ``lm_head fused sample top_k 50 top_p 0.95``
+   (the top_k draw, through ``lm_head_sample``: its host read of the ids included); bytes: the
+   head, x and the outputs.
    Then ``dsv4 ...``: the ops DeepSeek-V4's attention adds to a GQA block at its shape (64
    heads x 512, 64 rotary dims) at 1 and 64 rows: ``rope_heads`` (the output's rotary dims
    turned back) and the shared-KV write (``qk_norm_rope_kv_write(v_is_k=True)``).
@@ -566,6 +570,43 @@ def sample_cases(n: int, vocabs=(32768, 151936), xp: Any = None) -> list[tuple[s
             args = (logits, NULL, i32(V), keys, Ts, Ks, Ps, NULL, ids, probs, NULL)
             out.append((f"sample {name} V={V}", 0, n * V * 4,
                         lambda args=args: kernel((n,), (lm_launch.SAMPLE_THREADS,), args)))
+    return out
+
+
+def fused_sample_cases(n: int, H: int = 4096, vocabs=(32768, 151936), xp: Any = None, head: Callable | None = None
+                       ) -> list[tuple[str, int, int, Callable]]:
+    """The temperature-only sampled draw fused into the LM head (``lm_head_sample_fused``: the
+    logits never written) beside the greedy ``lm_head_argmax`` on the same BF16 head [V, H] and
+    ``n`` rows, both through their launchers without the host read of the ids (``check=False``).
+    (op, context, bytes, thunk); bytes = the head's weights, x and the outputs (the partials,
+    36 n bytes a block, L2-resident, not counted). ``xp`` / ``head(V, H)`` (a BF16 device
+    weight): CuPy and ``bf16_uniform`` by default (NumPy and a host BF16 array under the
+    emulator, tests/test_gpu_bench_cpu.py)."""
+    if xp is None:
+        import cupy as xp
+    if head is None:
+        def head(V, H):
+            return bf16_uniform((V, H), H, V)
+
+    from mtpkern.backends.cuda_launch import lm_head as lm_launch
+    from mtpkern.ops.sampling import SamplingParams, row_keys
+
+    out = []
+    for V in vocabs:
+        w = head(V, H)
+        x = xp.asarray(np.random.RandomState(V + n).standard_normal((n, H)).astype(np.float32))
+        ps = [SamplingParams(0.8, 0, 1.0, seed=i) for i in range(n)]
+        keys, T = xp.asarray(row_keys(ps, list(range(n)), 0)), xp.full(n, 0.8, xp.float64)
+        nbytes = V * H * 2 + n * H * 4
+        out.append((f"lm_head fused sample T V={V}", 0, nbytes + n * 8,
+                    lambda x=x, w=w, keys=keys, T=T: lm_launch.lm_head_sample_fused(x, w, keys=keys, temperature=T,
+                                                                                    check=False)))
+        out.append((f"lm_head argmax V={V}", 0, nbytes + n * 4,
+                    lambda x=x, w=w: lm_launch.lm_head_argmax(x, w, check=False)))
+        ks, ps_ = np.full(n, 50, np.int32), np.full(n, 0.95)
+        out.append((f"lm_head fused sample top_k 50 top_p 0.95 V={V}", 0, nbytes + n * 8,
+                    lambda x=x, w=w, keys=keys, ks=ks, ps_=ps_: lm_launch.lm_head_sample(
+                        x, w, keys=keys, temperature=np.full(n, 0.8), top_k=ks, top_p=ps_)))
     return out
 
 
@@ -1404,6 +1445,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             try:
                 run_cases(gpu, rec, sample_cases(n), n, args.runs)
+                run_cases(gpu, rec, fused_sample_cases(n), n, args.runs)
             except Exception as e:
                 rec.error(f"sample rows {n}: {type(e).__name__}: {e}")
                 traceback.print_exc()

@@ -12,7 +12,8 @@
 // - the GEMV core used by linear, mlp, moe and lm_head: a warp computes the
 //   dot products of ROWS weight rows with NR input rows, each weight vector
 //   loaded once and used for all NR inputs;
-// - the (value, id) argmax rule shared by the LM-head kernels.
+// - the (value, id) argmax rule shared by the LM-head kernels, and the sampled drafts'
+//   Gumbel noise shared by sampling.cu and lm_head.cu.
 //
 // Conventions: every kernel is launched with blockDim.x a multiple of 32;
 // element offsets into weights and KV caches are 64-bit (E * 2I * H and
@@ -719,6 +720,25 @@ constexpr int kMaxRows = 8;
 // not depend on the order in which candidates are combined.
 __device__ __forceinline__ bool beats(float v, int i, float bv, int bi) {
   return i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi));
+}
+
+// ---------------------------------------------------------------------------
+// Sampled drafts' noise (spec: mtpkern/ops/sampling.py; sampling.cu's sample_kernel and
+// lm_head.cu's fused draw): g = -log(-log(u)), u in (0, 1) the counter-based hash of the
+// row's key and the returned token id, splitmix64's finaliser in wrapping 64-bit integer
+// arithmetic, as the reference and the Numba backend compute it.
+constexpr unsigned long long kGolden = 0x9E3779B97F4A7C15ull;  // the golden-ratio increment
+constexpr unsigned long long kMix1 = 0xBF58476D1CE4E5B9ull;    // the finaliser's multipliers
+constexpr unsigned long long kMix2 = 0x94D049BB133111EBull;
+constexpr double kTwoPowMinus53 = 1.1102230246251565404236316680908203125e-16;  // 2^-53, exact
+
+__device__ __forceinline__ double token_gumbel(unsigned long long key, int id) {
+  unsigned long long x = key + (static_cast<unsigned long long>(static_cast<long long>(id)) + 1ull) * kGolden;
+  x = (x ^ (x >> 30)) * kMix1;
+  x = (x ^ (x >> 27)) * kMix2;
+  x ^= x >> 31;
+  const double u = (static_cast<double>(x >> 11) + 0.5) * kTwoPowMinus53;  // in (0, 1)
+  return -log(-log(u));
 }
 
 // ---------------------------------------------------------------------------

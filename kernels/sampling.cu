@@ -15,9 +15,10 @@
 //     P (top_p < 1): keys >= the largest key t whose suffix weight sum_{key >= t} w reaches
 //     top_p * sum_K w, found by the same radix select with weight w;
 //   - the Gumbel-max draw over P (w > 0): argmax (s + g) with g = -log(-log(u)) of the
-//     counter-based hash of (key, returned id: id_map[v] with a draft vocabulary), ties to the
-//     lower id. ids[r] = the draft (through id_map), probs[r] = w_draft / sum_P w (fp32), and
-//     with dist (not null) the row dist[r, :] = q (w / sum_P w on P, 0 elsewhere).
+//     counter-based hash of (key, returned id: id_map[v] with a draft vocabulary; common.cuh's
+//     token_gumbel), ties to the lower id. ids[r] = the draft (through id_map), probs[r] =
+//     w_draft / sum_P w (fp32), and with dist (not null) the row dist[r, :] = q (w / sum_P w on
+//     P, 0 elsewhere).
 //   A row without a candidate gets ids[r] = -1, probs[r] = 0 (and a zero dist row); the launcher
 //   raises NoAllowedToken naming it.
 //
@@ -45,22 +46,6 @@ namespace mtp {
 constexpr int kSampleThreads = 256;
 constexpr int kRadix = 16;          // a 4-bit digit: 16 passes over a 64-bit key
 constexpr int kRadixGroups = kSampleThreads / kRadix;
-
-// ops.sampling: splitmix64's golden-ratio increment and finaliser multipliers
-constexpr unsigned long long kGolden = 0x9E3779B97F4A7C15ull;
-constexpr unsigned long long kMix1 = 0xBF58476D1CE4E5B9ull;
-constexpr unsigned long long kMix2 = 0x94D049BB133111EBull;
-constexpr double kTwoPowMinus53 = 1.1102230246251565404236316680908203125e-16;  // 2^-53, exact
-
-// -log(-log(u)), u = token_uniform(key, id): 64-bit integer arithmetic (wrapping) as the reference.
-__device__ __forceinline__ double token_gumbel(unsigned long long key, int id) {
-  unsigned long long x = key + (static_cast<unsigned long long>(static_cast<long long>(id)) + 1ull) * kGolden;
-  x = (x ^ (x >> 30)) * kMix1;
-  x = (x ^ (x >> 27)) * kMix2;
-  x ^= x >> 31;
-  const double u = (static_cast<double>(x >> 11) + 0.5) * kTwoPowMinus53;  // in (0, 1)
-  return -log(-log(u));
-}
 
 // Rank key of candidate v (logit l, not NaN): larger = earlier in the rank order; never 0.
 __device__ __forceinline__ unsigned long long rank_key(float l, int v) {

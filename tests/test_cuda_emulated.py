@@ -1434,6 +1434,244 @@ def test_sample_kernel_rows_without_a_candidate_raise(be):
                           temperature=np.ones(n), top_k=np.zeros(n, np.int32), top_p=np.full(n, 1.5))
 
 
+# -- the sampled draw fused into the LM head (temperature only) --------------------------------
+
+#: the fused draw's heads: exact identity heads (kind -> its weight, its values as the reference sees them)
+FUSED_WDS = ("float32", "bfloat16", "fp8_block", "fp8_channel", "fp4")
+
+
+def identity_head(V: int, wd: str, special: bool):
+    """An identity head [V, H] (H = V, or V rounded up to 32 for FP4's packing) so the logits are
+    x's first V columns exactly, whatever the summation order; special: NaN rows 3 and V // 2 (NaN
+    logits in every row; not FP4, whose quantizer takes finite values only) and, FP32 / BF16 only
+    (FP8 and FP4 have no infinity), -inf on the diagonal at 5 and V - 3 (where x > 0: -inf logits;
+    x < 0: +inf)."""
+    H = -(-V // 32) * 32 if wd == "fp4" else V
+    w = np.zeros((V, H), np.float32)
+    w[np.arange(V), np.arange(V)] = 1.0
+    if special and V > 8 and wd != "fp4":
+        w[[3, V // 2]] = np.nan
+        if wd in ("float32", "bfloat16"):
+            w[[5, V - 3], [5, V - 3]] = -np.inf
+    if wd == "fp4":
+        q, wf = stored(w, "fp4")
+        np.testing.assert_array_equal(wf, w)                     # 0 and 1 are exact E2M1 codes
+        return q, wf
+    wt = test_ops_backends.exact_weight(w, wd)
+    return wt, REF.prepare_weight(wt)
+
+
+def fused_case(rng, n: int, V: int, H: int, special: bool):
+    """x [n, H] on a grid of few values (ties in the logits; row r % 3 == 1 with x = -1 at 5 and V - 3:
+    +inf logits where the head has -inf), temperatures (row r % 3 == 2 of a special case: T = 1e-308,
+    so z = l / T overflows to +-inf for |l| >= 2: the m = +inf and m = -inf rules without an infinite
+    logit) and a bitmask keeping about half the tokens, token V - 1 always."""
+    x = rng.choice(np.array([-2.0, -0.75, 0.25, 0.5, 1.0, 1.5, 2.5, 3.0], np.float32), (n, H))
+    T = np.array([(0.7, 1.0, 1.9)[r % 3] for r in range(n)])
+    if special:
+        x[1::3, [5, V - 3]] = -1.0
+        T[2::3] = 1e-308
+    mask = rng.integers(-2**31, 2**31, (n, (V + 31) // 32), dtype=np.int64).astype(np.int32)
+    mask[:, (V - 1) >> 5] |= np.int32(np.uint32(1 << ((V - 1) & 31)).view(np.int32))
+    return x, T, mask
+
+
+def fused_sample(be, x, head, mask, keys, T, id_map=None):
+    """The cuda launcher's temperature-only draw -> host (ids, probs)."""
+    n = x.shape[0]
+    ids, probs = be.lm_head_sample(x, head, None if mask is None else be.from_host(mask), keys=keys,
+                                   temperature=T, top_k=np.zeros(n, np.int32), top_p=np.ones(n),
+                                   id_map=None if id_map is None else be.from_host(id_map))
+    return be.to_host(ids), be.to_host(probs)
+
+
+def check_fused_sample_matches_reference(be, wd: str, n: int, V: int) -> None:
+    """The fused draw against mtpkern.ops.sampling.lm_head_sample on exact logits: the drafts bit
+    for bit, probs within FP32 rounding, plain, masked, with an id_map, NaN / +-inf logits and z
+    overflowing to +-inf. Run on the emulator here and on a device by tests/test_gpu.py."""
+    rng = np.random.default_rng(V * 7 + n)
+    for special in (False, True):
+        head, wf = identity_head(V, wd, special)
+        x, T, mask = fused_case(rng, n, V, wf.shape[1], special)
+        id_map = np.sort(rng.permutation(4 * V)[:V]).astype(np.int32)
+        ps = [SamplingParams(float(T[r]), 0, 1.0, seed=13 * V + r) for r in range(n)]
+        keys = row_keys(ps, list(range(5, 5 + n)), 2)
+        for bm, im in ((None, None), (mask, None), (mask, id_map)):
+            want = sampling.lm_head_sample(x, wf, bm, keys, T, np.zeros(n, np.int32), np.ones(n), id_map=im)
+            ids, probs = fused_sample(be, x, be.prepare_weight(head), bm, keys, T, im)
+            what = f"{wd} V {V}, n {n}, special={special}, mask={bm is not None}, id_map={im is not None}"
+            np.testing.assert_array_equal(ids, want[0], err_msg=f"drafts, {what}")
+            np.testing.assert_allclose(probs, want[1], rtol=SAMPLE_RTOL, atol=0, err_msg=what)
+
+
+@pytest.mark.parametrize("wd", FUSED_WDS)
+@pytest.mark.parametrize("n", [1, 3, 7])
+@pytest.mark.parametrize("V", [31, 33, 257, 1000])
+def test_fused_sample_matches_the_reference(be, wd, n, V):
+    """check_fused_sample_matches_reference over odd shapes (H = V odd, and 1000: the 16-byte path;
+    FP4 at H a multiple of 32) and every weight kind the argmax kernel has exactly."""
+    check_fused_sample_matches_reference(be, wd, n, V)
+
+
+def check_fused_topk_sample_matches_reference(be, wd: str, n: int, V: int, emu=None) -> None:
+    """The top_k draw fused into the LM head (every row 1 <= top_k <= 64, top_p 1, 0.9 or 0.5)
+    against mtpkern.ops.sampling.lm_head_sample on exact logits: the drafts bit for bit, probs within
+    FP32 rounding (the kernel adds the weights in the reference's rank order: equal on the
+    emulator), plain and with a mask and an id_map, NaN / +-inf logits and z overflowing; ``emu``:
+    the launches are the fused pair's. Run on the emulator here and on a device by test_gpu.py."""
+    rng = np.random.default_rng(V * 5 + n)
+    for special in (False, True):
+        head, wf = identity_head(V, wd, special)
+        x, T, mask = fused_case(rng, n, V, wf.shape[1], special)
+        id_map = np.sort(rng.permutation(4 * V)[:V]).astype(np.int32)
+        K = rng.integers(1, 65, n).astype(np.int32)
+        K[0] = 1 if n > 1 else K[0]                                # the greedy draft among them
+        P = np.array([(1.0, 0.9, 0.5)[r % 3] for r in range(n)])
+        ps = [SamplingParams(float(T[r]), int(K[r]), float(P[r]), seed=r) for r in range(n)]
+        keys = row_keys(ps, list(range(n)), 1)
+        for bm, im in ((None, None), (mask, None), (mask, id_map)):
+            want = sampling.lm_head_sample(x, wf, bm, keys, T, K, P, id_map=im)
+            before = None if emu is None else emu.launches.copy()
+            ids, probs = be.lm_head_sample(x, be.prepare_weight(head), None if bm is None else be.from_host(bm),
+                                           keys=keys, temperature=T, top_k=K, top_p=P,
+                                           id_map=None if im is None else be.from_host(im))
+            what = f"{wd} V {V}, n {n}, special={special}, mask={bm is not None}, id_map={im is not None}"
+            if emu is not None:
+                ran = {k.split("<")[0] for k, c in (emu.launches - before).items() if c}
+                assert ran == {"lm_head_topk_partial_kernel", "topk_sample_final_kernel"}, (ran, what)
+            np.testing.assert_array_equal(be.to_host(ids), want[0], err_msg=f"drafts, {what}")
+            np.testing.assert_allclose(be.to_host(probs), want[1], rtol=SAMPLE_RTOL, atol=0, err_msg=what)
+
+
+@pytest.mark.parametrize("wd", FUSED_WDS)
+@pytest.mark.parametrize("n", [1, 3, 7, 9])
+@pytest.mark.parametrize("V", [31, 33, 257, 1000])
+def test_fused_topk_sample_matches_the_reference(emu, be, wd, n, V):
+    """check_fused_topk_sample_matches_reference over odd shapes, every exact weight kind, two
+    chunks of rows at n = 9 (top_k up to 64 > the candidates of V = 31 / 33)."""
+    check_fused_topk_sample_matches_reference(be, wd, n, V, emu)
+
+
+def test_fused_topk_sample_cuts_and_falls_back(emu, be):
+    """The top_k cut is seen (top_k = 1 gives the argmax with probability 1; a row's drafts over
+    many keys stay within its top_k logits and cover more than one of them), a top_k past 64 or a
+    row without top_k in the call takes the written logits, and dist asked does too."""
+    rng = np.random.default_rng(8)
+    n, V, H = 4, 1000, 32
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=0.1)
+    head, logits = be.prepare_weight(w), REF.lm_head_logits(x, w)
+    T = np.ones(n)
+    top = np.argsort(-logits, axis=1, kind="stable")
+    for k in (1, 3):
+        K, P = np.full(n, k, np.int32), np.ones(n)
+        seen = [set() for _ in range(n)]
+        for step in range(12):
+            ps = [SamplingParams(1.0, k, 1.0, seed=r) for r in range(n)]
+            ids, probs = be.lm_head_sample(x, head, keys=row_keys(ps, [step] * n, 0), temperature=T, top_k=K,
+                                           top_p=P)
+            for r in range(n):
+                assert int(be.to_host(ids)[r]) in top[r, :k]
+                seen[r].add(int(be.to_host(ids)[r]))
+            if k == 1:
+                np.testing.assert_array_equal(be.to_host(ids), top[:, 0])
+                np.testing.assert_array_equal(be.to_host(probs), np.ones(n, np.float32))
+        if k == 3:
+            assert all(len(s) > 1 for s in seen), seen              # logits within 0.1-ish: all three drawn
+    keys = row_keys([SamplingParams(1.0, 0, 1.0, seed=r) for r in range(n)], [0] * n, 0)
+    for K, dist in ((np.array([5, 65, 5, 5], np.int32), None), (np.array([5, 0, 5, 5], np.int32), None),
+                    (np.full(n, 5, np.int32), be.xp.empty((n, V), np.float32))):
+        before = emu.launches.copy()
+        be.lm_head_sample(x, head, keys=keys, temperature=T, top_k=K, top_p=np.ones(n), dist=dist)
+        ran = {k.split("<")[0] for k, c in (emu.launches - before).items() if c}
+        assert "sample_kernel" in ran and "topk_sample_final_kernel" not in ran, (K, ran)
+
+
+@pytest.mark.parametrize("wd", ["bf16", "fp8c", "nvfp4"])
+def test_fused_sample_on_a_random_head(be, wd):
+    """A random head (logits rounded differently by the reference's matmul: the drafts still
+    agree, probs within the FP32 tolerance), two chunks of rows (n = 9), misaligned x."""
+    rng = np.random.default_rng(9)
+    n, V, H = 9, 701, 64
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=2 * H ** -0.5)
+    wq, wf = stored(w, wd, (16, 32))
+    T = rng.uniform(0.3, 2.0, n)
+    ps = [SamplingParams(float(T[r]), 0, 1.0, seed=r) for r in range(n)]
+    keys = row_keys(ps, [9] * n, 0)
+    want = sampling.lm_head_sample(x, wf, None, keys, T, np.zeros(n, np.int32), np.ones(n))
+    for xx in (x, misaligned(x)):
+        ids, probs = fused_sample(be, xx, be.prepare_weight(wq), None, keys, T)
+        np.testing.assert_array_equal(ids, want[0])
+        assert_close(probs, want[1], "float32", f"fused draw's probabilities, {wd}")
+
+
+def test_fused_sample_never_writes_the_logits(emu, be, monkeypatch):
+    """A temperature-only call runs the fused pair (no linear_kernel, no sample_kernel) and
+    allocates nothing of V floats per row; a call with a top_k row, or asking dist, takes the
+    logits and sample_kernel; a wrong keying (the noise on the head row instead of the returned
+    id under an id_map) would change the drafts: the reference itself keyed that way differs."""
+    rng = np.random.default_rng(12)
+    n, V, H = 3, 257, 32
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=0.5)
+    head = be.prepare_weight(w)
+    T = np.array([0.8, 1.0, 1.3])
+    ps = [SamplingParams(float(t), 0, 1.0, seed=i) for i, t in enumerate(T)]
+    keys = row_keys(ps, [4] * n, 1)
+    sizes = []
+    real_output = lm_launch.output
+
+    def spy(out, name, shape, dtype):
+        sizes.append((name, tuple(shape)))
+        return real_output(out, name, shape, dtype)
+    monkeypatch.setattr(lm_launch, "output", spy)
+    before = emu.launches.copy()
+    fused_sample(be, x, head, None, keys, T)
+    ran = {k for k, c in (emu.launches - before).items() if c}
+    assert ran == {"lm_head_sample_partial_kernel<float, 4>", "sample_final_kernel"}, ran
+    assert sizes and all(np.prod(s) < n * V for _, s in sizes), sizes
+    sizes.clear()
+    before = emu.launches.copy()
+    be.lm_head_sample(x, head, keys=keys, temperature=T, top_k=np.array([0, 5, 0], np.int32), top_p=np.ones(n))
+    ran = {k.split("<")[0] for k, c in (emu.launches - before).items() if c}
+    assert "sample_kernel" in ran and "lm_head_sample_partial_kernel" not in ran, ran
+    assert max(np.prod(s) for _, s in sizes) == n * V              # the spy sees the logits when written
+    before = emu.launches.copy()
+    be.lm_head_sample(x, head, keys=keys, temperature=T, top_k=np.zeros(n, np.int32), top_p=np.ones(n),
+                      dist=be.xp.empty((n, V), np.float32))
+    assert "sample_kernel" in {k for k, c in (emu.launches - before).items() if c}
+
+
+def test_fused_sample_keys_the_noise_on_the_returned_id(be):
+    """Negative control: under an id_map the fused draw matches the reference's noise keyed on the
+    returned (target) ids, and the draw keyed on the head rows (id_map's identity) differs in most
+    rows: the comparison does see which id the noise is keyed on."""
+    rng = np.random.default_rng(21)
+    n, V, H = 7, 1000, 32
+    x, w = rnd(rng, n, H), rnd(rng, V, H, scale=0.2)             # small logits: q spread wide
+    id_map = np.sort(rng.permutation(4 * V)[:V]).astype(np.int32)
+    T = np.ones(n)
+    ps = [SamplingParams(1.0, 0, 1.0, seed=i) for i in range(n)]
+    keys = row_keys(ps, [2] * n, 0)
+    zeros, ones = np.zeros(n, np.int32), np.ones(n)
+    want = sampling.lm_head_sample(x, w, None, keys, T, zeros, ones, id_map=id_map)[0]
+    rows_keyed = id_map[sampling.lm_head_sample(x, w, None, keys, T, zeros, ones)[0]]
+    got = fused_sample(be, x, be.prepare_weight(w), None, keys, T, id_map)[0]
+    np.testing.assert_array_equal(got, want)
+    assert (got != rows_keyed).sum() >= n // 2
+
+
+def test_fused_sample_rows_without_a_candidate_raise(be):
+    rng = np.random.default_rng(4)
+    n, V, H = 3, 33, 16
+    x, w = rnd(rng, n, H), rnd(rng, V, H)
+    mask = np.full((n, 2), -1, np.int32)
+    mask[1] = 0
+    ps = [SamplingParams(1.0, 0, 1.0, seed=i) for i in range(n)]
+    with pytest.raises(NoAllowedToken, match="row 1: .*grammar"):
+        fused_sample(be, x, be.prepare_weight(w), mask, row_keys(ps, [0] * n, 0), np.ones(n))
+    with pytest.raises(ValueError, match="temperature: expected finite values > 0"):
+        fused_sample(be, x, be.prepare_weight(w), None, row_keys(ps, [0] * n, 0), np.array([1.0, 0.0, 1.0]))
+
+
 _LOGITS = [-3.0, -2.25, -1.5, -0.75, 0.0, 0.5, 1.0, 1.25, 2.0, 2.5]
 _BIAS = [-0.5, -0.125, 0.0, 0.25, 0.5]
 
@@ -1748,6 +1986,12 @@ def _every_kernel(seed: int) -> dict[str, np.ndarray]:
                 xn, head, mask, keys=row_keys(sp, [7] * n, 0), temperature=np.full(n, 0.9),
                 top_k=np.array([p.top_k for p in sp], np.int32), top_p=np.array([p.top_p for p in sp]),
                 dist=out[f"lm_head sample dist {t}"])
+            out[f"lm_head fused sample ids {t}"], out[f"lm_head fused sample probs {t}"] = be.lm_head_sample(
+                xn, head, mask, keys=row_keys(sp, [8] * n, 0), temperature=np.full(n, 0.9),
+                top_k=np.zeros(n, np.int32), top_p=np.ones(n))                   # temperature only: fused
+            out[f"lm_head fused topk ids {t}"], out[f"lm_head fused topk probs {t}"] = be.lm_head_sample(
+                xn, head, mask, keys=row_keys(sp, [9] * n, 0), temperature=np.full(n, 0.9),
+                top_k=np.array([5, 64, 1, 7, 2][:n], np.int32), top_p=np.array([1.0, 0.8, 1.0, 0.5, 0.9][:n]))
             ids, wts = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True))
             out[f"router {t}"] = ids
             out[f"router norm {t}"] = be.moe_router(xn, pw(w(32, 64)), rnd(rng, 32), RouterSpec(4, 4, 2, 2.0, True),

@@ -22,7 +22,10 @@
   test_cuda_emulated_dsa_kpool.py's of GLM-5.3's pooled indexer;
 - sampled drafts drawn on the device (kernels/sampling.cu) against the reference on the same
   logits, at the emulator's cases (test_cuda_emulated.py's check_sample_matches_reference) and
-  at V = 32768 and 151936;
+  at V = 32768 and 151936; the temperature-only and top_k draws fused into the LM head
+  (kernels/lm_head.cu) against the reference (test_cuda_emulated.py's
+  check_fused_sample_matches_reference / check_fused_topk_sample_matches_reference, and random
+  heads at V = 32768 and 151936);
 - the tensor cores' fragment layout (kernels/mma.cu's probe of kernels/mma.cuh) against a
   NumPy matmul, each deliberately wrong layout caught (the emulator runs the same check
   against its emulated mma: test_cuda_emulated.py::test_mma_fragment_layout).
@@ -94,6 +97,36 @@ def _same_kv(ref, sr, dev, sd, what, tol="bfloat16"):
             assert sr._win_start[m] == sd._win_start[m]
             assert_close(dev.backend.to_host(sd._win[m]), np.asarray(sr._win[m]), tol,
                          f"{what}: module {m} window (chained hiddens)")
+
+
+@pytest.mark.parametrize("wd", ["float32", "bfloat16", "fp8_block", "fp8_channel", "fp4"])
+@pytest.mark.parametrize("n,V", [(1, 1000), (7, 1000), (8, 4099)])
+def test_fused_sample_matches_the_reference_on_the_device(wd, n, V):
+    """The temperature-only and top_k draws fused into the LM head (kernels/lm_head.cu) on the
+    device: the emulator's checks (exact identity heads: masks, an id_map, NaN / +-inf logits, z
+    overflowing),
+    then a random BF16 head at V = 32768 and 151936 (H 256): the reference's drafts, probs to
+    the FP32 tolerance."""
+    import test_cuda_emulated as emu_tests
+
+    from mtpkern.backends.cuda import CudaBackend
+
+    be = CudaBackend()
+    emu_tests.check_fused_sample_matches_reference(be, wd, n, V)
+    emu_tests.check_fused_topk_sample_matches_reference(be, wd, n, V)
+    if wd != "bfloat16" or n == 7:
+        return
+    rng = np.random.default_rng(V)
+    for big in (32768, 151936):
+        x, w = emu_tests.rnd(rng, n, 256), emu_tests.rnd(rng, big, 256, scale=2 / 16)
+        wq, wf = emu_tests.stored(w, "bf16")
+        T = rng.uniform(0.5, 1.5, n)
+        ps = [emu_tests.SamplingParams(float(T[r]), 0, 1.0, seed=r) for r in range(n)]
+        keys = emu_tests.row_keys(ps, [11] * n, 0)
+        want = emu_tests.sampling.lm_head_sample(x, wf, None, keys, T, np.zeros(n, np.int32), np.ones(n))
+        ids, probs = emu_tests.fused_sample(be, x, be.prepare_weight(wq), None, keys, T)
+        np.testing.assert_array_equal(ids, want[0])
+        emu_tests.assert_close(probs, want[1], "float32", f"fused draw V={big}")
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "float32"])

@@ -317,3 +317,42 @@ def test_the_sample_rows_launch_on_the_emulator(bench):
             np.testing.assert_array_equal(ids, want[0])
             np.testing.assert_array_equal(probs, want[1])
         assert em.launches["sample_kernel"] == 2 * len(cases)
+
+
+def test_the_fused_sample_rows_launch_on_the_emulator(bench):
+    """The ``lm_head fused sample`` rows (and their argmax peers) run on the emulator through the
+    fused kernels and draw the reference's drafts from the same head."""
+    import ml_dtypes
+    from cuda_emu import emu_backend
+
+    from mtpkern.ops import sampling
+    from mtpkern.ops.lm_head import lm_head_argmax
+
+    try:
+        lib = emu_backend.build()
+    except emu_backend.EmulatorUnavailable as e:
+        pytest.skip(f"CUDA emulator unavailable: {e}")
+    n, V, H = 3, 257, 40
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((V, H)) * 0.3).astype(ml_dtypes.bfloat16)
+    with emu_backend.Emulator(lib).installed() as em:
+        cases = bench.fused_sample_cases(n, H, vocabs=(V,), xp=np, head=lambda V, H: w.view(np.uint16))
+        assert [c[0] for c in cases] == [f"lm_head fused sample T V={V}", f"lm_head argmax V={V}",
+                                         f"lm_head fused sample top_k 50 top_p 0.95 V={V}"]
+        assert cases[0][2] == V * H * 2 + n * H * 4 + n * 8
+        (ids, probs), greedy = cases[0][3](), cases[1][3]()
+        x = cases[0][3].__defaults__[0]
+        ps = [sampling.SamplingParams(0.8, 0, 1.0, seed=i) for i in range(n)]
+        wf = w.astype(np.float32)
+        want = sampling.lm_head_sample(x, wf, None, sampling.row_keys(ps, list(range(n)), 0), np.full(n, 0.8),
+                                       np.zeros(n, np.int32), np.ones(n))
+        np.testing.assert_array_equal(ids, want[0])
+        np.testing.assert_allclose(probs, want[1], rtol=1e-5)
+        np.testing.assert_array_equal(greedy, lm_head_argmax(x, wf))
+        keys = sampling.row_keys(ps, list(range(n)), 0)
+        want_k = sampling.lm_head_sample(x, wf, None, keys, np.full(n, 0.8), np.full(n, 50, np.int32),
+                                         np.full(n, 0.95))
+        np.testing.assert_array_equal(cases[2][3]()[0], want_k[0])
+        assert em.launches["topk_sample_final_kernel"] == 1
+        assert em.launches["sample_final_kernel"] == 1
+        assert not [k for k, c in em.launches.items() if c and k.startswith(("linear_kernel", "sample_kernel"))]

@@ -319,11 +319,13 @@ class CudaBackend(Backend):
     samples = True
 
     def lm_head_sample(self, x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
-        """-> (ids [n] int32, probs [n] FP32) on the device: the logits (``lm_head_logits``), then
-        each row's draft drawn on the device by ``sample_kernel`` (kernels/sampling.cu; spec:
-        mtpkern.ops.sampling, the same drafts as every backend given these logits); ``dist``: a
-        device FP32 [n, V] buffer for the whole distribution. Only the ids are read back (to
-        raise ``NoAllowedToken`` naming a row without a candidate)."""
+        """-> (ids [n] int32, probs [n] FP32) on the device (spec: mtpkern.ops.sampling, the same
+        drafts as every backend given these logits). A call whose rows are all temperature-only
+        (top_k 0, top_p 1), or all have 1 <= top_k <= 64, without ``dist`` draws in the LM head's
+        epilogue (kernels/lm_head.cu, the logits never written); otherwise the logits (``lm_head_logits``), then each row's
+        draft drawn by ``sample_kernel`` (kernels/sampling.cu). ``dist``: a device FP32 [n, V]
+        buffer for the whole distribution. Only the ids are read back (to raise
+        ``NoAllowedToken`` naming a row without a candidate)."""
         return lm_head.lm_head_sample(x, w, bitmask, keys=keys, temperature=temperature, top_k=top_k, top_p=top_p,
                                       id_map=id_map, dist=dist)
 

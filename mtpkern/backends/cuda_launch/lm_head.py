@@ -20,10 +20,14 @@ one more workspace ``part_s [n, P]`` FP32; without ``conf`` the kernels are the 
 argmax's and ``part_s`` must not be passed.
 
 ``lm_head_sample(x, w, bitmask, *, keys, temperature, top_k, top_p, id_map, dist)`` -> (ids [n]
-int32, probs [n] FP32): sampled drafts (spec: mtpkern.ops.sampling), the logits
+int32, probs [n] FP32): sampled drafts (spec: mtpkern.ops.sampling), everything on the device.
+When every row is temperature-only (top_k == 0, top_p == 1) and ``dist`` is not asked, the
+draw is fused into the GEMV (``lm_head_sample_fused``: the argmax's two stages with a Gumbel
+epilogue, the [n, V] logits never written); when every row has 1 <= top_k <= MAX_TOPK (any
+top_p), likewise from per-block top-k partials (``_sample_fused_topk``); otherwise the logits
 (``linear_kernel``) then ``sample_kernel`` (kernels/sampling.cu: one block per row, radix
-selects for top_k / top_p, the Gumbel-max draw), everything on the device; ``dist`` [n, V]
-FP32 (optional, a device buffer): the whole q.
+selects for top_k / top_p, which need the whole row's rank order, the Gumbel-max draw);
+``dist`` [n, V] FP32 (optional, a device buffer): the whole q.
 
 A row with no allowed, non-NaN token comes back as -1; with ``check=True``
 (default) the launcher copies ids to the host (a synchronisation) and raises
@@ -175,14 +179,96 @@ def _row_params(n: int, temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarr
 
 def lm_head_sample(x, w, bitmask=None, *, keys, temperature, top_k, top_p, id_map=None, dist=None):
     """-> (ids [n] int32, probs [n] FP32) on the device: ``masked_sample(lm_head_logits(x, w), ...)``
-    (checked before the logits are computed)."""
+    (checked before the logits are computed). A call whose rows are all temperature-only
+    (top_k == 0, top_p == 1) without ``dist`` takes :func:`lm_head_sample_fused`, one whose rows
+    all have 1 <= top_k <= MAX_TOPK ``_sample_fused_topk`` (the [n, V] logits never written);
+    top_p without top_k needs the whole row's rank order, dist is [n, V] anyway: those calls,
+    and calls mixing rows of the two fused kinds, take the logits and ``sample_kernel``."""
     _check(x, w)
     n, V = x.shape[0], w.shape[0]
     if V < 1:
         raise ValueError("w: expected at least one vocabulary row, got 0")
-    _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
+    keys, T, K, P = _sample_args(n, V, bitmask, id_map, keys, temperature, top_k, top_p, dist)
+    if dist is None and not K.any() and (P == 1.0).all():
+        return _sample_fused(x, w, bitmask, keys, T, id_map, True)
+    if dist is None and ((K >= 1) & (K <= MAX_TOPK)).all():
+        return _sample_fused_topk(x, w, bitmask, keys, T, K, P, id_map)
     return masked_sample(lm_head_logits(x, w), bitmask, keys=keys, temperature=temperature, top_k=top_k,
                          top_p=top_p, id_map=id_map, dist=dist)
+
+
+def lm_head_sample_fused(x, w, bitmask=None, *, keys, temperature, id_map=None, check: bool = True):
+    """-> (ids [n] int32, probs [n] FP32) on the device: temperature-only sampled drafts (top_k = 0,
+    top_p = 1; spec: mtpkern.ops.sampling) drawn in the LM head's epilogue, never writing the
+    logits: ``lm_head_sample_partial_kernel`` (the argmax's persistent GEMV, each lane keeping
+    its row's best Gumbel score and an online FP64 sum of exp(z - max z)) into workspaces
+    ``part_d [4, n, P]`` FP64 / ``part_i [n, P]`` int32, then ``sample_final_kernel``.
+    Raises ``NoAllowedToken`` for a row without a candidate (a host read of ids) when ``check``;
+    with ``check=False`` such a row comes back as -1 (probs 0), nothing read back."""
+    _check(x, w)
+    n, V = x.shape[0], w.shape[0]
+    if V < 1:
+        raise ValueError("w: expected at least one vocabulary row, got 0")
+    keys, T, _, _ = _sample_args(n, V, bitmask, id_map, keys, temperature, np.zeros(n, np.int32), np.ones(n), None)
+    return _sample_fused(x, w, bitmask, keys, T, id_map, check)
+
+
+def _sample_fused(x, w, bitmask, keys: np.ndarray, T: np.ndarray, id_map, check: bool):
+    """``lm_head_sample_fused`` after its checks (keys [n] uint64, T [n] FP64 host arrays)."""
+    n, H = x.shape
+    V = w.shape[0]
+    x, w = device(x, "x", "float32"), device_weight(w, "w")
+    ids = output(None, "ids", (n,), np.int32)
+    probs = output(None, "probs", (n,), np.float32)
+    if n == 0:
+        return ids, probs
+    bitmask = optional(bitmask, "bitmask", "int32")
+    id_map = optional(id_map, "id_map", "int32")
+    sms = sm_count()
+    P = num_partials(V, sms)
+    part_d = output(None, "part_d", (4, n, P), np.float64)
+    part_i = output(None, "part_i", (n, P), np.int32)
+    partial = get_kernel("lm_head", f"lm_head_sample_partial_kernel<{ctype(w)}, {gemv_rows(n)}>")
+    used = min(resident_blocks(partial, GEMV_THREADS) * sms, P)   # persistent, as lm_head_argmax
+    partial((used,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), device(keys, "keys", "uint64"),
+                                       device(T, "temperature", "float64"), ptr(id_map), part_d, part_i, i32(n),
+                                       i32(V), i32(H), i32(used), i32(P)))
+    get_kernel("lm_head", "sample_final_kernel")((n,), (FINAL_THREADS,), (part_d, part_i, i32(n), i32(used), i32(P),
+                                                                          ptr(id_map), ids, probs))
+    if check:
+        raise_if_no_allowed(ids, V, bitmask is not None)
+    return ids, probs
+
+
+def _sample_fused_topk(x, w, bitmask, keys: np.ndarray, T: np.ndarray, K: np.ndarray, P: np.ndarray, id_map):
+    """Sampled drafts of rows whose top_k are all in [1, MAX_TOPK] (any top_p), checked host arrays:
+    ``lm_head_topk_partial_kernel`` (the argmax's persistent GEMV, each block keeping a row's best
+    ``k = max top_k`` candidates) into ``part_v`` / ``part_i [n, P, k]``, then
+    ``topk_sample_final_kernel`` (a row's top_k of those, top_p and the draw in rank order)."""
+    n, H = x.shape
+    V = w.shape[0]
+    x, w = device(x, "x", "float32"), device_weight(w, "w")
+    ids = output(None, "ids", (n,), np.int32)
+    probs = output(None, "probs", (n,), np.float32)
+    if n == 0:
+        return ids, probs
+    bitmask = optional(bitmask, "bitmask", "int32")
+    id_map = optional(id_map, "id_map", "int32")
+    k = int(K.max())
+    sms = sm_count()
+    cols = num_partials(V, sms)
+    part_v = output(None, "part_v", (n, cols, k), np.float32)
+    part_i = output(None, "part_i", (n, cols, k), np.int32)
+    partial = get_kernel("lm_head", f"lm_head_topk_partial_kernel<{ctype(w)}, {gemv_rows(n)}>")
+    used = min(resident_blocks(partial, GEMV_THREADS) * sms, cols)   # persistent, as lm_head_argmax
+    partial((used,), (GEMV_THREADS,), (x, *weight_args(w), ptr(bitmask), part_v, part_i, i32(n), i32(V), i32(H),
+                                       i32(used), i32(cols), i32(k)))
+    args = (part_v, part_i, i32(used), i32(cols), i32(k), device(keys, "keys", "uint64"),
+            device(T, "temperature", "float64"), device(K, "top_k", "int32"), device(P, "top_p", "float64"),
+            ptr(id_map), ids, probs)
+    get_kernel("lm_head", "topk_sample_final_kernel")((n,), (FINAL_THREADS,), args)
+    raise_if_no_allowed(ids, V, bitmask is not None)
+    return ids, probs
 
 
 def _sample_args(n: int, V: int, bitmask, id_map, keys, temperature, top_k, top_p, dist):

@@ -125,7 +125,13 @@ NAME_EXPRESSIONS: dict[str, tuple[str, ...]] = {
     # CONF: the confidence epilogue (lm_head_argmax(..., conf=)); false is the plain argmax
     "lm_head": tuple(f"lm_head_argmax_partial_kernel<{t}, {c}, {nr}>" for t in _WEIGHT_CTYPES
                      for c in ("false", "true") for nr in GEMV_NR)
-    + ("argmax_final_kernel<false>", "argmax_final_kernel<true>", "masked_topk_kernel"),
+    + ("argmax_final_kernel<false>", "argmax_final_kernel<true>", "masked_topk_kernel")
+    # the sampled draw fused into the GEMV (temperature-only rows: no [n, V] logits)
+    + tuple(f"lm_head_sample_partial_kernel<{t}, {nr}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
+    + ("sample_final_kernel",)
+    # per-block top-k partials (k <= 64) and the draw over a row's top_k (top_p within them)
+    + tuple(f"lm_head_topk_partial_kernel<{t}, {nr}>" for t in _WEIGHT_CTYPES for nr in GEMV_NR)
+    + ("topk_sample_final_kernel",),
     # sampled drafts over the logits (one block per row)
     "sampling": ("sample_kernel",),
     "step": ("copy_segments_kernel",),
