@@ -34,7 +34,9 @@ table per call. Per call, ``StepRunner.propose``:
 4. one D2H copy of the drafts (two with their confidences); a -1 (a grammar row that allows no token)
    raises ``NoAllowedToken`` and the proposer's ``txn.guarded`` rolls back;
 5. host bookkeeping after: drafts into the token tails, the chained outputs
-   copied out of the persistent buffers into the exact-mode windows.
+   copied out of the persistent buffers into the exact-mode windows; with
+   ``min_confidence`` the early stop is applied here (``StepRunner._early_stop``: the
+   drafts past each stop and the rows the eager early stop would not write are dropped).
 
 Blocks: GQA and MLA attention, DSA's indexer (its rows and lists in plan buffers; in exact
 mode the last module's picked rows carry their indexer queries and weights, ``RowPick.ex``),
