@@ -833,7 +833,8 @@ class StepRunner:
     ``capture``: record each plan into a CUDA graph after its first (eager) run and
     replay it afterwards (cuda backend only; elsewhere the plan runs eagerly, as the
     tests use it). At most ``max_plans`` shapes are kept (least recently used out).
-    ``counts``: how many steps ran eagerly, were captured, were replayed.
+    ``counts``: how many steps ran eagerly, were captured, were replayed (``early_stop``: how
+    many of them applied a ``min_confidence`` after the step).
     """
 
     def __init__(self, prop: Any, capture: bool = True, max_plans: int = 8):
@@ -1005,7 +1006,10 @@ class StepRunner:
         plan.upload()
         self.run_plan(plan)
         ids, confs = plan.read_ids()                                # [k, B] each
-        keep = [k] * B if min_confidence is None else self.stop_lengths(confs, min_confidence)
+        keep = [k] * B
+        if min_confidence is not None:
+            keep = self.stop_lengths(confs, min_confidence)
+            self.counts["early_stop"] += 1
         # a row past a sequence's stop is one the eager early stop never computes: no error there
         bad = [(int(m), int(i)) for m, i in np.argwhere(ids < 0) if m < keep[i]]
         if bad:

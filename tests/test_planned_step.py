@@ -228,6 +228,7 @@ def early_stop_run(eager, planned, cfg, B: int, seed: int = 3, masks: str | None
     rounds = [(3, [1.0, 0.0, 0.5][r % 3:] + [1.0, 0.0, 0.5][:r % 3], [masks]) for r in range(len(EARLY_STOPS))]
     counts = run_twins(eager, planned, cfg, seed, [9, 14, 6][:B], rounds, conf=True, stops=EARLY_STOPS, seen=seen)
     _planned_only(counts)
+    assert counts.get("early_stop", 0) == len(EARLY_STOPS), counts
     lengths = {n for _, ns in seen for n in ns}
     assert lengths == {1, 2, 3}, seen
     if B > 1:
