@@ -1009,7 +1009,6 @@ class StepRunner:
         keep = [k] * B
         if min_confidence is not None:
             keep = self.stop_lengths(confs, min_confidence)
-            self.counts["early_stop"] += 1
         # a row past a sequence's stop is one the eager early stop never computes: no error there
         bad = [(int(m), int(i)) for m, i in np.argwhere(ids < 0) if m < keep[i]]
         if bad:
@@ -1019,7 +1018,7 @@ class StepRunner:
         drafts = [ids[:n, i].tolist() for i, n in enumerate(keep)]
 
         if exact:
-            for st, i in zip(sts, range(B)):
+            for i, st in enumerate(sts):
                 st._tail.extend(ids[:, i].tolist())         # every draft: the rows below were built on them
             for m in range(M - 1):                  # module M-1's outputs feed no module
                 c = rows[m]
@@ -1037,5 +1036,6 @@ class StepRunner:
                 st._tail_start = p + 1
             self._early_stop(sts, poss, k, keep)
         if min_confidence is not None:            # ragged: the proposer pads the device drafts with -1
+            self.counts["early_stop"] += 1
             return drafts, None, [confs[:n, i].tolist() for i, n in enumerate(keep)]
         return drafts, plan.ids.T.copy(), confs
