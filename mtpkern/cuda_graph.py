@@ -34,7 +34,9 @@ table per call. Per call, ``StepRunner.propose``:
 4. one D2H copy of the drafts (two with their confidences); a -1 (a grammar row that allows no token)
    raises ``NoAllowedToken`` and the proposer's ``txn.guarded`` rolls back;
 5. host bookkeeping after: drafts into the token tails, the chained outputs
-   copied out of the persistent buffers into the exact-mode windows.
+   copied out of the persistent buffers into the exact-mode windows; with
+   ``min_confidence`` the early stop is applied here (``StepRunner._early_stop``: the
+   drafts past each stop and the rows the eager early stop would not write are dropped).
 
 Blocks: GQA and MLA attention, DSA's indexer (its rows and lists in plan buffers; in exact
 mode the last module's picked rows carry their indexer queries and weights, ``RowPick.ex``),
@@ -72,6 +74,7 @@ import numpy as np
 
 from .config import EMBED_MASK_POSITION
 from .errors import NoAllowedToken, no_token_reason, no_token_where
+from .exact import exact_rows
 from .head import ForwardBuffers, RowIndex, RowJob, RowPick
 
 _log = logging.getLogger("mtpkern")
@@ -830,7 +833,8 @@ class StepRunner:
     ``capture``: record each plan into a CUDA graph after its first (eager) run and
     replay it afterwards (cuda backend only; elsewhere the plan runs eagerly, as the
     tests use it). At most ``max_plans`` shapes are kept (least recently used out).
-    ``counts``: how many steps ran eagerly, were captured, were replayed.
+    ``counts``: how many steps ran eagerly, were captured, were replayed (``early_stop``: how
+    many of them applied a ``min_confidence`` after the step).
     """
 
     def __init__(self, prop: Any, capture: bool = True, max_plans: int = 8):
@@ -910,15 +914,48 @@ class StepRunner:
                              "running it eagerly", plan.shape, type(e).__name__, e)
 
     def propose(self, sts: list, toks: list[int], poss: list[int], hid: Any, k: int,
-                masks: list, want_conf: bool = False) -> tuple[list[list[int]], Any, np.ndarray | None]:
+                masks: list, want_conf: bool = False,
+                min_confidence: float | None = None) -> tuple[list[list[int]], Any, Any]:
         """The planned ``_propose_exact`` / ``_propose_draft``: same state changes, same drafts;
         also returns the drafts as a device array, and with ``want_conf`` their [k, B]
         confidences. The plans' buffers are shared, so one planned step runs at a time
-        (calls from other threads wait for it)."""
-        with self._lock:
-            return self._propose(sts, toks, poss, hid, k, masks, want_conf)
+        (calls from other threads wait for it).
 
-    def _propose(self, sts, toks, poss, hid, k, masks, want_conf=False):
+        ``min_confidence`` (early stop): the step runs every module with confidences, then
+        each sequence keeps its drafts up to and including the first below the threshold, and
+        the rows the eager early stop would not have written are dropped (``_early_stop``);
+        returns (drafts, None, per sequence its drafts' confidences)."""
+        with self._lock:
+            return self._propose(sts, toks, poss, hid, k, masks, want_conf or min_confidence is not None,
+                                 min_confidence)
+
+    @staticmethod
+    def stop_lengths(confs: np.ndarray, min_confidence: float) -> list[int]:
+        """Per sequence, the drafts an early stop keeps from ``confs`` [k, B]: up to and
+        including the first whose confidence is below ``min_confidence`` (the eager test)."""
+        k = confs.shape[0]
+        below = confs < np.float32(min_confidence)
+        return [int(np.argmax(below[:, i])) + 1 if below[:, i].any() else k for i in range(confs.shape[1])]
+
+    def _early_stop(self, sts: list, poss: list[int], k: int, keep: list[int]) -> None:
+        """Drop what the step wrote past each sequence's stop, so the state is the eager early
+        stop's. Draft mode: module ``m``'s row for ``m >= keep`` (the eager path runs module ``m``
+        only for the sequences still drafting). Exact mode: the drafts past the stop leave the
+        token tail and every module goes back to its exact rows over the shorter tail (at most
+        ``m`` rows of module ``m``: within ``trim_margin``); the windows are trimmed after."""
+        prop = self.prop
+        for st, p, n in zip(sts, poss, keep):
+            if n == k:
+                continue
+            if prop.kv_mode == "exact":
+                del st._tail[p + 1 + n - st._tail_start:]
+                for m, mod in enumerate(prop.modules):
+                    mod.pool.trim(st._kv[m], st._kv[m].rows - exact_rows(st, m), st)
+            else:
+                for m in range(n, k):
+                    prop.modules[m].pool.trim(st._kv[m], 1, st)
+
+    def _propose(self, sts, toks, poss, hid, k, masks, want_conf=False, min_confidence=None):
         prop = self.prop
         be, cfg = prop.backend, prop.config
         M, B, H = prop.num_modules, len(sts), cfg.stream_size      # the hiddens: hc_mult streams each
@@ -969,21 +1006,26 @@ class StepRunner:
         plan.upload()
         self.run_plan(plan)
         ids, confs = plan.read_ids()                                # [k, B] each
-        bad = np.argwhere(ids < 0)
-        if bad.size:
-            m, i = (int(v) for v in bad[0])
+        keep = [k] * B
+        if min_confidence is not None:
+            keep = self.stop_lengths(confs, min_confidence)
+        # a row past a sequence's stop is one the eager early stop never computes: no error there
+        bad = [(int(m), int(i)) for m, i in np.argwhere(ids < 0) if m < keep[i]]
+        if bad:
+            m, i = bad[0]
             raise NoAllowedToken(f"{no_token_where(i, B, m)}: "
                                  f"{no_token_reason(masks[i] is not None, cfg.vocab_size)}", row=i, draft=m)
-        drafts = ids.T.tolist()
+        drafts = [ids[:n, i].tolist() for i, n in enumerate(keep)]
 
         if exact:
-            for st, d in zip(sts, drafts):
-                st._tail.extend(d)
+            for i, st in enumerate(sts):
+                st._tail.extend(ids[:, i].tolist())         # every draft: the rows below were built on them
             for m in range(M - 1):                  # module M-1's outputs feed no module
                 c = rows[m]
                 new = plan.chain(m).copy()          # out of the persistent buffer: the next step reuses it
                 for i, (st, p) in enumerate(zip(sts, poss)):
                     prop.exact.append_window(st, m, p - 1 - m, new[i * c:(i + 1) * c])
+            self._early_stop(sts, poss, k, keep)
             for st in sts:
                 prop.exact.trim_windows(st)
                 prop.exact.trim_tail(st)
@@ -992,4 +1034,8 @@ class StepRunner:
                 st._num_hiddens = p
                 st._num_verified = p + 1
                 st._tail_start = p + 1
+            self._early_stop(sts, poss, k, keep)
+        if min_confidence is not None:            # ragged: the proposer pads the device drafts with -1
+            self.counts["early_stop"] += 1
+            return drafts, None, [confs[:n, i].tolist() for i, n in enumerate(keep)]
         return drafts, plan.ids.T.copy(), confs

@@ -834,11 +834,11 @@ class MultiModuleMtpHead(DraftProposer):
             planned = False
             runner = self.step_runner
             # The planned step takes only masks that do not depend on the drafts (callables may),
-            # and runs every module for every sequence (an early stop decides per module, on the host).
+            # and runs every module for every sequence: an early stop is applied after it, on the
+            # host (the drafts past each stop dropped, with the rows the eager path would not write).
             static = grammar_bitmasks is None or not any(callable(gm) for gm in grammar_bitmasks)
             eager_only = sampling is not None or out_prob is not None or out_dist is not None
-            if runner is not None and static and min_confidence is None and not eager_only \
-                    and runner.applies(sts, poss, k):
+            if runner is not None and static and not eager_only and runner.applies(sts, poss, k):
                 planned = True
             rows = [[self.mode.propose_rows(st, m, p, k) for st, p in zip(sts, poss)] for m in range(self.num_modules)]
             want_conf = out_conf is not None or min_confidence is not None
@@ -868,8 +868,8 @@ class MultiModuleMtpHead(DraftProposer):
                 return drafts, device
 
             if planned:
-                drafts, device = guarded(self.pools, sts, rows,
-                                         lambda: outputs(runner.propose(sts, toks, poss, hid, k, masks, want_conf)))
+                drafts, device = guarded(self.pools, sts, rows, lambda: outputs(runner.propose(
+                    sts, toks, poss, hid, k, masks, want_conf, min_confidence)))
             else:
                 drafts, device = guarded(self.pools, sts, rows, ag.body(lambda: outputs(self._propose_eager(
                     sts, toks, poss, hid, k, masks, want_conf, min_confidence,

@@ -27,9 +27,10 @@ def script(seed: int, length: int = 8) -> list[tuple[str, int]]:
     return [(OPS[int(rng.integers(0, len(OPS)))], int(rng.integers(0, 2**31 - 1))) for _ in range(length)]
 
 
-def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
+def run_script(prop, steps: list[tuple[str, int]], conf: bool = False, stop: bool = False) -> list:
     """Drive ``prop`` through ``steps`` ([(op, seed)]); the log of every call (module doc).
-    The script's random draws depend on the seeds only, so every rank draws the same."""
+    The script's random draws depend on the seeds only, so every rank draws the same.
+    ``stop``: every chain propose has an early stop (a ``min_confidence`` drawn in 0.2 .. 0.7)."""
     cfg = prop.config
     H, V, W = cfg.stream_size, cfg.vocab_size, cfg.bitmask_words
     seqs: list[list] = []                      # [state, position, next hidden, verified tokens]
@@ -124,8 +125,10 @@ def run_script(prop, steps: list[tuple[str, int]], conf: bool = False) -> list:
             masks[int(rng.integers(0, len(seqs)))] = np.zeros(W, np.int32)
         pos = [s[1] for s in seqs]
         out_conf = [[] for _ in seqs] if conf else None
+        thr = float(rng.uniform(0.2, 0.7)) if stop else None
         try:
-            drafts = prop.propose_batch(toks, hs_, pos, k, [s[0] for s in seqs], masks, out_conf=out_conf)
+            drafts = prop.propose_batch(toks, hs_, pos, k, [s[0] for s in seqs], masks, out_conf=out_conf,
+                                        min_confidence=thr)
         except NoAllowedToken as e:
             assert op == "refused", e
             log.append(("refused", type(e).__name__, e.row, e.draft))

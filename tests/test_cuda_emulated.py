@@ -42,6 +42,7 @@ import test_family_step3p5 as step3p5
 import test_gpu
 import test_ops_backends
 import test_ops_mla
+import test_planned_step
 import test_v4_attention
 from cuda_emu import emu_backend
 from test_cuda_graph_fake import FakeRuntime
@@ -2495,6 +2496,25 @@ def test_random_call_sequences_match_reference(fake_runtime, tiny_ckpt, tiny_cfg
     ref, fast = _PARITY[key]
     assert fast.step_runner is not None
     test_backend_parity.run_script(ref, fast, tiny_cfg, script)
+
+
+@pytest.mark.parametrize("mode", ["draft", "exact"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_planned_early_stop_on_the_kernels(fake_runtime, tiny_ckpt, tiny_cfg, mode, B):
+    """A propose with min_confidence through the emulated kernels: the planned step captured once
+    per shape and replayed after, the stop applied after the graph; against the same kernels run
+    eagerly with the early stop (the modules past a stop not run): drafts, confidences, KV rows,
+    windows and counters, after verifies too; stops after 1, 2 and 3 drafts, apart per sequence."""
+    from mtpkern import MultiModuleMtpHead
+
+    kw = dict(kv_mode=mode, chain="prenorm", block_size=4, num_blocks=160, prefill_chunk=6)
+    be = emu_backend.backend("float32")
+    eager = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=be, cuda_graphs=False, **kw)
+    graph = MultiModuleMtpHead.from_pretrained(tiny_ckpt, backend=be, **kw)
+    assert eager.step_runner is None and graph.step_runner is not None
+    test_planned_step.early_stop_run(eager, graph, tiny_cfg, B)
+    counts = graph.step_runner.counts
+    assert counts["captured"] == counts["plans"] > 0 and counts["replayed"] > counts["captured"], dict(counts)
 
 
 @pytest.mark.parametrize("n,V", [(1, 7), (3, 65), (5, 301)])

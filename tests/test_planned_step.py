@@ -47,17 +47,20 @@ def _fingerprint(prop, st):
             win)
 
 
-def _same_state(p0, s0, p1, s1):
+def _same_state(p0, s0, p1, s1, tol: float = 0.0):
+    """``tol``: 0 bit for bit; else the windows and KV rows within that (relative and absolute)."""
     f0, f1 = _fingerprint(p0, s0), _fingerprint(p1, s1)
     assert f0[:-1] == f1[:-1]
+    same = np.array_equal if not tol else lambda a, b: np.allclose(a, b, rtol=tol, atol=tol)
     for m, (w0, w1) in enumerate(zip(f0[-1], f1[-1])):
         assert (w0 is None) == (w1 is None), f"module {m}: window present in one path only"
         if w0 is not None:
-            assert np.array_equal(w0, w1), f"module {m}: windows differ"
+            assert w0.shape == w1.shape and same(w0, w1), f"module {m}: windows differ"
     for m in range(p0.num_modules):
         k0, v0 = kv_rows(p0, s0, m)
         k1, v1 = kv_rows(p1, s1, m)
-        assert np.array_equal(k0, k1) and np.array_equal(v0, v1), f"module {m}: KV rows differ"
+        assert k0.shape == k1.shape and v0.shape == v1.shape, f"module {m}: KV rows differ in number"
+        assert same(k0, k1) and same(v0, v1), f"module {m}: KV rows differ"
 
 
 def _random_mask(rng, V, kind, k):
@@ -74,10 +77,48 @@ def _random_mask(rng, V, kind, k):
     return lambda i, drafts: rows[i]          # callable: the planned path must not take it
 
 
-def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False, plannable: bool = True):
+def _threshold(prop, states, last, hid, pos, k, masks, q: float | tuple[int, int]) -> float:
+    """A ``min_confidence`` that splits the confidences the next propose will see: forks of
+    ``states`` propose without a stop, and of their distinct confidences (with 0 and 1 as the
+    ends) the cuts are the midpoints. ``q`` a float: the cut at that quantile (1 stops every
+    sequence after its first draft, 0 none); ``(i, n)``: a cut that stops sequence ``i``
+    after ``n`` drafts where one does (else the median cut)."""
+    forks = [prop.fork_state(s) for s in states]
+    confs: list = []
+    try:
+        prop.propose_batch(last, hid, pos, k, forks, grammar_bitmasks=masks, out_conf=confs)
+    except NoAllowedToken:
+        return 0.5
+    finally:
+        for f in forks:
+            prop.free_state(f)
+    vals = sorted({0.0, 1.0} | {c for row in confs for c in row})
+    cuts = [0.0] + [(a + b) / 2 for a, b in zip(vals, vals[1:])] + [1.0]
+    if isinstance(q, tuple):
+        i, n = q
+        c = np.asarray(confs[i % len(confs)], np.float32)
+        for t in cuts:
+            below = np.flatnonzero(c < np.float32(t))
+            if (below[0] + 1 if below.size else c.size) == n:
+                return t
+        q = 0.5
+    return cuts[int(round(q * (len(cuts) - 1)))]
+
+
+#: the early stop's tolerance at batches over 1 (see run_twins)
+ES_TOL = 1e-5
+
+
+def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False, plannable: bool = True,
+              stops: list | None = None, seen: set | None = None):
     """Drive both proposers through the same calls; compare after every one. ``conf``: every
     propose also asks for the drafts' confidences (out_conf), compared too. ``plannable``:
-    in draft mode, every propose without a callable mask must take the planned step."""
+    in draft mode, every propose without a callable mask must take the planned step.
+    ``stops``: per round (cycled), None or a quantile for ``_threshold``: that propose has an
+    early stop (``min_confidence``); ``seen`` collects (k, the drafts of each sequence) of them.
+    With early stops at a batch over 1, the confidences, windows and KV rows are compared within
+    ``ES_TOL``: the eager path runs a module past a stop on the sequences still drafting only,
+    the planned step on all of them, and BLAS rounds a product of 2 rows and of 3 apart."""
     rng = np.random.default_rng(seed)
     H, V, B = cfg.stream_size, cfg.vocab_size, len(lens)
     exact = eager.kv_mode == "exact"
@@ -94,27 +135,36 @@ def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False, plann
     before = dict(planned.step_runner.counts)
     planned_calls = 0
     try:
-        for k, fracs, kinds in rounds:
+        for r, (k, fracs, kinds) in enumerate(rounds):
             last = rng.integers(0, V, B).tolist()
             masks = [_random_mask(rng, V, kinds[i % len(kinds)], min(k, cfg.num_modules)) for i in range(B)]
             masks_arg = None if all(m is None for m in masks) else masks
+            q = None if not stops else stops[r % len(stops)]
+            thr = None if q is None else _threshold(eager, s0, last, np.stack(pending), pos, k, masks_arg, q)
             runs = sum(planned.step_runner.counts[c] for c in ("executed", "replayed"))
             outs = []
             confs: list = [[] if conf else None, [] if conf else None]
             for (p, ss), conf in zip(((eager, s0), (planned, s1)), confs):
                 try:
                     outs.append(p.propose_batch(last, np.stack(pending), pos, k, ss, grammar_bitmasks=masks_arg,
-                                                out_conf=conf))
+                                                out_conf=conf, min_confidence=thr))
                 except NoAllowedToken:
                     outs.append(NoAllowedToken)
             assert outs[0] == outs[1]
-            assert confs[0] == confs[1], "the planned step's confidences differ from the eager path's"
+            tol = ES_TOL if stops and B > 1 else 0.0
+            if seen is not None and thr is not None and outs[0] is not NoAllowedToken:
+                seen.add((min(k, cfg.num_modules), tuple(len(d) for d in outs[0])))
+            if tol and outs[0] is not NoAllowedToken and confs[0] is not None:
+                assert [len(c) for c in confs[0]] == [len(c) for c in confs[1]]
+                assert all(np.allclose(a, b, rtol=tol, atol=tol) for a, b in zip(*confs)), confs
+            else:
+                assert confs[0] == confs[1], "the planned step's confidences differ from the eager path's"
             took_plan = sum(planned.step_runner.counts[c] for c in ("executed", "replayed")) > runs
             planned_calls += took_plan
             if took_plan:
                 assert not any(callable(m) for m in masks)
             for a, b in zip(s0, s1):
-                _same_state(eager, a, planned, b)
+                _same_state(eager, a, planned, b, tol)
             if outs[0] is NoAllowedToken:
                 continue
             assert np.array_equal(np.asarray(eager.last_drafts_device), np.asarray(planned.last_drafts_device))
@@ -129,7 +179,7 @@ def run_twins(eager, planned, cfg, seed, lens, rounds, conf: bool = False, plann
                 pending[i] = rng.standard_normal(H).astype(np.float32)
                 pos[i] += 1 + a
             for a, b in zip(s0, s1):
-                _same_state(eager, a, planned, b)
+                _same_state(eager, a, planned, b, tol)
             planned.check_invariants()
         if not exact and plannable:         # draft mode: every propose without a callable is planned
             static = sum(1 for _, _, kinds in rounds if "callable" not in kinds[:B])
@@ -159,6 +209,67 @@ scenario = dict(
 def test_planned_step_equals_eager(tiny_ckpt, tiny_cfg, mode, chain, seed, lens, rounds):
     eager, planned = _pair(tiny_ckpt, mode, chain)
     run_twins(eager, planned, tiny_cfg, seed, lens, rounds)
+
+
+#: k = 3 proposes whose thresholds cut the confidences at these quantiles (every sequence stopped
+#: after its first draft at 1.0, none at 0.0) or stop sequence i after n drafts ((i, n))
+#: (stopping after 2 needs a second confidence below the first, which this checkpoint rarely gives:
+#: hence the many tries)
+EARLY_STOPS = [1.0, (0, 2), 0.5, (1, 1), (2, 2), 0.0, (0, 3), (1, 2), 0.25, (2, 2), (0, 2), 0.75, (1, 2), (2, 1),
+               (0, 2), (1, 3), (2, 2), (0, 2)]
+
+
+def early_stop_run(eager, planned, cfg, B: int, seed: int = 3, masks: str | None = None) -> set:
+    """Eight k = 3 rounds with early stops (``EARLY_STOPS``), after each a verify of a varied
+    share of the drafts and their catch-up, the two proposers compared call for call; returns
+    the stops seen and checks they cover 1, 2 and 3 drafts (and at batch 3 sequences stopping
+    apart), every propose planned."""
+    seen: set = set()
+    rounds = [(3, [1.0, 0.0, 0.5][r % 3:] + [1.0, 0.0, 0.5][:r % 3], [masks]) for r in range(len(EARLY_STOPS))]
+    counts = run_twins(eager, planned, cfg, seed, [9, 14, 6][:B], rounds, conf=True, stops=EARLY_STOPS, seen=seen)
+    _planned_only(counts)
+    assert counts.get("early_stop", 0) == len(EARLY_STOPS), counts
+    lengths = {n for _, ns in seen for n in ns}
+    assert lengths == {1, 2, 3}, seen
+    if B > 1:
+        assert any(len(set(ns)) > 1 for _, ns in seen), seen
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_planned_early_stop_equals_eager(tiny_ckpt, tiny_cfg, mode, B):
+    """A propose with min_confidence takes the planned step (every module runs, the stop is
+    applied after it): the eager early stop's drafts, confidences, KV rows of every module,
+    windows and counters, and the same states after verifies of 0 .. all the drafts."""
+    eager, planned = _pair(tiny_ckpt, mode, "prenorm")
+    early_stop_run(eager, planned, tiny_cfg, B)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_planned_early_stop_with_masks(tiny_ckpt, tiny_cfg, mode):
+    """Static grammar rows with an early stop: the rows past a stop are masked too (and a
+    sequence whose grammar allows nothing raises, the state unchanged, in both paths)."""
+    eager, planned = _pair(tiny_ckpt, mode, "postnorm")
+    early_stop_run(eager, planned, tiny_cfg, 3, seed=8, masks="rows")
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+def test_planned_early_stop_without_the_trim_differs(tiny_ckpt, tiny_cfg, mode, monkeypatch):
+    """Negative control: with the rows past each stop left in place, the state comparison fails."""
+    eager, planned = _pair(tiny_ckpt, mode, "prenorm")
+    monkeypatch.setattr(StepRunner, "_early_stop", lambda self, sts, poss, k, keep: None)
+    with pytest.raises(AssertionError):
+        early_stop_run(eager, planned, tiny_cfg, 3)
+
+
+@pytest.mark.parametrize("mode", ["exact", "draft"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(**scenario, stops=hs.lists(hs.one_of(hs.none(), hs.floats(0, 1)), min_size=1, max_size=4))
+def test_planned_early_stop_random(tiny_ckpt, tiny_cfg, mode, seed, lens, rounds, stops):
+    """Random call sequences (any k, masks, verifies) with early stops drawn per round."""
+    eager, planned = _pair(tiny_ckpt, mode, "prenorm")
+    run_twins(eager, planned, tiny_cfg, seed, lens, rounds, conf=True, stops=stops)
 
 
 @pytest.mark.parametrize("mode", ["exact", "draft"])

@@ -40,30 +40,32 @@ def whole_weights(ckpt):
     return cfg, be, load_weights(ckpt, cfg, be)
 
 
-def single_log(ckpt, kv_mode, steps, conf):
+def single_log(ckpt, kv_mode, steps, conf, stop: bool = False):
     key = (str(ckpt), kv_mode)
     if key not in _SINGLE:
         _SINGLE[key] = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=kv_mode, **KW)
-    return shard_cases.run_script(_SINGLE[key], steps, conf)
+    return shard_cases.run_script(_SINGLE[key], steps, conf, stop)
 
 
-def check_planned_world(ckpt, kv_mode, on_rank=None, seed: int = 31, length: int = 10, size: int = 2) -> None:
+def check_planned_world(ckpt, kv_mode, on_rank=None, seed: int = 31, length: int = 10, size: int = 2,
+                        stop: bool = False) -> None:
     """The planned step (run eagerly on NumPy, ``capture=False``) over a head sharded on ``size`` ranks
     takes the planned step and gives, call for call, the single rank's log of
     ``shard_cases.script(seed, length)``. ``on_rank(prop, comm)``: checks of a rank's head
-    before it runs."""
+    before it runs. ``stop``: the proposes stop early (``run_script``), the single rank eagerly."""
     from mtpkern.cuda_graph import StepRunner
 
     steps = shard_cases.script(seed, length=length)
-    want = single_log(ckpt, kv_mode, steps, True)
+    want = single_log(ckpt, kv_mode, steps, True, stop)
 
     def rank(comm):
         prop = MultiModuleMtpHead.from_pretrained(ckpt, backend="numpy", kv_mode=kv_mode, comm=comm, **KW)
         if on_rank is not None:
             on_rank(prop, comm)
         prop.step_runner = StepRunner(prop, capture=False)
-        log = shard_cases.run_script(prop, steps, True)
+        log = shard_cases.run_script(prop, steps, True, stop)
         assert prop.step_runner.counts["executed"] > 0, prop.step_runner.counts
+        assert not stop or prop.step_runner.counts["early_stop"] > 0, prop.step_runner.counts
         return prop, log
 
     for prop, log in ThreadWorld(size).run(rank):
@@ -194,6 +196,14 @@ def test_sharded_fp8_refuses_a_cut_scale_block(tmp_path):
     ckpt = write_synthetic_checkpoint(tmp_path / "fp8", cfg, seed=4)
     with pytest.raises(CheckpointError, match=r"self_attn\.[qk]_proj\.weight'.*scale blocks of 32"):
         load_weights(ckpt, cfg, get_backend("numpy"), shard=Shard(1, 4))
+
+
+@pytest.mark.parametrize("kv_mode", ["exact", "draft"])
+def test_sharded_planned_early_stop_matches_one_rank(tiny_ckpt, kv_mode):
+    """Proposes with min_confidence take the planned step on every rank of a sharded head (the
+    confidences all-gathered, so every rank stops each sequence at the same draft and trims the
+    same rows): the single rank's eager early stop, call for call."""
+    check_planned_world(tiny_ckpt, kv_mode, length=12, stop=True)
 
 
 @pytest.mark.parametrize("kv_mode", ["exact", "draft"])

@@ -223,6 +223,7 @@ def test_proposer_state_machine(kv_mode, backend, ckpt, request):
         for prop in made:
             ran.update(prop.step_runner.counts)
         assert ran["executed"] > 0 and ran["tree_executed"] > 0 and ran["tree_fallback_mask"] > 0, dict(ran)
+        assert ran["early_stop"] > 0, dict(ran)      # proposes with min_confidence took the planned step
         print(f"planned: {dict(ran)}")
     if ckpt == "window_ckpt":       # the pools really took blocks back (beyond what trims freed)
         assert sum(p.window_released for prop in made for p in prop.pools) > 100
