@@ -32,8 +32,9 @@ cost of one target forward per branch taken instead of one in all.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -121,6 +122,23 @@ def _check_pair(target: Any, proposer: Any) -> None:
                          f"(the target's), got {pc.vocab_size} and {pc.stream_size}")
 
 
+@contextmanager
+def _started(target: Any, proposer: Any, toks: list[int]) -> Iterator[tuple[Any, Any, Any]]:
+    """A target sequence and a proposer state, both prefilled with ``toks``: (seq, state, the
+    target's prefill output); both freed on leaving, whatever happens."""
+    seq = target.alloc_seq()
+    st = None
+    try:
+        st = proposer.alloc_state()
+        first = target.prefill(seq, toks)
+        proposer.prefill_drafter(toks, first.hiddens, st)
+        yield seq, st, first
+    finally:
+        if st is not None:
+            proposer.free_state(st)
+        target.free_seq(seq)
+
+
 def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, num_drafts: Any,
                          min_confidence: float | None = None, catchup: bool = True) -> Generation:
     """``max_new`` tokens after ``prompt`` by the loop of the module docstring, ``num_drafts``
@@ -142,12 +160,7 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
     policy = num_drafts if callable(num_drafts) else None
     k = None if policy else check_int("num_drafts", num_drafts, 1, 2 ** 31 - 1)
     _check_pair(target, proposer)
-    seq = target.alloc_seq()
-    st = None
-    try:
-        st = proposer.alloc_state()
-        first = target.prefill(seq, toks)
-        proposer.prefill_drafter(toks, first.hiddens, st)
+    with _started(target, proposer, toks) as (seq, st, first):
         out, dec = [first.next_token], Decisions()
         P, t, h = len(toks), first.next_token, first.hiddens[-1]
         while len(out) < max_new:
@@ -171,10 +184,6 @@ def speculative_generate(target: Any, proposer: Any, prompt: Any, max_new: int, 
             out.extend(drafts[:a] + [v.bonus])
             P, t, h = P + a + 1, v.bonus, v.hiddens[a]
         return Generation(out[:max_new], dec)
-    finally:
-        if st is not None:
-            proposer.free_state(st)
-        target.free_seq(seq)
 
 
 @dataclass(slots=True)
@@ -226,12 +235,7 @@ def tree_generate(target: Any, proposer: Any, prompt: Any, max_new: int, widths:
     cfg = target.config
     toks, max_new = _check(prompt, max_new, cfg.vocab_size)
     _check_pair(target, proposer)
-    seq = target.alloc_seq()
-    st = None
-    try:
-        st = proposer.alloc_state()
-        first = target.prefill(seq, toks)
-        proposer.prefill_drafter(toks, first.hiddens, st)
+    with _started(target, proposer, toks) as (seq, st, first):
         out, dec = [first.next_token], Decisions()
         P, t, h = len(toks), first.next_token, first.hiddens[-1]
         while len(out) < max_new:
@@ -246,10 +250,6 @@ def tree_generate(target: Any, proposer: Any, prompt: Any, max_new: int, widths:
             out.extend(accepted + [v.bonus])
             P, t, h = P + a + 1, v.bonus, v.hiddens[a]
         return Generation(out[:max_new], dec)
-    finally:
-        if st is not None:
-            proposer.free_state(st)
-        target.free_seq(seq)
 
 
 def speculative_generate_batch(target: Any, proposer: Any, prompts: Any, max_new: int,

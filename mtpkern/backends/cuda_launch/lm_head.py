@@ -213,17 +213,21 @@ def lm_head_sample_fused(x, w, bitmask=None, *, keys, temperature, id_map=None, 
     return _sample_fused(x, w, bitmask, keys, T, id_map, check)
 
 
+def _fused_operands(x, w, bitmask, id_map) -> tuple:
+    """A fused draw's device operands (x, w, bitmask, id_map) and its outputs ids [n] int32,
+    probs [n] FP32."""
+    n = x.shape[0]
+    return (device(x, "x", "float32"), device_weight(w, "w"), optional(bitmask, "bitmask", "int32"),
+            optional(id_map, "id_map", "int32"), output(None, "ids", (n,), np.int32),
+            output(None, "probs", (n,), np.float32))
+
+
 def _sample_fused(x, w, bitmask, keys: np.ndarray, T: np.ndarray, id_map, check: bool):
     """``lm_head_sample_fused`` after its checks (keys [n] uint64, T [n] FP64 host arrays)."""
-    n, H = x.shape
-    V = w.shape[0]
-    x, w = device(x, "x", "float32"), device_weight(w, "w")
-    ids = output(None, "ids", (n,), np.int32)
-    probs = output(None, "probs", (n,), np.float32)
+    x, w, bitmask, id_map, ids, probs = _fused_operands(x, w, bitmask, id_map)
+    (n, H), V = x.shape, w.shape[0]
     if n == 0:
         return ids, probs
-    bitmask = optional(bitmask, "bitmask", "int32")
-    id_map = optional(id_map, "id_map", "int32")
     sms = sm_count()
     P = num_partials(V, sms)
     part_d = output(None, "part_d", (4, n, P), np.float64)
@@ -245,15 +249,10 @@ def _sample_fused_topk(x, w, bitmask, keys: np.ndarray, T: np.ndarray, K: np.nda
     ``lm_head_topk_partial_kernel`` (the argmax's persistent GEMV, each block keeping a row's best
     ``k = max top_k`` candidates) into ``part_v`` / ``part_i [n, P, k]``, then
     ``topk_sample_final_kernel`` (a row's top_k of those, top_p and the draw in rank order)."""
-    n, H = x.shape
-    V = w.shape[0]
-    x, w = device(x, "x", "float32"), device_weight(w, "w")
-    ids = output(None, "ids", (n,), np.int32)
-    probs = output(None, "probs", (n,), np.float32)
+    x, w, bitmask, id_map, ids, probs = _fused_operands(x, w, bitmask, id_map)
+    (n, H), V = x.shape, w.shape[0]
     if n == 0:
         return ids, probs
-    bitmask = optional(bitmask, "bitmask", "int32")
-    id_map = optional(id_map, "id_map", "int32")
     k = int(K.max())
     sms = sm_count()
     cols = num_partials(V, sms)
