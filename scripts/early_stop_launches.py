@@ -23,10 +23,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]     # run from a checkout; the e
 
 import numpy as np  # noqa: E402
 
-from cuda_emu import emu_backend  # noqa: E402
-from test_cuda_graph_fake import FakeRuntime  # noqa: E402
+from tree_launches import counting_emulator  # noqa: E402
 
-from mtpkern import MultiModuleMtpHead, cuda_graph, write_synthetic_checkpoint  # noqa: E402
+from mtpkern import MultiModuleMtpHead, write_synthetic_checkpoint  # noqa: E402
 from mtpkern.config import tiny_config  # noqa: E402
 
 
@@ -34,22 +33,7 @@ def main(modes: list[str]) -> None:
     cfg = tiny_config()
     H, V = cfg.hidden_size, cfg.vocab_size
     ckpt = write_synthetic_checkpoint(Path(tempfile.mkdtemp()), cfg, seed=7)
-    lib = emu_backend.build(asan=False, contract=emu_backend.contract_requested())
-    with emu_backend.Emulator(lib).installed() as emu:
-        rt = FakeRuntime()
-        cuda_graph._cupy = lambda: rt.cupy            # graphs through the fake runtime
-        emu.capture = lambda: rt.recording
-        be = emu_backend.backend()
-        xfer = {"h2d": 0, "d2h": 0}
-        from_host, to_host = be.from_host, be.to_host
-
-        def counted(f, kind):
-            def call(*a, **kw):
-                xfer[kind] += 1
-                return f(*a, **kw)
-            return call
-
-        be.from_host, be.to_host = counted(from_host, "h2d"), counted(to_host, "d2h")
+    with counting_emulator() as (emu, rt, be, xfer):
         for mode in modes:
             make = lambda **kw: MultiModuleMtpHead.from_pretrained(  # noqa: E731
                 ckpt, backend=be, kv_mode=mode, block_size=16, num_blocks=64, **kw)

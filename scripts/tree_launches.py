@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +33,10 @@ from mtpkern.config import tiny_config  # noqa: E402
 WIDTHS = [(1, 1, 1), (2, 1, 1), (4, 2, 1), (4, 2, 1)]
 
 
-def main(modes: list[str]) -> None:
-    cfg = tiny_config()
-    H, V = cfg.hidden_size, cfg.vocab_size
-    ckpt = write_synthetic_checkpoint(Path(tempfile.mkdtemp()), cfg, seed=7)
+@contextmanager
+def counting_emulator():
+    """The emulated kernels with CUDA graphs through the fake runtime, and the backend's
+    ``from_host`` / ``to_host`` calls counted: yields (emulator, fake runtime, backend, counts)."""
     lib = emu_backend.build(asan=False, contract=emu_backend.contract_requested())
     with emu_backend.Emulator(lib).installed() as emu:
         rt = FakeRuntime()
@@ -52,6 +53,14 @@ def main(modes: list[str]) -> None:
             return call
 
         be.from_host, be.to_host = counted(from_host, "h2d"), counted(to_host, "d2h")
+        yield emu, rt, be, xfer
+
+
+def main(modes: list[str]) -> None:
+    cfg = tiny_config()
+    H, V = cfg.hidden_size, cfg.vocab_size
+    ckpt = write_synthetic_checkpoint(Path(tempfile.mkdtemp()), cfg, seed=7)
+    with counting_emulator() as (emu, rt, be, xfer):
         for mode in modes:
             for B in (1, 3):
                 make = lambda **kw: MultiModuleMtpHead.from_pretrained(  # noqa: E731
