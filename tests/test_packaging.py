@@ -53,27 +53,29 @@ def test_wheel_contains_the_trained_checkpoint(wheel):
         assert f"mtpkern/checkpoints/stdlib-glm-tiny/{f}" in names, f"{f} missing from the wheel"
 
 
-def test_installed_wheel_finds_its_checkpoint(wheel, tmp_path):
+def _run_installed(wheel, tmp_path, code: str):
+    """The wheel installed under ``tmp_path / "site"`` alone, then ``code`` run there: (the
+    install directory, the finished process)."""
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
                     str(target), str(wheel)], check=True, capture_output=True, text=True)
+    return target, subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target)},
+                                  check=True, capture_output=True, text=True)
+
+
+def test_installed_wheel_finds_its_checkpoint(wheel, tmp_path):
     code = ("from mtpkern import checkpoints as c; p = c.path(c.STDLIB_GLM_TINY); "
             "print(p); print((p / 'model.safetensors').stat().st_size)")
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target)},
-                         check=True, capture_output=True, text=True)
+    target, res = _run_installed(wheel, tmp_path, code)
     where, size = res.stdout.split()
     assert Path(where).resolve().is_relative_to(target.resolve()), f"checkpoint found at {where}, not in the install"
     assert int(size) == (ROOT / "mtpkern" / "checkpoints" / "stdlib-glm-tiny" / "model.safetensors").stat().st_size
 
 
 def test_installed_wheel_finds_its_kernels(wheel, tmp_path):
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
-                    str(target), str(wheel)], check=True, capture_output=True, text=True)
     code = ("import mtpkern.backends.cuda_launch.loader as l; d = l.kernel_dir(); "
             "print(d); print(len(l.source('attention')))")
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target)},
-                         check=True, capture_output=True, text=True)
+    target, res = _run_installed(wheel, tmp_path, code)
     kdir, nchars = res.stdout.split()
     assert Path(kdir).resolve().is_relative_to(target.resolve()), f"kernels found at {kdir}, not in the install"
     assert int(nchars) > 1000
